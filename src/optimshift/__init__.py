@@ -1,0 +1,32 @@
+"""optimshift: the missing ``optimizer.to(device)``.
+
+Moves, offloads, reloads and checks optimizer state across devices. The rule: after any optimshift operation,
+every state entry sits where a freshly built optimizer of the same class and flags, over the same params on
+the target device, would put it after a step, with bitwise-unchanged values and dtypes.
+"""
+
+from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
+from .policy import Policy, register_policy, unregister_policy
+from .report import Finding, PlacementRow, Report
+from .syncs import SyncCount, count_syncs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "move",
+    "offload",
+    "reload",
+    "offloaded",
+    "is_offloaded",
+    "check",
+    "placement",
+    "rebind",
+    "count_syncs",
+    "register_policy",
+    "unregister_policy",
+    "Policy",
+    "Report",
+    "Finding",
+    "PlacementRow",
+    "SyncCount",
+]

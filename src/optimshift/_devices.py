@@ -1,0 +1,86 @@
+"""Turning what users pass as a device into a checked ``torch.device``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Union
+
+import torch
+
+DeviceLike = Union[torch.device, str, int]
+
+
+def _device_module(device_type: str) -> Any:
+    try:
+        return torch.get_device_module(device_type)
+    except Exception:
+        return getattr(torch, device_type, None)
+
+
+def _fake_mode_active(tensors: Iterable[torch.Tensor] = ()) -> bool:
+    """True under ``FakeTensorMode`` or when the optimizer's tensors are fake (no real device is needed)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except Exception:  # pragma: no cover - very old torch
+        return False
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        return True
+    try:
+        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    except Exception:  # pragma: no cover
+        return False
+
+
+def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch.Tensor] = ()) -> torch.device:
+    """A ``torch.device`` with an explicit index for accelerators; ValueError/TypeError if unusable here."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"{what} must be a torch.device, a string such as 'cuda:0' or an int, got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"{what} index must be >= 0, got {device}")
+        acc = _current_accelerator()
+        if acc is None:
+            raise ValueError(f"{what}={device}: an int names an accelerator index, but no accelerator is available")
+        device = torch.device(acc, device)
+    else:
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"{what} {device!r} is not a device PyTorch knows: {e}") from None
+    if device.type in ("cpu", "meta"):
+        return torch.device(device.type)
+    fake = _fake_mode_active(tensors)
+    module = _device_module(device.type)
+    if module is None or not hasattr(module, "device_count"):
+        if fake:
+            return device if device.index is not None else torch.device(device.type, 0)
+        raise ValueError(f"{what} {device} is not available: torch has no '{device.type}' backend in this process")
+    if fake:
+        return device if device.index is not None else torch.device(device.type, 0)
+    available = bool(getattr(module, "is_available", lambda: True)())
+    count = int(module.device_count()) if available else 0
+    if count == 0:
+        raise ValueError(f"{what} {device} is not available: this machine has no {device.type} device")
+    index = device.index
+    if index is None:
+        index = int(module.current_device()) if hasattr(module, "current_device") else 0
+    if index >= count:
+        raise ValueError(
+            f"{what} {device} is not available: this machine has {count} {device.type} device"
+            f"{'s' if count != 1 else ''} (indices 0..{count - 1})"
+        )
+    return torch.device(device.type, index)
+
+
+def _current_accelerator() -> str | None:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "current_accelerator"):
+        try:
+            dev = acc.current_accelerator()
+        except Exception:
+            dev = None
+        if dev is not None:
+            return dev.type
+    if torch.cuda.is_available():
+        return "cuda"
+    return None
+

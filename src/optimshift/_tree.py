@@ -1,0 +1,179 @@
+"""Finding the tensors inside optimizer state, and putting new ones in their place without losing types.
+
+State values may be tensors, Python scalars, strings, ``None``, or containers of them: dicts, lists, tuples,
+namedtuples, ``collections.deque``, sets, dataclasses (frozen ones too) and plain objects holding tensors in
+attributes (a projector object in a third-party optimizer's state). :func:`leaves` lists the tensors with the
+path to each; :func:`rebuild` computes, without mutating anything, what must be assigned where so that each
+tensor is replaced; applying those assignments cannot fail.
+
+Mutable containers and objects keep their identity (they are updated in place at commit time); immutable
+ones (tuples, namedtuples, frozen dataclasses, frozensets) are rebuilt with the same type.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import types
+from collections import deque
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+Path = tuple  # a tuple of steps: ("key", k) | ("index", i) | ("attr", name) | ("elem", i)
+Setter = Callable[[], None]
+
+_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size,
+          enum.Enum, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+
+
+def format_path(path: Path) -> str:
+    out = []
+    for kind, step in path:
+        if kind == "key":
+            out.append(f"[{step!r}]")
+        elif kind == "attr":
+            out.append(f".{step}")
+        else:
+            out.append(f"[{step}]")
+    return "".join(out)
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields") and hasattr(type(value), "_make")
+
+
+def _object_fields(value: Any) -> list[tuple[str, Any]]:
+    """Attribute (name, value) pairs of a plain object: its ``__dict__`` and its ``__slots__``."""
+    fields: list[tuple[str, Any]] = []
+    d = getattr(value, "__dict__", None)
+    if isinstance(d, dict):
+        fields.extend(d.items())
+    for klass in type(value).__mro__:
+        for slot in getattr(klass, "__slots__", ()) or ():
+            if isinstance(slot, str) and slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                fields.append((slot, getattr(value, slot)))
+    return fields
+
+
+def _children(value: Any) -> Iterator[tuple[tuple, Any]]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield ("key", k), v
+    elif isinstance(value, (list, tuple, deque)):
+        for i, v in enumerate(value):
+            yield ("index", i), v
+    elif isinstance(value, (set, frozenset)):
+        for i, v in enumerate(value):
+            yield ("elem", i), v
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield ("attr", f.name), getattr(value, f.name)
+    elif not isinstance(value, _ATOMS):
+        for name, v in _object_fields(value):
+            yield ("attr", name), v
+
+
+def leaves(value: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
+    """Every tensor inside ``value``, with its path; each container is visited once (cycles are safe)."""
+    seen: set[int] = set()
+
+    def walk(v: Any, p: Path) -> Iterator[tuple[Path, torch.Tensor]]:
+        if isinstance(v, torch.Tensor):
+            yield p, v
+            return
+        if isinstance(v, _ATOMS):
+            return
+        if id(v) in seen:
+            return
+        seen.add(id(v))
+        for step, child in _children(v):
+            yield from walk(child, p + (step,))
+
+    yield from walk(value, path)
+
+
+def rebuild(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]) -> Any:
+    """What ``value`` becomes once each tensor ``t`` with ``id(t)`` in ``replace`` is swapped for its copy.
+
+    Mutates nothing: in-place updates of mutable containers are appended to ``setters``. Returns ``value``
+    itself when it is mutable or unchanged, else a new object of the same type.
+    """
+    if isinstance(value, torch.Tensor):
+        return replace.get(id(value), value)
+    if isinstance(value, _ATOMS):
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = value  # provisional, for cycles
+    result = _rebuild_container(value, replace, setters, memo)
+    memo[id(value)] = result
+    return result
+
+
+def _rebuild_container(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]) -> Any:
+    children = list(_children(value))
+    new = [(step, child, rebuild(child, replace, setters, memo)) for step, child in children]
+    changed = [(step, nv) for step, child, nv in new if nv is not child]
+    if not changed:
+        return value
+    if isinstance(value, (dict, list, deque)) or (isinstance(value, Mapping) and hasattr(value, "__setitem__")):
+        for (_, k), nv in changed:
+            setters.append(_item_setter(value, k, nv))
+        return value
+    if isinstance(value, tuple):
+        items = [nv for _, _, nv in new]
+        if _is_namedtuple(value):
+            return type(value)._make(items)
+        if type(value) is tuple:
+            return tuple(items)
+        return type(value)(items)
+    if isinstance(value, (set, frozenset)):
+        items = [nv for _, _, nv in new]
+        if isinstance(value, frozenset):
+            return type(value)(items)
+        setters.append(_set_replacer(value, items))
+        return value
+    if dataclasses.is_dataclass(value):
+        if type(value).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            clone = copy.copy(value)
+            for (_, name), nv in changed:
+                object.__setattr__(clone, name, nv)
+            return clone
+        for (_, name), nv in changed:
+            setters.append(_attr_setter(value, name, nv))
+        return value
+    for (_, name), nv in changed:
+        setters.append(_attr_setter(value, name, nv))
+    return value
+
+
+def _item_setter(container: Any, key: Any, new: Any) -> Setter:
+    def apply() -> None:
+        container[key] = new
+
+    return apply
+
+
+def _set_replacer(container: set, items: list) -> Setter:
+    def apply() -> None:
+        container.clear()
+        container.update(items)
+
+    return apply
+
+
+def _attr_setter(obj: Any, name: str, new: Any) -> Setter:
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict) and name in d:
+
+        def apply() -> None:
+            d[name] = new
+
+    else:
+
+        def apply() -> None:
+            object.__setattr__(obj, name, new)
+
+    return apply

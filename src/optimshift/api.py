@@ -1,0 +1,225 @@
+"""The public functions: thin layers over the plan (where each tensor goes) and the engine (moving it)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Iterable, Iterator, Mapping, Optional, TypeVar
+
+import torch
+
+from . import engine
+from . import policy as _policy
+from ._devices import DeviceLike, resolve
+from .plan import Site, build_plan, check_optimizer, optimizer_name, policy_target
+from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
+
+__all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded"]
+
+Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
+
+# Where each tensor of an offloaded optimizer was, keyed by its site (group, index, path). Kept beside the
+# optimizer rather than on it, so that offloading never adds attributes to user objects.
+_records: "weakref.WeakKeyDictionary[Any, dict[tuple, torch.device]]" = weakref.WeakKeyDictionary()
+_records_lock = threading.Lock()
+
+
+def _site_key(site: Site) -> tuple:
+    return (site.group, site.index, site.path)
+
+
+def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+
+
+def _resolve(device: Optional[DeviceLike], optimizer: Any, what: str = "device") -> Optional[torch.device]:
+    if device is None:
+        return None
+    return resolve(device, what=what, tensors=_all_tensors(optimizer))
+
+
+def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Opt:
+    """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it.
+
+    ``device=None``: each param's state follows that param's current device (call it after ``model.to()``).
+    Scalars such as Adam's non-fused ``step`` stay on the host; values and dtypes never change. All or nothing.
+    """
+    check_optimizer(optimizer)
+    target = _resolve(device, optimizer)
+    plan = build_plan(optimizer, policy_target(optimizer, target))
+    engine.apply(plan, non_blocking=non_blocking)
+    with _records_lock:
+        _records.pop(optimizer, None)  # whatever was offloaded now sits where it was asked to
+    return optimizer
+
+
+def offload(optimizer: Opt, *, pin_memory: Optional[bool] = None) -> Opt:
+    """Move all state to host memory and remember where each tensor was, for :func:`reload`.
+
+    Pinned host memory is used when the state is on an accelerator that supports it, unless ``pin_memory``
+    is False. Offloading an offloaded optimizer only moves what was added since.
+    """
+    check_optimizer(optimizer)
+    host = torch.device("cpu")
+    plan = build_plan(optimizer, lambda site, param, group, key, tensor: (host, "offload"))
+    with _records_lock:
+        previous = dict(_records.get(optimizer, {}))
+    record = dict(previous)
+    for transfer in plan.transfers:
+        record.setdefault(_site_key(transfer.site), transfer.tensor.device)
+    engine.apply(plan, pin_memory=pin_memory is not False)
+    with _records_lock:
+        _records[optimizer] = record
+    return optimizer
+
+
+def is_offloaded(optimizer: Any) -> bool:
+    """Whether :func:`offload` moved this optimizer's state to the host and it was not reloaded since."""
+    with _records_lock:
+        return optimizer in _records
+
+
+def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Opt:
+    """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
+    ``device`` would hold it). Reloading an optimizer that was never offloaded is a no-op."""
+    check_optimizer(optimizer)
+    target = _resolve(device, optimizer)
+    with _records_lock:
+        record = _records.get(optimizer)
+    if target is not None:
+        return move(optimizer, target, non_blocking=non_blocking)
+    if record is None:
+        return optimizer
+    by_policy = policy_target(optimizer, None)
+
+    def back(site: Site, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+        was = record.get(_site_key(site))
+        if was is not None:
+            return was, "recorded"
+        return by_policy(site, param, group, key, tensor)  # added after the offload: place it by the policy
+
+    plan = build_plan(optimizer, back)
+    engine.apply(plan, non_blocking=non_blocking)
+    with _records_lock:
+        _records.pop(optimizer, None)
+    return optimizer
+
+
+@contextlib.contextmanager
+def offloaded(optimizer: Opt, *, pin_memory: Optional[bool] = None) -> Iterator[Opt]:
+    """Offload on enter, reload on exit (also when the body raises). A no-op if it is already offloaded."""
+    already = is_offloaded(optimizer)
+    if not already:
+        offload(optimizer, pin_memory=pin_memory)
+    try:
+        yield optimizer
+    finally:
+        if not already:
+            reload(optimizer)
+
+
+def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
+    """One row per tensor the optimizer holds (state and param groups): param, key, device, dtype, shape, bytes."""
+    check_optimizer(optimizer)
+    rows = []
+    for transfer in build_plan(optimizer, lambda site, param, group, key, tensor: (tensor.device, "")).transfers:
+        t = transfer.tensor
+        rows.append(PlacementRow(transfer.site.param_label, transfer.site.key_label, str(t.device),
+                                 str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_bytes(t)))
+    return rows
+
+
+def check(optimizer: torch.optim.Optimizer) -> Report:
+    """Compare every state entry with where a fresh optimizer would keep it; say what each misplacement costs."""
+    check_optimizer(optimizer)
+    name = optimizer_name(optimizer)
+    plan = build_plan(optimizer, policy_target(optimizer, None))
+    report = Report(name, rows=placement(optimizer))
+    guessed = False
+    for tr in plan.transfers:
+        guessed = guessed or tr.source == "default"
+        if not tr.moves:
+            continue
+        t, site = tr.tensor, tr.site
+        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target)
+        report.findings.append(Finding(
+            severity, site.param_label, site.key_label, str(t.device), str(t.dtype).replace("torch.", ""),
+            str(tr.target), why, site.group, site.index, cost,
+        ))
+    if guessed:
+        report.findings.append(Finding(
+            "info", "-", "-", "-", "-", "-",
+            f"no placement rule is known for {name}: used the default (a 0-dim 'step' stays on the host unless "
+            f"the group is fused/capturable; everything else follows its param). Register one with "
+            f"optimshift.register_policy({name}, policy) if that is wrong.",
+        ))
+    return report
+
+
+def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch.Tensor, expected: torch.device):
+    name = optimizer_name(optimizer)
+    group = optimizer.param_groups[site.group]
+    on_host = t.device.type == "cpu"
+    if t.dim() == 0 and expected.type == "cpu":
+        base = _policy._builtin_base(type(optimizer))
+        cost = SYNC_COST.get((base.__name__ if base else name, site.key)) if len(site.path) == 1 else None
+        return ("warning",
+                f"{name} reads this scalar on the host each step: on {t.device} every read is a device-to-host sync",
+                cost)
+    if t.dim() == 0 and on_host:
+        if group.get("fused"):
+            return "error", "the fused kernel rejects a host tensor: step() will raise", None
+        if group.get("capturable"):
+            return "error", "capturable step() asserts its scalars are on the param's device: it will raise", None
+        return "warning", f"{name} keeps this scalar on the param's device ({expected})", None
+    if param is not None and t.device != param.device:
+        return "error", f"the param is on {param.device}: step() fails mixing devices", None
+    return "warning", f"a fresh {name} keeps it on {expected}", None
+
+
+def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
+    """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
+    place their state by the policy for the new params' devices. All or nothing."""
+    check_optimizer(optimizer)
+    name = optimizer_name(optimizer)
+    new = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+    old = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
+    if len(new) != len(old):
+        raise ValueError(f"{name}: rebind got {len(new)} params, the optimizer holds {len(old)}")
+    seen: set[int] = set()
+    for (gi, pi, p), q in zip(old, new):
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"{name}: rebind: new param for group {gi}, param {pi} is a {type(q).__name__}, not a tensor")
+        if tuple(q.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{name}: rebind: group {gi}, param {pi} has shape {tuple(p.shape)}, the new param {tuple(q.shape)}"
+            )
+        if id(q) in seen:
+            raise ValueError(f"{name}: rebind: the new param for group {gi}, param {pi} is given twice")
+        seen.add(id(q))
+    mapping = {id(p): q for (_, _, p), q in zip(old, new)}
+    by_policy = policy_target(optimizer, None)
+
+    def target(site: Site, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+        if param is not None:
+            return by_policy(site, mapping[id(param)], group, key, tensor)
+        firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params
+        decision = _policy.decide(optimizer, group, None, key, tensor, firsts[0].device if firsts else tensor.device)
+        return decision.device, decision.source
+
+    plan = build_plan(optimizer, target)
+    copies = engine.execute(plan)
+    # Everything is copied: now swap params and re-key state, then the tensors.
+    states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
+    for (gi, pi, p), q in zip(old, new):
+        optimizer.param_groups[gi]["params"][pi] = q
+    for (_, _, p), q in zip(old, new):
+        if id(p) in states and p is not q:
+            del optimizer.state[p]
+    for (_, _, p), q in zip(old, new):
+        if id(p) in states:
+            optimizer.state[q] = states[id(p)]
+    engine.commit(optimizer, copies)
+    return optimizer
+

@@ -1,0 +1,127 @@
+"""Execute a plan: copy every tensor that must move, synchronize once, then commit.
+
+All-or-nothing: every copy is made before any state entry is replaced. An exception while copying (an OOM on
+the 900th tensor) drops the copies made so far and leaves the optimizer exactly as it was. The commit only
+assigns already-made objects into dicts, lists and attributes, which cannot fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ._tree import Setter, rebuild
+from .plan import Plan
+
+__all__ = ["execute", "commit", "apply", "synchronize"]
+
+
+def _can_pin(source: torch.Tensor) -> bool:
+    """Pinned host memory only helps (and only exists) for copies from a CUDA-like accelerator."""
+    return source.device.type == "cuda" and torch.cuda.is_available()
+
+
+def copy_tensor(t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter)
+    if plain and t.layout == torch.strided and not t.requires_grad:
+        pin = pin_memory and device.type == "cpu" and _can_pin(t)
+        if _dense_non_overlapping(t):
+            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin)
+        else:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
+        new.copy_(t, non_blocking=non_blocking or pin or (t.device.type == "cpu" and t.is_pinned()))
+    else:
+        new = t.detach().to(device, copy=True, non_blocking=non_blocking)
+        if t.requires_grad:
+            new.requires_grad_(True)
+    if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
+        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+    return new
+
+
+def _dense_non_overlapping(t: torch.Tensor) -> bool:
+    if t.is_contiguous():
+        return True
+    # Sort dims by stride and check the strides tile the storage exactly (as empty_like's preserve_format does).
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait for the copies queued on each accelerator (one call per device, not per tensor)."""
+    for device in {d for d in devices if d.type not in ("cpu", "meta")}:
+        try:
+            module = torch.get_device_module(device.type)
+        except Exception:
+            module = getattr(torch, device.type, None)
+        sync = getattr(module, "synchronize", None)
+        available = getattr(module, "is_available", lambda: True)
+        if sync is not None and available():  # not available: fake tensors that only claim the device
+            try:
+                sync(device)
+            except TypeError:
+                sync()
+
+
+def execute(plan: Plan, *, non_blocking: bool = False, pin_memory: bool = False) -> dict[int, torch.Tensor]:
+    """Copy every tensor of ``plan`` that is not where it belongs; return ``{id(old): new}``.
+
+    Nothing in the optimizer changes here. With ``non_blocking=False`` the accelerators involved are
+    synchronized once at the end, so every copy is complete when this returns.
+    """
+    copies: dict[int, torch.Tensor] = {}
+    touched: list[torch.device] = []
+    for transfer in plan.moving:
+        copies[id(transfer.tensor)] = copy_tensor(
+            transfer.tensor, transfer.target, non_blocking=non_blocking, pin_memory=pin_memory
+        )
+        touched.append(transfer.tensor.device)
+        touched.append(transfer.target)
+    if not non_blocking:
+        synchronize(touched)
+    return copies
+
+
+def commit(optimizer: Any, replace: Mapping[int, torch.Tensor]) -> None:
+    """Swap the copies into ``optimizer``'s state and param groups. Prepares everything, then assigns."""
+    if not replace:
+        return
+    setters: list[Setter] = []
+    memo: dict[int, Any] = {}
+    for state in optimizer.state.values():
+        _prepare_mapping(state, (), replace, setters, memo)
+    for group in optimizer.param_groups:
+        _prepare_mapping(group, ("params", "param_names"), replace, setters, memo)
+    for apply_one in setters:
+        apply_one()
+
+
+def _prepare_mapping(mapping: Any, skip: tuple, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict) -> None:
+    for key, value in list(mapping.items()):
+        if key in skip:
+            continue
+        new = rebuild(value, replace, setters, memo)
+        if new is not value:
+            setters.append(_assign(mapping, key, new))
+
+
+def _assign(mapping: Any, key: Any, value: Any) -> Setter:
+    def do() -> None:
+        mapping[key] = value
+
+    return do
+
+
+def apply(plan: Plan, *, non_blocking: bool = False, pin_memory: bool = False) -> int:
+    """Execute and commit ``plan``; return the number of tensors moved."""
+    copies = execute(plan, non_blocking=non_blocking, pin_memory=pin_memory)
+    commit(plan.optimizer, copies)
+    return len(copies)
+

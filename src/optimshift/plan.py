@@ -1,0 +1,190 @@
+"""Turn an optimizer and a target into a plan: every tensor it holds, where it is, and where it must go.
+
+A plan is pure data, built and validated before anything is copied: errors about bad input are raised here,
+while the optimizer is untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+
+from . import policy as _policy
+from ._tree import Path, format_path, leaves
+
+__all__ = ["Site", "Transfer", "Plan", "build_plan", "iter_entries", "param_label", "check_optimizer"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a tensor sits in an optimizer: param group, param index (``None`` for a group entry), path."""
+
+    group: int
+    index: Optional[int]
+    key: str
+    path: Path
+    name: Optional[str] = None
+
+    @property
+    def param_label(self) -> str:
+        if self.index is None:
+            return f"group {self.group}"
+        label = f"group {self.group}, param {self.index}"
+        return f"{label} ({self.name})" if self.name else label
+
+    @property
+    def key_label(self) -> str:
+        """The state key, with the path inside it for nested tensors: ``exp_avg``, ``old_dirs[3]``."""
+        return self.key + format_path(self.path[1:])
+
+    def __str__(self) -> str:
+        where = "param_groups" if self.index is None else "state"
+        return f"{self.param_label}, {where}{format_path(self.path)}"
+
+
+@dataclass
+class Transfer:
+    site: Site
+    tensor: torch.Tensor
+    param: Optional[torch.Tensor]
+    target: torch.device
+    source: str  # how the target was decided (policy Decision.source, or "recorded")
+
+    @property
+    def moves(self) -> bool:
+        return self.tensor.device != self.target
+
+
+@dataclass
+class Plan:
+    optimizer: torch.optim.Optimizer
+    transfers: list[Transfer] = field(default_factory=list)
+
+    @property
+    def moving(self) -> list[Transfer]:
+        """Transfers of tensors not yet where they belong, one per distinct tensor."""
+        seen: set[int] = set()
+        out = []
+        for t in self.transfers:
+            if t.moves and id(t.tensor) not in seen:
+                seen.add(id(t.tensor))
+                out.append(t)
+        return out
+
+
+def optimizer_name(optimizer: Any) -> str:
+    return type(optimizer).__name__
+
+
+def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Optimizer:
+    """TypeError unless ``optimizer`` looks like a torch optimizer (param_groups and state)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    groups = getattr(optimizer, "param_groups", None)
+    state = getattr(optimizer, "state", None)
+    if isinstance(groups, list) and isinstance(state, Mapping):
+        return optimizer  # duck-typed (e.g. a wrapper exposing the inner optimizer's groups and state)
+    raise TypeError(
+        f"{what} must be a torch.optim.Optimizer (with param_groups and state), got {type(optimizer).__name__}"
+    )
+
+
+def param_label(group: int, index: int, names: Optional[list]) -> Optional[str]:
+    if names is not None and index < len(names):
+        return str(names[index])
+    return None
+
+
+def iter_entries(
+    optimizer: torch.optim.Optimizer,
+) -> Iterator[tuple[int, Optional[int], Optional[torch.Tensor], Mapping[str, Any], str, Any, Optional[str]]]:
+    """Yield (group, index, param, group dict, key, value, param name) for every state entry of every param,
+    then for every param-group entry other than ``params``/``param_names``.
+
+    Raises ValueError if the state holds a param that no group holds (it could never be placed).
+    """
+    name = optimizer_name(optimizer)
+    located: dict[int, tuple[int, int]] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) in located:
+                g0, i0 = located[id(p)]
+                raise ValueError(f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})")
+            located[id(p)] = (gi, pi)
+    for p in optimizer.state:
+        if id(p) not in located:
+            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else None
+            keys = list(optimizer.state[p]) if isinstance(optimizer.state[p], Mapping) else []
+            raise ValueError(
+                f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
+                f"group; it cannot be placed. Remove it (del optimizer.state[param]) or add the param to a group."
+            )
+    for gi, group in enumerate(optimizer.param_groups):
+        names = group.get("param_names")
+        for pi, p in enumerate(group["params"]):
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            if not isinstance(state, Mapping):
+                raise TypeError(f"{name}: state of group {gi}, param {pi} is a {type(state).__name__}, expected a dict")
+            for key, value in state.items():
+                yield gi, pi, p, group, key, value, param_label(gi, pi, names)
+    for gi, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key in ("params", "param_names"):
+                continue
+            yield gi, None, None, group, key, value, None
+
+
+TargetFn = Callable[[Site, Optional[torch.Tensor], Mapping[str, Any], str, torch.Tensor], tuple[torch.device, str]]
+
+
+def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
+    """Every tensor in ``optimizer``'s state and param groups, with the device ``target`` assigns it.
+
+    ``target(site, param, group, key, tensor) -> (device, source)``. Validates that a tensor shared between
+    entries is not sent to two places.
+    """
+    plan = Plan(optimizer)
+    first: dict[int, Transfer] = {}
+    for gi, pi, param, group, key, value, pname in iter_entries(optimizer):
+        for path, tensor in leaves(value, (("key", key),)):
+            site = Site(gi, pi, str(key), path, pname)
+            device, source = target(site, param, group, str(key), tensor)
+            tr = Transfer(site, tensor, param, device, source)
+            prior = first.get(id(tensor))
+            if prior is not None and prior.target != device:
+                raise ValueError(
+                    f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {site}, which belong on "
+                    f"different devices ({prior.target} and {device}); it cannot be placed for both"
+                )
+            first.setdefault(id(tensor), tr)
+            plan.transfers.append(tr)
+    return plan
+
+
+def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> TargetFn:
+    """Targets by the policy: each entry where a fresh optimizer with its param on ``device`` keeps it
+    (``device=None``: the param's current device)."""
+
+    def target(site: Site, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+        if device is not None:
+            param_device = device
+        elif param is not None:
+            param_device = param.device
+        else:
+            param_device = group_device(group, tensor)
+        decision = _policy.decide(optimizer, group, param, key, tensor, param_device)
+        return decision.device, decision.source
+
+    return target
+
+
+def group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
+    """The device of a group's params (the first one's), for tensors kept in the group itself."""
+    for p in group.get("params", ()):
+        if isinstance(p, torch.Tensor):
+            return p.device
+    return fallback.device

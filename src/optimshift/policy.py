@@ -1,0 +1,255 @@
+"""Where each optimizer state entry belongs.
+
+The rule: an entry belongs where a freshly built optimizer of the same class and flags, over the same params
+on the target device, would put it after a step. A move never changes a dtype, so a policy only answers
+*which device*.
+
+For ``torch.optim`` classes the rule is derived from the installed torch: a probe builds the optimizer over a
+fake ``cuda:0`` param (``FakeTensorMode``, no GPU needed), runs one step and reads where each 0-dim state
+tensor landed: on the param's device or on the host. The probe is cached per (class, boolean flags, param
+rank). Where it cannot run, a static table of torch 2.4-2.13's rules is used. Non-scalar state always
+follows its param. Third-party optimizers can say where their entries belong with :func:`register_policy`;
+anything else gets a safe default rule and :func:`optimshift.check` reports that it guessed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Protocol
+
+import torch
+
+__all__ = ["Policy", "register_policy", "unregister_policy", "Decision", "decide", "HOST"]
+
+HOST = torch.device("cpu")
+
+
+class Policy(Protocol):
+    """Where one state entry of a third-party optimizer belongs.
+
+    Called as ``policy(key, value, param, group, device)``:
+
+    - ``key``: the top-level state key (``"step"``, ``"exp_avg"``, …) or, for a tensor kept in a param group,
+      the group key (``"lr"``);
+    - ``value``: the tensor itself (for containers, each tensor inside is asked about separately);
+    - ``param``: the parameter the state belongs to, or ``None`` for a param-group entry;
+    - ``group``: the param group dict (read its flags, e.g. ``group.get("fused")``);
+    - ``device``: where the param is going (or is, for ``move(opt)`` without a device).
+
+    Return the ``torch.device`` the tensor must live on, or ``None`` to fall back to the built-in rule.
+    It must not mutate anything.
+    """
+
+    def __call__(
+        self,
+        key: str,
+        value: torch.Tensor,
+        param: Optional[torch.Tensor],
+        group: Mapping[str, Any],
+        device: torch.device,
+    ) -> Optional[torch.device]: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where one tensor belongs and how that was decided (``source``: registered, probe, table, default)."""
+
+    device: torch.device
+    source: str
+
+    @property
+    def guessed(self) -> bool:
+        return self.source == "default"
+
+
+_registry: dict[type, Policy] = {}
+_lock = threading.Lock()
+
+
+def register_policy(optimizer_class: type, policy: Policy) -> None:
+    """Tell optimshift where the state of ``optimizer_class`` (and its subclasses) belongs.
+
+    ``policy(key, value, param, group, device) -> torch.device | None``; see :class:`Policy`.
+    """
+    if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
+        raise TypeError(
+            f"register_policy expects a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    if not callable(policy):
+        raise TypeError(f"register_policy: policy for {optimizer_class.__name__} must be callable, got {policy!r}")
+    with _lock:
+        _registry[optimizer_class] = policy
+
+
+def unregister_policy(optimizer_class: type) -> None:
+    """Remove a policy registered with :func:`register_policy` (a no-op if there is none)."""
+    with _lock:
+        _registry.pop(optimizer_class, None)
+
+
+# --- built-in rules -------------------------------------------------------------------------------------
+
+# Fallback table (torch 2.4-2.13) used when the probe cannot run: for each class, the 0-dim scalar keys and
+# the group flags that put them on the param's device ("always" = always there, () = never).
+_ALWAYS = ("always",)
+_TABLE: dict[str, dict[str, tuple[str, ...]]] = {
+    "Adam": {"step": ("fused", "capturable")},
+    "AdamW": {"step": ("fused", "capturable")},
+    "Adagrad": {"step": ("fused",)},
+    "Adadelta": {"step": ("capturable",)},
+    "Adamax": {"step": ("capturable",)},
+    "RAdam": {"step": ("capturable",)},
+    "RMSprop": {"step": ("capturable",)},
+    "Rprop": {"step": ("capturable",)},
+    "NAdam": {"step": ("capturable",), "mu_product": ("capturable",)},
+    "ASGD": {"step": _ALWAYS, "eta": _ALWAYS, "mu": _ALWAYS},
+    "Adafactor": {"step": ()},
+}
+
+
+def _builtin_base(cls: type) -> Optional[type]:
+    """The nearest class in ``cls``'s MRO that torch.optim defines (``None`` if there is none)."""
+    for base in cls.__mro__:
+        if base is torch.optim.Optimizer:
+            return None
+        if base.__module__.startswith("torch.optim.") and getattr(torch.optim, base.__name__, None) is base:
+            return base
+    return None
+
+
+def _flag_items(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The group's boolean/None entries: the implementation and variant flags that can change placement."""
+    return tuple(sorted((k, v) for k, v in group.items() if k != "params" and (v is None or isinstance(v, bool))))
+
+
+_probe_cache: dict[tuple, Optional[dict[str, bool]]] = {}
+
+
+def _probe(cls: type, group: Mapping[str, Any], ndim: int) -> Optional[dict[str, bool]]:
+    """Run ``cls`` for one step over a fake ``cuda:0`` param; return {scalar key: on the param's device?}.
+
+    ``None`` when the probe cannot run (the caller falls back to the table).
+    """
+    ndim = min(ndim, 2)
+    cache_key = (cls, _flag_items(group), ndim)
+    if cache_key in _probe_cache:
+        return _probe_cache[cache_key]
+    result: Optional[dict[str, bool]] = None
+    try:
+        result = _run_probe(cls, group, ndim)
+    except Exception:  # any failure: use the static table
+        result = None
+    with _lock:
+        _probe_cache[cache_key] = result
+    return result
+
+
+def _run_probe(cls: type, group: Mapping[str, Any], ndim: int) -> Optional[dict[str, bool]]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {
+        k: v
+        for k, v in group.items()
+        if k in accepted and k != "params" and not isinstance(v, torch.Tensor) and not _holds_tensor(v)
+    }
+    device = torch.device("cuda", 0)
+    shape = (2,) * ndim
+    with _disable_current_modes(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            param = torch.nn.Parameter(torch.zeros(shape, device=device))
+            param.grad = torch.zeros(shape, device=device)
+            opt = cls([param], **kwargs)
+            try:
+                opt.step()
+            except Exception:
+                # Fake tensors cannot sync (ASGD, Adafactor read scalars) and a CPU-only build cannot launch
+                # some fused kernels, but the state was created before that point, which is all we need.
+                pass
+            state = opt.state.get(param, {})
+            found = {
+                key: value.device.type == "cuda"
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.dim() == 0
+            }
+    return found if state else None
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) or _holds_tensor(v) for v in value)
+    return False
+
+
+def _table_rule(base: type, group: Mapping[str, Any], key: str) -> Optional[bool]:
+    rules = _TABLE.get(base.__name__)
+    if rules is None or key not in rules:
+        return None
+    flags = rules[key]
+    if flags == _ALWAYS:
+        return True
+    return any(bool(group.get(flag)) for flag in flags)
+
+
+def _default_scalar_on_device(group: Mapping[str, Any]) -> bool:
+    return bool(group.get("fused")) or bool(group.get("capturable"))
+
+
+def decide(
+    optimizer: torch.optim.Optimizer,
+    group: Mapping[str, Any],
+    param: Optional[torch.Tensor],
+    key: str,
+    value: torch.Tensor,
+    device: torch.device,
+) -> Decision:
+    """Where ``value`` (state ``key`` of ``param``, or group entry ``key`` when ``param`` is None) belongs
+    when the param is on ``device``."""
+    cls = type(optimizer)
+    for base in cls.__mro__:
+        policy = _registry.get(base)
+        if policy is not None:
+            answer = policy(key, value, param, group, device)
+            if answer is not None:
+                if not isinstance(answer, torch.device):
+                    answer = torch.device(answer)
+                return Decision(answer, "registered")
+            break
+    # Non-scalar tensors always live with their param (every torch.optim class, and the only sane default).
+    if value.dim() != 0:
+        return Decision(device, "rule")
+    if param is None:
+        # A 0-dim tensor in a param group (a tensor lr, betas): kept on the host, where reading it costs no
+        # sync, unless the group's kernels run on the device (fused/capturable).
+        return Decision(device if _default_scalar_on_device(group) else HOST, "rule")
+    base = _builtin_base(cls)
+    if base is not None:
+        probed = _probe(base, group, param.dim())
+        if probed is not None and key in probed:
+            return Decision(device if probed[key] else HOST, "probe")
+        tabled = _table_rule(base, group, key)
+        if tabled is not None:
+            return Decision(device if tabled else HOST, "table")
+        if probed is not None:
+            # The probe ran and this class keeps no such scalar after a step: follow the param, as
+            # torch.optim does for every tensor it does not deliberately host.
+            return Decision(device, "rule")
+    if key == "step":
+        return Decision(device if _default_scalar_on_device(group) else HOST, "default")
+    return Decision(device, "default")
+
+
+def rule_source(optimizer: torch.optim.Optimizer) -> str:
+    """How this optimizer's rules are known: ``registered``, ``torch.optim`` or ``default`` (guessed)."""
+    for base in type(optimizer).__mro__:
+        if base in _registry:
+            return "registered"
+    return "torch.optim" if _builtin_base(type(optimizer)) is not None else "default"
+
+
+PolicyFn = Callable[[str, torch.Tensor, Optional[torch.Tensor], Mapping[str, Any], torch.device], Optional[torch.device]]

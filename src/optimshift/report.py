@@ -1,0 +1,110 @@
+"""What :func:`optimshift.check` and :func:`optimshift.placement` return: findings and placement rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["Finding", "Report", "PlacementRow", "format_table", "SYNC_COST"]
+
+# Host syncs per param per step caused by one 0-dim state tensor that this torch reads on the host being kept
+# on an accelerator instead (measured on the simulated accelerator with torch 2.13; tests/test_check.py
+# re-measures every entry so a torch that changes them fails the suite instead of reporting stale figures).
+SYNC_COST: dict[tuple[str, str], int] = {
+    ("Adam", "step"): 2,
+    ("AdamW", "step"): 2,
+    ("Adagrad", "step"): 1,
+    ("Adadelta", "step"): 1,
+    ("Adamax", "step"): 1,
+    ("NAdam", "step"): 3,
+    ("NAdam", "mu_product"): 2,
+    ("RAdam", "step"): 5,
+    ("RMSprop", "step"): 1,
+    ("Rprop", "step"): 1,
+    ("Adafactor", "step"): 1,
+}
+
+
+@dataclass(frozen=True)
+class PlacementRow:
+    """One tensor held by an optimizer: which param and key, where it is, what it is, how big."""
+
+    param: str
+    key: str
+    device: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One state entry that is not where a fresh optimizer would keep it (or a note on how that was decided).
+
+    ``severity``: ``"error"`` (``step()`` will fail), ``"warning"`` (it costs host syncs or device memory)
+    or ``"info"``. ``syncs_per_step``: host syncs this entry costs per step, where known.
+    """
+
+    severity: str
+    param: str
+    key: str
+    device: str
+    dtype: str
+    expected: str
+    why: str
+    group: Optional[int] = None
+    index: Optional[int] = None
+    syncs_per_step: Optional[int] = None
+
+
+@dataclass
+class Report:
+    """The result of :func:`optimshift.check`: ``ok`` unless an entry is misplaced; ``str()`` is a table."""
+
+    optimizer: str
+    findings: list[Finding] = field(default_factory=list)
+    rows: list[PlacementRow] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity in ("error", "warning") for f in self.findings)
+
+    @property
+    def syncs_per_step(self) -> int:
+        """Known host syncs per step that the misplaced entries cost in total."""
+        return sum(f.syncs_per_step or 0 for f in self.findings)
+
+    def __str__(self) -> str:
+        head = f"optimshift check: {self.optimizer}, {len(self.rows)} state tensors"
+        if not self.findings:
+            return head + ": every entry is where a fresh optimizer would keep it."
+        table = format_table(
+            ["severity", "param", "key", "device", "dtype", "expected", "syncs/step", "why"],
+            [
+                [f.severity, f.param, f.key, f.device, f.dtype, f.expected,
+                 "" if f.syncs_per_step is None else str(f.syncs_per_step), f.why]
+                for f in self.findings
+            ],
+        )
+        verdict = "OK" if self.ok else "NOT OK"
+        return f"{head}: {verdict}\n{table}"
+
+    __repr__ = __str__
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """A plain aligned text table."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join(lines)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except Exception:  # sparse or exotic layouts
+        return 0

@@ -1,0 +1,143 @@
+"""Counting device-to-host synchronizations.
+
+A host sync is an operation that makes the CPU wait for an accelerator: reading a device scalar
+(``.item()``, ``float(t)``, ``if t:`` — all ``aten._local_scalar_dense``), copying a device tensor to the
+host, or an op whose output size depends on device data (``nonzero``, ``masked_select``, ``unique``…).
+:func:`count_syncs` sees them through a ``TorchDispatchMode``, so it works the same on CUDA, on the simulated
+accelerator and on any other backend, and reports zero for CPU-only work. With ``trace=True`` it also names the
+line of your code (the first frame outside torch) that caused each one.
+
+Limits: explicit waits that do not go through the dispatcher (``torch.cuda.synchronize()``, event waits) are
+not counted, and code under ``torch.compile`` is counted as the ops its graph runs eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from types import TracebackType
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["count_syncs", "SyncCount"]
+
+_aten = torch.ops.aten
+# Ops whose output size depends on device data: the host must wait for the device to know it.
+_DATA_DEPENDENT = {
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "_unique",
+    "equal",
+    "bincount",
+    "repeat_interleave",
+}
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_THIS_FILE = os.path.abspath(__file__)
+
+
+def _is_device(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+
+
+def _to_host(device: Any) -> bool:
+    return device is not None and torch.device(device).type == "cpu"
+
+
+class SyncCount(TorchDispatchMode):
+    """The counts of a :func:`count_syncs` block: ``total``, ``by_op``, ``by_device``; with ``trace=True``
+    also ``by_site`` (your line that caused each sync) and ``by_origin`` (the innermost Python line, often
+    inside torch, that read the device)."""
+
+    def __init__(self, trace: bool = False) -> None:
+        super().__init__()
+        self.trace = trace
+        self.by_op: Counter[str] = Counter()
+        self.by_device: Counter[str] = Counter()
+        self.by_site: Counter[str] = Counter()
+        self.by_origin: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def __repr__(self) -> str:
+        return f"SyncCount(total={self.total}, by_op={dict(self.by_op)}, by_device={dict(self.by_device)})"
+
+    def _record(self, kind: str, device: torch.device) -> None:
+        self.by_op[kind] += 1
+        self.by_device[str(device)] += 1
+        if self.trace:
+            user, origin = _sites()
+            self.by_site[user] += 1
+            self.by_origin[origin] += 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        first = args[0] if args else None
+        if name == "_local_scalar_dense" and _is_device(first):
+            self._record("item", first.device)
+        elif name == "_to_copy" and _is_device(first) and _to_host(kwargs.get("device")):
+            self._record("copy_to_host", first.device)
+        elif name == "copy_" and len(args) >= 2 and _is_device(args[1]) and isinstance(first, torch.Tensor) and first.device.type == "cpu":
+            self._record("copy_to_host", args[1].device)
+        elif name in _DATA_DEPENDENT and _is_device(first):
+            self._record(name, first.device)
+        return func(*args, **kwargs)
+
+
+def _format(frame: Any) -> str:
+    filename = os.path.abspath(frame.f_code.co_filename)
+    if filename.startswith(_TORCH_DIR):
+        shown = "torch/" + filename[len(_TORCH_DIR):]
+    else:
+        try:
+            shown = os.path.relpath(filename)
+        except ValueError:
+            shown = filename
+        if shown.startswith(".." + os.sep + ".."):
+            shown = filename
+    return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _sites() -> tuple[str, str]:
+    """(the innermost frame outside torch and this module: the user's line; the innermost Python frame,
+    often inside torch: the exact line that read the device, e.g. in ``torch/optim/adam.py``)."""
+    frame = sys._getframe(3)
+    origin = None
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if filename != _THIS_FILE and not filename.startswith(_TORCH_DIR + "utils" + os.sep + "_python_dispatch"):
+            if origin is None:
+                origin = _format(frame)
+            if not filename.startswith(_TORCH_DIR):
+                return _format(frame), origin
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<torch internals>", origin or "<torch internals>"
+
+
+class count_syncs:
+    """Context manager counting host syncs of the code inside it.
+
+    >>> with count_syncs(trace=True) as syncs:
+    ...     optimizer.step()
+    >>> syncs.total, syncs.by_op, syncs.by_site.most_common(1)
+    """
+
+    def __init__(self, *, trace: bool = False) -> None:
+        self._count = SyncCount(trace=trace)
+
+    def __enter__(self) -> SyncCount:
+        self._count.__enter__()
+        return self._count
+
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        self._count.__exit__(exc_type, exc, tb)

@@ -22,23 +22,34 @@ def _can_pin(source: torch.Tensor) -> bool:
     return source.device.type == "cuda" and torch.cuda.is_available()
 
 
+def _is_pinned(t: torch.Tensor) -> bool:
+    """A copy from pinned host memory can be asynchronous (asking without CUDA would initialize it)."""
+    return t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()
+
+
 def copy_tensor(t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
-    plain = type(t) in (torch.Tensor, torch.nn.Parameter)
-    if plain and t.layout == torch.strided and not t.requires_grad:
-        pin = pin_memory and device.type == "cpu" and _can_pin(t)
-        if _dense_non_overlapping(t):
-            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device, pin_memory=pin)
-        else:
-            new = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
-        new.copy_(t, non_blocking=non_blocking or pin or (t.device.type == "cpu" and t.is_pinned()))
+    pin = pin_memory and device.type == "cpu" and _can_pin(t) and t.layout == torch.strided
+    if pin:
+        shape_like = _dense_non_overlapping(t)
+        new = torch.empty_strided(t.shape, t.stride() if shape_like else _contiguous_strides(t.shape),
+                                  dtype=t.dtype, device=device, pin_memory=True)
+        new.copy_(t.detach(), non_blocking=True)  # completed by the one synchronize() of execute()
     else:
-        new = t.detach().to(device, copy=True, non_blocking=non_blocking)
-        if t.requires_grad:
-            new.requires_grad_(True)
+        new = t.detach().to(device, copy=True, non_blocking=non_blocking or _is_pinned(t))
+    if t.requires_grad:
+        new.requires_grad_(True)
     if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
         new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
     return new
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _dense_non_overlapping(t: torch.Tensor) -> bool:

@@ -1,0 +1,759 @@
+"""A simulated accelerator ("sim") with real values, for testing device moves on CPU-only machines.
+
+``simulated_accelerator(index)`` turns PyTorch's PrivateUse1 backend into a device called
+``"sim"`` with two indices (``sim:0`` and ``sim:1``), implemented entirely in Python: every
+sim tensor is backed by an ordinary CPU tensor that holds its values, and every operator on
+sim tensors runs on those CPU tensors. Code under test sees tensors whose ``.device`` is
+``sim:N``, so it has to move optimizer state, steps and parameters exactly as it would for
+CUDA, and it fails the same way when it forgets to.
+
+What it enforces (each violation raises ``RuntimeError``, as CUDA does):
+
+1. An operator may not mix a sim tensor with a CPU tensor that has one or more dimensions
+   ("Expected all tensors to be on the same device, but found at least two devices, sim:0
+   and cpu!"). 0-dim CPU tensors are accepted, as CUDA accepts them. Copies
+   (``copy_``, ``_copy_from``, ``_to_copy``, ``_foreach_copy_``...) may cross devices, and
+   index tensors of indexing ops may stay on the CPU, as on CUDA.
+2. A fused optimizer kernel (``aten::_fused_*``, e.g. ``_fused_adam_``, ``_fused_adamw_``,
+   ``_fused_sgd_``, ``_fused_adagrad_``) may not receive any CPU tensor, not even a 0-dim
+   one: CUDA's fused kernels reject a CPU ``step``.
+3. An operator other than a copy may not mix ``sim:0`` and ``sim:1`` tensors.
+
+``.item()`` (and anything else that reads a value on the host) goes through
+``aten::_local_scalar_dense``, so a ``TorchDispatchMode`` can count host syncs exactly as on
+CUDA. ``torch.optim`` treats "sim" like CUDA: it is in the foreach, fused and capturable
+device lists (they include the PrivateUse1 backend's name), so ``Adam(fused=True)``,
+``Adam(capturable=True)`` and the default foreach paths really run on sim.
+
+Limits, honestly:
+
+* It is slow: every operator goes through Python, and factory ops and results allocate CPU
+  memory through DLPack plumbing. Fine for unit tests on small models; not for benchmarks.
+* It is not a real CUDA: there are no streams or events (``non_blocking`` copies are
+  synchronous), no pinned memory, no per-device generators (random ops use the CPU's
+  default generator, so ``torch.randn(..., device=sim)`` gives the CPU's values), no
+  memory caching or fragmentation, and numerics are the CPU kernels' numerics.
+* Only what PyTorch's Python-side PrivateUse1 hooks can express is available. In
+  particular PyTorch's C++ device guard for a Python backend always reports device 0 and
+  a device count of 1, so the C++ side (e.g. the autograd engine's per-device worker
+  threads) only knows about one device. Forward ops, copies, optimizer steps and
+  ``.item()`` work on ``sim:1``; *backward* through tensors on ``sim:1`` needs
+  ``torch.autograd.set_multithreading_enabled(False)`` (see ``simulated_accelerator``).
+* ``torch.save`` of sim tensors, sparse/quantized/nested layouts and complex autocast
+  setups are not supported.
+
+Global side effects, once per process (the first call to ``simulated_accelerator``; merely
+importing ``optimshift.testing`` sets nothing up):
+
+* PrivateUse1 is renamed to ``"sim"`` (PyTorch allows one rename per process, so a process
+  that uses another PrivateUse1 backend cannot use this one, and vice versa); ``torch.sim``
+  becomes the backend module, ``Tensor.sim()``/``Tensor.is_sim``/``Module.sim()`` appear,
+  and ``torch.accelerator`` will report the sim device.
+* ``torch.__future__.set_swap_module_params_on_conversion(True)`` is switched on so that
+  ``module.to(sim)`` keeps each ``Parameter`` object's identity (its ``.data`` is swapped in
+  place), as ``module.to("cuda")`` does. This changes ``module.to()`` for every device in
+  the process.
+* A boxed fallback and a few kernels are registered for the PrivateUse1 dispatch key.
+
+How it works: a sim tensor is an ordinary ``torch.Tensor`` of device ``sim:N`` whose storage
+was created through DLPack (device type ``kDLExtDev``, which PyTorch maps to PrivateUse1)
+over the memory of a CPU storage; that CPU storage is the *backing* of the sim storage and
+lives exactly as long as it. The CPU view of any sim tensor has the same size, stride and
+storage offset over the backing storage as the sim tensor has over its own storage, so views
+built by PyTorch on the device tensor itself (``as_strided`` in device coordinates, as
+autograd does through transposes) alias exactly the right values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+__all__ = [
+    "SIM_DEVICE_TYPE",
+    "simulated_accelerator",
+    "simulated_memory_allocated",
+]
+
+SIM_DEVICE_TYPE = "sim"
+_NUM_DEVICES = 2
+
+_setup_lock = threading.Lock()
+_is_setup = False
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def simulated_accelerator(index: int = 0) -> torch.device:
+    """Set up the simulated ``"sim"`` accelerator (once per process) and return ``sim:index``.
+
+    Idempotent and thread-safe; later calls only return the device. Global side effects of
+    the first call (see the module docstring for the full list): PrivateUse1 is renamed to
+    ``"sim"`` and ``torch.__future__.set_swap_module_params_on_conversion(True)`` is switched
+    on, so that ``module.to(device)`` keeps ``Parameter`` identity, as on CUDA.
+
+    Two devices exist, ``sim:0`` and ``sim:1``. Backward through tensors on ``sim:1`` needs
+    ``torch.autograd.set_multithreading_enabled(False)`` (PyTorch's Python backend device
+    guard only knows about one device); everything else works on both.
+
+    Raises:
+        ValueError: ``index`` is not 0 or 1.
+        RuntimeError: PrivateUse1 was already renamed to another backend in this process, or
+            this PyTorch lacks the Python PrivateUse1 hooks this simulator is built on.
+    """
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"simulated_accelerator index must be an int, got {index!r}")
+    if not 0 <= index < _NUM_DEVICES:
+        raise ValueError(
+            f"simulated accelerator index {index} out of range: the simulated "
+            f"'{SIM_DEVICE_TYPE}' backend has {_NUM_DEVICES} devices "
+            f"({', '.join(f'{SIM_DEVICE_TYPE}:{i}' for i in range(_NUM_DEVICES))})"
+        )
+    _ensure_setup()
+    return torch.device(SIM_DEVICE_TYPE, index)
+
+
+def simulated_memory_allocated(index: int = 0) -> int:
+    """Bytes of live backing storage on simulated device ``sim:index``.
+
+    Counts every storage allocated on that device (parameters, optimizer state, temporaries)
+    until the last tensor using it is freed. Freed storages are subtracted as soon as
+    CPython frees them; call ``gc.collect()`` first if reference cycles may hold tensors.
+    Returns 0 if the backend was never set up.
+    """
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"device index must be an int, got {index!r}")
+    if not 0 <= index < _NUM_DEVICES:
+        raise ValueError(
+            f"simulated accelerator index {index} out of range (0..{_NUM_DEVICES - 1})"
+        )
+    with _registry_lock:
+        return _allocated[index]
+
+
+# --------------------------------------------------------------------------------------------
+# Backing storage registry
+# --------------------------------------------------------------------------------------------
+#
+# Every sim storage is a DLPack import of a whole CPU storage, so its data pointer *is* the
+# backing storage's data pointer. The registry maps that pointer to a weak reference to the
+# backing CPU storage. The sim storage owns the backing (through the DLPack manager), and
+# PyTorch keeps a storage's Python object alive as long as the storage itself, so the weak
+# reference dies exactly when the last sim tensor on that storage is freed; its callback
+# removes the entry and updates the per-device byte counter. Keys cannot be confused while
+# an entry is alive: the backing memory cannot be reused while the backing storage lives.
+
+_registry_lock = threading.Lock()
+_allocated = [0] * _NUM_DEVICES
+
+
+class _Entry:
+    __slots__ = ("ref", "nbytes", "index")
+
+    def __init__(self, ref: weakref.ref, nbytes: int, index: int) -> None:
+        self.ref = ref
+        self.nbytes = nbytes
+        self.index = index
+
+
+_registry: dict[int, _Entry] = {}
+
+
+def _unregister(key: int, entry: _Entry) -> None:
+    with _registry_lock:
+        if _registry.get(key) is entry:
+            del _registry[key]
+            _allocated[entry.index] -= entry.nbytes
+
+
+def _register(storage: torch.UntypedStorage, index: int) -> None:
+    key = storage.data_ptr()
+    nbytes = storage.nbytes()
+    entry = _Entry(None, nbytes, index)  # type: ignore[arg-type]
+    entry.ref = weakref.ref(storage, lambda _ref, key=key, entry=entry: _unregister(key, entry))
+    with _registry_lock:
+        old = _registry.get(key)
+        if old is not None:
+            _allocated[old.index] -= old.nbytes
+        _registry[key] = entry
+        _allocated[index] += nbytes
+
+
+def _lookup(key: int) -> torch.UntypedStorage | None:
+    entry = _registry.get(key)
+    return None if entry is None else entry.ref()
+
+
+# --------------------------------------------------------------------------------------------
+# DLPack plumbing: give a CPU storage a sim twin
+# --------------------------------------------------------------------------------------------
+
+_KDL_EXT_DEV = 12  # DLPack's kDLExtDev; PyTorch imports it as PrivateUse1
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
+
+
+_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get_pointer.restype = ctypes.c_void_p
+_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _new_sim_storage_root(storage: torch.UntypedStorage, index: int) -> torch.Tensor:
+    """Return a flat uint8 sim tensor covering all of ``storage`` (a CPU storage).
+
+    PyTorch exports a flat byte view of the CPU storage as a legacy DLPack capsule whose
+    deleter (PyTorch's own, in C++) keeps that view alive; we retarget the capsule to
+    ``kDLExtDev:index`` and import it, which yields a PrivateUse1 tensor on ``sim:index``
+    whose storage owns the CPU storage. No Python code runs when it is freed except the
+    registry's weakref callback.
+    """
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    capsule = torch._C._to_dlpack(flat)
+    del flat
+    managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, b"dltensor"))
+    managed.dl_tensor.device.device_type = _KDL_EXT_DEV
+    managed.dl_tensor.device.device_id = index
+    root = torch._C._from_dlpack(capsule)
+    if root.device != torch.device(SIM_DEVICE_TYPE, index):  # pragma: no cover - torch change
+        raise RuntimeError(
+            f"simulated accelerator: DLPack import produced {root.device}, expected "
+            f"{SIM_DEVICE_TYPE}:{index}; this PyTorch does not map kDLExtDev to PrivateUse1"
+        )
+    if storage.nbytes() > 0:
+        _register(storage, index)
+    return root
+
+
+# --------------------------------------------------------------------------------------------
+# Moving between sim tensors and their CPU backing
+# --------------------------------------------------------------------------------------------
+
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_aten = torch.ops.aten
+
+
+def _on_cpu_kernel(op: Any, *args: Any) -> Any:
+    """Call ``op``'s CPU kernel directly on sim tensors.
+
+    Only for kernels that touch metadata, never data (views, set_, resize_ within capacity):
+    those build the result from ``self``'s storage and dispatch keys, so applied to a sim
+    tensor they give a sim tensor sharing its storage.
+    """
+    return op.redispatch(_CPU_KEYS, *args)
+
+
+def _is_sim(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == SIM_DEVICE_TYPE
+
+
+def _backing(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor holding ``t``'s values: same size/stride/offset over the backing storage."""
+    st = t.untyped_storage()
+    if st.nbytes() == 0:
+        storage = torch.UntypedStorage(0)
+    else:
+        storage = _lookup(st.data_ptr())
+        if storage is None:  # pragma: no cover - would be a bug in this module
+            raise RuntimeError(f"simulated accelerator: {t.device} tensor has no backing storage")
+    cpu = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
+    if t.is_conj():
+        cpu = torch._conj(cpu)
+    if t.is_neg():
+        cpu = torch._neg_view(cpu)
+    return cpu
+
+
+def _sim_view(base: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A sim tensor on ``base``'s storage with ``like``'s dtype, size, stride and offset."""
+    if base.dtype != like.dtype:
+        # Re-type through an empty view: view.dtype on a 0-element tensor always succeeds.
+        base = _on_cpu_kernel(_aten.as_strided.default, base, (0,), (1,), 0)
+        base = _on_cpu_kernel(_aten.view.dtype, base, like.dtype)
+    return _on_cpu_kernel(
+        _aten.as_strided.default, base, like.size(), like.stride(), like.storage_offset()
+    )
+
+
+def _wrap_fresh(cpu: torch.Tensor, index: int, roots: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Put a freshly computed CPU tensor on ``sim:index`` (its storage becomes a backing)."""
+    st = cpu.untyped_storage()
+    key = st.data_ptr()
+    if st.nbytes() == 0:
+        root = _new_sim_storage_root(st, index)
+    elif key in roots:  # several outputs of one op sharing one new storage
+        root = roots[key]
+    else:
+        if _lookup(key) is not None:
+            # The CPU kernel returned memory that already backs some other sim storage (it
+            # was not one of this op's inputs): give the result its own memory.
+            cpu = cpu.clone()
+            st = cpu.untyped_storage()
+            key = st.data_ptr()
+        root = roots[key] = _new_sim_storage_root(st, index)
+    return _sim_view(root, cpu)
+
+
+# --------------------------------------------------------------------------------------------
+# Device rules
+# --------------------------------------------------------------------------------------------
+
+# Operators allowed to take tensors on several devices (sim:0, sim:1 and CPU at once).
+_COPY_OPS = frozenset(
+    {
+        "aten::copy_",
+        "aten::copy",
+        "aten::_copy_from",
+        "aten::_copy_from_and_resize",
+        "aten::_to_copy",
+        "aten::_foreach_copy_",
+        "aten::_foreach_copy",
+        "aten::lift_fresh_copy",
+    }
+)
+# Indexing ops whose ``indices`` may live on the CPU (CUDA moves them to the device).
+_INDEX_OPS = frozenset(
+    {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
+)
+
+
+def _iter_tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _iter_tensors(y)
+
+
+def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
+    """Enforce the device rules for ``op``; return the sim index of its tensor inputs, if any."""
+    name = op._schema.name
+    skip_indices = name in _INDEX_OPS
+    sim_indices: list[int] = []
+    cpu_tensor: torch.Tensor | None = None
+    cpu_scalar: torch.Tensor | None = None
+    other: torch.Tensor | None = None
+
+    schema_args = op._schema.arguments
+    named = list(zip((a.name for a in schema_args), args)) + list(kwargs.items())
+    for arg_name, value in named:
+        if skip_indices and arg_name == "indices":
+            continue
+        for t in _iter_tensors(value):
+            dev = t.device
+            if dev.type == SIM_DEVICE_TYPE:
+                if dev.index not in sim_indices:
+                    sim_indices.append(dev.index)
+            elif dev.type == "cpu":
+                if t.dim() == 0:
+                    cpu_scalar = t
+                else:
+                    cpu_tensor = t
+            else:
+                other = t
+
+    first = f"{SIM_DEVICE_TYPE}:{sim_indices[0]}" if sim_indices else None
+    if name in _COPY_OPS:
+        return sim_indices[0] if sim_indices else None
+    if len(sim_indices) > 1:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{SIM_DEVICE_TYPE}:{sim_indices[0]} and {SIM_DEVICE_TYPE}:{sim_indices[1]}! "
+            f"(simulated accelerator, in {name})"
+        )
+    if name.startswith("aten::_fused_") and (cpu_tensor is not None or cpu_scalar is not None):
+        bad = cpu_tensor if cpu_tensor is not None else cpu_scalar
+        raise RuntimeError(
+            f"{name}: all tensors must be on the device of the params ({first}), but found a "
+            f"CPU tensor of shape {tuple(bad.shape)} (simulated accelerator: fused kernels "
+            "reject CPU tensors, even 0-dim ones such as a CPU `step`, as CUDA does)"
+        )
+    if other is not None and first is not None:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{first} and {other.device}! (simulated accelerator, in {name})"
+        )
+    if cpu_tensor is not None and first is not None:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{first} and cpu! (simulated accelerator, in {name}: only 0-dim CPU tensors may "
+            "be mixed with device tensors)"
+        )
+    return sim_indices[0] if sim_indices else None
+
+
+# --------------------------------------------------------------------------------------------
+# The fallback: run any operator on the CPU backing tensors
+# --------------------------------------------------------------------------------------------
+
+
+def _current_index() -> int:
+    return _backend_module.current_device()
+
+
+def _sim_index_of(device: Any) -> int | None:
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != SIM_DEVICE_TYPE:
+        return None
+    index = _current_index() if device.index is None else device.index
+    if not 0 <= index < _NUM_DEVICES:
+        raise RuntimeError(
+            f"Invalid device {device}: the simulated '{SIM_DEVICE_TYPE}' backend has "
+            f"{_NUM_DEVICES} devices"
+        )
+    return index
+
+
+def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    special = _SPECIAL_KERNELS.get(op)
+    if special is not None:
+        return special(*args, **kwargs)
+    return _run_on_backing(op, args, kwargs)
+
+
+def _run_on_backing(op: Any, args: tuple, kwargs: dict) -> Any:
+    index = _check_devices(op, args, kwargs)
+
+    # Factory-style arguments: a ``device=sim`` runs on the CPU and decides the output device.
+    if "device" in kwargs:
+        dev_index = _sim_index_of(kwargs["device"])
+        if dev_index is not None:
+            if kwargs.get("pin_memory"):
+                raise RuntimeError("Only dense CPU tensors can be pinned (simulated accelerator)")
+            kwargs = dict(kwargs, device=torch.device("cpu"))
+            index = dev_index
+    if index is None:
+        index = _current_index()
+
+    # Unwrap sim tensors to their CPU backing, remembering which backing belongs to which.
+    by_id: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(cpu) -> (cpu, sim)
+    by_storage: dict[int, torch.Tensor] = {}  # backing data_ptr -> a sim tensor on it
+
+    def unwrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.device.type != SIM_DEVICE_TYPE:
+                return x
+            cpu = _backing(x)
+            by_id[id(cpu)] = (cpu, x)
+            if x.untyped_storage().nbytes():
+                by_storage[x.untyped_storage().data_ptr()] = x
+            return cpu
+        if isinstance(x, (list, tuple)):
+            return type(x)(unwrap(y) for y in x)
+        return x
+
+    cpu_args = unwrap(args)
+    cpu_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+    out = op(*cpu_args, **cpu_kwargs)
+
+    # A mutated argument may have been resized by the CPU kernel (out= with a wrong shape).
+    for cpu, sim in by_id.values():
+        _sync_metadata(sim, cpu)
+
+    roots: dict[int, torch.Tensor] = {}
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            hit = by_id.get(id(x))
+            if hit is not None and hit[0] is x:
+                return hit[1]  # in-place / out= result: the caller's own tensor
+            if x.device.type != "cpu":
+                return x
+            st = x.untyped_storage()
+            alias_of = by_storage.get(st.data_ptr()) if st.nbytes() else None
+            if alias_of is not None:
+                return _sim_view(alias_of, x)  # a view of an input
+            return _wrap_fresh(x, index, roots)
+        if isinstance(x, (list, tuple)):
+            return type(x)(wrap(y) for y in x)
+        return x
+
+    return wrap(out)
+
+
+def _sync_metadata(sim: torch.Tensor, cpu: torch.Tensor) -> None:
+    """Make ``sim`` describe ``cpu`` again after a CPU kernel resized ``cpu`` in place."""
+    st_cpu = cpu.untyped_storage()
+    st_sim = sim.untyped_storage()
+    same_storage = st_cpu.data_ptr() == st_sim.data_ptr() and st_cpu.nbytes() == st_sim.nbytes()
+    if (
+        same_storage
+        and cpu.size() == sim.size()
+        and cpu.stride() == sim.stride()
+        and cpu.storage_offset() == sim.storage_offset()
+    ):
+        return
+    if not same_storage:
+        # The CPU kernel grew (reallocated) the backing storage: give it a new sim twin and
+        # move ``sim`` onto it. Other views of the old sim storage lose their backing, so
+        # using them raises instead of silently reading stale memory.
+        old_key = st_sim.data_ptr()
+        with _registry_lock:
+            entry = _registry.pop(old_key, None)
+            if entry is not None:
+                _allocated[entry.index] -= entry.nbytes
+        st_sim = _new_sim_storage_root(st_cpu, sim.device.index).untyped_storage()
+    _on_cpu_kernel(
+        _aten.set_.source_Storage_storage_offset,
+        sim,
+        st_sim,
+        cpu.storage_offset(),
+        cpu.size(),
+        cpu.stride(),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Explicit kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    # Reached from copy_ (and so from .to(), .cpu(), clone, ...) whenever a sim tensor is
+    # involved: sim->cpu, cpu->sim, sim->sim, including sim:0 <-> sim:1.
+    src = _backing(self) if _is_sim(self) else self
+    dst_cpu = _backing(dst) if _is_sim(dst) else dst
+    dst_cpu.copy_(src)
+    return dst
+
+
+def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    if dst.size() != self.size():
+        dst.resize_(self.size())
+    return _copy_from(self, dst)
+
+
+def _resize_(
+    self: torch.Tensor, size: Any, memory_format: torch.memory_format | None = None
+) -> torch.Tensor:
+    needed = (self.storage_offset() + math.prod(size)) * self.element_size()
+    st = self.untyped_storage()
+    if needed > st.nbytes():
+        # Grow: new backing with the old bytes, then point ``self`` at its sim twin.
+        new = torch.empty(needed, dtype=torch.uint8)
+        if st.nbytes():
+            new[: st.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(_lookup(st.data_ptr())))
+        root = _new_sim_storage_root(new.untyped_storage(), self.device.index)
+        _on_cpu_kernel(
+            _aten.set_.source_Storage_storage_offset,
+            self,
+            root.untyped_storage(),
+            self.storage_offset(),
+            self.size(),
+            self.stride(),
+        )
+    return _on_cpu_kernel(_aten.resize_.default, self, size, memory_format)
+
+
+def _set_empty(self: torch.Tensor) -> torch.Tensor:
+    root = _new_sim_storage_root(torch.UntypedStorage(0), self.device.index)
+    return _on_cpu_kernel(
+        _aten.set_.source_Storage_storage_offset, self, root.untyped_storage(), 0, (0,), (1,)
+    )
+
+
+def _metadata_only(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # redispatch is positional; these ops have no kwarg-only arguments
+            names = [a.name for a in op._schema.arguments]
+            args = args + tuple(kwargs[n] for n in names[len(args) :] if n in kwargs)
+        return _on_cpu_kernel(op, *args)
+
+    return kernel
+
+
+_SPECIAL_KERNELS: dict[Any, Any] = {
+    _aten._copy_from.default: _copy_from,
+    _aten._copy_from_and_resize.default: _copy_from_and_resize,
+    _aten.resize_.default: _resize_,
+    _aten.set_.default: _set_empty,
+}
+# View ops and storage swaps with backend-specific (CPU/Meta/...) kernels: their CPU kernels
+# only build a new TensorImpl on ``self``'s storage, which works unchanged for sim tensors and
+# keeps device coordinates identical to the backing's.
+for _op in (
+    _aten.view.default,
+    _aten.as_strided.default,
+    _aten._reshape_alias.default,
+    _aten.unfold.default,
+    _aten.view_as_real.default,
+    _aten.view_as_complex.default,
+    _aten.set_.source_Storage,
+    _aten.set_.source_Storage_storage_offset,
+    _aten.set_.source_Tensor,
+):
+    _SPECIAL_KERNELS[_op] = _metadata_only(_op)
+del _op
+
+
+# --------------------------------------------------------------------------------------------
+# Backend module (torch.sim), hooks, device guard, setup
+# --------------------------------------------------------------------------------------------
+
+
+class _SimBackendModule:
+    """What ``torch.sim`` is. Mirrors the parts of ``torch.cuda`` that PyTorch and tests use."""
+
+    _optimshift_simulated = True  # marks a torch.sim set up by this module
+
+    def __init__(self) -> None:
+        self._current = 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return _NUM_DEVICES
+
+    def current_device(self) -> int:
+        return self._current
+
+    def set_device(self, device: Any) -> None:
+        index = device if isinstance(device, int) else _sim_index_of(device)
+        if index is None or not 0 <= index < _NUM_DEVICES:
+            raise ValueError(f"invalid simulated device {device!r}")
+        self._current = index
+
+    def synchronize(self, device: Any = None) -> None:
+        """No-op: the simulator runs every op synchronously."""
+
+    def memory_allocated(self, device: Any = None) -> int:
+        index = self._current if device is None else (
+            device if isinstance(device, int) else _sim_index_of(device)
+        )
+        return simulated_memory_allocated(index)
+
+    # RNG: the simulator uses the CPU's default generator.
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed(self, seed: int) -> None:
+        """No-op: random ops on sim use the CPU generator, seeded by ``torch.manual_seed``."""
+
+    def manual_seed_all(self, seed: int) -> None:
+        """No-op: random ops on sim use the CPU generator, seeded by ``torch.manual_seed``."""
+
+    def seed(self) -> None:
+        pass
+
+    def seed_all(self) -> None:
+        pass
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(new_state)
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+
+_backend_module = _SimBackendModule()
+
+
+def _make_hooks_and_guard() -> tuple[Any, Any]:
+    acc = torch._C._acc
+
+    class _SimHooks(acc.PrivateUse1Hooks):  # type: ignore[name-defined, misc]
+        def is_available(self) -> bool:
+            return True
+
+        def has_primary_context(self, dev_id: int) -> bool:
+            return True
+
+        def is_built(self) -> bool:
+            return True
+
+    class _SimDeviceGuard(acc.DeviceGuard):  # type: ignore[name-defined, misc]
+        # PyTorch's Python device guard only lets Python choose the device type; device
+        # index queries from C++ always answer 0 and the count is 1.
+        def type_(self) -> Any:
+            return torch._C._autograd.DeviceType.PrivateUse1
+
+    return _SimHooks(), _SimDeviceGuard()
+
+
+def _ensure_setup() -> None:
+    global _is_setup
+    if _is_setup:
+        return
+    with _setup_lock:
+        if _is_setup:
+            return
+        current = torch._C._get_privateuse1_backend_name()
+        existing = getattr(torch, SIM_DEVICE_TYPE, None)
+        if current == SIM_DEVICE_TYPE and getattr(existing, "_optimshift_simulated", False):
+            # Set up by another copy of this module (e.g. after importlib.reload).
+            _is_setup = True
+            return
+        if current != "privateuseone":
+            raise RuntimeError(
+                f"cannot set up the simulated accelerator: PyTorch's PrivateUse1 backend was "
+                f"already renamed to {current!r} in this process (PyTorch allows one rename "
+                f"per process; the simulator needs it to be '{SIM_DEVICE_TYPE}')"
+            )
+        try:
+            from torch.utils.backend_registration import (
+                _setup_privateuseone_for_python_backend,
+            )
+
+            torch._C._acc.DeviceGuard  # noqa: B018 - feature check
+        except (ImportError, AttributeError) as exc:  # pragma: no cover - old torch
+            raise RuntimeError(
+                f"the simulated accelerator needs PyTorch's Python PrivateUse1 hooks "
+                f"(torch>=2.6); this is torch {torch.__version__}"
+            ) from exc
+
+        hook, guard = _make_hooks_and_guard()
+        _setup_privateuseone_for_python_backend(
+            SIM_DEVICE_TYPE, backend_module=_backend_module, hook=hook, device_guard=guard
+        )
+        lib = torch.library.Library("_", "IMPL")  # noqa: TOR901
+        lib.fallback(_fallback, "PrivateUse1")
+        # Keep the registration (and the hook/guard objects) alive with torch.sim itself.
+        _backend_module._library = lib  # type: ignore[attr-defined]
+        _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        _is_setup = True

@@ -1,0 +1,221 @@
+"""The placement rules: derived from the installed torch, checked against fresh optimizers on fake cuda:0."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+import optimshift
+from optimshift import policy
+
+CUDA0 = torch.device("cuda", 0)
+O = torch.optim
+
+# Every torch.optim class with a 0-dim scalar in its state, each flag it supports that may move scalars.
+SCALAR_CASES = [
+    (O.Adam, {}), (O.Adam, {"fused": True}), (O.Adam, {"capturable": True}), (O.Adam, {"foreach": True}),
+    (O.AdamW, {}), (O.AdamW, {"fused": True}), (O.AdamW, {"capturable": True}),
+    (O.Adagrad, {}), (O.Adagrad, {"fused": True}), (O.Adagrad, {"foreach": True}),
+    (O.Adadelta, {}), (O.Adadelta, {"capturable": True}),
+    (O.Adamax, {}), (O.Adamax, {"capturable": True}),
+    (O.NAdam, {}), (O.NAdam, {"capturable": True}),
+    (O.RAdam, {}), (O.RAdam, {"capturable": True}),
+    (O.RMSprop, {"centered": True, "momentum": 0.9}), (O.RMSprop, {"capturable": True}),
+    (O.Rprop, {}), (O.Rprop, {"capturable": True}),
+    (O.ASGD, {}), (O.ASGD, {"capturable": True}),
+    (O.Adafactor, {}), (O.Adafactor, {"foreach": True}),
+]
+
+
+def _ids(case):
+    cls, kw = case
+    return cls.__name__ + ("-" + "-".join(f"{k}" for k in kw) if kw else "")
+
+
+def _fresh_state_on_fake_cuda(cls, kw, shapes):
+    """State of a fresh optimizer over fake cuda:0 params after (the start of) one step."""
+    params = [torch.nn.Parameter(torch.zeros(s, device=CUDA0)) for s in shapes]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = cls(params, **kw)
+    try:
+        opt.step()
+    except (DataDependentOutputException, RuntimeError, AssertionError):
+        pass  # ASGD/Adafactor read scalars; a CPU build cannot launch some fused kernels: the state exists by then
+    return params, opt
+
+
+def _trained_on_cpu(cls, kw, shapes, steps=2):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    cpu_kw = {k: v for k, v in kw.items() if k != "capturable"}  # capturable cannot step on a CPU
+    opt = cls(params, **cpu_kw)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for g in opt.param_groups:
+        g.update({k: v for k, v in kw.items() if k in g})
+    return params, opt
+
+
+@pytest.mark.parametrize("case", SCALAR_CASES, ids=_ids)
+def test_probe_agrees_with_static_table(case):
+    """The rule derived from the installed torch equals the fallback table for every built-in scalar."""
+    cls, kw = case
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    group = cls([p], **kw).param_groups[0]
+    probed = policy._probe(cls, group, 2)
+    assert probed, f"probe could not run for {cls.__name__}"
+    for key, on_device in probed.items():
+        assert policy._table_rule(cls, group, key) == on_device, (cls.__name__, kw, key)
+
+
+@pytest.mark.parametrize("case", SCALAR_CASES, ids=_ids)
+def test_move_to_fake_cuda_places_like_a_fresh_optimizer(case):
+    cls, kw = case
+    shapes = [(3, 2), (3,)]
+    params, opt = _trained_on_cpu(cls, kw, shapes)
+    before = {(i, k): v.dtype for i, p in enumerate(params) for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fresh_params, fresh = _fresh_state_on_fake_cuda(cls, kw, shapes)
+        # what model.to(cuda) does to the params, then move the state after them
+        for g in opt.param_groups:
+            g["params"] = [torch.nn.Parameter(p.detach().to(CUDA0)) for p in g["params"]]
+        for old, new in zip(params, opt.param_groups[0]["params"]):
+            opt.state[new] = opt.state.pop(old)
+        optimshift.move(opt)
+        moved = opt.param_groups[0]["params"]
+        for i, (p, q) in enumerate(zip(moved, fresh_params)):
+            got = {k: v.device for k, v in opt.state[p].items() if torch.is_tensor(v)}
+            want = {k: v.device for k, v in fresh.state[q].items() if torch.is_tensor(v)}
+            assert got == want, (cls.__name__, kw, i)
+            for k, v in opt.state[p].items():
+                if torch.is_tensor(v):
+                    assert v.dtype == before[(i, k)], "a move must never change a dtype"
+        assert optimshift.check(opt).ok
+
+
+def test_naive_move_found_by_check_on_fake_cuda():
+    """The seed's bug: Adam's `step` moved to the GPU; check names it and what it costs, move fixes it."""
+    params, opt = _trained_on_cpu(O.Adam, {"foreach": False}, [(4, 4), (4,)])
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        new = [torch.nn.Parameter(p.detach().to(CUDA0)) for p in params]
+        optimshift.rebind(opt, new)
+        assert optimshift.check(opt).ok
+        for state in opt.state.values():  # the naive every-tensor move
+            for k, v in list(state.items()):
+                state[k] = v.to(CUDA0)
+        report = optimshift.check(opt)
+        assert not report.ok and {f.key for f in report.findings} == {"step"}
+        assert report.syncs_per_step == 2 * policy_cost("Adam")
+        optimshift.move(opt)
+        assert optimshift.check(opt).ok
+        assert all(st["step"].device.type == "cpu" for st in opt.state.values())
+
+
+def test_cpu_fused_adam_moves_to_fake_cuda_and_steps_without_syncing():
+    """Lightning skips `step` always: a CPU-fused Adam moved to a GPU keeps a CPU step its kernel rejects.
+    optimshift moves it, and the fused step then runs with no host sync (fake tensors would raise on one)."""
+    params, opt = _trained_on_cpu(O.Adam, {"fused": True}, [(4, 4), (4,)])
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        new = [torch.nn.Parameter(p.detach().to(CUDA0)) for p in params]
+        optimshift.rebind(opt, new)
+        assert all(st["step"].device == CUDA0 for st in opt.state.values())
+        for p in new:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for st in opt.state.values():  # Lightning's rule: everything but `step` back on the device
+            st["step"] = st["step"].to("cpu")
+        report = optimshift.check(opt)
+        assert [f.severity for f in report.findings] == ["error", "error"]
+        assert "fused kernel rejects" in report.findings[0].why
+
+
+def policy_cost(name):
+    from optimshift.report import SYNC_COST
+
+    return SYNC_COST[(name, "step")]
+
+
+def test_unknown_optimizer_uses_default_rule_and_check_says_so():
+    class Mine(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    st = self.state[p]
+                    st.setdefault("step", torch.tensor(0.0))
+                    st.setdefault("buf", torch.zeros_like(p))
+                    st["step"] += 1
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = Mine([p])
+    opt.step()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
+        optimshift.rebind(opt, [q])
+        assert opt.state[q]["step"].device.type == "cpu" and opt.state[q]["buf"].device == CUDA0
+        report = optimshift.check(opt)
+        assert report.ok
+        assert any(f.severity == "info" and "register_policy" in f.why for f in report.findings)
+
+
+def test_register_policy_decides_for_third_party_classes():
+    class Counting(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    st = self.state[p]
+                    st.setdefault("count", torch.tensor(0, dtype=torch.int64))
+                    st.setdefault("scale", torch.tensor(1.0))
+                    st["count"] += 1
+
+    calls = []
+
+    def rule(key, value, param, group, device):
+        calls.append((key, device))
+        return torch.device("cpu") if key == "count" else None  # None: built-in/default rule
+
+    optimshift.register_policy(Counting, rule)
+    try:
+        p = torch.nn.Parameter(torch.zeros(3))
+        opt = Counting([p])
+        opt.step()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
+            optimshift.rebind(opt, [q])
+            assert opt.state[q]["count"].device.type == "cpu"
+            assert opt.state[q]["scale"].device == CUDA0  # default: a 0-dim non-'step' follows its param
+            assert ("count", CUDA0) in calls
+            assert optimshift.check(opt).ok
+    finally:
+        optimshift.unregister_policy(Counting)
+
+
+def test_register_policy_rejects_bad_input():
+    with pytest.raises(TypeError, match="Optimizer subclass"):
+        optimshift.register_policy(dict, lambda *a: None)
+    with pytest.raises(TypeError, match="callable"):
+        optimshift.register_policy(O.Adam, "cpu")
+
+
+def test_tensor_lr_in_param_group_is_state_too():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = O.Adam([p], lr=torch.tensor(0.01), fused=True)
+    p.grad = torch.ones(3)
+    opt.step()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
+        optimshift.rebind(opt, [q])
+        assert opt.param_groups[0]["lr"].device == CUDA0  # fused kernels read lr on the device
+        assert opt.state[q]["step"].device == CUDA0
+    opt2 = O.Adam([torch.nn.Parameter(torch.zeros(3))], lr=torch.tensor(0.01), foreach=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
+        optimshift.rebind(opt2, [q])
+        assert opt2.param_groups[0]["lr"].device.type == "cpu"  # read on the host: stays there

@@ -266,14 +266,14 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _aten = torch.ops.aten
 
 
-def _on_cpu_kernel(op: Any, *args: Any) -> Any:
+def _on_cpu_kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Call ``op``'s CPU kernel directly on sim tensors.
 
     Only for kernels that touch metadata, never data (views, set_, resize_ within capacity):
     those build the result from ``self``'s storage and dispatch keys, so applied to a sim
     tensor they give a sim tensor sharing its storage.
     """
-    return op.redispatch(_CPU_KEYS, *args)
+    return op.redispatch(_CPU_KEYS, *args, **kwargs)
 
 
 def _is_sim(x: Any) -> bool:
@@ -577,7 +577,7 @@ def _resize_(
             self.size(),
             self.stride(),
         )
-    return _on_cpu_kernel(_aten.resize_.default, self, size, memory_format)
+    return _on_cpu_kernel(_aten.resize_.default, self, size, memory_format=memory_format)
 
 
 def _set_empty(self: torch.Tensor) -> torch.Tensor:
@@ -587,12 +587,21 @@ def _set_empty(self: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _mse_loss_out(
+    self: torch.Tensor, target: torch.Tensor, reduction: int = 1, *, out: torch.Tensor
+) -> torch.Tensor:
+    # The CPU kernel of mse_loss.out first resizes ``out`` to the unreduced shape, warning
+    # that resizing a non-empty output is deprecated, and the composite mse_loss that every
+    # non-CPU/CUDA backend gets calls mse_loss.out. Compute functionally instead.
+    result = _run_on_backing(_aten.mse_loss.default, (self, target, reduction), {})
+    if out.size() != result.size():
+        out.resize_(result.size())
+    return out.copy_(result)
+
+
 def _metadata_only(op: Any) -> Any:
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        if kwargs:  # redispatch is positional; these ops have no kwarg-only arguments
-            names = [a.name for a in op._schema.arguments]
-            args = args + tuple(kwargs[n] for n in names[len(args) :] if n in kwargs)
-        return _on_cpu_kernel(op, *args)
+        return _on_cpu_kernel(op, *args, **kwargs)
 
     return kernel
 
@@ -602,6 +611,7 @@ _SPECIAL_KERNELS: dict[Any, Any] = {
     _aten._copy_from_and_resize.default: _copy_from_and_resize,
     _aten.resize_.default: _resize_,
     _aten.set_.default: _set_empty,
+    _aten.mse_loss.out: _mse_loss_out,
 }
 # View ops and storage swaps with backend-specific (CPU/Meta/...) kernels: their CPU kernels
 # only build a new TensorImpl on ``self``'s storage, which works unchanged for sim tensors and

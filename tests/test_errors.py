@@ -1,0 +1,110 @@
+"""Bad input gets a clear error naming what is wrong, raised before anything changes."""
+
+import pytest
+import torch
+
+import optimshift
+
+
+def _adam(n=3):
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(n)]
+    opt = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return params, opt
+
+
+def _snapshot(opt):
+    return [(id(p), {k: (id(v), v.device) for k, v in st.items()}) for p, st in opt.state.items()]
+
+
+@pytest.mark.parametrize("fn", [optimshift.move, optimshift.offload, optimshift.reload, optimshift.check,
+                                optimshift.placement])
+def test_not_an_optimizer(fn):
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        fn(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("device, exc, match", [
+    ("cuda:7", ValueError, "cuda:7 is not available"),
+    ("nonsense", ValueError, "not a device PyTorch knows"),
+    (3.5, TypeError, "must be a torch.device"),
+    (True, TypeError, "must be a torch.device"),
+    (-1, ValueError, ">= 0"),
+])
+def test_bad_device(device, exc, match):
+    _, opt = _adam()
+    before = _snapshot(opt)
+    with pytest.raises(exc, match=match):
+        optimshift.move(opt, device)
+    assert _snapshot(opt) == before
+
+
+def test_simulated_index_out_of_range(sim):
+    _, opt = _adam()
+    with pytest.raises(ValueError, match=rf"{sim.type}:7 is not available: this machine has 2 {sim.type} devices"):
+        optimshift.move(opt, f"{sim.type}:7")
+
+
+def test_state_for_a_param_in_no_group():
+    params, opt = _adam()
+    stray = torch.nn.Parameter(torch.zeros(5))
+    opt.state[stray] = {"exp_avg": torch.zeros(5)}
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"Adam: state holds an entry \(keys \['exp_avg'\]\) for a param of shape \(5,\)"):
+        optimshift.move(opt, "meta")
+    assert _snapshot(opt) == before
+
+
+def test_rebind_checks_count_and_shapes_first():
+    params, opt = _adam()
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="rebind got 2 params, the optimizer holds 3"):
+        optimshift.rebind(opt, params[:2])
+    with pytest.raises(ValueError, match=r"group 0, param 1 has shape \(4, 3\), the new param \(3, 4\)"):
+        optimshift.rebind(opt, [params[0], torch.nn.Parameter(torch.zeros(3, 4)), params[2]])
+    with pytest.raises(TypeError, match="not a tensor"):
+        optimshift.rebind(opt, [params[0], "x", params[2]])
+    with pytest.raises(ValueError, match="given twice"):
+        q = torch.nn.Parameter(torch.zeros(4, 3))
+        optimshift.rebind(opt, [params[0], q, q])
+    assert _snapshot(opt) == before
+    assert [p for p in opt.param_groups[0]["params"]] == params
+
+
+def test_rebind_repoints_groups_and_state():
+    params, opt = _adam()
+    new = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    values = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+    optimshift.rebind(opt, new)
+    assert opt.param_groups[0]["params"] == new
+    assert set(opt.state) == set(new)
+    for i, q in enumerate(new):
+        for k, v in values[i].items():
+            assert torch.equal(opt.state[q][k], v)
+    for p, q in zip(params, new):
+        q.grad = p.grad
+    opt.step()  # still a working optimizer
+
+
+def test_shared_tensor_stays_shared():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    shared = torch.zeros(3)
+    opt.state[params[0]]["momentum_buffer"] = shared
+    opt.state[params[1]]["momentum_buffer"] = shared
+    optimshift.move(opt, "meta")
+    assert opt.state[params[0]]["momentum_buffer"] is opt.state[params[1]]["momentum_buffer"]
+    assert opt.state[params[0]]["momentum_buffer"].device.type == "meta"
+
+
+def test_shared_tensor_sent_to_two_devices_is_refused(sim):
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device=sim))]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    shared = torch.zeros(3)
+    opt.state[params[0]]["momentum_buffer"] = shared
+    opt.state[params[1]]["momentum_buffer"] = shared
+    with pytest.raises(ValueError, match=r"shared by group 0, param 0, state\['momentum_buffer'\] and group 0, param 1"):
+        optimshift.move(opt)
+    assert opt.state[params[1]]["momentum_buffer"] is shared

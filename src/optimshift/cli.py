@@ -1,0 +1,49 @@
+"""The ``optimshift`` command. Each subcommand lives in its own module and registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+# subcommand name -> module defining ``register(subparsers)`` (which sets ``func`` on its parser).
+_COMMANDS = {
+    "demo": "optimshift.demo",
+    "inspect": "optimshift.checkpoint_cli",
+    "convert": "optimshift.checkpoint_cli",
+    "bench": "optimshift.bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="optimshift",
+        description="The missing optimizer.to(device): move, offload, reload, check and restore PyTorch "
+        "optimizer state across devices, where a fresh optimizer would keep it.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    registered = set()
+    for module_name in dict.fromkeys(_COMMANDS.values()):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:
+                continue  # a subcommand this build does not ship
+            raise
+        module.register(sub)
+        registered.add(module_name)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

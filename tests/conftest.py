@@ -10,7 +10,14 @@ def sim() -> torch.device:
     return simulated_accelerator()
 
 
+# Once the simulated accelerator (a Python PrivateUse1 backend) is registered, FakeTensorMode can no longer
+# build some fake cuda tensors from host scalars (`torch.as_tensor(0.5, device="cuda:0")`, a 0-dim CPU
+# tensor `.to("cuda:0")`): it reaches for the real CUDA backend. Tests on fake cuda:0 therefore run first.
+FAKE_CUDA_MODULES = ("test_policy.py",)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: 0 if item.path.name in FAKE_CUDA_MODULES else 1)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -134,7 +134,7 @@ def test_cpu_fused_adam_moves_to_fake_cuda_and_steps_without_syncing():
 def policy_cost(name):
     from optimshift.report import SYNC_COST
 
-    return SYNC_COST[(name, "step")]
+    return SYNC_COST[(name, "step")][0]  # foreach=False
 
 
 def test_unknown_optimizer_uses_default_rule_and_check_says_so():

@@ -163,7 +163,10 @@ def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch
     on_host = t.device.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
         base = _policy._builtin_base(type(optimizer))
-        cost = SYNC_COST.get((base.__name__ if base else name, site.key)) if len(site.path) == 1 else None
+        costs = SYNC_COST.get((base.__name__ if base else name, site.key)) if len(site.path) == 1 else None
+        foreach = group.get("foreach")
+        foreach = (t.device.type != "cpu") if foreach is None else bool(foreach)  # None: default on a device
+        cost = None if costs is None else costs[1 if foreach else 0]
         return ("warning",
                 f"{name} reads this scalar on the host each step: on {t.device} every read is a device-to-host sync",
                 cost)

@@ -115,7 +115,7 @@ def _builtin_base(cls: type) -> Optional[type]:
     for base in cls.__mro__:
         if base is torch.optim.Optimizer:
             return None
-        if base.__module__.startswith("torch.optim.") and getattr(torch.optim, base.__name__, None) is base:
+        if base.__module__.split(".")[:2] == ["torch", "optim"] and getattr(torch.optim, base.__name__, None) is base:
             return base
     return None
 

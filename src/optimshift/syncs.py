@@ -39,6 +39,9 @@ _DATA_DEPENDENT = {
 }
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
+# torch's own wrappers between an op and the code that called it: never the interesting line.
+_PLUMBING = tuple(_TORCH_DIR + p for p in ("_dynamo", "_compile.py", "utils" + os.sep + "_python_dispatch",
+                                          "utils" + os.sep + "_stats.py", "_ops.py", "_subclasses", "_tensor.py"))
 
 
 def _is_device(t: Any) -> bool:
@@ -113,7 +116,7 @@ def _sites() -> tuple[str, str]:
     origin = None
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        if filename != _THIS_FILE and not filename.startswith(_TORCH_DIR + "utils" + os.sep + "_python_dispatch"):
+        if filename != _THIS_FILE and not filename.startswith(_PLUMBING):
             if origin is None:
                 origin = _format(frame)
             if not filename.startswith(_TORCH_DIR):

@@ -11,57 +11,74 @@ What it enforces (each violation raises ``RuntimeError``, as CUDA does):
 
 1. An operator may not mix a sim tensor with a CPU tensor that has one or more dimensions
    ("Expected all tensors to be on the same device, but found at least two devices, sim:0
-   and cpu!"). 0-dim CPU tensors are accepted, as CUDA accepts them. Copies
-   (``copy_``, ``_copy_from``, ``_to_copy``, ``_foreach_copy_``...) may cross devices, and
-   index tensors of indexing ops may stay on the CPU, as on CUDA.
+   and cpu!"). 0-dim CPU tensors are accepted as inputs, as CUDA accepts them (but a device
+   op may not write into a CPU tensor). Copies (``copy_``, ``_copy_from``, ``_to_copy``,
+   ``_foreach_copy_``...) may cross devices, and the index tensors of indexing ops may stay
+   on the CPU, as on CUDA.
 2. A fused optimizer kernel (``aten::_fused_*``, e.g. ``_fused_adam_``, ``_fused_adamw_``,
    ``_fused_sgd_``, ``_fused_adagrad_``) may not receive any CPU tensor, not even a 0-dim
    one: CUDA's fused kernels reject a CPU ``step``.
 3. An operator other than a copy may not mix ``sim:0`` and ``sim:1`` tensors.
 
+(PyTorch itself already rejects some of these mixes before the simulator sees them, with the
+same message; the simulator's own checks cover the rest, e.g. a CPU ``step`` in a fused op.)
+
 ``.item()`` (and anything else that reads a value on the host) goes through
 ``aten::_local_scalar_dense``, so a ``TorchDispatchMode`` can count host syncs exactly as on
 CUDA. ``torch.optim`` treats "sim" like CUDA: it is in the foreach, fused and capturable
 device lists (they include the PrivateUse1 backend's name), so ``Adam(fused=True)``,
-``Adam(capturable=True)`` and the default foreach paths really run on sim.
+``Adam(capturable=True)`` and the default foreach paths really run on sim, and a default
+(non-capturable, non-fused) Adam keeps its ``step`` on the CPU, as on CUDA.
 
 Limits, honestly:
 
-* It is slow: every operator goes through Python, and factory ops and results allocate CPU
-  memory through DLPack plumbing. Fine for unit tests on small models; not for benchmarks.
-* It is not a real CUDA: there are no streams or events (``non_blocking`` copies are
-  synchronous), no pinned memory, no per-device generators (random ops use the CPU's
-  default generator, so ``torch.randn(..., device=sim)`` gives the CPU's values), no
-  memory caching or fragmentation, and numerics are the CPU kernels' numerics.
-* Only what PyTorch's Python-side PrivateUse1 hooks can express is available. In
-  particular PyTorch's C++ device guard for a Python backend always reports device 0 and
-  a device count of 1, so the C++ side (e.g. the autograd engine's per-device worker
-  threads) only knows about one device. Forward ops, copies, optimizer steps and
-  ``.item()`` work on ``sim:1``; *backward* through tensors on ``sim:1`` needs
-  ``torch.autograd.set_multithreading_enabled(False)`` (see ``simulated_accelerator``).
-* ``torch.save`` of sim tensors, sparse/quantized/nested layouts and complex autocast
-  setups are not supported.
+* It is slow: every operator goes through Python and every result is wrapped through
+  DLPack plumbing (tens of microseconds per op). Fine for unit tests on small models.
+* It is not a real CUDA: there are no streams or events, every copy is synchronous
+  (``non_blocking=True`` is accepted and ignored), there is no pinned memory (a
+  ``non_blocking`` copy to the CPU returns an ordinary tensor; ``pin_memory()`` and
+  ``pin_memory=True`` raise ``NotImplementedError`` once the simulator is set up, because
+  PyTorch then asks the sim backend for a pinned allocator), random ops use the CPU's
+  default generator (``torch.randn(..., device=sim)`` gives the CPU's values, there is no
+  per-device generator), there is no caching allocator, and numerics are the CPU kernels'.
+* PyTorch's C++ device guard for a Python backend always reports device 0 and a device
+  count of 1. Python-level queries (``torch.sim.device_count()``, ``current_device()``) say
+  2 and whatever ``torch.sim.set_device`` chose, but C++ only ever sees device 0; the
+  autograd engine's per-device worker threads are the visible consequence, see below.
+* Sparse, quantized and nested tensors, custom generators and CUDA-graph capture on sim are
+  not supported.
 
 Global side effects, once per process (the first call to ``simulated_accelerator``; merely
 importing ``optimshift.testing`` sets nothing up):
 
 * PrivateUse1 is renamed to ``"sim"`` (PyTorch allows one rename per process, so a process
-  that uses another PrivateUse1 backend cannot use this one, and vice versa); ``torch.sim``
-  becomes the backend module, ``Tensor.sim()``/``Tensor.is_sim``/``Module.sim()`` appear,
-  and ``torch.accelerator`` will report the sim device.
+  that uses another PrivateUse1 backend cannot use this one); ``torch.sim`` becomes the
+  backend module; ``Tensor.sim()``, ``Tensor.is_sim``, ``Module.sim()`` and storage
+  methods appear; ``torch.accelerator.is_available()`` becomes true and reports "sim".
 * ``torch.__future__.set_swap_module_params_on_conversion(True)`` is switched on so that
-  ``module.to(sim)`` keeps each ``Parameter`` object's identity (its ``.data`` is swapped in
-  place), as ``module.to("cuda")`` does. This changes ``module.to()`` for every device in
-  the process.
+  ``module.to(sim)`` keeps each ``Parameter`` object's identity (its contents are swapped
+  in place), as ``module.to("cuda")`` does. This changes ``module.to()`` for every device.
+* Autograd multithreading is switched off *for the thread that sets the simulator up*
+  (``torch.autograd.set_multithreading_enabled(False)``): the engine sizes its device
+  queues from the C++ guard's device count (1), so backward through ``sim:1`` tensors on a
+  multithreaded engine hits an internal assert. Device backward then runs on the calling
+  thread. Other threads that run backward on ``sim:1`` must switch it off themselves.
+* ``torch.UntypedStorage.__new__`` is wrapped so that ``torch.UntypedStorage(n,
+  device="sim:N")`` works: a Python backend cannot register a C++ allocator, and without
+  one PyTorch dereferences a null allocator (segfault) in ``copy.deepcopy`` of a sim
+  tensor, ``storage.to(sim)`` and ``torch.load(..., map_location=sim)``. Other devices go
+  straight to the original constructor.
 * A boxed fallback and a few kernels are registered for the PrivateUse1 dispatch key.
 
 How it works: a sim tensor is an ordinary ``torch.Tensor`` of device ``sim:N`` whose storage
-was created through DLPack (device type ``kDLExtDev``, which PyTorch maps to PrivateUse1)
-over the memory of a CPU storage; that CPU storage is the *backing* of the sim storage and
-lives exactly as long as it. The CPU view of any sim tensor has the same size, stride and
-storage offset over the backing storage as the sim tensor has over its own storage, so views
-built by PyTorch on the device tensor itself (``as_strided`` in device coordinates, as
-autograd does through transposes) alias exactly the right values.
+was created through DLPack (device type ``kDLExtDev``, which PyTorch imports as
+PrivateUse1) over the memory of a whole CPU storage; that CPU storage is the *backing* of
+the sim storage and lives exactly as long as it. The CPU view of a sim tensor has the same
+size, stride and storage offset over the backing storage as the sim tensor has over its own
+storage, so views that PyTorch builds on the device tensor itself (``as_strided`` in device
+coordinates, as autograd does through transposes) alias exactly the right values. View ops
+run their CPU kernels directly on the sim tensor (they only build metadata over ``self``'s
+storage); everything else runs on the backing tensors and its results are wrapped back.
 """
 
 from __future__ import annotations
@@ -95,14 +112,15 @@ _is_setup = False
 def simulated_accelerator(index: int = 0) -> torch.device:
     """Set up the simulated ``"sim"`` accelerator (once per process) and return ``sim:index``.
 
-    Idempotent and thread-safe; later calls only return the device. Global side effects of
-    the first call (see the module docstring for the full list): PrivateUse1 is renamed to
-    ``"sim"`` and ``torch.__future__.set_swap_module_params_on_conversion(True)`` is switched
-    on, so that ``module.to(device)`` keeps ``Parameter`` identity, as on CUDA.
+    Idempotent and thread-safe; later calls only return the device. The first call has
+    process-wide side effects (the module docstring lists them all): PrivateUse1 is renamed
+    to ``"sim"``; ``torch.__future__.set_swap_module_params_on_conversion(True)`` is switched
+    on, so that ``module.to(device)`` keeps ``Parameter`` identity, as on CUDA; autograd
+    multithreading is switched off for the calling thread (needed for backward on
+    ``sim:1``); ``torch.UntypedStorage(n, device="sim")`` is made to work.
 
-    Two devices exist, ``sim:0`` and ``sim:1``. Backward through tensors on ``sim:1`` needs
-    ``torch.autograd.set_multithreading_enabled(False)`` (PyTorch's Python backend device
-    guard only knows about one device); everything else works on both.
+    Two devices exist, ``sim:0`` and ``sim:1``; copies between them are allowed, other
+    ops mixing them raise, as on CUDA.
 
     Raises:
         ValueError: ``index`` is not 0 or 1.
@@ -151,7 +169,7 @@ def simulated_memory_allocated(index: int = 0) -> int:
 # removes the entry and updates the per-device byte counter. Keys cannot be confused while
 # an entry is alive: the backing memory cannot be reused while the backing storage lives.
 
-_registry_lock = threading.Lock()
+_registry_lock = threading.RLock()  # reentrant: a GC pass inside may run _unregister
 _allocated = [0] * _NUM_DEVICES
 
 
@@ -289,7 +307,7 @@ def _backing(t: torch.Tensor) -> torch.Tensor:
         storage = _lookup(st.data_ptr())
         if storage is None:  # pragma: no cover - would be a bug in this module
             raise RuntimeError(f"simulated accelerator: {t.device} tensor has no backing storage")
-    cpu = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
+    cpu = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size())
     if t.is_conj():
         cpu = torch._conj(cpu)
     if t.is_neg():
@@ -367,11 +385,19 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
     cpu_scalar: torch.Tensor | None = None
     other: torch.Tensor | None = None
 
-    schema_args = op._schema.arguments
-    named = list(zip((a.name for a in schema_args), args)) + list(kwargs.items())
+    cpu_written: torch.Tensor | None = None  # a CPU tensor the op would write into
+
+    schema_args = {a.name: a for a in op._schema.arguments}
+    named = list(zip(schema_args, args)) + list(kwargs.items())
     for arg_name, value in named:
         if skip_indices and arg_name == "indices":
             continue
+        schema_arg = schema_args.get(arg_name)
+        written = (
+            schema_arg is not None
+            and schema_arg.alias_info is not None
+            and schema_arg.alias_info.is_write
+        )
         for t in _iter_tensors(value):
             dev = t.device
             if dev.type == SIM_DEVICE_TYPE:
@@ -382,6 +408,8 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
                     cpu_scalar = t
                 else:
                     cpu_tensor = t
+                if written:
+                    cpu_written = t
             else:
                 other = t
 
@@ -405,6 +433,12 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
         raise RuntimeError(
             "Expected all tensors to be on the same device, but found at least two devices, "
             f"{first} and {other.device}! (simulated accelerator, in {name})"
+        )
+    if cpu_written is not None and first is not None:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{first} and cpu! (simulated accelerator, in {name}: a device op cannot write "
+            "into a CPU tensor, not even a 0-dim one)"
         )
     if cpu_tensor is not None and first is not None:
         raise RuntimeError(
@@ -552,6 +586,34 @@ def _copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False
     return dst
 
 
+def _to_copy(
+    self: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: Any = None,
+    pin_memory: bool | None = None,
+    non_blocking: bool = False,
+    memory_format: torch.memory_format | None = None,
+) -> torch.Tensor:
+    # Registered for PrivateUse1 ahead of the composite _to_copy, which would ask the (absent)
+    # PrivateUse1 pinned-memory allocator for the result of a non_blocking sim->cpu copy.
+    # Copies are synchronous here and results are never pinned.
+    src = _backing(self) if _is_sim(self) else self
+    if device is None:
+        index = self.device.index if _is_sim(self) else None
+    else:
+        index = _sim_index_of(device)
+        if index is None and torch.device(device).type != "cpu":
+            raise RuntimeError(f"simulated accelerator: cannot copy a sim tensor to {device}")
+    result = _aten._to_copy.default(
+        src, dtype=dtype, layout=layout, device=torch.device("cpu"), memory_format=memory_format
+    )
+    if index is None:
+        return result
+    return _wrap_fresh(result, index, {})
+
+
 def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if dst.size() != self.size():
         dst.resize_(self.size())
@@ -607,6 +669,7 @@ def _metadata_only(op: Any) -> Any:
 
 
 _SPECIAL_KERNELS: dict[Any, Any] = {
+    _aten._to_copy.default: _to_copy,
     _aten._copy_from.default: _copy_from,
     _aten._copy_from_and_resize.default: _copy_from_and_resize,
     _aten.resize_.default: _resize_,
@@ -629,6 +692,39 @@ for _op in (
 ):
     _SPECIAL_KERNELS[_op] = _metadata_only(_op)
 del _op
+
+
+# --------------------------------------------------------------------------------------------
+# Storages created directly on sim: torch.UntypedStorage(n, device="sim")
+# --------------------------------------------------------------------------------------------
+#
+# PyTorch allocates such storages with the C++ allocator registered for the device, and a
+# Python backend cannot register one: with none set, the constructor dereferences a null
+# allocator and the process dies with a segfault. It is reached by ``copy.deepcopy`` of a sim
+# tensor (storage.clone()), ``storage.sim()``/``storage.to()`` and ``torch.load`` with a sim
+# ``map_location``. Setup therefore routes sim-device storage construction through here.
+
+_storage_base_new = torch._C.StorageBase.__new__
+
+
+def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    device = kwargs.get("device")
+    index = None
+    if device is not None and not isinstance(device, int):
+        try:
+            index = _sim_index_of(device)
+        except (RuntimeError, TypeError, ValueError):
+            index = None
+    if index is None:
+        return _storage_base_new(cls, *args, **kwargs)
+    if cls is not torch.UntypedStorage or kwargs.get("allocator") is not None:
+        raise RuntimeError(
+            f"simulated accelerator: cannot construct {cls.__name__} on {device} with "
+            f"{sorted(kwargs)}; only torch.UntypedStorage(size_or_data, device=...) is supported"
+        )
+    cpu_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+    backing = _storage_base_new(cls, *args, **cpu_kwargs)  # a CPU storage with the contents
+    return _new_sim_storage_root(backing, index).untyped_storage()
 
 
 # --------------------------------------------------------------------------------------------
@@ -661,6 +757,10 @@ class _SimBackendModule:
         if index is None or not 0 <= index < _NUM_DEVICES:
             raise ValueError(f"invalid simulated device {device!r}")
         self._current = index
+
+    def device(self, device: Any) -> "_DeviceContext":
+        """Context manager that makes ``device`` the current sim device (like torch.cuda.device)."""
+        return _DeviceContext(self, device)
 
     def synchronize(self, device: Any = None) -> None:
         """No-op: the simulator runs every op synchronously."""
@@ -698,6 +798,22 @@ class _SimBackendModule:
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16]
+
+
+class _DeviceContext:
+    def __init__(self, module: _SimBackendModule, device: Any) -> None:
+        self._module = module
+        self._index = device if isinstance(device, int) else _sim_index_of(device)
+        self._previous: int | None = None
+
+    def __enter__(self) -> None:
+        self._previous = self._module.current_device()
+        if self._index is not None and self._index >= 0:
+            self._module.set_device(self._index)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            self._module.set_device(self._previous)
 
 
 _backend_module = _SimBackendModule()
@@ -760,10 +876,19 @@ def _ensure_setup() -> None:
         _setup_privateuseone_for_python_backend(
             SIM_DEVICE_TYPE, backend_module=_backend_module, hook=hook, device_guard=guard
         )
-        lib = torch.library.Library("_", "IMPL")  # noqa: TOR901
-        lib.fallback(_fallback, "PrivateUse1")
-        # Keep the registration (and the hook/guard objects) alive with torch.sim itself.
-        _backend_module._library = lib  # type: ignore[attr-defined]
+        fallback_lib = torch.library.Library("_", "IMPL")  # noqa: TOR901
+        fallback_lib.fallback(_fallback, "PrivateUse1")
+        # Ops with a CompositeExplicitAutograd kernel never reach the fallback; these need
+        # their own PrivateUse1 kernel to take precedence over the composite one.
+        aten_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+        aten_lib.impl("_to_copy", _to_copy, "PrivateUse1")
+        # Keep the registrations (and the hook/guard objects) alive with torch.sim itself.
+        _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]
+        torch.UntypedStorage.__new__ = _untyped_storage_new  # type: ignore[method-assign]
+        # The autograd engine sizes its per-device worker queues from the C++ device guard,
+        # which reports a single device for Python backends, so backward on sim:1 would hit an
+        # internal assert. With multithreading off, this thread runs device backward itself.
+        torch._C._set_multithreading_enabled(False)
         torch.__future__.set_swap_module_params_on_conversion(True)
         _is_setup = True

@@ -1,0 +1,65 @@
+"""All or nothing: a failure in the middle of a move leaves the optimizer exactly as it was."""
+
+import pytest
+import torch
+
+import optimshift
+from optimshift import engine
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _adam(device, n=30):
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=device)) for _ in range(n)]
+    opt = torch.optim.Adam(params, fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return params, opt
+
+
+def _fingerprint(opt):
+    return [(id(p), [(k, id(v), v.device) for k, v in st.items()]) for p, st in opt.state.items()], \
+        [[id(p) for p in g["params"]] for g in opt.param_groups]
+
+
+@pytest.fixture
+def fail_on_50th(monkeypatch):
+    real = engine.copy_tensor
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 50:
+            raise Boom("injected failure on the 50th copy (think: an OOM on the 900th tensor)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "copy_tensor", flaky)
+    return calls
+
+
+@pytest.mark.parametrize("operation", ["move", "offload", "reload_to", "rebind"])
+def test_failure_mid_transfer_leaves_optimizer_untouched(sim, fail_on_50th, operation):
+    params, opt = _adam(sim)
+    before = _fingerprint(opt)
+    values = [{k: v.cpu() for k, v in st.items()} for st in opt.state.values()]
+    with pytest.raises(Boom):
+        if operation == "move":
+            optimshift.move(opt, torch.device(sim.type, 1))
+        elif operation == "offload":
+            optimshift.offload(opt)
+        elif operation == "reload_to":
+            optimshift.reload(opt, "cpu")
+        else:
+            optimshift.rebind(opt, [torch.nn.Parameter(p.detach().cpu()) for p in params])
+    assert fail_on_50th["n"] == 50
+    assert _fingerprint(opt) == before
+    assert not optimshift.is_offloaded(opt)
+    for st, vals in zip(opt.state.values(), values):
+        for k, v in st.items():
+            assert torch.equal(v.cpu(), vals[k])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # still a working optimizer

@@ -1,0 +1,48 @@
+"""count_syncs: counts device-to-host syncs by op, device and (with trace) source line; zero on the CPU."""
+
+import os
+
+import torch
+
+import optimshift
+
+
+def test_cpu_work_counts_zero():
+    x = torch.randn(10)
+    with optimshift.count_syncs() as syncs:
+        float(x.sum())
+        x.nonzero()
+        x.cpu()
+        x.tolist()
+    assert syncs.total == 0
+
+
+def test_counts_items_copies_and_data_dependent_ops(sim):
+    x = torch.arange(6.0, device=sim)
+    with optimshift.count_syncs() as syncs:
+        x[0].item()
+        float(x[1])
+        x.cpu()
+        x.nonzero()
+        torch.masked_select(x, x > 2)
+        y = x + 1  # no sync: stays on the device
+    assert syncs.by_op == {"item": 2, "copy_to_host": 1, "nonzero": 1, "masked_select": 1}
+    assert syncs.total == 5 and syncs.by_device == {"sim:0": 5}
+    assert y.device == sim
+
+
+def test_trace_names_the_line_outside_torch_and_the_line_inside_it(sim):
+    params = [torch.nn.Parameter(torch.randn(3, device=sim)) for _ in range(2)]
+    opt = torch.optim.Adam(params, foreach=False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for st in opt.state.values():
+        st["step"] = st["step"].to(sim)  # the seed's bug
+    with optimshift.count_syncs(trace=True) as syncs:
+        opt.step()
+    assert syncs.total == 2
+    ((site, n),) = syncs.by_site.items()
+    assert site.startswith(os.path.join("tests", "test_syncs.py") + ":") and "test_trace" in site and n == 2
+    ((origin, _),) = syncs.by_origin.items()
+    assert origin.startswith("torch/optim/"), origin

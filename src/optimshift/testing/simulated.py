@@ -45,6 +45,8 @@ Limits, honestly:
   count of 1. Python-level queries (``torch.sim.device_count()``, ``current_device()``) say
   2 and whatever ``torch.sim.set_device`` chose, but C++ only ever sees device 0; the
   autograd engine's per-device worker threads are the visible consequence, see below.
+* ``torch.autocast("sim")`` is accepted but casts nothing (CUDA's autocast op lists are
+  C++ registrations a Python backend cannot reuse).
 * Sparse, quantized and nested tensors, custom generators and CUDA-graph capture on sim are
   not supported.
 
@@ -169,8 +171,6 @@ def simulated_memory_allocated(index: int = 0) -> int:
 # removes the entry and updates the per-device byte counter. Keys cannot be confused while
 # an entry is alive: the backing memory cannot be reused while the backing storage lives.
 
-_registry_lock = threading.RLock()  # reentrant: a GC pass inside may run _unregister
-_allocated = [0] * _NUM_DEVICES
 
 
 class _Entry:
@@ -182,12 +182,34 @@ class _Entry:
         self.index = index
 
 
-_registry: dict[int, _Entry] = {}
+class _State:
+    """Process-wide simulator state, kept on ``torch.sim`` once set up.
+
+    A second copy of this module (``importlib.reload``, or the package imported under two
+    names) picks it up again at import instead of starting empty, since the kernels that
+    PyTorch calls belong to whichever copy did the setup.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # reentrant: a GC pass inside may run _unregister
+        self.registry: dict[int, _Entry] = {}
+        self.allocated = [0] * _NUM_DEVICES
+        self.current_device = 0
 
 
-def _unregister(key: int, entry: _Entry) -> None:
+# Reading torch.sim sets nothing up; it only finds the state of an earlier setup.
+_state: _State = (
+    getattr(getattr(torch, SIM_DEVICE_TYPE, None), "_optimshift_state", None) or _State()
+)
+_registry_lock = _state.lock
+_registry = _state.registry
+_allocated = _state.allocated
+
+
+def _unregister(key: int, ref: weakref.ref) -> None:
     with _registry_lock:
-        if _registry.get(key) is entry:
+        entry = _registry.get(key)
+        if entry is not None and entry.ref is ref:
             del _registry[key]
             _allocated[entry.index] -= entry.nbytes
 
@@ -195,8 +217,8 @@ def _unregister(key: int, entry: _Entry) -> None:
 def _register(storage: torch.UntypedStorage, index: int) -> None:
     key = storage.data_ptr()
     nbytes = storage.nbytes()
-    entry = _Entry(None, nbytes, index)  # type: ignore[arg-type]
-    entry.ref = weakref.ref(storage, lambda _ref, key=key, entry=entry: _unregister(key, entry))
+    ref = weakref.ref(storage, lambda ref, key=key: _unregister(key, ref))
+    entry = _Entry(ref, nbytes, index)
     with _registry_lock:
         old = _registry.get(key)
         if old is not None:
@@ -307,7 +329,7 @@ def _backing(t: torch.Tensor) -> torch.Tensor:
         storage = _lookup(st.data_ptr())
         if storage is None:  # pragma: no cover - would be a bug in this module
             raise RuntimeError(f"simulated accelerator: {t.device} tensor has no backing storage")
-    cpu = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size())
+    cpu = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
     if t.is_conj():
         cpu = torch._conj(cpu)
     if t.is_neg():
@@ -368,6 +390,9 @@ _INDEX_OPS = frozenset(
 )
 
 
+_schema_args: dict[Any, dict[str, Any]] = {}  # op -> {argument name: schema argument}
+
+
 def _iter_tensors(x: Any) -> Iterator[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         yield x
@@ -387,7 +412,9 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
 
     cpu_written: torch.Tensor | None = None  # a CPU tensor the op would write into
 
-    schema_args = {a.name: a for a in op._schema.arguments}
+    schema_args = _schema_args.get(op)
+    if schema_args is None:
+        schema_args = _schema_args[op] = {a.name: a for a in op._schema.arguments}
     named = list(zip(schema_args, args)) + list(kwargs.items())
     for arg_name, value in named:
         if skip_indices and arg_name == "indices":
@@ -495,49 +522,66 @@ def _run_on_backing(op: Any, args: tuple, kwargs: dict) -> Any:
         index = _current_index()
 
     # Unwrap sim tensors to their CPU backing, remembering which backing belongs to which.
-    by_id: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(cpu) -> (cpu, sim)
-    by_storage: dict[int, torch.Tensor] = {}  # backing data_ptr -> a sim tensor on it
-
-    def unwrap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if x.device.type != SIM_DEVICE_TYPE:
-                return x
-            cpu = _backing(x)
-            by_id[id(cpu)] = (cpu, x)
-            if x.untyped_storage().nbytes():
-                by_storage[x.untyped_storage().data_ptr()] = x
-            return cpu
-        if isinstance(x, (list, tuple)):
-            return type(x)(unwrap(y) for y in x)
-        return x
-
-    cpu_args = unwrap(args)
-    cpu_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+    # (Plain module-level helpers, not recursive closures: a closure that refers to itself is
+    # a reference cycle and would keep every tensor it saw alive until the next GC pass.)
+    unwrapped = _Unwrapped()
+    cpu_args = _unwrap(args, unwrapped)
+    cpu_kwargs = {k: _unwrap(v, unwrapped) for k, v in kwargs.items()}
     out = op(*cpu_args, **cpu_kwargs)
+    del cpu_args, cpu_kwargs
 
     # A mutated argument may have been resized by the CPU kernel (out= with a wrong shape).
-    for cpu, sim in by_id.values():
+    for cpu, sim in unwrapped.by_id.values():
         _sync_metadata(sim, cpu)
 
-    roots: dict[int, torch.Tensor] = {}
+    return _wrap(out, index, unwrapped, {})
 
-    def wrap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            hit = by_id.get(id(x))
-            if hit is not None and hit[0] is x:
-                return hit[1]  # in-place / out= result: the caller's own tensor
-            if x.device.type != "cpu":
-                return x
-            st = x.untyped_storage()
-            alias_of = by_storage.get(st.data_ptr()) if st.nbytes() else None
-            if alias_of is not None:
-                return _sim_view(alias_of, x)  # a view of an input
-            return _wrap_fresh(x, index, roots)
-        if isinstance(x, (list, tuple)):
-            return type(x)(wrap(y) for y in x)
-        return x
 
-    return wrap(out)
+class _Unwrapped:
+    """What ``_unwrap`` saw: needed to map a CPU kernel's results back to sim tensors."""
+
+    __slots__ = ("by_id", "by_storage", "cpu_storages")
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(cpu) -> (cpu, sim)
+        self.by_storage: dict[int, torch.Tensor] = {}  # backing data_ptr -> a sim tensor on it
+        self.cpu_storages: set[int] = set()  # data_ptrs of the caller's own CPU tensors
+
+
+def _unwrap(x: Any, seen: _Unwrapped) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.device.type != SIM_DEVICE_TYPE:
+            if x.device.type == "cpu":
+                seen.cpu_storages.add(x.untyped_storage().data_ptr())
+            return x
+        cpu = _backing(x)
+        seen.by_id[id(cpu)] = (cpu, x)
+        st = x.untyped_storage()
+        if st.nbytes():
+            seen.by_storage[st.data_ptr()] = x
+        return cpu
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(y, seen) for y in x)
+    return x
+
+
+def _wrap(x: Any, index: int, seen: _Unwrapped, roots: dict[int, torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        hit = seen.by_id.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]  # in-place / out= result: the caller's own tensor
+        if x.device.type != "cpu":
+            return x
+        st = x.untyped_storage()
+        alias_of = seen.by_storage.get(st.data_ptr()) if st.nbytes() else None
+        if alias_of is not None:
+            return _sim_view(alias_of, x)  # a view of an input
+        if st.nbytes() and st.data_ptr() in seen.cpu_storages:
+            x = x.clone()  # never turn a caller's CPU memory into device memory
+        return _wrap_fresh(x, index, roots)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wrap(y, index, seen, roots) for y in x)
+    return x
 
 
 def _sync_metadata(sim: torch.Tensor, cpu: torch.Tensor) -> None:
@@ -629,7 +673,8 @@ def _resize_(
         # Grow: new backing with the old bytes, then point ``self`` at its sim twin.
         new = torch.empty(needed, dtype=torch.uint8)
         if st.nbytes():
-            new[: st.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(_lookup(st.data_ptr())))
+            old = torch.empty(0, dtype=torch.uint8).set_(_lookup(st.data_ptr()))
+            new[: st.nbytes()].copy_(old)
         root = _new_sim_storage_root(new.untyped_storage(), self.device.index)
         _on_cpu_kernel(
             _aten.set_.source_Storage_storage_offset,
@@ -709,14 +754,13 @@ _storage_base_new = torch._C.StorageBase.__new__
 
 def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
     device = kwargs.get("device")
-    index = None
-    if device is not None and not isinstance(device, int):
-        try:
-            index = _sim_index_of(device)
-        except (RuntimeError, TypeError, ValueError):
-            index = None
-    if index is None:
+    try:
+        parsed = None if device is None else torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        parsed = None  # let the original constructor report it
+    if parsed is None or parsed.type != SIM_DEVICE_TYPE:
         return _storage_base_new(cls, *args, **kwargs)
+    index = _sim_index_of(parsed)  # raises for an index out of range
     if cls is not torch.UntypedStorage or kwargs.get("allocator") is not None:
         raise RuntimeError(
             f"simulated accelerator: cannot construct {cls.__name__} on {device} with "
@@ -735,10 +779,8 @@ def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
 class _SimBackendModule:
     """What ``torch.sim`` is. Mirrors the parts of ``torch.cuda`` that PyTorch and tests use."""
 
-    _optimshift_simulated = True  # marks a torch.sim set up by this module
-
-    def __init__(self) -> None:
-        self._current = 0
+    def __init__(self, state: _State) -> None:
+        self._optimshift_state = state  # also marks a torch.sim set up by this module
 
     def is_available(self) -> bool:
         return True
@@ -750,23 +792,23 @@ class _SimBackendModule:
         return _NUM_DEVICES
 
     def current_device(self) -> int:
-        return self._current
+        return self._optimshift_state.current_device
 
     def set_device(self, device: Any) -> None:
         index = device if isinstance(device, int) else _sim_index_of(device)
         if index is None or not 0 <= index < _NUM_DEVICES:
             raise ValueError(f"invalid simulated device {device!r}")
-        self._current = index
+        self._optimshift_state.current_device = index
 
     def device(self, device: Any) -> "_DeviceContext":
-        """Context manager that makes ``device`` the current sim device (like torch.cuda.device)."""
+        """Context manager making ``device`` the current sim device (like torch.cuda.device)."""
         return _DeviceContext(self, device)
 
     def synchronize(self, device: Any = None) -> None:
         """No-op: the simulator runs every op synchronously."""
 
     def memory_allocated(self, device: Any = None) -> int:
-        index = self._current if device is None else (
+        index = self.current_device() if device is None else (
             device if isinstance(device, int) else _sim_index_of(device)
         )
         return simulated_memory_allocated(index)
@@ -816,7 +858,7 @@ class _DeviceContext:
             self._module.set_device(self._previous)
 
 
-_backend_module = _SimBackendModule()
+_backend_module = _SimBackendModule(_state)
 
 
 def _make_hooks_and_guard() -> tuple[Any, Any]:
@@ -833,8 +875,8 @@ def _make_hooks_and_guard() -> tuple[Any, Any]:
             return True
 
     class _SimDeviceGuard(acc.DeviceGuard):  # type: ignore[name-defined, misc]
-        # PyTorch's Python device guard only lets Python choose the device type; device
-        # index queries from C++ always answer 0 and the count is 1.
+        # PyTorch's Python device guard only lets Python choose the device type: in C++ it
+        # always reports device 0, a device count of 1, and no-op streams and events.
         def type_(self) -> Any:
             return torch._C._autograd.DeviceType.PrivateUse1
 
@@ -850,8 +892,9 @@ def _ensure_setup() -> None:
             return
         current = torch._C._get_privateuse1_backend_name()
         existing = getattr(torch, SIM_DEVICE_TYPE, None)
-        if current == SIM_DEVICE_TYPE and getattr(existing, "_optimshift_simulated", False):
-            # Set up by another copy of this module (e.g. after importlib.reload).
+        if current == SIM_DEVICE_TYPE and getattr(existing, "_optimshift_state", None) is _state:
+            # Set up by another copy of this module (importlib.reload, or the package
+            # imported under two names); the state below is shared with it (see _State).
             _is_setup = True
             return
         if current != "privateuseone":
@@ -868,19 +911,23 @@ def _ensure_setup() -> None:
             torch._C._acc.DeviceGuard  # noqa: B018 - feature check
         except (ImportError, AttributeError) as exc:  # pragma: no cover - old torch
             raise RuntimeError(
-                f"the simulated accelerator needs PyTorch's Python PrivateUse1 hooks "
-                f"(torch>=2.6); this is torch {torch.__version__}"
+                "the simulated accelerator needs PyTorch's Python PrivateUse1 hooks "
+                "(torch.utils.backend_registration._setup_privateuseone_for_python_backend, "
+                f"torch._C._acc); torch {torch.__version__} lacks them"
             ) from exc
 
         hook, guard = _make_hooks_and_guard()
         _setup_privateuseone_for_python_backend(
             SIM_DEVICE_TYPE, backend_module=_backend_module, hook=hook, device_guard=guard
         )
-        fallback_lib = torch.library.Library("_", "IMPL")  # noqa: TOR901
+        fallback_lib = torch.library.Library("_", "IMPL")
         fallback_lib.fallback(_fallback, "PrivateUse1")
+        # Nothing is registered for AutocastPrivateUse1, so without this every op under
+        # torch.autocast("sim") fails. Autocast on sim is therefore a no-op (no casts).
+        fallback_lib.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
         # Ops with a CompositeExplicitAutograd kernel never reach the fallback; these need
         # their own PrivateUse1 kernel to take precedence over the composite one.
-        aten_lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+        aten_lib = torch.library.Library("aten", "IMPL")
         aten_lib.impl("_to_copy", _to_copy, "PrivateUse1")
         # Keep the registrations (and the hook/guard objects) alive with torch.sim itself.
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]

@@ -1,0 +1,625 @@
+"""Tests for the simulated "sim" accelerator (optimshift.testing.simulated)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import optimshift.testing as ost
+from optimshift.testing import SIM_DEVICE_TYPE, simulated_accelerator, simulated_memory_allocated
+
+_SRC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ost.__file__))))
+
+# Same-size integer dtypes, to compare floating point tensors bit for bit (NaN, -0.0 included).
+_BITS = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.device.type == "cpu" and expected.device.type == "cpu"
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    if actual.dtype in _BITS:
+        actual, expected = actual.view(_BITS[actual.dtype]), expected.view(_BITS[actual.dtype])
+    assert torch.equal(actual, expected)
+
+
+@pytest.fixture(scope="module")
+def sim0() -> torch.device:
+    return simulated_accelerator(0)
+
+
+@pytest.fixture(scope="module")
+def sim1() -> torch.device:
+    return simulated_accelerator(1)
+
+
+class CountSyncs(TorchDispatchMode):
+    """Counts aten._local_scalar_dense calls (host syncs), per device type of the tensor read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_device: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dev = args[0].device.type
+            self.by_device[dev] = self.by_device.get(dev, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=_SRC_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Setup and API
+# ------------------------------------------------------------------------------------------
+
+
+def test_import_sets_nothing_up_and_rename_conflict_raises():
+    proc = _run_python(
+        """
+        import json, torch
+        import optimshift.testing as ost
+        out = {
+            "name_after_import": torch._C._get_privateuse1_backend_name(),
+            "swap_after_import": torch.__future__.get_swap_module_params_on_conversion(),
+            "has_torch_sim": hasattr(torch, "sim"),
+            "allocated": ost.simulated_memory_allocated(0),
+        }
+        torch.utils.rename_privateuse1_backend("foo")
+        try:
+            ost.simulated_accelerator(0)
+        except RuntimeError as exc:
+            out["error"] = str(exc)
+        print(json.dumps(out))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["name_after_import"] == "privateuseone"
+    assert out["swap_after_import"] is False
+    assert out["has_torch_sim"] is False
+    assert out["allocated"] == 0
+    assert "'foo'" in out["error"] and "already renamed" in out["error"]
+
+
+def test_second_copy_of_the_module_shares_the_live_state():
+    proc = _run_python(
+        """
+        import importlib, importlib.util, json, torch
+        import optimshift.testing.simulated as first
+        dev = first.simulated_accelerator(0)
+        t = torch.ones(100, device=dev)  # 400 bytes
+        spec = importlib.util.spec_from_file_location("sim_copy", first.__file__)
+        second = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(second)
+        assert second.simulated_accelerator(1) == torch.device("sim", 1)
+        reloaded = importlib.reload(first)
+        u = (t[:10] + 1).cpu()
+        print(json.dumps({
+            "second": second.simulated_memory_allocated(0),
+            "reloaded": reloaded.simulated_memory_allocated(0),
+            "sum": u.sum().item(),
+        }))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"second": 400, "reloaded": 400, "sum": 20.0}
+
+
+def test_setup_is_idempotent_and_global_effects(sim0, sim1):
+    assert SIM_DEVICE_TYPE == "sim"
+    assert sim0 == torch.device("sim", 0) and sim1 == torch.device("sim", 1)
+    assert simulated_accelerator() == sim0
+    assert simulated_accelerator(1) == sim1
+    assert torch._C._get_privateuse1_backend_name() == "sim"
+    assert torch.__future__.get_swap_module_params_on_conversion() is True
+    assert torch.sim.device_count() == 2
+    assert torch.sim.is_available()
+    torch.sim.synchronize()
+    assert ost.SIM_DEVICE_TYPE is SIM_DEVICE_TYPE
+
+
+@pytest.mark.parametrize("bad", [2, -1, 7])
+def test_index_out_of_range(bad):
+    with pytest.raises(ValueError, match="out of range"):
+        simulated_accelerator(bad)
+    with pytest.raises(ValueError, match="out of range"):
+        simulated_memory_allocated(bad)
+
+
+def test_optim_device_lists_include_sim(sim0):
+    from torch.optim.optimizer import _get_capturable_supported_devices
+    from torch.utils._foreach_utils import (
+        _get_foreach_kernels_supported_devices,
+        _get_fused_kernels_supported_devices,
+    )
+
+    assert "sim" in _get_capturable_supported_devices()
+    assert "sim" in _get_foreach_kernels_supported_devices()
+    assert "sim" in _get_fused_kernels_supported_devices()
+
+
+# ------------------------------------------------------------------------------------------
+# Values and layouts
+# ------------------------------------------------------------------------------------------
+
+
+def _sample(dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    base = torch.randn(6, 10, generator=g, dtype=torch.float64) * 1000
+    if dtype == torch.bool:
+        return base > 0
+    t = base.to(dtype)
+    if dtype.is_floating_point:
+        t[0, 0], t[0, 1], t[0, 2], t[0, 3] = float("nan"), -0.0, float("inf"), -float("inf")
+    return t
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.float16]
+)
+def test_roundtrip_values_bitwise(sim0, sim1, dtype):
+    cpu = _sample(dtype)
+    s = cpu.to(sim0)
+    assert s.device == sim0 and s.dtype == dtype
+    assert_bitwise(s.cpu(), cpu)
+    assert_bitwise(s.to("cpu"), cpu)
+    assert_bitwise(s.to(sim1).cpu(), cpu)
+    assert_bitwise(s.clone().cpu(), cpu)
+    # Non-contiguous / transposed / offset views, from the CPU side and from the sim side.
+    views = [
+        lambda t: t.t(),
+        lambda t: t[1:, 3:7],
+        lambda t: t[::2, 1::3],
+        lambda t: t[2],
+        lambda t: t.t()[4:, 1:],
+        lambda t: t.unsqueeze(0).expand(3, 6, 10),
+    ]
+    for view in views:
+        assert_bitwise(view(cpu).to(sim0).cpu(), view(cpu))
+        sv = view(s)
+        cv = view(cpu)
+        assert sv.device == sim0
+        assert sv.stride() == cv.stride() and sv.storage_offset() == cv.storage_offset()
+        assert_bitwise(sv.cpu(), cv)
+        assert_bitwise(sv.contiguous().cpu(), cv.contiguous())
+    assert torch.equal(s[1:], s[1:].clone())  # row 0 holds the NaN
+
+
+def test_inplace_on_view_writes_through(sim0):
+    cpu = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    s = cpu.to(sim0)
+    s[::2, 1::3].mul_(-2)
+    s.t()[0].add_(100)
+    cpu[::2, 1::3].mul_(-2)
+    cpu.t()[0].add_(100)
+    assert_bitwise(s.cpu(), cpu)
+    # Reinterpreting views share the backing bytes too.
+    assert_bitwise(s.view(torch.int32).cpu(), cpu.view(torch.int32))
+
+
+def test_dtype_conversion_and_misc_ops(sim0):
+    cpu = torch.randn(5, 4)
+    s = cpu.to(sim0)
+    assert_bitwise(s.to(torch.bfloat16).cpu(), cpu.to(torch.bfloat16))
+    assert_bitwise(s.to(torch.float64).cpu(), cpu.to(torch.float64))
+    assert_bitwise(s.to(sim0, torch.float16).cpu(), cpu.half())
+    assert_bitwise(torch.where(s > 0, s, torch.tensor(0.0)).cpu(), cpu.clamp_min(0))
+    assert_bitwise(torch.cat([s, s]).cpu(), torch.cat([cpu, cpu]))
+    assert_bitwise(s[s > 0].cpu(), cpu[cpu > 0])
+    assert_bitwise(s[torch.tensor([0, 3])].cpu(), cpu[torch.tensor([0, 3])])  # CPU index ok
+    assert s.tolist() == cpu.tolist()
+    assert "device='sim:0'" in repr(s)
+    # copy.deepcopy goes through storage construction on the device.
+    d = copy.deepcopy(s)
+    assert d.device == sim0 and d.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+    assert_bitwise(d.cpu(), cpu)
+    # non_blocking copies are accepted (synchronous, never pinned).
+    h = s.to("cpu", non_blocking=True)
+    assert not h.is_pinned()
+    assert_bitwise(h, cpu)
+
+
+def test_factories_land_on_the_requested_index(sim0, sim1):
+    for dev in (sim0, sim1):
+        assert_bitwise(torch.zeros(2, 3, device=dev).cpu(), torch.zeros(2, 3))
+        ones = torch.ones(4, device=dev, dtype=torch.int64)
+        assert_bitwise(ones.cpu(), torch.ones(4, dtype=torch.int64))
+        assert_bitwise(torch.full((2,), 3.5, device=dev).cpu(), torch.full((2,), 3.5))
+        assert_bitwise(torch.arange(5, device=dev).cpu(), torch.arange(5))
+        assert_bitwise(torch.tensor([1.5, 2.5], device=dev).cpu(), torch.tensor([1.5, 2.5]))
+        assert_bitwise(torch.scalar_tensor(2.0, device=dev).cpu(), torch.scalar_tensor(2.0))
+        for made in (
+            torch.empty(3, device=dev),
+            torch.zeros_like(torch.zeros(2, device=dev)),
+            torch.zeros(2, device=dev).new_empty(4),
+        ):
+            assert made.device == dev
+        torch.manual_seed(7)
+        r = torch.randn(3, 4, device=dev)
+        torch.manual_seed(7)
+        assert_bitwise(r.cpu(), torch.randn(3, 4))  # RNG is the CPU's
+
+
+def test_out_arguments_and_resize(sim0):
+    gc.collect()
+    base = simulated_memory_allocated(0)
+    t = torch.arange(10.0, device=sim0)
+    out = torch.empty(0, device=sim0)
+    assert torch.add(t, t, out=out) is out  # out= returns the caller's tensor, resized
+    assert out.shape == (10,)
+    assert_bitwise(out.cpu(), torch.arange(10.0) * 2)
+    e = torch.empty(0, device=sim0)
+    e.resize_(5).fill_(3.0)
+    assert_bitwise(e.cpu(), torch.full((5,), 3.0))
+    e.resize_(2)
+    assert_bitwise(e.cpu(), torch.full((2,), 3.0))
+    assert simulated_memory_allocated(0) == base + 40 + 40 + 20
+    del t, out, e
+    gc.collect()
+    assert simulated_memory_allocated(0) == base
+
+
+def test_autocast_on_sim_is_accepted_and_casts_nothing(sim0):
+    a = torch.randn(3, 3, device=sim0)
+    with torch.autocast(SIM_DEVICE_TYPE, dtype=torch.bfloat16):
+        out = a @ a
+    assert out.dtype == torch.float32
+    assert_bitwise(out.cpu(), a.cpu() @ a.cpu())
+
+
+def test_copy_between_sim_devices(sim0, sim1):
+    cpu = torch.randn(3, 5)
+    a = cpu.to(sim0)
+    b = a.to(sim1)
+    assert a.device == sim0 and b.device == sim1
+    assert_bitwise(b.cpu(), cpu)
+    c = torch.zeros(5, 3, device=sim1)
+    c.copy_(a.t())
+    assert c.device == sim1
+    assert_bitwise(c.cpu(), cpu.t().contiguous())
+    # Writes to the copy do not touch the source.
+    b.add_(1)
+    assert_bitwise(a.cpu(), cpu)
+
+
+# ------------------------------------------------------------------------------------------
+# Strictness
+# ------------------------------------------------------------------------------------------
+
+
+def test_rule1_sim_with_non_scalar_cpu_tensor_raises(sim0):
+    s = torch.ones(3, device=sim0)
+    cpu = torch.ones(3)
+    match = "Expected all tensors to be on the same device.*sim:0 and cpu"
+    with pytest.raises(RuntimeError, match=match):
+        s + cpu
+    with pytest.raises(RuntimeError, match=match):
+        s.mul_(cpu)
+    with pytest.raises(RuntimeError, match=match):
+        torch._foreach_add_([s], [cpu])
+    with pytest.raises(RuntimeError, match=match):
+        torch.ones(2, 3, device=sim0) @ torch.ones(3, 2)
+    with pytest.raises(RuntimeError, match=match):
+        torch.where(s > 0, s, cpu)
+    with pytest.raises(RuntimeError, match=match):
+        torch.cat([s, cpu])
+    # A device op may not write into a CPU tensor, even a 0-dim one.
+    with pytest.raises(RuntimeError, match=match):
+        torch.zeros(()).add_(torch.ones((), device=sim0))
+    # 0-dim CPU tensors mix with device tensors, as on CUDA; copies cross devices.
+    assert_bitwise((s * torch.tensor(2.0)).cpu(), torch.full((3,), 2.0))
+    torch._foreach_mul_([s], torch.tensor(3.0))
+    assert_bitwise(s.cpu(), torch.full((3,), 3.0))
+    s.copy_(cpu)
+    cpu.copy_(s)
+
+
+def test_rule2_fused_kernels_reject_cpu_tensors(sim0):
+    p = torch.zeros(3, device=sim0)
+    g = torch.ones(3, device=sim0)
+    m, v = torch.zeros(3, device=sim0), torch.zeros(3, device=sim0)
+    hyper = dict(
+        lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False
+    )
+    with pytest.raises(RuntimeError, match="_fused_adam_.*CPU tensor"):
+        torch._fused_adam_([p], [g], [m], [v], [], [torch.tensor(0.0)], **hyper)
+    with pytest.raises(RuntimeError, match="_fused_adamw_.*CPU tensor"):
+        torch._fused_adamw_([p], [g], [m], [v], [], [torch.tensor(0.0)], **hyper)
+    with pytest.raises(RuntimeError, match="_fused_sgd_.*CPU tensor"):
+        torch._fused_sgd_(
+            [p], [g], [torch.zeros(3)], weight_decay=0.0, momentum=0.9, lr=0.1,
+            dampening=0.0, nesterov=False, maximize=False, is_first_step=True,
+        )
+    # With the step on the device, the same call runs.
+    torch._fused_adam_([p], [g], [m], [v], [], [torch.tensor(1.0, device=sim0)], **hyper)
+    assert torch.all(p.cpu() < 0)
+
+
+def test_rule2_fused_adam_with_cpu_step_raises_through_optimizer(sim0):
+    model = nn.Linear(4, 2).to(sim0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    model(torch.randn(3, 4, device=sim0)).sum().backward()
+    opt.step()
+    state = opt.state[model.weight]
+    assert state["step"].device == sim0  # fused keeps the step on the device
+    state["step"] = state["step"].cpu()  # the bug a naive state move makes
+    with pytest.raises(RuntimeError, match="_fused_adam_.*CPU tensor"):
+        opt.step()
+
+
+def test_rule3_mixing_sim0_and_sim1_raises(sim0, sim1):
+    a = torch.ones(3, device=sim0)
+    b = torch.ones(3, device=sim1)
+    match = "Expected all tensors to be on the same device.*sim:0 and sim:1"
+    with pytest.raises(RuntimeError, match=match):
+        a + b
+    with pytest.raises(RuntimeError, match=match):
+        a.add_(torch.ones((), device=sim1))  # 0-dim device tensors are not exempt
+    with pytest.raises(RuntimeError, match=match):
+        torch._foreach_add_([a], [b])
+    with pytest.raises(RuntimeError, match=match):
+        torch.stack([a, b])
+    a.copy_(b)  # copies are fine
+    torch._foreach_copy_([a], [b])
+
+
+# ------------------------------------------------------------------------------------------
+# Host syncs, modules, autograd
+# ------------------------------------------------------------------------------------------
+
+
+def test_item_is_a_counted_host_sync(sim0):
+    s = torch.tensor([2.5, 4.0], device=sim0)
+    with CountSyncs() as mode:
+        assert s[0].item() == 2.5
+        assert s.sum().item() == 6.5
+        assert bool(s[1] > 3)
+        total = s.sum()  # no host read
+    assert mode.by_device == {"sim": 3}
+    assert total.device == sim0
+
+
+def test_module_to_keeps_parameter_identity(sim0, sim1):
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    params = list(model.parameters())
+    values = [p.detach().clone() for p in params]
+    model.to(sim0)
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    assert all(p.device == sim0 and isinstance(p, nn.Parameter) for p in params)
+    model.to(sim1)
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    for p, v in zip(params, values):
+        assert p.device == sim1
+        assert_bitwise(p.detach().cpu(), v)
+
+
+def test_gradients_through_transposes_match_cpu(sim0):
+    torch.manual_seed(0)
+    x_cpu = torch.randn(5, 3)
+    w_cpu = torch.randn(4, 3, requires_grad=True)
+    x = x_cpu.to(sim0)
+    w = w_cpu.detach().to(sim0).requires_grad_()
+
+    (x_cpu @ w_cpu.t()).square().sum().backward()
+    (x @ w.t()).square().sum().backward()
+    torch.testing.assert_close(w.grad.cpu(), w_cpu.grad)
+
+    assert_bitwise(w.detach().t().contiguous().cpu(), w_cpu.detach().t().contiguous())
+
+    lin_cpu = nn.Linear(3, 4)
+    lin = copy.deepcopy(lin_cpu).to(sim0)
+    F.mse_loss(lin_cpu(x_cpu), torch.ones(5, 4)).backward()
+    F.mse_loss(lin(x), torch.ones(5, 4, device=sim0)).backward()
+    torch.testing.assert_close(lin.weight.grad.cpu(), lin_cpu.weight.grad)
+    torch.testing.assert_close(lin.bias.grad.cpu(), lin_cpu.bias.grad)
+    # A non-trivial gradient through a transposed view of a parameter.
+    m_cpu = torch.randn(3, 3, requires_grad=True)
+    m = m_cpu.detach().to(sim0).requires_grad_()
+    (m_cpu.t() * torch.arange(9.0).reshape(3, 3)).sum().backward()
+    (m.t() * torch.arange(9.0).reshape(3, 3).to(sim0)).sum().backward()
+    assert_bitwise(m.grad.cpu(), m_cpu.grad)
+
+
+def test_backward_on_sim1(sim1):
+    torch.manual_seed(0)
+    lin_cpu = nn.Linear(3, 2)
+    lin = copy.deepcopy(lin_cpu).to(sim1)
+    x = torch.randn(4, 3)
+    F.mse_loss(lin_cpu(x), torch.zeros(4, 2)).backward()
+    F.mse_loss(lin(x.to(sim1)), torch.zeros(4, 2, device=sim1)).backward()
+    assert lin.weight.grad.device == sim1
+    torch.testing.assert_close(lin.weight.grad.cpu(), lin_cpu.weight.grad)
+
+
+# ------------------------------------------------------------------------------------------
+# Optimizers
+# ------------------------------------------------------------------------------------------
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+# name -> (factory(params, on_sim), where state["step"] lives on sim: "sim", "cpu" or None)
+_OPTIMIZERS = {
+    "adam_foreach_default": (lambda p, on_sim: torch.optim.Adam(p, lr=1e-2), "cpu"),
+    "adam_fused": (lambda p, on_sim: torch.optim.Adam(p, lr=1e-2, fused=True), "sim"),
+    # capturable is not supported on the CPU: the CPU reference runs the plain algorithm.
+    "adam_capturable": (lambda p, on_sim: torch.optim.Adam(p, lr=1e-2, capturable=on_sim), "sim"),
+    "sgd_momentum": (lambda p, on_sim: torch.optim.SGD(p, lr=1e-2, momentum=0.9), None),
+    "adamw": (lambda p, on_sim: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), "cpu"),
+}
+
+
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_training_matches_cpu(sim0, name):
+    make_opt, step_device = _OPTIMIZERS[name]
+    torch.manual_seed(0)
+    ref = _mlp()
+    model = copy.deepcopy(ref).to(sim0)
+    opt_ref = make_opt(list(ref.parameters()), False)
+    opt = make_opt(list(model.parameters()), True)
+    xs = [torch.randn(5, 6) for _ in range(3)]
+    ys = [torch.randn(5, 3) for _ in range(3)]
+    for x, y in zip(xs, ys):
+        for m, o, dev in ((ref, opt_ref, "cpu"), (model, opt, sim0)):
+            o.zero_grad()
+            F.mse_loss(m(x.to(dev)), y.to(dev)).backward()
+            o.step()
+    for p_ref, p in zip(ref.parameters(), model.parameters()):
+        assert p.device == sim0
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+    state = opt.state[next(model.parameters())]
+    for key, value in state.items():
+        if key == "step":
+            assert value.device.type == step_device
+        elif torch.is_tensor(value):
+            assert value.device == sim0, key
+
+
+# Pure elementwise updates: from identical grads, sim and CPU must agree bit for bit.
+_BITWISE = {
+    "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    "adam_single_tensor": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adamw_foreach_amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, foreach=True),
+    "sgd_momentum_foreach": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=True),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
+}
+
+
+@pytest.mark.parametrize("name", list(_BITWISE))
+def test_optimizer_update_bitwise_equal_given_identical_grads(sim0, name):
+    make_opt = _BITWISE[name]
+    torch.manual_seed(1)
+    ref_params = [torch.randn(7, 5), torch.randn(5), torch.randn(3, 4, 2)]
+    params = [p.to(sim0) for p in ref_params]
+    for p in ref_params + params:
+        p.requires_grad_()
+    opt_ref, opt = make_opt(ref_params), make_opt(params)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in ref_params]
+        for p_ref, p, g in zip(ref_params, params, grads):
+            p_ref.grad = g.clone()
+            p.grad = g.to(sim0)
+        opt_ref.step()
+        opt.step()
+    for p_ref, p in zip(ref_params, params):
+        assert_bitwise(p.detach().cpu(), p_ref.detach())
+    for p_ref, p in zip(ref_params, params):
+        for key, v_ref in opt_ref.state[p_ref].items():
+            v = opt.state[p][key]
+            if torch.is_tensor(v_ref):
+                assert_bitwise(v.cpu(), v_ref.cpu())
+
+
+@pytest.mark.parametrize("kwargs", [{"capturable": True}, {"fused": True}])
+def test_capturable_and_fused_steps_do_not_sync(sim0, kwargs):
+    model = _mlp().to(sim0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **kwargs)
+    F.mse_loss(model(torch.randn(4, 6, device=sim0)), torch.zeros(4, 3, device=sim0)).backward()
+    opt.step()
+    with CountSyncs() as mode:
+        opt.step()
+    assert mode.by_device.get("sim", 0) == 0
+
+
+def test_optimizer_state_dict_deepcopy_and_save_load(sim0, sim1):
+    model = _mlp().to(sim0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    F.mse_loss(model(torch.randn(4, 6, device=sim0)), torch.zeros(4, 3, device=sim0)).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location=sim1)
+    for key, st in opt.state_dict()["state"].items():
+        for name, value in st.items():
+            assert sd["state"][key][name].device == sim0
+            assert loaded["state"][key][name].device == sim1
+            assert_bitwise(loaded["state"][key][name].cpu(), value.cpu())
+
+
+# ------------------------------------------------------------------------------------------
+# Memory accounting
+# ------------------------------------------------------------------------------------------
+
+
+def test_memory_counter_tracks_live_storage(sim0, sim1):
+    gc.collect()
+    base0, base1 = simulated_memory_allocated(0), simulated_memory_allocated(1)
+    t = torch.empty(1024, device=sim0)  # 4096 bytes
+    assert simulated_memory_allocated(0) == base0 + 4096
+    assert simulated_memory_allocated(1) == base1
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert simulated_memory_allocated(0) == base0 + 4096  # a view keeps the storage alive
+    del view
+    gc.collect()
+    assert simulated_memory_allocated(0) == base0
+
+    # Offload: moving to the CPU and dropping the device tensor frees the device memory.
+    u = torch.ones(256, 4, device=sim1, dtype=torch.float64)
+    assert simulated_memory_allocated(1) == base1 + 256 * 4 * 8
+    host = u.cpu()
+    del u
+    gc.collect()
+    assert simulated_memory_allocated(1) == base1
+    back = host.to(sim1)
+    assert simulated_memory_allocated(1) == base1 + 256 * 4 * 8
+    del back
+    gc.collect()
+    assert simulated_memory_allocated(1) == base1
+    assert torch.sim.memory_allocated(1) == base1
+
+
+def test_temporaries_are_freed_without_a_gc_pass(sim0):
+    # The simulator itself must not create reference cycles around tensors: device memory
+    # is released by reference counting alone, as on CUDA.
+    model = _mlp().to(sim0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    x, y = torch.randn(4, 6, device=sim0), torch.randn(4, 3, device=sim0)
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        readings = []
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            readings.append(simulated_memory_allocated(0))
+        assert readings[0] == readings[1] == readings[2]
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -6,8 +6,10 @@ the target device, would put it after a step, with bitwise-unchanged values and 
 """
 
 from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
+from .checkpoint import load, save
 from .policy import Policy, register_policy, unregister_policy
 from .report import Finding, PlacementRow, Report
+from .restore import load_state_dict
 from .syncs import SyncCount, count_syncs
 
 __version__ = "0.1.0"
@@ -21,6 +23,9 @@ __all__ = [
     "check",
     "placement",
     "rebind",
+    "load_state_dict",
+    "save",
+    "load",
     "count_syncs",
     "register_policy",
     "unregister_policy",

@@ -12,6 +12,7 @@ import torch
 from . import engine
 from . import policy as _policy
 from ._devices import DeviceLike, resolve
+from .distributed._dtensor import row_fields
 from .plan import Site, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
 
@@ -23,10 +24,6 @@ Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 # optimizer rather than on it, so that offloading never adds attributes to user objects.
 _records: "weakref.WeakKeyDictionary[Any, dict[tuple, torch.device]]" = weakref.WeakKeyDictionary()
 _records_lock = threading.Lock()
-
-
-def _site_key(site: Site) -> tuple:
-    return (site.group, site.index, site.path)
 
 
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -47,8 +44,9 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
     """
     check_optimizer(optimizer)
     target = _resolve(device, optimizer)
-    plan = build_plan(optimizer, policy_target(optimizer, target))
-    engine.apply(plan, non_blocking=non_blocking)
+    with engine.no_gc():
+        plan = build_plan(optimizer, policy_target(optimizer, target))
+        engine.apply(plan, non_blocking=non_blocking)
     with _records_lock:
         _records.pop(optimizer, None)  # whatever was offloaded now sits where it was asked to
     return optimizer
@@ -62,12 +60,12 @@ def offload(optimizer: Opt, *, pin_memory: Optional[bool] = None) -> Opt:
     """
     check_optimizer(optimizer)
     host = torch.device("cpu")
-    plan = build_plan(optimizer, lambda site, param, group, key, tensor: (host, "offload"))
+    plan = build_plan(optimizer, lambda ident, param, group, key, tensor: (host, "offload"))
     with _records_lock:
         previous = dict(_records.get(optimizer, {}))
     record = dict(previous)
     for transfer in plan.transfers:
-        record.setdefault(_site_key(transfer.site), transfer.tensor.device)
+        record.setdefault(transfer.ident, transfer.tensor.device)
     engine.apply(plan, pin_memory=pin_memory is not False)
     with _records_lock:
         _records[optimizer] = record
@@ -93,11 +91,11 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
         return optimizer
     by_policy = policy_target(optimizer, None)
 
-    def back(site: Site, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
-        was = record.get(_site_key(site))
+    def back(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+        was = record.get(ident)
         if was is not None:
             return was, "recorded"
-        return by_policy(site, param, group, key, tensor)  # added after the offload: place it by the policy
+        return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
     plan = build_plan(optimizer, back)
     engine.apply(plan, non_blocking=non_blocking)
@@ -120,13 +118,17 @@ def offloaded(optimizer: Opt, *, pin_memory: Optional[bool] = None) -> Iterator[
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
-    """One row per tensor the optimizer holds (state and param groups): param, key, device, dtype, shape, bytes."""
+    """One row per tensor the optimizer holds (state and param groups): param, key, device, dtype, shape, bytes.
+
+    DTensor state: ``shape`` is global, ``device`` and ``bytes`` are this rank's shard (see :class:`PlacementRow`).
+    """
     check_optimizer(optimizer)
     rows = []
-    for transfer in build_plan(optimizer, lambda site, param, group, key, tensor: (tensor.device, "")).transfers:
+    for transfer in build_plan(optimizer, lambda ident, param, group, key, tensor: (tensor.device, "")).transfers:
         t = transfer.tensor
         rows.append(PlacementRow(transfer.site.param_label, transfer.site.key_label, str(t.device),
-                                 str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_bytes(t)))
+                                 str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_bytes(t),
+                                 **row_fields(t)))  # DTensor: local shape and placements
     return rows
 
 
@@ -204,9 +206,9 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     mapping = {id(p): q for (_, _, p), q in zip(old, new)}
     by_policy = policy_target(optimizer, None)
 
-    def target(site: Site, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+    def target(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
         if param is not None:
-            return by_policy(site, mapping[id(param)], group, key, tensor)
+            return by_policy(ident, mapping[id(param)], group, key, tensor)
         firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params
         decision = _policy.decide(optimizer, group, None, key, tensor, firsts[0].device if firsts else tensor.device)
         return decision.device, decision.source

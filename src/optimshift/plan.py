@@ -17,15 +17,24 @@ from ._tree import Path, format_path, leaves
 __all__ = ["Site", "Transfer", "Plan", "build_plan", "iter_entries", "param_label", "check_optimizer"]
 
 
-@dataclass(frozen=True)
 class Site:
     """Where a tensor sits in an optimizer: param group, param index (``None`` for a group entry), path."""
 
-    group: int
-    index: Optional[int]
-    key: str
-    path: Path
-    name: Optional[str] = None
+    __slots__ = ("group", "index", "key", "path", "name")
+
+    def __init__(self, group: int, index: Optional[int], key: Any, path: Path, name: Optional[str] = None) -> None:
+        self.group, self.index, self.key, self.path, self.name = group, index, str(key), path, name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Site) and self.ident == other.ident and self.name == other.name
+
+    def __hash__(self) -> int:
+        return hash(self.ident)
+
+    @property
+    def ident(self) -> tuple:
+        """A hashable identity, stable while the optimizer's groups keep their order."""
+        return (self.group, self.index, self.path)
 
     @property
     def param_label(self) -> str:
@@ -43,14 +52,22 @@ class Site:
         where = "param_groups" if self.index is None else "state"
         return f"{self.param_label}, {where}{format_path(self.path)}"
 
+    __repr__ = __str__
 
-@dataclass
+
 class Transfer:
-    site: Site
-    tensor: torch.Tensor
-    param: Optional[torch.Tensor]
-    target: torch.device
-    source: str  # how the target was decided (policy Decision.source, or "recorded")
+    """One tensor of the plan: where it sits, the param it belongs to, and where it must go."""
+
+    __slots__ = ("ident", "name", "tensor", "param", "target", "source")
+
+    def __init__(self, ident: tuple, name: Optional[str], tensor: torch.Tensor, param: Optional[torch.Tensor],
+                 target: torch.device, source: str) -> None:
+        self.ident, self.name, self.tensor, self.param, self.target, self.source = ident, name, tensor, param, target, source
+
+    @property
+    def site(self) -> Site:
+        group, index, path = self.ident
+        return Site(group, index, path[0][1], path, self.name)
 
     @property
     def moves(self) -> bool:
@@ -68,7 +85,7 @@ class Plan:
         seen: set[int] = set()
         out = []
         for t in self.transfers:
-            if t.moves and id(t.tensor) not in seen:
+            if t.tensor.device != t.target and id(t.tensor) not in seen:
                 seen.add(id(t.tensor))
                 out.append(t)
         return out
@@ -127,7 +144,7 @@ def iter_entries(
             state = optimizer.state.get(p)
             if not state:
                 continue
-            if not isinstance(state, Mapping):
+            if not isinstance(state, (dict, Mapping)):
                 raise TypeError(f"{name}: state of group {gi}, param {pi} is a {type(state).__name__}, expected a dict")
             for key, value in state.items():
                 yield gi, pi, p, group, key, value, param_label(gi, pi, names)
@@ -138,30 +155,45 @@ def iter_entries(
             yield gi, None, None, group, key, value, None
 
 
-TargetFn = Callable[[Site, Optional[torch.Tensor], Mapping[str, Any], str, torch.Tensor], tuple[torch.device, str]]
+# target(ident, param, group, key, tensor) -> (device, source); ident = (group index, param index, path).
+TargetFn = Callable[[tuple, Optional[torch.Tensor], Mapping[str, Any], str, torch.Tensor], tuple[torch.device, str]]
+
+_top_paths: dict[Any, Path] = {}
+
+
+def _top_path(key: Any) -> Path:
+    path = _top_paths.get(key)
+    if path is None:
+        path = (("key", key),)
+        if len(_top_paths) < 4096:
+            _top_paths[key] = path
+    return path
 
 
 def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
     """Every tensor in ``optimizer``'s state and param groups, with the device ``target`` assigns it.
 
-    ``target(site, param, group, key, tensor) -> (device, source)``. Validates that a tensor shared between
-    entries is not sent to two places.
+    Validates that a tensor shared between entries is not sent to two places.
     """
     plan = Plan(optimizer)
+    transfers = plan.transfers
     first: dict[int, Transfer] = {}
     for gi, pi, param, group, key, value, pname in iter_entries(optimizer):
-        for path, tensor in leaves(value, (("key", key),)):
-            site = Site(gi, pi, str(key), path, pname)
-            device, source = target(site, param, group, str(key), tensor)
-            tr = Transfer(site, tensor, param, device, source)
-            prior = first.get(id(tensor))
-            if prior is not None and prior.target != device:
+        if isinstance(value, torch.Tensor):
+            found: Any = ((_top_path(key), value),)
+        else:
+            found = leaves(value, _top_path(key))
+        for path, tensor in found:
+            ident = (gi, pi, path)
+            device, source = target(ident, param, group, key, tensor)
+            tr = Transfer(ident, pname, tensor, param, device, source)
+            prior = first.setdefault(id(tensor), tr)
+            if prior is not tr and prior.target != device:
                 raise ValueError(
-                    f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {site}, which belong on "
-                    f"different devices ({prior.target} and {device}); it cannot be placed for both"
+                    f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which belong "
+                    f"on different devices ({prior.target} and {device}); it cannot be placed for both"
                 )
-            first.setdefault(id(tensor), tr)
-            plan.transfers.append(tr)
+            transfers.append(tr)
     return plan
 
 
@@ -169,15 +201,27 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
     """Targets by the policy: each entry where a fresh optimizer with its param on ``device`` keeps it
     (``device=None``: the param's current device)."""
 
-    def target(site: Site, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+    memo: dict[tuple, tuple[torch.device, str]] = {}
+    cacheable = not _policy.has_registered_policy(optimizer)  # a user policy may look at anything
+
+    def target(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
         if device is not None:
             param_device = device
         elif param is not None:
             param_device = param.device
         else:
             param_device = group_device(group, tensor)
+        if cacheable:
+            # Built-in rules depend only on these: decide once per distinct combination in this plan.
+            memo_key = (id(group), key, tensor.dim() == 0, param.dim() if param is not None else -1, param_device)
+            hit = memo.get(memo_key)
+            if hit is not None:
+                return hit
         decision = _policy.decide(optimizer, group, param, key, tensor, param_device)
-        return decision.device, decision.source
+        result = (decision.device, decision.source)
+        if cacheable:
+            memo[memo_key] = result
+        return result
 
     return target
 

@@ -244,6 +244,11 @@ def decide(
     return Decision(device, "default")
 
 
+def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a policy registered for this optimizer's class (or a base class) decides its entries."""
+    return any(base in _registry for base in type(optimizer).__mro__)
+
+
 def rule_source(optimizer: torch.optim.Optimizer) -> str:
     """How this optimizer's rules are known: ``registered``, ``torch.optim`` or ``default`` (guessed)."""
     for base in type(optimizer).__mro__:

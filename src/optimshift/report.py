@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from .distributed._dtensor import local_tensor
+
 __all__ = ["Finding", "Report", "PlacementRow", "format_table", "SYNC_COST"]
 
 # Host syncs per param per step caused by one 0-dim state tensor that this torch reads on the host being kept
@@ -30,7 +32,11 @@ SYNC_COST: dict[tuple[str, str], tuple[int, int]] = {
 
 @dataclass(frozen=True)
 class PlacementRow:
-    """One tensor held by an optimizer: which param and key, where it is, what it is, how big."""
+    """One tensor held by an optimizer: which param and key, where it is, what it is, how big.
+
+    For a DTensor (FSDP2/TP state) ``device`` and ``bytes`` are this rank's local shard's, ``shape`` is the
+    global shape, ``local_shape`` the shard's and ``placements`` how it is laid out on its mesh.
+    """
 
     param: str
     key: str
@@ -38,6 +44,8 @@ class PlacementRow:
     dtype: str
     shape: tuple[int, ...]
     bytes: int
+    local_shape: Optional[tuple[int, ...]] = None
+    placements: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,9 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` occupies on this process; for a DTensor, those of the local shard (global numel would
+    count every rank's memory as this rank's)."""
+    t = local_tensor(t)
     try:
         return t.numel() * t.element_size()
     except Exception:  # sparse or exotic layouts

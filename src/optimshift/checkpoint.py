@@ -1,0 +1,421 @@
+"""Checkpoint files: atomic saves, safe loads, and finding the optimizer state inside the files users have.
+
+:func:`save` never leaves a torn file (a temporary file in the same folder, fsynced, then renamed over the
+target). :func:`load` always uses ``weights_only=True``: a pickle that would import or call code is refused
+before anything runs, and truncated or foreign files get an error that says so. Neither moves a tensor:
+:func:`optimshift.load_state_dict` places optimizer state where a fresh optimizer would keep it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import pickle
+import re
+import secrets
+from dataclasses import dataclass
+from typing import IO, Any, Callable, Iterator, Mapping, Optional, Union
+
+import torch
+
+__all__ = [
+    "save",
+    "load",
+    "find_optimizer_states",
+    "is_optimizer_state_dict",
+    "FoundOptimizer",
+    "CheckpointError",
+    "UnsafeCheckpointError",
+    "META_KEY",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+META_KEY = "optimshift"
+"""Key that :func:`save` adds to an optimizer's state dict: ``{"format": 1, "class": qualname, "module": ...}``.
+``Optimizer.load_state_dict`` ignores it, so the file still loads with plain PyTorch."""
+
+_FORMAT = 1
+_ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_END = b"PK\x05\x06"  # end-of-central-directory record: the last thing torch.save writes
+_ZIP64_END = b"PK\x06\x06"
+# torch.save's legacy (non-zip) format starts with a pickled magic number (protocol 2).
+_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+class CheckpointError(ValueError):
+    """A file that is not a readable checkpoint: empty, truncated, corrupt, or another format."""
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint whose pickle would import or call code that ``weights_only=True`` does not allow.
+
+    ``globals`` lists what it names (e.g. ``["os.system"]``). Nothing was executed.
+    """
+
+    def __init__(self, message: str, globals: list[str]) -> None:
+        super().__init__(message)
+        self.globals = globals
+
+
+# --- recognising optimizer state -------------------------------------------------------------------------
+
+
+def is_optimizer_state_dict(obj: Any) -> bool:
+    """Whether ``obj`` has the shape of ``Optimizer.state_dict()``: ``state`` (a dict) and ``param_groups``
+    (a list of dicts, each with a ``params`` list)."""
+    if not isinstance(obj, Mapping):
+        return False
+    state, groups = obj.get("state"), obj.get("param_groups")
+    return (
+        isinstance(state, Mapping)
+        and isinstance(groups, (list, tuple))
+        and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups)
+    )
+
+
+@dataclass(frozen=True)
+class FoundOptimizer:
+    """One optimizer state found in a checkpoint.
+
+    ``where``: how to reach it from the loaded object (``""`` for the object itself, ``"['optimizer']"``,
+    ``"['optimizer_states'][0]"``); ``kind``: ``optimshift``, ``state_dict`` (a bare ``Optimizer.state_dict()``
+    such as Hugging Face Trainer's ``optimizer.pt``), ``lightning`` or ``nested``; ``class_name``: the class
+    optimshift recorded (``"torch.optim.adam.Adam"``), else ``None``.
+    """
+
+    where: str
+    kind: str
+    state_dict: Mapping[str, Any]
+    class_name: Optional[str] = None
+
+
+def _meta_class(sd: Mapping[str, Any]) -> Optional[str]:
+    meta = sd.get(META_KEY)
+    if isinstance(meta, Mapping) and isinstance(meta.get("class"), str):
+        module = meta.get("module")
+        return f"{module}.{meta['class']}" if isinstance(module, str) and module else meta["class"]
+    return None
+
+
+def find_optimizer_states(obj: Any, *, max_depth: int = 4) -> list[FoundOptimizer]:
+    """Every optimizer state dict inside ``obj`` (a loaded checkpoint), in a stable order.
+
+    Recognises a bare ``state_dict()``, Lightning's ``optimizer_states`` list, dicts that keep one under
+    ``optimizer``/``optim``/``optimizer_state_dict`` or any other key, and :func:`save`'s own files.
+    """
+    found: list[FoundOptimizer] = []
+
+    def walk(value: Any, where: str, depth: int, lightning: bool) -> None:
+        if is_optimizer_state_dict(value):
+            cls = _meta_class(value)
+            if cls is not None:
+                kind = "optimshift"
+            elif where == "":
+                kind = "state_dict"
+            else:
+                kind = "lightning" if lightning else "nested"
+            found.append(FoundOptimizer(where, kind, value, cls))
+            return
+        if depth >= max_depth or isinstance(value, torch.Tensor):
+            return
+        if isinstance(value, Mapping):
+            for key, child in value.items():
+                if isinstance(child, (Mapping, list, tuple)):
+                    walk(child, f"{where}[{key!r}]", depth + 1, lightning or (depth == 0 and key == "optimizer_states"))
+        elif isinstance(value, (list, tuple)):
+            for i, child in enumerate(value):
+                if isinstance(child, (Mapping, list, tuple)):
+                    walk(child, f"{where}[{i}]", depth + 1, lightning)
+
+    walk(obj, "", 0, False)
+    return found
+
+
+# --- saving ------------------------------------------------------------------------------------------------
+
+
+def _wrapped_optimizer(obj: Any) -> Optional[Any]:
+    """The ``torch.optim.Optimizer`` that ``obj`` is or delegates to (for recording its class), else None."""
+    inner = obj
+    for _ in range(8):
+        nxt = getattr(inner, "optimizer", None)
+        if isinstance(nxt, torch.optim.Optimizer) and nxt is not inner and getattr(inner, "param_groups", None) is nxt.param_groups:
+            inner = nxt
+            continue
+        break
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+
+def optimizer_payload(optimizer: Any) -> dict[str, Any]:
+    """``optimizer.state_dict()`` plus the :data:`META_KEY` entry recording its class (what :func:`save`
+    writes for an optimizer). The state dict's tensors are shared, not copied."""
+    inner = _wrapped_optimizer(optimizer)
+    if inner is None:
+        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    sd = optimizer.state_dict()
+    cls = type(inner)
+    from . import __version__
+
+    return {**sd, META_KEY: {"format": _FORMAT, "class": cls.__qualname__, "module": cls.__module__,
+                             "optimshift": __version__}}
+
+
+def _prepare(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with every optimizer in it (at the top or inside plain dicts, lists and tuples) replaced by its
+    recorded state dict; containers are rebuilt only where something changed."""
+    if _wrapped_optimizer(obj) is not None and hasattr(obj, "state_dict"):
+        return optimizer_payload(obj)
+    if depth >= 4:
+        return obj
+    if type(obj) is dict:
+        new = {k: _prepare(v, depth + 1) for k, v in obj.items()}
+        return new if any(new[k] is not obj[k] for k in obj) else obj
+    if type(obj) in (list, tuple):
+        items = [_prepare(v, depth + 1) for v in obj]
+        return type(obj)(items) if any(a is not b for a, b in zip(items, obj)) else obj
+    return obj
+
+
+def save(obj: Any, path: PathLike) -> None:
+    """Write ``obj`` with ``torch.save`` atomically: a crash at any moment leaves the old file or the new one.
+
+    Optimizers in ``obj`` are saved as their ``state_dict()`` plus their class name (checked on load);
+    tensors are written where they are (no move). The file opens with plain ``torch.load`` too.
+    """
+    _save(obj, path)
+
+
+def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = None) -> None:
+    target = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise IsADirectoryError(f"save: {target} is a directory; give a file path")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"save: folder {folder} does not exist")
+    payload = _prepare(obj)
+    # A hidden temporary in the same folder (same filesystem, so the rename is atomic). O_EXCL with mode
+    # 0o666 lets the umask decide the permissions, as for any new file.
+    tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            sink: IO[bytes] = raw if progress is None else _Counting(raw, progress)  # type: ignore[assignment]
+            torch.save(payload, sink)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make the rename durable (POSIX); a no-op where folders cannot be opened (Windows)."""
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+class _Counting(io.RawIOBase):
+    """A write-only file that forwards to ``raw`` and reports the bytes written so far."""
+
+    def __init__(self, raw: IO[bytes], progress: Callable[[int], None]) -> None:
+        super().__init__()
+        self._raw, self._progress, self.written = raw, progress, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        n = self._raw.write(data)
+        n = len(data) if n is None else n
+        self.written += n
+        self._progress(self.written)
+        return n
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+# --- loading -----------------------------------------------------------------------------------------------
+
+
+def _sniff(path: str) -> str:
+    """``"zip"`` or ``"legacy"`` (torch.save formats) or ``"pickle"``; CheckpointError for anything else."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{path} is a directory, not a checkpoint file (a torch.distributed.checkpoint folder? "
+            f"`optimshift inspect {path}` describes one)"
+        )
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such checkpoint file: {path}")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes): not a checkpoint; was its save interrupted?")
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if head.startswith(_ZIP_MAGIC):
+            f.seek(max(0, size - (1 << 16) - 22))
+            tail = f.read()
+            if _ZIP_END not in tail and _ZIP64_END not in tail:
+                raise CheckpointError(
+                    f"{path} is truncated ({size} bytes): a torch.save zip file whose end is missing, so it cannot be "
+                    f"read. It was cut short while being written or copied; use an intact copy."
+                )
+            return "zip"
+    if head.startswith(_LEGACY_MAGIC):
+        return "legacy"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "pickle"
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size:
+        raise CheckpointError(f"{path} is a safetensors file, not a torch.save checkpoint: "
+                              f"read it with safetensors.torch.load_file")
+    if head.startswith(b"\x89HDF"):
+        raise CheckpointError(f"{path} is an HDF5 file, not a torch.save checkpoint")
+    if head.startswith(b"\x93NUMPY"):
+        raise CheckpointError(f"{path} is a NumPy .npy file, not a torch.save checkpoint")
+    if head.startswith(b"GGUF"):
+        raise CheckpointError(f"{path} is a GGUF file, not a torch.save checkpoint")
+    raise CheckpointError(f"{path} is not a PyTorch checkpoint (it starts with {head[:16]!r})")
+
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+) was not an allowed global")
+
+
+def _unsafe_globals(path: str, message: str) -> list[str]:
+    names: list[str] = []
+    try:
+        names = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))  # reads, never executes
+    except Exception:
+        names = []
+    for name in _GLOBAL_RE.findall(message):
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any:
+    """``torch.load(path, weights_only=True)``, with clear errors; never runs code from the file.
+
+    ``map_location="cpu"`` opens checkpoints saved on any device; ``mmap=True`` reads tensors lazily from
+    the file (zip format; ignored for legacy files). Refuses pickles that would import or call code
+    (:class:`UnsafeCheckpointError`) and truncated or foreign files (:class:`CheckpointError`).
+    """
+    p = os.fspath(path)
+    kind = _sniff(p)
+    try:
+        return torch.load(p, map_location=map_location, mmap=mmap and kind == "zip", weights_only=True)
+    except pickle.UnpicklingError as e:
+        msg = str(e)
+        if "Weights only load failed" not in msg and "WeightsUnpickler" not in msg:
+            raise CheckpointError(f"{p} is corrupt: its pickle cannot be read ({msg.splitlines()[0]})") from None
+        names = _unsafe_globals(p, msg)
+        named = ", ".join(names) if names else "objects that weights_only loading does not allow"
+        example = names[0] if names else "SomeClass"
+        raise UnsafeCheckpointError(
+            f"refused to load {p}: its pickle names {named}. Loading it would import and call that code "
+            f"(a checkpoint can run anything this way), and optimshift only loads with weights_only=True; "
+            f"nothing was executed. If you trust the file and {example} is a class you expect (a config "
+            f"object), allow just it: `with torch.serialization.safe_globals([{example}]): optimshift.load(path)` "
+            f"(or `optimshift inspect/convert --allow-global {example}`). Only for a file you fully trust: "
+            f"torch.load(path, weights_only=False).",
+            names,
+        ) from None
+    except (EOFError, OSError) as e:
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            raise
+        raise CheckpointError(f"{p} is truncated or corrupt ({type(e).__name__}: {e or 'unexpected end of file'})") from None
+    except RuntimeError as e:
+        msg = str(e)
+        if "PytorchStreamReader" in msg or "unexpected EOF" in msg or "corrupt" in msg or "magic number" in msg:
+            first = msg.splitlines()[0] if msg else type(e).__name__
+            raise CheckpointError(f"{p} is truncated or corrupt ({first})") from None
+        raise
+    except (KeyError, ValueError, TypeError) as e:
+        if kind == "pickle":
+            raise CheckpointError(
+                f"{p} is a plain pickle (pickle.dump), not a torch.save checkpoint ({type(e).__name__}: {e})"
+            ) from None
+        raise
+
+
+def _load_recording(path: PathLike, *, mmap: bool = True) -> tuple[Any, dict[int, str]]:
+    """Load onto the host and also return where each storage was saved: ``{storage data_ptr: "cuda:0"}``.
+
+    For inspecting a file on any machine: the storages stay on the host whatever their location tag.
+    """
+    locations: dict[int, str] = {}
+
+    def keep(storage: Any, location: str) -> Any:
+        try:
+            locations[storage.data_ptr()] = location
+        except Exception:
+            pass
+        return storage
+
+    return load(path, map_location=keep, mmap=mmap), locations
+
+
+def saved_location(t: torch.Tensor, locations: Mapping[int, str]) -> str:
+    """Where ``t`` was saved (its storage's location tag), given :func:`_load_recording`'s table."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:
+        return str(t.device)
+    return locations.get(ptr, str(t.device))
+
+
+def resolve_global(name: str) -> Any:
+    """The object called ``name`` (``"pkg.module.Class"``), imported from the installed packages, for
+    ``torch.serialization.safe_globals``."""
+    module, _, attr = name.rpartition(".")
+    if not module:
+        raise ValueError(f"--allow-global expects a dotted name such as 'collections.OrderedDict', got {name!r}")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError:
+        # A nested class: import the longest importable prefix, then walk attributes.
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for part in parts[cut:]:
+                obj = getattr(obj, part)
+            return obj
+        raise ValueError(f"--allow-global {name}: cannot import {module}") from None
+    try:
+        return getattr(obj, attr)
+    except AttributeError:
+        raise ValueError(f"--allow-global {name}: {module} has no {attr}") from None
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a loaded checkpoint (dicts, lists, tuples), each object once."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if id(v) not in seen:
+                seen.add(id(v))
+                yield v
+        elif isinstance(v, (Mapping, list, tuple, set, frozenset)):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            stack.extend(reversed(list(v.values() if isinstance(v, Mapping) else v)))

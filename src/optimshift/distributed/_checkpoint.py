@@ -1,0 +1,606 @@
+"""Sharded model + optimizer checkpoints on ``torch.distributed.checkpoint`` (DCP).
+
+Layout: a DCP directory holding ``{"model": get_state_dict's model part, "optim": its optimizer part}``
+(plus ``"optimshift_extra"`` when ``extra`` is given) and an ``optimshift.json`` note (who saved it, how).
+Every rank writes its own shards; DCP reshards on load, so N ranks can save and M ranks (or one process
+without a process group) can load.
+
+Failure handling. Every check that can fail runs before anything is written or changed, on every rank; the
+ranks then exchange their errors (``all_gather_object``) so that all of them raise the same error and none is
+left waiting in a collective the others never join. A save writes into ``<path>.optimshift-tmp`` and only
+when every rank has finished does rank 0 swap it into place (``renameat2(RENAME_EXCHANGE)`` on Linux, an
+atomic swap; elsewhere two renames, and :func:`load` finds the previous checkpoint under
+``<path>.optimshift-old`` if a crash hit between them). A crash during the write leaves ``path`` untouched.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import errno
+import io
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+
+from .._devices import DeviceLike, resolve
+from ..api import move
+from ..plan import check_optimizer, optimizer_name
+
+__all__ = ["save", "load", "describe_dcp"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_NOTE = "optimshift.json"  # rank 0's note in the checkpoint directory; DCP ignores files it did not write
+_TMP = ".optimshift-tmp"
+_OLD = ".optimshift-old"
+_EXTRA = "optimshift_extra"
+_FORMAT = 1
+_SHOWN = 8  # differences listed in a mismatch error before "... and N more"
+
+
+# --- public API -----------------------------------------------------------------------------------------
+
+
+def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+         extra: Optional[Mapping[str, Any]] = None) -> None:
+    """Save ``model`` and ``optimizer`` as a sharded DCP checkpoint directory at ``path``, replaced atomically.
+
+    Call it on every rank (or in a single process). Values and dtypes are written bitwise; devices are not
+    kept (:func:`load` re-derives them). ``extra`` (rank 0's) holds small data such as epoch or RNG state:
+    tensors, numbers, strings, and lists/tuples/dicts of them.
+    """
+    rank, world = _rank_world()
+    target = tmp = None
+    blob: Optional[bytes] = None
+    error: Optional[BaseException] = None
+    try:  # phase 1: local checks only, no torch.distributed call
+        target = _as_path(path)
+        tmp = _sibling(target, _TMP)
+        _check_module(model)
+        check_optimizer(optimizer)
+        _check_owned(model, optimizer)
+        if extra is not None:
+            blob = _pack_extra(extra)
+        _check_replaceable(target)
+    except Exception as e:  # noqa: BLE001 - every error is re-raised on every rank by _agree
+        error = e
+    _agree(error, "save", path)
+    assert target is not None and tmp is not None
+
+    # phase 2: rank 0 clears a stale temporary directory (a crashed save) before any rank writes into it;
+    # every rank builds its state dict. DCP initializes an optimizer without state by a zero-lr step: a
+    # never-stepped optimizer is saved as such (its empty state), and is left without state.
+    error = None
+    state: dict[str, Any] = {}
+    had_state = bool(optimizer.state)
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        if not had_state:
+            optimizer.state.clear()
+            optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
+        state = {"model": model_sd, "optim": optim_sd}
+        if rank == 0 and blob is not None:
+            state[_EXTRA] = blob
+    except Exception as e:  # noqa: BLE001
+        error = e
+        if not had_state:
+            optimizer.state.clear()  # undo DCP's initialization if it got that far
+    try:
+        _agree(error, "save", path)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
+    # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()), no_dist=world == 1)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    # phase 4: rank 0 commits; every rank learns the outcome (so none returns before the commit is done).
+    error = None
+    if rank == 0:
+        try:
+            _write_note(tmp, {
+                "format": _FORMAT,
+                "optimshift": _version(),
+                "torch": torch.__version__,
+                "world_size": world,
+                "model": type(model).__name__,
+                "optimizer": optimizer_name(optimizer),
+                "optimizer_state": had_state,
+                "extra": None if extra is None else sorted(str(k) for k in extra),
+            })
+            _commit(tmp, target)
+        except Exception as e:  # noqa: BLE001
+            error = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree(error, "save", path)
+
+
+def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+         device: Optional[DeviceLike] = None) -> Optional[dict[str, Any]]:
+    """Load a checkpoint written by :func:`save` into ``model`` and ``optimizer``, with any number of ranks.
+
+    Values come back bitwise; the optimizer state ends where a fresh optimizer over the model's params on
+    ``device`` (default: where each param is) would keep it. Returns the saved ``extra`` (tensors on the
+    host), or None. A mismatch raises on every rank before anything changes; an I/O error while reading
+    may leave the model partly loaded.
+    """
+    error: Optional[BaseException] = None
+    target: Optional[Path] = None
+    layout: Optional[_Layout] = None
+    where: Optional[torch.device] = None
+    try:  # phase 1: arguments and the checkpoint's metadata, local only
+        _check_module(model)
+        check_optimizer(optimizer)
+        target = _committed(_as_path(path))
+        if device is not None:
+            where = resolve(device, tensors=[p for g in optimizer.param_groups for p in g["params"]])
+        layout = _Layout.read(target)
+        _check_owned(model, optimizer)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, "load", path)
+    assert target is not None and layout is not None
+
+    # phase 2: compare the model and the optimizer's param groups with the checkpoint (nothing changes)
+    error = None
+    try:
+        problems = _compare_model(get_model_state_dict(model), layout)
+        problems += _compare_groups(optimizer, layout)
+        if layout.has_state and not optimizer.state and any(
+            p.grad is not None for g in optimizer.param_groups for p in g["params"]
+        ):
+            problems.append(
+                "the optimizer has no state yet but its params have gradients, so torch.distributed.checkpoint "
+                "cannot initialize it; call optimizer.zero_grad(set_to_none=True) before load"
+            )
+        _raise_mismatch(problems, layout, model, optimizer)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _agree(error, "load", path)
+
+    # phase 3: DCP's state dicts (an optimizer without state is initialized by a zero-lr step; undone below
+    # if anything fails) and their comparison with the checkpoint's optimizer state
+    error = None
+    had_state = bool(optimizer.state)
+    model_sd: Any = None
+    optim_sd: Any = None
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        _raise_mismatch(_compare_state(optim_sd, layout), layout, model, optimizer)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    try:
+        _agree(error, "load", path)
+    except BaseException:
+        if not had_state:
+            optimizer.state.clear()
+        raise
+
+    if not layout.has_state:  # saved before the first step: load the param groups, end without state
+        optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    if layout.has_extra:
+        state[_EXTRA] = b""  # a placeholder: DCP puts the saved object in its place
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=_rank_world()[1] == 1)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if not layout.has_state:
+        optimizer.state.clear()
+    move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
+    return _unpack_extra(state[_EXTRA]) if layout.has_extra else None
+
+
+def describe_dcp(path: PathLike) -> dict[str, Any]:
+    """What a DCP checkpoint directory holds, read from its metadata without a process group (JSON-ready).
+
+    Keys: ``path``, ``format``, ``entries`` (``key``, ``path``, ``kind`` "tensor"/"object", and for tensors
+    global ``shape``, ``dtype``, ``bytes``, ``chunks``), ``sections`` (per top-level key: ``tensors``,
+    ``objects``, ``bytes``), ``tensors``, ``objects``, ``tensor_bytes``, ``files``, ``disk_bytes`` and
+    ``optimshift`` (the note :func:`save` writes, or None for a checkpoint saved otherwise).
+    """
+    target = _committed(_as_path(path))
+    metadata = _read_metadata(target)
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    entries: list[dict[str, Any]] = []
+    sections: dict[str, dict[str, int]] = {}
+    for key in sorted(metadata.state_dict_metadata):
+        meta = metadata.state_dict_metadata[key]
+        steps = [s if isinstance(s, (str, int)) else str(s) for s in paths.get(key, (key,))]
+        section = sections.setdefault(str(steps[0]), {"tensors": 0, "objects": 0, "bytes": 0})
+        entry: dict[str, Any] = {"key": key, "path": steps}
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = meta.properties.dtype
+            nbytes = math.prod(meta.size) * dtype.itemsize
+            entry.update(kind="tensor", shape=list(meta.size), dtype=_dtype_name(dtype), bytes=nbytes,
+                         chunks=len(meta.chunks))
+            section["tensors"] += 1
+            section["bytes"] += nbytes
+        else:
+            entry["kind"] = "object"
+            section["objects"] += 1
+        entries.append(entry)
+    files = [f for f in target.iterdir() if f.is_file()]
+    tensors = [e for e in entries if e["kind"] == "tensor"]
+    return {
+        "path": str(target),
+        "format": "torch.distributed.checkpoint",
+        "entries": entries,
+        "sections": sections,
+        "tensors": len(tensors),
+        "objects": len(entries) - len(tensors),
+        "tensor_bytes": sum(e["bytes"] for e in tensors),
+        "files": len(files),
+        "disk_bytes": sum(f.stat().st_size for f in files),
+        "optimshift": _read_note(target),
+    }
+
+
+# --- ranks ----------------------------------------------------------------------------------------------
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(error: Optional[BaseException], what: str, path: Any) -> None:
+    """Raise on every rank if any rank failed, with every failing rank's message.
+
+    Uses ``all_gather_object`` (torch's collective): ranks must not diverge, or the ones that passed a check
+    would wait forever in DCP's collectives for the ones that raised.
+    """
+    rank, world = _rank_world()
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (type(error).__name__, str(error))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
+    if not failed:
+        return
+    messages: dict[str, list[int]] = {}
+    for r, (_, message) in failed:
+        messages.setdefault(message, []).append(r)
+    if len(messages) == 1:
+        (message, ranks), = messages.items()
+        text = f"{message} (on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world})"
+    else:
+        text = "; ".join(f"rank {', '.join(map(str, rs))}: {m}" for m, rs in messages.items())
+    kind = getattr(builtins, failed[0][1][0], None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        kind = RuntimeError
+    if error is None:
+        text = f"optimshift.distributed.{what}({os.fspath(path) if _pathlike(path) else path!r}) failed on " \
+               f"another rank: {text}"
+    raise kind(text) from error
+
+
+# --- checks ---------------------------------------------------------------------------------------------
+
+
+def _pathlike(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike))
+
+
+def _as_path(path: Any) -> Path:
+    if not _pathlike(path):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    return Path(os.fspath(path))
+
+
+def _sibling(target: Path, suffix: str) -> Path:
+    return target.with_name(target.name + suffix)
+
+
+def _check_module(model: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _check_owned(model: torch.nn.Module, optimizer: Any) -> None:
+    owned = {id(p) for p in model.parameters()}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in owned:
+                shape = tuple(p.shape) if isinstance(p, torch.Tensor) else None
+                raise ValueError(
+                    f"{optimizer_name(optimizer)}: group {gi}, param {pi} (shape {shape}) is not a parameter of "
+                    f"the {type(model).__name__} given; a checkpoint names optimizer state by the model's "
+                    f"parameter names, so the optimizer must be built over model.parameters()"
+                )
+
+
+def _is_checkpoint(directory: Path) -> bool:
+    return directory.is_dir() and (directory / ".metadata").is_file()
+
+
+def _check_replaceable(target: Path) -> None:
+    if target.is_symlink():
+        raise ValueError(f"{target} is a symlink; save replaces checkpoint directories atomically and will not "
+                         f"replace a link: give the path it points to")
+    if target.exists() and not _is_checkpoint(target):
+        kind = "directory" if target.is_dir() else "file"
+        raise FileExistsError(f"{target} exists and is a {kind} that is not a torch.distributed.checkpoint "
+                              f"checkpoint (no .metadata); refusing to replace it")
+
+
+def _committed(target: Path) -> Path:
+    """``target``, or the previous checkpoint a crash between the two renames of a non-atomic commit left."""
+    if _is_checkpoint(target):
+        return target
+    old = _sibling(target, _OLD)
+    if not target.exists() and _is_checkpoint(old):
+        return old
+    if not target.exists():
+        raise FileNotFoundError(f"no checkpoint at {target}")
+    raise ValueError(f"{target} is not a torch.distributed.checkpoint checkpoint (no .metadata file)")
+
+
+def _read_metadata(target: Path) -> Metadata:
+    try:
+        return dcp.FileSystemReader(str(target)).read_metadata()
+    except Exception as e:
+        raise ValueError(f"{target}: cannot read the checkpoint's metadata: {e}") from e
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in value)
+
+
+@dataclass
+class _Layout:
+    """A checkpoint's entries, from its DCP metadata: model entries by name, optimizer state by param name
+    and key, param-group keys by group index."""
+
+    path: Path
+    model: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, dict[str, list[tuple[tuple, Any]]]] = field(default_factory=dict)
+    groups: dict[int, set[str]] = field(default_factory=dict)
+    has_extra: bool = False
+    note: Optional[dict[str, Any]] = None
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.state)
+
+    @classmethod
+    def read(cls, target: Path) -> "_Layout":
+        metadata = _read_metadata(target)
+        paths = metadata.planner_data
+        if not isinstance(paths, dict):
+            raise ValueError(f"{target}: this DCP checkpoint was saved without flattening; optimshift.distributed "
+                             f"loads checkpoints written by optimshift.distributed.save")
+        layout = cls(target, note=_read_note(target))
+        for key, meta in metadata.state_dict_metadata.items():
+            steps = tuple(paths.get(key, (key,)))
+            if steps[:1] == ("model",) and len(steps) == 2:
+                layout.model[str(steps[1])] = meta
+            elif steps[:2] == ("optim", "state") and len(steps) >= 4:
+                layout.state.setdefault(str(steps[2]), {}).setdefault(str(steps[3]), []).append((steps[4:], meta))
+            elif steps[:2] == ("optim", "param_groups") and len(steps) >= 4:
+                layout.groups.setdefault(int(steps[2]), set()).add(str(steps[3]))
+            elif steps == (_EXTRA,):
+                layout.has_extra = True
+        if not layout.model and not layout.groups:
+            raise ValueError(f"{target} is a DCP checkpoint but not one written by optimshift.distributed.save "
+                             f"(no 'model' and 'optim' entries)")
+        return layout
+
+
+def _compare_model(model_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
+    problems = []
+    for name in sorted(set(layout.model) - set(model_sd)):
+        problems.append(f"model.{name}: in the checkpoint, not in the model")
+    for name, value in model_sd.items():
+        meta = layout.model.get(name)
+        if meta is None:
+            problems.append(f"model.{name}: in the model, not in the checkpoint")
+        else:
+            problems.extend(_compare_value(f"model.{name}", value, meta))
+    return problems
+
+
+def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
+    if not isinstance(value, torch.Tensor):
+        return [] if not isinstance(meta, TensorStorageMetadata) else [
+            f"{label}: the checkpoint holds a tensor, this side a {type(value).__name__}"]
+    if not isinstance(meta, TensorStorageMetadata):
+        return [f"{label}: the checkpoint holds a non-tensor object, this side a tensor"]
+    problems = []
+    if _shape(value.shape) != _shape(meta.size):  # a DTensor's .shape is its global shape
+        problems.append(f"{label}: shape {_shape(meta.size)} in the checkpoint, {_shape(value.shape)} here")
+    if value.dtype != meta.properties.dtype:
+        problems.append(f"{label}: dtype {_dtype_name(meta.properties.dtype)} in the checkpoint, "
+                        f"{_dtype_name(value.dtype)} here (load never casts)")
+    return problems
+
+
+def _compare_groups(optimizer: Any, layout: _Layout) -> list[str]:
+    live = [set(g) for g in optimizer.param_groups]
+    if len(live) != len(layout.groups):
+        return [f"param groups: {len(layout.groups)} in the checkpoint, {len(live)} in the optimizer"]
+    problems = []
+    for gi, keys in enumerate(live):
+        saved = layout.groups.get(gi, set())
+        if keys != saved:
+            only_saved, only_live = sorted(saved - keys), sorted(keys - saved)
+            problems.append(f"param group {gi}: keys {only_saved} only in the checkpoint, {only_live} only in "
+                            f"the optimizer (another optimizer class or version?)")
+    return problems
+
+
+def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
+    if not layout.has_state:
+        return []  # saved before the first step: nothing to compare, the optimizer ends without state
+    live: Mapping[str, Mapping[str, Any]] = optim_sd.get("state", {})
+    problems = []
+    for name in sorted(set(layout.state) - set(live)):
+        problems.append(f"optim.state.{name}: in the checkpoint, the optimizer holds no such param")
+    for name, entries in live.items():
+        saved = layout.state.get(name)
+        if saved is None:
+            problems.append(f"optim.state.{name}: the optimizer has state for it, the checkpoint does not")
+            continue
+        if set(entries) != set(saved):
+            problems.append(f"optim.state.{name}: keys {sorted(saved)} in the checkpoint, {sorted(entries)} in the "
+                            f"optimizer")
+            continue
+        for key, value in entries.items():
+            found = saved[key]
+            if len(found) == 1 and found[0][0] == ():  # a tensor or object stored whole under this key
+                problems.extend(_compare_value(f"optim.state.{name}.{key}", value, found[0][1]))
+    return problems
+
+
+def _raise_mismatch(problems: list[str], layout: _Layout, model: Any, optimizer: Any) -> None:
+    if not problems:
+        return
+    saved = ""
+    if layout.note:
+        saved = f" (saved from a {layout.note.get('model')} with {layout.note.get('optimizer')})"
+    shown = problems[:_SHOWN]
+    more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+    raise ValueError(
+        f"checkpoint {layout.path}{saved} does not match this {type(model).__name__} with "
+        f"{optimizer_name(optimizer)}:\n  " + "\n  ".join(shown) + more
+    )
+
+
+# --- extra ----------------------------------------------------------------------------------------------
+
+
+def _pack_extra(extra: Any) -> bytes:
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a mapping (e.g. a dict), got {type(extra).__name__}")
+    buffer = io.BytesIO()
+    try:
+        torch.save(dict(extra), buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise TypeError(
+            f"extra must hold only tensors, numbers, strings, None, and lists/tuples/dicts of them "
+            f"(it is read back with torch.load(weights_only=True)): {e}"
+        ) from e
+    return buffer.getvalue()
+
+
+def _unpack_extra(blob: Any) -> dict[str, Any]:
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+
+
+# --- files ----------------------------------------------------------------------------------------------
+
+
+def _writer_options() -> dict[str, Any]:
+    # DCP's overlapping device-to-host loader (chosen with one writer thread whenever CUDA or a PrivateUse1
+    # backend is available) needs the backend module's current_stream(). A PrivateUse1 backend without
+    # streams (optimshift's simulated accelerator, some out-of-tree backends) gets the serial loader, which
+    # copies each tensor with .cpu().
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is None or current.type == "cuda":
+        return {}
+    module = getattr(torch, current.type, None)
+    if module is not None and not hasattr(module, "current_stream"):
+        return {"per_thread_copy_ahead": 0}
+    return {}
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _write_note(directory: Path, note: dict[str, Any]) -> None:
+    with open(directory / _NOTE, "w", encoding="utf-8") as f:
+        json.dump(note, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_note(directory: Path) -> Optional[dict[str, Any]]:
+    try:
+        with open(directory / _NOTE, encoding="utf-8") as f:
+            note = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return {"unreadable": str(e)}
+    return note if isinstance(note, dict) else {"unreadable": f"not a JSON object: {note!r}"}
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    """Put the complete directory ``tmp`` at ``target``; a previous checkpoint there is replaced atomically."""
+    if not target.exists():
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):
+        shutil.rmtree(tmp)  # it now holds the previous checkpoint
+    else:
+        old = _sibling(target, _OLD)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)  # a crash here leaves the previous checkpoint at <path>.optimshift-old
+        os.rename(tmp, target)
+        shutil.rmtree(old)
+    _fsync_directory(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, musl
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False  # the kernel or this filesystem cannot exchange
+    raise OSError(code, os.strerror(code), os.fspath(b))
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,66 @@
+"""DTensor (FSDP2, tensor parallel) optimizer state: move the local shard, keep the mesh and placements.
+
+This module imports nothing from ``torch.distributed`` at import time: the core modules call
+:func:`is_dtensor` on every tensor, and it only looks ``torch.distributed.tensor`` up in ``sys.modules``
+(a DTensor cannot exist unless that module was imported), so ``import optimshift`` stays light.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["is_dtensor", "copy_dtensor", "local_tensor", "row_fields"]
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``, without importing torch.distributed."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (``t`` itself for a plain tensor)."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def copy_dtensor(
+    t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False
+) -> torch.Tensor:
+    """A copy of DTensor ``t`` whose local shard is on ``device``: same mesh, placements, global shape and
+    stride, same dtype and bitwise-equal values (the policy already decided ``device`` for this shard).
+
+    Uses only DTensor's own dispatch (``empty_like`` and ``copy_`` are sharding-preserving local ops, no
+    collectives). ``DTensor.from_local`` cannot be used here: it moves the shard back to the mesh's device
+    type, which would undo every offload to the host.
+    """
+    src = t.detach()
+    local = src.to_local()  # type: ignore[attr-defined]
+    # Pinned host memory only helps (and only exists) for copies from a CUDA device, as in engine.copy_tensor.
+    pin = (pin_memory and device.type == "cpu" and local.device.type == "cuda"
+           and local.layout == torch.strided and torch.cuda.is_available())
+    # A copy from pinned host memory to CUDA can be asynchronous; engine.execute synchronizes once at the end.
+    from_pinned = local.device.type == "cpu" and torch.cuda.is_available() and local.is_pinned()
+    new = torch.empty_like(src, device=device, pin_memory=pin)  # preserve_format: the shard keeps its strides
+    new.copy_(src, non_blocking=non_blocking or pin or from_pinned)
+    if t.requires_grad:
+        new.requires_grad_(True)
+    if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
+        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+    return new
+
+
+def row_fields(t: torch.Tensor) -> dict[str, Any]:
+    """Extra :class:`optimshift.PlacementRow` fields for a DTensor (``{}`` for a plain tensor): the local
+    shard's shape and the placements on the mesh, e.g. ``"Shard(dim=0) on cpu mesh (2,)"``."""
+    if not is_dtensor(t):
+        return {}
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    placements = ", ".join(repr(p) for p in t.placements)  # type: ignore[attr-defined]
+    return {
+        "local_shape": tuple(t.to_local().shape),  # type: ignore[attr-defined]
+        "placements": f"{placements} on {mesh.device_type} mesh {tuple(mesh.shape)}",
+    }

@@ -1,0 +1,47 @@
+"""What the framework integrations share: which optimizers optimshift places, and the two moves they make."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import api
+
+__all__ = ["placeable", "follow_params", "to_host"]
+
+
+def _is_dtensor(value: Any) -> bool:
+    # Checked by name so that this never imports torch.distributed.
+    cls = type(value)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def placeable(optimizer: Any) -> bool:
+    """Whether optimshift can place this optimizer's state: a torch optimizer (or an object with
+    ``param_groups`` and ``state``) whose per-param state entries are dicts of ordinary tensors.
+
+    False for custom optimizers whose state is not a dict per param and for sharded (DTensor) state, which the
+    frameworks handle themselves; the integrations then leave the framework's own code in charge.
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    state = getattr(optimizer, "state", None)
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return False
+    for entry in state.values():
+        if not isinstance(entry, Mapping):
+            return False
+        if any(_is_dtensor(v) for v in entry.values()):
+            return False
+    return True
+
+
+def follow_params(optimizer: Any) -> None:
+    """Place every state tensor where a fresh optimizer over the params, where they are now, would keep it."""
+    api.move(optimizer)
+
+
+def to_host(optimizer: Any) -> None:
+    """Place every state tensor where a fresh optimizer with its params on the host would keep it."""
+    api.move(optimizer, torch.device("cpu"))

@@ -1,0 +1,133 @@
+"""Hugging Face Accelerate: place optimizer state where a fresh optimizer would, in ``prepare`` and ``load_state``.
+
+One line, once per process, before ``accelerator.prepare(...)``::
+
+    import optimshift.integrations.accelerate as osa
+    osa.patch()
+
+What it changes: ``AcceleratedOptimizer`` (what ``Accelerator.prepare`` wraps every optimizer in) runs
+``move_to_device`` over the whole state dict, ``step`` included, then ``load_state_dict``: a non-fused Adam's
+``step`` lands on the accelerator and costs host syncs on every step from then on. ``load_state`` goes through
+the same ``load_state_dict``: with ``map_location="on_device"`` every ``step`` is loaded onto the accelerator
+and stays there; with ``"cpu"`` PyTorch's own cast puts scalars such as NAdam's ``mu_product`` on the device.
+``patch()`` replaces both steps of ``AcceleratedOptimizer``: when it places state (``device_placement=True``,
+the default), each param's state follows that param (``prepare`` moves the model before it wraps the
+optimizer), exactly as a fresh optimizer over those params would hold it, and after every
+``load_state_dict`` the loaded state is placed the same way.
+
+Left to Accelerate, unchanged: TPU (XLA) placement, wrappers created with ``device_placement=False``
+(DeepSpeed, Megatron-LM), and optimizers optimshift cannot place (sharded DTensor state, non-dict state).
+
+Why a patch: Accelerate has no hook around optimizer placement, and users never construct
+``AcceleratedOptimizer`` themselves, so patching its two methods is the one place that covers ``prepare``,
+``load_state`` and direct ``optimizer.load_state_dict`` calls alike. ``unpatch()`` restores them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Optional
+
+from ._common import follow_params, placeable
+
+__all__ = ["patch", "unpatch", "is_patched"]
+
+_lock = threading.RLock()
+_originals: Optional[dict[str, Callable[..., Any]]] = None
+_replacements: dict[str, Callable[..., Any]] = {}
+
+
+def _on_xla(wrapper: Any) -> bool:
+    from accelerate.utils import DistributedType
+
+    return wrapper.accelerator_state.distributed_type == DistributedType.XLA
+
+
+def _make_init(original: Callable[..., None]) -> Callable[..., None]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        optimizer = bound.arguments["optimizer"]
+        if not bound.arguments["device_placement"] or not placeable(optimizer):
+            original(self, *args, **kwargs)
+            return
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DistributedType
+
+        if AcceleratorState().distributed_type == DistributedType.XLA:
+            original(self, *args, **kwargs)  # XLA's own transfer (xm.send_cpu_data_to_device)
+            return
+        bound.arguments["device_placement"] = False  # skip Accelerate's move of the whole state dict
+        original(*bound.args, **bound.kwargs)
+        self.device_placement = True
+        follow_params(optimizer)
+
+    return __init__
+
+
+def _make_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def load_state_dict(self: Any, state_dict: Any) -> None:
+        original(self, state_dict)
+        if getattr(self, "device_placement", False) and not _on_xla(self) and placeable(self.optimizer):
+            follow_params(self.optimizer)
+
+    return load_state_dict
+
+
+def patch() -> None:
+    """Make ``Accelerator.prepare`` and ``load_state`` place optimizer state with optimshift (see the module doc).
+
+    Calling it again is a no-op; :func:`unpatch` undoes it. Raises ImportError without Accelerate.
+    """
+    global _originals
+    with _lock:
+        if _originals is not None:
+            return
+        try:
+            from accelerate.optimizer import AcceleratedOptimizer
+        except ImportError as e:
+            raise ImportError(
+                "optimshift.integrations.accelerate.patch() needs Accelerate: pip install 'optimshift[accelerate]'"
+            ) from e
+        originals = {name: AcceleratedOptimizer.__dict__[name] for name in ("__init__", "load_state_dict")}
+        parameters = inspect.signature(originals["__init__"]).parameters
+        if "optimizer" not in parameters or "device_placement" not in parameters:
+            raise RuntimeError(
+                "accelerate.optimizer.AcceleratedOptimizer.__init__ has no (optimizer, device_placement) "
+                "parameters: optimshift cannot patch this Accelerate version"
+            )
+        replacements = {
+            "__init__": _make_init(originals["__init__"]),
+            "load_state_dict": _make_load_state_dict(originals["load_state_dict"]),
+        }
+        for name, function in replacements.items():
+            setattr(AcceleratedOptimizer, name, function)
+        _originals = originals
+        _replacements.update(replacements)
+
+
+def unpatch() -> None:
+    """Restore Accelerate's own ``AcceleratedOptimizer`` methods. A no-op when not patched."""
+    global _originals
+    with _lock:
+        if _originals is None:
+            return
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        for name, original in _originals.items():
+            if AcceleratedOptimizer.__dict__.get(name) is _replacements.get(name):  # not patched over by others
+                setattr(AcceleratedOptimizer, name, original)
+        _originals = None
+        _replacements.clear()
+
+
+def is_patched() -> bool:
+    """Whether :func:`patch` is in effect."""
+    with _lock:
+        return _originals is not None

@@ -1,0 +1,302 @@
+"""PyTorch Lightning: place optimizer state where a fresh optimizer would, in ``Trainer`` and ``Fabric``.
+
+One line, once per process, before ``trainer.fit(...)`` or ``fabric.setup(...)``::
+
+    import optimshift.integrations.lightning as osl
+    osl.patch()
+
+What it changes:
+
+- ``Trainer``: Lightning moves optimizer state with one helper, ``_optimizer_to_device`` (and its loop
+  ``_optimizers_to_device``), in strategy setup, after ``load_optimizer_state_dict`` (``fit(ckpt_path=...)``)
+  and at teardown. That helper skips the key ``step`` whatever the flags (a fused or capturable ``step``
+  stays on the GPU at teardown; a CPU-fused optimizer moved to a GPU keeps a host ``step`` its fused kernel
+  rejects) and sends every other tensor to the one root device even when params live on several.
+  ``patch()`` swaps in a replacement at every place Lightning bound it by name: moving to an accelerator,
+  each param's state follows that param (Lightning has already placed the params); moving to the host
+  (teardown), every tensor goes where a fresh host optimizer keeps it, so nothing stays on the accelerator.
+- ``Fabric``: ``setup``/``setup_optimizers`` move the model but never the optimizer's state, and ``load``
+  leaves what ``Optimizer.load_state_dict`` decided (a device ``step`` stays on the device). After each of
+  them, ``patch()`` places every set-up or loaded optimizer's state by its params.
+
+Optimizers optimshift cannot place (state that is not a dict per param, sharded DTensor state) are left to
+Lightning's own code, unchanged.
+
+Why a patch and not a callback or a strategy mixin: the wrong moves happen inside Lightning, in every strategy
+(single device, DDP, DeepSpeed, XLA...) and in ``Fabric``, between hooks a callback sees; a callback could only
+undo them afterwards (after ``on_fit_start``, in a teardown hook that runs after the strategy's) and a mixin
+would have to be combined with every strategy class a user picks. Replacing the one helper fixes every
+caller at the source, needs no change to the user's ``Trainer`` arguments, and can be undone with
+``unpatch()``. It relies on Lightning's private helper names: if a Lightning release renames them,
+``patch()`` raises instead of silently doing nothing.
+
+:class:`OffloadOptimizerDuringEval` is an ordinary callback: it moves optimizer state to host memory for the
+validation, test and predict loops and puts it back, exactly where it was, before training resumes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
+import threading
+import types
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import api
+from ._common import follow_params, placeable, to_host
+
+__all__ = ["patch", "unpatch", "is_patched", "OffloadOptimizerDuringEval"]
+
+# (top-level distribution module, its fabric package): the unified ``lightning`` package and the standalone
+# ``pytorch_lightning`` + ``lightning_fabric`` pair ship separate copies of the same code.
+_FLAVOURS = (("lightning", "lightning.fabric"), ("lightning_fabric", "lightning_fabric"))
+_HELPERS = ("_optimizer_to_device", "_optimizers_to_device")
+_FABRIC_METHODS = ("setup", "setup_optimizers", "load", "load_raw")
+
+
+@dataclass
+class _Swap:
+    owner: Any  # a module or a class
+    name: str
+    original: Any
+    replacement: Any
+
+
+_lock = threading.RLock()
+_swaps: list[_Swap] = []
+
+
+def _installed_fabric_packages() -> list[str]:
+    found = []
+    for top, fabric in _FLAVOURS:
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            found.append(fabric)
+    return found
+
+
+def _is_host(device: Any) -> bool:
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type == "cpu"
+    return False  # an int names an accelerator index
+
+
+def _make_optimizer_to_device(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    @functools.wraps(original)
+    def _optimizer_to_device(optimizer: Any, device: Any) -> None:
+        """optimshift's replacement for Lightning's helper (see optimshift.integrations.lightning).
+
+        To the host (teardown): every state tensor goes where a fresh host optimizer keeps it. To an
+        accelerator: each param's state follows that param, as a fresh optimizer's would.
+        """
+        if not placeable(optimizer):
+            original(optimizer, device)
+        elif _is_host(device):
+            to_host(optimizer)
+        else:
+            follow_params(optimizer)
+
+    return _optimizer_to_device
+
+
+def _make_optimizers_to_device(one: Callable[[Any, Any], None], original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def _optimizers_to_device(optimizers: Iterable[Any], device: Any) -> None:
+        """optimshift's replacement for Lightning's helper: :func:`_optimizer_to_device` on each optimizer."""
+        for optimizer in optimizers:
+            one(optimizer, device)
+
+    return _optimizers_to_device
+
+
+def _fabric_place(optimizer: Any, fabric_optimizer: type) -> None:
+    if isinstance(optimizer, fabric_optimizer):
+        optimizer = optimizer.optimizer
+    if isinstance(optimizer, torch.optim.Optimizer) and placeable(optimizer):
+        follow_params(optimizer)
+
+
+def _wrap_fabric_setup(original: Callable[..., Any], fabric_optimizer: type) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        for item in result if isinstance(result, tuple) else (result,):
+            _fabric_place(item, fabric_optimizer)
+        return result
+
+    return wrapper
+
+
+def _wrap_fabric_load(original: Callable[..., Any], fabric_optimizer: type, argument: str) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        target = signature.bind(self, *args, **kwargs).arguments.get(argument)
+        for item in target.values() if isinstance(target, dict) else (target,):
+            _fabric_place(item, fabric_optimizer)
+        return result
+
+    return wrapper
+
+
+def _module_items(module: Any) -> list[tuple[str, Any]]:
+    """A module's global names and values, read from its ``__dict__`` (no ``__getattr__``, no lazy imports)."""
+    namespace = getattr(module, "__dict__", None) if isinstance(module, types.ModuleType) else None
+    return list(namespace.items()) if isinstance(namespace, dict) else []
+
+
+def _plan_swaps() -> list[_Swap]:
+    packages = _installed_fabric_packages()
+    if not packages:
+        raise ImportError(
+            "optimshift.integrations.lightning.patch() needs Lightning: pip install 'optimshift[lightning]' "
+            "(the `lightning` package, or `pytorch_lightning` with `lightning_fabric`)"
+        )
+    swaps: list[_Swap] = []
+    for package in packages:
+        source = importlib.import_module(f"{package}.utilities.optimizer")
+        originals = {}
+        for name in _HELPERS:
+            helper = getattr(source, name, None)
+            if not callable(helper):
+                raise RuntimeError(
+                    f"{package}.utilities.optimizer has no {name}(): this Lightning version moves optimizer state "
+                    f"differently and optimshift.integrations.lightning does not know how to patch it"
+                )
+            originals[name] = helper
+        one = _make_optimizer_to_device(originals["_optimizer_to_device"])
+        many = _make_optimizers_to_device(one, originals["_optimizers_to_device"])
+        replacements = {id(originals["_optimizer_to_device"]): (originals["_optimizer_to_device"], one),
+                        id(originals["_optimizers_to_device"]): (originals["_optimizers_to_device"], many)}
+        # Every module that holds a helper, under any name (``from ... import _optimizer_to_device`` binds it
+        # in the importing module): the source first, so that modules imported later get the replacement.
+        for module in [source] + [m for m in list(sys.modules.values()) if m is not source]:
+            for name, value in _module_items(module):
+                pair = replacements.get(id(value))
+                if pair is not None and pair[0] is value:
+                    swaps.append(_Swap(module, name, value, pair[1]))
+        fabric_cls = importlib.import_module(f"{package}.fabric").Fabric
+        fabric_optimizer = importlib.import_module(f"{package}.wrappers")._FabricOptimizer
+        for name in _FABRIC_METHODS:
+            original = fabric_cls.__dict__.get(name)
+            if not callable(original):
+                raise RuntimeError(f"{package}.fabric.Fabric has no {name}(): optimshift cannot patch this Lightning version")
+            if name.startswith("load"):
+                wrapper = _wrap_fabric_load(original, fabric_optimizer, "state" if name == "load" else "obj")
+            else:
+                wrapper = _wrap_fabric_setup(original, fabric_optimizer)
+            swaps.append(_Swap(fabric_cls, name, original, wrapper))
+    return swaps
+
+
+def patch() -> None:
+    """Make Lightning's ``Trainer`` and ``Fabric`` place optimizer state with optimshift (see the module doc).
+
+    Patches every installed Lightning flavour (``lightning``, and ``pytorch_lightning``/``lightning_fabric``),
+    importing them if needed. Calling it again is a no-op; :func:`unpatch` undoes it.
+    Raises ImportError without Lightning, RuntimeError if this Lightning lacks the helpers it replaces.
+    """
+    with _lock:
+        if _swaps:
+            return
+        swaps = _plan_swaps()  # everything is found and checked before anything is replaced
+        for swap in swaps:
+            setattr(swap.owner, swap.name, swap.replacement)
+        _swaps.extend(swaps)
+
+
+def unpatch() -> None:
+    """Restore Lightning's own helpers and ``Fabric`` methods. A no-op when not patched."""
+    with _lock:
+        if not _swaps:
+            return
+        originals = {id(s.replacement): s for s in _swaps}
+        for swap in reversed(_swaps):
+            if swap.owner.__dict__.get(swap.name) is swap.replacement:  # someone else may have patched over us
+                setattr(swap.owner, swap.name, swap.original)
+        # Modules imported after patch() bound the replacement by name: give them the original back too.
+        for module in list(sys.modules.values()):
+            for name, value in _module_items(module):
+                swap = originals.get(id(value))
+                if swap is not None and swap.replacement is value:
+                    setattr(module, name, swap.original)
+        _swaps.clear()
+
+
+def is_patched() -> bool:
+    """Whether :func:`patch` is in effect."""
+    with _lock:
+        return bool(_swaps)
+
+
+def _callback_base() -> type:
+    for module in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return importlib.import_module(module).Callback
+        except ImportError:
+            continue
+    raise ImportError(
+        "optimshift.integrations.lightning needs Lightning: pip install 'optimshift[lightning]'"
+    )
+
+
+class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]
+    """Keep optimizer state in host memory while the validation, test and predict loops run.
+
+    Frees accelerator memory for evaluation: at the start of each loop every optimizer of the trainer is
+    :func:`optimshift.offload`-ed (pinned host memory where it helps, unless ``pin_memory=False``); at its end
+    :func:`optimshift.reload` puts each tensor back exactly where it was, before training resumes. If the run
+    fails meanwhile, the state stays on the host, where Lightning's teardown wants it.
+    """
+
+    def __init__(self, *, pin_memory: Optional[bool] = None) -> None:
+        super().__init__()
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise TypeError(f"OffloadOptimizerDuringEval: pin_memory must be a bool or None, got {pin_memory!r}")
+        self.pin_memory = pin_memory
+        self._offloaded: list[Any] = []
+
+    def _offload(self, trainer: Any) -> None:
+        for optimizer in trainer.optimizers:
+            if placeable(optimizer) and not api.is_offloaded(optimizer):
+                api.offload(optimizer, pin_memory=self.pin_memory)
+                self._offloaded.append(optimizer)
+
+    def _reload(self) -> None:
+        while self._offloaded:
+            api.reload(self._offloaded.pop())
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._offload(trainer)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._reload()
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._offload(trainer)
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        self._reload()
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._offload(trainer)
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        self._reload()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Everything is already on the host: this copies nothing and only forgets the offload record.
+        while self._offloaded:
+            to_host(self._offloaded.pop())

@@ -1,0 +1,93 @@
+"""Placement policies for third-party optimizer libraries, registered explicitly::
+
+    import optimshift.integrations.third_party as tp
+    tp.register()      # registers every policy below whose library is installed
+
+Importing this module registers nothing and imports no optimizer library; ``register()`` imports each library
+it has policies for, if installed. ``unregister()`` removes them again.
+
+Checked against every optimizer in ``pytorch_optimizer``'s registry (``tests/integrations/test_third_party.py``):
+the built-in rule (each tensor follows its param; a 0-dim ``step`` stays on the host unless the group is
+fused/capturable; 0-dim tensors kept in a param group stay on the host) already matches a fresh optimizer for
+all but one class that can be placed at all:
+
+- ``AliG`` writes ``group["step_size"] = loss / grad_norm``, a 0-dim tensor on the loss's device (the
+  params' device) when the closure returns a tensor: it belongs with the group's params, not on the host.
+
+Classes no policy can fix, because a policy only says *where* a tensor optimshift found belongs, and these
+keep state where optimshift (like ``Optimizer.state_dict()``) does not look, or under keys it rejects:
+
+- ``EmoNavi``, ``EmoFact``, ``EmoLynx`` (``state["ema"]``), ``MADGRAD`` (``state["k"]``), ``SPAM`` and
+  ``StableSPAM``-style counters (``state["total_step"]``): optimizer-wide entries keyed by a string in
+  ``optimizer.state``, which optimshift's plan rejects as "a param that is in no group".
+- ``Magma`` keeps per-param tensors in a private ``_state`` dict keyed by ``id(param)``; ``SaRA`` caches index
+  tensors derived from ``state["mask"]`` in ``_mask_indices``: after a move they are left on the old device.
+- ``LOMO``/``AdaLOMO`` update params inside ``fused_backward`` and raise from ``step()``; AdaLOMO keeps its
+  moments in attributes, not in ``optimizer.state``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ..policy import Policy, register_policy, unregister_policy
+
+__all__ = ["register", "unregister", "POLICIES"]
+
+
+def _alig(key: str, value: torch.Tensor, param: Optional[torch.Tensor], group: Mapping[str, Any],
+          device: torch.device) -> Optional[torch.device]:
+    """AliG: the group's ``step_size`` tensor is computed from the loss, on the params' device."""
+    if param is None and key == "step_size":
+        return device
+    return None
+
+
+# "module:Class" -> policy. Only classes whose state the built-in rule places wrongly (see the module doc).
+POLICIES: Mapping[str, Policy] = {
+    "pytorch_optimizer.optimizer.alig:AliG": _alig,
+}
+
+_lock = threading.Lock()
+_registered: list[type] = []
+
+
+def _load(spec: str) -> Optional[type]:
+    module_name, _, class_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None  # that library is not installed: nothing to register
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+        raise RuntimeError(f"optimshift.integrations.third_party: {spec} is not an optimizer class in this version")
+    return cls
+
+
+def register() -> list[type]:
+    """Register every policy of :data:`POLICIES` whose library is installed; return the classes registered.
+
+    Idempotent. A library that is installed but no longer defines a listed class raises RuntimeError.
+    """
+    with _lock:
+        classes = []
+        for spec, policy in POLICIES.items():
+            cls = _load(spec)
+            if cls is None:
+                continue
+            register_policy(cls, policy)
+            classes.append(cls)
+            if cls not in _registered:
+                _registered.append(cls)
+        return classes
+
+
+def unregister() -> None:
+    """Remove the policies :func:`register` installed. A no-op if none are."""
+    with _lock:
+        while _registered:
+            unregister_policy(_registered.pop())

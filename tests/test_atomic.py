@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import optimshift
-from optimshift import engine
+from optimshift import batch, engine
+from optimshift.pool import host_pool
 
 
 class Boom(RuntimeError):
@@ -27,16 +28,22 @@ def _fingerprint(opt):
 
 @pytest.fixture
 def fail_on_50th(monkeypatch):
-    real = engine.copy_tensor
+    """Every copy path (tensor by tensor, and grouped chunks cut to one tensor each) fails on its 50th call."""
     calls = {"n": 0}
 
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 50:
-            raise Boom("injected failure on the 50th copy (think: an OOM on the 900th tensor)")
-        return real(*args, **kwargs)
+    def flaky(real):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 50:
+                raise Boom("injected failure on the 50th copy (think: an OOM on the 900th tensor)")
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "copy_tensor", flaky)
+        return wrapper
+
+    monkeypatch.setattr(engine, "copy_tensor", flaky(engine.copy_tensor))
+    monkeypatch.setattr(batch, "_to_host", flaky(batch._to_host))
+    monkeypatch.setattr(batch, "_to_device", flaky(batch._to_device))
+    monkeypatch.setattr(batch, "CHUNK_BYTES", 1)
     return calls
 
 
@@ -56,6 +63,7 @@ def test_failure_mid_transfer_leaves_optimizer_untouched(sim, fail_on_50th, oper
             optimshift.rebind(opt, [torch.nn.Parameter(p.detach().cpu()) for p in params])
     assert fail_on_50th["n"] == 50
     assert _fingerprint(opt) == before
+    assert host_pool.stats().in_use == 0, "buffers of a failed transfer go back to the pool"
     assert not optimshift.is_offloaded(opt)
     for st, vals in zip(opt.state.values(), values):
         for k, v in st.items():

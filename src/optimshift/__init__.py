@@ -7,6 +7,8 @@ the target device, would put it after a step, with bitwise-unchanged values and 
 
 from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
 from .checkpoint import load, save
+from .engine import PendingTransfer
+from .pool import HostPool, host_pool
 from .policy import Policy, register_policy, unregister_policy
 from .report import Finding, PlacementRow, Report
 from .restore import load_state_dict
@@ -34,4 +36,7 @@ __all__ = [
     "Finding",
     "PlacementRow",
     "SyncCount",
+    "PendingTransfer",
+    "host_pool",
+    "HostPool",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Optional, TypeVar
 
 import torch
@@ -13,6 +14,7 @@ from . import engine
 from . import policy as _policy
 from ._devices import DeviceLike, resolve
 from .distributed._dtensor import row_fields
+from .pool import host_pool
 from .plan import Site, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
 
@@ -20,10 +22,46 @@ __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebi
 
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 
-# Where each tensor of an offloaded optimizer was, keyed by its site (group, index, path). Kept beside the
-# optimizer rather than on it, so that offloading never adds attributes to user objects.
-_records: "weakref.WeakKeyDictionary[Any, dict[tuple, torch.device]]" = weakref.WeakKeyDictionary()
+@dataclass
+class _Offloaded:
+    """What :func:`offload` remembers: where each tensor was (by site), the pool buffers the host copies live
+    in, and the grads it took ({(group, index): (param, device)})."""
+
+    devices: dict[tuple, torch.device] = field(default_factory=dict)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    grads: dict[tuple, tuple[torch.Tensor, torch.device, torch.Tensor]] = field(default_factory=dict)
+
+
+# Kept beside the optimizer rather than on it, so that offloading never adds attributes to user objects.
+_records: "weakref.WeakKeyDictionary[Any, _Offloaded]" = weakref.WeakKeyDictionary()
+_pending: "weakref.WeakKeyDictionary[Any, engine.PendingTransfer]" = weakref.WeakKeyDictionary()
 _records_lock = threading.Lock()
+
+
+def _settle(optimizer: Any) -> None:
+    """Finish a non-blocking transfer still running for this optimizer before touching its state again."""
+    with _records_lock:
+        pending = _pending.pop(optimizer, None)
+    if pending is not None:
+        pending.wait()
+
+
+def _forget(optimizer: Any, event_handle: Optional[engine.PendingTransfer] = None) -> None:
+    """Drop the offload record and give its host buffers back to the pool (after ``event_handle`` if any)."""
+    with _records_lock:
+        record = _records.pop(optimizer, None)
+    if record is None:
+        return
+    buffers = record.buffers
+
+    def release() -> None:
+        for buf in buffers:
+            host_pool.release(buf)
+
+    if event_handle is None:
+        release()
+    else:
+        event_handle.add_done_callback(release)
 
 
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -44,32 +82,71 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
     """
     check_optimizer(optimizer)
     target = _resolve(device, optimizer)
+    _settle(optimizer)
     with engine.no_gc():
         plan = build_plan(optimizer, policy_target(optimizer, target))
         engine.apply(plan, non_blocking=non_blocking)
     with _records_lock:
-        _records.pop(optimizer, None)  # whatever was offloaded now sits where it was asked to
+        record = _records.get(optimizer)
+    if record is not None:
+        _restore_grads(record, target)
+    _forget(optimizer)  # whatever was offloaded now sits where it was asked to
     return optimizer
 
 
-def offload(optimizer: Opt, *, pin_memory: Optional[bool] = None) -> Opt:
+_INCLUDE = ("grads",)
+
+
+def offload(
+    optimizer: Opt,
+    *,
+    pin_memory: Optional[bool] = None,
+    non_blocking: bool = False,
+    include: Iterable[str] = (),
+    empty_cache: bool = False,
+) -> Any:
     """Move all state to host memory and remember where each tensor was, for :func:`reload`.
 
-    Pinned host memory is used when the state is on an accelerator that supports it, unless ``pin_memory``
-    is False. Offloading an offloaded optimizer only moves what was added since.
+    Host copies live in a persistent pool (pinned when the state is on CUDA, unless ``pin_memory`` is False),
+    reused cycle after cycle. ``include=("grads",)`` also takes the params' ``.grad`` tensors, so the optimizer
+    holds nothing on the device. ``non_blocking=True`` returns a :class:`PendingTransfer` at once (copies run on
+    a side stream); otherwise the optimizer. Offloading an offloaded optimizer only moves what was added since.
     """
     check_optimizer(optimizer)
+    include = tuple(include)
+    unknown = [i for i in include if i not in _INCLUDE]
+    if unknown:
+        raise ValueError(f"offload: include may contain {_INCLUDE}, got {unknown}")
+    _settle(optimizer)
     host = torch.device("cpu")
-    plan = build_plan(optimizer, lambda ident, param, group, key, tensor: (host, "offload"))
-    with _records_lock:
-        previous = dict(_records.get(optimizer, {}))
-    record = dict(previous)
-    for transfer in plan.transfers:
-        record.setdefault(transfer.ident, transfer.tensor.device)
-    engine.apply(plan, pin_memory=pin_memory is not False)
+    with engine.no_gc():
+        plan = build_plan(optimizer, lambda ident, param, group, key, tensor: (host, "offload"))
+        with _records_lock:
+            previous = _records.get(optimizer)
+        record = _Offloaded(dict(previous.devices), list(previous.buffers), dict(previous.grads)) if previous \
+            else _Offloaded()
+        for transfer in plan.transfers:
+            record.devices.setdefault(transfer.ident, transfer.tensor.device)
+        grads = []
+        if "grads" in include:
+            for gi, group in enumerate(optimizer.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    if p.grad is not None and p.grad.device.type != "cpu":
+                        grads.append(((gi, pi), p))
+        copies, batch, pending = engine.run(plan, non_blocking=non_blocking, pin_memory=pin_memory is not False,
+                                            keep_host_views=True, extra=[(p.grad, host) for _, p in grads])
+        engine.commit(optimizer, copies)
+        for where, p in grads:  # only now: every copy exists
+            record.grads[where] = (p, p.grad.device, copies[id(p.grad)])
+            p.grad = None
+    record.buffers.extend(batch.held)
     with _records_lock:
         _records[optimizer] = record
-    return optimizer
+        if not pending.done():
+            _pending[optimizer] = pending
+    if empty_cache and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return pending if non_blocking else optimizer
 
 
 def is_offloaded(optimizer: Any) -> bool:
@@ -78,38 +155,78 @@ def is_offloaded(optimizer: Any) -> bool:
         return optimizer in _records
 
 
-def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Opt:
+def _restore_grads(record: _Offloaded, device: Optional[torch.device],
+                   copies: Optional[dict[int, torch.Tensor]] = None) -> None:
+    for p, was, host_grad in record.grads.values():
+        if copies is not None and id(host_grad) in copies:
+            p.grad = copies[id(host_grad)]
+        else:
+            p.grad = host_grad.to(device if device is not None else p.device)
+    record.grads.clear()
+
+
+def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Any:
     """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
-    ``device`` would hold it). Reloading an optimizer that was never offloaded is a no-op."""
+    ``device`` would hold it). Reloading an optimizer that was never offloaded is a no-op.
+
+    ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the
+    optimizer's next ``step()`` waits for them on the device, so a reload issued before the forward pass
+    overlaps with it.
+    """
     check_optimizer(optimizer)
     target = _resolve(device, optimizer)
+    _settle(optimizer)
     with _records_lock:
         record = _records.get(optimizer)
     if target is not None:
-        return move(optimizer, target, non_blocking=non_blocking)
+        move(optimizer, target)
+        return engine.PendingTransfer() if non_blocking else optimizer
     if record is None:
-        return optimizer
+        return engine.PendingTransfer() if non_blocking else optimizer
     by_policy = policy_target(optimizer, None)
 
     def back(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
-        was = record.get(ident)
+        was = record.devices.get(ident)
         if was is not None:
             return was, "recorded"
         return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
-    plan = build_plan(optimizer, back)
-    engine.apply(plan, non_blocking=non_blocking)
-    with _records_lock:
-        _records.pop(optimizer, None)
-    return optimizer
+    with engine.no_gc():
+        plan = build_plan(optimizer, back)
+        extra = [(host_grad, was) for _, was, host_grad in record.grads.values()]
+        copies, _, pending = engine.run(plan, non_blocking=non_blocking, extra=extra)
+        engine.commit(optimizer, copies)
+        _restore_grads(record, None, copies)
+    _forget(optimizer, pending)
+    if not pending.done():
+        with _records_lock:
+            _pending[optimizer] = pending
+        _wait_before_step(optimizer, pending)
+    return pending if non_blocking else optimizer
+
+
+def _wait_before_step(optimizer: Any, pending: engine.PendingTransfer) -> None:
+    """Make the optimizer's next step wait (on the device) for a reload still in flight."""
+    register = getattr(optimizer, "register_step_pre_hook", None)
+    if register is None:
+        pending.wait()
+        return
+    handle = None
+
+    def hook(*_: Any) -> None:
+        pending.wait_on_current_stream()
+        if handle is not None:
+            handle.remove()
+
+    handle = register(hook)
 
 
 @contextlib.contextmanager
-def offloaded(optimizer: Opt, *, pin_memory: Optional[bool] = None) -> Iterator[Opt]:
+def offloaded(optimizer: Opt, *, pin_memory: Optional[bool] = None, include: Iterable[str] = ()) -> Iterator[Opt]:
     """Offload on enter, reload on exit (also when the body raises). A no-op if it is already offloaded."""
     already = is_offloaded(optimizer)
     if not already:
-        offload(optimizer, pin_memory=pin_memory)
+        offload(optimizer, pin_memory=pin_memory, include=include)
     try:
         yield optimizer
     finally:

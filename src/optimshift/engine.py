@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from ._tree import Setter, rebuild
+from .batch import Batch, copy_many
 from .distributed._dtensor import copy_dtensor, is_dtensor  # imports no torch.distributed machinery
 from .plan import Plan
+from .pool import HostPool, host_pool
 
 __all__ = ["execute", "commit", "apply", "synchronize"]
 
@@ -98,18 +100,40 @@ def execute(plan: Plan, *, non_blocking: bool = False, pin_memory: bool = False)
     Nothing in the optimizer changes here. With ``non_blocking=False`` the accelerators involved are
     synchronized once at the end, so every copy is complete when this returns.
     """
-    copies: dict[int, torch.Tensor] = {}
-    touched: set[torch.device] = set()
+    copies, _ = execute_batch(plan, non_blocking=non_blocking, pin_memory=pin_memory)
+    return copies
+
+
+def execute_batch(
+    plan: Plan,
+    *,
+    non_blocking: bool = False,
+    pin_memory: bool = False,
+    keep_host_views: bool = False,
+    extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
+    pool: Optional[HostPool] = None,
+) -> tuple[dict[int, torch.Tensor], Batch]:
+    """:func:`execute`, grouped through :func:`optimshift.batch.copy_many`; also returns the batch (buffers it
+    holds, what to release). ``extra``: more (tensor, target) pairs to copy with the plan (e.g. grads)."""
+    pool = host_pool if pool is None else pool
+    items: list[tuple[torch.Tensor, torch.device]] = []
+    seen: set[int] = set()
     for transfer in plan.transfers:
         t, target = transfer.tensor, transfer.target
-        if t.device == target or id(t) in copies:
-            continue
-        copies[id(t)] = copy_tensor(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
-        touched.add(t.device)
-        touched.add(target)
-    if not non_blocking:
-        synchronize(touched)
-    return copies
+        if t.device != target and id(t) not in seen:
+            seen.add(id(t))
+            items.append((t, target))
+    for t, target in extra:
+        if t.device != target and id(t) not in seen:
+            seen.add(id(t))
+            items.append((t, target))
+    batch = copy_many(items, copy_one=copy_tensor, pool=pool, pin_memory=pin_memory,
+                      keep_host_views=keep_host_views, non_blocking=non_blocking)
+    if batch.after_sync or not non_blocking:
+        synchronize(batch.devices)
+        batch.complete(pool)
+    copies = {id(t): new for (t, _), new in zip(items, batch.copies) if new is not None}
+    return copies, batch
 
 
 def commit(optimizer: Any, replace: Mapping[int, torch.Tensor]) -> None:
@@ -161,3 +185,100 @@ def apply(plan: Plan, *, non_blocking: bool = False, pin_memory: bool = False) -
     commit(plan.optimizer, copies)
     return len(copies)
 
+
+
+class PendingTransfer:
+    """A non-blocking offload or reload whose copies may still be running on a side stream.
+
+    ``done()`` polls, ``wait()`` blocks the host until the copies are complete. A pending reload is also
+    waited for automatically (on the device, without a host sync) before the optimizer's next ``step()``.
+    Off CUDA, transfers are synchronous and a handle is done from the start.
+    """
+
+    def __init__(self, event: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
+        self._event = event
+        self.device = device
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        if self._event is None:
+            fn()
+        else:
+            self._callbacks.append(fn)
+
+    def _finish(self) -> None:
+        self._event = None
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def done(self) -> bool:
+        if self._event is not None and self._event.query():
+            self._finish()
+        return self._event is None
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._finish()
+
+    def wait_on_current_stream(self) -> None:
+        """Make the current stream wait for the copies (no host sync): what the step pre-hook does."""
+        if self._event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._event)
+
+    def __repr__(self) -> str:
+        return f"PendingTransfer(device={self.device}, done={self.done()})"
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _single_cuda_device(plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device]]) -> Optional[torch.device]:
+    if not _cuda_available():
+        return None
+    devices = {d for tr in plan.transfers for d in (tr.tensor.device, tr.target) if d.type == "cuda"}
+    devices.update(d for t, target in extra for d in (t.device, target) if d.type == "cuda")
+    return devices.pop() if len(devices) == 1 else None
+
+
+def run(
+    plan: Plan,
+    *,
+    non_blocking: bool = False,
+    pin_memory: bool = False,
+    keep_host_views: bool = False,
+    extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
+    pool: Optional[HostPool] = None,
+) -> tuple[dict[int, torch.Tensor], Batch, PendingTransfer]:
+    """Execute ``plan`` (and ``extra``) grouped; with ``non_blocking`` on one CUDA device, on a side stream.
+
+    Returns the copies, the batch (host buffers it holds) and a handle. Buffers that in-flight copies read are
+    released to the pool with the handle's event; device memory that they read is protected with
+    ``record_stream`` so the caching allocator never reuses it early.
+    """
+    pool = host_pool if pool is None else pool
+    device = _single_cuda_device(plan, extra) if non_blocking else None
+    if device is None:
+        copies, batch = execute_batch(plan, pin_memory=pin_memory, keep_host_views=keep_host_views, extra=extra,
+                                      pool=pool)
+        return copies, batch, PendingTransfer()
+    main = torch.cuda.current_stream(device)
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams[device] = torch.cuda.Stream(device)
+    side.wait_stream(main)  # the copies read what the main stream last wrote (e.g. the last step)
+    with torch.cuda.stream(side):
+        copies, batch = execute_batch(plan, non_blocking=True, pin_memory=pin_memory,
+                                      keep_host_views=keep_host_views, extra=extra, pool=pool)
+        event = torch.cuda.Event()
+        event.record(side)
+    sources = [tr.tensor for tr in plan.transfers if id(tr.tensor) in copies] + [t for t, _ in extra]
+    for t in sources:
+        if t.device.type == "cuda":
+            t.record_stream(side)  # freed by the commit, but the side stream still reads it
+    for new in copies.values():
+        if new.device.type == "cuda":
+            new.record_stream(main)  # allocated on the side stream, used by the main one
+    batch.complete(pool, event)
+    return copies, batch, PendingTransfer(event, device)

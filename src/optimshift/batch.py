@@ -1,0 +1,200 @@
+"""Copying many tensors between the host and an accelerator at once.
+
+Per-tensor ``.to()`` loops (verl, NeMo-RL, Megatron's fallback) pay a launch, and for device-to-host a sync,
+per tensor. Here transfers are grouped by (source device, target device, dtype) and cut into chunks:
+
+- device -> host: one ``torch.cat`` on the device, one copy into a host buffer from the pool (pinned on CUDA);
+- host -> device: one copy of a host buffer (no staging at all when the tensors already sit side by side in a
+  pool buffer, as offloaded state does) into a flat device buffer, then one ``_foreach_copy_`` into separate
+  device tensors;
+- anything else (device to device, tensor subclasses, non-contiguous or autograd tensors) tensor by tensor.
+
+Every copy is queued first; the caller synchronizes once per device. Nothing here touches an optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ._devices import _fake_mode_active
+from .pool import HostPool
+
+__all__ = ["Batch", "copy_many", "CHUNK_BYTES", "SOLO_BYTES"]
+
+CHUNK_BYTES = 64 << 20  # staging chunk: bounds the extra device memory a coalesced copy needs
+SOLO_BYTES = 4 << 20  # tensors at least this big are copied on their own (bandwidth-bound already)
+
+
+@dataclass
+class Batch:
+    """The result of :func:`copy_many`: ``copies[i]`` is the copy of input ``i``.
+
+    ``held``: pool buffers that the returned host tensors live in (offloaded state) — the caller owns them.
+    ``after_sync``: host-side work that needs the copies complete (splitting staged host data into separate
+    tensors). ``staging``: pool buffers to give back once the copies that read them are complete.
+    """
+
+    copies: list[Optional[torch.Tensor]]
+    held: list[torch.Tensor] = field(default_factory=list)
+    after_sync: list[Callable[[], None]] = field(default_factory=list)
+    staging: list[torch.Tensor] = field(default_factory=list)
+    devices: set[torch.device] = field(default_factory=set)
+
+    def complete(self, pool: HostPool, event: Optional[object] = None) -> None:
+        """Finish on the host: run ``after_sync`` work (the caller synchronized first) and give the staging
+        buffers back (with ``event``, when the copies may still be in flight, they are reused after it)."""
+        work, self.after_sync = self.after_sync, []
+        for step in work:
+            step()
+        staging, self.staging = self.staging, []
+        for buf in staging:
+            pool.release(buf, event)
+
+
+def _coalescible(t: torch.Tensor, target: torch.device) -> bool:
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.requires_grad
+        and t.numel() > 0
+        and t.is_contiguous()
+        and (t.device.type == "cpu") != (target.type == "cpu")
+        and "meta" not in (t.device.type, target.type)
+    )
+
+
+def copy_many(
+    items: Sequence[tuple[torch.Tensor, torch.device]],
+    *,
+    copy_one: Callable[..., torch.Tensor],
+    pool: HostPool,
+    pin_memory: bool = False,
+    keep_host_views: bool = False,
+    non_blocking: bool = False,
+) -> Batch:
+    """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
+
+    ``keep_host_views``: host results are views into pool buffers listed in ``Batch.held`` (offload);
+    otherwise they are separate tensors and every staging buffer goes back to the pool.
+    ``copy_one(t, device, non_blocking=, pin_memory=)`` copies what cannot be grouped.
+    """
+    batch = Batch([None] * len(items))
+    groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
+    group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
+    for i, (t, target) in enumerate(items):
+        if group and _coalescible(t, target):
+            groups.setdefault((t.device, target, t.dtype), []).append(i)
+        else:
+            batch.copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
+            batch.devices.update((t.device, target))
+    try:
+        for (src, dst, dtype), indices in groups.items():
+            batch.devices.update((src, dst))
+            for chunk in _chunks(indices, items):
+                if dst.type == "cpu":
+                    _to_host(chunk, items, batch, pool, pinned=pin_memory and src.type == "cuda" and _pinnable(),
+                             keep=keep_host_views)
+                else:
+                    _to_device(chunk, items, batch, pool, dst, dtype,
+                               pinned=src.type == "cpu" and dst.type == "cuda" and _pinnable())
+    except BaseException:
+        # Nothing was committed; give back every buffer once no queued copy can still be using it.
+        from .engine import synchronize
+
+        synchronize(batch.devices)
+        for buf in batch.held + batch.staging:
+            pool.release(buf)
+        raise
+    return batch
+
+
+def _pinnable() -> bool:
+    return torch.cuda.is_available()
+
+
+def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[list[int]]:
+    chunks, current, size = [], [], 0
+    for i in indices:
+        t = items[i][0]
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= SOLO_BYTES:
+            chunks.append([i])
+            continue
+        if size + nbytes > CHUNK_BYTES and current:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _to_host(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, *, pinned: bool, keep: bool) -> None:
+    tensors = [items[i][0] for i in chunk]
+    if len(tensors) == 1 and not keep:  # one big tensor to keep on the host: a plain copy, no staging
+        batch.copies[chunk[0]] = tensors[0].to("cpu")
+        return
+    dtype = tensors[0].dtype
+    numels = [t.numel() for t in tensors]
+    total = sum(numels)
+    buf = pool.acquire(total * tensors[0].element_size(), pinned=pinned)
+    flat = buf[: total * tensors[0].element_size()].view(dtype)
+    source = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+    flat.copy_(source, non_blocking=pinned)  # pinned: completed by the caller's one synchronize
+    views = [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]
+    if keep:
+        batch.held.append(buf)
+        for i, v in zip(chunk, views):
+            batch.copies[i] = v
+        return
+    outs = [torch.empty(t.shape, dtype=dtype) for t in tensors]
+    for i, out in zip(chunk, outs):
+        batch.copies[i] = out
+
+    def split() -> None:  # only once the device-to-host copy is complete
+        torch._foreach_copy_(outs, views)
+
+    batch.after_sync.append(split)
+    batch.staging.append(buf)
+
+
+def _side_by_side(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The flat host span that ``tensors`` fill in order, if they are consecutive views of one storage."""
+    storage = tensors[0].untyped_storage()
+    ptr = storage.data_ptr()
+    offset = tensors[0].storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    base = tensors[0]
+    return base.new_empty(0).set_(storage, tensors[0].storage_offset(), (offset - tensors[0].storage_offset(),))
+
+
+def _to_device(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, dst: torch.device,
+               dtype: torch.dtype, *, pinned: bool) -> None:
+    tensors = [items[i][0] for i in chunk]
+    if len(tensors) == 1:
+        t = tensors[0]
+        batch.copies[chunk[0]] = t.to(dst, non_blocking=pinned and t.is_pinned())
+        return
+    numels = [t.numel() for t in tensors]
+    total = sum(numels)
+    host = _side_by_side(tensors)
+    if host is None or (pinned and not host.is_pinned()):
+        nbytes = total * tensors[0].element_size()
+        buf = pool.acquire(nbytes, pinned=pinned)
+        host = buf[:nbytes].view(dtype)
+        torch.cat([t.reshape(-1) for t in tensors], out=host)
+        batch.staging.append(buf)  # reusable once the copy below has completed
+    flat = torch.empty(total, dtype=dtype, device=dst)
+    flat.copy_(host, non_blocking=pinned)
+    outs = [torch.empty(t.shape, dtype=dtype, device=dst) for t in tensors]
+    torch._foreach_copy_(outs, [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)])
+    for i, out in zip(chunk, outs):
+        batch.copies[i] = out
+

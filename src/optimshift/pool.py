@@ -1,0 +1,101 @@
+"""A persistent pool of host buffers (pinned when CUDA is present) reused across offload/reload cycles.
+
+Allocating pinned memory is slow (it maps and locks pages) and DeepSpeed's ZeRO-1/2 offload pays it on every
+offload. optimshift keeps the buffers: offloaded state lives in pool buffers until it is reloaded, then the
+buffers go back to the pool for the next cycle, so a steady offload/reload loop allocates no new host memory.
+``optimshift.host_pool.release_idle()`` frees what is idle; ``stats()`` counts allocations and reuses.
+
+A buffer whose contents a copy still in flight reads or writes is held with that copy's event and is reused
+only once the event has completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["HostPool", "host_pool", "PoolStats"]
+
+_GRANULE = 1 << 20  # sizes are rounded up to 1 MiB, so that slightly different requests reuse a buffer
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """``allocations``: buffers ever allocated; ``reuses``: requests served from the pool; ``idle``/``in_use``:
+    buffers (and ``idle_bytes``/``in_use_bytes``) now."""
+
+    allocations: int
+    reuses: int
+    idle: int
+    in_use: int
+    idle_bytes: int
+    in_use_bytes: int
+
+
+class HostPool:
+    """Host byte buffers by size; pinned ones only when CUDA is available (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[tuple[torch.Tensor, bool, Optional[Any]]] = []  # (buffer, pinned, event to wait for)
+        self._pinned: dict[int, bool] = {}
+        self._in_use: dict[int, torch.Tensor] = {}
+        self._allocations = 0
+        self._reuses = 0
+
+    def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        """A uint8 host tensor of at least ``nbytes`` (the smallest idle one that fits, else a new one)."""
+        nbytes = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+        with self._lock:
+            best = None
+            for i, (buf, is_pinned, _) in enumerate(self._idle):
+                if nbytes <= buf.numel() <= 2 * nbytes and is_pinned == pinned:
+                    if best is None or buf.numel() < self._idle[best][0].numel():
+                        best = i
+            if best is not None:
+                buf, _, event = self._idle.pop(best)
+                self._reuses += 1
+            else:
+                buf, event = None, None
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            with self._lock:
+                self._allocations += 1
+        elif event is not None:
+            event.synchronize()  # a copy still reading this buffer must finish before it is overwritten
+        with self._lock:
+            self._in_use[id(buf)] = buf
+            self._pinned[id(buf)] = pinned
+        return buf
+
+    def release(self, buf: torch.Tensor, event: Optional[Any] = None) -> None:
+        """Give ``buf`` back; with ``event``, it is reused only after that event completes."""
+        with self._lock:
+            if self._in_use.pop(id(buf), None) is not None:
+                self._idle.append((buf, self._pinned.pop(id(buf)), event))
+
+    def release_idle(self) -> int:
+        """Free every idle buffer (pinned memory goes back to the OS); returns the bytes freed."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for _, _, event in idle:
+            if event is not None:
+                event.synchronize()
+        return sum(buf.numel() for buf, _, _ in idle)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                self._allocations,
+                self._reuses,
+                len(self._idle),
+                len(self._in_use),
+                sum(b.numel() for b, _, _ in self._idle),
+                sum(b.numel() for b in self._in_use.values()),
+            )
+
+
+host_pool = HostPool()

@@ -55,14 +55,16 @@ class Batch:
 
 
 def _coalescible(t: torch.Tensor, target: torch.device) -> bool:
+    source = t.device.type
     return (
-        type(t) is torch.Tensor
+        (source == "cpu") != (target.type == "cpu")  # host <-> accelerator only
+        and source != "meta"
+        and target.type != "meta"
+        and type(t) is torch.Tensor
         and t.layout == torch.strided
         and not t.requires_grad
-        and t.numel() > 0
         and t.is_contiguous()
-        and (t.device.type == "cpu") != (target.type == "cpu")
-        and "meta" not in (t.device.type, target.type)
+        and t.numel() > 0
     )
 
 

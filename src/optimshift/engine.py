@@ -40,6 +40,8 @@ def _is_pinned(t: torch.Tensor) -> bool:
 
 def copy_tensor(t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
+    if type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # the common case, kept cheap
+        return t.to(device, non_blocking=non_blocking or (device.type == "cuda" and _is_pinned(t)))
     if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
         return copy_dtensor(t, device, non_blocking=non_blocking, pin_memory=pin_memory)
     pin = pin_memory and device.type == "cpu" and _can_pin(t) and t.layout == torch.strided

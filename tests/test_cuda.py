@@ -1,0 +1,108 @@
+"""The same guarantees on a real GPU (marked `cuda`: skipped without one; run by benchmarks/gpu_check.sh)."""
+
+
+import pytest
+import torch
+
+import optimshift
+from optimshift.pool import host_pool
+from _matrix import CASES, Model, bitwise_equal, state_layout, train
+
+pytestmark = pytest.mark.cuda
+CUDA = torch.device("cuda", 0)
+
+
+def _fresh(cls, kwargs, shapes, device, steps=2):
+    model = Model(shapes).to(device)
+    opt = cls(list(model.parameters()), **kwargs)
+    train(model, opt, range(steps))
+    return model, opt
+
+
+@pytest.mark.parametrize("cls, kwargs, shapes", [pytest.param(c, k, s, id=n) for n, c, k, d, s in CASES
+                                                 if "h2d" in d])
+def test_host_to_cuda_matches_fresh_placement_and_syncs(cls, kwargs, shapes):
+    model, opt = _fresh(cls, kwargs, shapes, torch.device("cpu"))
+    model.to(CUDA)
+    optimshift.move(opt)
+    fresh_model, fresh = _fresh(cls, kwargs, shapes, CUDA)
+    assert state_layout(opt) == state_layout(fresh)
+    assert optimshift.check(opt).ok
+    with optimshift.count_syncs() as moved_syncs:
+        train(model, opt, range(2, 4))
+    with optimshift.count_syncs() as fresh_syncs:
+        train(fresh_model, fresh, range(2, 4))
+    assert moved_syncs.total == fresh_syncs.total
+
+
+@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"fused": True}, {"capturable": True}])
+def test_offload_reload_round_trip_is_bitwise_and_returns_memory(kwargs):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(CUDA)
+    model = Model([(256, 256)] * 4 + [(256,)] * 4).to(CUDA)
+    params_bytes = torch.cuda.memory_allocated(CUDA) - base
+    opt = torch.optim.Adam(model.parameters(), **kwargs)
+    train(model, opt, range(2))
+    for p in model.parameters():
+        p.grad = None
+    layout = state_layout(opt)
+    values = {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(opt.state.values())}
+    optimshift.offload(opt)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(CUDA) - base == params_bytes, "the state's device memory is returned"
+    assert all(v.is_pinned() for st in opt.state.values() for v in st.values() if v.dim() > 0)
+    optimshift.reload(opt)
+    assert state_layout(opt) == layout
+    for i, st in enumerate(opt.state.values()):
+        assert bitwise_equal(dict(st), values[i])
+
+
+def test_non_blocking_handles_and_prefetch_before_forward():
+    model = Model([(1024, 1024)] * 8).to(CUDA)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    train(model, opt, range(1))
+    ref_model = Model([(1024, 1024)] * 8).to(CUDA)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True)
+    train(ref_model, ref, range(1))
+    handle = optimshift.offload(opt, non_blocking=True)
+    assert isinstance(handle, optimshift.PendingTransfer)
+    handle.wait()
+    assert handle.done() and optimshift.is_offloaded(opt)
+    reload = optimshift.reload(opt, non_blocking=True)  # issued before the forward pass: overlaps it
+    x = torch.randn(4096, 1024, device=CUDA)
+    for part in model.parts:
+        x = torch.tanh(x @ part.weight.T)
+    train(model, opt, range(1, 3))  # the step pre-hook makes the step wait for the reload on the device
+    train(ref_model, ref, range(1, 3))
+    reload.wait()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert bitwise_equal(a, b)
+
+
+def test_no_pinned_growth_over_ten_cycles():
+    model = Model([(512, 512)] * 6).to(CUDA)
+    opt = torch.optim.Adam(model.parameters(), fused=True)
+    train(model, opt, range(1))
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    before = host_pool.stats().allocations
+    for step in range(10):
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+        train(model, opt, range(step + 1, step + 2))
+    assert host_pool.stats().allocations == before
+
+
+def test_seed_regression_on_cuda():
+    """Lightning #19955: Adam's step moved to the GPU costs host syncs every step; optimshift's move costs none."""
+    model, opt = _fresh(torch.optim.Adam, {}, [(64, 64)] * 8, torch.device("cpu"))
+    model.to(CUDA)
+    for st in opt.state.values():
+        for k, v in list(st.items()):
+            st[k] = v.to(CUDA)
+    with optimshift.count_syncs() as naive:
+        train(model, opt, range(2, 3))
+    optimshift.move(opt)
+    with optimshift.count_syncs() as ours:
+        train(model, opt, range(3, 4))
+    assert naive.total >= 8 and ours.total == 0

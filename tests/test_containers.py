@@ -134,3 +134,21 @@ def test_aliased_tensor_is_copied_once_and_stays_aliased(sim):
     optimshift.move(opt, sim)
     st = opt.state[p]
     assert st["a"] is st["b"][0] is st["b"][1][0] and st["a"].device == sim
+
+
+def test_optimizer_wide_entries_under_plain_keys(sim):
+    """MADGRAD-style state: optimizer.state["k"] next to the per-param dicts (PyTorch's state_dict keeps them)."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(3)
+    opt.step()
+    opt.state["k"] = torch.tensor(3)  # a 0-dim counter: read on the host
+    opt.state["total"] = 7
+    opt.state["buffers"] = {"mean": torch.zeros(3)}
+    p2 = torch.nn.Parameter(p.detach().to(sim))
+    optimshift.rebind(opt, [p2])
+    assert opt.state["k"].device.type == "cpu" and opt.state["total"] == 7
+    assert opt.state["buffers"]["mean"].device == sim and opt.state[p2]["momentum_buffer"].device == sim
+    rows = {(r.param, r.key) for r in optimshift.placement(opt)}
+    assert ("optimizer-wide", "k") in rows and ("optimizer-wide", "buffers['mean']") in rows
+    assert optimshift.check(opt).ok

@@ -278,7 +278,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
 
 def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch.Tensor, expected: torch.device):
     name = optimizer_name(optimizer)
-    group = optimizer.param_groups[site.group]
+    group = optimizer.param_groups[max(site.group, 0)]  # optimizer-wide entries: the first group
     on_host = t.device.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
         base = _policy._builtin_base(type(optimizer))

@@ -141,7 +141,8 @@ def _wrapped_optimizer(obj: Any) -> Optional[Any]:
     inner = obj
     for _ in range(8):
         nxt = getattr(inner, "optimizer", None)
-        if isinstance(nxt, torch.optim.Optimizer) and nxt is not inner and getattr(inner, "param_groups", None) is nxt.param_groups:
+        delegates = getattr(inner, "param_groups", None) is getattr(nxt, "param_groups", ())
+        if isinstance(nxt, torch.optim.Optimizer) and nxt is not inner and delegates:
             inner = nxt
             continue
         break
@@ -316,13 +317,18 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
     """
     p = os.fspath(path)
     kind = _sniff(p)
+    plain = (f"{p} is a plain pickle (written by pickle.dump), not a torch.save checkpoint; "
+             f"optimshift only reads torch.save files")
     try:
         return torch.load(p, map_location=map_location, mmap=mmap and kind == "zip", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = str(e)
-        if "Weights only load failed" not in msg and "WeightsUnpickler" not in msg:
+        refused = "Weights only load failed" in msg or "WeightsUnpickler" in msg
+        names = _unsafe_globals(p, msg) if refused else []
+        if not names and kind == "pickle":
+            raise CheckpointError(plain) from None
+        if not refused:
             raise CheckpointError(f"{p} is corrupt: its pickle cannot be read ({msg.splitlines()[0]})") from None
-        names = _unsafe_globals(p, msg)
         named = ", ".join(names) if names else "objects that weights_only loading does not allow"
         example = names[0] if names else "SomeClass"
         raise UnsafeCheckpointError(
@@ -334,21 +340,16 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
             f"torch.load(path, weights_only=False).",
             names,
         ) from None
-    except (EOFError, OSError) as e:
-        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
-            raise
-        raise CheckpointError(f"{p} is truncated or corrupt ({type(e).__name__}: {e or 'unexpected end of file'})") from None
-    except RuntimeError as e:
-        msg = str(e)
-        if "PytorchStreamReader" in msg or "unexpected EOF" in msg or "corrupt" in msg or "magic number" in msg:
-            first = msg.splitlines()[0] if msg else type(e).__name__
-            raise CheckpointError(f"{p} is truncated or corrupt ({first})") from None
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
-    except (KeyError, ValueError, TypeError) as e:
+    except (EOFError, OSError, RuntimeError, KeyError, ValueError, TypeError) as e:
         if kind == "pickle":
-            raise CheckpointError(
-                f"{p} is a plain pickle (pickle.dump), not a torch.save checkpoint ({type(e).__name__}: {e})"
-            ) from None
+            raise CheckpointError(plain) from None
+        msg = str(e)
+        first = msg.splitlines()[0] if msg else "unexpected end of file"
+        if isinstance(e, (EOFError, OSError)) or any(
+                s in msg for s in ("PytorchStreamReader", "unexpected EOF", "corrupt", "magic number")):
+            raise CheckpointError(f"{p} is truncated or corrupt ({type(e).__name__}: {first})") from None
         raise
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ._tree import Setter, rebuild
 from .batch import Batch, copy_many
-from .distributed._dtensor import copy_dtensor, is_dtensor  # imports no torch.distributed machinery
+from .distributed._dtensor import copy_dtensor, is_dtensor, local_tensor  # imports no torch.distributed machinery
 from .plan import Plan
 from .pool import HostPool, host_pool
 
@@ -145,8 +145,13 @@ def commit(optimizer: Any, replace: Mapping[int, torch.Tensor]) -> None:
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
     memo: dict[int, Any] = {}
-    for state in optimizer.state.values():
-        _prepare_mapping(state, (), replace, assignments, setters, memo)
+    for key, state in optimizer.state.items():
+        if isinstance(state, dict):
+            _prepare_mapping(state, (), replace, assignments, setters, memo)
+        else:  # an optimizer-wide entry under a plain key
+            new = rebuild(state, replace, setters, memo)
+            if new is not state:
+                assignments.append((optimizer.state, key, new))
     for group in optimizer.param_groups:
         _prepare_mapping(group, ("params", "param_names"), replace, assignments, setters, memo)
     for mapping, key, value in assignments:
@@ -278,9 +283,9 @@ def run(
     sources = [tr.tensor for tr in plan.transfers if id(tr.tensor) in copies] + [t for t, _ in extra]
     for t in sources:
         if t.device.type == "cuda":
-            t.record_stream(side)  # freed by the commit, but the side stream still reads it
+            local_tensor(t).record_stream(side)  # freed by the commit, but the side stream still reads it
     for new in copies.values():
         if new.device.type == "cuda":
-            new.record_stream(main)  # allocated on the side stream, used by the main one
+            local_tensor(new).record_stream(main)  # allocated on the side stream, used by the main one
     batch.complete(pool, event)
     return copies, batch, PendingTransfer(event, device)

@@ -38,6 +38,8 @@ class Site:
 
     @property
     def param_label(self) -> str:
+        if self.group == OPTIMIZER_WIDE:
+            return "optimizer-wide"
         if self.index is None:
             return f"group {self.group}"
         label = f"group {self.group}, param {self.index}"
@@ -49,6 +51,8 @@ class Site:
         return self.key + format_path(self.path[1:])
 
     def __str__(self) -> str:
+        if self.group == OPTIMIZER_WIDE:
+            return f"optimizer-wide, state{format_path(self.path)}"
         where = "param_groups" if self.index is None else "state"
         return f"{self.param_label}, {where}{format_path(self.path)}"
 
@@ -108,6 +112,9 @@ def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Opti
     )
 
 
+OPTIMIZER_WIDE = -1  # the "group" of optimizer.state entries under plain (non-param) keys
+
+
 def param_label(group: int, index: int, names: Optional[list]) -> Optional[str]:
     if names is not None and index < len(names):
         return str(names[index])
@@ -118,7 +125,8 @@ def iter_entries(
     optimizer: torch.optim.Optimizer,
 ) -> Iterator[tuple[int, Optional[int], Optional[torch.Tensor], Mapping[str, Any], str, Any, Optional[str]]]:
     """Yield (group, index, param, group dict, key, value, param name) for every state entry of every param,
-    then for every param-group entry other than ``params``/``param_names``.
+    then for every param-group entry other than ``params``/``param_names``, then for optimizer-wide entries
+    (``optimizer.state`` keys that are not tensors, e.g. MADGRAD's ``"k"``) as group ``OPTIMIZER_WIDE``.
 
     Raises ValueError if the state holds a param that no group holds (it could never be placed).
     """
@@ -130,9 +138,12 @@ def iter_entries(
                 g0, i0 = located[id(p)]
                 raise ValueError(f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})")
             located[id(p)] = (gi, pi)
+    wide = []
     for p in optimizer.state:
-        if id(p) not in located:
-            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else None
+        if not isinstance(p, torch.Tensor):
+            wide.append(p)  # an optimizer-wide entry under a plain key
+        elif id(p) not in located:
+            shape = tuple(p.shape)
             keys = list(optimizer.state[p]) if isinstance(optimizer.state[p], Mapping) else []
             raise ValueError(
                 f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
@@ -153,6 +164,10 @@ def iter_entries(
             if key in ("params", "param_names"):
                 continue
             yield gi, None, None, group, key, value, None
+    if wide and optimizer.param_groups:
+        first = optimizer.param_groups[0]  # optimizer-wide tensors go where the first group's params are
+        for key in wide:
+            yield OPTIMIZER_WIDE, None, None, first, key, optimizer.state[key], None
 
 
 # target(ident, param, group, key, tensor) -> (device, source); ident = (group index, param index, path).

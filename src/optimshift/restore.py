@@ -10,14 +10,12 @@ copies, then installs it the way PyTorch does (``__setstate__`` and the load hoo
 
 from __future__ import annotations
 
-import contextlib
 import copy as _copy
-import gc
 import inspect
 import threading
 import warnings
 from collections import defaultdict
-from typing import Any, Iterator, Mapping, Optional, TypeVar
+from typing import Any, Mapping, Optional, TypeVar
 
 import torch
 
@@ -92,32 +90,21 @@ def load_state_dict(
             sd = result
 
     staged = _Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target)
-    with _gc_paused():
+    with engine.no_gc():  # tens of thousands of small objects: collections would cost more than the copies
         new_state, new_groups = staged.build()
         _install(receiver, name, new_state, new_groups)
 
     from .api import _records, _records_lock  # the loaded state supersedes any offload record
 
     with _records_lock:
-        _records.pop(receiver, None)
-        _records.pop(optimizer, None)
+        for obj in (receiver, optimizer):
+            try:
+                _records.pop(obj, None)
+            except TypeError:  # an object that cannot be weakly referenced was never recorded
+                pass
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
         hook(receiver)
     return optimizer
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while tens of thousands of tensors and dicts are created: each
-    collection it would trigger walks every tracked object, which more than doubled the time of a large load.
-    Nothing created here forms a cycle, so nothing is left for it to collect."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 # --- which optimizer receives the state -------------------------------------------------------------------
@@ -224,7 +211,7 @@ class _Staging:
                  copy: bool, device: Optional[torch.device]) -> None:
         self.opt, self.name, self.sd = optimizer, name, sd
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
-        self.registered = _policy.rule_source(optimizer) == "registered"
+        self.registered = _policy.has_registered_policy(optimizer)
         self.base = _policy._builtin_base(type(optimizer))
         self._decisions: dict[tuple, torch.device] = {}
         self._copies: dict[tuple, torch.Tensor] = {}
@@ -271,7 +258,8 @@ class _Staging:
             for pi, (sid, p) in enumerate(zip(saved_params, lg["params"])):
                 if id(p) in seen_live:
                     g0, i0 = seen_live[id(p)]
-                    raise self.fail(f"the optimizer lists one param twice (group {g0}, param {i0} and group {gi}, param {pi})")
+                    raise self.fail(f"the optimizer lists one param twice (group {g0}, param {i0} and "
+                                    f"group {gi}, param {pi})")
                 seen_live[id(p)] = (gi, pi)
                 try:
                     prior = seen_ids.get(sid)
@@ -337,23 +325,25 @@ class _Staging:
         target and dtype, so tensors shared in the checkpoint stay shared), or the source itself when it
         already fits and copying was not asked for. Sources stay alive (the state dict holds them) while
         their ids are memo keys."""
-        if tensor.is_meta and device.type != "meta":
-            raise self.fail(f"{self._site(site)}: a meta tensor has no values to load")
         if not always_copy and tensor.dtype == dtype and tensor.device == device:
             return tensor
         memo_key = (id(tensor), device, dtype)
         new = self._copies.get(memo_key)
         if new is not None:
             return new
+        if tensor.is_meta and device.type != "meta":
+            raise self.fail(f"{self._site(site)}: a meta tensor has no values to load")
         try:
-            if tensor.requires_grad or (type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter)):
+            if tensor.requires_grad or type(tensor) is not torch.Tensor:  # Parameters, subclasses: the general copy
                 new = engine.copy_tensor(tensor, device)
                 if new.dtype != dtype:
                     new = new.to(dtype)
-            elif tensor.device.type == "cpu" and device.type != "cpu":
+            elif tensor.is_cpu and device.type != "cpu":
                 # Host-to-device copies are queued and completed by one synchronize() at the end.
                 new = tensor.to(device, dtype, True, True)
                 self._touched.add(device)
+            elif tensor.dtype == dtype and tensor.device == device:
+                new = tensor.clone()  # same place: keeps the strides, and is the cheapest copy
             else:
                 new = tensor.to(device, dtype, False, True)  # a plain blocking copy, as in PyTorch
         except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
@@ -382,7 +372,7 @@ class _Staging:
                 if type(saved) is not dict and not isinstance(saved, Mapping):
                     raise self.fail(f"{self._param_label(gi, pi)}: its state is a {type(saved).__name__}, "
                                     f"expected a dict", TypeError)
-                ndim = p.dim()
+                ndim, pshape = p.dim(), p.shape
                 shaped = shaped_cache.get((gi, ndim))
                 if shaped is None:
                     shaped = shaped_cache[(gi, ndim)] = self._shaped_keys(ng, ndim)
@@ -391,7 +381,7 @@ class _Staging:
                 containers: list = []
                 for key, value in saved.items():
                     if isinstance(value, torch.Tensor):
-                        if key in shaped and value.shape != p.shape:
+                        if key in shaped and value.shape != pshape:
                             raise self.fail(
                                 f"{self._site((gi, pi, key, ()))}: the checkpoint's tensor has shape "
                                 f"{tuple(value.shape)}, the param has shape {tuple(p.shape)}; this checkpoint was "

@@ -16,6 +16,7 @@ atomic swap; elsewhere two renames, and :func:`load` finds the previous checkpoi
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import errno
 import io
@@ -24,7 +25,8 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -56,11 +58,10 @@ _SHOWN = 8  # differences listed in a mismatch error before "... and N more"
 
 def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
          extra: Optional[Mapping[str, Any]] = None) -> None:
-    """Save ``model`` and ``optimizer`` as a sharded DCP checkpoint directory at ``path``, replaced atomically.
+    """Save ``model`` and ``optimizer`` on every rank (or one process) as a DCP directory, swapped in atomically
+    so a crash never leaves ``path`` half-written; values bitwise, devices not kept (:func:`load` re-derives them).
 
-    Call it on every rank (or in a single process). Values and dtypes are written bitwise; devices are not
-    kept (:func:`load` re-derives them). ``extra`` (rank 0's) holds small data such as epoch or RNG state:
-    tensors, numbers, strings, and lists/tuples/dicts of them.
+    ``extra`` (rank 0's): small data such as epoch or RNG state (tensors, numbers, strings, lists/dicts of them).
     """
     rank, world = _rank_world()
     target = tmp = None
@@ -111,7 +112,8 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
     # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()), no_dist=world == 1)
+        with _single_process_quiet(world):
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()), no_dist=world == 1)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -140,12 +142,11 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
          device: Optional[DeviceLike] = None) -> Optional[dict[str, Any]]:
-    """Load a checkpoint written by :func:`save` into ``model`` and ``optimizer``, with any number of ranks.
+    """Load a :func:`save` checkpoint with any number of ranks (DCP reshards), values bitwise; the optimizer state
+    ends where a fresh optimizer over the params on ``device`` (default: each param's device) keeps it.
 
-    Values come back bitwise; the optimizer state ends where a fresh optimizer over the model's params on
-    ``device`` (default: where each param is) would keep it. Returns the saved ``extra`` (tensors on the
-    host), or None. A mismatch raises on every rank before anything changes; an I/O error while reading
-    may leave the model partly loaded.
+    Returns the saved ``extra`` (tensors on the host) or None. A mismatch raises on every rank before anything
+    changes; an I/O error while reading may leave the model partly loaded.
     """
     error: Optional[BaseException] = None
     target: Optional[Path] = None
@@ -204,7 +205,9 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if layout.has_extra:
         state[_EXTRA] = b""  # a placeholder: DCP puts the saved object in its place
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=_rank_world()[1] == 1)
+    world = _rank_world()[1]
+    with _single_process_quiet(world):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if not layout.has_state:
         optimizer.state.clear()
@@ -213,7 +216,8 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def describe_dcp(path: PathLike) -> dict[str, Any]:
-    """What a DCP checkpoint directory holds, read from its metadata without a process group (JSON-ready).
+    """What a DCP checkpoint directory holds (keys, global shapes, dtypes, bytes), for ``optimshift inspect``:
+    read from its metadata alone, so it needs no process group and loads no tensor. JSON-serializable.
 
     Keys: ``path``, ``format``, ``entries`` (``key``, ``path``, ``kind`` "tensor"/"object", and for tensors
     global ``shape``, ``dtype``, ``bytes``, ``chunks``), ``sections`` (per top-level key: ``tensors``,
@@ -266,13 +270,22 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+@contextlib.contextmanager
+def _single_process_quiet(world: int) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process: here that is the documented mode."""
+    with warnings.catch_warnings():
+        if world == 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _agree(error: Optional[BaseException], what: str, path: Any) -> None:
     """Raise on every rank if any rank failed, with every failing rank's message.
 
     Uses ``all_gather_object`` (torch's collective): ranks must not diverge, or the ones that passed a check
     would wait forever in DCP's collectives for the ones that raised.
     """
-    rank, world = _rank_world()
+    world = _rank_world()[1]
     if world == 1:
         if error is not None:
             raise error
@@ -445,16 +458,22 @@ def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
 
 
 def _compare_groups(optimizer: Any, layout: _Layout) -> list[str]:
-    live = [set(g) for g in optimizer.param_groups]
+    """Group count, and the hyperparameters this optimizer class defines (``optimizer.defaults``): a
+    checkpoint lacking one was written by another optimizer. Keys only the checkpoint has (an LR scheduler's
+    ``initial_lr``) are not an error: DCP reads the keys this optimizer has and leaves those behind."""
+    live = optimizer.param_groups
     if len(live) != len(layout.groups):
         return [f"param groups: {len(layout.groups)} in the checkpoint, {len(live)} in the optimizer"]
+    defaults = set(getattr(optimizer, "defaults", None) or ())
     problems = []
-    for gi, keys in enumerate(live):
+    for gi, group in enumerate(live):
         saved = layout.groups.get(gi, set())
-        if keys != saved:
-            only_saved, only_live = sorted(saved - keys), sorted(keys - saved)
-            problems.append(f"param group {gi}: keys {only_saved} only in the checkpoint, {only_live} only in "
-                            f"the optimizer (another optimizer class or version?)")
+        missing = sorted((defaults or set(group)) - saved - {"params"})
+        if missing:
+            others = sorted(saved - set(group))
+            problems.append(f"param group {gi}: the checkpoint lacks {missing}, which {optimizer_name(optimizer)} "
+                            f"uses" + (f", and has {others}, which it does not" if others else "")
+                            + " (saved from another optimizer class?)")
     return problems
 
 

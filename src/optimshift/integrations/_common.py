@@ -20,17 +20,19 @@ def _is_dtensor(value: Any) -> bool:
 
 def placeable(optimizer: Any) -> bool:
     """Whether optimshift can place this optimizer's state: a torch optimizer (or an object with
-    ``param_groups`` and ``state``) whose per-param state entries are dicts of ordinary tensors.
+    ``param_groups`` and ``state``) whose state is one dict of ordinary tensors per param of its groups.
 
-    False for custom optimizers whose state is not a dict per param and for sharded (DTensor) state, which the
-    frameworks handle themselves; the integrations then leave the framework's own code in charge.
+    False for custom optimizers whose state is not a dict per param, for optimizer-wide entries keyed by
+    anything but a param, and for sharded (DTensor) state; the integrations then leave the framework's own
+    code in charge, as it was before.
     """
     groups = getattr(optimizer, "param_groups", None)
     state = getattr(optimizer, "state", None)
     if not isinstance(groups, list) or not isinstance(state, Mapping):
         return False
-    for entry in state.values():
-        if not isinstance(entry, Mapping):
+    held = {id(p) for group in groups if isinstance(group, Mapping) for p in group.get("params", ())}
+    for key, entry in state.items():
+        if id(key) not in held or not isinstance(entry, Mapping):
             return False
         if any(_is_dtensor(v) for v in entry.values()):
             return False

@@ -91,8 +91,12 @@ def _is_host(device: Any) -> bool:
     return False  # an int names an accelerator index
 
 
+# Keep the helper's name (Lightning logs and tracebacks read naturally) but our docstring and module.
+_NAMES_ONLY = ("__name__", "__qualname__")
+
+
 def _make_optimizer_to_device(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-    @functools.wraps(original)
+    @functools.wraps(original, assigned=_NAMES_ONLY)
     def _optimizer_to_device(optimizer: Any, device: Any) -> None:
         """optimshift's replacement for Lightning's helper (see optimshift.integrations.lightning).
 
@@ -110,7 +114,7 @@ def _make_optimizer_to_device(original: Callable[[Any, Any], None]) -> Callable[
 
 
 def _make_optimizers_to_device(one: Callable[[Any, Any], None], original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original)
+    @functools.wraps(original, assigned=_NAMES_ONLY)
     def _optimizers_to_device(optimizers: Iterable[Any], device: Any) -> None:
         """optimshift's replacement for Lightning's helper: :func:`_optimizer_to_device` on each optimizer."""
         for optimizer in optimizers:
@@ -192,7 +196,9 @@ def _plan_swaps() -> list[_Swap]:
         for name in _FABRIC_METHODS:
             original = fabric_cls.__dict__.get(name)
             if not callable(original):
-                raise RuntimeError(f"{package}.fabric.Fabric has no {name}(): optimshift cannot patch this Lightning version")
+                raise RuntimeError(
+                    f"{package}.fabric.Fabric has no {name}(): optimshift cannot patch this Lightning version"
+                )
             if name.startswith("load"):
                 wrapper = _wrap_fabric_load(original, fabric_optimizer, "state" if name == "load" else "obj")
             else:
@@ -256,22 +262,28 @@ class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]
     """Keep optimizer state in host memory while the validation, test and predict loops run.
 
     Frees accelerator memory for evaluation: at the start of each loop every optimizer of the trainer is
-    :func:`optimshift.offload`-ed (pinned host memory where it helps, unless ``pin_memory=False``); at its end
-    :func:`optimshift.reload` puts each tensor back exactly where it was, before training resumes. If the run
-    fails meanwhile, the state stays on the host, where Lightning's teardown wants it.
+    :func:`optimshift.offload`-ed (pinned host memory where it helps, unless ``pin_memory=False``; with
+    ``include=("grads",)`` the params' gradients too); at its end :func:`optimshift.reload` puts each tensor back
+    exactly where it was, before training resumes. If the run fails meanwhile, the state stays on the host,
+    where Lightning's teardown wants it.
     """
 
-    def __init__(self, *, pin_memory: Optional[bool] = None) -> None:
+    def __init__(self, *, pin_memory: Optional[bool] = None, include: Iterable[str] = ()) -> None:
         super().__init__()
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise TypeError(f"OffloadOptimizerDuringEval: pin_memory must be a bool or None, got {pin_memory!r}")
+        if isinstance(include, str):
+            raise TypeError(
+                f"OffloadOptimizerDuringEval: include must be a sequence such as ('grads',), got {include!r}"
+            )
         self.pin_memory = pin_memory
+        self.include = tuple(include)
         self._offloaded: list[Any] = []
 
     def _offload(self, trainer: Any) -> None:
         for optimizer in trainer.optimizers:
             if placeable(optimizer) and not api.is_offloaded(optimizer):
-                api.offload(optimizer, pin_memory=self.pin_memory)
+                api.offload(optimizer, pin_memory=self.pin_memory, include=self.include)
                 self._offloaded.append(optimizer)
 
     def _reload(self) -> None:

@@ -13,17 +13,23 @@ all but one class that can be placed at all:
 
 - ``AliG`` writes ``group["step_size"] = loss / grad_norm``, a 0-dim tensor on the loss's device (the
   params' device) when the closure returns a tensor: it belongs with the group's params, not on the host.
+- ``MADGRAD`` keeps an optimizer-wide step counter ``optimizer.state["k"]``, a 1-element int64 tensor it
+  creates on the host and reads there: it stays on the host.
+
+Optimizer-wide entries under plain keys (``EmoNavi``/``EmoFact``/``EmoLynx``'s ``state["ema"]``, ``SPAM``'s
+``state["total_step"]``) are placed by the built-in rule: tensors go where the first group's params are.
 
 Classes no policy can fix, because a policy only says *where* a tensor optimshift found belongs, and these
-keep state where optimshift (like ``Optimizer.state_dict()``) does not look, or under keys it rejects:
+keep state where optimshift does not look (outside ``optimizer.state`` and ``param_groups``) or under keys it
+rejects:
 
-- ``EmoNavi``, ``EmoFact``, ``EmoLynx`` (``state["ema"]``), ``MADGRAD`` (``state["k"]``), ``SPAM`` and
-  ``StableSPAM``-style counters (``state["total_step"]``): optimizer-wide entries keyed by a string in
-  ``optimizer.state``, which optimshift's plan rejects as "a param that is in no group".
 - ``Magma`` keeps per-param tensors in a private ``_state`` dict keyed by ``id(param)``; ``SaRA`` caches index
   tensors derived from ``state["mask"]`` in ``_mask_indices``: after a move they are left on the old device.
-- ``LOMO``/``AdaLOMO`` update params inside ``fused_backward`` and raise from ``step()``; AdaLOMO keeps its
-  moments in attributes, not in ``optimizer.state``.
+- ``AdaLOMO`` keeps its moments in attributes, not in ``optimizer.state`` (and, like ``LOMO``, updates params
+  inside ``fused_backward`` hooks: ``step()`` raises).
+
+Not checked on a CPU-only machine: ``DeMo`` and ``DistributedMuon`` (they need a torch.distributed process
+group whose backend handles the device).
 """
 
 from __future__ import annotations
@@ -47,9 +53,18 @@ def _alig(key: str, value: torch.Tensor, param: Optional[torch.Tensor], group: M
     return None
 
 
+def _madgrad(key: str, value: torch.Tensor, param: Optional[torch.Tensor], group: Mapping[str, Any],
+             device: torch.device) -> Optional[torch.device]:
+    """MADGRAD: the optimizer-wide counter ``state["k"]`` is created on the host and read there."""
+    if param is None and key == "k":
+        return torch.device("cpu")
+    return None
+
+
 # "module:Class" -> policy. Only classes whose state the built-in rule places wrongly (see the module doc).
 POLICIES: Mapping[str, Policy] = {
     "pytorch_optimizer.optimizer.alig:AliG": _alig,
+    "pytorch_optimizer.optimizer.madgrad:MADGRAD": _madgrad,
 }
 
 _lock = threading.Lock()

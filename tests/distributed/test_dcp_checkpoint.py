@@ -1,0 +1,428 @@
+"""optimshift.distributed.save/load/describe_dcp: N→M resharding, device types, atomic commit, clear errors.
+
+Bitwise throughout: resharding only moves bytes, and the 1-process reference run computes the same
+floating-point operations as the 2-rank FSDP2 run (see _dist_workers), so no tolerance is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import optimshift
+from _dist_harness import JOB_TIMEOUT_S
+from _dist_workers import (
+    HIDDEN,
+    IN,
+    K,
+    OUT,
+    S,
+    WORLD,
+    bitwise_equal,
+    build_model,
+    build_optimizer,
+    full_state,
+    local_step,
+    state_differences,
+)
+from optimshift.distributed import describe_dcp, load, save
+
+
+def _state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    out = [(f"param {n}", p.detach().clone()) for n, p in model.named_parameters()]
+    for i, p in enumerate(model.parameters()):
+        for key, value in opt.state.get(p, {}).items():
+            out.append((f"state {i} {key} {value.device}", value.detach().clone()))
+    return out
+
+
+def _unchanged(before: list, model: torch.nn.Module, opt: torch.optim.Optimizer) -> bool:
+    after = _state_of(model, opt)
+    return [k for k, _ in before] == [k for k, _ in after] and all(
+        bitwise_equal(a, b) for (_, a), (_, b) in zip(before, after))
+
+
+def _placement(opt: torch.optim.Optimizer) -> list[tuple[str, str, str, str]]:
+    return [(r.param, r.key, r.device, r.dtype) for r in optimshift.placement(opt)]
+
+
+def _fresh_placement(device: Any) -> list[tuple[str, str, str, str]]:
+    """Where a fresh optimizer over the model on ``device`` keeps its state after a step."""
+    model = build_model().to(device)
+    opt = build_optimizer(model)
+    local_step(model, opt, 0, device)
+    return _placement(opt)
+
+
+# --- N→M ----------------------------------------------------------------------------------------------------
+
+
+def test_save_two_ranks_load_two_ranks(job_train, job_load):
+    ref, res0 = job_train.value(0), job_load.value(0)
+    assert state_differences(res0["ck2_state"], ref["ref_S"]) == []
+    assert state_differences(res0["ck2_final"], ref["ref_SK"]) == []  # training continues bitwise
+    for rank in range(WORLD):
+        res = job_load.value(rank)
+        assert res["ck2_check"] and res["ck2_extra"] == {"step": S, "note": "two ranks"}
+        # same placement as the run that saved it: DTensor shards on the host, step a plain host tensor
+        assert res["ck2_rows"] == job_train.value(rank)["rows"]
+
+
+def test_save_one_process_load_two_ranks(job_load, job_train, single_run):
+    res0 = job_load.value(0)
+    assert state_differences(res0["ck1_state"], single_run["S"]) == []
+    assert state_differences(res0["ck1_final"], job_train.value(0)["ref_SK"]) == []
+    for rank in range(WORLD):
+        res = job_load.value(rank)
+        assert res["ck1_check"] and res["ck1_extra"] == {"step": S, "note": "one process"}
+        assert res["ck1_rows"] == job_train.value(rank)["rows"]  # resharded into the 2-rank layout
+        for key, entry in res["ck1_snapshot"].items():
+            assert entry["type"] == ("Tensor" if key[2] == "step" else "DTensor")
+
+
+def test_save_two_ranks_load_one_process(job_train, dist_dir):
+    assert not dist.is_initialized()  # no process group in the test process
+    ref = job_train.value(0)
+    model = build_model(hidden=HIDDEN)
+    opt = build_optimizer(model)
+    assert load(dist_dir / "ck2", model, opt) == {"step": S, "note": "two ranks"}
+    assert state_differences(full_state(model, opt), ref["ref_S"]) == []
+    assert optimshift.check(opt).ok
+    assert _placement(opt) == _fresh_placement("cpu")
+    for i in range(S, S + K):
+        local_step(model, opt, i)
+    assert state_differences(full_state(model, opt), ref["ref_SK"]) == []
+
+
+# --- device types ---------------------------------------------------------------------------------------
+
+
+def test_saved_on_the_accelerator_loaded_on_the_host_and_back(tmp_path, sim):
+    model = build_model().to(sim)
+    opt = build_optimizer(model)
+    for i in range(S):
+        local_step(model, opt, i, sim)
+    save(tmp_path / "ck", model, opt)
+    saved = full_state(model, opt)
+    for i in range(S, S + K):
+        local_step(model, opt, i, sim)
+    uninterrupted = full_state(model, opt)
+
+    host_model = build_model()
+    host_opt = build_optimizer(host_model)
+    load(tmp_path / "ck", host_model, host_opt)
+    assert state_differences(full_state(host_model, host_opt), saved) == []
+    assert _placement(host_opt) == _fresh_placement("cpu") and optimshift.check(host_opt).ok
+
+    sim_model = build_model().to(sim)
+    sim_opt = build_optimizer(sim_model)
+    load(tmp_path / "ck", sim_model, sim_opt)
+    assert _placement(sim_opt) == _fresh_placement(sim) and optimshift.check(sim_opt).ok
+    for i in range(S, S + K):
+        local_step(sim_model, sim_opt, i, sim)
+    assert state_differences(full_state(sim_model, sim_opt), uninterrupted) == []
+
+
+def test_saved_on_the_accelerator_loaded_on_two_cpu_ranks(job_load, job_train, sim_run):
+    res0 = job_load.value(0)
+    assert state_differences(res0["ck_sim_state"], sim_run["S"]) == []
+    # the simulator runs the host's kernels, so this model's numbers agree across the two device types and
+    # the 2-rank continuation on CPU matches the uninterrupted run on sim (and the 2-rank reference) bitwise
+    assert state_differences(res0["ck_sim_final"], sim_run["SK"]) == []
+    assert state_differences(sim_run["SK"], job_train.value(0)["ref_SK"]) == []
+    for rank in range(WORLD):
+        res = job_load.value(rank)
+        assert res["ck_sim_check"] and res["ck_sim_extra"] is None
+        assert res["ck_sim_rows"] == job_train.value(rank)["rows"]  # host shards, host step: fresh placement
+
+
+def test_two_rank_host_checkpoint_loads_onto_the_accelerator(job_train, dist_dir, sim):
+    model = build_model().to(sim)
+    opt = build_optimizer(model)
+    load(dist_dir / "ck2", model, opt)
+    assert state_differences(full_state(model, opt), job_train.value(0)["ref_S"]) == []
+    assert _placement(opt) == _fresh_placement(sim) and optimshift.check(opt).ok
+
+
+def test_device_places_the_state_as_move_would(job_train, dist_dir, sim):
+    model = build_model()
+    opt = build_optimizer(model)
+    load(dist_dir / "ck2", model, opt, device=sim)
+    expected_model = build_model()
+    expected = build_optimizer(expected_model)
+    load(dist_dir / "ck2", expected_model, expected)
+    # params stay on the host; the state sits where a fresh optimizer over params on sim keeps it
+    assert _placement(opt) == _placement(optimshift.move(expected, sim))
+
+
+def test_load_places_the_state_by_the_checkpoints_flags(tmp_path, sim):
+    """The saved param groups replace the live ones (torch's load_state_dict), flags included: a fused
+    checkpoint makes a fused optimizer, whose step must sit on the device, and the other way round."""
+    for saved_fused, live_fused in ((True, None), (None, True)):
+        model = build_model().to(sim)
+        opt = torch.optim.AdamW(model.parameters(), fused=saved_fused)
+        local_step(model, opt, 0, sim)
+        save(tmp_path / "ck", model, opt)
+        local_step(model, opt, 1, sim)
+        uninterrupted = full_state(model, opt)
+
+        live = build_model().to(sim)
+        live_opt = torch.optim.AdamW(live.parameters(), fused=live_fused)
+        load(tmp_path / "ck", live, live_opt)
+        assert live_opt.param_groups[0]["fused"] is saved_fused
+        assert optimshift.check(live_opt).ok
+        step_device = {str(v.device) for st in live_opt.state.values() for k, v in st.items() if k == "step"}
+        assert step_device == ({str(sim)} if saved_fused else {"cpu"})
+        local_step(live, live_opt, 1, sim)
+        assert state_differences(full_state(live, live_opt), uninterrupted) == []
+
+
+# --- never stepped, extra, describe -----------------------------------------------------------------------
+
+
+def test_a_never_stepped_optimizer_round_trips_without_state(tmp_path):
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.25)
+    save(tmp_path / "fresh", model, opt)
+    assert len(opt.state) == 0  # DCP's initialization step is not left behind
+    assert not any(e["path"][:2] == ["optim", "state"] for e in describe_dcp(tmp_path / "fresh")["entries"])
+
+    trained = build_model()
+    trained_opt = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+    local_step(trained, trained_opt, 0)
+    load(tmp_path / "fresh", trained, trained_opt)
+    assert len(trained_opt.state) == 0 and trained_opt.param_groups[0]["lr"] == 0.25
+    local_step(model, opt, 1)
+    local_step(trained, trained_opt, 1)
+    assert state_differences(full_state(trained, trained_opt), full_state(model, opt)) == []
+
+
+def test_describe_dcp_reads_metadata_without_a_process_group(job_train, dist_dir):
+    job_train.value(0)
+    assert not dist.is_initialized()
+    info = describe_dcp(dist_dir / "ck2")
+    assert json.loads(json.dumps(info)) == info
+    entries = {e["key"]: e for e in info["entries"]}
+    w = entries["model.0.weight"]
+    assert (w["kind"], w["shape"], w["dtype"], w["bytes"], w["chunks"]) == ("tensor", [HIDDEN, IN], "float32",
+                                                                          HIDDEN * IN * 4, WORLD)
+    assert entries["model.2.weight"]["shape"] == [OUT, HIDDEN]
+    step = entries["optim.state.0.weight.step"]
+    assert (step["shape"], step["bytes"], step["path"]) == ([], 4, ["optim", "state", "0.weight", "step"])
+    assert entries["optim.param_groups.0.lr"]["kind"] == "object"
+    assert entries["optimshift_extra"]["kind"] == "object"
+    params = HIDDEN * IN + HIDDEN + OUT * HIDDEN + OUT
+    assert info["sections"]["model"] == {"tensors": 4, "objects": 0, "bytes": params * 4}
+    assert info["sections"]["optim"]["tensors"] == 12  # step, exp_avg, exp_avg_sq for 4 params
+    assert info["tensor_bytes"] == sum(e.get("bytes", 0) for e in info["entries"])
+    assert info["tensors"] + info["objects"] == len(info["entries"])
+    assert info["files"] == WORLD + 2  # a shard file per rank, .metadata, optimshift.json
+    assert info["optimshift"]["world_size"] == WORLD and info["optimshift"]["optimizer"] == "AdamW"
+    assert info["optimshift"]["extra"] == ["note", "step"]
+
+
+def test_describe_dcp_rejects_what_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        describe_dcp(tmp_path / "missing")
+    with pytest.raises(ValueError, match="no .metadata"):
+        describe_dcp(tmp_path)
+    with pytest.raises(TypeError, match="str or os.PathLike"):
+        describe_dcp(3)  # type: ignore[arg-type]
+
+
+# --- failures -----------------------------------------------------------------------------------------------
+
+
+def test_mismatched_model_or_optimizer_fails_on_every_rank_without_hanging(job_load):
+    assert job_load.seconds < JOB_TIMEOUT_S
+    for rank in range(WORLD):
+        res = job_load.value(rank)
+        model_error = res["model_mismatch"]
+        assert model_error.startswith("ValueError: checkpoint ")
+        assert f"model.0.weight: shape ({HIDDEN}, {IN}) in the checkpoint, ({HIDDEN + 2}, {IN}) here" in model_error
+        assert "(on ranks 0, 1 of 2)" in model_error
+        assert res["model_mismatch_unchanged"] and res["model_mismatch_state"] == 0
+        optimizer_error = res["optimizer_mismatch"]
+        assert optimizer_error.startswith("ValueError: checkpoint ")
+        assert "param group 0: the checkpoint lacks ['dampening', 'momentum', 'nesterov'], which SGD uses, and " \
+               "has ['amsgrad', 'betas'" in optimizer_error
+        assert res["optimizer_mismatch_state"] == 0  # the SGD was not initialized by the attempt
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank(job_load):
+    for rank in range(WORLD):
+        res = job_load.value(rank)
+        load_error, save_error = res["one_rank_load"], res["one_rank_save"]
+        assert load_error.startswith("ValueError: ") and "'nonsense' is not a device PyTorch knows" in load_error
+        assert save_error.startswith("TypeError: ") and "extra must be a mapping" in save_error
+        if rank == 0:  # the rank whose input was fine learns why the others failed
+            assert "failed on another rank" in load_error and "(on rank 1 of 2)" in load_error
+            assert "failed on another rank" in save_error
+        assert not res["ck_never_exists"]
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(job_kill, dist_dir):
+    assert job_kill.exitcodes[1] == -signal.SIGKILL and job_kill.results[1] is None
+    res0 = job_kill.value(0)
+    assert res0["error"] != "no error"  # rank 0 saw its peer die instead of waiting forever
+    target = dist_dir / "ck_kill"
+    model = build_model()
+    opt = build_optimizer(model)
+    assert load(target, model, opt) == {"version": 1}
+    assert state_differences(full_state(model, opt), res0["saved"]) == []
+    assert describe_dcp(target)["optimshift"]["world_size"] == WORLD
+    save(target, model, opt, extra={"version": 3})  # the next save clears whatever the dead one left
+    assert sorted(p.name for p in dist_dir.glob("ck_kill*")) == ["ck_kill"]
+    model = build_model()
+    assert load(target, model, build_optimizer(model)) == {"version": 3}
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model()
+    opt = build_optimizer(model)
+    local_step(model, opt, 0)
+    return model, opt
+
+
+def test_load_errors_are_clear_and_change_nothing(tmp_path, single_run, dist_dir):
+    model, opt = _trained()
+    before = _state_of(model, opt)
+    ck = dist_dir / "ck1"
+    not_a_checkpoint = tmp_path / "plain"
+    not_a_checkpoint.mkdir()
+    wide = build_model(hidden=HIDDEN + 1)
+    cases = [
+        (lambda: load(tmp_path / "missing", model, opt), FileNotFoundError, "no checkpoint at"),
+        (lambda: load(not_a_checkpoint, model, opt), ValueError, "no .metadata"),
+        (lambda: load(ck, model, opt, device="nonsense"), ValueError, "not a device PyTorch knows"),
+        (lambda: load(ck, opt, opt), TypeError, "model must be a torch.nn.Module"),
+        (lambda: load(ck, model, model), TypeError, "torch.optim.Optimizer"),  # type: ignore[arg-type]
+        (lambda: load(ck, wide, opt), ValueError, "is not a parameter of the Sequential"),
+        (lambda: load(None, model, opt), TypeError, "str or os.PathLike"),  # type: ignore[arg-type]
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+        assert _unchanged(before, model, opt)
+
+    double = build_model(dtype=torch.float64)
+    double_opt = build_optimizer(double)
+    double(torch.ones(1, IN, dtype=torch.float64)).sum().backward()
+    double_opt.step()
+    double_before = _state_of(double, double_opt)
+    with pytest.raises(ValueError, match=r"model.0.weight: dtype float32 in the checkpoint, float64 here"):
+        load(ck, double, double_opt)
+    assert _unchanged(double_before, double, double_opt)
+
+    fresh = build_model()
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"saved from a Sequential with AdamW\) does not match this Sequential "
+                                         r"with SGD"):
+        load(ck, fresh, sgd)
+    assert len(sgd.state) == 0
+
+
+def test_scheduler_keys_in_the_checkpoint_are_not_a_mismatch(tmp_path):
+    model, opt = _trained()
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # adds initial_lr to every param group
+    save(tmp_path / "ck", model, opt)
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)  # no scheduler yet
+    load(tmp_path / "ck", fresh, fresh_opt)  # DCP reads the keys this optimizer has; initial_lr stays behind
+    saved = full_state(model, opt)
+    saved["groups"] = [{k: v for k, v in g.items() if k != "initial_lr"} for g in saved["groups"]]
+    assert state_differences(full_state(fresh, fresh_opt), saved) == []
+
+
+def test_state_keys_of_another_variant_are_a_mismatch(tmp_path):
+    model = build_model()
+    amsgrad = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    local_step(model, amsgrad, 0)
+    save(tmp_path / "ck", model, amsgrad)
+    plain_model = build_model()
+    plain = torch.optim.AdamW(plain_model.parameters())
+    before = _state_of(plain_model, plain)
+    with pytest.raises(ValueError, match=r"optim.state.0.weight: keys \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', "
+                                         r"'step'\] in the checkpoint, \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        load(tmp_path / "ck", plain_model, plain)
+    assert _unchanged(before, plain_model, plain) and len(plain.state) == 0  # DCP's initialization undone
+
+
+def test_load_into_an_optimizer_with_gradients_but_no_state_is_refused(dist_dir, single_run):
+    model = build_model()
+    opt = build_optimizer(model)
+    ((model(torch.ones(1, IN))) ** 2).sum().backward()
+    before = _state_of(model, opt)
+    with pytest.raises(ValueError, match=r"zero_grad\(set_to_none=True\)"):
+        load(dist_dir / "ck1", model, opt)
+    assert _unchanged(before, model, opt) and len(opt.state) == 0
+
+
+def test_save_errors_are_raised_before_anything_is_written(tmp_path):
+    model, opt = _trained()
+    before = _state_of(model, opt)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("mine")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(occupied)
+    cases = [
+        (lambda: save(occupied, model, opt), FileExistsError, "not a torch.distributed.checkpoint"),
+        (lambda: save(a_file, model, opt), FileExistsError, "is a file"),
+        (lambda: save(link, model, opt), ValueError, "is a symlink"),
+        (lambda: save(tmp_path / "a", model, opt, extra=[1]), TypeError, "extra must be a mapping"),
+        (lambda: save(tmp_path / "b", model, opt, extra={"f": object()}), TypeError, "weights_only"),
+        (lambda: save(tmp_path / "c", opt, opt), TypeError, "model must be a torch.nn.Module"),
+        (lambda: save(tmp_path / "d", build_model(), opt), ValueError, "is not a parameter of the Sequential"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+        assert _unchanged(before, model, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link", "occupied"]
+    assert [p.name for p in occupied.iterdir()] == ["notes.txt"] and a_file.read_text() == "x"
+
+
+# --- atomic commit ----------------------------------------------------------------------------------------
+
+
+def test_save_replaces_a_checkpoint_and_clears_a_crashed_save(tmp_path):
+    model, opt = _trained()
+    target = tmp_path / "ck"
+    save(target, model, opt, extra={"n": 1})
+    stale = tmp_path / "ck.optimshift-tmp"  # what a save killed mid-write leaves
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    local_step(model, opt, 1)
+    save(target, model, opt, extra={"n": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    fresh_model = build_model()
+    fresh_opt = build_optimizer(fresh_model)
+    assert load(target, fresh_model, fresh_opt) == {"n": 2}
+    assert state_differences(full_state(fresh_model, fresh_opt), full_state(model, opt)) == []
+
+
+def test_commit_without_an_atomic_exchange(tmp_path, monkeypatch):
+    """Where renameat2(RENAME_EXCHANGE) is unavailable the commit takes two renames; a crash between them
+    leaves the previous checkpoint at <path>.optimshift-old, which load and describe_dcp then read."""
+    from optimshift.distributed import _checkpoint
+
+    monkeypatch.setattr(_checkpoint, "_exchange", lambda a, b: False)
+    model, opt = _trained()
+    target = tmp_path / "ck"
+    save(target, model, opt, extra={"n": 1})
+    local_step(model, opt, 1)
+    save(target, model, opt, extra={"n": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    os.rename(target, tmp_path / "ck.optimshift-old")  # the state a crash between the two renames leaves
+    assert describe_dcp(target)["path"].endswith("ck.optimshift-old")
+    model = build_model()
+    assert load(target, model, build_optimizer(model)) == {"n": 2}

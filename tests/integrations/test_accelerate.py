@@ -1,0 +1,237 @@
+"""optimshift.integrations.accelerate against the real Accelerate: ``prepare`` of an optimizer that has state,
+``save_state``/``load_state`` with both ``map_location`` values, on the host and on the simulated accelerator
+(``ACCELERATE_TORCH_DEVICE`` selects it, as it would select any device).
+
+Placements are compared with a fresh optimizer of the same class and flags over params placed like the live
+ones, after one step. Each Accelerate bug gets a test that shows it unpatched and fixed patched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _integrations_support import (
+    bitwise_same,
+    count_step_syncs,
+    devices,
+    fresh_layout,
+    layout,
+    snapshot,
+    step_with_grads,
+)
+
+pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+import optimshift.integrations.accelerate as osa  # noqa: E402
+
+O = torch.optim
+CONFIGS = {
+    "Adam": ("Adam", {"foreach": False}),
+    "Adam-fused": ("Adam", {"fused": True}),
+    "AdamW-foreach-amsgrad": ("AdamW", {"foreach": True, "amsgrad": True}),
+    "NAdam": ("NAdam", {}),
+    "Adagrad-fused": ("Adagrad", {"fused": True}),
+    "ASGD": ("ASGD", {}),
+    "SGD-momentum": ("SGD", {"momentum": 0.9}),
+    "Adam-capturable": ("Adam", {"capturable": True}),  # capturable cannot step on a CPU: device only
+}
+HOST_CONFIGS = [c for c in CONFIGS if "capturable" not in c]
+
+
+@pytest.fixture
+def accelerator_on(monkeypatch):
+    """``accelerator_on(device)``: a fresh ``Accelerator`` whose device is ``device``."""
+
+    def make(device: torch.device) -> Accelerator:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", str(device))
+        accelerator = Accelerator()
+        assert accelerator.device == device
+        return accelerator
+
+    yield make
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _make(config: str):
+    name, kwargs = CONFIGS[config]
+    return lambda params: getattr(O, name)(params, **kwargs)
+
+
+def _trained_on_host(config: str, steps: int = 2):
+    model = _model()
+    opt = _make(config)(model.parameters())
+    for seed in range(steps):
+        step_with_grads(list(model.parameters()), opt, seed)
+    return model, opt
+
+
+def _fresh_syncs(make, params) -> int:
+    twins = [torch.nn.Parameter(torch.zeros(p.shape, device=p.device)) for p in params]
+    fresh = make(twins)
+    step_with_grads(twins, fresh, seed=0)
+    return count_step_syncs(twins, fresh, seed=7)
+
+
+@pytest.mark.parametrize("config", HOST_CONFIGS)
+def test_prepare_places_existing_state(sim, accelerator_on, accelerate_patch, config):
+    accelerate_patch(True)
+    model, opt = _trained_on_host(config)
+    before = snapshot(opt)
+    model, prepared = accelerator_on(sim).prepare(model, opt)
+    params = list(model.parameters())
+    assert layout(opt) == fresh_layout(_make(config), params)
+    assert bitwise_same(snapshot(opt), before), "prepare must not change a value"
+    assert count_step_syncs(params, prepared, seed=7) == _fresh_syncs(_make(config), params)
+
+
+def test_prepare_unpatched_puts_step_on_device(sim, accelerator_on, accelerate_patch):
+    """Accelerate's bug: ``move_to_device`` over the whole state dict puts Adam's ``step`` on the device,
+    where Adam reads it on the host: at least one sync per param per step, none when placed correctly."""
+    counts = {}
+    for patched in (False, True):
+        accelerate_patch(patched)
+        model, opt = _trained_on_host("Adam")
+        model, prepared = accelerator_on(sim).prepare(model, opt)
+        steps = {row[2] for row in layout(opt) if row[1] == "step"}
+        assert steps == ({"cpu"} if patched else {str(sim)})
+        counts[patched] = count_step_syncs(list(model.parameters()), prepared, seed=7)
+    assert counts[True] == 0
+    assert counts[False] >= len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("config", ["Adam", "Adam-fused"])
+def test_prepare_params_on_two_devices(sim, accelerator_on, accelerate_patch, config):
+    """A model placed by hand over sim:0 and sim:1 (``device_placement=False`` for it): each param's state
+    follows that param; unpatched, every ``step`` goes to the accelerator's one device."""
+    d0, d1 = torch.device(sim.type, 0), torch.device(sim.type, 1)
+    results = {}
+    for patched in (False, True):
+        accelerate_patch(patched)
+        model, opt = _trained_on_host(config)
+        model[0].to(d0)
+        model[1].to(d1)
+        model, prepared = accelerator_on(d0).prepare(model, opt, device_placement=[False, True])
+        results[patched] = layout(opt)
+    params = list(model.parameters())
+    reference = fresh_layout(_make(config), params)
+    assert {row[2] for row in reference} >= {"sim:0", "sim:1"}
+    assert results[True] == reference
+    if config == "Adam":
+        assert results[False] != reference
+    assert count_step_syncs(params, prepared, seed=7) == _fresh_syncs(_make(config), params)
+
+
+def _save_on(accelerator_on, device, config, directory, steps=2):
+    accelerator = accelerator_on(device)
+    model = _model()
+    model, opt = accelerator.prepare(model, _make(config)(model.parameters()))
+    for seed in range(steps):
+        step_with_grads(list(model.parameters()), opt, seed)
+    accelerator.save_state(str(directory), safe_serialization=False)
+    return snapshot(opt.optimizer)
+
+
+def _load_on(accelerator_on, device, config, directory, map_location):
+    accelerator = accelerator_on(device)
+    model = _model()
+    model, opt = accelerator.prepare(model, _make(config)(model.parameters()))
+    accelerator.load_state(str(directory), map_location=map_location)
+    return model, opt
+
+
+@pytest.mark.parametrize("map_location", ["cpu", "on_device"])
+@pytest.mark.parametrize("config", ["Adam", "Adam-fused", "NAdam", "Adagrad-fused", "ASGD"])
+def test_load_host_state_on_device(sim, tmp_path, accelerator_on, accelerate_patch, config, map_location):
+    """The seed's scenario through Accelerate: ``save_state`` on the host, ``load_state`` on the accelerator."""
+    accelerate_patch(True)
+    saved = _save_on(accelerator_on, torch.device("cpu"), config, tmp_path)
+    model, opt = _load_on(accelerator_on, sim, config, tmp_path, map_location)
+    params = list(model.parameters())
+    assert any(row[2] == str(sim) for row in layout(opt.optimizer))
+    assert layout(opt.optimizer) == fresh_layout(_make(config), params)
+    assert bitwise_same(snapshot(opt.optimizer), saved)
+    assert count_step_syncs(params, opt, seed=7) == _fresh_syncs(_make(config), params)
+
+
+@pytest.mark.parametrize("map_location", ["cpu", "on_device"])
+@pytest.mark.parametrize("config", ["Adam", "Adam-capturable", "NAdam"])
+def test_save_and_load_state_on_device(sim, tmp_path, accelerator_on, accelerate_patch, config, map_location):
+    """State trained, saved and loaded on the accelerator (capturable included)."""
+    accelerate_patch(True)
+    saved = _save_on(accelerator_on, sim, config, tmp_path)
+    model, opt = _load_on(accelerator_on, sim, config, tmp_path, map_location)
+    params = list(model.parameters())
+    assert layout(opt.optimizer) == fresh_layout(_make(config), params)
+    assert bitwise_same(snapshot(opt.optimizer), saved)
+
+
+@pytest.mark.parametrize(
+    "map_location, config, key",
+    [("on_device", "Adam", "step"), ("cpu", "NAdam", "mu_product")],
+    ids=["on_device-Adam-step", "cpu-NAdam-mu_product"],
+)
+def test_load_state_unpatched_misplaces_host_scalars(sim, tmp_path, accelerator_on, accelerate_patch, map_location,
+                                                     config, key):
+    """``load_state(map_location="on_device")`` loads every ``step`` onto the device and it stays there;
+    with ``"cpu"``, PyTorch's cast (passed through by Accelerate) puts NAdam's ``mu_product`` there."""
+    accelerate_patch(False)
+    _save_on(accelerator_on, torch.device("cpu"), config, tmp_path)
+    found = {}
+    for patched in (False, True):
+        accelerate_patch(patched)
+        _, opt = _load_on(accelerator_on, sim, config, tmp_path, map_location)
+        found[patched] = {row[2] for row in layout(opt.optimizer) if row[1] == key}
+    assert found == {False: {str(sim)}, True: {"cpu"}}
+
+
+@pytest.mark.parametrize("map_location", ["cpu", "on_device"])
+def test_cpu_prepare_save_load(tmp_path, accelerator_on, accelerate_patch, map_location):
+    """The whole cycle on a CPU-only Accelerator: nothing may change place, dtype or value."""
+    accelerate_patch(True)
+    cpu = torch.device("cpu")
+    model, opt = _trained_on_host("Adam-fused")
+    before = snapshot(opt)
+    model, prepared = accelerator_on(cpu).prepare(model, opt)
+    assert bitwise_same(snapshot(opt), before)
+    saved = _save_on(accelerator_on, cpu, "NAdam", tmp_path)
+    model, opt = _load_on(accelerator_on, cpu, "NAdam", tmp_path, map_location)
+    assert devices(opt.optimizer) == {"cpu"}
+    assert layout(opt.optimizer) == fresh_layout(_make("NAdam"), list(model.parameters()))
+    assert bitwise_same(snapshot(opt.optimizer), saved)
+
+
+def test_patch_is_idempotent_and_unpatch_restores(accelerate_patch):
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    init, load = AcceleratedOptimizer.__dict__["__init__"], AcceleratedOptimizer.__dict__["load_state_dict"]
+    accelerate_patch(True)
+    assert osa.is_patched()
+    patched = AcceleratedOptimizer.__dict__["__init__"], AcceleratedOptimizer.__dict__["load_state_dict"]
+    assert patched[0] is not init and patched[1] is not load
+    osa.patch()
+    assert (AcceleratedOptimizer.__dict__["__init__"], AcceleratedOptimizer.__dict__["load_state_dict"]) == patched
+    osa.unpatch()
+    assert not osa.is_patched()
+    assert AcceleratedOptimizer.__dict__["__init__"] is init
+    assert AcceleratedOptimizer.__dict__["load_state_dict"] is load
+    osa.unpatch()
+
+
+def test_device_placement_false_is_left_alone(sim, accelerator_on, accelerate_patch):
+    """``prepare(..., device_placement=[..., False])``: the user places the state; nothing is moved."""
+    accelerate_patch(True)
+    model, opt = _trained_on_host("Adam")
+    model, prepared = accelerator_on(sim).prepare(model, opt, device_placement=[True, False])
+    assert devices(opt) == {"cpu"}
+    assert prepared.device_placement is False

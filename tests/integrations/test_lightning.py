@@ -1,0 +1,581 @@
+"""optimshift.integrations.lightning against the real Lightning: Trainer (CPU and the simulated accelerator),
+the strategy's own setup/load_optimizer_state_dict/teardown, Fabric, and the offload-during-eval callback.
+
+Every placement is compared with a fresh optimizer of the same class and flags over params placed like the
+live ones, after one step. Each Lightning bug gets a test that shows it unpatched and fixed patched.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import optimshift
+from _integrations_support import (
+    bitwise_same,
+    count_step_syncs,
+    devices,
+    fabric_strategy,
+    fresh_layout,
+    layout,
+    lightning_strategy,
+    snapshot,
+    step_with_grads,
+)
+
+pl = pytest.importorskip("lightning.pytorch")
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
+
+import optimshift.integrations.lightning as osl  # noqa: E402
+
+O = torch.optim
+# What the simulated accelerator (like CUDA) raises when a step mixes devices or feeds a host tensor to a fused kernel.
+MIXED = r"found at least two devices|fused kernels reject CPU"
+
+# id -> (class name, kwargs). All run on the host (for the checkpoint) and on the simulated device.
+CONFIGS = {
+    "Adam": ("Adam", {"foreach": False}),
+    "Adam-fused": ("Adam", {"fused": True}),
+    "AdamW-foreach-amsgrad": ("AdamW", {"foreach": True, "amsgrad": True}),
+    "NAdam": ("NAdam", {}),
+    "RAdam": ("RAdam", {}),
+    "Adagrad-fused": ("Adagrad", {"fused": True}),
+    "ASGD": ("ASGD", {}),
+    "SGD-momentum": ("SGD", {"momentum": 0.9}),
+}
+
+
+class Tiny(pl.LightningModule):
+    """Two linear layers; the optimizer is chosen by name (or handed in already built, with state)."""
+
+    def __init__(self, opt_name: str = "Adam", opt_kwargs: dict | None = None, fail_validation_at: int = -1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        self.opt_name, self.opt_kwargs = opt_name, dict(opt_kwargs or {})
+        self.prebuilt: torch.optim.Optimizer | None = None
+        self.fail_validation_at = fail_validation_at
+        self.validations = 0
+
+    def make_optimizer(self, params):
+        return getattr(O, self.opt_name)(params, **self.opt_kwargs)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return (self.net(x) ** 2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.validations += 1
+        if self.validations == self.fail_validation_at:
+            raise RuntimeError("validation failed on purpose")
+        (x,) = batch
+        self.net(x)
+
+    def configure_optimizers(self):
+        return self.prebuilt if self.prebuilt is not None else self.make_optimizer(self.parameters())
+
+
+def _data(n: int = 16) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g)), batch_size=4)
+
+
+def _trainer(device: torch.device, max_steps: int, callbacks=(), strategy=None, **kwargs) -> pl.Trainer:
+    options = dict(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=list(callbacks))
+    options.update(kwargs)
+    if strategy is not None:
+        return pl.Trainer(strategy=strategy, **options)
+    if device.type == "cpu":
+        return pl.Trainer(accelerator="cpu", devices=1, **options)
+    return pl.Trainer(strategy=lightning_strategy(device), **options)
+
+
+class Probe(pl.Callback):
+    """Records the optimizer's placement, the fresh reference and a value snapshot when training starts,
+    and a snapshot when it ends (before the strategy's teardown)."""
+
+    def on_train_start(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        self.layout = layout(opt)
+        self.fresh = fresh_layout(pl_module.make_optimizer, list(pl_module.parameters()))
+        self.values = snapshot(opt)
+        self.check_ok = optimshift.check(opt).ok
+
+    def on_train_end(self, trainer, pl_module):
+        self.values_at_end = snapshot(trainer.optimizers[0])
+
+
+def _checkpoint_state(path: Path) -> dict:
+    """The optimizer state saved in a Lightning checkpoint, keyed like :func:`snapshot`."""
+    saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer_states"][0]
+    index = {i: (gi, pi) for gi, g in enumerate(saved["param_groups"]) for pi, i in enumerate(g["params"])}
+    return {(*index[i], k): v for i, entry in saved["state"].items() for k, v in entry.items()}
+
+
+def _host_checkpoint(tmp_path: Path, name: str, kwargs: dict, steps: int = 3) -> Path:
+    module = Tiny(name, kwargs)
+    trainer = _trainer(torch.device("cpu"), steps)
+    trainer.fit(module, _data())
+    path = tmp_path / "host.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+# --- Trainer: fit, checkpoint, resume ---------------------------------------------------------------------
+
+
+def test_trainer_fit_checkpoint_resume_on_cpu(tmp_path, lightning_patch):
+    lightning_patch(True)
+    path = _host_checkpoint(tmp_path, "Adam", {})
+    module, probe = Tiny("Adam"), Probe()
+    trainer = _trainer(torch.device("cpu"), 6, [probe])
+    trainer.fit(module, _data(), ckpt_path=path)
+    assert probe.layout == probe.fresh
+    assert probe.check_ok
+    assert bitwise_same(probe.values, _checkpoint_state(path)), "restoring must not change a value"
+    assert devices(trainer.optimizers[0]) == {"cpu"}
+    assert trainer.global_step == 6
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_trainer_resumes_host_checkpoint_on_device(sim, tmp_path, lightning_patch, config):
+    """The seed's scenario through a real Trainer: train on the host, checkpoint, fit(ckpt_path=...) on the
+    (simulated) accelerator. Placement at on_train_start equals a fresh optimizer's; teardown leaves nothing."""
+    lightning_patch(True)
+    name, kwargs = CONFIGS[config]
+    path = _host_checkpoint(tmp_path, name, kwargs)
+    module, probe = Tiny(name, kwargs), Probe()
+    trainer = _trainer(sim, 5, [probe])
+    trainer.fit(module, _data(), ckpt_path=path)
+    assert any(row[2] == str(sim) for row in probe.layout), "the state must have moved to the device"
+    assert probe.layout == probe.fresh
+    assert probe.check_ok
+    assert bitwise_same(probe.values, _checkpoint_state(path))
+    opt = trainer.optimizers[0]
+    assert devices(opt) == {"cpu"}, "teardown must leave no optimizer tensor on the accelerator"
+    assert bitwise_same(snapshot(opt), probe.values_at_end), "teardown must not change a value"
+
+
+def test_restore_unpatched_puts_host_scalars_on_device(sim, tmp_path, lightning_patch):
+    """Lightning's bug on restore: every tensor but ``step`` goes to the root device, so NAdam's host-side
+    ``mu_product`` lands on the accelerator (read on the host every step)."""
+    path = _host_checkpoint(tmp_path, "NAdam", {})
+    for patched in (False, True):
+        lightning_patch(patched)
+        module, probe = Tiny("NAdam"), Probe()
+        _trainer(sim, 4, [probe]).fit(module, _data(), ckpt_path=path)
+        mu = {row[2] for row in probe.layout if row[1] == "mu_product"}
+        if patched:
+            assert probe.layout == probe.fresh and mu == {"cpu"}
+        else:
+            assert mu == {str(sim)} and probe.layout != probe.fresh
+
+
+def test_setup_moves_existing_fused_state_with_its_step(sim, lightning_patch):
+    """Lightning's bug in strategy setup: a CPU-fused optimizer that already has state keeps a host ``step``
+    when moved to the accelerator, and the fused kernel rejects it."""
+
+    def module_with_trained_optimizer():
+        module = Tiny("Adam", {"fused": True})
+        opt = module.make_optimizer(module.parameters())
+        for seed in range(2):
+            step_with_grads(list(module.parameters()), opt, seed)
+        opt.zero_grad()
+        module.prebuilt = opt
+        return module
+
+    lightning_patch(False)
+    with pytest.raises(RuntimeError, match=MIXED):
+        _trainer(sim, 3).fit(module_with_trained_optimizer(), _data())
+
+    lightning_patch(True)
+    module, probe = module_with_trained_optimizer(), Probe()
+    before = snapshot(module.prebuilt)
+    trainer = _trainer(sim, 3, [probe])
+    trainer.fit(module, _data())
+    assert probe.layout == probe.fresh
+    assert bitwise_same(probe.values, before)
+    assert devices(trainer.optimizers[0]) == {"cpu"}
+
+
+@pytest.mark.parametrize("flag", ["fused", "capturable"])
+def test_teardown_leaves_nothing_on_device(sim, tmp_path, lightning_patch, flag):
+    """Lightning's bug at teardown: a fused or capturable ``step`` stays on the accelerator. Patched, every
+    tensor is on the host, bitwise unchanged, and a checkpoint saved afterwards resumes on the device."""
+    lightning_patch(False)
+    trainer = _trainer(sim, 2)
+    trainer.fit(Tiny("Adam", {flag: True}), _data())
+    left = {row[1] for row in layout(trainer.optimizers[0]) if row[2] == str(sim)}
+    assert left == {"step"}, "unpatched Lightning leaves exactly the step tensors on the device"
+
+    lightning_patch(True)
+    probe = Probe()
+    trainer = _trainer(sim, 2, [probe])
+    trainer.fit(Tiny("Adam", {flag: True}), _data())
+    assert devices(trainer.optimizers[0]) == {"cpu"}
+    assert bitwise_same(snapshot(trainer.optimizers[0]), probe.values_at_end)
+
+    path = tmp_path / "device.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = Probe()
+    _trainer(sim, 4, [resumed]).fit(Tiny("Adam", {flag: True}), _data(), ckpt_path=path)
+    assert resumed.layout == resumed.fresh
+    assert bitwise_same(resumed.values, _checkpoint_state(path))
+
+
+class TwoDeviceStrategy(SingleDeviceStrategy):
+    """Root device sim:0, but the model's last layer lives on sim:1 (manual model parallelism)."""
+
+    def model_to_device(self) -> None:
+        net = self.model.net
+        net[0].to(torch.device(self.root_device.type, 0))
+        net[1].to(torch.device(self.root_device.type, 1))
+
+
+class TwoDeviceTiny(Tiny):
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        hidden = self.net[0](x.to(self.net[0].weight.device))
+        return (self.net[1](hidden.to(self.net[1].weight.device)) ** 2).mean().to(self.net[0].weight.device)
+
+
+@pytest.mark.parametrize("config", ["Adam", "Adam-fused"])
+def test_trainer_params_on_two_devices(sim, tmp_path, lightning_patch, config):
+    """Lightning's bug with params on several devices: every state tensor goes to the one root device.
+    Patched, each param's state follows that param (sim:0 and sim:1), through setup, restore and teardown."""
+    name, kwargs = CONFIGS[config]
+    path = _host_checkpoint(tmp_path, name, kwargs)
+    strategy = lambda: lightning_strategy(sim, TwoDeviceStrategy)  # noqa: E731
+    with torch.autograd.set_multithreading_enabled(False):  # backward through sim:1 (see simulated_accelerator)
+        lightning_patch(False)
+        with pytest.raises(RuntimeError, match="sim:0 and sim:1|sim:1 and sim:0|must be on the same device"):
+            _trainer(sim, 5, strategy=strategy()).fit(TwoDeviceTiny(name, kwargs), _data(), ckpt_path=path)
+
+        lightning_patch(True)
+        module, probe = TwoDeviceTiny(name, kwargs), Probe()
+        trainer = _trainer(sim, 5, [probe], strategy=strategy())
+        trainer.fit(module, _data(), ckpt_path=path)
+    assert {row[2] for row in probe.layout} >= {"sim:0", "sim:1"}
+    assert probe.layout == probe.fresh
+    assert bitwise_same(probe.values, _checkpoint_state(path))
+    assert devices(trainer.optimizers[0]) == {"cpu"}
+
+
+# --- the strategy's own methods, called directly --------------------------------------------------------
+
+
+def _host_state(name: str, kwargs: dict, shapes) -> dict:
+    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+              for i, s in enumerate(shapes)]
+    opt = getattr(O, name)(params, **kwargs)
+    for seed in range(3):
+        step_with_grads(params, opt, seed)
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("config", ["NAdam", "ASGD", "Adam-fused"])
+def test_strategy_load_optimizer_state_dict_and_teardown(sim, lightning_patch, config):
+    """``load_optimizer_state_dict`` then ``teardown`` on a strategy whose root device is the simulated one,
+    params split over sim:0 and sim:1: placement and host syncs per step equal a fresh optimizer's."""
+    name, kwargs = CONFIGS[config]
+    shapes = [(3, 4), (3,), (2, 3)]
+    saved = _host_state(name, kwargs, shapes)
+    where = [torch.device(sim.type, 0), torch.device(sim.type, 0), torch.device(sim.type, 1)]
+    make = lambda ps: getattr(O, name)(ps, **kwargs)  # noqa: E731
+
+    def restored(patched: bool):
+        lightning_patch(patched)
+        params = [torch.nn.Parameter(torch.zeros(s, device=d)) for s, d in zip(shapes, where)]
+        opt = make(params)
+        strategy = lightning_strategy(sim)
+        strategy.optimizers = [opt]
+        strategy.load_optimizer_state_dict({"optimizer_states": [saved]})
+        return strategy, params, opt
+
+    fresh_params = [torch.nn.Parameter(torch.zeros(s, device=d)) for s, d in zip(shapes, where)]
+    fresh = make(fresh_params)
+    step_with_grads(fresh_params, fresh, seed=0)
+    fresh_syncs = count_step_syncs(fresh_params, fresh, seed=1)
+
+    _, _, buggy = restored(False)
+    assert layout(buggy) != layout(fresh), "unpatched Lightning misplaces this optimizer's state"
+
+    strategy, params, opt = restored(True)
+    assert layout(opt) == layout(fresh)
+    assert bitwise_same(snapshot(opt), {(0, i, k): v for i, e in saved["state"].items() for k, v in e.items()})
+    assert count_step_syncs(params, opt, seed=1) == fresh_syncs
+    values = snapshot(opt)
+    strategy.teardown()
+    assert devices(opt) == {"cpu"}
+    assert bitwise_same(snapshot(opt), values)
+
+
+def test_nadam_restore_costs_syncs_only_unpatched(sim, lightning_patch):
+    """Measured cost of the restore bug: NAdam's device ``mu_product`` is read on the host each step."""
+    shapes = [(3, 4), (3,)]
+    saved = _host_state("NAdam", {}, shapes)
+    counts = {}
+    for patched in (False, True):
+        lightning_patch(patched)
+        params = [torch.nn.Parameter(torch.zeros(s, device=sim)) for s in shapes]
+        opt = O.NAdam(params)
+        strategy = lightning_strategy(sim)
+        strategy.optimizers = [opt]
+        strategy.load_optimizer_state_dict({"optimizer_states": [saved]})
+        counts[patched] = count_step_syncs(params, opt, seed=5)
+    fresh_params = [torch.nn.Parameter(torch.zeros(s, device=sim)) for s in shapes]
+    fresh = O.NAdam(fresh_params)
+    step_with_grads(fresh_params, fresh, seed=0)
+    assert counts[True] == count_step_syncs(fresh_params, fresh, seed=5) == 0
+    assert counts[False] >= len(shapes), f"unpatched restore should sync on every param, got {counts[False]}"
+
+
+# --- Fabric -------------------------------------------------------------------------------------------------
+
+
+def _trained(name: str, kwargs: dict, steps: int = 2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = getattr(O, name)(model.parameters(), **kwargs)
+    for seed in range(steps):
+        step_with_grads(list(model.parameters()), opt, seed)
+    return model, opt
+
+
+@pytest.mark.parametrize("config", ["Adam", "Adam-fused", "NAdam"])
+def test_fabric_setup_places_existing_state(sim, lightning_patch, config):
+    """Fabric's gap: ``setup`` moves the model but leaves the optimizer's state where it was."""
+    name, kwargs = CONFIGS[config]
+    lightning_patch(False)
+    model, opt = _trained(name, kwargs)
+    _, fabric_opt = Fabric(strategy=fabric_strategy(sim)).setup(model, opt)
+    assert devices(opt) == {"cpu"}, "unpatched Fabric leaves the state on the host"
+    with pytest.raises(RuntimeError, match=MIXED):
+        step_with_grads(list(model.parameters()), fabric_opt, seed=3)
+
+    lightning_patch(True)
+    model, opt = _trained(name, kwargs)
+    before = snapshot(opt)
+    _, fabric_opt = Fabric(strategy=fabric_strategy(sim)).setup(model, opt)
+    params = list(model.parameters())
+    assert layout(opt) == fresh_layout(lambda ps: getattr(O, name)(ps, **kwargs), params)
+    assert bitwise_same(snapshot(opt), before)
+    fresh_params = [torch.nn.Parameter(torch.zeros(p.shape, device=sim)) for p in params]
+    fresh = getattr(O, name)(fresh_params, **kwargs)
+    step_with_grads(fresh_params, fresh, seed=0)
+    assert count_step_syncs(params, fabric_opt, seed=3) == count_step_syncs(fresh_params, fresh, seed=3)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
+@pytest.mark.parametrize("config", ["NAdam", "Adam-fused"])
+def test_fabric_load_host_checkpoint_on_device(sim, tmp_path, lightning_patch, config, raw):
+    name, kwargs = CONFIGS[config]
+    model, opt = _trained(name, kwargs, steps=3)
+    host = Fabric(accelerator="cpu", devices=1)
+    path = tmp_path / ("raw.pt" if raw else "fabric.ckpt")
+    if raw:
+        torch.save(opt.state_dict(), path)
+    else:
+        host.save(path, {"model": model, "optimizer": opt})
+    saved = snapshot(opt)
+
+    def load(patched: bool):
+        lightning_patch(patched)
+        model, opt = _trained(name, kwargs, steps=0)
+        fabric = Fabric(strategy=fabric_strategy(sim))
+        model, fabric_opt = fabric.setup(model, opt)
+        if raw:
+            fabric.load_raw(path, fabric_opt)
+        else:
+            fabric.load(path, {"model": model, "optimizer": fabric_opt})
+        return opt, list(model.parameters())
+
+    opt, params = load(True)
+    reference = fresh_layout(lambda ps: getattr(O, name)(ps, **kwargs), params)
+    assert layout(opt) == reference
+    assert bitwise_same(snapshot(opt), saved)
+    buggy, _ = load(False)
+    if name == "NAdam":  # PyTorch's load_state_dict casts mu_product onto the device; Fabric keeps it there
+        assert layout(buggy) != reference
+
+
+# --- the offload-during-eval callback ---------------------------------------------------------------------
+
+
+class EvalProbe(pl.Callback):
+    def __init__(self):
+        self.during_eval: list[set] = []
+        self.train_layouts: list = []
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        opt = trainer.optimizers[0]
+        grads = {str(p.grad.device) for p in pl_module.parameters() if p.grad is not None}
+        self.during_eval.append((devices(opt), optimshift.is_offloaded(opt), grads))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.train_layouts.append(layout(trainer.optimizers[0]))
+
+
+def _fit_with_validation(device, callbacks, module):
+    # Validation after the 3rd of 4 batches while gradients accumulate over 2: it finds the gradients of an
+    # unfinished accumulation on the device, which must come back intact.
+    trainer = _trainer(device, 6, callbacks, limit_val_batches=1, val_check_interval=3, num_sanity_val_steps=1,
+                       accumulate_grad_batches=2)
+    trainer.fit(module, _data(), _data(4))
+    return trainer
+
+
+@pytest.mark.parametrize("include", [(), ("grads",)], ids=["state", "state+grads"])
+@pytest.mark.parametrize("config", ["Adam-fused", "NAdam"])
+def test_offload_during_eval(sim, lightning_patch, config, include):
+    """State (and with include=("grads",) the gradients) is off the device during every validation loop,
+    back exactly where it was for training, and the run is bitwise identical to one without the callback."""
+    lightning_patch(True)
+    name, kwargs = CONFIGS[config]
+    probe, module, plain_module = EvalProbe(), Tiny(name, kwargs), Tiny(name, kwargs)
+    offloading = _fit_with_validation(sim, [osl.OffloadOptimizerDuringEval(include=include), probe], module)
+    plain = _fit_with_validation(sim, [], plain_module)
+
+    with_state = [d for d in probe.during_eval if d[0]]
+    assert len(with_state) >= 2, "validation ran after training steps"
+    assert all(d[:2] == ({"cpu"}, True) for d in with_state), "offloaded during validation"
+    grads_seen = {frozenset(d[2]) for d in with_state}
+    assert grads_seen == ({frozenset()} if include else {frozenset({str(sim)})}), "grads leave only if asked"
+    layouts = [lay for lay in probe.train_layouts if lay]  # once the first step created the state
+    first = layouts[0]
+    assert len(layouts) >= 8 and any(row[2] == str(sim) for row in first)
+    assert all(lay == first for lay in layouts), "reloaded exactly where it was"
+    assert first == fresh_layout(lambda ps: getattr(O, name)(ps, **kwargs), [p.to(sim) for p in module.parameters()])
+    assert bitwise_same(snapshot(offloading.optimizers[0]), snapshot(plain.optimizers[0]))
+    for a, b in zip(module.parameters(), plain_module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_offload_during_eval_when_validation_fails(sim, lightning_patch):
+    lightning_patch(True)
+    module = Tiny("Adam", {"fused": True}, fail_validation_at=2)
+    trainer = _trainer(sim, 6, [osl.OffloadOptimizerDuringEval()], limit_val_batches=1, val_check_interval=2)
+    with pytest.raises(RuntimeError, match="validation failed on purpose"):
+        trainer.fit(module, _data(), _data(4))
+    opt = trainer.optimizers[0]
+    assert not optimshift.is_offloaded(opt)
+    assert devices(opt) == {"cpu"}
+
+
+def test_offload_callback_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="pin_memory"):
+        osl.OffloadOptimizerDuringEval(pin_memory="yes")
+    with pytest.raises(TypeError, match="include"):
+        osl.OffloadOptimizerDuringEval(include="grads")
+
+
+# --- patch mechanics ----------------------------------------------------------------------------------------
+
+_IMPORT = re.compile(r"from\s+([\w.]+utilities\.optimizer)\s+import\s+([^\n]+)")
+
+
+def _modules_binding_helpers() -> list[tuple[str, str, str]]:
+    """(module, source module, helper name) for every module of the installed Lightning packages that imports
+    one of the helpers by name, found by reading their sources."""
+    found = []
+    for top in ("lightning", "pytorch_lightning", "lightning_fabric"):
+        try:
+            package = __import__(top)
+        except ImportError:
+            continue
+        root = Path(package.__file__).parent
+        for file in root.rglob("*.py"):
+            for source, names in _IMPORT.findall(file.read_text(encoding="utf-8")):
+                for helper in ("_optimizer_to_device", "_optimizers_to_device"):
+                    if re.search(rf"\b{helper}\b", names):
+                        module = ".".join((top, *file.relative_to(root).with_suffix("").parts))
+                        found.append((module, source, helper))
+    return found
+
+
+def test_patch_swaps_every_binding_and_unpatch_restores(lightning_patch):
+    import importlib
+
+    bindings = _modules_binding_helpers()
+    assert len(bindings) >= 10, "the installed Lightning imports the helpers in its strategies"
+    modules = {}
+    for module, source, helper in bindings:
+        try:
+            modules[module] = importlib.import_module(module)
+        except ImportError:  # a strategy whose optional dependency is missing cannot be imported, nor used
+            continue
+        assert getattr(modules[module], helper) is getattr(importlib.import_module(source), helper)
+    assert "lightning.pytorch.strategies.strategy" in modules and len(modules) >= 10
+    for source in {source for _, source, _ in bindings}:  # the helpers' own modules are patched too
+        modules[source] = importlib.import_module(source)
+        bindings += [(source, source, h) for h in ("_optimizer_to_device", "_optimizers_to_device")]
+    originals = {(m, h): getattr(modules[m], h) for m, _, h in bindings if m in modules}
+    fabric_setup = Fabric.__dict__["setup"]
+
+    lightning_patch(True)
+    assert osl.is_patched()
+    patched = {(m, h): getattr(modules[m], h) for m, h in originals}
+    assert all(patched[k] is not originals[k] for k in originals)
+    assert Fabric.__dict__["setup"] is not fabric_setup
+    osl.patch()  # idempotent
+    assert {(m, h): getattr(modules[m], h) for m, h in originals} == patched
+
+    # A module imported after patch() binds the replacement; unpatch() gives it the original back.
+    late = types.ModuleType("late_lightning_user")
+    sys.modules[late.__name__] = late
+    try:
+        exec("from lightning.fabric.utilities.optimizer import _optimizer_to_device as move_state", late.__dict__)
+        assert late.move_state is patched[("lightning.pytorch.strategies.strategy", "_optimizer_to_device")]
+        osl.unpatch()
+        assert late.move_state is originals[("lightning.pytorch.strategies.strategy", "_optimizer_to_device")]
+    finally:
+        del sys.modules[late.__name__]
+    assert not osl.is_patched()
+    assert all(getattr(modules[m], h) is originals[(m, h)] for m, h in originals)
+    assert Fabric.__dict__["setup"] is fabric_setup
+    osl.unpatch()  # idempotent
+
+
+class _ListState:
+    """A custom optimizer Lightning supports whose state is a list per param."""
+
+    def __init__(self):
+        self.p = torch.nn.Parameter(torch.zeros(2))
+        self.param_groups = [{"params": [self.p]}]
+        self.state = {self.p: [torch.ones(2)]}
+
+    def moved(self):
+        return self.state[self.p][0]
+
+
+class _StrayParam(torch.optim.SGD):
+    """An optimizer whose state holds a param that no group holds (optimshift cannot tell where it goes)."""
+
+    def __init__(self):
+        self.p = torch.nn.Parameter(torch.zeros(2))
+        super().__init__([self.p], lr=0.1, momentum=0.9)
+        self.state[self.p]["momentum_buffer"] = torch.ones(2)
+        self.state[torch.nn.Parameter(torch.zeros(3))] = {"momentum_buffer": torch.ones(3)}
+
+    def moved(self):
+        return self.state[self.p]["momentum_buffer"]
+
+
+@pytest.mark.parametrize("make", [_ListState, _StrayParam], ids=["list-state", "stray-param"])
+def test_patched_helper_leaves_unplaceable_optimizers_to_lightning(sim, lightning_patch, make):
+    """Optimizers optimshift refuses to place are still moved by Lightning's own code, as before the patch."""
+    from lightning.pytorch.strategies import strategy as strategy_module
+
+    lightning_patch(True)
+    custom = make()
+    with pytest.raises((TypeError, ValueError)):
+        optimshift.move(custom, sim)
+    strategy_module._optimizer_to_device(custom, sim)
+    assert custom.moved().device == sim

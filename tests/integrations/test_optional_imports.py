@@ -1,0 +1,37 @@
+"""The integrations are optional: importing optimshift (or its integrations package, or the third-party policy
+module) never imports Lightning, Accelerate or an optimizer library. Checked in a clean interpreter."""
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "pytorch_optimizer", "transformers")
+
+
+@pytest.mark.parametrize("statement", [
+    "import optimshift",
+    "import optimshift.integrations",
+    "import optimshift.integrations.third_party",
+    "from optimshift.integrations import _common",
+])
+def test_importing_optimshift_imports_no_framework(statement):
+    code = (
+        f"import sys\n{statement}\n"
+        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"{statement} imported {out.stdout.strip()}"
+
+
+def test_the_framework_modules_do_import_their_framework():
+    """The check above can see an import: importing the Accelerate integration and patching imports it."""
+    code = (
+        "import sys\nimport optimshift.integrations.accelerate as osa\n"
+        "before = 'accelerate' in sys.modules\nosa.patch()\nprint(before, 'accelerate' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"], "the module imports Accelerate only when patch() runs"

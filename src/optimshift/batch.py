@@ -54,11 +54,13 @@ class Batch:
             pool.release(buf, event)
 
 
-def _coalescible(t: torch.Tensor, target: torch.device) -> bool:
-    source = t.device.type
+_HOSTS = ("cpu", "meta")  # devices that never need a synchronize
+
+
+def _coalescible(t: torch.Tensor, source: torch.device, target: torch.device) -> bool:
+    """Whether ``t`` can be staged through a flat buffer (the caller checked: host <-> accelerator)."""
     return (
-        (source == "cpu") != (target.type == "cpu")  # host <-> accelerator only
-        and source != "meta"
+        source.type != "meta"
         and target.type != "meta"
         and type(t) is torch.Tensor
         and t.layout == torch.strided
@@ -86,12 +88,18 @@ def copy_many(
     batch = Batch([None] * len(items))
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
     group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
+    devices = batch.devices
+    copies = batch.copies
     for i, (t, target) in enumerate(items):
-        if group and _coalescible(t, target):
-            groups.setdefault((t.device, target, t.dtype), []).append(i)
-        else:
-            batch.copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
-            batch.devices.update((t.device, target))
+        source = t.device
+        if group and (source.type == "cpu") != (target.type == "cpu") and _coalescible(t, source, target):
+            groups.setdefault((source, target, t.dtype), []).append(i)
+            continue
+        copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
+        if target.type not in _HOSTS:
+            devices.add(target)
+        if source.type not in _HOSTS:
+            devices.add(source)
     try:
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))

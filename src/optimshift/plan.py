@@ -227,6 +227,8 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
         else:
             param_device = group_device(group, tensor)
         if cacheable:
+            if tensor.dim() != 0:
+                return param_device, "rule"  # non-scalar state always follows its param (policy.decide)
             # Built-in rules depend only on these: decide once per distinct combination in this plan.
             memo_key = (id(group), key, tensor.dim() == 0, param.dim() if param is not None else -1, param_device)
             hit = memo.get(memo_key)

@@ -83,3 +83,28 @@ def test_move_matrix(sim, cls, kwargs, direction, shapes):
             {k: v for k, v in moved.state[pa].items()},
             {k: v for k, v in still.state[pb].items()},
         )
+
+
+def test_sparse_adam_round_trip_keeps_its_int_step(sim):
+    """SparseAdam's `step` is a Python int and stays one; its moments follow the param. (The simulated device
+    has no sparse kernels, so the sparse step itself runs on the host: device -> host -> continue.)"""
+
+    def run(moved):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        opt = torch.optim.SparseAdam(emb.parameters())
+        for step in range(4):
+            if step == 2 and moved:
+                optimshift.move(opt, sim)
+                st = opt.state[emb.weight]
+                assert type(st["step"]) is int and st["exp_avg"].device == sim
+                assert optimshift.move(opt, 0) is opt  # an int names the current accelerator's index
+                optimshift.move(opt, "cpu")
+                assert type(st["step"]) is int and st["step"] == 2
+            opt.zero_grad()
+            emb(torch.tensor([step, step + 1, 7])).sum().backward()
+            opt.step()
+        return emb.weight, opt.state[emb.weight]
+
+    (w_moved, st_moved), (w_still, st_still) = run(True), run(False)
+    assert bitwise_equal(w_moved, w_still) and bitwise_equal(dict(st_moved), dict(st_still))

@@ -64,6 +64,20 @@ def _forget(optimizer: Any, event_handle: Optional[engine.PendingTransfer] = Non
         event_handle.add_done_callback(release)
 
 
+def discard_offload(optimizer: Any) -> None:
+    """The optimizer's state was replaced (e.g. by :func:`optimshift.load_state_dict`): finish any transfer in
+    flight, give offloaded grads back to their params, forget where the old state was, free its buffers."""
+    try:
+        _settle(optimizer)
+        with _records_lock:
+            record = _records.get(optimizer)
+    except TypeError:  # an object that cannot be weakly referenced was never recorded
+        return
+    if record is not None:
+        _restore_grads(record, None)
+    _forget(optimizer)
+
+
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
 

@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -149,7 +150,7 @@ def _wrapped_optimizer(obj: Any) -> Optional[Any]:
     return inner if isinstance(inner, torch.optim.Optimizer) else None
 
 
-def optimizer_payload(optimizer: Any) -> dict[str, Any]:
+def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
     """``optimizer.state_dict()`` plus the :data:`META_KEY` entry recording its class (what :func:`save`
     writes for an optimizer). The state dict's tensors are shared, not copied."""
     inner = _wrapped_optimizer(optimizer)
@@ -167,7 +168,7 @@ def _prepare(obj: Any, depth: int = 0) -> Any:
     """``obj`` with every optimizer in it (at the top or inside plain dicts, lists and tuples) replaced by its
     recorded state dict; containers are rebuilt only where something changed."""
     if _wrapped_optimizer(obj) is not None and hasattr(obj, "state_dict"):
-        return optimizer_payload(obj)
+        return _optimizer_payload(obj)
     if depth >= 4:
         return obj
     if type(obj) is dict:
@@ -201,6 +202,10 @@ def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = 
     tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
+        try:  # replacing a file: keep its permissions (a 0600 checkpoint stays private)
+            os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+        except FileNotFoundError:
+            pass
         with os.fdopen(fd, "wb") as raw:
             sink: IO[bytes] = raw if progress is None else _Counting(raw, progress)  # type: ignore[assignment]
             torch.save(payload, sink)

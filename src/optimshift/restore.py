@@ -23,7 +23,7 @@ from . import engine
 from . import policy as _policy
 from ._devices import DeviceLike, resolve
 from ._tree import _ATOMS, Setter, format_path, leaves, rebuild
-from .plan import optimizer_name
+from .plan import Plan, optimizer_name
 
 __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
@@ -94,14 +94,10 @@ def load_state_dict(
         new_state, new_groups = staged.build()
         _install(receiver, name, new_state, new_groups)
 
-    from .api import _records, _records_lock  # the loaded state supersedes any offload record
+    from .api import discard_offload  # the loaded state supersedes any offload record
 
-    with _records_lock:
-        for obj in (receiver, optimizer):
-            try:
-                _records.pop(obj, None)
-            except TypeError:  # an object that cannot be weakly referenced was never recorded
-                pass
+    for obj in (receiver, optimizer):
+        discard_offload(obj)
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
         hook(receiver)
     return optimizer
@@ -214,8 +210,9 @@ class _Staging:
         self.registered = _policy.has_registered_policy(optimizer)
         self.base = _policy._builtin_base(type(optimizer))
         self._decisions: dict[tuple, torch.device] = {}
-        self._copies: dict[tuple, torch.Tensor] = {}
-        self._touched: set[torch.device] = set()
+        # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
+        self._wanted: dict[tuple, tuple[torch.Tensor, tuple]] = {}
+        self._made: dict[tuple, torch.Tensor] = {}
 
     def fail(self, message: str, exc: type = ValueError) -> BaseException:
         return exc(f"{self.name}: load_state_dict: {message}")
@@ -319,40 +316,61 @@ class _Staging:
             return f"param group {gi}, key {key!r}{format_path(path)}"
         return f"{self._param_label(gi, pi)}, state key {key!r}{format_path(path)}"
 
-    def _final(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, always_copy: bool,
-               site: tuple) -> torch.Tensor:
-        """The tensor the optimizer will hold: a copy on ``device`` in ``dtype`` (one per distinct source,
-        target and dtype, so tensors shared in the checkpoint stay shared), or the source itself when it
-        already fits and copying was not asked for. Sources stay alive (the state dict holds them) while
-        their ids are memo keys."""
+    def _want(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, always_copy: bool,
+              site: tuple) -> Any:
+        """Ask for ``tensor`` on ``device`` in ``dtype``: returns the tensor itself when it already fits and
+        copying was not asked for, else a ticket that :meth:`_got` turns into its copy once :meth:`_resolve`
+        has made every copy. One copy per distinct (source, device, dtype), so tensors shared in the
+        checkpoint stay shared. Sources stay alive (the state dict holds them) while their ids are keys."""
         if not always_copy and tensor.dtype == dtype and tensor.device == device:
             return tensor
-        memo_key = (id(tensor), device, dtype)
-        new = self._copies.get(memo_key)
-        if new is not None:
-            return new
-        if tensor.is_meta and device.type != "meta":
-            raise self.fail(f"{self._site(site)}: a meta tensor has no values to load")
+        ticket = (id(tensor), device, dtype)
+        if ticket not in self._wanted:
+            if tensor.is_meta and device.type != "meta":
+                raise self.fail(f"{self._site(site)}: a meta tensor has no values to load")
+            self._wanted[ticket] = (tensor, site)
+        return ticket
+
+    def _got(self, wanted: Any) -> torch.Tensor:
+        return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
+
+    def _resolve(self) -> None:
+        """Make every copy asked for. Host<->device moves go to the engine as one batch (grouped by device
+        pair and dtype: one staging copy per chunk instead of one transfer per tensor, then one
+        synchronize); copies in place (``copy=True``) and casts are made tensor by tensor."""
+        moving: list[tuple[tuple, torch.Tensor, torch.device]] = []
+        batched: set[int] = set()
+        for ticket, (t, site) in self._wanted.items():
+            _, device, dtype = ticket
+            if t.dtype == dtype and t.device != device and id(t) not in batched:
+                batched.add(id(t))
+                moving.append((ticket, t, device))
+            else:
+                self._made[ticket] = self._copy_one(t, device, dtype, site)
+        if moving:
+            try:
+                copies, _ = engine.execute_batch(Plan(self.opt), extra=[(t, d) for _, t, d in moving])
+            except Exception as e:  # an OOM: nothing was installed yet
+                if hasattr(e, "add_note"):
+                    e.add_note(f"{self.name}: load_state_dict: while copying {len(moving)} tensors to "
+                               f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged")
+                raise
+            for ticket, t, _ in moving:
+                self._made[ticket] = copies[id(t)]
+
+    def _copy_one(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, site: tuple) -> torch.Tensor:
         try:
             if tensor.requires_grad or type(tensor) is not torch.Tensor:  # Parameters, subclasses: the general copy
                 new = engine.copy_tensor(tensor, device)
-                if new.dtype != dtype:
-                    new = new.to(dtype)
-            elif tensor.is_cpu and device.type != "cpu":
-                # Host-to-device copies are queued and completed by one synchronize() at the end.
-                new = tensor.to(device, dtype, True, True)
-                self._touched.add(device)
-            elif tensor.dtype == dtype and tensor.device == device:
-                new = tensor.clone()  # same place: keeps the strides, and is the cheapest copy
-            else:
-                new = tensor.to(device, dtype, False, True)  # a plain blocking copy, as in PyTorch
+                return new if new.dtype == dtype else new.to(dtype)
+            if tensor.dtype == dtype and tensor.device == device:
+                return tensor.clone()  # same place: keeps the strides, and is the cheapest copy
+            return tensor.to(device, dtype, False, True)  # a cast (cast="param"): a plain blocking copy
         except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
             if hasattr(e, "add_note"):
                 e.add_note(f"{self.name}: load_state_dict: while copying {self._site(site)} to {device}; "
                            f"the optimizer is unchanged")
             raise
-        self._copies[memo_key] = new
-        return new
 
     # -- the whole state --------------------------------------------------------------------------------------
 
@@ -402,8 +420,10 @@ class _Staging:
                 new_state[p] = new
                 pending.append((new, p, gi, pi, tensors, containers))
 
-        # Copies: every one is made before the optimizer changes, so an error (an OOM) leaves it as it was.
+        # Where each tensor goes (and in which dtype); then every copy is made, before the optimizer changes,
+        # so an error (an OOM) leaves it as it was; then the new dicts and containers are filled in.
         fixed, always = self.device, self.copy
+        fills: list[tuple[Any, Any, Any]] = []  # (holder, key, wanted) or (holder, key, (container, [(id, wanted)]))
         for new, p, gi, pi, tensors, containers in pending:
             group = new_groups[gi]
             where = fixed if fixed is not None else p.device
@@ -411,34 +431,42 @@ class _Staging:
             for key, value in tensors:
                 device = self._place(group, p, key, value, gi, where, pdim)
                 dtype = value.dtype if self.cast is None else self._cast_dtype(group, p, key, value)
-                new[key] = self._final(value, device, dtype, always, (gi, pi, key, ()))
+                new[key] = self._want(value, device, dtype, always, (gi, pi, key, ()))
+                fills.append((new, key, None))
             for key in containers:
-                new[key] = self._place_nested(new[key], group, p, key, gi, pi, where, pdim, always)
+                fills.append((new, key, self._want_nested(new[key], group, p, key, gi, pi, where, pdim, always)))
         for gi, group in enumerate(new_groups):
-            where = fixed if fixed is not None else None
             for key in list(group):
                 if key in ("params", "param_names"):
                     continue
                 value = group[key]
                 if isinstance(value, torch.Tensor) or not isinstance(value, _ATOMS):
                     # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
-                    gwhere = where if where is not None else _group_device(group, value)
-                    group[key] = self._place_nested(value, group, None, key, gi, None, gwhere, -1, True)
-        engine.synchronize(self._touched)
+                    gwhere = fixed if fixed is not None else _group_device(group, value)
+                    fills.append((group, key, self._want_nested(value, group, None, key, gi, None, gwhere, -1, True)))
+        self._resolve()
+        for holder, key, nested in fills:
+            holder[key] = self._got(holder[key]) if nested is None else self._fill_nested(holder[key], nested)
         return new_state, new_groups
 
-    def _place_nested(self, value: Any, group: Mapping[str, Any], param: Optional[torch.Tensor], key: Any, gi: int,
-                      pi: Optional[int], where: Any, pdim: int, always_copy: bool) -> Any:
-        """``value`` (our copy of the checkpoint's container, or a group's tensor) with each tensor inside
-        placed and copied. Only our own copies of the checkpoint's containers are mutated."""
-        replace: dict[int, torch.Tensor] = {}
+    def _want_nested(self, value: Any, group: Mapping[str, Any], param: Optional[torch.Tensor], key: Any, gi: int,
+                     pi: Optional[int], where: Any, pdim: int, always_copy: bool) -> list[tuple[int, Any]]:
+        """Ask for each tensor inside ``value`` (our copy of the checkpoint's container, or a group's tensor)
+        where it belongs: ``[(id(tensor), wanted)]`` for :meth:`_fill_nested`."""
+        wanted: dict[int, Any] = {}
         for path, t in leaves(value, (("key", key),)):
-            if id(t) in replace:
+            if id(t) in wanted:
                 continue
             inner = path[-1][1] if path[-1][0] == "key" else None  # PyTorch casts by the innermost dict key
             device = self._place(group, param, key, t, gi, where if where is not None else t.device, pdim)
             dtype = self._cast_dtype(group, param, inner, t)
-            replace[id(t)] = self._final(t, device, dtype, always_copy, (gi, pi, key, path[1:]))
+            wanted[id(t)] = self._want(t, device, dtype, always_copy, (gi, pi, key, path[1:]))
+        return list(wanted.items())
+
+    def _fill_nested(self, value: Any, wanted: list[tuple[int, Any]]) -> Any:
+        """``value`` with each tensor replaced by its copy. Only our own copies of the checkpoint's
+        containers are mutated."""
+        replace = {ident: self._got(w) for ident, w in wanted}
         if isinstance(value, torch.Tensor):
             return replace.get(id(value), value)
         setters: list[Setter] = []
@@ -450,7 +478,7 @@ class _Staging:
     def _new_group(self, gi: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
         """The group as PyTorch builds it (a deep copy of the saved one, with the live params and, when the
         checkpoint has none, the live param names), with the live implementation flags for ``flags="live"``.
-        Tensors inside are left for :meth:`_place_nested` to copy."""
+        Tensors inside are left for :meth:`_want_nested` to place."""
         out: dict[str, Any] = {}
         for key, value in saved.items():
             if key == "params":

@@ -1,0 +1,664 @@
+"""``optimshift inspect`` and ``optimshift convert``: look inside a checkpoint, and rewrite one for a device.
+
+``inspect`` never needs the device a file was saved on: tensors are read onto the host (lazily, by mmap) and
+their saved locations are taken from the file's location tags. Its findings say where
+``optimizer.load_state_dict`` would put each optimizer entry and where a fresh optimizer keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from collections import Counter
+from typing import IO, Any, Iterator, Mapping, Optional
+
+import torch
+
+from . import checkpoint as ckpt
+from . import policy as _policy
+from .report import SYNC_COST, format_table
+
+__all__ = ["register", "describe", "render", "run_inspect", "run_convert"]
+
+_LARGE = 64 << 20  # bytes: show a progress bar for files at least this big (on a terminal)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_FLAGS = ("fused", "capturable", "foreach", "differentiable")
+_SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "base_lr"}
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``inspect`` and ``convert`` subcommands to the ``optimshift`` parser."""
+    p = subparsers.add_parser(
+        "inspect",
+        help="show the optimizer state inside a checkpoint, where it was saved, and what a resume will cost",
+        description="For each optimizer state in PATH (a torch.save file: a bare optimizer state_dict, a Lightning "
+        ".ckpt, a dict with an 'optimizer' entry, an optimshift.save file; or a torch.distributed.checkpoint "
+        "folder): its class, param groups, a table per state key, and findings. Never runs code from the file.",
+    )
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    _allow_global_arg(p)
+    p.set_defaults(func=run_inspect)
+
+    c = subparsers.add_parser(
+        "convert",
+        help="rewrite a checkpoint with every tensor on one device (atomically)",
+        description="Load IN (weights_only, never running code from it), put every tensor on --device (and cast "
+        "floating tensors to --dtype, keeping optimizer scalars such as 'step' exact), and write OUT atomically. "
+        "Makes a GPU checkpoint open on a CPU-only machine without map_location.",
+    )
+    c.add_argument("input", metavar="IN")
+    c.add_argument("output", metavar="OUT")
+    c.add_argument("--device", default="cpu", help="where every tensor goes (default: cpu)")
+    c.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors to this dtype")
+    _allow_global_arg(c)
+    c.set_defaults(func=run_convert)
+
+
+def _allow_global_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-global", action="append", default=[], metavar="NAME",
+        help="allow one class the file's pickle names (e.g. a config class), for a file you trust; repeatable",
+    )
+
+
+# --- output helpers ----------------------------------------------------------------------------------------
+
+
+def _use_color(stream: IO[str]) -> bool:
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    return _isatty(stream)
+
+
+_COLORS = {"error": "31", "warning": "33", "info": "36", "bold": "1", "dim": "2"}
+
+
+def _isatty(stream: IO[str]) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _paint(text: str, style: str, color: bool) -> str:
+    return f"\x1b[{_COLORS[style]}m{text}\x1b[0m" if color else text
+
+
+def human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024  # type: ignore[assignment]
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    return f"{n} B"  # pragma: no cover
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"optimshift {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+@contextlib.contextmanager
+def _allowed(names: list[str]) -> Iterator[None]:
+    objs = [ckpt.resolve_global(n) for n in names]
+    if not objs:
+        yield
+        return
+    with torch.serialization.safe_globals(objs):
+        yield
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return value.item()
+        return {"tensor": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _short(value: Any) -> str:
+    v = _jsonable(value)
+    if isinstance(v, list):
+        return "(" + ", ".join(_short(x) for x in v) + ")"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+# --- which optimizer class a state dict came from --------------------------------------------------------
+
+_class_keys: Optional[list[tuple[str, type, frozenset]]] = None
+
+
+def _torch_optimizers() -> list[tuple[str, type, frozenset]]:
+    """(name, class, the keys of its param groups) for every torch.optim optimizer, read from the installed
+    torch by building each over a tiny param."""
+    global _class_keys
+    if _class_keys is None:
+        found = []
+        for name in sorted(dir(torch.optim)):
+            cls = getattr(torch.optim, name)
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    opt = cls([torch.nn.Parameter(torch.zeros(2, 2))])
+                found.append((name, cls, frozenset(opt.param_groups[0]) - {"params"}))
+            except Exception:
+                continue
+        _class_keys = found
+    return _class_keys
+
+
+def guess_classes(groups: list[Mapping[str, Any]]) -> list[str]:
+    """torch.optim classes whose param groups have the keys these have (best matches; ties all listed)."""
+    if not groups:
+        return []
+    keys = frozenset(groups[0]) - {"params", "param_names"} - _SCHEDULER_KEYS
+    best, names = 0.0, []
+    for name, _cls, ckeys in _torch_optimizers():
+        score = len(keys & ckeys) / max(1, len(keys | ckeys))
+        if score > best + 1e-9:
+            best, names = score, [name]
+        elif abs(score - best) <= 1e-9:
+            names.append(name)
+    return names if best >= 0.8 else []
+
+
+def _resolve_class(recorded: Optional[str], guessed: list[str]) -> Optional[type]:
+    """The torch.optim class to judge placement by (only torch.optim classes: nothing else is imported)."""
+    name = None
+    if recorded:
+        module, _, qual = recorded.rpartition(".")
+        if module.startswith("torch.optim") or not module:
+            name = qual
+    elif guessed:
+        name = guessed[0]
+    cls = getattr(torch.optim, name, None) if name else None
+    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
+
+
+# --- inspect -----------------------------------------------------------------------------------------------
+
+
+def _device(tag: str) -> Optional[torch.device]:
+    try:
+        return torch.device(tag)
+    except Exception:
+        return None
+
+
+def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: int = 0, fmt: str = "") -> dict[str, Any]:
+    """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data."""
+    tensors = list(ckpt.iter_tensors(obj))
+    saved_on = Counter(ckpt.saved_location(t, locations) for t in tensors)
+    out: dict[str, Any] = {
+        "path": path,
+        "bytes": size,
+        "format": fmt,
+        "top_level_keys": [str(k) for k in obj] if isinstance(obj, Mapping) else None,
+        "tensors": {"count": len(tensors), "bytes": sum(_nbytes(t) for t in tensors), "saved_on": dict(saved_on)},
+        "optimizers": [],
+        "findings": [],
+    }
+    elsewhere = {tag: n for tag, n in saved_on.items() if not tag.startswith("cpu")}
+    if elsewhere:
+        where = ", ".join(f"{tag} ({n})" for tag, n in sorted(elsewhere.items()))
+        out["findings"].append({
+            "severity": "info", "key": "-", "count": sum(elsewhere.values()),
+            "message": f"tensors saved on {where}: plain torch.load restores them there (and fails where that device "
+                       f"is missing); optimshift.load uses map_location='cpu', or run `optimshift convert IN OUT "
+                       f"--device cpu` once",
+        })
+    for found in ckpt.find_optimizer_states(obj):
+        out["optimizers"].append(_describe_optimizer(found, locations))
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except Exception:
+        return 0
+
+
+def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]) -> dict[str, Any]:
+    sd = found.state_dict
+    groups = list(sd["param_groups"])
+    states = sd["state"]
+    guessed = [] if found.class_name else guess_classes(groups)
+    cls = _resolve_class(found.class_name, guessed)
+    n_params = sum(len(g["params"]) for g in groups)
+    desc: dict[str, Any] = {
+        "where": found.where,
+        "kind": found.kind,
+        "class": found.class_name,
+        "class_guess": guessed,
+        "params": n_params,
+        "params_with_state": sum(1 for g in groups for sid in g["params"] if states.get(sid)),
+        "groups": [],
+        "state": [],
+        "findings": [],
+    }
+    for gi, g in enumerate(groups):
+        desc["groups"].append({
+            "index": gi,
+            "params": len(g["params"]),
+            "hyperparameters": {str(k): _jsonable(v) for k, v in g.items()
+                                if k not in ("params", "param_names") + _FLAGS},
+            "flags": {k: _jsonable(g[k]) for k in _FLAGS if k in g},
+        })
+    table: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        for sid in g["params"]:
+            st = states.get(sid)
+            if not isinstance(st, Mapping):
+                continue
+            for key, value in st.items():
+                row = table.setdefault(str(key), {"key": str(key), "count": 0, "saved_on": Counter(),
+                                                  "dtypes": Counter(), "bytes": 0, "kinds": Counter()})
+                row["count"] += 1
+                ts = [value] if isinstance(value, torch.Tensor) else list(ckpt.iter_tensors(value))
+                if not ts:
+                    row["kinds"][type(value).__name__] += 1
+                for t in ts:
+                    row["saved_on"][ckpt.saved_location(t, locations)] += 1
+                    row["dtypes"][str(t.dtype).replace("torch.", "")] += 1
+                    row["bytes"] += _nbytes(t)
+    for row in table.values():
+        row["saved_on"], row["dtypes"], row["kinds"] = dict(row["saved_on"]), dict(row["dtypes"]), dict(row["kinds"])
+        desc["state"].append(row)
+    desc["findings"] = _findings(cls, found, groups, states, locations)
+    return desc
+
+
+def _class_label(cls: Optional[type], found: ckpt.FoundOptimizer) -> str:
+    if cls is not None:
+        return cls.__name__
+    if found.class_name:
+        return found.class_name.rpartition(".")[2]
+    return "this optimizer"
+
+
+def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, states: Mapping,
+              locations: Mapping[int, str]) -> list[dict[str, Any]]:
+    findings: list[dict[str, Any]] = []
+    name = _class_label(cls, found)
+    stand_in = cls.__new__(cls) if cls is not None else None  # policy.decide reads only its type
+    # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
+    moved: Counter = Counter()
+    for gi, g in enumerate(groups):
+        flagged = [f for f in ("fused", "capturable") if g.get(f)]
+        for f in flagged:
+            findings.append({
+                "severity": "warning", "key": f, "count": len(g["params"]), "group": gi,
+                "message": f"group {gi} was saved with {f}=True: optimizer.load_state_dict adopts the checkpoint's "
+                           f"flags, so resuming where {f} kernels cannot run (a CPU) fails at step(); "
+                           f"optimshift.load_state_dict keeps the live optimizer's flags and places the state for them",
+            })
+        for sid in g["params"]:
+            st = states.get(sid)
+            if not isinstance(st, Mapping):
+                continue
+            for key, value in st.items():
+                if isinstance(value, str) or any(isinstance(v, str) for v in _shallow(value)):
+                    findings.append(_mangle(key, "holds a string", "turns it into the text of a generator object"))
+                elif _has_namedtuple(value):
+                    findings.append(_mangle(key, "holds a namedtuple", "raises TypeError rebuilding it"))
+            if cls is None and found.class_name:
+                continue  # a recorded class that is not torch.optim: its placement rules are not known here
+            big = next((v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+            pdev = _device(ckpt.saved_location(big, locations)) if big is not None else None
+            if pdev is None:
+                continue
+            fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
+            for key, value in st.items():
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    continue
+                saved = _device(ckpt.saved_location(value, locations))
+                if saved is None:
+                    continue
+                holder = stand_in if stand_in is not None else _GENERIC
+                fresh = _policy.decide(holder, g, fake, str(key), value, pdev).device
+                casts = str(key) != "step" or bool(g.get("fused") or g.get("capturable"))
+                torch_puts = pdev if casts else saved
+                if torch_puts != fresh:
+                    # foreach=None: torch picks the foreach implementation for accelerator params.
+                    foreach = g.get("foreach") if g.get("foreach") is not None else pdev.type != "cpu"
+                    moved[(str(key), str(saved), str(torch_puts), str(fresh), bool(g.get("fused")),
+                           bool(g.get("capturable")), bool(foreach))] += 1
+    base = _policy._builtin_base(cls) if cls is not None else None
+    for (key, saved, torch_puts, fresh, fused, capturable, foreach), n in sorted(moved.items()):
+        kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
+        subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
+        costs = SYNC_COST.get((base.__name__ if base else name, key))  # (single-tensor, foreach)
+        cost = None if costs is None else costs[1 if foreach else 0]
+        plural = "s" if n != 1 else ""
+        if torch.device(fresh).type == "cpu":
+            verb = "keeps it there" if torch_puts == saved else f"moves it to {torch_puts}"
+            if cost == 0:
+                price = "which this torch reads without a host sync (it still holds device memory)"
+            elif cost:
+                price = f"costing {cost} host sync{'s' if cost != 1 else ''} per param per step"
+            else:
+                price = "where each read of it is a host sync"
+            message = (f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
+                       f"{verb}, {price}; optimshift.load_state_dict places it on the host")
+        else:
+            message = (f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
+                       f"leaves it on {torch_puts}, but a fresh {name} keeps it on its param's device ({fresh}); "
+                       f"optimshift.load_state_dict places it there")
+        findings.append({"severity": "info" if cost == 0 else "warning", "key": key, "count": n, "message": message,
+                         "saved_on": saved, "torch_load_puts_it_on": torch_puts, "fresh_optimizer_keeps_it_on": fresh,
+                         "syncs_per_param_per_step": cost})
+    return _merge(findings)
+
+
+# Stands for an optimizer of unknown class (policy.decide reads only its type): the default rule applies.
+_GENERIC = object.__new__(torch.optim.Optimizer)
+
+
+def _shallow(value: Any) -> list:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    if isinstance(value, Mapping):
+        return list(value.values())
+    return []
+
+
+def _has_namedtuple(value: Any) -> bool:
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return True
+    return any(isinstance(v, tuple) and hasattr(type(v), "_fields") for v in _shallow(value))
+
+
+def _mangle(key: Any, what: str, effect: str) -> dict[str, Any]:
+    return {"severity": "warning", "key": str(key), "count": 1,
+            "message": f"state key `{key}` {what}: optimizer.load_state_dict {effect}; "
+                       f"optimshift.load_state_dict keeps it as saved"}
+
+
+def _merge(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Identical findings (one per param) become one, with a count."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for f in findings:
+        k = (f["severity"], f["key"], f["message"])
+        if k in merged:
+            merged[k]["count"] += f["count"]
+        else:
+            merged[k] = dict(f)
+    return list(merged.values())
+
+
+def render(desc: Mapping[str, Any], *, color: bool = False) -> str:
+    """``describe``'s data as aligned text tables."""
+    lines = []
+    head = desc["path"] or "checkpoint"
+    formats = {"zip": "torch.save zip", "legacy": "torch.save legacy", "pickle": "pickle"}
+    fmt = formats.get(desc["format"], desc["format"])
+    t = desc["tensors"]
+    count = f"{t['count']} tensor{'s' if t['count'] != 1 else ''}"
+    lines.append(_paint(head, "bold", color)
+                 + f"  ({human_bytes(desc['bytes'])}, {fmt} format, {count}, {human_bytes(t['bytes'])})")
+    if t["saved_on"]:
+        lines.append("  saved on: " + ", ".join(f"{k} ×{v}" for k, v in sorted(t["saved_on"].items())))
+    whole = len(desc["optimizers"]) == 1 and desc["optimizers"][0]["where"] == ""  # the file is one state dict
+    if desc["top_level_keys"] is not None and not whole:
+        keys = desc["top_level_keys"]
+        more = f", … ({len(keys) - 20} more)" if len(keys) > 20 else ""
+        lines.append("  top-level keys: " + ", ".join(keys[:20]) + more)
+    if not desc["optimizers"]:
+        lines.append("")
+        lines.append("no optimizer state found in this file")
+    for i, o in enumerate(desc["optimizers"]):
+        lines.append("")
+        kind = {"optimshift": "optimshift.save file", "state_dict": "bare optimizer state_dict",
+                "lightning": "Lightning checkpoint", "nested": "nested entry"}.get(o["kind"], o["kind"])
+        where = o["where"] or "(the whole file)"
+        lines.append(_paint(f"optimizer {i + 1} of {len(desc['optimizers'])}: {where}", "bold", color) + f"  [{kind}]")
+        if o["class"]:
+            lines.append(f"  class: {o['class']} (recorded)")
+        elif o["class_guess"]:
+            lines.append(f"  class: not recorded; its param groups look like {' or '.join(o['class_guess'])}")
+        else:
+            lines.append("  class: not recorded")
+        lines.append(f"  params: {o['params']} in {len(o['groups'])} group{'s' if len(o['groups']) != 1 else ''}, "
+                     f"{o['params_with_state']} with state")
+        hyper_keys: list[str] = []
+        for g in o["groups"]:
+            for k in g["hyperparameters"]:
+                if k not in hyper_keys:
+                    hyper_keys.append(k)
+        shown = o["groups"][:20]
+        rows = [[str(g["index"]), str(g["params"])] + [_short(g["hyperparameters"].get(k, "")) for k in hyper_keys]
+                + [" ".join(f"{k}={_short(v)}" for k, v in g["flags"].items())] for g in shown]
+        lines.append("")
+        lines.append(_indent(format_table(["group", "params"] + hyper_keys + ["flags"], rows)))
+        if len(o["groups"]) > len(shown):
+            lines.append(f"  … {len(o['groups']) - len(shown)} more groups")
+        if o["state"]:
+            rows = []
+            for r in o["state"]:
+                on = ", ".join(f"{k} ×{v}" for k, v in sorted(r["saved_on"].items())) or "-"
+                dt = ", ".join(f"{k} ×{v}" if len(r["dtypes"]) > 1 else k for k, v in sorted(r["dtypes"].items()))
+                if not dt:
+                    dt = ", ".join(sorted(r["kinds"])) or "-"
+                rows.append([r["key"], str(r["count"]), on, dt, human_bytes(r["bytes"])])
+            lines.append("")
+            lines.append(_indent(format_table(["state key", "count", "saved on", "dtype", "bytes"], rows)))
+        else:
+            lines.append("  no per-param state (the optimizer never stepped)")
+        lines.append("")
+        lines.extend(_render_findings(o["findings"], color, none="  findings: none; optimizer.load_state_dict "
+                                      "and optimshift.load_state_dict place this state alike"))
+    if desc["findings"]:
+        lines.append("")
+        lines.append(_paint("file", "bold", color))
+        lines.extend(_render_findings(desc["findings"], color, none=""))
+    return "\n".join(lines)
+
+
+def _render_findings(findings: list, color: bool, *, none: str) -> list[str]:
+    if not findings:
+        return [none] if none else []
+    out = ["  " + _paint("findings", "bold", color)]
+    for f in findings:
+        sev = _paint(f["severity"].ljust(7), f["severity"] if f["severity"] in _COLORS else "bold", color)
+        out.append(f"    {sev}  {f['message']}")
+    return out
+
+
+def _indent(text: str, by: str = "  ") -> str:
+    return "\n".join(by + line for line in text.splitlines())
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    path = args.path
+    if os.path.isdir(path):
+        return _inspect_folder(path, as_json=args.json)
+    try:
+        fmt = ckpt._sniff(path)
+        with _allowed(args.allow_global):
+            obj, locations = ckpt._load_recording(path)
+    except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
+        return _fail("inspect", str(e))
+    desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt)
+    if args.json:
+        print(json.dumps(desc, indent=2, default=str))
+    else:
+        print(render(desc, color=_use_color(sys.stdout)))
+    return 0
+
+
+def _inspect_folder(path: str, *, as_json: bool) -> int:
+    try:
+        from optimshift.distributed import describe_dcp  # type: ignore[attr-defined]
+    except ImportError:
+        return _fail("inspect", f"{path} is a directory (a torch.distributed.checkpoint folder?); reading those needs "
+                                f"optimshift.distributed, which this installation does not have. Pass a file.")
+    try:
+        info = describe_dcp(path)
+    except Exception as e:
+        return _fail("inspect", f"{path}: {type(e).__name__}: {e}")
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        print(_paint(path, "bold", _use_color(sys.stdout)) + "  (torch.distributed.checkpoint folder)")
+        print(_render_mapping(info))
+    return 0
+
+
+def _render_mapping(info: Mapping[str, Any], limit: int = 50) -> str:
+    """A dict from ``describe_dcp``: scalars as ``key: value``, dicts inline, lists of dicts as tables."""
+    lines, tables = [], []
+    for key, value in info.items():
+        if isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+            header: list[str] = []
+            for row in value:
+                header.extend(k for k in row if k not in header)
+            rows = [[_short(row.get(k, "")) for k in header] for row in value[:limit]]
+            table = _indent(format_table(header, rows), "    ")
+            more = f"\n    … {len(value) - limit} more" if len(value) > limit else ""
+            tables.append(f"  {key} ({len(value)})\n{table}{more}")
+        elif isinstance(value, Mapping):
+            inner = ", ".join(f"{k}: {json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}"
+                              for k, v in value.items())
+            lines.append(f"  {key}: {inner}")
+        else:
+            lines.append(f"  {key}: {json.dumps(value, default=str) if isinstance(value, list) else value}")
+    return "\n".join(lines + ([""] if tables else []) + tables)
+
+
+# --- convert -----------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only created for large files on a terminal)."""
+
+    def __init__(self, label: str, total: int, stream: IO[str]) -> None:
+        self.label, self.total, self.stream = label, max(total, 1), stream
+        self.shown = -1
+        self.start = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        pct = min(100, int(100 * done / self.total))
+        if pct == self.shown:
+            return
+        self.shown = pct
+        bar = "#" * (pct * 30 // 100)
+        self.stream.write(f"\r{self.label} [{bar:<30}] {pct:3d}%  {human_bytes(done)} / ~{human_bytes(self.total)}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.shown >= 0:
+            self.stream.write(f"  {time.monotonic() - self.start:.1f}s\n")
+            self.stream.flush()
+
+
+def _protected(obj: Any) -> set[int]:
+    """ids of tensors a dtype cast must not touch: optimizer scalars (``step``, ``mu_product``…) and tensors
+    in param groups, whose exact values and dtypes the optimizer relies on."""
+    keep: set[int] = set()
+    for found in ckpt.find_optimizer_states(obj):
+        for st in found.state_dict["state"].values():
+            for t in ckpt.iter_tensors(st):
+                if t.dim() == 0:
+                    keep.add(id(t))
+        for g in found.state_dict["param_groups"]:
+            keep.update(id(t) for t in ckpt.iter_tensors({k: v for k, v in g.items() if k != "params"}))
+    return keep
+
+
+def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in memo:
+            return memo[id(obj)]
+        new = obj
+        if obj.is_floating_point() and obj.dtype != dtype:
+            if id(obj) in keep:
+                counts["kept"] += 1
+            else:
+                new = obj.to(dtype)
+                counts["cast"] += 1
+        memo[id(obj)] = new
+        return new
+    if type(obj) is dict or type(obj) is list or type(obj) is tuple:
+        if id(obj) in memo:
+            return memo[id(obj)]
+        if type(obj) is dict:
+            out: Any = {k: _cast_tree(v, dtype, keep, memo, counts) for k, v in obj.items()}
+        else:
+            out = type(obj)(_cast_tree(v, dtype, keep, memo, counts) for v in obj)
+        memo[id(obj)] = out
+        return out
+    return obj
+
+
+def _storage_bytes(obj: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in ckpt.iter_tensors(obj):
+        try:
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key in seen and key != 0:
+                continue
+            seen.add(key)
+            total += s.nbytes()
+        except Exception:
+            total += _nbytes(t)
+    return total
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    src, dst = args.input, args.output
+    try:
+        device = torch.device(args.device)
+    except Exception:
+        return _fail("convert", f"--device {args.device!r} is not a device PyTorch knows")
+    if os.path.isdir(src):
+        return _fail("convert", f"{src} is a directory; convert reads torch.save files")
+    try:
+        with _allowed(args.allow_global):
+            obj = ckpt.load(src, map_location=device, mmap=device.type == "cpu")
+    except (ckpt.CheckpointError, OSError, ValueError) as e:
+        return _fail("convert", str(e))
+    except RuntimeError as e:
+        return _fail("convert", f"cannot put {src}'s tensors on {device}: {str(e).splitlines()[0]}")
+    counts: Counter = Counter()
+    if args.dtype:
+        obj = _cast_tree(obj, _DTYPES[args.dtype], _protected(obj), {}, counts)
+    total = _storage_bytes(obj)
+    bar = _Progress(f"writing {os.path.basename(dst)}", total, sys.stderr) if (
+        total >= _LARGE and _isatty(sys.stderr)) else None
+    try:
+        ckpt._save(obj, dst, progress=bar)
+    except (OSError, RuntimeError) as e:
+        if bar:
+            bar.close()
+        return _fail("convert", f"cannot write {dst}: {e}")
+    if bar:
+        bar.close()
+    tensors = list(ckpt.iter_tensors(obj))
+    summary = f"wrote {dst}: {len(tensors)} tensors on {device}, {human_bytes(os.path.getsize(dst))}"
+    if args.dtype:
+        summary += f"; cast {counts['cast']} floating tensors to {args.dtype}"
+        if counts["kept"]:
+            summary += f", kept {counts['kept']} optimizer scalars (step, …) in their dtype"
+    print(summary)
+    return 0

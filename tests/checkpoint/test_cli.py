@@ -1,0 +1,210 @@
+"""``optimshift inspect`` and ``optimshift convert`` on checkpoints that claim to come from ``cuda:0``."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import torch
+import torch.serialization as ser
+
+import optimshift
+from optimshift import checkpoint_cli
+from optimshift.cli import main
+from _matrix import bitwise_equal
+
+O = torch.optim
+
+
+def _trained(cls, n=3, **kwargs):
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(n)]
+    opt = cls(params, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    try:
+        opt.step()
+    except (RuntimeError, AssertionError):
+        pass  # capturable on a CPU: the state exists, the step itself cannot run here
+    return opt
+
+
+def _save_tagged(obj, path, tag="cuda:0"):
+    real = ser.location_tag
+    ser.location_tag = lambda storage: tag
+    try:
+        torch.save(obj, path)
+    finally:
+        ser.location_tag = real
+
+
+def _lightning(*optimizers):
+    return {"epoch": 1, "global_step": 10, "state_dict": {"layer.weight": torch.randn(4, 3)},
+            "optimizer_states": [o.state_dict() for o in optimizers], "lr_schedulers": []}
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_inspect_gpu_lightning_checkpoint(tmp_path, capsys):
+    path = tmp_path / "gpu.ckpt"
+    _save_tagged(_lightning(_trained(O.Adam), _trained(O.NAdam, foreach=False)), path)
+    rc, out, err = _run(capsys, "inspect", str(path))
+    assert rc == 0, err
+    assert "\x1b[" not in out, "no colour when stdout is not a terminal"
+    assert "optimizer 1 of 2: ['optimizer_states'][0]  [Lightning checkpoint]" in out
+    assert "its param groups look like Adam or AdamW" in out and "look like NAdam" in out
+    lines = out.splitlines()
+    assert any(line.split()[:3] == ["step", "3", "cuda:0"] for line in lines), out
+    assert any(line.split()[:3] == ["mu_product", "3", "cuda:0"] for line in lines), out
+    assert ("`step` saved on cuda:0 for non-fused Adam (3 params): optimizer.load_state_dict keeps it there, "
+            "costing 2 host syncs per param per step; optimshift.load_state_dict places it on the host") in out
+    assert ("`mu_product` saved on cuda:0 for NAdam (3 params): optimizer.load_state_dict keeps it there, costing 2 "
+            "host syncs per param per step") in out
+    assert ("`step` saved on cuda:0 for non-fused NAdam (3 params): optimizer.load_state_dict keeps it there, "
+            "costing 1 host sync per param per step") in out  # foreach=False: the single-tensor implementation
+    assert "optimshift convert IN OUT --device cpu" in out
+    # Aligned tables: every row of the state table starts its columns where the header does.
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("state key"))
+    col = lines[header].index("saved on")
+    assert all(lines[i][col - 2:col] == "  " for i in range(header + 2, header + 5))
+
+
+def test_inspect_json(tmp_path, capsys):
+    path = tmp_path / "opt.pt"
+    _save_tagged({**_trained(O.Adam, capturable=True).state_dict()}, path)
+    rc, out, _ = _run(capsys, "inspect", str(path), "--json")
+    assert rc == 0
+    data = json.loads(out)
+    (o,) = data["optimizers"]
+    assert o["kind"] == "state_dict" and o["class_guess"] == ["Adam", "AdamW"]
+    assert o["groups"][0]["flags"]["capturable"] is True and o["groups"][0]["hyperparameters"]["lr"] == 0.001
+    rows = {r["key"]: r for r in o["state"]}
+    assert rows["exp_avg"] == {"key": "exp_avg", "count": 3, "saved_on": {"cuda:0": 3}, "dtypes": {"float32": 3},
+                               "bytes": 3 * 12 * 4, "kinds": {}}
+    keys = {f["key"] for f in o["findings"]}
+    assert keys == {"capturable"}, o["findings"]  # a capturable step on the device is where it belongs
+
+
+def test_inspect_recorded_class_and_clean_file(tmp_path, capsys):
+    path = tmp_path / "cpu.pt"
+    optimshift.save(_trained(O.SGD, lr=0.1, momentum=0.9), path)
+    rc, out, _ = _run(capsys, "inspect", str(path))
+    assert rc == 0
+    assert "class: SGD (recorded)" not in out and "class: torch.optim.sgd.SGD (recorded)" in out
+    assert "findings: none" in out
+
+
+def test_colour_only_on_a_terminal(tmp_path, capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    path = tmp_path / "gpu.pt"
+    _save_tagged(_trained(O.Adam).state_dict(), path)
+    for no_color, expected in ((None, True), ("1", False)):
+        if no_color is None:
+            monkeypatch.delenv("NO_COLOR", raising=False)
+        else:
+            monkeypatch.setenv("NO_COLOR", no_color)
+        monkeypatch.setenv("TERM", "xterm")
+        term = Terminal()
+        monkeypatch.setattr(sys, "stdout", term)
+        assert main(["inspect", str(path)]) == 0
+        assert ("\x1b[33mwarning" in term.getvalue()) is expected
+
+
+def test_inspect_errors(tmp_path, capsys):
+    (tmp_path / "bad.pt").write_bytes(b"hello\n")
+    rc, _, err = _run(capsys, "inspect", str(tmp_path / "bad.pt"))
+    assert rc == 1 and "optimshift inspect: error:" in err and "not a PyTorch checkpoint" in err
+    rc, _, err = _run(capsys, "inspect", str(tmp_path / "missing.pt"))
+    assert rc == 1 and "no such checkpoint file" in err
+
+
+def test_inspect_folder_uses_describe_dcp(tmp_path, capsys, monkeypatch):
+    import optimshift.distributed as dist
+
+    info = {"path": str(tmp_path), "tensors": 3, "entries": [{"key": "optim.state.0.step", "shape": []},
+                                                               {"key": "optim.state.0.exp_avg", "shape": [4, 3]}]}
+    monkeypatch.setattr(dist, "describe_dcp", lambda p: info, raising=False)
+    rc, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
+    assert rc == 0 and json.loads(out) == info
+    rc, out, _ = _run(capsys, "inspect", str(tmp_path))
+    assert rc == 0 and "  tensors: 3" in out and "  entries (2)" in out
+    assert any(line.split() == ["optim.state.0.exp_avg", "(4,", "3)"] for line in out.splitlines()), out
+    monkeypatch.setitem(sys.modules, "optimshift.distributed", None)  # a build without it
+    rc, _, err = _run(capsys, "inspect", str(tmp_path))
+    assert rc == 1 and "is a directory" in err and "optimshift.distributed" in err
+
+
+def test_convert_to_cpu(tmp_path, capsys):
+    src, dst = tmp_path / "gpu.ckpt", tmp_path / "cpu.ckpt"
+    ckpt = _lightning(_trained(O.Adam, foreach=False))
+    _save_tagged(ckpt, src)
+    rc, out, err = _run(capsys, "convert", str(src), str(dst))
+    assert rc == 0, err
+    assert out.startswith(f"wrote {dst}: 10 tensors on cpu")
+    plain = torch.load(dst, weights_only=True)  # opens without map_location now
+    assert bitwise_equal(plain["optimizer_states"], ckpt["optimizer_states"])
+    rc, out, _ = _run(capsys, "inspect", str(dst), "--json")
+    assert json.loads(out)["tensors"]["saved_on"] == {"cpu": 10}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.ckpt", "gpu.ckpt"]
+
+
+def test_convert_dtype_keeps_optimizer_scalars(tmp_path, capsys):
+    src, dst = tmp_path / "a.pt", tmp_path / "b.pt"
+    opt = _trained(O.NAdam)
+    optimshift.save({"model": {"w": torch.randn(3)}, "optimizer": opt}, src)
+    rc, out, _ = _run(capsys, "convert", str(src), str(dst), "--dtype", "bfloat16")
+    assert rc == 0
+    assert "cast 7 floating tensors to bfloat16, kept 6 optimizer scalars (step, …) in their dtype" in out
+    back = optimshift.load(dst)
+    st = back["optimizer"]["state"][0]
+    assert st["exp_avg"].dtype == torch.bfloat16 and back["model"]["w"].dtype == torch.bfloat16
+    assert st["step"].dtype == torch.float32 and st["mu_product"].dtype == torch.float32
+    assert bitwise_equal(st["mu_product"], opt.state_dict()["state"][0]["mu_product"])
+
+
+def test_convert_progress_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(checkpoint_cli, "_LARGE", 1)
+    monkeypatch.setattr(sys, "stderr", term)
+    src = tmp_path / "a.pt"
+    torch.save({"w": torch.randn(1000)}, src)
+    assert main(["convert", str(src), str(tmp_path / "b.pt")]) == 0
+    assert "writing b.pt [" in term.getvalue() and "100%" in term.getvalue()
+
+
+def test_convert_errors(tmp_path, capsys):
+    src = tmp_path / "a.pt"
+    _save_tagged({"w": torch.randn(3)}, src)
+    rc, _, err = _run(capsys, "convert", str(src), str(tmp_path / "b.pt"), "--device", "cuda:3")
+    assert rc == 1 and "cannot put" in err and "cuda" in err.lower()
+    assert not (tmp_path / "b.pt").exists()
+    rc, _, err = _run(capsys, "convert", str(src), str(tmp_path / "b.pt"), "--device", "warp-drive")
+    assert rc == 1 and "not a device PyTorch knows" in err
+
+
+class Config:
+    """A class a training script pickles into its checkpoint (weights_only refuses it unless allowed)."""
+
+    def __init__(self):
+        self.lr = 0.1
+
+
+def test_allow_global(tmp_path, capsys):
+    path = tmp_path / "with_config.pt"
+    torch.save({"config": Config(), "optimizer": _trained(O.SGD, lr=0.1).state_dict()}, path)
+    rc, _, err = _run(capsys, "inspect", str(path))
+    assert rc == 1 and "refused to load" in err and f"--allow-global {__name__}.Config" in err
+    rc, out, err = _run(capsys, "inspect", str(path), "--allow-global", f"{__name__}.Config")
+    assert rc == 0, err
+    assert "optimizer 1 of 1: ['optimizer']" in out

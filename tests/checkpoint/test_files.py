@@ -1,0 +1,246 @@
+"""Checkpoint files: atomic saves (SIGKILL at random moments), loads that never run code from the file, clear
+errors for truncated and foreign files, and the optimizer state found inside the files users have."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import stat
+import sys
+import time
+
+import pytest
+import torch
+import torch.serialization as ser
+
+import optimshift
+from optimshift.checkpoint import (
+    META_KEY,
+    CheckpointError,
+    UnsafeCheckpointError,
+    find_optimizer_states,
+)
+from _matrix import bitwise_equal
+
+O = torch.optim
+
+
+def _adam(n=2):
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(n)]
+    opt = O.Adam(params, foreach=False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt
+
+
+def _save_tagged(obj, path, tag="cuda:0"):
+    """torch.save, recording every storage as saved on ``tag`` (a GPU checkpoint made on a CPU machine)."""
+    real = ser.location_tag
+    ser.location_tag = lambda storage: tag
+    try:
+        torch.save(obj, path)
+    finally:
+        ser.location_tag = real
+
+
+# --- save / load round trips --------------------------------------------------------------------------------
+
+
+def test_save_records_the_class_and_opens_with_plain_torch(tmp_path):
+    opt = _adam()
+    path = tmp_path / "opt.pt"
+    optimshift.save(opt, path)
+    raw = torch.load(path, weights_only=True)
+    assert raw[META_KEY]["class"] == "Adam" and raw[META_KEY]["module"] == "torch.optim.adam"
+    plain = _adam()
+    plain.load_state_dict(raw)  # PyTorch ignores the extra key
+    loaded = optimshift.load(path)
+    assert bitwise_equal(loaded["state"], opt.state_dict()["state"])
+    assert [f.kind for f in find_optimizer_states(loaded)] == ["optimshift"]
+    assert list(tmp_path.iterdir()) == [path], "no temporary file may be left behind"
+
+
+def test_save_wraps_optimizers_inside_a_dict(tmp_path):
+    opt = _adam()
+    weights = {"w": torch.randn(3)}
+    optimshift.save({"model": weights, "optimizer": opt, "epoch": 3}, tmp_path / "ck.pt")
+    loaded = optimshift.load(tmp_path / "ck.pt")
+    assert loaded["epoch"] == 3 and bitwise_equal(loaded["model"]["w"], weights["w"])
+    (found,) = find_optimizer_states(loaded)
+    assert found.where == "['optimizer']" and found.class_name == "torch.optim.adam.Adam"
+    target = _adam()
+    optimshift.load_state_dict(target, loaded)  # the whole checkpoint: its one optimizer state is used
+    assert bitwise_equal(target.state_dict()["state"], opt.state_dict()["state"])
+
+
+def test_permissions_follow_the_umask_or_the_replaced_file(tmp_path):
+    old = os.umask(0o022)
+    try:
+        optimshift.save({"a": 1}, tmp_path / "f.pt")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "f.pt").st_mode) == 0o644
+    os.chmod(tmp_path / "f.pt", 0o600)
+    optimshift.save({"a": 2}, tmp_path / "f.pt")  # replacing a private checkpoint keeps it private
+    assert stat.S_IMODE(os.stat(tmp_path / "f.pt").st_mode) == 0o600
+
+
+def test_load_maps_gpu_checkpoints_to_the_host_and_mmaps(tmp_path):
+    sd = _adam().state_dict()
+    _save_tagged(sd, tmp_path / "gpu.pt")
+    with pytest.raises(RuntimeError):
+        torch.load(tmp_path / "gpu.pt", weights_only=True)  # plain torch.load wants the GPU it was saved on
+    loaded = optimshift.load(tmp_path / "gpu.pt")
+    assert bitwise_equal(loaded["state"], sd["state"])
+    assert all(t.device.type == "cpu" for st in loaded["state"].values() for t in st.values())
+
+
+def test_legacy_format_loads_without_mmap(tmp_path):
+    sd = _adam().state_dict()
+    torch.save(sd, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    assert bitwise_equal(optimshift.load(tmp_path / "old.pt")["state"], sd["state"])
+
+
+def test_save_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="folder .*missing does not exist"):
+        optimshift.save({}, tmp_path / "missing" / "f.pt")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        optimshift.save({}, tmp_path)
+
+
+# --- the files users have ---------------------------------------------------------------------------------------
+
+
+def test_recognised_layouts(tmp_path):
+    a, b = _adam().state_dict(), _adam().state_dict()
+    layouts = {
+        "hf_optimizer.pt": (a, [("", "state_dict")]),
+        "lightning.ckpt": ({"epoch": 1, "global_step": 4, "pytorch-lightning_version": "2.6.6",
+                            "state_dict": {"layer.weight": torch.randn(2, 2)}, "loops": {}, "callbacks": {},
+                            "optimizer_states": [a, b], "lr_schedulers": [], "hparams_name": "kwargs",
+                            "hyper_parameters": {"lr": 0.1}},
+                           [("['optimizer_states'][0]", "lightning"), ("['optimizer_states'][1]", "lightning")]),
+        "optim_key.pt": ({"model": {"w": torch.randn(2)}, "optim": a}, [("['optim']", "nested")]),
+        "tutorial.pt": ({"epoch": 2, "model_state_dict": {}, "optimizer_state_dict": a},
+                        [("['optimizer_state_dict']", "nested")]),
+        "weights_only.pt": ({"w": torch.randn(2)}, []),
+    }
+    for name, (obj, expected) in layouts.items():
+        torch.save(obj, tmp_path / name)
+        found = find_optimizer_states(optimshift.load(tmp_path / name))
+        assert [(f.where, f.kind) for f in found] == expected, name
+    lightning = optimshift.load(tmp_path / "lightning.ckpt")
+    with pytest.raises(ValueError, match="holds 2 optimizer states"):
+        optimshift.load_state_dict(_adam(), lightning)
+    target = _adam()
+    optimshift.load_state_dict(target, lightning["optimizer_states"][1])
+    assert bitwise_equal(target.state_dict()["state"], b["state"])
+    with pytest.raises(ValueError, match=r"state_dict has no 'state' or 'param_groups' entry \(its keys: 'w'\)"):
+        optimshift.load_state_dict(_adam(), optimshift.load(tmp_path / "weights_only.pt"))
+
+
+# --- security ------------------------------------------------------------------------------------------------
+
+
+class _CreatesAFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))  # unpickling this creates (truncates) the file
+
+
+@pytest.mark.parametrize("fmt", ["zip", "plain-pickle"])
+def test_code_executing_pickle_is_refused(tmp_path, fmt):
+    victim = tmp_path / "created-by-the-checkpoint"
+    path = tmp_path / "evil.pt"
+    payload = {"state": {}, "param_groups": [], "x": _CreatesAFile(str(victim))}
+    if fmt == "zip":
+        torch.save(payload, path)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump(payload, f, protocol=2)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        optimshift.load(path)
+    assert not victim.exists(), "nothing from the file may run"
+    message = str(info.value)
+    assert "open" in message and "nothing was executed" in message and "safe_globals" in message
+    assert "weights_only=False" in message
+    assert any("open" in g for g in info.value.globals)
+
+
+# --- faults ---------------------------------------------------------------------------------------------------
+
+
+def test_truncated_and_foreign_files(tmp_path):
+    good = tmp_path / "good.pt"
+    optimshift.save(_adam(), good)
+    data = good.read_bytes()
+    cases = {
+        "empty.pt": (b"", "is empty"),
+        "head.pt": (data[:100], "truncated"),
+        "half.pt": (data[: len(data) // 2], "truncated"),
+        "almost.pt": (data[:-5], "truncated"),
+        "text.pt": (b"just some text\n" * 4, "not a PyTorch checkpoint"),
+        "st.safetensors": ((16).to_bytes(8, "little") + b'{"a":{}}' + b" " * 8, "safetensors"),
+        "plain.pkl": (pickle.dumps({"a": 1}, protocol=2), "a plain pickle"),
+    }
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"a": torch.randn(100)}, legacy, _use_new_zipfile_serialization=False)
+    cases["legacy-cut.pt"] = (legacy.read_bytes()[:-40], "truncated or corrupt")
+    for name, (content, match) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CheckpointError, match=match):
+            optimshift.load(tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="no such checkpoint file"):
+        optimshift.load(tmp_path / "nope.pt")
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        optimshift.load(tmp_path)
+
+
+def _child_saves_forever(path, objects, ready_fd):
+    os.write(ready_fd, b"r")
+    i = 0
+    while True:
+        optimshift.save(objects[i % 2], path)
+        i += 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_sigkill_while_saving_leaves_old_or_new(tmp_path):
+    """Kill a process that saves A and B over one path in a loop, at 24 random moments: the path always
+    loads as A or B (never torn), whatever the moment."""
+    path = tmp_path / "ck.pt"
+    versions = [{"version": v, "blob": torch.full((256 * 1024,), float(v))} for v in (1, 2)]  # 1 MiB each
+    optimshift.save(versions[0], path)
+    start = time.perf_counter()
+    optimshift.save(versions[1], path)
+    one_save = time.perf_counter() - start
+    rng = random.Random(1234)
+    seen = set()
+    for _ in range(24):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: save until killed
+            try:
+                os.close(read_fd)
+                _child_saves_forever(str(path), versions, write_fd)
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        os.read(read_fd, 1)
+        os.close(read_fd)
+        time.sleep(rng.uniform(0, 3 * one_save))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        loaded = optimshift.load(path, mmap=False)
+        assert loaded["version"] in (1, 2)
+        assert bitwise_equal(loaded["blob"], versions[loaded["version"] - 1]["blob"])
+        seen.add(loaded["version"])
+    leftovers = [p.name for p in tmp_path.iterdir() if p != path]
+    assert all(n.startswith(".ck.pt.") and n.endswith(".tmp") for n in leftovers), leftovers
+    print(f"one save {one_save * 1e3:.1f} ms; versions seen {sorted(seen)}; {len(leftovers)} temp files left",
+          file=sys.stderr)

@@ -1,0 +1,550 @@
+"""``optimshift.load_state_dict``: equal to ``optimizer.load_state_dict`` where PyTorch is right, and right
+where it is not (strings, namedtuples, dtypes, NAdam's ``mu_product``, flags, aliasing, quadratic time);
+validation before any change; hooks and ``__setstate__`` fix-ups as in PyTorch."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import optimshift
+from _matrix import CASES, Model, bitwise_equal, state_dtypes, state_layout, train
+
+K, M = 2, 2
+O = torch.optim
+
+
+def _trained(cls, kwargs, shapes, device="cpu", steps=K):
+    model = Model(shapes)
+    model.to(device)
+    opt = cls([h.weight for h in model.parts], **kwargs)
+    train(model, opt, range(steps))
+    return model, opt
+
+
+def _twin(model, cls, kwargs, device=None):
+    """A model with the same param values (on ``device``) and a new optimizer over it."""
+    twin = copy.deepcopy(model)
+    if device is not None:
+        twin.to(device)
+    return twin, cls([h.weight for h in twin.parts], **kwargs)
+
+
+def _host(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu")
+    if isinstance(value, dict):
+        return {k: _host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host(v) for v in value)
+    return value
+
+
+def _state(opt):
+    return [_host(dict(opt.state[p])) for g in opt.param_groups for p in g["params"] if p in opt.state]
+
+
+def _groups(opt):
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _fingerprint(opt):
+    """Identity of everything an aborted load could have touched."""
+    return (
+        id(opt.state), id(opt.param_groups),
+        [(id(p), id(st), [(k, id(v)) for k, v in st.items()]) for p, st in opt.state.items()],
+        [(id(g), {k: v for k, v in g.items() if k != "params"}, [id(p) for p in g["params"]])
+         for g in opt.param_groups],
+    )
+
+
+# --- equivalence where PyTorch is right ---------------------------------------------------------------------
+
+
+def _host_cases():
+    for name, cls, kwargs, _directions, shapes in CASES:
+        if not kwargs.get("capturable"):  # capturable cannot step on a CPU
+            yield pytest.param(cls, kwargs, shapes, id=name)
+
+
+@pytest.mark.parametrize("cls, kwargs, shapes", list(_host_cases()))
+def test_equivalent_to_pytorch_on_host(cls, kwargs, shapes):
+    model, opt = _trained(cls, kwargs, shapes)
+    sd = opt.state_dict()
+    theirs_model, theirs = _twin(model, cls, kwargs)
+    ours_model, ours = _twin(model, cls, kwargs)
+    theirs.load_state_dict(sd)
+    optimshift.load_state_dict(ours, sd)
+    assert state_layout(ours) == state_layout(theirs)
+    assert state_dtypes(ours) == state_dtypes(theirs)
+    assert bitwise_equal(_state(ours), _state(theirs))
+    assert _groups(ours) == _groups(theirs)
+    train(theirs_model, theirs, range(K, K + M))
+    train(ours_model, ours, range(K, K + M))
+    for a, b in zip(ours_model.parameters(), theirs_model.parameters()):
+        assert bitwise_equal(a, b)
+
+
+# Host -> device, where PyTorch moves a host scalar onto the device (it casts every non-`step` tensor there, and
+# keeps a `step` wherever it was saved): the only classes of the matrix where it differs from a fresh optimizer.
+PYTORCH_MISPLACES_H2D = {"NAdam": {"mu_product"}, "NAdam-foreach-decoupled": {"mu_product"},
+                         "ASGD": {"step"}, "ASGD-foreach": {"step"}}
+
+
+def _sim_cases():
+    for name, cls, kwargs, _directions, shapes in CASES:
+        if not kwargs.get("capturable"):
+            yield pytest.param(name, cls, kwargs, shapes, id=name)
+
+
+@pytest.mark.parametrize("name, cls, kwargs, shapes", list(_sim_cases()))
+def test_host_to_device_against_pytorch(sim, name, cls, kwargs, shapes):
+    model, opt = _trained(cls, kwargs, shapes)
+    sd = opt.state_dict()
+    _, theirs = _twin(model, cls, kwargs, sim)
+    _, ours = _twin(model, cls, kwargs, sim)
+    fresh_model, fresh = _twin(Model(shapes), cls, kwargs, sim)
+    train(fresh_model, fresh, range(1))
+    theirs.load_state_dict(sd)
+    optimshift.load_state_dict(ours, sd)
+    assert state_layout(ours) == state_layout(fresh)
+    assert bitwise_equal(_state(ours), _state(theirs))
+    differs = {key[1] for key, dev in state_layout(theirs).items() if state_layout(ours)[key] != dev}
+    assert differs == PYTORCH_MISPLACES_H2D.get(name, set())
+
+
+# --- where PyTorch is wrong: one test each -------------------------------------------------------------------
+
+
+def _sgd(value_key=None, value=None):
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = O.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(3)
+    opt.step()
+    sd = opt.state_dict()
+    if value_key is not None:
+        sd["state"][0][value_key] = value
+    return sd
+
+
+def test_string_in_state_is_kept():
+    sd = _sgd("note", "warmup done")
+    theirs = O.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=0.9)
+    theirs.load_state_dict(sd)
+    assert list(theirs.state.values())[0]["note"].startswith("<generator object")  # PyTorch mangles it
+    ours = O.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=0.9)
+    optimshift.load_state_dict(ours, sd)
+    assert list(ours.state.values())[0]["note"] == "warmup done"
+
+
+Pair = collections.namedtuple("Pair", "buf count")
+
+
+def test_namedtuple_in_state_is_rebuilt(sim):
+    sd = _sgd("pair", Pair(torch.arange(3.0), 7))
+    theirs = O.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError):
+        theirs.load_state_dict(sd)  # PyTorch rebuilds it as type(value)(generator)
+    p = torch.nn.Parameter(torch.randn(3, device=sim))
+    ours = O.SGD([p], lr=0.1, momentum=0.9)
+    optimshift.load_state_dict(ours, sd)
+    pair = ours.state[p]["pair"]
+    assert type(pair) is Pair and pair.count == 7 and pair.buf.device == sim
+    assert bitwise_equal(pair.buf, torch.arange(3.0))
+    assert pair.buf is not sd["state"][0]["pair"].buf
+
+
+def test_dtype_is_kept_unless_cast_param():
+    # fp32 optimizer state for bf16 params (mixed precision keeps the moments in fp32).
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = O.Adam([p], foreach=False)
+    p.grad = torch.randn(4, 3)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"] + 1e-3  # bits that bf16 cannot hold
+
+    def bf16():
+        return O.Adam([torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))], foreach=False)
+
+    theirs, ours, cast = bf16(), bf16(), bf16()
+    theirs.load_state_dict(sd)
+    optimshift.load_state_dict(ours, sd)
+    optimshift.load_state_dict(cast, sd, cast="param")
+    saved = sd["state"][0]["exp_avg"]
+    assert list(theirs.state.values())[0]["exp_avg"].dtype == torch.bfloat16  # PyTorch casts: values lost
+    got = list(ours.state.values())[0]["exp_avg"]
+    assert got.dtype == torch.float32 and bitwise_equal(got, saved)
+    assert bitwise_equal(_state(cast), _state(theirs))  # cast="param" is PyTorch's behaviour, bit for bit
+
+
+def test_nadam_mu_product_stays_on_host(sim):
+    model, opt = _trained(O.NAdam, {"foreach": False}, [(4, 3), (3,)])
+    sd = opt.state_dict()
+    theirs_model, theirs = _twin(model, O.NAdam, {"foreach": False}, sim)
+    ours_model, ours = _twin(model, O.NAdam, {"foreach": False}, sim)
+    theirs.load_state_dict(sd)
+    optimshift.load_state_dict(ours, sd)
+    assert all(st["mu_product"].device == sim for st in theirs.state.values())
+    assert all(st["mu_product"].device.type == "cpu" for st in ours.state.values())
+    with optimshift.count_syncs() as theirs_syncs:
+        train(theirs_model, theirs, range(K, K + 1))
+    with optimshift.count_syncs() as ours_syncs:
+        train(ours_model, ours, range(K, K + 1))
+    assert ours_syncs.total == 0
+    assert theirs_syncs.total == 2 * 2  # 2 host syncs per param per step, 2 params
+    for a, b in zip(ours_model.parameters(), theirs_model.parameters()):
+        assert bitwise_equal(a, b)
+
+
+def test_live_flags_are_kept(sim):
+    """A checkpoint made with capturable=True on the device, resumed on a CPU."""
+    p = torch.nn.Parameter(torch.randn(4, 3, device=sim))
+    src = O.Adam([p], capturable=True, foreach=False, lr=0.01)
+    p.grad = torch.randn(4, 3, device=sim)
+    src.step()
+    sd = src.state_dict()
+
+    def cpu_adam():
+        q = torch.nn.Parameter(p.detach().to("cpu"))
+        q.grad = torch.randn(4, 3)
+        return O.Adam([q], foreach=False, lr=0.5)
+
+    theirs = cpu_adam()
+    theirs.load_state_dict(sd)
+    assert theirs.param_groups[0]["capturable"] is True  # PyTorch adopts the checkpoint's flags...
+    with pytest.raises((RuntimeError, AssertionError), match="capturable=True"):
+        theirs.step()  # ...and the CPU cannot run them
+    ours = cpu_adam()
+    optimshift.load_state_dict(ours, sd)
+    group = ours.param_groups[0]
+    assert group["capturable"] is False and group["lr"] == 0.01  # live flags, checkpoint hyperparameters
+    assert optimshift.check(ours).ok
+    ours.step()
+    as_saved = cpu_adam()
+    optimshift.load_state_dict(as_saved, sd, flags="checkpoint")
+    assert _groups(as_saved) == _groups(theirs)
+
+
+def test_never_aliases_the_callers_tensors():
+    model, opt = _trained(O.Adam, {"foreach": False}, [(4, 3)])
+    sd = opt.state_dict()
+    saved = [t for st in sd["state"].values() for t in st.values()]
+    before = [t.clone() for t in saved]
+    theirs_model, theirs = _twin(model, O.Adam, {"foreach": False})
+    theirs.load_state_dict(sd)
+    assert any(t is s for st in theirs.state.values() for t in st.values() for s in saved)  # PyTorch aliases
+    ours_model, ours = _twin(model, O.Adam, {"foreach": False})
+    optimshift.load_state_dict(ours, sd)
+    held = [t for st in ours.state.values() for t in st.values()]
+    assert not any(t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr() for t in held for s in saved)
+    train(ours_model, ours, range(K, K + 1))
+    assert all(bitwise_equal(a, b) for a, b in zip(saved, before)), "stepping must not write into the caller's dict"
+    shared_model, shared = _twin(model, O.Adam, {"foreach": False})
+    optimshift.load_state_dict(shared, sd, copy=False)
+    assert [t for st in shared.state.values() for t in st.values()] == saved  # copy=False: PyTorch's aliasing
+
+
+class CountingId(int):
+    """A param id that counts equality comparisons: PyTorch's load scans the param groups with ``in`` once per
+    state tensor; a linear load looks ids up by hash (and identity) instead."""
+
+    comparisons = 0
+
+    def __eq__(self, other):
+        CountingId.comparisons += 1
+        return int.__eq__(self, other)
+
+    __hash__ = int.__hash__
+
+
+def _counting_state_dict(n):
+    params = [torch.nn.Parameter(torch.randn(2)) for _ in range(n)]
+    opt = O.Adam(params, foreach=False)
+    for p in params:
+        p.grad = torch.ones(2)
+    opt.step()
+    sd = opt.state_dict()
+    ids = {i: CountingId(i) for i in sd["state"]}
+    sd["state"] = {ids[i]: st for i, st in sd["state"].items()}
+    for g in sd["param_groups"]:
+        g["params"] = [ids[i] for i in g["params"]]
+    return params, sd
+
+
+def _comparisons(load, n):
+    params, sd = _counting_state_dict(n)
+    opt = O.Adam([torch.nn.Parameter(p.detach().clone()) for p in params], foreach=False)
+    CountingId.comparisons = 0
+    load(opt, sd)
+    return CountingId.comparisons
+
+
+def test_linear_time_no_group_scans():
+    pytorch = [_comparisons(lambda o, sd: o.load_state_dict(sd), n) for n in (100, 200)]
+    assert pytorch[1] > 3.5 * pytorch[0] > 3.5 * 100 * 100 / 2  # quadratic: one scan per state tensor
+    ours = [_comparisons(optimshift.load_state_dict, n) for n in (100, 200)]
+    assert ours[1] <= 2 * 200, f"{ours} equality comparisons: not linear"
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_linear_time_ops_per_tensor(sim):
+    counts = []
+    for n in (20, 40, 60):
+        params = [torch.nn.Parameter(torch.randn(3)) for _ in range(n)]
+        opt = O.Adam(params, foreach=False)
+        for p in params:
+            p.grad = torch.ones(3)
+        opt.step()
+        sd = opt.state_dict()
+        target = O.Adam([torch.nn.Parameter(p.detach().to(sim)) for p in params], foreach=False)
+        optimshift.load_state_dict(target, sd)  # warm (probes, caches)
+        with _OpCounter() as counter:
+            optimshift.load_state_dict(target, sd)
+        counts.append(counter.ops)
+    per_20 = counts[1] - counts[0]
+    assert counts[2] - counts[1] == per_20, counts  # each 20 more params cost the same number of ops: linear
+    assert per_20 <= 20 * 3 * 3, counts  # at most 3 ops per state tensor (Adam: 3 per param)
+
+
+# --- placement options ---------------------------------------------------------------------------------------
+
+
+def test_device_argument_places_for_that_device(sim):
+    model, opt = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,)])
+    sd = opt.state_dict()
+    twin, ours = _twin(model, O.Adam, {"foreach": False})  # params still on the host
+    optimshift.load_state_dict(ours, sd, device=sim)
+    for st in ours.state.values():
+        assert st["exp_avg"].device == sim and st["step"].device.type == "cpu"
+    twin.to(sim)
+    assert optimshift.check(ours).ok
+    fresh_model, fresh = _twin(Model([(4, 3), (3,)]), O.Adam, {"foreach": False}, sim)
+    train(fresh_model, fresh, range(1))
+    assert state_layout(ours) == state_layout(fresh)
+
+
+def test_fused_checkpoint_into_foreach_on_device(sim):
+    model, opt = _trained(O.AdamW, {"fused": True}, [(4, 3)], device=sim)
+    sd = opt.state_dict()
+    assert next(iter(sd["state"].values()))["step"].device == sim
+    _, ours = _twin(model, O.AdamW, {"foreach": True})
+    optimshift.load_state_dict(ours, sd)
+    assert ours.param_groups[0]["fused"] is None and ours.param_groups[0]["foreach"] is True
+    assert all(st["step"].device.type == "cpu" for st in ours.state.values())
+
+
+# --- validation before any change -----------------------------------------------------------------------------
+
+
+def _adam(shapes=((4, 3), (3,)), groups=1):
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    if groups == 2:
+        opt = O.Adam([{"params": params[:1]}, {"params": params[1:], "lr": 0.1}], foreach=False)
+    else:
+        opt = O.Adam(params, foreach=False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda sd: sd["param_groups"].append({"params": []}), ValueError,
+     r"Adam: load_state_dict: the checkpoint has 3 param groups, the optimizer has 2"),
+    (lambda sd: sd["param_groups"][1]["params"].append(9), ValueError,
+     r"param group 1 has 2 params in the checkpoint and 1 in the optimizer"),
+    (lambda sd: sd["state"][1].__setitem__("exp_avg", torch.zeros(4)), ValueError,
+     r"group 1, param 0, state key 'exp_avg': the checkpoint's tensor has shape \(4,\), the param has shape \(3,\)"),
+    (lambda sd: sd["state"][0].__setitem__("exp_avg_sq", torch.zeros(3, 4)), ValueError,
+     r"group 0, param 0, state key 'exp_avg_sq': .* shape \(3, 4\), the param has shape \(4, 3\)"),
+    (lambda sd: sd["state"].__setitem__(7, {"exp_avg": torch.zeros(1)}), ValueError,
+     r"entries for param ids \[7\] that no param group lists"),
+    (lambda sd: sd["param_groups"][1].__setitem__("params", [0]), ValueError,
+     r"lists param id 0 twice \(group 0, param 0 and group 1, param 0\)"),
+    (lambda sd: sd["state"].__setitem__(1, [torch.zeros(3)]), TypeError,
+     r"group 1, param 0: its state is a list, expected a dict"),
+    (lambda sd: sd.pop("param_groups"), ValueError, r"state_dict has no 'param_groups' entry"),
+    (lambda sd: sd["state"][0].__setitem__("exp_avg", torch.zeros(4, 3, device="meta")), ValueError,
+     r"group 0, param 0, state key 'exp_avg': a meta tensor has no values to load"),
+])
+def test_bad_state_dict_is_refused_before_any_change(mutate, exc, match):
+    source = _adam(groups=2)
+    sd = copy.deepcopy(source.state_dict())
+    mutate(sd)
+    target = _adam(groups=2)
+    before = _fingerprint(target)
+    with pytest.raises(exc, match=match):
+        optimshift.load_state_dict(target, sd)
+    assert _fingerprint(target) == before
+
+
+def test_wrong_class_is_refused(tmp_path):
+    optimshift.save(_adam(), tmp_path / "adam.pt")
+    sgd = O.SGD([torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=0.9)
+    before = _fingerprint(sgd)
+    with pytest.raises(ValueError, match=r"SGD: load_state_dict: the checkpoint was saved from a "
+                                         r"torch\.optim\.adam\.Adam, not a torch\.optim\.sgd\.SGD"):
+        optimshift.load_state_dict(sgd, optimshift.load(tmp_path / "adam.pt"))
+    assert _fingerprint(sgd) == before
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"flags": "mine"}, ValueError, "flags must be 'live' or 'checkpoint'"),
+    ({"cast": "bf16"}, ValueError, "cast must be None or 'param'"),
+    ({"copy": "yes"}, TypeError, "copy must be a bool"),
+    ({"device": "cuda:7"}, ValueError, "cuda:7 is not available"),
+])
+def test_bad_arguments(kwargs, exc, match):
+    target = _adam()
+    before = _fingerprint(target)
+    with pytest.raises(exc, match=match):
+        optimshift.load_state_dict(target, _adam().state_dict(), **kwargs)
+    assert _fingerprint(target) == before
+
+
+def test_setstate_failure_rolls_back():
+    sd = _adam().state_dict()
+    del sd["state"][0]["step"]  # Adam.__setstate__ reads state["step"] of every param with state
+    target = _adam()
+    before = _fingerprint(target)
+    with pytest.raises(ValueError, match=r"Adam.__setstate__ rejected the loaded state \(KeyError: 'step'\); "
+                                         r"the optimizer is unchanged"):
+        optimshift.load_state_dict(target, sd)
+    assert _fingerprint(target) == before
+
+
+def test_copy_failure_midway_changes_nothing(monkeypatch):
+    from optimshift import restore
+
+    real, calls = restore._Staging._copy_one, []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("simulated OOM")
+        return real(self, *args)
+
+    monkeypatch.setattr(restore._Staging, "_copy_one", failing)
+    target = _adam()
+    before = _fingerprint(target)
+    with pytest.raises(torch.OutOfMemoryError):
+        optimshift.load_state_dict(target, _adam().state_dict())
+    assert _fingerprint(target) == before
+
+
+def test_optimizer_that_overrides_load_state_dict_is_refused():
+    class Custom(O.Adam):
+        def load_state_dict(self, state_dict):  # custom logic optimshift cannot reproduce
+            super().load_state_dict(state_dict)
+
+    target = Custom([torch.nn.Parameter(torch.randn(3))])
+    with pytest.raises(TypeError, match=r"Custom overrides load_state_dict .* optimshift\.move\(optimizer\)"):
+        optimshift.load_state_dict(target, O.Adam([torch.nn.Parameter(torch.randn(3))]).state_dict())
+
+
+def test_pytorch_optimizer_base_class_is_accepted():
+    """pytorch_optimizer's BaseOptimizer overrides load_state_dict only to restore the dtypes PyTorch casts
+    away, which optimshift keeps anyway: it is on the list of equivalent overrides."""
+    po = pytest.importorskip("pytorch_optimizer")
+    params = [torch.nn.Parameter(torch.randn(4, 3))]
+    source = po.Lion(params, lr=1e-3)
+    params[0].grad = torch.randn(4, 3)
+    source.step()
+    target = po.Lion([torch.nn.Parameter(torch.randn(4, 3))], lr=1e-2)
+    optimshift.load_state_dict(target, source.state_dict())
+    assert bitwise_equal(_state(target), _state(source)) and target.param_groups[0]["lr"] == 1e-3
+
+
+def test_delegating_wrapper_loads_into_the_wrapped_optimizer():
+    class Wrapper:  # the shape of Accelerate's AcceleratedOptimizer / Lightning's LightningOptimizer
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        param_groups = property(lambda self: self.optimizer.param_groups)
+        state = property(lambda self: self.optimizer.state)
+
+    source = _adam()
+    inner = _adam()
+    wrapper = Wrapper(inner)
+    assert optimshift.load_state_dict(wrapper, source.state_dict()) is wrapper
+    assert bitwise_equal(_state(inner), _state(source))
+
+
+def test_ambiguous_checkpoint_names_the_candidates():
+    a, b = _adam().state_dict(), _adam().state_dict()
+    with pytest.raises(ValueError, match=r"holds 2 optimizer states \(\['gen'\], \['disc'\]\); pass the one"):
+        optimshift.load_state_dict(_adam(), {"gen": a, "disc": b})
+
+
+# --- hooks and __setstate__ fix-ups, as in PyTorch --------------------------------------------------------------
+
+
+def test_hooks_run_as_in_pytorch():
+    calls = {}
+
+    def run(load):
+        target = _adam()
+        seen = []
+
+        def pre(opt, sd):
+            seen.append(("pre", opt is target, sorted(sd)))
+            sd = dict(sd)
+            sd["param_groups"] = [dict(g, lr=0.123) for g in sd["param_groups"]]
+            return sd
+
+        def post(opt):
+            seen.append(("post", opt is target, opt.param_groups[0]["lr"]))
+
+        target.register_load_state_dict_pre_hook(pre)
+        target.register_load_state_dict_post_hook(post)
+        load(target, _adam().state_dict())
+        return seen
+
+    calls["theirs"] = run(lambda o, sd: o.load_state_dict(sd))
+    calls["ours"] = run(optimshift.load_state_dict)
+    assert calls["ours"] == calls["theirs"] == [("pre", True, ["param_groups", "state"]), ("post", True, 0.123)]
+
+
+@pytest.mark.parametrize("cls, kwargs", [(O.Adam, {"fused": True}), (O.Adam, {}), (O.NAdam, {}), (O.Adagrad, {})])
+def test_setstate_fixups_for_old_checkpoints(cls, kwargs):
+    """A checkpoint from before tensor steps (torch < 1.12): `step` (and NAdam's mu_product) are floats."""
+    model, opt = _trained(cls, {**kwargs}, [(4, 3)])
+    sd = copy.deepcopy(opt.state_dict())
+    for st in sd["state"].values():
+        st["step"] = float(st["step"])
+        if "mu_product" in st:
+            st["mu_product"] = float(st["mu_product"])
+    _, theirs = _twin(model, cls, kwargs)
+    _, ours = _twin(model, cls, kwargs)
+    theirs.load_state_dict(sd)
+    optimshift.load_state_dict(ours, sd)
+    assert state_layout(ours) == state_layout(theirs)
+    assert state_dtypes(ours) == state_dtypes(theirs)
+    assert bitwise_equal(_state(ours), _state(theirs))
+
+
+def test_param_names_follow_pytorch():
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
+    named = O.SGD([("a", params[0]), ("b", params[1])], lr=0.1)
+    plain_sd = O.SGD([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))], lr=0.2).state_dict()
+    optimshift.load_state_dict(named, plain_sd)
+    assert named.param_groups[0]["param_names"] == ["a", "b"] and named.param_groups[0]["lr"] == 0.2
+    with pytest.raises(ValueError, match=r"group 0, param 1 \(b\), state key 'momentum_buffer': .* shape \(3,\)"):
+        source = O.SGD([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=0.9)
+        for p in source.param_groups[0]["params"]:
+            p.grad = torch.ones(3)
+        source.step()
+        optimshift.load_state_dict(named, source.state_dict())

@@ -24,12 +24,13 @@ Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 
 @dataclass
 class _Offloaded:
-    """What :func:`offload` remembers: where each tensor was (by site), the pool buffers the host copies live
-    in, and the grads it took ({(group, index): (param, device)})."""
+    """What :func:`offload` remembers: where each tensor was (by site), where each param was (by group and
+    index), the pool buffers the host copies live in, and the grads it took ({(group, index): (param, host)})."""
 
     devices: dict[tuple, torch.device] = field(default_factory=dict)
+    param_devices: dict[tuple, torch.device] = field(default_factory=dict)
     buffers: list[torch.Tensor] = field(default_factory=list)
-    grads: dict[tuple, tuple[torch.Tensor, torch.device, torch.Tensor]] = field(default_factory=dict)
+    grads: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 # Kept beside the optimizer rather than on it, so that offloading never adds attributes to user objects.
@@ -38,43 +39,56 @@ _pending: "weakref.WeakKeyDictionary[Any, engine.PendingTransfer]" = weakref.Wea
 _records_lock = threading.Lock()
 
 
+def _record_of(optimizer: Any) -> Optional[_Offloaded]:
+    try:
+        with _records_lock:
+            return _records.get(optimizer)
+    except TypeError:  # an optimizer that cannot be weakly referenced (a wrapper) was never offloaded
+        return None
+
+
 def _settle(optimizer: Any) -> None:
     """Finish a non-blocking transfer still running for this optimizer before touching its state again."""
-    with _records_lock:
-        pending = _pending.pop(optimizer, None)
+    try:
+        with _records_lock:
+            pending = _pending.pop(optimizer, None)
+    except TypeError:
+        return
     if pending is not None:
         pending.wait()
 
 
-def _forget(optimizer: Any, event_handle: Optional[engine.PendingTransfer] = None) -> None:
-    """Drop the offload record and give its host buffers back to the pool (after ``event_handle`` if any)."""
-    with _records_lock:
-        record = _records.pop(optimizer, None)
+def _remember_pending(optimizer: Any, pending: engine.PendingTransfer) -> None:
+    if not pending.done():
+        with _records_lock:
+            _pending[optimizer] = pending
+        _wait_before_step(optimizer, pending)
+
+
+def _forget(optimizer: Any, pending: Optional[engine.PendingTransfer] = None) -> None:
+    """Drop the offload record and give its host buffers back to the pool, to be reused once the copies that
+    read them (``pending``) are done and nothing looks into them any more (the pool checks both)."""
+    try:
+        with _records_lock:
+            record = _records.pop(optimizer, None)
+    except TypeError:
+        return
     if record is None:
         return
-    buffers = record.buffers
-
-    def release() -> None:
-        for buf in buffers:
-            host_pool.release(buf)
-
-    if event_handle is None:
-        release()
-    else:
-        event_handle.add_done_callback(release)
+    event = pending.event if pending is not None else None
+    for buf in record.buffers:
+        host_pool.release(buf, event)
 
 
 def discard_offload(optimizer: Any) -> None:
     """The optimizer's state was replaced (e.g. by :func:`optimshift.load_state_dict`): finish any transfer in
     flight, give offloaded grads back to their params, forget where the old state was, free its buffers."""
-    try:
-        _settle(optimizer)
-        with _records_lock:
-            record = _records.get(optimizer)
-    except TypeError:  # an object that cannot be weakly referenced was never recorded
-        return
+    _settle(optimizer)
+    record = _record_of(optimizer)
     if record is not None:
-        _restore_grads(record, None)
+        for p, host_grad in record.grads.values():
+            if p.grad is None:
+                p.grad = host_grad.to(p.device)
     _forget(optimizer)
 
 
@@ -88,6 +102,28 @@ def _resolve(device: Optional[DeviceLike], optimizer: Any, what: str = "device")
     return resolve(device, what=what, tensors=_all_tensors(optimizer))
 
 
+def _grads_back(optimizer: Any, record: Optional[_Offloaded]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(param, host grad) pairs that go back to their params, checked before any copy: a grad goes to its
+    param's current device and must match the param, and a grad set while offloaded is never overwritten."""
+    if record is None:
+        return []
+    name = optimizer_name(optimizer)
+    out = []
+    for (gi, pi), (p, host_grad) in record.grads.items():
+        if p.grad is not None:
+            raise ValueError(
+                f"{name}: group {gi}, param {pi} got a new .grad while its offloaded grad was held; reloading "
+                f"would overwrite one of them. Set param.grad = None to keep the offloaded one, or del it first."
+            )
+        if host_grad.shape != p.shape or host_grad.dtype != p.dtype:
+            raise ValueError(
+                f"{name}: group {gi}, param {pi} is now {p.dtype}{tuple(p.shape)}, its offloaded grad "
+                f"{host_grad.dtype}{tuple(host_grad.shape)}: it cannot be given back"
+            )
+        out.append((p, host_grad))
+    return out
+
+
 def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Opt:
     """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it.
 
@@ -97,14 +133,16 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
     check_optimizer(optimizer)
     target = _resolve(device, optimizer)
     _settle(optimizer)
+    record = _record_of(optimizer)
+    grads = _grads_back(optimizer, record)
     with engine.no_gc():
         plan = build_plan(optimizer, policy_target(optimizer, target))
-        engine.apply(plan, non_blocking=non_blocking)
-    with _records_lock:
-        record = _records.get(optimizer)
-    if record is not None:
-        _restore_grads(record, target)
-    _forget(optimizer)  # whatever was offloaded now sits where it was asked to
+        copies, _, pending = engine.run(plan, non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
+        engine.commit(optimizer, copies)
+        for p, host_grad in grads:
+            p.grad = copies.get(id(host_grad), host_grad)
+    _forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
+    _remember_pending(optimizer, pending)
     return optimizer
 
 
@@ -124,40 +162,47 @@ def offload(
     Host copies live in a persistent pool (pinned when the state is on CUDA, unless ``pin_memory`` is False),
     reused cycle after cycle. ``include=("grads",)`` also takes the params' ``.grad`` tensors, so the optimizer
     holds nothing on the device. ``non_blocking=True`` returns a :class:`PendingTransfer` at once (copies run on
-    a side stream); otherwise the optimizer. Offloading an offloaded optimizer only moves what was added since.
+    a side stream; ``wait()`` before reading the host copies); otherwise the optimizer. Offloading an offloaded
+    optimizer only moves what was added since.
     """
     check_optimizer(optimizer)
     include = tuple(include)
     unknown = [i for i in include if i not in _INCLUDE]
     if unknown:
-        raise ValueError(f"offload: include may contain {_INCLUDE}, got {unknown}")
+        raise ValueError(f"{optimizer_name(optimizer)}: offload include= may contain {_INCLUDE}, got {unknown}")
+    try:
+        weakref.ref(optimizer)
+        hash(optimizer)
+    except TypeError:
+        raise TypeError(
+            f"offload needs an optimizer it can remember weakly (hashable, weak-referenceable); "
+            f"{type(optimizer).__name__} is not: pass the torch.optim.Optimizer it wraps"
+        ) from None
     _settle(optimizer)
     host = torch.device("cpu")
     with engine.no_gc():
         plan = build_plan(optimizer, lambda ident, param, group, key, tensor: (host, "offload"))
-        with _records_lock:
-            previous = _records.get(optimizer)
-        record = _Offloaded(dict(previous.devices), list(previous.buffers), dict(previous.grads)) if previous \
-            else _Offloaded()
+        previous = _record_of(optimizer)
+        record = _Offloaded(dict(previous.devices), dict(previous.param_devices), list(previous.buffers),
+                            dict(previous.grads)) if previous else _Offloaded()
         for transfer in plan.transfers:
             record.devices.setdefault(transfer.ident, transfer.tensor.device)
         grads = []
-        if "grads" in include:
-            for gi, group in enumerate(optimizer.param_groups):
-                for pi, p in enumerate(group["params"]):
-                    if p.grad is not None and p.grad.device.type != "cpu":
-                        grads.append(((gi, pi), p))
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                record.param_devices.setdefault((gi, pi), p.device)
+                if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
+                    grads.append(((gi, pi), p))
         copies, batch, pending = engine.run(plan, non_blocking=non_blocking, pin_memory=pin_memory is not False,
                                             keep_host_views=True, extra=[(p.grad, host) for _, p in grads])
         engine.commit(optimizer, copies)
         for where, p in grads:  # only now: every copy exists
-            record.grads[where] = (p, p.grad.device, copies[id(p.grad)])
+            record.grads[where] = (p, copies[id(p.grad)])
             p.grad = None
     record.buffers.extend(batch.held)
     with _records_lock:
         _records[optimizer] = record
-        if not pending.done():
-            _pending[optimizer] = pending
+    _remember_pending(optimizer, pending)
     if empty_cache and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return pending if non_blocking else optimizer
@@ -165,62 +210,58 @@ def offload(
 
 def is_offloaded(optimizer: Any) -> bool:
     """Whether :func:`offload` moved this optimizer's state to the host and it was not reloaded since."""
-    with _records_lock:
-        return optimizer in _records
-
-
-def _restore_grads(record: _Offloaded, device: Optional[torch.device],
-                   copies: Optional[dict[int, torch.Tensor]] = None) -> None:
-    for p, was, host_grad in record.grads.values():
-        if copies is not None and id(host_grad) in copies:
-            p.grad = copies[id(host_grad)]
-        else:
-            p.grad = host_grad.to(device if device is not None else p.device)
-    record.grads.clear()
+    return _record_of(optimizer) is not None
 
 
 def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Any:
     """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
     ``device`` would hold it). Reloading an optimizer that was never offloaded is a no-op.
 
+    Entries of a param that moved while offloaded go where a fresh optimizer keeps them for its new device.
     ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the
     optimizer's next ``step()`` waits for them on the device, so a reload issued before the forward pass
-    overlaps with it.
+    overlaps with it (offloaded grads, read before ``step()``, are waited for at once).
     """
     check_optimizer(optimizer)
     target = _resolve(device, optimizer)
     _settle(optimizer)
-    with _records_lock:
-        record = _records.get(optimizer)
+    record = _record_of(optimizer)
     if target is not None:
-        move(optimizer, target)
-        return engine.PendingTransfer() if non_blocking else optimizer
+        move(optimizer, target, non_blocking=non_blocking)
+        return _pending_of(optimizer) if non_blocking else optimizer
     if record is None:
         return engine.PendingTransfer() if non_blocking else optimizer
+    grads = _grads_back(optimizer, record)
     by_policy = policy_target(optimizer, None)
 
     def back(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
         was = record.devices.get(ident)
+        if param is not None and record.param_devices.get(ident[:2]) != param.device:
+            was = None  # the param moved while its state was away: place the state for where it is now
         if was is not None:
             return was, "recorded"
         return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
     with engine.no_gc():
         plan = build_plan(optimizer, back)
-        extra = [(host_grad, was) for _, was, host_grad in record.grads.values()]
-        copies, _, pending = engine.run(plan, non_blocking=non_blocking, extra=extra)
+        copies, _, pending = engine.run(plan, non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
         engine.commit(optimizer, copies)
-        _restore_grads(record, None, copies)
+        for p, host_grad in grads:
+            p.grad = copies.get(id(host_grad), host_grad)
+    if grads:
+        pending.wait_on_current_stream()  # grads are read before step() (clipping, scaling, accumulation)
     _forget(optimizer, pending)
-    if not pending.done():
-        with _records_lock:
-            _pending[optimizer] = pending
-        _wait_before_step(optimizer, pending)
+    _remember_pending(optimizer, pending)
     return pending if non_blocking else optimizer
 
 
+def _pending_of(optimizer: Any) -> engine.PendingTransfer:
+    with _records_lock:
+        return _pending.get(optimizer) or engine.PendingTransfer()
+
+
 def _wait_before_step(optimizer: Any, pending: engine.PendingTransfer) -> None:
-    """Make the optimizer's next step wait (on the device) for a reload still in flight."""
+    """Make the optimizer's next step wait (on the device) for a transfer still in flight."""
     register = getattr(optimizer, "register_step_pre_hook", None)
     if register is None:
         pending.wait()
@@ -319,6 +360,9 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     place their state by the policy for the new params' devices. All or nothing."""
     check_optimizer(optimizer)
     name = optimizer_name(optimizer)
+    _settle(optimizer)
+    if is_offloaded(optimizer):
+        raise ValueError(f"{name}: rebind while offloaded would lose where the state was; reload() it first")
     new = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
     old = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     if len(new) != len(old):

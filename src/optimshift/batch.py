@@ -78,45 +78,54 @@ def copy_many(
     pin_memory: bool = False,
     keep_host_views: bool = False,
     non_blocking: bool = False,
+    describe: Optional[Callable[[int], str]] = None,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
 
     ``keep_host_views``: host results are views into pool buffers listed in ``Batch.held`` (offload);
     otherwise they are separate tensors and every staging buffer goes back to the pool.
-    ``copy_one(t, device, non_blocking=, pin_memory=)`` copies what cannot be grouped.
+    ``copy_one(t, device, non_blocking=, pin_memory=)`` copies what cannot be grouped. ``describe(i)`` names
+    input ``i`` in the note added to an exception (an OOM says which entry it hit).
     """
     batch = Batch([None] * len(items))
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
     group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
     devices = batch.devices
     copies = batch.copies
-    for i, (t, target) in enumerate(items):
-        source = t.device
-        if group and (source.type == "cpu") != (target.type == "cpu") and _coalescible(t, source, target):
-            groups.setdefault((source, target, t.dtype), []).append(i)
-            continue
-        copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
-        if target.type not in _HOSTS:
-            devices.add(target)
-        if source.type not in _HOSTS:
-            devices.add(source)
+    current = 0
     try:
+        for i, (t, target) in enumerate(items):
+            source = t.device
+            if group and (source.type == "cpu") != (target.type == "cpu") and _coalescible(t, source, target):
+                groups.setdefault((source, target, t.dtype), []).append(i)
+                continue
+            current = i
+            copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
+            if target.type not in _HOSTS:
+                devices.add(target)
+            if source.type not in _HOSTS:
+                devices.add(source)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))
             for chunk in _chunks(indices, items):
+                current = chunk[0]
                 if dst.type == "cpu":
                     _to_host(chunk, items, batch, pool, pinned=pin_memory and src.type == "cuda" and _pinnable(),
                              keep=keep_host_views)
                 else:
                     _to_device(chunk, items, batch, pool, dst, dtype,
                                pinned=src.type == "cpu" and dst.type == "cuda" and _pinnable())
-    except BaseException:
+    except BaseException as error:
         # Nothing was committed; give back every buffer once no queued copy can still be using it.
         from .engine import synchronize
 
         synchronize(batch.devices)
         for buf in batch.held + batch.staging:
             pool.release(buf)
+        if describe is not None and items and hasattr(error, "add_note"):
+            t, target = items[current]
+            error.add_note(f"optimshift: while copying {describe(current)} ({tuple(t.shape)}, {t.dtype}) from "
+                           f"{t.device} to {target}; the optimizer was left unchanged")
         raise
     return batch
 
@@ -152,12 +161,12 @@ def _to_host(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, *,
     numels = [t.numel() for t in tensors]
     total = sum(numels)
     buf = pool.acquire(total * tensors[0].element_size(), pinned=pinned)
+    (batch.held if keep else batch.staging).append(buf)  # at once: a failing cat must not leak it
     flat = buf[: total * tensors[0].element_size()].view(dtype)
     source = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
     flat.copy_(source, non_blocking=pinned)  # pinned: completed by the caller's one synchronize
     views = [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]
     if keep:
-        batch.held.append(buf)
         for i, v in zip(chunk, views):
             batch.copies[i] = v
         return
@@ -169,7 +178,6 @@ def _to_host(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, *,
         torch._foreach_copy_(outs, views)
 
     batch.after_sync.append(split)
-    batch.staging.append(buf)
 
 
 def _side_by_side(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -198,9 +206,9 @@ def _to_device(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, 
     if host is None or (pinned and not host.is_pinned()):
         nbytes = total * tensors[0].element_size()
         buf = pool.acquire(nbytes, pinned=pinned)
+        batch.staging.append(buf)  # at once (a failing cat must not leak it); reusable once the copy completed
         host = buf[:nbytes].view(dtype)
         torch.cat([t.reshape(-1) for t in tensors], out=host)
-        batch.staging.append(buf)  # reusable once the copy below has completed
     flat = torch.empty(total, dtype=dtype, device=dst)
     flat.copy_(host, non_blocking=pinned)
     outs = [torch.empty(t.shape, dtype=dtype, device=dst) for t in tensors]

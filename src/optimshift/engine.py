@@ -17,7 +17,7 @@ import torch
 from ._tree import Setter, rebuild
 from .batch import Batch, copy_many
 from .distributed._dtensor import copy_dtensor, is_dtensor, local_tensor  # imports no torch.distributed machinery
-from .plan import Plan
+from .plan import Plan, Transfer
 from .pool import HostPool, host_pool
 
 __all__ = ["execute", "commit", "apply", "synchronize"]
@@ -119,23 +119,47 @@ def execute_batch(
     holds, what to release). ``extra``: more (tensor, target) pairs to copy with the plan (e.g. grads)."""
     pool = host_pool if pool is None else pool
     items: list[tuple[torch.Tensor, torch.device]] = []
+    names: list[Any] = []
     seen: set[int] = set()
     for transfer in plan.transfers:
         t, target = transfer.tensor, transfer.target
         if t.device != target and id(t) not in seen:
             seen.add(id(t))
             items.append((t, target))
+            names.append(transfer)
     for t, target in extra:
         if t.device != target and id(t) not in seen:
             seen.add(id(t))
             items.append((t, target))
+            names.append("a param's .grad")
+    optimizer_name = type(plan.optimizer).__name__
+
+    def describe(i: int) -> str:
+        what = names[i]
+        return f"{optimizer_name} {what.site}" if isinstance(what, Transfer) else f"{optimizer_name} {what}"
+
     batch = copy_many(items, copy_one=copy_tensor, pool=pool, pin_memory=pin_memory,
-                      keep_host_views=keep_host_views, non_blocking=non_blocking)
-    if batch.after_sync or not non_blocking:
+                      keep_host_views=keep_host_views, non_blocking=non_blocking, describe=describe)
+    to_host = any(target.type == "cpu" and t.device.type not in ("cpu", "meta") for t, target in items)
+    if batch.after_sync or not non_blocking or (to_host and not keep_host_views):
+        # Host memory that state will point at must be written before anyone reads it: always wait for it
+        # (a non-blocking offload is the exception: it hands out a handle to wait on).
         synchronize(batch.devices)
         batch.complete(pool)
+    else:
+        batch.complete(pool, _current_stream_event(batch.devices))
     copies = {id(t): new for (t, _), new in zip(items, batch.copies) if new is not None}
     return copies, batch
+
+
+def _current_stream_event(devices: Iterable[torch.device]) -> Optional[Any]:
+    """An event after the copies queued on the current CUDA stream (staging buffers wait for it)."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda or not _cuda_available():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(cuda[0]))
+    return event
 
 
 def commit(optimizer: Any, replace: Mapping[int, torch.Tensor]) -> None:
@@ -206,6 +230,11 @@ class PendingTransfer:
         self._event = event
         self.device = device
         self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def event(self) -> Optional[Any]:
+        """The CUDA event that completes with the copies (None once done, or off CUDA)."""
+        return self._event
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         if self._event is None:

@@ -120,9 +120,15 @@ def _builtin_base(cls: type) -> Optional[type]:
     return None
 
 
+_KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
+
+
 def _flag_items(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """The group's boolean/None entries: the implementation and variant flags that can change placement."""
-    return tuple(sorted((k, v) for k, v in group.items() if k != "params" and (v is None or isinstance(v, bool))))
+    """The group's boolean/None entries (the implementation and variant flags that can change placement), with
+    the known implementation flags as booleans whatever their type (``fused=1`` is ``fused=True``)."""
+    items = [(str(k), v) for k, v in group.items() if k != "params" and (v is None or isinstance(v, bool))]
+    items += [("=" + flag, bool(group.get(flag))) for flag in _KNOWN_FLAGS]
+    return tuple(sorted(items))
 
 
 _probe_cache: dict[tuple, Optional[dict[str, bool]]] = {}

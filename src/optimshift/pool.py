@@ -6,12 +6,15 @@ buffers go back to the pool for the next cycle, so a steady offload/reload loop 
 ``optimshift.host_pool.release_idle()`` frees what is idle; ``stats()`` counts allocations and reuses.
 
 A buffer whose contents a copy still in flight reads or writes is held with that copy's event and is reused
-only once the event has completed.
+only once the event has completed. A buffer that something still looks into (a ``state_dict()`` taken while
+the state was offloaded, a kept reference to an offloaded tensor) is never handed out again: its storage's
+use count says so, and the pool allocates a new buffer instead of overwriting what someone still holds.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -41,8 +44,11 @@ class HostPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[tuple[torch.Tensor, bool, Optional[Any]]] = []  # (buffer, pinned, event to wait for)
-        self._pinned: dict[int, bool] = {}
-        self._in_use: dict[int, torch.Tensor] = {}
+        # per buffer id: (pinned, storage use count when it has no views); dropped when the buffer dies
+        self._meta: dict[int, tuple[bool, Optional[int]]] = {}
+        # Held weakly (by id, as tensors compare elementwise): the buffers of an offloaded optimizer that is
+        # garbage-collected are simply freed.
+        self._in_use: dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._allocations = 0
         self._reuses = 0
 
@@ -52,7 +58,7 @@ class HostPool:
         with self._lock:
             best = None
             for i, (buf, is_pinned, _) in enumerate(self._idle):
-                if nbytes <= buf.numel() <= 2 * nbytes and is_pinned == pinned:
+                if nbytes <= buf.numel() <= 2 * nbytes and is_pinned == pinned and not self._viewed(buf):
                     if best is None or buf.numel() < self._idle[best][0].numel():
                         best = i
             if best is not None:
@@ -64,18 +70,30 @@ class HostPool:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
             with self._lock:
                 self._allocations += 1
+                self._meta[id(buf)] = (pinned, _uses(buf))
+            weakref.finalize(buf, self._drop, id(buf))
         elif event is not None:
             event.synchronize()  # a copy still reading this buffer must finish before it is overwritten
         with self._lock:
-            self._in_use[id(buf)] = buf
-            self._pinned[id(buf)] = pinned
+            self._in_use[id(buf)] = weakref.ref(buf)
         return buf
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            self._meta.pop(key, None)
+            self._in_use.pop(key, None)
+
+    def _viewed(self, buf: torch.Tensor) -> bool:
+        """Whether a tensor other than ``buf`` itself still uses its memory."""
+        uses = _uses(buf)
+        base = self._meta.get(id(buf), (False, uses))[1]
+        return uses is not None and base is not None and uses > base
 
     def release(self, buf: torch.Tensor, event: Optional[Any] = None) -> None:
         """Give ``buf`` back; with ``event``, it is reused only after that event completes."""
         with self._lock:
             if self._in_use.pop(id(buf), None) is not None:
-                self._idle.append((buf, self._pinned.pop(id(buf)), event))
+                self._idle.append((buf, self._meta[id(buf)][0], event))
 
     def release_idle(self) -> int:
         """Free every idle buffer (pinned memory goes back to the OS); returns the bytes freed."""
@@ -94,8 +112,16 @@ class HostPool:
                 len(self._idle),
                 len(self._in_use),
                 sum(b.numel() for b, _, _ in self._idle),
-                sum(b.numel() for b in self._in_use.values()),
+                sum(b.numel() for b in (ref() for ref in self._in_use.values()) if b is not None),
             )
+
+
+def _uses(buf: torch.Tensor) -> Optional[int]:
+    """How many tensors share ``buf``'s storage (None where this torch cannot tell)."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    if counter is None:
+        return None
+    return int(counter(buf.untyped_storage()._cdata))
 
 
 host_pool = HostPool()

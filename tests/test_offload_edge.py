@@ -1,0 +1,142 @@
+"""Offload/reload edge cases: shared pool memory, grads, params that moved, failures part-way."""
+
+import pytest
+import torch
+
+import optimshift
+from optimshift import batch as batch_mod
+from optimshift.pool import host_pool
+from _matrix import Model, bitwise_equal, state_layout, train
+
+
+def _adam(sim, n=3, **kw):
+    model = Model([(3, 2)] * n).to(sim)
+    opt = torch.optim.Adam(model.parameters(), **kw)
+    train(model, opt, range(1))
+    return model, opt
+
+
+def test_a_kept_state_dict_is_never_overwritten_by_a_later_offload(sim):
+    """state_dict() shares tensors: if it was taken while offloaded, the pool must not reuse that memory."""
+    host_pool.release_idle()
+    model_a, a = _adam(sim, foreach=False)
+    model_b, b = _adam(sim, foreach=False)
+    optimshift.offload(a)
+    # state_dict() shares the live per-param dicts; what a snapshot keeps are the tensors: offload's views
+    # (the host `step` was never moved, so it is the live tensor, which Adam updates in place)
+    kept = {i: {k: v for k, v in st.items() if k != "step"} for i, st in a.state_dict()["state"].items()}
+    snapshot = {i: {k: v.clone() for k, v in st.items()} for i, st in kept.items()}
+    optimshift.reload(a)
+    train(model_a, a, range(1, 3))  # a's live state changes on the device
+    optimshift.offload(a)
+    optimshift.offload(b)
+    for i, st in kept.items():
+        assert bitwise_equal(st, snapshot[i])
+
+
+def test_move_to_host_after_offload_keeps_state_out_of_the_pool(sim):
+    host_pool.release_idle()  # so that b's offload would be handed a's buffer if the pool allowed it
+    model_a, a = _adam(sim, foreach=False)
+    model_b, b = _adam(sim, foreach=False)
+    optimshift.offload(a)
+    optimshift.move(a, "cpu")  # nothing to copy: the state stays in the offload buffers
+    before = {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(a.state.values())}
+    optimshift.offload(b)  # must not be handed a's buffers
+    for i, st in enumerate(a.state.values()):
+        assert bitwise_equal(dict(st), before[i])
+
+
+def test_grads_follow_params_that_moved_while_offloaded(sim):
+    sim1 = torch.device(sim.type, 1)
+    model, opt = _adam(sim, fused=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    grads = [p.grad.cpu() for p in model.parameters()]
+    optimshift.offload(opt, include=("grads",))
+    model.to(sim1)
+    optimshift.reload(opt)  # the params are on sim:1 now: state and grads go there, not back to sim:0
+    assert {row.device for row in optimshift.placement(opt)} == {str(sim1)}
+    assert optimshift.check(opt).ok
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad.device == sim1 and bitwise_equal(p.grad, g)
+
+
+def test_reload_refuses_to_overwrite_a_grad_set_while_offloaded(sim):
+    model, opt = _adam(sim, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimshift.offload(opt, include=("grads",))
+    first = next(iter(model.parameters()))
+    first.grad = torch.full_like(first, 7.0)
+    layout = {row.key: row.device for row in optimshift.placement(opt)}
+    with pytest.raises(ValueError, match=r"Adam: group 0, param 0 got a new \.grad while its offloaded grad"):
+        optimshift.reload(opt)
+    assert {row.key: row.device for row in optimshift.placement(opt)} == layout and optimshift.is_offloaded(opt)
+    first.grad = None
+    optimshift.reload(opt)
+    assert torch.equal(first.grad.cpu(), torch.ones(3, 2))
+
+
+def test_move_with_offloaded_grads_gives_them_back(sim):
+    model, opt = _adam(sim, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 2.0)
+    optimshift.offload(opt, include=("grads",))
+    optimshift.move(opt)  # params are still on sim: state and grads follow them
+    assert all(p.grad.device == sim and float(p.grad.sum().cpu()) == 12.0 for p in model.parameters())
+    assert not optimshift.is_offloaded(opt)
+
+
+def test_a_failing_staging_copy_leaks_no_buffer(sim, monkeypatch):
+    model, opt = _adam(sim, foreach=False)
+    in_use = host_pool.stats().in_use
+
+    def boom(*args, **kwargs):
+        raise MemoryError("injected: out of memory in torch.cat on the device")
+
+    monkeypatch.setattr(batch_mod.torch, "cat", boom)
+    with pytest.raises(MemoryError) as err:
+        optimshift.offload(opt)
+    monkeypatch.undo()
+    assert host_pool.stats().in_use == in_use
+    assert not optimshift.is_offloaded(opt)
+    assert any("the optimizer was left unchanged" in note for note in getattr(err.value, "__notes__", []))
+
+
+def test_non_blocking_move_returns_its_staging_buffers(sim):
+    model = Model([(3, 2)] * 4)
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    train(model, opt, range(1))
+    in_use = host_pool.stats().in_use
+    for device in (sim, torch.device("cpu"), sim):
+        model.to(device)
+        optimshift.move(opt, non_blocking=True)
+    assert host_pool.stats().in_use == in_use
+    assert state_layout(opt)[(0, "exp_avg")] == sim
+
+
+def test_rebind_refuses_an_offloaded_optimizer(sim):
+    model, opt = _adam(sim, foreach=False)
+    optimshift.offload(opt)
+    with pytest.raises(ValueError, match="reload\\(\\) it first"):
+        optimshift.rebind(opt, list(model.parameters()))
+
+
+def test_load_state_dict_while_offloaded_releases_the_buffers_and_gives_grads_back(sim):
+    model, opt = _adam(sim, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sd = {k: v for k, v in opt.state_dict().items()}
+    optimshift.offload(opt, include=("grads",))
+    optimshift.load_state_dict(opt, sd)
+    assert not optimshift.is_offloaded(opt)
+    assert all(p.grad is not None and p.grad.device == sim for p in model.parameters())
+
+
+def test_int_valued_flags_are_not_confused_in_the_rule_cache():
+    from optimshift import policy
+
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    on = {**torch.optim.Adam([p]).param_groups[0], "capturable": 1}
+    off = {**torch.optim.Adam([p]).param_groups[0], "capturable": 0}
+    assert policy._flag_items(on) != policy._flag_items(off)

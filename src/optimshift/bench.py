@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._devices import demo_accelerator
 from .api import move, offload, reload
 from .pool import host_pool
 from .report import format_table
@@ -246,13 +247,7 @@ def _overhead_case(n_tensors: int, reps: int) -> dict[str, Any]:
 
 
 def run_bench(device: Optional[torch.device] = None, *, quick: bool = False) -> dict[str, Any]:
-    if device is None:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", 0)
-        else:
-            from .testing import simulated_accelerator
-
-            device = simulated_accelerator()
+    device = demo_accelerator() if device is None else device
     reps = 3 if not quick else 2
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -319,16 +314,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    device = None
-    if args.device is not None:
-        if args.device.split(":")[0] == "sim":
-            from .testing import simulated_accelerator
-
-            simulated_accelerator()
-        from ._devices import resolve
-
-        device = resolve(args.device)
-    result = run_bench(device, quick=args.quick)
+    result = run_bench(demo_accelerator(args.device), quick=args.quick)
     if args.out:
         import os
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._devices import demo_accelerator
 from .api import move
 from .report import format_table
 from .syncs import count_syncs
@@ -98,13 +99,7 @@ def _resume(checkpoint: bytes, device: torch.device, fused: bool, how: Callable[
 
 def run_demo(device: Optional[torch.device] = None) -> list[Row]:
     """Run the scenario; returns the table rows."""
-    if device is None:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", 0)
-        else:
-            from .testing import simulated_accelerator
-
-            device = simulated_accelerator()
+    device = demo_accelerator() if device is None else device
     rows = []
     for fused in (False, True):
         host = torch.device("cpu")
@@ -155,19 +150,10 @@ def register(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    device = None
-    if args.device is not None:
-        from ._devices import resolve
-
-        if args.device.split(":")[0] == "sim":
-            from .testing import simulated_accelerator
-
-            simulated_accelerator()
-        device = resolve(args.device)
+    device = demo_accelerator(args.device)
     rows = run_demo(device)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
     else:
-        used = device or (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("sim", 0))
-        print(render(rows, used))
+        print(render(rows, device))
     return 0

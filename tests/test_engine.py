@@ -154,3 +154,36 @@ def test_an_offloaded_optimizer_that_dies_leaves_no_buffer_in_use(sim):
     del model, opt
     gc.collect()
     assert host_pool.stats().in_use == start
+
+
+def test_a_pending_reload_is_waited_for_before_the_next_step(sim, monkeypatch):
+    """The step pre-hook: a reload still in flight is completed before step() reads the state (on CUDA the
+    stream waits for the copy event; here a stand-in event records that it was waited for)."""
+    from optimshift import engine
+
+    model, opt = _adam_on(sim, n=3, foreach=False)
+    optimshift.offload(opt)
+
+    class InFlight:
+        waited = 0
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            InFlight.waited += 1
+
+    real_run = engine.run
+
+    def run_in_flight(*args, **kwargs):
+        copies, batch, _ = real_run(*args, **kwargs)
+        return copies, batch, engine.PendingTransfer(InFlight(), None)
+
+    monkeypatch.setattr(engine, "run", run_in_flight)
+    hooks_before = len(opt._optimizer_step_pre_hooks)
+    handle = optimshift.reload(opt, non_blocking=True)
+    assert not handle.done() and InFlight.waited == 0
+    assert len(opt._optimizer_step_pre_hooks) == hooks_before + 1
+    train(model, opt, range(1, 2))
+    assert InFlight.waited == 1, "step() waited for the reload"
+    assert len(opt._optimizer_step_pre_hooks) == hooks_before, "the hook removes itself"

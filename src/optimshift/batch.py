@@ -135,7 +135,9 @@ def _pinnable() -> bool:
 
 
 def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[list[int]]:
-    chunks, current, size = [], [], 0
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
     for i in indices:
         t = items[i][0]
         nbytes = t.numel() * t.element_size()

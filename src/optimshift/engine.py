@@ -259,9 +259,14 @@ class PendingTransfer:
             self._finish()
 
     def wait_on_current_stream(self) -> None:
-        """Make the current stream wait for the copies (no host sync): what the step pre-hook does."""
-        if self._event is not None:
+        """Make the current stream wait for the copies (no host sync): what the step pre-hook does. Without a
+        CUDA device to wait on, the host waits."""
+        if self._event is None:
+            return
+        if self.device is not None and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_event(self._event)
+        else:
+            self.wait()
 
     def __repr__(self) -> str:
         return f"PendingTransfer(device={self.device}, done={self.done()})"

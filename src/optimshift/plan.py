@@ -138,7 +138,7 @@ def iter_entries(
                 g0, i0 = located[id(p)]
                 raise ValueError(f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})")
             located[id(p)] = (gi, pi)
-    wide = []
+    wide: list[Any] = []
     for p in optimizer.state:
         if not isinstance(p, torch.Tensor):
             wide.append(p)  # an optimizer-wide entry under a plain key

@@ -61,11 +61,12 @@ class HostPool:
                 if nbytes <= buf.numel() <= 2 * nbytes and is_pinned == pinned and not self._viewed(buf):
                     if best is None or buf.numel() < self._idle[best][0].numel():
                         best = i
+            found: Optional[torch.Tensor] = None
+            event: Optional[Any] = None
             if best is not None:
-                buf, _, event = self._idle.pop(best)
+                found, _, event = self._idle.pop(best)
                 self._reuses += 1
-            else:
-                buf, event = None, None
+        buf = found
         if buf is None:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
             with self._lock:

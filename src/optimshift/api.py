@@ -15,7 +15,7 @@ from . import policy as _policy
 from ._devices import DeviceLike, resolve
 from .distributed._dtensor import row_fields
 from .pool import host_pool
-from .plan import Site, build_plan, check_optimizer, optimizer_name, policy_target
+from .plan import Site, build_plan, check_optimizer, optimizer_name, policy_target, simple_moves
 from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
 
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded"]
@@ -136,6 +136,11 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
     record = _record_of(optimizer)
     grads = _grads_back(optimizer, record)
     with engine.no_gc():
+        # The common case (plain tensors, nothing offloaded, blocking) in one pass; the same rule either way.
+        simple = simple_moves(optimizer, target) if record is None and not non_blocking else None
+        if simple is not None:
+            engine.apply_simple(simple)
+            return optimizer
         plan = build_plan(optimizer, policy_target(optimizer, target))
         copies, _, pending = engine.run(plan, non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
         engine.commit(optimizer, copies)

@@ -57,12 +57,10 @@ class Batch:
 _HOSTS = ("cpu", "meta")  # devices that never need a synchronize
 
 
-def _coalescible(t: torch.Tensor, source: torch.device, target: torch.device) -> bool:
+def _coalescible(t: torch.Tensor) -> bool:
     """Whether ``t`` can be staged through a flat buffer (the caller checked: host <-> accelerator)."""
     return (
-        source.type != "meta"
-        and target.type != "meta"
-        and type(t) is torch.Tensor
+        type(t) is torch.Tensor
         and t.layout == torch.strided
         and not t.requires_grad
         and t.is_contiguous()
@@ -90,21 +88,23 @@ def copy_many(
     batch = Batch([None] * len(items))
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
     group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
-    devices = batch.devices
     copies = batch.copies
     current = 0
+    kinds: dict[tuple[torch.device, torch.device], bool] = {}  # (source, target) -> may be grouped
     try:
         for i, (t, target) in enumerate(items):
             source = t.device
-            if group and (source.type == "cpu") != (target.type == "cpu") and _coalescible(t, source, target):
+            pair = (source, target)
+            groupable = kinds.get(pair)
+            if groupable is None:
+                groupable = kinds[pair] = group and (source.type == "cpu") != (target.type == "cpu") \
+                    and "meta" not in (source.type, target.type)
+            if groupable and _coalescible(t):
                 groups.setdefault((source, target, t.dtype), []).append(i)
                 continue
             current = i
             copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
-            if target.type not in _HOSTS:
-                devices.add(target)
-            if source.type not in _HOSTS:
-                devices.add(source)
+        batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))
             for chunk in _chunks(indices, items):

@@ -41,7 +41,9 @@ def _is_pinned(t: torch.Tensor) -> bool:
 def copy_tensor(t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
     if type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # the common case, kept cheap
-        return t.to(device, non_blocking=non_blocking or (device.type == "cuda" and _is_pinned(t)))
+        if non_blocking or (_cuda_available() and device.type == "cuda" and _is_pinned(t)):
+            return t.to(device, non_blocking=True)
+        return t.to(device)  # (keyword arguments alone double the cost of a small .to())
     if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
         return copy_dtensor(t, device, non_blocking=non_blocking, pin_memory=pin_memory)
     pin = pin_memory and device.type == "cpu" and _can_pin(t) and t.layout == torch.strided
@@ -195,6 +197,21 @@ def _prepare_mapping(mapping: Any, skip: tuple, replace: Mapping[int, torch.Tens
             new = rebuild(value, replace, setters, memo)
             if new is not value:
                 assignments.append((mapping, key, new))
+
+
+def apply_simple(moves: Sequence[tuple[dict, Any, torch.Tensor, torch.device]], *,
+                 pool: Optional[HostPool] = None) -> int:
+    """Copy and commit the moves of :func:`optimshift.plan.simple_moves`: every copy first (grouped as
+    :func:`execute_batch` does, one synchronize), then plain assignments. Returns the number moved."""
+    pool = host_pool if pool is None else pool
+    items = [(tensor, target) for _, _, tensor, target in moves]
+    batch = copy_many(items, copy_one=copy_tensor, pool=pool,
+                      describe=lambda i: f"state[{moves[i][1]!r}] of a param")
+    synchronize(batch.devices)
+    batch.complete(pool)
+    for (state, key, _, _), new in zip(moves, batch.copies):
+        state[key] = new
+    return len(moves)
 
 
 @contextlib.contextmanager

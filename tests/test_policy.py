@@ -219,3 +219,18 @@ def test_tensor_lr_in_param_group_is_state_too():
         q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
         optimshift.rebind(opt2, [q])
         assert opt2.param_groups[0]["lr"].device.type == "cpu"  # read on the host: stays there
+
+
+def test_probes_do_not_fire_the_users_global_step_hooks():
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    fired = []
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: fired.append(type(opt).__name__))
+    try:
+        policy._probe_cache.clear()
+        p = torch.nn.Parameter(torch.zeros(2, 2))
+        group = O.RAdam([p], capturable=True).param_groups[0]
+        assert policy._probe(O.RAdam, group, 2) == {"step": True}
+        assert fired == []
+    finally:
+        handle.remove()

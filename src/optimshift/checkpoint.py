@@ -190,7 +190,8 @@ def save(obj: Any, path: PathLike) -> None:
 
 
 def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = None) -> None:
-    target = os.path.abspath(os.fspath(path))
+    # Through a symlink (Lightning's save_last="link"), replace the file it points at, not the link.
+    target = os.path.realpath(os.path.abspath(os.fspath(path)))
     folder = os.path.dirname(target)
     if os.path.isdir(target):
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -597,11 +598,13 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
                 counts["cast"] += 1
         memo[id(obj)] = new
         return new
-    if type(obj) is dict or type(obj) is list or type(obj) is tuple:
+    if isinstance(obj, (dict, list)) or type(obj) is tuple:  # dict subclasses too: OrderedDict state_dicts
         if id(obj) in memo:
             return memo[id(obj)]
-        if type(obj) is dict:
-            out: Any = {k: _cast_tree(v, dtype, keep, memo, counts) for k, v in obj.items()}
+        if isinstance(obj, dict):
+            out: Any = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict) and its attributes (_metadata)
+            for k, v in obj.items():
+                out[k] = _cast_tree(v, dtype, keep, memo, counts)
         else:
             out = type(obj)(_cast_tree(v, dtype, keep, memo, counts) for v in obj)
         memo[id(obj)] = out

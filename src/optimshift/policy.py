@@ -14,11 +14,12 @@ anything else gets a safe default rule and :func:`optimshift.check` reports that
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 
@@ -153,6 +154,24 @@ def _probe(cls: type, group: Mapping[str, Any], ndim: int) -> Optional[dict[str,
     return result
 
 
+@contextlib.contextmanager
+def quiet_global_step_hooks() -> Iterator[None]:
+    """Run a throwaway probe optimizer without firing the user's global step hooks
+    (``register_optimizer_step_pre_hook``/``_post_hook``: counters, LR loggers, profilers)."""
+    from torch.optim import optimizer as _optimizer
+
+    saved = [(table, dict(table)) for table in (getattr(_optimizer, "_global_optimizer_pre_hooks", {}),
+                                                 getattr(_optimizer, "_global_optimizer_post_hooks", {}))]
+    for table, _ in saved:
+        table.clear()
+    try:
+        yield
+    finally:
+        for table, content in saved:
+            table.clear()
+            table.update(content)
+
+
 def _run_probe(cls: type, group: Mapping[str, Any], ndim: int) -> Optional[dict[str, bool]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
@@ -165,7 +184,7 @@ def _run_probe(cls: type, group: Mapping[str, Any], ndim: int) -> Optional[dict[
     }
     device = torch.device("cuda", 0)
     shape = (2,) * ndim
-    with _disable_current_modes(), warnings.catch_warnings():
+    with _disable_current_modes(), warnings.catch_warnings(), quiet_global_step_hooks():
         warnings.simplefilter("ignore")
         with FakeTensorMode(allow_non_fake_inputs=True):
             param = torch.nn.Parameter(torch.zeros(shape, device=device))

@@ -122,10 +122,8 @@ def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` whose state is loaded: ``optimizer`` itself, or the optimizer that a
     delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) wraps."""
     for _ in range(8):
-        if isinstance(optimizer, torch.optim.Optimizer):
-            override = _override_name(type(optimizer))
-            if override is None or override in _EQUIVALENT_OVERRIDES:
-                return optimizer
+        # A wrapper delegating groups and state first: Lightning's LightningOptimizer is also an instance of the
+        # optimizer class it wraps (a dynamic subclass), but the optimizer that steps is the one inside.
         inner = getattr(optimizer, "optimizer", None)
         if (
             isinstance(inner, torch.optim.Optimizer)
@@ -133,8 +131,12 @@ def _receiver(optimizer: Any) -> torch.optim.Optimizer:
             and getattr(optimizer, "param_groups", None) is inner.param_groups
             and getattr(optimizer, "state", None) is inner.state
         ):
-            optimizer = inner  # a wrapper delegating groups and state: load into what it wraps
+            optimizer = inner
             continue
+        if isinstance(optimizer, torch.optim.Optimizer):
+            override = _override_name(type(optimizer))
+            if override is None or override in _EQUIVALENT_OVERRIDES:
+                return optimizer
         break
     name = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -208,6 +210,7 @@ class _Staging:
         self.opt, self.name, self.sd = optimizer, name, sd
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
         self.registered = _policy.has_registered_policy(optimizer)
+        self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
         self.base = _policy._builtin_base(type(optimizer))
         self._decisions: dict[tuple, torch.device] = {}
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
@@ -269,7 +272,10 @@ class _Staging:
                         f"group {gi}, param {pi})"
                     )
                 seen_ids[sid] = (gi, pi)
-        stray = [k for k in states if k not in seen_ids] if len(states) > 0 else []
+        id_types = {type(sid) for sid in seen_ids}
+        # Keys of another kind than the params' ids are optimizer-wide entries (MADGRAD's "k"): PyTorch keeps them.
+        self.wide = [k for k in states if k not in seen_ids and type(k) not in id_types] if id_types else []
+        stray = [k for k in states if k not in seen_ids and k not in self.wide] if len(states) > 0 else []
         if stray:
             raise self.fail(
                 f"state_dict['state'] has entries for param ids {stray[:5]!r} that no param group lists; "
@@ -444,6 +450,18 @@ class _Staging:
                     # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
                     gwhere = fixed if fixed is not None else _group_device(group, value)
                     fills.append((group, key, self._want_nested(value, group, None, key, gi, None, gwhere, -1, True)))
+        for key in self.wide:  # optimizer-wide entries: placed like the plan places them (the first group's)
+            value = states[key]
+            if isinstance(value, _ATOMS) and not isinstance(value, torch.Tensor):
+                new_state[key] = value
+                continue
+            if not isinstance(value, torch.Tensor):
+                memo = {id(t): t for _, t in leaves(value)}
+                value = _copy.deepcopy(value, memo)
+            new_state[key] = value
+            gwhere = fixed if fixed is not None else _group_device(new_groups[0], value)
+            fills.append((new_state, key, self._want_nested(value, new_groups[0], None, key, 0, None, gwhere, -1,
+                                                            always)))
         self._resolve()
         for holder, key, nested in fills:
             holder[key] = self._got(holder[key]) if nested is None else self._fill_nested(holder[key], nested)
@@ -564,7 +582,7 @@ def _shaped_keys(cls: type, group: Mapping[str, Any], ndim: int) -> frozenset:
 def _probe_shapes(cls: type, kwargs: dict, shapes: list) -> frozenset:
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"):
+    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), _policy.quiet_global_step_hooks():
         warnings.simplefilter("ignore")
         params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
         for p in params:

@@ -12,8 +12,9 @@ the same ``load_state_dict``: with ``map_location="on_device"`` every ``step`` i
 and stays there; with ``"cpu"`` PyTorch's own cast puts scalars such as NAdam's ``mu_product`` on the device.
 ``patch()`` replaces both steps of ``AcceleratedOptimizer``: when it places state (``device_placement=True``,
 the default), each param's state follows that param (``prepare`` moves the model before it wraps the
-optimizer), exactly as a fresh optimizer over those params would hold it, and after every
-``load_state_dict`` the loaded state is placed the same way.
+optimizer), exactly as a fresh optimizer over those params would hold it, and ``load_state_dict`` is
+:func:`optimshift.load_state_dict`: the loaded state is placed the same way, fp32 state is not cast to bf16
+params, strings and namedtuples in state survive, and the live fused/capturable/foreach flags are kept.
 
 Left to Accelerate, unchanged: TPU (XLA) placement, wrappers created with ``device_placement=False``
 (DeepSpeed, Megatron-LM), and optimizers optimshift cannot place (sharded DTensor state, non-dict state).
@@ -73,9 +74,14 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
 def _make_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def load_state_dict(self: Any, state_dict: Any) -> None:
-        original(self, state_dict)
         if getattr(self, "device_placement", False) and not _on_xla(self) and placeable(self.optimizer):
-            follow_params(self.optimizer)
+            # optimshift's load: no cast of fp32 state to the params' dtype, strings and namedtuples intact,
+            # linear time, and every entry placed for the params and the live flags.
+            from ..restore import load_state_dict as optimshift_load_state_dict
+
+            optimshift_load_state_dict(self.optimizer, state_dict)
+            return
+        original(self, state_dict)
 
     return load_state_dict
 

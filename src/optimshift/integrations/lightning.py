@@ -20,7 +20,10 @@ What it changes:
   them, ``patch()`` places every set-up or loaded optimizer's state by its params.
 
 Optimizers optimshift cannot place (state that is not a dict per param, sharded DTensor state) are left to
-Lightning's own code, unchanged.
+Lightning's own code, unchanged. Not changed either: ``fit(ckpt_path=...)`` still restores through PyTorch's
+``Optimizer.load_state_dict`` before the patched helper places the state, so PyTorch's casts on load (fp32
+state to the params' dtype, strings in state) still apply there; ``optimshift.load_state_dict`` avoids them for
+code that loads by itself.
 
 Why a patch and not a callback or a strategy mixin: the wrong moves happen inside Lightning, in every strategy
 (single device, DDP, DeepSpeed, XLA...) and in ``Fabric``, between hooks a callback sees; a callback could only

@@ -1,0 +1,80 @@
+"""load_state_dict with optimizer-wide state keys, and through Lightning's optimizer wrapper."""
+
+import torch
+
+import optimshift
+
+
+def _madgrad_like(device):
+    p = torch.nn.Parameter(torch.randn(4, 3, device=device))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    opt.state["k"] = torch.tensor([3])  # optimizer-wide, kept on the host (a registered policy says so)
+    opt.state["ema"] = {"loss": torch.ones(2, device=device), "n": 5}
+    return p, opt
+
+
+def test_optimizer_wide_keys_load_like_pytorch_and_are_placed(sim):
+    from torch.optim import SGD
+
+    def host_k(key, value, param, group, device):
+        return torch.device("cpu") if param is None and key == "k" else None
+
+    class Madgradish(SGD):
+        pass
+
+    optimshift.register_policy(Madgradish, host_k)
+    try:
+        p, src = _madgrad_like("cpu")
+        sd = src.state_dict()
+        q = torch.nn.Parameter(torch.zeros(4, 3, device=sim))
+        opt = Madgradish([q], lr=0.1, momentum=0.9)
+        optimshift.load_state_dict(opt, sd)
+        assert torch.equal(opt.state["k"], torch.tensor([3])) and opt.state["k"].device.type == "cpu"
+        assert opt.state["ema"]["loss"].device == sim and opt.state["ema"]["n"] == 5
+        assert opt.state["ema"] is not sd["state"]["ema"], "copy=True never aliases the caller's containers"
+        assert opt.state[q]["momentum_buffer"].device == sim
+        assert optimshift.check(opt).ok
+    finally:
+        optimshift.unregister_policy(Madgradish)
+
+
+def test_loads_into_the_optimizer_inside_a_lightning_wrapper():
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    p, src = _madgrad_like("cpu")
+    del src.state["k"], src.state["ema"]
+    sd = src.state_dict()
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(4, 3))], lr=0.1, momentum=0.9)
+    wrapper = LightningOptimizer(inner)
+    optimshift.load_state_dict(wrapper, sd)
+    (state,) = inner.state.values()
+    assert torch.equal(state["momentum_buffer"], src.state[p]["momentum_buffer"])
+    assert wrapper.state is inner.state
+
+
+def test_save_through_a_symlink_updates_the_file_it_points_at(tmp_path):
+    real = tmp_path / "epoch=3.ckpt"
+    link = tmp_path / "last.ckpt"
+    optimshift.save({"x": torch.zeros(2)}, real)
+    link.symlink_to(real.name)
+    optimshift.save({"x": torch.ones(2)}, link)
+    assert link.is_symlink(), "the link stays a link"
+    assert torch.equal(optimshift.load(real)["x"], torch.ones(2))
+
+
+def test_convert_dtype_casts_ordered_dict_model_weights_too(tmp_path):
+    from optimshift import cli
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    src, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, src)
+    assert cli.main(["convert", str(src), str(out), "--dtype", "bfloat16"]) == 0
+    converted = torch.load(out, weights_only=True)
+    assert type(converted["model"]) is type(model.state_dict())
+    assert {v.dtype for v in converted["model"].values()} == {torch.bfloat16}
+    assert converted["optimizer"]["state"][0]["exp_avg"].dtype == torch.bfloat16

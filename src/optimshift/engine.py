@@ -20,7 +20,7 @@ from .distributed._dtensor import copy_dtensor, is_dtensor, local_tensor  # impo
 from .plan import Plan, Transfer
 from .pool import HostPool, host_pool
 
-__all__ = ["execute", "commit", "apply", "synchronize"]
+__all__ = ["execute", "execute_batch", "run", "apply_simple", "commit", "synchronize", "copy_tensor", "PendingTransfer"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,13 +225,6 @@ def no_gc() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def apply(plan: Plan, *, non_blocking: bool = False, pin_memory: bool = False) -> int:
-    """Execute and commit ``plan``; return the number of tensors moved."""
-    copies = execute(plan, non_blocking=non_blocking, pin_memory=pin_memory)
-    commit(plan.optimizer, copies)
-    return len(copies)
 
 
 

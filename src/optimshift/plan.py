@@ -14,7 +14,8 @@ import torch
 from . import policy as _policy
 from ._tree import Path, format_path, leaves
 
-__all__ = ["Site", "Transfer", "Plan", "build_plan", "iter_entries", "param_label", "check_optimizer"]
+__all__ = ["Site", "Transfer", "Plan", "build_plan", "simple_moves", "policy_target", "iter_entries", "param_label",
+           "check_optimizer"]
 
 
 class Site:
@@ -82,17 +83,6 @@ class Transfer:
 class Plan:
     optimizer: torch.optim.Optimizer
     transfers: list[Transfer] = field(default_factory=list)
-
-    @property
-    def moving(self) -> list[Transfer]:
-        """Transfers of tensors not yet where they belong, one per distinct tensor."""
-        seen: set[int] = set()
-        out = []
-        for t in self.transfers:
-            if t.tensor.device != t.target and id(t.tensor) not in seen:
-                seen.add(id(t.tensor))
-                out.append(t)
-        return out
 
 
 def optimizer_name(optimizer: Any) -> str:

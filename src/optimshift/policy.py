@@ -281,5 +281,3 @@ def rule_source(optimizer: torch.optim.Optimizer) -> str:
             return "registered"
     return "torch.optim" if _builtin_base(type(optimizer)) is not None else "default"
 
-
-PolicyFn = Callable[[str, torch.Tensor, Optional[torch.Tensor], Mapping[str, Any], torch.device], Optional[torch.device]]

@@ -318,7 +318,9 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
     """``torch.load(path, weights_only=True)``, with clear errors; never runs code from the file.
 
     ``map_location="cpu"`` opens checkpoints saved on any device; ``mmap=True`` reads tensors lazily from
-    the file (zip format; ignored for legacy files). Refuses pickles that would import or call code
+    the file (zip format; ignored for legacy files): the tensors stay backed by the file, so the file must not
+    be rewritten in place while they are in use (:func:`save` never does: it renames a new file over it;
+    ``optimshift.load_state_dict`` copies by default). Refuses pickles that would import or call code
     (:class:`UnsafeCheckpointError`) and truncated or foreign files (:class:`CheckpointError`).
     """
     p = os.fspath(path)
@@ -401,8 +403,11 @@ def resolve_global(name: str) -> Any:
                 obj = importlib.import_module(".".join(parts[:cut]))
             except ImportError:
                 continue
-            for part in parts[cut:]:
-                obj = getattr(obj, part)
+            try:
+                for part in parts[cut:]:
+                    obj = getattr(obj, part)
+            except AttributeError:
+                raise ValueError(f"--allow-global {name}: {'.'.join(parts[:cut])} has no {name[len('.'.join(parts[:cut])) + 1:]}") from None
             return obj
         raise ValueError(f"--allow-global {name}: cannot import {module}") from None
     try:

@@ -218,45 +218,44 @@ def simple_moves(
     if _policy.has_registered_policy(optimizer):
         return None
     groups, state = optimizer.param_groups, optimizer.state
-    params: set[int] = set()
+    group_of: dict[int, Mapping[str, Any]] = {}
     for group in groups:
         for key, value in group.items():
             if key != "params" and key != "param_names" and not isinstance(value, _PLAIN) and not (
                     type(value) is tuple and all(isinstance(v, _PLAIN) for v in value)):
                 return None
         for p in group["params"]:
-            params.add(id(p))
-    if len(params) != sum(len(g["params"]) for g in groups) or any(id(p) not in params for p in state):
-        return None
+            if id(p) in group_of:
+                return None
+            group_of[id(p)] = group
     moves = []
     seen: set[int] = set()
     scalars: dict[tuple, torch.device] = {}  # 0-dim decisions, once per (group, key, param rank, device)
-    for group in groups:
-        for p in group["params"]:
-            st = state.get(p)
-            if not st:
-                continue
-            if type(st) is not dict:
+    for p, st in state.items():  # (id-keyed lookups: a tensor's __hash__ is a Python call)
+        group = group_of.get(id(p))
+        if group is None or type(st) is not dict:
+            return None
+        if not st:
+            continue
+        param_device = p.device if device is None else device
+        for key, value in st.items():
+            if type(value) is not torch.Tensor:
+                if isinstance(value, _PLAIN):
+                    continue
                 return None
-            param_device = p.device if device is None else device
-            for key, value in st.items():
-                if type(value) is not torch.Tensor:
-                    if isinstance(value, _PLAIN):
-                        continue
-                    return None
-                if id(value) in seen:
-                    return None  # shared between entries: the general path keeps it shared
-                seen.add(id(value))
-                if value.dim():
-                    target = param_device  # non-scalar state always follows its param
-                else:
-                    memo_key = (id(group), key, p.dim(), param_device)
-                    target = scalars.get(memo_key)  # type: ignore[assignment]
-                    if target is None:
-                        target = scalars[memo_key] = _policy.decide(optimizer, group, p, key, value,
-                                                                    param_device).device
-                if value.device != target:
-                    moves.append((st, key, value, target))
+            if id(value) in seen:
+                return None  # shared between entries: the general path keeps it shared
+            seen.add(id(value))
+            if value.dim():
+                target = param_device  # non-scalar state always follows its param
+            else:
+                memo_key = (id(group), key, p.dim(), param_device)
+                target = scalars.get(memo_key)  # type: ignore[assignment]
+                if target is None:
+                    target = scalars[memo_key] = _policy.decide(optimizer, group, p, key, value,
+                                                                param_device).device
+            if value.device != target:
+                moves.append((st, key, value, target))
     return moves
 
 

@@ -91,8 +91,6 @@ def copy_many(
     copies = batch.copies
     current = 0
     kinds: dict[tuple[torch.device, torch.device], bool] = {}  # (source, target) -> may be grouped
-    # A plain blocking .to() is all copy_one would do (pinned memory only matters where CUDA is).
-    direct = not pin_memory and not non_blocking and not _pinnable()
     try:
         for i, (t, target) in enumerate(items):
             source = t.device
@@ -105,10 +103,7 @@ def copy_many(
                 groups.setdefault((source, target, t.dtype), []).append(i)
                 continue
             current = i
-            if direct and type(t) is torch.Tensor and not t.requires_grad:
-                copies[i] = t.to(target)  # the plain case, without a call per tensor (50k tensors: 2x faster)
-            else:
-                copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
+            copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
         batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))

@@ -6,7 +6,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, TypeVar
 
 import torch
 
@@ -80,16 +80,27 @@ def _forget(optimizer: Any, pending: Optional[engine.PendingTransfer] = None) ->
         host_pool.release(buf, event)
 
 
-def discard_offload(optimizer: Any) -> None:
-    """The optimizer's state was replaced (e.g. by :func:`optimshift.load_state_dict`): finish any transfer in
-    flight, give offloaded grads back to their params, forget where the old state was, free its buffers."""
+def prepare_discard_offload(optimizer: Any) -> Callable[[], None]:
+    """For a load that replaces the optimizer's state: finish any transfer in flight and copy offloaded grads
+    back to their params' devices now (this may raise; nothing has changed then); the returned function, called
+    once the new state is installed, hands the grads back and forgets the old record and its buffers."""
     _settle(optimizer)
     record = _record_of(optimizer)
-    if record is not None:
-        for p, host_grad in record.grads.values():
-            if p.grad is None:
-                p.grad = host_grad.to(p.device)
-    _forget(optimizer)
+    if record is None:
+        return lambda: None
+    back = [(p, host_grad.to(p.device)) for p, host_grad in record.grads.values() if p.grad is None]
+
+    def finish() -> None:
+        for p, grad in back:
+            p.grad = grad
+        _forget(optimizer)
+
+    return finish
+
+
+def discard_offload(optimizer: Any) -> None:
+    """The optimizer's state was replaced: give offloaded grads back to their params and forget the record."""
+    prepare_discard_offload(optimizer)()
 
 
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:

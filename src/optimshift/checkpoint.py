@@ -195,6 +195,10 @@ def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = 
     folder = os.path.dirname(target)
     if os.path.isdir(target):
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")
+    if os.path.exists(target) and not os.stat(target).st_mode & 0o222:
+        # A file with no write bit was made read-only on purpose; a rename would silently replace it anyway.
+        raise PermissionError(f"save: {target} is read-only (mode {stat.S_IMODE(os.stat(target).st_mode):o}); "
+                              f"make it writable to replace it")
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"save: folder {folder} does not exist")
     payload = _prepare(obj)

@@ -92,12 +92,14 @@ def load_state_dict(
     staged = _Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target)
     with engine.no_gc():  # tens of thousands of small objects: collections would cost more than the copies
         new_state, new_groups = staged.build()
+        # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
+        # leaves everything as it was), handed back only once the state is installed.
+        from .api import prepare_discard_offload
+
+        finish = [prepare_discard_offload(obj) for obj in dict.fromkeys((receiver, optimizer))]
         _install(receiver, name, new_state, new_groups)
-
-    from .api import discard_offload  # the loaded state supersedes any offload record
-
-    for obj in (receiver, optimizer):
-        discard_offload(obj)
+    for done in finish:
+        done()
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
         hook(receiver)
     return optimizer

@@ -78,3 +78,16 @@ def test_convert_dtype_casts_ordered_dict_model_weights_too(tmp_path):
     assert type(converted["model"]) is type(model.state_dict())
     assert {v.dtype for v in converted["model"].values()} == {torch.bfloat16}
     assert converted["optimizer"]["state"][0]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_save_refuses_to_replace_a_read_only_file(tmp_path):
+    import os
+
+    import pytest
+
+    target = tmp_path / "frozen.pt"
+    optimshift.save({"x": torch.zeros(1)}, target)
+    os.chmod(target, 0o444)
+    with pytest.raises(PermissionError, match="read-only"):
+        optimshift.save({"x": torch.ones(1)}, target)
+    assert torch.equal(optimshift.load(target)["x"], torch.zeros(1))

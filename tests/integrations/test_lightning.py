@@ -579,3 +579,19 @@ def test_patched_helper_leaves_unplaceable_optimizers_to_lightning(sim, lightnin
         optimshift.move(custom, sim)
     strategy_module._optimizer_to_device(custom, sim)
     assert custom.moved().device == sim
+
+
+def test_patch_leaves_a_users_own_alias_of_the_helper_alone(lightning_patch):
+    import types
+
+    from lightning.fabric.utilities import optimizer as fo
+
+    mine = types.ModuleType("users_training_script")
+    mine.keep = fo._optimizer_to_device
+    sys.modules[mine.__name__] = mine
+    try:
+        original = mine.keep
+        lightning_patch(True)
+        assert mine.keep is original and fo._optimizer_to_device is not original
+    finally:
+        del sys.modules[mine.__name__]

@@ -61,6 +61,7 @@ __all__ = ["patch", "unpatch", "is_patched", "OffloadOptimizerDuringEval"]
 # ``pytorch_lightning`` + ``lightning_fabric`` pair ship separate copies of the same code.
 _FLAVOURS = (("lightning", "lightning.fabric"), ("lightning_fabric", "lightning_fabric"))
 _HELPERS = ("_optimizer_to_device", "_optimizers_to_device")
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")  # whose modules are patched
 _FABRIC_METHODS = ("setup", "setup_optimizers", "load", "load_raw")
 
 
@@ -187,9 +188,12 @@ def _plan_swaps() -> list[_Swap]:
         many = _make_optimizers_to_device(one, originals["_optimizers_to_device"])
         replacements = {id(originals["_optimizer_to_device"]): (originals["_optimizer_to_device"], one),
                         id(originals["_optimizers_to_device"]): (originals["_optimizers_to_device"], many)}
-        # Every module that holds a helper, under any name (``from ... import _optimizer_to_device`` binds it
-        # in the importing module): the source first, so that modules imported later get the replacement.
-        for module in [source] + [m for m in list(sys.modules.values()) if m is not source]:
+        # Every Lightning module that holds a helper, under any name (``from ... import _optimizer_to_device``
+        # binds it in the importing module): the source first, so that modules imported later get the
+        # replacement. Only Lightning's own modules: a user's alias of the helper is theirs to keep.
+        lightning_modules = [m for name, m in list(sys.modules.items())
+                             if name.split(".")[0] in _LIGHTNING_PACKAGES and m is not source]
+        for module in [source] + lightning_modules:
             for name, value in _module_items(module):
                 pair = replacements.get(id(value))
                 if pair is not None and pair[0] is value:

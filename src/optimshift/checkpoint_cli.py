@@ -265,22 +265,25 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
             "flags": {k: _jsonable(g[k]) for k in _FLAGS if k in g},
         })
     table: dict[str, dict[str, Any]] = {}
-    for g in groups:
-        for sid in g["params"]:
-            st = states.get(sid)
-            if not isinstance(st, Mapping):
-                continue
-            for key, value in st.items():
-                row = table.setdefault(str(key), {"key": str(key), "count": 0, "saved_on": Counter(),
-                                                  "dtypes": Counter(), "bytes": 0, "kinds": Counter()})
-                row["count"] += 1
-                ts = [value] if isinstance(value, torch.Tensor) else list(ckpt.iter_tensors(value))
-                if not ts:
-                    row["kinds"][type(value).__name__] += 1
-                for t in ts:
-                    row["saved_on"][ckpt.saved_location(t, locations)] += 1
-                    row["dtypes"][str(t.dtype).replace("torch.", "")] += 1
-                    row["bytes"] += _nbytes(t)
+    listed = {sid for g in groups for sid in g["params"]}
+    # Optimizer-wide entries (keys of state that are no param's id, e.g. MADGRAD's "k"), shown as "state[key]".
+    wide = {f"state[{k!r}]": v for k, v in states.items() if k not in listed and type(k) not in
+            {type(sid) for sid in listed}}
+    per_param = [states.get(sid) for g in groups for sid in g["params"]]
+    for st in per_param + ([wide] if wide else []):
+        if not isinstance(st, Mapping):
+            continue
+        for key, value in st.items():
+            row = table.setdefault(str(key), {"key": str(key), "count": 0, "saved_on": Counter(),
+                                              "dtypes": Counter(), "bytes": 0, "kinds": Counter()})
+            row["count"] += 1
+            ts = [value] if isinstance(value, torch.Tensor) else list(ckpt.iter_tensors(value))
+            if not ts:
+                row["kinds"][type(value).__name__] += 1
+            for t in ts:
+                row["saved_on"][ckpt.saved_location(t, locations)] += 1
+                row["dtypes"][str(t.dtype).replace("torch.", "")] += 1
+                row["bytes"] += _nbytes(t)
     for row in table.values():
         row["saved_on"], row["dtypes"], row["kinds"] = dict(row["saved_on"]), dict(row["dtypes"]), dict(row["kinds"])
         desc["state"].append(row)

@@ -91,3 +91,18 @@ def test_save_refuses_to_replace_a_read_only_file(tmp_path):
     with pytest.raises(PermissionError, match="read-only"):
         optimshift.save({"x": torch.ones(1)}, target)
     assert torch.equal(optimshift.load(target)["x"], torch.zeros(1))
+
+
+def test_inspect_lists_optimizer_wide_entries(tmp_path, capsys):
+    import json
+
+    from optimshift import cli
+
+    p, opt = _madgrad_like("cpu")
+    path = tmp_path / "madgrad.pt"
+    torch.save(opt.state_dict(), path)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {row["key"]: row for row in report["optimizers"][0]["state"]}
+    assert rows["state['k']"]["dtypes"] == {"int64": 1} and rows["momentum_buffer"]["count"] == 1
+    assert "state['ema']" in rows

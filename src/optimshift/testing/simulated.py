@@ -48,7 +48,12 @@ Limits, honestly:
 * ``torch.autocast("sim")`` is accepted but casts nothing (CUDA's autocast op lists are
   C++ registrations a Python backend cannot reuse).
 * Sparse, quantized and nested tensors, custom generators and CUDA-graph capture on sim are
-  not supported.
+  not supported. Conjugate views of complex sim tensors (``x.conj()``) are refused by ops, and
+  ``x.conj().cpu()`` still crashes the process (a recursion inside PyTorch's copy of a conjugate
+  view to this backend): use ``x.conj_physical()``.
+* FakeTensorMode on fake ``cuda`` tensors breaks once this backend is registered (it then treats
+  device initialization as allowed and reaches for real CUDA kernels when building fake cuda
+  tensors from host scalars): run fake-cuda code before calling ``simulated_accelerator()``.
 
 Global side effects, once per process (the first call to ``simulated_accelerator``; merely
 importing ``optimshift.testing`` sets nothing up):
@@ -554,6 +559,13 @@ def _unwrap(x: Any, seen: _Unwrapped) -> Any:
             if x.device.type == "cpu":
                 seen.cpu_storages.add(x.untyped_storage().data_ptr())
             return x
+        if x.is_conj() or x.is_neg():
+            # Running a CPU kernel over a conjugate/negative view of the backing crashes torch 2.13 (a
+            # segfault): refuse with an error instead.
+            raise NotImplementedError(
+                "simulated accelerator: ops on conjugate or negative views (x.conj() of a complex tensor) are not "
+                "supported; use x.conj_physical(), or resolve the view on the host"
+            )
         cpu = _backing(x)
         seen.by_id[id(cpu)] = (cpu, x)
         st = x.untyped_storage()

@@ -43,6 +43,8 @@ _ZIP_END = b"PK\x05\x06"  # end-of-central-directory record: the last thing torc
 _ZIP64_END = b"PK\x06\x06"
 # torch.save's legacy (non-zip) format starts with a pickled magic number (protocol 2).
 _LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+# torch.save's legacy-format magic number as pickled (LONG1, 10 bytes), whatever the pickle protocol around it
+_LEGACY_MAGIC_NUMBER = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
 class CheckpointError(ValueError):
@@ -287,7 +289,7 @@ def _sniff(path: str) -> str:
                     f"read. It was cut short while being written or copied; use an intact copy."
                 )
             return "zip"
-    if head.startswith(_LEGACY_MAGIC):
+    if head.startswith(_LEGACY_MAGIC) or _LEGACY_MAGIC_NUMBER in head[:40]:  # any pickle protocol
         return "legacy"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "pickle"
@@ -303,7 +305,7 @@ def _sniff(path: str) -> str:
     raise CheckpointError(f"{path} is not a PyTorch checkpoint (it starts with {head[:16]!r})")
 
 
-_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+) was not an allowed global")
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+) (?:was not an allowed global|whose module)")
 
 
 def _unsafe_globals(path: str, message: str) -> list[str]:
@@ -335,6 +337,12 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
         return torch.load(p, map_location=map_location, mmap=mmap and kind == "zip", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = str(e)
+        if "Unsupported operand" in msg and kind == "legacy":
+            raise CheckpointError(
+                f"{p} is a legacy-format torch.save file (_use_new_zipfile_serialization=False) written with a "
+                f"pickle protocol that weights-only loading cannot read; nothing was executed. Re-save it in "
+                f"torch.save's default format (or, only if you fully trust it, torch.load(weights_only=False))."
+            ) from None
         refused = "Weights only load failed" in msg or "WeightsUnpickler" in msg
         names = _unsafe_globals(p, msg) if refused else []
         if not names and kind == "pickle":

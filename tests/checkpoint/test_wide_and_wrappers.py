@@ -106,3 +106,26 @@ def test_inspect_lists_optimizer_wide_entries(tmp_path, capsys):
     rows = {row["key"]: row for row in report["optimizers"][0]["state"]}
     assert rows["state['k']"]["dtypes"] == {"int64": 1} and rows["momentum_buffer"]["count"] == 1
     assert "state['ema']" in rows
+
+
+def test_legacy_files_in_any_pickle_protocol_are_named_as_such(tmp_path):
+    import warnings
+
+    import pytest
+
+    from optimshift.checkpoint import CheckpointError, _sniff
+
+    old = tmp_path / "legacy2.pt"
+    torch.save({"x": torch.ones(2)}, old, _use_new_zipfile_serialization=False)
+    assert _sniff(str(old)) == "legacy" and torch.equal(optimshift.load(old)["x"], torch.ones(2))
+    proto4 = tmp_path / "legacy4.pt"
+    torch.save({"x": torch.ones(2)}, proto4, _use_new_zipfile_serialization=False, pickle_protocol=4)
+    assert _sniff(str(proto4)) == "legacy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            loaded = optimshift.load(proto4)
+        except CheckpointError as e:
+            assert "legacy-format torch.save file" in str(e) and "pickle.dump" not in str(e)
+        else:  # a torch whose weights-only unpickler reads protocol 4
+            assert torch.equal(loaded["x"], torch.ones(2))

@@ -7,8 +7,10 @@ without a process group) can load.
 
 Failure handling. Every check that can fail runs before anything is written or changed, on every rank; the
 ranks then exchange their errors (``all_gather_object``) so that all of them raise the same error and none is
-left waiting in a collective the others never join. A save writes into ``<path>.optimshift-tmp`` and only
-when every rank has finished does rank 0 swap it into place (``renameat2(RENAME_EXCHANGE)`` on Linux, an
+left waiting in a collective the others never join. A save writes into ``<path>.optimshift-tmp-<id>`` (its
+own: rank 0 picks the id, locks the directory while the save runs, and removes unlocked ones that crashed saves
+left), and only when every rank has finished and the directory is a complete checkpoint does rank 0 swap it
+into place (``renameat2(RENAME_EXCHANGE)`` on Linux, an
 atomic swap; elsewhere two renames, and :func:`load` finds the previous checkpoint under
 ``<path>.optimshift-old`` if a crash hit between them). A crash during the write leaves ``path`` untouched.
 """
@@ -25,17 +27,28 @@ import math
 import os
 import shutil
 import sys
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from .._devices import DeviceLike, resolve
 from ..api import move
@@ -67,9 +80,9 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     target = tmp = None
     blob: Optional[bytes] = None
     error: Optional[BaseException] = None
+    token = uuid.uuid4().hex  # rank 0's names this save's temporary directory, shared by _agree
     try:  # phase 1: local checks only, no torch.distributed call
         target = _as_path(path)
-        tmp = _sibling(target, _TMP)
         _check_module(model)
         check_optimizer(optimizer)
         _check_owned(model, optimizer)
@@ -78,19 +91,24 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
         _check_replaceable(target)
     except Exception as e:  # noqa: BLE001 - every error is re-raised on every rank by _agree
         error = e
-    _agree(error, "save", path)
-    assert target is not None and tmp is not None
+    token = _agree(error, "save", path, share=token)
+    assert target is not None
+    tmp = _sibling(target, f"{_TMP}-{token}")  # one per save: concurrent saves to one path never share it
 
-    # phase 2: rank 0 clears a stale temporary directory (a crashed save) before any rank writes into it;
-    # every rank builds its state dict. DCP initializes an optimizer without state by a zero-lr step: a
-    # never-stepped optimizer is saved as such (its empty state), and is left without state.
+    # phase 2: rank 0 clears stale temporary directories (crashed saves: no live save holds their lock) and
+    # creates this save's, locked until the save ends, before any rank writes into it; every rank builds its
+    # state dict. DCP initializes an optimizer without state by a zero-lr step: a never-stepped optimizer is
+    # saved as such (its empty state), and is left without state.
     error = None
     state: dict[str, Any] = {}
     had_state = bool(optimizer.state)
+    no_grad = _params_without_grad(optimizer)
+    lock: Optional[int] = None
     try:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _clear_stale(target)
             tmp.mkdir(parents=True)
+            lock = _lock(tmp)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         if not had_state:
             optimizer.state.clear()
@@ -102,28 +120,30 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
         error = e
         if not had_state:
             optimizer.state.clear()  # undo DCP's initialization if it got that far
+        _restore_grads(no_grad)
     try:
-        _agree(error, "save", path)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-    # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
-    # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
-    try:
-        with _single_process_quiet(world):
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()), no_dist=world == 1)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-    # phase 4: rank 0 commits; every rank learns the outcome (so none returns before the commit is done).
-    error = None
-    if rank == 0:
         try:
-            _write_note(tmp, {
+            _agree(error, "save", path)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+        # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
+        # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
+        try:
+            with _single_process_quiet(world):
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),
+                         no_dist=world == 1)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+        # phase 4: rank 0 commits; every rank learns the outcome (so none returns before the commit is done).
+        error = None
+        if rank == 0:
+            error = _finish(tmp, target, lock, {
                 "format": _FORMAT,
                 "optimshift": _version(),
                 "torch": torch.__version__,
@@ -133,11 +153,25 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
                 "optimizer_state": had_state,
                 "extra": None if extra is None else sorted(str(k) for k in extra),
             })
-            _commit(tmp, target)
-        except Exception as e:  # noqa: BLE001
-            error = e
-            shutil.rmtree(tmp, ignore_errors=True)
-    _agree(error, "save", path)
+        _agree(error, "save", path)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _finish(tmp: Path, target: Path, lock: Optional[int], note: dict[str, Any]) -> Optional[Exception]:
+    """Rank 0: check that ``tmp`` is this save's complete checkpoint, write the note, commit; then clean up,
+    best-effort (the checkpoint is in place by then). Returns the error that kept it from committing."""
+    try:
+        _write_note(tmp, note)
+        _check_complete(tmp, lock)
+        _commit(tmp, target)
+    except Exception as e:  # noqa: BLE001
+        shutil.rmtree(tmp, ignore_errors=True)
+        return e
+    shutil.rmtree(_sibling(target, _OLD), ignore_errors=True)  # a crashed two-rename commit's leftover
+    _fsync_directory(target.parent)
+    return None
 
 
 def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -169,7 +203,8 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     error = None
     try:
         problems = _compare_model(get_model_state_dict(model), layout)
-        problems += _compare_groups(optimizer, layout)
+        # which params each group holds is compared by parameter name: only once the model's names match
+        problems += _compare_groups(optimizer, layout, None if problems else model)
         if layout.has_state and not optimizer.state and any(
             p.grad is not None for g in optimizer.param_groups for p in g["params"]
         ):
@@ -184,13 +219,22 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
 
     # phase 3: DCP's state dicts (an optimizer without state is initialized by a zero-lr step; undone below
     # if anything fails) and their comparison with the checkpoint's optimizer state
+    # Params the checkpoint holds no state for (never stepped when it was saved) end without state, as they
+    # were in the saved optimizer: their live or freshly initialized state is left out of the load.
     error = None
     had_state = bool(optimizer.state)
+    no_grad = _params_without_grad(optimizer)
     model_sd: Any = None
     optim_sd: Any = None
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        _raise_mismatch(_compare_state(optim_sd, layout), layout, model, optimizer)
+        problems, stateless = _compare_state(optim_sd, layout, model)
+        _raise_mismatch(problems, layout, model, optimizer)
+        if layout.has_state:
+            optim_sd = {"state": {n: v for n, v in optim_sd["state"].items() if n not in stateless},
+                        "param_groups": optim_sd["param_groups"]}
+        else:  # saved before the first step: load the param groups, end without state
+            optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
     except Exception as e:  # noqa: BLE001
         error = e
     try:
@@ -198,21 +242,31 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     except BaseException:
         if not had_state:
             optimizer.state.clear()
+        _restore_grads(no_grad)
         raise
 
-    if not layout.has_state:  # saved before the first step: load the param groups, end without state
-        optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
+    # phase 4: DCP reads into the live tensors; every check that can fail has run. An error from here on
+    # (an I/O error) may leave the model and optimizer partly loaded, and says so.
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if layout.has_extra:
         state[_EXTRA] = b""  # a placeholder: DCP puts the saved object in its place
     world = _rank_world()[1]
-    with _single_process_quiet(world):
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if not layout.has_state:
-        optimizer.state.clear()
-    move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
-    return _unpack_extra(state[_EXTRA]) if layout.has_extra else None
+    try:
+        with _single_process_quiet(world):
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))  # strict: refuses params without saved state
+        if not layout.has_state:
+            optimizer.state.clear()
+        move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
+        return _unpack_extra(state[_EXTRA]) if layout.has_extra else None
+    except Exception as e:
+        _restore_grads(no_grad)
+        raise RuntimeError(
+            f"optimshift.distributed.load({os.fspath(target)}) failed after it began writing the checkpoint into "
+            f"the model and optimizer, which may now be partly loaded (reload them, or load again): "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def describe_dcp(path: PathLike) -> dict[str, Any]:
@@ -279,8 +333,9 @@ def _single_process_quiet(world: int) -> Iterator[None]:
         yield
 
 
-def _agree(error: Optional[BaseException], what: str, path: Any) -> None:
-    """Raise on every rank if any rank failed, with every failing rank's message.
+def _agree(error: Optional[BaseException], what: str, path: Any, share: Any = None) -> Any:
+    """Raise on every rank if any rank failed, with every failing rank's message; else return rank 0's
+    ``share`` (a small picklable value) on every rank.
 
     Uses ``all_gather_object`` (torch's collective): ranks must not diverge, or the ones that passed a check
     would wait forever in DCP's collectives for the ones that raised.
@@ -289,13 +344,14 @@ def _agree(error: Optional[BaseException], what: str, path: Any) -> None:
     if world == 1:
         if error is not None:
             raise error
-        return
-    mine = None if error is None else (type(error).__name__, str(error))
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+        return share
+    mine = (None if error is None else (type(error).__name__, str(error)), share)
+    gathered_pairs: list[Any] = [None] * world
+    dist.all_gather_object(gathered_pairs, mine)
+    gathered = [pair[0] for pair in gathered_pairs]
     failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
     if not failed:
-        return
+        return gathered_pairs[0][1]
     messages: dict[str, list[int]] = {}
     for r, (_, message) in failed:
         messages.setdefault(message, []).append(r)
@@ -398,6 +454,7 @@ class _Layout:
     model: dict[str, Any] = field(default_factory=dict)
     state: dict[str, dict[str, list[tuple[tuple, Any]]]] = field(default_factory=dict)
     groups: dict[int, set[str]] = field(default_factory=dict)
+    params_keys: dict[int, str] = field(default_factory=dict)  # group index -> DCP key of its "params" list
     has_extra: bool = False
     note: Optional[dict[str, Any]] = None
 
@@ -421,12 +478,60 @@ class _Layout:
                 layout.state.setdefault(str(steps[2]), {}).setdefault(str(steps[3]), []).append((steps[4:], meta))
             elif steps[:2] == ("optim", "param_groups") and len(steps) >= 4:
                 layout.groups.setdefault(int(steps[2]), set()).add(str(steps[3]))
+                if len(steps) == 4 and steps[3] == "params":
+                    layout.params_keys[int(steps[2])] = key
             elif steps == (_EXTRA,):
                 layout.has_extra = True
         if not layout.model and not layout.groups:
             raise ValueError(f"{target} is a DCP checkpoint but not one written by optimshift.distributed.save "
                              f"(no 'model' and 'optim' entries)")
         return layout
+
+    def group_params(self) -> dict[int, list[str]]:
+        """The parameter names each saved param group holds (read from the checkpoint, by this process alone:
+        no collective)."""
+        wanted: dict[str, Any] = {key: None for key in self.params_keys.values()}
+        if wanted:
+            with _single_process_quiet(1):
+                dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+        out = {}
+        for gi, key in self.params_keys.items():
+            names = wanted[key]
+            if not isinstance(names, (list, tuple)):
+                raise ValueError(f"{self.path}: optim.param_groups.{gi}.params is a {type(names).__name__}, "
+                                 f"not a list of parameter names")
+            out[gi] = [str(n) for n in names]
+        return out
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(param) -> the name torch.distributed.checkpoint gives it in optimizer state dicts."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # pragma: no cover - a torch without the private helper
+        _get_fqns = None
+    out = {}
+    for name, param in model.named_parameters():
+        if _get_fqns is not None:
+            fqns = _get_fqns(model, name)
+            name = next(iter(fqns)) if len(fqns) == 1 else name
+        out[id(param)] = name
+    return out
+
+
+def _listed(names: list[str]) -> str:
+    shown = names[:_SHOWN]
+    return repr(shown)[:-1] + (f", ... and {len(names) - _SHOWN} more]" if len(names) > _SHOWN else "]")
+
+
+def _params_without_grad(optimizer: Any) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is None]
+
+
+def _restore_grads(params: list[torch.Tensor]) -> None:
+    """Undo DCP's initialization step's zero gradients on params that had none (after a failure)."""
+    for p in params:
+        p.grad = None
 
 
 def _compare_model(model_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
@@ -457,15 +562,38 @@ def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
     return problems
 
 
-def _compare_groups(optimizer: Any, layout: _Layout) -> list[str]:
-    """Group count, and the hyperparameters this optimizer class defines (``optimizer.defaults``): a
-    checkpoint lacking one was written by another optimizer. Keys only the checkpoint has (an LR scheduler's
-    ``initial_lr``) are not an error: DCP reads the keys this optimizer has and leaves those behind."""
+def _compare_groups(optimizer: Any, layout: _Layout, model: Optional[torch.nn.Module]) -> list[str]:
+    """Group count, which params each group holds (by name, when ``model`` is given: DCP would otherwise load
+    a group's hyperparameters onto other params), and the hyperparameters this optimizer class defines
+    (``optimizer.defaults``): a checkpoint lacking one was written by another optimizer. Keys only the
+    checkpoint has (an LR scheduler's ``initial_lr``) are not an error: DCP reads the keys this optimizer has
+    and leaves those behind."""
     live = optimizer.param_groups
     if len(live) != len(layout.groups):
         return [f"param groups: {len(layout.groups)} in the checkpoint, {len(live)} in the optimizer"]
     defaults = set(getattr(optimizer, "defaults", None) or ())
     problems = []
+    if model is not None:
+        names = _param_names(model)
+        saved_params = layout.group_params()
+        for gi, group in enumerate(live):
+            mine = [names.get(id(p), f"<unnamed param {pi}>") for pi, p in enumerate(group["params"])]
+            theirs = saved_params.get(gi)
+            if theirs is None:
+                problems.append(f"param group {gi}: the checkpoint does not list its params")
+                continue
+            mine_set, theirs_set = set(mine), set(theirs)
+            only_saved = [n for n in theirs if n not in mine_set]
+            only_live = [n for n in mine if n not in theirs_set]
+            if only_saved or only_live:
+                problems.append(
+                    f"param group {gi} holds other params in the checkpoint than in the optimizer "
+                    f"({len(theirs)} there, {len(mine)} here): "
+                    + "; ".join(part for part in (
+                        f"{_listed(only_saved)} are in this group only in the checkpoint" if only_saved else "",
+                        f"{_listed(only_live)} are in this group only in the optimizer" if only_live else "",
+                    ) if part)
+                    + " (build the optimizer's param groups as when it was saved)")
     for gi, group in enumerate(live):
         saved = layout.groups.get(gi, set())
         missing = sorted((defaults or set(group)) - saved - {"params"})
@@ -477,17 +605,26 @@ def _compare_groups(optimizer: Any, layout: _Layout) -> list[str]:
     return problems
 
 
-def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
+def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout,
+                   model: torch.nn.Module) -> tuple[list[str], set[str]]:
+    """Problems, and the params the optimizer has state for (its own, or DCP's initialization) that the
+    checkpoint has none for: they had not been stepped when it was saved, and end without state."""
     if not layout.has_state:
-        return []  # saved before the first step: nothing to compare, the optimizer ends without state
+        return [], set()  # saved before the first step: nothing to compare, the optimizer ends without state
     live: Mapping[str, Mapping[str, Any]] = optim_sd.get("state", {})
     problems = []
+    named = set(_param_names(model).values())
     for name in sorted(set(layout.state) - set(live)):
-        problems.append(f"optim.state.{name}: in the checkpoint, the optimizer holds no such param")
+        if name in named:
+            problems.append(f"optim.state.{name}: the checkpoint has state for it, the optimizer none (it has "
+                            f"state for other params, so it is not initialized for the load; load into an "
+                            f"optimizer without state, e.g. a fresh one)")
+        else:
+            problems.append(f"optim.state.{name}: in the checkpoint, the optimizer holds no such param")
+    stateless = set(live) - set(layout.state)
     for name, entries in live.items():
         saved = layout.state.get(name)
         if saved is None:
-            problems.append(f"optim.state.{name}: the optimizer has state for it, the checkpoint does not")
             continue
         if set(entries) != set(saved):
             problems.append(f"optim.state.{name}: keys {sorted(saved)} in the checkpoint, {sorted(entries)} in the "
@@ -497,7 +634,7 @@ def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
             found = saved[key]
             if len(found) == 1 and found[0][0] == ():  # a tensor or object stored whole under this key
                 problems.extend(_compare_value(f"optim.state.{name}.{key}", value, found[0][1]))
-    return problems
+    return problems, stateless
 
 
 def _raise_mismatch(problems: list[str], layout: _Layout, model: Any, optimizer: Any) -> None:
@@ -579,18 +716,76 @@ def _read_note(directory: Path) -> Optional[dict[str, Any]]:
 
 
 def _commit(tmp: Path, target: Path) -> None:
-    """Put the complete directory ``tmp`` at ``target``; a previous checkpoint there is replaced atomically."""
+    """Put the complete directory ``tmp`` at ``target``; a previous checkpoint there is replaced atomically.
+    Once ``target`` holds the new checkpoint nothing raises: removing the previous one is best-effort."""
     if not target.exists():
         os.rename(tmp, target)
     elif _exchange(tmp, target):
-        shutil.rmtree(tmp)  # it now holds the previous checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)  # it now holds the previous checkpoint
     else:
         old = _sibling(target, _OLD)
         shutil.rmtree(old, ignore_errors=True)
         os.rename(target, old)  # a crash here leaves the previous checkpoint at <path>.optimshift-old
         os.rename(tmp, target)
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
     _fsync_directory(target.parent)
+
+
+def _check_complete(tmp: Path, lock: Optional[int]) -> None:
+    """``tmp`` is still the directory this save created (``lock`` is open on it) and a complete DCP checkpoint:
+    its metadata and every file the metadata names."""
+    try:
+        same = lock is None or os.path.samestat(os.fstat(lock), os.stat(tmp))
+    except OSError:
+        same = False
+    if not same:
+        raise RuntimeError(f"{tmp}, this save's temporary directory, was removed or replaced by something else "
+                           f"during the save; not committing")
+    if not _is_checkpoint(tmp):
+        raise RuntimeError(f"{tmp}, this save's temporary directory, holds no .metadata after the write; "
+                           f"not committing an incomplete checkpoint")
+    metadata = dcp.FileSystemReader(str(tmp)).read_metadata()
+    files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+    missing = sorted(f for f in files if isinstance(f, str) and not (tmp / f).is_file())
+    if missing:
+        raise RuntimeError(f"{tmp}, this save's temporary directory, lacks {_listed(missing)}, which its metadata "
+                           f"names; not committing an incomplete checkpoint")
+
+
+def _lock(directory: Path) -> Optional[int]:
+    """An open descriptor holding an exclusive lock on ``directory`` (released when closed, or when the process
+    dies): how :func:`_clear_stale` tells a live save's temporary directory from a crashed one's."""
+    fd = os.open(directory, os.O_RDONLY)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # a filesystem without locks: the directory is merely not protected from _clear_stale
+    return fd
+
+
+def _clear_stale(target: Path) -> None:
+    """Remove temporary directories that crashed saves to ``target`` left: the name older versions used, and
+    ours whose lock no process holds. A concurrent save's (locked) is left alone."""
+    shutil.rmtree(_sibling(target, _TMP), ignore_errors=True)
+    if fcntl is None or not target.parent.is_dir():
+        return
+    prefix = target.name + _TMP + "-"
+    for entry in target.parent.iterdir():
+        if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live save holds it (or locks are unsupported: leave it)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -22,6 +22,7 @@ __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebi
 
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 
+
 @dataclass
 class _Offloaded:
     """What :func:`offload` remembers: where each tensor was (by site), where each param was (by group and

@@ -158,7 +158,6 @@ def _throughput_case(name: str, shapes: list[tuple[int, ...]], device: torch.dev
         "offload_vs_naive": naive["offload_s"] / ours["offload_s"],
         "reload_vs_naive": naive["reload_s"] / ours["reload_s"],
     }
-    del flat_dev, flat_host
     return result
 
 

@@ -19,7 +19,7 @@ import inspect
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
+from typing import Any, Iterator, Mapping, Optional, Protocol
 
 import torch
 

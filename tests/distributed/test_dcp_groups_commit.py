@@ -298,3 +298,27 @@ def test_a_failed_load_leaves_no_zero_gradients(tmp_path):
     with pytest.raises(RuntimeError, match="SparseAdam does not support dense gradients"):
         load(tmp_path / "ck", model, opt)
     assert all(p.grad is None for p in model.parameters()) and len(opt.state) == 0
+
+
+def test_a_model_with_nested_extra_state_round_trips(tmp_path):
+    """get_extra_state returning a dict is flattened by DCP into nested entries: still a loadable checkpoint."""
+
+    class WithExtra(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"calls": 3, "scale": torch.full((2,), 2.0)}
+
+        def set_extra_state(self, state):
+            self.restored = state
+
+    torch.manual_seed(0)
+    model = WithExtra(3, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    save(tmp_path / "ck", model, opt)
+    other = WithExtra(3, 3)
+    other_opt = torch.optim.Adam(other.parameters())
+    load(tmp_path / "ck", other, other_opt)
+    assert torch.equal(other.weight, model.weight)
+    assert other.restored["calls"] == 3 and torch.equal(other.restored["scale"], torch.full((2,), 2.0))

@@ -445,6 +445,9 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in value)
 
 
+_NESTED = object()  # _Layout.model's marker for a model entry that DCP flattened (a dict from get_extra_state)
+
+
 @dataclass
 class _Layout:
     """A checkpoint's entries, from its DCP metadata: model entries by name, optimizer state by param name
@@ -474,6 +477,8 @@ class _Layout:
             steps = tuple(paths.get(key, (key,)))
             if steps[:1] == ("model",) and len(steps) == 2:
                 layout.model[str(steps[1])] = meta
+            elif steps[:1] == ("model",) and len(steps) > 2:
+                layout.model[str(steps[1])] = _NESTED  # a container (get_extra_state), flattened by DCP
             elif steps[:2] == ("optim", "state") and len(steps) >= 4:
                 layout.state.setdefault(str(steps[2]), {}).setdefault(str(steps[3]), []).append((steps[4:], meta))
             elif steps[:2] == ("optim", "param_groups") and len(steps) >= 4:
@@ -542,6 +547,8 @@ def _compare_model(model_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
         meta = layout.model.get(name)
         if meta is None:
             problems.append(f"model.{name}: in the model, not in the checkpoint")
+        elif meta is _NESTED:
+            continue  # a nested container: DCP loads it entry by entry; there is no whole tensor to compare
         else:
             problems.extend(_compare_value(f"model.{name}", value, meta))
     return problems

@@ -322,3 +322,19 @@ def test_a_model_with_nested_extra_state_round_trips(tmp_path):
     load(tmp_path / "ck", other, other_opt)
     assert torch.equal(other.weight, model.weight)
     assert other.restored["calls"] == 3 and torch.equal(other.restored["scale"], torch.full((2,), 2.0))
+
+
+def test_save_and_load_do_not_fire_the_users_global_step_hooks(tmp_path):
+    """DCP creates a stateless optimizer's state with one zero-lr step; a user's step counter must not see it."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    fired = []
+    handle = register_optimizer_step_post_hook(lambda o, args, kwargs: fired.append(1))
+    try:
+        save(tmp_path / "ck", model, opt)  # never stepped: DCP initialises its state
+        load(tmp_path / "ck", model, torch.optim.Adam(model.parameters()))
+    finally:
+        handle.remove()
+    assert fired == []

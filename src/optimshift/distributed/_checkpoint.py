@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .._devices import DeviceLike, resolve
 from ..api import move
 from ..plan import check_optimizer, optimizer_name
+from ..policy import quiet_global_step_hooks
 
 __all__ = ["save", "load", "describe_dcp"]
 
@@ -109,7 +110,8 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
             _clear_stale(target)
             tmp.mkdir(parents=True)
             lock = _lock(tmp)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with quiet_global_step_hooks():  # DCP steps a stateless optimizer once (zero lr) to create its state
+            model_sd, optim_sd = get_state_dict(model, optimizer)
         if not had_state:
             optimizer.state.clear()
             optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
@@ -227,7 +229,8 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     model_sd: Any = None
     optim_sd: Any = None
     try:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with quiet_global_step_hooks():  # DCP steps a stateless optimizer once (zero lr) to create its state
+            model_sd, optim_sd = get_state_dict(model, optimizer)
         problems, stateless = _compare_state(optim_sd, layout, model)
         _raise_mismatch(problems, layout, model, optimizer)
         if layout.has_state:

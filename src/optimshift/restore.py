@@ -120,6 +120,16 @@ def _override_name(cls: type) -> Optional[str]:
     return None
 
 
+def can_load(optimizer: Any) -> bool:
+    """Whether :func:`load_state_dict` can load into ``optimizer`` (an optimizer, or a wrapper delegating to
+    one, whose class does not override ``load_state_dict`` with logic of its own)."""
+    try:
+        _receiver(optimizer)
+    except TypeError:
+        return False
+    return True
+
+
 def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` whose state is loaded: ``optimizer`` itself, or the optimizer that a
     delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) wraps."""

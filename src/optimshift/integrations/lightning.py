@@ -20,10 +20,10 @@ What it changes:
   them, ``patch()`` places every set-up or loaded optimizer's state by its params.
 
 Optimizers optimshift cannot place (state that is not a dict per param, sharded DTensor state) are left to
-Lightning's own code, unchanged. Not changed either: ``fit(ckpt_path=...)`` still restores through PyTorch's
-``Optimizer.load_state_dict`` before the patched helper places the state, so PyTorch's casts on load (fp32
-state to the params' dtype, strings in state) still apply there; ``optimshift.load_state_dict`` avoids them for
-code that loads by itself.
+Lightning's own code, unchanged. ``fit(ckpt_path=...)`` restores optimizer state through the base
+``Strategy.load_optimizer_state_dict``, which ``patch()`` makes use :func:`optimshift.load_state_dict`: no cast
+of fp32 state to the params' dtype, strings intact, linear time, every entry placed for its param and the live
+flags. Strategies with their own restore (DeepSpeed, FSDP, ModelParallel) keep it.
 
 Why a patch and not a callback or a strategy mixin: the wrong moves happen inside Lightning, in every strategy
 (single device, DDP, DeepSpeed, XLA...) and in ``Fabric``, between hooks a callback sees; a callback could only
@@ -63,6 +63,7 @@ _FLAVOURS = (("lightning", "lightning.fabric"), ("lightning_fabric", "lightning_
 _HELPERS = ("_optimizer_to_device", "_optimizers_to_device")
 _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")  # whose modules are patched
 _FABRIC_METHODS = ("setup", "setup_optimizers", "load", "load_raw")
+_TRAINERS = {"lightning.fabric": "lightning.pytorch", "lightning_fabric": "pytorch_lightning"}  # fabric -> Trainer
 
 
 @dataclass
@@ -211,7 +212,34 @@ def _plan_swaps() -> list[_Swap]:
             else:
                 wrapper = _wrap_fabric_setup(original, fabric_optimizer)
             swaps.append(_Swap(fabric_cls, name, original, wrapper))
+        trainer = _TRAINERS.get(package)
+        if trainer is not None and importlib.util.find_spec(trainer.split(".")[0]) is not None:
+            strategy_cls = importlib.import_module(f"{trainer}.strategies.strategy").Strategy
+            original = strategy_cls.__dict__.get("load_optimizer_state_dict")
+            if not callable(original):
+                raise RuntimeError(f"{trainer}.strategies.strategy.Strategy has no load_optimizer_state_dict(): "
+                                   f"optimshift cannot patch this Lightning version")
+            swaps.append(_Swap(strategy_cls, "load_optimizer_state_dict", original,
+                               _make_load_optimizer_state_dict(original)))
     return swaps
+
+
+def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
+        """optimshift's restore for ``fit(ckpt_path=...)``: each optimizer is loaded with
+        :func:`optimshift.load_state_dict` (no cast of fp32 state to the params' dtype, strings intact, linear
+        time, every entry placed for its param and the live flags); Lightning's own code for the rest."""
+        from ..restore import can_load, load_state_dict
+
+        optimizers = list(self.optimizers)
+        if not all(placeable(o) and can_load(o) for o in optimizers):
+            original(self, checkpoint)
+            return
+        for optimizer, opt_state in zip(optimizers, checkpoint["optimizer_states"]):
+            load_state_dict(optimizer, opt_state)
+
+    return load_optimizer_state_dict
 
 
 def patch() -> None:

@@ -119,7 +119,7 @@ def test_every_container_round_trips_with_types_identity_and_bits(sim):
 
 
 def _flat_equal(a, b):
-    from optimshift._tree import leaves
+    from optimshift._state import leaves
 
     la, lb = list(leaves(a)), list(leaves(b))
     return [p for p, _ in la] == [p for p, _ in lb] and all(bitwise_equal(x, y) for (_, x), (_, y) in zip(la, lb))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import optimshift
-from optimshift import batch as batch_mod
+from optimshift import _copy as batch_mod
 from optimshift.pool import HostPool, host_pool
 from optimshift.testing import simulated_memory_allocated
 from _matrix import Model, bitwise_equal, state_layout, train

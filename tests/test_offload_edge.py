@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import optimshift
-from optimshift import batch as batch_mod
+from optimshift import _copy as batch_mod
 from optimshift.pool import host_pool
 from _matrix import Model, bitwise_equal, state_layout, train
 

@@ -84,17 +84,3 @@ def _current_accelerator() -> str | None:
         return "cuda"
     return None
 
-
-
-def demo_accelerator(name: "str | None" = None) -> torch.device:
-    """The accelerator a command-line tool runs on: ``name`` if given (``sim`` sets the simulated one up),
-    else ``cuda:0`` when present, else the simulated accelerator."""
-    if name is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", 0)
-        name = "sim"
-    if name.split(":")[0] == "sim":
-        from .testing import simulated_accelerator
-
-        simulated_accelerator()
-    return resolve(name)

@@ -13,7 +13,7 @@ import torch
 from . import engine
 from . import policy as _policy
 from ._devices import DeviceLike, resolve
-from .distributed._dtensor import row_fields
+from ._dtensor import row_fields
 from .pool import host_pool
 from .plan import Site, build_plan, check_optimizer, optimizer_name, policy_target, simple_moves
 from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes

@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import torch
 
-from ._tree import Setter, rebuild
-from .batch import Batch, copy_many
-from .distributed._dtensor import copy_dtensor, is_dtensor, local_tensor  # imports no torch.distributed machinery
+from ._state import Setter, rebuild
+from ._copy import Batch, copy_many
+from ._dtensor import copy_dtensor, is_dtensor, local_tensor  # imports no torch.distributed machinery
 from .plan import Plan, Transfer
 from .pool import HostPool, host_pool
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from . import policy as _policy
-from ._tree import Path, format_path, leaves
+from ._state import Path, format_path, leaves
 
 __all__ = ["Site", "Transfer", "Plan", "build_plan", "simple_moves", "policy_target", "iter_entries", "param_label",
            "check_optimizer"]

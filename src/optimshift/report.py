@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .distributed._dtensor import local_tensor
+from ._dtensor import local_tensor
 
 __all__ = ["Finding", "Report", "PlacementRow", "format_table", "SYNC_COST"]
 

@@ -16,7 +16,7 @@ import torch
 import torch.serialization as ser
 
 import optimshift
-from optimshift.checkpoint import (
+from optimshift.checkpoint._files import (
     META_KEY,
     CheckpointError,
     UnsafeCheckpointError,

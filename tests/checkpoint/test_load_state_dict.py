@@ -427,7 +427,7 @@ def test_setstate_failure_rolls_back():
 
 
 def test_copy_failure_midway_changes_nothing(monkeypatch):
-    from optimshift import restore
+    from optimshift.checkpoint import _resume as restore
 
     real, calls = restore._Staging._copy_one, []
 

@@ -112,7 +112,7 @@ def test_legacy_files_in_any_pickle_protocol_are_named_as_such(tmp_path):
     import warnings
 
 
-    from optimshift.checkpoint import CheckpointError, _sniff
+    from optimshift.checkpoint._files import CheckpointError, _sniff
 
     old = tmp_path / "legacy2.pt"
     torch.save({"x": torch.ones(2)}, old, _use_new_zipfile_serialization=False)

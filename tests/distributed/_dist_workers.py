@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import optimshift
-from optimshift.distributed._dtensor import is_dtensor
+from optimshift._dtensor import is_dtensor
 
 IN, HIDDEN, OUT = 6, 10, 3  # OUT=3 rows shard unevenly over 2 ranks (2 + 1)
 ROWS = 4  # rows of the batch per rank

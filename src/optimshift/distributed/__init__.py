@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy (PEP 562): the core modules import optimshift.distributed._dtensor on every `import optimshift`,
+    # Lazy (PEP 562): `import optimshift` must stay light,
     # and torch.distributed.checkpoint takes seconds to import.
     if name in __all__:
         from . import _checkpoint

@@ -77,7 +77,7 @@ def _make_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
         if getattr(self, "device_placement", False) and not _on_xla(self) and placeable(self.optimizer):
             # optimshift's load: no cast of fp32 state to the params' dtype, strings and namedtuples intact,
             # linear time, and every entry placed for the params and the live flags.
-            from ..restore import load_state_dict as optimshift_load_state_dict
+            from ..checkpoint._resume import load_state_dict as optimshift_load_state_dict
 
             optimshift_load_state_dict(self.optimizer, state_dict)
             return

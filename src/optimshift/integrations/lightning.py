@@ -230,7 +230,7 @@ def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[.
         """optimshift's restore for ``fit(ckpt_path=...)``: each optimizer is loaded with
         :func:`optimshift.load_state_dict` (no cast of fp32 state to the params' dtype, strings intact, linear
         time, every entry placed for its param and the live flags); Lightning's own code for the rest."""
-        from ..restore import can_load, load_state_dict
+        from ..checkpoint._resume import can_load, load_state_dict
 
         optimizers = list(self.optimizers)
         if not all(placeable(o) and can_load(o) for o in optimizers):

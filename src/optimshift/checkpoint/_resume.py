@@ -19,11 +19,11 @@ from typing import Any, Mapping, Optional, TypeVar
 
 import torch
 
-from . import engine
-from . import policy as _policy
-from ._devices import DeviceLike, resolve
-from ._tree import _ATOMS, Setter, format_path, leaves, rebuild
-from .plan import Plan, optimizer_name
+from .. import engine
+from .. import policy as _policy
+from .._devices import DeviceLike, resolve
+from .._state import _ATOMS, Setter, format_path, leaves, rebuild
+from ..plan import Plan, optimizer_name
 
 __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
@@ -94,7 +94,7 @@ def load_state_dict(
         new_state, new_groups = staged.build()
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
         # leaves everything as it was), handed back only once the state is installed.
-        from .api import prepare_discard_offload
+        from ..api import prepare_discard_offload
 
         finish = [prepare_discard_offload(obj) for obj in dict.fromkeys((receiver, optimizer))]
         _install(receiver, name, new_state, new_groups)
@@ -181,7 +181,7 @@ def _check_class(optimizer: Any, recorded: Mapping[str, Any], name: str) -> None
 def _extract(state_dict: Any, name: str) -> tuple[Any, Optional[Mapping[str, Any]]]:
     """The optimizer state dict inside ``state_dict`` (itself, or the only one a checkpoint holds) and the
     class optimshift recorded for it."""
-    from .checkpoint import META_KEY, find_optimizer_states, is_optimizer_state_dict
+    from ._files import META_KEY, find_optimizer_states, is_optimizer_state_dict
 
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{name}: load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")

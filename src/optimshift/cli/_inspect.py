@@ -21,9 +21,9 @@ from typing import IO, Any, Iterator, Mapping, Optional
 
 import torch
 
-from . import checkpoint as ckpt
-from . import policy as _policy
-from .report import SYNC_COST, format_table
+from ..checkpoint import _files as ckpt
+from .. import policy as _policy
+from ..report import SYNC_COST, format_table
 
 __all__ = ["register", "describe", "render", "run_inspect", "run_convert"]
 

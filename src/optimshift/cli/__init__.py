@@ -9,10 +9,10 @@ from typing import Optional, Sequence
 
 # subcommand name -> module defining ``register(subparsers)`` (which sets ``func`` on its parser).
 _COMMANDS = {
-    "demo": "optimshift.demo",
-    "inspect": "optimshift.checkpoint_cli",
-    "convert": "optimshift.checkpoint_cli",
-    "bench": "optimshift.bench",
+    "demo": "optimshift.cli._demo",
+    "inspect": "optimshift.cli._inspect",
+    "convert": "optimshift.cli._inspect",
+    "bench": "optimshift.cli._bench",
 }
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.serialization as ser
 
 import optimshift
-from optimshift import checkpoint_cli
+from optimshift.cli import _inspect as checkpoint_cli
 from optimshift.cli import main
 from _matrix import bitwise_equal
 

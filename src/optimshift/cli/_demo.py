@@ -15,10 +15,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._devices import demo_accelerator
-from .api import move
-from .report import format_table
-from .syncs import count_syncs
+from ._accelerator import demo_accelerator
+from ..api import move
+from ..report import format_table
+from ..syncs import count_syncs
 
 STEPS_BEFORE, STEPS_AFTER = 3, 5
 

@@ -127,3 +127,30 @@ def state_layout(opt):
 def state_dtypes(opt):
     params = [p for g in opt.param_groups for p in g["params"]]
     return {(i, k): v.dtype for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+
+
+def tensor_ids(opt) -> dict:
+    """{where: id(tensor)} for every tensor the optimizer holds (state, nested containers, param groups)."""
+    from optimshift._state import leaves
+
+    out = {}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for path, t in leaves(opt.state.get(p, {})):
+            out[("state", i, path)] = id(t)
+    for gi, group in enumerate(opt.param_groups):
+        for path, t in leaves({k: v for k, v in group.items() if k not in ("params", "param_names")}):
+            out[("group", gi, path)] = id(t)
+    return out
+
+
+def snapshot(value):
+    """A copy of ``value`` with every tensor cloned (containers rebuilt), for before/after comparisons of state
+    whose tensor objects are kept (and so change in place)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(snapshot(v) for v in value)
+    return value

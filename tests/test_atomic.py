@@ -40,7 +40,7 @@ def fail_on_50th(monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(engine, "copy_tensor", flaky(engine.copy_tensor))
+    monkeypatch.setattr(batch, "copy_tensor", flaky(batch.copy_tensor))
     monkeypatch.setattr(batch, "_to_host", flaky(batch._to_host))
     monkeypatch.setattr(batch, "_to_device", flaky(batch._to_device))
     monkeypatch.setattr(batch, "CHUNK_BYTES", 1)

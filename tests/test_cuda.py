@@ -106,3 +106,49 @@ def test_seed_regression_on_cuda():
     with optimshift.count_syncs() as ours:
         train(model, opt, range(3, 4))
     assert naive.total >= 8 and ours.total == 0
+
+
+@pytest.mark.parametrize("cls, kwargs", [
+    pytest.param(torch.optim.Adam, {"foreach": False}, id="Adam"),
+    pytest.param(torch.optim.AdamW, {"foreach": True}, id="AdamW-foreach"),
+    pytest.param(torch.optim.Adam, {"fused": True}, id="Adam-fused"),
+    pytest.param(torch.optim.SGD, {"momentum": 0.9}, id="SGD-momentum"),
+])
+def test_compiled_step_survives_offload_reload_cycles(cls, kwargs):
+    """20 offload/reload cycles on cuda:0 keep every tensor object: 0 recompiles of a compiled step, and the
+    params end bitwise equal to the same compiled run that never offloaded."""
+
+    def run(cycles: bool):
+        torch._dynamo.reset()
+        graphs = [0]
+
+        def backend(gm, example_inputs):
+            graphs[0] += 1
+            return gm.forward
+
+        model = Model([(64, 32), (32,)]).to(CUDA)
+        params = list(model.parameters())
+        opt = cls(params, **kwargs)
+
+        @torch.compile(backend=backend)
+        def step():
+            opt.step()
+
+        for i in range(22):
+            for j, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * i + j)).to(CUDA)
+            step()
+            if i == 1:
+                warm = graphs[0]
+                objects = [id(v) for st in opt.state.values() for v in st.values()]
+            if cycles and i >= 1:
+                optimshift.offload(opt)
+                optimshift.reload(opt)
+        assert [id(v) for st in opt.state.values() for v in st.values()] == objects
+        return params, graphs[0] - warm
+
+    cycled, recompiles = run(True)
+    plain, _ = run(False)
+    assert recompiles == 0, f"{recompiles} recompiles over 20 offload/reload cycles"
+    for a, b in zip(cycled, plain):
+        assert bitwise_equal(a, b)

@@ -40,7 +40,7 @@ def test_mixed_dtypes_are_grouped_apart_and_keep_their_dtype(sim):
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    before = {i: dict(st) for i, st in enumerate(opt.state.values())}
+    before = {i: snapshot(dict(st)) for i, st in enumerate(opt.state.values())}
     with optimshift.count_syncs() as syncs:
         optimshift.offload(opt)
     assert syncs.by_op == {"copy_to_host": 2}  # one per dtype: float32 (incl. the steps), bfloat16
@@ -137,7 +137,7 @@ def test_grouped_copy_is_bitwise_for_big_and_small_tensors(sim, monkeypatch):
     model = Model(shapes).to(sim)
     opt = torch.optim.RMSprop(model.parameters(), centered=True, momentum=0.9, foreach=True)
     train(model, opt, range(2))
-    before = {i: dict(st) for i, st in enumerate(opt.state.values())}
+    before = {i: snapshot(dict(st)) for i, st in enumerate(opt.state.values())}
     layout = state_layout(opt)
     optimshift.offload(opt)
     optimshift.reload(opt)
@@ -176,8 +176,9 @@ def test_a_pending_reload_is_waited_for_before_the_next_step(sim, monkeypatch):
     real_run = engine.run
 
     def run_in_flight(*args, **kwargs):
-        copies, batch, _ = real_run(*args, **kwargs)
-        return copies, batch, engine.PendingTransfer(InFlight(), None)
+        copies = real_run(*args, **kwargs)
+        copies.event = InFlight()
+        return copies
 
     monkeypatch.setattr(engine, "run", run_in_flight)
     hooks_before = len(opt._optimizer_step_pre_hooks)

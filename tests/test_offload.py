@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import optimshift
-from _matrix import CASES, Model, bitwise_equal, state_layout, train
+from _matrix import CASES, Model, bitwise_equal, state_layout, snapshot, tensor_ids, train
 
 
 def _all_on_host(opt):
@@ -17,11 +17,14 @@ def test_round_trip_restores_placement_and_bits(sim, cls, kwargs, shapes):
     opt = cls(list(model.parameters()), **kwargs)
     train(model, opt, range(2))
     layout = state_layout(opt)
-    values = {i: dict(st) for i, st in enumerate(opt.state.values())}
+    values = {i: snapshot(dict(st)) for i, st in enumerate(opt.state.values())}
+    objects = tensor_ids(opt)
     optimshift.offload(opt)
     assert _all_on_host(opt) and optimshift.is_offloaded(opt)
+    assert tensor_ids(opt) == objects, "offload keeps every tensor object"
     optimshift.reload(opt)
     assert state_layout(opt) == layout and not optimshift.is_offloaded(opt)
+    assert tensor_ids(opt) == objects, "reload keeps every tensor object"
     for i, st in enumerate(opt.state.values()):
         assert bitwise_equal(dict(st), values[i])
 

@@ -16,15 +16,15 @@ def _adam(sim, n=3, **kw):
     return model, opt
 
 
-def test_a_kept_state_dict_is_never_overwritten_by_a_later_offload(sim):
-    """state_dict() shares tensors: if it was taken while offloaded, the pool must not reuse that memory."""
+def test_memory_viewed_after_reload_is_never_overwritten_by_a_later_offload(sim):
+    """A tensor that still looks into an offload buffer after the reload (a view taken while offloaded) keeps
+    its bytes: the pool must not hand that buffer to a later offload."""
     host_pool.release_idle()
     model_a, a = _adam(sim, foreach=False)
     model_b, b = _adam(sim, foreach=False)
     optimshift.offload(a)
-    # state_dict() shares the live per-param dicts; what a snapshot keeps are the tensors: offload's views
-    # (the host `step` was never moved, so it is the live tensor, which Adam updates in place)
-    kept = {i: {k: v for k, v in st.items() if k != "step"} for i, st in a.state_dict()["state"].items()}
+    # Views of offload's host copies (the host `step` was never moved: it is the live tensor, skipped)
+    kept = {i: {k: v.view_as(v) for k, v in st.items() if k != "step"} for i, st in a.state_dict()["state"].items()}
     snapshot = {i: {k: v.clone() for k, v in st.items()} for i, st in kept.items()}
     optimshift.reload(a)
     train(model_a, a, range(1, 3))  # a's live state changes on the device
@@ -32,6 +32,20 @@ def test_a_kept_state_dict_is_never_overwritten_by_a_later_offload(sim):
     optimshift.offload(b)
     for i, st in kept.items():
         assert bitwise_equal(st, snapshot[i])
+
+
+def test_a_kept_state_dict_follows_the_live_state_through_offload_and_reload(sim):
+    """state_dict() shares the live tensors, and offload/reload keep every tensor object: a state_dict taken
+    while offloaded is the live state after the reload, as it is for an optimizer that was never offloaded."""
+    model_a, a = _adam(sim, foreach=False)
+    optimshift.offload(a)
+    kept = a.state_dict()["state"]
+    optimshift.reload(a)
+    train(model_a, a, range(1, 3))
+    live = [a.state[p] for p in model_a.parameters()]
+    for i, st in kept.items():
+        assert all(st[k] is live[i][k] for k in st)
+        assert st["exp_avg"].device == sim
 
 
 def test_move_to_host_after_offload_keeps_state_out_of_the_pool(sim):

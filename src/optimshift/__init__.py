@@ -7,7 +7,7 @@ the target device, would put it after a step, with bitwise-unchanged values and 
 
 from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
 from .checkpoint import load, load_state_dict, save
-from .engine import PendingTransfer
+from ._offload import PendingTransfer
 from .pool import HostPool, host_pool
 from .policy import Policy, register_policy, unregister_policy
 from .report import Finding, PlacementRow, Report

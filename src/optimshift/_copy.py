@@ -9,23 +9,101 @@ per tensor. Here transfers are grouped by (source device, target device, dtype) 
   device tensors;
 - anything else (device to device, tensor subclasses, non-contiguous or autograd tensors) tensor by tensor.
 
-Every copy is queued first; the caller synchronizes once per device. Nothing here touches an optimizer.
+Every copy is queued first; the caller synchronizes once per device. Nothing here touches an optimizer:
+the engine (:mod:`optimshift.engine`) decides what to copy and commits the copies.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from ._devices import _fake_mode_active
+from ._dtensor import copy_dtensor, is_dtensor
 from .pool import HostPool
 
-__all__ = ["Batch", "copy_many", "CHUNK_BYTES", "SOLO_BYTES"]
+__all__ = ["Batch", "copy_many", "copy_tensor", "synchronize", "CHUNK_BYTES", "SOLO_BYTES"]
 
 CHUNK_BYTES = 64 << 20  # staging chunk: bounds the extra device memory a coalesced copy needs
 SOLO_BYTES = 4 << 20  # tensors at least this big are copied on their own (bandwidth-bound already)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _can_pin(source: torch.Tensor) -> bool:
+    """Pinned host memory only helps (and only exists) for copies from a CUDA-like accelerator."""
+    return source.device.type == "cuda" and _cuda_available()
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    """A copy from pinned host memory can be asynchronous (asking without CUDA would initialize it)."""
+    return t.device.type == "cpu" and _cuda_available() and t.is_pinned()
+
+
+def copy_tensor(t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
+    if type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # the common case, kept cheap
+        if non_blocking or (_cuda_available() and device.type == "cuda" and _is_pinned(t)):
+            return t.to(device, non_blocking=True)
+        return t.to(device)  # (keyword arguments alone double the cost of a small .to())
+    if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
+        return copy_dtensor(t, device, non_blocking=non_blocking, pin_memory=pin_memory)
+    pin = pin_memory and device.type == "cpu" and _can_pin(t) and t.layout == torch.strided
+    if pin:
+        shape_like = _dense_non_overlapping(t)
+        new = torch.empty_strided(t.shape, t.stride() if shape_like else _contiguous_strides(t.shape),
+                                  dtype=t.dtype, device=device, pin_memory=True)
+        new.copy_(t.detach(), non_blocking=True)  # completed by the one synchronize() of execute()
+    elif t.requires_grad:
+        new = t.detach().to(device, copy=True, non_blocking=non_blocking or _is_pinned(t)).requires_grad_(True)
+    else:
+        new = t.to(device, copy=True, non_blocking=non_blocking or _is_pinned(t))
+    if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
+        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+    return new
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _dense_non_overlapping(t: torch.Tensor) -> bool:
+    if t.is_contiguous():
+        return True
+    # Sort dims by stride and check the strides tile the storage exactly (as empty_like's preserve_format does).
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait for the copies queued on each accelerator (one call per device, not per tensor)."""
+    for device in {d for d in devices if d.type not in ("cpu", "meta")}:  # one wait per device
+        try:
+            module = torch.get_device_module(device.type)
+        except Exception:
+            module = getattr(torch, device.type, None)
+        sync = getattr(module, "synchronize", None)
+        available = getattr(module, "is_available", lambda: True)
+        if sync is not None and available():  # not available: fake tensors that only claim the device
+            try:
+                sync(device)
+            except TypeError:
+                sync()
 
 
 @dataclass
@@ -71,7 +149,6 @@ def _coalescible(t: torch.Tensor) -> bool:
 def copy_many(
     items: Sequence[tuple[torch.Tensor, torch.device]],
     *,
-    copy_one: Callable[..., torch.Tensor],
     pool: HostPool,
     pin_memory: bool = False,
     keep_host_views: bool = False,
@@ -82,7 +159,7 @@ def copy_many(
 
     ``keep_host_views``: host results are views into pool buffers listed in ``Batch.held`` (offload);
     otherwise they are separate tensors and every staging buffer goes back to the pool.
-    ``copy_one(t, device, non_blocking=, pin_memory=)`` copies what cannot be grouped. ``describe(i)`` names
+    What cannot be grouped is copied by :func:`copy_tensor`. ``describe(i)`` names
     input ``i`` in the note added to an exception (an OOM says which entry it hit).
     """
     batch = Batch([None] * len(items))
@@ -103,7 +180,7 @@ def copy_many(
                 groups.setdefault((source, target, t.dtype), []).append(i)
                 continue
             current = i
-            copies[i] = copy_one(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
+            copies[i] = copy_tensor(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
         batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))
@@ -117,8 +194,6 @@ def copy_many(
                                pinned=src.type == "cpu" and dst.type == "cuda" and _pinnable())
     except BaseException as error:
         # Nothing was committed; give back every buffer once no queued copy can still be using it.
-        from .engine import synchronize
-
         synchronize(batch.devices)
         for buf in batch.held + batch.staging:
             pool.release(buf)

@@ -3,105 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, TypeVar
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
+from . import _offload
 from . import engine
 from . import policy as _policy
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields
-from .pool import host_pool
-from .plan import Site, build_plan, check_optimizer, optimizer_name, policy_target, simple_moves
+from ._offload import PendingTransfer, Record, forget, record_of, remember_pending, settle
+from .plan import Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
 
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded"]
 
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
-
-
-@dataclass
-class _Offloaded:
-    """What :func:`offload` remembers: where each tensor was (by site), where each param was (by group and
-    index), the pool buffers the host copies live in, and the grads it took ({(group, index): (param, host)})."""
-
-    devices: dict[tuple, torch.device] = field(default_factory=dict)
-    param_devices: dict[tuple, torch.device] = field(default_factory=dict)
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    grads: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-
-# Kept beside the optimizer rather than on it, so that offloading never adds attributes to user objects.
-_records: "weakref.WeakKeyDictionary[Any, _Offloaded]" = weakref.WeakKeyDictionary()
-_pending: "weakref.WeakKeyDictionary[Any, engine.PendingTransfer]" = weakref.WeakKeyDictionary()
-_records_lock = threading.Lock()
-
-
-def _record_of(optimizer: Any) -> Optional[_Offloaded]:
-    try:
-        with _records_lock:
-            return _records.get(optimizer)
-    except TypeError:  # an optimizer that cannot be weakly referenced (a wrapper) was never offloaded
-        return None
-
-
-def _settle(optimizer: Any) -> None:
-    """Finish a non-blocking transfer still running for this optimizer before touching its state again."""
-    try:
-        with _records_lock:
-            pending = _pending.pop(optimizer, None)
-    except TypeError:
-        return
-    if pending is not None:
-        pending.wait()
-
-
-def _remember_pending(optimizer: Any, pending: engine.PendingTransfer) -> None:
-    if not pending.done():
-        with _records_lock:
-            _pending[optimizer] = pending
-        _wait_before_step(optimizer, pending)
-
-
-def _forget(optimizer: Any, pending: Optional[engine.PendingTransfer] = None) -> None:
-    """Drop the offload record and give its host buffers back to the pool, to be reused once the copies that
-    read them (``pending``) are done and nothing looks into them any more (the pool checks both)."""
-    try:
-        with _records_lock:
-            record = _records.pop(optimizer, None)
-    except TypeError:
-        return
-    if record is None:
-        return
-    event = pending.event if pending is not None else None
-    for buf in record.buffers:
-        host_pool.release(buf, event)
-
-
-def prepare_discard_offload(optimizer: Any) -> Callable[[], None]:
-    """For a load that replaces the optimizer's state: finish any transfer in flight and copy offloaded grads
-    back to their params' devices now (this may raise; nothing has changed then); the returned function, called
-    once the new state is installed, hands the grads back and forgets the old record and its buffers."""
-    _settle(optimizer)
-    record = _record_of(optimizer)
-    if record is None:
-        return lambda: None
-    back = [(p, host_grad.to(p.device)) for p, host_grad in record.grads.values() if p.grad is None]
-
-    def finish() -> None:
-        for p, grad in back:
-            p.grad = grad
-        _forget(optimizer)
-
-    return finish
-
-
-def discard_offload(optimizer: Any) -> None:
-    """The optimizer's state was replaced: give offloaded grads back to their params and forget the record."""
-    prepare_discard_offload(optimizer)()
 
 
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -114,7 +32,7 @@ def _resolve(device: Optional[DeviceLike], optimizer: Any, what: str = "device")
     return resolve(device, what=what, tensors=_all_tensors(optimizer))
 
 
-def _grads_back(optimizer: Any, record: Optional[_Offloaded]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _grads_back(optimizer: Any, record: Optional[Record]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(param, host grad) pairs that go back to their params, checked before any copy: a grad goes to its
     param's current device and must match the param, and a grad set while offloaded is never overwritten."""
     if record is None:
@@ -136,30 +54,35 @@ def _grads_back(optimizer: Any, record: Optional[_Offloaded]) -> list[tuple[torc
     return out
 
 
+def _transfer(optimizer: Any, target: TargetFn, *, non_blocking: bool = False, pin_memory: bool = False,
+              keep_host_views: bool = False, extra: Sequence[tuple[torch.Tensor, torch.device]] = ()
+              ) -> tuple[engine.Copies, PendingTransfer]:
+    """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object)."""
+    with engine.no_gc():
+        plan = build_plan(optimizer, target)
+        copies = engine.run(plan, non_blocking=non_blocking, pin_memory=pin_memory, keep_host_views=keep_host_views,
+                            extra=extra)
+        engine.commit(optimizer, copies)
+    return copies, PendingTransfer(copies.event, copies.device)
+
+
 def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Opt:
     """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it.
 
     ``device=None``: each param's state follows that param's current device (call it after ``model.to()``).
-    Scalars such as Adam's non-fused ``step`` stay on the host; values and dtypes never change. All or nothing.
+    Scalars such as Adam's non-fused ``step`` stay on the host; values, dtypes and tensor objects never
+    change. All or nothing.
     """
     check_optimizer(optimizer)
     target = _resolve(device, optimizer)
-    _settle(optimizer)
-    record = _record_of(optimizer)
-    grads = _grads_back(optimizer, record)
-    with engine.no_gc():
-        # The common case (plain tensors, nothing offloaded, blocking) in one pass; the same rule either way.
-        simple = simple_moves(optimizer, target) if record is None and not non_blocking else None
-        if simple is not None:
-            engine.apply_simple(simple)
-            return optimizer
-        plan = build_plan(optimizer, policy_target(optimizer, target))
-        copies, _, pending = engine.run(plan, non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
-        engine.commit(optimizer, copies)
-        for p, host_grad in grads:
-            p.grad = copies.get(id(host_grad), host_grad)
-    _forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
-    _remember_pending(optimizer, pending)
+    settle(optimizer)
+    grads = _grads_back(optimizer, record_of(optimizer))
+    copies, pending = _transfer(optimizer, policy_target(optimizer, target), non_blocking=non_blocking,
+                                extra=[(g, p.device) for p, g in grads])
+    for p, host_grad in grads:
+        p.grad = copies.new.get(id(host_grad), host_grad)
+    forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
+    remember_pending(optimizer, pending)
     return optimizer
 
 
@@ -177,10 +100,10 @@ def offload(
     """Move all state to host memory and remember where each tensor was, for :func:`reload`.
 
     Host copies live in a persistent pool (pinned when the state is on CUDA, unless ``pin_memory`` is False),
-    reused cycle after cycle. ``include=("grads",)`` also takes the params' ``.grad`` tensors, so the optimizer
-    holds nothing on the device. ``non_blocking=True`` returns a :class:`PendingTransfer` at once (copies run on
-    a side stream; ``wait()`` before reading the host copies); otherwise the optimizer. Offloading an offloaded
-    optimizer only moves what was added since.
+    reused cycle after cycle; the state tensors stay the same objects. ``include=("grads",)`` also takes the
+    params' ``.grad`` tensors, so the optimizer holds nothing on the device. ``non_blocking=True`` returns a
+    :class:`PendingTransfer` at once (copies run on a side stream; ``wait()`` before reading the host copies);
+    otherwise the optimizer. Offloading an offloaded optimizer only moves what was added since.
     """
     check_optimizer(optimizer)
     include = tuple(include)
@@ -195,31 +118,30 @@ def offload(
             f"offload needs an optimizer it can remember weakly (hashable, weak-referenceable); "
             f"{type(optimizer).__name__} is not: pass the torch.optim.Optimizer it wraps"
         ) from None
-    _settle(optimizer)
+    settle(optimizer)
     host = torch.device("cpu")
-    with engine.no_gc():
-        plan = build_plan(optimizer, lambda ident, param, group, key, tensor: (host, "offload"))
-        previous = _record_of(optimizer)
-        record = _Offloaded(dict(previous.devices), dict(previous.param_devices), list(previous.buffers),
-                            dict(previous.grads)) if previous else _Offloaded()
-        for transfer in plan.transfers:
-            record.devices.setdefault(transfer.ident, transfer.tensor.device)
-        grads = []
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                record.param_devices.setdefault((gi, pi), p.device)
-                if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
-                    grads.append(((gi, pi), p))
-        copies, batch, pending = engine.run(plan, non_blocking=non_blocking, pin_memory=pin_memory is not False,
-                                            keep_host_views=True, extra=[(p.grad, host) for _, p in grads])
-        engine.commit(optimizer, copies)
-        for where, p in grads:  # only now: every copy exists
-            record.grads[where] = (p, copies[id(p.grad)])
-            p.grad = None
-    record.buffers.extend(batch.held)
-    with _records_lock:
-        _records[optimizer] = record
-    _remember_pending(optimizer, pending)
+    previous = record_of(optimizer)
+    record = previous.extended() if previous is not None else Record()
+    grads = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            record.param_devices.setdefault((gi, pi), p.device)
+            if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
+                grads.append(((gi, pi), p))
+
+    def to_host(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
+                tensor: torch.Tensor) -> tuple[torch.device, str]:
+        record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
+        return host, "offload"
+
+    copies, pending = _transfer(optimizer, to_host, non_blocking=non_blocking, pin_memory=pin_memory is not False,
+                                keep_host_views=True, extra=[(p.grad, host) for _, p in grads])
+    for where, p in grads:  # only now: every copy exists
+        record.grads[where] = (p, copies.new[id(p.grad)])
+        p.grad = None
+    record.buffers.extend(copies.batch.held)
+    _offload.set_record(optimizer, record)
+    remember_pending(optimizer, pending)
     if empty_cache and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return pending if non_blocking else optimizer
@@ -227,12 +149,13 @@ def offload(
 
 def is_offloaded(optimizer: Any) -> bool:
     """Whether :func:`offload` moved this optimizer's state to the host and it was not reloaded since."""
-    return _record_of(optimizer) is not None
+    return record_of(optimizer) is not None
 
 
 def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Any:
     """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
-    ``device`` would hold it). Reloading an optimizer that was never offloaded is a no-op.
+    ``device`` would hold it), in the same tensor objects. Reloading an optimizer that was never offloaded is
+    a no-op.
 
     Entries of a param that moved while offloaded go where a fresh optimizer keeps them for its new device.
     ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the
@@ -241,13 +164,13 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
     """
     check_optimizer(optimizer)
     target = _resolve(device, optimizer)
-    _settle(optimizer)
-    record = _record_of(optimizer)
+    settle(optimizer)
+    record = record_of(optimizer)
     if target is not None:
         move(optimizer, target, non_blocking=non_blocking)
-        return _pending_of(optimizer) if non_blocking else optimizer
+        return _offload.pending_of(optimizer) if non_blocking else optimizer
     if record is None:
-        return engine.PendingTransfer() if non_blocking else optimizer
+        return PendingTransfer() if non_blocking else optimizer
     grads = _grads_back(optimizer, record)
     by_policy = policy_target(optimizer, None)
 
@@ -259,38 +182,14 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
             return was, "recorded"
         return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
-    with engine.no_gc():
-        plan = build_plan(optimizer, back)
-        copies, _, pending = engine.run(plan, non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
-        engine.commit(optimizer, copies)
-        for p, host_grad in grads:
-            p.grad = copies.get(id(host_grad), host_grad)
+    copies, pending = _transfer(optimizer, back, non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
+    for p, host_grad in grads:
+        p.grad = copies.new.get(id(host_grad), host_grad)
     if grads:
         pending.wait_on_current_stream()  # grads are read before step() (clipping, scaling, accumulation)
-    _forget(optimizer, pending)
-    _remember_pending(optimizer, pending)
+    forget(optimizer, pending)
+    remember_pending(optimizer, pending)
     return pending if non_blocking else optimizer
-
-
-def _pending_of(optimizer: Any) -> engine.PendingTransfer:
-    with _records_lock:
-        return _pending.get(optimizer) or engine.PendingTransfer()
-
-
-def _wait_before_step(optimizer: Any, pending: engine.PendingTransfer) -> None:
-    """Make the optimizer's next step wait (on the device) for a transfer still in flight."""
-    register = getattr(optimizer, "register_step_pre_hook", None)
-    if register is None:
-        pending.wait()
-        return
-    handle = None
-
-    def hook(*_: Any) -> None:
-        pending.wait_on_current_stream()
-        if handle is not None:
-            handle.remove()
-
-    handle = register(hook)
 
 
 @contextlib.contextmanager
@@ -377,7 +276,7 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     place their state by the policy for the new params' devices. All or nothing."""
     check_optimizer(optimizer)
     name = optimizer_name(optimizer)
-    _settle(optimizer)
+    settle(optimizer)
     if is_offloaded(optimizer):
         raise ValueError(f"{name}: rebind while offloaded would lose where the state was; reload() it first")
     new = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
@@ -405,8 +304,8 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
         decision = _policy.decide(optimizer, group, None, key, tensor, firsts[0].device if firsts else tensor.device)
         return decision.device, decision.source
 
-    plan = build_plan(optimizer, target)
-    copies = engine.execute(plan)
+    with engine.no_gc():
+        copies = engine.run(build_plan(optimizer, target))
     # Everything is copied: now swap params and re-key state, then the tensors.
     states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
     for (gi, pi, p), q in zip(old, new):

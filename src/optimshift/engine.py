@@ -1,157 +1,78 @@
-"""Execute a plan: copy every tensor that must move, synchronize once, then commit.
+"""Execute a plan: copy every tensor that must move, synchronize once, then commit, keeping every object.
 
-All-or-nothing: every copy is made before any state entry is replaced. An exception while copying (an OOM on
-the 900th tensor) drops the copies made so far and leaves the optimizer exactly as it was. The commit only
-assigns already-made objects into dicts, lists and attributes, which cannot fail.
+The one data path of every operation (move, offload, reload, rebind, load_state_dict):
+:func:`run` copies (grouped by :mod:`optimshift._copy`), :func:`commit` installs the copies.
+
+All or nothing: every copy is made before any state entry changes. An exception while copying (an OOM on the
+900th tensor) drops the copies made so far and leaves the optimizer exactly as it was. The commit first
+decides, for every tensor, how it will take its copy's contents (:func:`optimshift._adopt.mechanism`, pure),
+then applies those decisions, which cannot fail.
+
+Identity: committed tensors stay the same Python objects (``id()`` unchanged) wherever the installed torch
+allows it for the pair of devices, so a compiled ``step()`` that guards on them does not recompile. Where it
+does not (see :mod:`optimshift._adopt`), the copy takes the old object's place in the state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from ._adopt import Mechanism, adopt, mechanism
+from ._copy import Batch, _cuda_available, copy_many, synchronize
+from ._dtensor import local_tensor
 from ._state import Setter, rebuild
-from ._copy import Batch, copy_many
-from ._dtensor import copy_dtensor, is_dtensor, local_tensor  # imports no torch.distributed machinery
 from .plan import Plan, Transfer
 from .pool import HostPool, host_pool
 
-__all__ = ["execute", "execute_batch", "run", "apply_simple", "commit", "synchronize", "copy_tensor", "PendingTransfer"]
+__all__ = ["Copies", "run", "copy_items", "commit", "adopt_all", "no_gc"]
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
+@dataclass
+class Copies:
+    """What :func:`run` made: ``new[id(t)]`` is the copy of input tensor ``t``; ``pairs`` lists
+    ``(t, copy)`` for the plan's tensors (what :func:`commit` installs), in plan order.
 
-
-def _can_pin(source: torch.Tensor) -> bool:
-    """Pinned host memory only helps (and only exists) for copies from a CUDA-like accelerator."""
-    return source.device.type == "cuda" and _cuda_available()
-
-
-def _is_pinned(t: torch.Tensor) -> bool:
-    """A copy from pinned host memory can be asynchronous (asking without CUDA would initialize it)."""
-    return t.device.type == "cpu" and _cuda_available() and t.is_pinned()
-
-
-def copy_tensor(t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
-    """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
-    if type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # the common case, kept cheap
-        if non_blocking or (_cuda_available() and device.type == "cuda" and _is_pinned(t)):
-            return t.to(device, non_blocking=True)
-        return t.to(device)  # (keyword arguments alone double the cost of a small .to())
-    if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
-        return copy_dtensor(t, device, non_blocking=non_blocking, pin_memory=pin_memory)
-    pin = pin_memory and device.type == "cpu" and _can_pin(t) and t.layout == torch.strided
-    if pin:
-        shape_like = _dense_non_overlapping(t)
-        new = torch.empty_strided(t.shape, t.stride() if shape_like else _contiguous_strides(t.shape),
-                                  dtype=t.dtype, device=device, pin_memory=True)
-        new.copy_(t.detach(), non_blocking=True)  # completed by the one synchronize() of execute()
-    elif t.requires_grad:
-        new = t.detach().to(device, copy=True, non_blocking=non_blocking or _is_pinned(t)).requires_grad_(True)
-    else:
-        new = t.to(device, copy=True, non_blocking=non_blocking or _is_pinned(t))
-    if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
-        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-    return new
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _dense_non_overlapping(t: torch.Tensor) -> bool:
-    if t.is_contiguous():
-        return True
-    # Sort dims by stride and check the strides tile the storage exactly (as empty_like's preserve_format does).
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def synchronize(devices: Iterable[torch.device]) -> None:
-    """Wait for the copies queued on each accelerator (one call per device, not per tensor)."""
-    for device in {d for d in devices if d.type not in ("cpu", "meta")}:  # one wait per device
-        try:
-            module = torch.get_device_module(device.type)
-        except Exception:
-            module = getattr(torch, device.type, None)
-        sync = getattr(module, "synchronize", None)
-        available = getattr(module, "is_available", lambda: True)
-        if sync is not None and available():  # not available: fake tensors that only claim the device
-            try:
-                sync(device)
-            except TypeError:
-                sync()
-
-
-def execute(plan: Plan, *, non_blocking: bool = False, pin_memory: bool = False) -> dict[int, torch.Tensor]:
-    """Copy every tensor of ``plan`` that is not where it belongs; return ``{id(old): new}``.
-
-    Nothing in the optimizer changes here. With ``non_blocking=False`` the accelerators involved are
-    synchronized once at the end, so every copy is complete when this returns.
+    ``event``/``device``: set when the copies may still be running on a side stream (non-blocking on CUDA);
+    ``batch`` holds the pool buffers the host copies live in (offloaded state).
     """
-    copies, _ = execute_batch(plan, non_blocking=non_blocking, pin_memory=pin_memory)
-    return copies
+
+    new: dict[int, torch.Tensor]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    batch: Batch
+    event: Optional[Any] = None
+    device: Optional[torch.device] = None
+    mechanisms: dict[str, int] = field(default_factory=dict)  # filled by commit: how many tensors each way
 
 
-def execute_batch(
-    plan: Plan,
+def copy_items(
+    items: Sequence[tuple[torch.Tensor, torch.device]],
     *,
     non_blocking: bool = False,
     pin_memory: bool = False,
     keep_host_views: bool = False,
-    extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
     pool: Optional[HostPool] = None,
-) -> tuple[dict[int, torch.Tensor], Batch]:
-    """:func:`execute`, grouped through :func:`optimshift.batch.copy_many`; also returns the batch (buffers it
-    holds, what to release). ``extra``: more (tensor, target) pairs to copy with the plan (e.g. grads)."""
+    describe: Optional[Callable[[int], str]] = None,
+) -> Batch:
+    """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
+
+    Host memory that state will point at is always written before this returns, except for a non-blocking
+    offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
+    """
     pool = host_pool if pool is None else pool
-    items: list[tuple[torch.Tensor, torch.device]] = []
-    names: list[Any] = []
-    seen: set[int] = set()
-    for transfer in plan.transfers:
-        t, target = transfer.tensor, transfer.target
-        if t.device != target and id(t) not in seen:
-            seen.add(id(t))
-            items.append((t, target))
-            names.append(transfer)
-    for t, target in extra:
-        if t.device != target and id(t) not in seen:
-            seen.add(id(t))
-            items.append((t, target))
-            names.append("a param's .grad")
-    optimizer_name = type(plan.optimizer).__name__
-
-    def describe(i: int) -> str:
-        what = names[i]
-        return f"{optimizer_name} {what.site}" if isinstance(what, Transfer) else f"{optimizer_name} {what}"
-
-    batch = copy_many(items, copy_one=copy_tensor, pool=pool, pin_memory=pin_memory,
-                      keep_host_views=keep_host_views, non_blocking=non_blocking, describe=describe)
+    batch = copy_many(items, pool=pool, pin_memory=pin_memory, keep_host_views=keep_host_views,
+                      non_blocking=non_blocking, describe=describe)
     to_host = any(target.type == "cpu" and t.device.type not in ("cpu", "meta") for t, target in items)
     if batch.after_sync or not non_blocking or (to_host and not keep_host_views):
-        # Host memory that state will point at must be written before anyone reads it: always wait for it
-        # (a non-blocking offload is the exception: it hands out a handle to wait on).
         synchronize(batch.devices)
         batch.complete(pool)
     else:
         batch.complete(pool, _current_stream_event(batch.devices))
-    copies = {id(t): new for (t, _), new in zip(items, batch.copies) if new is not None}
-    return copies, batch
+    return batch
 
 
 def _current_stream_event(devices: Iterable[torch.device]) -> Optional[Any]:
@@ -164,12 +85,137 @@ def _current_stream_event(devices: Iterable[torch.device]) -> Optional[Any]:
     return event
 
 
-def commit(optimizer: Any, replace: Mapping[int, torch.Tensor]) -> None:
-    """Swap the copies into ``optimizer``'s state and param groups. Prepares everything, then assigns."""
-    if not replace:
-        return
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _single_cuda_device(items: Sequence[tuple[torch.Tensor, torch.device]]) -> Optional[torch.device]:
+    if not _cuda_available():
+        return None
+    devices = {d for t, target in items for d in (t.device, target) if d.type == "cuda"}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def run(
+    plan: Plan,
+    *,
+    non_blocking: bool = False,
+    pin_memory: bool = False,
+    keep_host_views: bool = False,
+    extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
+    pool: Optional[HostPool] = None,
+) -> Copies:
+    """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (e.g. grads), grouped.
+
+    With ``non_blocking`` on one CUDA device the copies run on a side stream: buffers they read go back to
+    the pool with their event, and device memory they read is protected with ``record_stream`` so the
+    caching allocator never reuses it early. Nothing in the optimizer changes here.
+    """
+    pool = host_pool if pool is None else pool
+    items: list[tuple[torch.Tensor, torch.device]] = []
+    names: list[Any] = []
+    seen: set[int] = set()
+    n_plan = 0
+    for transfer in plan.transfers:
+        t, target = transfer.tensor, transfer.target
+        if t.device != target and id(t) not in seen:
+            seen.add(id(t))
+            items.append((t, target))
+            names.append(transfer)
+    n_plan = len(items)
+    for t, target in extra:
+        if t.device != target and id(t) not in seen:
+            seen.add(id(t))
+            items.append((t, target))
+            names.append("a param's .grad")
+    optimizer_name = type(plan.optimizer).__name__
+
+    def describe(i: int) -> str:
+        what = names[i]
+        return f"{optimizer_name} {what.site}" if isinstance(what, Transfer) else f"{optimizer_name} {what}"
+
+    device = _single_cuda_device(items) if non_blocking else None
+    if device is None:
+        batch = copy_items(items, pin_memory=pin_memory, keep_host_views=keep_host_views, pool=pool,
+                           describe=describe)
+        event = None
+    else:
+        batch, event = _run_on_side_stream(items, device, pin_memory=pin_memory, keep_host_views=keep_host_views,
+                                           pool=pool, describe=describe)
+    new = {id(t): c for (t, _), c in zip(items, batch.copies) if c is not None}
+    pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None]
+    return Copies(new, pairs, batch, event, device if event is not None else None)
+
+
+def _run_on_side_stream(items: Sequence[tuple[torch.Tensor, torch.device]], device: torch.device, *,
+                        pin_memory: bool, keep_host_views: bool, pool: HostPool,
+                        describe: Callable[[int], str]) -> tuple[Batch, Any]:
+    main = torch.cuda.current_stream(device)
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams[device] = torch.cuda.Stream(device)
+    side.wait_stream(main)  # the copies read what the main stream last wrote (e.g. the last step)
+    with torch.cuda.stream(side):
+        batch = copy_items(items, non_blocking=True, pin_memory=pin_memory, keep_host_views=keep_host_views,
+                           pool=pool, describe=describe)
+        event = torch.cuda.Event()
+        event.record(side)
+    for (t, _), new in zip(items, batch.copies):
+        if t.device.type == "cuda":
+            local_tensor(t).record_stream(side)  # freed by the commit, but the side stream still reads it
+        if new is not None and new.device.type == "cuda":
+            local_tensor(new).record_stream(main)  # allocated on the side stream, used by the main one
+    batch.complete(pool, event)
+    return batch, event
+
+
+def adopt_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                                         Callable[[], dict[str, int]]]:
+    """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
+    object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
+    and returns how many tensors went each way."""
+    decided: list[tuple[torch.Tensor, torch.Tensor, Mechanism]] = []
+    replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
+    done: set[int] = set()
+    for old, new in pairs:
+        if old is new or id(old) in done:
+            continue
+        done.add(id(old))
+        how = mechanism(old, new)
+        if how == "replace":
+            replaced.append((old, new))
+        else:
+            decided.append((old, new, how))
+
+    def apply() -> dict[str, int]:
+        counts = {"data": 0, "swap": 0, "replace": len(replaced)}
+        for old, new, how in decided:
+            adopt(old, new, how)
+            counts[how] += 1
+        return counts
+
+    return replaced, apply
+
+
+def commit(optimizer: Any, copies: Copies) -> dict[str, int]:
+    """Install the copies in ``optimizer``: each tensor adopts its copy's contents and stays the same object;
+    where that is impossible, the copy takes its place in the state, param groups and containers.
+    Everything is decided and prepared first, then applied. Returns how many tensors went each way."""
+    replaced, apply = adopt_all(copies.pairs)
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
+    if replaced:
+        _prepare_replacements(optimizer, {id(old): new for old, new in replaced}, assignments, setters)
+    counts = apply()
+    for mapping, key, value in assignments:
+        mapping[key] = value
+    for apply_one in setters:
+        apply_one()
+    copies.mechanisms = counts
+    return counts
+
+
+def _prepare_replacements(optimizer: Any, replace: Mapping[int, torch.Tensor], assignments: list,
+                          setters: list[Setter]) -> None:
     memo: dict[int, Any] = {}
     for key, state in optimizer.state.items():
         if isinstance(state, dict):
@@ -180,10 +226,6 @@ def commit(optimizer: Any, replace: Mapping[int, torch.Tensor]) -> None:
                 assignments.append((optimizer.state, key, new))
     for group in optimizer.param_groups:
         _prepare_mapping(group, ("params", "param_names"), replace, assignments, setters, memo)
-    for mapping, key, value in assignments:
-        mapping[key] = value
-    for apply_one in setters:
-        apply_one()
 
 
 def _prepare_mapping(mapping: Any, skip: tuple, replace: Mapping[int, torch.Tensor], assignments: list,
@@ -199,21 +241,6 @@ def _prepare_mapping(mapping: Any, skip: tuple, replace: Mapping[int, torch.Tens
                 assignments.append((mapping, key, new))
 
 
-def apply_simple(moves: Sequence[tuple[dict, Any, torch.Tensor, torch.device]], *,
-                 pool: Optional[HostPool] = None) -> int:
-    """Copy and commit the moves of :func:`optimshift.plan.simple_moves`: every copy first (grouped as
-    :func:`execute_batch` does, one synchronize), then plain assignments. Returns the number moved."""
-    pool = host_pool if pool is None else pool
-    items = [(tensor, target) for _, _, tensor, target in moves]
-    batch = copy_many(items, copy_one=copy_tensor, pool=pool,
-                      describe=lambda i: f"state[{moves[i][1]!r}] of a param")
-    synchronize(batch.devices)
-    batch.complete(pool)
-    for (state, key, _, _), new in zip(moves, batch.copies):
-        state[key] = new
-    return len(moves)
-
-
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector while a plan runs: it creates many small objects next to many live
@@ -225,111 +252,3 @@ def no_gc() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-
-class PendingTransfer:
-    """A non-blocking offload or reload whose copies may still be running on a side stream.
-
-    ``done()`` polls, ``wait()`` blocks the host until the copies are complete. A pending reload is also
-    waited for automatically (on the device, without a host sync) before the optimizer's next ``step()``.
-    Off CUDA, transfers are synchronous and a handle is done from the start.
-    """
-
-    def __init__(self, event: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
-        self._event = event
-        self.device = device
-        self._callbacks: list[Callable[[], None]] = []
-
-    @property
-    def event(self) -> Optional[Any]:
-        """The CUDA event that completes with the copies (None once done, or off CUDA)."""
-        return self._event
-
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        if self._event is None:
-            fn()
-        else:
-            self._callbacks.append(fn)
-
-    def _finish(self) -> None:
-        self._event = None
-        callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
-
-    def done(self) -> bool:
-        if self._event is not None and self._event.query():
-            self._finish()
-        return self._event is None
-
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-            self._finish()
-
-    def wait_on_current_stream(self) -> None:
-        """Make the current stream wait for the copies (no host sync): what the step pre-hook does. Without a
-        CUDA device to wait on, the host waits."""
-        if self._event is None:
-            return
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_event(self._event)
-        else:
-            self.wait()
-
-    def __repr__(self) -> str:
-        return f"PendingTransfer(device={self.device}, done={self.done()})"
-
-
-_side_streams: dict[torch.device, Any] = {}
-
-
-def _single_cuda_device(plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device]]) -> Optional[torch.device]:
-    if not _cuda_available():
-        return None
-    devices = {d for tr in plan.transfers for d in (tr.tensor.device, tr.target) if d.type == "cuda"}
-    devices.update(d for t, target in extra for d in (t.device, target) if d.type == "cuda")
-    return devices.pop() if len(devices) == 1 else None
-
-
-def run(
-    plan: Plan,
-    *,
-    non_blocking: bool = False,
-    pin_memory: bool = False,
-    keep_host_views: bool = False,
-    extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
-    pool: Optional[HostPool] = None,
-) -> tuple[dict[int, torch.Tensor], Batch, PendingTransfer]:
-    """Execute ``plan`` (and ``extra``) grouped; with ``non_blocking`` on one CUDA device, on a side stream.
-
-    Returns the copies, the batch (host buffers it holds) and a handle. Buffers that in-flight copies read are
-    released to the pool with the handle's event; device memory that they read is protected with
-    ``record_stream`` so the caching allocator never reuses it early.
-    """
-    pool = host_pool if pool is None else pool
-    device = _single_cuda_device(plan, extra) if non_blocking else None
-    if device is None:
-        copies, batch = execute_batch(plan, pin_memory=pin_memory, keep_host_views=keep_host_views, extra=extra,
-                                      pool=pool)
-        return copies, batch, PendingTransfer()
-    main = torch.cuda.current_stream(device)
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = torch.cuda.Stream(device)
-    side.wait_stream(main)  # the copies read what the main stream last wrote (e.g. the last step)
-    with torch.cuda.stream(side):
-        copies, batch = execute_batch(plan, non_blocking=True, pin_memory=pin_memory,
-                                      keep_host_views=keep_host_views, extra=extra, pool=pool)
-        event = torch.cuda.Event()
-        event.record(side)
-    sources = [tr.tensor for tr in plan.transfers if id(tr.tensor) in copies] + [t for t, _ in extra]
-    for t in sources:
-        if t.device.type == "cuda":
-            local_tensor(t).record_stream(side)  # freed by the commit, but the side stream still reads it
-    for new in copies.values():
-        if new.device.type == "cuda":
-            local_tensor(new).record_stream(main)  # allocated on the side stream, used by the main one
-    batch.complete(pool, event)
-    return copies, batch, PendingTransfer(event, device)

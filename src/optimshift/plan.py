@@ -14,7 +14,7 @@ import torch
 from . import policy as _policy
 from ._state import Path, format_path, leaves
 
-__all__ = ["Site", "Transfer", "Plan", "build_plan", "simple_moves", "policy_target", "iter_entries", "param_label",
+__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_entries", "param_label",
            "check_optimizer"]
 
 
@@ -200,63 +200,6 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
                 )
             transfers.append(tr)
     return plan
-
-
-_PLAIN = (int, float, bool, str, type(None))
-
-
-def simple_moves(
-    optimizer: torch.optim.Optimizer, device: Optional[torch.device]
-) -> Optional[list[tuple[dict, Any, torch.Tensor, torch.device]]]:
-    """The moves of :func:`build_plan` + :func:`policy_target`, for the common case only, in one pass with no
-    per-tensor objects: ``[(state dict, key, tensor, target)]`` for every tensor not where it belongs.
-
-    ``None`` (use the general path, which also raises the precise errors) unless every state value is a plain
-    tensor or a Python scalar/string, the param groups hold no tensors, every state key is a param of a group,
-    no tensor is shared between entries, and no registered policy applies.
-    """
-    if _policy.has_registered_policy(optimizer):
-        return None
-    groups, state = optimizer.param_groups, optimizer.state
-    group_of: dict[int, Mapping[str, Any]] = {}
-    for group in groups:
-        for key, value in group.items():
-            if key != "params" and key != "param_names" and not isinstance(value, _PLAIN) and not (
-                    type(value) is tuple and all(isinstance(v, _PLAIN) for v in value)):
-                return None
-        for p in group["params"]:
-            if id(p) in group_of:
-                return None
-            group_of[id(p)] = group
-    moves = []
-    seen: set[int] = set()
-    scalars: dict[tuple, torch.device] = {}  # 0-dim decisions, once per (group, key, param rank, device)
-    for p, st in state.items():  # (id-keyed lookups: a tensor's __hash__ is a Python call)
-        group = group_of.get(id(p))
-        if group is None or type(st) is not dict:
-            return None
-        if not st:
-            continue
-        param_device = p.device if device is None else device
-        for key, value in st.items():
-            if type(value) is not torch.Tensor:
-                if isinstance(value, _PLAIN):
-                    continue
-                return None
-            if id(value) in seen:
-                return None  # shared between entries: the general path keeps it shared
-            seen.add(id(value))
-            if value.dim():
-                target = param_device  # non-scalar state always follows its param
-            else:
-                memo_key = (id(group), key, p.dim(), param_device)
-                target = scalars.get(memo_key)  # type: ignore[assignment]
-                if target is None:
-                    target = scalars[memo_key] = _policy.decide(optimizer, group, p, key, value,
-                                                                param_device).device
-            if value.device != target:
-                moves.append((st, key, value, target))
-    return moves
 
 
 def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> TargetFn:

@@ -20,10 +20,12 @@ from typing import Any, Mapping, Optional, TypeVar
 import torch
 
 from .. import engine
+from .._copy import copy_tensor
+from .._offload import prepare_discard
 from .. import policy as _policy
 from .._devices import DeviceLike, resolve
 from .._state import _ATOMS, Setter, format_path, leaves, rebuild
-from ..plan import Plan, optimizer_name
+from ..plan import optimizer_name
 
 __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
@@ -94,10 +96,8 @@ def load_state_dict(
         new_state, new_groups = staged.build()
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
         # leaves everything as it was), handed back only once the state is installed.
-        from ..api import prepare_discard_offload
-
-        finish = [prepare_discard_offload(obj) for obj in dict.fromkeys((receiver, optimizer))]
-        _install(receiver, name, new_state, new_groups)
+        finish = [prepare_discard(obj) for obj in dict.fromkeys((receiver, optimizer))]
+        _install(receiver, name, new_state, new_groups, made=staged.made_ids())
     for done in finish:
         done()
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
@@ -349,6 +349,10 @@ class _Staging:
             self._wanted[ticket] = (tensor, site)
         return ticket
 
+    def made_ids(self) -> set[int]:
+        """The ids of the copies this staging made (never the caller's own tensors)."""
+        return {id(t) for t in self._made.values()}
+
     def _got(self, wanted: Any) -> torch.Tensor:
         return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
 
@@ -367,19 +371,19 @@ class _Staging:
                 self._made[ticket] = self._copy_one(t, device, dtype, site)
         if moving:
             try:
-                copies, _ = engine.execute_batch(Plan(self.opt), extra=[(t, d) for _, t, d in moving])
+                batch = engine.copy_items([(t, d) for _, t, d in moving])
             except Exception as e:  # an OOM: nothing was installed yet
                 if hasattr(e, "add_note"):
                     e.add_note(f"{self.name}: load_state_dict: while copying {len(moving)} tensors to "
                                f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged")
                 raise
-            for ticket, t, _ in moving:
-                self._made[ticket] = copies[id(t)]
+            for (ticket, _, _), new in zip(moving, batch.copies):
+                self._made[ticket] = new
 
     def _copy_one(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, site: tuple) -> torch.Tensor:
         try:
             if tensor.requires_grad or type(tensor) is not torch.Tensor:  # Parameters, subclasses: the general copy
-                new = engine.copy_tensor(tensor, device)
+                new = copy_tensor(tensor, device)
                 return new if new.dtype == dtype else new.to(dtype)
             if tensor.dtype == dtype and tensor.device == device:
                 return tensor.clone()  # same place: keeps the strides, and is the cheapest copy
@@ -617,10 +621,19 @@ def _probe_shapes(cls: type, kwargs: dict, shapes: list) -> frozenset:
 # --- installing ----------------------------------------------------------------------------------------------
 
 
-def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict, groups: list) -> None:
+def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict, groups: list, *,
+             made: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
-    e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back."""
+    e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
+
+    Then every tensor the optimizer already held at the same place (param and key, or group and key) adopts
+    the loaded copy's contents and stays the same object (see :mod:`optimshift._adopt`), so a resume into an
+    optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted: with
+    ``copy=False`` the caller's own tensors are installed as they are.
+    """
     before = dict(optimizer.__dict__)
+    live = [(holder, {k: v for k, v in holder.items() if isinstance(v, torch.Tensor)}, fresh)
+            for holder, fresh in _same_places(optimizer, state, groups)]
     try:
         optimizer.__setstate__({"state": state, "param_groups": groups})
     except Exception as e:
@@ -630,3 +643,32 @@ def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict, gr
             f"{name}: load_state_dict: {type(optimizer).__name__}.__setstate__ rejected the loaded state "
             f"({type(e).__name__}: {e}); the optimizer is unchanged"
         ) from e
+    places: list[tuple[dict, Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
+    uses: dict[int, int] = {}
+    for _, old_tensors, fresh in live:
+        for key, old in old_tensors.items():
+            new = fresh.get(key)
+            if isinstance(new, torch.Tensor) and id(new) in made and new is not old:
+                places.append((fresh, key, old, new))
+                uses[id(new)] = uses.get(id(new), 0) + 1
+    # A copy installed in two places stays one shared object (adopting it twice would split the sharing).
+    places = [place for place in places if uses[id(place[3])] == 1]
+    cannot, apply = engine.adopt_all([(old, new) for _, _, old, new in places])
+    stay_new = {id(old) for old, _ in cannot}  # no mechanism for this pair: the copy stays installed
+    apply()
+    for fresh, key, old, _ in places:
+        if id(old) not in stay_new:
+            fresh[key] = old
+
+
+def _same_places(optimizer: torch.optim.Optimizer, state: Mapping[Any, Any], groups: list) -> list[tuple[dict, dict]]:
+    """(live holder, new holder) for each param's state dict and each param group present in both."""
+    pairs = []
+    for p, fresh in state.items():
+        if isinstance(p, torch.Tensor) and isinstance(fresh, dict):
+            old = optimizer.state.get(p)
+            if isinstance(old, dict) and old:
+                pairs.append((old, fresh))
+    for old_group, new_group in zip(optimizer.param_groups, groups):
+        pairs.append((old_group, new_group))
+    return pairs

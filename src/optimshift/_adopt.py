@@ -1,0 +1,72 @@
+"""Giving a tensor object another tensor's contents while it stays the same Python object.
+
+A ``torch.compile``d ``optimizer.step()`` guards on the identity of every state tensor
+(``___check_obj_id(self.state[p]["exp_avg"])``): an operation that replaces them recompiles the step, and after
+``recompile_limit`` replacements dynamo runs it eagerly for the rest of the process. So the engine never puts a
+copy in the optimizer's place; the old object *adopts* the copy's contents, by the first mechanism that the
+installed torch allows for the pair:
+
+- ``"data"``: ``old.data = new`` (``set_data``), the classic ``param.data = param.data.cuda()``: cheap, keeps
+  compiled graphs. Needs the same kind of TensorImpl on both sides (CPU <-> CUDA yes; CPU <-> a Python
+  PrivateUse1 backend or meta no) and a plain tensor class (a subclass may keep its device in Python
+  attributes, as ``FakeTensor`` does, which ``set_data`` would not update).
+- ``"swap"``: ``torch.utils.swap_tensors(old, new)``: exchanges the two objects' C++ tensors, classes,
+  ``__dict__`` and slots. Works between any devices, but not on a tensor anyone holds a weak reference to
+  (dynamo does, once it has traced a step over it) or whose C++ tensor something else also holds (a view of
+  it, an autograd graph).
+- ``"replace"``: neither applies: the copy goes in the old object's place (the engine's fallback, which
+  :func:`optimshift.check` explains and the docs list).
+
+Choosing is pure (:func:`mechanism`), so the engine decides for every tensor before it changes any, and
+applying a chosen mechanism (:func:`adopt`) cannot fail.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import weakref
+from typing import Literal
+
+import torch
+
+__all__ = ["Mechanism", "mechanism", "adopt"]
+
+Mechanism = Literal["data", "swap", "replace"]
+
+# NOTE: exact classes only. ``Parameter``/``Buffer`` keep no device in Python; any other subclass might
+# (FakeTensor's ``fake_device``, a wrapper subclass's inner tensor), so it is swapped as a whole instead.
+_PLAIN = (torch.Tensor, torch.nn.Parameter) + ((torch.nn.Buffer,) if hasattr(torch.nn, "Buffer") else ())
+
+
+def mechanism(old: torch.Tensor, new: torch.Tensor) -> Mechanism:
+    """How ``old`` can take ``new``'s contents and stay the same object (see the module docstring)."""
+    cls = type(old)
+    if cls in _PLAIN and type(new) in _PLAIN and torch._has_compatible_shallow_copy_type(old, new):
+        return "data"
+    if _swappable(old, new):
+        return "swap"
+    return "replace"
+
+
+def _swappable(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """What ``torch.utils.swap_tensors`` checks, asked beforehand (it raises half-way otherwise)."""
+    if weakref.getweakrefcount(old) or weakref.getweakrefcount(new):
+        return False
+    if type(old) is not type(new) and set(copyreg._slotnames(type(old))) != set(copyreg._slotnames(type(new))):  # type: ignore[attr-defined]
+        return False
+    # Another C++ holder of either tensor (a view's base, an autograd node) would end up on the other object.
+    return old._use_count() == 1 and new._use_count() == 1 and not old.requires_grad and not new.requires_grad
+
+
+def adopt(old: torch.Tensor, new: torch.Tensor, how: Mechanism) -> None:
+    """Give ``old`` the contents of ``new`` by ``how`` (never ``"replace"``: that is the caller's job).
+    ``new`` must not be used afterwards (after a swap it holds ``old``'s former contents)."""
+    if how == "data":
+        old.data = new
+    elif how == "swap":
+        if type(old) is torch.Tensor and type(new) is torch.Tensor and not old.__dict__ and not new.__dict__:
+            torch._C._swap_tensor_impl(old, new)  # what swap_tensors does for plain tensors, without its overhead
+        else:
+            torch.utils.swap_tensors(old, new)
+    else:  # pragma: no cover - a caller bug
+        raise ValueError(f"adopt: cannot adopt by {how!r}")

@@ -9,7 +9,7 @@ import optimshift
 from optimshift import _copy as batch_mod
 from optimshift.pool import HostPool, host_pool
 from optimshift.testing import simulated_memory_allocated
-from _matrix import Model, bitwise_equal, state_layout, train
+from _matrix import Model, bitwise_equal, snapshot, state_layout, train
 
 
 def _adam_on(sim, n=20, **kw):

@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Mechanism", "mechanism", "adopt"]
+__all__ = ["Mechanism", "mechanism", "decide_all", "adopt"]
 
 Mechanism = Literal["data", "swap", "replace"]
 
@@ -40,12 +40,21 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter) + ((torch.nn.Buffer,) if hasattr(tor
 
 def mechanism(old: torch.Tensor, new: torch.Tensor) -> Mechanism:
     """How ``old`` can take ``new``'s contents and stay the same object (see the module docstring)."""
-    cls = type(old)
-    if cls in _PLAIN and type(new) in _PLAIN and torch._has_compatible_shallow_copy_type(old, new):
-        return "data"
-    if _swappable(old, new):
-        return "swap"
-    return "replace"
+    return decide_all([(old, new)])[0]
+
+
+def decide_all(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[Mechanism]:
+    """:func:`mechanism` for each pair; what depends only on the classes and devices is asked once per kind."""
+    kinds: dict[tuple, bool] = {}  # (classes, devices) -> set_data allowed
+    out: list[Mechanism] = []
+    for old, new in pairs:
+        kind = (type(old), type(new), old.device, new.device)
+        data = kinds.get(kind)
+        if data is None:
+            data = kinds[kind] = (kind[0] in _PLAIN and kind[1] in _PLAIN
+                                  and torch._has_compatible_shallow_copy_type(old, new))
+        out.append("data" if data else "swap" if _swappable(old, new) else "replace")
+    return out
 
 
 def _swappable(old: torch.Tensor, new: torch.Tensor) -> bool:

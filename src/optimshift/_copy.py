@@ -46,7 +46,7 @@ def _is_pinned(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _cuda_available() and t.is_pinned()
 
 
-def copy_tensor(t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
+def copy_tensor(t: torch.Tensor, device: torch.device, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
     if type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # the common case, kept cheap
         if non_blocking or (_cuda_available() and device.type == "cuda" and _is_pinned(t)):
@@ -180,7 +180,7 @@ def copy_many(
                 groups.setdefault((source, target, t.dtype), []).append(i)
                 continue
             current = i
-            copies[i] = copy_tensor(t, target, non_blocking=non_blocking, pin_memory=pin_memory)
+            copies[i] = copy_tensor(t, target, non_blocking, pin_memory)
         batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))

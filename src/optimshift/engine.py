@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import torch
 
-from ._adopt import Mechanism, adopt, mechanism
+from ._adopt import adopt, decide_all
 from ._copy import Batch, _cuda_available, copy_many, synchronize
 from ._dtensor import local_tensor
 from ._state import Setter, rebuild
@@ -116,7 +116,7 @@ def run(
     seen: set[int] = set()
     n_plan = 0
     for transfer in plan.transfers:
-        t, target = transfer.tensor, transfer.target
+        t, target = transfer[2], transfer[4]  # (tensor, target: see plan.Transfer)
         if t.device != target and id(t) not in seen:
             seen.add(id(t))
             items.append((t, target))
@@ -173,23 +173,23 @@ def adopt_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[
     """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
     object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
     and returns how many tensors went each way."""
-    decided: list[tuple[torch.Tensor, torch.Tensor, Mechanism]] = []
-    replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
     done: set[int] = set()
-    for old, new in pairs:
-        if old is new or id(old) in done:
-            continue
-        done.add(id(old))
-        how = mechanism(old, new)
-        if how == "replace":
-            replaced.append((old, new))
-        else:
-            decided.append((old, new, how))
+    unique = []
+    for pair in pairs:
+        old = pair[0]
+        if old is not pair[1] and id(old) not in done:
+            done.add(id(old))
+            unique.append(pair)
+    hows = decide_all(unique)
+    replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
 
     def apply() -> dict[str, int]:
         counts = {"data": 0, "swap": 0, "replace": len(replaced)}
-        for old, new, how in decided:
-            adopt(old, new, how)
+        for (old, new), how in zip(unique, hows):
+            if how == "data":
+                old.data = new  # (inline: this loop runs once per tensor)
+            elif how == "swap":
+                adopt(old, new, how)
             counts[how] += 1
         return counts
 

@@ -7,6 +7,7 @@ while the optimizer is untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
@@ -60,23 +61,31 @@ class Site:
     __repr__ = __str__
 
 
-class Transfer:
-    """One tensor of the plan: where it sits, the param it belongs to, and where it must go."""
+class Transfer(tuple):
+    """One tensor of the plan: where it sits (``ident`` = group, index, path), the param it belongs to, and
+    where it must go (``target``, decided by ``source``: a policy rule, a record, offload)."""
 
-    __slots__ = ("ident", "name", "tensor", "param", "target", "source")
-
-    def __init__(self, ident: tuple, name: Optional[str], tensor: torch.Tensor, param: Optional[torch.Tensor],
-                 target: torch.device, source: str) -> None:
-        self.ident, self.name, self.tensor, self.param, self.target, self.source = ident, name, tensor, param, target, source
+    # NOTE: a tuple, built with tuple.__new__: a plan holds one per tensor (50k for a large model), and a
+    # Python-level __init__ per tensor would cost more than the rest of the plan.
+    __slots__ = ()
+    ident = property(itemgetter(0))
+    name = property(itemgetter(1))
+    tensor = property(itemgetter(2))
+    param = property(itemgetter(3))
+    target = property(itemgetter(4))
+    source = property(itemgetter(5))
 
     @property
     def site(self) -> Site:
-        group, index, path = self.ident
-        return Site(group, index, path[0][1], path, self.name)
+        group, index, path = self[0]
+        return Site(group, index, path[0][1], path, self[1])
 
     @property
     def moves(self) -> bool:
-        return self.tensor.device != self.target
+        return self[2].device != self[4]
+
+
+_new_transfer = tuple.__new__
 
 
 @dataclass
@@ -191,9 +200,9 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
         for path, tensor in found:
             ident = (gi, pi, path)
             device, source = target(ident, param, group, key, tensor)
-            tr = Transfer(ident, pname, tensor, param, device, source)
+            tr = _new_transfer(Transfer, (ident, pname, tensor, param, device, source))
             prior = first.setdefault(id(tensor), tr)
-            if prior is not tr and prior.target != device:
+            if prior is not tr and prior[4] != device:
                 raise ValueError(
                     f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which belong "
                     f"on different devices ({prior.target} and {device}); it cannot be placed for both"
@@ -209,7 +218,14 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
     memo: dict[tuple, tuple[torch.device, str]] = {}
     cacheable = not _policy.has_registered_policy(optimizer)  # a user policy may look at anything
 
+    fixed_rule = None if device is None else (device, "rule")
+
     def target(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+        if cacheable and tensor.dim() != 0:
+            # Non-scalar state always follows its param (policy.decide): the common case, kept cheap.
+            if fixed_rule is not None:
+                return fixed_rule
+            return (param.device if param is not None else group_device(group, tensor)), "rule"
         if device is not None:
             param_device = device
         elif param is not None:
@@ -217,10 +233,8 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
         else:
             param_device = group_device(group, tensor)
         if cacheable:
-            if tensor.dim() != 0:
-                return param_device, "rule"  # non-scalar state always follows its param (policy.decide)
             # Built-in rules depend only on these: decide once per distinct combination in this plan.
-            memo_key = (id(group), key, tensor.dim() == 0, param.dim() if param is not None else -1, param_device)
+            memo_key = (id(group), key, param.dim() if param is not None else -1, param_device)
             hit = memo.get(memo_key)
             if hit is not None:
                 return hit

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 import weakref
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
 
@@ -20,6 +22,8 @@ from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded"]
 
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
+
+_log = logging.getLogger("optimshift")
 
 
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -54,15 +58,24 @@ def _grads_back(optimizer: Any, record: Optional[Record]) -> list[tuple[torch.Te
     return out
 
 
-def _transfer(optimizer: Any, target: TargetFn, *, non_blocking: bool = False, pin_memory: bool = False,
-              keep_host_views: bool = False, extra: Sequence[tuple[torch.Tensor, torch.device]] = ()
-              ) -> tuple[engine.Copies, PendingTransfer]:
+def _transfer(optimizer: Any, target: TargetFn, *, what: str, non_blocking: bool = False,
+              pin_memory: bool = False, keep_host_views: bool = False,
+              extra: Sequence[tuple[torch.Tensor, torch.device]] = ()) -> tuple[engine.Copies, PendingTransfer]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object)."""
+    start = time.perf_counter()
     with engine.no_gc():
         plan = build_plan(optimizer, target)
         copies = engine.run(plan, non_blocking=non_blocking, pin_memory=pin_memory, keep_host_views=keep_host_views,
                             extra=extra)
         engine.commit(optimizer, copies)
+    if _log.isEnabledFor(logging.DEBUG):
+        moved = list(copies.new.values())
+        _log.debug("%s %s: %d tensors (%d bytes) in %.2f ms, %d device synchronizations; objects kept: %d by "
+                   "set_data, %d by swap, %d replaced%s", what, optimizer_name(optimizer), len(moved),
+                   sum(tensor_bytes(t) for t in moved), (time.perf_counter() - start) * 1e3,
+                   0 if copies.event is not None else sum(d.type not in ("cpu", "meta") for d in copies.batch.devices), copies.mechanisms.get("data", 0),
+                   copies.mechanisms.get("swap", 0), copies.mechanisms.get("replace", 0),
+                   " (non-blocking: still in flight)" if copies.event is not None else "")
     return copies, PendingTransfer(copies.event, copies.device)
 
 
@@ -77,8 +90,8 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
     target = _resolve(device, optimizer)
     settle(optimizer)
     grads = _grads_back(optimizer, record_of(optimizer))
-    copies, pending = _transfer(optimizer, policy_target(optimizer, target), non_blocking=non_blocking,
-                                extra=[(g, p.device) for p, g in grads])
+    copies, pending = _transfer(optimizer, policy_target(optimizer, target), what="move",
+                                non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
@@ -134,8 +147,9 @@ def offload(
         record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
         return host, "offload"
 
-    copies, pending = _transfer(optimizer, to_host, non_blocking=non_blocking, pin_memory=pin_memory is not False,
-                                keep_host_views=True, extra=[(p.grad, host) for _, p in grads])
+    copies, pending = _transfer(optimizer, to_host, what="offload", non_blocking=non_blocking,
+                                pin_memory=pin_memory is not False, keep_host_views=True,
+                                extra=[(p.grad, host) for _, p in grads])
     for where, p in grads:  # only now: every copy exists
         record.grads[where] = (p, copies.new[id(p.grad)])
         p.grad = None
@@ -182,7 +196,8 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
             return was, "recorded"
         return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
-    copies, pending = _transfer(optimizer, back, non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
+    copies, pending = _transfer(optimizer, back, what="reload", non_blocking=non_blocking,
+                                extra=[(g, p.device) for p, g in grads])
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)
     if grads:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 import warnings
 from dataclasses import dataclass
@@ -264,9 +265,24 @@ def decide(
             # The probe ran and this class keeps no such scalar after a step: follow the param, as
             # torch.optim does for every tensor it does not deliberately host.
             return Decision(device, "rule")
+    _warn_guessed(cls)
     if key == "step":
         return Decision(device if _default_scalar_on_device(group) else HOST, "default")
     return Decision(device, "default")
+
+
+_guessed: set[type] = set()
+
+
+def _warn_guessed(cls: type) -> None:
+    """Say once per class, on the ``optimshift`` logger, that its placement was guessed."""
+    if cls in _guessed:
+        return
+    _guessed.add(cls)
+    logging.getLogger("optimshift").warning(
+        "no placement rule is known for %s: a 0-dim 'step' stays on the host unless the group is fused or "
+        "capturable, everything else follows its param; register one with optimshift.register_policy(%s, policy) "
+        "if that is wrong", cls.__name__, cls.__name__)
 
 
 def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:

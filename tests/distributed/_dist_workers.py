@@ -155,6 +155,10 @@ def rows(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [dataclasses.asdict(r) for r in optimshift.placement(opt)]
 
 
+def _object_ids(opt: Any) -> list[int]:
+    return [id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
 # --- workers (run on every rank by _dist_harness.run) -----------------------------------------------------
 
 
@@ -178,6 +182,7 @@ def train_save(rank: int, world: int, workdir: Path) -> dict[str, Any]:
     res["rows"] = rows(opt)
     res["check"] = optimshift.check(opt).ok
     res["before"] = snapshot(opt, mesh)
+    objects = _object_ids(opt)
     # state alone to sim (params stay on the host): where a fresh optimizer over params on sim keeps it
     optimshift.move(opt, sim)
     res["moved"] = snapshot(opt, mesh)
@@ -188,6 +193,7 @@ def train_save(rank: int, world: int, workdir: Path) -> dict[str, Any]:
     res["reloaded"] = snapshot(opt, mesh)
     optimshift.move(opt, "cpu")
     res["back"] = snapshot(opt, mesh)
+    res["same_objects"] = _object_ids(opt) == objects  # the DTensor objects stay; their local shards moved
     # the whole FSDP2 model to sim and back, the optimizer following its params (move(opt) without device)
     model.to(sim)
     optimshift.move(opt)

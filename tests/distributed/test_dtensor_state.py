@@ -77,6 +77,7 @@ def test_move_offload_reload_round_trip_is_bitwise_and_keeps_mesh_and_placements
         assert res["is_offloaded"]
         assert _devices(res["reloaded"]) == _devices(res["moved"])  # back exactly where it was
         assert _devices(res["back"]) == _devices(before)
+        assert res["same_objects"], "every DTensor in the state is the same object after move/offload/reload"
 
 
 def test_fsdp2_model_and_optimizer_to_sim_and_back(job_train, single_run):

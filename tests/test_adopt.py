@@ -1,0 +1,51 @@
+"""How a tensor keeps its object across devices (optimshift._adopt), and the fallback where torch allows none."""
+
+import weakref
+
+import torch
+
+import optimshift
+from optimshift._adopt import mechanism
+from _matrix import Model, bitwise_equal, snapshot, train
+
+
+def test_mechanism_per_pair_of_devices(sim):
+    cpu = torch.zeros(3)
+    assert mechanism(cpu, torch.ones(3)) == "data"  # same kind of TensorImpl: set_data
+    assert mechanism(torch.zeros(3, device=sim), torch.ones(3, device=sim)) == "data"
+    assert mechanism(torch.zeros(3), torch.ones(3, device=sim)) == "swap"  # a Python backend: swap_tensors
+    assert mechanism(torch.zeros(3), torch.ones(3, device="meta")) == "swap"
+    held = torch.zeros(3)
+    ref = weakref.ref(held)  # what dynamo keeps once it traced a step over the tensor
+    assert mechanism(held, torch.ones(3, device=sim)) == "replace" and ref() is held
+    viewed = torch.zeros(3)
+    view = viewed[1:]  # another C++ holder of the tensor: swapping would hand it to the other object
+    assert mechanism(viewed, torch.ones(3, device=sim)) == "replace" and view.numel() == 2
+
+
+def test_fake_tensors_are_swapped_not_set_data():
+    """A FakeTensor keeps its device in a Python attribute that set_data would not update."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        a, b = torch.zeros(3), torch.zeros(3, device=torch.device("cuda", 0))
+        assert mechanism(a, b) == "swap"
+
+
+def test_where_no_mechanism_applies_the_copy_takes_the_place(sim):
+    """The documented fallback: a state tensor someone holds weakly, moved between the host and the simulated
+    device, is replaced by its copy; placement and values are as always, the other tensors keep their objects."""
+    model = Model([(3, 2), (2,)])
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    train(model, opt, range(2))
+    st0, st1 = (opt.state[p] for p in model.parameters())
+    held = st0["exp_avg"]
+    ref = weakref.ref(held)
+    values = snapshot(st0)
+    others = {k: st1[k] for k in st1}
+    model.to(sim)
+    optimshift.move(opt)
+    assert st0["exp_avg"] is not held and ref() is held and held.device.type == "cpu"
+    assert st0["exp_avg"].device == sim and bitwise_equal(dict(st0), values)
+    assert all(st1[k] is others[k] for k in st1), "the rest keep their objects"
+    assert optimshift.check(opt).ok

@@ -11,17 +11,20 @@ device through a one-shot step pre-hook.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ._state import leaves
 from .pool import host_pool
 
-__all__ = ["PendingTransfer", "Record", "record_of", "settle", "remember_pending", "forget",
-           "prepare_discard", "pending_of"]
+__all__ = ["PendingTransfer", "Record", "exclusive", "record_of", "set_record", "settle", "remember_pending",
+           "forget", "prepare_discard", "pending_of"]
 
 
 class PendingTransfer:
@@ -87,15 +90,44 @@ class Record:
     param_devices: dict[tuple, torch.device] = field(default_factory=dict)
     buffers: list[torch.Tensor] = field(default_factory=list)
     grads: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
 
     def extended(self) -> "Record":
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded)."""
-        return Record(dict(self.devices), dict(self.param_devices), list(self.buffers), dict(self.grads))
+        return Record(dict(self.devices), dict(self.param_devices), list(self.buffers), dict(self.grads),
+                      list(self.hooks))
+
+    @property
+    def moved_any(self) -> bool:
+        """Whether offload took anything off an accelerator (else the state sits where it belongs)."""
+        return any(d.type != "cpu" for d in self.devices.values()) or bool(self.grads)
 
 
 _records: "weakref.WeakKeyDictionary[Any, Record]" = weakref.WeakKeyDictionary()
 _pending: "weakref.WeakKeyDictionary[Any, PendingTransfer]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+
+
+_operation_locks: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_unweakable_lock = threading.RLock()  # for optimizers that cannot be weakly referenced
+
+
+@contextlib.contextmanager
+def exclusive(optimizer: Any) -> Iterator[None]:
+    """Run one operation on ``optimizer`` at a time, from any thread (re-entrant: reload calls move).
+
+    # NOTE: an offload in one thread and a reload in another, interleaved, could otherwise record the host as
+    # the original device or drop the record, leaving the state stranded on the host.
+    """
+    try:
+        with _lock:
+            lock = _operation_locks.get(optimizer)
+            if lock is None:
+                lock = _operation_locks[optimizer] = threading.RLock()
+    except TypeError:
+        lock = _unweakable_lock
+    with lock:
+        yield
 
 
 def record_of(optimizer: Any) -> Optional[Record]:
@@ -107,8 +139,75 @@ def record_of(optimizer: Any) -> Optional[Record]:
 
 
 def set_record(optimizer: Any, record: Record) -> None:
+    """Keep ``record`` for ``optimizer`` and, the first time, install the hooks that guard offloaded state."""
+    if not record.hooks:
+        record.hooks.extend(_install_hooks(optimizer))
     with _lock:
         _records[optimizer] = record
+
+
+def _install_hooks(optimizer: Any) -> list[Any]:
+    """While offloaded: ``step()`` refuses at once (before any counter moves), and ``state_dict()`` returns
+    compact copies of the host tensors instead of views into shared pool buffers."""
+    handles = []
+    register_pre = getattr(optimizer, "register_step_pre_hook", None)
+    if register_pre is not None:
+        handles.append(register_pre(_refuse_step))
+    register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
+    if register_sd is not None:
+        handles.append(register_sd(_compact_state_dict))
+    return handles
+
+
+def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    record = record_of(optimizer)
+    if record is not None and record.moved_any:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() while its state is offloaded to the host: call "
+            f"optimshift.reload(optimizer) first (nothing was stepped)"
+        )
+
+
+def _compact_state_dict(optimizer: Any, state_dict: dict) -> dict:
+    """A state_dict whose offloaded tensors own exactly their bytes.
+
+    # NOTE: offloaded state is a view into a pool buffer shared with other tensors (even other optimizers');
+    # torch.save writes a view's whole storage, so a checkpoint taken while offloaded would hold their bytes.
+    # The live per-param dicts are shared with the returned state_dict: build new ones, never mutate them.
+    """
+    compact: dict[int, torch.Tensor] = {}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size() and id(t) not in compact:
+            compact[id(t)] = t.clone()
+        return compact.get(id(t), t)
+
+    states = state_dict.get("state", {})
+    for value in states.values():
+        for _, t in leaves(value):
+            own(t)
+    if not compact:
+        return state_dict
+    out = dict(state_dict)
+    new_states = {}
+    for key, value in states.items():
+        if isinstance(value, dict):
+            new_states[key] = {k: _compacted(v, compact) for k, v in value.items()}
+        else:
+            new_states[key] = _compacted(value, compact)
+    out["state"] = new_states
+    return out
+
+
+def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:
+    """``value`` with the tensors in ``compact`` swapped for their compact copies; containers that hold one
+    are copied (the live ones are shared with the optimizer), everything else is shared as it is."""
+    if isinstance(value, torch.Tensor):
+        return compact.get(id(value), value)
+    found = [t for _, t in leaves(value)]
+    if not any(id(t) in compact for t in found):
+        return value
+    return copy.deepcopy(value, {id(t): compact.get(id(t), t) for t in found})
 
 
 def settle(optimizer: Any) -> None:
@@ -157,6 +256,8 @@ def forget(optimizer: Any, pending: Optional[PendingTransfer] = None) -> None:
         return
     if record is None:
         return
+    for handle in record.hooks:
+        handle.remove()
     event = pending.event if pending is not None else None
     for buf in record.buffers:
         host_pool.release(buf, event)

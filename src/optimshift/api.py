@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import weakref
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
@@ -15,7 +16,7 @@ from . import engine
 from . import policy as _policy
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields
-from ._offload import PendingTransfer, Record, forget, record_of, remember_pending, settle
+from ._offload import PendingTransfer, Record, exclusive, forget, record_of, remember_pending, settle
 from .plan import Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
 
@@ -24,6 +25,19 @@ __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebi
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 
 _log = logging.getLogger("optimshift")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _one_at_a_time(fn: F) -> F:
+    """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`)."""
+
+    @functools.wraps(fn)
+    def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        with exclusive(optimizer):
+            return fn(optimizer, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -79,6 +93,7 @@ def _transfer(optimizer: Any, target: TargetFn, *, what: str, non_blocking: bool
     return copies, PendingTransfer(copies.event, copies.device)
 
 
+@_one_at_a_time
 def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Opt:
     """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it.
 
@@ -102,6 +117,7 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
 _INCLUDE = ("grads",)
 
 
+@_one_at_a_time
 def offload(
     optimizer: Opt,
     *,
@@ -166,6 +182,7 @@ def is_offloaded(optimizer: Any) -> bool:
     return record_of(optimizer) is not None
 
 
+@_one_at_a_time
 def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Any:
     """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
     ``device`` would hold it), in the same tensor objects. Reloading an optimizer that was never offloaded is
@@ -286,6 +303,7 @@ def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch
     return "warning", f"a fresh {name} keeps it on {expected}", None
 
 
+@_one_at_a_time
 def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
     place their state by the policy for the new params' devices. All or nothing."""

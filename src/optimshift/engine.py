@@ -183,13 +183,18 @@ def adopt_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[
     hows = decide_all(unique)
     replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
 
+    plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
+
     def apply() -> dict[str, int]:
         counts = {"data": 0, "swap": 0, "replace": len(replaced)}
         for (old, new), how in zip(unique, hows):
             if how == "data":
                 old.data = new  # (inline: this loop runs once per tensor)
             elif how == "swap":
-                adopt(old, new, how)
+                if type(old) is plain and type(new) is plain and not old.__dict__ and not new.__dict__:
+                    swap_impl(old, new)  # adopt()'s plain-tensor case, inline
+                else:
+                    adopt(old, new, how)
             counts[how] += 1
         return counts
 

@@ -15,7 +15,7 @@ import torch
 from . import policy as _policy
 from ._state import Path, format_path, leaves
 
-__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_entries", "param_label",
+__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_holders", "param_label",
            "check_optimizer"]
 
 
@@ -120,12 +120,14 @@ def param_label(group: int, index: int, names: Optional[list]) -> Optional[str]:
     return None
 
 
-def iter_entries(
+def iter_holders(
     optimizer: torch.optim.Optimizer,
-) -> Iterator[tuple[int, Optional[int], Optional[torch.Tensor], Mapping[str, Any], str, Any, Optional[str]]]:
-    """Yield (group, index, param, group dict, key, value, param name) for every state entry of every param,
-    then for every param-group entry other than ``params``/``param_names``, then for optimizer-wide entries
-    (``optimizer.state`` keys that are not tensors, e.g. MADGRAD's ``"k"``) as group ``OPTIMIZER_WIDE``.
+) -> Iterator[tuple[int, Optional[int], Optional[torch.Tensor], Mapping[str, Any], Mapping[Any, Any], Optional[str]]]:
+    """Yield (group index, param index, param, group dict, entries, param name) for every param with state
+    (``entries`` is its state dict), then for every param group (``param index`` and ``param`` None,
+    ``entries`` the group dict itself: skip ``params``/``param_names``), then once for the optimizer-wide
+    entries (``optimizer.state`` keys that are not tensors, e.g. MADGRAD's ``"k"``) as group
+    ``OPTIMIZER_WIDE`` with the first group (their tensors go where its params are).
 
     Raises ValueError if the state holds a param that no group holds (it could never be placed).
     """
@@ -137,36 +139,36 @@ def iter_entries(
                 g0, i0 = located[id(p)]
                 raise ValueError(f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})")
             located[id(p)] = (gi, pi)
-    wide: list[Any] = []
-    for p in optimizer.state:
+    wide: dict[Any, Any] = {}
+    by_id: dict[int, Any] = {}  # (id-keyed: a tensor's __hash__ is a Python call)
+    for p, state in optimizer.state.items():
         if not isinstance(p, torch.Tensor):
-            wide.append(p)  # an optimizer-wide entry under a plain key
+            wide[p] = state  # an optimizer-wide entry under a plain key
         elif id(p) not in located:
             shape = tuple(p.shape)
-            keys = list(optimizer.state[p]) if isinstance(optimizer.state[p], Mapping) else []
+            keys = list(state) if isinstance(state, Mapping) else []
             raise ValueError(
                 f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
                 f"group; it cannot be placed. Remove it (del optimizer.state[param]) or add the param to a group."
             )
+        else:
+            by_id[id(p)] = state
     for gi, group in enumerate(optimizer.param_groups):
         names = group.get("param_names")
         for pi, p in enumerate(group["params"]):
-            state = optimizer.state.get(p)
+            state = by_id.get(id(p))
             if not state:
                 continue
-            if not isinstance(state, (dict, Mapping)):
+            if type(state) is not dict and not isinstance(state, Mapping):
                 raise TypeError(f"{name}: state of group {gi}, param {pi} is a {type(state).__name__}, expected a dict")
-            for key, value in state.items():
-                yield gi, pi, p, group, key, value, param_label(gi, pi, names)
+            yield gi, pi, p, group, state, param_label(gi, pi, names)
     for gi, group in enumerate(optimizer.param_groups):
-        for key, value in group.items():
-            if key in ("params", "param_names"):
-                continue
-            yield gi, None, None, group, key, value, None
+        yield gi, None, None, group, group, None
     if wide and optimizer.param_groups:
-        first = optimizer.param_groups[0]  # optimizer-wide tensors go where the first group's params are
-        for key in wide:
-            yield OPTIMIZER_WIDE, None, None, first, key, optimizer.state[key], None
+        yield OPTIMIZER_WIDE, None, None, optimizer.param_groups[0], wide, None
+
+
+_GROUP_SKIP = ("params", "param_names")
 
 
 # target(ident, param, group, key, tensor) -> (device, source); ident = (group index, param index, path).
@@ -191,23 +193,34 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
     """
     plan = Plan(optimizer)
     transfers = plan.transfers
+    append = transfers.append
     first: dict[int, Transfer] = {}
-    for gi, pi, param, group, key, value, pname in iter_entries(optimizer):
-        if isinstance(value, torch.Tensor):
-            found: Any = ((_top_path(key), value),)
-        else:
-            found = leaves(value, _top_path(key))
-        for path, tensor in found:
-            ident = (gi, pi, path)
-            device, source = target(ident, param, group, key, tensor)
-            tr = _new_transfer(Transfer, (ident, pname, tensor, param, device, source))
-            prior = first.setdefault(id(tensor), tr)
-            if prior is not tr and prior[4] != device:
-                raise ValueError(
-                    f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which belong "
-                    f"on different devices ({prior.target} and {device}); it cannot be placed for both"
-                )
-            transfers.append(tr)
+    setdefault = first.setdefault
+    follow = getattr(target, "follow", None)  # a policy target's fixed device for non-scalar state
+    paths = _top_paths
+    for gi, pi, param, group, entries, pname in iter_holders(optimizer):
+        for key, value in entries.items():
+            if pi is None and key in _GROUP_SKIP:
+                continue
+            path = paths.get(key) or _top_path(key)
+            if isinstance(value, torch.Tensor):
+                found: Any = ((path, value),)
+            else:
+                found = leaves(value, path)
+            for path, tensor in found:
+                ident = (gi, pi, path)
+                if follow is not None and param is not None and tensor.dim():
+                    device, source = follow, "rule"  # what target() would answer, without the call
+                else:
+                    device, source = target(ident, param, group, key, tensor)
+                tr = _new_transfer(Transfer, (ident, pname, tensor, param, device, source))
+                prior = setdefault(id(tensor), tr)
+                if prior is not tr and prior[4] != device:
+                    raise ValueError(
+                        f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which "
+                        f"belong on different devices ({prior.target} and {device}); it cannot be placed for both"
+                    )
+                append(tr)
     return plan
 
 
@@ -244,6 +257,7 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
             memo[memo_key] = result
         return result
 
+    target.follow = None if (device is None or not cacheable) else device  # type: ignore[attr-defined]
     return target
 
 

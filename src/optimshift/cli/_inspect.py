@@ -631,12 +631,29 @@ def _storage_bytes(obj: Any) -> int:
     return total
 
 
+def _missing_device(device: torch.device) -> Optional[str]:
+    """What to do when ``device`` is not on this machine (``convert --device cuda`` without a GPU), else None."""
+    from .._devices import resolve
+
+    try:
+        resolve(device, what="--device")
+    except (ValueError, TypeError) as e:
+        return (f"{e}. Convert to the CPU here instead (--device cpu, the default): a CPU checkpoint opens on "
+                f"any machine, and optimshift.load_state_dict (or torch.load's map_location) puts the state on the "
+                f"accelerator when you resume there. To write a {device.type} checkpoint, run this command on a machine "
+                f"that has the device.")
+    return None
+
+
 def run_convert(args: argparse.Namespace) -> int:
     src, dst = args.input, args.output
     try:
         device = torch.device(args.device)
     except Exception:
         return _fail("convert", f"--device {args.device!r} is not a device PyTorch knows")
+    missing = _missing_device(device)
+    if missing:
+        return _fail("convert", missing)
     if os.path.isdir(src):
         return _fail("convert", f"{src} is a directory; convert reads torch.save files")
     try:

@@ -142,28 +142,43 @@ def _short(value: Any) -> str:
 
 # --- which optimizer class a state dict came from --------------------------------------------------------
 
-_class_keys: Optional[list[tuple[str, type, frozenset]]] = None
+_class_keys: dict[type, Optional[frozenset]] = {}
+
+
+def _group_keys(cls: type) -> Optional[frozenset]:
+    """The keys of ``cls``'s param groups (``params`` aside), read from the installed torch; cached per class.
+
+    NOTE: runs the class's own ``__init__`` over a tiny host param through a subclass whose
+    ``add_param_group`` only records the group (the defaults merged in, as ``Optimizer.add_param_group``
+    does). Torch's own ``add_param_group`` imports torch._dynamo on first use (about 1.5 s), which was most
+    of the time ``inspect`` took; nothing else differs, and no state, hook or step is created.
+    """
+    if cls not in _class_keys:
+        class _Recorder(cls):  # type: ignore[misc, valid-type]
+            def add_param_group(self, param_group: dict[str, Any]) -> None:
+                self.param_groups.append({**self.defaults, **param_group})
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 2))])
+            _class_keys[cls] = frozenset(opt.param_groups[0]) - {"params"}
+        except Exception:
+            _class_keys[cls] = None
+    return _class_keys[cls]
 
 
 def _torch_optimizers() -> list[tuple[str, type, frozenset]]:
-    """(name, class, the keys of its param groups) for every torch.optim optimizer, read from the installed
-    torch by building each over a tiny param."""
-    global _class_keys
-    if _class_keys is None:
-        found = []
-        for name in sorted(dir(torch.optim)):
-            cls = getattr(torch.optim, name)
-            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-                continue
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    opt = cls([torch.nn.Parameter(torch.zeros(2, 2))])
-                found.append((name, cls, frozenset(opt.param_groups[0]) - {"params"}))
-            except Exception:
-                continue
-        _class_keys = found
-    return _class_keys
+    """(name, class, the keys of its param groups) for every torch.optim optimizer of the installed torch."""
+    found = []
+    for name in sorted(dir(torch.optim)):
+        cls = getattr(torch.optim, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+            continue
+        keys = _group_keys(cls)
+        if keys is not None:
+            found.append((name, cls, keys))
+    return found
 
 
 def guess_classes(groups: list[Mapping[str, Any]]) -> list[str]:
@@ -309,12 +324,7 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
     for gi, g in enumerate(groups):
         flagged = [f for f in ("fused", "capturable") if g.get(f)]
         for f in flagged:
-            findings.append({
-                "severity": "warning", "key": f, "count": len(g["params"]), "group": gi,
-                "message": f"group {gi} was saved with {f}=True: optimizer.load_state_dict adopts the checkpoint's "
-                           f"flags, so resuming where {f} kernels cannot run (a CPU) fails at step(); "
-                           f"optimshift.load_state_dict keeps the live optimizer's flags and places the state for them",
-            })
+            findings.append(_flag_finding(f, gi, len(g["params"])))
         for sid in g["params"]:
             st = states.get(sid)
             if not isinstance(st, Mapping):
@@ -331,14 +341,14 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
             if pdev is None:
                 continue
             fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
+            holder = stand_in if stand_in is not None else _GENERIC
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     continue
                 saved = _device(ckpt.saved_location(value, locations))
                 if saved is None:
                     continue
-                holder = stand_in if stand_in is not None else _GENERIC
-                fresh = _policy.decide(holder, g, fake, str(key), value, pdev).device
+                fresh = _fresh_device(holder, g, fake, str(key), value, pdev)
                 casts = str(key) != "step" or bool(g.get("fused") or g.get("capturable"))
                 torch_puts = pdev if casts else saved
                 if torch_puts != fresh:
@@ -371,6 +381,42 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
                          "saved_on": saved, "torch_load_puts_it_on": torch_puts, "fresh_optimizer_keeps_it_on": fresh,
                          "syncs_per_param_per_step": cost})
     return _merge(findings)
+
+
+def _fresh_device(holder: Any, group: Mapping[str, Any], param: torch.Tensor, key: str, value: torch.Tensor,
+                  device: torch.device) -> torch.device:
+    """Where a fresh optimizer keeps ``value`` when its param is on ``device``.
+
+    NOTE: for host params the answer needs no probe: a fresh optimizer over host params keeps everything on the
+    host (state either follows its param or stays on the host). Only a registered policy could say otherwise.
+    The probe (policy.decide builds the optimizer under FakeTensorMode) costs more than a second the first time,
+    so a host checkpoint is read without it.
+    """
+    if device.type == "cpu" and not _policy.has_registered_policy(holder):
+        return device
+    return _policy.decide(holder, group, param, key, value, device).device
+
+
+def _kernel_devices(flag: str) -> list[str]:
+    """The device types the installed torch runs ``fused`` or ``capturable`` optimizer kernels on."""
+    from torch.optim import optimizer as torch_optimizer
+
+    listed = (torch_optimizer._get_fused_kernels_supported_devices() if flag == "fused"
+              else torch_optimizer._get_capturable_supported_devices())
+    unnamed = "privateuseone"  # the out-of-tree backend's slot while no backend has renamed it
+    return [d for d in dict.fromkeys(listed) if d != unnamed]
+
+
+def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
+    """What a group saved with ``fused``/``capturable`` means for a resume, as this torch has it."""
+    devices = _kernel_devices(flag)
+    on_cpu = "cpu" in devices
+    where = "a CPU or any other device outside that list" if not on_cpu else "a device outside that list"
+    message = (f"group {group} was saved with {flag}=True, and optimizer.load_state_dict adopts the checkpoint's "
+               f"flags: this torch runs {flag} kernels on {', '.join(devices)}, so resuming on {where} fails at "
+               f"step(); optimshift.load_state_dict keeps the live optimizer's flags and places the state for them")
+    return {"severity": "info" if on_cpu else "warning", "key": flag, "count": count, "group": group,
+            "message": message, "kernel_devices": devices}
 
 
 # Stands for an optimizer of unknown class (policy.decide reads only its type): the default rule applies.

@@ -22,6 +22,7 @@ from typing import IO, Any, Iterator, Mapping, Optional
 import torch
 
 from ..checkpoint import _files as ckpt
+from ..checkpoint._folders import TrainingFolder, training_folder
 from .. import policy as _policy
 from ..report import SYNC_COST, format_table
 
@@ -38,9 +39,12 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "inspect",
         help="show the optimizer state inside a checkpoint, where it was saved, and what a resume will cost",
-        description="For each optimizer state in PATH (a torch.save file: a bare optimizer state_dict, a Lightning "
-        ".ckpt, a dict with an 'optimizer' entry, an optimshift.save file; or a torch.distributed.checkpoint "
-        "folder): its class, param groups, a table per state key, and findings. Never runs code from the file.",
+        description="Shows each optimizer state in PATH: its class, param groups, a table per state key (where "
+        "each was saved, dtypes, bytes), and findings: what optimizer.load_state_dict would do with it and what "
+        "that costs on every step. PATH is a torch.save file (a bare optimizer state_dict, a Lightning .ckpt, a "
+        "dict with an 'optimizer' entry, an optimshift.save file), a Hugging Face Trainer checkpoint-N folder, "
+        "an Accelerate save_state folder, or a torch.distributed.checkpoint folder. Never runs code from the "
+        "file, and needs none of the devices it was saved on.",
     )
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
@@ -50,9 +54,11 @@ def register(subparsers: Any) -> None:
     c = subparsers.add_parser(
         "convert",
         help="rewrite a checkpoint with every tensor on one device (atomically)",
-        description="Load IN (weights_only, never running code from it), put every tensor on --device (and cast "
-        "floating tensors to --dtype, keeping optimizer scalars such as 'step' exact), and write OUT atomically. "
-        "Makes a GPU checkpoint open on a CPU-only machine without map_location.",
+        description="Loads IN without running code from it, puts every tensor on --device (and casts floating "
+        "tensors to --dtype, keeping optimizer scalars such as 'step' exact), and writes OUT atomically, so that "
+        "a GPU checkpoint opens on a CPU-only machine without map_location. IN may be a Hugging Face Trainer "
+        "checkpoint-N folder or an Accelerate save_state folder: its optimizer files are rewritten and every "
+        "other file is copied into the new folder OUT (give IN itself as OUT to rewrite them in place).",
     )
     c.add_argument("input", metavar="IN")
     c.add_argument("output", metavar="OUT")
@@ -540,6 +546,9 @@ def _indent(text: str, by: str = "  ") -> str:
 def run_inspect(args: argparse.Namespace) -> int:
     path = args.path
     if os.path.isdir(path):
+        folder = training_folder(path)
+        if folder is not None:
+            return _inspect_training_folder(folder, args)
         return _inspect_folder(path, as_json=args.json)
     try:
         fmt = ckpt._sniff(path)
@@ -701,7 +710,11 @@ def run_convert(args: argparse.Namespace) -> int:
     if missing:
         return _fail("convert", missing)
     if os.path.isdir(src):
-        return _fail("convert", f"{src} is a directory; convert reads torch.save files")
+        folder = training_folder(src)
+        if folder is not None:
+            return _convert_training_folder(folder, args)
+        return _fail("convert", f"{src} is a directory but not a Hugging Face Trainer checkpoint-N folder or an "
+                                f"Accelerate save_state folder; convert reads torch.save files and those folders")
     try:
         with _allowed(args.allow_global):
             obj = ckpt.load(src, map_location=device, mmap=device.type == "cpu")
@@ -731,3 +744,133 @@ def run_convert(args: argparse.Namespace) -> int:
             summary += f", kept {counts['kept']} optimizer scalars (step, …) in their dtype"
     print(summary)
     return 0
+
+
+# --- framework checkpoint folders (Hugging Face Trainer checkpoint-N/, Accelerate save_state) ----------------
+
+
+def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -> int:
+    """``inspect`` of a Trainer or Accelerate folder: its files, then each optimizer file as ``inspect FILE``."""
+    described = []
+    for name in folder.optimizer_files:
+        file = os.path.join(folder.path, name)
+        try:
+            fmt = ckpt._sniff(file)
+            with _allowed(args.allow_global):
+                obj, locations = ckpt._load_recording(file)
+        except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
+            return _fail("inspect", str(e))
+        desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt)
+        if folder.kind == "hf_trainer":
+            for o in desc["optimizers"]:
+                o["findings"].extend(_trainer_resume_findings(o))
+        described.append(desc)
+    info: dict[str, Any] = {
+        "path": folder.path,
+        "folder": folder.kind,
+        "trainer_state": folder.trainer_state,
+        "files": [{"name": name, "role": role, "bytes": _file_bytes(os.path.join(folder.path, name))}
+                  for name, role in folder.files.items()],
+        "optimizer_files": described,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    color = _use_color(sys.stdout)
+    head = folder.label
+    state = folder.trainer_state or {}
+    if "global_step" in state:
+        head += f"; global step {state['global_step']}"
+    if "epoch" in state:
+        head += f", epoch {_short(state['epoch'])}"
+    lines = [_paint(folder.path, "bold", color) + f"  ({head})", ""]
+    rows = [[f["name"] + ("/" if f["role"] == "folder" else ""), f["role"],
+             "-" if f["bytes"] is None else human_bytes(f["bytes"])] for f in info["files"]]
+    lines.append(_indent(format_table(["file", "holds", "bytes"], rows)))
+    for name, role in folder.files.items():
+        if role == "folder" and os.path.exists(os.path.join(folder.path, name, ".metadata")):
+            lines.append(f"  {name}/ is a torch.distributed.checkpoint folder (sharded state): "
+                         f"`optimshift inspect {os.path.join(folder.path, name)}` describes it")
+    if not described:
+        lines += ["", "no optimizer file in this folder (a model-only save?)"]
+    for desc in described:
+        lines += ["", render(desc, color=color)]
+    print("\n".join(lines))
+    return 0
+
+
+def _trainer_resume_findings(o: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the Trainer's multi-device resume does to this optimizer's ``step`` (when it keeps one on the host)."""
+    hosted = [g for g in o["groups"] if not (g["flags"].get("fused") or g["flags"].get("capturable"))]
+    if not hosted or not any(row["key"] == "step" for row in o["state"]):
+        return []
+    return [{"severity": "info", "key": "step", "count": sum(g["params"] for g in hosted),
+             "message": "the Trainer resumes this file with torch.load(map_location=its device) when it trains on "
+                        "more than one device, and optimizer.load_state_dict then leaves each non-fused `step` on "
+                        "the accelerator, where every read is a host sync; calling "
+                        "optimshift.integrations.accelerate.patch() before the Trainer is built keeps it on the "
+                        "host"}]
+
+
+def _file_bytes(path: str) -> Optional[int]:
+    return os.path.getsize(path) if os.path.isfile(path) else None
+
+
+def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -> int:
+    """``convert`` of a Trainer or Accelerate folder: its optimizer files are rewritten, the rest copied as is.
+
+    OUT the folder itself rewrites the optimizer files in place (each atomically). Otherwise OUT must not exist
+    (or be an empty folder): the copy is built in a hidden folder beside it and renamed into place at the end,
+    so OUT never holds half a checkpoint (a framework would resume from a folder that lacks its optimizer file
+    without a word).
+    """
+    import io
+    import secrets
+    import shutil
+
+    def convert(src: str, dst: str) -> int:
+        return run_convert(argparse.Namespace(input=src, output=dst, device=args.device, dtype=args.dtype,
+                                              allow_global=args.allow_global))
+
+    if not folder.optimizer_files:
+        return _fail("convert", f"{folder.path} is a {folder.label} without an optimizer file: nothing to convert")
+    dst = args.output
+    if os.path.exists(dst) and os.path.samefile(dst, folder.path):
+        for name in folder.optimizer_files:
+            path = os.path.join(folder.path, name)
+            if convert(path, path):
+                return 1
+        return 0
+    if os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
+        return _fail("convert", f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its "
+                                f"optimizer files in place")
+    target = os.path.abspath(dst)
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    os.mkdir(tmp)
+    try:
+        written = io.StringIO()
+        for name in folder.optimizer_files:
+            with contextlib.redirect_stdout(written):
+                failed = convert(os.path.join(folder.path, name), os.path.join(tmp, name))
+            if failed:
+                return 1
+        for name, role in folder.files.items():
+            if role == "optimizer":
+                continue
+            source = os.path.join(folder.path, name)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(tmp, name), symlinks=True)
+            else:
+                shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
+        os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
+    except OSError as e:
+        return _fail("convert", f"cannot write {dst}: {e}")
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    # NOTE: each file's summary names the hidden folder it was written to; report where it is now.
+    sys.stdout.write(written.getvalue().replace(tmp, os.path.normpath(dst)))
+    copied = len(folder.files) - len(folder.optimizer_files)
+    print(f"copied {copied} other entr{'y' if copied == 1 else 'ies'} of {folder.path} unchanged into {dst}")
+    return 0
+

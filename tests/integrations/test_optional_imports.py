@@ -14,6 +14,9 @@ HEAVY = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "py
     "import optimshift.integrations",
     "import optimshift.integrations.third_party",
     "from optimshift.integrations import _common",
+    "import optimshift.testing",
+    "import optimshift.testing.accelerate",
+    "import optimshift.cli, optimshift.cli._inspect, optimshift.checkpoint._folders",
 ])
 def test_importing_optimshift_imports_no_framework(statement):
     code = (

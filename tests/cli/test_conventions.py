@@ -105,3 +105,19 @@ def test_bench_says_slower_below_one():
                                            "move_vs_bare": 1.0}})
     assert "vs naive loop: offload 1.25x slower, reload 3.00x faster" in text
     assert "0.80x faster" not in text
+
+
+def test_readme_starts_with_install():
+    tomllib = pytest.importorskip("tomllib")
+    readme = (ROOT / "README.md").read_text()
+    sections = re.findall(r"^## (.+)$", readme, flags=re.M)
+    assert sections[0] == "Install", sections
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install optimshift " in install
+    extras = set(re.findall(r'pip install "optimshift\[(\w+)\]"', install))
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras and extras <= set(declared), extras
+    commands = re.findall(r"^optimshift (\w+)", install, flags=re.M)
+    assert commands == ["demo", "inspect"] and all(c in COMMANDS for c in commands)
+    assert install.index("pip install") < install.index("scripts/demo")
+    assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")

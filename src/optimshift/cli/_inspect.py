@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import io
 import json
 import math
 import os
+import secrets
+import shutil
 import sys
 import time
 import warnings
@@ -824,10 +827,6 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     so OUT never holds half a checkpoint (a framework would resume from a folder that lacks its optimizer file
     without a word).
     """
-    import io
-    import secrets
-    import shutil
-
     def convert(src: str, dst: str) -> int:
         return run_convert(argparse.Namespace(input=src, output=dst, device=args.device, dtype=args.dtype,
                                               allow_global=args.allow_global))

@@ -8,6 +8,8 @@ ones, after one step. Each Accelerate bug gets a test that shows it unpatched an
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -23,7 +25,8 @@ from _integrations_support import (
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from optimshift.testing.accelerate import on_device  # noqa: E402
 
 import optimshift.integrations.accelerate as osa  # noqa: E402
 
@@ -42,20 +45,17 @@ HOST_CONFIGS = [c for c in CONFIGS if "capturable" not in c]
 
 
 @pytest.fixture
-def accelerator_on(monkeypatch):
-    """``accelerator_on(device)``: a fresh ``Accelerator`` whose device is ``device``."""
+def accelerator_on():
+    """``accelerator_on(device)``: a fresh ``Accelerator`` whose device is ``device`` (optimshift.testing's recipe)."""
+    with contextlib.ExitStack() as blocks:
 
-    def make(device: torch.device) -> Accelerator:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", str(device))
-        accelerator = Accelerator()
-        assert accelerator.device == device
-        return accelerator
+        def make(device: torch.device) -> Accelerator:
+            blocks.enter_context(on_device(device))
+            accelerator = Accelerator()
+            assert accelerator.device == device
+            return accelerator
 
-    yield make
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+        yield make
 
 
 def _model() -> torch.nn.Module:

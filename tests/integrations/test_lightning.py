@@ -20,15 +20,15 @@ from _integrations_support import (
     bitwise_same,
     count_step_syncs,
     devices,
-    fabric_strategy,
     fresh_layout,
     layout,
-    lightning_strategy,
     snapshot,
     step_with_grads,
 )
 
 pl = pytest.importorskip("lightning.pytorch")
+from optimshift.testing.lightning import fabric_strategy  # noqa: E402
+from optimshift.testing.lightning import strategy as lightning_strategy  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 

@@ -313,11 +313,69 @@ def _unsafe_globals(path: str, message: str) -> list[str]:
     try:
         names = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))  # reads, never executes
     except Exception:
-        names = []
+        names = _legacy_unsafe_globals(path)  # torch reads only zip files
     for name in _GLOBAL_RE.findall(message):
         if name not in names:
             names.append(name)
-    return names
+    return sorted(names)
+
+
+def _legacy_unsafe_globals(path: str) -> list[str]:
+    """The globals a legacy-format (or plain pickle) file names that weights-only loading does not allow,
+    read from its opcodes: nothing is imported or executed. Empty when they cannot be read."""
+    import pickletools
+
+    from torch import _weights_only_unpickler as wou
+
+    try:
+        allowed = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+    except Exception:
+        return []
+    found: list[str] = []
+    with open(path, "rb") as f:
+        # NOTE: a legacy file is a few pickles back to back (magic number, protocol, system info, the object,
+        # its storage keys), then raw storage bytes; a plain pickle is one. Read pickles until the bytes stop
+        # parsing as one.
+        for _ in range(5):
+            pushed: list[Optional[str]] = []  # what each op pushed: a string, or None for anything else
+            memo: dict[Any, Optional[str]] = {}
+            try:
+                for op, arg, _pos in pickletools.genops(f):
+                    top = pushed[-1] if pushed else None
+                    if op.name == "GLOBAL":
+                        found.append(str(arg).replace(" ", "."))
+                        pushed.append(None)
+                    elif op.name == "STACK_GLOBAL":
+                        if len(pushed) >= 2 and pushed[-2] is not None and pushed[-1] is not None:
+                            found.append(f"{pushed[-2]}.{pushed[-1]}")
+                        pushed.append(None)
+                    elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                        memo[arg] = top
+                    elif op.name == "MEMOIZE":
+                        memo[len(memo)] = top
+                    elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                        pushed.append(memo.get(arg))
+                    elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
+                        pushed.append(arg)
+                    else:
+                        pushed.append(None)
+            except Exception:
+                break
+    return list(dict.fromkeys(name for name in found if name not in allowed))
+
+
+def _allow_hint(names: list[str]) -> str:
+    """How to allow every global in ``names`` (all of them: allowing one only reveals the next)."""
+    if not names:
+        return ("If you trust the file and it names classes you expect (config objects), allow just them: "
+                "`with torch.serialization.safe_globals([SomeClass]): optimshift.load(path)` "
+                "(or `optimshift inspect/convert --allow-global module.SomeClass`).")
+    one = len(names) == 1
+    what = f"{names[0]} is a class you expect (a config object)" if one else "these are classes you expect"
+    flags = " ".join(f"--allow-global {n}" for n in names)
+    return (f"If you trust the file and {what}, allow just {'it' if one else 'them'}: "
+            f"`with torch.serialization.safe_globals([{', '.join(names)}]): optimshift.load(path)` "
+            f"(or `optimshift inspect/convert {flags}`).")
 
 
 def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any:
@@ -350,13 +408,10 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
         if not refused:
             raise CheckpointError(f"{p} is corrupt: its pickle cannot be read ({msg.splitlines()[0]})") from None
         named = ", ".join(names) if names else "objects that weights_only loading does not allow"
-        example = names[0] if names else "SomeClass"
         raise UnsafeCheckpointError(
             f"refused to load {p}: its pickle names {named}. Loading it would import and call that code "
             f"(a checkpoint can run anything this way), and optimshift only loads with weights_only=True; "
-            f"nothing was executed. If you trust the file and {example} is a class you expect (a config "
-            f"object), allow just it: `with torch.serialization.safe_globals([{example}]): optimshift.load(path)` "
-            f"(or `optimshift inspect/convert --allow-global {example}`). Only for a file you fully trust: "
+            f"nothing was executed. {_allow_hint(names)} Only for a file you fully trust: "
             f"torch.load(path, weights_only=False).",
             names,
         ) from None

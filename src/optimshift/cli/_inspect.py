@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import io
 import json
 import math
 import os
+import secrets
+import shutil
 import sys
 import time
 import warnings
@@ -22,6 +25,7 @@ from typing import IO, Any, Iterator, Mapping, Optional
 import torch
 
 from ..checkpoint import _files as ckpt
+from ..checkpoint._folders import TrainingFolder, training_folder
 from .. import policy as _policy
 from ..report import SYNC_COST, format_table
 
@@ -38,9 +42,12 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "inspect",
         help="show the optimizer state inside a checkpoint, where it was saved, and what a resume will cost",
-        description="For each optimizer state in PATH (a torch.save file: a bare optimizer state_dict, a Lightning "
-        ".ckpt, a dict with an 'optimizer' entry, an optimshift.save file; or a torch.distributed.checkpoint "
-        "folder): its class, param groups, a table per state key, and findings. Never runs code from the file.",
+        description="Shows each optimizer state in PATH: its class, param groups, a table per state key (where "
+        "each was saved, dtypes, bytes), and findings: what optimizer.load_state_dict would do with it and what "
+        "that costs on every step. PATH is a torch.save file (a bare optimizer state_dict, a Lightning .ckpt, a "
+        "dict with an 'optimizer' entry, an optimshift.save file), a Hugging Face Trainer checkpoint-N folder, "
+        "an Accelerate save_state folder, or a torch.distributed.checkpoint folder. Never runs code from the "
+        "file, and needs none of the devices it was saved on.",
     )
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
@@ -50,9 +57,11 @@ def register(subparsers: Any) -> None:
     c = subparsers.add_parser(
         "convert",
         help="rewrite a checkpoint with every tensor on one device (atomically)",
-        description="Load IN (weights_only, never running code from it), put every tensor on --device (and cast "
-        "floating tensors to --dtype, keeping optimizer scalars such as 'step' exact), and write OUT atomically. "
-        "Makes a GPU checkpoint open on a CPU-only machine without map_location.",
+        description="Loads IN without running code from it, puts every tensor on --device (and casts floating "
+        "tensors to --dtype, keeping optimizer scalars such as 'step' exact), and writes OUT atomically, so that "
+        "a GPU checkpoint opens on a CPU-only machine without map_location. IN may be a Hugging Face Trainer "
+        "checkpoint-N folder or an Accelerate save_state folder: its optimizer files are rewritten and every "
+        "other file is copied into the new folder OUT (give IN itself as OUT to rewrite them in place).",
     )
     c.add_argument("input", metavar="IN")
     c.add_argument("output", metavar="OUT")
@@ -142,28 +151,43 @@ def _short(value: Any) -> str:
 
 # --- which optimizer class a state dict came from --------------------------------------------------------
 
-_class_keys: Optional[list[tuple[str, type, frozenset]]] = None
+_class_keys: dict[type, Optional[frozenset]] = {}
+
+
+def _group_keys(cls: type) -> Optional[frozenset]:
+    """The keys of ``cls``'s param groups (``params`` aside), read from the installed torch; cached per class.
+
+    NOTE: runs the class's own ``__init__`` over a tiny host param through a subclass whose
+    ``add_param_group`` only records the group (the defaults merged in, as ``Optimizer.add_param_group``
+    does). Torch's own ``add_param_group`` imports torch._dynamo on first use (about 1.5 s), which was most
+    of the time ``inspect`` took; nothing else differs, and no state, hook or step is created.
+    """
+    if cls not in _class_keys:
+        class _Recorder(cls):  # type: ignore[misc, valid-type]
+            def add_param_group(self, param_group: dict[str, Any]) -> None:
+                self.param_groups.append({**self.defaults, **param_group})
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 2))])
+            _class_keys[cls] = frozenset(opt.param_groups[0]) - {"params"}
+        except Exception:
+            _class_keys[cls] = None
+    return _class_keys[cls]
 
 
 def _torch_optimizers() -> list[tuple[str, type, frozenset]]:
-    """(name, class, the keys of its param groups) for every torch.optim optimizer, read from the installed
-    torch by building each over a tiny param."""
-    global _class_keys
-    if _class_keys is None:
-        found = []
-        for name in sorted(dir(torch.optim)):
-            cls = getattr(torch.optim, name)
-            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-                continue
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    opt = cls([torch.nn.Parameter(torch.zeros(2, 2))])
-                found.append((name, cls, frozenset(opt.param_groups[0]) - {"params"}))
-            except Exception:
-                continue
-        _class_keys = found
-    return _class_keys
+    """(name, class, the keys of its param groups) for every torch.optim optimizer of the installed torch."""
+    found = []
+    for name in sorted(dir(torch.optim)):
+        cls = getattr(torch.optim, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+            continue
+        keys = _group_keys(cls)
+        if keys is not None:
+            found.append((name, cls, keys))
+    return found
 
 
 def guess_classes(groups: list[Mapping[str, Any]]) -> list[str]:
@@ -309,12 +333,7 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
     for gi, g in enumerate(groups):
         flagged = [f for f in ("fused", "capturable") if g.get(f)]
         for f in flagged:
-            findings.append({
-                "severity": "warning", "key": f, "count": len(g["params"]), "group": gi,
-                "message": f"group {gi} was saved with {f}=True: optimizer.load_state_dict adopts the checkpoint's "
-                           f"flags, so resuming where {f} kernels cannot run (a CPU) fails at step(); "
-                           f"optimshift.load_state_dict keeps the live optimizer's flags and places the state for them",
-            })
+            findings.append(_flag_finding(f, gi, len(g["params"])))
         for sid in g["params"]:
             st = states.get(sid)
             if not isinstance(st, Mapping):
@@ -331,14 +350,14 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
             if pdev is None:
                 continue
             fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
+            holder = stand_in if stand_in is not None else _GENERIC
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     continue
                 saved = _device(ckpt.saved_location(value, locations))
                 if saved is None:
                     continue
-                holder = stand_in if stand_in is not None else _GENERIC
-                fresh = _policy.decide(holder, g, fake, str(key), value, pdev).device
+                fresh = _fresh_device(holder, g, fake, str(key), value, pdev)
                 casts = str(key) != "step" or bool(g.get("fused") or g.get("capturable"))
                 torch_puts = pdev if casts else saved
                 if torch_puts != fresh:
@@ -371,6 +390,42 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
                          "saved_on": saved, "torch_load_puts_it_on": torch_puts, "fresh_optimizer_keeps_it_on": fresh,
                          "syncs_per_param_per_step": cost})
     return _merge(findings)
+
+
+def _fresh_device(holder: Any, group: Mapping[str, Any], param: torch.Tensor, key: str, value: torch.Tensor,
+                  device: torch.device) -> torch.device:
+    """Where a fresh optimizer keeps ``value`` when its param is on ``device``.
+
+    NOTE: for host params the answer needs no probe: a fresh optimizer over host params keeps everything on the
+    host (state either follows its param or stays on the host). Only a registered policy could say otherwise.
+    The probe (policy.decide builds the optimizer under FakeTensorMode) costs more than a second the first time,
+    so a host checkpoint is read without it.
+    """
+    if device.type == "cpu" and not _policy.has_registered_policy(holder):
+        return device
+    return _policy.decide(holder, group, param, key, value, device).device
+
+
+def _kernel_devices(flag: str) -> list[str]:
+    """The device types the installed torch runs ``fused`` or ``capturable`` optimizer kernels on."""
+    from torch.optim import optimizer as torch_optimizer
+
+    listed = (torch_optimizer._get_fused_kernels_supported_devices() if flag == "fused"
+              else torch_optimizer._get_capturable_supported_devices())
+    unnamed = "privateuseone"  # the out-of-tree backend's slot while no backend has renamed it
+    return [d for d in dict.fromkeys(listed) if d != unnamed]
+
+
+def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
+    """What a group saved with ``fused``/``capturable`` means for a resume, as this torch has it."""
+    devices = _kernel_devices(flag)
+    on_cpu = "cpu" in devices
+    where = "a CPU or any other device outside that list" if not on_cpu else "a device outside that list"
+    message = (f"group {group} was saved with {flag}=True, and optimizer.load_state_dict adopts the checkpoint's "
+               f"flags: this torch runs {flag} kernels on {', '.join(devices)}, so resuming on {where} fails at "
+               f"step(); optimshift.load_state_dict keeps the live optimizer's flags and places the state for them")
+    return {"severity": "info" if on_cpu else "warning", "key": flag, "count": count, "group": group,
+            "message": message, "kernel_devices": devices}
 
 
 # Stands for an optimizer of unknown class (policy.decide reads only its type): the default rule applies.
@@ -494,6 +549,9 @@ def _indent(text: str, by: str = "  ") -> str:
 def run_inspect(args: argparse.Namespace) -> int:
     path = args.path
     if os.path.isdir(path):
+        folder = training_folder(path)
+        if folder is not None:
+            return _inspect_training_folder(folder, args)
         return _inspect_folder(path, as_json=args.json)
     try:
         fmt = ckpt._sniff(path)
@@ -631,14 +689,35 @@ def _storage_bytes(obj: Any) -> int:
     return total
 
 
+def _missing_device(device: torch.device) -> Optional[str]:
+    """What to do when ``device`` is not on this machine (``convert --device cuda`` without a GPU), else None."""
+    from .._devices import resolve
+
+    try:
+        resolve(device, what="--device")
+    except (ValueError, TypeError) as e:
+        return (f"{e}. Convert to the CPU here instead (--device cpu, the default): a CPU checkpoint opens on "
+                f"any machine, and optimshift.load_state_dict (or torch.load's map_location) puts the state on the "
+                f"accelerator when you resume there. To write a {device.type} checkpoint, run this command on a machine "
+                f"that has the device.")
+    return None
+
+
 def run_convert(args: argparse.Namespace) -> int:
     src, dst = args.input, args.output
     try:
         device = torch.device(args.device)
     except Exception:
         return _fail("convert", f"--device {args.device!r} is not a device PyTorch knows")
+    missing = _missing_device(device)
+    if missing:
+        return _fail("convert", missing)
     if os.path.isdir(src):
-        return _fail("convert", f"{src} is a directory; convert reads torch.save files")
+        folder = training_folder(src)
+        if folder is not None:
+            return _convert_training_folder(folder, args)
+        return _fail("convert", f"{src} is a directory but not a Hugging Face Trainer checkpoint-N folder or an "
+                                f"Accelerate save_state folder; convert reads torch.save files and those folders")
     try:
         with _allowed(args.allow_global):
             obj = ckpt.load(src, map_location=device, mmap=device.type == "cpu")
@@ -668,3 +747,129 @@ def run_convert(args: argparse.Namespace) -> int:
             summary += f", kept {counts['kept']} optimizer scalars (step, …) in their dtype"
     print(summary)
     return 0
+
+
+# --- framework checkpoint folders (Hugging Face Trainer checkpoint-N/, Accelerate save_state) ----------------
+
+
+def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -> int:
+    """``inspect`` of a Trainer or Accelerate folder: its files, then each optimizer file as ``inspect FILE``."""
+    described = []
+    for name in folder.optimizer_files:
+        file = os.path.join(folder.path, name)
+        try:
+            fmt = ckpt._sniff(file)
+            with _allowed(args.allow_global):
+                obj, locations = ckpt._load_recording(file)
+        except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
+            return _fail("inspect", str(e))
+        desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt)
+        if folder.kind == "hf_trainer":
+            for o in desc["optimizers"]:
+                o["findings"].extend(_trainer_resume_findings(o))
+        described.append(desc)
+    info: dict[str, Any] = {
+        "path": folder.path,
+        "folder": folder.kind,
+        "trainer_state": folder.trainer_state,
+        "files": [{"name": name, "role": role, "bytes": _file_bytes(os.path.join(folder.path, name))}
+                  for name, role in folder.files.items()],
+        "optimizer_files": described,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    color = _use_color(sys.stdout)
+    head = folder.label
+    state = folder.trainer_state or {}
+    if "global_step" in state:
+        head += f"; global step {state['global_step']}"
+    if "epoch" in state:
+        head += f", epoch {_short(state['epoch'])}"
+    lines = [_paint(folder.path, "bold", color) + f"  ({head})", ""]
+    rows = [[f["name"] + ("/" if f["role"] == "folder" else ""), f["role"],
+             "-" if f["bytes"] is None else human_bytes(f["bytes"])] for f in info["files"]]
+    lines.append(_indent(format_table(["file", "holds", "bytes"], rows)))
+    for name, role in folder.files.items():
+        if role == "folder" and os.path.exists(os.path.join(folder.path, name, ".metadata")):
+            lines.append(f"  {name}/ is a torch.distributed.checkpoint folder (sharded state): "
+                         f"`optimshift inspect {os.path.join(folder.path, name)}` describes it")
+    if not described:
+        lines += ["", "no optimizer file in this folder (a model-only save?)"]
+    for desc in described:
+        lines += ["", render(desc, color=color)]
+    print("\n".join(lines))
+    return 0
+
+
+def _trainer_resume_findings(o: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the Trainer's multi-device resume does to this optimizer's ``step`` (when it keeps one on the host)."""
+    hosted = [g for g in o["groups"] if not (g["flags"].get("fused") or g["flags"].get("capturable"))]
+    if not hosted or not any(row["key"] == "step" for row in o["state"]):
+        return []
+    return [{"severity": "info", "key": "step", "count": sum(g["params"] for g in hosted),
+             "message": "the Trainer resumes this file with torch.load(map_location=its device) when it trains on "
+                        "more than one device, and optimizer.load_state_dict then leaves each non-fused `step` on "
+                        "the accelerator, where every read is a host sync; calling "
+                        "optimshift.integrations.accelerate.patch() before the Trainer is built keeps it on the "
+                        "host"}]
+
+
+def _file_bytes(path: str) -> Optional[int]:
+    return os.path.getsize(path) if os.path.isfile(path) else None
+
+
+def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -> int:
+    """``convert`` of a Trainer or Accelerate folder: its optimizer files are rewritten, the rest copied as is.
+
+    OUT the folder itself rewrites the optimizer files in place (each atomically). Otherwise OUT must not exist
+    (or be an empty folder): the copy is built in a hidden folder beside it and renamed into place at the end,
+    so OUT never holds half a checkpoint (a framework would resume from a folder that lacks its optimizer file
+    without a word).
+    """
+    def convert(src: str, dst: str) -> int:
+        return run_convert(argparse.Namespace(input=src, output=dst, device=args.device, dtype=args.dtype,
+                                              allow_global=args.allow_global))
+
+    if not folder.optimizer_files:
+        return _fail("convert", f"{folder.path} is a {folder.label} without an optimizer file: nothing to convert")
+    dst = args.output
+    if os.path.exists(dst) and os.path.samefile(dst, folder.path):
+        for name in folder.optimizer_files:
+            path = os.path.join(folder.path, name)
+            if convert(path, path):
+                return 1
+        return 0
+    if os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
+        return _fail("convert", f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its "
+                                f"optimizer files in place")
+    target = os.path.abspath(dst)
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    os.mkdir(tmp)
+    try:
+        written = io.StringIO()
+        for name in folder.optimizer_files:
+            with contextlib.redirect_stdout(written):
+                failed = convert(os.path.join(folder.path, name), os.path.join(tmp, name))
+            if failed:
+                return 1
+        for name, role in folder.files.items():
+            if role == "optimizer":
+                continue
+            source = os.path.join(folder.path, name)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(tmp, name), symlinks=True)
+            else:
+                shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
+        os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
+    except OSError as e:
+        return _fail("convert", f"cannot write {dst}: {e}")
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    # NOTE: each file's summary names the hidden folder it was written to; report where it is now.
+    sys.stdout.write(written.getvalue().replace(tmp, os.path.normpath(dst)))
+    copied = len(folder.files) - len(folder.optimizer_files)
+    print(f"copied {copied} other entr{'y' if copied == 1 else 'ies'} of {folder.path} unchanged into {dst}")
+    return 0
+

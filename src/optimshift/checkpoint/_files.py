@@ -17,7 +17,7 @@ import re
 import stat
 import sys
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Iterator, Mapping, Optional, Union
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -81,6 +81,14 @@ def is_optimizer_state_dict(obj: Any) -> bool:
     )
 
 
+def stringified_ids(state_keys: Iterable[Any], ids: Iterable[Any]) -> list[str]:
+    """The keys of ``state`` that are the text of a param id the groups list (``"0"`` for ``0``): what a JSON
+    round trip makes of an optimizer state dict. ``Optimizer.load_state_dict`` takes them for optimizer-wide
+    entries and drops every param's state."""
+    texts = {str(i) for i in ids if not isinstance(i, str)}
+    return [k for k in state_keys if isinstance(k, str) and k in texts] if texts else []
+
+
 @dataclass(frozen=True)
 class FoundOptimizer:
     """One optimizer state found in a checkpoint.
@@ -137,6 +145,28 @@ def find_optimizer_states(obj: Any, *, max_depth: int = 4) -> list[FoundOptimize
 
     walk(obj, "", 0, False)
     return found
+
+
+# NOTE: an expanded view (stride 0) has more elements than its storage holds, and copying or casting it
+# materialises them all: a file of a few KB can ask for GiBs that way. Past this slack such tensors are refused.
+_EXPANSION_SLACK = 1 << 20  # bytes
+
+
+def overexpanded(t: torch.Tensor) -> Optional[str]:
+    """Why copying ``t`` would allocate far more than its storage holds (an expanded view), else None.
+
+    Plain tensors only: a wrapper subclass (a DTensor) describes a global shape over a local storage."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.layout != torch.strided:
+        return None
+    try:
+        storage = t.untyped_storage().nbytes()
+    except Exception:
+        return None
+    need = t.numel() * t.element_size()
+    if need <= 2 * storage + _EXPANSION_SLACK:
+        return None
+    return (f"a tensor of shape {tuple(t.shape)} ({need} bytes once copied) is a view of a storage of {storage} "
+            f"bytes (strides {tuple(t.stride())})")
 
 
 # --- saving ------------------------------------------------------------------------------------------------

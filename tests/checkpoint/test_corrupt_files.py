@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import pickle
 import random
 import struct
 import sys
@@ -21,33 +20,17 @@ import optimshift
 from optimshift.checkpoint import CheckpointError, UnsafeCheckpointError
 from optimshift.checkpoint._files import find_optimizer_states, runs_code
 from optimshift.cli._inspect import describe
+from _crafted import rewrite_zip
 from _matrix import bitwise_equal
 
 O = torch.optim
-
-
-def _rewrite(src, dst, change=None, drop=(), pkl=None):
-    """Copy the torch.save zip ``src`` to ``dst`` record by record: ``change`` maps a name suffix to a function
-    of the record's bytes, ``drop`` lists suffixes to leave out, ``pkl`` replaces data.pkl."""
-    change = dict(change or {})
-    if pkl is not None:
-        change["/data.pkl"] = lambda _: pkl
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
-        for info in zin.infolist():
-            if any(info.filename.endswith(s) for s in drop):
-                continue
-            data = zin.read(info.filename)
-            for suffix, fn in change.items():
-                if info.filename.endswith(suffix):
-                    data = fn(data)
-            zout.writestr(info.filename, data)
 
 
 def _pickled_zip(tmp_path, name, pkl):
     """A torch.save zip file whose data.pkl is ``pkl``."""
     base = tmp_path / "base.pt"
     optimshift.save({}, base)  # written through a file object: its records sit under archive/
-    _rewrite(base, tmp_path / name, pkl=pkl)
+    rewrite_zip(base, tmp_path / name, pkl=pkl)
     return tmp_path / name
 
 
@@ -66,7 +49,7 @@ def test_a_data_record_of_the_wrong_size_is_refused(tmp_path, mmap, case, change
     good = tmp_path / "good.pt"
     optimshift.save({"a": torch.arange(64.0), "b": torch.ones(8)}, good)
     bad = tmp_path / f"{case}.pt"
-    _rewrite(good, bad, change, drop)
+    rewrite_zip(good, bad, change, drop)
     with pytest.raises(CheckpointError, match=match if mmap else "corrupt"):
         optimshift.load(bad, mmap=mmap)
 
@@ -123,7 +106,7 @@ def test_broken_zips_are_checkpoint_errors(tmp_path):
         "garbled-directory": data[:directory] + bytes(46) + data[directory + 46:],
         "only-the-end-record": b"PK\x03\x04" + bytes(60) + data[end:],
     }
-    _rewrite(good, tmp_path / "no-data-pkl.pt", drop=("/data.pkl",))
+    rewrite_zip(good, tmp_path / "no-data-pkl.pt", drop=("/data.pkl",))
     for name, content in cases.items():
         path = tmp_path / f"{name}.pt"
         if content is not None:

@@ -153,6 +153,19 @@ def test_a_missing_entry_is_refused():
              r"'max_exp_avg_sq', 'step'")
 
 
+def test_a_subclass_that_steps_like_its_torch_class_is_checked_like_it():
+    class Sub(O.Adam):
+        pass
+
+    # What Optimizer.__init__ does when a subclass is built before its base ever was: a wrapper of its own.
+    Sub.step = Sub.profile_hook_step(O.Adam.step)
+    Sub.step.hooked = True
+    sd = _trained(Sub, foreach=False).state_dict()
+    sd["state"][0]["exp_avg"] = None
+    _refused(_trained(Sub, foreach=False), sd, TypeError, r"Sub: load_state_dict: group 0, param 0, state key "
+                                                          r"'exp_avg': expected a tensor, got None")
+
+
 def test_eager_classes_need_every_params_state():
     sd = _trained(O.Adagrad).state_dict()
     del sd["state"][1]

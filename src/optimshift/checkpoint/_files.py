@@ -158,11 +158,13 @@ def overexpanded(t: torch.Tensor) -> Optional[str]:
     Plain tensors only: a wrapper subclass (a DTensor) describes a global shape over a local storage."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.layout != torch.strided:
         return None
+    need = t.numel() * t.element_size()
+    if need <= _EXPANSION_SLACK:  # the common case, decided without touching the storage
+        return None
     try:
         storage = t.untyped_storage().nbytes()
     except Exception:
         return None
-    need = t.numel() * t.element_size()
     if need <= 2 * storage + _EXPANSION_SLACK:
         return None
     return (f"a tensor of shape {tuple(t.shape)} ({need} bytes once copied) is a view of a storage of {storage} "

@@ -80,15 +80,24 @@ class _ClaimsReader(pickle.Unpickler):
         return _Inert
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5):
-            raise Unverifiable(f"unexpected persistent id {pid!r:.60}")
-        _, storage_type, key, _location, numel = pid
-        if isinstance(key, bytes):
+        try:
+            tag, storage_type, key, _location, numel = pid
+            nbytes = numel * storage_type.itemsize
+        except (TypeError, ValueError, AttributeError):
+            raise Unverifiable(f"unexpected persistent id {pid!r:.60}") from None
+        if type(key) is bytes:
             key = key.decode("ascii", "replace")
-        if not isinstance(storage_type, _StorageName) or not isinstance(key, str) or type(numel) is not int:
+        if type(key) is not str or type(numel) is not int or type(storage_type) is not _StorageName:
             raise Unverifiable(f"unexpected persistent id {pid!r:.60}")
-        self.claims.setdefault(key, set()).add(numel * storage_type.itemsize)
-        return _Inert()
+        claimed = self.claims.get(key)
+        if claimed is None:
+            self.claims[key] = {nbytes}
+        else:
+            claimed.add(nbytes)
+        return _INERT
+
+
+_INERT = _Inert()
 
 
 def check_records(path: str) -> None:

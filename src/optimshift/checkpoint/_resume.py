@@ -243,7 +243,7 @@ class _Staging:
         self.base = _policy._builtin_base(type(optimizer))
         # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
-        self.strict = self.base is not None and getattr(type(optimizer), "step", None) is getattr(self.base, "step")
+        self.strict = self.base is not None and _same_step(type(optimizer), self.base)
         self._decisions: dict[tuple, torch.device] = {}
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
         self._wanted: dict[tuple, tuple[torch.Tensor, tuple]] = {}
@@ -634,6 +634,16 @@ class _Staging:
             where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
             raise self.fail(f"{where}: nested more than {_MAX_DEPTH} levels deep; no optimizer keeps state like "
                             f"this (a corrupt or hostile checkpoint)")
+
+
+def _same_step(cls: type, base: type) -> bool:
+    """Whether ``cls`` steps with ``base``'s ``step``. NOTE: ``Optimizer.__init__`` wraps ``type(self).step`` in a
+    profiling hook the first time a class is built, so a subclass may hold its own wrapper of the same function:
+    compare what the wrappers wrap."""
+    try:
+        return inspect.unwrap(getattr(cls, "step")) is inspect.unwrap(getattr(base, "step"))
+    except (AttributeError, ValueError):
+        return False
 
 
 def _ids_shown(ids: Mapping[Any, Any]) -> str:

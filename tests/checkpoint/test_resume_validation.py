@@ -142,7 +142,8 @@ def test_scalar_keys_have_one_element(cls, kwargs, key):
 def test_a_buffer_a_step_cannot_use_is_refused(value, exc, match):
     sd = _trained(foreach=False).state_dict()
     sd["state"][0]["exp_avg"] = value
-    _refused(_trained(foreach=False), sd, exc, rf"Adam: load_state_dict: group 0, param 0, state key 'exp_avg': {match}")
+    _refused(_trained(foreach=False), sd, exc,
+             rf"Adam: load_state_dict: group 0, param 0, state key 'exp_avg': {match}")
 
 
 def test_a_missing_entry_is_refused():

@@ -85,7 +85,7 @@ def stringified_ids(state_keys: Iterable[Any], ids: Iterable[Any]) -> list[str]:
     """The keys of ``state`` that are the text of a param id the groups list (``"0"`` for ``0``): what a JSON
     round trip makes of an optimizer state dict. ``Optimizer.load_state_dict`` takes them for optimizer-wide
     entries and drops every param's state."""
-    texts = {str(i) for i in ids if not isinstance(i, str)}
+    texts = {str(i) for i in ids if type(i) is int}  # the ids PyTorch writes; JSON makes "0" of 0
     return [k for k in state_keys if isinstance(k, str) and k in texts] if texts else []
 
 
@@ -359,7 +359,7 @@ _CODE_MODULES = frozenset({
     "signal", "webbrowser", "pdb", "bdb", "timeit", "trace", "profile", "cProfile", "asyncio", "platform",
     "tempfile", "io", "_io", "pathlib", "glob", "fileinput", "operator", "_operator", "functools", "types",
     "inspect", "gc", "weakref", "urllib", "http", "ftplib", "smtplib", "telnetlib", "zipimport", "pkgutil",
-    "site", "sysconfig", "builtins", "__builtin__", "commands", "popen2", "mmap", "fcntl", "resource",
+    "site", "sysconfig", "commands", "popen2", "mmap", "fcntl", "resource",
 })
 # The builtins a data file may legitimately name (containers and numbers); every other builtin can run code.
 _HARMLESS_BUILTINS = frozenset({"set", "frozenset", "slice", "complex", "range", "bytearray", "bytes", "int",

@@ -441,7 +441,7 @@ class _Staging:
         new_state: defaultdict = defaultdict(dict)
         # Per param with state: (its new state dict, param, group, index, [(key, tensor)], [(key, container)]).
         pending: list[tuple[dict, torch.Tensor, int, int, list, list]] = []
-        if self.base is not None:
+        if self.strict:
             for gi, ng in enumerate(new_groups):
                 self._check_group(gi, ng)
         for gi, (lg, sg, ng) in enumerate(zip(live_groups, saved_groups, new_groups)):
@@ -455,7 +455,7 @@ class _Staging:
                     if self.strict and spec.eager:
                         raise self.fail(f"{self._param_label(gi, pi)}: the checkpoint has no state for it, but "
                                         f"{self.base.__name__} creates every param's state when it is built "
-                                        f"({', '.join(map(repr, sorted(spec.keys, key=str)))}); this state dict is incomplete")
+                                        f"({_keys_shown(spec.keys)}); this state dict is incomplete")
                     continue
                 if type(saved) is not dict and not isinstance(saved, Mapping):
                     raise self.fail(f"{self._param_label(gi, pi)}: its state is a {type(saved).__name__}, "
@@ -606,8 +606,8 @@ class _Staging:
         """Each entry a step of this torch.optim class creates is there, with the kind, dtype and size it needs."""
         missing = [k for k in spec.keys if k not in saved]
         if missing:
-            raise self.fail(f"{self._param_label(gi, pi)}: its state has no {', '.join(map(repr, sorted(missing, key=str)))}; "
-                            f"{self.base.__name__}.step keeps {', '.join(map(repr, sorted(spec.keys, key=str)))}")
+            raise self.fail(f"{self._param_label(gi, pi)}: its state has no {_keys_shown(missing)}; "
+                            f"{self.base.__name__}.step keeps {_keys_shown(spec.keys)}")
         for key in spec.tensors:
             value = saved[key]
             site = self._site((gi, pi, key, ()))
@@ -644,6 +644,10 @@ def _same_step(cls: type, base: type) -> bool:
         return inspect.unwrap(getattr(cls, "step")) is inspect.unwrap(getattr(base, "step"))
     except (AttributeError, ValueError):
         return False
+
+
+def _keys_shown(keys: Any) -> str:
+    return ", ".join(repr(k) for k in sorted(keys, key=str))
 
 
 def _ids_shown(ids: Mapping[Any, Any]) -> str:

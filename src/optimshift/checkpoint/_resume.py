@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import copy as _copy
 import inspect
+import numbers
+import os
 import threading
 import warnings
 from collections import defaultdict
-from typing import Any, Mapping, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 
@@ -24,8 +27,9 @@ from .._copy import copy_tensor
 from .._offload import prepare_discard
 from .. import policy as _policy
 from .._devices import DeviceLike, resolve
-from .._state import _ATOMS, Setter, format_path, leaves, rebuild
+from .._state import _ATOMS, Setter, _children, format_path, leaves, rebuild
 from ..plan import optimizer_name
+from . import _files
 
 __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
@@ -63,11 +67,19 @@ def load_state_dict(
       ``differentiable`` stay as the live optimizer has them; ``"checkpoint"``: PyTorch's choice (all saved).
     - ``copy=True``: the optimizer never shares a tensor with ``state_dict``.
     - ``state_dict`` may also be a whole checkpoint holding exactly one optimizer state (a Lightning ``.ckpt``,
-      ``{"optimizer": ...}``, an :func:`optimshift.save` file); a recorded optimizer class is checked.
+      ``{"optimizer": ...}``, an :func:`optimshift.save` file); a recorded optimizer class is checked. A path
+      is read with :func:`optimshift.load` (errors then name the file too).
 
-    Everything is validated (class, group count, params per group, state shapes) and copied before the
-    optimizer changes: an error names the group, param index and key and leaves the optimizer untouched.
-    Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run as in PyTorch.
+    Everything is validated and copied before the optimizer changes: an error names the group, param index and
+    key and leaves the optimizer untouched. Checked: the class, the group count, the params per group, that
+    every key of ``state`` is a saved param id (text keys such as ``"0"``, left by a JSON round trip, are
+    refused, not taken for optimizer-wide entries; a torch.optim class keeps no optimizer-wide entries, other
+    classes may), no container nested more than 64 levels, no tensor that is an expanded view far larger than
+    its storage. For torch.optim classes, also what their step needs (probed): every entry a step creates is
+    there and is a dense tensor, per-param buffers have the param's shape and a floating dtype, scalars such as
+    ``step`` have one element, and hyperparameters have the right type (``lr`` a number or one-element
+    tensor, ``betas`` a pair). Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run
+    as in PyTorch.
     """
     receiver = _receiver(optimizer)
     name = optimizer_name(receiver)
@@ -80,9 +92,14 @@ def load_state_dict(
     params = [p for g in receiver.param_groups for p in g["params"]]
     target = None if device is None else resolve(device, what="device", tensors=params)
 
-    sd, recorded = _extract(state_dict, name)
+    source = None
+    if isinstance(state_dict, (str, os.PathLike)):
+        source = os.fspath(state_dict)
+        state_dict = _files.load(source)
+    label = f"{name}: load_state_dict: {source}" if source else f"{name}: load_state_dict"
+    sd, recorded = _extract(state_dict, label)
     if recorded is not None:
-        _check_class(receiver, recorded, name)
+        _check_class(receiver, recorded, label)
 
     # As PyTorch: a shallow copy goes through the pre-hooks, which may return a replacement.
     sd = dict(sd)
@@ -91,7 +108,7 @@ def load_state_dict(
         if result is not None:
             sd = result
 
-    staged = _Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target)
+    staged = _Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target, source=source)
     with engine.no_gc():  # tens of thousands of small objects: collections would cost more than the copies
         new_state, new_groups = staged.build()
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
@@ -162,7 +179,7 @@ def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     )
 
 
-def _check_class(optimizer: Any, recorded: Mapping[str, Any], name: str) -> None:
+def _check_class(optimizer: Any, recorded: Mapping[str, Any], label: str) -> None:
     qualname = recorded.get("class")
     module = recorded.get("module", "")
     if not isinstance(qualname, str):
@@ -172,19 +189,19 @@ def _check_class(optimizer: Any, recorded: Mapping[str, Any], name: str) -> None
         return
     saved = f"{module}.{qualname}" if module else qualname
     raise ValueError(
-        f"{name}: load_state_dict: the checkpoint was saved from a {saved}, not a {cls.__module__}.{cls.__qualname__}; "
+        f"{label}: the checkpoint was saved from a {saved}, not a {cls.__module__}.{cls.__qualname__}; "
         f"its state would be misread. Load it into a {qualname}, or pass only its 'state' and 'param_groups' "
         f"entries to skip this check."
     )
 
 
-def _extract(state_dict: Any, name: str) -> tuple[Any, Optional[Mapping[str, Any]]]:
+def _extract(state_dict: Any, label: str) -> tuple[Any, Optional[Mapping[str, Any]]]:
     """The optimizer state dict inside ``state_dict`` (itself, or the only one a checkpoint holds) and the
     class optimshift recorded for it."""
     from ._files import META_KEY, find_optimizer_states, is_optimizer_state_dict
 
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{name}: load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
+        raise TypeError(f"{label}: state_dict must be a dict (or a path), got {type(state_dict).__name__}")
     if is_optimizer_state_dict(state_dict):
         meta = state_dict.get(META_KEY)
         return state_dict, meta if isinstance(meta, Mapping) else None
@@ -195,7 +212,7 @@ def _extract(state_dict: Any, name: str) -> tuple[Any, Optional[Mapping[str, Any
     if len(found) > 1:
         where = ", ".join(f.where for f in found)
         raise ValueError(
-            f"{name}: load_state_dict: this checkpoint holds {len(found)} optimizer states ({where}); pass the one "
+            f"{label}: this checkpoint holds {len(found)} optimizer states ({where}); pass the one "
             f"for this optimizer, e.g. checkpoint{found[0].where}"
         )
     return state_dict, None  # not recognised: the pre-hooks may still turn it into a state dict
@@ -218,19 +235,23 @@ class _Staging:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, name: str, sd: Any, *, flags: str, cast: Optional[str],
-                 copy: bool, device: Optional[torch.device]) -> None:
-        self.opt, self.name, self.sd = optimizer, name, sd
+                 copy: bool, device: Optional[torch.device], source: Optional[str] = None) -> None:
+        self.opt, self.name, self.sd, self.source = optimizer, name, sd, source
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
         self.registered = _policy.has_registered_policy(optimizer)
         self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
         self.base = _policy._builtin_base(type(optimizer))
+        # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
+        # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
+        self.strict = self.base is not None and _same_step(type(optimizer), self.base)
         self._decisions: dict[tuple, torch.device] = {}
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
         self._wanted: dict[tuple, tuple[torch.Tensor, tuple]] = {}
         self._made: dict[tuple, torch.Tensor] = {}
 
     def fail(self, message: str, exc: type = ValueError) -> BaseException:
-        return exc(f"{self.name}: load_state_dict: {message}")
+        where = f"{self.source}: " if self.source else ""
+        return exc(f"{self.name}: load_state_dict: {where}{message}")
 
     # -- structure ------------------------------------------------------------------------------------------
 
@@ -285,8 +306,24 @@ class _Staging:
                     )
                 seen_ids[sid] = (gi, pi)
         id_types = {type(sid) for sid in seen_ids}
+        texts = _files.stringified_ids([k for k in states if k not in seen_ids], seen_ids)
+        if texts:
+            raise self.fail(
+                f"state_dict['state'] is keyed by text ({', '.join(repr(k) for k in texts[:3])}"
+                f"{', …' if len(texts) > 3 else ''}) while the param groups list the ids "
+                f"{_ids_shown(seen_ids)}: it went through JSON or another round trip that turns keys into text, "
+                f"and PyTorch would silently drop every param's state. Turn the keys back first: "
+                f"sd['state'] = {{int(k): v for k, v in sd['state'].items()}}"
+            )
         # Keys of another kind than the params' ids are optimizer-wide entries (MADGRAD's "k"): PyTorch keeps them.
         self.wide = [k for k in states if k not in seen_ids and type(k) not in id_types] if id_types else []
+        if self.wide and self.base is not None and type(self.opt) is self.base:
+            raise self.fail(
+                f"state_dict['state'] has entries {self.wide[:5]!r} that are no param's id, but "
+                f"{self.base.__module__}.{self.base.__qualname__} keeps all of its state per param (only other "
+                f"optimizer classes keep optimizer-wide entries); the param groups list the ids "
+                f"{_ids_shown(seen_ids)}"
+            )
         stray = [k for k in states if k not in seen_ids and k not in self.wide] if len(states) > 0 else []
         if stray:
             raise self.fail(
@@ -340,6 +377,10 @@ class _Staging:
         copying was not asked for, else a ticket that :meth:`_got` turns into its copy once :meth:`_resolve`
         has made every copy. One copy per distinct (source, device, dtype), so tensors shared in the
         checkpoint stay shared. Sources stay alive (the state dict holds them) while their ids are keys."""
+        why = _files.overexpanded(tensor)
+        if why is not None:
+            raise self.fail(f"{self._site(site)}: {why}; copying it would allocate every element (a corrupt or "
+                            f"hostile checkpoint)")
         if not always_copy and tensor.dtype == dtype and tensor.device == device:
             return tensor
         ticket = (id(tensor), device, dtype)
@@ -400,28 +441,37 @@ class _Staging:
         saved_groups, states = self._validate_structure()
         live_groups = self.opt.param_groups
         new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
-        shaped_cache: dict[tuple[int, int], frozenset] = {}
+        spec_cache: dict[tuple[int, int], _StateSpec] = {}
         new_state: defaultdict = defaultdict(dict)
         # Per param with state: (its new state dict, param, group, index, [(key, tensor)], [(key, container)]).
         pending: list[tuple[dict, torch.Tensor, int, int, list, list]] = []
+        if self.strict:
+            for gi, ng in enumerate(new_groups):
+                self._check_group(gi, ng)
         for gi, (lg, sg, ng) in enumerate(zip(live_groups, saved_groups, new_groups)):
             for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
                 saved = states.get(sid)
+                ndim, pshape = p.dim(), p.shape
+                spec = spec_cache.get((gi, ndim))
+                if spec is None:
+                    spec = spec_cache[(gi, ndim)] = self._spec(ng, ndim)
                 if saved is None:
+                    if self.strict and spec.eager:
+                        raise self.fail(f"{self._param_label(gi, pi)}: the checkpoint has no state for it, but "
+                                        f"{self.base.__name__} creates every param's state when it is built "
+                                        f"({_keys_shown(spec.keys)}); this state dict is incomplete")
                     continue
                 if type(saved) is not dict and not isinstance(saved, Mapping):
                     raise self.fail(f"{self._param_label(gi, pi)}: its state is a {type(saved).__name__}, "
                                     f"expected a dict", TypeError)
-                ndim, pshape = p.dim(), p.shape
-                shaped = shaped_cache.get((gi, ndim))
-                if shaped is None:
-                    shaped = shaped_cache[(gi, ndim)] = self._shaped_keys(ng, ndim)
+                if self.strict and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class
+                    self._check_entries(gi, pi, p, saved, spec)
                 new: dict = {}
                 tensors: list = []
                 containers: list = []
                 for key, value in saved.items():
                     if isinstance(value, torch.Tensor):
-                        if key in shaped and value.shape != pshape:
+                        if key in spec.shaped and value.shape != pshape:
                             raise self.fail(
                                 f"{self._site((gi, pi, key, ()))}: the checkpoint's tensor has shape "
                                 f"{tuple(value.shape)}, the param has shape {tuple(p.shape)}; this checkpoint was "
@@ -432,6 +482,7 @@ class _Staging:
                     elif isinstance(value, _ATOMS):
                         new[key] = value
                     else:
+                        self._check_depth(value, (gi, pi, key, ()))
                         memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
                         try:
                             new[key] = _copy.deepcopy(value, memo)
@@ -472,6 +523,7 @@ class _Staging:
                 new_state[key] = value
                 continue
             if not isinstance(value, torch.Tensor):
+                self._check_depth(value, (0, None, key, ()), wide=True)
                 memo = {id(t): t for _, t in leaves(value)}
                 value = _copy.deepcopy(value, memo)
             new_state[key] = value
@@ -520,6 +572,7 @@ class _Staging:
             if isinstance(value, torch.Tensor) or isinstance(value, _ATOMS):
                 out[key] = value
             else:
+                self._check_depth(value, (gi, None, key, ()))
                 memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
                 try:
                     out[key] = _copy.deepcopy(value, memo)
@@ -537,11 +590,73 @@ class _Staging:
             out["param_names"] = live["param_names"]
         return out
 
-    def _shaped_keys(self, group: Mapping[str, Any], ndim: int) -> frozenset:
-        """State keys that this optimizer class keeps in its param's shape (probed), for the shape check."""
+    def _spec(self, group: Mapping[str, Any], ndim: int) -> _StateSpec:
+        """What this optimizer class keeps per param (probed), for the checks."""
         if self.base is None:
-            return frozenset()
-        return _shaped_keys(self.base, group, ndim)
+            return _NO_SPEC
+        return _expected_state(self.base, group, ndim)
+
+    # -- validation -------------------------------------------------------------------------------------------
+
+    def _check_group(self, gi: int, group: Mapping[str, Any]) -> None:
+        """The hyperparameters a torch.optim class takes have the types it needs (PyTorch fails at step())."""
+        for key, default in _hyper_defaults(self.base).items():
+            if key in group and key not in ("params", "param_names"):
+                problem = _hyper_problem(key, default, group[key])
+                if problem is not None:
+                    raise self.fail(f"param group {gi}, key {key!r}: {problem}", TypeError)
+
+    def _check_entries(self, gi: int, pi: int, p: torch.Tensor, saved: Mapping[Any, Any], spec: _StateSpec) -> None:
+        """Each entry a step of this torch.optim class creates is there, with the kind, dtype and size it needs."""
+        missing = [k for k in spec.keys if k not in saved]
+        if missing:
+            raise self.fail(f"{self._param_label(gi, pi)}: its state has no {_keys_shown(missing)}; "
+                            f"{self.base.__name__}.step keeps {_keys_shown(spec.keys)}")
+        for key in spec.tensors:
+            value = saved[key]
+            site = self._site((gi, pi, key, ()))
+            if key in spec.scalars:
+                if _number_like(value) and (not isinstance(value, torch.Tensor) or value.layout == torch.strided):
+                    continue  # a Python number is what older PyTorch saved; __setstate__ makes it a tensor
+                raise self.fail(f"{site}: expected a 0-dim tensor (or a number), got {_kind(value)}",
+                                TypeError if not isinstance(value, torch.Tensor) else ValueError)
+            if not isinstance(value, torch.Tensor):
+                raise self.fail(f"{site}: expected a tensor, got {_kind(value)}", TypeError)
+            if value.layout != torch.strided:
+                raise self.fail(f"{site}: expected a dense tensor, got a {str(value.layout).replace('torch.', '')} "
+                                f"one", TypeError)
+            if key in spec.floating and not (value.is_floating_point() or value.is_complex()):
+                raise self.fail(f"{site}: expected a floating-point tensor, got "
+                                f"{str(value.dtype).replace('torch.', '')}", TypeError)
+            if key in spec.bounded and key not in spec.shaped and value.numel() > p.numel():
+                raise self.fail(f"{site}: the checkpoint's tensor has {value.numel()} elements, more than its "
+                                f"param's {p.numel()} (shape {tuple(p.shape)}); this checkpoint was made for other "
+                                f"params")
+
+    def _check_depth(self, value: Any, site: tuple, wide: bool = False) -> None:
+        if _too_deep(value):
+            where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
+            raise self.fail(f"{where}: nested more than {_MAX_DEPTH} levels deep; no optimizer keeps state like "
+                            f"this (a corrupt or hostile checkpoint)")
+
+
+def _same_step(cls: type, base: type) -> bool:
+    """Whether ``cls`` steps with ``base``'s ``step``. NOTE: ``Optimizer.__init__`` wraps ``type(self).step`` in a
+    profiling hook the first time a class is built, so a subclass may hold its own wrapper of the same function:
+    compare what the wrappers wrap."""
+    try:
+        return inspect.unwrap(getattr(cls, "step")) is inspect.unwrap(getattr(base, "step"))
+    except (AttributeError, ValueError):
+        return False
+
+
+def _keys_shown(keys: Any) -> str:
+    return ", ".join(repr(k) for k in sorted(keys, key=str))
+
+
+def _ids_shown(ids: Mapping[Any, Any]) -> str:
+    shown = list(ids)[:4]
+    return ", ".join(repr(i) for i in shown) + (", …" if len(ids) > len(shown) else "")
 
 
 def _group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
@@ -551,10 +666,30 @@ def _group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.dev
     return fallback.device
 
 
-# --- which state keys have the param's shape ----------------------------------------------------------------
+# --- what a torch.optim class keeps per param -----------------------------------------------------------------
 
-_shape_cache: dict[tuple, frozenset] = {}
-_shape_lock = threading.Lock()
+
+@dataclass(frozen=True)
+class _StateSpec:
+    """What one step of a torch.optim class leaves in a param's state (probed on two small host params).
+
+    ``keys``: every key; ``shaped``: tensors with their param's shape; ``scalars``: 0-dim tensors (``step``,
+    ``mu_product``); ``tensors``: every tensor key; ``floating``: non-scalar tensors in floating point;
+    ``bounded``: other tensors never larger than their param (Adafactor's ``row_var``); ``eager``: the class
+    creates every param's state when it is built (Adagrad), so a param without state cannot step."""
+
+    keys: frozenset = frozenset()
+    shaped: frozenset = frozenset()
+    scalars: frozenset = frozenset()
+    tensors: frozenset = frozenset()
+    floating: frozenset = frozenset()
+    bounded: frozenset = frozenset()
+    eager: bool = False
+
+
+_NO_SPEC = _StateSpec()
+_spec_cache: dict[tuple, _StateSpec] = {}
+_spec_lock = threading.Lock()
 
 
 def _plain(value: Any) -> bool:
@@ -565,37 +700,35 @@ def _plain(value: Any) -> bool:
     return isinstance(value, (int, float, bool, str, type(None)))
 
 
-def _shaped_keys(cls: type, group: Mapping[str, Any], ndim: int) -> frozenset:
+def _expected_state(cls: type, group: Mapping[str, Any], ndim: int) -> _StateSpec:
     """Run ``cls`` for one step on two small host params of rank ``ndim`` (1, or 2 for anything higher) and
-    return the state keys whose tensors had their param's shape in both. Empty when the probe cannot run
-    (then nothing is checked) or for 0-dim params."""
+    describe the state both got. Empty (nothing is checked) when the probe cannot run, or for 0-dim params."""
     if ndim == 0:
-        return frozenset()
+        return _NO_SPEC
     try:
         accepted = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
-        return frozenset()
+        return _NO_SPEC
     kwargs = {k: v for k, v in group.items()
               if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and _plain(v)}
     if "foreach" in accepted:
         kwargs["foreach"] = False
     shapes = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
     cache_key = (cls, repr(sorted(kwargs.items())), len(shapes[0]))
-    with _shape_lock:
-        hit = _shape_cache.get(cache_key)
+    with _spec_lock:
+        hit = _spec_cache.get(cache_key)
     if hit is not None:
         return hit
-    result: frozenset = frozenset()
     try:
-        result = _probe_shapes(cls, kwargs, shapes)
+        result = _probe_state(cls, kwargs, shapes)
     except Exception:
-        result = frozenset()
-    with _shape_lock:
-        _shape_cache[cache_key] = result
+        result = _NO_SPEC
+    with _spec_lock:
+        _spec_cache[cache_key] = result
     return result
 
 
-def _probe_shapes(cls: type, kwargs: dict, shapes: list) -> frozenset:
+def _probe_state(cls: type, kwargs: dict, shapes: list) -> _StateSpec:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), _policy.quiet_global_step_hooks():
@@ -604,18 +737,114 @@ def _probe_shapes(cls: type, kwargs: dict, shapes: list) -> frozenset:
         for p in params:
             p.grad = torch.full(p.shape, 0.25)
         opt = cls(params, **kwargs)
+        eager = all(opt.state.get(p) for p in params)
         try:
             opt.step(lambda: torch.tensor(1.0))
         except Exception:
             pass  # the state was created before whatever failed; it is all we read
-        keys: Optional[set] = None
-        for p in params:
-            state = opt.state.get(p)
-            if not state:
-                return frozenset()
-            here = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape}
-            keys = here if keys is None else keys & here
-    return frozenset(keys or ())
+        states = [opt.state.get(p) for p in params]
+        if not all(states):
+            return _NO_SPEC
+
+        def common(test: Callable[[Any, torch.Tensor], bool]) -> frozenset:
+            return frozenset.intersection(*(frozenset(k for k, v in st.items() if test(v, p))
+                                            for st, p in zip(states, params)))
+
+        tensor = lambda v, p: isinstance(v, torch.Tensor)  # noqa: E731
+        return _StateSpec(
+            keys=frozenset.intersection(*(frozenset(st) for st in states)),
+            shaped=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.shape == p.shape),
+            scalars=common(lambda v, p: tensor(v, p) and v.dim() == 0),
+            tensors=common(tensor),
+            floating=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.is_floating_point()),
+            bounded=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.numel() <= p.numel()),
+            eager=eager,
+        )
+
+
+# --- which hyperparameters a torch.optim class takes -------------------------------------------------------
+
+_defaults_cache: dict[type, dict[str, Any]] = {}
+
+
+def _hyper_defaults(cls: type) -> dict[str, Any]:
+    """``cls.__init__``'s keyword defaults (``lr``, ``betas``, ``maximize``…), read from its signature."""
+    found = _defaults_cache.get(cls)
+    if found is None:
+        try:
+            params = inspect.signature(cls.__init__).parameters.values()
+            found = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        except (TypeError, ValueError):
+            found = {}
+        _defaults_cache[cls] = found
+    return found
+
+
+def _number_like(value: Any) -> bool:
+    """A real number, or a one-element real tensor (PyTorch takes a tensor ``lr``)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _hyper_problem(key: str, default: Any, value: Any) -> Optional[str]:
+    """What is wrong with ``value`` for a hyperparameter whose default is ``default`` (None if nothing)."""
+    if key in IMPLEMENTATION_FLAGS or isinstance(default, bool):
+        if value is None or isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            return None
+        return f"expected True or False, got {_kind(value)}"
+    if isinstance(default, numbers.Real):
+        return None if _number_like(value) else f"expected a number (or a one-element tensor), got {_kind(value)}"
+    if isinstance(default, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(default):
+            return f"expected a pair of numbers like {default!r}, got {_kind(value)}" if len(default) == 2 else \
+                f"expected {len(default)} numbers like {default!r}, got {_kind(value)}"
+        for i, (d, v) in enumerate(zip(default, value)):
+            if not (_number_like(v) or (d is None and v is None)):
+                return f"item {i} must be a number, got {_kind(v)}"
+        return None
+    if isinstance(default, str) and not isinstance(value, str):
+        return f"expected a string, got {_kind(value)}"
+    return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} ({str(value.dtype).replace('torch.', '')})"
+    if isinstance(value, (str, bytes)):
+        return f"{type(value).__name__} {value[:40]!r}"
+    if value is None:
+        return "None"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+# --- how deep a value nests -----------------------------------------------------------------------------------
+
+_MAX_DEPTH = 64
+"""Containers nested deeper than this in a state dict are refused: copying and walking them is recursive, and
+no optimizer nests state more than a few levels (a hostile or broken file can nest thousands)."""
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether ``value`` nests containers more than :data:`_MAX_DEPTH` levels deep. Iterative, and stops at the
+    first path that does; containers are the ones :func:`optimshift._state.leaves` walks."""
+    if isinstance(value, (torch.Tensor,) + _ATOMS):
+        return False
+    stack = [(value, 1)]
+    seen: set[int] = set()
+    while stack:
+        v, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return True
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        for _, child in _children(v):
+            if not isinstance(child, (torch.Tensor,) + _ATOMS):
+                stack.append((child, depth + 1))
+    return False
 
 
 # --- installing ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -67,6 +68,7 @@ def register(subparsers: Any) -> None:
     c.add_argument("output", metavar="OUT")
     c.add_argument("--device", default="cpu", help="where every tensor goes (default: cpu)")
     c.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors to this dtype")
+    c.add_argument("--json", action="store_true", help="print the result (or the error) as JSON on stdout")
     _allow_global_arg(c)
     c.set_defaults(func=run_convert)
 
@@ -109,8 +111,14 @@ def human_bytes(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _fail(command: str, message: str) -> int:
-    print(f"optimshift {command}: error: {message}", file=sys.stderr)
+def _fail(command: str, message: str, *, as_json: bool = False, error: Optional[BaseException] = None) -> int:
+    """Report a failure in one line (stderr), or as ``{"error": {...}}`` on stdout with ``--json``; exit 1."""
+    line = re.sub(r"\s*\n\s*", " ", re.sub(r"\x1b\[[0-9;]*m", "", message)).strip()
+    if as_json:
+        kind = type(error).__name__ if error is not None else "UsageError"
+        print(json.dumps({"error": {"command": command, "type": kind, "message": line}}))
+    else:
+        print(f"optimshift {command}: error: {line}", file=sys.stderr)
     return 1
 
 
@@ -124,15 +132,20 @@ def _allowed(names: list[str]) -> Iterator[None]:
         yield
 
 
-def _jsonable(value: Any) -> Any:
+_SHOWN_DEPTH = 16  # containers nested deeper than this are summarised (a hostile file may nest thousands)
+
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             return value.item()
         return {"tensor": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+    if isinstance(value, (list, tuple, Mapping)) and depth >= _SHOWN_DEPTH:
+        return f"<{type(value).__name__} nested deeper than {_SHOWN_DEPTH} levels>"
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [_jsonable(v, depth + 1) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): _jsonable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -142,7 +155,7 @@ def _jsonable(value: Any) -> Any:
 
 def _short(value: Any) -> str:
     v = _jsonable(value)
-    if isinstance(v, list):
+    if isinstance(v, list):  # at most _SHOWN_DEPTH deep: _jsonable summarised the rest
         return "(" + ", ".join(_short(x) for x in v) + ")"
     if isinstance(v, float):
         return f"{v:g}"
@@ -262,6 +275,19 @@ def _nbytes(t: torch.Tensor) -> int:
         return 0
 
 
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _state_of(states: Mapping, sid: Any) -> Any:
+    """The saved state of param id ``sid`` (None for ids a corrupt file made unhashable)."""
+    return states.get(sid) if _hashable(sid) else None
+
+
 def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]) -> dict[str, Any]:
     sd = found.state_dict
     groups = list(sd["param_groups"])
@@ -275,7 +301,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         "class": found.class_name,
         "class_guess": guessed,
         "params": n_params,
-        "params_with_state": sum(1 for g in groups for sid in g["params"] if states.get(sid)),
+        "params_with_state": sum(1 for g in groups for sid in g["params"] if _state_of(states, sid)),
         "groups": [],
         "state": [],
         "findings": [],
@@ -289,11 +315,12 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
             "flags": {k: _jsonable(g[k]) for k in _FLAGS if k in g},
         })
     table: dict[str, dict[str, Any]] = {}
-    listed = {sid for g in groups for sid in g["params"]}
+    listed = {sid for g in groups for sid in g["params"] if _hashable(sid)}
+    stringified = set(ckpt.stringified_ids(states, listed))
     # Optimizer-wide entries (keys of state that are no param's id, e.g. MADGRAD's "k"), shown as "state[key]".
-    wide = {f"state[{k!r}]": v for k, v in states.items() if k not in listed and type(k) not in
-            {type(sid) for sid in listed}}
-    per_param = [states.get(sid) for g in groups for sid in g["params"]]
+    wide = {f"state[{k!r}]": v for k, v in states.items() if k not in listed and k not in stringified and
+            type(k) not in {type(sid) for sid in listed}}
+    per_param = [_state_of(states, sid) for g in groups for sid in g["params"]]
     for st in per_param + ([wide] if wide else []):
         if not isinstance(st, Mapping):
             continue
@@ -312,6 +339,16 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         row["saved_on"], row["dtypes"], row["kinds"] = dict(row["saved_on"]), dict(row["dtypes"]), dict(row["kinds"])
         desc["state"].append(row)
     desc["findings"] = _findings(cls, found, groups, states, locations)
+    if stringified:
+        shown = ", ".join(repr(k) for k in sorted(stringified)[:3])
+        desc["findings"].insert(0, {
+            "severity": "error", "key": "-", "count": len(stringified),
+            "message": f"the state's keys are text ({shown}{', …' if len(stringified) > 3 else ''}) while the param "
+                       f"groups list numbers: the file went through JSON or a similar round trip. "
+                       f"optimizer.load_state_dict silently drops every param's state (it keeps them as "
+                       f"optimizer-wide entries); optimshift.load_state_dict refuses it. Turn the keys back into "
+                       f"the groups' ids ({{int(k): v for k, v in sd['state'].items()}})",
+        })
     return desc
 
 
@@ -335,7 +372,7 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
         for f in flagged:
             findings.append(_flag_finding(f, gi, len(g["params"])))
         for sid in g["params"]:
-            st = states.get(sid)
+            st = _state_of(states, sid)
             if not isinstance(st, Mapping):
                 continue
             for key, value in st.items():
@@ -547,36 +584,50 @@ def _indent(text: str, by: str = "  ") -> str:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    path = args.path
+    path, as_json = args.path, args.json
     if os.path.isdir(path):
         folder = training_folder(path)
         if folder is not None:
             return _inspect_training_folder(folder, args)
-        return _inspect_folder(path, as_json=args.json)
+        return _inspect_folder(path, as_json=as_json)
     try:
         fmt = ckpt._sniff(path)
-        with _allowed(args.allow_global):
+        with _allowed(args.allow_global), _warnings_only_on_success():
             obj, locations = ckpt._load_recording(path)
     except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
-        return _fail("inspect", str(e))
-    desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt)
-    if args.json:
-        print(json.dumps(desc, indent=2, default=str))
-    else:
-        print(render(desc, color=_use_color(sys.stdout)))
+        return _fail("inspect", str(e), as_json=as_json, error=e)
+    try:
+        desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt)
+        text = json.dumps(desc, indent=2, default=str) if as_json else render(desc, color=_use_color(sys.stdout))
+    except Exception as e:  # NOTE: a last resort, so that a file we misread never prints a traceback
+        return _fail("inspect", f"{path} loaded, but describing it failed ({type(e).__name__}: {e}); "
+                                f"please report this", as_json=as_json, error=e)
+    print(text)
     return 0
+
+
+@contextlib.contextmanager
+def _warnings_only_on_success() -> Iterator[None]:
+    """Hold back the warnings torch emits while reading a file: shown if it loads, dropped if it fails (the
+    error says what matters, in one line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        yield
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _inspect_folder(path: str, *, as_json: bool) -> int:
     try:
         from optimshift.distributed import describe_dcp  # type: ignore[attr-defined]
-    except ImportError:
+    except ImportError as e:
         return _fail("inspect", f"{path} is a directory (a torch.distributed.checkpoint folder?); reading those needs "
-                                f"optimshift.distributed, which this installation does not have. Pass a file.")
+                                f"optimshift.distributed, which this installation does not have. Pass a file.",
+                     as_json=as_json, error=e)
     try:
         info = describe_dcp(path)
     except Exception as e:
-        return _fail("inspect", f"{path}: {type(e).__name__}: {e}")
+        return _fail("inspect", f"{path}: {type(e).__name__}: {e}", as_json=as_json, error=e)
     if as_json:
         print(json.dumps(info, indent=2, default=str))
     else:
@@ -646,7 +697,11 @@ def _protected(obj: Any) -> set[int]:
     return keep
 
 
-def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter) -> Any:
+_CAST_DEPTH = 64  # containers nested deeper than this are refused by --dtype (the copy is recursive)
+
+
+def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter,
+               where: str = "", depth: int = 0) -> Any:
     if isinstance(obj, torch.Tensor):
         if id(obj) in memo:
             return memo[id(obj)]
@@ -655,6 +710,10 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
             if id(obj) in keep:
                 counts["kept"] += 1
             else:
+                why = ckpt.overexpanded(obj)
+                if why is not None:
+                    raise ValueError(f"refusing to cast the tensor at {where or 'the top'}: {why}; casting it would "
+                                     f"allocate every element")
                 new = obj.to(dtype)
                 counts["cast"] += 1
         memo[id(obj)] = new
@@ -662,12 +721,16 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
     if isinstance(obj, (dict, list)) or type(obj) is tuple:  # dict subclasses too: OrderedDict state_dicts
         if id(obj) in memo:
             return memo[id(obj)]
+        if depth >= _CAST_DEPTH:
+            raise ValueError(f"the object at {where} is nested deeper than {_CAST_DEPTH} levels; --dtype cannot "
+                             f"rewrite it")
         if isinstance(obj, dict):
             out: Any = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict) and its attributes (_metadata)
             for k, v in obj.items():
-                out[k] = _cast_tree(v, dtype, keep, memo, counts)
+                out[k] = _cast_tree(v, dtype, keep, memo, counts, f"{where}[{k!r}]", depth + 1)
         else:
-            out = type(obj)(_cast_tree(v, dtype, keep, memo, counts) for v in obj)
+            out = type(obj)(_cast_tree(v, dtype, keep, memo, counts, f"{where}[{i}]", depth + 1)
+                            for i, v in enumerate(obj))
         memo[id(obj)] = out
         return out
     return obj
@@ -704,43 +767,59 @@ def _missing_device(device: torch.device) -> Optional[str]:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    src, dst = args.input, args.output
+    src, dst, as_json = args.input, args.output, args.json
+
+    def fail(message: str, error: Optional[BaseException] = None) -> int:
+        return _fail("convert", message, as_json=as_json, error=error)
+
     try:
         device = torch.device(args.device)
-    except Exception:
-        return _fail("convert", f"--device {args.device!r} is not a device PyTorch knows")
+    except Exception as e:
+        return fail(f"--device {args.device!r} is not a device PyTorch knows", e)
     missing = _missing_device(device)
     if missing:
-        return _fail("convert", missing)
+        return fail(missing, ValueError(missing))
     if os.path.isdir(src):
         folder = training_folder(src)
         if folder is not None:
             return _convert_training_folder(folder, args)
-        return _fail("convert", f"{src} is a directory but not a Hugging Face Trainer checkpoint-N folder or an "
-                                f"Accelerate save_state folder; convert reads torch.save files and those folders")
+        return fail(f"{src} is a directory but not a Hugging Face Trainer checkpoint-N folder or an Accelerate "
+                    f"save_state folder; convert reads torch.save files and those folders", IsADirectoryError())
     try:
-        with _allowed(args.allow_global):
+        torch.empty(0, device=device)
+    except Exception as e:
+        return fail(f"cannot put {src}'s tensors on {device}: {_first_line(str(e))}", e)
+    try:
+        with _allowed(args.allow_global), _warnings_only_on_success():
             obj = ckpt.load(src, map_location=device, mmap=device.type == "cpu")
     except (ckpt.CheckpointError, OSError, ValueError) as e:
-        return _fail("convert", str(e))
+        return fail(str(e), e)
     except RuntimeError as e:
-        return _fail("convert", f"cannot put {src}'s tensors on {device}: {str(e).splitlines()[0]}")
+        return fail(f"cannot put {src}'s tensors on {device}: {_first_line(str(e))}", e)
     counts: Counter = Counter()
-    if args.dtype:
-        obj = _cast_tree(obj, _DTYPES[args.dtype], _protected(obj), {}, counts)
+    try:
+        if args.dtype:
+            obj = _cast_tree(obj, _DTYPES[args.dtype], _protected(obj), {}, counts)
+    except (ValueError, RuntimeError) as e:  # RuntimeError: an OOM while casting
+        return fail(f"{src}: {e}", e)
     total = _storage_bytes(obj)
     bar = _Progress(f"writing {os.path.basename(dst)}", total, sys.stderr) if (
-        total >= _LARGE and _isatty(sys.stderr)) else None
+        total >= _LARGE and _isatty(sys.stderr) and not as_json) else None
     try:
         ckpt._save(obj, dst, progress=bar)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, ValueError) as e:
         if bar:
             bar.close()
-        return _fail("convert", f"cannot write {dst}: {e}")
+        return fail(f"cannot write {dst}: {e}", e)
     if bar:
         bar.close()
     tensors = list(ckpt.iter_tensors(obj))
-    summary = f"wrote {dst}: {len(tensors)} tensors on {device}, {human_bytes(os.path.getsize(dst))}"
+    size = os.path.getsize(dst)
+    if as_json:
+        print(json.dumps({"wrote": dst, "tensors": len(tensors), "device": str(device), "bytes": size,
+                          "dtype": args.dtype, "cast": counts["cast"], "kept": counts["kept"]}))
+        return 0
+    summary = f"wrote {dst}: {len(tensors)} tensors on {device}, {human_bytes(size)}"
     if args.dtype:
         summary += f"; cast {counts['cast']} floating tensors to {args.dtype}"
         if counts["kept"]:
@@ -829,7 +908,7 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     """
     def convert(src: str, dst: str) -> int:
         return run_convert(argparse.Namespace(input=src, output=dst, device=args.device, dtype=args.dtype,
-                                              allow_global=args.allow_global))
+                                              allow_global=args.allow_global, json=False))
 
     if not folder.optimizer_files:
         return _fail("convert", f"{folder.path} is a {folder.label} without an optimizer file: nothing to convert")
@@ -873,3 +952,7 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     print(f"copied {copied} other entr{'y' if copied == 1 else 'ies'} of {folder.path} unchanged into {dst}")
     return 0
 
+
+def _first_line(message: str) -> str:
+    lines = message.strip().splitlines()
+    return lines[0] if lines else ""

@@ -14,7 +14,7 @@ from .policy import Policy, register_policy, unregister_policy
 from .report import Finding, PlacementRow, Report
 from .syncs import SyncCount, count_syncs
 
-__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it from here)
+from ._version import __version__
 
 __all__ = [
     "move",

@@ -198,7 +198,7 @@ def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     sd = optimizer.state_dict()
     cls = type(inner)
-    from .. import __version__
+    from .._version import __version__
 
     return {**sd, META_KEY: {"format": _FORMAT, "class": cls.__qualname__, "module": cls.__module__,
                              "optimshift": __version__}}

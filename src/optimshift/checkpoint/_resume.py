@@ -24,7 +24,7 @@ import torch
 
 from .. import engine
 from .._copy import copy_tensor
-from .._offload import prepare_discard
+from .._offload import exclusive, prepare_discard
 from .. import policy as _policy
 from .._devices import DeviceLike, resolve
 from .._state import _ATOMS, Setter, _children, format_path, leaves, rebuild
@@ -109,7 +109,9 @@ def load_state_dict(
             sd = result
 
     staged = _Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target, source=source)
-    with engine.no_gc():  # tens of thousands of small objects: collections would cost more than the copies
+    # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
+    # collections would cost more than the copies)
+    with exclusive(receiver), engine.no_gc():
         new_state, new_groups = staged.build()
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
         # leaves everything as it was), handed back only once the state is installed.

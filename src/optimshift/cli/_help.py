@@ -39,6 +39,6 @@ def version_text() -> str:
     """What ``optimshift --version`` prints: this package's version, and the torch and Python it runs on."""
     import torch
 
-    from .. import __version__
+    from .._version import __version__
 
     return f"optimshift {__version__} (torch {torch.__version__}, Python {platform.python_version()})"

@@ -702,7 +702,7 @@ def _writer_options() -> dict[str, Any]:
 
 
 def _version() -> str:
-    from .. import __version__
+    from .._version import __version__
 
     return __version__
 

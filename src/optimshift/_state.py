@@ -76,22 +76,72 @@ def _children(value: Any) -> Iterator[tuple[tuple, Any]]:
 
 
 def leaves(value: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
-    """Every tensor inside ``value``, with its path; each container is visited once (cycles are safe)."""
+    """Every tensor inside ``value``, with its path, depth first in container order; each container is
+    visited once (cycles are safe). Iterative: a hostile file nesting 20,000 levels does not overflow the stack."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+        return
+    if isinstance(value, _ATOMS):
+        return
+    seen: set[int] = {id(value)}
+    stack: list[tuple[Path, Iterator[tuple[tuple, Any]]]] = [(path, _children(value))]
+    while stack:
+        where, children = stack[-1]
+        for step, child in children:
+            if isinstance(child, torch.Tensor):
+                yield where + (step,), child
+            elif not isinstance(child, _ATOMS) and id(child) not in seen:
+                seen.add(id(child))
+                stack.append((where + (step,), _children(child)))
+                break
+        else:
+            stack.pop()
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The distinct tensors inside ``value`` (each object once), in :func:`leaves` order."""
+    out: dict[int, torch.Tensor] = {}
+    for _, t in leaves(value):
+        out.setdefault(id(t), t)
+    return list(out.values())
+
+
+def holds_tensor(value: Any) -> bool:
+    """Whether any tensor is inside ``value``."""
+    return next(leaves(value), None) is not None
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is a Python scalar, string or None, or a list/tuple of only those (a hyperparameter a
+    constructor can take as it is)."""
+    if isinstance(value, (list, tuple)):
+        return not too_deep(value) and all(is_plain(v) for v in value)
+    return isinstance(value, (int, float, bool, str, type(None))) and not isinstance(value, torch.Tensor)
+
+
+MAX_DEPTH = 64
+"""Containers nested deeper than this are refused where state is loaded or rewritten: copying them is
+recursive, and no optimizer nests state more than a few levels (a hostile or broken file can nest thousands)."""
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` nests containers more than ``limit`` levels deep. Iterative; stops at the first path
+    that does; containers are the ones :func:`leaves` walks."""
+    if isinstance(value, (torch.Tensor,) + _ATOMS):
+        return False
+    stack = [(value, 1)]
     seen: set[int] = set()
-
-    def walk(v: Any, p: Path) -> Iterator[tuple[Path, torch.Tensor]]:
-        if isinstance(v, torch.Tensor):
-            yield p, v
-            return
-        if isinstance(v, _ATOMS):
-            return
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
         if id(v) in seen:
-            return
+            continue
         seen.add(id(v))
-        for step, child in _children(v):
-            yield from walk(child, p + (step,))
-
-    yield from walk(value, path)
+        for _, child in _children(v):
+            if not isinstance(child, (torch.Tensor,) + _ATOMS):
+                stack.append((child, depth + 1))
+    return False
 
 
 def rebuild(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]) -> Any:

@@ -47,7 +47,7 @@ def test_version_is_written_once():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "optimshift.__version__"}
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "optimshift._version.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+\S*", optimshift.__version__)
     assert project["project"]["license"] == "Apache-2.0"  # an SPDX expression, not the deprecated table
     assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()

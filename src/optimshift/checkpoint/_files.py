@@ -687,18 +687,3 @@ def resolve_global(name: str) -> Any:
         raise ValueError(f"--allow-global {name}: {module} has no {attr}") from None
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a loaded checkpoint (dicts, lists, tuples), each object once."""
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            if id(v) not in seen:
-                seen.add(id(v))
-                yield v
-        elif isinstance(v, (Mapping, list, tuple, set, frozenset)):
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            stack.extend(reversed(list(v.values() if isinstance(v, Mapping) else v)))

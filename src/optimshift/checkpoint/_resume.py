@@ -27,7 +27,7 @@ from .._copy import copy_tensor
 from .._offload import exclusive, prepare_discard
 from .. import policy as _policy
 from .._devices import DeviceLike, resolve
-from .._state import _ATOMS, Setter, _children, format_path, leaves, rebuild
+from .._state import _ATOMS, MAX_DEPTH, Setter, format_path, is_plain, leaves, rebuild, too_deep
 from ..plan import optimizer_name
 from . import _files
 
@@ -636,9 +636,9 @@ class _Staging:
                                 f"params")
 
     def _check_depth(self, value: Any, site: tuple, wide: bool = False) -> None:
-        if _too_deep(value):
+        if too_deep(value):
             where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
-            raise self.fail(f"{where}: nested more than {_MAX_DEPTH} levels deep; no optimizer keeps state like "
+            raise self.fail(f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                             f"this (a corrupt or hostile checkpoint)")
 
 
@@ -694,14 +694,6 @@ _spec_cache: dict[tuple, _StateSpec] = {}
 _spec_lock = threading.Lock()
 
 
-def _plain(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return False
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return isinstance(value, (int, float, bool, str, type(None)))
-
-
 def _expected_state(cls: type, group: Mapping[str, Any], ndim: int) -> _StateSpec:
     """Run ``cls`` for one step on two small host params of rank ``ndim`` (1, or 2 for anything higher) and
     describe the state both got. Empty (nothing is checked) when the probe cannot run, or for 0-dim params."""
@@ -712,7 +704,7 @@ def _expected_state(cls: type, group: Mapping[str, Any], ndim: int) -> _StateSpe
     except (TypeError, ValueError):
         return _NO_SPEC
     kwargs = {k: v for k, v in group.items()
-              if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and _plain(v)}
+              if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and is_plain(v)}
     if "foreach" in accepted:
         kwargs["foreach"] = False
     shapes = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
@@ -820,33 +812,6 @@ def _kind(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
     return f"a {type(value).__name__}"
-
-
-# --- how deep a value nests -----------------------------------------------------------------------------------
-
-_MAX_DEPTH = 64
-"""Containers nested deeper than this in a state dict are refused: copying and walking them is recursive, and
-no optimizer nests state more than a few levels (a hostile or broken file can nest thousands)."""
-
-
-def _too_deep(value: Any) -> bool:
-    """Whether ``value`` nests containers more than :data:`_MAX_DEPTH` levels deep. Iterative, and stops at the
-    first path that does; containers are the ones :func:`optimshift._state.leaves` walks."""
-    if isinstance(value, (torch.Tensor,) + _ATOMS):
-        return False
-    stack = [(value, 1)]
-    seen: set[int] = set()
-    while stack:
-        v, depth = stack.pop()
-        if depth > _MAX_DEPTH:
-            return True
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        for _, child in _children(v):
-            if not isinstance(child, (torch.Tensor,) + _ATOMS):
-                stack.append((child, depth + 1))
-    return False
 
 
 # --- installing ----------------------------------------------------------------------------------------------

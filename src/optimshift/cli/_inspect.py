@@ -28,6 +28,7 @@ import torch
 from ..checkpoint import _files as ckpt
 from ..checkpoint._folders import TrainingFolder, training_folder
 from .. import policy as _policy
+from .._state import tensors as all_tensors
 from ..report import SYNC_COST, format_table
 
 __all__ = ["register", "describe", "render", "run_inspect", "run_convert"]
@@ -243,7 +244,7 @@ def _device(tag: str) -> Optional[torch.device]:
 
 def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: int = 0, fmt: str = "") -> dict[str, Any]:
     """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data."""
-    tensors = list(ckpt.iter_tensors(obj))
+    tensors = list(all_tensors(obj))
     saved_on = Counter(ckpt.saved_location(t, locations) for t in tensors)
     out: dict[str, Any] = {
         "path": path,
@@ -328,7 +329,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
             row = table.setdefault(str(key), {"key": str(key), "count": 0, "saved_on": Counter(),
                                               "dtypes": Counter(), "bytes": 0, "kinds": Counter()})
             row["count"] += 1
-            ts = [value] if isinstance(value, torch.Tensor) else list(ckpt.iter_tensors(value))
+            ts = [value] if isinstance(value, torch.Tensor) else list(all_tensors(value))
             if not ts:
                 row["kinds"][type(value).__name__] += 1
             for t in ts:
@@ -689,11 +690,11 @@ def _protected(obj: Any) -> set[int]:
     keep: set[int] = set()
     for found in ckpt.find_optimizer_states(obj):
         for st in found.state_dict["state"].values():
-            for t in ckpt.iter_tensors(st):
+            for t in all_tensors(st):
                 if t.dim() == 0:
                     keep.add(id(t))
         for g in found.state_dict["param_groups"]:
-            keep.update(id(t) for t in ckpt.iter_tensors({k: v for k, v in g.items() if k != "params"}))
+            keep.update(id(t) for t in all_tensors({k: v for k, v in g.items() if k != "params"}))
     return keep
 
 
@@ -739,7 +740,7 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
 def _storage_bytes(obj: Any) -> int:
     seen: set[int] = set()
     total = 0
-    for t in ckpt.iter_tensors(obj):
+    for t in all_tensors(obj):
         try:
             s = t.untyped_storage()
             key = s.data_ptr()
@@ -813,7 +814,7 @@ def run_convert(args: argparse.Namespace) -> int:
         return fail(f"cannot write {dst}: {e}", e)
     if bar:
         bar.close()
-    tensors = list(ckpt.iter_tensors(obj))
+    tensors = list(all_tensors(obj))
     size = os.path.getsize(dst)
     if as_json:
         print(json.dumps({"wrote": dst, "tensors": len(tensors), "device": str(device), "bytes": size,

@@ -84,18 +84,23 @@ def leaves(value: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
     if isinstance(value, _ATOMS):
         return
     seen: set[int] = {id(value)}
-    stack: list[tuple[Path, Iterator[tuple[tuple, Any]]]] = [(path, _children(value))]
+    # NOTE: the path is composed only when a tensor is found (from the steps on the stack): building it per
+    # level would be quadratic in the depth.
+    steps: list[tuple] = []
+    stack: list[Iterator[tuple[tuple, Any]]] = [_children(value)]
     while stack:
-        where, children = stack[-1]
-        for step, child in children:
+        for step, child in stack[-1]:
             if isinstance(child, torch.Tensor):
-                yield where + (step,), child
+                yield path + tuple(steps) + (step,), child
             elif not isinstance(child, _ATOMS) and id(child) not in seen:
                 seen.add(id(child))
-                stack.append((where + (step,), _children(child)))
+                steps.append(step)
+                stack.append(_children(child))
                 break
         else:
             stack.pop()
+            if steps:
+                steps.pop()
 
 
 def tensors(value: Any) -> list[torch.Tensor]:

@@ -232,3 +232,52 @@ def _attr_setter(obj: Any, name: str, new: Any) -> Setter:
             object.__setattr__(obj, name, new)
 
     return apply
+
+
+# --- what every module asks of an optimizer ------------------------------------------------------------------
+
+IMPLEMENTATION_FLAGS = ("fused", "capturable", "foreach", "differentiable")
+"""Group entries that choose *how* a step is computed, not *what* it computes (and where scalars live)."""
+
+
+def unwrap(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` a delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``) wraps, unwrapped as far as they nest; ``optimizer`` itself otherwise.
+
+    # NOTE: Lightning's LightningOptimizer is also an instance of the optimizer class it wraps (a dynamic
+    # subclass), so "is an Optimizer" does not end the search: sharing param_groups and state does.
+    """
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if (
+            isinstance(inner, torch.optim.Optimizer)
+            and inner is not optimizer
+            and getattr(optimizer, "param_groups", None) is inner.param_groups
+            and getattr(optimizer, "state", None) is inner.state
+        ):
+            optimizer = inner
+            continue
+        break
+    return optimizer
+
+
+def group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
+    """The device of a group's params (the first one's), for tensors kept in the group itself."""
+    for p in group.get("params", ()):
+        if isinstance(p, torch.Tensor):
+            return p.device
+    return fallback.device
+
+
+def param_name(index: int, names: Any) -> Any:
+    """The name ``param_names`` gives param ``index`` of a group, or None."""
+    if isinstance(names, (list, tuple)) and index < len(names):
+        return names[index]
+    return None
+
+
+def param_label(group: int, index: int, name: Any = None) -> str:
+    """``group 0, param 3``, or ``group 0, param 3 (fc.weight)`` with the param's name: how errors and
+    reports name a param everywhere."""
+    label = f"group {group}, param {index}"
+    return label if name is None or name == "" else f"{label} ({name})"

@@ -13,9 +13,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from . import policy as _policy
-from ._state import Path, format_path, leaves
+from ._state import Path, format_path, group_device, leaves, param_label
+from ._state import param_name as _param_name
 
-__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_holders", "param_label",
+__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_holders",
            "check_optimizer"]
 
 
@@ -44,8 +45,7 @@ class Site:
             return "optimizer-wide"
         if self.index is None:
             return f"group {self.group}"
-        label = f"group {self.group}, param {self.index}"
-        return f"{label} ({self.name})" if self.name else label
+        return param_label(self.group, self.index, self.name)
 
     @property
     def key_label(self) -> str:
@@ -114,12 +114,6 @@ def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Opti
 OPTIMIZER_WIDE = -1  # the "group" of optimizer.state entries under plain (non-param) keys
 
 
-def param_label(group: int, index: int, names: Optional[list]) -> Optional[str]:
-    if names is not None and index < len(names):
-        return str(names[index])
-    return None
-
-
 def iter_holders(
     optimizer: torch.optim.Optimizer,
 ) -> Iterator[tuple[int, Optional[int], Optional[torch.Tensor], Mapping[str, Any], Mapping[Any, Any], Optional[str]]]:
@@ -161,7 +155,8 @@ def iter_holders(
                 continue
             if type(state) is not dict and not isinstance(state, Mapping):
                 raise TypeError(f"{name}: state of group {gi}, param {pi} is a {type(state).__name__}, expected a dict")
-            yield gi, pi, p, group, state, param_label(gi, pi, names)
+            name = _param_name(pi, names)
+            yield gi, pi, p, group, state, None if name is None else str(name)
     for gi, group in enumerate(optimizer.param_groups):
         yield gi, None, None, group, group, None
     if wide and optimizer.param_groups:
@@ -259,11 +254,3 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
 
     target.follow = None if (device is None or not cacheable) else device  # type: ignore[attr-defined]
     return target
-
-
-def group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
-    """The device of a group's params (the first one's), for tensors kept in the group itself."""
-    for p in group.get("params", ()):
-        if isinstance(p, torch.Tensor):
-            return p.device
-    return fallback.device

@@ -24,6 +24,8 @@ from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Optional, Uni
 
 import torch
 
+from .._state import unwrap
+
 from . import _atomic, _records
 
 __all__ = [
@@ -179,14 +181,7 @@ def overexpanded(t: torch.Tensor) -> Optional[str]:
 
 def _wrapped_optimizer(obj: Any) -> Optional[Any]:
     """The ``torch.optim.Optimizer`` that ``obj`` is or delegates to (for recording its class), else None."""
-    inner = obj
-    for _ in range(8):
-        nxt = getattr(inner, "optimizer", None)
-        delegates = getattr(inner, "param_groups", None) is getattr(nxt, "param_groups", ())
-        if isinstance(nxt, torch.optim.Optimizer) and nxt is not inner and delegates:
-            inner = nxt
-            continue
-        break
+    inner = unwrap(obj)
     return inner if isinstance(inner, torch.optim.Optimizer) else None
 
 

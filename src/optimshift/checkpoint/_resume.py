@@ -27,7 +27,8 @@ from .._copy import copy_tensor
 from .._offload import exclusive, prepare_discard
 from .. import policy as _policy
 from .._devices import DeviceLike, resolve
-from .._state import _ATOMS, MAX_DEPTH, Setter, format_path, is_plain, leaves, rebuild, too_deep
+from .._state import (_ATOMS, IMPLEMENTATION_FLAGS, MAX_DEPTH, Setter, format_path, group_device, is_plain, leaves,
+                      param_label, param_name, rebuild, too_deep, unwrap)
 from ..plan import optimizer_name
 from . import _files
 
@@ -35,8 +36,6 @@ __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
 Opt = TypeVar("Opt")
 
-IMPLEMENTATION_FLAGS = ("fused", "capturable", "foreach", "differentiable")
-"""Group entries that choose *how* a step is computed, not *what* it computes: ``flags="live"`` keeps them."""
 
 _FLAG_MODES = ("live", "checkpoint")
 _CAST_MODES = (None, "param")
@@ -152,23 +151,11 @@ def can_load(optimizer: Any) -> bool:
 def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` whose state is loaded: ``optimizer`` itself, or the optimizer that a
     delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) wraps."""
-    for _ in range(8):
-        # A wrapper delegating groups and state first: Lightning's LightningOptimizer is also an instance of the
-        # optimizer class it wraps (a dynamic subclass), but the optimizer that steps is the one inside.
-        inner = getattr(optimizer, "optimizer", None)
-        if (
-            isinstance(inner, torch.optim.Optimizer)
-            and inner is not optimizer
-            and getattr(optimizer, "param_groups", None) is inner.param_groups
-            and getattr(optimizer, "state", None) is inner.state
-        ):
-            optimizer = inner
-            continue
-        if isinstance(optimizer, torch.optim.Optimizer):
-            override = _override_name(type(optimizer))
-            if override is None or override in _EQUIVALENT_OVERRIDES:
-                return optimizer
-        break
+    optimizer = unwrap(optimizer)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        override = _override_name(type(optimizer))
+        if override is None or override in _EQUIVALENT_OVERRIDES:
+            return optimizer
     name = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -221,13 +208,6 @@ def _extract(state_dict: Any, label: str) -> tuple[Any, Optional[Mapping[str, An
 
 
 # --- building the new state ---------------------------------------------------------------------------------
-
-
-def _label(gi: int, pi: int, names: Any) -> str:
-    label = f"group {gi}, param {pi}"
-    if isinstance(names, (list, tuple)) and pi < len(names):
-        label += f" ({names[pi]})"
-    return label
 
 
 class _Staging:
@@ -364,7 +344,7 @@ class _Staging:
 
     def _param_label(self, gi: int, pi: int) -> str:
         names = self.opt.param_groups[gi].get("param_names") or self.sd["param_groups"][gi].get("param_names")
-        return _label(gi, pi, names)
+        return param_label(gi, pi, param_name(pi, names))
 
     def _site(self, site: tuple) -> str:
         """``(group, param index or None, key, path)`` as words, for errors."""
@@ -517,7 +497,7 @@ class _Staging:
                 value = group[key]
                 if isinstance(value, torch.Tensor) or not isinstance(value, _ATOMS):
                     # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
-                    gwhere = fixed if fixed is not None else _group_device(group, value)
+                    gwhere = fixed if fixed is not None else group_device(group, value)
                     fills.append((group, key, self._want_nested(value, group, None, key, gi, None, gwhere, -1, True)))
         for key in self.wide:  # optimizer-wide entries: placed like the plan places them (the first group's)
             value = states[key]
@@ -529,7 +509,7 @@ class _Staging:
                 memo = {id(t): t for _, t in leaves(value)}
                 value = _copy.deepcopy(value, memo)
             new_state[key] = value
-            gwhere = fixed if fixed is not None else _group_device(new_groups[0], value)
+            gwhere = fixed if fixed is not None else group_device(new_groups[0], value)
             fills.append((new_state, key, self._want_nested(value, new_groups[0], None, key, 0, None, gwhere, -1,
                                                             always)))
         self._resolve()
@@ -659,13 +639,6 @@ def _keys_shown(keys: Any) -> str:
 def _ids_shown(ids: Mapping[Any, Any]) -> str:
     shown = list(ids)[:4]
     return ", ".join(repr(i) for i in shown) + (", …" if len(ids) > len(shown) else "")
-
-
-def _group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
-    for p in group.get("params", ()):
-        if isinstance(p, torch.Tensor):
-            return p.device
-    return fallback.device
 
 
 # --- what a torch.optim class keeps per param -----------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from . import engine
 from . import policy as _policy
 from ._devices import DeviceLike, resolve
+from ._dtypes import dtype_findings
 from ._dtensor import row_fields
 from .pool import host_pool
 from .plan import Site, build_plan, check_optimizer, optimizer_name, policy_target, simple_moves
@@ -338,6 +339,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             severity, site.param_label, site.key_label, str(t.device), str(t.dtype).replace("torch.", ""),
             str(tr.target), why, site.group, site.index, cost,
         ))
+    report.findings.extend(dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
         report.findings.append(Finding(
             "info", "-", "-", "-", "-", "-",

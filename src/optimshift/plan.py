@@ -182,7 +182,7 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
     """
     plan = Plan(optimizer)
     transfers = plan.transfers
-    first: dict[int, Transfer] = {}
+    sharing: dict[int, list[Transfer]] = {}
     for gi, pi, param, group, key, value, pname in iter_entries(optimizer):
         if isinstance(value, torch.Tensor):
             found: Any = ((_top_path(key), value),)
@@ -192,14 +192,33 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
             ident = (gi, pi, path)
             device, source = target(ident, param, group, key, tensor)
             tr = Transfer(ident, pname, tensor, param, device, source)
-            prior = first.setdefault(id(tensor), tr)
-            if prior is not tr and prior.target != device:
-                raise ValueError(
-                    f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which belong "
-                    f"on different devices ({prior.target} and {device}); it cannot be placed for both"
-                )
+            shared = sharing.setdefault(id(tensor), [])
+            if shared and shared[0].target != device:
+                _share(optimizer, shared, tr)
+            shared.append(tr)
             transfers.append(tr)
     return plan
+
+
+def _share(optimizer: Any, shared: list[Transfer], tr: Transfer) -> None:
+    """One tensor held by several entries that belong on different devices.
+
+    NOTE: an entry that shares its param group's own tensor holds the group's: LBFGS keeps ``state['t'] =
+    group['lr']`` (a tensor lr), and a fresh LBFGS keeps the one tensor where its group keeps lr. So the state
+    entries go where the group entry goes (iter_entries yields state first: the group entry comes later). Any
+    other sharing across devices cannot be placed for both."""
+    def is_group(t: Transfer) -> bool:
+        return t.ident[1] is None and t.ident[0] != OPTIMIZER_WIDE
+
+    if is_group(tr) and not any(is_group(t) for t in shared):
+        for t in shared:
+            t.target, t.source = tr.target, tr.source
+        return
+    prior = shared[0]
+    raise ValueError(
+        f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which belong "
+        f"on different devices ({prior.target} and {tr.target}); it cannot be placed for both"
+    )
 
 
 _PLAIN = (int, float, bool, str, type(None))
@@ -273,17 +292,20 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
             param_device = param.device
         else:
             param_device = group_device(group, tensor)
-        if cacheable:
+        # A group's own tensors (tensor lr, betas) are decided one by one: their rule depends on which entry
+        # and on where each one is (policy._group_entry).
+        memoize = cacheable and param is not None
+        if memoize:
             if tensor.dim() != 0:
                 return param_device, "rule"  # non-scalar state always follows its param (policy.decide)
             # Built-in rules depend only on these: decide once per distinct combination in this plan.
-            memo_key = (id(group), key, tensor.dim() == 0, param.dim() if param is not None else -1, param_device)
+            memo_key = (id(group), key, param.dim(), param_device)
             hit = memo.get(memo_key)
             if hit is not None:
                 return hit
         decision = _policy.decide(optimizer, group, param, key, tensor, param_device)
         result = (decision.device, decision.source)
-        if cacheable:
+        if memoize:
             memo[memo_key] = result
         return result
 

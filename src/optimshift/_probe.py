@@ -38,7 +38,7 @@ HOST_READ, NEEDS_DEVICE = "host", "device"  # verdicts on a group tensor; absent
 # edges). So the step runs under torch.inference_mode(), where the autograd dispatch keys are excluded and no
 # node can be recorded at all, and nothing in it requires grad (params, grads, hyperparameter copies).
 _FAKE_DEVICE = torch.device("cuda", 0)
-_CACHE_SIZE = 512  # LR schedulers change `lr` every step: old entries are dropped, not kept forever
+_CACHE_SIZE = 1024  # LR schedulers change `lr` every step: old entries are dropped, not kept forever
 _KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
 
 
@@ -76,10 +76,13 @@ def quiet_global_step_hooks() -> Iterator[None]:
 
 def _key_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
+        described = ("tensor", str(value.dtype), tuple(value.shape), value.requires_grad)
         if value.numel() > 16:
-            return ("tensor", str(value.dtype), tuple(value.shape), value.requires_grad)
-        return ("tensor", str(value.dtype), tuple(value.shape), value.requires_grad,
-                tuple(value.detach().to("cpu").reshape(-1).tolist()))
+            return described
+        try:
+            return described + (tuple(value.detach().to("cpu").reshape(-1).tolist()),)
+        except Exception:  # a tensor without values (fake, meta): its kind alone
+            return described
     if isinstance(value, (list, tuple)):
         return (type(value).__name__,) + tuple(_key_of(v) for v in value)
     if isinstance(value, Mapping):
@@ -92,7 +95,10 @@ def _key_of(value: Any) -> Any:
 def probe_key(cls: type, group: Mapping[str, Any], ndim: int) -> tuple:
     """Everything that can change what the probe observes: the class, every group entry but the params (the
     known implementation flags also as booleans: ``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
-    items = tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in ("params", "param_names")))
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # read the values themselves, not through a mode the caller is in
+        items = tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in ("params", "param_names")))
     flags = tuple(bool(group.get(flag)) for flag in _KNOWN_FLAGS)
     return (cls, items, flags, min(ndim, 2))
 
@@ -204,7 +210,12 @@ class _Run:
 def _as_python(value: Any) -> Any:
     """A tensor hyperparameter as the Python number the constructor validates (``0.0 <= lr``)."""
     if isinstance(value, torch.Tensor):
-        return value.reshape(-1)[0].item() if value.numel() == 1 else value
+        if value.numel() != 1:
+            return value
+        try:
+            return value.reshape(-1)[0].item()
+        except Exception:  # a tensor without values (fake, meta)
+            return _stand_in(value)
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
         return type(value)(_as_python(v) for v in value)
     return value

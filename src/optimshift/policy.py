@@ -179,12 +179,15 @@ def decide(
 
 def _group_entry(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor, device: torch.device) -> Decision:
     """Where a tensor kept in a param group (a tensor ``lr``, tensor ``betas``) belongs."""
-    if value.numel() != 1:
-        return Decision(device, "rule")
     base = _builtin_base(cls)
     if base is None:
-        # Unknown kernels: on the host, where reading it costs no sync, unless they run on the device.
+        # Unknown kernels: a 0-dim one on the host, where reading it costs no sync, unless they run on the
+        # device; anything bigger (D-Adaptation's running sums) with the params.
+        if value.dim() != 0:
+            return Decision(device, "rule")
         return Decision(device if _default_scalar_on_device(group) else HOST, "rule")
+    if value.numel() != 1:
+        return Decision(device, "rule")
     params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
     observed = probe(base, group, params[0].dim() if params else 1)
     verdict = None if observed is None else observed.group.get(_group_path(group, key, value))

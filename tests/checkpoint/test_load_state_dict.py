@@ -159,26 +159,31 @@ def test_namedtuple_in_state_is_rebuilt(sim):
 
 
 def test_dtype_is_kept_unless_cast_param():
-    # fp32 optimizer state for bf16 params (mixed precision keeps the moments in fp32).
+    # fp32 optimizer state for bf16 params (mixed precision keeps the momentum in fp32): SGD steps with it.
     p = torch.nn.Parameter(torch.randn(4, 3))
-    opt = O.Adam([p], foreach=False)
+    opt = O.SGD([p], lr=0.1, momentum=0.9, foreach=False)
     p.grad = torch.randn(4, 3)
     opt.step()
     sd = opt.state_dict()
-    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"] + 1e-3  # bits that bf16 cannot hold
+    sd["state"][0]["momentum_buffer"] = sd["state"][0]["momentum_buffer"] + 1e-3  # bits that bf16 cannot hold
 
     def bf16():
-        return O.Adam([torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))], foreach=False)
+        return O.SGD([torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))], lr=0.1, momentum=0.9,
+                     foreach=False)
 
     theirs, ours, cast = bf16(), bf16(), bf16()
     theirs.load_state_dict(sd)
     optimshift.load_state_dict(ours, sd)
     optimshift.load_state_dict(cast, sd, cast="param")
-    saved = sd["state"][0]["exp_avg"]
-    assert list(theirs.state.values())[0]["exp_avg"].dtype == torch.bfloat16  # PyTorch casts: values lost
-    got = list(ours.state.values())[0]["exp_avg"]
+    saved = sd["state"][0]["momentum_buffer"]
+    assert list(theirs.state.values())[0]["momentum_buffer"].dtype == torch.bfloat16  # PyTorch casts: values lost
+    got = list(ours.state.values())[0]["momentum_buffer"]
     assert got.dtype == torch.float32 and bitwise_equal(got, saved)
     assert bitwise_equal(_state(cast), _state(theirs))  # cast="param" is PyTorch's behaviour, bit for bit
+    q = ours.param_groups[0]["params"][0]
+    q.grad = torch.ones_like(q)
+    ours.step()  # kept because the step accepts it
+    assert got.dtype == torch.float32
 
 
 def test_nadam_mu_product_stays_on_host(sim):

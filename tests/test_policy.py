@@ -67,7 +67,7 @@ def test_probe_agrees_with_static_table(case):
     observed = _probe.probe(cls, group, 2)
     assert observed is not None and observed.state, f"probe could not run for {cls.__name__}"
     for key, on_device in observed.state.items():
-        assert policy._table_rule(cls, group, key) == on_device, (cls.__name__, kw, key)
+        assert policy._table_rule(cls, group, key, torch.zeros(())) == on_device, (cls.__name__, kw, key)
 
 
 @pytest.mark.parametrize("case", SCALAR_CASES, ids=_ids)

@@ -95,6 +95,10 @@ def unregister_policy(optimizer_class: type) -> None:
 # Fallback table (torch 2.4-2.13) used when the probe cannot run: for each class, the 0-dim scalar keys and
 # the group flags that put them on the param's device ("always" = always there, () = never).
 _ALWAYS = ("always",)
+# NOTE: LBFGS's `t` (a tensor only with a tensor lr) is where its values put it: min(1, 1/|g|_1) * lr in the first
+# iteration is a device tensor when the min picks the tensor and a new host tensor when it picks 1.0; later it is
+# lr itself (the group's tensor, see plan._share). A fresh LBFGS may hold it on either side: it stays on its own.
+_EITHER = ("either",)
 _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
     "Adam": {"step": ("fused", "capturable")},
     "AdamW": {"step": ("fused", "capturable")},
@@ -107,6 +111,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
     "NAdam": {"step": ("capturable",), "mu_product": ("capturable",)},
     "ASGD": {"step": _ALWAYS, "eta": _ALWAYS, "mu": _ALWAYS},
     "Adafactor": {"step": ()},
+    "LBFGS": {"t": _EITHER},
 }
 
 
@@ -120,13 +125,16 @@ def _builtin_base(cls: type) -> Optional[type]:
     return None
 
 
-def _table_rule(base: type, group: Mapping[str, Any], key: str) -> Optional[bool]:
+def _table_rule(base: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> Optional[bool]:
+    """Whether the table puts ``key`` on the param's device (``None``: it has no rule for it)."""
     rules = _TABLE.get(base.__name__)
     if rules is None or key not in rules:
         return None
     flags = rules[key]
     if flags == _ALWAYS:
         return True
+    if flags == _EITHER:
+        return value.device.type != "cpu"
     return any(bool(group.get(flag)) for flag in flags)
 
 
@@ -165,7 +173,7 @@ def decide(
         probed = None if observed is None else observed.state
         if probed is not None and key in probed:
             return Decision(device if probed[key] else HOST, "probe")
-        tabled = _table_rule(base, group, key)
+        tabled = _table_rule(base, group, key, value)
         if tabled is not None:
             return Decision(device if tabled else HOST, "table")
         if probed is not None:

@@ -124,9 +124,14 @@ def collect() -> tuple[list[Case], list[tuple[str, str]], int]:
     for case in cases.values():
         by_label.setdefault(case.ident, []).append(case)
     for same in by_label.values():
-        if len(same) > 1:  # one description, different kwargs in the cpu and cuda lists
+        if len(same) > 1:  # one description, different kwargs (in the cpu and cuda lists, or within one)
             for case in same:
                 case.ident += f" ({'+'.join(case.device_types)})"
+    seen: dict[str, int] = {}
+    for case in cases.values():
+        seen[case.ident] = seen.get(case.ident, 0) + 1
+        if seen[case.ident] > 1:
+            case.ident += f" #{seen[case.ident]}"
     return list(cases.values()), excluded, total
 
 

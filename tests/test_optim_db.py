@@ -40,6 +40,7 @@ def test_every_input_is_run_or_excluded():
     lists give is one case) or an exclusion."""
     covered = sum(len(c.device_types) for c in CASES) + len(EXCLUDED)
     assert covered == TOTAL
+    assert len({c.ident for c in CASES}) == len(CASES), "each case has its own name (the child finds it by name)"
     assert len(CASES) > 500 and {c.info.optim_cls.__name__ for c in CASES} >= {
         "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "ASGD", "LBFGS", "Muon", "NAdam", "RAdam",
         "RMSprop", "Rprop", "SGD"}

@@ -1,18 +1,21 @@
 """The probe: what a fresh ``torch.optim`` optimizer does on an accelerator, observed rather than assumed.
 
-It builds the optimizer over one fake ``cuda:0`` param (``FakeTensorMode``: no GPU, no memory), with the live
+It builds the optimizer over one fake ``cuda:0`` param (``FakeTensorMode``: no GPU, no memory) with the live
 group's hyperparameters, runs one step and reads
 
 - where each 0-dim state tensor landed: on the param's device or on the host;
-- for each tensor hyperparameter of the group (a tensor ``lr``, tensor ``betas``): whether the step reads it
-  on the host (``1 - beta2`` passed as a Python number, ``alpha=-lr``), which costs a device-to-host sync per
-  read when it sits on the device, and whether the step refuses it on the host. It runs the step once with
-  every such tensor on the host, as torch's own tests and a freshly built optimizer hold them, then once per
-  tensor with only that one on the device, and compares the device reads and the errors.
+- for each tensor the group holds (a tensor ``lr``, tensor ``betas``): whether the step reads it on the host
+  (``1 - beta2`` given to ``addcmul_`` as a number, ``alpha=-lr``), which costs a device-to-host sync per read
+  when it sits on the device, and whether the step refuses it on the host. The step runs once with every such
+  tensor on the host, as torch's own tests and docs give them, then once per tensor with only that one on the
+  device; the device reads and the errors are compared.
 
-Results are cached per (class, every group entry but the params, param rank, up to 2): anything in the
-group can change what a step does (``weight_decay`` decides whether ``grad.add`` runs, a tensor's value
-whether a branch is taken), so all of it is in the key, tensors by dtype, shape and value.
+Fake tensors have no values: a read during the step gets a stand-in of the right kind (0.5, 1, False) and is
+counted when the tensor is on the device. The constructor sees the group's real values.
+
+Results are cached per (class, every group entry but the params, param rank up to 2): anything in the group
+can change what a step does (``weight_decay`` decides whether ``grad.add`` runs, a tensor's value whether a
+branch is taken), so all of it is in the key, tensors by dtype, shape and value.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ HOST_READ, NEEDS_DEVICE = "host", "device"  # verdicts on a group tensor; absent
 # (absent) CUDA backend for its device guard and the process dies with SIGABRT, which no ``except`` can catch
 # (issue 13: differentiable=True turns grad mode on inside step(), and weight_decay/momentum then record
 # edges). So the step runs under torch.inference_mode(), where the autograd dispatch keys are excluded and no
-# node can be recorded at all, and nothing in it requires grad (params, grads, hyperparameter copies).
+# node can be recorded whatever grad mode says, and nothing in it requires grad (the param, its grad, the
+# group's tensors: all made by the probe).
 _FAKE_DEVICE = torch.device("cuda", 0)
 _CACHE_SIZE = 1024  # LR schedulers change `lr` every step: old entries are dropped, not kept forever
 _KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")

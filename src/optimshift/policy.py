@@ -4,12 +4,14 @@ The rule: an entry belongs where a freshly built optimizer of the same class and
 on the target device, would put it after a step. A move never changes a dtype, so a policy only answers
 *which device*.
 
-For ``torch.optim`` classes the rule is derived from the installed torch: a probe builds the optimizer over a
-fake ``cuda:0`` param (``FakeTensorMode``, no GPU needed), runs one step and reads where each 0-dim state
-tensor landed: on the param's device or on the host. The probe is cached per (class, boolean flags, param
-rank). Where it cannot run, a static table of torch 2.4-2.13's rules is used. Non-scalar state always
-follows its param. Third-party optimizers can say where their entries belong with :func:`register_policy`;
-anything else gets a safe default rule and :func:`optimshift.check` reports that it guessed.
+For ``torch.optim`` classes the rule is derived from the installed torch by the probe (``_probe``): it builds
+the optimizer over a fake ``cuda:0`` param (no GPU needed), runs one step and reads where each 0-dim state
+tensor landed, and which of the group's own tensors (tensor ``lr``, ``betas``) the step reads on the host.
+Where it cannot run, a static table of torch 2.4-2.13's rules is used. Non-scalar state always follows its
+param. A group's own tensor goes to the host if the step reads it there; otherwise it stays on its side (torch
+never moves them: a fresh optimizer keeps them where they were given). Third-party optimizers can say where
+their entries belong with :func:`register_policy`; anything else gets a safe default rule and
+:func:`optimshift.check` reports that it guessed.
 """
 
 from __future__ import annotations

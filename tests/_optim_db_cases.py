@@ -37,11 +37,9 @@ from _matrix import bitwise_equal, grad_for
 # optim_db's skips for it are honoured.
 ANALOGUE = ("TestOptimRenewed", "test_state_dict_with_cuda_params")
 DEVICE_TYPES = ("cpu", "cuda")
-# Configurations that cannot run here, by class, with the reason (the test lists them, with the count).
-EXCLUDED_CLASSES = {
-    "SparseAdam": "only_supports_sparse_grads: the simulated accelerator has no sparse tensors (test_matrix covers "
-                  "SparseAdam's int step and dense state on the host)",
-}
+# What cannot run here, by the OptimizerInfo flag that says so, with the reason (test_optim_db lists them).
+SPARSE_ONLY = ("only_supports_sparse_grads: the simulated accelerator has no sparse tensors (test_matrix covers "
+               "SparseAdam's int step and dense state on the host)")
 
 
 def common_optimizers() -> types.ModuleType:
@@ -109,11 +107,11 @@ def collect() -> tuple[list[Case], list[tuple[str, str]], int]:
         for device_type in DEVICE_TYPES:
             inputs = co._get_optim_inputs_including_global_cliquey_kwargs(device_type, None, info)
             total += len(inputs)
-            skip = _skipped(info, device_type)
+            why = SPARSE_ONLY if info.only_supports_sparse_grads else _skipped(info, device_type)
             for inp in inputs:
                 label = f"{name}: {inp.desc}"
-                if name in EXCLUDED_CLASSES or skip is not None:
-                    excluded.append((f"{label} ({device_type})", EXCLUDED_CLASSES.get(name) or skip))
+                if why is not None:
+                    excluded.append((f"{label} ({device_type})", why))
                     continue
                 key = (name, _canonical(inp.kwargs))
                 if key in cases:

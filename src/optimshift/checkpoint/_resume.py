@@ -561,11 +561,11 @@ class _Staging:
             rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dtypes)
         if rejected:
             r, n = rejected[0], dtype_name
-            also = "".join(f", {x.key!r} ({n(x.dtype)})" for x in rejected[1:])
+            others = "".join(f" (and {x.key!r}, {n(x.dtype)})" for x in rejected[1:])
             raise self.fail(
-                f"{self._site((gi, pi, r.key, ()))}: the checkpoint holds it as {n(r.dtype)}{also and ' (also' + also + ')'}, "
-                f"and a step of {self.name} over {n(p.dtype)} params rejects that ({r.error.splitlines()[0]}); a "
-                f"fresh {self.name} keeps it as {n(r.fresh)}. Load with cast='param' to cast the state to the params' "
+                f"{self._site((gi, pi, r.key, ()))}: the checkpoint holds it as {n(r.dtype)}{others}, and a step of "
+                f"{self.name} over {n(p.dtype)} params rejects that ({r.error.splitlines()[0]}); a fresh "
+                f"{self.name} keeps it as {n(r.fresh)}. Load with cast='param' to cast the state to the params' "
                 f"dtype as PyTorch does; the optimizer is unchanged"
             )
 

@@ -8,9 +8,10 @@ param dtype, so it is tried: a fresh optimizer over a small host param of that d
 state: the dtypes a fresh optimizer keeps), then steps again with the entries in question in the dtypes
 given. Where the trial cannot run on the host (a kernel this build lacks), nothing is rejected.
 
-The host trial stands for the device: the dtype rules of the single-tensor, foreach and fused paths are the
-same on both (a foreach fast path that cannot take mixed dtypes falls back to the per-tensor ops); capturable
-cannot step on a host, so the trial runs the same path without it.
+The host trial stands for the device: the single-tensor and foreach paths run the same ops there (a foreach
+fast path that cannot take mixed dtypes falls back to the per-tensor ops), and the fused kernels have host
+twins with the same list checks; capturable cannot step on a host, so the trial runs without it. A device
+kernel stricter than its host twin (a CUDA fused kernel's `step` dtype) is not seen here.
 """
 
 from __future__ import annotations

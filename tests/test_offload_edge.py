@@ -152,9 +152,9 @@ def test_load_state_dict_while_offloaded_releases_the_buffers_and_gives_grads_ba
 
 
 def test_int_valued_flags_are_not_confused_in_the_rule_cache():
-    from optimshift import policy
+    from optimshift import _probe
 
     p = torch.nn.Parameter(torch.zeros(2, 2))
     on = {**torch.optim.Adam([p]).param_groups[0], "capturable": 1}
     off = {**torch.optim.Adam([p]).param_groups[0], "capturable": 0}
-    assert policy._flag_items(on) != policy._flag_items(off)
+    assert _probe.probe_key(torch.optim.Adam, on, 2) != _probe.probe_key(torch.optim.Adam, off, 2)

@@ -15,6 +15,7 @@ from . import _offload
 from . import engine
 from . import policy as _policy
 from ._devices import DeviceLike, resolve
+from ._dtypes import dtype_findings
 from ._dtensor import row_fields
 from ._offload import PendingTransfer, Record, exclusive, forget, record_of, remember_pending, settle
 from .plan import Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
@@ -269,6 +270,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             severity, site.param_label, site.key_label, str(t.device), str(t.dtype).replace("torch.", ""),
             str(tr.target), why, site.group, site.index, cost,
         ))
+    report.findings.extend(dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
         report.findings.append(Finding(
             "info", "-", "-", "-", "-", "-",

@@ -189,7 +189,7 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
     plan = Plan(optimizer)
     transfers = plan.transfers
     append = transfers.append
-    first: dict[int, Transfer] = {}
+    first: dict[int, list[int]] = {}  # id(tensor) -> the indices of its transfers
     setdefault = first.setdefault
     follow = getattr(target, "follow", None)  # a policy target's fixed device for non-scalar state
     paths = _top_paths
@@ -209,14 +209,35 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
                 else:
                     device, source = target(ident, param, group, key, tensor)
                 tr = _new_transfer(Transfer, (ident, pname, tensor, param, device, source))
-                prior = setdefault(id(tensor), tr)
-                if prior is not tr and prior[4] != device:
-                    raise ValueError(
-                        f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which "
-                        f"belong on different devices ({prior.target} and {device}); it cannot be placed for both"
-                    )
+                shared = setdefault(id(tensor), [len(transfers)])
+                if shared[-1] != len(transfers):  # a tensor seen before: one tensor, one place
+                    if transfers[shared[0]][4] != device:
+                        _share(optimizer, transfers, shared, tr)
+                    shared.append(len(transfers))
                 append(tr)
     return plan
+
+
+def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Transfer) -> None:
+    """One tensor held by several entries that belong on different devices.
+
+    NOTE: an entry that shares its param group's own tensor holds the group's: LBFGS keeps ``state['t'] =
+    group['lr']`` (a tensor lr), and a fresh LBFGS keeps the one tensor where its group keeps lr. So the state
+    entries go where the group entry goes (iter_holders yields state first: the group entry comes later). Any
+    other sharing across devices cannot be placed for both."""
+    def is_group(t: Transfer) -> bool:
+        return t[0][1] is None and t[0][0] != OPTIMIZER_WIDE
+
+    if is_group(tr) and not any(is_group(transfers[i]) for i in shared):
+        for i in shared:
+            t = transfers[i]
+            transfers[i] = _new_transfer(Transfer, (t[0], t[1], t[2], t[3], tr[4], tr[5]))
+        return
+    prior = transfers[shared[0]]
+    raise ValueError(
+        f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which belong "
+        f"on different devices ({prior.target} and {tr.target}); it cannot be placed for both"
+    )
 
 
 def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> TargetFn:
@@ -240,15 +261,18 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
             param_device = param.device
         else:
             param_device = group_device(group, tensor)
-        if cacheable:
+        # A group's own tensors (tensor lr, betas) are decided one by one: their rule depends on which entry
+        # and on where each one is (policy._group_entry).
+        memoize = cacheable and param is not None
+        if memoize:
             # Built-in rules depend only on these: decide once per distinct combination in this plan.
-            memo_key = (id(group), key, param.dim() if param is not None else -1, param_device)
+            memo_key = (id(group), key, param.dim(), param_device)
             hit = memo.get(memo_key)
             if hit is not None:
                 return hit
         decision = _policy.decide(optimizer, group, param, key, tensor, param_device)
         result = (decision.device, decision.source)
-        if cacheable:
+        if memoize:
             memo[memo_key] = result
         return result
 

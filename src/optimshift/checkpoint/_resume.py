@@ -26,6 +26,7 @@ from .. import engine
 from .._copy import copy_tensor
 from .._offload import exclusive, prepare_discard
 from .. import policy as _policy
+from .._dtypes import dtype_name, rejected_dtypes
 from .._devices import DeviceLike, resolve
 from .._state import (_ATOMS, IMPLEMENTATION_FLAGS, MAX_DEPTH, Setter, format_path, group_device, is_plain, leaves,
                       param_label, param_name, rebuild, too_deep, unwrap)
@@ -230,6 +231,7 @@ class _Staging:
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
         self._wanted: dict[tuple, tuple[torch.Tensor, tuple]] = {}
         self._made: dict[tuple, torch.Tensor] = {}
+        self._dtype_checks: dict[tuple, list] = {}
 
     def fail(self, message: str, exc: type = ValueError) -> BaseException:
         where = f"{self.source}: " if self.source else ""
@@ -323,7 +325,7 @@ class _Staging:
         For built-in rules the answer depends only on the group, the key, the param's rank and device and
         whether the tensor is a scalar, so it is memoized on those: this is what keeps a load linear with a
         small constant. A registered policy sees each value, so it is asked for each one."""
-        if self.registered:
+        if self.registered or param is None:  # a group's own tensors: decided one by one (policy._group_entry)
             return _policy.decide(self.opt, group, param, str(key), tensor, where).device
         memo_key = (gi, key, pdim, tensor.dim() == 0, where)
         found = self._decisions.get(memo_key)
@@ -478,16 +480,29 @@ class _Staging:
         # Where each tensor goes (and in which dtype); then every copy is made, before the optimizer changes,
         # so an error (an OOM) leaves it as it was; then the new dicts and containers are filled in.
         fixed, always = self.device, self.copy
+        owners = _group_owned(new_groups)
         fills: list[tuple[Any, Any, Any]] = []  # (holder, key, wanted) or (holder, key, (container, [(id, wanted)]))
         for new, p, gi, pi, tensors, containers in pending:
             group = new_groups[gi]
             where = fixed if fixed is not None else p.device
             pdim = p.dim()
             for key, value in tensors:
-                device = self._place(group, p, key, value, gi, where, pdim)
-                dtype = value.dtype if self.cast is None else self._cast_dtype(group, p, key, value)
-                new[key] = self._want(value, device, dtype, always, (gi, pi, key, ()))
+                owner = owners.get(id(value))
+                if owner is not None:
+                    # NOTE: a state entry holding its group's own tensor (LBFGS: state['t'] is group['lr']) gets the
+                    # group entry's copy, placed as the group's (below): the two stay one tensor, as in PyTorch.
+                    ogi, okey = owner
+                    ogroup = new_groups[ogi]
+                    gwhere = fixed if fixed is not None else group_device(ogroup, value)
+                    device = self._place(ogroup, None, okey, value, ogi, gwhere, -1)
+                    new[key] = self._want(value, device, value.dtype, True, (gi, pi, key, ()))
+                else:
+                    device = self._place(group, p, key, value, gi, where, pdim)
+                    dtype = value.dtype if self.cast is None else self._cast_dtype(group, p, key, value)
+                    new[key] = self._want(value, device, dtype, always, (gi, pi, key, ()))
                 fills.append((new, key, None))
+            if self.cast is None:
+                self._check_dtypes(group, p, gi, pi, {k: v.dtype for k, v in tensors if id(v) not in owners})
             for key in containers:
                 fills.append((new, key, self._want_nested(new[key], group, p, key, gi, pi, where, pdim, always)))
         for gi, group in enumerate(new_groups):
@@ -572,6 +587,27 @@ class _Staging:
             out["param_names"] = live["param_names"]
         return out
 
+    def _check_dtypes(self, group: Mapping[str, Any], p: torch.Tensor, gi: int, pi: int,
+                      dtypes: Mapping[str, torch.dtype]) -> None:
+        """Keeping the checkpoint's dtypes (``cast=None``) must leave an optimizer that can step: fail now,
+        before anything is copied, if a step refuses one of them (float64 moments for float32 params in Adam;
+        SGD takes float32 momentum for bfloat16 params, so that one is kept)."""
+        if self.base is None or not dtypes:
+            return
+        memo_key = (gi, p.dtype, p.dim(), tuple(sorted((str(k), str(d)) for k, d in dtypes.items())))
+        rejected = self._dtype_checks.get(memo_key)
+        if rejected is None:
+            rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dtypes)
+        if rejected:
+            r, n = rejected[0], dtype_name
+            others = "".join(f" (and {x.key!r}, {n(x.dtype)})" for x in rejected[1:])
+            raise self.fail(
+                f"{self._site((gi, pi, r.key, ()))}: the checkpoint holds it as {n(r.dtype)}{others}, and a step of "
+                f"{self.name} over {n(p.dtype)} params rejects that ({r.error.splitlines()[0]}); a fresh "
+                f"{self.name} keeps it as {n(r.fresh)}. Load with cast='param' to cast the state to the params' "
+                f"dtype as PyTorch does; the optimizer is unchanged"
+            )
+
     def _spec(self, group: Mapping[str, Any], ndim: int) -> _StateSpec:
         """What this optimizer class keeps per param (probed), for the checks."""
         if self.base is None:
@@ -620,6 +656,17 @@ class _Staging:
             where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
             raise self.fail(f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                             f"this (a corrupt or hostile checkpoint)")
+
+
+def _group_owned(groups: list[dict[str, Any]]) -> dict[int, tuple[int, Any]]:
+    """{id(tensor): (group index, key)} for the tensors the groups hold themselves (tensor lr, betas)."""
+    owned: dict[int, tuple[int, Any]] = {}
+    for gi, group in enumerate(groups):
+        for key, value in group.items():
+            if key not in ("params", "param_names"):
+                for _, t in leaves(value):
+                    owned.setdefault(id(t), (gi, key))
+    return owned
 
 
 def _same_step(cls: type, base: type) -> bool:
@@ -813,15 +860,19 @@ def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict, gr
             f"({type(e).__name__}: {e}); the optimizer is unchanged"
         ) from e
     places: list[tuple[dict, Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
-    uses: dict[int, int] = {}
     for _, old_tensors, fresh in live:
         for key, old in old_tensors.items():
             new = fresh.get(key)
             if isinstance(new, torch.Tensor) and id(new) in made and new is not old:
                 places.append((fresh, key, old, new))
-                uses[id(new)] = uses.get(id(new), 0) + 1
-    # A copy installed in two places stays one shared object (adopting it twice would split the sharing).
-    places = [place for place in places if uses[id(place[3])] == 1]
+    # A copy installed in two places (LBFGS's state['t'] is its group's lr) stays one shared object: adopting
+    # it into one old tensor would split the sharing.
+    uses: dict[int, int] = {}
+    for holder in [st for st in state.values() if isinstance(st, dict)] + list(groups):
+        for value in holder.values():
+            if isinstance(value, torch.Tensor):
+                uses[id(value)] = uses.get(id(value), 0) + 1
+    places = [place for place in places if uses.get(id(place[3]), 0) == 1]
     cannot, apply = engine.adopt_all([(old, new) for _, _, old, new in places])
     stay_new = {id(old) for old, _ in cannot}  # no mechanism for this pair: the copy stays installed
     apply()

@@ -17,7 +17,8 @@ What it enforces (each violation raises ``RuntimeError``, as CUDA does):
    on the CPU, as on CUDA.
 2. A fused optimizer kernel (``aten::_fused_*``, e.g. ``_fused_adam_``, ``_fused_adamw_``,
    ``_fused_sgd_``, ``_fused_adagrad_``) may not receive any CPU tensor, not even a 0-dim
-   one: CUDA's fused kernels reject a CPU ``step``.
+   one: CUDA's fused kernels reject a CPU ``step``. The one exception is ``lr``, which may be
+   a one-element CPU tensor: CUDA's kernels read a host ``lr`` with ``.item()``.
 3. An operator other than a copy may not mix ``sim:0`` and ``sim:1`` tensors.
 
 (PyTorch itself already rejects some of these mixes before the simulator sees them, with the
@@ -395,6 +396,11 @@ _INDEX_OPS = frozenset(
 )
 
 
+# Arguments of fused optimizer kernels that may be a one-element host tensor: CUDA's (and XPU's, MPS's) kernels
+# check `lr.is_cpu()` and then read it with `lr.item()` (no device sync: it is on the host). Everything else
+# must be on the params' device (a host `step` is refused).
+_FUSED_HOST_ARGS = frozenset({"lr"})
+
 _schema_args: dict[Any, dict[str, Any]] = {}  # op -> {argument name: schema argument}
 
 
@@ -421,6 +427,7 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
     if schema_args is None:
         schema_args = _schema_args[op] = {a.name: a for a in op._schema.arguments}
     named = list(zip(schema_args, args)) + list(kwargs.items())
+    fused = name.startswith("aten::_fused_")
     for arg_name, value in named:
         if skip_indices and arg_name == "indices":
             continue
@@ -430,8 +437,11 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
             and schema_arg.alias_info is not None
             and schema_arg.alias_info.is_write
         )
+        host_scalar_ok = fused and arg_name in _FUSED_HOST_ARGS
         for t in _iter_tensors(value):
             dev = t.device
+            if host_scalar_ok and dev.type == "cpu" and t.numel() == 1:
+                continue  # read with .item() on the host, as CUDA's fused kernels do
             if dev.type == SIM_DEVICE_TYPE:
                 if dev.index not in sim_indices:
                     sim_indices.append(dev.index)
@@ -454,7 +464,7 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
             f"{SIM_DEVICE_TYPE}:{sim_indices[0]} and {SIM_DEVICE_TYPE}:{sim_indices[1]}! "
             f"(simulated accelerator, in {name})"
         )
-    if name.startswith("aten::_fused_") and (cpu_tensor is not None or cpu_scalar is not None):
+    if fused and (cpu_tensor is not None or cpu_scalar is not None):
         bad = cpu_tensor if cpu_tensor is not None else cpu_scalar
         raise RuntimeError(
             f"{name}: all tensors must be on the device of the params ({first}), but found a "

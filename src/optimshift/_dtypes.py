@@ -155,10 +155,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_findings(optimizer: Any) -> list:
     """:func:`optimshift.check`'s findings for state entries whose dtype the next step would refuse."""
     from .plan import Site
-    from .policy import _builtin_base
+    from .policy import builtin_base
     from .report import Finding
 
-    base = _builtin_base(type(optimizer))
+    base = builtin_base(type(optimizer))
     if base is None:
         return []
     name = type(optimizer).__name__

@@ -19,7 +19,7 @@ from ._dtypes import dtype_findings
 from ._dtensor import row_fields
 from ._offload import PendingTransfer, Record, exclusive, forget, record_of, remember_pending, settle
 from .plan import Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
-from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
+from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
 
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded"]
 
@@ -286,11 +286,8 @@ def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch
     group = optimizer.param_groups[max(site.group, 0)]  # optimizer-wide entries: the first group
     on_host = t.device.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
-        base = _policy._builtin_base(type(optimizer))
-        costs = SYNC_COST.get((base.__name__ if base else name, site.key)) if len(site.path) == 1 else None
-        foreach = group.get("foreach")
-        foreach = (t.device.type != "cpu") if foreach is None else bool(foreach)  # None: default on a device
-        cost = None if costs is None else costs[1 if foreach else 0]
+        cost = sync_cost(type(optimizer), name, site.key, group.get("foreach"), t.device.type != "cpu") \
+            if len(site.path) == 1 else None
         return ("warning",
                 f"{name} reads this scalar on the host each step: on {t.device} every read is a device-to-host sync",
                 cost)

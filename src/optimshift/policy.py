@@ -25,7 +25,7 @@ import torch
 
 from ._probe import HOST_READ, NEEDS_DEVICE, probe, quiet_global_step_hooks  # noqa: F401 (re-exported)
 
-__all__ = ["Policy", "register_policy", "unregister_policy", "Decision", "decide", "HOST"]
+__all__ = ["Policy", "register_policy", "unregister_policy", "Decision", "decide", "HOST", "builtin_base"]
 
 HOST = torch.device("cpu")
 
@@ -118,7 +118,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def _builtin_base(cls: type) -> Optional[type]:
+def builtin_base(cls: type) -> Optional[type]:
     """The nearest class in ``cls``'s MRO that torch.optim defines (``None`` if there is none)."""
     for base in cls.__mro__:
         if base is torch.optim.Optimizer:
@@ -170,7 +170,7 @@ def decide(
     # Non-scalar tensors always live with their param (every torch.optim class, and the only sane default).
     if value.dim() != 0:
         return Decision(device, "rule")
-    base = _builtin_base(cls)
+    base = builtin_base(cls)
     if base is not None:
         observed = probe(base, group, param.dim())
         probed = None if observed is None else observed.state
@@ -205,7 +205,7 @@ def _warn_guessed(cls: type) -> None:
 
 def _group_entry(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor, device: torch.device) -> Decision:
     """Where a tensor kept in a param group (a tensor ``lr``, tensor ``betas``) belongs."""
-    base = _builtin_base(cls)
+    base = builtin_base(cls)
     if base is None:
         # Unknown kernels: a 0-dim one on the host, where reading it costs no sync, unless they run on the
         # device; anything bigger (D-Adaptation's running sums) with the params.
@@ -247,5 +247,5 @@ def rule_source(optimizer: torch.optim.Optimizer) -> str:
     for base in type(optimizer).__mro__:
         if base in _registry:
             return "registered"
-    return "torch.optim" if _builtin_base(type(optimizer)) is not None else "default"
+    return "torch.optim" if builtin_base(type(optimizer)) is not None else "default"
 

@@ -130,3 +130,17 @@ def _unlink(path: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def fsync_dir(folder: "str | os.PathLike[str]") -> None:
+    """Make the rename durable (POSIX); a no-op where folders cannot be opened (Windows)."""
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)

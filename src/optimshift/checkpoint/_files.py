@@ -264,21 +264,7 @@ def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = 
         raise
     finally:
         _atomic.release_temp(tmp)
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: str) -> None:
-    """Make the rename durable (POSIX); a no-op where folders cannot be opened (Windows)."""
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    _atomic.fsync_dir(folder)
 
 
 class _Counting(io.RawIOBase):

@@ -223,7 +223,7 @@ class _Staging:
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
         self.registered = _policy.has_registered_policy(optimizer)
         self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
-        self.base = _policy._builtin_base(type(optimizer))
+        self.base = _policy.builtin_base(type(optimizer))
         # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
         self.strict = self.base is not None and _same_step(type(optimizer), self.base)

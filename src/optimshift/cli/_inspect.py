@@ -29,7 +29,7 @@ from ..checkpoint import _files as ckpt
 from ..checkpoint._folders import TrainingFolder, training_folder
 from .. import policy as _policy
 from .._state import tensors as all_tensors
-from ..report import SYNC_COST, format_table
+from ..report import format_table, sync_cost
 
 __all__ = ["register", "describe", "render", "run_inspect", "run_convert"]
 
@@ -403,12 +403,10 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
                     foreach = g.get("foreach") if g.get("foreach") is not None else pdev.type != "cpu"
                     moved[(str(key), str(saved), str(torch_puts), str(fresh), bool(g.get("fused")),
                            bool(g.get("capturable")), bool(foreach))] += 1
-    base = _policy._builtin_base(cls) if cls is not None else None
     for (key, saved, torch_puts, fresh, fused, capturable, foreach), n in sorted(moved.items()):
         kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
         subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
-        costs = SYNC_COST.get((base.__name__ if base else name, key))  # (single-tensor, foreach)
-        cost = None if costs is None else costs[1 if foreach else 0]
+        cost = sync_cost(cls, name, key, foreach, True)
         plural = "s" if n != 1 else ""
         if torch.device(fresh).type == "cpu":
             verb = "keeps it there" if torch_puts == saved else f"moves it to {torch_puts}"

@@ -466,13 +466,7 @@ class _Staging:
                     elif isinstance(value, _ATOMS):
                         new[key] = value
                     else:
-                        self._check_depth(value, (gi, pi, key, ()))
-                        memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
-                        try:
-                            new[key] = _copy.deepcopy(value, memo)
-                        except Exception as e:
-                            raise self.fail(f"{self._site((gi, pi, key, ()))}: cannot copy its "
-                                            f"{type(value).__name__} ({type(e).__name__}: {e})", TypeError) from e
+                        new[key] = self._copy_container(value, (gi, pi, key, ()))
                         containers.append(key)
                 new_state[p] = new
                 pending.append((new, p, gi, pi, tensors, containers))
@@ -569,13 +563,7 @@ class _Staging:
             if isinstance(value, torch.Tensor) or isinstance(value, _ATOMS):
                 out[key] = value
             else:
-                self._check_depth(value, (gi, None, key, ()))
-                memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
-                try:
-                    out[key] = _copy.deepcopy(value, memo)
-                except Exception as e:
-                    raise self.fail(f"param group {gi}, key {key!r}: cannot copy its {type(value).__name__} "
-                                    f"({type(e).__name__}: {e})", TypeError) from e
+                out[key] = self._copy_container(value, (gi, None, key, ()))
         if self.flags == "live":
             for flag in IMPLEMENTATION_FLAGS:
                 if flag in live:
@@ -650,6 +638,18 @@ class _Staging:
                 raise self.fail(f"{site}: the checkpoint's tensor has {value.numel()} elements, more than its "
                                 f"param's {p.numel()} (shape {tuple(p.shape)}); this checkpoint was made for other "
                                 f"params")
+
+    def _copy_container(self, value: Any, site: tuple) -> Any:
+        """Our own copy of a checkpoint's container (the tensors inside stay the checkpoint's, to be placed
+        one by one), after the depth check; an uncopyable object is a clear error."""
+        self._check_depth(value, site)
+        memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
+        try:
+            return _copy.deepcopy(value, memo)
+        except Exception as e:
+            where = self._site(site) if site[1] is not None else f"param group {site[0]}, key {site[2]!r}"
+            raise self.fail(f"{where}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})",
+                            TypeError) from e
 
     def _check_depth(self, value: Any, site: tuple, wide: bool = False) -> None:
         if too_deep(value):

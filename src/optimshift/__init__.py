@@ -14,7 +14,7 @@ from .policy import Policy, register_policy, unregister_policy
 from .report import Finding, PlacementRow, Report
 from .syncs import SyncCount, count_syncs
 
-from ._version import __version__
+from ._version import __version__ as __version__
 
 __all__ = [
     "move",

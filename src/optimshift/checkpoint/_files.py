@@ -20,7 +20,7 @@ import re
 import stat
 import sys
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+from typing import IO, Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 

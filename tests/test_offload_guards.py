@@ -3,7 +3,6 @@ no move to a device that holds no data."""
 
 import io
 import struct
-import sys
 import threading
 import time
 

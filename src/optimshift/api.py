@@ -14,6 +14,7 @@ import torch
 from . import _offload
 from . import engine
 from . import policy as _policy
+from ._adopt import keeps_object_across_host
 from ._devices import DeviceLike, resolve
 from ._dtypes import dtype_findings
 from ._dtensor import row_fields
@@ -277,6 +278,17 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             f"no placement rule is known for {name}: used the default (a 0-dim 'step' stays on the host unless "
             f"the group is fused/capturable; everything else follows its param). Register one with "
             f"optimshift.register_policy({name}, policy) if that is wrong.",
+        ))
+    pinned = [tr for tr in plan.transfers if not keeps_object_across_host(tr.tensor)]
+    if pinned:
+        site = pinned[0].site
+        report.findings.append(Finding(
+            "info", site.param_label, site.key_label, str(pinned[0].tensor.device), "-", "-",
+            f"{len(pinned)} state tensor{'s' if len(pinned) != 1 else ''} on {pinned[0].tensor.device.type} "
+            f"{'are' if len(pinned) != 1 else 'is'} weakly referenced (dynamo does this once it traced a step over "
+            f"them), and torch can exchange {pinned[0].tensor.device.type} tensors with host ones in place only by "
+            f"swap_tensors, which weak references forbid: an offload/reload or a move to or from the host replaces "
+            f"these objects (values and placement stay right; a compiled step recompiles once).",
         ))
     return report
 

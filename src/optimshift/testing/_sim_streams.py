@@ -52,7 +52,7 @@ import torch
 
 from optimshift.testing import simulated as _sim
 
-__all__ = ["StreamRaceError", "SimStream", "SimEvent", "configure", "install"]
+__all__ = ["StreamRaceError", "SimStream", "SimEvent", "configure", "deferred_streams", "install"]
 
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1.value)
 _DEFAULT_ID = 0  # each device's default stream has id 0, as torch's own (no-op) stream for the backend does
@@ -137,6 +137,34 @@ def configure(seed: Optional[int] = None, progress: Optional[float] = None) -> N
             _state.progress = float(progress)
 
 
+@contextlib.contextmanager
+def deferred_streams(seed: int = 0, progress: float = 0.25) -> Iterator[None]:
+    """Run the block with the simulated accelerator's streams under one seeded schedule.
+
+    ``seed`` seeds the random points at which queued work runs on its own; ``progress`` is how likely such a
+    point is at each call into the simulator (0: queued work runs only when something orders it, the
+    strictest schedule). The previous settings come back afterwards. On a normal exit every sim stream is
+    synchronized first, so queued work that fails its host-memory check (or a violation not yet reported)
+    raises here rather than in a later test. Sets the simulator up if needed.
+    """
+    _sim._ensure_setup()
+    with _state.lock:
+        saved = (_state.rng, _state.progress)
+    configure(seed, progress)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        try:
+            if ok:
+                for index in range(_sim._NUM_DEVICES):
+                    synchronize(index)
+        finally:
+            with _state.lock:
+                _state.rng, _state.progress = saved
+
+
 def _stream(key: StreamKey) -> _Stream:
     s = _state.streams.get(key)
     if s is None:
@@ -201,8 +229,11 @@ def _run_until(key: StreamKey, seq: int) -> None:
 
 
 def _check_host(item: _Item, key: StreamKey) -> None:
-    for tensor, snapshot, _, _, _, write in item.host:
-        if snapshot is not None and not torch.equal(_bytes(tensor), snapshot):
+    for held, snapshot, _, _, _, write in item.host:
+        if snapshot is None:
+            continue
+        tensor = held.get()
+        if not torch.equal(_bytes(tensor), snapshot):
             raise StreamRaceError(
                 f"{item.what} queued on {_name(key)} {'writes' if write else 'reads'} host memory "
                 f"({tensor.dtype}, {tuple(tensor.shape)}) that the host changed before the copy ran: the host must "
@@ -615,11 +646,41 @@ def _meta(x: Any) -> Any:
     return x
 
 
-def _launch_value(x: Any) -> Any:
+class _Held:
+    """Host memory that queued work uses, held by its storage rather than by a tensor.
+
+    # NOTE: a tensor would count as one more view of the memory (optimshift's pool checks exactly that
+    # before it reuses a buffer); the storage object adds no use, and keeps the memory alive after the
+    # caller dropped it, as PyTorch's pinned host allocator does for a block a copy still uses.
+    """
+
+    __slots__ = ("storage", "offset", "size", "stride", "dtype")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.storage = t.untyped_storage()
+        self.offset, self.size, self.stride, self.dtype = t.storage_offset(), t.size(), t.stride(), t.dtype
+
+    def get(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype).set_(self.storage, self.offset, self.size, self.stride)
+
+
+def _launch_value(x: Any, scalars: bool = True) -> Any:
+    """What queued work keeps of an argument: device memory (a backing) as is, a host scalar of a kernel
+    (``scalars``) by value, other host memory by its storage."""
     if isinstance(x, torch.Tensor):
-        return x.clone() if x.device.type == "cpu" and x.dim() == 0 and not _is_backing(x) else x
+        if x.device.type != "cpu" or _is_backing(x):
+            return x
+        return x.clone() if scalars and x.dim() == 0 else _Held(x)
     if isinstance(x, (list, tuple)):
-        return type(x)(_launch_value(y) for y in x)
+        return type(x)(_launch_value(y, scalars) for y in x)
+    return x
+
+
+def _resolve(x: Any) -> Any:
+    if isinstance(x, _Held):
+        return x.get()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_resolve(y) for y in x)
     return x
 
 
@@ -637,10 +698,10 @@ def _host_item(t: torch.Tensor, write: bool) -> tuple:
         for item in s.queue:
             for _, _, olo, ohi, okey, _ in item.host:
                 if okey == mem and olo < hi and lo < ohi:
-                    return (t, None, lo, hi, mem, write)
+                    return (None, None, lo, hi, mem, write)
     if write:
         _poison(t)
-    return (t, _bytes(t), lo, hi, mem, write)
+    return (_Held(t), _bytes(t), lo, hi, mem, write)
 
 
 def _enqueue(key: StreamKey, run: Callable[[], None], what: str, reads: list, writes: list,
@@ -707,7 +768,7 @@ def _defer(op: Any, info: _OpInfo, args: tuple, kwargs: dict, key: StreamKey, re
     cpu_kwargs = {k: _launch_value(v) for k, v in cpu_kwargs.items()}
 
     def run() -> None:
-        out = op(*cpu_args, **cpu_kwargs)
+        out = op(*_resolve(cpu_args), **{k: _resolve(v) for k, v in cpu_kwargs.items()})
         outs = out if isinstance(out, tuple) else (out,)
         for pos, j, cpu in fills:
             value = outs[pos] if j is None else outs[pos][j]
@@ -738,13 +799,14 @@ def _copy(op: Any, name: str, args: tuple, kwargs: dict, key: StreamKey, eager: 
                                memory_format=kwargs.get("memory_format") or torch.preserve_format)
         _poison(cpu)
         result = cpu if to_host else _sim._wrap_fresh(cpu, target_index, {})
+        held_src, held_out = _launch_value(src_cpu, False), _launch_value(cpu, False)
 
         def run() -> None:
-            cpu.copy_(src_cpu)
+            _resolve(held_out).copy_(_resolve(held_src))
 
         host = [_host_item(src, False)] if src.device.type == "cpu" and src.numel() else []
         if to_host and result.numel():
-            host.append((result, _bytes(result), *_span(result), _mem(result), True))
+            host.append((_Held(result), _bytes(result), *_span(result), _mem(result), True))
         seq = _enqueue(key, run, f"{name} ({_caller()})", [src], [result], host)
         if involves_host and not non_blocking:  # a blocking copy: the host waits for it
             _run_until(key, seq)
@@ -755,14 +817,14 @@ def _copy(op: Any, name: str, args: tuple, kwargs: dict, key: StreamKey, eager: 
     involves_host = src.device.type == "cpu" or dst.device.type == "cpu"
     if key[1] == _DEFAULT_ID:
         return _now(op, args, kwargs, key, eager, [src], [dst], host_read=involves_host and not non_blocking)
-    src_cpu = _sim._backing(src) if _sim._is_sim(src) else src
-    dst_cpu = _sim._backing(dst) if _sim._is_sim(dst) else dst
+    src_cpu = _launch_value(_sim._backing(src) if _sim._is_sim(src) else src, False)
+    dst_cpu = _launch_value(_sim._backing(dst) if _sim._is_sim(dst) else dst, False)
     host = [_host_item(src, False)] if src.device.type == "cpu" and src.numel() else []
     if dst.device.type == "cpu" and dst.numel():
         host.append(_host_item(dst, True))
 
     def run() -> None:
-        dst_cpu.copy_(src_cpu)
+        _resolve(dst_cpu).copy_(_resolve(src_cpu))
 
     seq = _enqueue(key, run, f"{name} ({_caller()})", [src], [dst], host)
     if involves_host and not non_blocking:

@@ -320,3 +320,18 @@ def test_a_freed_reloaded_state_needs_record_stream_for_the_default_stream(sim, 
     with pytest.raises(StreamRaceError, match=r"allocated on sim:0 stream \d+ was freed while .* default stream"):
         with deferred_streams(progress=0.0):
             reload_step_drop()
+
+
+def test_a_transfer_between_two_devices_is_synchronous(sim):
+    """Copies between sim:0 and sim:1 would need both devices' streams ordered: the engine copies them on the
+    blocking path (one side stream serves one device)."""
+    sim1 = torch.device(sim.type, 1)
+    with deferred_streams(progress=0.0):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        values = [snapshot(dict(st)) for st in opt.state.values()]
+        model.to(sim1)
+        optimshift.move(opt, non_blocking=True)
+        assert _offload.pending_of(opt).done()
+        assert {row.device for row in optimshift.placement(opt) if row.key != "step"} == {str(sim1)}
+        for st, before in zip(opt.state.values(), values):
+            assert bitwise_equal(dict(st), before)

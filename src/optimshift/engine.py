@@ -25,6 +25,7 @@ import torch
 from . import _streams
 from ._adopt import adopt, decide_all
 from ._copy import Batch, copy_many, synchronize
+from ._devices import _fake_mode_active
 from ._dtensor import local_tensor
 from ._state import Setter, rebuild
 from .plan import Plan, Transfer
@@ -137,7 +138,8 @@ def run(
         what = names[i]
         return f"{optimizer_name} {what.site}" if isinstance(what, Transfer) else f"{optimizer_name} {what}"
 
-    device = _single_stream_device(items) if non_blocking else None
+    # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)
+    device = _single_stream_device(items) if non_blocking and not _fake_mode_active() else None
     if device is None:
         batch = copy_items(items, pin_memory=pin_memory, keep_host_views=keep_host_views, pool=pool,
                            describe=describe)

@@ -270,7 +270,7 @@ def test_seeds_give_different_schedules_and_the_same_values(dev):
                 for _ in range(6):
                     x = x * 2  # the intermediates are allocated and freed on the side stream itself
             event = side.record_event()
-            for _ in range(6):
+            for _ in range(30):
                 polls.append(event.query())
             torch.sim.current_stream(dev).wait_event(event)
             values = x.cpu()

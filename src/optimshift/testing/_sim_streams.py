@@ -79,7 +79,7 @@ class _Item:
         self.run = run
         self.waits = waits  # [(stream key, seq)]: run those streams up to there first
         self.what = what
-        self.host = host  # [(cpu tensor, snapshot bytes or None, lo, hi, key, write)]: host memory it touches
+        self.host = host  # [(_Held, snapshot bytes or None, lo, hi, memory key, write)]: host memory it touches
 
 
 class _Stream:
@@ -120,6 +120,7 @@ class _State:
         self.rng = random.Random(0)
         self.progress = 0.25
         self.running = False  # inside queued work: no progress, no checks re-entered
+        self.settled: Optional[bool] = True  # see _settled (None: to be computed)
 
 
 _state = _State()
@@ -243,14 +244,15 @@ def _check_host(item: _Item, key: StreamKey) -> None:
 
 
 def _progress() -> None:
-    """At a random point, let some queued work run on its own (the device makes progress)."""
+    """At a random point, let the oldest queued item of a random busy stream run on its own (the device makes
+    progress, one piece of work at a time)."""
     if _state.running or _state.progress <= 0.0 or _state.rng.random() >= _state.progress:
         return
     busy = [s for s in _state.streams.values() if s.queue]
     if not busy:
         return
     s = busy[_state.rng.randrange(len(busy))]
-    _run_until(s.key, s.queue[_state.rng.randrange(len(s.queue))].seq)
+    _run_until(s.key, s.queue[0].seq)
 
 
 def _learn(known: dict, key: StreamKey, seq: int) -> None:
@@ -261,6 +263,7 @@ def _learn(known: dict, key: StreamKey, seq: int) -> None:
             host[k] = v
     if host.get(key, 0) < seq:
         host[key] = seq
+    _state.settled = None
 
 
 def _merge(into: dict, known: dict, key: StreamKey, seq: int) -> None:
@@ -350,6 +353,8 @@ def _check(key: StreamKey, reads: list, writes: list, what: str) -> list:
     host = _state.host_known
     known = s.known
     accesses = []
+    # only a non-default stream can race: none has work the host does not know complete -> nothing to check
+    check = key[1] != _DEFAULT_ID or not _settled()
     for tensors, write in ((reads, False), (writes, True)):
         for t in tensors:
             mem = _mem(t)
@@ -357,6 +362,8 @@ def _check(key: StreamKey, reads: list, writes: list, what: str) -> list:
                 continue
             lo, hi = _span(t)
             accesses.append((mem, t, write, lo, hi))
+            if not check:
+                continue
             for r in _state.accesses.get(mem, ()):
                 # NOTE: default streams of two devices are in step (both run eagerly here; on CUDA a copy between
                 # devices orders their current streams), so only a non-default stream can race.
@@ -370,6 +377,15 @@ def _check(key: StreamKey, reads: list, writes: list, what: str) -> list:
                         f"(Stream.wait_event, Event.wait, Stream.wait_stream), or synchronize the host first"
                     )
     return accesses
+
+
+def _settled() -> bool:
+    """Whether the host knows that all work issued on non-default streams has completed (cached until a
+    non-default stream issues more, or the host learns more)."""
+    if _state.settled is None:
+        host = _state.host_known
+        _state.settled = all(host.get(k, 0) >= s.seq for k, s in _state.streams.items() if k[1] != _DEFAULT_ID)
+    return _state.settled
 
 
 def _record(key: StreamKey, seq: int, accesses: list, what: str) -> None:
@@ -607,6 +623,8 @@ def _issue(key: StreamKey) -> int:
     s.seq += 1
     if key[1] == _DEFAULT_ID:
         s.done = s.seq
+    else:
+        _state.settled = False
     return s.seq
 
 
@@ -893,6 +911,7 @@ class SimStream(torch.Stream):
                 _run_until(other, seq)  # the default stream runs eagerly: what it waits for runs now
             elif other != self._key:
                 me.seq += 1
+                _state.settled = False
                 me.queue.append(_Item(me.seq, None, [(other, seq)], "a wait", []))
 
     def wait_stream(self, stream: "SimStream") -> None:

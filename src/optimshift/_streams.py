@@ -8,9 +8,10 @@ device type gets is decided once per type by :func:`of`:
    ``current_stream``, ``stream``, ``synchronize``). This is how a Python PrivateUse1 backend gets streams: its C++
    device guard is torch's, whose streams and events are no-ops, so ``torch.Stream``/``torch.Event`` on it order
    nothing. :mod:`optimshift.testing`'s simulated accelerator registers itself here.
-2. The device-generic API where this torch has it (``torch.Stream``, ``torch.Event``, ``torch.accelerator``,
-   torch >= 2.6) and the device is the current accelerator: CUDA, ROCm, XPU, and any out-of-tree backend whose
-   C++ guard implements streams.
+2. The device-generic API where this torch has all of it (``torch.Stream``, ``torch.Event``, and
+   ``torch.accelerator``'s ``current_stream``/``set_stream``/``current_device_index``/...; torch 2.13 does) and
+   the device is the current accelerator: CUDA, ROCm, XPU, and any out-of-tree backend whose C++ guard
+   implements streams.
 3. ``torch.cuda``'s ``Stream``/``Event`` on an older torch.
 4. Nothing: transfers on that device are synchronous.
 
@@ -259,9 +260,11 @@ def pins_host_for(device: torch.device) -> bool:
 
 def empty_cache() -> None:
     """Give the accelerator's cached, unused device memory back (no-op without one)."""
+    if _cuda_available():
+        torch.cuda.empty_cache()
+        return
     acc = getattr(torch, "accelerator", None)
     if acc is not None and hasattr(acc, "empty_cache") and hasattr(acc, "is_available"):
-        if acc.is_available() and _current_accelerator_type() not in _registered:
+        kind = _current_accelerator_type()
+        if kind is not None and kind not in _registered and acc.is_available():
             acc.empty_cache()
-    elif _cuda_available():
-        torch.cuda.empty_cache()

@@ -342,3 +342,36 @@ def test_a_transfer_between_two_devices_is_synchronous(sim):
         assert {row.device for row in optimshift.placement(opt) if row.key != "step"} == {str(sim1)}
         for st, before in zip(opt.state.values(), values):
             assert bitwise_equal(dict(st), before)
+
+
+def test_a_non_blocking_offload_that_fails_part_way_changes_nothing(sim, monkeypatch):
+    """All or nothing on the side stream too: copies already queued are run and their buffers given back, the
+    optimizer keeps its device state, and the next (blocking) round trip is bitwise."""
+    from optimshift import _copy
+    from optimshift.pool import host_pool
+
+    with deferred_streams(progress=0.0):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        values = [snapshot(dict(st)) for st in opt.state.values()]
+        objects = tensor_ids(opt)
+        in_use = host_pool.stats().in_use
+        real_cat, calls = torch.cat, []
+
+        def cat_then_fail(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise MemoryError("injected: out of device memory in the second staging cat")
+            return real_cat(*args, **kwargs)
+
+        monkeypatch.setattr(_copy.torch, "cat", cat_then_fail)
+        monkeypatch.setattr(_copy, "CHUNK_BYTES", 48)  # several chunks: the first is queued when the second fails
+        with pytest.raises(MemoryError):
+            optimshift.offload(opt, non_blocking=True)
+        monkeypatch.undo()
+        assert len(calls) == 2 and host_pool.stats().in_use == in_use
+        assert not optimshift.is_offloaded(opt) and tensor_ids(opt) == objects
+        assert {row.device for row in optimshift.placement(opt) if row.key != "step"} == {str(sim)}
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+        for st, before in zip(opt.state.values(), values):
+            assert bitwise_equal(dict(st), before)

@@ -3,7 +3,7 @@
 :func:`optimshift.offload` records where each tensor was (by site), where each param was, the pool buffers
 the host copies live in and the grads it took; :func:`optimshift.reload` reads the record back and forgets
 it. A non-blocking transfer is a :class:`PendingTransfer`; the optimizer's next ``step()`` waits for it on the
-device through a one-shot step pre-hook.
+device through a step pre-hook (removed by the next operation on that optimizer).
 
 # NOTE: records live beside the optimizer (a weak-keyed table), never on it, so that offloading adds no
 # attribute to a user's object and an optimizer that is garbage-collected takes its record with it.
@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from . import _streams
 from ._state import leaves
 from .pool import host_pool
 
@@ -32,7 +33,8 @@ class PendingTransfer:
 
     ``done()`` polls, ``wait()`` blocks the host until the copies are complete. A pending reload is also
     waited for automatically (on the device, without a host sync) before the optimizer's next ``step()``.
-    Off CUDA, transfers are synchronous and a handle is done from the start.
+    On a device without streams (see :mod:`optimshift._streams`) transfers are synchronous and a handle is
+    done from the start.
     """
 
     def __init__(self, event: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
@@ -42,7 +44,8 @@ class PendingTransfer:
 
     @property
     def event(self) -> Optional[Any]:
-        """The CUDA event that completes with the copies (None once done, or off CUDA)."""
+        """The device's event that completes with the copies (a ``torch.Event``, or the backend's own event
+        type); None once done, or where the transfer was synchronous."""
         return self._event
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
@@ -68,12 +71,14 @@ class PendingTransfer:
             self._finish()
 
     def wait_on_current_stream(self) -> None:
-        """Make the current stream wait for the copies (no host sync): what the step pre-hook does. Without a
-        CUDA device to wait on, the host waits."""
-        if self._event is None:
-            return
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_event(self._event)
+        """Make the device's current stream wait for the copies (no host sync): what the step pre-hook does.
+        Without a device stream to wait on, the host waits."""
+        if self.done():
+            return  # complete already: the host knows, so everything issued from now on comes after it
+        streams = _streams.of(self.device)
+        if streams is not None:
+            assert self.device is not None
+            streams.wait_event(streams.current(self.device), self._event)
         else:
             self.wait()
 
@@ -105,6 +110,7 @@ class Record:
 
 _records: "weakref.WeakKeyDictionary[Any, Record]" = weakref.WeakKeyDictionary()
 _pending: "weakref.WeakKeyDictionary[Any, PendingTransfer]" = weakref.WeakKeyDictionary()
+_hooks: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
 _lock = threading.Lock()
 
 
@@ -215,35 +221,56 @@ def settle(optimizer: Any) -> None:
     try:
         with _lock:
             pending = _pending.pop(optimizer, None)
+            handle = _hooks.pop(optimizer, None)
     except TypeError:
         return
+    if handle is not None:
+        handle.remove()
     if pending is not None:
         pending.wait()
 
 
 def pending_of(optimizer: Any) -> PendingTransfer:
-    with _lock:
-        return _pending.get(optimizer) or PendingTransfer()
+    try:
+        with _lock:
+            return _pending.get(optimizer) or PendingTransfer()
+    except TypeError:
+        return PendingTransfer()
 
 
 def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
-    """Keep a transfer still in flight, and make the optimizer's next step wait for it (on the device)."""
+    """Keep a transfer still in flight, and make the optimizer's next step wait for it (on the device).
+
+    # NOTE: one step pre-hook per optimizer, which waits for whatever is pending when ``step()`` runs. It
+    # cannot remove itself: torch iterates its hook dict while calling the hooks, and deleting from it there
+    # raises as soon as another hook follows. Once it has waited it does nothing until the next optimshift
+    # operation on this optimizer removes it (``settle``).
+    """
     if pending.done():
         return
-    with _lock:
-        _pending[optimizer] = pending
     register = getattr(optimizer, "register_step_pre_hook", None)
-    if register is None:
+    try:
+        with _lock:
+            _pending[optimizer] = pending
+            hooked = optimizer in _hooks
+    except TypeError:  # an optimizer that cannot be weakly referenced: nothing can remember it, wait now
         pending.wait()
         return
-    handle = None
+    if hooked:
+        return
+    if register is None:
+        settle(optimizer)
+        return
+    handle = register(_wait_before_step)
+    with _lock:
+        _hooks[optimizer] = handle
 
-    def hook(*_: Any) -> None:
+
+def _wait_before_step(optimizer: Any, *_: Any) -> None:
+    with _lock:
+        pending = _pending.get(optimizer)
+    if pending is not None:
         pending.wait_on_current_stream()
-        if handle is not None:
-            handle.remove()
-
-    handle = register(hook)
 
 
 def forget(optimizer: Any, pending: Optional[PendingTransfer] = None) -> None:

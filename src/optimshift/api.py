@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 
 from . import _offload
+from . import _streams
 from . import engine
 from . import policy as _policy
 from ._adopt import keeps_object_across_host
@@ -130,7 +131,8 @@ def offload(
 ) -> Any:
     """Move all state to host memory and remember where each tensor was, for :func:`reload`.
 
-    Host copies live in a persistent pool (pinned when the state is on CUDA, unless ``pin_memory`` is False),
+    Host copies live in a persistent pool (pinned where the state's accelerator can pin host memory, e.g. CUDA,
+    unless ``pin_memory`` is False),
     reused cycle after cycle; the state tensors stay the same objects. ``include=("grads",)`` also takes the
     params' ``.grad`` tensors, so the optimizer holds nothing on the device. ``non_blocking=True`` returns a
     :class:`PendingTransfer` at once (copies run on a side stream; ``wait()`` before reading the host copies);
@@ -174,8 +176,8 @@ def offload(
     record.buffers.extend(copies.batch.held)
     _offload.set_record(optimizer, record)
     remember_pending(optimizer, pending)
-    if empty_cache and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if empty_cache:
+        _streams.empty_cache()
     return pending if non_blocking else optimizer
 
 

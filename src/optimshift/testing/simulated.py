@@ -35,8 +35,10 @@ Limits, honestly:
 
 * It is slow: every operator goes through Python and every result is wrapped through
   DLPack plumbing (tens of microseconds per op). Fine for unit tests on small models.
-* It is not a real CUDA: there are no streams or events, every copy is synchronous
-  (``non_blocking=True`` is accepted and ignored), there is no pinned memory (a
+* It is not a real CUDA. Streams and events exist (``torch.sim.Stream``, ``torch.sim.Event``,
+  ``torch.sim.stream``: see :mod:`optimshift.testing._sim_streams`): the default stream runs
+  every op at once, work on any other stream is deferred until something orders it, and
+  races between streams raise. There is no pinned memory (a
   ``non_blocking`` copy to the CPU returns an ordinary tensor; ``pin_memory()`` and
   ``pin_memory=True`` raise ``NotImplementedError`` once the simulator is set up, because
   PyTorch then asks the sim backend for a pinned allocator), random ops use the CPU's
@@ -218,6 +220,8 @@ def _unregister(key: int, ref: weakref.ref) -> None:
         if entry is not None and entry.ref is ref:
             del _registry[key]
             _allocated[entry.index] -= entry.nbytes
+            if _deferred is not None:
+                _deferred.on_free(key)
 
 
 def _register(storage: torch.UntypedStorage, index: int) -> None:
@@ -231,6 +235,8 @@ def _register(storage: torch.UntypedStorage, index: int) -> None:
             _allocated[old.index] -= old.nbytes
         _registry[key] = entry
         _allocated[index] += nbytes
+    if _deferred is not None:
+        _deferred.on_alloc(key, index)
 
 
 def _lookup(key: int) -> torch.UntypedStorage | None:
@@ -516,6 +522,12 @@ def _sim_index_of(device: Any) -> int | None:
 
 
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    if _deferred is not None and _deferred._state.tracking:  # streams in use: see _sim_streams
+        return _deferred.dispatch(op, args, kwargs, _fallback_now)
+    return _fallback_now(op, *args, **kwargs)
+
+
+def _fallback_now(op: Any, *args: Any, **kwargs: Any) -> Any:
     special = _SPECIAL_KERNELS.get(op)
     if special is not None:
         return special(*args, **kwargs)
@@ -827,7 +839,9 @@ class _SimBackendModule:
         return _DeviceContext(self, device)
 
     def synchronize(self, device: Any = None) -> None:
-        """No-op: the simulator runs every op synchronously."""
+        """Wait for the work queued on every stream of ``device`` (see :mod:`._sim_streams`)."""
+        if _deferred is not None:
+            _deferred.synchronize(device)
 
     def memory_allocated(self, device: Any = None) -> int:
         index = self.current_device() if device is None else (
@@ -950,7 +964,7 @@ def _ensure_setup() -> None:
         # Ops with a CompositeExplicitAutograd kernel never reach the fallback; these need
         # their own PrivateUse1 kernel to take precedence over the composite one.
         aten_lib = torch.library.Library("aten", "IMPL")
-        aten_lib.impl("_to_copy", _to_copy, "PrivateUse1")
+        aten_lib.impl("_to_copy", _to_copy_entry, "PrivateUse1")
         # Keep the registrations (and the hook/guard objects) alive with torch.sim itself.
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]
@@ -960,4 +974,26 @@ def _ensure_setup() -> None:
         # internal assert. With multithreading off, this thread runs device backward itself.
         torch._C._set_multithreading_enabled(False)
         torch.__future__.set_swap_module_params_on_conversion(True)
+        _install_streams()
         _is_setup = True
+
+
+# --------------------------------------------------------------------------------------------
+# Streams and events (optimshift.testing._sim_streams): deferred work on non-default streams
+# --------------------------------------------------------------------------------------------
+
+_deferred: Any = None  # the _sim_streams module once set up
+
+
+def _to_copy_entry(*args: Any, **kwargs: Any) -> Any:
+    # _to_copy is registered directly (ahead of the composite kernel); go through _fallback like every other
+    # op so that the stream machinery sees it.
+    return _fallback(_aten._to_copy.default, *args, **kwargs)
+
+
+def _install_streams() -> None:
+    global _deferred
+    from optimshift.testing import _sim_streams
+
+    _sim_streams.install(_backend_module)
+    _deferred = _sim_streams

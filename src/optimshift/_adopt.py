@@ -45,7 +45,8 @@ def mechanism(old: torch.Tensor, new: torch.Tensor) -> Mechanism:
 
 def decide_all(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[Mechanism]:
     """:func:`mechanism` for each pair; what depends only on the classes and devices is asked once per kind."""
-    kinds: dict[tuple, bool] = {}  # (classes, devices) -> set_data allowed
+    # (classes, devices) -> set_data allowed
+    kinds: dict[tuple[type[torch.Tensor], type[torch.Tensor], torch.device, torch.device], bool] = {}
     out: list[Mechanism] = []
     for old, new in pairs:
         kind = (type(old), type(new), old.device, new.device)
@@ -61,10 +62,13 @@ def _swappable(old: torch.Tensor, new: torch.Tensor) -> bool:
     """What ``torch.utils.swap_tensors`` checks, asked beforehand (it raises half-way otherwise)."""
     if weakref.getweakrefcount(old) or weakref.getweakrefcount(new):
         return False
+    # (copyreg._slotnames is not in typeshed)
     if type(old) is not type(new) and set(copyreg._slotnames(type(old))) != set(copyreg._slotnames(type(new))):  # type: ignore[attr-defined]
         return False
     # Another C++ holder of either tensor (a view's base, an autograd node) would end up on the other object.
-    return old._use_count() == 1 and new._use_count() == 1 and not old.requires_grad and not new.requires_grad
+    # (Tensor._use_count exists at runtime but is missing from torch's stubs.)
+    return (old._use_count() == 1 and new._use_count() == 1  # type: ignore[attr-defined]
+            and not old.requires_grad and not new.requires_grad)
 
 
 _HOST_PROBE = torch.empty(0)
@@ -87,6 +91,6 @@ def adopt(old: torch.Tensor, new: torch.Tensor, how: Mechanism) -> None:
         if type(old) is torch.Tensor and type(new) is torch.Tensor and not old.__dict__ and not new.__dict__:
             torch._C._swap_tensor_impl(old, new)  # what swap_tensors does for plain tensors, without its overhead
         else:
-            torch.utils.swap_tensors(old, new)
+            torch.utils.swap_tensors(old, new)  # type: ignore[no-untyped-call]  # unannotated in torch
     else:  # pragma: no cover - a caller bug
         raise ValueError(f"adopt: cannot adopt by {how!r}")

@@ -79,6 +79,7 @@ def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch
 def _current_accelerator() -> str | None:
     acc = getattr(torch, "accelerator", None)
     if acc is not None and hasattr(acc, "current_accelerator"):
+        dev: torch.device | None
         try:
             dev = acc.current_accelerator()
         except Exception:

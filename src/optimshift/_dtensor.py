@@ -8,16 +8,19 @@ This module imports nothing from ``torch.distributed`` at import time: the core 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from ._streams import pins_host_for
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["is_dtensor", "copy_dtensor", "local_tensor", "row_fields"]
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor``, without importing torch.distributed."""
     module = sys.modules.get("torch.distributed.tensor")
     cls = getattr(module, "DTensor", None) if module is not None else None
@@ -26,11 +29,11 @@ def is_dtensor(t: Any) -> bool:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (``t`` itself for a plain tensor)."""
-    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    return t.to_local() if is_dtensor(t) else t
 
 
 def copy_dtensor(
-    t: torch.Tensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False
+    t: DTensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False
 ) -> torch.Tensor:
     """A copy of DTensor ``t`` whose local shard is on ``device``: same mesh, placements, global shape and
     stride, same dtype and bitwise-equal values (the policy already decided ``device`` for this shard).
@@ -40,7 +43,7 @@ def copy_dtensor(
     type, which would undo every offload to the host.
     """
     src = t.detach()
-    local = src.to_local()  # type: ignore[attr-defined]
+    local = src.to_local()  # type: ignore[attr-defined]  # torch types detach() as returning a Tensor
     # Pinned host memory only helps (and only exists) for copies from an accelerator that pins it, as in
     # _copy.copy_tensor.
     pin = (pin_memory and device.type == "cpu" and pins_host_for(local.device) and local.layout == torch.strided)
@@ -60,9 +63,9 @@ def row_fields(t: torch.Tensor) -> dict[str, Any]:
     shard's shape and the placements on the mesh, e.g. ``"Shard(dim=0) on cpu mesh (2,)"``."""
     if not is_dtensor(t):
         return {}
-    mesh = t.device_mesh  # type: ignore[attr-defined]
-    placements = ", ".join(repr(p) for p in t.placements)  # type: ignore[attr-defined]
+    mesh = t.device_mesh
+    placements = ", ".join(repr(p) for p in t.placements)
     return {
-        "local_shape": tuple(t.to_local().shape),  # type: ignore[attr-defined]
+        "local_shape": tuple(t.to_local().shape),
         "placements": f"{placements} on {mesh.device_type} mesh {tuple(mesh.shape)}",
     }

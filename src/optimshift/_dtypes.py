@@ -20,11 +20,14 @@ import inspect
 import threading
 import warnings
 from collections import OrderedDict
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from ._probe import probe_key, quiet_global_step_hooks
+from ._probe import ProbeKey, probe_key, quiet_global_step_hooks
+
+if TYPE_CHECKING:
+    from .report import Finding
 
 __all__ = ["Rejection", "rejected_dtypes", "dtype_findings", "dtype_name"]
 
@@ -60,7 +63,8 @@ def _plain(value: Any) -> Any:
 class _Trial:
     """One fresh optimizer over a host param; ``step(changes)`` steps it with some entries recast."""
 
-    def __init__(self, cls: type, group: Mapping[str, Any], dtype: torch.dtype, ndim: int) -> None:
+    def __init__(self, cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype,
+                 ndim: int) -> None:
         accepted = inspect.signature(cls.__init__).parameters
         kwargs = {k: _plain(v) for k, v in group.items() if k in accepted and k not in ("params", "param_names")}
         if "capturable" in kwargs:
@@ -74,7 +78,7 @@ class _Trial:
             return torch.tensor(1.0)
 
         self.param.grad = torch.full_like(self.param, 0.25)
-        self.opt.step(closure)
+        self.opt.step(closure)  # type: ignore[arg-type]  # torch's stubs type the closure's loss as a float
 
     def fresh_dtypes(self) -> dict[str, torch.dtype]:
         return {k: v.dtype for k, v in self.opt.state.get(self.param, {}).items() if isinstance(v, torch.Tensor)}
@@ -85,7 +89,7 @@ class _Trial:
             state[key] = state[key].to(dtype)
 
 
-def _try(cls: type, group: Mapping[str, Any], dtype: torch.dtype, ndim: int,
+def _try(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype, ndim: int,
          dtypes: Mapping[str, torch.dtype]) -> Optional[list[Rejection]]:
     """The rejections, ``[]`` if a step takes these dtypes, ``None`` if the trial cannot run."""
     from torch.utils._python_dispatch import _disable_current_modes
@@ -108,7 +112,7 @@ def _try(cls: type, group: Mapping[str, Any], dtype: torch.dtype, ndim: int,
             return []
         except Exception as e:
             together = f"{type(e).__name__}: {e}"
-        rejected = []
+        rejected: list[Rejection] = []
         for key, wanted in changed.items():  # which of them, each alone
             alone = _Trial(cls, group, dtype, ndim)
             alone.step()
@@ -120,18 +124,20 @@ def _try(cls: type, group: Mapping[str, Any], dtype: torch.dtype, ndim: int,
         return rejected or [Rejection(k, d, fresh[k], together) for k, d in changed.items()]
 
 
-_cache: "OrderedDict[tuple, Optional[list[Rejection]]]" = OrderedDict()
+_Key = tuple[ProbeKey, torch.dtype, tuple[tuple[str, str], ...]]
+_cache: "OrderedDict[_Key, Optional[list[Rejection]]]" = OrderedDict()
 _lock = threading.Lock()
 
 
-def rejected_dtypes(cls: type, group: Mapping[str, Any], param: torch.Tensor,
+def rejected_dtypes(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], param: torch.Tensor,
                     dtypes: Mapping[str, torch.dtype]) -> list[Rejection]:
     """The entries of ``dtypes`` ({state key: dtype}) that a step of ``cls`` with ``group``'s flags and
     hyperparameters over a param like ``param`` (its dtype and rank) refuses. Entries a fresh optimizer
     does not keep, and anything the host trial cannot tell, are not rejected."""
     if not param.is_floating_point():
         return []
-    key = (probe_key(cls, group, param.dim()), param.dtype, tuple(sorted((k, str(d)) for k, d in dtypes.items())))
+    key: _Key = (probe_key(cls, group, param.dim()), param.dtype,
+                 tuple(sorted((k, str(d)) for k, d in dtypes.items())))
     with _lock:
         if key in _cache:
             _cache.move_to_end(key)
@@ -152,7 +158,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def dtype_findings(optimizer: Any) -> list:
+def dtype_findings(optimizer: Any) -> list[Finding]:
     """:func:`optimshift.check`'s findings for state entries whose dtype the next step would refuse."""
     from .plan import Site
     from .policy import builtin_base
@@ -162,12 +168,12 @@ def dtype_findings(optimizer: Any) -> list:
     if base is None:
         return []
     name = type(optimizer).__name__
-    findings = []
+    findings: list[Finding] = []
     for gi, group in enumerate(optimizer.param_groups):
         own = {id(t) for k, v in group.items() if k not in ("params", "param_names")
                for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)}
         names = group.get("param_names")
-        memo: dict[tuple, list[Rejection]] = {}
+        memo: dict[tuple[torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
         for pi, p in enumerate(group["params"]):
             state = optimizer.state.get(p)
             if not isinstance(p, torch.Tensor) or not isinstance(state, Mapping):

@@ -45,6 +45,11 @@ _FAKE_DEVICE = torch.device("cuda", 0)
 _CACHE_SIZE = 1024  # LR schedulers change `lr` every step: old entries are dropped, not kept forever
 _KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
 
+GroupPath = tuple[Any, Optional[int]]
+"""A tensor a group holds: ``(key, None)`` for ``group[key]``, ``(key, i)`` for ``group[key][i]``."""
+ProbeKey = tuple[type[torch.optim.Optimizer], tuple[tuple[str, Any], ...], tuple[bool, ...], int]
+"""What :func:`probe_key` returns: the class, the group's entries, its implementation flags, the param rank."""
+
 
 @dataclass(frozen=True)
 class Observed:
@@ -54,7 +59,7 @@ class Observed:
     the host or refuses there (absent: it works alike wherever the tensor is)."""
 
     state: Optional[Mapping[str, bool]]
-    group: Mapping[tuple, str] = field(default_factory=dict)
+    group: Mapping[GroupPath, str] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -96,7 +101,7 @@ def _key_of(value: Any) -> Any:
     return (type(value).__qualname__, repr(value))
 
 
-def probe_key(cls: type, group: Mapping[str, Any], ndim: int) -> tuple:
+def probe_key(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> ProbeKey:
     """Everything that can change what the probe observes: the class, every group entry but the params (the
     known implementation flags also as booleans: ``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
     from torch.utils._python_dispatch import _disable_current_modes
@@ -110,10 +115,10 @@ def probe_key(cls: type, group: Mapping[str, Any], ndim: int) -> tuple:
 # --- running it ------------------------------------------------------------------------------------------------
 
 
-def group_tensor_paths(group: Mapping[str, Any]) -> list[tuple[Any, Optional[int]]]:
+def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
     """The one-element tensors a group holds as hyperparameters: ``(key, None)`` for ``group[key]`` itself,
     ``(key, i)`` for ``group[key][i]`` (tensor ``betas``)."""
-    paths: list[tuple[Any, Optional[int]]] = []
+    paths: list[GroupPath] = []
     for key, value in group.items():
         if key in ("params", "param_names"):
             continue
@@ -154,7 +159,8 @@ class _Reads(TorchFunctionMode):
         if t.device.type != "cpu":
             self.on_device += 1
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         want = _READS.get(func)
         if want is not None and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
@@ -225,7 +231,8 @@ def _as_python(value: Any) -> Any:
     return value
 
 
-def _run(cls: type, group: Mapping[str, Any], ndim: int, paths: list, on_device: Optional[tuple]) -> _Run:
+def _run(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int, paths: list[GroupPath],
+         on_device: Optional[GroupPath]) -> _Run:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -252,7 +259,8 @@ def _run(cls: type, group: Mapping[str, Any], ndim: int, paths: list, on_device:
             error = None
             with _Reads() as reads:
                 try:
-                    opt.step(lambda: torch.zeros((), device=_FAKE_DEVICE))
+                    # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
+                    opt.step(lambda: torch.zeros((), device=_FAKE_DEVICE))  # type: ignore[arg-type, return-value]
                 except Exception as e:
                     # Fake tensors cannot launch every kernel (a CPU-only build has no fused CUDA kernels), but
                     # the state was created before that point, which is all that is read of it.
@@ -263,10 +271,10 @@ def _run(cls: type, group: Mapping[str, Any], ndim: int, paths: list, on_device:
     return _Run(found if state else None, reads.on_device, error)
 
 
-def _observe(cls: type, group: Mapping[str, Any], ndim: int) -> Observed:
+def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed:
     paths = group_tensor_paths(group)
     baseline = _run(cls, group, ndim, paths, None)
-    verdicts: dict[tuple, str] = {}
+    verdicts: dict[GroupPath, str] = {}
     for path in paths:
         alone = _run(cls, group, ndim, paths, path)
         if alone.reads > baseline.reads or (alone.error is not None and alone.error != baseline.error):
@@ -276,11 +284,11 @@ def _observe(cls: type, group: Mapping[str, Any], ndim: int) -> Observed:
     return Observed(baseline.state, verdicts)
 
 
-_cache: "OrderedDict[tuple, Optional[Observed]]" = OrderedDict()
+_cache: "OrderedDict[ProbeKey, Optional[Observed]]" = OrderedDict()
 _lock = threading.Lock()
 
 
-def probe(cls: type, group: Mapping[str, Any], ndim: int) -> Optional[Observed]:
+def probe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Optional[Observed]:
     """What one step of a fresh ``cls`` over a fake ``cuda:0`` param of rank ``ndim`` with ``group``'s
     hyperparameters does (see the module docstring); ``None`` when the probe cannot run (the caller falls back
     to its table for state, and keeps group tensors where they are)."""

@@ -2,6 +2,7 @@
 
 import sys
 import warnings
+from typing import cast
 
 
 def _import_torch() -> None:
@@ -22,7 +23,7 @@ def _import_torch() -> None:
     finally:
         if quiet not in before:  # the caller's own identical filter stays
             try:
-                warnings.filters.remove(quiet)
+                cast("list[object]", warnings.filters).remove(quiet)  # a list (typeshed says Sequence)
             except ValueError:  # someone reset the filters meanwhile
                 pass
         mutated = getattr(warnings, "_filters_mutated", None)  # invalidate the warning caches, as filterwarnings does

@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-Path = tuple  # a tuple of steps: ("key", k) | ("index", i) | ("attr", name) | ("elem", i)
+Step = tuple[str, Any]  # ("key", k) | ("index", i) | ("attr", name) | ("elem", i)
+Path = tuple[Step, ...]  # a tuple of steps
 Setter = Callable[[], None]
 
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size,
@@ -57,7 +58,7 @@ def _object_fields(value: Any) -> list[tuple[str, Any]]:
     return fields
 
 
-def _children(value: Any) -> Iterator[tuple[tuple, Any]]:
+def _children(value: Any) -> Iterator[tuple[Step, Any]]:
     if isinstance(value, Mapping):
         for k, v in value.items():
             yield ("key", k), v
@@ -86,8 +87,8 @@ def leaves(value: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
     seen: set[int] = {id(value)}
     # NOTE: the path is composed only when a tensor is found (from the steps on the stack): building it per
     # level would be quadratic in the depth.
-    steps: list[tuple] = []
-    stack: list[Iterator[tuple[tuple, Any]]] = [_children(value)]
+    steps: list[Step] = []
+    stack: list[Iterator[tuple[Step, Any]]] = [_children(value)]
     while stack:
         for step, child in stack[-1]:
             if isinstance(child, torch.Tensor):
@@ -180,7 +181,7 @@ def _rebuild_container(value: Any, replace: Mapping[int, torch.Tensor], setters:
     if isinstance(value, tuple):
         items = [nv for _, _, nv in new]
         if _is_namedtuple(value):
-            return type(value)._make(items)
+            return getattr(type(value), "_make")(items)
         if type(value) is tuple:
             return tuple(items)
         return type(value)(items)
@@ -191,7 +192,7 @@ def _rebuild_container(value: Any, replace: Mapping[int, torch.Tensor], setters:
         setters.append(_set_replacer(value, items))
         return value
     if dataclasses.is_dataclass(value):
-        if type(value).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        if getattr(type(value), "__dataclass_params__").frozen:
             clone = copy.copy(value)
             for (_, name), nv in changed:
                 object.__setattr__(clone, name, nv)
@@ -211,7 +212,7 @@ def _item_setter(container: Any, key: Any, new: Any) -> Setter:
     return apply
 
 
-def _set_replacer(container: set, items: list) -> Setter:
+def _set_replacer(container: set[Any], items: list[Any]) -> Setter:
     def apply() -> None:
         container.clear()
         container.update(items)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional, cast
 
 import torch
 
@@ -35,7 +35,7 @@ class Site:
         return hash(self.ident)
 
     @property
-    def ident(self) -> tuple:
+    def ident(self) -> Ident:
         """A hashable identity, stable while the optimizer's groups keep their order."""
         return (self.group, self.index, self.path)
 
@@ -61,19 +61,37 @@ class Site:
     __repr__ = __str__
 
 
-class Transfer(tuple):
+Ident = tuple[int, Optional[int], Path]
+"""Where a tensor sits: (group index, param index or None, path)."""
+
+
+class Transfer(tuple[Ident, Optional[str], torch.Tensor, Optional[torch.Tensor], torch.device, str]):
     """One tensor of the plan: where it sits (``ident`` = group, index, path), the param it belongs to, and
     where it must go (``target``, decided by ``source``: a policy rule, a record, offload)."""
 
     # NOTE: a tuple, built with tuple.__new__: a plan holds one per tensor (50k for a large model), and a
     # Python-level __init__ per tensor would cost more than the rest of the plan.
     __slots__ = ()
-    ident = property(itemgetter(0))
-    name = property(itemgetter(1))
-    tensor = property(itemgetter(2))
-    param = property(itemgetter(3))
-    target = property(itemgetter(4))
-    source = property(itemgetter(5))
+    if TYPE_CHECKING:
+        @property
+        def ident(self) -> Ident: ...
+        @property
+        def name(self) -> Optional[str]: ...
+        @property
+        def tensor(self) -> torch.Tensor: ...
+        @property
+        def param(self) -> Optional[torch.Tensor]: ...
+        @property
+        def target(self) -> torch.device: ...
+        @property
+        def source(self) -> str: ...
+    else:
+        ident = property(itemgetter(0))
+        name = property(itemgetter(1))
+        tensor = property(itemgetter(2))
+        param = property(itemgetter(3))
+        target = property(itemgetter(4))
+        source = property(itemgetter(5))
 
     @property
     def site(self) -> Site:
@@ -105,7 +123,8 @@ def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Opti
     groups = getattr(optimizer, "param_groups", None)
     state = getattr(optimizer, "state", None)
     if isinstance(groups, list) and isinstance(state, Mapping):
-        return optimizer  # duck-typed (e.g. a wrapper exposing the inner optimizer's groups and state)
+        # duck-typed (e.g. a wrapper exposing the inner optimizer's groups and state)
+        return cast(torch.optim.Optimizer, optimizer)
     raise TypeError(
         f"{what} must be a torch.optim.Optimizer (with param_groups and state), got {type(optimizer).__name__}"
     )
@@ -167,7 +186,7 @@ _GROUP_SKIP = ("params", "param_names")
 
 
 # target(ident, param, group, key, tensor) -> (device, source); ident = (group index, param index, path).
-TargetFn = Callable[[tuple, Optional[torch.Tensor], Mapping[str, Any], str, torch.Tensor], tuple[torch.device, str]]
+TargetFn = Callable[[Ident, Optional[torch.Tensor], Mapping[str, Any], str, torch.Tensor], tuple[torch.device, str]]
 
 _top_paths: dict[Any, Path] = {}
 
@@ -199,11 +218,11 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
                 continue
             path = paths.get(key) or _top_path(key)
             if isinstance(value, torch.Tensor):
-                found: Any = ((path, value),)
+                found: Iterable[tuple[Path, torch.Tensor]] = ((path, value),)
             else:
                 found = leaves(value, path)
             for path, tensor in found:
-                ident = (gi, pi, path)
+                ident: Ident = (gi, pi, path)
                 if follow is not None and param is not None and tensor.dim():
                     device, source = follow, "rule"  # what target() would answer, without the call
                 else:
@@ -244,12 +263,13 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
     """Targets by the policy: each entry where a fresh optimizer with its param on ``device`` keeps it
     (``device=None``: the param's current device)."""
 
-    memo: dict[tuple, tuple[torch.device, str]] = {}
+    memo: dict[tuple[int, str, int, torch.device], tuple[torch.device, str]] = {}
     cacheable = not _policy.has_registered_policy(optimizer)  # a user policy may look at anything
 
     fixed_rule = None if device is None else (device, "rule")
 
-    def target(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+    def target(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
+               tensor: torch.Tensor) -> tuple[torch.device, str]:
         if cacheable and tensor.dim() != 0:
             # Non-scalar state always follows its param (policy.decide): the common case, kept cheap.
             if fixed_rule is not None:
@@ -263,8 +283,8 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
             param_device = group_device(group, tensor)
         # A group's own tensors (tensor lr, betas) are decided one by one: their rule depends on which entry
         # and on where each one is (policy._group_entry).
-        memoize = cacheable and param is not None
-        if memoize:
+        memo_key = None
+        if cacheable and param is not None:
             # Built-in rules depend only on these: decide once per distinct combination in this plan.
             memo_key = (id(group), key, param.dim(), param_device)
             hit = memo.get(memo_key)
@@ -272,9 +292,9 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
                 return hit
         decision = _policy.decide(optimizer, group, param, key, tensor, param_device)
         result = (decision.device, decision.source)
-        if memoize:
+        if memo_key is not None:
             memo[memo_key] = result
         return result
 
-    target.follow = None if (device is None or not cacheable) else device  # type: ignore[attr-defined]
+    setattr(target, "follow", None if (device is None or not cacheable) else device)
     return target

@@ -247,6 +247,7 @@ def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = 
         except FileNotFoundError:
             pass
         with os.fdopen(fd, "wb") as raw:  # closing it releases the lock, after the rename
+            # (torch.save writes to any binary file; its stubs ask for a typing.IO, which io.RawIOBase is not)
             sink: IO[bytes] = raw if progress is None else _Counting(raw, progress)  # type: ignore[assignment]
             try:
                 torch.save(payload, sink)
@@ -277,7 +278,7 @@ class _Counting(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data: Any) -> int:  # type: ignore[override]
+    def write(self, data: Any) -> int:
         n = self._raw.write(data)
         n = len(data) if n is None else n
         self.written += n
@@ -404,7 +405,8 @@ def _legacy_unsafe_globals(path: str) -> list[str]:
     from torch import _weights_only_unpickler as wou
 
     try:
-        allowed = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+        # (_get_user_allowed_globals is unannotated in torch)
+        allowed = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())  # type: ignore[no-untyped-call]
     except Exception:
         return []
     found: list[str] = []

@@ -58,7 +58,7 @@ def _storage_itemsize(name: str) -> Optional[int]:
     if name == "UntypedStorage":
         return 1
     try:
-        dtype = torch.serialization.StorageType(name).dtype
+        dtype = torch.serialization.StorageType(name).dtype  # type: ignore[no-untyped-call]  # unannotated in torch
     except Exception:
         return None
     return torch.empty((), dtype=dtype).element_size()

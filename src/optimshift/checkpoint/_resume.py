@@ -18,7 +18,7 @@ import threading
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import AbstractSet, Any, Callable, Mapping, MutableMapping, Optional, TypeVar, Union
 
 import torch
 
@@ -26,10 +26,11 @@ from .. import engine
 from .._copy import copy_tensor
 from .._offload import exclusive, prepare_discard
 from .. import policy as _policy
-from .._dtypes import dtype_name, rejected_dtypes
+from .._dtypes import Rejection, dtype_name, rejected_dtypes
 from .._devices import DeviceLike, resolve
-from .._state import (_ATOMS, IMPLEMENTATION_FLAGS, MAX_DEPTH, Setter, format_path, group_device, is_plain, leaves,
-                      param_label, param_name, rebuild, too_deep, unwrap)
+from .._probe import quiet_global_step_hooks
+from .._state import (_ATOMS, IMPLEMENTATION_FLAGS, MAX_DEPTH, Path, Setter, format_path, group_device, is_plain,
+                      leaves, param_label, param_name, rebuild, too_deep, unwrap)
 from ..plan import optimizer_name
 from . import _files
 
@@ -210,6 +211,11 @@ def _extract(state_dict: Any, label: str) -> tuple[Any, Optional[Mapping[str, An
 
 # --- building the new state ---------------------------------------------------------------------------------
 
+_Site = tuple[int, Optional[int], Any, Path]  # (group, param index or None for a group entry, key, path inside)
+_Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): one copy each
+_Wanted = Union[torch.Tensor, _Ticket]  # a tensor that fits as it is, or the ticket of its copy
+_Nested = list[tuple[int, _Wanted]]  # [(id(tensor), wanted)] for the tensors inside a container
+
 
 class _Staging:
     """Validates a state dict against the live optimizer and builds its new state and groups from copies.
@@ -227,19 +233,19 @@ class _Staging:
         # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
         self.strict = self.base is not None and _same_step(type(optimizer), self.base)
-        self._decisions: dict[tuple, torch.device] = {}
+        self._decisions: dict[tuple[int, Any, int, bool, torch.device], torch.device] = {}
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
-        self._wanted: dict[tuple, tuple[torch.Tensor, tuple]] = {}
-        self._made: dict[tuple, torch.Tensor] = {}
-        self._dtype_checks: dict[tuple, list] = {}
+        self._wanted: dict[_Ticket, tuple[torch.Tensor, _Site]] = {}
+        self._made: dict[_Ticket, torch.Tensor] = {}
+        self._dtype_checks: dict[tuple[int, torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
 
-    def fail(self, message: str, exc: type = ValueError) -> BaseException:
+    def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
         where = f"{self.source}: " if self.source else ""
         return exc(f"{self.name}: load_state_dict: {where}{message}")
 
     # -- structure ------------------------------------------------------------------------------------------
 
-    def _validate_structure(self) -> tuple[list, Mapping]:
+    def _validate_structure(self) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
         sd = self.sd
         if not isinstance(sd, Mapping):
             raise self.fail(f"state_dict must be a dict, got {type(sd).__name__}", TypeError)
@@ -348,7 +354,7 @@ class _Staging:
         names = self.opt.param_groups[gi].get("param_names") or self.sd["param_groups"][gi].get("param_names")
         return param_label(gi, pi, param_name(pi, names))
 
-    def _site(self, site: tuple) -> str:
+    def _site(self, site: _Site) -> str:
         """``(group, param index or None, key, path)`` as words, for errors."""
         gi, pi, key, path = site
         if pi is None:
@@ -356,7 +362,7 @@ class _Staging:
         return f"{self._param_label(gi, pi)}, state key {key!r}{format_path(path)}"
 
     def _want(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, always_copy: bool,
-              site: tuple) -> Any:
+              site: _Site) -> _Wanted:
         """Ask for ``tensor`` on ``device`` in ``dtype``: returns the tensor itself when it already fits and
         copying was not asked for, else a ticket that :meth:`_got` turns into its copy once :meth:`_resolve`
         has made every copy. One copy per distinct (source, device, dtype), so tensors shared in the
@@ -367,7 +373,7 @@ class _Staging:
                             f"hostile checkpoint)")
         if not always_copy and tensor.dtype == dtype and tensor.device == device:
             return tensor
-        ticket = (id(tensor), device, dtype)
+        ticket: _Ticket = (id(tensor), device, dtype)
         if ticket not in self._wanted:
             if tensor.is_meta and device.type != "meta":
                 raise self.fail(f"{self._site(site)}: a meta tensor has no values to load")
@@ -378,14 +384,14 @@ class _Staging:
         """The ids of the copies this staging made (never the caller's own tensors)."""
         return {id(t) for t in self._made.values()}
 
-    def _got(self, wanted: Any) -> torch.Tensor:
+    def _got(self, wanted: _Wanted) -> torch.Tensor:
         return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
 
     def _resolve(self) -> None:
         """Make every copy asked for. Host<->device moves go to the engine as one batch (grouped by device
         pair and dtype: one staging copy per chunk instead of one transfer per tensor, then one
         synchronize); copies in place (``copy=True``) and casts are made tensor by tensor."""
-        moving: list[tuple[tuple, torch.Tensor, torch.device]] = []
+        moving: list[tuple[_Ticket, torch.Tensor, torch.device]] = []
         batched: set[int] = set()
         for ticket, (t, site) in self._wanted.items():
             _, device, dtype = ticket
@@ -403,9 +409,10 @@ class _Staging:
                                f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged")
                 raise
             for (ticket, _, _), new in zip(moving, batch.copies):
+                assert new is not None  # (copy_items returns once every copy is made)
                 self._made[ticket] = new
 
-    def _copy_one(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, site: tuple) -> torch.Tensor:
+    def _copy_one(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, site: _Site) -> torch.Tensor:
         try:
             if tensor.requires_grad or type(tensor) is not torch.Tensor:  # Parameters, subclasses: the general copy
                 new = copy_tensor(tensor, device)
@@ -421,14 +428,14 @@ class _Staging:
 
     # -- the whole state --------------------------------------------------------------------------------------
 
-    def build(self) -> tuple[defaultdict, list[dict[str, Any]]]:
+    def build(self) -> tuple[defaultdict[Any, Any], list[dict[str, Any]]]:
         saved_groups, states = self._validate_structure()
         live_groups = self.opt.param_groups
         new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
         spec_cache: dict[tuple[int, int], _StateSpec] = {}
-        new_state: defaultdict = defaultdict(dict)
-        # Per param with state: (its new state dict, param, group, index, [(key, tensor)], [(key, container)]).
-        pending: list[tuple[dict, torch.Tensor, int, int, list, list]] = []
+        new_state: defaultdict[Any, Any] = defaultdict(dict)
+        # Per param with state: (its new state dict, param, group, index, [(key, tensor)], [container key]).
+        pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, list[tuple[Any, torch.Tensor]], list[Any]]] = []
         if self.strict:
             for gi, ng in enumerate(new_groups):
                 self._check_group(gi, ng)
@@ -441,6 +448,7 @@ class _Staging:
                     spec = spec_cache[(gi, ndim)] = self._spec(ng, ndim)
                 if saved is None:
                     if self.strict and spec.eager:
+                        assert self.base is not None  # (strict: a torch.optim class)
                         raise self.fail(f"{self._param_label(gi, pi)}: the checkpoint has no state for it, but "
                                         f"{self.base.__name__} creates every param's state when it is built "
                                         f"({_keys_shown(spec.keys)}); this state dict is incomplete")
@@ -450,9 +458,9 @@ class _Staging:
                                     f"expected a dict", TypeError)
                 if self.strict and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class
                     self._check_entries(gi, pi, p, saved, spec)
-                new: dict = {}
-                tensors: list = []
-                containers: list = []
+                new: dict[Any, Any] = {}
+                tensors: list[tuple[Any, torch.Tensor]] = []
+                containers: list[Any] = []
                 for key, value in saved.items():
                     if isinstance(value, torch.Tensor):
                         if key in spec.shaped and value.shape != pshape:
@@ -475,7 +483,8 @@ class _Staging:
         # so an error (an OOM) leaves it as it was; then the new dicts and containers are filled in.
         fixed, always = self.device, self.copy
         owners = _group_owned(new_groups)
-        fills: list[tuple[Any, Any, Any]] = []  # (holder, key, wanted) or (holder, key, (container, [(id, wanted)]))
+        # (holder, key, None): holder[key] is wanted; (holder, key, [(id, wanted)]): the tensors in its container
+        fills: list[tuple[MutableMapping[Any, Any], Any, Optional[_Nested]]] = []
         for new, p, gi, pi, tensors, containers in pending:
             group = new_groups[gi]
             where = fixed if fixed is not None else p.device
@@ -527,10 +536,10 @@ class _Staging:
         return new_state, new_groups
 
     def _want_nested(self, value: Any, group: Mapping[str, Any], param: Optional[torch.Tensor], key: Any, gi: int,
-                     pi: Optional[int], where: Any, pdim: int, always_copy: bool) -> list[tuple[int, Any]]:
+                     pi: Optional[int], where: Optional[torch.device], pdim: int, always_copy: bool) -> _Nested:
         """Ask for each tensor inside ``value`` (our copy of the checkpoint's container, or a group's tensor)
         where it belongs: ``[(id(tensor), wanted)]`` for :meth:`_fill_nested`."""
-        wanted: dict[int, Any] = {}
+        wanted: dict[int, _Wanted] = {}
         for path, t in leaves(value, (("key", key),)):
             if id(t) in wanted:
                 continue
@@ -540,7 +549,7 @@ class _Staging:
             wanted[id(t)] = self._want(t, device, dtype, always_copy, (gi, pi, key, path[1:]))
         return list(wanted.items())
 
-    def _fill_nested(self, value: Any, wanted: list[tuple[int, Any]]) -> Any:
+    def _fill_nested(self, value: Any, wanted: _Nested) -> Any:
         """``value`` with each tensor replaced by its copy. Only our own copies of the checkpoint's
         containers are mutated."""
         replace = {ident: self._got(w) for ident, w in wanted}
@@ -606,6 +615,7 @@ class _Staging:
 
     def _check_group(self, gi: int, group: Mapping[str, Any]) -> None:
         """The hyperparameters a torch.optim class takes have the types it needs (PyTorch fails at step())."""
+        assert self.base is not None  # (called when strict: a torch.optim class)
         for key, default in _hyper_defaults(self.base).items():
             if key in group and key not in ("params", "param_names"):
                 problem = _hyper_problem(key, default, group[key])
@@ -616,6 +626,7 @@ class _Staging:
         """Each entry a step of this torch.optim class creates is there, with the kind, dtype and size it needs."""
         missing = [k for k in spec.keys if k not in saved]
         if missing:
+            assert self.base is not None  # (called when strict: a torch.optim class)
             raise self.fail(f"{self._param_label(gi, pi)}: its state has no {_keys_shown(missing)}; "
                             f"{self.base.__name__}.step keeps {_keys_shown(spec.keys)}")
         for key in spec.tensors:
@@ -639,7 +650,7 @@ class _Staging:
                                 f"param's {p.numel()} (shape {tuple(p.shape)}); this checkpoint was made for other "
                                 f"params")
 
-    def _copy_container(self, value: Any, site: tuple) -> Any:
+    def _copy_container(self, value: Any, site: _Site) -> Any:
         """Our own copy of a checkpoint's container (the tensors inside stay the checkpoint's, to be placed
         one by one), after the depth check; an uncopyable object is a clear error."""
         self._check_depth(value, site)
@@ -651,7 +662,7 @@ class _Staging:
             raise self.fail(f"{where}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})",
                             TypeError) from e
 
-    def _check_depth(self, value: Any, site: tuple, wide: bool = False) -> None:
+    def _check_depth(self, value: Any, site: _Site, wide: bool = False) -> None:
         if too_deep(value):
             where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
             raise self.fail(f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
@@ -700,21 +711,21 @@ class _StateSpec:
     ``bounded``: other tensors never larger than their param (Adafactor's ``row_var``); ``eager``: the class
     creates every param's state when it is built (Adagrad), so a param without state cannot step."""
 
-    keys: frozenset = frozenset()
-    shaped: frozenset = frozenset()
-    scalars: frozenset = frozenset()
-    tensors: frozenset = frozenset()
-    floating: frozenset = frozenset()
-    bounded: frozenset = frozenset()
+    keys: frozenset[str] = frozenset()
+    shaped: frozenset[str] = frozenset()
+    scalars: frozenset[str] = frozenset()
+    tensors: frozenset[str] = frozenset()
+    floating: frozenset[str] = frozenset()
+    bounded: frozenset[str] = frozenset()
     eager: bool = False
 
 
 _NO_SPEC = _StateSpec()
-_spec_cache: dict[tuple, _StateSpec] = {}
+_spec_cache: dict[tuple[type[torch.optim.Optimizer], str, int], _StateSpec] = {}
 _spec_lock = threading.Lock()
 
 
-def _expected_state(cls: type, group: Mapping[str, Any], ndim: int) -> _StateSpec:
+def _expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> _StateSpec:
     """Run ``cls`` for one step on two small host params of rank ``ndim`` (1, or 2 for anything higher) and
     describe the state both got. Empty (nothing is checked) when the probe cannot run, or for 0-dim params."""
     if ndim == 0:
@@ -727,7 +738,7 @@ def _expected_state(cls: type, group: Mapping[str, Any], ndim: int) -> _StateSpe
               if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and is_plain(v)}
     if "foreach" in accepted:
         kwargs["foreach"] = False
-    shapes = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
+    shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
     cache_key = (cls, repr(sorted(kwargs.items())), len(shapes[0]))
     with _spec_lock:
         hit = _spec_cache.get(cache_key)
@@ -742,10 +753,11 @@ def _expected_state(cls: type, group: Mapping[str, Any], ndim: int) -> _StateSpe
     return result
 
 
-def _probe_state(cls: type, kwargs: dict, shapes: list) -> _StateSpec:
+def _probe_state(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]
+                 ) -> _StateSpec:
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), _policy.quiet_global_step_hooks():
+    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
         warnings.simplefilter("ignore")
         params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
         for p in params:
@@ -753,18 +765,21 @@ def _probe_state(cls: type, kwargs: dict, shapes: list) -> _StateSpec:
         opt = cls(params, **kwargs)
         eager = all(opt.state.get(p) for p in params)
         try:
-            opt.step(lambda: torch.tensor(1.0))
+            # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
+            opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
         except Exception:
             pass  # the state was created before whatever failed; it is all we read
-        states = [opt.state.get(p) for p in params]
+        states = [opt.state.get(p, {}) for p in params]
         if not all(states):
             return _NO_SPEC
 
-        def common(test: Callable[[Any, torch.Tensor], bool]) -> frozenset:
+        def common(test: Callable[[Any, torch.Tensor], bool]) -> frozenset[str]:
             return frozenset.intersection(*(frozenset(k for k, v in st.items() if test(v, p))
                                             for st, p in zip(states, params)))
 
-        tensor = lambda v, p: isinstance(v, torch.Tensor)  # noqa: E731
+        def tensor(v: Any, p: torch.Tensor) -> bool:
+            return isinstance(v, torch.Tensor)
+
         return _StateSpec(
             keys=frozenset.intersection(*(frozenset(st) for st in states)),
             shaped=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.shape == p.shape),
@@ -778,10 +793,10 @@ def _probe_state(cls: type, kwargs: dict, shapes: list) -> _StateSpec:
 
 # --- which hyperparameters a torch.optim class takes -------------------------------------------------------
 
-_defaults_cache: dict[type, dict[str, Any]] = {}
+_defaults_cache: dict[type[torch.optim.Optimizer], dict[str, Any]] = {}
 
 
-def _hyper_defaults(cls: type) -> dict[str, Any]:
+def _hyper_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
     """``cls.__init__``'s keyword defaults (``lr``, ``betas``, ``maximize``…), read from its signature."""
     found = _defaults_cache.get(cls)
     if found is None:
@@ -837,8 +852,8 @@ def _kind(value: Any) -> str:
 # --- installing ----------------------------------------------------------------------------------------------
 
 
-def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict, groups: list, *,
-             made: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict[Any, Any], groups: list[dict[str, Any]],
+             *, made: AbstractSet[int] = frozenset()) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
     e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
 
@@ -859,7 +874,7 @@ def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict, gr
             f"{name}: load_state_dict: {type(optimizer).__name__}.__setstate__ rejected the loaded state "
             f"({type(e).__name__}: {e}); the optimizer is unchanged"
         ) from e
-    places: list[tuple[dict, Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
+    places: list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
     for _, old_tensors, fresh in live:
         for key, old in old_tensors.items():
             new = fresh.get(key)
@@ -881,9 +896,10 @@ def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict, gr
             fresh[key] = old
 
 
-def _same_places(optimizer: torch.optim.Optimizer, state: Mapping[Any, Any], groups: list) -> list[tuple[dict, dict]]:
+def _same_places(optimizer: torch.optim.Optimizer, state: Mapping[Any, Any],
+                 groups: list[dict[str, Any]]) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
     """(live holder, new holder) for each param's state dict and each param group present in both."""
-    pairs = []
+    pairs: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
     for p, fresh in state.items():
         if isinstance(p, torch.Tensor) and isinstance(fresh, dict):
             old = optimizer.state.get(p)

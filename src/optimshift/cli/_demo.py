@@ -59,7 +59,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, device: torch.device) -> None:
     x, y = (t.to(device) for t in _batch(step))
     opt.zero_grad(set_to_none=True)
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
     opt.step()
 
 

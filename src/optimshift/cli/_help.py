@@ -6,6 +6,7 @@ import argparse
 import platform
 import re
 import textwrap
+from typing import Any
 
 __all__ = ["HelpFormatter", "SubcommandParser", "version_text"]
 
@@ -30,9 +31,9 @@ class HelpFormatter(argparse.HelpFormatter):
 class SubcommandParser(argparse.ArgumentParser):
     """The subcommands' parsers: :class:`HelpFormatter` unless a subcommand asks for another."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # (ArgumentParser's own parameters, passed on)
         kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)
 
 
 def version_text() -> str:

@@ -105,11 +105,12 @@ def _paint(text: str, style: str, color: bool) -> str:
 def human_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
+    size = float(n)
     for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024  # type: ignore[assignment]
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-    return f"{n} B"  # pragma: no cover
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}"
+    return f"{size} B"  # pragma: no cover
 
 
 def _fail(command: str, message: str, *, as_json: bool = False, error: Optional[BaseException] = None) -> int:
@@ -165,10 +166,10 @@ def _short(value: Any) -> str:
 
 # --- which optimizer class a state dict came from --------------------------------------------------------
 
-_class_keys: dict[type, Optional[frozenset]] = {}
+_class_keys: dict[type[torch.optim.Optimizer], Optional[frozenset[str]]] = {}
 
 
-def _group_keys(cls: type) -> Optional[frozenset]:
+def _group_keys(cls: type[torch.optim.Optimizer]) -> Optional[frozenset[str]]:
     """The keys of ``cls``'s param groups (``params`` aside), read from the installed torch; cached per class.
 
     NOTE: runs the class's own ``__init__`` over a tiny host param through a subclass whose
@@ -177,7 +178,7 @@ def _group_keys(cls: type) -> Optional[frozenset]:
     of the time ``inspect`` took; nothing else differs, and no state, hook or step is created.
     """
     if cls not in _class_keys:
-        class _Recorder(cls):  # type: ignore[misc, valid-type]
+        class _Recorder(cls):  # type: ignore[misc, valid-type]  # a base chosen at run time
             def add_param_group(self, param_group: dict[str, Any]) -> None:
                 self.param_groups.append({**self.defaults, **param_group})
 
@@ -191,9 +192,9 @@ def _group_keys(cls: type) -> Optional[frozenset]:
     return _class_keys[cls]
 
 
-def _torch_optimizers() -> list[tuple[str, type, frozenset]]:
+def _torch_optimizers() -> list[tuple[str, type[torch.optim.Optimizer], frozenset[str]]]:
     """(name, class, the keys of its param groups) for every torch.optim optimizer of the installed torch."""
-    found = []
+    found: list[tuple[str, type[torch.optim.Optimizer], frozenset[str]]] = []
     for name in sorted(dir(torch.optim)):
         cls = getattr(torch.optim, name)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
@@ -219,7 +220,7 @@ def guess_classes(groups: list[Mapping[str, Any]]) -> list[str]:
     return names if best >= 0.8 else []
 
 
-def _resolve_class(recorded: Optional[str], guessed: list[str]) -> Optional[type]:
+def _resolve_class(recorded: Optional[str], guessed: list[str]) -> Optional[type[torch.optim.Optimizer]]:
     """The torch.optim class to judge placement by (only torch.optim classes: nothing else is imported)."""
     name = None
     if recorded:
@@ -284,7 +285,7 @@ def _hashable(value: Any) -> bool:
     return True
 
 
-def _state_of(states: Mapping, sid: Any) -> Any:
+def _state_of(states: Mapping[Any, Any], sid: Any) -> Any:
     """The saved state of param id ``sid`` (None for ids a corrupt file made unhashable)."""
     return states.get(sid) if _hashable(sid) else None
 
@@ -353,7 +354,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
     return desc
 
 
-def _class_label(cls: Optional[type], found: ckpt.FoundOptimizer) -> str:
+def _class_label(cls: Optional[type[torch.optim.Optimizer]], found: ckpt.FoundOptimizer) -> str:
     if cls is not None:
         return cls.__name__
     if found.class_name:
@@ -361,13 +362,14 @@ def _class_label(cls: Optional[type], found: ckpt.FoundOptimizer) -> str:
     return "this optimizer"
 
 
-def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, states: Mapping,
+def _findings(cls: Optional[type[torch.optim.Optimizer]], found: ckpt.FoundOptimizer, groups: list[Mapping[str, Any]],
+              states: Mapping[Any, Any],
               locations: Mapping[int, str]) -> list[dict[str, Any]]:
     findings: list[dict[str, Any]] = []
     name = _class_label(cls, found)
     stand_in = cls.__new__(cls) if cls is not None else None  # policy.decide reads only its type
     # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
-    moved: Counter = Counter()
+    moved: Counter[tuple[str, str, str, str, bool, bool, bool]] = Counter()
     for gi, g in enumerate(groups):
         flagged = [f for f in ("fused", "capturable") if g.get(f)]
         for f in flagged:
@@ -385,23 +387,23 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
                 continue  # a recorded class that is not torch.optim: its placement rules are not known here
             big = next((v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
             pdev = _device(ckpt.saved_location(big, locations)) if big is not None else None
-            if pdev is None:
+            if pdev is None or big is None:
                 continue
             fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
             holder = stand_in if stand_in is not None else _GENERIC
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     continue
-                saved = _device(ckpt.saved_location(value, locations))
-                if saved is None:
+                saved_on = _device(ckpt.saved_location(value, locations))
+                if saved_on is None:
                     continue
-                fresh = _fresh_device(holder, g, fake, str(key), value, pdev)
+                fresh_on = _fresh_device(holder, g, fake, str(key), value, pdev)
                 casts = str(key) != "step" or bool(g.get("fused") or g.get("capturable"))
-                torch_puts = pdev if casts else saved
-                if torch_puts != fresh:
+                puts_on = pdev if casts else saved_on
+                if puts_on != fresh_on:
                     # foreach=None: torch picks the foreach implementation for accelerator params.
                     foreach = g.get("foreach") if g.get("foreach") is not None else pdev.type != "cpu"
-                    moved[(str(key), str(saved), str(torch_puts), str(fresh), bool(g.get("fused")),
+                    moved[(str(key), str(saved_on), str(puts_on), str(fresh_on), bool(g.get("fused")),
                            bool(g.get("capturable")), bool(foreach))] += 1
     for (key, saved, torch_puts, fresh, fused, capturable, foreach), n in sorted(moved.items()):
         kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
@@ -446,7 +448,8 @@ def _kernel_devices(flag: str) -> list[str]:
     """The device types the installed torch runs ``fused`` or ``capturable`` optimizer kernels on."""
     from torch.optim import optimizer as torch_optimizer
 
-    listed = (torch_optimizer._get_fused_kernels_supported_devices() if flag == "fused"
+    # (torch.optim.optimizer imports it from torch.utils._foreach_utils without re-exporting it in its stubs)
+    listed = (torch_optimizer._get_fused_kernels_supported_devices() if flag == "fused"  # type: ignore[attr-defined]
               else torch_optimizer._get_capturable_supported_devices())
     unnamed = "privateuseone"  # the out-of-tree backend's slot while no backend has renamed it
     return [d for d in dict.fromkeys(listed) if d != unnamed]
@@ -468,7 +471,7 @@ def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
 _GENERIC = object.__new__(torch.optim.Optimizer)
 
 
-def _shallow(value: Any) -> list:
+def _shallow(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple, set, frozenset)):
         return list(value)
     if isinstance(value, Mapping):
@@ -490,7 +493,7 @@ def _mangle(key: Any, what: str, effect: str) -> dict[str, Any]:
 
 def _merge(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Identical findings (one per param) become one, with a count."""
-    merged: dict[tuple, dict[str, Any]] = {}
+    merged: dict[tuple[str, str, str], dict[str, Any]] = {}
     for f in findings:
         k = (f["severity"], f["key"], f["message"])
         if k in merged:
@@ -568,7 +571,7 @@ def render(desc: Mapping[str, Any], *, color: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _render_findings(findings: list, color: bool, *, none: str) -> list[str]:
+def _render_findings(findings: list[dict[str, Any]], color: bool, *, none: str) -> list[str]:
     if not findings:
         return [none] if none else []
     out = ["  " + _paint("findings", "bold", color)]
@@ -618,7 +621,7 @@ def _warnings_only_on_success() -> Iterator[None]:
 
 def _inspect_folder(path: str, *, as_json: bool) -> int:
     try:
-        from optimshift.distributed import describe_dcp  # type: ignore[attr-defined]
+        from optimshift.distributed import describe_dcp
     except ImportError as e:
         return _fail("inspect", f"{path} is a directory (a torch.distributed.checkpoint folder?); reading those needs "
                                 f"optimshift.distributed, which this installation does not have. Pass a file.",
@@ -699,7 +702,7 @@ def _protected(obj: Any) -> set[int]:
 _CAST_DEPTH = 64  # containers nested deeper than this are refused by --dtype (the copy is recursive)
 
 
-def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter,
+def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter[str],
                where: str = "", depth: int = 0) -> Any:
     if isinstance(obj, torch.Tensor):
         if id(obj) in memo:
@@ -795,7 +798,7 @@ def run_convert(args: argparse.Namespace) -> int:
         return fail(str(e), e)
     except RuntimeError as e:
         return fail(f"cannot put {src}'s tensors on {device}: {_first_line(str(e))}", e)
-    counts: Counter = Counter()
+    counts: Counter[str] = Counter()
     try:
         if args.dtype:
             obj = _cast_tree(obj, _DTYPES[args.dtype], _protected(obj), {}, counts)

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 try:
     import fcntl
@@ -41,6 +41,8 @@ except ImportError:  # pragma: no cover - Windows
 
 import torch
 import torch.distributed as dist
+# NOTE: torch.distributed.checkpoint has no __all__: save, load and FileSystemReader/Writer are re-exported
+# implicitly, which torch's typing does not declare (hence the attr-defined ignores on dcp.* below).
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -54,7 +56,10 @@ from .._devices import DeviceLike, resolve
 from ..api import move
 from ..plan import check_optimizer, optimizer_name
 from ..checkpoint._atomic import fsync_dir
-from ..policy import quiet_global_step_hooks
+from .._probe import quiet_global_step_hooks
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import STORAGE_TYPES
 
 __all__ = ["save", "load", "describe_dcp"]
 
@@ -136,7 +141,7 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
         # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
         try:
             with _single_process_quiet(world):
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),  # type: ignore[attr-defined]
                          no_dist=world == 1)
         except BaseException:
             if rank == 0:
@@ -257,7 +262,7 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     world = _rank_world()[1]
     try:
         with _single_process_quiet(world):
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)  # type: ignore[attr-defined]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=False))  # strict: refuses params without saved state
         if not layout.has_state:
@@ -436,7 +441,7 @@ def _committed(target: Path) -> Path:
 
 def _read_metadata(target: Path) -> Metadata:
     try:
-        return dcp.FileSystemReader(str(target)).read_metadata()
+        return dcp.FileSystemReader(str(target)).read_metadata()  # type: ignore[attr-defined]
     except Exception as e:
         raise ValueError(f"{target}: cannot read the checkpoint's metadata: {e}") from e
 
@@ -459,7 +464,7 @@ class _Layout:
 
     path: Path
     model: dict[str, Any] = field(default_factory=dict)
-    state: dict[str, dict[str, list[tuple[tuple, Any]]]] = field(default_factory=dict)
+    state: dict[str, dict[str, list[tuple[tuple[Any, ...], STORAGE_TYPES]]]] = field(default_factory=dict)
     groups: dict[int, set[str]] = field(default_factory=dict)
     params_keys: dict[int, str] = field(default_factory=dict)  # group index -> DCP key of its "params" list
     has_extra: bool = False
@@ -502,7 +507,7 @@ class _Layout:
         wanted: dict[str, Any] = {key: None for key in self.params_keys.values()}
         if wanted:
             with _single_process_quiet(1):
-                dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+                dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)  # type: ignore[attr-defined]
         out = {}
         for gi, key in self.params_keys.items():
             names = wanted[key]
@@ -515,14 +520,16 @@ class _Layout:
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
     """id(param) -> the name torch.distributed.checkpoint gives it in optimizer state dicts."""
+    fqns_of: Optional[Callable[[torch.nn.Module, str], set[str]]] = None
     try:
         from torch.distributed.checkpoint.state_dict import _get_fqns
+        fqns_of = _get_fqns
     except ImportError:  # pragma: no cover - a torch without the private helper
-        _get_fqns = None
+        pass
     out = {}
     for name, param in model.named_parameters():
-        if _get_fqns is not None:
-            fqns = _get_fqns(model, name)
+        if fqns_of is not None:
+            fqns = fqns_of(model, name)
             name = next(iter(fqns)) if len(fqns) == 1 else name
         out[id(param)] = name
     return out
@@ -681,7 +688,8 @@ def _pack_extra(extra: Any) -> bytes:
 
 
 def _unpack_extra(blob: Any) -> dict[str, Any]:
-    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    extra: dict[str, Any] = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    return extra
 
 
 # --- files ----------------------------------------------------------------------------------------------
@@ -755,7 +763,7 @@ def _check_complete(tmp: Path, lock: Optional[int]) -> None:
     if not _is_checkpoint(tmp):
         raise RuntimeError(f"{tmp}, this save's temporary directory, holds no .metadata after the write; "
                            f"not committing an incomplete checkpoint")
-    metadata = dcp.FileSystemReader(str(tmp)).read_metadata()
+    metadata = dcp.FileSystemReader(str(tmp)).read_metadata()  # type: ignore[attr-defined]
     files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
     missing = sorted(f for f in files if isinstance(f, str) and not (tmp / f).is_file())
     if missing:

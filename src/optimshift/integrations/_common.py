@@ -112,7 +112,7 @@ class Patch:
                 by_replacement = {id(s.replacement): s for s in self._swaps}
                 for module in list(sys.modules.values()):
                     for name, value in module_items(module):
-                        swap = by_replacement.get(id(value))
-                        if swap is not None and swap.replacement is value:
-                            setattr(module, name, swap.original)
+                        bound = by_replacement.get(id(value))
+                        if bound is not None and bound.replacement is value:
+                            setattr(module, name, bound.original)
             self._swaps.clear()

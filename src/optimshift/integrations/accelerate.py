@@ -40,7 +40,7 @@ _patch = Patch()
 def _on_xla(wrapper: Any) -> bool:
     from accelerate.utils import DistributedType
 
-    return wrapper.accelerator_state.distributed_type == DistributedType.XLA
+    return bool(wrapper.accelerator_state.distributed_type == DistributedType.XLA)
 
 
 def _make_init(original: Callable[..., None]) -> Callable[..., None]:

@@ -45,12 +45,15 @@ import importlib.util
 import inspect
 import sys
 from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from .. import api
 from ._common import Patch, Swap, follow_params, module_items, placeable, to_host
+
+if TYPE_CHECKING:
+    from lightning.fabric.wrappers import _FabricOptimizer
 
 __all__ = ["patch", "unpatch", "is_patched", "OffloadOptimizerDuringEval"]
 
@@ -116,14 +119,14 @@ def _make_optimizers_to_device(one: Callable[[Any, Any], None], original: Callab
     return _optimizers_to_device
 
 
-def _fabric_place(optimizer: Any, fabric_optimizer: type) -> None:
+def _fabric_place(optimizer: Any, fabric_optimizer: type[_FabricOptimizer]) -> None:
     if isinstance(optimizer, fabric_optimizer):
         optimizer = optimizer.optimizer
     if isinstance(optimizer, torch.optim.Optimizer) and placeable(optimizer):
         follow_params(optimizer)
 
 
-def _wrap_fabric_setup(original: Callable[..., Any], fabric_optimizer: type) -> Callable[..., Any]:
+def _wrap_fabric_setup(original: Callable[..., Any], fabric_optimizer: type[_FabricOptimizer]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
@@ -134,7 +137,8 @@ def _wrap_fabric_setup(original: Callable[..., Any], fabric_optimizer: type) -> 
     return wrapper
 
 
-def _wrap_fabric_load(original: Callable[..., Any], fabric_optimizer: type, argument: str) -> Callable[..., Any]:
+def _wrap_fabric_load(original: Callable[..., Any], fabric_optimizer: type[_FabricOptimizer],
+                      argument: str) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -247,7 +251,8 @@ def is_patched() -> bool:
 def _callback_base() -> type:
     for module in ("lightning.pytorch", "pytorch_lightning"):
         try:
-            return importlib.import_module(module).Callback
+            callback: type = importlib.import_module(module).Callback
+            return callback
         except ImportError:
             continue
     raise ImportError(
@@ -255,7 +260,7 @@ def _callback_base() -> type:
     )
 
 
-class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]
+class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]  # a base chosen at run time
     """Keep optimizer state in host memory while the validation, test and predict loops run.
 
     Frees accelerator memory for evaluation: at the start of each loop every optimizer of the trainer is

@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 
 try:
-    from lightning.fabric.strategies import SingleDeviceStrategy as _FabricSingleDevice
+    from lightning.fabric.strategies.single_device import SingleDeviceStrategy as _FabricSingleDevice
     from lightning.pytorch.accelerators import Accelerator as _Accelerator
     from lightning.pytorch.strategies import SingleDeviceStrategy as _TrainerSingleDevice
 except ImportError as e:  # pragma: no cover - exercised only without Lightning

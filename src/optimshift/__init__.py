@@ -8,6 +8,7 @@ the target device, would put it after a step, with bitwise-unchanged values and 
 from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
 from .checkpoint import load, load_state_dict, save
 from ._offload import PendingTransfer
+from ._stream import DEFAULT_CHUNK_BYTES, Streamed, is_streamed, stream, streamed, unstream
 from .pool import HostPool, host_pool
 from .policy import Policy, register_policy, unregister_policy
 from .report import Finding, PlacementRow, Report
@@ -21,6 +22,12 @@ __all__ = [
     "reload",
     "offloaded",
     "is_offloaded",
+    "stream",
+    "unstream",
+    "streamed",
+    "is_streamed",
+    "Streamed",
+    "DEFAULT_CHUNK_BYTES",
     "check",
     "placement",
     "rebind",

@@ -33,21 +33,25 @@ class Mode(Protocol):
         """Its state was replaced by a load (now plain host tensors): lay it out again. Must not raise."""
 
 
-_modes: "weakref.WeakKeyDictionary[Any, Mode]" = weakref.WeakKeyDictionary()
+# NOTE: both weak. The optimizer keeps its mode alive (its step and hooks refer to it); a strong reference
+# from here would keep the mode's tensors one garbage collection longer than the optimizer.
+_modes: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def mode_of(optimizer: Any) -> Optional[Mode]:
     try:
         with _lock:
-            return _modes.get(optimizer)
+            ref = _modes.get(optimizer)
     except TypeError:  # not weakly referenceable: never in a mode
         return None
+    return None if ref is None else ref()
 
 
 def enter(optimizer: Any, mode: Mode) -> None:
+    """``optimizer`` is in ``mode`` (which the optimizer itself must keep alive: only a weak reference is kept)."""
     with _lock:
-        _modes[optimizer] = mode
+        _modes[optimizer] = weakref.ref(mode)
 
 
 def leave(optimizer: Any) -> None:

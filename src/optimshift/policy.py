@@ -118,12 +118,21 @@ def separable(optimizer_class: type) -> tuple[bool, str]:
         return False, "unknown"
     if base.__name__ in _NOT_SEPARABLE:
         return False, "not separable"
+    base_step = _own_step(base)
     for klass in optimizer_class.__mro__:
         if klass is base:
             break
-        if "step" in klass.__dict__:
+        own = _own_step(klass)
+        if own is not None and own is not base_step:
             return False, "overrides step"
     return True, "torch.optim"
+
+
+def _own_step(klass: type) -> Any:
+    """The step function ``klass`` defines itself, without the hook wrapper torch.optim puts on the class of
+    the first instance made (on a subclass that defines no step, that wrapper wraps the base's step)."""
+    fn = klass.__dict__.get("step")
+    return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
 
 
 # --- built-in rules -------------------------------------------------------------------------------------

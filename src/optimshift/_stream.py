@@ -96,7 +96,20 @@ class _Entry:
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor's place in a flat uint8 buffer laid out like its chunk (the host buffer or a window)."""
-        return flat[self.offset:self.offset + self.nbytes].view(self.dtype).as_strided(self.shape, self.stride)
+        return _views(flat, [self])[0]
+
+
+def _views(flat: torch.Tensor, entries: Sequence[_Entry]) -> list[torch.Tensor]:
+    """Each entry's place in ``flat`` (a whole uint8 buffer, its size a multiple of 64): one ``as_strided``
+    per tensor over a view of the buffer in the tensor's dtype."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out = []
+    for e in entries:
+        t = typed.get(e.dtype)
+        if t is None:
+            t = typed[e.dtype] = flat.view(e.dtype)
+        out.append(t.as_strided(e.shape, e.stride, e.offset // t.element_size()))
+    return out
 
 
 class _Chunk:
@@ -271,7 +284,8 @@ class Streamed:
                 new = instead.get(id(e.obj))
                 if new is not None:  # no mechanism keeps this object: its host view takes its place
                     e.state[e.key] = e.obj = new
-                e.host = e.view(c.buffer)  # (after a swap, the view made for the fill holds the old contents)
+            for e, host in zip(c.entries, _views(c.buffer, c.entries)):
+                e.host = host  # (after a swap, the view made for the fill holds the old contents)
             self._chunks[id(c)] = c
             for p in c.params:
                 self._chunk_of[id(p)] = c
@@ -306,8 +320,8 @@ class Streamed:
         counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
         chunk = _Chunk(group, device, [p for _, p, _, _ in part], entries, offset, buffer, counts,
                        oversized=len(part) == 1 and offset > self.chunk_bytes)
-        for e in entries:
-            e.host = e.view(buffer)
+        for e, host in zip(entries, _views(buffer, entries)):
+            e.host = host
         return chunk, [(e.host, e.obj) for e in entries]
 
     def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.device]:
@@ -520,7 +534,7 @@ class Streamed:
         """Step one chunk with its state in ``window``, then queue its write-back."""
         opt = self.optimizer
         entries = c.entries
-        views = [e.view(window) for e in entries]
+        views = _views(window, entries)
         hows = decide_all([(e.obj, v) for e, v in zip(entries, views)])
         for e, v, how in zip(entries, views, hows):
             if how == "data":

@@ -369,6 +369,21 @@ def test_refusals_name_the_reason_and_change_nothing(sim):
     assert state_layout(opt) == layout and tensor_ids(opt) == ids and "step" not in opt.__dict__
 
 
+def test_framework_integrations_leave_a_streamed_optimizer_as_it_is(sim):
+    from optimshift.integrations import _common
+
+    model = Model([(4, 3)]).to(sim)
+    opt = torch.optim.Adam(_params(model), fused=True)
+    optimshift.stream(opt)
+    train(model, opt, range(1))
+    ids = tensor_ids(opt)
+    for place in (_common.follow_params, _common.to_host):  # what Lightning's/Accelerate's patches call
+        place(opt)
+        assert set(state_layout(opt).values()) == {torch.device("cpu")} and tensor_ids(opt) == ids
+    assert _common.placeable(opt) and _common.streamed(opt)
+    train(model, opt, range(1, 2))
+
+
 def test_params_that_move_and_groups_added_while_streamed(sim):
     sim1 = torch.device(sim.type, 1)
     runs = []

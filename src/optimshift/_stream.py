@@ -127,7 +127,7 @@ class _Chunk:
 
 def _raw_step(cls: type) -> Callable[..., Any]:
     """The class's step without torch's hook wrapper (``Optimizer._patch_step_function`` puts it on the class)."""
-    fn = cls.step
+    fn = getattr(cls, "step")
     return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
 
 
@@ -230,18 +230,22 @@ class Streamed:
             streamed: list[tuple[Any, torch.Tensor]] = []
             for key, value in st.items():
                 if isinstance(value, torch.Tensor):
-                    device = target(None, p, group, key, value)[0]
+                    device = target((), p, group, key, value)[0]
                     if device.type in _HOSTS:
                         if value.device != device:
                             host_moves.append((st, key, value))
                     elif self.device is not None and device != self.device:
                         raise ValueError(f"{name}: {_where(opt, p)}: state {key!r} belongs on {device}, but "
                                          f"stream(device={self.device}) streams through {self.device} only")
+                    elif type(value) is not torch.Tensor:
+                        raise ValueError(f"{name}: {_where(opt, p)}: state {key!r} is a {type(value).__name__}; "
+                                         f"streaming lays out plain tensors only (sharded DTensor state is not "
+                                         f"streamed). Keep this optimizer's state on the device (optimshift.move).")
                     else:
                         streamed.append((key, value))
                 elif not isinstance(value, _ATOMS):
                     for path, t in leaves(value):
-                        if target(None, p, group, key, t)[0].type not in _HOSTS:
+                        if target((), p, group, key, t)[0].type not in _HOSTS:
                             raise ValueError(
                                 f"{name}: {_where(opt, p)}: state {key!r} holds a tensor inside a "
                                 f"{type(value).__name__} that belongs on {p.device}; streaming moves top-level state "
@@ -320,9 +324,10 @@ class Streamed:
         counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
         chunk = _Chunk(group, device, [p for _, p, _, _ in part], entries, offset, buffer, counts,
                        oversized=len(part) == 1 and offset > self.chunk_bytes)
-        for e, host in zip(entries, _views(buffer, entries)):
+        hosts = _views(buffer, entries)
+        for e, host in zip(entries, hosts):
             e.host = host
-        return chunk, [(e.host, e.obj) for e in entries]
+        return chunk, [(host, e.obj) for e, host in zip(entries, hosts)]
 
     def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.device]:
         """Copy each source into its host view: host sources at once, device sources on their device's copy
@@ -353,8 +358,8 @@ class Streamed:
                 if self._chunk_of.get(id(p)) is c:
                     del self._chunk_of[id(p)]
             for e in c.entries:
-                if self._objects.get(id(e.obj)) is e:
-                    del self._objects[id(e.obj)]
+                if self._objects.get(id(e.obj), None) is e:
+                    self._objects.pop(id(e.obj))
 
     def _release(self, chunks: Sequence[_Chunk]) -> None:
         """Give the chunks' host buffers back to the pool (reused only once nothing looks into them)."""
@@ -383,7 +388,7 @@ class Streamed:
 
     def _step(self, args: tuple, kwargs: dict) -> Any:
         opt = self.optimizer
-        opt._opt_called = True  # what an LR scheduler's step wrapper records (see _install)
+        setattr(opt, "_opt_called", True)  # what an LR scheduler's step wrapper records (see _install)
         closure = args[0] if args else kwargs.pop("closure", None)
         rest = (None,) + tuple(args[1:]) if len(args) > 1 else ()
         loss = None
@@ -489,7 +494,7 @@ class Streamed:
                 capacity[c.device] = max(capacity.get(c.device, 0), c.nbytes)
         rings: dict[torch.device, list[Optional[torch.Tensor]]] = {}
         turn: dict[torch.device, int] = {}
-        windows: list[Optional[torch.Tensor]] = [None] * n
+        windows: list[Any] = [None] * n
         loaded: list[Any] = [None] * n
 
         def load(k: int) -> None:
@@ -503,10 +508,11 @@ class Streamed:
                 ring = rings.setdefault(c.device, [None, None])
                 i = turn.get(c.device, 0)
                 turn[c.device] = 1 - i
-                if ring[i] is None:
-                    ring[i] = torch.empty(capacity[c.device], dtype=torch.uint8, device=c.device)
-                    s.keep(ring[i])
-                window = ring[i]
+                found = ring[i]
+                if found is None:
+                    found = ring[i] = torch.empty(capacity[c.device], dtype=torch.uint8, device=c.device)
+                    s.keep(found)
+                window = found
             s.copy(window[:c.nbytes], c.buffer[:c.nbytes])
             windows[k], loaded[k] = window, s.record()
 
@@ -532,7 +538,6 @@ class Streamed:
 
     def _chunk_step(self, c: _Chunk, window: torch.Tensor, s: Any, rest: tuple, kwargs: dict) -> Any:
         """Step one chunk with its state in ``window``, then queue its write-back."""
-        opt = self.optimizer
         entries = c.entries
         views = _views(window, entries)
         hows = decide_all([(e.obj, v) for e, v in zip(entries, views)])

@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import api
-from ._common import follow_params, placeable, to_host
+from ._common import follow_params, placeable, streamed, to_host
 
 __all__ = ["patch", "unpatch", "is_patched", "OffloadOptimizerDuringEval"]
 
@@ -317,7 +317,7 @@ class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]
 
     def _offload(self, trainer: Any) -> None:
         for optimizer in trainer.optimizers:
-            if placeable(optimizer) and not api.is_offloaded(optimizer):
+            if placeable(optimizer) and not api.is_offloaded(optimizer) and not streamed(optimizer):
                 api.offload(optimizer, pin_memory=self.pin_memory, include=self.include)
                 self._offloaded.append(optimizer)
 

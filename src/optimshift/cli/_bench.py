@@ -444,7 +444,7 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"\nstreamed step, fused AdamW, {st['state_bytes'] / 1e6:.1f} MB of state in {st['chunks']} chunks of "
             f"{st['chunk_bytes'] >> 20} MiB: {st['streamed_step_s'] * 1e3:.1f} ms; all on the device "
-            f"{st["device_step_s"] * 1e3:.1f} ms; flat copies (pinned on CUDA) {st['flat_h2d_GBps']:.2f} GB/s down, "
+            f"{st['device_step_s'] * 1e3:.1f} ms; flat copies (pinned on CUDA) {st['flat_h2d_GBps']:.2f} GB/s down, "
             f"{st['flat_d2h_GBps']:.2f} GB/s up (state down and up: {st['link_s'] * 1e3:.1f} ms); CPU steps: {cpu}")
         lines.append(f"extra device memory during the streamed step: "
                      f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'} (bound "

@@ -197,7 +197,7 @@ class _Peak(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("kwargs", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
-def test_save_and_resume_into_a_streamed_optimizer(sim, kwargs):
+def test_save_and_resume_into_a_streamed_optimizer(sim, kwargs, tmp_path):
     shapes = [(8, 4), (4,), (6, 2)]
     (model, opt), (ref_model, ref) = _pair(shapes, sim, torch.optim.Adam, **kwargs)
     optimshift.stream(opt, chunk_bytes=256)
@@ -234,7 +234,13 @@ def test_save_and_resume_into_a_streamed_optimizer(sim, kwargs):
     train(model2, opt2, range(3, 5))
     train(ref_model, ref, range(3, 5))
     _assert_same(model2, opt2, ref_model, ref)
-    # optimshift's own load goes to host state as well.
+    # optimshift's own files and load go to host state as well.
+    optimshift.save({"optimizer": opt2}, tmp_path / "ckpt.pt")
+    assert (tmp_path / "ckpt.pt").stat().st_size < state_bytes + 64 * 1024
+    optimshift.load_state_dict(opt2, optimshift.load(tmp_path / "ckpt.pt"))
+    train(model2, opt2, range(5, 6))
+    train(ref_model, ref, range(5, 6))
+    _assert_same(model2, opt2, ref_model, ref)
     optimshift.load_state_dict(opt2, ref.state_dict())
     assert set(state_layout(opt2).values()) == {torch.device("cpu")}
     with pytest.raises(ValueError, match="streamed"):

@@ -147,3 +147,25 @@ def test_speed_goals_on_a_few_hundred_million_params():
     assert goals["extra device memory <= 2 chunks (+ a larger param's state)"], result
     assert goals["streamed <= 1.2 x link + device step"], result
     assert goals["streamed >= 3x faster than torch CPU AdamW"], result
+
+
+def test_sparse_adam_streamed_on_cuda():
+    """SparseAdam (sparse grads; its `step` is a Python int, which stays as it is): the simulator has no sparse
+    kernels, so it is checked here."""
+    runs = []
+    for streamed in (True, False):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(1000, 16, sparse=True).to(CUDA)
+        opt = torch.optim.SparseAdam(emb.parameters())
+        handle = optimshift.stream(opt, chunk_bytes=1 << 16) if streamed else None
+        for step in range(4):
+            opt.zero_grad()
+            emb(torch.tensor([step, step + 1, 7], device=CUDA)).sum().backward()
+            opt.step()
+        if handle is not None:
+            handle.wait()
+        runs.append((emb, opt))
+    (emb, opt), (ref_emb, ref) = runs
+    st, ref_st = opt.state[emb.weight], ref.state[ref_emb.weight]
+    assert type(st["step"]) is int and st["exp_avg"].device.type == "cpu"
+    assert bitwise_equal(emb.weight, ref_emb.weight) and bitwise_equal(dict(st), dict(ref_st))

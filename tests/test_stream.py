@@ -361,6 +361,9 @@ def test_refusals_name_the_reason_and_change_nothing(sim):
             optimshift.stream(opt, chunk_bytes=bad)
     with pytest.raises(ValueError, match="must be an accelerator"):
         optimshift.stream(opt, device="cpu")
+    handle = optimshift.stream(opt, device=sim)  # every param is on it: fine
+    assert handle.device == sim and handle.optimizer is opt and repr(handle).startswith("Streamed(Adam")
+    optimshift.unstream(opt)
     with pytest.raises(ValueError, match="is on sim:0"):
         optimshift.stream(opt, device=torch.device(sim.type, 1))
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):

@@ -49,3 +49,15 @@ def test_where_no_mechanism_applies_the_copy_takes_the_place(sim):
     assert st0["exp_avg"].device == sim and bitwise_equal(dict(st0), values)
     assert all(st1[k] is others[k] for k in st1), "the rest keep their objects"
     assert optimshift.check(opt).ok
+
+
+def test_check_says_which_tensors_would_lose_their_object(sim):
+    model = Model([(3, 2)]).to(sim)
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    train(model, opt, range(1))
+    assert not [f for f in optimshift.check(opt).findings if "weakly referenced" in f.why]
+    (st,) = opt.state.values()
+    ref = weakref.ref(st["exp_avg"])  # what dynamo holds after tracing a step
+    (finding,) = [f for f in optimshift.check(opt).findings if "weakly referenced" in f.why]
+    assert finding.severity == "info" and finding.key == "exp_avg" and "1 state tensor on sim" in finding.why
+    assert ref() is st["exp_avg"] and optimshift.check(opt).ok  # info only: nothing is misplaced

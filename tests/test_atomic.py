@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import optimshift
-from optimshift import _copy as batch, engine
+from optimshift import _copy as batch
 from optimshift.pool import host_pool
 
 

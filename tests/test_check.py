@@ -65,3 +65,34 @@ def test_param_names_label_findings(sim):
     assert all(f.severity == "error" for f in report.findings if f.key != "step")
     optimshift.move(opt)
     assert optimshift.check(opt).ok
+
+
+def test_check_reports_a_dtype_the_next_step_would_reject(sim):
+    """Placement is right but a float64 exp_avg sits in a float32 Adam: the next step() raises, so check() is
+    not ok and names the key and both dtypes. A dtype the step accepts (a float64 exp_avg_sq there, SGD's
+    float32 momentum for bfloat16 params) is no finding."""
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=sim))]
+    opt = O.Adam(params, foreach=False)
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    assert optimshift.check(opt).ok
+    state = opt.state[params[0]]
+    state["exp_avg_sq"] = state["exp_avg_sq"].double()  # addcmul_/addcdiv_ take it: no finding
+    assert optimshift.check(opt).ok
+    state["exp_avg"] = state["exp_avg"].double()  # lerp_ wants it in the grad's dtype
+    report = optimshift.check(opt)
+    assert not report.ok
+    [finding] = report.findings
+    assert (finding.severity, finding.param, finding.key, finding.dtype, finding.expected) == (
+        "error", "group 0, param 0", "exp_avg", "float64", "float32")
+    assert "step() rejects" in finding.why and "cast='param'" in finding.why
+    with pytest.raises(RuntimeError):
+        opt.step()  # what check() said
+
+    bf16 = [torch.nn.Parameter(torch.randn(3, 2, device=sim, dtype=torch.bfloat16))]
+    sgd = O.SGD(bf16, lr=0.1, momentum=0.9)
+    bf16[0].grad = torch.randn_like(bf16[0])
+    sgd.step()
+    sgd.state[bf16[0]]["momentum_buffer"] = sgd.state[bf16[0]]["momentum_buffer"].float()
+    assert optimshift.check(sgd).ok
+    sgd.step()

@@ -152,3 +152,19 @@ def test_optimizer_wide_entries_under_plain_keys(sim):
     rows = {(r.param, r.key) for r in optimshift.placement(opt)}
     assert ("optimizer-wide", "k") in rows and ("optimizer-wide", "buffers['mean']") in rows
     assert optimshift.check(opt).ok
+
+
+def test_state_nested_20000_deep_is_walked_without_recursion(sim):
+    """The one walker is iterative: move, check and placement handle a hostile 20,000-level nesting."""
+    p = torch.nn.Parameter(torch.zeros(2, device=sim))
+    opt = torch.optim.SGD([p], lr=0.1)
+    deep: list = [torch.ones(2)]  # on the host: it must follow its param
+    for _ in range(20_000):
+        deep = [deep]
+    opt.state[p]["deep"] = deep
+    optimshift.move(opt)
+    inner = opt.state[p]["deep"]
+    for _ in range(20_000):
+        inner = inner[0]
+    assert inner[0].device == sim
+    assert len(optimshift.placement(opt)) == 1 and optimshift.check(opt).ok

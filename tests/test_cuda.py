@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import optimshift
+from optimshift import _streams
 from optimshift.pool import host_pool
 from _matrix import CASES, Model, bitwise_equal, state_layout, train
 
@@ -77,6 +78,28 @@ def test_non_blocking_handles_and_prefetch_before_forward():
     reload.wait()
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert bitwise_equal(a, b)
+
+
+def test_cuda_transfers_go_through_the_device_generic_streams():
+    """The one async path: torch.Stream/torch.Event/torch.accelerator where torch has them (torch.cuda's before),
+    probed once; a non-blocking round trip through it is bitwise and leaves the step waiting on the device."""
+    streams = _streams.of(CUDA)
+    generic = _streams._generic_api() and _streams._current_accelerator_type() == "cuda"
+    expected = _streams._AcceleratorStreams if generic else _streams._ModuleStreams
+    assert type(streams) is expected and _streams.pins_host_for(CUDA)
+    model = Model([(256, 256)] * 4).to(CUDA)
+    opt = torch.optim.Adam(model.parameters(), foreach=True)
+    train(model, opt, range(2))
+    values = {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(opt.state.values())}
+    handle = optimshift.offload(opt, non_blocking=True)
+    assert handle.device == CUDA
+    handle.wait()
+    for i, st in enumerate(opt.state.values()):
+        assert bitwise_equal(dict(st), values[i])
+    handle = optimshift.reload(opt, non_blocking=True)
+    train(model, opt, range(2, 3))  # the step pre-hook: the default stream waits for the reload's event
+    torch.cuda.synchronize()
+    assert handle.done()
 
 
 def test_no_pinned_growth_over_ten_cycles():

@@ -47,13 +47,13 @@ def test_simulated_index_out_of_range(sim):
         optimshift.move(opt, f"{sim.type}:7")
 
 
-def test_state_for_a_param_in_no_group():
+def test_state_for_a_param_in_no_group(sim):
     params, opt = _adam()
     stray = torch.nn.Parameter(torch.zeros(5))
     opt.state[stray] = {"exp_avg": torch.zeros(5)}
     before = _snapshot(opt)
     with pytest.raises(ValueError, match=r"Adam: state holds an entry \(keys \['exp_avg'\]\) for a param of shape \(5,\)"):
-        optimshift.move(opt, "meta")
+        optimshift.move(opt, sim)
     assert _snapshot(opt) == before
 
 
@@ -88,15 +88,15 @@ def test_rebind_repoints_groups_and_state():
     opt.step()  # still a working optimizer
 
 
-def test_shared_tensor_stays_shared():
+def test_shared_tensor_stays_shared(sim):
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     shared = torch.zeros(3)
     opt.state[params[0]]["momentum_buffer"] = shared
     opt.state[params[1]]["momentum_buffer"] = shared
-    optimshift.move(opt, "meta")
-    assert opt.state[params[0]]["momentum_buffer"] is opt.state[params[1]]["momentum_buffer"]
-    assert opt.state[params[0]]["momentum_buffer"].device.type == "meta"
+    optimshift.move(opt, sim)
+    assert opt.state[params[0]]["momentum_buffer"] is opt.state[params[1]]["momentum_buffer"] is shared
+    assert opt.state[params[0]]["momentum_buffer"].device == sim
 
 
 def test_shared_tensor_sent_to_two_devices_is_refused(sim):

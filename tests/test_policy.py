@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 import optimshift
-from optimshift import policy
+from optimshift import _probe, policy
 
 CUDA0 = torch.device("cuda", 0)
 O = torch.optim
@@ -64,10 +64,10 @@ def test_probe_agrees_with_static_table(case):
     cls, kw = case
     p = torch.nn.Parameter(torch.zeros(2, 2))
     group = cls([p], **kw).param_groups[0]
-    probed = policy._probe(cls, group, 2)
-    assert probed, f"probe could not run for {cls.__name__}"
-    for key, on_device in probed.items():
-        assert policy._table_rule(cls, group, key) == on_device, (cls.__name__, kw, key)
+    observed = _probe.probe(cls, group, 2)
+    assert observed is not None and observed.state, f"probe could not run for {cls.__name__}"
+    for key, on_device in observed.state.items():
+        assert policy._table_rule(cls, group, key, torch.zeros(())) == on_device, (cls.__name__, kw, key)
 
 
 @pytest.mark.parametrize("case", SCALAR_CASES, ids=_ids)
@@ -204,7 +204,10 @@ def test_register_policy_rejects_bad_input():
         optimshift.register_policy(O.Adam, "cpu")
 
 
-def test_tensor_lr_in_param_group_is_state_too():
+def test_tensor_lr_in_param_group_stays_where_a_fresh_optimizer_keeps_it():
+    """torch never moves a group's own tensors. A fused Adam works alike with lr on the host (its kernels read a
+    host lr with .item(), no sync) or on the device: it stays on its side. A single-tensor Adam reads lr on the
+    host every step (addcdiv_'s value): a device lr goes to the host, where that read costs no sync."""
     p = torch.nn.Parameter(torch.zeros(3))
     opt = O.Adam([p], lr=torch.tensor(0.01), fused=True)
     p.grad = torch.ones(3)
@@ -212,13 +215,18 @@ def test_tensor_lr_in_param_group_is_state_too():
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
         optimshift.rebind(opt, [q])
-        assert opt.param_groups[0]["lr"].device == CUDA0  # fused kernels read lr on the device
+        assert opt.param_groups[0]["lr"].device.type == "cpu"
         assert opt.state[q]["step"].device == CUDA0
+        opt.param_groups[0]["lr"] = torch.zeros((), device=CUDA0)  # a device lr given on purpose (CUDA graphs)
+        q2 = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
+        optimshift.rebind(opt, [q2])
+        assert opt.param_groups[0]["lr"].device == CUDA0
     opt2 = O.Adam([torch.nn.Parameter(torch.zeros(3))], lr=torch.tensor(0.01), foreach=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
+        opt2.param_groups[0]["lr"] = torch.zeros((), device=CUDA0)
         q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
         optimshift.rebind(opt2, [q])
-        assert opt2.param_groups[0]["lr"].device.type == "cpu"  # read on the host: stays there
+        assert opt2.param_groups[0]["lr"].device.type == "cpu"  # read on the host: it goes there
 
 
 def test_probes_do_not_fire_the_users_global_step_hooks():
@@ -227,10 +235,10 @@ def test_probes_do_not_fire_the_users_global_step_hooks():
     fired = []
     handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: fired.append(type(opt).__name__))
     try:
-        policy._probe_cache.clear()
+        _probe.clear_cache()
         p = torch.nn.Parameter(torch.zeros(2, 2))
         group = O.RAdam([p], capturable=True).param_groups[0]
-        assert policy._probe(O.RAdam, group, 2) == {"step": True}
+        assert _probe.probe(O.RAdam, group, 2).state == {"step": True}
         assert fired == []
     finally:
         handle.remove()

@@ -5,6 +5,7 @@ every state entry sits where a freshly built optimizer of the same class and fla
 the target device, would put it after a step, with bitwise-unchanged values and dtypes.
 """
 
+from . import _quiet_torch  # noqa: F401  (first: imports torch without its NumPy warning)
 from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
 from .checkpoint import load, load_state_dict, save
 from ._offload import PendingTransfer
@@ -14,7 +15,7 @@ from .policy import Policy, register_policy, unregister_policy
 from .report import Finding, PlacementRow, Report
 from .syncs import SyncCount, count_syncs
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "move",

@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Mechanism", "mechanism", "decide_all", "adopt"]
+__all__ = ["Mechanism", "mechanism", "decide_all", "adopt", "keeps_object_across_host"]
 
 Mechanism = Literal["data", "swap", "replace"]
 
@@ -65,6 +65,17 @@ def _swappable(old: torch.Tensor, new: torch.Tensor) -> bool:
         return False
     # Another C++ holder of either tensor (a view's base, an autograd node) would end up on the other object.
     return old._use_count() == 1 and new._use_count() == 1 and not old.requires_grad and not new.requires_grad
+
+
+_HOST_PROBE = torch.empty(0)
+
+
+def keeps_object_across_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` can move to or from the host and stay the same object: ``set_data`` applies (its TensorImpl
+    is of the host's kind: CPU, CUDA), or nothing blocks a swap (no weak reference to it)."""
+    if type(t) in _PLAIN and torch._has_compatible_shallow_copy_type(t, _HOST_PROBE):
+        return True
+    return not weakref.getweakrefcount(t)
 
 
 def adopt(old: torch.Tensor, new: torch.Tensor, how: Mechanism) -> None:

@@ -3,7 +3,8 @@
 Per-tensor ``.to()`` loops (verl, NeMo-RL, Megatron's fallback) pay a launch, and for device-to-host a sync,
 per tensor. Here transfers are grouped by (source device, target device, dtype) and cut into chunks:
 
-- device -> host: one ``torch.cat`` on the device, one copy into a host buffer from the pool (pinned on CUDA);
+- device -> host: one ``torch.cat`` on the device, one copy into a host buffer from the pool (pinned where the
+  accelerator can pin host memory, see :func:`optimshift._streams.pins_host_for`);
 - host -> device: one copy of a host buffer (no staging at all when the tensors already sit side by side in a
   pool buffer, as offloaded state does) into a flat device buffer, then one ``_foreach_copy_`` into separate
   device tensors;
@@ -15,7 +16,6 @@ the engine (:mod:`optimshift.engine`) decides what to copy and commits the copie
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -23,6 +23,7 @@ import torch
 
 from ._devices import _fake_mode_active
 from ._dtensor import copy_dtensor, is_dtensor
+from ._streams import host_pinning, pins_host_for
 from .pool import HostPool
 
 __all__ = ["Batch", "copy_many", "copy_tensor", "synchronize", "CHUNK_BYTES", "SOLO_BYTES"]
@@ -31,25 +32,21 @@ CHUNK_BYTES = 64 << 20  # staging chunk: bounds the extra device memory a coales
 SOLO_BYTES = 4 << 20  # tensors at least this big are copied on their own (bandwidth-bound already)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 def _can_pin(source: torch.Tensor) -> bool:
-    """Pinned host memory only helps (and only exists) for copies from a CUDA-like accelerator."""
-    return source.device.type == "cuda" and _cuda_available()
+    """Pinned host memory only helps (and only exists) for copies from an accelerator that can pin it."""
+    return pins_host_for(source.device)
 
 
 def _is_pinned(t: torch.Tensor) -> bool:
-    """A copy from pinned host memory can be asynchronous (asking without CUDA would initialize it)."""
-    return t.device.type == "cpu" and _cuda_available() and t.is_pinned()
+    """A copy from pinned host memory can be asynchronous (asking with no accelerator that pins would
+    initialize one, or raise)."""
+    return t.device.type == "cpu" and host_pinning() is not None and t.is_pinned()
 
 
 def copy_tensor(t: torch.Tensor, device: torch.device, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
     if type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # the common case, kept cheap
-        if non_blocking or (_cuda_available() and device.type == "cuda" and _is_pinned(t)):
+        if non_blocking or (pins_host_for(device) and _is_pinned(t)):
             return t.to(device, non_blocking=True)
         return t.to(device)  # (keyword arguments alone double the cost of a small .to())
     if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
@@ -187,11 +184,11 @@ def copy_many(
             for chunk in _chunks(indices, items):
                 current = chunk[0]
                 if dst.type == "cpu":
-                    _to_host(chunk, items, batch, pool, pinned=pin_memory and src.type == "cuda" and _pinnable(),
-                             keep=keep_host_views)
+                    _to_host(chunk, items, batch, pool, pinned=pin_memory and pins_host_for(src),
+                             keep=keep_host_views, non_blocking=non_blocking)
                 else:
                     _to_device(chunk, items, batch, pool, dst, dtype,
-                               pinned=src.type == "cpu" and dst.type == "cuda" and _pinnable())
+                               pinned=src.type == "cpu" and pins_host_for(dst), non_blocking=non_blocking)
     except BaseException as error:
         # Nothing was committed; give back every buffer once no queued copy can still be using it.
         synchronize(batch.devices)
@@ -203,10 +200,6 @@ def copy_many(
                            f"{t.device} to {target}; the optimizer was left unchanged")
         raise
     return batch
-
-
-def _pinnable() -> bool:
-    return torch.cuda.is_available()
 
 
 def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[list[int]]:
@@ -229,10 +222,13 @@ def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device
     return chunks
 
 
-def _to_host(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, *, pinned: bool, keep: bool) -> None:
+def _to_host(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, *, pinned: bool, keep: bool,
+             non_blocking: bool = False) -> None:
+    """``non_blocking``: the caller runs on a side stream and waits for its event before the host reads the
+    copies (the copies may then be asynchronous even into pageable memory, where a backend allows it)."""
     tensors = [items[i][0] for i in chunk]
     if len(tensors) == 1 and not keep:  # one big tensor to keep on the host: a plain copy, no staging
-        batch.copies[chunk[0]] = tensors[0].to("cpu")
+        batch.copies[chunk[0]] = tensors[0].to("cpu", non_blocking=non_blocking)
         return
     dtype = tensors[0].dtype
     numels = [t.numel() for t in tensors]
@@ -241,7 +237,7 @@ def _to_host(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, *,
     (batch.held if keep else batch.staging).append(buf)  # at once: a failing cat must not leak it
     flat = buf[: total * tensors[0].element_size()].view(dtype)
     source = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
-    flat.copy_(source, non_blocking=pinned)  # pinned: completed by the caller's one synchronize
+    flat.copy_(source, non_blocking=pinned or non_blocking)  # completed by the caller's synchronize or event
     views = [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]
     if keep:
         for i, v in zip(chunk, views):
@@ -271,11 +267,11 @@ def _side_by_side(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _to_device(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, dst: torch.device,
-               dtype: torch.dtype, *, pinned: bool) -> None:
+               dtype: torch.dtype, *, pinned: bool, non_blocking: bool = False) -> None:
     tensors = [items[i][0] for i in chunk]
     if len(tensors) == 1:
         t = tensors[0]
-        batch.copies[chunk[0]] = t.to(dst, non_blocking=pinned and t.is_pinned())
+        batch.copies[chunk[0]] = t.to(dst, non_blocking=non_blocking or (pinned and t.is_pinned()))
         return
     numels = [t.numel() for t in tensors]
     total = sum(numels)
@@ -287,7 +283,7 @@ def _to_device(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, 
         host = buf[:nbytes].view(dtype)
         torch.cat([t.reshape(-1) for t in tensors], out=host)
     flat = torch.empty(total, dtype=dtype, device=dst)
-    flat.copy_(host, non_blocking=pinned)
+    flat.copy_(host, non_blocking=pinned or non_blocking)
     outs = [torch.empty(t.shape, dtype=dtype, device=dst) for t in tensors]
     torch._foreach_copy_(outs, [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)])
     for i, out in zip(chunk, outs):

@@ -46,8 +46,13 @@ def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch
             device = torch.device(device)
         except RuntimeError as e:
             raise ValueError(f"{what} {device!r} is not a device PyTorch knows: {e}") from None
-    if device.type in ("cpu", "meta"):
-        return torch.device(device.type)
+    if device.type == "meta":
+        raise ValueError(
+            f"{what} meta holds no data: optimizer state moved there would lose every value. Keep it on 'cpu' "
+            f"(or offload it) and move it once the params have real storage"
+        )
+    if device.type == "cpu":
+        return torch.device("cpu")
     fake = _fake_mode_active(tensors)
     module = _device_module(device.type)
     if module is None or not hasattr(module, "device_count"):

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ._streams import pins_host_for
+
 __all__ = ["is_dtensor", "copy_dtensor", "local_tensor", "row_fields"]
 
 
@@ -39,11 +41,11 @@ def copy_dtensor(
     """
     src = t.detach()
     local = src.to_local()  # type: ignore[attr-defined]
-    # Pinned host memory only helps (and only exists) for copies from a CUDA device, as in engine.copy_tensor.
-    pin = (pin_memory and device.type == "cpu" and local.device.type == "cuda"
-           and local.layout == torch.strided and torch.cuda.is_available())
-    # A copy from pinned host memory to CUDA can be asynchronous; engine.execute synchronizes once at the end.
-    from_pinned = local.device.type == "cpu" and torch.cuda.is_available() and local.is_pinned()
+    # Pinned host memory only helps (and only exists) for copies from an accelerator that pins it, as in
+    # _copy.copy_tensor.
+    pin = (pin_memory and device.type == "cpu" and pins_host_for(local.device) and local.layout == torch.strided)
+    # A copy from pinned host memory to the device can be asynchronous; the engine synchronizes once at the end.
+    from_pinned = local.device.type == "cpu" and pins_host_for(device) and local.is_pinned()
     new = torch.empty_like(src, device=device, pin_memory=pin)  # preserve_format: the shard keeps its strides
     new.copy_(src, non_blocking=non_blocking or pin or from_pinned)
     if t.requires_grad:

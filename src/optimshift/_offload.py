@@ -3,7 +3,7 @@
 :func:`optimshift.offload` records where each tensor was (by site), where each param was, the pool buffers
 the host copies live in and the grads it took; :func:`optimshift.reload` reads the record back and forgets
 it. A non-blocking transfer is a :class:`PendingTransfer`; the optimizer's next ``step()`` waits for it on the
-device through a one-shot step pre-hook.
+device through a step pre-hook (removed by the next operation on that optimizer).
 
 # NOTE: records live beside the optimizer (a weak-keyed table), never on it, so that offloading adds no
 # attribute to a user's object and an optimizer that is garbage-collected takes its record with it.
@@ -11,17 +11,21 @@ device through a one-shot step pre-hook.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from . import _streams
+from ._state import leaves
 from .pool import host_pool
 
-__all__ = ["PendingTransfer", "Record", "record_of", "settle", "remember_pending", "forget",
-           "prepare_discard", "pending_of"]
+__all__ = ["PendingTransfer", "Record", "exclusive", "record_of", "set_record", "settle", "remember_pending",
+           "forget", "prepare_discard", "pending_of"]
 
 
 class PendingTransfer:
@@ -29,7 +33,8 @@ class PendingTransfer:
 
     ``done()`` polls, ``wait()`` blocks the host until the copies are complete. A pending reload is also
     waited for automatically (on the device, without a host sync) before the optimizer's next ``step()``.
-    Off CUDA, transfers are synchronous and a handle is done from the start.
+    On a device without streams (see :mod:`optimshift._streams`) transfers are synchronous and a handle is
+    done from the start.
     """
 
     def __init__(self, event: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
@@ -39,7 +44,8 @@ class PendingTransfer:
 
     @property
     def event(self) -> Optional[Any]:
-        """The CUDA event that completes with the copies (None once done, or off CUDA)."""
+        """The device's event that completes with the copies (a ``torch.Event``, or the backend's own event
+        type); None once done, or where the transfer was synchronous."""
         return self._event
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
@@ -65,12 +71,14 @@ class PendingTransfer:
             self._finish()
 
     def wait_on_current_stream(self) -> None:
-        """Make the current stream wait for the copies (no host sync): what the step pre-hook does. Without a
-        CUDA device to wait on, the host waits."""
-        if self._event is None:
-            return
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_event(self._event)
+        """Make the device's current stream wait for the copies (no host sync): what the step pre-hook does.
+        Without a device stream to wait on, the host waits."""
+        if self.done():
+            return  # complete already: the host knows, so everything issued from now on comes after it
+        streams = _streams.of(self.device)
+        if streams is not None:
+            assert self.device is not None
+            streams.wait_event(streams.current(self.device), self._event)
         else:
             self.wait()
 
@@ -87,15 +95,45 @@ class Record:
     param_devices: dict[tuple, torch.device] = field(default_factory=dict)
     buffers: list[torch.Tensor] = field(default_factory=list)
     grads: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
 
     def extended(self) -> "Record":
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded)."""
-        return Record(dict(self.devices), dict(self.param_devices), list(self.buffers), dict(self.grads))
+        return Record(dict(self.devices), dict(self.param_devices), list(self.buffers), dict(self.grads),
+                      list(self.hooks))
+
+    @property
+    def moved_any(self) -> bool:
+        """Whether offload took anything off an accelerator (else the state sits where it belongs)."""
+        return any(d.type != "cpu" for d in self.devices.values()) or bool(self.grads)
 
 
 _records: "weakref.WeakKeyDictionary[Any, Record]" = weakref.WeakKeyDictionary()
 _pending: "weakref.WeakKeyDictionary[Any, PendingTransfer]" = weakref.WeakKeyDictionary()
+_hooks: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
 _lock = threading.Lock()
+
+
+_operation_locks: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_unweakable_lock = threading.RLock()  # for optimizers that cannot be weakly referenced
+
+
+@contextlib.contextmanager
+def exclusive(optimizer: Any) -> Iterator[None]:
+    """Run one operation on ``optimizer`` at a time, from any thread (re-entrant: reload calls move).
+
+    # NOTE: an offload in one thread and a reload in another, interleaved, could otherwise record the host as
+    # the original device or drop the record, leaving the state stranded on the host.
+    """
+    try:
+        with _lock:
+            lock = _operation_locks.get(optimizer)
+            if lock is None:
+                lock = _operation_locks[optimizer] = threading.RLock()
+    except TypeError:
+        lock = _unweakable_lock
+    with lock:
+        yield
 
 
 def record_of(optimizer: Any) -> Optional[Record]:
@@ -107,8 +145,75 @@ def record_of(optimizer: Any) -> Optional[Record]:
 
 
 def set_record(optimizer: Any, record: Record) -> None:
+    """Keep ``record`` for ``optimizer`` and, the first time, install the hooks that guard offloaded state."""
+    if not record.hooks:
+        record.hooks.extend(_install_hooks(optimizer))
     with _lock:
         _records[optimizer] = record
+
+
+def _install_hooks(optimizer: Any) -> list[Any]:
+    """While offloaded: ``step()`` refuses at once (before any counter moves), and ``state_dict()`` returns
+    compact copies of the host tensors instead of views into shared pool buffers."""
+    handles = []
+    register_pre = getattr(optimizer, "register_step_pre_hook", None)
+    if register_pre is not None:
+        handles.append(register_pre(_refuse_step))
+    register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
+    if register_sd is not None:
+        handles.append(register_sd(_compact_state_dict))
+    return handles
+
+
+def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    record = record_of(optimizer)
+    if record is not None and record.moved_any:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() while its state is offloaded to the host: call "
+            f"optimshift.reload(optimizer) first (nothing was stepped)"
+        )
+
+
+def _compact_state_dict(optimizer: Any, state_dict: dict) -> dict:
+    """A state_dict whose offloaded tensors own exactly their bytes.
+
+    # NOTE: offloaded state is a view into a pool buffer shared with other tensors (even other optimizers');
+    # torch.save writes a view's whole storage, so a checkpoint taken while offloaded would hold their bytes.
+    # The live per-param dicts are shared with the returned state_dict: build new ones, never mutate them.
+    """
+    compact: dict[int, torch.Tensor] = {}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size() and id(t) not in compact:
+            compact[id(t)] = t.clone()
+        return compact.get(id(t), t)
+
+    states = state_dict.get("state", {})
+    for value in states.values():
+        for _, t in leaves(value):
+            own(t)
+    if not compact:
+        return state_dict
+    out = dict(state_dict)
+    new_states = {}
+    for key, value in states.items():
+        if isinstance(value, dict):
+            new_states[key] = {k: _compacted(v, compact) for k, v in value.items()}
+        else:
+            new_states[key] = _compacted(value, compact)
+    out["state"] = new_states
+    return out
+
+
+def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:
+    """``value`` with the tensors in ``compact`` swapped for their compact copies; containers that hold one
+    are copied (the live ones are shared with the optimizer), everything else is shared as it is."""
+    if isinstance(value, torch.Tensor):
+        return compact.get(id(value), value)
+    found = [t for _, t in leaves(value)]
+    if not any(id(t) in compact for t in found):
+        return value
+    return copy.deepcopy(value, {id(t): compact.get(id(t), t) for t in found})
 
 
 def settle(optimizer: Any) -> None:
@@ -116,35 +221,56 @@ def settle(optimizer: Any) -> None:
     try:
         with _lock:
             pending = _pending.pop(optimizer, None)
+            handle = _hooks.pop(optimizer, None)
     except TypeError:
         return
+    if handle is not None:
+        handle.remove()
     if pending is not None:
         pending.wait()
 
 
 def pending_of(optimizer: Any) -> PendingTransfer:
-    with _lock:
-        return _pending.get(optimizer) or PendingTransfer()
+    try:
+        with _lock:
+            return _pending.get(optimizer) or PendingTransfer()
+    except TypeError:
+        return PendingTransfer()
 
 
 def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
-    """Keep a transfer still in flight, and make the optimizer's next step wait for it (on the device)."""
+    """Keep a transfer still in flight, and make the optimizer's next step wait for it (on the device).
+
+    # NOTE: one step pre-hook per optimizer, which waits for whatever is pending when ``step()`` runs. It
+    # cannot remove itself: torch iterates its hook dict while calling the hooks, and deleting from it there
+    # raises as soon as another hook follows. Once it has waited it does nothing until the next optimshift
+    # operation on this optimizer removes it (``settle``).
+    """
     if pending.done():
         return
-    with _lock:
-        _pending[optimizer] = pending
     register = getattr(optimizer, "register_step_pre_hook", None)
-    if register is None:
+    try:
+        with _lock:
+            _pending[optimizer] = pending
+            hooked = optimizer in _hooks
+    except TypeError:  # an optimizer that cannot be weakly referenced: nothing can remember it, wait now
         pending.wait()
         return
-    handle = None
+    if hooked:
+        return
+    if register is None:
+        settle(optimizer)
+        return
+    handle = register(_wait_before_step)
+    with _lock:
+        _hooks[optimizer] = handle
 
-    def hook(*_: Any) -> None:
+
+def _wait_before_step(optimizer: Any, *_: Any) -> None:
+    with _lock:
+        pending = _pending.get(optimizer)
+    if pending is not None:
         pending.wait_on_current_stream()
-        if handle is not None:
-            handle.remove()
-
-    handle = register(hook)
 
 
 def forget(optimizer: Any, pending: Optional[PendingTransfer] = None) -> None:
@@ -157,6 +283,8 @@ def forget(optimizer: Any, pending: Optional[PendingTransfer] = None) -> None:
         return
     if record is None:
         return
+    for handle in record.hooks:
+        handle.remove()
     event = pending.event if pending is not None else None
     for buf in record.buffers:
         host_pool.release(buf, event)

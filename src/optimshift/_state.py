@@ -76,22 +76,77 @@ def _children(value: Any) -> Iterator[tuple[tuple, Any]]:
 
 
 def leaves(value: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
-    """Every tensor inside ``value``, with its path; each container is visited once (cycles are safe)."""
+    """Every tensor inside ``value``, with its path, depth first in container order; each container is
+    visited once (cycles are safe). Iterative: a hostile file nesting 20,000 levels does not overflow the stack."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+        return
+    if isinstance(value, _ATOMS):
+        return
+    seen: set[int] = {id(value)}
+    # NOTE: the path is composed only when a tensor is found (from the steps on the stack): building it per
+    # level would be quadratic in the depth.
+    steps: list[tuple] = []
+    stack: list[Iterator[tuple[tuple, Any]]] = [_children(value)]
+    while stack:
+        for step, child in stack[-1]:
+            if isinstance(child, torch.Tensor):
+                yield path + tuple(steps) + (step,), child
+            elif not isinstance(child, _ATOMS) and id(child) not in seen:
+                seen.add(id(child))
+                steps.append(step)
+                stack.append(_children(child))
+                break
+        else:
+            stack.pop()
+            if steps:
+                steps.pop()
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The distinct tensors inside ``value`` (each object once), in :func:`leaves` order."""
+    out: dict[int, torch.Tensor] = {}
+    for _, t in leaves(value):
+        out.setdefault(id(t), t)
+    return list(out.values())
+
+
+def holds_tensor(value: Any) -> bool:
+    """Whether any tensor is inside ``value``."""
+    return next(leaves(value), None) is not None
+
+
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is a Python scalar, string or None, or a list/tuple of only those (a hyperparameter a
+    constructor can take as it is)."""
+    if isinstance(value, (list, tuple)):
+        return not too_deep(value) and all(is_plain(v) for v in value)
+    return isinstance(value, (int, float, bool, str, type(None))) and not isinstance(value, torch.Tensor)
+
+
+MAX_DEPTH = 64
+"""Containers nested deeper than this are refused where state is loaded or rewritten: copying them is
+recursive, and no optimizer nests state more than a few levels (a hostile or broken file can nest thousands)."""
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` nests containers more than ``limit`` levels deep. Iterative; stops at the first path
+    that does; containers are the ones :func:`leaves` walks."""
+    if isinstance(value, (torch.Tensor,) + _ATOMS):
+        return False
+    stack = [(value, 1)]
     seen: set[int] = set()
-
-    def walk(v: Any, p: Path) -> Iterator[tuple[Path, torch.Tensor]]:
-        if isinstance(v, torch.Tensor):
-            yield p, v
-            return
-        if isinstance(v, _ATOMS):
-            return
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
         if id(v) in seen:
-            return
+            continue
         seen.add(id(v))
-        for step, child in _children(v):
-            yield from walk(child, p + (step,))
-
-    yield from walk(value, path)
+        for _, child in _children(v):
+            if not isinstance(child, (torch.Tensor,) + _ATOMS):
+                stack.append((child, depth + 1))
+    return False
 
 
 def rebuild(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]) -> Any:
@@ -177,3 +232,52 @@ def _attr_setter(obj: Any, name: str, new: Any) -> Setter:
             object.__setattr__(obj, name, new)
 
     return apply
+
+
+# --- what every module asks of an optimizer ------------------------------------------------------------------
+
+IMPLEMENTATION_FLAGS = ("fused", "capturable", "foreach", "differentiable")
+"""Group entries that choose *how* a step is computed, not *what* it computes (and where scalars live)."""
+
+
+def unwrap(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` a delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``) wraps, unwrapped as far as they nest; ``optimizer`` itself otherwise.
+
+    # NOTE: Lightning's LightningOptimizer is also an instance of the optimizer class it wraps (a dynamic
+    # subclass), so "is an Optimizer" does not end the search: sharing param_groups and state does.
+    """
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if (
+            isinstance(inner, torch.optim.Optimizer)
+            and inner is not optimizer
+            and getattr(optimizer, "param_groups", None) is inner.param_groups
+            and getattr(optimizer, "state", None) is inner.state
+        ):
+            optimizer = inner
+            continue
+        break
+    return optimizer
+
+
+def group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
+    """The device of a group's params (the first one's), for tensors kept in the group itself."""
+    for p in group.get("params", ()):
+        if isinstance(p, torch.Tensor):
+            return p.device
+    return fallback.device
+
+
+def param_name(index: int, names: Any) -> Any:
+    """The name ``param_names`` gives param ``index`` of a group, or None."""
+    if isinstance(names, (list, tuple)) and index < len(names):
+        return names[index]
+    return None
+
+
+def param_label(group: int, index: int, name: Any = None) -> str:
+    """``group 0, param 3``, or ``group 0, param 3 (fc.weight)`` with the param's name: how errors and
+    reports name a param everywhere."""
+    label = f"group {group}, param {index}"
+    return label if name is None or name == "" else f"{label} ({name})"

@@ -3,28 +3,45 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import weakref
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
 from . import _mode
 from . import _offload
+from . import _streams
 from . import engine
 from . import policy as _policy
+from ._adopt import keeps_object_across_host
 from ._devices import DeviceLike, resolve
+from ._dtypes import dtype_findings
 from ._dtensor import row_fields
-from ._offload import PendingTransfer, Record, forget, record_of, remember_pending, settle
+from ._offload import PendingTransfer, Record, exclusive, forget, record_of, remember_pending, settle
 from .plan import Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
-from .report import SYNC_COST, Finding, PlacementRow, Report, tensor_bytes
+from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
 
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded"]
 
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 
 _log = logging.getLogger("optimshift")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _one_at_a_time(fn: F) -> F:
+    """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`)."""
+
+    @functools.wraps(fn)
+    def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        with exclusive(optimizer):
+            return fn(optimizer, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -80,6 +97,7 @@ def _transfer(optimizer: Any, target: TargetFn, *, what: str, non_blocking: bool
     return copies, PendingTransfer(copies.event, copies.device)
 
 
+@_one_at_a_time
 def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Opt:
     """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it.
 
@@ -104,6 +122,7 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
 _INCLUDE = ("grads",)
 
 
+@_one_at_a_time
 def offload(
     optimizer: Opt,
     *,
@@ -114,7 +133,8 @@ def offload(
 ) -> Any:
     """Move all state to host memory and remember where each tensor was, for :func:`reload`.
 
-    Host copies live in a persistent pool (pinned when the state is on CUDA, unless ``pin_memory`` is False),
+    Host copies live in a persistent pool (pinned where the state's accelerator can pin host memory, e.g. CUDA,
+    unless ``pin_memory`` is False),
     reused cycle after cycle; the state tensors stay the same objects. ``include=("grads",)`` also takes the
     params' ``.grad`` tensors, so the optimizer holds nothing on the device. ``non_blocking=True`` returns a
     :class:`PendingTransfer` at once (copies run on a side stream; ``wait()`` before reading the host copies);
@@ -159,8 +179,8 @@ def offload(
     record.buffers.extend(copies.batch.held)
     _offload.set_record(optimizer, record)
     remember_pending(optimizer, pending)
-    if empty_cache and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if empty_cache:
+        _streams.empty_cache()
     return pending if non_blocking else optimizer
 
 
@@ -169,6 +189,7 @@ def is_offloaded(optimizer: Any) -> bool:
     return record_of(optimizer) is not None
 
 
+@_one_at_a_time
 def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Any:
     """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
     ``device`` would hold it), in the same tensor objects. Reloading an optimizer that was never offloaded is
@@ -261,12 +282,24 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             severity, site.param_label, site.key_label, str(t.device), str(t.dtype).replace("torch.", ""),
             str(tr.target), why, site.group, site.index, cost,
         ))
+    report.findings.extend(dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
         report.findings.append(Finding(
             "info", "-", "-", "-", "-", "-",
             f"no placement rule is known for {name}: used the default (a 0-dim 'step' stays on the host unless "
             f"the group is fused/capturable; everything else follows its param). Register one with "
             f"optimshift.register_policy({name}, policy) if that is wrong.",
+        ))
+    pinned = [tr for tr in plan.transfers if not keeps_object_across_host(tr.tensor)]
+    if pinned:
+        site = pinned[0].site
+        report.findings.append(Finding(
+            "info", site.param_label, site.key_label, str(pinned[0].tensor.device), "-", "-",
+            f"{len(pinned)} state tensor{'s' if len(pinned) != 1 else ''} on {pinned[0].tensor.device.type} "
+            f"{'are' if len(pinned) != 1 else 'is'} weakly referenced (dynamo does this once it traced a step over "
+            f"them), and torch can exchange {pinned[0].tensor.device.type} tensors with host ones in place only by "
+            f"swap_tensors, which weak references forbid: an offload/reload or a move to or from the host replaces "
+            f"these objects (values and placement stay right; a compiled step recompiles once).",
         ))
     return report
 
@@ -276,11 +309,8 @@ def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch
     group = optimizer.param_groups[max(site.group, 0)]  # optimizer-wide entries: the first group
     on_host = t.device.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
-        base = _policy._builtin_base(type(optimizer))
-        costs = SYNC_COST.get((base.__name__ if base else name, site.key)) if len(site.path) == 1 else None
-        foreach = group.get("foreach")
-        foreach = (t.device.type != "cpu") if foreach is None else bool(foreach)  # None: default on a device
-        cost = None if costs is None else costs[1 if foreach else 0]
+        cost = sync_cost(type(optimizer), name, site.key, group.get("foreach"), t.device.type != "cpu") \
+            if len(site.path) == 1 else None
         return ("warning",
                 f"{name} reads this scalar on the host each step: on {t.device} every read is a device-to-host sync",
                 cost)
@@ -295,6 +325,7 @@ def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch
     return "warning", f"a fresh {name} keeps it on {expected}", None
 
 
+@_one_at_a_time
 def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
     place their state by the policy for the new params' devices. All or nothing."""

@@ -22,8 +22,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import torch
 
+from . import _streams
 from ._adopt import adopt, decide_all
-from ._copy import Batch, _cuda_available, copy_many, synchronize
+from ._copy import Batch, copy_many, synchronize
+from ._devices import _fake_mode_active
 from ._dtensor import local_tensor
 from ._state import Setter, rebuild
 from .plan import Plan, Transfer
@@ -37,7 +39,8 @@ class Copies:
     """What :func:`run` made: ``new[id(t)]`` is the copy of input tensor ``t``; ``pairs`` lists
     ``(t, copy)`` for the plan's tensors (what :func:`commit` installs), in plan order.
 
-    ``event``/``device``: set when the copies may still be running on a side stream (non-blocking on CUDA);
+    ``event``/``device``: set when the copies may still be running on a side stream (non-blocking on a device
+    with streams, see :mod:`optimshift._streams`);
     ``batch`` holds the pool buffers the host copies live in (offloaded state).
     """
 
@@ -76,23 +79,24 @@ def copy_items(
 
 
 def _current_stream_event(devices: Iterable[torch.device]) -> Optional[Any]:
-    """An event after the copies queued on the current CUDA stream (staging buffers wait for it)."""
-    cuda = [d for d in devices if d.type == "cuda"]
-    if not cuda or not _cuda_available():
+    """An event after the copies queued on the current stream of the (one) device with streams among
+    ``devices`` (staging buffers wait for it); None where no device has streams."""
+    for device in sorted({d for d in devices if d.type not in ("cpu", "meta")}, key=str):
+        streams = _streams.of(device)
+        if streams is not None:
+            event = streams.new_event(device)
+            streams.record(event, streams.current(device))
+            return event
+    return None
+
+
+def _single_stream_device(items: Sequence[tuple[torch.Tensor, torch.device]]) -> Optional[torch.device]:
+    """The one accelerator ``items`` touch, if it has streams (several devices: synchronous copies)."""
+    devices = {d for t, target in items for d in (t.device, target) if d.type not in ("cpu", "meta")}
+    if len(devices) != 1:
         return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(cuda[0]))
-    return event
-
-
-_side_streams: dict[torch.device, Any] = {}
-
-
-def _single_cuda_device(items: Sequence[tuple[torch.Tensor, torch.device]]) -> Optional[torch.device]:
-    if not _cuda_available():
-        return None
-    devices = {d for t, target in items for d in (t.device, target) if d.type == "cuda"}
-    return devices.pop() if len(devices) == 1 else None
+    device = devices.pop()
+    return device if _streams.of(device) is not None else None
 
 
 def run(
@@ -106,8 +110,9 @@ def run(
 ) -> Copies:
     """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (e.g. grads), grouped.
 
-    With ``non_blocking`` on one CUDA device the copies run on a side stream: buffers they read go back to
-    the pool with their event, and device memory they read is protected with ``record_stream`` so the
+    With ``non_blocking`` on one device that has streams (:mod:`optimshift._streams`: CUDA, any accelerator
+    with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
+    back to the pool with their event, and device memory they read is protected with ``record_stream`` so the
     caching allocator never reuses it early. Nothing in the optimizer changes here.
     """
     pool = host_pool if pool is None else pool
@@ -133,7 +138,8 @@ def run(
         what = names[i]
         return f"{optimizer_name} {what.site}" if isinstance(what, Transfer) else f"{optimizer_name} {what}"
 
-    device = _single_cuda_device(items) if non_blocking else None
+    # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)
+    device = _single_stream_device(items) if non_blocking and not _fake_mode_active() else None
     if device is None:
         batch = copy_items(items, pin_memory=pin_memory, keep_host_views=keep_host_views, pool=pool,
                            describe=describe)
@@ -149,21 +155,21 @@ def run(
 def _run_on_side_stream(items: Sequence[tuple[torch.Tensor, torch.device]], device: torch.device, *,
                         pin_memory: bool, keep_host_views: bool, pool: HostPool,
                         describe: Callable[[int], str]) -> tuple[Batch, Any]:
-    main = torch.cuda.current_stream(device)
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = torch.cuda.Stream(device)
-    side.wait_stream(main)  # the copies read what the main stream last wrote (e.g. the last step)
-    with torch.cuda.stream(side):
+    streams = _streams.of(device)
+    assert streams is not None  # (_single_stream_device checked)
+    main = streams.current(device)
+    side = streams.side(device)
+    streams.wait_stream(side, main)  # the copies read what the main stream last wrote (e.g. the last step)
+    with streams.use(side):
         batch = copy_items(items, non_blocking=True, pin_memory=pin_memory, keep_host_views=keep_host_views,
                            pool=pool, describe=describe)
-        event = torch.cuda.Event()
-        event.record(side)
+        event = streams.new_event(device)
+        streams.record(event, side)
     for (t, _), new in zip(items, batch.copies):
-        if t.device.type == "cuda":
-            local_tensor(t).record_stream(side)  # freed by the commit, but the side stream still reads it
-        if new is not None and new.device.type == "cuda":
-            local_tensor(new).record_stream(main)  # allocated on the side stream, used by the main one
+        if t.device == device:
+            streams.record_stream(local_tensor(t), side)  # freed by the commit, but the side stream reads it
+        if new is not None and new.device == device:
+            streams.record_stream(local_tensor(new), main)  # allocated on the side stream, used by the main one
     batch.complete(pool, event)
     return batch, event
 
@@ -183,13 +189,18 @@ def adopt_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[
     hows = decide_all(unique)
     replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
 
+    plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
+
     def apply() -> dict[str, int]:
         counts = {"data": 0, "swap": 0, "replace": len(replaced)}
         for (old, new), how in zip(unique, hows):
             if how == "data":
                 old.data = new  # (inline: this loop runs once per tensor)
             elif how == "swap":
-                adopt(old, new, how)
+                if type(old) is plain and type(new) is plain and not old.__dict__ and not new.__dict__:
+                    swap_impl(old, new)  # adopt()'s plain-tensor case, inline
+                else:
+                    adopt(old, new, how)
             counts[how] += 1
         return counts
 

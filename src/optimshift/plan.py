@@ -13,9 +13,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from . import policy as _policy
-from ._state import Path, format_path, leaves
+from ._state import Path, format_path, group_device, leaves, param_label
+from ._state import param_name as _param_name
 
-__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_entries", "param_label",
+__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_holders",
            "check_optimizer"]
 
 
@@ -44,8 +45,7 @@ class Site:
             return "optimizer-wide"
         if self.index is None:
             return f"group {self.group}"
-        label = f"group {self.group}, param {self.index}"
-        return f"{label} ({self.name})" if self.name else label
+        return param_label(self.group, self.index, self.name)
 
     @property
     def key_label(self) -> str:
@@ -114,18 +114,14 @@ def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Opti
 OPTIMIZER_WIDE = -1  # the "group" of optimizer.state entries under plain (non-param) keys
 
 
-def param_label(group: int, index: int, names: Optional[list]) -> Optional[str]:
-    if names is not None and index < len(names):
-        return str(names[index])
-    return None
-
-
-def iter_entries(
+def iter_holders(
     optimizer: torch.optim.Optimizer,
-) -> Iterator[tuple[int, Optional[int], Optional[torch.Tensor], Mapping[str, Any], str, Any, Optional[str]]]:
-    """Yield (group, index, param, group dict, key, value, param name) for every state entry of every param,
-    then for every param-group entry other than ``params``/``param_names``, then for optimizer-wide entries
-    (``optimizer.state`` keys that are not tensors, e.g. MADGRAD's ``"k"``) as group ``OPTIMIZER_WIDE``.
+) -> Iterator[tuple[int, Optional[int], Optional[torch.Tensor], Mapping[str, Any], Mapping[Any, Any], Optional[str]]]:
+    """Yield (group index, param index, param, group dict, entries, param name) for every param with state
+    (``entries`` is its state dict), then for every param group (``param index`` and ``param`` None,
+    ``entries`` the group dict itself: skip ``params``/``param_names``), then once for the optimizer-wide
+    entries (``optimizer.state`` keys that are not tensors, e.g. MADGRAD's ``"k"``) as group
+    ``OPTIMIZER_WIDE`` with the first group (their tensors go where its params are).
 
     Raises ValueError if the state holds a param that no group holds (it could never be placed).
     """
@@ -137,36 +133,37 @@ def iter_entries(
                 g0, i0 = located[id(p)]
                 raise ValueError(f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})")
             located[id(p)] = (gi, pi)
-    wide: list[Any] = []
-    for p in optimizer.state:
+    wide: dict[Any, Any] = {}
+    by_id: dict[int, Any] = {}  # (id-keyed: a tensor's __hash__ is a Python call)
+    for p, state in optimizer.state.items():
         if not isinstance(p, torch.Tensor):
-            wide.append(p)  # an optimizer-wide entry under a plain key
+            wide[p] = state  # an optimizer-wide entry under a plain key
         elif id(p) not in located:
             shape = tuple(p.shape)
-            keys = list(optimizer.state[p]) if isinstance(optimizer.state[p], Mapping) else []
+            keys = list(state) if isinstance(state, Mapping) else []
             raise ValueError(
                 f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
                 f"group; it cannot be placed. Remove it (del optimizer.state[param]) or add the param to a group."
             )
+        else:
+            by_id[id(p)] = state
     for gi, group in enumerate(optimizer.param_groups):
         names = group.get("param_names")
         for pi, p in enumerate(group["params"]):
-            state = optimizer.state.get(p)
+            state = by_id.get(id(p))
             if not state:
                 continue
-            if not isinstance(state, (dict, Mapping)):
+            if type(state) is not dict and not isinstance(state, Mapping):
                 raise TypeError(f"{name}: state of group {gi}, param {pi} is a {type(state).__name__}, expected a dict")
-            for key, value in state.items():
-                yield gi, pi, p, group, key, value, param_label(gi, pi, names)
+            name = _param_name(pi, names)
+            yield gi, pi, p, group, state, None if name is None else str(name)
     for gi, group in enumerate(optimizer.param_groups):
-        for key, value in group.items():
-            if key in ("params", "param_names"):
-                continue
-            yield gi, None, None, group, key, value, None
+        yield gi, None, None, group, group, None
     if wide and optimizer.param_groups:
-        first = optimizer.param_groups[0]  # optimizer-wide tensors go where the first group's params are
-        for key in wide:
-            yield OPTIMIZER_WIDE, None, None, first, key, optimizer.state[key], None
+        yield OPTIMIZER_WIDE, None, None, optimizer.param_groups[0], wide, None
+
+
+_GROUP_SKIP = ("params", "param_names")
 
 
 # target(ident, param, group, key, tensor) -> (device, source); ident = (group index, param index, path).
@@ -191,24 +188,56 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
     """
     plan = Plan(optimizer)
     transfers = plan.transfers
-    first: dict[int, Transfer] = {}
-    for gi, pi, param, group, key, value, pname in iter_entries(optimizer):
-        if isinstance(value, torch.Tensor):
-            found: Any = ((_top_path(key), value),)
-        else:
-            found = leaves(value, _top_path(key))
-        for path, tensor in found:
-            ident = (gi, pi, path)
-            device, source = target(ident, param, group, key, tensor)
-            tr = _new_transfer(Transfer, (ident, pname, tensor, param, device, source))
-            prior = first.setdefault(id(tensor), tr)
-            if prior is not tr and prior[4] != device:
-                raise ValueError(
-                    f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which belong "
-                    f"on different devices ({prior.target} and {device}); it cannot be placed for both"
-                )
-            transfers.append(tr)
+    append = transfers.append
+    first: dict[int, list[int]] = {}  # id(tensor) -> the indices of its transfers
+    setdefault = first.setdefault
+    follow = getattr(target, "follow", None)  # a policy target's fixed device for non-scalar state
+    paths = _top_paths
+    for gi, pi, param, group, entries, pname in iter_holders(optimizer):
+        for key, value in entries.items():
+            if pi is None and key in _GROUP_SKIP:
+                continue
+            path = paths.get(key) or _top_path(key)
+            if isinstance(value, torch.Tensor):
+                found: Any = ((path, value),)
+            else:
+                found = leaves(value, path)
+            for path, tensor in found:
+                ident = (gi, pi, path)
+                if follow is not None and param is not None and tensor.dim():
+                    device, source = follow, "rule"  # what target() would answer, without the call
+                else:
+                    device, source = target(ident, param, group, key, tensor)
+                tr = _new_transfer(Transfer, (ident, pname, tensor, param, device, source))
+                shared = setdefault(id(tensor), [len(transfers)])
+                if shared[-1] != len(transfers):  # a tensor seen before: one tensor, one place
+                    if transfers[shared[0]][4] != device:
+                        _share(optimizer, transfers, shared, tr)
+                    shared.append(len(transfers))
+                append(tr)
     return plan
+
+
+def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Transfer) -> None:
+    """One tensor held by several entries that belong on different devices.
+
+    NOTE: an entry that shares its param group's own tensor holds the group's: LBFGS keeps ``state['t'] =
+    group['lr']`` (a tensor lr), and a fresh LBFGS keeps the one tensor where its group keeps lr. So the state
+    entries go where the group entry goes (iter_holders yields state first: the group entry comes later). Any
+    other sharing across devices cannot be placed for both."""
+    def is_group(t: Transfer) -> bool:
+        return t[0][1] is None and t[0][0] != OPTIMIZER_WIDE
+
+    if is_group(tr) and not any(is_group(transfers[i]) for i in shared):
+        for i in shared:
+            t = transfers[i]
+            transfers[i] = _new_transfer(Transfer, (t[0], t[1], t[2], t[3], tr[4], tr[5]))
+        return
+    prior = transfers[shared[0]]
+    raise ValueError(
+        f"{optimizer_name(optimizer)}: one tensor is shared by {prior.site} and {tr.site}, which belong "
+        f"on different devices ({prior.target} and {tr.target}); it cannot be placed for both"
+    )
 
 
 def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> TargetFn:
@@ -232,24 +261,20 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
             param_device = param.device
         else:
             param_device = group_device(group, tensor)
-        if cacheable:
+        # A group's own tensors (tensor lr, betas) are decided one by one: their rule depends on which entry
+        # and on where each one is (policy._group_entry).
+        memoize = cacheable and param is not None
+        if memoize:
             # Built-in rules depend only on these: decide once per distinct combination in this plan.
-            memo_key = (id(group), key, param.dim() if param is not None else -1, param_device)
+            memo_key = (id(group), key, param.dim(), param_device)
             hit = memo.get(memo_key)
             if hit is not None:
                 return hit
         decision = _policy.decide(optimizer, group, param, key, tensor, param_device)
         result = (decision.device, decision.source)
-        if cacheable:
+        if memoize:
             memo[memo_key] = result
         return result
 
+    target.follow = None if (device is None or not cacheable) else device  # type: ignore[attr-defined]
     return target
-
-
-def group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
-    """The device of a group's params (the first one's), for tensors kept in the group itself."""
-    for p in group.get("params", ()):
-        if isinstance(p, torch.Tensor):
-            return p.device
-    return fallback.device

@@ -4,27 +4,28 @@ The rule: an entry belongs where a freshly built optimizer of the same class and
 on the target device, would put it after a step. A move never changes a dtype, so a policy only answers
 *which device*.
 
-For ``torch.optim`` classes the rule is derived from the installed torch: a probe builds the optimizer over a
-fake ``cuda:0`` param (``FakeTensorMode``, no GPU needed), runs one step and reads where each 0-dim state
-tensor landed: on the param's device or on the host. The probe is cached per (class, boolean flags, param
-rank). Where it cannot run, a static table of torch 2.4-2.13's rules is used. Non-scalar state always
-follows its param. Third-party optimizers can say where their entries belong with :func:`register_policy`;
-anything else gets a safe default rule and :func:`optimshift.check` reports that it guessed.
+For ``torch.optim`` classes the rule is derived from the installed torch by the probe (``_probe``): it builds
+the optimizer over a fake ``cuda:0`` param (no GPU needed), runs one step and reads where each 0-dim state
+tensor landed, and which of the group's own tensors (tensor ``lr``, ``betas``) the step reads on the host.
+Where it cannot run, a static table of torch 2.4-2.13's rules is used. Non-scalar state always follows its
+param. A group's own tensor goes to the host if the step reads it there; otherwise it stays on its side (torch
+never moves them: a fresh optimizer keeps them where they were given). Third-party optimizers can say where
+their entries belong with :func:`register_policy`; anything else gets a safe default rule and
+:func:`optimshift.check` reports that it guessed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 import threading
-import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 
-__all__ = ["Policy", "register_policy", "unregister_policy", "Decision", "decide", "HOST", "separable"]
+from ._probe import HOST_READ, NEEDS_DEVICE, probe, quiet_global_step_hooks  # noqa: F401 (re-exported)
+
+__all__ = ["Policy", "register_policy", "unregister_policy", "Decision", "decide", "HOST", "builtin_base", "separable"]
 
 HOST = torch.device("cpu")
 
@@ -113,7 +114,7 @@ def separable(optimizer_class: type) -> tuple[bool, str]:
     for base in optimizer_class.__mro__:
         if base in _registry:
             return _separable.get(base, False), "registered"
-    base = _builtin_base(optimizer_class)
+    base = builtin_base(optimizer_class)
     if base is None:
         return False, "unknown"
     if base.__name__ in _NOT_SEPARABLE:
@@ -140,6 +141,10 @@ def _own_step(klass: type) -> Any:
 # Fallback table (torch 2.4-2.13) used when the probe cannot run: for each class, the 0-dim scalar keys and
 # the group flags that put them on the param's device ("always" = always there, () = never).
 _ALWAYS = ("always",)
+# NOTE: LBFGS's `t` (a tensor only with a tensor lr) is where its values put it: min(1, 1/|g|_1) * lr in the first
+# iteration is a device tensor when the min picks the tensor and a new host tensor when it picks 1.0; later it is
+# lr itself (the group's tensor, see plan._share). A fresh LBFGS may hold it on either side: it stays on its own.
+_EITHER = ("either",)
 _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
     "Adam": {"step": ("fused", "capturable")},
     "AdamW": {"step": ("fused", "capturable")},
@@ -152,10 +157,11 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
     "NAdam": {"step": ("capturable",), "mu_product": ("capturable",)},
     "ASGD": {"step": _ALWAYS, "eta": _ALWAYS, "mu": _ALWAYS},
     "Adafactor": {"step": ()},
+    "LBFGS": {"t": _EITHER},
 }
 
 
-def _builtin_base(cls: type) -> Optional[type]:
+def builtin_base(cls: type) -> Optional[type]:
     """The nearest class in ``cls``'s MRO that torch.optim defines (``None`` if there is none)."""
     for base in cls.__mro__:
         if base is torch.optim.Optimizer:
@@ -165,103 +171,16 @@ def _builtin_base(cls: type) -> Optional[type]:
     return None
 
 
-_KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
-
-
-def _flag_items(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """The group's boolean/None entries (the implementation and variant flags that can change placement), with
-    the known implementation flags as booleans whatever their type (``fused=1`` is ``fused=True``)."""
-    items = [(str(k), v) for k, v in group.items() if k != "params" and (v is None or isinstance(v, bool))]
-    items += [("=" + flag, bool(group.get(flag))) for flag in _KNOWN_FLAGS]
-    return tuple(sorted(items))
-
-
-_probe_cache: dict[tuple, Optional[dict[str, bool]]] = {}
-
-
-def _probe(cls: type, group: Mapping[str, Any], ndim: int) -> Optional[dict[str, bool]]:
-    """Run ``cls`` for one step over a fake ``cuda:0`` param; return {scalar key: on the param's device?}.
-
-    ``None`` when the probe cannot run (the caller falls back to the table).
-    """
-    ndim = min(ndim, 2)
-    cache_key = (cls, _flag_items(group), ndim)
-    if cache_key in _probe_cache:
-        return _probe_cache[cache_key]
-    result: Optional[dict[str, bool]] = None
-    try:
-        result = _run_probe(cls, group, ndim)
-    except Exception:  # any failure: use the static table
-        result = None
-    with _lock:
-        _probe_cache[cache_key] = result
-    return result
-
-
-@contextlib.contextmanager
-def quiet_global_step_hooks() -> Iterator[None]:
-    """Run a throwaway probe optimizer without firing the user's global step hooks
-    (``register_optimizer_step_pre_hook``/``_post_hook``: counters, LR loggers, profilers)."""
-    from torch.optim import optimizer as _optimizer
-
-    saved = [(table, dict(table)) for table in (getattr(_optimizer, "_global_optimizer_pre_hooks", {}),
-                                                 getattr(_optimizer, "_global_optimizer_post_hooks", {}))]
-    for table, _ in saved:
-        table.clear()
-    try:
-        yield
-    finally:
-        for table, content in saved:
-            table.clear()
-            table.update(content)
-
-
-def _run_probe(cls: type, group: Mapping[str, Any], ndim: int) -> Optional[dict[str, bool]]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {
-        k: v
-        for k, v in group.items()
-        if k in accepted and k != "params" and not isinstance(v, torch.Tensor) and not _holds_tensor(v)
-    }
-    device = torch.device("cuda", 0)
-    shape = (2,) * ndim
-    with _disable_current_modes(), warnings.catch_warnings(), quiet_global_step_hooks():
-        warnings.simplefilter("ignore")
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            param = torch.nn.Parameter(torch.zeros(shape, device=device))
-            param.grad = torch.zeros(shape, device=device)
-            opt = cls([param], **kwargs)
-            try:
-                opt.step()
-            except Exception:
-                # Fake tensors cannot sync (ASGD, Adafactor read scalars) and a CPU-only build cannot launch
-                # some fused kernels, but the state was created before that point, which is all we need.
-                pass
-            state = opt.state.get(param, {})
-            found = {
-                key: value.device.type == "cuda"
-                for key, value in state.items()
-                if isinstance(value, torch.Tensor) and value.dim() == 0
-            }
-    return found if state else None
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(isinstance(v, torch.Tensor) or _holds_tensor(v) for v in value)
-    return False
-
-
-def _table_rule(base: type, group: Mapping[str, Any], key: str) -> Optional[bool]:
+def _table_rule(base: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> Optional[bool]:
+    """Whether the table puts ``key`` on the param's device (``None``: it has no rule for it)."""
     rules = _TABLE.get(base.__name__)
     if rules is None or key not in rules:
         return None
     flags = rules[key]
     if flags == _ALWAYS:
         return True
+    if flags == _EITHER:
+        return value.device.type != "cpu"
     return any(bool(group.get(flag)) for flag in flags)
 
 
@@ -289,19 +208,18 @@ def decide(
                     answer = torch.device(answer)
                 return Decision(answer, "registered")
             break
+    if param is None:
+        return _group_entry(cls, group, key, value, device)
     # Non-scalar tensors always live with their param (every torch.optim class, and the only sane default).
     if value.dim() != 0:
         return Decision(device, "rule")
-    if param is None:
-        # A 0-dim tensor in a param group (a tensor lr, betas): kept on the host, where reading it costs no
-        # sync, unless the group's kernels run on the device (fused/capturable).
-        return Decision(device if _default_scalar_on_device(group) else HOST, "rule")
-    base = _builtin_base(cls)
+    base = builtin_base(cls)
     if base is not None:
-        probed = _probe(base, group, param.dim())
+        observed = probe(base, group, param.dim())
+        probed = None if observed is None else observed.state
         if probed is not None and key in probed:
             return Decision(device if probed[key] else HOST, "probe")
-        tabled = _table_rule(base, group, key)
+        tabled = _table_rule(base, group, key, value)
         if tabled is not None:
             return Decision(device if tabled else HOST, "table")
         if probed is not None:
@@ -328,6 +246,40 @@ def _warn_guessed(cls: type) -> None:
         "if that is wrong", cls.__name__, cls.__name__)
 
 
+def _group_entry(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor, device: torch.device) -> Decision:
+    """Where a tensor kept in a param group (a tensor ``lr``, tensor ``betas``) belongs."""
+    base = builtin_base(cls)
+    if base is None:
+        # Unknown kernels: a 0-dim one on the host, where reading it costs no sync, unless they run on the
+        # device; anything bigger (D-Adaptation's running sums) with the params.
+        if value.dim() != 0:
+            return Decision(device, "rule")
+        return Decision(device if _default_scalar_on_device(group) else HOST, "rule")
+    if value.numel() != 1:
+        return Decision(device, "rule")
+    params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
+    observed = probe(base, group, params[0].dim() if params else 1)
+    verdict = None if observed is None else observed.group.get(_group_path(group, key, value))
+    if verdict == HOST_READ:
+        return Decision(HOST, "probe")  # the step reads it on the host: on the device each read is a sync
+    if verdict == NEEDS_DEVICE:
+        return Decision(device, "probe")
+    # NOTE: torch never moves a group's tensors: a fresh optimizer keeps them where they were given (on the
+    # host in torch's own tests and docs; a CUDA-graph user may give a device lr on purpose). Where the step
+    # works alike either way, the tensor stays on its side: on the host, or with the params on their device.
+    return Decision(HOST if value.device.type == "cpu" else device, "rule" if observed is None else "probe")
+
+
+def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tuple:
+    """``(key, None)`` for ``group[key]`` itself, ``(key, i)`` for ``group[key][i]`` (found by identity)."""
+    entry = group.get(key)
+    if isinstance(entry, (list, tuple)):
+        for i, v in enumerate(entry):
+            if v is value:
+                return (key, i)
+    return (key, None)
+
+
 def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a policy registered for this optimizer's class (or a base class) decides its entries."""
     return any(base in _registry for base in type(optimizer).__mro__)
@@ -338,5 +290,5 @@ def rule_source(optimizer: torch.optim.Optimizer) -> str:
     for base in type(optimizer).__mro__:
         if base in _registry:
             return "registered"
-    return "torch.optim" if _builtin_base(type(optimizer)) is not None else "default"
+    return "torch.optim" if builtin_base(type(optimizer)) is not None else "default"
 

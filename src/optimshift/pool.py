@@ -1,12 +1,13 @@
-"""A persistent pool of host buffers (pinned when CUDA is present) reused across offload/reload cycles.
+"""A persistent pool of host buffers (pinned where the accelerator can pin) reused across offload/reload cycles.
 
 Allocating pinned memory is slow (it maps and locks pages) and DeepSpeed's ZeRO-1/2 offload pays it on every
 offload. optimshift keeps the buffers: offloaded state lives in pool buffers until it is reloaded, then the
 buffers go back to the pool for the next cycle, so a steady offload/reload loop allocates no new host memory.
 ``optimshift.host_pool.release_idle()`` frees what is idle; ``stats()`` counts allocations and reuses.
 
-A buffer whose contents a copy still in flight reads or writes is held with that copy's event and is reused
-only once the event has completed. A buffer that something still looks into (a ``state_dict()`` taken while
+A buffer whose contents a copy still in flight reads or writes is held with that copy's event (the device's
+own event object, see :mod:`optimshift._streams`) and is reused only once the event has completed: ``acquire``
+prefers idle buffers whose event is already complete, and otherwise waits for the event before handing it out. A buffer that something still looks into (a ``state_dict()`` taken while
 the state was offloaded, a kept reference to an offloaded tensor) is never handed out again: its storage's
 use count says so, and the pool allocates a new buffer instead of overwriting what someone still holds.
 """
@@ -39,7 +40,8 @@ class PoolStats:
 
 
 class HostPool:
-    """Host byte buffers by size; pinned ones only when CUDA is available (see the module docstring)."""
+    """Host byte buffers by size; pinned ones only where the accelerator pins host memory (see the module
+    docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -57,10 +59,13 @@ class HostPool:
         nbytes = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
         with self._lock:
             best = None
-            for i, (buf, is_pinned, _) in enumerate(self._idle):
+            best_key: tuple[bool, int] = (True, 0)
+            for i, (buf, is_pinned, pending) in enumerate(self._idle):
                 if nbytes <= buf.numel() <= 2 * nbytes and is_pinned == pinned and not self._viewed(buf):
-                    if best is None or buf.numel() < self._idle[best][0].numel():
-                        best = i
+                    # the smallest fitting buffer, one that no copy in flight still uses first
+                    key = (pending is not None and not pending.query(), buf.numel())
+                    if best is None or key < best_key:
+                        best, best_key = i, key
             found: Optional[torch.Tensor] = None
             event: Optional[Any] = None
             if best is not None:

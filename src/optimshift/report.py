@@ -9,7 +9,7 @@ import torch
 
 from ._dtensor import local_tensor
 
-__all__ = ["Finding", "Report", "PlacementRow", "format_table", "SYNC_COST"]
+__all__ = ["Finding", "Report", "PlacementRow", "format_table", "SYNC_COST", "sync_cost"]
 
 # Host syncs per param per step caused by one 0-dim state tensor that this torch reads on the host being kept
 # on an accelerator instead, as (single-tensor implementation, foreach implementation). Measured on the
@@ -28,6 +28,19 @@ SYNC_COST: dict[tuple[str, str], tuple[int, int]] = {
     ("Rprop", "step"): (0, 0),
     ("Adafactor", "step"): (3, 5),
 }
+
+
+def sync_cost(cls: Optional[type], name: str, key: str, foreach: Optional[bool], on_device: bool) -> Optional[int]:
+    """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, for the class (its
+    torch.optim base, else ``name``); ``foreach=None`` is torch's default: foreach for accelerator params.
+    None where nothing was measured."""
+    from .policy import builtin_base
+
+    base = builtin_base(cls) if cls is not None else None
+    costs = SYNC_COST.get((base.__name__ if base else name, key))  # (single-tensor, foreach)
+    if costs is None:
+        return None
+    return costs[1 if (on_device if foreach is None else bool(foreach)) else 0]
 
 
 @dataclass(frozen=True)

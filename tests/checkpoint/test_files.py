@@ -1,15 +1,12 @@
-"""Checkpoint files: atomic saves (SIGKILL at random moments), loads that never run code from the file, clear
-errors for truncated and foreign files, and the optimizer state found inside the files users have."""
+"""Checkpoint files: atomic saves, loads that never run code from the file, clear errors for truncated and
+foreign files, and the optimizer state found inside the files users have. (SIGKILLs mid-save and the
+temporaries they leave: test_stray_temps.py.)"""
 
 from __future__ import annotations
 
 import os
 import pickle
-import random
-import signal
 import stat
-import sys
-import time
 
 import pytest
 import torch
@@ -167,8 +164,8 @@ def test_code_executing_pickle_is_refused(tmp_path, fmt):
         optimshift.load(path)
     assert not victim.exists(), "nothing from the file may run"
     message = str(info.value)
-    assert "open" in message and "nothing was executed" in message and "safe_globals" in message
-    assert "weights_only=False" in message
+    assert "open" in message and "nothing was executed" in message and "can run code" in message
+    assert "allow-global" not in message and "safe_globals" not in message, "never suggest allowing open()"
     assert any("open" in g for g in info.value.globals)
 
 
@@ -199,48 +196,3 @@ def test_truncated_and_foreign_files(tmp_path):
         optimshift.load(tmp_path / "nope.pt")
     with pytest.raises(IsADirectoryError, match="is a directory"):
         optimshift.load(tmp_path)
-
-
-def _child_saves_forever(path, objects, ready_fd):
-    os.write(ready_fd, b"r")
-    i = 0
-    while True:
-        optimshift.save(objects[i % 2], path)
-        i += 1
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_sigkill_while_saving_leaves_old_or_new(tmp_path):
-    """Kill a process that saves A and B over one path in a loop, at 24 random moments: the path always
-    loads as A or B (never torn), whatever the moment."""
-    path = tmp_path / "ck.pt"
-    versions = [{"version": v, "blob": torch.full((256 * 1024,), float(v))} for v in (1, 2)]  # 1 MiB each
-    optimshift.save(versions[0], path)
-    start = time.perf_counter()
-    optimshift.save(versions[1], path)
-    one_save = time.perf_counter() - start
-    rng = random.Random(1234)
-    seen = set()
-    for _ in range(24):
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: save until killed
-            try:
-                os.close(read_fd)
-                _child_saves_forever(str(path), versions, write_fd)
-            finally:
-                os._exit(0)
-        os.close(write_fd)
-        os.read(read_fd, 1)
-        os.close(read_fd)
-        time.sleep(rng.uniform(0, 3 * one_save))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        loaded = optimshift.load(path, mmap=False)
-        assert loaded["version"] in (1, 2)
-        assert bitwise_equal(loaded["blob"], versions[loaded["version"] - 1]["blob"])
-        seen.add(loaded["version"])
-    leftovers = [p.name for p in tmp_path.iterdir() if p != path]
-    assert all(n.startswith(".ck.pt.") and n.endswith(".tmp") for n in leftovers), leftovers
-    print(f"one save {one_save * 1e3:.1f} ms; versions seen {sorted(seen)}; {len(leftovers)} temp files left",
-          file=sys.stderr)

@@ -159,26 +159,75 @@ def test_namedtuple_in_state_is_rebuilt(sim):
 
 
 def test_dtype_is_kept_unless_cast_param():
-    # fp32 optimizer state for bf16 params (mixed precision keeps the moments in fp32).
+    # fp32 optimizer state for bf16 params (mixed precision keeps the momentum in fp32): SGD steps with it.
     p = torch.nn.Parameter(torch.randn(4, 3))
-    opt = O.Adam([p], foreach=False)
+    opt = O.SGD([p], lr=0.1, momentum=0.9, foreach=False)
     p.grad = torch.randn(4, 3)
     opt.step()
     sd = opt.state_dict()
-    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"] + 1e-3  # bits that bf16 cannot hold
+    sd["state"][0]["momentum_buffer"] = sd["state"][0]["momentum_buffer"] + 1e-3  # bits that bf16 cannot hold
 
     def bf16():
-        return O.Adam([torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))], foreach=False)
+        return O.SGD([torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))], lr=0.1, momentum=0.9,
+                     foreach=False)
 
     theirs, ours, cast = bf16(), bf16(), bf16()
     theirs.load_state_dict(sd)
     optimshift.load_state_dict(ours, sd)
     optimshift.load_state_dict(cast, sd, cast="param")
-    saved = sd["state"][0]["exp_avg"]
-    assert list(theirs.state.values())[0]["exp_avg"].dtype == torch.bfloat16  # PyTorch casts: values lost
-    got = list(ours.state.values())[0]["exp_avg"]
+    saved = sd["state"][0]["momentum_buffer"]
+    assert list(theirs.state.values())[0]["momentum_buffer"].dtype == torch.bfloat16  # PyTorch casts: values lost
+    got = list(ours.state.values())[0]["momentum_buffer"]
     assert got.dtype == torch.float32 and bitwise_equal(got, saved)
     assert bitwise_equal(_state(cast), _state(theirs))  # cast="param" is PyTorch's behaviour, bit for bit
+    q = ours.param_groups[0]["params"][0]
+    q.grad = torch.ones_like(q)
+    ours.step()  # kept because the step accepts it
+    assert got.dtype == torch.float32
+
+
+def _fp64_adam_checkpoint(cls=O.Adam, **kwargs):
+    p = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    opt = cls([p], **kwargs)
+    p.grad = torch.randn(4, 3, dtype=torch.float64)
+    opt.step()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"foreach": True}, {"fused": True}],
+                         ids=["single", "foreach", "fused"])
+def test_a_dtype_the_step_would_reject_fails_the_load_before_anything_changes(kwargs):
+    """float64 moments kept (cast=None) for float32 params: Adam's next step() would raise (lerp_ wants the
+    moments in the grad's dtype). The load fails first, naming the key and both dtypes and the fix."""
+    sd = _fp64_adam_checkpoint(**kwargs)
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = O.Adam([p], **kwargs)
+    p.grad = torch.randn(4, 3)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    objects = dict(opt.state[p])
+    groups = opt.param_groups
+    with pytest.raises(ValueError) as raised:
+        optimshift.load_state_dict(opt, sd)
+    message = str(raised.value)
+    assert "group 0, param 0" in message and "'exp_avg'" in message
+    assert "float64" in message and "float32" in message and "cast='param'" in message
+    assert opt.param_groups is groups and all(opt.state[p][k] is v for k, v in objects.items())
+    assert bitwise_equal(dict(opt.state[p]), before)
+    optimshift.load_state_dict(opt, sd, cast="param")  # the suggested fix loads, and the optimizer steps
+    assert opt.state[p]["exp_avg"].dtype == torch.float32
+    opt.step()
+
+
+def test_a_dtype_the_step_accepts_is_kept():
+    """SGD's step takes float64 momentum for float32 params (in-place ops cast into the param): kept as saved."""
+    sd = _fp64_adam_checkpoint(O.SGD, lr=0.1, momentum=0.9)
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = O.SGD([p], lr=0.1, momentum=0.9)
+    optimshift.load_state_dict(opt, sd)
+    assert opt.state[p]["momentum_buffer"].dtype == torch.float64
+    p.grad = torch.randn(4, 3)
+    opt.step()
 
 
 def test_nadam_mu_product_stays_on_host(sim):
@@ -416,11 +465,15 @@ def test_bad_arguments(kwargs, exc, match):
 
 
 def test_setstate_failure_rolls_back():
+    class Fussy(O.Adam):
+        def __setstate__(self, state):  # a class fix-up that fails after Adam's has changed the optimizer
+            super().__setstate__(state)
+            raise KeyError("step")
+
     sd = _adam().state_dict()
-    del sd["state"][0]["step"]  # Adam.__setstate__ reads state["step"] of every param with state
-    target = _adam()
+    target = Fussy([torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))], foreach=False)
     before = _fingerprint(target)
-    with pytest.raises(ValueError, match=r"Adam.__setstate__ rejected the loaded state \(KeyError: 'step'\); "
+    with pytest.raises(ValueError, match=r"Fussy.__setstate__ rejected the loaded state \(KeyError: 'step'\); "
                                          r"the optimizer is unchanged"):
         optimshift.load_state_dict(target, sd)
     assert _fingerprint(target) == before

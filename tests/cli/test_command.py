@@ -17,7 +17,7 @@ def test_help_explains_every_command(capsys):
         assert command in out
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])
-    assert "Lightning #19955" in capsys.readouterr().out
+    assert "Lightning issue #19955" in " ".join(capsys.readouterr().out.split())
 
 
 def test_demo_shows_the_bug_and_the_fix(sim, capsys):

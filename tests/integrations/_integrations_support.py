@@ -1,5 +1,5 @@
-"""Shared by the integration tests: placement layouts, fresh-optimizer references, bitwise snapshots, and
-Lightning/Fabric accelerators for the simulated device."""
+"""Shared by the integration tests: placement layouts, fresh-optimizer references and bitwise snapshots.
+(The Lightning strategies and the Accelerate recipe for the simulated device ship in optimshift.testing.)"""
 
 from __future__ import annotations
 
@@ -74,36 +74,3 @@ def count_step_syncs(params: list[torch.Tensor], optimizer: Any, seed: int) -> i
     with optimshift.count_syncs() as syncs:
         optimizer.step()
     return syncs.total
-
-
-def _accelerator_methods(index: int) -> dict:
-    device = torch.device("sim", index)
-    return {
-        "setup_device": lambda self, d: None,
-        "teardown": lambda self: None,
-        "get_device_stats": lambda self, d: {},
-        "parse_devices": staticmethod(lambda devices: devices),
-        "get_parallel_devices": staticmethod(lambda devices: [device]),
-        "auto_device_count": staticmethod(lambda: 1),
-        "is_available": staticmethod(lambda: True),
-        "name": staticmethod(lambda: "sim"),
-        "register_accelerators": classmethod(lambda cls, registry: None),
-    }
-
-
-def lightning_strategy(device: torch.device, strategy_cls: Any = None) -> Any:
-    """A Lightning (Trainer) single-device strategy whose root device is ``device`` (the simulated one)."""
-    from lightning.pytorch.accelerators import Accelerator
-    from lightning.pytorch.strategies import SingleDeviceStrategy
-
-    accelerator = type("SimAccelerator", (Accelerator,), _accelerator_methods(device.index or 0))()
-    return (strategy_cls or SingleDeviceStrategy)(device=device, accelerator=accelerator)
-
-
-def fabric_strategy(device: torch.device) -> Any:
-    """A Fabric single-device strategy whose root device is ``device``."""
-    from lightning.fabric.accelerators import Accelerator
-    from lightning.fabric.strategies import SingleDeviceStrategy
-
-    accelerator = type("SimAccelerator", (Accelerator,), _accelerator_methods(device.index or 0))()
-    return SingleDeviceStrategy(device=device, accelerator=accelerator)

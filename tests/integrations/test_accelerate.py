@@ -8,6 +8,8 @@ ones, after one step. Each Accelerate bug gets a test that shows it unpatched an
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -23,7 +25,8 @@ from _integrations_support import (
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from optimshift.testing.accelerate import on_device  # noqa: E402
 
 import optimshift.integrations.accelerate as osa  # noqa: E402
 
@@ -42,20 +45,17 @@ HOST_CONFIGS = [c for c in CONFIGS if "capturable" not in c]
 
 
 @pytest.fixture
-def accelerator_on(monkeypatch):
-    """``accelerator_on(device)``: a fresh ``Accelerator`` whose device is ``device``."""
+def accelerator_on():
+    """``accelerator_on(device)``: a fresh ``Accelerator`` whose device is ``device`` (optimshift.testing's recipe)."""
+    with contextlib.ExitStack() as blocks:
 
-    def make(device: torch.device) -> Accelerator:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", str(device))
-        accelerator = Accelerator()
-        assert accelerator.device == device
-        return accelerator
+        def make(device: torch.device) -> Accelerator:
+            blocks.enter_context(on_device(device))
+            accelerator = Accelerator()
+            assert accelerator.device == device
+            return accelerator
 
-    yield make
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+        yield make
 
 
 def _model() -> torch.nn.Module:
@@ -240,18 +240,22 @@ def test_device_placement_false_is_left_alone(sim, accelerator_on, accelerate_pa
 @pytest.mark.parametrize("patched", [False, True])
 def test_load_state_dict_keeps_dtypes_and_strings_when_patched(sim, accelerator_on, accelerate_patch, patched):
     """Through AcceleratedOptimizer.load_state_dict, PyTorch's load casts fp32 state to bf16 params and turns a
-    string in state into the text of a generator; the patch loads with optimshift.load_state_dict instead."""
+    string in state into the text of a generator; the patch loads with optimshift.load_state_dict instead, which
+    keeps SGD's fp32 momentum (its step takes it with bf16 params)."""
     accelerate_patch(patched)
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
-    opt = torch.optim.Adam(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _, prepared = accelerator_on(sim).prepare(model, opt)
-    sd = {"state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.ones(2, 3), "exp_avg_sq": torch.ones(2, 3),
-                        "note": "warm"}},
+    sd = {"state": {0: {"momentum_buffer": torch.ones(2, 3), "note": "warm"}},
           "param_groups": [{**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": [0, 1]}]}
     prepared.load_state_dict(sd)
-    state = opt.state[next(iter(model.parameters()))]
+    weight = next(iter(model.parameters()))
+    state = opt.state[weight]
     if patched:
-        assert state["exp_avg"].dtype == torch.float32 and state["note"] == "warm"
-        assert state["exp_avg"].device == sim and state["step"].device.type == "cpu"
+        assert state["momentum_buffer"].dtype == torch.float32 and state["note"] == "warm"
+        assert state["momentum_buffer"].device == sim
+        weight.grad = torch.ones_like(weight)
+        opt.step()  # the kept dtype is one the step accepts
+        assert state["momentum_buffer"].dtype == torch.float32
     else:
-        assert state["exp_avg"].dtype == torch.bfloat16 and state["note"] != "warm"
+        assert state["momentum_buffer"].dtype == torch.bfloat16 and state["note"] != "warm"

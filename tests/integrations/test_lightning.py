@@ -20,15 +20,15 @@ from _integrations_support import (
     bitwise_same,
     count_step_syncs,
     devices,
-    fabric_strategy,
     fresh_layout,
     layout,
-    lightning_strategy,
     snapshot,
     step_with_grads,
 )
 
 pl = pytest.importorskip("lightning.pytorch")
+from optimshift.testing.lightning import fabric_strategy  # noqa: E402
+from optimshift.testing.lightning import strategy as lightning_strategy  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 
@@ -600,21 +600,21 @@ def test_patch_leaves_a_users_own_alias_of_the_helper_alone(lightning_patch):
 @pytest.mark.parametrize("patched", [False, True])
 def test_restore_keeps_fp32_state_and_strings_when_patched(sim, lightning_patch, patched):
     """fit(ckpt_path=...) restores through Strategy.load_optimizer_state_dict: PyTorch's load casts fp32 state
-    to bf16 params and mangles a string in state; patched, it is optimshift.load_state_dict."""
+    to bf16 params and mangles a string in state; patched, it is optimshift.load_state_dict, which keeps SGD's
+    fp32 momentum (its step takes it with bf16 params)."""
     lightning_patch(patched)
     params = [torch.nn.Parameter(torch.zeros(2, 3, device=sim, dtype=torch.bfloat16))]
-    opt = torch.optim.Adam(params)
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-    saved = {"state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.full((2, 3), 0.1),
-                           "exp_avg_sq": torch.full((2, 3), 0.01), "note": "warm"}},
+    saved = {"state": {0: {"momentum_buffer": torch.full((2, 3), 0.1), "note": "warm"}},
              "param_groups": [{**group, "params": [0]}]}
     strategy = lightning_strategy(sim)
     strategy.optimizers = [opt]
     strategy.load_optimizer_state_dict({"optimizer_states": [saved]})
     state = opt.state[params[0]]
-    assert state["exp_avg"].device == sim and state["step"].device.type == "cpu"
+    assert state["momentum_buffer"].device == sim
     if patched:
-        assert state["exp_avg"].dtype == torch.float32 and state["note"] == "warm"
-        assert torch.equal(state["exp_avg"].cpu(), torch.full((2, 3), 0.1))
+        assert state["momentum_buffer"].dtype == torch.float32 and state["note"] == "warm"
+        assert torch.equal(state["momentum_buffer"].cpu(), torch.full((2, 3), 0.1))
     else:
-        assert state["exp_avg"].dtype == torch.bfloat16 and state["note"] != "warm"
+        assert state["momentum_buffer"].dtype == torch.bfloat16 and state["note"] != "warm"

@@ -14,6 +14,9 @@ HEAVY = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "py
     "import optimshift.integrations",
     "import optimshift.integrations.third_party",
     "from optimshift.integrations import _common",
+    "import optimshift.testing",
+    "import optimshift.testing.accelerate",
+    "import optimshift.cli, optimshift.cli._inspect, optimshift.checkpoint._folders",
 ])
 def test_importing_optimshift_imports_no_framework(statement):
     code = (
@@ -35,3 +38,21 @@ def test_the_framework_modules_do_import_their_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"], "the module imports Accelerate only when patch() runs"
+
+
+def test_third_party_register_warns_without_its_library():
+    """register() with pytorch_optimizer missing: a warning that says so, instead of a silent empty list."""
+    code = (
+        "import sys, warnings\nsys.modules['pytorch_optimizer'] = None\n"
+        "import optimshift.integrations.third_party as tp\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(tp.register())\n"
+        "print([str(w.message) for w in caught])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    registered, messages = out.stdout.splitlines()
+    assert registered == "[]"
+    assert "pytorch_optimizer is not installed, so no policy was registered (pip install pytorch-optimizer)" \
+        in messages

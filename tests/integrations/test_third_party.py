@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 from collections import deque
 from typing import Any
 
@@ -250,7 +251,9 @@ def test_register_is_idempotent_and_unregister_restores():
     from pytorch_optimizer.optimizer.madgrad import MADGRAD
 
     third_party.register()
-    assert third_party.register() == [AliG, MADGRAD]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # installed: no warning
+        assert third_party.register() == [AliG, MADGRAD]
     assert policy.rule_source(AliG.__new__(AliG)) == "registered"
     third_party.unregister()
     assert policy.rule_source(AliG.__new__(AliG)) == "default"

@@ -363,6 +363,40 @@ def test_rule2_fused_kernels_reject_cpu_tensors(sim0):
     assert torch.all(p.cpu() < 0)
 
 
+def test_rule2_fused_kernels_take_a_host_lr_as_cuda_does(sim0, sim1):
+    """CUDA's (XPU's, MPS's) fused kernels accept a one-element host `lr` tensor and read it with .item(); every
+    other tensor must be on the params' device. Results equal the host's fused kernel bit for bit."""
+    hyper = dict(beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+
+    def adam(device, lr, step_device=None):
+        p, g = torch.full((3,), 0.5, device=device), torch.full((3,), 0.25, device=device)
+        m, v = torch.zeros(3, device=device), torch.zeros(3, device=device)
+        step = torch.tensor(1.0, device=step_device or device)
+        torch._fused_adam_([p], [g], [m], [v], [], [step], lr=lr, **hyper)
+        return p.cpu(), m.cpu()
+
+    for lr in (torch.tensor(1e-2), torch.tensor([1e-2])):
+        got, want = adam(sim0, lr), adam(torch.device("cpu"), torch.tensor(1e-2))
+        assert_bitwise(got[0], want[0])
+        assert_bitwise(got[1], want[1])
+    with pytest.raises(RuntimeError, match="_fused_adam_.*CPU tensor"):
+        adam(sim0, torch.tensor(1e-2), step_device=torch.device("cpu"))  # a host step: still refused
+    with pytest.raises(RuntimeError, match="_fused_adam_.*CPU tensor"):
+        adam(sim0, torch.tensor([1e-2, 1e-2]))  # not one element: not an lr CUDA could read
+    with pytest.raises(RuntimeError, match="two devices"):
+        adam(sim0, torch.tensor(1e-2, device=sim1))  # lr on another device of the kind
+    p, g, buf = torch.ones(3, device=sim0), torch.ones(3, device=sim0), torch.zeros(3, device=sim0)
+    torch._fused_sgd_([p], [g], [buf], weight_decay=0.0, momentum=0.9, lr=torch.tensor(0.5), dampening=0.0,
+                      nesterov=False, maximize=False, is_first_step=True)
+    assert_bitwise(p.cpu(), torch.full((3,), 0.5))
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad):
+        model = nn.Linear(4, 2).to(sim0)
+        opt = cls(model.parameters(), lr=torch.tensor(1e-2), fused=True)
+        model(torch.randn(3, 4, device=sim0)).sum().backward()
+        opt.step()
+        assert opt.param_groups[0]["lr"].device.type == "cpu"
+
+
 def test_rule2_fused_adam_with_cpu_step_raises_through_optimizer(sim0):
     model = nn.Linear(4, 2).to(sim0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)

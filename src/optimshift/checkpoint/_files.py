@@ -1,24 +1,32 @@
 """Checkpoint files: atomic saves, safe loads, and finding the optimizer state inside the files users have.
 
 :func:`save` never leaves a torn file (a temporary file in the same folder, fsynced, then renamed over the
-target). :func:`load` always uses ``weights_only=True``: a pickle that would import or call code is refused
-before anything runs, and truncated or foreign files get an error that says so. Neither moves a tensor:
-:func:`optimshift.load_state_dict` places optimizer state where a fresh optimizer would keep it.
+target) and removes the temporaries that killed saves left (``_atomic``). :func:`load` always uses
+``weights_only=True``: a pickle that would import or call code is refused before anything runs
+(:class:`UnsafeCheckpointError`); every other file it cannot read, whatever broke inside torch.load, is a
+:class:`CheckpointError` that says so, and with mmap every storage is checked against its record first
+(``_records``). Neither moves a tensor: :func:`optimshift.load_state_dict` places optimizer state where a fresh
+optimizer would keep it.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import io
 import os
 import pickle
 import re
-import secrets
 import stat
+import sys
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Iterator, Mapping, Optional, Union
+from typing import IO, Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
+
+from .._state import unwrap
+
+from . import _atomic, _records
 
 __all__ = [
     "save",
@@ -76,6 +84,14 @@ def is_optimizer_state_dict(obj: Any) -> bool:
         and isinstance(groups, (list, tuple))
         and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups)
     )
+
+
+def stringified_ids(state_keys: Iterable[Any], ids: Iterable[Any]) -> list[str]:
+    """The keys of ``state`` that are the text of a param id the groups list (``"0"`` for ``0``): what a JSON
+    round trip makes of an optimizer state dict. ``Optimizer.load_state_dict`` takes them for optimizer-wide
+    entries and drops every param's state."""
+    texts = {str(i) for i in ids if type(i) is int}  # the ids PyTorch writes; JSON makes "0" of 0
+    return [k for k in state_keys if isinstance(k, str) and k in texts] if texts else []
 
 
 @dataclass(frozen=True)
@@ -136,19 +152,36 @@ def find_optimizer_states(obj: Any, *, max_depth: int = 4) -> list[FoundOptimize
     return found
 
 
+# NOTE: an expanded view (stride 0) has more elements than its storage holds, and copying or casting it
+# materialises them all: a file of a few KB can ask for GiBs that way. Past this slack such tensors are refused.
+_EXPANSION_SLACK = 1 << 20  # bytes
+
+
+def overexpanded(t: torch.Tensor) -> Optional[str]:
+    """Why copying ``t`` would allocate far more than its storage holds (an expanded view), else None.
+
+    Plain tensors only: a wrapper subclass (a DTensor) describes a global shape over a local storage."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.layout != torch.strided:
+        return None
+    need = t.numel() * t.element_size()
+    if need <= _EXPANSION_SLACK:  # the common case, decided without touching the storage
+        return None
+    try:
+        storage = t.untyped_storage().nbytes()
+    except Exception:
+        return None
+    if need <= 2 * storage + _EXPANSION_SLACK:
+        return None
+    return (f"a tensor of shape {tuple(t.shape)} ({need} bytes once copied) is a view of a storage of {storage} "
+            f"bytes (strides {tuple(t.stride())})")
+
+
 # --- saving ------------------------------------------------------------------------------------------------
 
 
 def _wrapped_optimizer(obj: Any) -> Optional[Any]:
     """The ``torch.optim.Optimizer`` that ``obj`` is or delegates to (for recording its class), else None."""
-    inner = obj
-    for _ in range(8):
-        nxt = getattr(inner, "optimizer", None)
-        delegates = getattr(inner, "param_groups", None) is getattr(nxt, "param_groups", ())
-        if isinstance(nxt, torch.optim.Optimizer) and nxt is not inner and delegates:
-            inner = nxt
-            continue
-        break
+    inner = unwrap(obj)
     return inner if isinstance(inner, torch.optim.Optimizer) else None
 
 
@@ -160,7 +193,7 @@ def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     sd = optimizer.state_dict()
     cls = type(inner)
-    from .. import __version__
+    from .._version import __version__
 
     return {**sd, META_KEY: {"format": _FORMAT, "class": cls.__qualname__, "module": cls.__module__,
                              "optimshift": __version__}}
@@ -204,42 +237,34 @@ def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = 
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"save: folder {folder} does not exist")
     payload = _prepare(obj)
-    # A hidden temporary in the same folder (same filesystem, so the rename is atomic). O_EXCL with mode
-    # 0o666 lets the umask decide the permissions, as for any new file.
-    tmp = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    # A hidden, locked temporary in the same folder (same filesystem, so the rename is atomic); first remove
+    # the temporaries that killed saves to this destination left behind.
+    _atomic.sweep(target)
+    fd, tmp = _atomic.create_temp(target)
     try:
         try:  # replacing a file: keep its permissions (a 0600 checkpoint stays private)
             os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
         except FileNotFoundError:
             pass
-        with os.fdopen(fd, "wb") as raw:
+        with os.fdopen(fd, "wb") as raw:  # closing it releases the lock, after the rename
             sink: IO[bytes] = raw if progress is None else _Counting(raw, progress)  # type: ignore[assignment]
-            torch.save(payload, sink)
+            try:
+                torch.save(payload, sink)
+            except RecursionError:
+                raise ValueError(f"save: {target}: the object is nested too deeply to pickle (more than "
+                                 f"{sys.getrecursionlimit()} levels); nothing was written") from None
             raw.flush()
             os.fsync(raw.fileno())
-        os.replace(tmp, target)
+            os.replace(tmp, target)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: str) -> None:
-    """Make the rename durable (POSIX); a no-op where folders cannot be opened (Windows)."""
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
     finally:
-        os.close(dfd)
+        _atomic.release_temp(tmp)
+    _atomic.fsync_dir(folder)
 
 
 class _Counting(io.RawIOBase):
@@ -305,19 +330,236 @@ def _sniff(path: str) -> str:
     raise CheckpointError(f"{path} is not a PyTorch checkpoint (it starts with {head[:16]!r})")
 
 
-_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+) (?:was not an allowed global|whose module)")
+# A global the weights-only unpickler refused, as its messages name it (builtins lose their module there).
+_GLOBAL_RE = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+# Globals that run code or commands, reach the filesystem or the network, or call arbitrary functions: what a
+# malicious pickle names. No checkpoint needs them, so no message may suggest allowing one.
+_CODE_MODULES = frozenset({
+    "os", "posix", "nt", "posixpath", "ntpath", "subprocess", "_posixsubprocess", "sys", "shutil", "socket",
+    "select", "importlib", "runpy", "pickle", "_pickle", "pickletools", "marshal", "shelve", "dill", "cloudpickle",
+    "ctypes", "_ctypes", "code", "codeop", "pty", "tty", "multiprocessing", "concurrent", "threading", "_thread",
+    "signal", "webbrowser", "pdb", "bdb", "timeit", "trace", "profile", "cProfile", "asyncio", "platform",
+    "tempfile", "io", "_io", "pathlib", "glob", "fileinput", "operator", "_operator", "functools", "types",
+    "inspect", "gc", "weakref", "urllib", "http", "ftplib", "smtplib", "telnetlib", "zipimport", "pkgutil",
+    "site", "sysconfig", "commands", "popen2", "mmap", "fcntl", "resource",
+})
+# The builtins a data file may legitimately name (containers and numbers); every other builtin can run code.
+_HARMLESS_BUILTINS = frozenset({"set", "frozenset", "slice", "complex", "range", "bytearray", "bytes", "int",
+                                "float", "str", "list", "tuple", "dict", "bool"})
+
+
+def _normalize_global(name: str) -> str:
+    return name if "." in name else f"builtins.{name}"  # torch's message drops the "builtins." prefix
+
+
+def runs_code(name: str) -> bool:
+    """Whether the global ``name`` (``"os.system"``) can run code, reach files or call arbitrary functions."""
+    module, _, attr = _normalize_global(name).rpartition(".")
+    root = module.split(".", 1)[0]
+    if root in ("builtins", "__builtin__"):
+        return attr not in _HARMLESS_BUILTINS
+    return root in _CODE_MODULES
+
+
+def _global_exists(name: str) -> Optional[bool]:
+    """Whether ``name`` names something installed, judged without importing anything: ``False`` if its top-level
+    module cannot be found, or its module is imported and lacks it; ``None`` when that cannot be told."""
+    module, _, attr = name.rpartition(".")
+    root = module.split(".", 1)[0]
+    try:
+        if root not in sys.modules and importlib.util.find_spec(root) is None:
+            return False
+    except (ImportError, ValueError):
+        return False
+    loaded = sys.modules.get(module)
+    if loaded is None:
+        return None
+    return hasattr(loaded, attr)
 
 
 def _unsafe_globals(path: str, message: str) -> list[str]:
-    names: list[str] = []
+    """The globals ``message`` (a weights-only refusal) names, plus any others the pickle names; only
+    well-formed dotted names. Empty when the refusal was not about a global."""
+    named = [_normalize_global(n) for n in _GLOBAL_RE.findall(message)]
+    if not named:
+        return []
     try:
-        names = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))  # reads, never executes
+        listed = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))  # reads, never executes
     except Exception:
-        names = []
-    for name in _GLOBAL_RE.findall(message):
-        if name not in names:
+        listed = _legacy_unsafe_globals(path)  # torch reads only zip files
+    names: list[str] = []
+    for name in named + [_normalize_global(n) for n in listed if isinstance(n, str)]:
+        if _DOTTED.fullmatch(name) and name not in names:
             names.append(name)
     return names
+
+
+def _legacy_unsafe_globals(path: str) -> list[str]:
+    """The globals a legacy-format (or plain pickle) file names that weights-only loading does not allow,
+    read from its opcodes: nothing is imported or executed. Empty when they cannot be read."""
+    import pickletools
+
+    from torch import _weights_only_unpickler as wou
+
+    try:
+        allowed = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+    except Exception:
+        return []
+    found: list[str] = []
+    with open(path, "rb") as f:
+        # NOTE: a legacy file is a few pickles back to back (magic number, protocol, system info, the object,
+        # its storage keys), then raw storage bytes; a plain pickle is one. Read pickles until the bytes stop
+        # parsing as one.
+        for _ in range(5):
+            pushed: list[Optional[str]] = []  # what each op pushed: a string, or None for anything else
+            memo: dict[Any, Optional[str]] = {}
+            try:
+                for op, arg, _pos in pickletools.genops(f):
+                    top = pushed[-1] if pushed else None
+                    if op.name == "GLOBAL":
+                        found.append(str(arg).replace(" ", "."))
+                        pushed.append(None)
+                    elif op.name == "STACK_GLOBAL":
+                        if len(pushed) >= 2 and pushed[-2] is not None and pushed[-1] is not None:
+                            found.append(f"{pushed[-2]}.{pushed[-1]}")
+                        pushed.append(None)
+                    elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                        memo[arg] = top
+                    elif op.name == "MEMOIZE":
+                        memo[len(memo)] = top
+                    elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                        pushed.append(memo.get(arg))
+                    elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
+                        pushed.append(arg)
+                    else:
+                        pushed.append(None)
+            except Exception:
+                break
+    return list(dict.fromkeys(name for name in found if name not in allowed))
+
+
+def _allow_hint(names: list[str]) -> str:
+    """How to allow every global in ``names`` (all of them: allowing one only reveals the next)."""
+    if not names:
+        return ("If you trust the file and it names classes you expect (config objects), allow just them: "
+                "`with torch.serialization.safe_globals([SomeClass]): optimshift.load(path)` "
+                "(or `optimshift inspect/convert --allow-global module.SomeClass`).")
+    one = len(names) == 1
+    what = f"{names[0]} is a class you expect (a config object)" if one else "these are classes you expect"
+    flags = " ".join(f"--allow-global {n}" for n in names)
+    return (f"If you trust the file and {what}, allow just {'it' if one else 'them'}: "
+            f"`with torch.serialization.safe_globals([{', '.join(names)}]): optimshift.load(path)` "
+            f"(or `optimshift inspect/convert {flags}`).")
+
+
+def _first_line(message: str) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", message).strip()
+    return text.splitlines()[0].strip() if text else ""
+
+
+def _weights_only_reason(e: pickle.UnpicklingError) -> str:
+    """The weights-only unpickler's own message, without the advice torch.load wraps around it."""
+    inner = e.__context__
+    if isinstance(inner, pickle.UnpicklingError):
+        return _first_line(str(inner))
+    message = str(e)
+    for marker in ("WeightsUnpickler error: ", "\n\n"):
+        if marker in message:
+            return _first_line(message.rsplit(marker, 1)[1])
+    return _first_line(message)
+
+
+def _unsafe(p: str, names: list[str]) -> UnsafeCheckpointError:
+    named = ", ".join(names)
+    dangerous = [n for n in names if runs_code(n)]
+    if dangerous:
+        which = ", ".join(dangerous)
+        return UnsafeCheckpointError(
+            f"refused to load {p}: its pickle names {named}. {which} can run code or commands, which no "
+            f"checkpoint needs: this file is malicious or broken. Do not allow it and do not load it with "
+            f"weights_only=False; nothing was executed.",
+            names,
+        )
+    missing = [n for n in names if _global_exists(n) is False]
+    if missing:
+        return UnsafeCheckpointError(
+            f"refused to load {p}: its pickle names {named}, and no installed package provides "
+            f"{', '.join(missing)}: the file is corrupt, or needs a package this environment lacks; "
+            f"nothing was executed.",
+            names,
+        )
+    return UnsafeCheckpointError(
+        f"refused to load {p}: its pickle names {named}. Loading it would import and call that code "
+        f"(a checkpoint can run anything this way), and optimshift only loads with weights_only=True; "
+        f"nothing was executed. {_allow_hint(names)} Only for a file you fully trust: "
+        f"torch.load(path, weights_only=False).",
+        names,
+    )
+
+
+class _MapLocationFailure(Exception):
+    """Raised through torch.load when the caller's map_location itself fails (not the file's fault)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _guarded_map_location(map_location: Any, p: str) -> Any:
+    """``map_location`` for torch.load: a device (or a dict of them) is checked to exist first, so a missing
+    device is reported as such rather than as a broken file; a callable's own errors are passed through."""
+    if callable(map_location):
+        def call(storage: Any, location: str) -> Any:
+            try:
+                return map_location(storage, location)
+            except Exception as e:
+                raise _MapLocationFailure(e) from e
+
+        return call
+    targets = map_location.values() if isinstance(map_location, Mapping) else [map_location]
+    for target in targets:
+        if target is None:
+            continue
+        try:
+            torch.empty(0, device=target)
+        except Exception as e:
+            raise RuntimeError(f"load {p}: map_location {target!r} is not a device this machine can hold "
+                               f"tensors on ({_first_line(str(e))})") from None
+    return map_location
+
+
+def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
+    """What a failed ``torch.load`` of ``p`` (sniffed as ``kind``) raises instead: an UnsafeCheckpointError for a
+    global that is not allowed, a CheckpointError for anything else wrong with the file."""
+    plain = (f"{p} is a plain pickle (written by pickle.dump), not a torch.save checkpoint; "
+             f"optimshift only reads torch.save files")
+    if isinstance(e, pickle.UnpicklingError):
+        reason = _weights_only_reason(e)
+        names = _unsafe_globals(p, reason)
+        if names:
+            return _unsafe(p, names)
+        if kind == "pickle":
+            return CheckpointError(plain)
+        if "must be imported to load" in reason:
+            return CheckpointError(f"{p} cannot be loaded yet: {reason}; nothing was executed")
+        if "Unsupported operand" in reason and kind == "legacy":
+            return CheckpointError(
+                f"{p} is a legacy-format torch.save file (_use_new_zipfile_serialization=False) written with a "
+                f"pickle protocol that weights-only loading cannot read; nothing was executed. Re-save it in "
+                f"torch.save's default format (or, only if you fully trust it, torch.load(weights_only=False))."
+            )
+        return CheckpointError(f"{p} is corrupt: its pickle cannot be read ({reason}); nothing was executed")
+    if kind == "pickle":
+        return CheckpointError(plain)
+    if isinstance(e, RecursionError):
+        return CheckpointError(f"{p} is corrupt or hostile: its objects are nested too deeply to load")
+    if isinstance(e, MemoryError):
+        return CheckpointError(f"{p} asks for more memory than this machine has while loading (MemoryError): "
+                               f"it is corrupt, or too large to load without mmap=True")
+    first = _first_line(str(e)) or "unexpected end of file"
+    return CheckpointError(f"{p} is truncated or corrupt ({type(e).__name__}: {first})")
 
 
 def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any:
@@ -326,51 +568,46 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
     ``map_location="cpu"`` opens checkpoints saved on any device; ``mmap=True`` reads tensors lazily from
     the file (zip format; ignored for legacy files): the tensors stay backed by the file, so the file must not
     be rewritten in place while they are in use (:func:`save` never does: it renames a new file over it;
-    ``optimshift.load_state_dict`` copies by default). Refuses pickles that would import or call code
-    (:class:`UnsafeCheckpointError`) and truncated or foreign files (:class:`CheckpointError`).
+    ``optimshift.load_state_dict`` copies by default). Every storage is checked against the size of the record
+    that holds it before anything is returned, as ``mmap=False`` does.
+
+    Raises :class:`UnsafeCheckpointError` for a pickle that names a global weights-only loading does not allow
+    (nothing is imported or run), :class:`CheckpointError` for every other file that cannot be read (empty,
+    truncated, corrupt, another format); ``FileNotFoundError``/``PermissionError``/``IsADirectoryError`` for a
+    path that cannot be opened.
     """
     p = os.fspath(path)
     kind = _sniff(p)
-    plain = (f"{p} is a plain pickle (written by pickle.dump), not a torch.save checkpoint; "
-             f"optimshift only reads torch.save files")
+    use_mmap = mmap and kind == "zip"
+    where = _guarded_map_location(map_location, p)
+    obj = _torch_load(p, kind, where, use_mmap)
+    if use_mmap:
+        try:
+            _records.check_records(p)
+        except _records.RecordMismatch as e:
+            raise CheckpointError(f"{p} is corrupt: {e} (a record cut short or a size changed in its pickle); "
+                                  f"nothing was loaded") from None
+        except _records.Unverifiable:
+            # The sizes cannot be read without torch's unpickler: load eagerly, which checks every record.
+            del obj
+            obj = _torch_load(p, kind, where, False)
+    return obj
+
+
+def _torch_load(p: str, kind: str, map_location: Any, mmap: bool) -> Any:
     try:
-        return torch.load(p, map_location=map_location, mmap=mmap and kind == "zip", weights_only=True)
-    except pickle.UnpicklingError as e:
-        msg = str(e)
-        if "Unsupported operand" in msg and kind == "legacy":
-            raise CheckpointError(
-                f"{p} is a legacy-format torch.save file (_use_new_zipfile_serialization=False) written with a "
-                f"pickle protocol that weights-only loading cannot read; nothing was executed. Re-save it in "
-                f"torch.save's default format (or, only if you fully trust it, torch.load(weights_only=False))."
-            ) from None
-        refused = "Weights only load failed" in msg or "WeightsUnpickler" in msg
-        names = _unsafe_globals(p, msg) if refused else []
-        if not names and kind == "pickle":
-            raise CheckpointError(plain) from None
-        if not refused:
-            raise CheckpointError(f"{p} is corrupt: its pickle cannot be read ({msg.splitlines()[0]})") from None
-        named = ", ".join(names) if names else "objects that weights_only loading does not allow"
-        example = names[0] if names else "SomeClass"
-        raise UnsafeCheckpointError(
-            f"refused to load {p}: its pickle names {named}. Loading it would import and call that code "
-            f"(a checkpoint can run anything this way), and optimshift only loads with weights_only=True; "
-            f"nothing was executed. If you trust the file and {example} is a class you expect (a config "
-            f"object), allow just it: `with torch.serialization.safe_globals([{example}]): optimshift.load(path)` "
-            f"(or `optimshift inspect/convert --allow-global {example}`). Only for a file you fully trust: "
-            f"torch.load(path, weights_only=False).",
-            names,
-        ) from None
+        return torch.load(p, map_location=map_location, mmap=mmap, weights_only=True)
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
-    except (EOFError, OSError, RuntimeError, KeyError, ValueError, TypeError) as e:
-        if kind == "pickle":
-            raise CheckpointError(plain) from None
-        msg = str(e)
-        first = msg.splitlines()[0] if msg else "unexpected end of file"
-        if isinstance(e, (EOFError, OSError)) or any(
-                s in msg for s in ("PytorchStreamReader", "unexpected EOF", "corrupt", "magic number")):
-            raise CheckpointError(f"{p} is truncated or corrupt ({type(e).__name__}: {first})") from None
-        raise
+    except _MapLocationFailure as e:
+        raise e.error from None
+    except Exception as e:
+        cause = e.__context__
+        if isinstance(cause, _MapLocationFailure):
+            raise cause.error from None
+        if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
+            raise  # saved on a device this machine lacks, and no map_location: not the file's fault
+        raise _load_error(p, kind, e) from None
 
 
 def _load_recording(path: PathLike, *, mmap: bool = True) -> tuple[Any, dict[int, str]]:
@@ -405,6 +642,9 @@ def resolve_global(name: str) -> Any:
     module, _, attr = name.rpartition(".")
     if not module:
         raise ValueError(f"--allow-global expects a dotted name such as 'collections.OrderedDict', got {name!r}")
+    if runs_code(name):
+        raise ValueError(f"--allow-global {name}: refused; {name} can run code or commands, which no checkpoint "
+                         f"needs (a file that names it is malicious or broken)")
     try:
         obj: Any = importlib.import_module(module)
     except ImportError:
@@ -428,18 +668,3 @@ def resolve_global(name: str) -> Any:
         raise ValueError(f"--allow-global {name}: {module} has no {attr}") from None
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a loaded checkpoint (dicts, lists, tuples), each object once."""
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            if id(v) not in seen:
-                seen.add(id(v))
-                yield v
-        elif isinstance(v, (Mapping, list, tuple, set, frozenset)):
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            stack.extend(reversed(list(v.values() if isinstance(v, Mapping) else v)))

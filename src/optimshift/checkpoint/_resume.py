@@ -12,28 +12,32 @@ from __future__ import annotations
 
 import copy as _copy
 import inspect
+import numbers
+import os
 import threading
 import warnings
 from collections import defaultdict
-from typing import Any, Mapping, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 
 from .. import _mode
 from .. import engine
 from .._copy import copy_tensor
-from .._offload import prepare_discard
+from .._offload import exclusive, prepare_discard
 from .. import policy as _policy
+from .._dtypes import dtype_name, rejected_dtypes
 from .._devices import DeviceLike, resolve
-from .._state import _ATOMS, Setter, format_path, leaves, rebuild
+from .._state import (_ATOMS, IMPLEMENTATION_FLAGS, MAX_DEPTH, Setter, format_path, group_device, is_plain, leaves,
+                      param_label, param_name, rebuild, too_deep, unwrap)
 from ..plan import optimizer_name
+from . import _files
 
 __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
 Opt = TypeVar("Opt")
 
-IMPLEMENTATION_FLAGS = ("fused", "capturable", "foreach", "differentiable")
-"""Group entries that choose *how* a step is computed, not *what* it computes: ``flags="live"`` keeps them."""
 
 _FLAG_MODES = ("live", "checkpoint")
 _CAST_MODES = (None, "param")
@@ -64,11 +68,19 @@ def load_state_dict(
       ``differentiable`` stay as the live optimizer has them; ``"checkpoint"``: PyTorch's choice (all saved).
     - ``copy=True``: the optimizer never shares a tensor with ``state_dict``.
     - ``state_dict`` may also be a whole checkpoint holding exactly one optimizer state (a Lightning ``.ckpt``,
-      ``{"optimizer": ...}``, an :func:`optimshift.save` file); a recorded optimizer class is checked.
+      ``{"optimizer": ...}``, an :func:`optimshift.save` file); a recorded optimizer class is checked. A path
+      is read with :func:`optimshift.load` (errors then name the file too).
 
-    Everything is validated (class, group count, params per group, state shapes) and copied before the
-    optimizer changes: an error names the group, param index and key and leaves the optimizer untouched.
-    Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run as in PyTorch.
+    Everything is validated and copied before the optimizer changes: an error names the group, param index and
+    key and leaves the optimizer untouched. Checked: the class, the group count, the params per group, that
+    every key of ``state`` is a saved param id (text keys such as ``"0"``, left by a JSON round trip, are
+    refused, not taken for optimizer-wide entries; a torch.optim class keeps no optimizer-wide entries, other
+    classes may), no container nested more than 64 levels, no tensor that is an expanded view far larger than
+    its storage. For torch.optim classes, also what their step needs (probed): every entry a step creates is
+    there and is a dense tensor, per-param buffers have the param's shape and a floating dtype, scalars such as
+    ``step`` have one element, and hyperparameters have the right type (``lr`` a number or one-element
+    tensor, ``betas`` a pair). Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run
+    as in PyTorch.
     """
     receiver = _receiver(optimizer)
     name = optimizer_name(receiver)
@@ -88,9 +100,14 @@ def load_state_dict(
         mode.settle()
         target = torch.device("cpu")
 
-    sd, recorded = _extract(state_dict, name)
+    source = None
+    if isinstance(state_dict, (str, os.PathLike)):
+        source = os.fspath(state_dict)
+        state_dict = _files.load(source)
+    label = f"{name}: load_state_dict: {source}" if source else f"{name}: load_state_dict"
+    sd, recorded = _extract(state_dict, label)
     if recorded is not None:
-        _check_class(receiver, recorded, name)
+        _check_class(receiver, recorded, label)
 
     # As PyTorch: a shallow copy goes through the pre-hooks, which may return a replacement.
     sd = dict(sd)
@@ -99,8 +116,10 @@ def load_state_dict(
         if result is not None:
             sd = result
 
-    staged = _Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target)
-    with engine.no_gc():  # tens of thousands of small objects: collections would cost more than the copies
+    staged = _Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target, source=source)
+    # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
+    # collections would cost more than the copies)
+    with exclusive(receiver), engine.no_gc():
         new_state, new_groups = staged.build()
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
         # leaves everything as it was), handed back only once the state is installed.
@@ -143,23 +162,11 @@ def can_load(optimizer: Any) -> bool:
 def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` whose state is loaded: ``optimizer`` itself, or the optimizer that a
     delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) wraps."""
-    for _ in range(8):
-        # A wrapper delegating groups and state first: Lightning's LightningOptimizer is also an instance of the
-        # optimizer class it wraps (a dynamic subclass), but the optimizer that steps is the one inside.
-        inner = getattr(optimizer, "optimizer", None)
-        if (
-            isinstance(inner, torch.optim.Optimizer)
-            and inner is not optimizer
-            and getattr(optimizer, "param_groups", None) is inner.param_groups
-            and getattr(optimizer, "state", None) is inner.state
-        ):
-            optimizer = inner
-            continue
-        if isinstance(optimizer, torch.optim.Optimizer):
-            override = _override_name(type(optimizer))
-            if override is None or override in _EQUIVALENT_OVERRIDES:
-                return optimizer
-        break
+    optimizer = unwrap(optimizer)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        override = _override_name(type(optimizer))
+        if override is None or override in _EQUIVALENT_OVERRIDES:
+            return optimizer
     name = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -172,7 +179,7 @@ def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     )
 
 
-def _check_class(optimizer: Any, recorded: Mapping[str, Any], name: str) -> None:
+def _check_class(optimizer: Any, recorded: Mapping[str, Any], label: str) -> None:
     qualname = recorded.get("class")
     module = recorded.get("module", "")
     if not isinstance(qualname, str):
@@ -182,19 +189,19 @@ def _check_class(optimizer: Any, recorded: Mapping[str, Any], name: str) -> None
         return
     saved = f"{module}.{qualname}" if module else qualname
     raise ValueError(
-        f"{name}: load_state_dict: the checkpoint was saved from a {saved}, not a {cls.__module__}.{cls.__qualname__}; "
+        f"{label}: the checkpoint was saved from a {saved}, not a {cls.__module__}.{cls.__qualname__}; "
         f"its state would be misread. Load it into a {qualname}, or pass only its 'state' and 'param_groups' "
         f"entries to skip this check."
     )
 
 
-def _extract(state_dict: Any, name: str) -> tuple[Any, Optional[Mapping[str, Any]]]:
+def _extract(state_dict: Any, label: str) -> tuple[Any, Optional[Mapping[str, Any]]]:
     """The optimizer state dict inside ``state_dict`` (itself, or the only one a checkpoint holds) and the
     class optimshift recorded for it."""
     from ._files import META_KEY, find_optimizer_states, is_optimizer_state_dict
 
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{name}: load_state_dict: state_dict must be a dict, got {type(state_dict).__name__}")
+        raise TypeError(f"{label}: state_dict must be a dict (or a path), got {type(state_dict).__name__}")
     if is_optimizer_state_dict(state_dict):
         meta = state_dict.get(META_KEY)
         return state_dict, meta if isinstance(meta, Mapping) else None
@@ -205,20 +212,13 @@ def _extract(state_dict: Any, name: str) -> tuple[Any, Optional[Mapping[str, Any
     if len(found) > 1:
         where = ", ".join(f.where for f in found)
         raise ValueError(
-            f"{name}: load_state_dict: this checkpoint holds {len(found)} optimizer states ({where}); pass the one "
+            f"{label}: this checkpoint holds {len(found)} optimizer states ({where}); pass the one "
             f"for this optimizer, e.g. checkpoint{found[0].where}"
         )
     return state_dict, None  # not recognised: the pre-hooks may still turn it into a state dict
 
 
 # --- building the new state ---------------------------------------------------------------------------------
-
-
-def _label(gi: int, pi: int, names: Any) -> str:
-    label = f"group {gi}, param {pi}"
-    if isinstance(names, (list, tuple)) and pi < len(names):
-        label += f" ({names[pi]})"
-    return label
 
 
 class _Staging:
@@ -228,19 +228,24 @@ class _Staging:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, name: str, sd: Any, *, flags: str, cast: Optional[str],
-                 copy: bool, device: Optional[torch.device]) -> None:
-        self.opt, self.name, self.sd = optimizer, name, sd
+                 copy: bool, device: Optional[torch.device], source: Optional[str] = None) -> None:
+        self.opt, self.name, self.sd, self.source = optimizer, name, sd, source
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
         self.registered = _policy.has_registered_policy(optimizer)
         self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
-        self.base = _policy._builtin_base(type(optimizer))
+        self.base = _policy.builtin_base(type(optimizer))
+        # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
+        # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
+        self.strict = self.base is not None and _same_step(type(optimizer), self.base)
         self._decisions: dict[tuple, torch.device] = {}
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
         self._wanted: dict[tuple, tuple[torch.Tensor, tuple]] = {}
         self._made: dict[tuple, torch.Tensor] = {}
+        self._dtype_checks: dict[tuple, list] = {}
 
     def fail(self, message: str, exc: type = ValueError) -> BaseException:
-        return exc(f"{self.name}: load_state_dict: {message}")
+        where = f"{self.source}: " if self.source else ""
+        return exc(f"{self.name}: load_state_dict: {where}{message}")
 
     # -- structure ------------------------------------------------------------------------------------------
 
@@ -295,8 +300,24 @@ class _Staging:
                     )
                 seen_ids[sid] = (gi, pi)
         id_types = {type(sid) for sid in seen_ids}
+        texts = _files.stringified_ids([k for k in states if k not in seen_ids], seen_ids)
+        if texts:
+            raise self.fail(
+                f"state_dict['state'] is keyed by text ({', '.join(repr(k) for k in texts[:3])}"
+                f"{', …' if len(texts) > 3 else ''}) while the param groups list the ids "
+                f"{_ids_shown(seen_ids)}: it went through JSON or another round trip that turns keys into text, "
+                f"and PyTorch would silently drop every param's state. Turn the keys back first: "
+                f"sd['state'] = {{int(k): v for k, v in sd['state'].items()}}"
+            )
         # Keys of another kind than the params' ids are optimizer-wide entries (MADGRAD's "k"): PyTorch keeps them.
         self.wide = [k for k in states if k not in seen_ids and type(k) not in id_types] if id_types else []
+        if self.wide and self.base is not None and type(self.opt) is self.base:
+            raise self.fail(
+                f"state_dict['state'] has entries {self.wide[:5]!r} that are no param's id, but "
+                f"{self.base.__module__}.{self.base.__qualname__} keeps all of its state per param (only other "
+                f"optimizer classes keep optimizer-wide entries); the param groups list the ids "
+                f"{_ids_shown(seen_ids)}"
+            )
         stray = [k for k in states if k not in seen_ids and k not in self.wide] if len(states) > 0 else []
         if stray:
             raise self.fail(
@@ -314,7 +335,7 @@ class _Staging:
         For built-in rules the answer depends only on the group, the key, the param's rank and device and
         whether the tensor is a scalar, so it is memoized on those: this is what keeps a load linear with a
         small constant. A registered policy sees each value, so it is asked for each one."""
-        if self.registered:
+        if self.registered or param is None:  # a group's own tensors: decided one by one (policy._group_entry)
             return _policy.decide(self.opt, group, param, str(key), tensor, where).device
         memo_key = (gi, key, pdim, tensor.dim() == 0, where)
         found = self._decisions.get(memo_key)
@@ -335,7 +356,7 @@ class _Staging:
 
     def _param_label(self, gi: int, pi: int) -> str:
         names = self.opt.param_groups[gi].get("param_names") or self.sd["param_groups"][gi].get("param_names")
-        return _label(gi, pi, names)
+        return param_label(gi, pi, param_name(pi, names))
 
     def _site(self, site: tuple) -> str:
         """``(group, param index or None, key, path)`` as words, for errors."""
@@ -350,6 +371,10 @@ class _Staging:
         copying was not asked for, else a ticket that :meth:`_got` turns into its copy once :meth:`_resolve`
         has made every copy. One copy per distinct (source, device, dtype), so tensors shared in the
         checkpoint stay shared. Sources stay alive (the state dict holds them) while their ids are keys."""
+        why = _files.overexpanded(tensor)
+        if why is not None:
+            raise self.fail(f"{self._site(site)}: {why}; copying it would allocate every element (a corrupt or "
+                            f"hostile checkpoint)")
         if not always_copy and tensor.dtype == dtype and tensor.device == device:
             return tensor
         ticket = (id(tensor), device, dtype)
@@ -410,28 +435,37 @@ class _Staging:
         saved_groups, states = self._validate_structure()
         live_groups = self.opt.param_groups
         new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
-        shaped_cache: dict[tuple[int, int], frozenset] = {}
+        spec_cache: dict[tuple[int, int], _StateSpec] = {}
         new_state: defaultdict = defaultdict(dict)
         # Per param with state: (its new state dict, param, group, index, [(key, tensor)], [(key, container)]).
         pending: list[tuple[dict, torch.Tensor, int, int, list, list]] = []
+        if self.strict:
+            for gi, ng in enumerate(new_groups):
+                self._check_group(gi, ng)
         for gi, (lg, sg, ng) in enumerate(zip(live_groups, saved_groups, new_groups)):
             for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
                 saved = states.get(sid)
+                ndim, pshape = p.dim(), p.shape
+                spec = spec_cache.get((gi, ndim))
+                if spec is None:
+                    spec = spec_cache[(gi, ndim)] = self._spec(ng, ndim)
                 if saved is None:
+                    if self.strict and spec.eager:
+                        raise self.fail(f"{self._param_label(gi, pi)}: the checkpoint has no state for it, but "
+                                        f"{self.base.__name__} creates every param's state when it is built "
+                                        f"({_keys_shown(spec.keys)}); this state dict is incomplete")
                     continue
                 if type(saved) is not dict and not isinstance(saved, Mapping):
                     raise self.fail(f"{self._param_label(gi, pi)}: its state is a {type(saved).__name__}, "
                                     f"expected a dict", TypeError)
-                ndim, pshape = p.dim(), p.shape
-                shaped = shaped_cache.get((gi, ndim))
-                if shaped is None:
-                    shaped = shaped_cache[(gi, ndim)] = self._shaped_keys(ng, ndim)
+                if self.strict and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class
+                    self._check_entries(gi, pi, p, saved, spec)
                 new: dict = {}
                 tensors: list = []
                 containers: list = []
                 for key, value in saved.items():
                     if isinstance(value, torch.Tensor):
-                        if key in shaped and value.shape != pshape:
+                        if key in spec.shaped and value.shape != pshape:
                             raise self.fail(
                                 f"{self._site((gi, pi, key, ()))}: the checkpoint's tensor has shape "
                                 f"{tuple(value.shape)}, the param has shape {tuple(p.shape)}; this checkpoint was "
@@ -442,12 +476,7 @@ class _Staging:
                     elif isinstance(value, _ATOMS):
                         new[key] = value
                     else:
-                        memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
-                        try:
-                            new[key] = _copy.deepcopy(value, memo)
-                        except Exception as e:
-                            raise self.fail(f"{self._site((gi, pi, key, ()))}: cannot copy its "
-                                            f"{type(value).__name__} ({type(e).__name__}: {e})", TypeError) from e
+                        new[key] = self._copy_container(value, (gi, pi, key, ()))
                         containers.append(key)
                 new_state[p] = new
                 pending.append((new, p, gi, pi, tensors, containers))
@@ -455,16 +484,29 @@ class _Staging:
         # Where each tensor goes (and in which dtype); then every copy is made, before the optimizer changes,
         # so an error (an OOM) leaves it as it was; then the new dicts and containers are filled in.
         fixed, always = self.device, self.copy
+        owners = _group_owned(new_groups)
         fills: list[tuple[Any, Any, Any]] = []  # (holder, key, wanted) or (holder, key, (container, [(id, wanted)]))
         for new, p, gi, pi, tensors, containers in pending:
             group = new_groups[gi]
             where = fixed if fixed is not None else p.device
             pdim = p.dim()
             for key, value in tensors:
-                device = self._place(group, p, key, value, gi, where, pdim)
-                dtype = value.dtype if self.cast is None else self._cast_dtype(group, p, key, value)
-                new[key] = self._want(value, device, dtype, always, (gi, pi, key, ()))
+                owner = owners.get(id(value))
+                if owner is not None:
+                    # NOTE: a state entry holding its group's own tensor (LBFGS: state['t'] is group['lr']) gets the
+                    # group entry's copy, placed as the group's (below): the two stay one tensor, as in PyTorch.
+                    ogi, okey = owner
+                    ogroup = new_groups[ogi]
+                    gwhere = fixed if fixed is not None else group_device(ogroup, value)
+                    device = self._place(ogroup, None, okey, value, ogi, gwhere, -1)
+                    new[key] = self._want(value, device, value.dtype, True, (gi, pi, key, ()))
+                else:
+                    device = self._place(group, p, key, value, gi, where, pdim)
+                    dtype = value.dtype if self.cast is None else self._cast_dtype(group, p, key, value)
+                    new[key] = self._want(value, device, dtype, always, (gi, pi, key, ()))
                 fills.append((new, key, None))
+            if self.cast is None:
+                self._check_dtypes(group, p, gi, pi, {k: v.dtype for k, v in tensors if id(v) not in owners})
             for key in containers:
                 fills.append((new, key, self._want_nested(new[key], group, p, key, gi, pi, where, pdim, always)))
         for gi, group in enumerate(new_groups):
@@ -474,7 +516,7 @@ class _Staging:
                 value = group[key]
                 if isinstance(value, torch.Tensor) or not isinstance(value, _ATOMS):
                     # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
-                    gwhere = fixed if fixed is not None else _group_device(group, value)
+                    gwhere = fixed if fixed is not None else group_device(group, value)
                     fills.append((group, key, self._want_nested(value, group, None, key, gi, None, gwhere, -1, True)))
         for key in self.wide:  # optimizer-wide entries: placed like the plan places them (the first group's)
             value = states[key]
@@ -482,10 +524,11 @@ class _Staging:
                 new_state[key] = value
                 continue
             if not isinstance(value, torch.Tensor):
+                self._check_depth(value, (0, None, key, ()), wide=True)
                 memo = {id(t): t for _, t in leaves(value)}
                 value = _copy.deepcopy(value, memo)
             new_state[key] = value
-            gwhere = fixed if fixed is not None else _group_device(new_groups[0], value)
+            gwhere = fixed if fixed is not None else group_device(new_groups[0], value)
             fills.append((new_state, key, self._want_nested(value, new_groups[0], None, key, 0, None, gwhere, -1,
                                                             always)))
         self._resolve()
@@ -530,12 +573,7 @@ class _Staging:
             if isinstance(value, torch.Tensor) or isinstance(value, _ATOMS):
                 out[key] = value
             else:
-                memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
-                try:
-                    out[key] = _copy.deepcopy(value, memo)
-                except Exception as e:
-                    raise self.fail(f"param group {gi}, key {key!r}: cannot copy its {type(value).__name__} "
-                                    f"({type(e).__name__}: {e})", TypeError) from e
+                out[key] = self._copy_container(value, (gi, None, key, ()))
         if self.flags == "live":
             for flag in IMPLEMENTATION_FLAGS:
                 if flag in live:
@@ -547,65 +585,174 @@ class _Staging:
             out["param_names"] = live["param_names"]
         return out
 
-    def _shaped_keys(self, group: Mapping[str, Any], ndim: int) -> frozenset:
-        """State keys that this optimizer class keeps in its param's shape (probed), for the shape check."""
+    def _check_dtypes(self, group: Mapping[str, Any], p: torch.Tensor, gi: int, pi: int,
+                      dtypes: Mapping[str, torch.dtype]) -> None:
+        """Keeping the checkpoint's dtypes (``cast=None``) must leave an optimizer that can step: fail now,
+        before anything is copied, if a step refuses one of them (float64 moments for float32 params in Adam;
+        SGD takes float32 momentum for bfloat16 params, so that one is kept)."""
+        if self.base is None or not dtypes:
+            return
+        memo_key = (gi, p.dtype, p.dim(), tuple(sorted((str(k), str(d)) for k, d in dtypes.items())))
+        rejected = self._dtype_checks.get(memo_key)
+        if rejected is None:
+            rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dtypes)
+        if rejected:
+            r, n = rejected[0], dtype_name
+            others = "".join(f" (and {x.key!r}, {n(x.dtype)})" for x in rejected[1:])
+            raise self.fail(
+                f"{self._site((gi, pi, r.key, ()))}: the checkpoint holds it as {n(r.dtype)}{others}, and a step of "
+                f"{self.name} over {n(p.dtype)} params rejects that ({r.error.splitlines()[0]}); a fresh "
+                f"{self.name} keeps it as {n(r.fresh)}. Load with cast='param' to cast the state to the params' "
+                f"dtype as PyTorch does; the optimizer is unchanged"
+            )
+
+    def _spec(self, group: Mapping[str, Any], ndim: int) -> _StateSpec:
+        """What this optimizer class keeps per param (probed), for the checks."""
         if self.base is None:
-            return frozenset()
-        return _shaped_keys(self.base, group, ndim)
+            return _NO_SPEC
+        return _expected_state(self.base, group, ndim)
+
+    # -- validation -------------------------------------------------------------------------------------------
+
+    def _check_group(self, gi: int, group: Mapping[str, Any]) -> None:
+        """The hyperparameters a torch.optim class takes have the types it needs (PyTorch fails at step())."""
+        for key, default in _hyper_defaults(self.base).items():
+            if key in group and key not in ("params", "param_names"):
+                problem = _hyper_problem(key, default, group[key])
+                if problem is not None:
+                    raise self.fail(f"param group {gi}, key {key!r}: {problem}", TypeError)
+
+    def _check_entries(self, gi: int, pi: int, p: torch.Tensor, saved: Mapping[Any, Any], spec: _StateSpec) -> None:
+        """Each entry a step of this torch.optim class creates is there, with the kind, dtype and size it needs."""
+        missing = [k for k in spec.keys if k not in saved]
+        if missing:
+            raise self.fail(f"{self._param_label(gi, pi)}: its state has no {_keys_shown(missing)}; "
+                            f"{self.base.__name__}.step keeps {_keys_shown(spec.keys)}")
+        for key in spec.tensors:
+            value = saved[key]
+            site = self._site((gi, pi, key, ()))
+            if key in spec.scalars:
+                if _number_like(value) and (not isinstance(value, torch.Tensor) or value.layout == torch.strided):
+                    continue  # a Python number is what older PyTorch saved; __setstate__ makes it a tensor
+                raise self.fail(f"{site}: expected a 0-dim tensor (or a number), got {_kind(value)}",
+                                TypeError if not isinstance(value, torch.Tensor) else ValueError)
+            if not isinstance(value, torch.Tensor):
+                raise self.fail(f"{site}: expected a tensor, got {_kind(value)}", TypeError)
+            if value.layout != torch.strided:
+                raise self.fail(f"{site}: expected a dense tensor, got a {str(value.layout).replace('torch.', '')} "
+                                f"one", TypeError)
+            if key in spec.floating and not (value.is_floating_point() or value.is_complex()):
+                raise self.fail(f"{site}: expected a floating-point tensor, got "
+                                f"{str(value.dtype).replace('torch.', '')}", TypeError)
+            if key in spec.bounded and key not in spec.shaped and value.numel() > p.numel():
+                raise self.fail(f"{site}: the checkpoint's tensor has {value.numel()} elements, more than its "
+                                f"param's {p.numel()} (shape {tuple(p.shape)}); this checkpoint was made for other "
+                                f"params")
+
+    def _copy_container(self, value: Any, site: tuple) -> Any:
+        """Our own copy of a checkpoint's container (the tensors inside stay the checkpoint's, to be placed
+        one by one), after the depth check; an uncopyable object is a clear error."""
+        self._check_depth(value, site)
+        memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
+        try:
+            return _copy.deepcopy(value, memo)
+        except Exception as e:
+            where = self._site(site) if site[1] is not None else f"param group {site[0]}, key {site[2]!r}"
+            raise self.fail(f"{where}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})",
+                            TypeError) from e
+
+    def _check_depth(self, value: Any, site: tuple, wide: bool = False) -> None:
+        if too_deep(value):
+            where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
+            raise self.fail(f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
+                            f"this (a corrupt or hostile checkpoint)")
 
 
-def _group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
-    for p in group.get("params", ()):
-        if isinstance(p, torch.Tensor):
-            return p.device
-    return fallback.device
+def _group_owned(groups: list[dict[str, Any]]) -> dict[int, tuple[int, Any]]:
+    """{id(tensor): (group index, key)} for the tensors the groups hold themselves (tensor lr, betas)."""
+    owned: dict[int, tuple[int, Any]] = {}
+    for gi, group in enumerate(groups):
+        for key, value in group.items():
+            if key not in ("params", "param_names"):
+                for _, t in leaves(value):
+                    owned.setdefault(id(t), (gi, key))
+    return owned
 
 
-# --- which state keys have the param's shape ----------------------------------------------------------------
-
-_shape_cache: dict[tuple, frozenset] = {}
-_shape_lock = threading.Lock()
-
-
-def _plain(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
+def _same_step(cls: type, base: type) -> bool:
+    """Whether ``cls`` steps with ``base``'s ``step``. NOTE: ``Optimizer.__init__`` wraps ``type(self).step`` in a
+    profiling hook the first time a class is built, so a subclass may hold its own wrapper of the same function:
+    compare what the wrappers wrap."""
+    try:
+        return inspect.unwrap(getattr(cls, "step")) is inspect.unwrap(getattr(base, "step"))
+    except (AttributeError, ValueError):
         return False
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return isinstance(value, (int, float, bool, str, type(None)))
 
 
-def _shaped_keys(cls: type, group: Mapping[str, Any], ndim: int) -> frozenset:
+def _keys_shown(keys: Any) -> str:
+    return ", ".join(repr(k) for k in sorted(keys, key=str))
+
+
+def _ids_shown(ids: Mapping[Any, Any]) -> str:
+    shown = list(ids)[:4]
+    return ", ".join(repr(i) for i in shown) + (", …" if len(ids) > len(shown) else "")
+
+
+# --- what a torch.optim class keeps per param -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _StateSpec:
+    """What one step of a torch.optim class leaves in a param's state (probed on two small host params).
+
+    ``keys``: every key; ``shaped``: tensors with their param's shape; ``scalars``: 0-dim tensors (``step``,
+    ``mu_product``); ``tensors``: every tensor key; ``floating``: non-scalar tensors in floating point;
+    ``bounded``: other tensors never larger than their param (Adafactor's ``row_var``); ``eager``: the class
+    creates every param's state when it is built (Adagrad), so a param without state cannot step."""
+
+    keys: frozenset = frozenset()
+    shaped: frozenset = frozenset()
+    scalars: frozenset = frozenset()
+    tensors: frozenset = frozenset()
+    floating: frozenset = frozenset()
+    bounded: frozenset = frozenset()
+    eager: bool = False
+
+
+_NO_SPEC = _StateSpec()
+_spec_cache: dict[tuple, _StateSpec] = {}
+_spec_lock = threading.Lock()
+
+
+def _expected_state(cls: type, group: Mapping[str, Any], ndim: int) -> _StateSpec:
     """Run ``cls`` for one step on two small host params of rank ``ndim`` (1, or 2 for anything higher) and
-    return the state keys whose tensors had their param's shape in both. Empty when the probe cannot run
-    (then nothing is checked) or for 0-dim params."""
+    describe the state both got. Empty (nothing is checked) when the probe cannot run, or for 0-dim params."""
     if ndim == 0:
-        return frozenset()
+        return _NO_SPEC
     try:
         accepted = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
-        return frozenset()
+        return _NO_SPEC
     kwargs = {k: v for k, v in group.items()
-              if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and _plain(v)}
+              if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and is_plain(v)}
     if "foreach" in accepted:
         kwargs["foreach"] = False
     shapes = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
     cache_key = (cls, repr(sorted(kwargs.items())), len(shapes[0]))
-    with _shape_lock:
-        hit = _shape_cache.get(cache_key)
+    with _spec_lock:
+        hit = _spec_cache.get(cache_key)
     if hit is not None:
         return hit
-    result: frozenset = frozenset()
     try:
-        result = _probe_shapes(cls, kwargs, shapes)
+        result = _probe_state(cls, kwargs, shapes)
     except Exception:
-        result = frozenset()
-    with _shape_lock:
-        _shape_cache[cache_key] = result
+        result = _NO_SPEC
+    with _spec_lock:
+        _spec_cache[cache_key] = result
     return result
 
 
-def _probe_shapes(cls: type, kwargs: dict, shapes: list) -> frozenset:
+def _probe_state(cls: type, kwargs: dict, shapes: list) -> _StateSpec:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), _policy.quiet_global_step_hooks():
@@ -614,18 +761,87 @@ def _probe_shapes(cls: type, kwargs: dict, shapes: list) -> frozenset:
         for p in params:
             p.grad = torch.full(p.shape, 0.25)
         opt = cls(params, **kwargs)
+        eager = all(opt.state.get(p) for p in params)
         try:
             opt.step(lambda: torch.tensor(1.0))
         except Exception:
             pass  # the state was created before whatever failed; it is all we read
-        keys: Optional[set] = None
-        for p in params:
-            state = opt.state.get(p)
-            if not state:
-                return frozenset()
-            here = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape}
-            keys = here if keys is None else keys & here
-    return frozenset(keys or ())
+        states = [opt.state.get(p) for p in params]
+        if not all(states):
+            return _NO_SPEC
+
+        def common(test: Callable[[Any, torch.Tensor], bool]) -> frozenset:
+            return frozenset.intersection(*(frozenset(k for k, v in st.items() if test(v, p))
+                                            for st, p in zip(states, params)))
+
+        tensor = lambda v, p: isinstance(v, torch.Tensor)  # noqa: E731
+        return _StateSpec(
+            keys=frozenset.intersection(*(frozenset(st) for st in states)),
+            shaped=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.shape == p.shape),
+            scalars=common(lambda v, p: tensor(v, p) and v.dim() == 0),
+            tensors=common(tensor),
+            floating=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.is_floating_point()),
+            bounded=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.numel() <= p.numel()),
+            eager=eager,
+        )
+
+
+# --- which hyperparameters a torch.optim class takes -------------------------------------------------------
+
+_defaults_cache: dict[type, dict[str, Any]] = {}
+
+
+def _hyper_defaults(cls: type) -> dict[str, Any]:
+    """``cls.__init__``'s keyword defaults (``lr``, ``betas``, ``maximize``…), read from its signature."""
+    found = _defaults_cache.get(cls)
+    if found is None:
+        try:
+            params = inspect.signature(cls.__init__).parameters.values()
+            found = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        except (TypeError, ValueError):
+            found = {}
+        _defaults_cache[cls] = found
+    return found
+
+
+def _number_like(value: Any) -> bool:
+    """A real number, or a one-element real tensor (PyTorch takes a tensor ``lr``)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _hyper_problem(key: str, default: Any, value: Any) -> Optional[str]:
+    """What is wrong with ``value`` for a hyperparameter whose default is ``default`` (None if nothing)."""
+    if key in IMPLEMENTATION_FLAGS or isinstance(default, bool):
+        if value is None or isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            return None
+        return f"expected True or False, got {_kind(value)}"
+    if isinstance(default, numbers.Real):
+        return None if _number_like(value) else f"expected a number (or a one-element tensor), got {_kind(value)}"
+    if isinstance(default, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(default):
+            return f"expected a pair of numbers like {default!r}, got {_kind(value)}" if len(default) == 2 else \
+                f"expected {len(default)} numbers like {default!r}, got {_kind(value)}"
+        for i, (d, v) in enumerate(zip(default, value)):
+            if not (_number_like(v) or (d is None and v is None)):
+                return f"item {i} must be a number, got {_kind(v)}"
+        return None
+    if isinstance(default, str) and not isinstance(value, str):
+        return f"expected a string, got {_kind(value)}"
+    return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} ({str(value.dtype).replace('torch.', '')})"
+    if isinstance(value, (str, bytes)):
+        return f"{type(value).__name__} {value[:40]!r}"
+    if value is None:
+        return "None"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 # --- installing ----------------------------------------------------------------------------------------------
@@ -654,15 +870,19 @@ def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict, gr
             f"({type(e).__name__}: {e}); the optimizer is unchanged"
         ) from e
     places: list[tuple[dict, Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
-    uses: dict[int, int] = {}
     for _, old_tensors, fresh in live:
         for key, old in old_tensors.items():
             new = fresh.get(key)
             if isinstance(new, torch.Tensor) and id(new) in made and new is not old:
                 places.append((fresh, key, old, new))
-                uses[id(new)] = uses.get(id(new), 0) + 1
-    # A copy installed in two places stays one shared object (adopting it twice would split the sharing).
-    places = [place for place in places if uses[id(place[3])] == 1]
+    # A copy installed in two places (LBFGS's state['t'] is its group's lr) stays one shared object: adopting
+    # it into one old tensor would split the sharing.
+    uses: dict[int, int] = {}
+    for holder in [st for st in state.values() if isinstance(st, dict)] + list(groups):
+        for value in holder.values():
+            if isinstance(value, torch.Tensor):
+                uses[id(value)] = uses.get(id(value), 0) + 1
+    places = [place for place in places if uses.get(id(place[3]), 0) == 1]
     cannot, apply = engine.adopt_all([(old, new) for _, _, old, new in places])
     stay_new = {id(old) for old, _ in cannot}  # no mechanism for this pair: the copy stays installed
     apply()

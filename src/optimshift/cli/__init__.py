@@ -7,6 +7,8 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
+from ._help import HelpFormatter, SubcommandParser, version_text
+
 # subcommand name -> module defining ``register(subparsers)`` (which sets ``func`` on its parser).
 _COMMANDS = {
     "demo": "optimshift.cli._demo",
@@ -21,8 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="optimshift",
         description="The missing optimizer.to(device): move, offload, reload, check and restore PyTorch "
         "optimizer state across devices, where a fresh optimizer would keep it.",
+        formatter_class=HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=version_text())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubcommandParser)
     registered = set()
     for module_name in dict.fromkeys(_COMMANDS.values()):
         try:

@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import io
 import json
 import math
 import os
+import re
+import secrets
+import shutil
 import sys
 import time
 import warnings
@@ -22,8 +26,10 @@ from typing import IO, Any, Iterator, Mapping, Optional
 import torch
 
 from ..checkpoint import _files as ckpt
+from ..checkpoint._folders import TrainingFolder, training_folder
 from .. import policy as _policy
-from ..report import SYNC_COST, format_table
+from .._state import tensors as all_tensors
+from ..report import format_table, sync_cost
 
 __all__ = ["register", "describe", "render", "run_inspect", "run_convert"]
 
@@ -38,9 +44,12 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "inspect",
         help="show the optimizer state inside a checkpoint, where it was saved, and what a resume will cost",
-        description="For each optimizer state in PATH (a torch.save file: a bare optimizer state_dict, a Lightning "
-        ".ckpt, a dict with an 'optimizer' entry, an optimshift.save file; or a torch.distributed.checkpoint "
-        "folder): its class, param groups, a table per state key, and findings. Never runs code from the file.",
+        description="Shows each optimizer state in PATH: its class, param groups, a table per state key (where "
+        "each was saved, dtypes, bytes), and findings: what optimizer.load_state_dict would do with it and what "
+        "that costs on every step. PATH is a torch.save file (a bare optimizer state_dict, a Lightning .ckpt, a "
+        "dict with an 'optimizer' entry, an optimshift.save file), a Hugging Face Trainer checkpoint-N folder, "
+        "an Accelerate save_state folder, or a torch.distributed.checkpoint folder. Never runs code from the "
+        "file, and needs none of the devices it was saved on.",
     )
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
@@ -50,14 +59,17 @@ def register(subparsers: Any) -> None:
     c = subparsers.add_parser(
         "convert",
         help="rewrite a checkpoint with every tensor on one device (atomically)",
-        description="Load IN (weights_only, never running code from it), put every tensor on --device (and cast "
-        "floating tensors to --dtype, keeping optimizer scalars such as 'step' exact), and write OUT atomically. "
-        "Makes a GPU checkpoint open on a CPU-only machine without map_location.",
+        description="Loads IN without running code from it, puts every tensor on --device (and casts floating "
+        "tensors to --dtype, keeping optimizer scalars such as 'step' exact), and writes OUT atomically, so that "
+        "a GPU checkpoint opens on a CPU-only machine without map_location. IN may be a Hugging Face Trainer "
+        "checkpoint-N folder or an Accelerate save_state folder: its optimizer files are rewritten and every "
+        "other file is copied into the new folder OUT (give IN itself as OUT to rewrite them in place).",
     )
     c.add_argument("input", metavar="IN")
     c.add_argument("output", metavar="OUT")
     c.add_argument("--device", default="cpu", help="where every tensor goes (default: cpu)")
     c.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors to this dtype")
+    c.add_argument("--json", action="store_true", help="print the result (or the error) as JSON on stdout")
     _allow_global_arg(c)
     c.set_defaults(func=run_convert)
 
@@ -100,8 +112,14 @@ def human_bytes(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _fail(command: str, message: str) -> int:
-    print(f"optimshift {command}: error: {message}", file=sys.stderr)
+def _fail(command: str, message: str, *, as_json: bool = False, error: Optional[BaseException] = None) -> int:
+    """Report a failure in one line (stderr), or as ``{"error": {...}}`` on stdout with ``--json``; exit 1."""
+    line = re.sub(r"\s*\n\s*", " ", re.sub(r"\x1b\[[0-9;]*m", "", message)).strip()
+    if as_json:
+        kind = type(error).__name__ if error is not None else "UsageError"
+        print(json.dumps({"error": {"command": command, "type": kind, "message": line}}))
+    else:
+        print(f"optimshift {command}: error: {line}", file=sys.stderr)
     return 1
 
 
@@ -115,15 +133,20 @@ def _allowed(names: list[str]) -> Iterator[None]:
         yield
 
 
-def _jsonable(value: Any) -> Any:
+_SHOWN_DEPTH = 16  # containers nested deeper than this are summarised (a hostile file may nest thousands)
+
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             return value.item()
         return {"tensor": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+    if isinstance(value, (list, tuple, Mapping)) and depth >= _SHOWN_DEPTH:
+        return f"<{type(value).__name__} nested deeper than {_SHOWN_DEPTH} levels>"
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [_jsonable(v, depth + 1) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): _jsonable(v, depth + 1) for k, v in value.items()}
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -133,7 +156,7 @@ def _jsonable(value: Any) -> Any:
 
 def _short(value: Any) -> str:
     v = _jsonable(value)
-    if isinstance(v, list):
+    if isinstance(v, list):  # at most _SHOWN_DEPTH deep: _jsonable summarised the rest
         return "(" + ", ".join(_short(x) for x in v) + ")"
     if isinstance(v, float):
         return f"{v:g}"
@@ -142,28 +165,43 @@ def _short(value: Any) -> str:
 
 # --- which optimizer class a state dict came from --------------------------------------------------------
 
-_class_keys: Optional[list[tuple[str, type, frozenset]]] = None
+_class_keys: dict[type, Optional[frozenset]] = {}
+
+
+def _group_keys(cls: type) -> Optional[frozenset]:
+    """The keys of ``cls``'s param groups (``params`` aside), read from the installed torch; cached per class.
+
+    NOTE: runs the class's own ``__init__`` over a tiny host param through a subclass whose
+    ``add_param_group`` only records the group (the defaults merged in, as ``Optimizer.add_param_group``
+    does). Torch's own ``add_param_group`` imports torch._dynamo on first use (about 1.5 s), which was most
+    of the time ``inspect`` took; nothing else differs, and no state, hook or step is created.
+    """
+    if cls not in _class_keys:
+        class _Recorder(cls):  # type: ignore[misc, valid-type]
+            def add_param_group(self, param_group: dict[str, Any]) -> None:
+                self.param_groups.append({**self.defaults, **param_group})
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 2))])
+            _class_keys[cls] = frozenset(opt.param_groups[0]) - {"params"}
+        except Exception:
+            _class_keys[cls] = None
+    return _class_keys[cls]
 
 
 def _torch_optimizers() -> list[tuple[str, type, frozenset]]:
-    """(name, class, the keys of its param groups) for every torch.optim optimizer, read from the installed
-    torch by building each over a tiny param."""
-    global _class_keys
-    if _class_keys is None:
-        found = []
-        for name in sorted(dir(torch.optim)):
-            cls = getattr(torch.optim, name)
-            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-                continue
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    opt = cls([torch.nn.Parameter(torch.zeros(2, 2))])
-                found.append((name, cls, frozenset(opt.param_groups[0]) - {"params"}))
-            except Exception:
-                continue
-        _class_keys = found
-    return _class_keys
+    """(name, class, the keys of its param groups) for every torch.optim optimizer of the installed torch."""
+    found = []
+    for name in sorted(dir(torch.optim)):
+        cls = getattr(torch.optim, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+            continue
+        keys = _group_keys(cls)
+        if keys is not None:
+            found.append((name, cls, keys))
+    return found
 
 
 def guess_classes(groups: list[Mapping[str, Any]]) -> list[str]:
@@ -206,7 +244,7 @@ def _device(tag: str) -> Optional[torch.device]:
 
 def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: int = 0, fmt: str = "") -> dict[str, Any]:
     """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data."""
-    tensors = list(ckpt.iter_tensors(obj))
+    tensors = list(all_tensors(obj))
     saved_on = Counter(ckpt.saved_location(t, locations) for t in tensors)
     out: dict[str, Any] = {
         "path": path,
@@ -238,6 +276,19 @@ def _nbytes(t: torch.Tensor) -> int:
         return 0
 
 
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _state_of(states: Mapping, sid: Any) -> Any:
+    """The saved state of param id ``sid`` (None for ids a corrupt file made unhashable)."""
+    return states.get(sid) if _hashable(sid) else None
+
+
 def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]) -> dict[str, Any]:
     sd = found.state_dict
     groups = list(sd["param_groups"])
@@ -251,7 +302,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         "class": found.class_name,
         "class_guess": guessed,
         "params": n_params,
-        "params_with_state": sum(1 for g in groups for sid in g["params"] if states.get(sid)),
+        "params_with_state": sum(1 for g in groups for sid in g["params"] if _state_of(states, sid)),
         "groups": [],
         "state": [],
         "findings": [],
@@ -265,11 +316,12 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
             "flags": {k: _jsonable(g[k]) for k in _FLAGS if k in g},
         })
     table: dict[str, dict[str, Any]] = {}
-    listed = {sid for g in groups for sid in g["params"]}
+    listed = {sid for g in groups for sid in g["params"] if _hashable(sid)}
+    stringified = set(ckpt.stringified_ids(states, listed))
     # Optimizer-wide entries (keys of state that are no param's id, e.g. MADGRAD's "k"), shown as "state[key]".
-    wide = {f"state[{k!r}]": v for k, v in states.items() if k not in listed and type(k) not in
-            {type(sid) for sid in listed}}
-    per_param = [states.get(sid) for g in groups for sid in g["params"]]
+    wide = {f"state[{k!r}]": v for k, v in states.items() if k not in listed and k not in stringified and
+            type(k) not in {type(sid) for sid in listed}}
+    per_param = [_state_of(states, sid) for g in groups for sid in g["params"]]
     for st in per_param + ([wide] if wide else []):
         if not isinstance(st, Mapping):
             continue
@@ -277,7 +329,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
             row = table.setdefault(str(key), {"key": str(key), "count": 0, "saved_on": Counter(),
                                               "dtypes": Counter(), "bytes": 0, "kinds": Counter()})
             row["count"] += 1
-            ts = [value] if isinstance(value, torch.Tensor) else list(ckpt.iter_tensors(value))
+            ts = [value] if isinstance(value, torch.Tensor) else list(all_tensors(value))
             if not ts:
                 row["kinds"][type(value).__name__] += 1
             for t in ts:
@@ -288,6 +340,16 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         row["saved_on"], row["dtypes"], row["kinds"] = dict(row["saved_on"]), dict(row["dtypes"]), dict(row["kinds"])
         desc["state"].append(row)
     desc["findings"] = _findings(cls, found, groups, states, locations)
+    if stringified:
+        shown = ", ".join(repr(k) for k in sorted(stringified)[:3])
+        desc["findings"].insert(0, {
+            "severity": "error", "key": "-", "count": len(stringified),
+            "message": f"the state's keys are text ({shown}{', …' if len(stringified) > 3 else ''}) while the param "
+                       f"groups list numbers: the file went through JSON or a similar round trip. "
+                       f"optimizer.load_state_dict silently drops every param's state (it keeps them as "
+                       f"optimizer-wide entries); optimshift.load_state_dict refuses it. Turn the keys back into "
+                       f"the groups' ids ({{int(k): v for k, v in sd['state'].items()}})",
+        })
     return desc
 
 
@@ -309,14 +371,9 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
     for gi, g in enumerate(groups):
         flagged = [f for f in ("fused", "capturable") if g.get(f)]
         for f in flagged:
-            findings.append({
-                "severity": "warning", "key": f, "count": len(g["params"]), "group": gi,
-                "message": f"group {gi} was saved with {f}=True: optimizer.load_state_dict adopts the checkpoint's "
-                           f"flags, so resuming where {f} kernels cannot run (a CPU) fails at step(); "
-                           f"optimshift.load_state_dict keeps the live optimizer's flags and places the state for them",
-            })
+            findings.append(_flag_finding(f, gi, len(g["params"])))
         for sid in g["params"]:
-            st = states.get(sid)
+            st = _state_of(states, sid)
             if not isinstance(st, Mapping):
                 continue
             for key, value in st.items():
@@ -331,14 +388,14 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
             if pdev is None:
                 continue
             fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
+            holder = stand_in if stand_in is not None else _GENERIC
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     continue
                 saved = _device(ckpt.saved_location(value, locations))
                 if saved is None:
                     continue
-                holder = stand_in if stand_in is not None else _GENERIC
-                fresh = _policy.decide(holder, g, fake, str(key), value, pdev).device
+                fresh = _fresh_device(holder, g, fake, str(key), value, pdev)
                 casts = str(key) != "step" or bool(g.get("fused") or g.get("capturable"))
                 torch_puts = pdev if casts else saved
                 if torch_puts != fresh:
@@ -346,12 +403,10 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
                     foreach = g.get("foreach") if g.get("foreach") is not None else pdev.type != "cpu"
                     moved[(str(key), str(saved), str(torch_puts), str(fresh), bool(g.get("fused")),
                            bool(g.get("capturable")), bool(foreach))] += 1
-    base = _policy._builtin_base(cls) if cls is not None else None
     for (key, saved, torch_puts, fresh, fused, capturable, foreach), n in sorted(moved.items()):
         kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
         subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
-        costs = SYNC_COST.get((base.__name__ if base else name, key))  # (single-tensor, foreach)
-        cost = None if costs is None else costs[1 if foreach else 0]
+        cost = sync_cost(cls, name, key, foreach, True)
         plural = "s" if n != 1 else ""
         if torch.device(fresh).type == "cpu":
             verb = "keeps it there" if torch_puts == saved else f"moves it to {torch_puts}"
@@ -371,6 +426,42 @@ def _findings(cls: Optional[type], found: ckpt.FoundOptimizer, groups: list, sta
                          "saved_on": saved, "torch_load_puts_it_on": torch_puts, "fresh_optimizer_keeps_it_on": fresh,
                          "syncs_per_param_per_step": cost})
     return _merge(findings)
+
+
+def _fresh_device(holder: Any, group: Mapping[str, Any], param: torch.Tensor, key: str, value: torch.Tensor,
+                  device: torch.device) -> torch.device:
+    """Where a fresh optimizer keeps ``value`` when its param is on ``device``.
+
+    NOTE: for host params the answer needs no probe: a fresh optimizer over host params keeps everything on the
+    host (state either follows its param or stays on the host). Only a registered policy could say otherwise.
+    The probe (policy.decide builds the optimizer under FakeTensorMode) costs more than a second the first time,
+    so a host checkpoint is read without it.
+    """
+    if device.type == "cpu" and not _policy.has_registered_policy(holder):
+        return device
+    return _policy.decide(holder, group, param, key, value, device).device
+
+
+def _kernel_devices(flag: str) -> list[str]:
+    """The device types the installed torch runs ``fused`` or ``capturable`` optimizer kernels on."""
+    from torch.optim import optimizer as torch_optimizer
+
+    listed = (torch_optimizer._get_fused_kernels_supported_devices() if flag == "fused"
+              else torch_optimizer._get_capturable_supported_devices())
+    unnamed = "privateuseone"  # the out-of-tree backend's slot while no backend has renamed it
+    return [d for d in dict.fromkeys(listed) if d != unnamed]
+
+
+def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
+    """What a group saved with ``fused``/``capturable`` means for a resume, as this torch has it."""
+    devices = _kernel_devices(flag)
+    on_cpu = "cpu" in devices
+    where = "a CPU or any other device outside that list" if not on_cpu else "a device outside that list"
+    message = (f"group {group} was saved with {flag}=True, and optimizer.load_state_dict adopts the checkpoint's "
+               f"flags: this torch runs {flag} kernels on {', '.join(devices)}, so resuming on {where} fails at "
+               f"step(); optimshift.load_state_dict keeps the live optimizer's flags and places the state for them")
+    return {"severity": "info" if on_cpu else "warning", "key": flag, "count": count, "group": group,
+            "message": message, "kernel_devices": devices}
 
 
 # Stands for an optimizer of unknown class (policy.decide reads only its type): the default rule applies.
@@ -492,33 +583,50 @@ def _indent(text: str, by: str = "  ") -> str:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    path = args.path
+    path, as_json = args.path, args.json
     if os.path.isdir(path):
-        return _inspect_folder(path, as_json=args.json)
+        folder = training_folder(path)
+        if folder is not None:
+            return _inspect_training_folder(folder, args)
+        return _inspect_folder(path, as_json=as_json)
     try:
         fmt = ckpt._sniff(path)
-        with _allowed(args.allow_global):
+        with _allowed(args.allow_global), _warnings_only_on_success():
             obj, locations = ckpt._load_recording(path)
     except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
-        return _fail("inspect", str(e))
-    desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt)
-    if args.json:
-        print(json.dumps(desc, indent=2, default=str))
-    else:
-        print(render(desc, color=_use_color(sys.stdout)))
+        return _fail("inspect", str(e), as_json=as_json, error=e)
+    try:
+        desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt)
+        text = json.dumps(desc, indent=2, default=str) if as_json else render(desc, color=_use_color(sys.stdout))
+    except Exception as e:  # NOTE: a last resort, so that a file we misread never prints a traceback
+        return _fail("inspect", f"{path} loaded, but describing it failed ({type(e).__name__}: {e}); "
+                                f"please report this", as_json=as_json, error=e)
+    print(text)
     return 0
+
+
+@contextlib.contextmanager
+def _warnings_only_on_success() -> Iterator[None]:
+    """Hold back the warnings torch emits while reading a file: shown if it loads, dropped if it fails (the
+    error says what matters, in one line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        yield
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _inspect_folder(path: str, *, as_json: bool) -> int:
     try:
         from optimshift.distributed import describe_dcp  # type: ignore[attr-defined]
-    except ImportError:
+    except ImportError as e:
         return _fail("inspect", f"{path} is a directory (a torch.distributed.checkpoint folder?); reading those needs "
-                                f"optimshift.distributed, which this installation does not have. Pass a file.")
+                                f"optimshift.distributed, which this installation does not have. Pass a file.",
+                     as_json=as_json, error=e)
     try:
         info = describe_dcp(path)
     except Exception as e:
-        return _fail("inspect", f"{path}: {type(e).__name__}: {e}")
+        return _fail("inspect", f"{path}: {type(e).__name__}: {e}", as_json=as_json, error=e)
     if as_json:
         print(json.dumps(info, indent=2, default=str))
     else:
@@ -580,15 +688,19 @@ def _protected(obj: Any) -> set[int]:
     keep: set[int] = set()
     for found in ckpt.find_optimizer_states(obj):
         for st in found.state_dict["state"].values():
-            for t in ckpt.iter_tensors(st):
+            for t in all_tensors(st):
                 if t.dim() == 0:
                     keep.add(id(t))
         for g in found.state_dict["param_groups"]:
-            keep.update(id(t) for t in ckpt.iter_tensors({k: v for k, v in g.items() if k != "params"}))
+            keep.update(id(t) for t in all_tensors({k: v for k, v in g.items() if k != "params"}))
     return keep
 
 
-def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter) -> Any:
+_CAST_DEPTH = 64  # containers nested deeper than this are refused by --dtype (the copy is recursive)
+
+
+def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter,
+               where: str = "", depth: int = 0) -> Any:
     if isinstance(obj, torch.Tensor):
         if id(obj) in memo:
             return memo[id(obj)]
@@ -597,6 +709,10 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
             if id(obj) in keep:
                 counts["kept"] += 1
             else:
+                why = ckpt.overexpanded(obj)
+                if why is not None:
+                    raise ValueError(f"refusing to cast the tensor at {where or 'the top'}: {why}; casting it would "
+                                     f"allocate every element")
                 new = obj.to(dtype)
                 counts["cast"] += 1
         memo[id(obj)] = new
@@ -604,12 +720,16 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
     if isinstance(obj, (dict, list)) or type(obj) is tuple:  # dict subclasses too: OrderedDict state_dicts
         if id(obj) in memo:
             return memo[id(obj)]
+        if depth >= _CAST_DEPTH:
+            raise ValueError(f"the object at {where} is nested deeper than {_CAST_DEPTH} levels; --dtype cannot "
+                             f"rewrite it")
         if isinstance(obj, dict):
             out: Any = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict) and its attributes (_metadata)
             for k, v in obj.items():
-                out[k] = _cast_tree(v, dtype, keep, memo, counts)
+                out[k] = _cast_tree(v, dtype, keep, memo, counts, f"{where}[{k!r}]", depth + 1)
         else:
-            out = type(obj)(_cast_tree(v, dtype, keep, memo, counts) for v in obj)
+            out = type(obj)(_cast_tree(v, dtype, keep, memo, counts, f"{where}[{i}]", depth + 1)
+                            for i, v in enumerate(obj))
         memo[id(obj)] = out
         return out
     return obj
@@ -618,7 +738,7 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
 def _storage_bytes(obj: Any) -> int:
     seen: set[int] = set()
     total = 0
-    for t in ckpt.iter_tensors(obj):
+    for t in all_tensors(obj):
         try:
             s = t.untyped_storage()
             key = s.data_ptr()
@@ -631,40 +751,207 @@ def _storage_bytes(obj: Any) -> int:
     return total
 
 
+def _missing_device(device: torch.device) -> Optional[str]:
+    """What to do when ``device`` is not on this machine (``convert --device cuda`` without a GPU), else None."""
+    from .._devices import resolve
+
+    try:
+        resolve(device, what="--device")
+    except (ValueError, TypeError) as e:
+        return (f"{e}. Convert to the CPU here instead (--device cpu, the default): a CPU checkpoint opens on "
+                f"any machine, and optimshift.load_state_dict (or torch.load's map_location) puts the state on the "
+                f"accelerator when you resume there. To write a {device.type} checkpoint, run this command on a machine "
+                f"that has the device.")
+    return None
+
+
 def run_convert(args: argparse.Namespace) -> int:
-    src, dst = args.input, args.output
+    src, dst, as_json = args.input, args.output, args.json
+
+    def fail(message: str, error: Optional[BaseException] = None) -> int:
+        return _fail("convert", message, as_json=as_json, error=error)
+
     try:
         device = torch.device(args.device)
-    except Exception:
-        return _fail("convert", f"--device {args.device!r} is not a device PyTorch knows")
+    except Exception as e:
+        return fail(f"--device {args.device!r} is not a device PyTorch knows", e)
+    missing = _missing_device(device)
+    if missing:
+        return fail(missing, ValueError(missing))
     if os.path.isdir(src):
-        return _fail("convert", f"{src} is a directory; convert reads torch.save files")
+        folder = training_folder(src)
+        if folder is not None:
+            return _convert_training_folder(folder, args)
+        return fail(f"{src} is a directory but not a Hugging Face Trainer checkpoint-N folder or an Accelerate "
+                    f"save_state folder; convert reads torch.save files and those folders", IsADirectoryError())
     try:
-        with _allowed(args.allow_global):
+        torch.empty(0, device=device)
+    except Exception as e:
+        return fail(f"cannot put {src}'s tensors on {device}: {_first_line(str(e))}", e)
+    try:
+        with _allowed(args.allow_global), _warnings_only_on_success():
             obj = ckpt.load(src, map_location=device, mmap=device.type == "cpu")
     except (ckpt.CheckpointError, OSError, ValueError) as e:
-        return _fail("convert", str(e))
+        return fail(str(e), e)
     except RuntimeError as e:
-        return _fail("convert", f"cannot put {src}'s tensors on {device}: {str(e).splitlines()[0]}")
+        return fail(f"cannot put {src}'s tensors on {device}: {_first_line(str(e))}", e)
     counts: Counter = Counter()
-    if args.dtype:
-        obj = _cast_tree(obj, _DTYPES[args.dtype], _protected(obj), {}, counts)
+    try:
+        if args.dtype:
+            obj = _cast_tree(obj, _DTYPES[args.dtype], _protected(obj), {}, counts)
+    except (ValueError, RuntimeError) as e:  # RuntimeError: an OOM while casting
+        return fail(f"{src}: {e}", e)
     total = _storage_bytes(obj)
     bar = _Progress(f"writing {os.path.basename(dst)}", total, sys.stderr) if (
-        total >= _LARGE and _isatty(sys.stderr)) else None
+        total >= _LARGE and _isatty(sys.stderr) and not as_json) else None
     try:
         ckpt._save(obj, dst, progress=bar)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, ValueError) as e:
         if bar:
             bar.close()
-        return _fail("convert", f"cannot write {dst}: {e}")
+        return fail(f"cannot write {dst}: {e}", e)
     if bar:
         bar.close()
-    tensors = list(ckpt.iter_tensors(obj))
-    summary = f"wrote {dst}: {len(tensors)} tensors on {device}, {human_bytes(os.path.getsize(dst))}"
+    tensors = list(all_tensors(obj))
+    size = os.path.getsize(dst)
+    if as_json:
+        print(json.dumps({"wrote": dst, "tensors": len(tensors), "device": str(device), "bytes": size,
+                          "dtype": args.dtype, "cast": counts["cast"], "kept": counts["kept"]}))
+        return 0
+    summary = f"wrote {dst}: {len(tensors)} tensors on {device}, {human_bytes(size)}"
     if args.dtype:
         summary += f"; cast {counts['cast']} floating tensors to {args.dtype}"
         if counts["kept"]:
             summary += f", kept {counts['kept']} optimizer scalars (step, …) in their dtype"
     print(summary)
     return 0
+
+
+# --- framework checkpoint folders (Hugging Face Trainer checkpoint-N/, Accelerate save_state) ----------------
+
+
+def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -> int:
+    """``inspect`` of a Trainer or Accelerate folder: its files, then each optimizer file as ``inspect FILE``."""
+    described = []
+    for name in folder.optimizer_files:
+        file = os.path.join(folder.path, name)
+        try:
+            fmt = ckpt._sniff(file)
+            with _allowed(args.allow_global):
+                obj, locations = ckpt._load_recording(file)
+        except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
+            return _fail("inspect", str(e))
+        desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt)
+        if folder.kind == "hf_trainer":
+            for o in desc["optimizers"]:
+                o["findings"].extend(_trainer_resume_findings(o))
+        described.append(desc)
+    info: dict[str, Any] = {
+        "path": folder.path,
+        "folder": folder.kind,
+        "trainer_state": folder.trainer_state,
+        "files": [{"name": name, "role": role, "bytes": _file_bytes(os.path.join(folder.path, name))}
+                  for name, role in folder.files.items()],
+        "optimizer_files": described,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    color = _use_color(sys.stdout)
+    head = folder.label
+    state = folder.trainer_state or {}
+    if "global_step" in state:
+        head += f"; global step {state['global_step']}"
+    if "epoch" in state:
+        head += f", epoch {_short(state['epoch'])}"
+    lines = [_paint(folder.path, "bold", color) + f"  ({head})", ""]
+    rows = [[f["name"] + ("/" if f["role"] == "folder" else ""), f["role"],
+             "-" if f["bytes"] is None else human_bytes(f["bytes"])] for f in info["files"]]
+    lines.append(_indent(format_table(["file", "holds", "bytes"], rows)))
+    for name, role in folder.files.items():
+        if role == "folder" and os.path.exists(os.path.join(folder.path, name, ".metadata")):
+            lines.append(f"  {name}/ is a torch.distributed.checkpoint folder (sharded state): "
+                         f"`optimshift inspect {os.path.join(folder.path, name)}` describes it")
+    if not described:
+        lines += ["", "no optimizer file in this folder (a model-only save?)"]
+    for desc in described:
+        lines += ["", render(desc, color=color)]
+    print("\n".join(lines))
+    return 0
+
+
+def _trainer_resume_findings(o: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the Trainer's multi-device resume does to this optimizer's ``step`` (when it keeps one on the host)."""
+    hosted = [g for g in o["groups"] if not (g["flags"].get("fused") or g["flags"].get("capturable"))]
+    if not hosted or not any(row["key"] == "step" for row in o["state"]):
+        return []
+    return [{"severity": "info", "key": "step", "count": sum(g["params"] for g in hosted),
+             "message": "the Trainer resumes this file with torch.load(map_location=its device) when it trains on "
+                        "more than one device, and optimizer.load_state_dict then leaves each non-fused `step` on "
+                        "the accelerator, where every read is a host sync; calling "
+                        "optimshift.integrations.accelerate.patch() before the Trainer is built keeps it on the "
+                        "host"}]
+
+
+def _file_bytes(path: str) -> Optional[int]:
+    return os.path.getsize(path) if os.path.isfile(path) else None
+
+
+def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -> int:
+    """``convert`` of a Trainer or Accelerate folder: its optimizer files are rewritten, the rest copied as is.
+
+    OUT the folder itself rewrites the optimizer files in place (each atomically). Otherwise OUT must not exist
+    (or be an empty folder): the copy is built in a hidden folder beside it and renamed into place at the end,
+    so OUT never holds half a checkpoint (a framework would resume from a folder that lacks its optimizer file
+    without a word).
+    """
+    def convert(src: str, dst: str) -> int:
+        return run_convert(argparse.Namespace(input=src, output=dst, device=args.device, dtype=args.dtype,
+                                              allow_global=args.allow_global, json=False))
+
+    if not folder.optimizer_files:
+        return _fail("convert", f"{folder.path} is a {folder.label} without an optimizer file: nothing to convert")
+    dst = args.output
+    if os.path.exists(dst) and os.path.samefile(dst, folder.path):
+        for name in folder.optimizer_files:
+            path = os.path.join(folder.path, name)
+            if convert(path, path):
+                return 1
+        return 0
+    if os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
+        return _fail("convert", f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its "
+                                f"optimizer files in place")
+    target = os.path.abspath(dst)
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    os.mkdir(tmp)
+    try:
+        written = io.StringIO()
+        for name in folder.optimizer_files:
+            with contextlib.redirect_stdout(written):
+                failed = convert(os.path.join(folder.path, name), os.path.join(tmp, name))
+            if failed:
+                return 1
+        for name, role in folder.files.items():
+            if role == "optimizer":
+                continue
+            source = os.path.join(folder.path, name)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(tmp, name), symlinks=True)
+            else:
+                shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
+        os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
+    except OSError as e:
+        return _fail("convert", f"cannot write {dst}: {e}")
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    # NOTE: each file's summary names the hidden folder it was written to; report where it is now.
+    sys.stdout.write(written.getvalue().replace(tmp, os.path.normpath(dst)))
+    copied = len(folder.files) - len(folder.optimizer_files)
+    print(f"copied {copied} other entr{'y' if copied == 1 else 'ies'} of {folder.path} unchanged into {dst}")
+    return 0
+
+
+def _first_line(message: str) -> str:
+    lines = message.strip().splitlines()
+    return lines[0] if lines else ""

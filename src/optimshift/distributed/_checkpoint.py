@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .._devices import DeviceLike, resolve
 from ..api import move
 from ..plan import check_optimizer, optimizer_name
+from ..checkpoint._atomic import fsync_dir
 from ..policy import quiet_global_step_hooks
 
 __all__ = ["save", "load", "describe_dcp"]
@@ -172,7 +173,7 @@ def _finish(tmp: Path, target: Path, lock: Optional[int], note: dict[str, Any]) 
         shutil.rmtree(tmp, ignore_errors=True)
         return e
     shutil.rmtree(_sibling(target, _OLD), ignore_errors=True)  # a crashed two-rename commit's leftover
-    _fsync_directory(target.parent)
+    fsync_dir(target.parent)
     return None
 
 
@@ -702,7 +703,7 @@ def _writer_options() -> dict[str, Any]:
 
 
 def _version() -> str:
-    from .. import __version__
+    from .._version import __version__
 
     return __version__
 
@@ -738,7 +739,7 @@ def _commit(tmp: Path, target: Path) -> None:
         os.rename(target, old)  # a crash here leaves the previous checkpoint at <path>.optimshift-old
         os.rename(tmp, target)
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_directory(target.parent)
+    fsync_dir(target.parent)
 
 
 def _check_complete(tmp: Path, lock: Optional[int]) -> None:
@@ -815,16 +816,3 @@ def _exchange(a: Path, b: Path) -> bool:
     if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False  # the kernel or this filesystem cannot exchange
     raise OSError(code, os.strerror(code), os.fspath(b))
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

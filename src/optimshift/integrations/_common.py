@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+import threading
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import _mode, api
 
-__all__ = ["placeable", "follow_params", "to_host", "streamed"]
+__all__ = ["placeable", "follow_params", "to_host", "Swap", "Patch", "module_items", "streamed"]
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -58,3 +62,68 @@ def to_host(optimizer: Any) -> None:
     optimizer's state is on the host already)."""
     if not streamed(optimizer):
         api.move(optimizer, torch.device("cpu"))
+
+
+# --- the one patching idiom ------------------------------------------------------------------------------
+
+
+@dataclass
+class Swap:
+    """One attribute of a framework (a module function, a class method) replaced by optimshift's version."""
+
+    owner: Any  # a module or a class
+    name: str
+    original: Any
+    replacement: Any
+
+
+def module_items(module: Any) -> list[tuple[str, Any]]:
+    """A module's global names and values, read from its ``__dict__`` (no ``__getattr__``, no lazy imports)."""
+    namespace = getattr(module, "__dict__", None) if isinstance(module, types.ModuleType) else None
+    return list(namespace.items()) if isinstance(namespace, dict) else []
+
+
+class Patch:
+    """A set of :class:`Swap` s applied together and undone together: what every integration's ``patch()``,
+    ``unpatch()`` and ``is_patched()`` are.
+
+    ``apply(plan)``: ``plan()`` finds and checks everything (it may raise; nothing is replaced then), then
+    every swap is made; a no-op while applied. ``undo()`` restores each original unless someone patched over
+    ours, and, with ``rebound=True``, also in modules that imported a replaced function by name meanwhile.
+    """
+
+    def __init__(self, *, rebound: bool = False) -> None:
+        self._lock = threading.RLock()
+        self._swaps: list[Swap] = []
+        self._rebound = rebound
+
+    @property
+    def applied(self) -> bool:
+        with self._lock:
+            return bool(self._swaps)
+
+    def apply(self, plan: Callable[[], list[Swap]]) -> None:
+        with self._lock:
+            if self._swaps:
+                return
+            swaps = plan()
+            for swap in swaps:
+                setattr(swap.owner, swap.name, swap.replacement)
+            self._swaps.extend(swaps)
+
+    def undo(self) -> None:
+        with self._lock:
+            if not self._swaps:
+                return
+            for swap in reversed(self._swaps):
+                if swap.owner.__dict__.get(swap.name) is swap.replacement:  # someone else may have patched over us
+                    setattr(swap.owner, swap.name, swap.original)
+            if self._rebound:
+                # Modules imported after apply() bound the replacement by name: give them the original back too.
+                by_replacement = {id(s.replacement): s for s in self._swaps}
+                for module in list(sys.modules.values()):
+                    for name, value in module_items(module):
+                        swap = by_replacement.get(id(value))
+                        if swap is not None and swap.replacement is value:
+                            setattr(module, name, swap.original)
+            self._swaps.clear()

@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-from ._common import follow_params, placeable
+from ._common import Patch, Swap, follow_params, placeable
 
 __all__ = ["patch", "unpatch", "is_patched"]
 
-_lock = threading.RLock()
-_originals: Optional[dict[str, Callable[..., Any]]] = None
-_replacements: dict[str, Callable[..., Any]] = {}
+_patch = Patch()
 
 
 def _on_xla(wrapper: Any) -> bool:
@@ -91,49 +88,35 @@ def patch() -> None:
 
     Calling it again is a no-op; :func:`unpatch` undoes it. Raises ImportError without Accelerate.
     """
-    global _originals
-    with _lock:
-        if _originals is not None:
-            return
-        try:
-            from accelerate.optimizer import AcceleratedOptimizer
-        except ImportError as e:
-            raise ImportError(
-                "optimshift.integrations.accelerate.patch() needs Accelerate: pip install 'optimshift[accelerate]'"
-            ) from e
-        originals = {name: AcceleratedOptimizer.__dict__[name] for name in ("__init__", "load_state_dict")}
-        parameters = inspect.signature(originals["__init__"]).parameters
-        if "optimizer" not in parameters or "device_placement" not in parameters:
-            raise RuntimeError(
-                "accelerate.optimizer.AcceleratedOptimizer.__init__ has no (optimizer, device_placement) "
-                "parameters: optimshift cannot patch this Accelerate version"
-            )
-        replacements = {
-            "__init__": _make_init(originals["__init__"]),
-            "load_state_dict": _make_load_state_dict(originals["load_state_dict"]),
-        }
-        for name, function in replacements.items():
-            setattr(AcceleratedOptimizer, name, function)
-        _originals = originals
-        _replacements.update(replacements)
+    _patch.apply(_plan_swaps)
+
+
+def _plan_swaps() -> list[Swap]:
+    try:
+        from accelerate.optimizer import AcceleratedOptimizer
+    except ImportError as e:
+        raise ImportError(
+            "optimshift.integrations.accelerate.patch() needs Accelerate: pip install 'optimshift[accelerate]'"
+        ) from e
+    originals = {name: AcceleratedOptimizer.__dict__[name] for name in ("__init__", "load_state_dict")}
+    parameters = inspect.signature(originals["__init__"]).parameters
+    if "optimizer" not in parameters or "device_placement" not in parameters:
+        raise RuntimeError(
+            "accelerate.optimizer.AcceleratedOptimizer.__init__ has no (optimizer, device_placement) "
+            "parameters: optimshift cannot patch this Accelerate version"
+        )
+    return [
+        Swap(AcceleratedOptimizer, "__init__", originals["__init__"], _make_init(originals["__init__"])),
+        Swap(AcceleratedOptimizer, "load_state_dict", originals["load_state_dict"],
+             _make_load_state_dict(originals["load_state_dict"])),
+    ]
 
 
 def unpatch() -> None:
     """Restore Accelerate's own ``AcceleratedOptimizer`` methods. A no-op when not patched."""
-    global _originals
-    with _lock:
-        if _originals is None:
-            return
-        from accelerate.optimizer import AcceleratedOptimizer
-
-        for name, original in _originals.items():
-            if AcceleratedOptimizer.__dict__.get(name) is _replacements.get(name):  # not patched over by others
-                setattr(AcceleratedOptimizer, name, original)
-        _originals = None
-        _replacements.clear()
+    _patch.undo()
 
 
 def is_patched() -> bool:
     """Whether :func:`patch` is in effect."""
-    with _lock:
-        return _originals is not None
+    return _patch.applied

@@ -44,16 +44,13 @@ import importlib
 import importlib.util
 import inspect
 import sys
-import threading
-import types
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from .. import api
-from ._common import follow_params, placeable, streamed, to_host
+from ._common import Patch, Swap, follow_params, module_items, placeable, streamed, to_host
 
 __all__ = ["patch", "unpatch", "is_patched", "OffloadOptimizerDuringEval"]
 
@@ -66,16 +63,7 @@ _FABRIC_METHODS = ("setup", "setup_optimizers", "load", "load_raw")
 _TRAINERS = {"lightning.fabric": "lightning.pytorch", "lightning_fabric": "pytorch_lightning"}  # fabric -> Trainer
 
 
-@dataclass
-class _Swap:
-    owner: Any  # a module or a class
-    name: str
-    original: Any
-    replacement: Any
-
-
-_lock = threading.RLock()
-_swaps: list[_Swap] = []
+_patch = Patch(rebound=True)
 
 
 def _installed_fabric_packages() -> list[str]:
@@ -160,20 +148,14 @@ def _wrap_fabric_load(original: Callable[..., Any], fabric_optimizer: type, argu
     return wrapper
 
 
-def _module_items(module: Any) -> list[tuple[str, Any]]:
-    """A module's global names and values, read from its ``__dict__`` (no ``__getattr__``, no lazy imports)."""
-    namespace = getattr(module, "__dict__", None) if isinstance(module, types.ModuleType) else None
-    return list(namespace.items()) if isinstance(namespace, dict) else []
-
-
-def _plan_swaps() -> list[_Swap]:
+def _plan_swaps() -> list[Swap]:
     packages = _installed_fabric_packages()
     if not packages:
         raise ImportError(
             "optimshift.integrations.lightning.patch() needs Lightning: pip install 'optimshift[lightning]' "
             "(the `lightning` package, or `pytorch_lightning` with `lightning_fabric`)"
         )
-    swaps: list[_Swap] = []
+    swaps: list[Swap] = []
     for package in packages:
         source = importlib.import_module(f"{package}.utilities.optimizer")
         originals = {}
@@ -195,10 +177,10 @@ def _plan_swaps() -> list[_Swap]:
         lightning_modules = [m for name, m in list(sys.modules.items())
                              if name.split(".")[0] in _LIGHTNING_PACKAGES and m is not source]
         for module in [source] + lightning_modules:
-            for name, value in _module_items(module):
+            for name, value in module_items(module):
                 pair = replacements.get(id(value))
                 if pair is not None and pair[0] is value:
-                    swaps.append(_Swap(module, name, value, pair[1]))
+                    swaps.append(Swap(module, name, value, pair[1]))
         fabric_cls = importlib.import_module(f"{package}.fabric").Fabric
         fabric_optimizer = importlib.import_module(f"{package}.wrappers")._FabricOptimizer
         for name in _FABRIC_METHODS:
@@ -211,7 +193,7 @@ def _plan_swaps() -> list[_Swap]:
                 wrapper = _wrap_fabric_load(original, fabric_optimizer, "state" if name == "load" else "obj")
             else:
                 wrapper = _wrap_fabric_setup(original, fabric_optimizer)
-            swaps.append(_Swap(fabric_cls, name, original, wrapper))
+            swaps.append(Swap(fabric_cls, name, original, wrapper))
         trainer = _TRAINERS.get(package)
         if trainer is not None and importlib.util.find_spec(trainer.split(".")[0]) is not None:
             strategy_cls = importlib.import_module(f"{trainer}.strategies.strategy").Strategy
@@ -219,7 +201,7 @@ def _plan_swaps() -> list[_Swap]:
             if not callable(original):
                 raise RuntimeError(f"{trainer}.strategies.strategy.Strategy has no load_optimizer_state_dict(): "
                                    f"optimshift cannot patch this Lightning version")
-            swaps.append(_Swap(strategy_cls, "load_optimizer_state_dict", original,
+            swaps.append(Swap(strategy_cls, "load_optimizer_state_dict", original,
                                _make_load_optimizer_state_dict(original)))
     return swaps
 
@@ -249,37 +231,17 @@ def patch() -> None:
     importing them if needed. Calling it again is a no-op; :func:`unpatch` undoes it.
     Raises ImportError without Lightning, RuntimeError if this Lightning lacks the helpers it replaces.
     """
-    with _lock:
-        if _swaps:
-            return
-        swaps = _plan_swaps()  # everything is found and checked before anything is replaced
-        for swap in swaps:
-            setattr(swap.owner, swap.name, swap.replacement)
-        _swaps.extend(swaps)
+    _patch.apply(_plan_swaps)  # everything is found and checked before anything is replaced
 
 
 def unpatch() -> None:
     """Restore Lightning's own helpers and ``Fabric`` methods. A no-op when not patched."""
-    with _lock:
-        if not _swaps:
-            return
-        originals = {id(s.replacement): s for s in _swaps}
-        for swap in reversed(_swaps):
-            if swap.owner.__dict__.get(swap.name) is swap.replacement:  # someone else may have patched over us
-                setattr(swap.owner, swap.name, swap.original)
-        # Modules imported after patch() bound the replacement by name: give them the original back too.
-        for module in list(sys.modules.values()):
-            for name, value in _module_items(module):
-                swap = originals.get(id(value))
-                if swap is not None and swap.replacement is value:
-                    setattr(module, name, swap.original)
-        _swaps.clear()
+    _patch.undo()
 
 
 def is_patched() -> bool:
     """Whether :func:`patch` is in effect."""
-    with _lock:
-        return bool(_swaps)
+    return _patch.applied
 
 
 def _callback_base() -> type:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from typing import Any, Mapping, Optional
 
 import torch
@@ -86,7 +87,8 @@ def _load(spec: str) -> Optional[type]:
 def register() -> list[type]:
     """Register every policy of :data:`POLICIES` whose library is installed; return the classes registered.
 
-    Idempotent. A library that is installed but no longer defines a listed class raises RuntimeError.
+    Idempotent. Warns (``UserWarning``) when none of the libraries is installed, since then nothing is
+    registered. A library that is installed but no longer defines a listed class raises RuntimeError.
     """
     with _lock:
         classes = []
@@ -98,7 +100,15 @@ def register() -> list[type]:
             classes.append(cls)
             if cls not in _registered:
                 _registered.append(cls)
-        return classes
+    if not classes:
+        libraries = sorted({spec.partition(":")[0].split(".")[0] for spec in POLICIES})
+        warnings.warn(
+            f"optimshift.integrations.third_party.register(): {', '.join(libraries)} is not installed, so no "
+            f"policy was registered (pip install {' '.join(name.replace('_', '-') for name in libraries)})",
+            UserWarning,
+            stacklevel=2,
+        )
+    return classes
 
 
 def unregister() -> None:

@@ -17,7 +17,8 @@ What it enforces (each violation raises ``RuntimeError``, as CUDA does):
    on the CPU, as on CUDA.
 2. A fused optimizer kernel (``aten::_fused_*``, e.g. ``_fused_adam_``, ``_fused_adamw_``,
    ``_fused_sgd_``, ``_fused_adagrad_``) may not receive any CPU tensor, not even a 0-dim
-   one: CUDA's fused kernels reject a CPU ``step``.
+   one: CUDA's fused kernels reject a CPU ``step``. The one exception is ``lr``, which may be
+   a one-element CPU tensor: CUDA's kernels read a host ``lr`` with ``.item()``.
 3. An operator other than a copy may not mix ``sim:0`` and ``sim:1`` tensors.
 
 (PyTorch itself already rejects some of these mixes before the simulator sees them, with the
@@ -34,8 +35,10 @@ Limits, honestly:
 
 * It is slow: every operator goes through Python and every result is wrapped through
   DLPack plumbing (tens of microseconds per op). Fine for unit tests on small models.
-* It is not a real CUDA: there are no streams or events, every copy is synchronous
-  (``non_blocking=True`` is accepted and ignored), there is no pinned memory (a
+* It is not a real CUDA. Streams and events exist (``torch.sim.Stream``, ``torch.sim.Event``,
+  ``torch.sim.stream``: see :mod:`optimshift.testing._sim_streams`): the default stream runs
+  every op at once, work on any other stream is deferred until something orders it, and
+  races between streams raise. There is no pinned memory (a
   ``non_blocking`` copy to the CPU returns an ordinary tensor; ``pin_memory()`` and
   ``pin_memory=True`` raise ``NotImplementedError`` once the simulator is set up, because
   PyTorch then asks the sim backend for a pinned allocator), random ops use the CPU's
@@ -217,6 +220,8 @@ def _unregister(key: int, ref: weakref.ref) -> None:
         if entry is not None and entry.ref is ref:
             del _registry[key]
             _allocated[entry.index] -= entry.nbytes
+            if _deferred is not None:
+                _deferred.on_free(key)
 
 
 def _register(storage: torch.UntypedStorage, index: int) -> None:
@@ -230,6 +235,8 @@ def _register(storage: torch.UntypedStorage, index: int) -> None:
             _allocated[old.index] -= old.nbytes
         _registry[key] = entry
         _allocated[index] += nbytes
+    if _deferred is not None:
+        _deferred.on_alloc(key, index)
 
 
 def _lookup(key: int) -> torch.UntypedStorage | None:
@@ -395,6 +402,11 @@ _INDEX_OPS = frozenset(
 )
 
 
+# Arguments of fused optimizer kernels that may be a one-element host tensor: CUDA's (and XPU's, MPS's) kernels
+# check `lr.is_cpu()` and then read it with `lr.item()` (no device sync: it is on the host). Everything else
+# must be on the params' device (a host `step` is refused).
+_FUSED_HOST_ARGS = frozenset({"lr"})
+
 _schema_args: dict[Any, dict[str, Any]] = {}  # op -> {argument name: schema argument}
 
 
@@ -421,6 +433,7 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
     if schema_args is None:
         schema_args = _schema_args[op] = {a.name: a for a in op._schema.arguments}
     named = list(zip(schema_args, args)) + list(kwargs.items())
+    fused = name.startswith("aten::_fused_")
     for arg_name, value in named:
         if skip_indices and arg_name == "indices":
             continue
@@ -430,8 +443,11 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
             and schema_arg.alias_info is not None
             and schema_arg.alias_info.is_write
         )
+        host_scalar_ok = fused and arg_name in _FUSED_HOST_ARGS
         for t in _iter_tensors(value):
             dev = t.device
+            if host_scalar_ok and dev.type == "cpu" and t.numel() == 1:
+                continue  # read with .item() on the host, as CUDA's fused kernels do
             if dev.type == SIM_DEVICE_TYPE:
                 if dev.index not in sim_indices:
                     sim_indices.append(dev.index)
@@ -454,7 +470,7 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
             f"{SIM_DEVICE_TYPE}:{sim_indices[0]} and {SIM_DEVICE_TYPE}:{sim_indices[1]}! "
             f"(simulated accelerator, in {name})"
         )
-    if name.startswith("aten::_fused_") and (cpu_tensor is not None or cpu_scalar is not None):
+    if fused and (cpu_tensor is not None or cpu_scalar is not None):
         bad = cpu_tensor if cpu_tensor is not None else cpu_scalar
         raise RuntimeError(
             f"{name}: all tensors must be on the device of the params ({first}), but found a "
@@ -506,6 +522,12 @@ def _sim_index_of(device: Any) -> int | None:
 
 
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    if _deferred is not None and _deferred._state.tracking:  # streams in use: see _sim_streams
+        return _deferred.dispatch(op, args, kwargs, _fallback_now)
+    return _fallback_now(op, *args, **kwargs)
+
+
+def _fallback_now(op: Any, *args: Any, **kwargs: Any) -> Any:
     special = _SPECIAL_KERNELS.get(op)
     if special is not None:
         return special(*args, **kwargs)
@@ -817,7 +839,9 @@ class _SimBackendModule:
         return _DeviceContext(self, device)
 
     def synchronize(self, device: Any = None) -> None:
-        """No-op: the simulator runs every op synchronously."""
+        """Wait for the work queued on every stream of ``device`` (see :mod:`._sim_streams`)."""
+        if _deferred is not None:
+            _deferred.synchronize(device)
 
     def memory_allocated(self, device: Any = None) -> int:
         index = self.current_device() if device is None else (
@@ -940,7 +964,7 @@ def _ensure_setup() -> None:
         # Ops with a CompositeExplicitAutograd kernel never reach the fallback; these need
         # their own PrivateUse1 kernel to take precedence over the composite one.
         aten_lib = torch.library.Library("aten", "IMPL")
-        aten_lib.impl("_to_copy", _to_copy, "PrivateUse1")
+        aten_lib.impl("_to_copy", _to_copy_entry, "PrivateUse1")
         # Keep the registrations (and the hook/guard objects) alive with torch.sim itself.
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]
@@ -950,4 +974,26 @@ def _ensure_setup() -> None:
         # internal assert. With multithreading off, this thread runs device backward itself.
         torch._C._set_multithreading_enabled(False)
         torch.__future__.set_swap_module_params_on_conversion(True)
+        _install_streams()
         _is_setup = True
+
+
+# --------------------------------------------------------------------------------------------
+# Streams and events (optimshift.testing._sim_streams): deferred work on non-default streams
+# --------------------------------------------------------------------------------------------
+
+_deferred: Any = None  # the _sim_streams module once set up
+
+
+def _to_copy_entry(*args: Any, **kwargs: Any) -> Any:
+    # _to_copy is registered directly (ahead of the composite kernel); go through _fallback like every other
+    # op so that the stream machinery sees it.
+    return _fallback(_aten._to_copy.default, *args, **kwargs)
+
+
+def _install_streams() -> None:
+    global _deferred
+    from optimshift.testing import _sim_streams
+
+    _sim_streams.install(_backend_module)
+    _deferred = _sim_streams

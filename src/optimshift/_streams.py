@@ -1,0 +1,270 @@
+"""Streams and events of an accelerator, as the engine uses them: one small interface for every backend.
+
+The asynchronous path (:func:`optimshift.engine.run` with ``non_blocking``, :class:`optimshift.PendingTransfer`,
+the step pre-hook, the pool's buffer events) is written once against :class:`Streams`. Which implementation a
+device type gets is decided once per type by :func:`of`:
+
+1. A backend registered with :func:`register_backend`: its ``torch.cuda``-shaped module (``Stream``, ``Event``,
+   ``current_stream``, ``stream``, ``synchronize``). This is how a Python PrivateUse1 backend gets streams: its C++
+   device guard is torch's, whose streams and events are no-ops, so ``torch.Stream``/``torch.Event`` on it order
+   nothing. :mod:`optimshift.testing`'s simulated accelerator registers itself here.
+2. The device-generic API where this torch has all of it (``torch.Stream``, ``torch.Event``, and
+   ``torch.accelerator``'s ``current_stream``/``set_stream``/``current_device_index``/...; torch 2.13 does) and
+   the device is the current accelerator: CUDA, ROCm, XPU, and any out-of-tree backend whose C++ guard
+   implements streams.
+3. ``torch.cuda``'s ``Stream``/``Event`` on an older torch.
+4. Nothing: transfers on that device are synchronous.
+
+An implementation is used only after a probe (a stream, an event recorded on it and waited for, a
+``record_stream`` on a one-element tensor) worked once; a backend that fails any of them (MPS has no
+``record_stream``) gets synchronous transfers rather than an unsafe asynchronous one.
+
+Stream and event objects are the backend's own (``torch.Stream``/``torch.Event``, ``torch.cuda.Stream``/
+``torch.cuda.Event``, ``torch.sim.Stream``/``torch.sim.Event``); host-side waits go straight to them
+(``event.query()``, ``event.synchronize()``). Everything that orders device work goes through a :class:`Streams`
+method, so that there is one place per ordering rule (and one place a test can take it away).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Iterator, Optional
+
+import torch
+
+__all__ = ["Streams", "of", "register_backend", "pins_host_for", "host_pinning", "empty_cache"]
+
+
+class Streams:
+    """One device type's streams and events. Subclasses fill in the primitives; the engine calls only these."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self._side: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+
+    # -- primitives (per implementation) --------------------------------------------------------------------
+    def current(self, device: torch.device) -> Any:
+        """The stream work on ``device`` is queued on now (the caller's, per thread)."""
+        raise NotImplementedError
+
+    def new_stream(self, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def use(self, stream: Any) -> "contextlib.AbstractContextManager[None]":
+        """Make ``stream`` current on its device for the ``with`` body, then restore the previous one."""
+        raise NotImplementedError
+
+    def new_event(self, device: torch.device) -> Any:
+        raise NotImplementedError
+
+    def synchronize(self, device: torch.device) -> None:
+        """Block the host until all work queued on ``device`` (every stream) has run."""
+        raise NotImplementedError
+
+    # -- ordering (the same for every implementation: the backend objects share method names) -------------
+    def side(self, device: torch.device) -> Any:
+        """The engine's side stream on ``device`` (one per device, kept for the process)."""
+        stream = self._side.get(device)
+        if stream is None:
+            with self._lock:
+                stream = self._side.get(device)
+                if stream is None:
+                    stream = self._side[device] = self.new_stream(device)
+        return stream
+
+    def record(self, event: Any, stream: Any) -> None:
+        """``event`` completes once the work queued on ``stream`` so far has run."""
+        event.record(stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Work queued on ``stream`` from now on runs after ``event`` completed (no host sync)."""
+        stream.wait_event(event)
+
+    def wait_stream(self, stream: Any, other: Any) -> None:
+        """Work queued on ``stream`` from now on runs after the work queued on ``other`` so far."""
+        stream.wait_stream(other)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor``'s memory is in use by ``stream``: once freed, the allocator reuses it only after the work
+        queued on ``stream`` at that point has run."""
+        tensor.record_stream(stream)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device_type!r})"
+
+
+class _AcceleratorStreams(Streams):
+    """``torch.Stream``, ``torch.Event`` and ``torch.accelerator``: any backend whose device guard has streams."""
+
+    def current(self, device: torch.device) -> Any:
+        return torch.accelerator.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.Stream(device)
+
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        # NOTE: set_stream also makes the stream's device current: put both back afterwards.
+        index = torch.accelerator.current_device_index()
+        previous = torch.accelerator.current_stream(stream.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
+            torch.accelerator.set_device_index(index)
+
+    def new_event(self, device: torch.device) -> Any:
+        return torch.Event(device=device)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.accelerator.synchronize(device)
+
+
+class _ModuleStreams(Streams):
+    """A ``torch.cuda``-shaped module: ``torch.cuda`` on a torch without ``torch.accelerator``, or a backend
+    registered with :func:`register_backend`."""
+
+    def __init__(self, device_type: str, module: Any) -> None:
+        super().__init__(device_type)
+        self.module = module
+
+    def current(self, device: torch.device) -> Any:
+        return self.module.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return self.module.Stream(device)
+
+    def use(self, stream: Any) -> "contextlib.AbstractContextManager[None]":
+        return self.module.stream(stream)
+
+    def new_event(self, device: torch.device) -> Any:
+        return self.module.Event()
+
+    def synchronize(self, device: torch.device) -> None:
+        self.module.synchronize(device)
+
+
+# -- choosing an implementation per device type -----------------------------------------------------------
+
+_registered: dict[str, tuple[Any, bool]] = {}  # device type -> (torch.cuda-shaped module, pins host memory)
+_chosen: dict[str, Optional[Streams]] = {}
+_choose_lock = threading.Lock()
+
+
+def register_backend(device_type: str, module: Any, *, pin_host: bool = False) -> None:
+    """Give ``device_type`` streams through ``module`` (``Stream(device)``, ``Event()``, ``current_stream(device)``,
+    ``stream(s)`` as a context manager, ``synchronize(device)``; streams with ``wait_event``/``wait_stream``, events
+    with ``record(stream)``/``query()``/``synchronize()``, and ``tensor.record_stream(stream)`` working on its
+    tensors). For backends whose streams torch's generic API cannot see. ``pin_host``: whether host buffers
+    should be pinned for copies to and from it."""
+    with _choose_lock:
+        _registered[device_type] = (module, pin_host)
+        _chosen.pop(device_type, None)
+    host_pinning.cache_clear()
+
+
+def _generic_api() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    return (acc is not None and hasattr(torch, "Stream") and hasattr(torch, "Event")
+            and all(hasattr(acc, name) for name in ("current_accelerator", "current_stream", "set_stream",
+                                                     "synchronize", "current_device_index", "set_device_index")))
+
+
+def _current_accelerator_type() -> Optional[str]:
+    try:
+        device = torch.accelerator.current_accelerator()
+    except Exception:
+        return None
+    return None if device is None else device.type
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _candidate(device_type: str) -> Optional[Streams]:
+    if device_type in _registered:
+        return _ModuleStreams(device_type, _registered[device_type][0])
+    if device_type in ("cpu", "meta"):
+        return None
+    if _generic_api() and _current_accelerator_type() == device_type:
+        return _AcceleratorStreams(device_type)
+    if device_type == "cuda" and _cuda_available():
+        return _ModuleStreams("cuda", torch.cuda)
+    return None
+
+
+def _probe(streams: Streams, device: torch.device) -> bool:
+    """Whether every primitive the engine needs works on ``device`` (once per device type)."""
+    try:
+        stream = streams.new_stream(device)
+        event = streams.new_event(device)
+        with streams.use(stream):
+            tensor = torch.empty(1, device=device)
+            streams.record(event, streams.current(device))
+        streams.wait_event(streams.current(device), event)
+        streams.record_stream(tensor, stream)
+        event.synchronize()
+        return True
+    except Exception:
+        return False
+
+
+def of(device: Optional[torch.device]) -> Optional[Streams]:
+    """The :class:`Streams` of ``device``'s type, or None where transfers must be synchronous."""
+    if device is None:
+        return None
+    kind = device.type
+    try:
+        return _chosen[kind]
+    except KeyError:
+        pass
+    with _choose_lock:
+        if kind not in _chosen:
+            streams = _candidate(kind)
+            _chosen[kind] = streams if streams is not None and _probe(streams, device) else None
+        return _chosen[kind]
+
+
+# -- pinned host memory -------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def host_pinning() -> Optional[str]:
+    """The device type host memory can be pinned for in this process (the accelerator's), or None.
+
+    # NOTE: asking ``is_pinned()`` or ``pin_memory=True`` with no such accelerator either initializes one for
+    # nothing or raises (a Python backend has no pinned allocator): callers check this first.
+    """
+    if _cuda_available():
+        kind: Optional[str] = "cuda"
+    else:
+        kind = _current_accelerator_type() if _generic_api() else None
+    if kind is None or (kind in _registered and not _registered[kind][1]):
+        return None
+    try:
+        torch.empty(1, pin_memory=True)
+    except Exception:
+        return None
+    return kind
+
+
+def pins_host_for(device: torch.device) -> bool:
+    """Whether host buffers for copies to and from ``device`` should be pinned (they can be, and it helps)."""
+    return device.type == host_pinning()
+
+
+def empty_cache() -> None:
+    """Give the accelerator's cached, unused device memory back (no-op without one)."""
+    if _cuda_available():
+        torch.cuda.empty_cache()
+        return
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "empty_cache") and hasattr(acc, "is_available"):
+        kind = _current_accelerator_type()
+        if kind is not None and kind not in _registered and acc.is_available():
+            acc.empty_cache()

@@ -1,0 +1,146 @@
+"""Temporary files for atomic saves, and removing the ones crashed saves left behind.
+
+A save writes ``.NAME.<12 hex>.tmp`` next to ``NAME`` and renames it over ``NAME``. A writer killed before the
+rename (SIGKILL, preemption, OOM killer) leaves its temporary behind; :func:`sweep` removes such strays at the
+start of every save to the same destination, so after any number of kills at most one stray per destination
+exists (the last killed writer's), and the next save removes it.
+
+Whose temporary is still being written: each writer holds an exclusive ``flock`` on its temporary for as long as
+it writes, and the kernel drops that lock when the writer dies, however it dies. :func:`sweep` removes a
+temporary only after taking that lock itself, so a live writer's file is never touched, whatever its pid or
+host, and a recycled pid cannot keep a stray alive. Temporaries this process is writing are skipped outright
+(on NFS, ``flock`` is emulated with per-process POSIX locks, which another thread of the writer could take).
+Without ``fcntl`` (Windows) a file open in another process cannot be deleted, which is the same test.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import stat
+import threading
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["create_temp", "release_temp", "sweep", "temp_pattern"]
+
+# NOTE: the name format is the one earlier versions used, so strays they left are recognised (and removed) too.
+_TOKEN_HEX = 12
+_O_BINARY = getattr(os, "O_BINARY", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+_live: set[str] = set()  # temporaries this process is writing right now
+_live_lock = threading.Lock()
+
+
+def temp_pattern(target: str) -> "re.Pattern[str]":
+    """The names of ``target``'s temporaries (and of no other destination's: the token is exactly 12 hex)."""
+    return re.compile(rf"\.{re.escape(os.path.basename(target))}\.[0-9a-f]{{{_TOKEN_HEX}}}\.tmp")
+
+
+def create_temp(target: str) -> tuple[int, str]:
+    """A new temporary for ``target`` in its folder, opened for writing and locked: ``(fd, path)``.
+
+    Mode 0o666 lets the umask decide the permissions, as for any new file. Hand it to :func:`release_temp`
+    once it is renamed or removed."""
+    folder = os.path.dirname(target)
+    for _ in range(100):
+        path = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(_TOKEN_HEX // 2)}.tmp")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o666)
+        if fcntl is None:
+            break
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A sweep may have locked, removed and released the file between our open and our flock.
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass  # removed by a sweep: try another name
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):  # a sweep holds it
+                os.close(fd)
+                _unlink(path)
+                raise
+        os.close(fd)
+        _unlink(path)
+    else:  # pragma: no cover - a sweep would have to win a hundred races in a row
+        raise OSError(f"save: could not create a temporary file next to {target}")
+    with _live_lock:
+        _live.add(path)
+    return fd, path
+
+
+def release_temp(path: str) -> None:
+    """``path`` (from :func:`create_temp`) is no longer being written: renamed over its target or removed."""
+    with _live_lock:
+        _live.discard(path)
+
+
+def sweep(target: str) -> int:
+    """Remove the temporaries of ``target`` whose writer is gone; returns how many. Never raises."""
+    folder = os.path.dirname(target)
+    pattern = temp_pattern(target)
+    try:
+        names = [n for n in os.listdir(folder) if pattern.fullmatch(n)]
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        path = os.path.join(folder, name)
+        with _live_lock:
+            if path in _live:
+                continue
+        if _remove_if_abandoned(path):
+            removed += 1
+    return removed
+
+
+def _remove_if_abandoned(path: str) -> bool:
+    if fcntl is None:  # Windows: a file still open in its writer cannot be removed
+        return _unlink(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_BINARY)
+    except OSError:
+        return False  # gone already, a symlink, or not ours to open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its writer holds the lock: still being written
+        try:
+            same = os.path.samestat(st, os.stat(path))
+        except OSError:
+            return False
+        return same and _unlink(path)
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def fsync_dir(folder: "str | os.PathLike[str]") -> None:
+    """Make the rename durable (POSIX); a no-op where folders cannot be opened (Windows)."""
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)

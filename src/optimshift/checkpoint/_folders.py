@@ -1,0 +1,117 @@
+"""Checkpoint folders that training frameworks write, and the optimizer files inside them.
+
+Two layouts are recognised, by file names only (nothing is loaded here):
+
+- Hugging Face Transformers ``Trainer`` ``checkpoint-N/`` folders: ``optimizer.pt`` (a bare
+  ``Optimizer.state_dict()``), ``scheduler.pt``, ``trainer_state.json``, ``training_args.bin``, ``rng_state*.pth``
+  and the model (``model.safetensors`` or ``pytorch_model.bin``, possibly sharded).
+- Hugging Face Accelerate ``Accelerator.save_state`` folders: ``optimizer.bin`` (then ``optimizer_1.bin``, …),
+  ``scheduler.bin``, ``random_states_N.pkl``, ``sampler.bin`` and the models (``model.safetensors``,
+  ``model_1.safetensors`` or ``pytorch_model.bin``, ``pytorch_model_1.bin``).
+
+A ``torch.distributed.checkpoint`` folder (it has a ``.metadata`` file) is neither: see
+:func:`optimshift.distributed.describe_dcp`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["TrainingFolder", "training_folder"]
+
+HF_TRAINER = "hf_trainer"
+ACCELERATE = "accelerate"
+
+# (pattern, role); the first match names a file's role.
+_ROLES = [
+    (r"optimizer(_\d+)?\.(pt|bin)", "optimizer"),
+    (r"(pytorch_)?model(_\d+)?(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?", "model weights"),
+    (r"adapter_model\.(safetensors|bin)", "model weights"),
+    (r"scheduler(_\d+)?\.(pt|bin)", "scheduler"),
+    (r"trainer_state\.json", "trainer state"),
+    (r"training_args\.bin", "training arguments"),
+    (r"(generation_)?config\.json|adapter_config\.json", "model config"),
+    (r"rng_state(_\d+)?\.pth|random_states_\d+\.pkl", "random number generator state"),
+    (r"scaler\.pt", "gradient scaler"),
+    (r"sampler(_\d+)?\.bin|dl_state_dict(_\d+)?\.bin", "data loader state"),
+    (r"(tokenizer|special_tokens_map|vocab|merges|tokenizer_config)\.(json|txt|model)", "tokenizer"),
+]
+_OPTIMIZER = re.compile(r"optimizer(?:_(\d+))?\.(pt|bin)")
+
+
+@dataclass(frozen=True)
+class TrainingFolder:
+    """A framework's checkpoint folder.
+
+    ``kind``: ``"hf_trainer"`` or ``"accelerate"``; ``optimizer_files``: the optimizer state files in it, in the
+    framework's order (``optimizer.bin``, ``optimizer_1.bin``, …); ``files``: every entry of the folder with its
+    role (``"optimizer"``, ``"model weights"``, ``"scheduler"``, …, ``"folder"``, ``"other"``);
+    ``trainer_state``: a few fields of ``trainer_state.json`` (``global_step``, ``epoch``, ``max_steps``) when
+    the folder has one.
+    """
+
+    path: str
+    kind: str
+    optimizer_files: list[str]
+    files: dict[str, str] = field(default_factory=dict)
+    trainer_state: Optional[dict[str, Any]] = None
+
+    @property
+    def label(self) -> str:
+        """The layout in words: "Hugging Face Trainer checkpoint folder" or "Accelerate save_state folder"."""
+        return {HF_TRAINER: "Hugging Face Trainer checkpoint folder",
+                ACCELERATE: "Accelerate save_state folder"}[self.kind]
+
+
+def _role(name: str, path: str) -> str:
+    if os.path.isdir(os.path.join(path, name)):
+        return "folder"
+    for pattern, role in _ROLES:
+        if re.fullmatch(pattern, name):
+            return role
+    return "other"
+
+
+def _optimizer_order(name: str) -> tuple[int, str]:
+    match = _OPTIMIZER.fullmatch(name)
+    return (int(match.group(1) or 0) if match else 0, name)
+
+
+def _trainer_state(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict):
+        return None
+    return {k: state[k] for k in ("global_step", "epoch", "max_steps") if k in state}
+
+
+def training_folder(path: str) -> Optional[TrainingFolder]:
+    """The framework checkpoint folder at ``path``, or None if it is not one (or not a folder).
+
+    A Trainer folder has ``trainer_state.json``, or ``optimizer.pt`` with ``scheduler.pt``; an Accelerate folder
+    has ``optimizer.bin`` (or ``optimizer_N.bin``) beside model weights, ``random_states_N.pkl`` or
+    ``scheduler.bin``. A ``torch.distributed.checkpoint`` folder (``.metadata``) is never one.
+    """
+    try:
+        names = sorted(os.listdir(path))
+    except (NotADirectoryError, FileNotFoundError, PermissionError):
+        return None
+    if ".metadata" in names:
+        return None
+    files = {name: _role(name, path) for name in names}
+    optimizers = sorted((n for n, role in files.items() if role == "optimizer"), key=_optimizer_order)
+    if "trainer_state.json" in files or {"optimizer.pt", "scheduler.pt"} <= set(files):
+        kind = HF_TRAINER
+    elif any(n.endswith(".bin") for n in optimizers) and any(
+            role in ("model weights", "random number generator state", "scheduler") for role in files.values()):
+        kind = ACCELERATE
+    else:
+        return None
+    return TrainingFolder(path, kind, optimizers, files, _trainer_state(path) if kind == HF_TRAINER else None)

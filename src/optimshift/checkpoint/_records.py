@@ -1,0 +1,135 @@
+"""Checking every storage a torch.save zip file's pickle asks for against the record that holds its bytes.
+
+``torch.load(mmap=True)`` slices each storage out of the mapped file at its record's offset with the length the
+pickle claims, and never compares that length with the record's: a record cut short (or a length flipped in
+the pickle) makes it return the bytes of the records that follow. ``mmap=False`` refuses such a file
+("record size does not match"). :func:`check_records` restores that check for mapped loads.
+
+The claimed lengths are read by a second pass over ``data.pkl`` with an unpickler that imports nothing and
+builds nothing: every global it names stands for an inert placeholder. Only ``torch.*Storage`` names are
+resolved (to an element size), through torch's own table.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["check_records", "RecordMismatch"]
+
+
+class RecordMismatch(Exception):
+    """A storage whose claimed size is not its record's (or whose record is missing): the file is corrupt."""
+
+
+class Unverifiable(Exception):
+    """The pickle could not be read by the placeholder pass (the caller falls back to an eager load)."""
+
+
+class _Inert:
+    """What every global in the pickle stands for: accepts any construction, state and items, does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _StorageName:
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
+
+
+def _storage_itemsize(name: str) -> Optional[int]:
+    if name == "UntypedStorage":
+        return 1
+    try:
+        dtype = torch.serialization.StorageType(name).dtype
+    except Exception:
+        return None
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _ClaimsReader(pickle.Unpickler):
+    """Collects ``{key: {claimed bytes}}`` from the pickle's persistent ids (``("storage", type, key, location,
+    numel)``, torch.save's format)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.claims: dict[str, set[int]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(name, str) and name.endswith("Storage"):
+            size = _storage_itemsize(name)
+            if size is not None:
+                return _StorageName(size)
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> Any:
+        try:
+            tag, storage_type, key, _location, numel = pid
+            nbytes = numel * storage_type.itemsize
+        except (TypeError, ValueError, AttributeError):
+            raise Unverifiable(f"unexpected persistent id {pid!r:.60}") from None
+        if type(key) is bytes:
+            key = key.decode("ascii", "replace")
+        if type(key) is not str or type(numel) is not int or type(storage_type) is not _StorageName:
+            raise Unverifiable(f"unexpected persistent id {pid!r:.60}")
+        claimed = self.claims.get(key)
+        if claimed is None:
+            self.claims[key] = {nbytes}
+        else:
+            claimed.add(nbytes)
+        return _INERT
+
+
+_INERT = _Inert()
+
+
+def check_records(path: str) -> None:
+    """Raise :class:`RecordMismatch` if a storage the pickle of ``path`` (a torch.save zip file) asks for has
+    no record or a record of another size; :class:`Unverifiable` if the pickle cannot be read that way."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+            if not infos:
+                raise RecordMismatch("the zip archive is empty")
+            # torch's reader: every record sits under the first record's top folder (the archive name).
+            prefix = infos[0].filename.split("/", 1)[0]
+            sizes = {i.filename: i.file_size for i in infos}
+            pkl = f"{prefix}/data.pkl"
+            if pkl not in sizes:
+                raise RecordMismatch(f"it has no {pkl} record")
+            data = zf.read(pkl)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError) as e:
+        raise Unverifiable(f"{type(e).__name__}: {e}") from None
+    reader = _ClaimsReader(data)
+    try:
+        reader.load()
+    except (Unverifiable, RecordMismatch):
+        raise
+    except Exception as e:  # the placeholder pass cannot follow this pickle; torch could
+        raise Unverifiable(f"{type(e).__name__}: {e}") from None
+    for key, claimed in reader.claims.items():
+        name = f"{prefix}/data/{key}"
+        size = sizes.get(name)
+        if size is None:
+            raise RecordMismatch(f"its pickle asks for a storage in record {name}, which the file does not have")
+        for nbytes in sorted(claimed):
+            if nbytes != size:
+                raise RecordMismatch(f"record {name} holds {size} bytes but its pickle asks for a storage of "
+                                     f"{nbytes} bytes")

@@ -1,0 +1,38 @@
+"""Crafting checkpoint files torch.save cannot write: records cut short or dropped, a data.pkl of our own, and
+containers nested thousands of levels deep (torch.save's pickler stops at the recursion limit)."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+
+
+def rewrite_zip(src, dst, change=None, drop=(), pkl=None):
+    """Copy the torch.save zip ``src`` to ``dst`` record by record: ``change`` maps a name suffix to a function
+    of the record's bytes, ``drop`` lists suffixes to leave out, ``pkl`` replaces data.pkl."""
+    change = dict(change or {})
+    if pkl is not None:
+        change["/data.pkl"] = lambda _: pkl
+    with zipfile.ZipFile(src) as zin:
+        records = [(i.filename, zin.read(i.filename)) for i in zin.infolist()
+                   if not any(i.filename.endswith(s) for s in drop)]
+    with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for name, data in records:
+            for suffix, fn in change.items():
+                if name.endswith(suffix):
+                    data = fn(data)
+            zout.writestr(name, data)
+
+
+def nest_in_place(path, marker: str, levels: int) -> None:
+    """Replace the string ``marker`` (saved once in the torch.save file ``path``) by a list nested ``levels``
+    deep: ``levels`` EMPTY_LISTs, then APPENDs folding each into the one below."""
+    raw = marker.encode()
+    opcode = b"X" + len(raw).to_bytes(4, "little") + raw  # BINUNICODE, as torch.save's protocol 2 writes it
+    nested = pickle.EMPTY_LIST * levels + pickle.APPEND * (levels - 1)
+
+    def replace(data):
+        assert data.count(opcode) == 1, f"{marker!r} must occur once in data.pkl"
+        return data.replace(opcode, nested)
+
+    rewrite_zip(path, path, {"/data.pkl": replace})

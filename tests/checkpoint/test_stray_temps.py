@@ -1,0 +1,198 @@
+"""Temporary files of atomic saves: a crashed save or convert leaves at most one per destination, the next save
+or convert to that destination removes it, and a temporary another writer is still writing is never touched."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import optimshift
+from optimshift.checkpoint import _files
+from optimshift.cli import main
+from _matrix import bitwise_equal
+
+needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+
+
+def _temps(folder, name):
+    pattern = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}\.tmp")
+    return sorted(p.name for p in folder.iterdir() if pattern.fullmatch(p.name))
+
+
+def test_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path):
+    dest = tmp_path / "ck.pt"
+    optimshift.save({"v": 0}, dest)
+    # What killed saves leave (the name format of this and earlier versions), next to files that are not ours.
+    strays = [tmp_path / f".ck.pt.{i:012x}.tmp" for i in (1, 2, 0xABCDEF)]
+    keep = [tmp_path / n for n in (".ck.pt.notes.tmp", ".ck.pt.0123456789ab.tmp.bak", ".other.pt.000000000001.tmp",
+                                   ".ck.pt.000000000001.tmp.d", "ck.pt.000000000002.tmp")]
+    for p in strays + keep[:-2]:
+        p.write_bytes(b"partial checkpoint")
+    keep[-2].mkdir()
+    keep[-1].write_bytes(b"x")
+    os.symlink(tmp_path / "elsewhere", tmp_path / ".ck.pt.000000000009.tmp")  # a link: not a file we wrote
+    optimshift.save({"v": 1}, dest)
+    assert not any(p.exists() for p in strays), "the next save removes every abandoned temporary"
+    assert all(p.exists() for p in keep), "files of other names and other destinations are left alone"
+    assert os.path.islink(tmp_path / ".ck.pt.000000000009.tmp")
+    assert optimshift.load(dest)["v"] == 1
+
+
+class _Blocked:
+    """A progress callback that stops its save after the first write, holding the temporary open."""
+
+    def __init__(self):
+        self.writing, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, written):
+        self.writing.set()
+        self.go.wait(30)
+
+
+def test_a_temporary_still_being_written_by_this_process_is_left_alone(tmp_path):
+    dest = tmp_path / "ck.pt"
+    blocked, errors = _Blocked(), []
+
+    def slow_save():
+        try:
+            _files._save({"who": "slow", "t": torch.arange(4.0)}, dest, progress=blocked)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=slow_save)
+    thread.start()
+    try:
+        assert blocked.writing.wait(30)
+        (live,) = _temps(tmp_path, "ck.pt")
+        optimshift.save({"who": "fast"}, dest)  # sweeps the folder while the slow save is mid-write
+        assert (tmp_path / live).exists(), "a live writer's temporary must not be removed"
+    finally:
+        blocked.go.set()
+        thread.join(30)
+    assert not errors, errors
+    assert optimshift.load(dest)["who"] == "slow" and _temps(tmp_path, "ck.pt") == []
+
+
+@needs_fork
+def test_a_temporary_another_process_is_writing_is_left_alone(tmp_path):
+    dest = tmp_path / "ck.pt"
+    started_r, started_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a save that waits, mid-write, until the parent says go
+        code = 1
+        try:
+            os.close(started_r)
+            os.close(go_w)
+
+            def wait_for_parent(written, state={"first": True}):
+                if state["first"]:
+                    state["first"] = False
+                    os.write(started_w, b"w")
+                    os.read(go_r, 1)
+
+            _files._save({"who": "child"}, str(dest), progress=wait_for_parent)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(started_w)
+    os.close(go_r)
+    try:
+        assert os.read(started_r, 1) == b"w"
+        (live,) = _temps(tmp_path, "ck.pt")
+        optimshift.save({"who": "parent"}, dest)
+        assert (tmp_path / live).exists(), "another process's temporary, locked while it writes, must survive"
+    finally:
+        os.write(go_w, b"g")
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the child's save must complete"
+    assert optimshift.load(dest)["who"] == "child" and _temps(tmp_path, "ck.pt") == []
+
+
+def _run_until_killed(write_fd, job):
+    os.write(write_fd, b"r")
+    i = 0
+    while True:
+        job(i)
+        i += 1
+
+
+def _kill_at_random_moments(tmp_path, job, one_run, kills, check, rng):
+    for _ in range(kills):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read_fd)
+                sys.stdout = sys.stderr = open(os.devnull, "w")
+                _run_until_killed(write_fd, job)
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        os.read(read_fd, 1)
+        os.close(read_fd)
+        time.sleep(rng.uniform(0, 3 * one_run))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        check()
+
+
+@needs_fork
+def test_sigkill_during_save_and_convert_leaves_one_stray_at_most(tmp_path):
+    """Kill processes that save (and convert) A and B over one destination in a loop, 20 times each, at random
+    moments: the destination always loads as A or B, at most one temporary of it is left, and the next
+    successful save (or convert) removes that one."""
+    rng = random.Random(20240611)
+    versions = [{"version": v, "blob": torch.full((256 * 1024,), float(v))} for v in (1, 2)]  # 1 MiB each
+    strays_seen = []
+
+    # save
+    dest = tmp_path / "ck.pt"
+    optimshift.save(versions[0], dest)
+    start = time.perf_counter()
+    optimshift.save(versions[1], dest)
+    one_save = time.perf_counter() - start
+
+    def check_save():
+        loaded = optimshift.load(dest, mmap=False)
+        assert loaded["version"] in (1, 2)
+        assert bitwise_equal(loaded["blob"], versions[loaded["version"] - 1]["blob"])
+        strays = _temps(tmp_path, "ck.pt")
+        strays_seen.append(len(strays))
+        assert len(strays) <= 1, strays
+
+    _kill_at_random_moments(tmp_path, lambda i: optimshift.save(versions[i % 2], str(dest)), one_save, 20,
+                            check_save, rng)
+    optimshift.save(versions[0], dest)
+    assert _temps(tmp_path, "ck.pt") == [], "the next successful save removes the stray"
+
+    # convert
+    sources = [tmp_path / f"in{v}.pt" for v in (1, 2)]
+    for src, version in zip(sources, versions):
+        torch.save(version, src)
+    out = tmp_path / "out.pt"
+    start = time.perf_counter()
+    assert main(["convert", str(sources[0]), str(out)]) == 0
+    one_convert = time.perf_counter() - start
+
+    def check_convert():
+        loaded = optimshift.load(out, mmap=False)
+        assert bitwise_equal(loaded["blob"], versions[loaded["version"] - 1]["blob"])
+        strays = _temps(tmp_path, "out.pt")
+        strays_seen.append(len(strays))
+        assert len(strays) <= 1, strays
+
+    _kill_at_random_moments(tmp_path, lambda i: main(["convert", str(sources[i % 2]), str(out)]), one_convert, 20,
+                            check_convert, rng)
+    assert main(["convert", str(sources[1]), str(out)]) == 0
+    assert _temps(tmp_path, "out.pt") == [], "the next successful convert removes the stray"
+    print(f"one save {one_save * 1e3:.1f} ms, one convert {one_convert * 1e3:.1f} ms; strays after each of "
+          f"{len(strays_seen)} kills: {strays_seen}", file=sys.stderr)

@@ -1,0 +1,167 @@
+"""``inspect`` and ``convert`` on the checkpoint folders frameworks write: a Hugging Face Trainer ``checkpoint-N/``
+and an Accelerate ``save_state`` folder."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.serialization as ser
+
+from optimshift.checkpoint._folders import training_folder
+from optimshift.cli import main
+
+
+def _trained(cls=torch.optim.AdamW, n=2, **kwargs):
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(n)]
+    opt = cls(params, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt
+
+
+def _save_from_gpu(obj, path):
+    """What a single-GPU run saves: buffers tagged cuda:0, Adam's 4-byte ``step`` on the host."""
+    real = ser.location_tag
+    ser.location_tag = lambda storage: "cpu" if storage.nbytes() == 4 else "cuda:0"
+    try:
+        torch.save(obj, path)
+    finally:
+        ser.location_tag = real
+
+
+def _trainer_folder(root, step=10):
+    """A checkpoint-N folder as transformers.Trainer writes it (model and arguments stand-ins)."""
+    folder = root / f"checkpoint-{step}"
+    folder.mkdir()
+    _save_from_gpu(_trained().state_dict(), folder / "optimizer.pt")
+    torch.save({"last_epoch": step, "_step_count": step + 1}, folder / "scheduler.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "epoch": 1.5, "max_steps": 20,
+                                                           "log_history": []}))
+    (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    (folder / "training_args.bin").write_bytes(b"stand-in")
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def _run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_inspect_trainer_folder(tmp_path, capsys):
+    folder = _trainer_folder(tmp_path)
+    rc, out, err = _run(capsys, "inspect", folder)
+    assert rc == 0, err
+    assert f"{folder}  (Hugging Face Trainer checkpoint folder; global step 10, epoch 1.5)" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:10] if line.strip()}
+    assert rows["optimizer.pt"][0] == "optimizer" and rows["trainer_state.json"][:2] == ["trainer", "state"]
+    assert f"{folder / 'optimizer.pt'}  (" in out and "its param groups look like Adam or AdamW" in out
+    assert "exp_avg     2      cuda:0 ×2" in out
+    assert "the Trainer resumes this file with torch.load(map_location=its device)" in out
+    assert "optimshift.integrations.accelerate.patch()" in out
+    rc, out, _ = _run(capsys, "inspect", folder, "--json")
+    info = json.loads(out)
+    assert info["folder"] == "hf_trainer" and info["trainer_state"] == {"global_step": 10, "epoch": 1.5,
+                                                                        "max_steps": 20}
+    (opt_file,) = info["optimizer_files"]
+    assert opt_file["optimizers"][0]["kind"] == "state_dict"
+    assert opt_file["tensors"]["saved_on"] == {"cpu": 2, "cuda:0": 4}
+
+
+def test_convert_trainer_folder_in_place(tmp_path, capsys):
+    folder = _trainer_folder(tmp_path)
+    with pytest.raises(RuntimeError):
+        torch.load(folder / "optimizer.pt", weights_only=True)  # a CPU machine cannot open it as saved
+    others = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "optimizer.pt"}
+    rc, out, err = _run(capsys, "convert", folder, folder)
+    assert rc == 0, err
+    (line,) = out.splitlines()  # in place: the optimizer file is rewritten, nothing copied
+    assert line.startswith(f"wrote {folder / 'optimizer.pt'}: 6 tensors on cpu, ")
+    torch.load(folder / "optimizer.pt", weights_only=True)  # opens now
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "optimizer.pt"} == others
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10"]
+
+
+def _accelerate_folder(directory):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        accelerator = accelerate.Accelerator(cpu=True)
+        model = torch.nn.Linear(3, 2)
+        first = torch.optim.Adam(model.parameters())
+        second = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, first, second = accelerator.prepare(model, first, second)
+        for opt in (first, second):
+            model(torch.randn(4, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        accelerator.save_state(str(directory))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    return directory
+
+
+def test_inspect_and_convert_accelerate_folder(tmp_path, capsys):
+    src = _accelerate_folder(tmp_path / "state")
+    folder = training_folder(str(src))
+    assert folder is not None and folder.kind == "accelerate"
+    assert folder.optimizer_files == ["optimizer.bin", "optimizer_1.bin"]
+    rc, out, err = _run(capsys, "inspect", src)
+    assert rc == 0, err
+    assert f"{src}  (Accelerate save_state folder)" in out
+    assert "look like Adam or AdamW" in out and "look like SGD" in out
+    assert "not a DCP checkpoint" not in out + err and "the Trainer resumes" not in out
+
+    dst = tmp_path / "bf16"
+    rc, out, err = _run(capsys, "convert", src, dst, "--dtype", "bfloat16")
+    assert rc == 0, err
+    assert out.splitlines()[0].startswith(f"wrote {dst / 'optimizer.bin'}: ")
+    assert out.splitlines()[1].startswith(f"wrote {dst / 'optimizer_1.bin'}: ")
+    assert out.splitlines()[2] == f"copied 2 other entries of {src} unchanged into {dst}"
+    assert sorted(os.listdir(dst)) == sorted(os.listdir(src))
+    assert sorted(os.listdir(tmp_path)) == ["bf16", "state"], "no temporary folder is left behind"
+    for name in os.listdir(src):
+        if not name.startswith("optimizer"):
+            assert (dst / name).read_bytes() == (src / name).read_bytes()
+    adam = torch.load(dst / "optimizer.bin", weights_only=True)["state"][0]
+    assert adam["exp_avg"].dtype == torch.bfloat16 and adam["step"].dtype == torch.float32
+
+
+def test_convert_folder_refuses_a_used_target(tmp_path, capsys):
+    src = _trainer_folder(tmp_path)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    rc, _, err = _run(capsys, "convert", src, taken)
+    assert rc == 1 and f"{taken} exists: give a new folder" in err
+    assert os.listdir(taken) == ["keep.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = _run(capsys, "convert", src, empty)
+    assert rc == 0, err
+    assert sorted(os.listdir(empty)) == sorted(os.listdir(src))
+
+
+def test_other_folders_are_not_training_folders(tmp_path, capsys):
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    (dcp / "optimizer.pt").write_bytes(b"")
+    (dcp / "scheduler.pt").write_bytes(b"")
+    assert training_folder(str(dcp)) is None
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("hi")
+    assert training_folder(str(plain)) is None
+    assert training_folder(str(plain / "notes.txt")) is None
+    rc, _, err = _run(capsys, "convert", plain, tmp_path / "out")
+    assert rc == 1 and "not a Hugging Face Trainer checkpoint-N folder or an Accelerate save_state folder" in err

@@ -1,0 +1,104 @@
+"""What ``inspect`` states about fused and capturable kernels comes from the installed torch, and reading a
+small host checkpoint does not pay for probes it does not need."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from optimshift.cli import _inspect, main
+
+
+def _trained(cls, **kwargs):
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    opt = cls(params, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    try:
+        opt.step()
+    except (RuntimeError, AssertionError):
+        pass  # capturable on a CPU: the state exists, the step itself cannot run here
+    return opt
+
+
+def _flag_findings(path, capsys) -> dict[str, dict]:
+    assert main(["inspect", str(path), "--json"]) == 0
+    (o,) = json.loads(capsys.readouterr().out)["optimizers"]
+    return {f["key"]: f for f in o["findings"] if f["key"] in ("fused", "capturable")}
+
+
+@pytest.mark.parametrize("flag, supported", [
+    ("fused", torch_optimizer._get_fused_kernels_supported_devices),
+    ("capturable", torch_optimizer._get_capturable_supported_devices),
+])
+def test_flag_statements_follow_the_installed_torch(tmp_path, capsys, flag, supported):
+    # The Hugging Face Trainer's default (adamw_torch_fused) and a capturable Adam, saved on the host.
+    path = tmp_path / "optimizer.pt"
+    torch.save(_trained(torch.optim.AdamW, **{flag: True}).state_dict(), path)
+    finding = _flag_findings(path, capsys)[flag]
+    devices = [d for d in supported() if d != "privateuseone"]
+    assert finding["kernel_devices"] == devices
+    assert f"this torch runs {flag} kernels on {', '.join(devices)}" in finding["message"]
+    says_cpu_fails = "resuming on a CPU" in finding["message"]
+    assert says_cpu_fails == ("cpu" not in supported()), finding["message"]
+    assert finding["severity"] == ("warning" if says_cpu_fails else "info")
+
+
+def test_torch_2_13_runs_fused_on_cpu_and_capturable_not(tmp_path, capsys):
+    """Pinned for the torch this project is tested with: fused Adam/AdamW/SGD/Adagrad step on a CPU, capturable
+    does not. If a torch changes either, the statements above follow it and this test says so."""
+    assert "cpu" in torch_optimizer._get_fused_kernels_supported_devices()
+    assert "cpu" not in torch_optimizer._get_capturable_supported_devices()
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad):
+        param = torch.nn.Parameter(torch.randn(3))
+        param.grad = torch.ones(3)
+        cls([param], lr=0.1, fused=True).step()  # runs: no "fails at step()" on a CPU
+    path = tmp_path / "fused.pt"
+    torch.save(_trained(torch.optim.AdamW, fused=True).state_dict(), path)
+    assert "a CPU" not in _flag_findings(path, capsys)["fused"]["message"]
+
+
+def test_a_torch_without_cpu_fused_kernels_gets_the_warning(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "fused.pt"
+    torch.save(_trained(torch.optim.AdamW, fused=True).state_dict(), path)
+    monkeypatch.setattr(torch_optimizer, "_get_fused_kernels_supported_devices", lambda: ["cuda", "privateuseone"])
+    finding = _flag_findings(path, capsys)["fused"]
+    assert finding["severity"] == "warning" and finding["kernel_devices"] == ["cuda"]
+    assert "this torch runs fused kernels on cuda, so resuming on a CPU or any other device outside that list " \
+           "fails at step()" in finding["message"]
+
+
+def test_guessing_the_class_builds_no_real_optimizer(monkeypatch):
+    """The class guess reads each torch.optim class's param-group keys without torch's add_param_group (which
+    imports torch._dynamo, over a second) and caches them per class."""
+    calls = []
+    real = torch.optim.Optimizer.add_param_group
+    monkeypatch.setattr(torch.optim.Optimizer, "add_param_group", lambda self, g: calls.append(g) or real(self, g))
+    monkeypatch.setattr(_inspect, "_class_keys", {})
+    groups = [dict(torch.optim.NAdam([torch.nn.Parameter(torch.zeros(1))]).param_groups[0], params=[0])]
+    calls.clear()
+    assert _inspect.guess_classes(groups) == ["NAdam"]
+    assert calls == []
+    for name, cls, keys in _inspect._torch_optimizers():  # the same keys as a real optimizer's groups
+        real_keys = frozenset(cls([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]) - {"params"}
+        assert keys == real_keys, name
+
+
+def test_inspecting_a_host_checkpoint_imports_no_dynamo(tmp_path):
+    """Reading a small host checkpoint costs little more than importing torch: no placement probe runs (a fresh
+    optimizer over host params keeps everything on the host) and no class is built through torch's
+    add_param_group. Both imported torch._dynamo, 1-1.5 s of a 2.5-3 s run."""
+    path = tmp_path / "optimizer.pt"
+    torch.save(_trained(torch.optim.AdamW, fused=True).state_dict(), path)
+    code = ("import sys\nfrom optimshift.cli import main\n"
+            f"assert main(['inspect', {str(path)!r}]) == 0\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "class: not recorded; its param groups look like Adam or AdamW" in out.stdout
+    assert out.stdout.splitlines()[-1] == "False"

@@ -1,0 +1,380 @@
+"""Non-blocking offload and reload on the simulated accelerator's deferred streams: the code CUDA runs.
+
+Every copy issued on the engine's side stream is queued and runs only when something orders it (or at random
+points of a seeded schedule), and any access that nothing orders raises (optimshift.testing). Each scenario
+runs under several seeds, bitwise against the blocking path; the mutation tests take one ordering call of the
+engine's device interface away and show that the matching scenario fails.
+"""
+
+import gc
+
+import pytest
+import torch
+
+import optimshift
+from optimshift import _offload, _streams
+from optimshift.testing import StreamRaceError, deferred_streams
+from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
+
+# (seed, progress): progress is how likely queued work runs on its own at each call into the simulator; 0 is the
+# strictest schedule (nothing runs until something orders it)
+SCHEDULES = [pytest.param(0, 0.0, id="strict"), pytest.param(1, 0.02, id="seed1"), pytest.param(2, 0.05, id="seed2"),
+             pytest.param(3, 0.2, id="seed3")]
+CONFIGS = [
+    pytest.param(torch.optim.Adam, {"foreach": True}, id="Adam-foreach"),
+    pytest.param(torch.optim.AdamW, {"fused": True}, id="AdamW-fused"),  # a device `step` goes to the host too
+    pytest.param(torch.optim.SGD, {"momentum": 0.9, "foreach": False}, id="SGD-momentum"),
+]
+SHAPES = [(3, 2), (4,), (2, 5), (1,)]
+
+
+@pytest.fixture(autouse=True)
+def _drain(sim):
+    yield
+    # A scenario that raised leaves copies queued: run them all before the next test (errors included).
+    for _ in range(10):
+        try:
+            torch.sim.synchronize(0)
+            torch.sim.synchronize(1)
+            break
+        except StreamRaceError:
+            continue
+
+
+def _trained(sim, cls, kwargs, steps=2):
+    model = Model(SHAPES).to(sim)
+    opt = cls(list(model.parameters()), **kwargs)
+    train(model, opt, range(steps))
+    return model, opt
+
+
+def _forward_backward(model):
+    """A forward and backward pass on the default stream (only params and grads: no optimizer state)."""
+    loss = sum(((p * (i + 1)).sin() ** 2).sum() for i, p in enumerate(model.parameters()))
+    for p in model.parameters():
+        p.grad = None
+    loss.backward()
+
+
+# -- the scenarios (each raises AssertionError, or StreamRaceError, when something is wrong) ---------------
+
+
+def offload_round_trip(sim, cls, kwargs, *, strict=True):
+    """Non-blocking offload, wait, non-blocking reload, train on: bitwise like the blocking path, every
+    tensor object kept. ``strict``: the schedule runs nothing unordered, so the transfers must be pending."""
+    # NOTE: the blocking reference runs first: its synchronizations would order the transfers under test.
+    ref_model, ref = _trained(sim, cls, kwargs)
+    optimshift.offload(ref)
+    optimshift.reload(ref)
+    train(ref_model, ref, range(2, 4))
+    model, opt = _trained(sim, cls, kwargs)  # its last step is still "in flight" when the offload is issued
+    values = [snapshot(dict(st)) for st in opt.state.values()]
+    objects = tensor_ids(opt)
+    handle = optimshift.offload(opt, non_blocking=True)
+    assert isinstance(handle, optimshift.PendingTransfer)
+    assert not (strict and handle.done()), "the offload is in flight"
+    handle.wait()
+    assert handle.done() and optimshift.is_offloaded(opt)
+    assert all(row.device == "cpu" for row in optimshift.placement(opt))
+    for st, before in zip(opt.state.values(), values):
+        assert bitwise_equal(dict(st), before), "the host copies, after wait()"
+    handle = optimshift.reload(opt, non_blocking=True)
+    assert not (strict and handle.done()), "the reload is in flight"
+    handle.wait()
+    assert tensor_ids(opt) == objects
+    for st, before in zip(opt.state.values(), values):
+        assert bitwise_equal(dict(st), before), "the reloaded state"
+    train(model, opt, range(2, 4))
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert bitwise_equal(a, b)
+
+
+def reload_then_step(sim, cls, kwargs, *, forward=False, strict=True):
+    """A non-blocking reload and, without waiting for it, (a forward and backward pass and) the step: the step
+    pre-hook makes the step wait on the device. Bitwise like the blocking path."""
+    # NOTE: the blocking reference runs first: its synchronize would order the pending reload too.
+    def step(model, opt):
+        if forward:
+            _forward_backward(model)
+            opt.step()
+        else:
+            train(model, opt, range(2, 3))
+
+    ref_model, ref = _trained(sim, cls, kwargs)
+    optimshift.offload(ref)
+    optimshift.reload(ref)
+    step(ref_model, ref)
+    train(ref_model, ref, range(3, 4))
+    model, opt = _trained(sim, cls, kwargs)
+    optimshift.offload(opt)
+    handle = optimshift.reload(opt, non_blocking=True)  # issued before the forward pass: overlaps it
+    assert not (strict and handle.done()), "the reload is in flight"
+    step(model, opt)
+    assert handle.done(), "the step waited for the reload"
+    train(model, opt, range(3, 4))
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert bitwise_equal(a, b)
+    for st, st_ref in zip(opt.state.values(), ref.state.values()):
+        assert bitwise_equal(dict(st), dict(st_ref))
+
+
+# -- the scenarios under several schedules ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+@pytest.mark.parametrize("cls, kwargs", CONFIGS)
+def test_async_offload_reload_round_trip_is_bitwise(sim, cls, kwargs, seed, progress):
+    with deferred_streams(seed=seed, progress=progress):
+        offload_round_trip(sim, cls, kwargs, strict=progress == 0.0)
+
+
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+@pytest.mark.parametrize("cls, kwargs", CONFIGS)
+def test_step_pre_hook_waits_for_a_pending_reload(sim, cls, kwargs, seed, progress):
+    with deferred_streams(seed=seed, progress=progress):
+        reload_then_step(sim, cls, kwargs, strict=progress == 0.0)
+
+
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+@pytest.mark.parametrize("cls, kwargs", CONFIGS[:2])
+def test_reload_issued_before_the_forward_pass(sim, cls, kwargs, seed, progress):
+    with deferred_streams(seed=seed, progress=progress):
+        reload_then_step(sim, cls, kwargs, forward=True, strict=progress == 0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_pending_transfer_wait_and_done(sim, seed):
+    """With nothing ordering them the copies have not run: done() is False and the host copies hold no value
+    yet; wait() runs them. Under a schedule with progress, polling done() alone eventually sees them done."""
+    with deferred_streams(seed=seed, progress=0.0):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        values = [snapshot(dict(st)) for st in opt.state.values()]
+        handle = optimshift.offload(opt, non_blocking=True)
+        assert not handle.done() and handle.event is not None and handle.device == sim
+        assert all(torch.isnan(st["exp_avg"]).all() for st in opt.state.values()), "not copied yet"
+        handle.wait()
+        assert handle.done() and handle.event is None
+        for st, before in zip(opt.state.values(), values):
+            assert bitwise_equal(dict(st), before)
+        handle = optimshift.reload(opt, non_blocking=True)
+        assert not handle.done()
+        handle.wait()
+        assert handle.done()
+        for st, before in zip(opt.state.values(), values):
+            assert bitwise_equal(dict(st), before)
+    with deferred_streams(seed=seed, progress=0.5):
+        handle = optimshift.offload(opt, non_blocking=True)
+        polls = 0
+        while not handle.done():
+            polls += 1
+            assert polls < 1000, "queued copies never ran on their own"
+        for st, before in zip(opt.state.values(), values):
+            assert bitwise_equal(dict(st), before)
+        optimshift.reload(opt)
+
+
+def test_the_step_pre_hook_is_one_per_optimizer_and_goes_with_the_next_operation(sim):
+    """A non-blocking offload and then a non-blocking reload share one step pre-hook; it stays harmless after
+    the step (torch iterates its hooks while calling them: removing itself there raised), and the next
+    optimshift operation removes it."""
+    with deferred_streams(progress=0.0):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        before = len(opt._optimizer_step_pre_hooks)
+        optimshift.offload(opt, non_blocking=True)
+        optimshift.reload(opt, non_blocking=True)
+        assert len(opt._optimizer_step_pre_hooks) == before + 1
+        calls = []
+        opt.register_step_pre_hook(lambda *args: calls.append(1))  # a user's hook after optimshift's
+        train(model, opt, range(2, 4))
+        assert calls == [1, 1]
+        optimshift.offload(opt)
+        from optimshift._offload import _refuse_step  # (the hook that refuses step() while offloaded)
+
+        hooks = [h for h in opt._optimizer_step_pre_hooks.values() if h is not _refuse_step]
+        assert len(hooks) == before + 1  # the user's hook alone
+        optimshift.reload(opt)
+
+
+def test_without_streams_a_non_blocking_transfer_is_synchronous(sim, monkeypatch):
+    """A device type whose streams are unknown (or failed the probe) gets the blocking path, and a handle that
+    is done from the start."""
+    monkeypatch.setitem(_streams._chosen, sim.type, None)
+    model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+    values = [snapshot(dict(st)) for st in opt.state.values()]
+    handle = optimshift.offload(opt, non_blocking=True)
+    assert handle.done() and handle.event is None
+    handle = optimshift.reload(opt, non_blocking=True)
+    assert handle.done()
+    for st, before in zip(opt.state.values(), values):
+        assert bitwise_equal(dict(st), before)
+
+
+# -- mutation checks: each ordering call of the engine, taken away, makes its scenario fail -----------------
+# (progress=0: queued work runs only when ordered, so the check does not depend on a lucky schedule)
+
+
+def _without(monkeypatch, name):
+    monkeypatch.setattr(_streams.Streams, name, lambda self, *args: None)
+
+
+def test_mutation_without_the_wait_the_step_races(sim, monkeypatch):
+    """The engine's device wait (the step pre-hook's stream wait on the reload's event) removed: the step reads
+    state the side stream is still writing (Megatron #3140: waiting on the wrong stream is the same bug)."""
+    with deferred_streams(progress=0.0):
+        reload_then_step(sim, *CONFIGS[0].values)  # the scenario passes as is
+    _without(monkeypatch, "wait_event")
+    with pytest.raises(StreamRaceError, match=r"default stream reads .* stream \d+ writes"):
+        with deferred_streams(progress=0.0):
+            reload_then_step(sim, *CONFIGS[0].values)
+
+
+def test_mutation_without_record_stream_the_offload_frees_memory_in_use(sim, monkeypatch):
+    """record_stream removed: the commit frees device state that the side stream's copies still read
+    (DeepSpeed #8256); the allocator may reuse it at once."""
+    with deferred_streams(progress=0.0):
+        offload_round_trip(sim, *CONFIGS[0].values)
+    _without(monkeypatch, "record_stream")
+    with pytest.raises(StreamRaceError, match=r"freed while .* may still read it"):
+        with deferred_streams(progress=0.0):
+            offload_round_trip(sim, *CONFIGS[0].values)
+
+
+def test_mutation_without_the_event_record_wait_returns_before_the_copies(sim, monkeypatch):
+    """The side stream's event record removed: wait() returns before the device-to-host copies ran (prime-rl
+    #3109: an asynchronous copy with nothing to wait on), so the host reads copies that hold no value."""
+    with deferred_streams(progress=0.0):
+        offload_round_trip(sim, *CONFIGS[0].values)
+    _without(monkeypatch, "record")
+    with pytest.raises(AssertionError, match="the host copies, after wait"):
+        with deferred_streams(progress=0.0):
+            # (strict=False: not stopped earlier by done(), which an event never recorded answers True)
+            offload_round_trip(sim, *CONFIGS[0].values, strict=False)
+
+
+def test_mutation_without_the_event_record_the_step_races(sim, monkeypatch):
+    _without(monkeypatch, "record")
+    with pytest.raises(StreamRaceError, match=r"default stream reads .* stream \d+ writes"):
+        with deferred_streams(progress=0.0):
+            reload_then_step(sim, *CONFIGS[0].values, strict=False)
+
+
+def test_mutation_without_the_side_stream_waiting_for_the_step_the_offload_races(sim, monkeypatch):
+    """The side stream's wait for the default stream removed: the offload's copies read state the last step
+    may still be writing."""
+    _without(monkeypatch, "wait_stream")
+    with pytest.raises(StreamRaceError, match=r"stream \d+ reads .* default stream writes"):
+        with deferred_streams(progress=0.0):
+            offload_round_trip(sim, *CONFIGS[0].values)
+
+
+def test_mutation_without_the_pool_waiting_a_reused_buffer_is_overwritten(sim, monkeypatch):
+    """The pool hands out a staging buffer whose host-to-device copy has not run (its event ignored): the next
+    transfer overwrites it on the host and the queued copy would read the wrong bytes."""
+    from optimshift.pool import host_pool
+
+    host_pool.release_idle()
+
+    def fresh_on_host():
+        model = Model(SHAPES)  # host state, in separate tensors: a move to the device stages them
+        opt = torch.optim.Adam(model.parameters(), foreach=False)
+        train(model, opt, range(1))
+        model.to(sim)
+        return model, opt
+
+    def two_moves():
+        _, a = fresh_on_host()
+        _, b = fresh_on_host()
+        for st in b.state.values():
+            for k, v in st.items():
+                if k != "step":
+                    v.add_(1.0)  # b's bytes differ from a's
+        optimshift.move(a, non_blocking=True)  # staging buffer released with the copy's event
+        optimshift.move(b, non_blocking=True)  # ...must not be overwritten before that copy ran
+        torch.sim.synchronize(sim)
+
+    with deferred_streams(progress=0.0):
+        two_moves()
+    real_release = type(host_pool).release
+
+    def release_without_event(pool, buf, event=None):
+        real_release(pool, buf, None)  # as if the copy reading the buffer were complete
+
+    monkeypatch.setattr(type(host_pool), "release", release_without_event)
+    with pytest.raises(StreamRaceError, match=r"reads host memory .* that the host changed before the copy ran"):
+        with deferred_streams(progress=0.0):
+            two_moves()
+
+
+def test_a_freed_reloaded_state_needs_record_stream_for_the_default_stream(sim, monkeypatch):
+    """State allocated on the side stream by a reload and stepped on the default stream: dropped before any
+    synchronization, it is safe only because the engine recorded it for the default stream."""
+    def reload_step_drop():
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        optimshift.offload(opt)
+        optimshift.reload(opt, non_blocking=True)
+        opt.step()  # grads still set by _trained: a step on the default stream, nothing synchronized after
+        _offload.settle(opt)
+        del model, opt
+        gc.collect()
+        torch.sim.synchronize(sim)
+
+    with deferred_streams(progress=0.0):
+        reload_step_drop()
+    real = _streams.Streams.record_stream
+
+    def only_side(self, tensor, stream):  # keep the record for the side stream, drop the default stream's
+        if stream.stream_id != 0:
+            real(self, tensor, stream)
+
+    monkeypatch.setattr(_streams.Streams, "record_stream", only_side)
+    with pytest.raises(StreamRaceError, match=r"allocated on sim:0 stream \d+ was freed while .* default stream"):
+        with deferred_streams(progress=0.0):
+            reload_step_drop()
+
+
+def test_a_transfer_between_two_devices_is_synchronous(sim):
+    """Copies between sim:0 and sim:1 would need both devices' streams ordered: the engine copies them on the
+    blocking path (one side stream serves one device)."""
+    sim1 = torch.device(sim.type, 1)
+    with deferred_streams(progress=0.0):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        values = [snapshot(dict(st)) for st in opt.state.values()]
+        model.to(sim1)
+        optimshift.move(opt, non_blocking=True)
+        assert _offload.pending_of(opt).done()
+        assert {row.device for row in optimshift.placement(opt) if row.key != "step"} == {str(sim1)}
+        for st, before in zip(opt.state.values(), values):
+            assert bitwise_equal(dict(st), before)
+
+
+def test_a_non_blocking_offload_that_fails_part_way_changes_nothing(sim, monkeypatch):
+    """All or nothing on the side stream too: copies already queued are run and their buffers given back, the
+    optimizer keeps its device state, and the next (blocking) round trip is bitwise."""
+    from optimshift import _copy
+    from optimshift.pool import host_pool
+
+    with deferred_streams(progress=0.0):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        values = [snapshot(dict(st)) for st in opt.state.values()]
+        objects = tensor_ids(opt)
+        in_use = host_pool.stats().in_use
+        real_cat, calls = torch.cat, []
+
+        def cat_then_fail(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise MemoryError("injected: out of device memory in the second staging cat")
+            return real_cat(*args, **kwargs)
+
+        monkeypatch.setattr(_copy.torch, "cat", cat_then_fail)
+        monkeypatch.setattr(_copy, "CHUNK_BYTES", 48)  # several chunks: the first is queued when the second fails
+        with pytest.raises(MemoryError):
+            optimshift.offload(opt, non_blocking=True)
+        monkeypatch.undo()
+        assert len(calls) == 2 and host_pool.stats().in_use == in_use
+        assert not optimshift.is_offloaded(opt) and tensor_ids(opt) == objects
+        assert {row.device for row in optimshift.placement(opt) if row.key != "step"} == {str(sim)}
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+        for st, before in zip(opt.state.values(), values):
+            assert bitwise_equal(dict(st), before)

@@ -1,0 +1,172 @@
+"""Tensors a param group holds itself (tensor lr, tensor betas) and tensors shared between a group and state,
+on the simulated accelerator: they go exactly where a fresh optimizer keeps them, shared ones stay shared."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import optimshift
+from _matrix import bitwise_equal, grad_for
+
+O = torch.optim
+
+
+def _params(device, shapes=((3, 2), (3,))):
+    return [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(device))
+            for i, s in enumerate(shapes)]
+
+
+def _step(opt, params, k):
+    for i, p in enumerate(params):
+        p.grad = grad_for(k, i, p.shape).to(p.device)
+    with optimshift.count_syncs() as syncs:
+        opt.step()
+    return syncs.total
+
+
+def _group_devices(opt):
+    out = {}
+    for gi, g in enumerate(opt.param_groups):
+        for key, value in g.items():
+            for i, t in enumerate(value if isinstance(value, tuple) else (value,)):
+                if isinstance(t, torch.Tensor):
+                    out[(gi, key, i)] = t.device.type
+    return out
+
+
+# The configurations whose capturable step read a device group tensor on the host once optimshift had put it
+# there: one sync per param per step, against none for a fresh optimizer (issue 13).
+READ_ON_THE_HOST = [
+    (O.Adam, {"capturable": True, "foreach": False}),
+    (O.AdamW, {"capturable": True, "foreach": False, "amsgrad": True}),
+    (O.Adam, {"capturable": True, "foreach": True}),
+    (O.Adadelta, {"capturable": True, "foreach": False}),
+    (O.RMSprop, {"capturable": True, "foreach": False}),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs", READ_ON_THE_HOST, ids=lambda v: getattr(v, "__name__", None) or
+                         "-".join(k for k, x in v.items() if x))
+def test_move_keeps_host_group_tensors_where_a_fresh_optimizer_has_them(sim, cls, kwargs):
+    tensors = {"lr": torch.tensor(0.01)}
+    if cls in (O.Adam, O.AdamW):
+        tensors["betas"] = (torch.tensor(0.9), torch.tensor(0.99))
+    params = _params(sim)
+    opt = cls(params, **tensors, **kwargs)
+    fresh_syncs = _step(opt, params, 0)
+    optimshift.move(opt)  # already placed right: nothing may change
+    assert set(_group_devices(opt).values()) == {"cpu"}
+    assert _step(opt, params, 1) == fresh_syncs == 0
+    assert optimshift.check(opt).ok
+
+
+def test_a_group_tensor_the_step_reads_on_the_host_goes_there(sim):
+    """Given on the device, capturable Adam's beta2 costs a sync per param per step (addcmul_ takes 1 - beta2 as
+    a number): move() puts it on the host. Its lr and beta1 are used as tensors: a device one stays there, as
+    a fresh optimizer given them on the device keeps them (CUDA-graph users do that on purpose)."""
+    params = _params(sim)
+    opt = O.Adam(params, lr=torch.tensor(0.01, device=sim), capturable=True, foreach=False,
+                 betas=(torch.tensor(0.9, device=sim), torch.tensor(0.99, device=sim)))
+    assert _step(opt, params, 0) == len(params)
+    assert not optimshift.check(opt).ok
+    optimshift.move(opt)
+    assert _group_devices(opt) == {(0, "lr", 0): "sim", (0, "betas", 0): "sim", (0, "betas", 1): "cpu"}
+    assert _step(opt, params, 1) == 0
+    assert optimshift.check(opt).ok
+
+
+def test_fused_host_lr_stays_on_the_host_and_steps_without_syncs(sim):
+    host = _params(torch.device("cpu"))
+    opt = O.Adam(host, lr=torch.tensor(0.01), fused=True)
+    _step(opt, host, 0)
+    for p in host:
+        torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(sim)))
+    optimshift.move(opt)
+    assert opt.param_groups[0]["lr"].device.type == "cpu"
+    assert all(st["step"].device == sim for st in opt.state.values())
+    assert _step(opt, host, 1) == 0
+
+
+# --- LBFGS: state['t'] is group['lr'] -----------------------------------------------------------------------------
+
+
+def _lbfgs(device):
+    params = _params(device)
+    opt = O.LBFGS(params, lr=torch.tensor(0.5), history_size=3, max_iter=3)
+    return params, opt
+
+
+def _lbfgs_step(opt, params):
+    targets = [grad_for(7, i, p.shape).to(p.device) for i, p in enumerate(params)]
+
+    def closure():
+        opt.zero_grad()
+        loss = sum(((p - t) ** 2).sum() for p, t in zip(params, targets))
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+
+
+def _to(params, device):
+    for p in params:
+        p.grad = None
+        torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().to(device)))
+
+
+def test_lbfgs_tensor_lr_shared_with_state_moves_as_one_tensor(sim):
+    """A fresh LBFGS with a tensor lr holds state['t'] = group['lr'] on the host. move() used to refuse it
+    ("one tensor is shared by ... different devices"); it now goes where the group keeps lr, still one tensor."""
+    params, opt = _lbfgs(sim)
+    still_params, still = _lbfgs(sim)
+    for _ in range(2):
+        _lbfgs_step(opt, params)
+        _lbfgs_step(still, still_params)
+    state = opt.state[params[0]]
+    assert state["t"] is opt.param_groups[0]["lr"], "precondition: a fresh LBFGS shares the tensor"
+    _to(params, torch.device("cpu"))
+    optimshift.move(opt)
+    _to(params, sim)
+    optimshift.move(opt, sim)
+    assert state["t"] is opt.param_groups[0]["lr"] and state["t"].device.type == "cpu"
+    assert state["d"].device == sim and all(t.device == sim for t in state["old_dirs"])
+    assert optimshift.check(opt).ok
+    _lbfgs_step(opt, params)
+    _lbfgs_step(still, still_params)
+    assert all(bitwise_equal(p, q) for p, q in zip(params, still_params))
+
+
+def test_lbfgs_load_state_dict_keeps_the_shared_lr(sim):
+    """optimshift.load_state_dict used to give state['t'] its own copy, on the device."""
+    params, opt = _lbfgs(sim)
+    for _ in range(2):
+        _lbfgs_step(opt, params)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, map_location="cpu", weights_only=False)
+    assert saved["state"][0]["t"] is saved["param_groups"][0]["lr"], "precondition: the checkpoint shares it"
+    new_params, new = _lbfgs(sim)
+    for p, q in zip(new_params, params):
+        p.data.copy_(q.detach())
+    optimshift.load_state_dict(new, saved)
+    state = new.state[new_params[0]]
+    assert state["t"] is new.param_groups[0]["lr"] and state["t"].device.type == "cpu"
+    assert state["t"] is not saved["param_groups"][0]["lr"]  # copy=True: nothing shared with the checkpoint
+    assert optimshift.check(new).ok
+
+
+def test_state_entries_sharing_a_tensor_across_devices_are_still_refused(sim):
+    """Only a group's own tensor decides for the state entries holding it; two state entries that belong on
+    different devices cannot share one tensor."""
+    cpu_p, sim_p = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device=sim))
+    opt = O.SGD([cpu_p, sim_p], lr=0.1, momentum=0.9)
+    shared = torch.zeros(3)
+    opt.state[cpu_p]["momentum_buffer"] = shared
+    opt.state[sim_p]["momentum_buffer"] = shared
+    with pytest.raises(ValueError, match="one tensor is shared by group 0, param 0.*and group 0, param 1"):
+        optimshift.move(opt)
+    assert opt.state[sim_p]["momentum_buffer"] is shared and shared.device.type == "cpu"

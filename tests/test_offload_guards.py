@@ -1,0 +1,116 @@
+"""What offload guards while the state is away: no step, compact state_dicts, one operation at a time, and
+no move to a device that holds no data."""
+
+import io
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+import optimshift
+from optimshift.pool import host_pool
+from _matrix import Model, bitwise_equal, snapshot, state_layout, train
+
+
+def _adam(sim, shapes=((3, 2), (2,)), **kw):
+    model = Model(list(shapes)).to(sim)
+    opt = torch.optim.Adam(model.parameters(), **kw)
+    train(model, opt, range(1))
+    return model, opt
+
+
+@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"foreach": True}, {"fused": True}])
+def test_step_while_offloaded_refuses_before_any_counter_moves(sim, kwargs):
+    model, opt = _adam(sim, **kwargs)
+    optimshift.offload(opt)
+    before = snapshot([dict(st) for st in opt.state.values()])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"Adam.step\(\) while its state is offloaded.*optimshift.reload"):
+        opt.step()
+    assert bitwise_equal([dict(st) for st in opt.state.values()], before), "no step counter moved"
+    optimshift.reload(opt)
+    opt.step()  # the guard went with the reload
+
+
+def test_offloading_a_host_optimizer_does_not_block_its_step():
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.Adam(params)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    optimshift.offload(opt)  # everything already on the host: nothing was taken away
+    opt.step()
+
+
+def test_state_dict_while_offloaded_is_compact_and_holds_no_other_bytes(sim, tmp_path):
+    host_pool.release_idle()
+    _, big = _adam(sim, shapes=[(256, 256)] * 4)
+    optimshift.offload(big)  # fills a pool buffer
+    optimshift.reload(big)  # ... and gives it back
+    marker = torch.full((256, 256), 12345.0)
+    for st in big.state.values():
+        st["exp_avg"].copy_(marker.to(sim))
+    optimshift.offload(big)
+    optimshift.reload(big)  # the idle buffer now holds the marker bytes
+    model, small = _adam(sim, shapes=[(2, 2), (2,)])
+    plain = io.BytesIO()
+    torch.save(small.state_dict(), plain)
+    optimshift.offload(small)  # its host copies are views into the (1 MiB) buffer that held the marker
+    for i, save in enumerate((lambda f: torch.save(small.state_dict(), f), lambda f: optimshift.save(small, f))):
+        path = tmp_path / f"offloaded-{i}.pt"
+        save(path)
+        data = path.read_bytes()
+        limit = len(plain.getvalue()) * 1.01 + (1024 if i else 0)  # optimshift.save adds the class record
+        assert len(data) <= limit, (len(data), len(plain.getvalue()))
+        assert struct.pack("<f", 12345.0) * 4 not in data, "the bytes of another optimizer's state leaked in"
+    live = [dict(st) for st in small.state.values()]
+    assert all(v.untyped_storage().nbytes() >= 1 << 20 for st in live for k, v in st.items() if k != "step"), \
+        "the live state still sits in the pool (only the state_dict is compact)"
+    optimshift.reload(small)
+    assert state_layout(small)
+
+
+def test_operations_from_two_threads_never_interleave(sim, monkeypatch):
+    """An offload paused mid-copy in one thread, and a reload issued meanwhile from another: the reload waits
+    for the offload to finish (then undoes it), instead of running in the middle and being overwritten."""
+    from optimshift import engine
+
+    model, opt = _adam(sim)
+    layout = state_layout(opt)
+    reload_started = threading.Event()
+    real_run = engine.run
+
+    def slow_run(*args, **kwargs):
+        if threading.current_thread().name == "offloader":
+            reload_started.wait(timeout=2)  # let the other thread try its reload in the middle
+            time.sleep(0.2)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "run", slow_run)
+    done = []
+    offloader = threading.Thread(target=lambda: done.append(("offload", optimshift.offload(opt))), name="offloader")
+    offloader.start()
+
+    def reloader():
+        reload_started.set()
+        optimshift.reload(opt)
+        done.append(("reload", None))
+
+    second = threading.Thread(target=reloader)
+    second.start()
+    offloader.join(5)
+    second.join(5)
+    assert [what for what, _ in done] == ["offload", "reload"], "the reload ran in the middle of the offload"
+    assert not optimshift.is_offloaded(opt) and state_layout(opt) == layout
+    train(model, opt, range(1, 2))
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_meta_is_refused(sim, device):
+    _, opt = _adam(sim)
+    with pytest.raises(ValueError, match="meta holds no data"):
+        optimshift.move(opt, device)
+    with pytest.raises(ValueError, match="meta holds no data"):
+        optimshift.reload(opt, device)

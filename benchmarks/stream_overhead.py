@@ -6,11 +6,15 @@ conditions for all): the ordinary step with all state on the device; the same or
 called once per ``--per-chunk`` params with its state on the device (what chunking alone costs: torch's
 per-call work, no copies); a streamed step in one chunk (the default ``chunk_bytes``); a streamed step in
 chunks of ``--per-chunk`` params. Reported: median ms per step, and the streamed step's extra time per state
-tensor and per chunk (and how much of the latter is torch's own per-call cost). The simulator runs every copy and view through
+tensor and per chunk (and how much of the latter is torch's own per-call cost).
+
+The streamed steps' copies are synchronous here (``SyncCopyStream``): the simulator's own streams queue every
+op issued on a side stream and check every access against every other stream's (its race detector), which
+costs far more than optimshift's work and nothing like a GPU's streams. ``--sim-streams`` measures with them. The simulator runs every copy and view through
 Python, so the extra time here is an upper bound on optimshift's own Python work; on CUDA copies are queued in
 microseconds and overlap the compute.
 
-    .venv/bin/python benchmarks/stream_overhead.py [--params 2000] [--per-chunk 50] [--reps 7]
+    .venv/bin/python benchmarks/stream_overhead.py [--params 2000] [--per-chunk 50] [--reps 7] [--sim-streams]
 
 Not a test: timings depend on the machine and its load. Record results in benchmarks/results/.
 """
@@ -26,6 +30,7 @@ import time
 import torch
 
 import optimshift
+from optimshift import _copystream
 from optimshift.testing import simulated_accelerator
 
 
@@ -99,11 +104,16 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=2000)
     parser.add_argument("--per-chunk", type=int, default=50)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--sim-streams", action="store_true",
+                        help="copy on the simulator's deferred, race-checked streams instead of synchronously")
     args = parser.parse_args()
+    if not args.sim_streams:
+        _copystream.use_factory(_copystream.SyncCopyStream)
     r = run(args.params, args.per_chunk, args.reps)
-    print(f"torch {torch.__version__}, python {platform.python_version()}, simulated accelerator; AdamW (foreach) "
-          f"over {r['params']} params of 16 floats ({r['state_tensors']} streamed state tensors), median of "
-          f"{r['reps']}")
+    copies = "the simulator's streams" if args.sim_streams else "synchronous copies"
+    print(f"torch {torch.__version__}, python {platform.python_version()}, simulated accelerator ({copies}); AdamW "
+          f"(foreach) over {r['params']} params of 16 floats ({r['state_tensors']} streamed state tensors), median "
+          f"of {r['reps']}")
     for k, v in r["median_ms"].items():
         print(f"  {k:<38} {v:8.1f} ms")
     print(f"  streamed extra: {r['extra_us_per_tensor_1_chunk']:.1f} us per state tensor (1 chunk); "

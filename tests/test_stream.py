@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import optimshift
-from optimshift import _copystream
+from optimshift import _copystream, _stream, _streams
 from optimshift.testing import simulated_memory_allocated
 from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
 
@@ -31,6 +31,8 @@ def _pair(shapes, sim, cls=torch.optim.AdamW, **kwargs):
 
 
 def _assert_same(model, opt, ref_model, ref):
+    if optimshift.is_streamed(opt):
+        _stream._mode_of(opt).wait()  # reading state tensors directly: the write-backs must have landed
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert bitwise_equal(a, b)
         assert bitwise_equal(dict(opt.state[a]), dict(ref.state[b]))
@@ -418,83 +420,77 @@ def test_params_that_move_and_groups_added_while_streamed(sim):
     assert state_layout(opt) == state_layout(ref)
 
 
-# --- the copy-stream protocol with copies that run late ---------------------------------------------------------
+# --- the copy-stream protocol under the simulator's deferred, race-checked streams -------------------------------
+#
+# The streamed step's copy stream is a simulated stream (through optimshift._streams): its copies are queued and
+# run late, in seeded schedules; a missing wait raises StreamRaceError (happens-before, whatever the schedule),
+# and a copy's host destination reads as garbage until the copy ran.
 
-class _Deferred:
-    """A copy stream whose copies run only when something waits for an event recorded after them (the current
-    stream or the host), in order: what a real copy stream does to code that forgets a wait. ``skip`` names
-    waits to ignore, to show that the tests below notice a missing one."""
-
-    skip: tuple = ()
-
-    def __init__(self, device):
-        self.device = device
-        self.queue = []  # copies not run yet
-        self.ran = 0  # copies run so far
-
-    def flush(self, upto=None):
-        upto = self.ran + len(self.queue) if upto is None else upto
-        while self.ran < upto:
-            self.queue.pop(0)()
-            self.ran += 1
-
-    # NOTE: queued copies hold detached tensors, i.e. the memory as it was when they were queued (what a CUDA
-    # copy's pointers are), not the Python objects, which may take other contents before the copy runs.
-    def copy(self, dst, src):
-        dst, src = dst.detach(), src.detach()
-        self.queue.append(lambda: dst.copy_(src))
-
-    def copy_all(self, dsts, srcs):
-        dsts, srcs = [t.detach() for t in dsts], [t.detach() for t in srcs]
-        self.queue.append(lambda: torch._foreach_copy_(dsts, srcs))
-
-    def after_current(self):
-        pass  # the current stream runs its work as it is queued
-
-    def record(self):
-        return self.ran + len(self.queue)  # an event: "every copy queued so far"
-
-    def current_waits(self, event):
-        if "current" not in self.skip:
-            self.flush(event)
-
-    def host_wait(self, event):
-        if "host" not in self.skip:
-            self.flush(event)
-
-    def keep(self, tensor):
-        pass  # queued copies hold their tensors
+SCHEDULES = [(0, 0.0), (1, 0.3), (2, 0.7)]  # (seed, progress): 0.0 runs queued work only when it is ordered
 
 
-def _deferred_run(sim, copy_streams, skip=()):
-    copy_streams(type("D", (_Deferred,), {"skip": skip}))
-    (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,)], sim, torch.optim.Adam, foreach=True)
-    handle = optimshift.stream(opt, chunk_bytes=128)
-    train(model, opt, range(4))
-    train(ref_model, ref, range(4))
-    return model, opt, ref_model, ref, handle
+def _scheduled_run(sim, seed, progress, kwargs=None):
+    from optimshift.testing import deferred_streams
+
+    with deferred_streams(seed=seed, progress=progress):
+        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,), (16, 16)], sim, torch.optim.Adam,
+                                               **(kwargs or {"foreach": True}))
+        handle = optimshift.stream(opt, chunk_bytes=128)  # (16, 16): larger than a chunk
+        train(model, opt, range(4))
+        train(ref_model, ref, range(4))
+        sd = opt.state_dict()  # waits for the last write-backs
+        assert bitwise_equal(sd["state"], ref.state_dict()["state"])
+        _assert_same(model, opt, ref_model, ref)
+        optimshift.unstream(opt)
+        _assert_same(model, opt, ref_model, ref)
+    return handle
 
 
-def test_deferred_copies_give_the_same_steps(sim, copy_streams):
-    model, opt, ref_model, ref, handle = _deferred_run(sim, copy_streams)
-    p = list(opt.state)[-1]  # in the last chunk: its write-back is the one still queued
-    stale = opt.state[p]["exp_avg"].clone()
-    sd = opt.state_dict()  # waits for the last write-backs
-    assert bitwise_equal(sd["state"], ref.state_dict()["state"])
-    handle.wait()
-    assert not bitwise_equal(stale, opt.state[p]["exp_avg"]), "read before wait(): the write-back was in flight"
-    _assert_same(model, opt, ref_model, ref)
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+@pytest.mark.parametrize("kwargs", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_streamed_steps_under_deferred_schedules(sim, seed, progress, kwargs):
+    assert isinstance(_scheduled_run(sim, seed, progress, kwargs), optimshift.Streamed)
 
 
-@pytest.mark.parametrize("skip", ["current", "host"])
-def test_a_missing_wait_is_noticed(sim, copy_streams, skip):
-    model, opt, ref_model, ref, handle = _deferred_run(sim, copy_streams, skip=(skip,))
-    if skip == "host":  # state_dict() reads the host state before the last write-backs ran
-        assert not bitwise_equal(opt.state_dict()["state"], ref.state_dict()["state"])
-    for s in _copystream._streams.values():  # whatever is still queued runs now
-        s.flush()
-    same = all(bitwise_equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
-    same = same and bitwise_equal(opt.state_dict()["state"], ref.state_dict()["state"])
-    # Without the compute's wait, a chunk is stepped over a window its load has not filled yet; without the host's,
-    # only the reads were early (the copies themselves are right once they ran).
-    assert same == (skip == "host")
+def test_direct_reads_before_wait_see_the_write_back_in_flight(sim):
+    from optimshift.testing import deferred_streams
+
+    with deferred_streams(seed=0, progress=0.0):
+        model = Model([(4, 3), (3,)]).to(sim)
+        opt = torch.optim.Adam(_params(model), foreach=True)
+        with optimshift.streamed(opt, chunk_bytes=128) as handle:
+            train(model, opt, range(2))
+            p = list(opt.state)[-1]  # in the last chunk: its write-back is still queued
+            assert torch.isnan(opt.state[p]["exp_avg"]).all(), "read before wait(): not written yet"
+            handle.wait()
+            assert not torch.isnan(opt.state[p]["exp_avg"]).any()
+
+
+def _without(method):
+    """A copy stream that skips one of its waits: what a bug in the pipeline would do."""
+
+    class Broken(_copystream.StreamsCopyStream):
+        pass
+
+    setattr(Broken, method, lambda self, *args: None)
+    return lambda device: Broken(device, _streams.of(device))
+
+
+@pytest.mark.parametrize("method, error", [("current_waits", "StreamRaceError"), ("after_current", "StreamRaceError"),
+                                           ("keep", "StreamRaceError"), ("host_wait", "AssertionError")])
+def test_a_missing_wait_is_caught(sim, copy_streams, method, error):
+    """Without the compute's wait for its load, the copy stream's wait for the compute (or for fresh memory), or
+    record_stream on what it copies, the race detector raises; without the host's wait, state_dict() reads
+    write-backs that have not landed (the bitwise comparison fails)."""
+    from optimshift.testing import StreamRaceError
+
+    copy_streams(_without(method))
+    with pytest.raises(StreamRaceError if error == "StreamRaceError" else AssertionError):
+        _scheduled_run(sim, 0, 0.0)
+    from optimshift.testing._sim_streams import synchronize
+
+    for index in range(2):
+        try:
+            synchronize(index)  # (what was queued when the race was found runs, or raises, here)
+        except StreamRaceError:
+            pass

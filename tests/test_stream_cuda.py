@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import optimshift
-from optimshift import _copystream
+from optimshift import _copystream, _streams
 from _matrix import CASES, Model, bitwise_equal, grad_for, state_layout, train
 
 pytestmark = pytest.mark.cuda
@@ -37,6 +37,7 @@ def _pair(cls, kwargs, shapes):
 def test_streamed_matrix_on_cuda(cls, kwargs, shapes):
     (model, opt), (ref_model, ref) = _pair(cls, kwargs, shapes)
     handle = optimshift.stream(opt, chunk_bytes=128)
+    assert isinstance(_copystream.copy_stream(CUDA), _copystream.StreamsCopyStream)  # really asynchronous
     train(model, opt, range(2))
     train(ref_model, ref, range(2))
     with optimshift.count_syncs() as syncs:
@@ -56,23 +57,23 @@ def test_streamed_matrix_on_cuda(cls, kwargs, shapes):
     assert state_layout(opt) == state_layout(ref)
 
 
-class _Slow(_copystream.CudaCopyStream):
+class _Slow(_copystream.StreamsCopyStream):
     """Each copy waits ~1 ms on the copy stream first: any missing wait shows up as a wrong value."""
 
     def copy(self, dst, src):
-        with torch.cuda.stream(self.stream):
+        with self.streams.use(self.stream):
             torch.cuda._sleep(2_000_000)
         super().copy(dst, src)
 
     def copy_all(self, dsts, srcs):
-        with torch.cuda.stream(self.stream):
+        with self.streams.use(self.stream):
             torch.cuda._sleep(2_000_000)
         super().copy_all(dsts, srcs)
 
 
 @pytest.mark.parametrize("kwargs", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
 def test_slowed_copy_stream_still_gives_the_ordinary_steps(kwargs):
-    previous = _copystream.use_factory(_Slow)
+    previous = _copystream.use_factory(lambda device: _Slow(device, _streams.of(device)))
     try:
         (model, opt), (ref_model, ref) = _pair(torch.optim.AdamW, kwargs, [(256, 256)] * 6 + [(256,)] * 6)
         optimshift.stream(opt, chunk_bytes=256 * 256 * 4 * 2)  # one matrix's state per chunk

@@ -47,7 +47,7 @@ from . import _mode
 from . import engine
 from . import policy as _policy
 from ._adopt import adopt, decide_all
-from ._copystream import copy_stream
+from ._copystream import copy_stream, pinned_for
 from ._devices import DeviceLike, resolve
 from ._offload import record_of, settle
 from ._state import _ATOMS, leaves
@@ -151,7 +151,6 @@ class Streamed:
         self.chunk_bytes = chunk_bytes
         self.device = device
         self._raw = _raw_step(type(optimizer))
-        self._pinned = torch.cuda.is_available()
         self._chunk_of: dict[int, _Chunk] = {}  # id(param) -> its chunk
         self._chunks: dict[int, _Chunk] = {}  # id(chunk) -> chunk (in layout order)
         self._objects: dict[int, _Entry] = {}  # id(streamed tensor object) -> entry
@@ -320,7 +319,7 @@ class Streamed:
             for key, t in streamed:
                 entries.append(_Entry(st, key, t, offset))
                 offset += _aligned(entries[-1].nbytes)
-        buffer = host_pool.acquire(max(offset, 1), pinned=self._pinned and device.type == "cuda")
+        buffer = host_pool.acquire(max(offset, 1), pinned=pinned_for(device))
         counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
         chunk = _Chunk(group, device, [p for _, p, _, _ in part], entries, offset, buffer, counts,
                        oversized=len(part) == 1 and offset > self.chunk_bytes)
@@ -502,17 +501,22 @@ class Streamed:
             s = copy_stream(c.device)
             if c.oversized:  # a window of its own, freed after its write-back
                 window = torch.empty(c.nbytes, dtype=torch.uint8, device=c.device)
-                s.keep(window)
+                fresh = True
             else:  # two windows per device, taken in turn: a window's previous chunk was written back before
                 # (the same copy stream runs its copies in order)
                 ring = rings.setdefault(c.device, [None, None])
                 i = turn.get(c.device, 0)
                 turn[c.device] = 1 - i
                 found = ring[i]
+                fresh = found is None
                 if found is None:
                     found = ring[i] = torch.empty(capacity[c.device], dtype=torch.uint8, device=c.device)
-                    s.keep(found)
                 window = found
+            if fresh:
+                # NOTE: memory just allocated on the current stream may still be in use by work queued there
+                # (the caching allocator reuses a block in stream order): the copy stream waits for it first.
+                s.after_current()
+                s.keep(window)
             s.copy(window[:c.nbytes], c.buffer[:c.nbytes])
             windows[k], loaded[k] = window, s.record()
 
@@ -774,15 +778,16 @@ def unstream(optimizer: Opt) -> Opt:
 
 
 @contextlib.contextmanager
-def streamed(optimizer: Opt, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             device: Optional[DeviceLike] = None) -> Iterator[Opt]:
-    """:func:`stream` on enter, :func:`unstream` on exit (also when the body raises). A no-op if it is already
-    streamed."""
-    already = is_streamed(optimizer)
-    if not already:
-        stream(optimizer, chunk_bytes=chunk_bytes, device=device)
+def streamed(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+             device: Optional[DeviceLike] = None) -> Iterator[Streamed]:
+    """:func:`stream` on enter, :func:`unstream` on exit (also when the body raises); yields the
+    :class:`Streamed` handle. A no-op if it is already streamed (then its handle is yielded)."""
+    mode = _mode_of(optimizer)
+    already = mode is not None
+    if mode is None:
+        mode = stream(optimizer, chunk_bytes=chunk_bytes, device=device)
     try:
-        yield optimizer
+        yield mode
     finally:
         if not already:
             unstream(optimizer)

@@ -9,6 +9,7 @@ from . import _quiet_torch  # noqa: F401  (first: imports torch without its NumP
 from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
 from .checkpoint import load, load_state_dict, save
 from ._offload import PendingTransfer
+from ._stream import DEFAULT_CHUNK_BYTES, Streamed, is_streamed, stream, streamed, unstream
 from .pool import HostPool, host_pool
 from .policy import Policy, register_policy, unregister_policy
 from .report import Finding, PlacementRow, Report
@@ -22,6 +23,12 @@ __all__ = [
     "reload",
     "offloaded",
     "is_offloaded",
+    "stream",
+    "unstream",
+    "streamed",
+    "is_streamed",
+    "Streamed",
+    "DEFAULT_CHUNK_BYTES",
     "check",
     "placement",
     "rebind",

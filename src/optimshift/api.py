@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 import torch
 
+from . import _mode
 from . import _offload
 from . import _streams
 from . import engine
@@ -105,6 +106,7 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
     change. All or nothing.
     """
     check_optimizer(optimizer)
+    _mode.refuse(optimizer, "move")
     target = _resolve(device, optimizer)
     settle(optimizer)
     grads = _grads_back(optimizer, record_of(optimizer))
@@ -139,6 +141,7 @@ def offload(
     otherwise the optimizer. Offloading an offloaded optimizer only moves what was added since.
     """
     check_optimizer(optimizer)
+    _mode.refuse(optimizer, "offload")
     include = tuple(include)
     unknown = [i for i in include if i not in _INCLUDE]
     if unknown:
@@ -198,6 +201,7 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
     overlaps with it (offloaded grads, read before ``step()``, are waited for at once).
     """
     check_optimizer(optimizer)
+    _mode.refuse(optimizer, "reload")
     target = _resolve(device, optimizer)
     settle(optimizer)
     record = record_of(optimizer)
@@ -257,10 +261,15 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
 
 
 def check(optimizer: torch.optim.Optimizer) -> Report:
-    """Compare every state entry with where a fresh optimizer would keep it; say what each misplacement costs."""
+    """Compare every state entry with where a fresh optimizer would keep it; say what each misplacement costs.
+    For a streamed optimizer (:func:`optimshift.stream`), state that belongs on an accelerator is expected on the
+    host, where it lives between steps."""
     check_optimizer(optimizer)
     name = optimizer_name(optimizer)
-    plan = build_plan(optimizer, policy_target(optimizer, None))
+    target = policy_target(optimizer, None)
+    if _mode.mode_of(optimizer) is not None:
+        target = _mode.hosted(target)
+    plan = build_plan(optimizer, target)
     report = Report(name, rows=placement(optimizer))
     guessed = False
     for tr in plan.transfers:
@@ -321,6 +330,7 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
     place their state by the policy for the new params' devices. All or nothing."""
     check_optimizer(optimizer)
+    _mode.refuse(optimizer, "rebind")
     name = optimizer_name(optimizer)
     settle(optimizer)
     if is_offloaded(optimizer):

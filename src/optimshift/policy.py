@@ -25,7 +25,7 @@ import torch
 
 from ._probe import HOST_READ, NEEDS_DEVICE, probe, quiet_global_step_hooks  # noqa: F401 (re-exported)
 
-__all__ = ["Policy", "register_policy", "unregister_policy", "Decision", "decide", "HOST", "builtin_base"]
+__all__ = ["Policy", "register_policy", "unregister_policy", "Decision", "decide", "HOST", "builtin_base", "separable"]
 
 HOST = torch.device("cpu")
 
@@ -69,13 +69,17 @@ class Decision:
 
 
 _registry: dict[type, Policy] = {}
+_separable: dict[type, bool] = {}
 _lock = threading.Lock()
 
 
-def register_policy(optimizer_class: type, policy: Policy) -> None:
+def register_policy(optimizer_class: type, policy: Policy, *, separable: bool = False) -> None:
     """Tell optimshift where the state of ``optimizer_class`` (and its subclasses) belongs.
 
-    ``policy(key, value, param, group, device) -> torch.device | None``; see :class:`Policy`.
+    ``policy(key, value, param, group, device) -> torch.device | None``; see :class:`Policy` (a policy that
+    always returns ``None`` keeps the built-in rules). ``separable=True`` declares that its ``step()`` updates
+    each param from that param's grad and state alone, so that :func:`optimshift.stream` may step it a chunk of
+    params at a time.
     """
     if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
         raise TypeError(
@@ -83,14 +87,53 @@ def register_policy(optimizer_class: type, policy: Policy) -> None:
         )
     if not callable(policy):
         raise TypeError(f"register_policy: policy for {optimizer_class.__name__} must be callable, got {policy!r}")
+    if not isinstance(separable, bool):
+        raise TypeError(f"register_policy: separable for {optimizer_class.__name__} must be a bool, got {separable!r}")
     with _lock:
         _registry[optimizer_class] = policy
+        _separable[optimizer_class] = separable
 
 
 def unregister_policy(optimizer_class: type) -> None:
     """Remove a policy registered with :func:`register_policy` (a no-op if there is none)."""
     with _lock:
         _registry.pop(optimizer_class, None)
+        _separable.pop(optimizer_class, None)
+
+
+# torch.optim classes whose step is not a per-param update: LBFGS flattens every grad into one vector, keeps
+# its history over all params at once and runs one line search over all of them.
+_NOT_SEPARABLE = ("LBFGS",)
+
+
+def separable(optimizer_class: type) -> tuple[bool, str]:
+    """Whether ``optimizer_class.step()`` updates each param from its own grad and state alone (what stepping
+    a chunk of params at a time needs), and why: ``"registered"`` (:func:`register_policy` said so, for the
+    nearest registered class in the MRO), ``"torch.optim"``, ``"not separable"`` (LBFGS), ``"overrides step"``
+    (a subclass of a torch.optim class with its own ``step``: it may read other params), ``"unknown"``."""
+    for base in optimizer_class.__mro__:
+        if base in _registry:
+            return _separable.get(base, False), "registered"
+    base = builtin_base(optimizer_class)
+    if base is None:
+        return False, "unknown"
+    if base.__name__ in _NOT_SEPARABLE:
+        return False, "not separable"
+    base_step = _own_step(base)
+    for klass in optimizer_class.__mro__:
+        if klass is base:
+            break
+        own = _own_step(klass)
+        if own is not None and own is not base_step:
+            return False, "overrides step"
+    return True, "torch.optim"
+
+
+def _own_step(klass: type) -> Any:
+    """The step function ``klass`` defines itself, without the hook wrapper torch.optim puts on the class of
+    the first instance made (on a subclass that defines no step, that wrapper wraps the base's step)."""
+    fn = klass.__dict__.get("step")
+    return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
 
 
 # --- built-in rules -------------------------------------------------------------------------------------

@@ -7,22 +7,28 @@ host, or an op whose output size depends on device data (``nonzero``, ``masked_s
 accelerator and on any other backend, and reports zero for CPU-only work. With ``trace=True`` it also names the
 line of your code (the first frame outside torch) that caused each one.
 
+Device-to-host copies that optimshift's streamed step queues on its copy stream (:func:`async_copies`: on CUDA
+they go non-blocking into pinned memory, and the host does not wait for them) are counted apart, in
+``SyncCount.async_copies``, not as syncs.
+
 Limits: explicit waits that do not go through the dispatcher (``torch.cuda.synchronize()``, event waits) are
 not counted, and code under ``torch.compile`` is counted as the ops its graph runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 from collections import Counter
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["count_syncs", "SyncCount"]
+__all__ = ["count_syncs", "SyncCount", "async_copies"]
 
 _aten = torch.ops.aten
 # Ops whose output size depends on device data: the host must wait for the device to know it.
@@ -44,6 +50,24 @@ _PLUMBING = tuple(_TORCH_DIR + p for p in ("_dynamo", "_compile.py", "utils" + o
                                           "utils" + os.sep + "_stats.py", "_ops.py", "_subclasses", "_tensor.py"))
 
 
+_async = threading.local()
+
+
+@contextlib.contextmanager
+def async_copies(active: bool = True) -> Iterator[None]:
+    """Device-to-host copies made inside (on this thread) are asynchronous transfers queued on a copy stream,
+    not syncs: :class:`SyncCount` counts them in ``async_copies``. Only for copies the host does not wait for
+    (on CUDA: ``non_blocking`` into pinned memory on a side stream)."""
+    if not active:
+        yield
+        return
+    _async.depth = getattr(_async, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _async.depth -= 1
+
+
 def _is_device(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
 
@@ -55,7 +79,8 @@ def _to_host(device: Any) -> bool:
 class SyncCount(TorchDispatchMode):
     """The counts of a :func:`count_syncs` block: ``total``, ``by_op``, ``by_device``; with ``trace=True``
     also ``by_site`` (your line that caused each sync) and ``by_origin`` (the innermost Python line, often
-    inside torch, that read the device)."""
+    inside torch, that read the device). ``async_copies``: device-to-host tensor copies queued on a copy
+    stream (see :func:`async_copies`), which are not syncs and are not in ``total``."""
 
     def __init__(self, trace: bool = False) -> None:
         super().__init__()
@@ -64,6 +89,7 @@ class SyncCount(TorchDispatchMode):
         self.by_device: Counter[str] = Counter()
         self.by_site: Counter[str] = Counter()
         self.by_origin: Counter[str] = Counter()
+        self.async_copies = 0
 
     @property
     def total(self) -> int:
@@ -80,6 +106,12 @@ class SyncCount(TorchDispatchMode):
             self.by_site[user] += 1
             self.by_origin[origin] += 1
 
+    def _copy_to_host(self, device: torch.device) -> None:
+        if getattr(_async, "depth", 0):
+            self.async_copies += 1
+        else:
+            self._record("copy_to_host", device)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
@@ -89,7 +121,11 @@ class SyncCount(TorchDispatchMode):
         elif name == "_to_copy" and _is_device(first) and _to_host(kwargs.get("device")):
             self._record("copy_to_host", first.device)
         elif name == "copy_" and len(args) >= 2 and _is_device(args[1]) and isinstance(first, torch.Tensor) and first.device.type == "cpu":
-            self._record("copy_to_host", args[1].device)
+            self._copy_to_host(args[1].device)
+        elif name == "_foreach_copy_" and len(args) >= 2:
+            for dst, src in zip(first or (), args[1] or ()):
+                if _is_device(src) and isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
+                    self._copy_to_host(src.device)
         elif name in _DATA_DEPENDENT and _is_device(first):
             self._record(name, first.device)
         return func(*args, **kwargs)

@@ -51,3 +51,19 @@ def test_bench_cases_report_what_they_measure(sim):
                          "throughput": [case], "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
                          "step_after_move": steps, "overhead_meta": overhead})
     assert "optimshift vs flat copy" in text and "new allocations per offload/reload cycle" in text
+
+
+def test_bench_streamed_case(sim):
+    case = bench._stream_case(sim, [(8, 8)] * 4 + [(64,)], reps=1)
+    assert case["state_bytes"] == 2 * (4 * 64 + 64) * 4 + 5 * 4  # exp_avg, exp_avg_sq; fused: step on the device
+    assert case["chunks"] == 1 and case["syncs_per_step"] == {"all on device": 0, "streamed": 0}
+    assert 0 < case["extra_device_bytes_streamed_step"] <= case["extra_device_bytes_bound"]
+    assert case["goals"]["host syncs per step equal"] and case["note"]
+    assert case["cpu_step_s"]["torch CPU AdamW"] > 0 and case["cpu_step_s"]["torchao CPUOffloadOptimizer"] is None
+    text = bench.render({"device": str(sim), "device_name": "simulated accelerator", "torch": torch.__version__,
+                         "throughput": [], "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
+                         "step_after_move": {"moved_vs_fresh": 1.0, "naive_vs_fresh": 1.0, "syncs_per_step": {}},
+                         "overhead_meta": {"tensors": 1, "move_us_per_tensor": 1.0, "bare_us_per_tensor": 1.0,
+                                           "move_vs_bare": 1.0},
+                         "streamed": case})
+    assert "streamed step, fused AdamW" in text and "goals:" in text and "not a GPU" in text

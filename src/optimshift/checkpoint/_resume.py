@@ -22,6 +22,7 @@ from typing import AbstractSet, Any, Callable, Mapping, MutableMapping, Optional
 
 import torch
 
+from .. import _mode
 from .. import engine
 from .._copy import copy_tensor
 from .._offload import exclusive, prepare_discard
@@ -92,6 +93,13 @@ def load_state_dict(
         raise TypeError(f"{name}: load_state_dict: copy must be a bool, got {copy!r}")
     params = [p for g in receiver.param_groups for p in g["params"]]
     target = None if device is None else resolve(device, what="device", tensors=params)
+    mode = _mode.mode_of(receiver)
+    if mode is not None:  # streamed: the state loads into host memory, where it lives between steps
+        if target is not None and target.type != "cpu":
+            raise ValueError(f"{name}: load_state_dict: it is streamed (optimshift.stream), so its state loads into "
+                             f"host memory; device={target} would put it elsewhere. Call optimshift.unstream() first.")
+        mode.settle()
+        target = torch.device("cpu")
 
     source = None
     if isinstance(state_dict, (str, os.PathLike)):
@@ -118,6 +126,8 @@ def load_state_dict(
         # leaves everything as it was), handed back only once the state is installed.
         finish = [prepare_discard(obj) for obj in dict.fromkeys((receiver, optimizer))]
         _install(receiver, name, new_state, new_groups, made=staged.made_ids())
+        if mode is not None:
+            mode.after_load()
     for done in finish:
         done()
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):

@@ -8,7 +8,11 @@ Python overhead), every figure against baselines run in the same process, becaus
   per-tensor ``.to()`` loop (verl, NeMo-RL), and Lightning's ``_optimizer_to_device`` when installed;
 - host syncs per step after each method, and step time after a move relative to a fresh optimizer;
 - new host-pool (pinned on CUDA) allocations per offload/reload cycle after warm-up;
-- the per-tensor overhead of ``move`` against a bare ``.to()`` loop, on the meta device.
+- the per-tensor overhead of ``move`` against a bare ``.to()`` loop, on the meta device;
+- a streamed step (:func:`optimshift.stream`) of fused AdamW against the same step with all state on the
+  device, the flat pinned copy bandwidth of the same bytes both ways, a CPU step of the same optimizer (torch's
+  fused CPU AdamW, and torchao's ``CPUOffloadOptimizer`` when it is installed), the extra device memory during
+  the streamed step, and host syncs per step; with the issue's goals checked on the figures of this run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._accelerator import demo_accelerator
+from .._stream import DEFAULT_CHUNK_BYTES, stream, unstream
 from ..api import _transfer, move, offload, reload
 from ..plan import policy_target
 from ..pool import host_pool
@@ -261,6 +266,140 @@ def _overhead_case(n_tensors: int, reps: int) -> dict[str, Any]:
             "move_vs_bare": statistics.median(t_move) / statistics.median(t_bare)}
 
 
+class _PeakSim:
+    """The simulated device's allocated bytes after every op (it has no peak counter of its own)."""
+
+    def __init__(self, device: torch.device) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from ..testing import simulated_memory_allocated
+
+        index = device.index or 0
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                outer.peak = max(outer.peak, simulated_memory_allocated(index))
+                return out
+
+        self.mode = Mode()
+        self.peak = 0
+        self.now = lambda: simulated_memory_allocated(index)
+
+
+def _extra_memory(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
+    """Peak device bytes allocated while ``fn`` runs, beyond what was allocated before (None: not measurable)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    if device.type == "sim":
+        peak = _PeakSim(device)
+        base = peak.now()
+        with peak.mode:
+            fn()
+        return max(peak.peak - base, 0)
+    return None
+
+
+def _cpu_steps(shapes: list[tuple[int, ...]], device: torch.device, reps: int) -> dict[str, Optional[float]]:
+    """Seconds per step of AdamW over the same shapes stepped on the CPU: torch's fused CPU AdamW (params on the
+    host), and torchao's CPUOffloadOptimizer (params on ``device``, state and step on the host) if installed."""
+    host = torch.device("cpu")
+    out: dict[str, Optional[float]] = {}
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    try:
+        cpu = torch.optim.AdamW(params, fused=True)
+        cpu.step()
+    except Exception:  # a torch without the fused CPU kernel
+        cpu = torch.optim.AdamW(params, foreach=False)
+    out["torch CPU AdamW"] = _time(cpu.step, host, reps)
+    del cpu, params
+    gc.collect()
+    out["torchao CPUOffloadOptimizer"] = None
+    if device.type == "cuda":
+        try:
+            from torchao.optim import CPUOffloadOptimizer  # type: ignore[import-not-found]
+        except Exception:
+            return out
+        dparams = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
+        for p in dparams:
+            p.grad = torch.full_like(p, 1e-3)
+        ao = CPUOffloadOptimizer(dparams, torch.optim.AdamW, fused=True)
+        out["torchao CPUOffloadOptimizer"] = _time(ao.step, device, reps)
+    return out
+
+
+def _flat_copies(nbytes: int, device: torch.device, reps: int) -> tuple[float, float]:
+    """Seconds for one flat copy of ``nbytes`` host -> device and device -> host (pinned on CUDA): the link."""
+    pin = device.type == "cuda"
+    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    return (_time(lambda: flat_dev.copy_(flat_host, non_blocking=pin), device, reps),
+            _time(lambda: flat_host.copy_(flat_dev, non_blocking=pin), device, reps))
+
+
+def _stream_case(device: torch.device, shapes: list[tuple[int, ...]], reps: int) -> dict[str, Any]:
+    """Fused AdamW: all state on the device vs streamed vs a CPU step, with the link's flat pinned bandwidth."""
+    params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, fused=True)
+    opt.step()
+    state_bytes = _state_bytes(opt)
+    largest = max(p.numel() for p in params) * 4 * 2
+    t_device = _time(opt.step, device, reps)
+    with count_syncs() as s_device:
+        opt.step()
+
+    t_h2d, t_d2h = _flat_copies(state_bytes, device, reps)
+
+    handle = stream(opt, chunk_bytes=DEFAULT_CHUNK_BYTES)
+    opt.step()  # warm-up: windows, streams
+    t_stream = _time(opt.step, device, reps)
+    with count_syncs() as s_stream:
+        opt.step()
+    extra = _extra_memory(opt.step, device)
+    chunks = handle.chunks
+    unstream(opt)
+    del opt, params, handle
+    gc.collect()
+    host_pool.release_idle()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    cpu = _cpu_steps(shapes, device, max(2, reps - 1))
+    link_s = t_h2d + t_d2h  # the state once down and once up at the flat copy's speed
+    budget_s = 1.2 * link_s + t_device
+    bound = 2 * DEFAULT_CHUNK_BYTES + (largest if largest > DEFAULT_CHUNK_BYTES else 0)
+    cpu_s = cpu["torch CPU AdamW"]
+    return {
+        "state_bytes": state_bytes, "chunk_bytes": DEFAULT_CHUNK_BYTES, "chunks": chunks,
+        "device_step_s": t_device, "streamed_step_s": t_stream, "flat_h2d_GBps": state_bytes / t_h2d / 1e9,
+        "flat_d2h_GBps": state_bytes / t_d2h / 1e9, "link_s": link_s, "cpu_step_s": cpu,
+        "extra_device_bytes_streamed_step": extra, "extra_device_bytes_bound": bound,
+        "syncs_per_step": {"all on device": s_device.total, "streamed": s_stream.total},
+        "goals": {
+            "streamed <= 1.2 x link + device step": t_stream <= budget_s,
+            "streamed >= 3x faster than torch CPU AdamW": cpu_s is not None and cpu_s >= 3 * t_stream,
+            "extra device memory <= 2 chunks (+ a larger param's state)": extra is not None and extra <= bound,
+            "host syncs per step equal": s_device.total == s_stream.total,
+        },
+        "streamed_vs_budget": t_stream / budget_s,
+        "cpu_vs_streamed": (cpu_s / t_stream) if cpu_s else None,
+        "note": None if device.type == "cuda" else (
+            "not a GPU: copies here are synchronous host copies and nothing overlaps, so the time goals are not "
+            "measured by this run"),
+    }
+
+
 def run_bench(device: Optional[torch.device] = None, *, quick: bool = False) -> dict[str, Any]:
     device = demo_accelerator() if device is None else device
     reps = 3 if not quick else 2
@@ -287,6 +426,9 @@ def run_bench(device: Optional[torch.device] = None, *, quick: bool = False) -> 
         "step_after_move": _step_time_case(device, large if device.type == "cuda" else large[:24], reps + 2),
         "overhead_meta": _overhead_case(small_tensors, reps),
     }
+    del large
+    gc.collect()
+    out["streamed"] = _stream_case(device, _transformer_shapes(n_params), reps)
     return out
 
 
@@ -318,6 +460,22 @@ def render(result: dict[str, Any]) -> str:
     o = result["overhead_meta"]
     lines.append(f"per-tensor overhead, host -> meta, {o['tensors']} tensors: move {o['move_us_per_tensor']:.2f} us, "
                  f"bare .to() loop {o['bare_us_per_tensor']:.2f} us ({o['move_vs_bare']:.2f}x)")
+    st = result.get("streamed")
+    if st is not None:
+        cpu = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in st["cpu_step_s"].items() if v is not None)
+        extra = st["extra_device_bytes_streamed_step"]
+        lines.append(
+            f"\nstreamed step, fused AdamW, {st['state_bytes'] / 1e6:.1f} MB of state in {st['chunks']} chunks of "
+            f"{st['chunk_bytes'] >> 20} MiB: {st['streamed_step_s'] * 1e3:.1f} ms; all on the device "
+            f"{st['device_step_s'] * 1e3:.1f} ms; flat copies (pinned on CUDA) {st['flat_h2d_GBps']:.2f} GB/s down, "
+            f"{st['flat_d2h_GBps']:.2f} GB/s up (state down and up: {st['link_s'] * 1e3:.1f} ms); CPU steps: {cpu}")
+        lines.append(f"extra device memory during the streamed step: "
+                     f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'} (bound "
+                     f"{st['extra_device_bytes_bound'] / 2**20:.0f} MiB); host syncs per step {st['syncs_per_step']}")
+        lines.append("goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in st["goals"].items())
+                     + f" (streamed / budget {st['streamed_vs_budget']:.2f})")
+        if st.get("note"):
+            lines.append(f"({st['note']})")
     return "\n".join(lines)
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .. import api
+from .. import _mode, api
 
-__all__ = ["placeable", "follow_params", "to_host", "Swap", "Patch", "module_items"]
+__all__ = ["placeable", "follow_params", "to_host", "Swap", "Patch", "module_items", "streamed"]
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -43,14 +43,25 @@ def placeable(optimizer: Any) -> bool:
     return True
 
 
+def streamed(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or the optimizer a wrapper holds) is streamed: its state stays where
+    :func:`optimshift.stream` keeps it, whatever a framework asks."""
+    return any(_mode.mode_of(o) is not None for o in (optimizer, getattr(optimizer, "optimizer", None))
+               if o is not None)
+
+
 def follow_params(optimizer: Any) -> None:
-    """Place every state tensor where a fresh optimizer over the params, where they are now, would keep it."""
-    api.move(optimizer)
+    """Place every state tensor where a fresh optimizer over the params, where they are now, would keep it
+    (a streamed optimizer's state is left on the host: its step streams it)."""
+    if not streamed(optimizer):
+        api.move(optimizer)
 
 
 def to_host(optimizer: Any) -> None:
-    """Place every state tensor where a fresh optimizer with its params on the host would keep it."""
-    api.move(optimizer, torch.device("cpu"))
+    """Place every state tensor where a fresh optimizer with its params on the host would keep it (a streamed
+    optimizer's state is on the host already)."""
+    if not streamed(optimizer):
+        api.move(optimizer, torch.device("cpu"))
 
 
 # --- the one patching idiom ------------------------------------------------------------------------------

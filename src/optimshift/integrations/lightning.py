@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .. import api
-from ._common import Patch, Swap, follow_params, module_items, placeable, to_host
+from ._common import Patch, Swap, follow_params, module_items, placeable, streamed, to_host
 
 if TYPE_CHECKING:
     from lightning.fabric.wrappers import _FabricOptimizer
@@ -284,7 +284,7 @@ class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]  # a b
 
     def _offload(self, trainer: Any) -> None:
         for optimizer in trainer.optimizers:
-            if placeable(optimizer) and not api.is_offloaded(optimizer):
+            if placeable(optimizer) and not api.is_offloaded(optimizer) and not streamed(optimizer):
                 api.offload(optimizer, pin_memory=self.pin_memory, include=self.include)
                 self._offloaded.append(optimizer)
 

@@ -1,0 +1,83 @@
+"""Optimizers in a mode that keeps their state on the host between steps: streamed (:func:`optimshift.stream`).
+
+Operations that place state ask here first: ``move``, ``offload``, ``reload`` and ``rebind`` refuse a streamed
+optimizer (its state must stay where its streamed step reads it), ``load_state_dict`` loads into its host state,
+and ``check`` expects its state on the host.
+
+# NOTE: a registry of its own, above ``api`` and ``checkpoint``, so that both can ask without importing the
+# streaming machinery (which itself uses ``checkpoint`` to load).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Mapping, Optional, Protocol
+
+import torch
+
+from .plan import TargetFn, optimizer_name
+
+__all__ = ["Mode", "mode_of", "enter", "leave", "refuse", "hosted"]
+
+HOST = torch.device("cpu")
+
+
+class Mode(Protocol):
+    """What an operation needs to know about an optimizer in a mode."""
+
+    def settle(self) -> None:
+        """Wait for copies still writing its host state."""
+
+    def after_load(self) -> None:
+        """Its state was replaced by a load (now plain host tensors): lay it out again. Must not raise."""
+
+
+# NOTE: both weak. The optimizer keeps its mode alive (its step and hooks refer to it); a strong reference
+# from here would keep the mode's tensors one garbage collection longer than the optimizer.
+_modes: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def mode_of(optimizer: Any) -> Optional[Mode]:
+    try:
+        with _lock:
+            ref = _modes.get(optimizer)
+    except TypeError:  # not weakly referenceable: never in a mode
+        return None
+    return None if ref is None else ref()
+
+
+def enter(optimizer: Any, mode: Mode) -> None:
+    """``optimizer`` is in ``mode`` (which the optimizer itself must keep alive: only a weak reference is kept)."""
+    with _lock:
+        _modes[optimizer] = weakref.ref(mode)
+
+
+def leave(optimizer: Any) -> None:
+    with _lock:
+        _modes.pop(optimizer, None)
+
+
+def refuse(optimizer: Any, operation: str) -> None:
+    """ValueError if ``optimizer`` is streamed: ``operation`` would place state its streamed step reads."""
+    if mode_of(optimizer) is not None:
+        name = optimizer_name(optimizer)
+        raise ValueError(
+            f"{name} is streamed (optimshift.stream): its state lives on the host and streams through the device "
+            f"at every step(); {operation} would take it from there. Call optimshift.unstream(optimizer) first."
+        )
+
+
+def hosted(target: TargetFn) -> TargetFn:
+    """``target`` for a streamed optimizer: every per-param entry that belongs on an accelerator is expected on
+    the host (where it lives between steps); param-group entries stay where ``target`` says."""
+
+    def where(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
+              tensor: torch.Tensor) -> tuple[torch.device, str]:
+        device, source = target(ident, param, group, key, tensor)
+        if param is not None and device.type not in ("cpu", "meta"):
+            return HOST, "streamed"
+        return device, source
+
+    return where

@@ -1,0 +1,496 @@
+"""Streamed optimizers in a training loop, on the simulated accelerator: device memory, GradScaler, LR schedulers,
+clipping, hooks, closures, checkpoints, params that move, refusals, and the copy-stream protocol under copies
+that run late (a copy stream that defers every copy until something waits for it)."""
+
+from __future__ import annotations
+
+import gc
+import io
+import warnings
+
+import pytest
+import torch
+
+import optimshift
+from optimshift import _copystream, _stream, _streams
+from optimshift.testing import simulated_memory_allocated
+from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
+
+
+def _params(model):
+    return [h.weight for h in model.parts]
+
+
+def _pair(shapes, sim, cls=torch.optim.AdamW, **kwargs):
+    """Two identical models on the device with the same optimizer: (model, opt) to stream and a reference."""
+    out = []
+    for _ in range(2):
+        model = Model(shapes).to(sim)
+        out.append((model, cls(_params(model), **kwargs)))
+    return out
+
+
+def _assert_same(model, opt, ref_model, ref):
+    if optimshift.is_streamed(opt):
+        _stream._mode_of(opt).wait()  # reading state tensors directly: the write-backs must have landed
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert bitwise_equal(a, b)
+        assert bitwise_equal(dict(opt.state[a]), dict(ref.state[b]))
+
+
+# --- device memory ------------------------------------------------------------------------------------------
+
+class _Sampling(_copystream.SyncCopyStream):
+    """The simulator's copy stream, sampling the device's allocated bytes at every call (windows are allocated
+    before their copies; a chunk's state is resident from its load to its write-back)."""
+
+    samples: list = []
+
+    def _sample(self):
+        _Sampling.samples.append(simulated_memory_allocated(self.device.index or 0))
+
+    def copy(self, dst, src):
+        self._sample()
+        super().copy(dst, src)
+
+    def copy_all(self, dsts, srcs):
+        self._sample()
+        super().copy_all(dsts, srcs)
+
+    def after_current(self):
+        self._sample()
+
+
+@pytest.fixture
+def copy_streams():
+    """Install a copy-stream factory for one test (the default one is put back afterwards)."""
+    previous = []
+
+    def use(factory):
+        previous.append(_copystream.use_factory(factory))
+
+    yield use
+    if previous:
+        _copystream.use_factory(previous[0])
+
+
+def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, copy_streams):
+    copy_streams(_Sampling)
+    small, big = (64,), (64, 64)  # AdamW state: 512 bytes per small param, 32 KiB per big one
+    shapes = [small] * 20 + [big, big] + [small] * 20
+    chunk = 2048  # four small params per chunk; each big param is a chunk of its own, larger than a chunk
+    state_total = 40 * 512 + 2 * 32768
+    bound = 2 * chunk + 32768
+
+    (model, opt), (ref_model, ref) = _pair(shapes, sim, foreach=True)
+    handle = optimshift.stream(opt, chunk_bytes=chunk)
+    for step in range(3):
+        for i, p in enumerate(_params(model)):
+            p.grad = grad_for(step, i, p.shape).to(sim)
+        gc.collect()
+        base = simulated_memory_allocated(0)  # params and grads: no state lives on the device between steps
+        _Sampling.samples = []
+        opt.step()
+        peak = max(_Sampling.samples) - base
+        assert 0 < peak <= bound, f"step {step}: {peak} bytes of state on the device, bound {bound}"
+        gc.collect()
+        assert simulated_memory_allocated(0) == base, "nothing stays on the device after a step"
+    assert handle.chunks == 12 and handle.state_bytes == state_total
+
+    gc.collect()
+    before = simulated_memory_allocated(0)
+    train(ref_model, ref, range(3))
+    for p in _params(ref_model):
+        p.grad = None
+    gc.collect()
+    assert simulated_memory_allocated(0) - before == state_total > bound, "an ordinary step: all of it on the device"
+    _assert_same(model, opt, ref_model, ref)
+
+
+# --- a training loop's tools --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"fused": True}], ids=["single", "fused"])
+def test_grad_scaler_skips_steps_like_an_ordinary_optimizer(sim, kwargs):
+    runs = []
+    for streamed in (True, False):
+        model = Model([(4, 3), (3,), (2, 3)]).to(sim)
+        opt = torch.optim.Adam(_params(model), **kwargs)
+        if streamed:
+            optimshift.stream(opt, chunk_bytes=128)
+        scaler = torch.amp.GradScaler("sim", init_scale=2.0 ** 8, growth_interval=2)
+        stepped = []
+        opt.register_step_post_hook(lambda *_: stepped.append(1))
+        for step in range(6):
+            scaler.scale(torch.ones((), device=sim))  # (what scaler.scale(loss) does first: makes its scale)
+            for i, p in enumerate(_params(model)):
+                g = grad_for(step, i, p.shape) * scaler.get_scale()
+                if step in (1, 4) and i == 1:
+                    g[0] = float("inf")  # an overflow: GradScaler skips this step
+                p.grad = g.to(sim)
+            scaler.step(opt)
+            scaler.update()
+        runs.append((model, opt, len(stepped), scaler.get_scale()))
+    (model, opt, n, scale), (ref_model, ref, ref_n, ref_scale) = runs
+    # Unfused: GradScaler skips step() on an overflow; fused: step() runs and the kernel skips the update.
+    assert n == ref_n == (6 if kwargs.get("fused") else 4) and scale == ref_scale
+    _assert_same(model, opt, ref_model, ref)
+
+
+def test_lr_schedulers_clipping_hooks_and_closure(sim):
+    from torch.optim import optimizer as _optimizer
+
+    runs = []
+    for streamed in (True, False):
+        model = Model([(4, 3), (3,), (2, 3), (5,)]).to(sim)
+        params = _params(model)
+        opt = torch.optim.AdamW(params, lr=0.1)
+        counts = {"pre": 0, "post": 0, "global": 0, "closure": 0}
+        group_sizes = []
+
+        def pre(o, args, kwargs):
+            counts["pre"] += 1
+            group_sizes.append(len(o.param_groups[0]["params"]))  # hooks see the real groups
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(lambda *_: counts.__setitem__("post", counts["post"] + 1))
+        handle = _optimizer.register_optimizer_step_post_hook(
+            lambda o, *_: counts.__setitem__("global", counts["global"] + (o is opt)))
+        before = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)  # also changes betas
+        if streamed:
+            optimshift.stream(opt, chunk_bytes=128)
+        after = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+        losses = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(5):
+                def closure():
+                    counts["closure"] += 1
+                    for i, p in enumerate(params):
+                        p.grad = grad_for(step, i, p.shape).to(sim)
+                    torch.nn.utils.clip_grad_norm_(params, max_norm=0.5)
+                    return torch.tensor(float(step))
+
+                losses.append(opt.step(closure))
+                before.step()
+                after.step()
+        handle.remove()
+        assert not [w for w in caught if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)]
+        assert counts == {"pre": 5, "post": 5, "global": 5, "closure": 5}
+        assert group_sizes == [4] * 5 and [float(x) for x in losses] == [0.0, 1.0, 2.0, 3.0, 4.0]
+        runs.append((model, opt, [g["lr"] for g in opt.param_groups], [g["betas"] for g in opt.param_groups]))
+    (model, opt, lrs, betas), (ref_model, ref, ref_lrs, ref_betas) = runs
+    assert lrs == ref_lrs and betas == ref_betas
+    _assert_same(model, opt, ref_model, ref)
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------
+
+class _Peak(torch.utils._python_dispatch.TorchDispatchMode):
+    """The device's allocated bytes after every op."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, simulated_memory_allocated(0))
+        return out
+
+
+@pytest.mark.parametrize("kwargs", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_save_and_resume_into_a_streamed_optimizer(sim, kwargs, tmp_path):
+    shapes = [(8, 4), (4,), (6, 2)]
+    (model, opt), (ref_model, ref) = _pair(shapes, sim, torch.optim.Adam, **kwargs)
+    optimshift.stream(opt, chunk_bytes=256)
+    train(model, opt, range(3))
+    train(ref_model, ref, range(3))
+    sd = opt.state_dict()
+    live = {id(v) for st in opt.state.values() for v in st.values()}
+    for st in sd["state"].values():
+        for key, v in st.items():
+            if v.dim() > 0 or kwargs.get("fused"):
+                assert id(v) not in live, f"{key}: state_dict() gives copies of streamed tensors"
+                assert v.device.type == "cpu" and v.untyped_storage().nbytes() == v.numel() * v.element_size(), \
+                    f"{key}: a compact host tensor, no pool bytes around it"
+    assert bitwise_equal(sd["state"], ref.state_dict()["state"])
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    state_bytes = sum(v.numel() * v.element_size() for st in sd["state"].values() for v in st.values())
+    assert buf.tell() < state_bytes + 64 * 1024, "the file holds the state's bytes, not whole pool buffers"
+
+    # Resume: a new model and optimizer on the device, streamed, then torch's own call.
+    model2 = Model(shapes).to(sim)
+    for a, b in zip(model2.parameters(), model.parameters()):
+        a.data.copy_(b.data)
+    opt2 = torch.optim.Adam(_params(model2), **kwargs)
+    optimshift.stream(opt2, chunk_bytes=256)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    gc.collect()
+    before = simulated_memory_allocated(0)
+    with _Peak() as peak:
+        opt2.load_state_dict(loaded)
+    assert peak.peak == before, "no device memory on resume: the state loads into host memory"
+    assert set(state_layout(opt2).values()) == {torch.device("cpu")}
+    train(model2, opt2, range(3, 5))
+    train(ref_model, ref, range(3, 5))
+    _assert_same(model2, opt2, ref_model, ref)
+    # optimshift's own files and load go to host state as well.
+    optimshift.save({"optimizer": opt2}, tmp_path / "ckpt.pt")
+    assert (tmp_path / "ckpt.pt").stat().st_size < state_bytes + 64 * 1024
+    optimshift.load_state_dict(opt2, optimshift.load(tmp_path / "ckpt.pt"))
+    train(model2, opt2, range(5, 6))
+    train(ref_model, ref, range(5, 6))
+    _assert_same(model2, opt2, ref_model, ref)
+    optimshift.load_state_dict(opt2, ref.state_dict())
+    assert set(state_layout(opt2).values()) == {torch.device("cpu")}
+    with pytest.raises(ValueError, match="streamed"):
+        optimshift.load_state_dict(opt2, ref.state_dict(), device=sim)
+
+
+# --- objects, modes, refusals ---------------------------------------------------------------------------------
+
+def test_unstream_restores_the_optimizer_and_the_pool(sim):
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model), fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step on the instance
+    wrapped = opt.__dict__["step"]
+    train(model, opt, range(1))
+    layout, ids = state_layout(opt), tensor_ids(opt)
+    in_use = optimshift.host_pool.stats().in_use
+    with optimshift.streamed(opt, chunk_bytes=64):
+        assert optimshift.host_pool.stats().in_use == in_use + 2  # one buffer per chunk (one param each)
+        train(model, opt, range(1, 3))
+        sched.step()
+        for verb in (optimshift.move, optimshift.offload, optimshift.reload):
+            with pytest.raises(ValueError, match="unstream"):
+                verb(opt)
+        with pytest.raises(ValueError, match="unstream"):
+            optimshift.rebind(opt, _params(model))
+        with pytest.raises(ValueError, match="already streamed"):
+            optimshift.stream(opt)
+        assert [r.device for r in optimshift.placement(opt)] == ["cpu"] * 6
+    assert not optimshift.is_streamed(opt)
+    assert opt.__dict__["step"] is wrapped and "load_state_dict" not in opt.__dict__
+    assert state_layout(opt) == layout and tensor_ids(opt) == ids
+    assert optimshift.host_pool.stats().in_use == in_use
+    assert optimshift.unstream(opt) is opt  # a no-op now
+
+
+def test_streamed_context_unstreams_when_the_body_raises(sim):
+    model = Model([(4, 3)]).to(sim)
+    opt = torch.optim.SGD(_params(model), momentum=0.9)
+    train(model, opt, range(1))
+    with pytest.raises(KeyError):
+        with optimshift.streamed(opt):
+            train(model, opt, range(1, 2))
+            raise KeyError("evaluation failed")
+    assert not optimshift.is_streamed(opt) and state_layout(opt) == {(0, "momentum_buffer"): sim}
+
+
+class _Counting(torch.optim.Optimizer):
+    """A third-party per-param optimizer that adds a state entry at its third step (a chunk laid out again)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p)
+                    st["n"] = torch.zeros((), device=p.device)
+                st["m"].mul_(0.9).add_(p.grad)
+                st["n"].add_(1)
+                if int(st["n"].item()) == 3:
+                    st["extra"] = p.grad.clone()
+                p.add_(st["m"] + st.get("extra", 0), alpha=-group["lr"])
+
+
+def test_third_party_classes_are_refused_unless_declared_separable(sim):
+    from optimshift import register_policy, unregister_policy
+
+    def fresh(cls=_Counting):
+        model = Model([(4, 3), (3,), (2, 2)]).to(sim)
+        return model, cls(_params(model))
+
+    model, opt = fresh()
+    with pytest.raises(ValueError, match="separable=True"):
+        optimshift.stream(opt)
+    assert "step" not in opt.__dict__ and not optimshift.is_streamed(opt)
+    register_policy(_Counting, lambda *a: None, separable=True)
+    try:
+        model, opt = fresh()
+        ref_model, ref = fresh()
+        optimshift.stream(opt, chunk_bytes=128)
+        train(model, opt, range(5))
+        train(ref_model, ref, range(5))
+        _assert_same(model, opt, ref_model, ref)
+        assert set(state_layout(opt).values()) == {torch.device("cpu")}
+        assert all(set(st) == {"m", "n", "extra"} for st in opt.state.values())
+    finally:
+        unregister_policy(_Counting)
+
+
+def test_refusals_name_the_reason_and_change_nothing(sim):
+    model = Model([(4, 3), (3,)]).to(sim)
+    lbfgs = torch.optim.LBFGS(_params(model))
+    with pytest.raises(ValueError, match="LBFGS.*not a per-param update"):
+        optimshift.stream(lbfgs)
+
+    class MyAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    with pytest.raises(ValueError, match="MyAdam overrides step"):
+        optimshift.stream(MyAdam(_params(model)))
+
+    class Quiet(torch.optim.Adam):  # a subclass that keeps Adam's step is Adam
+        pass
+
+    optimshift.unstream(optimshift.stream(Quiet(_params(model))).optimizer)
+
+    opt = torch.optim.Adam(_params(model), foreach=False)
+    train(model, opt, range(1))
+    layout, ids = state_layout(opt), tensor_ids(opt)
+    for bad, match in [(0, "positive int"), (1.5, "positive int"), (True, "positive int")]:
+        with pytest.raises(ValueError, match=match):
+            optimshift.stream(opt, chunk_bytes=bad)
+    with pytest.raises(ValueError, match="must be an accelerator"):
+        optimshift.stream(opt, device="cpu")
+    handle = optimshift.stream(opt, device=sim)  # every param is on it: fine
+    assert handle.device == sim and handle.optimizer is opt and repr(handle).startswith("Streamed(Adam")
+    optimshift.unstream(opt)
+    with pytest.raises(ValueError, match="is on sim:0"):
+        optimshift.stream(opt, device=torch.device(sim.type, 1))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        optimshift.stream(object())
+    optimshift.offload(opt)
+    with pytest.raises(ValueError, match="reload"):
+        optimshift.stream(opt)
+    optimshift.reload(opt)
+    host = Model([(3,)])
+    with pytest.raises(ValueError, match="no param is on an accelerator"):
+        optimshift.stream(torch.optim.Adam(_params(host)))
+    assert state_layout(opt) == layout and tensor_ids(opt) == ids and "step" not in opt.__dict__
+
+
+def test_framework_integrations_leave_a_streamed_optimizer_as_it_is(sim):
+    from optimshift.integrations import _common
+
+    model = Model([(4, 3)]).to(sim)
+    opt = torch.optim.Adam(_params(model), fused=True)
+    optimshift.stream(opt)
+    train(model, opt, range(1))
+    ids = tensor_ids(opt)
+    for place in (_common.follow_params, _common.to_host):  # what Lightning's/Accelerate's patches call
+        place(opt)
+        assert set(state_layout(opt).values()) == {torch.device("cpu")} and tensor_ids(opt) == ids
+    assert _common.placeable(opt) and _common.streamed(opt)
+    train(model, opt, range(1, 2))
+
+
+def test_params_that_move_and_groups_added_while_streamed(sim):
+    sim1 = torch.device(sim.type, 1)
+    runs = []
+    for streamed in (True, False):
+        model = Model([(4, 3), (3,), (2, 3)])
+        model.parts[0].to(sim)
+        model.parts[1].to(sim)  # parts[2] stays on the host: its state stays there, stepped in place
+        params = _params(model)
+        opt = torch.optim.Adam(params[:2], foreach=True)
+        if streamed:
+            optimshift.stream(opt, chunk_bytes=128)
+        train(model, opt, range(2))
+        model.parts[1].to(sim1)  # a param moves: its state streams through its new device
+        if not streamed:
+            optimshift.move(opt)
+        train(model, opt, range(2, 4))
+        opt.add_param_group({"params": [params[2]], "lr": 0.01})
+        train(model, opt, range(4, 6))
+        runs.append((model, opt))
+    (model, opt), (ref_model, ref) = runs
+    _assert_same(model, opt, ref_model, ref)
+    optimshift.unstream(opt)
+    assert state_layout(opt) == state_layout(ref)
+
+
+# --- the copy-stream protocol under the simulator's deferred, race-checked streams -------------------------------
+#
+# The streamed step's copy stream is a simulated stream (through optimshift._streams): its copies are queued and
+# run late, in seeded schedules; a missing wait raises StreamRaceError (happens-before, whatever the schedule),
+# and a copy's host destination reads as garbage until the copy ran.
+
+SCHEDULES = [(0, 0.0), (1, 0.3), (2, 0.7)]  # (seed, progress): 0.0 runs queued work only when it is ordered
+
+
+def _scheduled_run(sim, seed, progress, kwargs=None):
+    from optimshift.testing import deferred_streams
+
+    with deferred_streams(seed=seed, progress=progress):
+        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,), (16, 16)], sim, torch.optim.Adam,
+                                               **(kwargs or {"foreach": True}))
+        handle = optimshift.stream(opt, chunk_bytes=128)  # (16, 16): larger than a chunk
+        train(model, opt, range(4))
+        train(ref_model, ref, range(4))
+        sd = opt.state_dict()  # waits for the last write-backs
+        assert bitwise_equal(sd["state"], ref.state_dict()["state"])
+        _assert_same(model, opt, ref_model, ref)
+        optimshift.unstream(opt)
+        _assert_same(model, opt, ref_model, ref)
+    return handle
+
+
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+@pytest.mark.parametrize("kwargs", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_streamed_steps_under_deferred_schedules(sim, seed, progress, kwargs):
+    assert isinstance(_scheduled_run(sim, seed, progress, kwargs), optimshift.Streamed)
+
+
+def test_direct_reads_before_wait_see_the_write_back_in_flight(sim):
+    from optimshift.testing import deferred_streams
+
+    with deferred_streams(seed=0, progress=0.0):
+        model = Model([(4, 3), (3,)]).to(sim)
+        opt = torch.optim.Adam(_params(model), foreach=True)
+        with optimshift.streamed(opt, chunk_bytes=128) as handle:
+            train(model, opt, range(2))
+            p = list(opt.state)[-1]  # in the last chunk: its write-back is still queued
+            assert torch.isnan(opt.state[p]["exp_avg"]).all(), "read before wait(): not written yet"
+            handle.wait()
+            assert not torch.isnan(opt.state[p]["exp_avg"]).any()
+
+
+def _without(method):
+    """A copy stream that skips one of its waits: what a bug in the pipeline would do."""
+
+    class Broken(_copystream.StreamsCopyStream):
+        pass
+
+    setattr(Broken, method, lambda self, *args: None)
+    return lambda device: Broken(device, _streams.of(device))
+
+
+@pytest.mark.parametrize("method, error", [("current_waits", "StreamRaceError"), ("after_current", "StreamRaceError"),
+                                           ("keep", "StreamRaceError"), ("host_wait", "AssertionError")])
+def test_a_missing_wait_is_caught(sim, copy_streams, method, error):
+    """Without the compute's wait for its load, the copy stream's wait for the compute (or for fresh memory), or
+    record_stream on what it copies, the race detector raises; without the host's wait, state_dict() reads
+    write-backs that have not landed (the bitwise comparison fails)."""
+    from optimshift.testing import StreamRaceError
+
+    copy_streams(_without(method))
+    with pytest.raises(StreamRaceError if error == "StreamRaceError" else AssertionError):
+        _scheduled_run(sim, 0, 0.0)
+    from optimshift.testing._sim_streams import synchronize
+
+    for index in range(2):
+        try:
+            synchronize(index)  # (what was queued when the race was found runs, or raises, here)
+        except StreamRaceError:
+            pass

@@ -139,7 +139,8 @@ class _ModuleStreams(Streams):
         return self.module.Stream(device)
 
     def use(self, stream: Any) -> "contextlib.AbstractContextManager[None]":
-        return self.module.stream(stream)
+        context: contextlib.AbstractContextManager[None] = self.module.stream(stream)
+        return context
 
     def new_event(self, device: torch.device) -> Any:
         return self.module.Event()

@@ -57,6 +57,7 @@ class HostPool:
     def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
         """A uint8 host tensor of at least ``nbytes`` (the smallest idle one that fits, else a new one)."""
         nbytes = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+        buf: Optional[torch.Tensor]  # each idle candidate, then the buffer handed out (None: none fits)
         with self._lock:
             best = None
             best_key: tuple[bool, int] = (True, 0)

@@ -46,6 +46,7 @@ import random
 import sys
 import threading
 import weakref
+from types import FrameType
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -66,7 +67,11 @@ class StreamRaceError(RuntimeError):
 # State
 # --------------------------------------------------------------------------------------------
 
-StreamKey = tuple  # (device index, stream id)
+StreamKey = tuple[int, int]  # (device index, stream id)
+MemKey = tuple[str, int]  # ("d"|"h", data_ptr): device or host memory
+_Access = tuple[MemKey, torch.Tensor, bool, int, int]  # (memory key, tensor, write, lo, hi)
+# (held host memory, snapshot bytes, lo, hi, memory key, write); held and snapshot are both None or both set
+_HostUse = tuple[Optional["_Held"], Optional[torch.Tensor], int, int, Optional[MemKey], bool]
 
 
 class _Item:
@@ -74,7 +79,8 @@ class _Item:
 
     __slots__ = ("seq", "run", "waits", "what", "host")
 
-    def __init__(self, seq: int, run: Optional[Callable[[], None]], waits: list, what: str, host: list) -> None:
+    def __init__(self, seq: int, run: Optional[Callable[[], None]], waits: list[tuple[StreamKey, int]], what: str,
+                 host: list[_HostUse]) -> None:
         self.seq = seq
         self.run = run
         self.waits = waits  # [(stream key, seq)]: run those streams up to there first
@@ -111,11 +117,12 @@ class _State:
         self.next_id = 1
         self.tracking = False  # turned on by the first non-default stream: until then nothing is recorded
         self.host_known: dict[StreamKey, int] = {}  # what the host knows has completed
-        self.accesses: dict[tuple, list[_Record]] = {}  # ("d"|"h", data_ptr) -> records
+        self.accesses: dict[MemKey, list[_Record]] = {}  # ("d"|"h", data_ptr) -> records
         self.alloc_stream: dict[int, StreamKey] = {}  # sim storage data_ptr -> stream it was allocated on
-        self.recorded: dict[int, set] = {}  # sim storage data_ptr -> streams given with record_stream
-        self.watched: dict[tuple, weakref.ref] = {}  # storages whose death we must see (with a callback)
-        self.freed: list[tuple] = []  # memory keys freed since the last call in (processed at a safe point)
+        self.recorded: dict[int, set[StreamKey]] = {}  # sim storage data_ptr -> streams given with record_stream
+        # storages whose death we must see (with a callback)
+        self.watched: dict[MemKey, weakref.ref[torch.UntypedStorage]] = {}
+        self.freed: list[MemKey] = []  # memory keys freed since the last call in (processed at a safe point)
         self.violations: list[str] = []
         self.rng = random.Random(0)
         self.progress = 0.25
@@ -231,7 +238,7 @@ def _run_until(key: StreamKey, seq: int) -> None:
 
 def _check_host(item: _Item, key: StreamKey) -> None:
     for held, snapshot, _, _, _, write in item.host:
-        if snapshot is None:
+        if held is None or snapshot is None:
             continue
         tensor = held.get()
         if not torch.equal(_bytes(tensor), snapshot):
@@ -255,7 +262,7 @@ def _progress() -> None:
     _run_until(s.key, s.queue[0].seq)
 
 
-def _learn(known: dict, key: StreamKey, seq: int) -> None:
+def _learn(known: dict[StreamKey, int], key: StreamKey, seq: int) -> None:
     """The host now knows the work on ``key`` up to ``seq`` (and everything it had waited for) completed."""
     host = _state.host_known
     for k, v in known.items():
@@ -266,7 +273,7 @@ def _learn(known: dict, key: StreamKey, seq: int) -> None:
     _state.settled = None
 
 
-def _merge(into: dict, known: dict, key: StreamKey, seq: int) -> None:
+def _merge(into: dict[StreamKey, int], known: dict[StreamKey, int], key: StreamKey, seq: int) -> None:
     for k, v in known.items():
         if into.get(k, 0) < v:
             into[k] = v
@@ -301,7 +308,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     size = t.element_size()
-    lo = t.storage_offset() * size
+    lo = int(t.storage_offset()) * size
     extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
     return lo, lo + extent * size
 
@@ -318,7 +325,7 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(-1)
 
 
-def _mem(t: torch.Tensor) -> Optional[tuple]:
+def _mem(t: torch.Tensor) -> Optional[MemKey]:
     """The memory key of ``t``: ("d", ptr) for a sim tensor, ("h", ptr) for a host tensor; None if empty."""
     if t.numel() == 0:
         return None
@@ -333,12 +340,16 @@ def _mem(t: torch.Tensor) -> Optional[tuple]:
     return None
 
 
-def _watch(mem: tuple, t: torch.Tensor) -> None:
+def _watch(mem: MemKey, t: torch.Tensor) -> None:
     """See ``t``'s storage die (a sim storage freed while queued work uses it; a host key to forget)."""
     if mem in _state.watched:
         return
     freed = _state.freed
-    _state.watched[mem] = weakref.ref(t.untyped_storage(), lambda _ref, mem=mem: freed.append(mem))
+
+    def gone(_ref: weakref.ref[torch.UntypedStorage], mem: MemKey = mem) -> None:
+        freed.append(mem)
+
+    _state.watched[mem] = weakref.ref(t.untyped_storage(), gone)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -346,13 +357,13 @@ def _describe(t: torch.Tensor) -> str:
     return f"a {where} tensor ({str(t.dtype).replace('torch.', '')}, {tuple(t.shape)})"
 
 
-def _check(key: StreamKey, reads: list, writes: list, what: str) -> list:
+def _check(key: StreamKey, reads: list[torch.Tensor], writes: list[torch.Tensor], what: str) -> list[_Access]:
     """Raise if an access of ``reads``/``writes`` from stream ``key`` races with an earlier one on another
     stream. Returns the accesses, for :func:`_record` once the op was issued."""
     s = _stream(key)
     host = _state.host_known
     known = s.known
-    accesses = []
+    accesses: list[_Access] = []
     # only a non-default stream can race: none has work the host does not know complete -> nothing to check
     check = key[1] != _DEFAULT_ID or not _settled()
     for tensors, write in ((reads, False), (writes, True)):
@@ -388,7 +399,7 @@ def _settled() -> bool:
     return _state.settled
 
 
-def _record(key: StreamKey, seq: int, accesses: list, what: str) -> None:
+def _record(key: StreamKey, seq: int, accesses: list[_Access], what: str) -> None:
     """Remember accesses (checked by :func:`_check`) of the op issued at ``seq`` on stream ``key``."""
     host = _state.host_known
     side = key[1] != _DEFAULT_ID
@@ -549,7 +560,7 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(y)
 
 
-def _op_index(args: tuple, kwargs: dict) -> int:
+def _op_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     for t in _tensors(list(args) + list(kwargs.values())):
         if t.device.type == _sim.SIM_DEVICE_TYPE:
             return t.device.index
@@ -559,7 +570,7 @@ def _op_index(args: tuple, kwargs: dict) -> int:
 
 def _caller() -> str:
     """Where user code (not torch, not this simulator) issued the work: for error messages."""
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     here = os.path.dirname(os.path.abspath(__file__))
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     while frame is not None:
@@ -570,7 +581,7 @@ def _caller() -> str:
     return "?"
 
 
-def dispatch(op: Any, args: tuple, kwargs: dict, eager: Callable[..., Any]) -> Any:
+def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], eager: Callable[..., Any]) -> Any:
     """Every sim op once streams are in use: record and check its accesses; run it now (default stream)
     or queue it (any other stream). ``eager(op, *args, **kwargs)`` is the simulator's own kernel."""
     if _state.running:
@@ -600,11 +611,12 @@ def dispatch(op: Any, args: tuple, kwargs: dict, eager: Callable[..., Any]) -> A
         return _now(op, args, kwargs, key, eager, reads, writes, host_read=False)
 
 
-def _arg(info: _OpInfo, args: tuple, kwargs: dict, i: int) -> Any:
+def _arg(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], i: int) -> Any:
     return args[i] if i < len(args) else kwargs.get(info.names[i])
 
 
-def _reads_writes(info: _OpInfo, args: tuple, kwargs: dict) -> tuple[list, list]:
+def _reads_writes(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The tensors ``op`` reads and writes (a 0-dim host tensor is a scalar read on the host at launch)."""
     reads: list[torch.Tensor] = []
     writes: list[torch.Tensor] = []
@@ -628,8 +640,8 @@ def _issue(key: StreamKey) -> int:
     return s.seq
 
 
-def _now(op: Any, args: tuple, kwargs: dict, key: StreamKey, eager: Callable[..., Any], reads: list,
-         writes: list, *, host_read: bool) -> Any:
+def _now(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: StreamKey, eager: Callable[..., Any],
+         reads: list[torch.Tensor], writes: list[torch.Tensor], *, host_read: bool) -> Any:
     """Run ``op`` now: on the default stream, or on another one once its queue ran (a host read waits)."""
     if key[1] != _DEFAULT_ID:
         _run_until(key, _stream(key).seq)
@@ -707,7 +719,7 @@ def _is_backing(t: torch.Tensor) -> bool:
     return st.nbytes() > 0 and _sim._lookup(st.data_ptr()) is not None
 
 
-def _host_item(t: torch.Tensor, write: bool) -> tuple:
+def _host_item(t: torch.Tensor, write: bool) -> _HostUse:
     """(tensor, snapshot, lo, hi, key) for host memory queued work touches; the snapshot only where no other
     queued work touches it first (then the bytes at run time must be the ones seen now)."""
     mem = _mem(t)
@@ -722,8 +734,8 @@ def _host_item(t: torch.Tensor, write: bool) -> tuple:
     return (_Held(t), _bytes(t), lo, hi, mem, write)
 
 
-def _enqueue(key: StreamKey, run: Callable[[], None], what: str, reads: list, writes: list,
-             host: list) -> int:
+def _enqueue(key: StreamKey, run: Callable[[], None], what: str, reads: list[torch.Tensor],
+             writes: list[torch.Tensor], host: list[_HostUse]) -> int:
     accesses = _check(key, reads, writes, what)
     seq = _issue(key)
     _record(key, seq, accesses, what)
@@ -731,8 +743,8 @@ def _enqueue(key: StreamKey, run: Callable[[], None], what: str, reads: list, wr
     return seq
 
 
-def _defer(op: Any, info: _OpInfo, args: tuple, kwargs: dict, key: StreamKey, reads: list,
-           writes: list) -> Any:
+def _defer(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], key: StreamKey,
+           reads: list[torch.Tensor], writes: list[torch.Tensor]) -> Any:
     """Queue a data op issued on a non-default stream: its new outputs are allocated now (shapes from its
     meta kernel) and filled when it runs; in-place and out= results are the caller's tensors."""
     _sim._check_devices(op, args, kwargs)
@@ -749,7 +761,7 @@ def _defer(op: Any, info: _OpInfo, args: tuple, kwargs: dict, key: StreamKey, re
                 return _CANNOT  # an out= the kernel resizes: run it now
     index = key[0]
     if not info.returns:
-        outs_meta: tuple = ()
+        outs_meta: tuple[Any, ...] = ()
     else:
         outs_meta = meta_out if isinstance(meta_out, tuple) else (meta_out,)
     if len(outs_meta) != len(info.returns):
@@ -800,7 +812,8 @@ def _defer(op: Any, info: _OpInfo, args: tuple, kwargs: dict, key: StreamKey, re
     return tuple(results) if len(results) > 1 or isinstance(meta_out, tuple) else results[0]
 
 
-def _copy(op: Any, name: str, args: tuple, kwargs: dict, key: StreamKey, eager: Callable[..., Any]) -> Any:
+def _copy(op: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], key: StreamKey,
+          eager: Callable[..., Any]) -> Any:
     """``_copy_from(src, dst, non_blocking)`` and ``_to_copy(src, ..., device, non_blocking)``: the copies."""
     src = args[0]
     if name == "aten::_to_copy":
@@ -816,7 +829,7 @@ def _copy(op: Any, name: str, args: tuple, kwargs: dict, key: StreamKey, eager: 
         cpu = torch.empty_like(src_cpu, dtype=kwargs.get("dtype") or src.dtype,
                                memory_format=kwargs.get("memory_format") or torch.preserve_format)
         _poison(cpu)
-        result = cpu if to_host else _sim._wrap_fresh(cpu, target_index, {})
+        result = cpu if target_index is None else _sim._wrap_fresh(cpu, target_index, {})
         held_src, held_out = _launch_value(src_cpu, False), _launch_value(cpu, False)
 
         def run() -> None:
@@ -841,10 +854,10 @@ def _copy(op: Any, name: str, args: tuple, kwargs: dict, key: StreamKey, eager: 
     if dst.device.type == "cpu" and dst.numel():
         host.append(_host_item(dst, True))
 
-    def run() -> None:
+    def run_copy() -> None:
         _resolve(dst_cpu).copy_(_resolve(src_cpu))
 
-    seq = _enqueue(key, run, f"{name} ({_caller()})", [src], [dst], host)
+    seq = _enqueue(key, run_copy, f"{name} ({_caller()})", [src], [dst], host)
     if involves_host and not non_blocking:
         _run_until(key, seq)
         _learn(_stream(key).known, key, seq)
@@ -869,6 +882,8 @@ class SimStream(torch.Stream):
     Work issued while it is current (``with torch.sim.stream(s):``) is queued and runs when something orders
     it (see :mod:`optimshift.testing._sim_streams`). ``tensor.record_stream(s)`` works with it.
     """
+
+    _entered: list[tuple[StreamKey, int]]  # (previous stream, previous device) per `with`, set by __enter__
 
     def __new__(cls, device: Any = None, priority: int = 0) -> "SimStream":
         index = _index(device)
@@ -896,7 +911,7 @@ class SimStream(torch.Stream):
     def _key(self) -> StreamKey:
         return (self.device_index, self.stream_id)
 
-    def wait_event(self, event: "SimEvent") -> None:
+    def wait_event(self, event: torch.Event) -> None:
         """Work issued on this stream from now on runs after ``event`` completed."""
         with _state.lock:
             _enter()
@@ -914,11 +929,11 @@ class SimStream(torch.Stream):
                 _state.settled = False
                 me.queue.append(_Item(me.seq, None, [(other, seq)], "a wait", []))
 
-    def wait_stream(self, stream: "SimStream") -> None:
+    def wait_stream(self, stream: torch.Stream) -> None:
         """Work issued on this stream from now on runs after the work issued on ``stream`` so far."""
         self.wait_event(stream.record_event())
 
-    def record_event(self, event: Optional["SimEvent"] = None) -> "SimEvent":
+    def record_event(self, event: Optional[torch.Event] = None) -> torch.Event:
         event = SimEvent() if event is None else event
         event.record(self)
         return event
@@ -956,10 +971,13 @@ class SimStream(torch.Stream):
 class SimEvent(torch.Event):
     """An event of the simulated accelerator (``torch.sim.Event``; mirrors ``torch.cuda.Event``)."""
 
+    _at: Optional[tuple[StreamKey, int]]  # (stream, position) it was last recorded at
+    _known: dict[StreamKey, int]  # that stream's vector clock then
+
     def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> "SimEvent":
         self = super().__new__(cls, device=torch.device(_sim.SIM_DEVICE_TYPE, _sim._current_index()))
-        self._at: Optional[tuple[StreamKey, int]] = None
-        self._known: dict[StreamKey, int] = {}
+        self._at = None
+        self._known = {}
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -184,7 +184,7 @@ def simulated_memory_allocated(index: int = 0) -> int:
 class _Entry:
     __slots__ = ("ref", "nbytes", "index")
 
-    def __init__(self, ref: weakref.ref, nbytes: int, index: int) -> None:
+    def __init__(self, ref: weakref.ref[torch.UntypedStorage], nbytes: int, index: int) -> None:
         self.ref = ref
         self.nbytes = nbytes
         self.index = index
@@ -214,7 +214,7 @@ _registry = _state.registry
 _allocated = _state.allocated
 
 
-def _unregister(key: int, ref: weakref.ref) -> None:
+def _unregister(key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
     with _registry_lock:
         entry = _registry.get(key)
         if entry is not None and entry.ref is ref:
@@ -227,7 +227,11 @@ def _unregister(key: int, ref: weakref.ref) -> None:
 def _register(storage: torch.UntypedStorage, index: int) -> None:
     key = storage.data_ptr()
     nbytes = storage.nbytes()
-    ref = weakref.ref(storage, lambda ref, key=key: _unregister(key, ref))
+
+    def gone(ref: weakref.ref[torch.UntypedStorage], key: int = key) -> None:
+        _unregister(key, ref)
+
+    ref = weakref.ref(storage, gone)
     entry = _Entry(ref, nbytes, index)
     with _registry_lock:
         old = _registry.get(key)
@@ -318,14 +322,15 @@ _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _aten = torch.ops.aten
 
 
-def _on_cpu_kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
+def _on_cpu_kernel(op: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Call ``op``'s CPU kernel directly on sim tensors.
 
     Only for kernels that touch metadata, never data (views, set_, resize_ within capacity):
     those build the result from ``self``'s storage and dispatch keys, so applied to a sim
     tensor they give a sim tensor sharing its storage.
     """
-    return op.redispatch(_CPU_KEYS, *args, **kwargs)
+    result: torch.Tensor = op.redispatch(_CPU_KEYS, *args, **kwargs)  # every such kernel returns a tensor
+    return result
 
 
 def _is_sim(x: Any) -> bool:
@@ -335,8 +340,9 @@ def _is_sim(x: Any) -> bool:
 def _backing(t: torch.Tensor) -> torch.Tensor:
     """The CPU tensor holding ``t``'s values: same size/stride/offset over the backing storage."""
     st = t.untyped_storage()
+    storage: torch.UntypedStorage | None
     if st.nbytes() == 0:
-        storage = torch.UntypedStorage(0)
+        storage = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]  # unannotated in torch
     else:
         storage = _lookup(st.data_ptr())
         if storage is None:  # pragma: no cover - would be a bug in this module
@@ -418,7 +424,7 @@ def _iter_tensors(x: Any) -> Iterator[torch.Tensor]:
             yield from _iter_tensors(y)
 
 
-def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
+def _check_devices(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     """Enforce the device rules for ``op``; return the sim index of its tensor inputs, if any."""
     name = op._schema.name
     skip_indices = name in _INDEX_OPS
@@ -472,6 +478,7 @@ def _check_devices(op: Any, args: tuple, kwargs: dict) -> int | None:
         )
     if fused and (cpu_tensor is not None or cpu_scalar is not None):
         bad = cpu_tensor if cpu_tensor is not None else cpu_scalar
+        assert bad is not None  # (one of the two is set)
         raise RuntimeError(
             f"{name}: all tensors must be on the device of the params ({first}), but found a "
             f"CPU tensor of shape {tuple(bad.shape)} (simulated accelerator: fused kernels "
@@ -534,7 +541,7 @@ def _fallback_now(op: Any, *args: Any, **kwargs: Any) -> Any:
     return _run_on_backing(op, args, kwargs)
 
 
-def _run_on_backing(op: Any, args: tuple, kwargs: dict) -> Any:
+def _run_on_backing(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     index = _check_devices(op, args, kwargs)
 
     # Factory-style arguments: a ``device=sim`` runs on the CPU and decides the output device.
@@ -684,7 +691,7 @@ def _to_copy(
         index = _sim_index_of(device)
         if index is None and torch.device(device).type != "cpu":
             raise RuntimeError(f"simulated accelerator: cannot copy a sim tensor to {device}")
-    result = _aten._to_copy.default(
+    result: torch.Tensor = _aten._to_copy.default(
         src, dtype=dtype, layout=layout, device=torch.device("cpu"), memory_format=memory_format
     )
     if index is None:
@@ -707,7 +714,10 @@ def _resize_(
         # Grow: new backing with the old bytes, then point ``self`` at its sim twin.
         new = torch.empty(needed, dtype=torch.uint8)
         if st.nbytes():
-            old = torch.empty(0, dtype=torch.uint8).set_(_lookup(st.data_ptr()))
+            backing = _lookup(st.data_ptr())
+            if backing is None:  # pragma: no cover - would be a bug in this module
+                raise RuntimeError(f"simulated accelerator: {self.device} tensor has no backing storage")
+            old = torch.empty(0, dtype=torch.uint8).set_(backing)
             new[: st.nbytes()].copy_(old)
         root = _new_sim_storage_root(new.untyped_storage(), self.device.index)
         _on_cpu_kernel(
@@ -722,7 +732,7 @@ def _resize_(
 
 
 def _set_empty(self: torch.Tensor) -> torch.Tensor:
-    root = _new_sim_storage_root(torch.UntypedStorage(0), self.device.index)
+    root = _new_sim_storage_root(torch.UntypedStorage(0), self.device.index)  # type: ignore[no-untyped-call]  # unannotated in torch
     return _on_cpu_kernel(
         _aten.set_.source_Storage_storage_offset, self, root.untyped_storage(), 0, (0,), (1,)
     )
@@ -795,6 +805,7 @@ def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
     if parsed is None or parsed.type != SIM_DEVICE_TYPE:
         return _storage_base_new(cls, *args, **kwargs)
     index = _sim_index_of(parsed)  # raises for an index out of range
+    assert index is not None  # (a sim device)
     if cls is not torch.UntypedStorage or kwargs.get("allocator") is not None:
         raise RuntimeError(
             f"simulated accelerator: cannot construct {cls.__name__} on {device} with "
@@ -847,6 +858,8 @@ class _SimBackendModule:
         index = self.current_device() if device is None else (
             device if isinstance(device, int) else _sim_index_of(device)
         )
+        if index is None:  # not a sim device: what simulated_memory_allocated(None) raises
+            raise TypeError(f"device index must be an int, got {index!r}")
         return simulated_memory_allocated(index)
 
     # RNG: the simulator uses the CPU's default generator.
@@ -900,7 +913,7 @@ _backend_module = _SimBackendModule(_state)
 def _make_hooks_and_guard() -> tuple[Any, Any]:
     acc = torch._C._acc
 
-    class _SimHooks(acc.PrivateUse1Hooks):  # type: ignore[name-defined, misc]
+    class _SimHooks(acc.PrivateUse1Hooks):
         def is_available(self) -> bool:
             return True
 
@@ -910,7 +923,7 @@ def _make_hooks_and_guard() -> tuple[Any, Any]:
         def is_built(self) -> bool:
             return True
 
-    class _SimDeviceGuard(acc.DeviceGuard):  # type: ignore[name-defined, misc]
+    class _SimDeviceGuard(acc.DeviceGuard):
         # PyTorch's Python device guard only lets Python choose the device type: in C++ it
         # always reports device 0, a device count of 1, and no-op streams and events.
         def type_(self) -> Any:
@@ -956,15 +969,15 @@ def _ensure_setup() -> None:
         _setup_privateuseone_for_python_backend(
             SIM_DEVICE_TYPE, backend_module=_backend_module, hook=hook, device_guard=guard
         )
-        fallback_lib = torch.library.Library("_", "IMPL")
-        fallback_lib.fallback(_fallback, "PrivateUse1")
+        fallback_lib = torch.library.Library("_", "IMPL")  # type: ignore[no-untyped-call]  # unannotated in torch
+        fallback_lib.fallback(_fallback, "PrivateUse1")  # type: ignore[no-untyped-call]  # unannotated in torch
         # Nothing is registered for AutocastPrivateUse1, so without this every op under
         # torch.autocast("sim") fails. Autocast on sim is therefore a no-op (no casts).
-        fallback_lib.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+        fallback_lib.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")  # type: ignore[no-untyped-call]  # unannotated in torch
         # Ops with a CompositeExplicitAutograd kernel never reach the fallback; these need
         # their own PrivateUse1 kernel to take precedence over the composite one.
-        aten_lib = torch.library.Library("aten", "IMPL")
-        aten_lib.impl("_to_copy", _to_copy_entry, "PrivateUse1")
+        aten_lib = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]  # unannotated in torch
+        aten_lib.impl("_to_copy", _to_copy_entry, "PrivateUse1")  # type: ignore[no-untyped-call]  # unannotated in torch
         # Keep the registrations (and the hook/guard objects) alive with torch.sim itself.
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]

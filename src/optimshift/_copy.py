@@ -222,7 +222,7 @@ def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device
     return chunks
 
 
-def _to_host(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, *, pinned: bool, keep: bool,
+def _to_host(chunk: list[int], items: Sequence[tuple[torch.Tensor, torch.device]], batch: Batch, pool: HostPool, *, pinned: bool, keep: bool,
              non_blocking: bool = False) -> None:
     """``non_blocking``: the caller runs on a side stream and waits for its event before the host reads the
     copies (the copies may then be asynchronous even into pageable memory, where a backend allows it)."""
@@ -238,7 +238,7 @@ def _to_host(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, *,
     flat = buf[: total * tensors[0].element_size()].view(dtype)
     source = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
     flat.copy_(source, non_blocking=pinned or non_blocking)  # completed by the caller's synchronize or event
-    views = [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]
+    views = [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]  # type: ignore[no-untyped-call]  # unannotated in torch
     if keep:
         for i, v in zip(chunk, views):
             batch.copies[i] = v
@@ -262,11 +262,12 @@ def _side_by_side(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
         if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset:
             return None
         offset += t.numel()
-    base = tensors[0]
-    return base.new_empty(0).set_(storage, tensors[0].storage_offset(), (offset - tensors[0].storage_offset(),))
+    start = int(tensors[0].storage_offset())
+    span: torch.Tensor = tensors[0].new_empty(0).set_(storage, start, (int(offset) - start,), (1,))
+    return span
 
 
-def _to_device(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, dst: torch.device,
+def _to_device(chunk: list[int], items: Sequence[tuple[torch.Tensor, torch.device]], batch: Batch, pool: HostPool, dst: torch.device,
                dtype: torch.dtype, *, pinned: bool, non_blocking: bool = False) -> None:
     tensors = [items[i][0] for i in chunk]
     if len(tensors) == 1:
@@ -285,7 +286,8 @@ def _to_device(chunk: list[int], items: Sequence, batch: Batch, pool: HostPool, 
     flat = torch.empty(total, dtype=dtype, device=dst)
     flat.copy_(host, non_blocking=pinned or non_blocking)
     outs = [torch.empty(t.shape, dtype=dtype, device=dst) for t in tensors]
-    torch._foreach_copy_(outs, [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)])
+    parts = flat.split(numels)  # type: ignore[no-untyped-call]  # unannotated in torch
+    torch._foreach_copy_(outs, [v.view(t.shape) for v, t in zip(parts, tensors)])
     for i, out in zip(chunk, outs):
         batch.copies[i] = out
 

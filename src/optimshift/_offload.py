@@ -22,6 +22,7 @@ import torch
 
 from . import _streams
 from ._state import leaves
+from .plan import Ident
 from .pool import host_pool
 
 __all__ = ["PendingTransfer", "Record", "exclusive", "record_of", "set_record", "settle", "remember_pending",
@@ -91,10 +92,10 @@ class Record:
     """Where each tensor was (by site ident), where each param was (by group and index), the pool buffers
     the host copies live in, and the grads offload took (``{(group, index): (param, host grad)}``)."""
 
-    devices: dict[tuple, torch.device] = field(default_factory=dict)
-    param_devices: dict[tuple, torch.device] = field(default_factory=dict)
+    devices: dict[Ident, torch.device] = field(default_factory=dict)
+    param_devices: dict[tuple[int, int], torch.device] = field(default_factory=dict)
     buffers: list[torch.Tensor] = field(default_factory=list)
-    grads: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    grads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
 
     def extended(self) -> "Record":
@@ -174,7 +175,7 @@ def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         )
 
 
-def _compact_state_dict(optimizer: Any, state_dict: dict) -> dict:
+def _compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
     """A state_dict whose offloaded tensors own exactly their bytes.
 
     # NOTE: offloaded state is a view into a pool buffer shared with other tensors (even other optimizers');

@@ -21,7 +21,7 @@ from ._devices import DeviceLike, resolve
 from ._dtypes import dtype_findings
 from ._dtensor import row_fields
 from ._offload import PendingTransfer, Record, exclusive, forget, record_of, remember_pending, settle
-from .plan import Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
+from .plan import Ident, Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
 
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded"]
@@ -165,7 +165,7 @@ def offload(
             if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
                 grads.append(((gi, pi), p))
 
-    def to_host(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
+    def to_host(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
                 tensor: torch.Tensor) -> tuple[torch.device, str]:
         record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
         return host, "offload"
@@ -213,9 +213,10 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
     grads = _grads_back(optimizer, record)
     by_policy = policy_target(optimizer, None)
 
-    def back(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+    def back(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
+             tensor: torch.Tensor) -> tuple[torch.device, str]:
         was = record.devices.get(ident)
-        if param is not None and record.param_devices.get(ident[:2]) != param.device:
+        if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
             was = None  # the param moved while its state was away: place the state for where it is now
         if was is not None:
             return was, "recorded"
@@ -304,7 +305,8 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     return report
 
 
-def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch.Tensor, expected: torch.device):
+def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch.Tensor,
+             expected: torch.device) -> tuple[str, str, Optional[int]]:
     name = optimizer_name(optimizer)
     group = optimizer.param_groups[max(site.group, 0)]  # optimizer-wide entries: the first group
     on_host = t.device.type == "cpu"
@@ -353,7 +355,8 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     mapping = {id(p): q for (_, _, p), q in zip(old, new)}
     by_policy = policy_target(optimizer, None)
 
-    def target(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str, tensor: torch.Tensor):
+    def target(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
+               tensor: torch.Tensor) -> tuple[torch.device, str]:
         if param is not None:
             return by_policy(ident, mapping[id(param)], group, key, tensor)
         firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params

@@ -225,8 +225,8 @@ def commit(optimizer: Any, copies: Copies) -> dict[str, int]:
     return counts
 
 
-def _prepare_replacements(optimizer: Any, replace: Mapping[int, torch.Tensor], assignments: list,
-                          setters: list[Setter]) -> None:
+def _prepare_replacements(optimizer: Any, replace: Mapping[int, torch.Tensor],
+                          assignments: list[tuple[Any, Any, Any]], setters: list[Setter]) -> None:
     memo: dict[int, Any] = {}
     for key, state in optimizer.state.items():
         if isinstance(state, dict):
@@ -239,8 +239,8 @@ def _prepare_replacements(optimizer: Any, replace: Mapping[int, torch.Tensor], a
         _prepare_mapping(group, ("params", "param_names"), replace, assignments, setters, memo)
 
 
-def _prepare_mapping(mapping: Any, skip: tuple, replace: Mapping[int, torch.Tensor], assignments: list,
-                     setters: list[Setter], memo: dict) -> None:
+def _prepare_mapping(mapping: Any, skip: tuple[str, ...], replace: Mapping[int, torch.Tensor],
+                     assignments: list[tuple[Any, Any, Any]], setters: list[Setter], memo: dict[int, Any]) -> None:
     for key, value in mapping.items():
         if isinstance(value, torch.Tensor):  # the common case, kept cheap
             new = replace.get(id(value))

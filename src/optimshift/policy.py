@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol
+from typing import cast, Any, Mapping, Optional, Protocol
 
 import torch
 
@@ -114,9 +114,10 @@ def separable(optimizer_class: type) -> tuple[bool, str]:
     for base in optimizer_class.__mro__:
         if base in _registry:
             return _separable.get(base, False), "registered"
-    base = builtin_base(optimizer_class)
-    if base is None:
+    torch_base = builtin_base(optimizer_class)
+    if torch_base is None:
         return False, "unknown"
+    base = torch_base
     if base.__name__ in _NOT_SEPARABLE:
         return False, "not separable"
     base_step = _own_step(base)
@@ -132,7 +133,7 @@ def separable(optimizer_class: type) -> tuple[bool, str]:
 def _own_step(klass: type) -> Any:
     """The step function ``klass`` defines itself, without the hook wrapper torch.optim puts on the class of
     the first instance made (on a subclass that defines no step, that wrapper wraps the base's step)."""
-    fn = klass.__dict__.get("step")
+    fn: Any = klass.__dict__.get("step")
     return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
 
 
@@ -161,13 +162,13 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def builtin_base(cls: type) -> Optional[type]:
+def builtin_base(cls: type) -> Optional[type[torch.optim.Optimizer]]:
     """The nearest class in ``cls``'s MRO that torch.optim defines (``None`` if there is none)."""
     for base in cls.__mro__:
         if base is torch.optim.Optimizer:
             return None
         if base.__module__.split(".")[:2] == ["torch", "optim"] and getattr(torch.optim, base.__name__, None) is base:
-            return base
+            return cast("type[torch.optim.Optimizer]", base)  # (torch.optim's classes below Optimizer)
     return None
 
 
@@ -213,8 +214,9 @@ def decide(
     # Non-scalar tensors always live with their param (every torch.optim class, and the only sane default).
     if value.dim() != 0:
         return Decision(device, "rule")
-    base = builtin_base(cls)
-    if base is not None:
+    torch_base = builtin_base(cls)
+    if torch_base is not None:
+        base = torch_base
         observed = probe(base, group, param.dim())
         probed = None if observed is None else observed.state
         if probed is not None and key in probed:
@@ -270,7 +272,7 @@ def _group_entry(cls: type, group: Mapping[str, Any], key: str, value: torch.Ten
     return Decision(HOST if value.device.type == "cpu" else device, "rule" if observed is None else "probe")
 
 
-def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tuple:
+def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tuple[str, Optional[int]]:
     """``(key, None)`` for ``group[key]`` itself, ``(key, i)`` for ``group[key][i]`` (found by identity)."""
     entry = group.get(key)
     if isinstance(entry, (list, tuple)):

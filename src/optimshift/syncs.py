@@ -76,14 +76,14 @@ def _to_host(device: Any) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
 
-class SyncCount(TorchDispatchMode):
+class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDispatchMode.__init_subclass__ is unannotated in torch)
     """The counts of a :func:`count_syncs` block: ``total``, ``by_op``, ``by_device``; with ``trace=True``
     also ``by_site`` (your line that caused each sync) and ``by_origin`` (the innermost Python line, often
     inside torch, that read the device). ``async_copies``: device-to-host tensor copies queued on a copy
     stream (see :func:`async_copies`), which are not syncs and are not in ``total``."""
 
     def __init__(self, trace: bool = False) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # unannotated in torch
         self.trace = trace
         self.by_op: Counter[str] = Counter()
         self.by_device: Counter[str] = Counter()
@@ -112,10 +112,11 @@ class SyncCount(TorchDispatchMode):
         else:
             self._record("copy_to_host", device)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        first = args[0] if args else None
+        first: Any = args[0] if args else None
         if name == "_local_scalar_dense" and _is_device(first):
             self._record("item", first.device)
         elif name == "_to_copy" and _is_device(first) and _to_host(kwargs.get("device")):
@@ -173,10 +174,10 @@ class count_syncs:
         self._count = SyncCount(trace=trace)
 
     def __enter__(self) -> SyncCount:
-        self._count.__enter__()
+        self._count.__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
         return self._count
 
     def __exit__(
         self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
-        self._count.__exit__(exc_type, exc, tb)
+        self._count.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]  # unannotated in torch

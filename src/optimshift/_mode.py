@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Protocol
 
 import torch
 
-from .plan import TargetFn, optimizer_name
+from .plan import Ident, TargetFn, optimizer_name
 
 __all__ = ["Mode", "mode_of", "enter", "leave", "refuse", "hosted"]
 
@@ -35,7 +35,7 @@ class Mode(Protocol):
 
 # NOTE: both weak. The optimizer keeps its mode alive (its step and hooks refer to it); a strong reference
 # from here would keep the mode's tensors one garbage collection longer than the optimizer.
-_modes: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+_modes: "weakref.WeakKeyDictionary[Any, weakref.ref[Mode]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -73,7 +73,7 @@ def hosted(target: TargetFn) -> TargetFn:
     """``target`` for a streamed optimizer: every per-param entry that belongs on an accelerator is expected on
     the host (where it lives between steps); param-group entries stay where ``target`` says."""
 
-    def where(ident: tuple, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
+    def where(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
               tensor: torch.Tensor) -> tuple[torch.device, str]:
         device, source = target(ident, param, group, key, tensor)
         if param is not None and device.type not in ("cpu", "meta"):

@@ -39,21 +39,21 @@ import logging
 import time
 import types
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, cast
 
 import torch
 
 from . import _mode
 from . import engine
 from . import policy as _policy
-from ._adopt import adopt, decide_all
-from ._copystream import copy_stream, pinned_for
+from ._adopt import Mechanism, adopt, decide_all
+from ._copystream import CopyStream, copy_stream, pinned_for
 from ._devices import DeviceLike, resolve
 from ._offload import record_of, settle
 from ._state import _ATOMS, leaves
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
-from .plan import check_optimizer, optimizer_name, policy_target
+from .plan import Ident, check_optimizer, optimizer_name, policy_target
 from .pool import host_pool
 
 __all__ = ["stream", "unstream", "streamed", "is_streamed", "Streamed", "DEFAULT_CHUNK_BYTES"]
@@ -72,6 +72,16 @@ _HOSTS = ("cpu", "meta")
 
 _log = logging.getLogger("optimshift")
 
+Group = dict[str, Any]
+"""A param group (an entry of ``optimizer.param_groups``)."""
+ParamState = dict[Any, Any]
+"""One param's state (``optimizer.state[p]``), keyed as the optimizer keys it."""
+_Item = tuple[Group, torch.Tensor, ParamState, list[tuple[Any, torch.Tensor]]]
+"""A param to lay out: its group, the param, its state and the (key, tensor) entries of it to stream."""
+
+# NOTE: policy_target never reads the ident (its rules depend on the param, group, key and tensor only).
+_NO_IDENT = cast(Ident, ())
+
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
@@ -86,7 +96,7 @@ class _Entry:
 
     __slots__ = ("state", "key", "obj", "host", "offset", "nbytes", "dtype", "shape", "stride")
 
-    def __init__(self, state: dict, key: Any, obj: torch.Tensor, offset: int) -> None:
+    def __init__(self, state: ParamState, key: Any, obj: torch.Tensor, offset: int) -> None:
         self.state, self.key, self.obj, self.offset = state, key, obj, offset
         self.nbytes = _nbytes(obj)
         self.dtype, self.shape = obj.dtype, tuple(obj.shape)
@@ -119,8 +129,8 @@ class _Chunk:
 
     __slots__ = ("group", "device", "params", "entries", "nbytes", "buffer", "counts", "oversized")
 
-    def __init__(self, group: dict, device: torch.device, params: list, entries: list, nbytes: int,
-                 buffer: torch.Tensor, counts: list, oversized: bool) -> None:
+    def __init__(self, group: Group, device: torch.device, params: list[torch.Tensor], entries: list[_Entry],
+                 nbytes: int, buffer: torch.Tensor, counts: list[tuple[torch.Tensor, int]], oversized: bool) -> None:
         self.group, self.device, self.params, self.entries = group, device, params, entries
         self.nbytes, self.buffer, self.counts, self.oversized = nbytes, buffer, counts, oversized
 
@@ -128,7 +138,8 @@ class _Chunk:
 def _raw_step(cls: type) -> Callable[..., Any]:
     """The class's step without torch's hook wrapper (``Optimizer._patch_step_function`` puts it on the class)."""
     fn = getattr(cls, "step")
-    return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
+    raw: Callable[..., Any] = fn.__wrapped__ if getattr(fn, "hooked", False) else fn
+    return raw
 
 
 _MISSING = object()
@@ -207,20 +218,20 @@ class Streamed:
 
     # -- layout --------------------------------------------------------------------------------------------------
 
-    def _members(self, wanted: Optional[set[int]]) -> list[tuple[dict, torch.Tensor]]:
+    def _members(self, wanted: Optional[set[int]]) -> list[tuple[Group, torch.Tensor]]:
         """(group, param) for every param (or those whose id is in ``wanted``), in group order."""
         return [(g, p) for g in self.optimizer.param_groups for p in g["params"]
                 if wanted is None or id(p) in wanted]
 
-    def _lay_out(self, members: Sequence[tuple[dict, torch.Tensor]], *, wait: bool = True) -> None:
+    def _lay_out(self, members: Sequence[tuple[Group, torch.Tensor]], *, wait: bool = True) -> None:
         """Put the state of ``members`` where streaming keeps it: each tensor that belongs on an accelerator into
         a new chunk's host buffer (the object adopts its place there), each one that belongs on the host onto
         the host. All copies are made before any object changes; an error leaves the state as it was."""
         opt = self.optimizer
         name = optimizer_name(opt)
         target = policy_target(opt, None)
-        buckets: dict[tuple[int, torch.device], list] = {}
-        host_moves: list[tuple[dict, Any, torch.Tensor]] = []
+        buckets: dict[tuple[int, torch.device], list[_Item]] = {}
+        host_moves: list[tuple[ParamState, Any, torch.Tensor]] = []
         for group, p in members:
             st = opt.state.get(p)
             if not st:
@@ -229,7 +240,7 @@ class Streamed:
             streamed: list[tuple[Any, torch.Tensor]] = []
             for key, value in st.items():
                 if isinstance(value, torch.Tensor):
-                    device = target((), p, group, key, value)[0]
+                    device = target(_NO_IDENT, p, group, key, value)[0]
                     if device.type in _HOSTS:
                         if value.device != device:
                             host_moves.append((st, key, value))
@@ -244,7 +255,7 @@ class Streamed:
                         streamed.append((key, value))
                 elif not isinstance(value, _ATOMS):
                     for path, t in leaves(value):
-                        if target((), p, group, key, t)[0].type not in _HOSTS:
+                        if target(_NO_IDENT, p, group, key, t)[0].type not in _HOSTS:
                             raise ValueError(
                                 f"{name}: {_where(opt, p)}: state {key!r} holds a tensor inside a "
                                 f"{type(value).__name__} that belongs on {p.device}; streaming moves top-level state "
@@ -274,8 +285,9 @@ class Streamed:
             for device in devices:
                 self._pending[device] = copy_stream(device).record()
         # Every copy exists: now the objects take their new places (cannot fail).
-        adoptions = [(e.obj, e.host) for c in chunks for e in c.entries]
-        adoptions += [(t, new) for (_, _, t), new in zip(host_moves, moved)]
+        # (every entry of a new chunk has its host view: _new_chunk set it; copy_items copied every input)
+        adoptions = [(e.obj, cast(torch.Tensor, e.host)) for c in chunks for e in c.entries]
+        adoptions += [(t, cast(torch.Tensor, new)) for (_, _, t), new in zip(host_moves, moved)]
         replaced, apply = engine.adopt_all(adoptions)
         apply()
         instead = {id(old): new for old, new in replaced}
@@ -296,10 +308,10 @@ class Streamed:
             for e in c.entries:
                 self._objects[id(e.obj)] = e
 
-    def _partition(self, items: list) -> Iterator[list]:
+    def _partition(self, items: list[_Item]) -> Iterator[list[_Item]]:
         """Consecutive params of one group and device, cut where the next param's state would take the chunk
         past ``chunk_bytes`` (a param is never split: its step needs all its state)."""
-        part: list = []
+        part: list[_Item] = []
         size = 0
         for item in items:
             n = sum(_aligned(_nbytes(t)) for _, t in item[3])
@@ -311,7 +323,7 @@ class Streamed:
         if part:
             yield part
 
-    def _new_chunk(self, part: list) -> tuple[_Chunk, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _new_chunk(self, part: list[_Item]) -> tuple[_Chunk, list[tuple[torch.Tensor, torch.Tensor]]]:
         group, device = part[0][0], part[0][1].device
         entries: list[_Entry] = []
         offset = 0
@@ -332,7 +344,7 @@ class Streamed:
         """Copy each source into its host view: host sources at once, device sources on their device's copy
         stream (after the work queued on the current stream, e.g. the step that made them). Returns the devices
         whose copy streams hold copies still to wait for."""
-        by_device: dict[torch.device, tuple[list, list]] = {}
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for view, source in pairs:
             dsts, srcs = by_device.setdefault(source.device, ([], []))
             dsts.append(view)
@@ -367,7 +379,7 @@ class Streamed:
                 e.host = None
             host_pool.release(c.buffer)
 
-    def _relay(self, chunks: Sequence[_Chunk], extra: Sequence[tuple[dict, torch.Tensor]] = ()) -> None:
+    def _relay(self, chunks: Sequence[_Chunk], extra: Sequence[tuple[Group, torch.Tensor]] = ()) -> None:
         """Lay out again the params of ``chunks`` (their host state is complete) and ``extra``."""
         wanted = {id(p) for c in chunks for p in c.params} | {id(p) for _, p in extra}
         self._forget(chunks)
@@ -385,7 +397,7 @@ class Streamed:
 
     # -- the step -----------------------------------------------------------------------------------------------
 
-    def _step(self, args: tuple, kwargs: dict) -> Any:
+    def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         opt = self.optimizer
         setattr(opt, "_opt_called", True)  # what an LR scheduler's step wrapper records (see _install)
         closure = args[0] if args else kwargs.pop("closure", None)
@@ -411,17 +423,17 @@ class Streamed:
             raise
         return loss if closure is not None else out
 
-    def _schedule(self, opt: Any) -> tuple[list[_Chunk], list[tuple[dict, list]]]:
+    def _schedule(self, opt: Any) -> tuple[list[_Chunk], list[tuple[Group, list[torch.Tensor]]]]:
         """The chunks to stream this step (those with a param that has a grad, in group order) and, per group,
         the params with grads and no chunk (stepped in place; state they create is laid out afterwards)."""
         active: list[_Chunk] = []
         seen: set[int] = set()
-        plain: list[tuple[dict, list]] = []
+        plain: list[tuple[Group, list[torch.Tensor]]] = []
         moved: list[_Chunk] = []
-        unlaid: list[tuple[dict, torch.Tensor]] = []
+        unlaid: list[tuple[Group, torch.Tensor]] = []
         chunk_of, examined, state = self._chunk_of, self._examined, opt.state
         for group in opt.param_groups:
-            rest = []
+            rest: list[torch.Tensor] = []
             for p in group["params"]:
                 c = chunk_of.get(id(p))
                 if c is None:
@@ -446,7 +458,7 @@ class Streamed:
             return self._schedule(opt)
         return active, plain
 
-    def _compute(self, group: dict, params: list, rest: tuple, kwargs: dict) -> Any:
+    def _compute(self, group: Group, params: list[torch.Tensor], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The optimizer's own step over ``params`` (a part of ``group``), with the real group dict."""
         opt = self.optimizer
         groups, everyone = opt.param_groups, group["params"]
@@ -458,13 +470,13 @@ class Streamed:
             group["params"] = everyone
             opt.param_groups = groups
 
-    def _plain(self, group: dict, params: list, rest: tuple, kwargs: dict) -> Any:
+    def _plain(self, group: Group, params: list[torch.Tensor], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Params without streamed state: stepped where their state is (on the host, or none yet). The first
         step creates their state on the device, so they go in parts of about ``chunk_bytes`` of new state (two
         param-sized moments assumed), each laid out in host buffers before the next part is stepped."""
         opt = self.optimizer
         out = None
-        part: list = []
+        part: list[torch.Tensor] = []
         size = 0
         for p in params + [None]:
             n = 2 * _nbytes(p) if p is not None else 0
@@ -485,7 +497,7 @@ class Streamed:
                 size += n
         return out
 
-    def _pipeline(self, chunks: list[_Chunk], rest: tuple, kwargs: dict) -> Any:
+    def _pipeline(self, chunks: list[_Chunk], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         n = len(chunks)
         capacity: dict[torch.device, int] = {}
         for c in chunks:
@@ -540,7 +552,8 @@ class Streamed:
                 self._pending[device] = copy_stream(device).record()
         return out
 
-    def _chunk_step(self, c: _Chunk, window: torch.Tensor, s: Any, rest: tuple, kwargs: dict) -> Any:
+    def _chunk_step(self, c: _Chunk, window: torch.Tensor, s: CopyStream, rest: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
         """Step one chunk with its state in ``window``, then queue its write-back."""
         entries = c.entries
         views = _views(window, entries)
@@ -559,7 +572,7 @@ class Streamed:
         finally:
             for e, v, how in zip(entries, views, hows):
                 if how == "data":
-                    e.obj.data = e.host
+                    e.obj.data = cast(torch.Tensor, e.host)  # (a laid-out entry has its host view)
                 elif how == "swap":
                     adopt(e.obj, v, "swap")
                 elif e.state.get(e.key) is v:
@@ -572,7 +585,7 @@ class Streamed:
             self._relay([c])
         return out
 
-    def _changed(self, c: _Chunk, views: list, hows: list) -> bool:
+    def _changed(self, c: _Chunk, views: list[torch.Tensor], hows: list[Mechanism]) -> bool:
         state = self.optimizer.state
         for p, count in c.counts:
             st = state.get(p)
@@ -626,7 +639,7 @@ class Streamed:
                     opt.__dict__[attr] = previous
             # else: replaced by someone since; our step then falls through to the plain step (see _install)
 
-    def _compact(self, opt: Any, sd: dict) -> dict:
+    def _compact(self, opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
         """state_dict() post-hook: each streamed tensor as a compact host copy (not a view into a pool buffer,
         which torch.save would write whole), in new per-param dicts (the live ones stay as they are)."""
         objects = self._objects

@@ -277,15 +277,15 @@ class _PeakSim:
         index = device.index or 0
         outer = self
 
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        class Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: __init_subclass__ is unannotated
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
                 out = func(*args, **(kwargs or {}))
                 outer.peak = max(outer.peak, simulated_memory_allocated(index))
                 return out
 
-        self.mode = Mode()
+        self.mode = Mode()  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode.__init__ is unannotated
         self.peak = 0
-        self.now = lambda: simulated_memory_allocated(index)
+        self.now: Callable[[], int] = lambda: simulated_memory_allocated(index)
 
 
 def _extra_memory(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
@@ -411,7 +411,7 @@ def run_bench(device: Optional[torch.device] = None, *, quick: bool = False) -> 
         n_params = 2_000_000 if quick else 8_000_000  # every simulated op runs through Python: scale down
     large = _transformer_shapes(n_params)
     small_tensors = 10_000 if quick else 50_000
-    small = [(16,)] * (small_tensors // 2)
+    small: list[tuple[int, ...]] = [(16,)] * (small_tensors // 2)
     out: dict[str, Any] = {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "simulated accelerator",

@@ -65,10 +65,12 @@ def time_loads(sizes: list[int], torch_max: int, repeats: int) -> list[dict]:
         t = row.get("torch")
         nan = float("nan")
         # PyTorch aliases tensors already on the param's device; copy=False does the same, copy=True copies all.
-        print(f"{n:>7} params ({3 * n} tensors): torch {t * 1e3 if t else nan:8.1f} ms   "
-              f"optimshift {row['ours'] * 1e3:6.1f} ms (copy=False {row['ours_nocopy'] * 1e3:6.1f} ms)   "
-              f"ratio {t / row['ours'] if t else nan:5.1f}x (copy=False {t / row['ours_nocopy'] if t else nan:5.1f}x)",
-              flush=True)
+        print(
+            f"{n:>7} params ({3 * n} tensors): torch {t * 1e3 if t else nan:8.1f} ms   "
+            f"optimshift {row['ours'] * 1e3:6.1f} ms (copy=False {row['ours_nocopy'] * 1e3:6.1f} ms)   "
+            f"ratio {t / row['ours'] if t else nan:5.1f}x (copy=False {t / row['ours_nocopy'] if t else nan:5.1f}x)",
+            flush=True,
+        )
     return rows
 
 
@@ -92,13 +94,22 @@ def peak_rss(size_mb: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "big.pt")
         n = size_mb * (1 << 20) // 4 // 64
-        optimshift.save({"state": {i: {"exp_avg": torch.randn(n)} for i in range(64)}, "param_groups": [
-            {"params": list(range(64)), "lr": 1e-3}]}, path)
+        optimshift.save(
+            {
+                "state": {i: {"exp_avg": torch.randn(n)} for i in range(64)},
+                "param_groups": [{"params": list(range(64)), "lr": 1e-3}],
+            },
+            path,
+        )
         file_mb = os.path.getsize(path) / (1 << 20)
         out = {"file_mb": file_mb}
         for mmap in (True, False):
-            res = subprocess.run([sys.executable, "-c", _RSS_CHILD, path, "1" if mmap else "0"],
-                                 capture_output=True, text=True, check=True)
+            res = subprocess.run(
+                [sys.executable, "-c", _RSS_CHILD, path, "1" if mmap else "0"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             out["mmap" if mmap else "read"] = int(res.stdout.strip().splitlines()[-1]) / 1024
         return out
 
@@ -106,27 +117,40 @@ def peak_rss(size_mb: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,4000,8000,16000", help="comma-separated param counts")
-    parser.add_argument("--torch-max", type=int, default=16000,
-                        help="skip optimizer.load_state_dict above this many params (it is quadratic)")
+    parser.add_argument(
+        "--torch-max",
+        type=int,
+        default=16000,
+        help="skip optimizer.load_state_dict above this many params (it is quadratic)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rss-mb", type=int, default=256, help="checkpoint size for the memory test (0: skip)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    print(f"torch {torch.__version__}, optimshift {optimshift.__version__}, Python {platform.python_version()}, "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"torch {torch.__version__}, optimshift {optimshift.__version__}, Python {platform.python_version()}, "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+    )
     rows = time_loads(sizes, args.torch_max, args.repeats)
     timed = [r for r in rows if "torch" in r]
     if len(rows) >= 2:
         a, b = rows[0], rows[-1]
-        print(f"growth {a['n']}->{b['n']} params (x{b['n'] / a['n']:.0f}): optimshift x{b['ours'] / a['ours']:.1f}"
-              + (f", torch x{timed[-1]['torch'] / timed[0]['torch']:.1f} ({timed[0]['n']}->{timed[-1]['n']})"
-                 if len(timed) >= 2 else ""))
+        print(
+            f"growth {a['n']}->{b['n']} params (x{b['n'] / a['n']:.0f}): optimshift x{b['ours'] / a['ours']:.1f}"
+            + (
+                f", torch x{timed[-1]['torch'] / timed[0]['torch']:.1f} ({timed[0]['n']}->{timed[-1]['n']})"
+                if len(timed) >= 2
+                else ""
+            )
+        )
     if args.rss_mb:
         rss = peak_rss(args.rss_mb)
         if rss:
-            print(f"optimshift.load of a {rss['file_mb']:.0f} MB checkpoint: peak RSS added {rss['mmap']:.0f} MB with "
-                  f"mmap ({rss['mmap'] / rss['file_mb']:.2f}x the file), {rss['read']:.0f} MB without "
-                  f"({rss['read'] / rss['file_mb']:.2f}x)")
+            print(
+                f"optimshift.load of a {rss['file_mb']:.0f} MB checkpoint: peak RSS added {rss['mmap']:.0f} MB with "
+                f"mmap ({rss['mmap'] / rss['file_mb']:.2f}x the file), {rss['read']:.0f} MB without "
+                f"({rss['read'] / rss['file_mb']:.2f}x)"
+            )
     return 0
 
 

@@ -39,8 +39,10 @@ def load_case(n: int, reps: int) -> dict[str, float]:
     params, sd = _adam_state_dict(n)
 
     def bare() -> dict:
-        return {k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in st.items()}
-                for k, st in sd["state"].items()}
+        return {
+            k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in st.items()}
+            for k, st in sd["state"].items()
+        }
 
     def fresh() -> torch.optim.Optimizer:
         return torch.optim.Adam(params, foreach=False)
@@ -65,8 +67,12 @@ def load_case(n: int, reps: int) -> dict[str, float]:
         t_fresh.append(t3 - t2)
         t_existing.append(t5 - t4)
     b = statistics.median(t_bare)
-    return {"params": n, "bare_ms": b * 1e3, "fresh_vs_bare": statistics.median(t_fresh) / b,
-            "existing_vs_bare": statistics.median(t_existing) / b}
+    return {
+        "params": n,
+        "bare_ms": b * 1e3,
+        "fresh_vs_bare": statistics.median(t_fresh) / b,
+        "existing_vs_bare": statistics.median(t_existing) / b,
+    }
 
 
 def main() -> None:
@@ -77,12 +83,16 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}")
     move = _overhead_case(args.tensors, args.reps)
-    print(f"move host->meta, {move['tensors']} tensors: bare .to() loop {move['bare_us_per_tensor']:.2f} us/tensor, "
-          f"optimshift.move {move['move_us_per_tensor']:.2f} us/tensor: {move['move_vs_bare']:.2f}x (goal <= 1.5x)")
+    print(
+        f"move host->meta, {move['tensors']} tensors: bare .to() loop {move['bare_us_per_tensor']:.2f} us/tensor, "
+        f"optimshift.move {move['move_us_per_tensor']:.2f} us/tensor: {move['move_vs_bare']:.2f}x (goal <= 1.5x)"
+    )
     load = load_case(args.params, args.reps)
-    print(f"load_state_dict copy=True, {load['params']} params: bare clone loop {load['bare_ms']:.1f} ms; "
-          f"into a fresh optimizer {load['fresh_vs_bare']:.2f}x, into existing state {load['existing_vs_bare']:.2f}x "
-          f"(goal <= 1.5x)")
+    print(
+        f"load_state_dict copy=True, {load['params']} params: bare clone loop {load['bare_ms']:.1f} ms; "
+        f"into a fresh optimizer {load['fresh_vs_bare']:.2f}x, into existing state {load['existing_vs_bare']:.2f}x "
+        f"(goal <= 1.5x)"
+    )
 
 
 if __name__ == "__main__":

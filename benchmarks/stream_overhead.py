@@ -10,7 +10,8 @@ tensor and per chunk (and how much of the latter is torch's own per-call cost).
 
 The streamed steps' copies are synchronous here (``SyncCopyStream``): the simulator's own streams queue every
 op issued on a side stream and check every access against every other stream's (its race detector), which
-costs far more than optimshift's work and nothing like a GPU's streams. ``--sim-streams`` measures with them. The simulator runs every copy and view through
+costs far more than optimshift's work and nothing like a GPU's streams. ``--sim-streams`` measures with them.
+The simulator runs every copy and view through
 Python, so the extra time here is an upper bound on optimshift's own Python work; on CUDA copies are queued in
 microseconds and overlap the compute.
 
@@ -54,7 +55,7 @@ def _chunked(opt: torch.optim.Optimizer, per_chunk: int):
         opt.param_groups = [group]
         try:
             for i in range(0, len(everyone), per_chunk):
-                group["params"] = everyone[i:i + per_chunk]
+                group["params"] = everyone[i : i + per_chunk]
                 raw(opt)
         finally:
             group["params"] = everyone
@@ -76,8 +77,12 @@ def run(n_params: int, per_chunk: int, reps: int) -> dict:
     steps = (ordinary.step, cut_step, one.step, many.step)
     for step in steps:
         step()  # warm-up
-    times: dict[str, list[float]] = {"ordinary": [], f"ordinary, own step per {per_chunk} params": [],
-                                     "streamed, 1 chunk": [], f"streamed, {handle.chunks} chunks": []}
+    times: dict[str, list[float]] = {
+        "ordinary": [],
+        f"ordinary, own step per {per_chunk} params": [],
+        "streamed, 1 chunk": [],
+        f"streamed, {handle.chunks} chunks": [],
+    }
     for _ in range(reps):
         for name, step in zip(times, steps):
             gc.collect()
@@ -90,7 +95,10 @@ def run(n_params: int, per_chunk: int, reps: int) -> dict:
     one_s, many_s = med["streamed, 1 chunk"], med[f"streamed, {handle.chunks} chunks"]
     cut_s = med[f"ordinary, own step per {per_chunk} params"]
     return {
-        "params": n_params, "state_tensors": tensors, "chunks": handle.chunks, "reps": reps,
+        "params": n_params,
+        "state_tensors": tensors,
+        "chunks": handle.chunks,
+        "reps": reps,
         "median_ms": {k: v * 1e3 for k, v in med.items()},
         "extra_us_per_tensor_1_chunk": (one_s - base) / tensors * 1e6,
         "extra_us_per_chunk": (many_s - one_s) / (handle.chunks - 1) * 1e6 if handle.chunks > 1 else None,
@@ -104,21 +112,32 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=2000)
     parser.add_argument("--per-chunk", type=int, default=50)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--sim-streams", action="store_true",
-                        help="copy on the simulator's deferred, race-checked streams instead of synchronously")
+    parser.add_argument(
+        "--sim-streams",
+        action="store_true",
+        help="copy on the simulator's deferred, race-checked streams instead of synchronously",
+    )
     args = parser.parse_args()
     if not args.sim_streams:
         _copystream.use_factory(_copystream.SyncCopyStream)
     r = run(args.params, args.per_chunk, args.reps)
     copies = "the simulator's streams" if args.sim_streams else "synchronous copies"
-    print(f"torch {torch.__version__}, python {platform.python_version()}, simulated accelerator ({copies}); AdamW "
-          f"(foreach) over {r['params']} params of 16 floats ({r['state_tensors']} streamed state tensors), median "
-          f"of {r['reps']}")
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, simulated accelerator ({copies}); AdamW "
+        f"(foreach) over {r['params']} params of 16 floats ({r['state_tensors']} streamed state tensors), median "
+        f"of {r['reps']}"
+    )
     for k, v in r["median_ms"].items():
         print(f"  {k:<38} {v:8.1f} ms")
-    print(f"  streamed extra: {r['extra_us_per_tensor_1_chunk']:.1f} us per state tensor (1 chunk); "
-          + (f"{r['extra_us_per_chunk']:.0f} us per additional chunk, of which {r['torch_us_per_call']:.0f} us is "
-             f"the optimizer's own step called once more" if r["extra_us_per_chunk"] is not None else ""))
+    print(
+        f"  streamed extra: {r['extra_us_per_tensor_1_chunk']:.1f} us per state tensor (1 chunk); "
+        + (
+            f"{r['extra_us_per_chunk']:.0f} us per additional chunk, of which {r['torch_us_per_call']:.0f} us is "
+            f"the optimizer's own step called once more"
+            if r["extra_us_per_chunk"] is not None
+            else ""
+        )
+    )
     print("  streamed / ordinary: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["streamed_vs_ordinary"].items()))
 
 

@@ -62,8 +62,10 @@ def main(argv: list) -> int:
         for opt in (o for file in files for o in file["optimizers"]):
             for finding in opt["findings"]:
                 cost = finding.get("syncs_per_param_per_step")
-                print(f"\n{finding['severity']}: `{finding['key']}` on {finding['count']} params"
-                      + (f", {cost} host syncs per param per step" if cost else ""))
+                print(
+                    f"\n{finding['severity']}: `{finding['key']}` on {finding['count']} params"
+                    + (f", {cost} host syncs per param per step" if cost else "")
+                )
         if not argv:
             print()
             optimshift(["convert", path, os.path.join(folder, "cpu.pt"), "--device", "cpu"])

@@ -14,8 +14,9 @@ def rewrite_zip(src, dst, change=None, drop=(), pkl=None):
     if pkl is not None:
         change["/data.pkl"] = lambda _: pkl
     with zipfile.ZipFile(src) as zin:
-        records = [(i.filename, zin.read(i.filename)) for i in zin.infolist()
-                   if not any(i.filename.endswith(s) for s in drop)]
+        records = [
+            (i.filename, zin.read(i.filename)) for i in zin.infolist() if not any(i.filename.endswith(s) for s in drop)
+        ]
     with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
         for name, data in records:
             for suffix, fn in change.items():

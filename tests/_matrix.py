@@ -39,10 +39,22 @@ CASES = [
     ("ASGD-foreach", O.ASGD, {"foreach": True}, ALL, SHAPES),
     ("ASGD-capturable", O.ASGD, {"capturable": True}, ON_DEVICE, SHAPES),
     ("NAdam", O.NAdam, {"foreach": False}, ALL, SHAPES),
-    ("NAdam-foreach-decoupled", O.NAdam, {"foreach": True, "decoupled_weight_decay": True, "weight_decay": 0.1}, ALL, SHAPES),
+    (
+        "NAdam-foreach-decoupled",
+        O.NAdam,
+        {"foreach": True, "decoupled_weight_decay": True, "weight_decay": 0.1},
+        ALL,
+        SHAPES,
+    ),
     ("NAdam-capturable", O.NAdam, {"capturable": True}, ON_DEVICE, SHAPES),
     ("RAdam", O.RAdam, {"foreach": False}, ALL, SHAPES),
-    ("RAdam-foreach-decoupled", O.RAdam, {"foreach": True, "decoupled_weight_decay": True, "weight_decay": 0.1}, ALL, SHAPES),
+    (
+        "RAdam-foreach-decoupled",
+        O.RAdam,
+        {"foreach": True, "decoupled_weight_decay": True, "weight_decay": 0.1},
+        ALL,
+        SHAPES,
+    ),
     ("RAdam-capturable", O.RAdam, {"capturable": True}, ON_DEVICE, SHAPES),
     ("RMSprop-centered", O.RMSprop, {"centered": True, "momentum": 0.9, "foreach": False}, ALL, SHAPES),
     ("RMSprop-foreach", O.RMSprop, {"foreach": True}, ALL, SHAPES),
@@ -82,11 +94,15 @@ def train(model: Model, opt: torch.optim.Optimizer, steps: range) -> None:
     params = [h.weight for h in model.parts]
     for step in steps:
         if isinstance(opt, O.LBFGS):
+
             def closure():
                 opt.zero_grad()
-                loss = sum(((p - grad_for(0, i, p.shape).to(p.device)) ** 2).sum().to("cpu") for i, p in enumerate(params))
+                loss = sum(
+                    ((p - grad_for(0, i, p.shape).to(p.device)) ** 2).sum().to("cpu") for i, p in enumerate(params)
+                )
                 loss.backward()
                 return loss
+
             opt.step(closure)
         else:
             for i, p in enumerate(params):
@@ -101,7 +117,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def bitwise_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+        return (
+            isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+        )
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
@@ -126,7 +144,12 @@ def state_layout(opt):
 
 def state_dtypes(opt):
     params = [p for g in opt.param_groups for p in g["params"]]
-    return {(i, k): v.dtype for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+    return {
+        (i, k): v.dtype
+        for i, p in enumerate(params)
+        for k, v in opt.state.get(p, {}).items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def tensor_ids(opt) -> dict:

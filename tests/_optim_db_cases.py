@@ -26,7 +26,7 @@ import sys
 import types
 import unittest
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -38,8 +38,10 @@ from _matrix import bitwise_equal, grad_for
 ANALOGUE = ("TestOptimRenewed", "test_state_dict_with_cuda_params")
 DEVICE_TYPES = ("cpu", "cuda")
 # What cannot run here, by the OptimizerInfo flag that says so, with the reason (test_optim_db lists them).
-SPARSE_ONLY = ("only_supports_sparse_grads: the simulated accelerator has no sparse tensors (test_matrix covers "
-               "SparseAdam's int step and dense state on the host)")
+SPARSE_ONLY = (
+    "only_supports_sparse_grads: the simulated accelerator has no sparse tensors (test_matrix covers "
+    "SparseAdam's int step and dense state on the host)"
+)
 
 
 def common_optimizers() -> types.ModuleType:
@@ -80,7 +82,7 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def _skipped(info: Any, device_type: str) -> Optional[str]:
+def _skipped(info: Any, device_type: str) -> str | None:
     """The reason optim_db skips ``ANALOGUE`` for this class on this device type, if it does (each active
     decorator is applied to a no-op and called: ``unittest.skip`` and ``skipIf*`` raise SkipTest)."""
     for decorator in info.get_decorators(*ANALOGUE, device_type, torch.float32, {}):
@@ -144,8 +146,12 @@ def _params(case: Case, device: torch.device) -> list[torch.nn.Parameter]:
     # A differentiable step runs in grad mode, where torch refuses in-place updates of leaves that require grad:
     # its params do not require grad (the differentiable code path runs all the same).
     requires_grad = not case.kwargs.get("differentiable")
-    return [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(device),
-                               requires_grad=requires_grad) for i, s in enumerate(_shapes(case))]
+    return [
+        torch.nn.Parameter(
+            torch.randn(s, generator=torch.Generator().manual_seed(i)).to(device), requires_grad=requires_grad
+        )
+        for i, s in enumerate(_shapes(case))
+    ]
 
 
 def _build(case: Case, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -224,9 +230,13 @@ def layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
         by_id.setdefault(id(t), []).append(name)
         if t.untyped_storage().nbytes():
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(name)
-    plain = {f"group {gi}, param {pi}, state {k!r}": type(v).__name__
-             for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])
-             for k, v in opt.state.get(p, {}).items() if not isinstance(v, (torch.Tensor, list, tuple, dict))}
+    plain = {
+        f"group {gi}, param {pi}, state {k!r}": type(v).__name__
+        for gi, g in enumerate(opt.param_groups)
+        for pi, p in enumerate(g["params"])
+        for k, v in opt.state.get(p, {}).items()
+        if not isinstance(v, (torch.Tensor, list, tuple, dict))
+    }
     return {
         "tensors": {name: (str(t.device), t.dtype, tuple(t.shape)) for name, t in tensors},
         "shared": sorted(names for names in by_id.values() if len(names) > 1),
@@ -258,8 +268,9 @@ class Checker:
 
     def same_placement(self, opt: torch.optim.Optimizer, when: str) -> None:
         got, want = layout(opt), layout(self.ref)
-        assert got == want, f"{self.case.ident}: after {when}, placement differs from a fresh optimizer's:\n" + \
-            _diff(got, want)
+        assert got == want, f"{self.case.ident}: after {when}, placement differs from a fresh optimizer's:\n" + _diff(
+            got, want
+        )
         report = optimshift.check(opt)
         assert report.ok, f"{self.case.ident}: after {when}, check() is not ok:\n{report}"
 
@@ -267,8 +278,9 @@ class Checker:
         ref_syncs = _step(self.case, self.ref, self.ref_params, self.steps)
         syncs = _step(self.case, opt, params, self.steps)
         self.steps += 1
-        assert syncs == ref_syncs, (f"{self.case.ident}: the step after {when} cost {syncs} host syncs, a fresh "
-                                    f"optimizer's {ref_syncs}")
+        assert syncs == ref_syncs, (
+            f"{self.case.ident}: the step after {when} cost {syncs} host syncs, a fresh optimizer's {ref_syncs}"
+        )
         for i, (p, q) in enumerate(zip(params, self.ref_params)):
             assert bitwise_equal(p, q), f"{self.case.ident}: after {when}, param {i} differs from the unmoved one"
         got, want = dict(_tensors(opt)), dict(_tensors(self.ref))

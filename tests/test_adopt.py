@@ -5,8 +5,8 @@ import weakref
 import torch
 
 import optimshift
-from optimshift._adopt import mechanism
 from _matrix import Model, bitwise_equal, snapshot, train
+from optimshift._adopt import mechanism
 
 
 def test_mechanism_per_pair_of_devices(sim):

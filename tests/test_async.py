@@ -12,14 +12,18 @@ import pytest
 import torch
 
 import optimshift
+from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
 from optimshift import _offload, _streams
 from optimshift.testing import StreamRaceError, deferred_streams
-from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
 
 # (seed, progress): progress is how likely queued work runs on its own at each call into the simulator; 0 is the
 # strictest schedule (nothing runs until something orders it)
-SCHEDULES = [pytest.param(0, 0.0, id="strict"), pytest.param(1, 0.02, id="seed1"), pytest.param(2, 0.05, id="seed2"),
-             pytest.param(3, 0.2, id="seed3")]
+SCHEDULES = [
+    pytest.param(0, 0.0, id="strict"),
+    pytest.param(1, 0.02, id="seed1"),
+    pytest.param(2, 0.05, id="seed2"),
+    pytest.param(3, 0.2, id="seed3"),
+]
 CONFIGS = [
     pytest.param(torch.optim.Adam, {"foreach": True}, id="Adam-foreach"),
     pytest.param(torch.optim.AdamW, {"fused": True}, id="AdamW-fused"),  # a device `step` goes to the host too
@@ -92,6 +96,7 @@ def offload_round_trip(sim, cls, kwargs, *, strict=True):
 def reload_then_step(sim, cls, kwargs, *, forward=False, strict=True):
     """A non-blocking reload and, without waiting for it, (a forward and backward pass and) the step: the step
     pre-hook makes the step wait on the device. Bitwise like the blocking path."""
+
     # NOTE: the blocking reference runs first: its synchronize would order the pending reload too.
     def step(model, opt):
         if forward:
@@ -308,6 +313,7 @@ def test_mutation_without_the_pool_waiting_a_reused_buffer_is_overwritten(sim, m
 def test_a_freed_reloaded_state_needs_record_stream_for_the_default_stream(sim, monkeypatch):
     """State allocated on the side stream by a reload and stepped on the default stream: dropped before any
     synchronization, it is safe only because the engine recorded it for the default stream."""
+
     def reload_step_drop():
         model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
         optimshift.offload(opt)

@@ -22,8 +22,9 @@ def _adam(device, n=30):
 
 
 def _fingerprint(opt):
-    return [(id(p), [(k, id(v), v.device) for k, v in st.items()]) for p, st in opt.state.items()], \
-        [[id(p) for p in g["params"]] for g in opt.param_groups]
+    return [(id(p), [(k, id(v), v.device) for k, v in st.items()]) for p, st in opt.state.items()], [
+        [id(p) for p in g["params"]] for g in opt.param_groups
+    ]
 
 
 @pytest.fixture

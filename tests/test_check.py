@@ -48,7 +48,13 @@ def test_report_table_and_placement_rows(sim):
     assert not report.ok
     (finding,) = report.findings
     assert (finding.param, finding.key, finding.device, finding.expected, finding.group, finding.index) == (
-        "group 0, param 1", "mu_product", "sim:0", "cpu", 0, 1)
+        "group 0, param 1",
+        "mu_product",
+        "sim:0",
+        "cpu",
+        0,
+        1,
+    )
     assert finding.syncs_per_step == 2 and "device-to-host sync" in finding.why
     text = str(report)
     assert "NOT OK" in text and "mu_product" in text and "syncs/step" in text
@@ -84,7 +90,12 @@ def test_check_reports_a_dtype_the_next_step_would_reject(sim):
     assert not report.ok
     [finding] = report.findings
     assert (finding.severity, finding.param, finding.key, finding.dtype, finding.expected) == (
-        "error", "group 0, param 0", "exp_avg", "float64", "float32")
+        "error",
+        "group 0, param 0",
+        "exp_avg",
+        "float64",
+        "float32",
+    )
     assert "step() rejects" in finding.why and "cast='param'" in finding.why
     with pytest.raises(RuntimeError):
         opt.step()  # what check() said

@@ -59,7 +59,10 @@ class Exotic(torch.optim.Optimizer):
                     st["mutable"] = Mutable(torch.zeros_like(p))
                     st["projector"] = Projector(2)
                     st["slotted"] = Slotted()
-                    st["nested"] = {"a": [torch.arange(3), ("text", 7, None)], "b": {"c": torch.ones(2, dtype=torch.bfloat16)}}
+                    st["nested"] = {
+                        "a": [torch.arange(3), ("text", 7, None)],
+                        "b": {"c": torch.ones(2, dtype=torch.bfloat16)},
+                    }
                     st["label"] = "adam-like"
                     st["count"] = 0
                     st["lr_hist"] = (0.1, 0.2)
@@ -97,7 +100,9 @@ def test_every_container_round_trips_with_types_identity_and_bits(sim):
     st = opt.state[params[0]]
     assert st["pair"].left.device == sim and type(st["pair"]) is Pair
     assert st["window"][0].device == sim and st["window"].maxlen == 3
-    assert type(st["frozen"]) is Frozen and st["frozen"].scale.device == sim and st["frozen"].scale.dtype == torch.float64
+    assert (
+        type(st["frozen"]) is Frozen and st["frozen"].scale.device == sim and st["frozen"].scale.dtype == torch.float64
+    )
     assert st["mutable"].buf.device == sim and st["projector"].ortho.device == sim
     assert st["projector"].history[0].device == sim and st["projector"].history[1] is None
     assert st["slotted"].matrix.device == sim and st["slotted"].tag == "slots"

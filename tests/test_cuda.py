@@ -1,13 +1,12 @@
 """The same guarantees on a real GPU (marked `cuda`: skipped without one; run by benchmarks/gpu_check.sh)."""
 
-
 import pytest
 import torch
 
 import optimshift
+from _matrix import CASES, Model, bitwise_equal, state_layout, train
 from optimshift import _streams
 from optimshift.pool import host_pool
-from _matrix import CASES, Model, bitwise_equal, state_layout, train
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda", 0)
@@ -20,8 +19,7 @@ def _fresh(cls, kwargs, shapes, device, steps=2):
     return model, opt
 
 
-@pytest.mark.parametrize("cls, kwargs, shapes", [pytest.param(c, k, s, id=n) for n, c, k, d, s in CASES
-                                                 if "h2d" in d])
+@pytest.mark.parametrize("cls, kwargs, shapes", [pytest.param(c, k, s, id=n) for n, c, k, d, s in CASES if "h2d" in d])
 def test_host_to_cuda_matches_fresh_placement_and_syncs(cls, kwargs, shapes):
     model, opt = _fresh(cls, kwargs, shapes, torch.device("cpu"))
     model.to(CUDA)
@@ -131,12 +129,15 @@ def test_seed_regression_on_cuda():
     assert naive.total >= 8 and ours.total == 0
 
 
-@pytest.mark.parametrize("cls, kwargs", [
-    pytest.param(torch.optim.Adam, {"foreach": False}, id="Adam"),
-    pytest.param(torch.optim.AdamW, {"foreach": True}, id="AdamW-foreach"),
-    pytest.param(torch.optim.Adam, {"fused": True}, id="Adam-fused"),
-    pytest.param(torch.optim.SGD, {"momentum": 0.9}, id="SGD-momentum"),
-])
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        pytest.param(torch.optim.Adam, {"foreach": False}, id="Adam"),
+        pytest.param(torch.optim.AdamW, {"foreach": True}, id="AdamW-foreach"),
+        pytest.param(torch.optim.Adam, {"fused": True}, id="Adam-fused"),
+        pytest.param(torch.optim.SGD, {"momentum": 0.9}, id="SGD-momentum"),
+    ],
+)
 def test_compiled_step_survives_offload_reload_cycles(cls, kwargs):
     """20 offload/reload cycles on cuda:0 keep every tensor object: 0 recompiles of a compiled step, and the
     params end bitwise equal to the same compiled run that never offloaded."""

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import optimshift
+from _matrix import Model, bitwise_equal, snapshot, state_layout, train
 from optimshift import _copy as batch_mod
 from optimshift.pool import HostPool, host_pool
 from optimshift.testing import simulated_memory_allocated
-from _matrix import Model, bitwise_equal, snapshot, state_layout, train
 
 
 def _adam_on(sim, n=20, **kw):

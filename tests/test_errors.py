@@ -19,20 +19,24 @@ def _snapshot(opt):
     return [(id(p), {k: (id(v), v.device) for k, v in st.items()}) for p, st in opt.state.items()]
 
 
-@pytest.mark.parametrize("fn", [optimshift.move, optimshift.offload, optimshift.reload, optimshift.check,
-                                optimshift.placement])
+@pytest.mark.parametrize(
+    "fn", [optimshift.move, optimshift.offload, optimshift.reload, optimshift.check, optimshift.placement]
+)
 def test_not_an_optimizer(fn):
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         fn(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("device, exc, match", [
-    ("cuda:7", ValueError, "cuda:7 is not available"),
-    ("nonsense", ValueError, "not a device PyTorch knows"),
-    (3.5, TypeError, "must be a torch.device"),
-    (True, TypeError, "must be a torch.device"),
-    (-1, ValueError, ">= 0"),
-])
+@pytest.mark.parametrize(
+    "device, exc, match",
+    [
+        ("cuda:7", ValueError, "cuda:7 is not available"),
+        ("nonsense", ValueError, "not a device PyTorch knows"),
+        (3.5, TypeError, "must be a torch.device"),
+        (True, TypeError, "must be a torch.device"),
+        (-1, ValueError, ">= 0"),
+    ],
+)
 def test_bad_device(device, exc, match):
     _, opt = _adam()
     before = _snapshot(opt)
@@ -52,7 +56,9 @@ def test_state_for_a_param_in_no_group(sim):
     stray = torch.nn.Parameter(torch.zeros(5))
     opt.state[stray] = {"exp_avg": torch.zeros(5)}
     before = _snapshot(opt)
-    with pytest.raises(ValueError, match=r"Adam: state holds an entry \(keys \['exp_avg'\]\) for a param of shape \(5,\)"):
+    with pytest.raises(
+        ValueError, match=r"Adam: state holds an entry \(keys \['exp_avg'\]\) for a param of shape \(5,\)"
+    ):
         optimshift.move(opt, sim)
     assert _snapshot(opt) == before
 
@@ -105,6 +111,8 @@ def test_shared_tensor_sent_to_two_devices_is_refused(sim):
     shared = torch.zeros(3)
     opt.state[params[0]]["momentum_buffer"] = shared
     opt.state[params[1]]["momentum_buffer"] = shared
-    with pytest.raises(ValueError, match=r"shared by group 0, param 0, state\['momentum_buffer'\] and group 0, param 1"):
+    with pytest.raises(
+        ValueError, match=r"shared by group 0, param 0, state\['momentum_buffer'\] and group 0, param 1"
+    ):
         optimshift.move(opt)
     assert opt.state[params[1]]["momentum_buffer"] is shared

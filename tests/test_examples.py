@@ -8,13 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _run(name: str, *args: str, cwd: Path) -> str:
-    out = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
-                         timeout=300, cwd=cwd, env={**os.environ, "PYTHONWARNINGS": "default"})
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stderr == "", out.stderr
     return out.stdout
@@ -22,7 +27,8 @@ def _run(name: str, *args: str, cwd: Path) -> str:
 
 def test_every_example_is_tested():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(
-        ["resume_on_another_device.py", "offload_around_evaluation.py", "inspect_checkpoint.py"])
+        ["resume_on_another_device.py", "offload_around_evaluation.py", "inspect_checkpoint.py"]
+    )
 
 
 def test_resume_on_another_device(tmp_path):

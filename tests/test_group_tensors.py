@@ -15,8 +15,10 @@ O = torch.optim
 
 
 def _params(device, shapes=((3, 2), (3,))):
-    return [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(device))
-            for i, s in enumerate(shapes)]
+    return [
+        torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(device))
+        for i, s in enumerate(shapes)
+    ]
 
 
 def _step(opt, params, k):
@@ -48,8 +50,11 @@ READ_ON_THE_HOST = [
 ]
 
 
-@pytest.mark.parametrize("cls, kwargs", READ_ON_THE_HOST, ids=lambda v: getattr(v, "__name__", None) or
-                         "-".join(k for k, x in v.items() if x))
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    READ_ON_THE_HOST,
+    ids=lambda v: getattr(v, "__name__", None) or "-".join(k for k, x in v.items() if x),
+)
 def test_move_keeps_host_group_tensors_where_a_fresh_optimizer_has_them(sim, cls, kwargs):
     tensors = {"lr": torch.tensor(0.01)}
     if cls in (O.Adam, O.AdamW):
@@ -68,8 +73,13 @@ def test_a_group_tensor_the_step_reads_on_the_host_goes_there(sim):
     a number): move() puts it on the host. Its lr and beta1 are used as tensors: a device one stays there, as
     a fresh optimizer given them on the device keeps them (CUDA-graph users do that on purpose)."""
     params = _params(sim)
-    opt = O.Adam(params, lr=torch.tensor(0.01, device=sim), capturable=True, foreach=False,
-                 betas=(torch.tensor(0.9, device=sim), torch.tensor(0.99, device=sim)))
+    opt = O.Adam(
+        params,
+        lr=torch.tensor(0.01, device=sim),
+        capturable=True,
+        foreach=False,
+        betas=(torch.tensor(0.9, device=sim), torch.tensor(0.99, device=sim)),
+    )
     assert _step(opt, params, 0) == len(params)
     assert not optimshift.check(opt).ok
     optimshift.move(opt)

@@ -69,7 +69,8 @@ def test_move_matrix(sim, cls, kwargs, direction, shapes):
     explicit = None if direction in ("split", "follow") else dst[0]
 
     moved_model, moved, layout, moved_syncs = _run(
-        cls, kwargs, shapes, src, dst, move=lambda opt: optimshift.move(opt, explicit))
+        cls, kwargs, shapes, src, dst, move=lambda opt: optimshift.move(opt, explicit)
+    )
     # The fresh optimizer: same class and flags, trained on the target placement from the start.
     fresh_model, fresh, fresh_layout, fresh_syncs = _run(cls, kwargs, shapes, dst, None, move=None)
     # The same optimizer never moved (for a bitwise reference on the source placement).

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import optimshift
-from _matrix import CASES, Model, bitwise_equal, state_layout, snapshot, tensor_ids, train
+from _matrix import CASES, Model, bitwise_equal, snapshot, state_layout, tensor_ids, train
 
 
 def _all_on_host(opt):

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import optimshift
+from _matrix import Model, bitwise_equal, state_layout, train
 from optimshift import _copy as batch_mod
 from optimshift.pool import host_pool
-from _matrix import Model, bitwise_equal, state_layout, train
 
 
 def _adam(sim, n=3, **kw):

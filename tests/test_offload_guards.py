@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import optimshift
-from optimshift.pool import host_pool
 from _matrix import Model, bitwise_equal, snapshot, state_layout, train
+from optimshift.pool import host_pool
 
 
 def _adam(sim, shapes=((3, 2), (2,)), **kw):
@@ -66,8 +66,9 @@ def test_state_dict_while_offloaded_is_compact_and_holds_no_other_bytes(sim, tmp
         assert len(data) <= limit, (len(data), len(plain.getvalue()))
         assert struct.pack("<f", 12345.0) * 4 not in data, "the bytes of another optimizer's state leaked in"
     live = [dict(st) for st in small.state.values()]
-    assert all(v.untyped_storage().nbytes() >= 1 << 20 for st in live for k, v in st.items() if k != "step"), \
+    assert all(v.untyped_storage().nbytes() >= 1 << 20 for st in live for k, v in st.items() if k != "step"), (
         "the live state still sits in the pool (only the state_dict is compact)"
+    )
     optimshift.reload(small)
     assert state_layout(small)
 

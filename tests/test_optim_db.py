@@ -43,8 +43,21 @@ def test_every_input_is_run_or_excluded():
     assert covered == TOTAL
     assert len({c.ident for c in CASES}) == len(CASES), "each case has its own name (the child finds it by name)"
     assert len(CASES) > 500 and {c.info.optim_cls.__name__ for c in CASES} >= {
-        "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "ASGD", "LBFGS", "Muon", "NAdam", "RAdam",
-        "RMSprop", "Rprop", "SGD"}
+        "Adadelta",
+        "Adafactor",
+        "Adagrad",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "ASGD",
+        "LBFGS",
+        "Muon",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "SGD",
+    }
 
 
 def test_exclusions_are_only_the_listed_ones():
@@ -70,8 +83,13 @@ def child_results(tmp_path_factory) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([src, str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     script = Path(__file__).with_name("_optim_db_cases.py")
     try:
-        proc = subprocess.run([sys.executable, str(script), str(ids), str(out)], env=env, capture_output=True,
-                              text=True, timeout=CHILD_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(ids), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+        )
         ended = f"exit code {proc.returncode}; stderr tail:\n{proc.stderr[-3000:]}"
     except subprocess.TimeoutExpired:
         ended = f"killed after {CHILD_TIMEOUT_S} s"

@@ -19,9 +19,14 @@ O = torch.optim
 # The configurations whose probe aborted the process (SIGABRT from an autograd node over a fake cuda tensor):
 # differentiable=True with an op that records an autograd edge (issue 13).
 CRASHED = [
-    ("Adagrad", {"weight_decay": 0.1}), ("Adam", {"weight_decay": 0.1}), ("Adamax", {"weight_decay": 0.1}),
-    ("NAdam", {"weight_decay": 0.1}), ("RAdam", {"weight_decay": 0.1}), ("RMSprop", {"momentum": 0.9}),
-    ("SGD", {"momentum": 0.9, "nesterov": True}), ("SGD", {"weight_decay": 0.1}),
+    ("Adagrad", {"weight_decay": 0.1}),
+    ("Adam", {"weight_decay": 0.1}),
+    ("Adamax", {"weight_decay": 0.1}),
+    ("NAdam", {"weight_decay": 0.1}),
+    ("RAdam", {"weight_decay": 0.1}),
+    ("RMSprop", {"momentum": 0.9}),
+    ("SGD", {"momentum": 0.9, "nesterov": True}),
+    ("SGD", {"weight_decay": 0.1}),
 ]
 
 _CHILD = r"""
@@ -50,11 +55,17 @@ def _child_env() -> dict:
 def test_probe_cannot_abort_the_process_for_differentiable_configurations():
     """check, move and load_state_dict used to die with SIGABRT on these (no except can catch it): run them in a
     child process, so that a regression fails this test instead of killing the run."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CRASHED)], env=_child_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(CRASHED)],
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     survived = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("survived")]
-    assert proc.returncode == 0, (f"the child died (exit code {proc.returncode}) after {survived}:\n"
-                                  f"{proc.stderr[-2000:]}")
+    assert proc.returncode == 0, (
+        f"the child died (exit code {proc.returncode}) after {survived}:\n{proc.stderr[-2000:]}"
+    )
     assert survived == [name for name, _ in CRASHED]
 
 
@@ -70,14 +81,25 @@ def test_probe_step_records_no_autograd_graph(monkeypatch):
 
     def spy(params, grads, momentum_buffer_list, *args, **kwargs):
         out = real(params, grads, momentum_buffer_list, *args, **kwargs)
-        seen.append((torch.is_inference_mode_enabled(), [p.requires_grad for p in params],
-                     [b.grad_fn for b in momentum_buffer_list if b is not None]))
+        seen.append(
+            (
+                torch.is_inference_mode_enabled(),
+                [p.requires_grad for p in params],
+                [b.grad_fn for b in momentum_buffer_list if b is not None],
+            )
+        )
         return out
 
     monkeypatch.setattr(sgd_module, "sgd", spy)
     _probe.clear_cache()
-    group = O.SGD([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.1, momentum=0.9, nesterov=True,
-                  weight_decay=0.1, differentiable=True).param_groups[0]
+    group = O.SGD(
+        [torch.nn.Parameter(torch.zeros(2, 2))],
+        lr=0.1,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=0.1,
+        differentiable=True,
+    ).param_groups[0]
     assert _probe.probe(O.SGD, group, 2) is not None
     assert seen and all(inference and not any(grads) and not any(fns) for inference, grads, fns in seen)
 
@@ -86,12 +108,15 @@ def _group(cls, **kwargs):
     return cls([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs).param_groups[0]
 
 
-@pytest.mark.parametrize("cls, changes", [
-    (O.Adam, {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-6, "betas": (0.8, 0.9), "amsgrad": True}),
-    (O.SGD, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.1, "lr": torch.tensor(0.5)}),
-    (O.Adagrad, {"lr_decay": 0.1, "initial_accumulator_value": 0.5, "weight_decay": 0.1}),
-    (O.LBFGS, {"line_search_fn": "strong_wolfe", "history_size": 3, "max_iter": 2}),
-])
+@pytest.mark.parametrize(
+    "cls, changes",
+    [
+        (O.Adam, {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-6, "betas": (0.8, 0.9), "amsgrad": True}),
+        (O.SGD, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.1, "lr": torch.tensor(0.5)}),
+        (O.Adagrad, {"lr_decay": 0.1, "initial_accumulator_value": 0.5, "weight_decay": 0.1}),
+        (O.LBFGS, {"line_search_fn": "strong_wolfe", "history_size": 3, "max_iter": 2}),
+    ],
+)
 def test_probe_key_covers_every_hyperparameter(cls, changes):
     """Not only the boolean flags: a non-boolean hyperparameter (weight_decay decides whether grad.add runs, and
     so whether a differentiable step records an edge) or a tensor's value changes the key."""
@@ -118,19 +143,22 @@ def test_probe_runs_once_per_distinct_group(monkeypatch):
     assert runs == [0.0, 0.1]
 
 
-@pytest.mark.parametrize("cls, kwargs, host_read", [
-    # Adam's single-tensor capturable path passes 1 - beta2 to addcmul_ as a number; beta1 and lr stay tensors.
-    (O.Adam, {"capturable": True, "foreach": False}, {("betas", 1)}),
-    (O.Adam, {"capturable": True, "foreach": True}, {("betas", 0), ("betas", 1)}),
-    # Adadelta and RMSprop (single tensor) add with alpha=-lr, also when capturable.
-    (O.Adadelta, {"capturable": True, "foreach": False}, {("lr", None)}),
-    (O.RMSprop, {"capturable": True, "foreach": False}, {("lr", None)}),
-    # Their foreach paths and fused kernels keep lr a tensor (a fused kernel reads a host lr with .item()).
-    (O.RMSprop, {"capturable": True, "foreach": True}, set()),
-    (O.Adam, {"fused": True}, set()),
-    # Non-capturable single-tensor Adam divides lr by a Python bias correction and passes it as a number.
-    (O.Adam, {"foreach": False}, {("lr", None)}),
-])
+@pytest.mark.parametrize(
+    "cls, kwargs, host_read",
+    [
+        # Adam's single-tensor capturable path passes 1 - beta2 to addcmul_ as a number; beta1 and lr stay tensors.
+        (O.Adam, {"capturable": True, "foreach": False}, {("betas", 1)}),
+        (O.Adam, {"capturable": True, "foreach": True}, {("betas", 0), ("betas", 1)}),
+        # Adadelta and RMSprop (single tensor) add with alpha=-lr, also when capturable.
+        (O.Adadelta, {"capturable": True, "foreach": False}, {("lr", None)}),
+        (O.RMSprop, {"capturable": True, "foreach": False}, {("lr", None)}),
+        # Their foreach paths and fused kernels keep lr a tensor (a fused kernel reads a host lr with .item()).
+        (O.RMSprop, {"capturable": True, "foreach": True}, set()),
+        (O.Adam, {"fused": True}, set()),
+        # Non-capturable single-tensor Adam divides lr by a Python bias correction and passes it as a number.
+        (O.Adam, {"foreach": False}, {("lr", None)}),
+    ],
+)
 def test_probe_observes_which_group_tensors_a_step_reads_on_the_host(cls, kwargs, host_read):
     from optimshift import _probe
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import optimshift
+from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
 from optimshift import _copystream, _stream, _streams
 from optimshift.testing import simulated_memory_allocated
-from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
 
 
 def _params(model):
@@ -39,6 +39,7 @@ def _assert_same(model, opt, ref_model, ref):
 
 
 # --- device memory ------------------------------------------------------------------------------------------
+
 
 class _Sampling(_copystream.SyncCopyStream):
     """The simulator's copy stream, sampling the device's allocated bytes at every call (windows are allocated
@@ -109,6 +110,7 @@ def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, copy_stream
 
 # --- a training loop's tools --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kwargs", [{"foreach": False}, {"fused": True}], ids=["single", "fused"])
 def test_grad_scaler_skips_steps_like_an_ordinary_optimizer(sim, kwargs):
     runs = []
@@ -117,7 +119,7 @@ def test_grad_scaler_skips_steps_like_an_ordinary_optimizer(sim, kwargs):
         opt = torch.optim.Adam(_params(model), **kwargs)
         if streamed:
             optimshift.stream(opt, chunk_bytes=128)
-        scaler = torch.amp.GradScaler("sim", init_scale=2.0 ** 8, growth_interval=2)
+        scaler = torch.amp.GradScaler("sim", init_scale=2.0**8, growth_interval=2)
         stepped = []
         opt.register_step_post_hook(lambda *_: stepped.append(1))
         for step in range(6):
@@ -154,7 +156,8 @@ def test_lr_schedulers_clipping_hooks_and_closure(sim):
         opt.register_step_pre_hook(pre)
         opt.register_step_post_hook(lambda *_: counts.__setitem__("post", counts["post"] + 1))
         handle = _optimizer.register_optimizer_step_post_hook(
-            lambda o, *_: counts.__setitem__("global", counts["global"] + (o is opt)))
+            lambda o, *_: counts.__setitem__("global", counts["global"] + (o is opt))
+        )
         before = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)  # also changes betas
         if streamed:
             optimshift.stream(opt, chunk_bytes=128)
@@ -163,6 +166,7 @@ def test_lr_schedulers_clipping_hooks_and_closure(sim):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(5):
+
                 def closure():
                     counts["closure"] += 1
                     for i, p in enumerate(params):
@@ -184,6 +188,7 @@ def test_lr_schedulers_clipping_hooks_and_closure(sim):
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------
+
 
 class _Peak(torch.utils._python_dispatch.TorchDispatchMode):
     """The device's allocated bytes after every op."""
@@ -211,8 +216,9 @@ def test_save_and_resume_into_a_streamed_optimizer(sim, kwargs, tmp_path):
         for key, v in st.items():
             if v.dim() > 0 or kwargs.get("fused"):
                 assert id(v) not in live, f"{key}: state_dict() gives copies of streamed tensors"
-                assert v.device.type == "cpu" and v.untyped_storage().nbytes() == v.numel() * v.element_size(), \
+                assert v.device.type == "cpu" and v.untyped_storage().nbytes() == v.numel() * v.element_size(), (
                     f"{key}: a compact host tensor, no pool bytes around it"
+                )
     assert bitwise_equal(sd["state"], ref.state_dict()["state"])
     buf = io.BytesIO()
     torch.save(sd, buf)
@@ -250,6 +256,7 @@ def test_save_and_resume_into_a_streamed_optimizer(sim, kwargs, tmp_path):
 
 
 # --- objects, modes, refusals ---------------------------------------------------------------------------------
+
 
 def test_unstream_restores_the_optimizer_and_the_pool(sim):
     model = Model([(4, 3), (3,)]).to(sim)
@@ -433,8 +440,9 @@ def _scheduled_run(sim, seed, progress, kwargs=None):
     from optimshift.testing import deferred_streams
 
     with deferred_streams(seed=seed, progress=progress):
-        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,), (16, 16)], sim, torch.optim.Adam,
-                                               **(kwargs or {"foreach": True}))
+        (model, opt), (ref_model, ref) = _pair(
+            [(4, 3), (3,), (2, 3), (5,), (16, 16)], sim, torch.optim.Adam, **(kwargs or {"foreach": True})
+        )
         handle = optimshift.stream(opt, chunk_bytes=128)  # (16, 16): larger than a chunk
         train(model, opt, range(4))
         train(ref_model, ref, range(4))
@@ -476,8 +484,15 @@ def _without(method):
     return lambda device: Broken(device, _streams.of(device))
 
 
-@pytest.mark.parametrize("method, error", [("current_waits", "StreamRaceError"), ("after_current", "StreamRaceError"),
-                                           ("keep", "StreamRaceError"), ("host_wait", "AssertionError")])
+@pytest.mark.parametrize(
+    "method, error",
+    [
+        ("current_waits", "StreamRaceError"),
+        ("after_current", "StreamRaceError"),
+        ("keep", "StreamRaceError"),
+        ("host_wait", "AssertionError"),
+    ],
+)
 def test_a_missing_wait_is_caught(sim, copy_streams, method, error):
     """Without the compute's wait for its load, the copy stream's wait for the compute (or for fresh memory), or
     record_stream on what it copies, the race detector raises; without the host's wait, state_dict() reads

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import optimshift
-from optimshift import _copystream, _streams
 from _matrix import CASES, Model, bitwise_equal, grad_for, state_layout, train
+from optimshift import _copystream, _streams
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda", 0)
@@ -113,7 +113,7 @@ def test_grad_scaler_fused_and_resume_without_device_memory():
         opt = torch.optim.Adam(model.parameters(), fused=True)
         if streamed:
             optimshift.stream(opt, chunk_bytes=4096)
-        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 8)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
         for step in range(4):
             scaler.scale(torch.ones((), device=CUDA))
             for i, p in enumerate(model.parameters()):

@@ -32,8 +32,10 @@ def _model(shapes, sim):
 
 def _chunk_bytes(ref) -> int:
     """Two params' streamed state per chunk: the matrix's tensors are at most 48 bytes, each padded to 64."""
-    per_param = max(sum(64 for v in st.values() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
-                    for st in ref.state.values())
+    per_param = max(
+        sum(64 for v in st.values() if isinstance(v, torch.Tensor) and v.device.type != "cpu")
+        for st in ref.state.values()
+    )
     return 2 * max(per_param, 64)
 
 

@@ -69,6 +69,7 @@ def test_a_backend_that_fails_the_probe_gets_synchronous_transfers(isolated):
         @staticmethod
         def stream(s):
             import contextlib
+
             return contextlib.nullcontext()
 
     _streams.register_backend("cpu", NoRecordStream)  # registered, and a tensor's record_stream fails on it

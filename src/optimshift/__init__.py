@@ -6,16 +6,15 @@ the target device, would put it after a step, with bitwise-unchanged values and 
 """
 
 from . import _quiet_torch  # noqa: F401  (first: imports torch without its NumPy warning)
-from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
-from .checkpoint import load, load_state_dict, save
 from ._offload import PendingTransfer
 from ._stream import DEFAULT_CHUNK_BYTES, Streamed, is_streamed, stream, streamed, unstream
-from .pool import HostPool, host_pool
+from ._version import __version__ as __version__
+from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload
+from .checkpoint import load, load_state_dict, save
 from .policy import Policy, register_policy, unregister_policy
+from .pool import HostPool, host_pool
 from .report import Finding, PlacementRow, Report
 from .syncs import SyncCount, count_syncs
-
-from ._version import __version__ as __version__
 
 __all__ = [
     "move",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copyreg
 import weakref
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -43,7 +43,7 @@ def mechanism(old: torch.Tensor, new: torch.Tensor) -> Mechanism:
     return decide_all([(old, new)])[0]
 
 
-def decide_all(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[Mechanism]:
+def decide_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism]:
     """:func:`mechanism` for each pair; what depends only on the classes and devices is asked once per kind."""
     # (classes, devices) -> set_data allowed
     kinds: dict[tuple[type[torch.Tensor], type[torch.Tensor], torch.device, torch.device], bool] = {}
@@ -52,8 +52,9 @@ def decide_all(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[Mechani
         kind = (type(old), type(new), old.device, new.device)
         data = kinds.get(kind)
         if data is None:
-            data = kinds[kind] = (kind[0] in _PLAIN and kind[1] in _PLAIN
-                                  and torch._has_compatible_shallow_copy_type(old, new))
+            data = kinds[kind] = (
+                kind[0] in _PLAIN and kind[1] in _PLAIN and torch._has_compatible_shallow_copy_type(old, new)
+            )
         out.append("data" if data else "swap" if _swappable(old, new) else "replace")
     return out
 
@@ -67,8 +68,8 @@ def _swappable(old: torch.Tensor, new: torch.Tensor) -> bool:
         return False
     # Another C++ holder of either tensor (a view's base, an autograd node) would end up on the other object.
     # (Tensor._use_count exists at runtime but is missing from torch's stubs.)
-    return (old._use_count() == 1 and new._use_count() == 1  # type: ignore[attr-defined]
-            and not old.requires_grad and not new.requires_grad)
+    use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]
+    return use_count(old) == 1 and use_count(new) == 1 and not old.requires_grad and not new.requires_grad
 
 
 _HOST_PROBE = torch.empty(0)

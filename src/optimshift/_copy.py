@@ -16,8 +16,8 @@ the engine (:mod:`optimshift.engine`) decides what to copy and commits the copie
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -43,7 +43,9 @@ def _is_pinned(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and host_pinning() is not None and t.is_pinned()
 
 
-def copy_tensor(t: torch.Tensor, device: torch.device, non_blocking: bool = False, pin_memory: bool = False) -> torch.Tensor:
+def copy_tensor(
+    t: torch.Tensor, device: torch.device, non_blocking: bool = False, pin_memory: bool = False
+) -> torch.Tensor:
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
     if type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # the common case, kept cheap
         if non_blocking or (pins_host_for(device) and _is_pinned(t)):
@@ -54,8 +56,13 @@ def copy_tensor(t: torch.Tensor, device: torch.device, non_blocking: bool = Fals
     pin = pin_memory and device.type == "cpu" and _can_pin(t) and t.layout == torch.strided
     if pin:
         shape_like = _dense_non_overlapping(t)
-        new = torch.empty_strided(t.shape, t.stride() if shape_like else _contiguous_strides(t.shape),
-                                  dtype=t.dtype, device=device, pin_memory=True)
+        new = torch.empty_strided(
+            t.shape,
+            t.stride() if shape_like else _contiguous_strides(t.shape),
+            dtype=t.dtype,
+            device=device,
+            pin_memory=True,
+        )
         new.copy_(t.detach(), non_blocking=True)  # completed by the one synchronize() of execute()
     elif t.requires_grad:
         new = t.detach().to(device, copy=True, non_blocking=non_blocking or _is_pinned(t)).requires_grad_(True)
@@ -112,13 +119,13 @@ class Batch:
     tensors). ``staging``: pool buffers to give back once the copies that read them are complete.
     """
 
-    copies: list[Optional[torch.Tensor]]
+    copies: list[torch.Tensor | None]
     held: list[torch.Tensor] = field(default_factory=list)
     after_sync: list[Callable[[], None]] = field(default_factory=list)
     staging: list[torch.Tensor] = field(default_factory=list)
     devices: set[torch.device] = field(default_factory=set)
 
-    def complete(self, pool: HostPool, event: Optional[object] = None) -> None:
+    def complete(self, pool: HostPool, event: object | None = None) -> None:
         """Finish on the host: run ``after_sync`` work (the caller synchronized first) and give the staging
         buffers back (with ``event``, when the copies may still be in flight, they are reused after it)."""
         work, self.after_sync = self.after_sync, []
@@ -150,7 +157,7 @@ def copy_many(
     pin_memory: bool = False,
     keep_host_views: bool = False,
     non_blocking: bool = False,
-    describe: Optional[Callable[[int], str]] = None,
+    describe: Callable[[int], str] | None = None,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
 
@@ -171,8 +178,11 @@ def copy_many(
             pair = (source, target)
             groupable = kinds.get(pair)
             if groupable is None:
-                groupable = kinds[pair] = group and (source.type == "cpu") != (target.type == "cpu") \
+                groupable = kinds[pair] = (
+                    group
+                    and (source.type == "cpu") != (target.type == "cpu")
                     and "meta" not in (source.type, target.type)
+                )
             if groupable and _coalescible(t):
                 groups.setdefault((source, target, t.dtype), []).append(i)
                 continue
@@ -184,11 +194,26 @@ def copy_many(
             for chunk in _chunks(indices, items):
                 current = chunk[0]
                 if dst.type == "cpu":
-                    _to_host(chunk, items, batch, pool, pinned=pin_memory and pins_host_for(src),
-                             keep=keep_host_views, non_blocking=non_blocking)
+                    _to_host(
+                        chunk,
+                        items,
+                        batch,
+                        pool,
+                        pinned=pin_memory and pins_host_for(src),
+                        keep=keep_host_views,
+                        non_blocking=non_blocking,
+                    )
                 else:
-                    _to_device(chunk, items, batch, pool, dst, dtype,
-                               pinned=src.type == "cpu" and pins_host_for(dst), non_blocking=non_blocking)
+                    _to_device(
+                        chunk,
+                        items,
+                        batch,
+                        pool,
+                        dst,
+                        dtype,
+                        pinned=src.type == "cpu" and pins_host_for(dst),
+                        non_blocking=non_blocking,
+                    )
     except BaseException as error:
         # Nothing was committed; give back every buffer once no queued copy can still be using it.
         synchronize(batch.devices)
@@ -196,8 +221,10 @@ def copy_many(
             pool.release(buf)
         if describe is not None and items and hasattr(error, "add_note"):
             t, target = items[current]
-            error.add_note(f"optimshift: while copying {describe(current)} ({tuple(t.shape)}, {t.dtype}) from "
-                           f"{t.device} to {target}; the optimizer was left unchanged")
+            error.add_note(
+                f"optimshift: while copying {describe(current)} ({tuple(t.shape)}, {t.dtype}) from "
+                f"{t.device} to {target}; the optimizer was left unchanged"
+            )
         raise
     return batch
 
@@ -222,8 +249,16 @@ def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device
     return chunks
 
 
-def _to_host(chunk: list[int], items: Sequence[tuple[torch.Tensor, torch.device]], batch: Batch, pool: HostPool, *, pinned: bool, keep: bool,
-             non_blocking: bool = False) -> None:
+def _to_host(
+    chunk: list[int],
+    items: Sequence[tuple[torch.Tensor, torch.device]],
+    batch: Batch,
+    pool: HostPool,
+    *,
+    pinned: bool,
+    keep: bool,
+    non_blocking: bool = False,
+) -> None:
     """``non_blocking``: the caller runs on a side stream and waits for its event before the host reads the
     copies (the copies may then be asynchronous even into pageable memory, where a backend allows it)."""
     tensors = [items[i][0] for i in chunk]
@@ -253,7 +288,7 @@ def _to_host(chunk: list[int], items: Sequence[tuple[torch.Tensor, torch.device]
     batch.after_sync.append(split)
 
 
-def _side_by_side(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+def _side_by_side(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The flat host span that ``tensors`` fill in order, if they are consecutive views of one storage."""
     storage = tensors[0].untyped_storage()
     ptr = storage.data_ptr()
@@ -267,8 +302,17 @@ def _side_by_side(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     return span
 
 
-def _to_device(chunk: list[int], items: Sequence[tuple[torch.Tensor, torch.device]], batch: Batch, pool: HostPool, dst: torch.device,
-               dtype: torch.dtype, *, pinned: bool, non_blocking: bool = False) -> None:
+def _to_device(
+    chunk: list[int],
+    items: Sequence[tuple[torch.Tensor, torch.device]],
+    batch: Batch,
+    pool: HostPool,
+    dst: torch.device,
+    dtype: torch.dtype,
+    *,
+    pinned: bool,
+    non_blocking: bool = False,
+) -> None:
     tensors = [items[i][0] for i in chunk]
     if len(tensors) == 1:
         t = tensors[0]
@@ -290,4 +334,3 @@ def _to_device(chunk: list[int], items: Sequence[tuple[torch.Tensor, torch.devic
     torch._foreach_copy_(outs, [v.view(t.shape) for v, t in zip(parts, tensors)])
     for i, out in zip(chunk, outs):
         batch.copies[i] = out
-

@@ -22,7 +22,8 @@ wait for them, so :func:`optimshift.count_syncs` lists them as ``async_copies``,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -43,11 +44,11 @@ class CopyStream(Protocol):
 
     def after_current(self) -> None: ...
 
-    def record(self) -> Optional[Any]: ...
+    def record(self) -> Any | None: ...
 
-    def current_waits(self, event: Optional[Any]) -> None: ...
+    def current_waits(self, event: Any | None) -> None: ...
 
-    def host_wait(self, event: Optional[Any]) -> None: ...
+    def host_wait(self, event: Any | None) -> None: ...
 
     def keep(self, tensor: torch.Tensor) -> None: ...
 
@@ -74,13 +75,13 @@ class SyncCopyStream:
     def after_current(self) -> None:
         pass
 
-    def record(self) -> Optional[Any]:
+    def record(self) -> Any | None:
         return None
 
-    def current_waits(self, event: Optional[Any]) -> None:
+    def current_waits(self, event: Any | None) -> None:
         pass
 
-    def host_wait(self, event: Optional[Any]) -> None:
+    def host_wait(self, event: Any | None) -> None:
         pass
 
     def keep(self, tensor: torch.Tensor) -> None:
@@ -111,16 +112,16 @@ class StreamsCopyStream:
     def after_current(self) -> None:
         self.streams.wait_stream(self.stream, self.streams.current(self.device))
 
-    def record(self) -> Optional[Any]:
+    def record(self) -> Any | None:
         event = self.streams.new_event(self.device)
         self.streams.record(event, self.stream)
         return event
 
-    def current_waits(self, event: Optional[Any]) -> None:
+    def current_waits(self, event: Any | None) -> None:
         if event is not None:
             self.streams.wait_event(self.streams.current(self.device), event)
 
-    def host_wait(self, event: Optional[Any]) -> None:
+    def host_wait(self, event: Any | None) -> None:
         if event is not None:
             event.synchronize()
 
@@ -151,7 +152,7 @@ def copy_stream(device: torch.device) -> CopyStream:
     return found
 
 
-def use_factory(factory: Optional[Callable[[torch.device], CopyStream]]) -> Callable[[torch.device], CopyStream]:
+def use_factory(factory: Callable[[torch.device], CopyStream] | None) -> Callable[[torch.device], CopyStream]:
     """Make copy streams with ``factory`` from now on (``None``: the default); returns the previous factory.
     For tests (a stream that defers its copies checks that every wait is in place) and for swapping in another
     implementation."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Union
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-DeviceLike = Union[torch.device, str, int]
+DeviceLike = torch.device | str | int
 
 
 def _device_module(device_type: str) -> Any:
@@ -89,4 +90,3 @@ def _current_accelerator() -> str | None:
     if torch.cuda.is_available():
         return "cuda"
     return None
-

@@ -46,7 +46,7 @@ def copy_dtensor(
     local = src.to_local()  # type: ignore[attr-defined]  # torch types detach() as returning a Tensor
     # Pinned host memory only helps (and only exists) for copies from an accelerator that pins it, as in
     # _copy.copy_tensor.
-    pin = (pin_memory and device.type == "cpu" and pins_host_for(local.device) and local.layout == torch.strided)
+    pin = pin_memory and device.type == "cpu" and pins_host_for(local.device) and local.layout == torch.strided
     # A copy from pinned host memory to the device can be asynchronous; the engine synchronizes once at the end.
     from_pinned = local.device.type == "cpu" and pins_host_for(device) and local.is_pinned()
     new = torch.empty_like(src, device=device, pin_memory=pin)  # preserve_format: the shard keeps its strides

@@ -20,7 +20,8 @@ import inspect
 import threading
 import warnings
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,8 +64,9 @@ def _plain(value: Any) -> Any:
 class _Trial:
     """One fresh optimizer over a host param; ``step(changes)`` steps it with some entries recast."""
 
-    def __init__(self, cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype,
-                 ndim: int) -> None:
+    def __init__(
+        self, cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype, ndim: int
+    ) -> None:
         accepted = inspect.signature(cls.__init__).parameters
         kwargs = {k: _plain(v) for k, v in group.items() if k in accepted and k not in ("params", "param_names")}
         if "capturable" in kwargs:
@@ -89,13 +91,23 @@ class _Trial:
             state[key] = state[key].to(dtype)
 
 
-def _try(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype, ndim: int,
-         dtypes: Mapping[str, torch.dtype]) -> Optional[list[Rejection]]:
+def _try(
+    cls: type[torch.optim.Optimizer],
+    group: Mapping[str, Any],
+    dtype: torch.dtype,
+    ndim: int,
+    dtypes: Mapping[str, torch.dtype],
+) -> list[Rejection] | None:
     """The rejections, ``[]`` if a step takes these dtypes, ``None`` if the trial cannot run."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks(), \
-            torch.no_grad():
+    with (
+        _disable_current_modes(),
+        warnings.catch_warnings(),
+        torch.device("cpu"),
+        quiet_global_step_hooks(),
+        torch.no_grad(),
+    ):
         warnings.simplefilter("ignore")
         try:
             trial = _Trial(cls, group, dtype, ndim)
@@ -125,19 +137,19 @@ def _try(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torc
 
 
 _Key = tuple[ProbeKey, torch.dtype, tuple[tuple[str, str], ...]]
-_cache: "OrderedDict[_Key, Optional[list[Rejection]]]" = OrderedDict()
+_cache: OrderedDict[_Key, list[Rejection] | None] = OrderedDict()
 _lock = threading.Lock()
 
 
-def rejected_dtypes(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], param: torch.Tensor,
-                    dtypes: Mapping[str, torch.dtype]) -> list[Rejection]:
+def rejected_dtypes(
+    cls: type[torch.optim.Optimizer], group: Mapping[str, Any], param: torch.Tensor, dtypes: Mapping[str, torch.dtype]
+) -> list[Rejection]:
     """The entries of ``dtypes`` ({state key: dtype}) that a step of ``cls`` with ``group``'s flags and
     hyperparameters over a param like ``param`` (its dtype and rank) refuses. Entries a fresh optimizer
     does not keep, and anything the host trial cannot tell, are not rejected."""
     if not param.is_floating_point():
         return []
-    key: _Key = (probe_key(cls, group, param.dim()), param.dtype,
-                 tuple(sorted((k, str(d)) for k, d in dtypes.items())))
+    key: _Key = (probe_key(cls, group, param.dim()), param.dtype, tuple(sorted((k, str(d)) for k, d in dtypes.items())))
     with _lock:
         if key in _cache:
             _cache.move_to_end(key)
@@ -170,8 +182,13 @@ def dtype_findings(optimizer: Any) -> list[Finding]:
     name = type(optimizer).__name__
     findings: list[Finding] = []
     for gi, group in enumerate(optimizer.param_groups):
-        own = {id(t) for k, v in group.items() if k not in ("params", "param_names")
-               for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor)}
+        own = {
+            id(t)
+            for k, v in group.items()
+            if k not in ("params", "param_names")
+            for t in (v if isinstance(v, (list, tuple)) else (v,))
+            if isinstance(t, torch.Tensor)
+        }
         names = group.get("param_names")
         memo: dict[tuple[torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
         for pi, p in enumerate(group["params"]):
@@ -183,15 +200,24 @@ def dtype_findings(optimizer: Any) -> list[Finding]:
             memo_key = (p.dtype, p.dim(), tuple(sorted((str(k), str(d)) for k, d in dtypes.items())))
             if memo_key not in memo:
                 memo[memo_key] = rejected_dtypes(base, group, p, dtypes)
-            label = Site(gi, pi, "", (), str(names[pi]) if isinstance(names, (list, tuple)) and pi < len(names)
-                         else None).param_label
+            label = Site(
+                gi, pi, "", (), str(names[pi]) if isinstance(names, (list, tuple)) and pi < len(names) else None
+            ).param_label
             for r in memo[memo_key]:
                 t = tensors[r.key]
-                findings.append(Finding(
-                    "error", label, str(r.key), str(t.device), dtype_name(r.dtype), dtype_name(r.fresh),
-                    f"step() rejects {dtype_name(r.dtype)} here with {dtype_name(p.dtype)} params "
-                    f"({r.error.splitlines()[0]}); a fresh {name} keeps it as {dtype_name(r.fresh)}: cast it, or "
-                    f"load the checkpoint with optimshift.load_state_dict(..., cast='param')",
-                    gi, pi,
-                ))
+                findings.append(
+                    Finding(
+                        "error",
+                        label,
+                        str(r.key),
+                        str(t.device),
+                        dtype_name(r.dtype),
+                        dtype_name(r.fresh),
+                        f"step() rejects {dtype_name(r.dtype)} here with {dtype_name(p.dtype)} params "
+                        f"({r.error.splitlines()[0]}); a fresh {name} keeps it as {dtype_name(r.fresh)}: cast it, or "
+                        f"load the checkpoint with optimshift.load_state_dict(..., cast='param')",
+                        gi,
+                        pi,
+                    )
+                )
     return findings

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Mapping, Optional, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -35,11 +36,11 @@ class Mode(Protocol):
 
 # NOTE: both weak. The optimizer keeps its mode alive (its step and hooks refer to it); a strong reference
 # from here would keep the mode's tensors one garbage collection longer than the optimizer.
-_modes: "weakref.WeakKeyDictionary[Any, weakref.ref[Mode]]" = weakref.WeakKeyDictionary()
+_modes: weakref.WeakKeyDictionary[Any, weakref.ref[Mode]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def mode_of(optimizer: Any) -> Optional[Mode]:
+def mode_of(optimizer: Any) -> Mode | None:
     try:
         with _lock:
             ref = _modes.get(optimizer)
@@ -73,8 +74,9 @@ def hosted(target: TargetFn) -> TargetFn:
     """``target`` for a streamed optimizer: every per-param entry that belongs on an accelerator is expected on
     the host (where it lives between steps); param-group entries stay where ``target`` says."""
 
-    def where(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
-              tensor: torch.Tensor) -> tuple[torch.device, str]:
+    def where(
+        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
         device, source = target(ident, param, group, key, tensor)
         if param is not None and device.type not in ("cpu", "meta"):
             return HOST, "streamed"

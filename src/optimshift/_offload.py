@@ -15,8 +15,9 @@ import contextlib
 import copy
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -25,8 +26,18 @@ from ._state import leaves
 from .plan import Ident
 from .pool import host_pool
 
-__all__ = ["PendingTransfer", "Record", "exclusive", "record_of", "set_record", "settle", "remember_pending",
-           "forget", "prepare_discard", "pending_of"]
+__all__ = [
+    "PendingTransfer",
+    "Record",
+    "exclusive",
+    "record_of",
+    "set_record",
+    "settle",
+    "remember_pending",
+    "forget",
+    "prepare_discard",
+    "pending_of",
+]
 
 
 class PendingTransfer:
@@ -38,13 +49,13 @@ class PendingTransfer:
     done from the start.
     """
 
-    def __init__(self, event: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
+    def __init__(self, event: Any | None = None, device: torch.device | None = None) -> None:
         self._event = event
         self.device = device
         self._callbacks: list[Callable[[], None]] = []
 
     @property
-    def event(self) -> Optional[Any]:
+    def event(self) -> Any | None:
         """The device's event that completes with the copies (a ``torch.Event``, or the backend's own event
         type); None once done, or where the transfer was synchronous."""
         return self._event
@@ -98,10 +109,11 @@ class Record:
     grads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
 
-    def extended(self) -> "Record":
+    def extended(self) -> Record:
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded)."""
-        return Record(dict(self.devices), dict(self.param_devices), list(self.buffers), dict(self.grads),
-                      list(self.hooks))
+        return Record(
+            dict(self.devices), dict(self.param_devices), list(self.buffers), dict(self.grads), list(self.hooks)
+        )
 
     @property
     def moved_any(self) -> bool:
@@ -109,13 +121,13 @@ class Record:
         return any(d.type != "cpu" for d in self.devices.values()) or bool(self.grads)
 
 
-_records: "weakref.WeakKeyDictionary[Any, Record]" = weakref.WeakKeyDictionary()
-_pending: "weakref.WeakKeyDictionary[Any, PendingTransfer]" = weakref.WeakKeyDictionary()
-_hooks: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
+_records: weakref.WeakKeyDictionary[Any, Record] = weakref.WeakKeyDictionary()
+_pending: weakref.WeakKeyDictionary[Any, PendingTransfer] = weakref.WeakKeyDictionary()
+_hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
 _lock = threading.Lock()
 
 
-_operation_locks: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_operation_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 _unweakable_lock = threading.RLock()  # for optimizers that cannot be weakly referenced
 
 
@@ -137,7 +149,7 @@ def exclusive(optimizer: Any) -> Iterator[None]:
         yield
 
 
-def record_of(optimizer: Any) -> Optional[Record]:
+def record_of(optimizer: Any) -> Record | None:
     try:
         with _lock:
             return _records.get(optimizer)
@@ -274,7 +286,7 @@ def _wait_before_step(optimizer: Any, *_: Any) -> None:
         pending.wait_on_current_stream()
 
 
-def forget(optimizer: Any, pending: Optional[PendingTransfer] = None) -> None:
+def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
     """Drop the offload record and give its host buffers back to the pool, to be reused once the copies that
     read them (``pending``) are done and nothing looks into them any more (the pool checks both)."""
     try:

@@ -25,8 +25,9 @@ import inspect
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -45,7 +46,7 @@ _FAKE_DEVICE = torch.device("cuda", 0)
 _CACHE_SIZE = 1024  # LR schedulers change `lr` every step: old entries are dropped, not kept forever
 _KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
 
-GroupPath = tuple[Any, Optional[int]]
+GroupPath = tuple[Any, int | None]
 """A tensor a group holds: ``(key, None)`` for ``group[key]``, ``(key, i)`` for ``group[key][i]``."""
 ProbeKey = tuple[type[torch.optim.Optimizer], tuple[tuple[str, Any], ...], tuple[bool, ...], int]
 """What :func:`probe_key` returns: the class, the group's entries, its implementation flags, the param rank."""
@@ -58,7 +59,7 @@ class Observed:
     {(group key, index in a tuple or None): HOST_READ or NEEDS_DEVICE} for the group tensors the step reads on
     the host or refuses there (absent: it works alike wherever the tensor is)."""
 
-    state: Optional[Mapping[str, bool]]
+    state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
 
 
@@ -68,8 +69,13 @@ def quiet_global_step_hooks() -> Iterator[None]:
     (``register_optimizer_step_pre_hook``/``_post_hook``: counters, LR loggers, profilers)."""
     from torch.optim import optimizer as _optimizer
 
-    saved = [(table, dict(table)) for table in (getattr(_optimizer, "_global_optimizer_pre_hooks", {}),
-                                                 getattr(_optimizer, "_global_optimizer_post_hooks", {}))]
+    saved = [
+        (table, dict(table))
+        for table in (
+            getattr(_optimizer, "_global_optimizer_pre_hooks", {}),
+            getattr(_optimizer, "_global_optimizer_post_hooks", {}),
+        )
+    ]
     for table, _ in saved:
         table.clear()
     try:
@@ -139,8 +145,13 @@ def _stand_in(t: torch.Tensor, want: type = float) -> Any:
     return 0.5
 
 
-_READS = {torch.Tensor.item: float, torch.Tensor.__float__: float, torch.Tensor.__bool__: bool,
-          torch.Tensor.__int__: int, torch.Tensor.__index__: int}
+_READS = {
+    torch.Tensor.item: float,
+    torch.Tensor.__float__: float,
+    torch.Tensor.__bool__: bool,
+    torch.Tensor.__int__: int,
+    torch.Tensor.__index__: int,
+}
 
 
 class _Reads(TorchFunctionMode):
@@ -159,8 +170,9 @@ class _Reads(TorchFunctionMode):
         if t.device.type != "cpu":
             self.on_device += 1
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         want = _READS.get(func)
         if want is not None and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
@@ -212,9 +224,9 @@ def _is_scalar(value: Any) -> bool:
 
 @dataclass
 class _Run:
-    state: Optional[dict[str, bool]]
+    state: dict[str, bool] | None
     reads: int
-    error: Optional[str]
+    error: str | None
 
 
 def _as_python(value: Any) -> Any:
@@ -231,8 +243,13 @@ def _as_python(value: Any) -> Any:
     return value
 
 
-def _run(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int, paths: list[GroupPath],
-         on_device: Optional[GroupPath]) -> _Run:
+def _run(
+    cls: type[torch.optim.Optimizer],
+    group: Mapping[str, Any],
+    ndim: int,
+    paths: list[GroupPath],
+    on_device: GroupPath | None,
+) -> _Run:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -248,8 +265,9 @@ def _run(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int, 
             live = opt.param_groups[0]
             for key, index in paths:  # the group's own tensors, on the host (one of them on the device)
                 like = group[key] if index is None else group[key][index]
-                t = torch.zeros(like.shape, dtype=like.dtype,
-                                device=_FAKE_DEVICE if (key, index) == on_device else "cpu")
+                t = torch.zeros(
+                    like.shape, dtype=like.dtype, device=_FAKE_DEVICE if (key, index) == on_device else "cpu"
+                )
                 if index is None:
                     live[key] = t
                 else:
@@ -266,8 +284,11 @@ def _run(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int, 
                     # the state was created before that point, which is all that is read of it.
                     error = f"{type(e).__name__}: {str(e)[:200]}"
             state = opt.state.get(param, {})
-            found = {key: value.device.type != "cpu" for key, value in state.items()
-                     if isinstance(value, torch.Tensor) and value.dim() == 0}
+            found = {
+                key: value.device.type != "cpu"
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.dim() == 0
+            }
     return _Run(found if state else None, reads.on_device, error)
 
 
@@ -284,11 +305,11 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
     return Observed(baseline.state, verdicts)
 
 
-_cache: "OrderedDict[ProbeKey, Optional[Observed]]" = OrderedDict()
+_cache: OrderedDict[ProbeKey, Observed | None] = OrderedDict()
 _lock = threading.Lock()
 
 
-def probe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Optional[Observed]:
+def probe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | None:
     """What one step of a fresh ``cls`` over a fake ``cuda:0`` param of rank ``ndim`` with ``group``'s
     hyperparameters does (see the module docstring); ``None`` when the probe cannot run (the caller falls back
     to its table for state, and keeps group tensors where they are)."""

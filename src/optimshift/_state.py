@@ -17,7 +17,8 @@ import dataclasses
 import enum
 import types
 from collections import deque
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -25,8 +26,25 @@ Step = tuple[str, Any]  # ("key", k) | ("index", i) | ("attr", name) | ("elem", 
 Path = tuple[Step, ...]  # a tuple of steps
 Setter = Callable[[], None]
 
-_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size,
-          enum.Enum, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+_ATOMS = (
+    str,
+    bytes,
+    bytearray,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    enum.Enum,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+)
 
 
 def format_path(path: Path) -> str:
@@ -168,7 +186,9 @@ def rebuild(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Sette
     return result
 
 
-def _rebuild_container(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]) -> Any:
+def _rebuild_container(
+    value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]
+) -> Any:
     children = list(_children(value))
     new = [(step, child, rebuild(child, replace, setters, memo)) for step, child in children]
     changed = [(step, nv) for step, child, nv in new if nv is not child]
@@ -181,7 +201,8 @@ def _rebuild_container(value: Any, replace: Mapping[int, torch.Tensor], setters:
     if isinstance(value, tuple):
         items = [nv for _, _, nv in new]
         if _is_namedtuple(value):
-            return getattr(type(value), "_make")(items)
+            maker: Any = type(value)  # a namedtuple class (_is_namedtuple checked _make)
+            return maker._make(items)
         if type(value) is tuple:
             return tuple(items)
         return type(value)(items)
@@ -192,7 +213,8 @@ def _rebuild_container(value: Any, replace: Mapping[int, torch.Tensor], setters:
         setters.append(_set_replacer(value, items))
         return value
     if dataclasses.is_dataclass(value):
-        if getattr(type(value), "__dataclass_params__").frozen:
+        params: Any = getattr(type(value), "__dataclass_params__")  # noqa: B009  (not in typeshed)
+        if params.frozen:
             clone = copy.copy(value)
             for (_, name), nv in changed:
                 object.__setattr__(clone, name, nv)

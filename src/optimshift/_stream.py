@@ -39,12 +39,12 @@ import logging
 import time
 import types
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 
-from . import _mode
-from . import engine
+from . import _mode, engine
 from . import policy as _policy
 from ._adopt import Mechanism, adopt, decide_all
 from ._copystream import CopyStream, copy_stream, pinned_for
@@ -102,7 +102,7 @@ class _Entry:
         self.dtype, self.shape = obj.dtype, tuple(obj.shape)
         # Strides kept when the tensor is dense (as a fresh optimizer's zeros_like(p) of a permuted param is).
         self.stride = obj.stride() if obj.is_contiguous() else torch.empty_like(obj, device="meta").stride()
-        self.host: Optional[torch.Tensor] = None  # a view of the host buffer (what the object points at between steps)
+        self.host: torch.Tensor | None = None  # a view of the host buffer (what the object points at between steps)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This tensor's place in a flat uint8 buffer laid out like its chunk (the host buffer or a window)."""
@@ -129,15 +129,24 @@ class _Chunk:
 
     __slots__ = ("group", "device", "params", "entries", "nbytes", "buffer", "counts", "oversized")
 
-    def __init__(self, group: Group, device: torch.device, params: list[torch.Tensor], entries: list[_Entry],
-                 nbytes: int, buffer: torch.Tensor, counts: list[tuple[torch.Tensor, int]], oversized: bool) -> None:
+    def __init__(
+        self,
+        group: Group,
+        device: torch.device,
+        params: list[torch.Tensor],
+        entries: list[_Entry],
+        nbytes: int,
+        buffer: torch.Tensor,
+        counts: list[tuple[torch.Tensor, int]],
+        oversized: bool,
+    ) -> None:
         self.group, self.device, self.params, self.entries = group, device, params, entries
         self.nbytes, self.buffer, self.counts, self.oversized = nbytes, buffer, counts, oversized
 
 
 def _raw_step(cls: type) -> Callable[..., Any]:
     """The class's step without torch's hook wrapper (``Optimizer._patch_step_function`` puts it on the class)."""
-    fn = getattr(cls, "step")
+    fn = getattr(cls, "step")  # noqa: B009  (typed: a class, not an Optimizer)
     raw: Callable[..., Any] = fn.__wrapped__ if getattr(fn, "hooked", False) else fn
     return raw
 
@@ -157,7 +166,7 @@ class Streamed:
     tensor directly on CUDA; everything optimshift and torch do with the state waits by itself).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, chunk_bytes: int, device: Optional[torch.device]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, chunk_bytes: int, device: torch.device | None) -> None:
         self._ref = weakref.ref(optimizer)
         self.chunk_bytes = chunk_bytes
         self.device = device
@@ -190,8 +199,10 @@ class Streamed:
         return sum(c.nbytes for c in self._chunks.values())
 
     def __repr__(self) -> str:
-        return (f"Streamed({type(self._ref()).__name__}, chunks={self.chunks}, state_bytes={self.state_bytes}, "
-                f"chunk_bytes={self.chunk_bytes})")
+        return (
+            f"Streamed({type(self._ref()).__name__}, chunks={self.chunks}, state_bytes={self.state_bytes}, "
+            f"chunk_bytes={self.chunk_bytes})"
+        )
 
     # -- waiting (the _mode.Mode protocol) ----------------------------------------------------------------------
 
@@ -212,16 +223,19 @@ class Streamed:
             self._lay_out(self._members(None))
         except Exception as error:  # (an OOM pinning memory) the loaded state is valid; the next step retries
             self._stale = True
-            _log.warning("optimshift: laying out %s's loaded state in host buffers failed (%s: %s); the next step "
-                         "retries", optimizer_name(self.optimizer), type(error).__name__, error)
+            _log.warning(
+                "optimshift: laying out %s's loaded state in host buffers failed (%s: %s); the next step retries",
+                optimizer_name(self.optimizer),
+                type(error).__name__,
+                error,
+            )
         self._release(old)
 
     # -- layout --------------------------------------------------------------------------------------------------
 
-    def _members(self, wanted: Optional[set[int]]) -> list[tuple[Group, torch.Tensor]]:
+    def _members(self, wanted: set[int] | None) -> list[tuple[Group, torch.Tensor]]:
         """(group, param) for every param (or those whose id is in ``wanted``), in group order."""
-        return [(g, p) for g in self.optimizer.param_groups for p in g["params"]
-                if wanted is None or id(p) in wanted]
+        return [(g, p) for g in self.optimizer.param_groups for p in g["params"] if wanted is None or id(p) in wanted]
 
     def _lay_out(self, members: Sequence[tuple[Group, torch.Tensor]], *, wait: bool = True) -> None:
         """Put the state of ``members`` where streaming keeps it: each tensor that belongs on an accelerator into
@@ -245,21 +259,26 @@ class Streamed:
                         if value.device != device:
                             host_moves.append((st, key, value))
                     elif self.device is not None and device != self.device:
-                        raise ValueError(f"{name}: {_where(opt, p)}: state {key!r} belongs on {device}, but "
-                                         f"stream(device={self.device}) streams through {self.device} only")
+                        raise ValueError(
+                            f"{name}: {_where(opt, p)}: state {key!r} belongs on {device}, but "
+                            f"stream(device={self.device}) streams through {self.device} only"
+                        )
                     elif type(value) is not torch.Tensor:
-                        raise ValueError(f"{name}: {_where(opt, p)}: state {key!r} is a {type(value).__name__}; "
-                                         f"streaming lays out plain tensors only (sharded DTensor state is not "
-                                         f"streamed). Keep this optimizer's state on the device (optimshift.move).")
+                        raise ValueError(
+                            f"{name}: {_where(opt, p)}: state {key!r} is a {type(value).__name__}; "
+                            f"streaming lays out plain tensors only (sharded DTensor state is not "
+                            f"streamed). Keep this optimizer's state on the device (optimshift.move)."
+                        )
                     else:
                         streamed.append((key, value))
                 elif not isinstance(value, _ATOMS):
-                    for path, t in leaves(value):
+                    for _path, t in leaves(value):
                         if target(_NO_IDENT, p, group, key, t)[0].type not in _HOSTS:
                             raise ValueError(
                                 f"{name}: {_where(opt, p)}: state {key!r} holds a tensor inside a "
                                 f"{type(value).__name__} that belongs on {p.device}; streaming moves top-level state "
-                                f"tensors only. Keep this optimizer's state on the device (optimshift.move).")
+                                f"tensors only. Keep this optimizer's state on the device (optimshift.move)."
+                            )
             if streamed:
                 buckets.setdefault((id(group), p.device), []).append((group, p, st, streamed))
             else:
@@ -333,8 +352,16 @@ class Streamed:
                 offset += _aligned(entries[-1].nbytes)
         buffer = host_pool.acquire(max(offset, 1), pinned=pinned_for(device))
         counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
-        chunk = _Chunk(group, device, [p for _, p, _, _ in part], entries, offset, buffer, counts,
-                       oversized=len(part) == 1 and offset > self.chunk_bytes)
+        chunk = _Chunk(
+            group,
+            device,
+            [p for _, p, _, _ in part],
+            entries,
+            offset,
+            buffer,
+            counts,
+            oversized=len(part) == 1 and offset > self.chunk_bytes,
+        )
         hosts = _views(buffer, entries)
         for e, host in zip(entries, hosts):
             e.host = host
@@ -399,7 +426,7 @@ class Streamed:
 
     def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         opt = self.optimizer
-        setattr(opt, "_opt_called", True)  # what an LR scheduler's step wrapper records (see _install)
+        setattr(opt, "_opt_called", True)  # noqa: B010  # what an LR scheduler's step wrapper records (see _install)
         closure = args[0] if args else kwargs.pop("closure", None)
         rest = (None,) + tuple(args[1:]) if len(args) > 1 else ()
         loss = None
@@ -409,8 +436,10 @@ class Streamed:
         if self._stale:
             self.after_load()
             if self._stale:
-                raise RuntimeError(f"{optimizer_name(opt)}: its loaded state could not be laid out in host "
-                                   f"buffers (see the warning above); nothing was stepped")
+                raise RuntimeError(
+                    f"{optimizer_name(opt)}: its loaded state could not be laid out in host "
+                    f"buffers (see the warning above); nothing was stepped"
+                )
         active, plain = self._schedule(opt)
         out = None
         try:
@@ -503,7 +532,7 @@ class Streamed:
         for c in chunks:
             if not c.oversized:
                 capacity[c.device] = max(capacity.get(c.device, 0), c.nbytes)
-        rings: dict[torch.device, list[Optional[torch.Tensor]]] = {}
+        rings: dict[torch.device, list[torch.Tensor | None]] = {}
         turn: dict[torch.device, int] = {}
         windows: list[Any] = [None] * n
         loaded: list[Any] = [None] * n
@@ -529,7 +558,7 @@ class Streamed:
                 # (the caching allocator reuses a block in stream order): the copy stream waits for it first.
                 s.after_current()
                 s.keep(window)
-            s.copy(window[:c.nbytes], c.buffer[:c.nbytes])
+            s.copy(window[: c.nbytes], c.buffer[: c.nbytes])
             windows[k], loaded[k] = window, s.record()
 
         out = None
@@ -552,8 +581,9 @@ class Streamed:
                 self._pending[device] = copy_stream(device).record()
         return out
 
-    def _chunk_step(self, c: _Chunk, window: torch.Tensor, s: CopyStream, rest: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Any:
+    def _chunk_step(
+        self, c: _Chunk, window: torch.Tensor, s: CopyStream, rest: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """Step one chunk with its state in ``window``, then queue its write-back."""
         entries = c.entries
         views = _views(window, entries)
@@ -578,7 +608,7 @@ class Streamed:
                 elif e.state.get(e.key) is v:
                     e.state[e.key] = e.obj
             s.after_current()
-            s.copy(c.buffer[:c.nbytes], window[:c.nbytes])
+            s.copy(c.buffer[: c.nbytes], window[: c.nbytes])
         if changed:
             # The step added, dropped or replaced a state tensor of this chunk: lay its params out again.
             s.host_wait(s.record())
@@ -620,8 +650,10 @@ class Streamed:
         for attr, fn in self._installed.items():
             self._saved[attr] = opt.__dict__.get(attr, _MISSING)
             setattr(opt, attr, types.MethodType(fn, opt))
-        self._handles = [opt.register_state_dict_pre_hook(lambda _opt: self.wait()),
-                         opt.register_state_dict_post_hook(self._compact)]
+        self._handles = [
+            opt.register_state_dict_pre_hook(lambda _opt: self.wait()),
+            opt.register_state_dict_post_hook(self._compact),
+        ]
         self._active = True
         _mode.enter(opt, self)
 
@@ -646,8 +678,10 @@ class Streamed:
         state = {}
         for k, st in sd["state"].items():
             if isinstance(st, dict) and any(isinstance(v, torch.Tensor) and id(v) in objects for v in st.values()):
-                st = {kk: vv.clone() if isinstance(vv, torch.Tensor) and id(vv) in objects else vv
-                      for kk, vv in st.items()}
+                st = {
+                    kk: vv.clone() if isinstance(vv, torch.Tensor) and id(vv) in objects else vv
+                    for kk, vv in st.items()
+                }
             state[k] = st
         sd["state"] = state
         return sd
@@ -663,57 +697,65 @@ def _where(opt: Any, p: torch.Tensor) -> str:
     return "a param in no group"
 
 
-def _check(optimizer: Any, chunk_bytes: Any, device: Optional[DeviceLike]) -> Optional[torch.device]:
+def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch.device | None:
     """Every reason not to stream ``optimizer``, raised before anything changes."""
     check_optimizer(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"stream: {type(optimizer).__name__} is not a torch.optim.Optimizer; pass the optimizer it "
-                        f"wraps (e.g. its .optimizer)")
+        raise TypeError(
+            f"stream: {type(optimizer).__name__} is not a torch.optim.Optimizer; pass the optimizer it "
+            f"wraps (e.g. its .optimizer)"
+        )
     name = optimizer_name(optimizer)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"{name}: stream: chunk_bytes must be a positive int (bytes of state per chunk), "
-                         f"got {chunk_bytes!r}")
+        raise ValueError(
+            f"{name}: stream: chunk_bytes must be a positive int (bytes of state per chunk), got {chunk_bytes!r}"
+        )
     ok, why = _policy.separable(type(optimizer))
     if not ok:
         cls = type(optimizer).__name__
         reasons = {
             "not separable": f"{cls}'s step is not a per-param update (it flattens every grad into one vector, keeps "
-                             f"its history over all params and runs one line search over all of them), so it cannot "
-                             f"be stepped a chunk at a time. Keep its state on the device, or offload() it between "
-                             f"steps.",
+            f"its history over all params and runs one line search over all of them), so it cannot "
+            f"be stepped a chunk at a time. Keep its state on the device, or offload() it between "
+            f"steps.",
             "overrides step": f"{cls} overrides step(): optimshift cannot tell whether it updates each param from "
-                              f"that param's grad and state alone, which stepping a chunk at a time needs. If it "
-                              f"does, declare it: optimshift.register_policy({cls}, lambda *a: None, separable=True).",
+            f"that param's grad and state alone, which stepping a chunk at a time needs. If it "
+            f"does, declare it: optimshift.register_policy({cls}, lambda *a: None, separable=True).",
             "registered": f"the policy registered for {cls} does not declare it separable; if its step updates each "
-                          f"param from that param's grad and state alone, register it with separable=True.",
+            f"param from that param's grad and state alone, register it with separable=True.",
             "unknown": f"{cls} is not a torch.optim optimizer, and nothing says its step updates each param from "
-                       f"that param's grad and state alone, which stepping a chunk at a time needs. If it does, "
-                       f"declare it: optimshift.register_policy({cls}, lambda *a: None, separable=True).",
+            f"that param's grad and state alone, which stepping a chunk at a time needs. If it does, "
+            f"declare it: optimshift.register_policy({cls}, lambda *a: None, separable=True).",
         }
         raise ValueError(f"{name}: stream: {reasons[why]}")
     if _mode.mode_of(optimizer) is not None:
-        raise ValueError(f"{name}: stream: already streamed; optimshift.unstream(optimizer) first to change "
-                         f"chunk_bytes or device")
+        raise ValueError(
+            f"{name}: stream: already streamed; optimshift.unstream(optimizer) first to change chunk_bytes or device"
+        )
     if record_of(optimizer) is not None:
         raise ValueError(f"{name}: stream: its state is offloaded; optimshift.reload(optimizer) first")
     if "param_groups" not in optimizer.__dict__:
-        raise TypeError(f"{name}: stream: param_groups is not a plain attribute of this optimizer; it cannot be "
-                        f"cut down to a chunk")
+        raise TypeError(
+            f"{name}: stream: param_groups is not a plain attribute of this optimizer; it cannot be cut down to a chunk"
+        )
     params = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     target = None
     if device is not None:
         target = resolve(device, what="device", tensors=[p for _, _, p in params])
         if target.type in _HOSTS:
-            raise ValueError(f"{name}: stream: device must be an accelerator (state streams through it), "
-                             f"got {target}")
+            raise ValueError(f"{name}: stream: device must be an accelerator (state streams through it), got {target}")
         for gi, pi, p in params:
             if p.device.type not in _HOSTS and p.device != target:
-                raise ValueError(f"{name}: stream(device={target}): group {gi}, param {pi} is on {p.device}; its "
-                                 f"state would have to stream through {p.device}. Pass device=None to stream each "
-                                 f"param's state through its own device.")
+                raise ValueError(
+                    f"{name}: stream(device={target}): group {gi}, param {pi} is on {p.device}; its "
+                    f"state would have to stream through {p.device}. Pass device=None to stream each "
+                    f"param's state through its own device."
+                )
     if not any(p.device.type not in _HOSTS for _, _, p in params):
-        raise ValueError(f"{name}: stream: no param is on an accelerator, so there is nothing to stream through; "
-                         f"move the model first (model.to(device))")
+        raise ValueError(
+            f"{name}: stream: no param is on an accelerator, so there is nothing to stream through; "
+            f"move the model first (model.to(device))"
+        )
     for gi, pi, p in params:
         if p.device.type == "meta":
             raise ValueError(f"{name}: stream: group {gi}, param {pi} is on the meta device (no values)")
@@ -723,13 +765,15 @@ def _check(optimizer: Any, chunk_bytes: Any, device: Optional[DeviceLike]) -> Op
             if isinstance(value, torch.Tensor):
                 where = f"group {gi}, param {pi}, state {key!r}"
                 if id(value) in seen:
-                    raise ValueError(f"{name}: stream: one tensor is shared by {seen[id(value)]} and {where}; "
-                                     f"streaming gives each entry its own place")
+                    raise ValueError(
+                        f"{name}: stream: one tensor is shared by {seen[id(value)]} and {where}; "
+                        f"streaming gives each entry its own place"
+                    )
                 seen[id(value)] = where
     return target
 
 
-def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: Optional[DeviceLike] = None) -> Streamed:
+def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: DeviceLike | None = None) -> Streamed:
     """Keep the optimizer's state in host memory and stream it through the device at every ``step()``.
 
     Every state entry that belongs on an accelerator moves to host memory (pinned on CUDA, from the host pool),
@@ -754,12 +798,17 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: Op
         mode._lay_out(mode._members(None))
     mode._install(optimizer)
     if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("stream %s: %d chunks, %d bytes of state in host memory, in %.2f ms", optimizer_name(optimizer),
-                   mode.chunks, mode.state_bytes, (time.perf_counter() - start) * 1e3)
+        _log.debug(
+            "stream %s: %d chunks, %d bytes of state in host memory, in %.2f ms",
+            optimizer_name(optimizer),
+            mode.chunks,
+            mode.state_bytes,
+            (time.perf_counter() - start) * 1e3,
+        )
     return mode
 
 
-def _mode_of(optimizer: Any) -> Optional[Streamed]:
+def _mode_of(optimizer: Any) -> Streamed | None:
     mode = _mode.mode_of(optimizer)
     return mode if isinstance(mode, Streamed) else None
 
@@ -791,8 +840,9 @@ def unstream(optimizer: Opt) -> Opt:
 
 
 @contextlib.contextmanager
-def streamed(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             device: Optional[DeviceLike] = None) -> Iterator[Streamed]:
+def streamed(
+    optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: DeviceLike | None = None
+) -> Iterator[Streamed]:
     """:func:`stream` on enter, :func:`unstream` on exit (also when the body raises); yields the
     :class:`Streamed` handle. A no-op if it is already streamed (then its handle is yielded)."""
     mode = _mode_of(optimizer)

@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ class Streams:
     def new_stream(self, device: torch.device) -> Any:
         raise NotImplementedError
 
-    def use(self, stream: Any) -> "contextlib.AbstractContextManager[None]":
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[None]:
         """Make ``stream`` current on its device for the ``with`` body, then restore the previous one."""
         raise NotImplementedError
 
@@ -138,7 +139,7 @@ class _ModuleStreams(Streams):
     def new_stream(self, device: torch.device) -> Any:
         return self.module.Stream(device)
 
-    def use(self, stream: Any) -> "contextlib.AbstractContextManager[None]":
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[None]:
         context: contextlib.AbstractContextManager[None] = self.module.stream(stream)
         return context
 
@@ -152,7 +153,7 @@ class _ModuleStreams(Streams):
 # -- choosing an implementation per device type -----------------------------------------------------------
 
 _registered: dict[str, tuple[Any, bool]] = {}  # device type -> (torch.cuda-shaped module, pins host memory)
-_chosen: dict[str, Optional[Streams]] = {}
+_chosen: dict[str, Streams | None] = {}
 _choose_lock = threading.Lock()
 
 
@@ -170,12 +171,25 @@ def register_backend(device_type: str, module: Any, *, pin_host: bool = False) -
 
 def _generic_api() -> bool:
     acc = getattr(torch, "accelerator", None)
-    return (acc is not None and hasattr(torch, "Stream") and hasattr(torch, "Event")
-            and all(hasattr(acc, name) for name in ("current_accelerator", "current_stream", "set_stream",
-                                                     "synchronize", "current_device_index", "set_device_index")))
+    return (
+        acc is not None
+        and hasattr(torch, "Stream")
+        and hasattr(torch, "Event")
+        and all(
+            hasattr(acc, name)
+            for name in (
+                "current_accelerator",
+                "current_stream",
+                "set_stream",
+                "synchronize",
+                "current_device_index",
+                "set_device_index",
+            )
+        )
+    )
 
 
-def _current_accelerator_type() -> Optional[str]:
+def _current_accelerator_type() -> str | None:
     try:
         device = torch.accelerator.current_accelerator()
     except Exception:
@@ -183,12 +197,12 @@ def _current_accelerator_type() -> Optional[str]:
     return None if device is None else device.type
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _candidate(device_type: str) -> Optional[Streams]:
+def _candidate(device_type: str) -> Streams | None:
     if device_type in _registered:
         return _ModuleStreams(device_type, _registered[device_type][0])
     if device_type in ("cpu", "meta"):
@@ -216,7 +230,7 @@ def _probe(streams: Streams, device: torch.device) -> bool:
         return False
 
 
-def of(device: Optional[torch.device]) -> Optional[Streams]:
+def of(device: torch.device | None) -> Streams | None:
     """The :class:`Streams` of ``device``'s type, or None where transfers must be synchronous."""
     if device is None:
         return None
@@ -234,15 +248,16 @@ def of(device: Optional[torch.device]) -> Optional[Streams]:
 
 # -- pinned host memory -------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def host_pinning() -> Optional[str]:
+
+@functools.cache
+def host_pinning() -> str | None:
     """The device type host memory can be pinned for in this process (the accelerator's), or None.
 
     # NOTE: asking ``is_pinned()`` or ``pin_memory=True`` with no such accelerator either initializes one for
     # nothing or raises (a Python backend has no pinned allocator): callers check this first.
     """
     if _cuda_available():
-        kind: Optional[str] = "cuda"
+        kind: str | None = "cuda"
     else:
         kind = _current_accelerator_type() if _generic_api() else None
     if kind is None or (kind in _registered and not _registered[kind][1]):

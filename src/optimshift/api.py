@@ -7,19 +7,17 @@ import functools
 import logging
 import time
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
-from . import _mode
-from . import _offload
-from . import _streams
-from . import engine
+from . import _mode, _offload, _streams, engine
 from . import policy as _policy
 from ._adopt import keeps_object_across_host
 from ._devices import DeviceLike, resolve
-from ._dtypes import dtype_findings
 from ._dtensor import row_fields
+from ._dtypes import dtype_findings
 from ._offload import PendingTransfer, Record, exclusive, forget, record_of, remember_pending, settle
 from .plan import Ident, Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
@@ -48,13 +46,13 @@ def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
 
 
-def _resolve(device: Optional[DeviceLike], optimizer: Any, what: str = "device") -> Optional[torch.device]:
+def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") -> torch.device | None:
     if device is None:
         return None
     return resolve(device, what=what, tensors=_all_tensors(optimizer))
 
 
-def _grads_back(optimizer: Any, record: Optional[Record]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(param, host grad) pairs that go back to their params, checked before any copy: a grad goes to its
     param's current device and must match the param, and a grad set while offloaded is never overwritten."""
     if record is None:
@@ -76,29 +74,45 @@ def _grads_back(optimizer: Any, record: Optional[Record]) -> list[tuple[torch.Te
     return out
 
 
-def _transfer(optimizer: Any, target: TargetFn, *, what: str, non_blocking: bool = False,
-              pin_memory: bool = False, keep_host_views: bool = False,
-              extra: Sequence[tuple[torch.Tensor, torch.device]] = ()) -> tuple[engine.Copies, PendingTransfer]:
+def _transfer(
+    optimizer: Any,
+    target: TargetFn,
+    *,
+    what: str,
+    non_blocking: bool = False,
+    pin_memory: bool = False,
+    keep_host_views: bool = False,
+    extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
+) -> tuple[engine.Copies, PendingTransfer]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object)."""
     start = time.perf_counter()
     with engine.no_gc():
         plan = build_plan(optimizer, target)
-        copies = engine.run(plan, non_blocking=non_blocking, pin_memory=pin_memory, keep_host_views=keep_host_views,
-                            extra=extra)
+        copies = engine.run(
+            plan, non_blocking=non_blocking, pin_memory=pin_memory, keep_host_views=keep_host_views, extra=extra
+        )
         engine.commit(optimizer, copies)
     if _log.isEnabledFor(logging.DEBUG):
         moved = list(copies.new.values())
-        _log.debug("%s %s: %d tensors (%d bytes) in %.2f ms, %d device synchronizations; objects kept: %d by "
-                   "set_data, %d by swap, %d replaced%s", what, optimizer_name(optimizer), len(moved),
-                   sum(tensor_bytes(t) for t in moved), (time.perf_counter() - start) * 1e3,
-                   0 if copies.event is not None else sum(d.type not in ("cpu", "meta") for d in copies.batch.devices), copies.mechanisms.get("data", 0),
-                   copies.mechanisms.get("swap", 0), copies.mechanisms.get("replace", 0),
-                   " (non-blocking: still in flight)" if copies.event is not None else "")
+        _log.debug(
+            "%s %s: %d tensors (%d bytes) in %.2f ms, %d device synchronizations; objects kept: %d by "
+            "set_data, %d by swap, %d replaced%s",
+            what,
+            optimizer_name(optimizer),
+            len(moved),
+            sum(tensor_bytes(t) for t in moved),
+            (time.perf_counter() - start) * 1e3,
+            0 if copies.event is not None else sum(d.type not in ("cpu", "meta") for d in copies.batch.devices),
+            copies.mechanisms.get("data", 0),
+            copies.mechanisms.get("swap", 0),
+            copies.mechanisms.get("replace", 0),
+            " (non-blocking: still in flight)" if copies.event is not None else "",
+        )
     return copies, PendingTransfer(copies.event, copies.device)
 
 
 @_one_at_a_time
-def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Opt:
+def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt:
     """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it.
 
     ``device=None``: each param's state follows that param's current device (call it after ``model.to()``).
@@ -110,8 +124,13 @@ def move(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: b
     target = _resolve(device, optimizer)
     settle(optimizer)
     grads = _grads_back(optimizer, record_of(optimizer))
-    copies, pending = _transfer(optimizer, policy_target(optimizer, target), what="move",
-                                non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads])
+    copies, pending = _transfer(
+        optimizer,
+        policy_target(optimizer, target),
+        what="move",
+        non_blocking=non_blocking,
+        extra=[(g, p.device) for p, g in grads],
+    )
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
@@ -126,7 +145,7 @@ _INCLUDE = ("grads",)
 def offload(
     optimizer: Opt,
     *,
-    pin_memory: Optional[bool] = None,
+    pin_memory: bool | None = None,
     non_blocking: bool = False,
     include: Iterable[str] = (),
     empty_cache: bool = False,
@@ -165,14 +184,21 @@ def offload(
             if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
                 grads.append(((gi, pi), p))
 
-    def to_host(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
-                tensor: torch.Tensor) -> tuple[torch.device, str]:
+    def to_host(
+        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
         record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
         return host, "offload"
 
-    copies, pending = _transfer(optimizer, to_host, what="offload", non_blocking=non_blocking,
-                                pin_memory=pin_memory is not False, keep_host_views=True,
-                                extra=[(p.grad, host) for _, p in grads])
+    copies, pending = _transfer(
+        optimizer,
+        to_host,
+        what="offload",
+        non_blocking=non_blocking,
+        pin_memory=pin_memory is not False,
+        keep_host_views=True,
+        extra=[(p.grad, host) for _, p in grads],
+    )
     for where, p in grads:  # only now: every copy exists
         record.grads[where] = (p, copies.new[id(p.grad)])
         p.grad = None
@@ -190,7 +216,7 @@ def is_offloaded(optimizer: Any) -> bool:
 
 
 @_one_at_a_time
-def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking: bool = False) -> Any:
+def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Any:
     """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
     ``device`` would hold it), in the same tensor objects. Reloading an optimizer that was never offloaded is
     a no-op.
@@ -213,8 +239,9 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
     grads = _grads_back(optimizer, record)
     by_policy = policy_target(optimizer, None)
 
-    def back(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
-             tensor: torch.Tensor) -> tuple[torch.device, str]:
+    def back(
+        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
         was = record.devices.get(ident)
         if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
             was = None  # the param moved while its state was away: place the state for where it is now
@@ -222,8 +249,9 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
             return was, "recorded"
         return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
-    copies, pending = _transfer(optimizer, back, what="reload", non_blocking=non_blocking,
-                                extra=[(g, p.device) for p, g in grads])
+    copies, pending = _transfer(
+        optimizer, back, what="reload", non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads]
+    )
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)
     if grads:
@@ -234,7 +262,7 @@ def reload(optimizer: Opt, device: Optional[DeviceLike] = None, *, non_blocking:
 
 
 @contextlib.contextmanager
-def offloaded(optimizer: Opt, *, pin_memory: Optional[bool] = None, include: Iterable[str] = ()) -> Iterator[Opt]:
+def offloaded(optimizer: Opt, *, pin_memory: bool | None = None, include: Iterable[str] = ()) -> Iterator[Opt]:
     """Offload on enter, reload on exit (also when the body raises). A no-op if it is already offloaded."""
     already = is_offloaded(optimizer)
     if not already:
@@ -255,9 +283,17 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
     rows = []
     for transfer in build_plan(optimizer, lambda ident, param, group, key, tensor: (tensor.device, "")).transfers:
         t = transfer.tensor
-        rows.append(PlacementRow(transfer.site.param_label, transfer.site.key_label, str(t.device),
-                                 str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_bytes(t),
-                                 **row_fields(t)))  # DTensor: local shape and placements
+        rows.append(
+            PlacementRow(
+                transfer.site.param_label,
+                transfer.site.key_label,
+                str(t.device),
+                str(t.dtype).replace("torch.", ""),
+                tuple(t.shape),
+                tensor_bytes(t),
+                **row_fields(t),
+            )
+        )  # DTensor: local shape and placements
     return rows
 
 
@@ -279,43 +315,73 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             continue
         t, site = tr.tensor, tr.site
         severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target)
-        report.findings.append(Finding(
-            severity, site.param_label, site.key_label, str(t.device), str(t.dtype).replace("torch.", ""),
-            str(tr.target), why, site.group, site.index, cost,
-        ))
+        report.findings.append(
+            Finding(
+                severity,
+                site.param_label,
+                site.key_label,
+                str(t.device),
+                str(t.dtype).replace("torch.", ""),
+                str(tr.target),
+                why,
+                site.group,
+                site.index,
+                cost,
+            )
+        )
     report.findings.extend(dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
-        report.findings.append(Finding(
-            "info", "-", "-", "-", "-", "-",
-            f"no placement rule is known for {name}: used the default (a 0-dim 'step' stays on the host unless "
-            f"the group is fused/capturable; everything else follows its param). Register one with "
-            f"optimshift.register_policy({name}, policy) if that is wrong.",
-        ))
+        report.findings.append(
+            Finding(
+                "info",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"no placement rule is known for {name}: used the default (a 0-dim 'step' stays on the host unless "
+                f"the group is fused/capturable; everything else follows its param). Register one with "
+                f"optimshift.register_policy({name}, policy) if that is wrong.",
+            )
+        )
     pinned = [tr for tr in plan.transfers if not keeps_object_across_host(tr.tensor)]
     if pinned:
         site = pinned[0].site
-        report.findings.append(Finding(
-            "info", site.param_label, site.key_label, str(pinned[0].tensor.device), "-", "-",
-            f"{len(pinned)} state tensor{'s' if len(pinned) != 1 else ''} on {pinned[0].tensor.device.type} "
-            f"{'are' if len(pinned) != 1 else 'is'} weakly referenced (dynamo does this once it traced a step over "
-            f"them), and torch can exchange {pinned[0].tensor.device.type} tensors with host ones in place only by "
-            f"swap_tensors, which weak references forbid: an offload/reload or a move to or from the host replaces "
-            f"these objects (values and placement stay right; a compiled step recompiles once).",
-        ))
+        report.findings.append(
+            Finding(
+                "info",
+                site.param_label,
+                site.key_label,
+                str(pinned[0].tensor.device),
+                "-",
+                "-",
+                f"{len(pinned)} state tensor{'s' if len(pinned) != 1 else ''} on {pinned[0].tensor.device.type} "
+                f"{'are' if len(pinned) != 1 else 'is'} weakly referenced (dynamo does this once it traced a step over "
+                f"them), and torch can exchange {pinned[0].tensor.device.type} tensors with host ones in place only by "
+                f"swap_tensors, which weak references forbid: an offload/reload or a move to or from the host replaces "
+                f"these objects (values and placement stay right; a compiled step recompiles once).",
+            )
+        )
     return report
 
 
-def _explain(optimizer: Any, param: Optional[torch.Tensor], site: Site, t: torch.Tensor,
-             expected: torch.device) -> tuple[str, str, Optional[int]]:
+def _explain(
+    optimizer: Any, param: torch.Tensor | None, site: Site, t: torch.Tensor, expected: torch.device
+) -> tuple[str, str, int | None]:
     name = optimizer_name(optimizer)
     group = optimizer.param_groups[max(site.group, 0)]  # optimizer-wide entries: the first group
     on_host = t.device.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
-        cost = sync_cost(type(optimizer), name, site.key, group.get("foreach"), t.device.type != "cpu") \
-            if len(site.path) == 1 else None
-        return ("warning",
-                f"{name} reads this scalar on the host each step: on {t.device} every read is a device-to-host sync",
-                cost)
+        cost = (
+            sync_cost(type(optimizer), name, site.key, group.get("foreach"), t.device.type != "cpu")
+            if len(site.path) == 1
+            else None
+        )
+        return (
+            "warning",
+            f"{name} reads this scalar on the host each step: on {t.device} every read is a device-to-host sync",
+            cost,
+        )
     if t.dim() == 0 and on_host:
         if group.get("fused"):
             return "error", "the fused kernel rejects a host tensor: step() will raise", None
@@ -344,7 +410,9 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     seen: set[int] = set()
     for (gi, pi, p), q in zip(old, new):
         if not isinstance(q, torch.Tensor):
-            raise TypeError(f"{name}: rebind: new param for group {gi}, param {pi} is a {type(q).__name__}, not a tensor")
+            raise TypeError(
+                f"{name}: rebind: new param for group {gi}, param {pi} is a {type(q).__name__}, not a tensor"
+            )
         if tuple(q.shape) != tuple(p.shape):
             raise ValueError(
                 f"{name}: rebind: group {gi}, param {pi} has shape {tuple(p.shape)}, the new param {tuple(q.shape)}"
@@ -355,8 +423,9 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     mapping = {id(p): q for (_, _, p), q in zip(old, new)}
     by_policy = policy_target(optimizer, None)
 
-    def target(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
-               tensor: torch.Tensor) -> tuple[torch.device, str]:
+    def target(
+        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
         if param is not None:
             return by_policy(ident, mapping[id(param)], group, key, tensor)
         firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params
@@ -367,7 +436,7 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
         copies = engine.run(build_plan(optimizer, target))
     # Everything is copied: now swap params and re-key state, then the tensors.
     states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
-    for (gi, pi, p), q in zip(old, new):
+    for (gi, pi, _), q in zip(old, new):
         optimizer.param_groups[gi]["params"][pi] = q
     for (_, _, p), q in zip(old, new):
         if id(p) in states and p is not q:
@@ -377,4 +446,3 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
             optimizer.state[q] = states[id(p)]
     engine.commit(optimizer, copies)
     return optimizer
-

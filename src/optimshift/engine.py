@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -47,8 +48,8 @@ class Copies:
     new: dict[int, torch.Tensor]
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
     batch: Batch
-    event: Optional[Any] = None
-    device: Optional[torch.device] = None
+    event: Any | None = None
+    device: torch.device | None = None
     mechanisms: dict[str, int] = field(default_factory=dict)  # filled by commit: how many tensors each way
 
 
@@ -58,8 +59,8 @@ def copy_items(
     non_blocking: bool = False,
     pin_memory: bool = False,
     keep_host_views: bool = False,
-    pool: Optional[HostPool] = None,
-    describe: Optional[Callable[[int], str]] = None,
+    pool: HostPool | None = None,
+    describe: Callable[[int], str] | None = None,
 ) -> Batch:
     """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
 
@@ -67,8 +68,14 @@ def copy_items(
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
     """
     pool = host_pool if pool is None else pool
-    batch = copy_many(items, pool=pool, pin_memory=pin_memory, keep_host_views=keep_host_views,
-                      non_blocking=non_blocking, describe=describe)
+    batch = copy_many(
+        items,
+        pool=pool,
+        pin_memory=pin_memory,
+        keep_host_views=keep_host_views,
+        non_blocking=non_blocking,
+        describe=describe,
+    )
     to_host = any(target.type == "cpu" and t.device.type not in ("cpu", "meta") for t, target in items)
     if batch.after_sync or not non_blocking or (to_host and not keep_host_views):
         synchronize(batch.devices)
@@ -78,7 +85,7 @@ def copy_items(
     return batch
 
 
-def _current_stream_event(devices: Iterable[torch.device]) -> Optional[Any]:
+def _current_stream_event(devices: Iterable[torch.device]) -> Any | None:
     """An event after the copies queued on the current stream of the (one) device with streams among
     ``devices`` (staging buffers wait for it); None where no device has streams."""
     for device in sorted({d for d in devices if d.type not in ("cpu", "meta")}, key=str):
@@ -90,7 +97,7 @@ def _current_stream_event(devices: Iterable[torch.device]) -> Optional[Any]:
     return None
 
 
-def _single_stream_device(items: Sequence[tuple[torch.Tensor, torch.device]]) -> Optional[torch.device]:
+def _single_stream_device(items: Sequence[tuple[torch.Tensor, torch.device]]) -> torch.device | None:
     """The one accelerator ``items`` touch, if it has streams (several devices: synchronous copies)."""
     devices = {d for t, target in items for d in (t.device, target) if d.type not in ("cpu", "meta")}
     if len(devices) != 1:
@@ -106,7 +113,7 @@ def run(
     pin_memory: bool = False,
     keep_host_views: bool = False,
     extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
-    pool: Optional[HostPool] = None,
+    pool: HostPool | None = None,
 ) -> Copies:
     """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (e.g. grads), grouped.
 
@@ -141,28 +148,40 @@ def run(
     # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)
     device = _single_stream_device(items) if non_blocking and not _fake_mode_active() else None
     if device is None:
-        batch = copy_items(items, pin_memory=pin_memory, keep_host_views=keep_host_views, pool=pool,
-                           describe=describe)
+        batch = copy_items(items, pin_memory=pin_memory, keep_host_views=keep_host_views, pool=pool, describe=describe)
         event = None
     else:
-        batch, event = _run_on_side_stream(items, device, pin_memory=pin_memory, keep_host_views=keep_host_views,
-                                           pool=pool, describe=describe)
+        batch, event = _run_on_side_stream(
+            items, device, pin_memory=pin_memory, keep_host_views=keep_host_views, pool=pool, describe=describe
+        )
     new = {id(t): c for (t, _), c in zip(items, batch.copies) if c is not None}
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None]
     return Copies(new, pairs, batch, event, device if event is not None else None)
 
 
-def _run_on_side_stream(items: Sequence[tuple[torch.Tensor, torch.device]], device: torch.device, *,
-                        pin_memory: bool, keep_host_views: bool, pool: HostPool,
-                        describe: Callable[[int], str]) -> tuple[Batch, Any]:
+def _run_on_side_stream(
+    items: Sequence[tuple[torch.Tensor, torch.device]],
+    device: torch.device,
+    *,
+    pin_memory: bool,
+    keep_host_views: bool,
+    pool: HostPool,
+    describe: Callable[[int], str],
+) -> tuple[Batch, Any]:
     streams = _streams.of(device)
     assert streams is not None  # (_single_stream_device checked)
     main = streams.current(device)
     side = streams.side(device)
     streams.wait_stream(side, main)  # the copies read what the main stream last wrote (e.g. the last step)
     with streams.use(side):
-        batch = copy_items(items, non_blocking=True, pin_memory=pin_memory, keep_host_views=keep_host_views,
-                           pool=pool, describe=describe)
+        batch = copy_items(
+            items,
+            non_blocking=True,
+            pin_memory=pin_memory,
+            keep_host_views=keep_host_views,
+            pool=pool,
+            describe=describe,
+        )
         event = streams.new_event(device)
         streams.record(event, side)
     for (t, _), new in zip(items, batch.copies):
@@ -174,8 +193,9 @@ def _run_on_side_stream(items: Sequence[tuple[torch.Tensor, torch.device]], devi
     return batch, event
 
 
-def adopt_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
-                                                                         Callable[[], dict[str, int]]]:
+def adopt_all(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], dict[str, int]]]:
     """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
     object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
     and returns how many tensors went each way."""
@@ -225,8 +245,9 @@ def commit(optimizer: Any, copies: Copies) -> dict[str, int]:
     return counts
 
 
-def _prepare_replacements(optimizer: Any, replace: Mapping[int, torch.Tensor],
-                          assignments: list[tuple[Any, Any, Any]], setters: list[Setter]) -> None:
+def _prepare_replacements(
+    optimizer: Any, replace: Mapping[int, torch.Tensor], assignments: list[tuple[Any, Any, Any]], setters: list[Setter]
+) -> None:
     memo: dict[int, Any] = {}
     for key, state in optimizer.state.items():
         if isinstance(state, dict):
@@ -239,8 +260,14 @@ def _prepare_replacements(optimizer: Any, replace: Mapping[int, torch.Tensor],
         _prepare_mapping(group, ("params", "param_names"), replace, assignments, setters, memo)
 
 
-def _prepare_mapping(mapping: Any, skip: tuple[str, ...], replace: Mapping[int, torch.Tensor],
-                     assignments: list[tuple[Any, Any, Any]], setters: list[Setter], memo: dict[int, Any]) -> None:
+def _prepare_mapping(
+    mapping: Any,
+    skip: tuple[str, ...],
+    replace: Mapping[int, torch.Tensor],
+    assignments: list[tuple[Any, Any, Any]],
+    setters: list[Setter],
+    memo: dict[int, Any],
+) -> None:
     for key, value in mapping.items():
         if isinstance(value, torch.Tensor):  # the common case, kept cheap
             new = replace.get(id(value))

@@ -6,9 +6,10 @@ while the optimizer is untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -16,8 +17,7 @@ from . import policy as _policy
 from ._state import Path, format_path, group_device, leaves, param_label
 from ._state import param_name as _param_name
 
-__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_holders",
-           "check_optimizer"]
+__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_holders", "check_optimizer"]
 
 
 class Site:
@@ -25,7 +25,7 @@ class Site:
 
     __slots__ = ("group", "index", "key", "path", "name")
 
-    def __init__(self, group: int, index: Optional[int], key: Any, path: Path, name: Optional[str] = None) -> None:
+    def __init__(self, group: int, index: int | None, key: Any, path: Path, name: str | None = None) -> None:
         self.group, self.index, self.key, self.path, self.name = group, index, str(key), path, name
 
     def __eq__(self, other: object) -> bool:
@@ -61,11 +61,11 @@ class Site:
     __repr__ = __str__
 
 
-Ident = tuple[int, Optional[int], Path]
+Ident = tuple[int, int | None, Path]
 """Where a tensor sits: (group index, param index or None, path)."""
 
 
-class Transfer(tuple[Ident, Optional[str], torch.Tensor, Optional[torch.Tensor], torch.device, str]):
+class Transfer(tuple[Ident, str | None, torch.Tensor, torch.Tensor | None, torch.device, str]):
     """One tensor of the plan: where it sits (``ident`` = group, index, path), the param it belongs to, and
     where it must go (``target``, decided by ``source``: a policy rule, a record, offload)."""
 
@@ -73,14 +73,15 @@ class Transfer(tuple[Ident, Optional[str], torch.Tensor, Optional[torch.Tensor],
     # Python-level __init__ per tensor would cost more than the rest of the plan.
     __slots__ = ()
     if TYPE_CHECKING:
+
         @property
         def ident(self) -> Ident: ...
         @property
-        def name(self) -> Optional[str]: ...
+        def name(self) -> str | None: ...
         @property
         def tensor(self) -> torch.Tensor: ...
         @property
-        def param(self) -> Optional[torch.Tensor]: ...
+        def param(self) -> torch.Tensor | None: ...
         @property
         def target(self) -> torch.device: ...
         @property
@@ -135,7 +136,7 @@ OPTIMIZER_WIDE = -1  # the "group" of optimizer.state entries under plain (non-p
 
 def iter_holders(
     optimizer: torch.optim.Optimizer,
-) -> Iterator[tuple[int, Optional[int], Optional[torch.Tensor], Mapping[str, Any], Mapping[Any, Any], Optional[str]]]:
+) -> Iterator[tuple[int, int | None, torch.Tensor | None, Mapping[str, Any], Mapping[Any, Any], str | None]]:
     """Yield (group index, param index, param, group dict, entries, param name) for every param with state
     (``entries`` is its state dict), then for every param group (``param index`` and ``param`` None,
     ``entries`` the group dict itself: skip ``params``/``param_names``), then once for the optimizer-wide
@@ -150,7 +151,9 @@ def iter_holders(
         for pi, p in enumerate(group["params"]):
             if id(p) in located:
                 g0, i0 = located[id(p)]
-                raise ValueError(f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})")
+                raise ValueError(
+                    f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})"
+                )
             located[id(p)] = (gi, pi)
     wide: dict[Any, Any] = {}
     by_id: dict[int, Any] = {}  # (id-keyed: a tensor's __hash__ is a Python call)
@@ -186,7 +189,7 @@ _GROUP_SKIP = ("params", "param_names")
 
 
 # target(ident, param, group, key, tensor) -> (device, source); ident = (group index, param index, path).
-TargetFn = Callable[[Ident, Optional[torch.Tensor], Mapping[str, Any], str, torch.Tensor], tuple[torch.device, str]]
+TargetFn = Callable[[Ident, torch.Tensor | None, Mapping[str, Any], str, torch.Tensor], tuple[torch.device, str]]
 
 _top_paths: dict[Any, Path] = {}
 
@@ -244,6 +247,7 @@ def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Tra
     group['lr']`` (a tensor lr), and a fresh LBFGS keeps the one tensor where its group keeps lr. So the state
     entries go where the group entry goes (iter_holders yields state first: the group entry comes later). Any
     other sharing across devices cannot be placed for both."""
+
     def is_group(t: Transfer) -> bool:
         return t[0][1] is None and t[0][0] != OPTIMIZER_WIDE
 
@@ -259,7 +263,7 @@ def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Tra
     )
 
 
-def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.device]) -> TargetFn:
+def policy_target(optimizer: torch.optim.Optimizer, device: torch.device | None) -> TargetFn:
     """Targets by the policy: each entry where a fresh optimizer with its param on ``device`` keeps it
     (``device=None``: the param's current device)."""
 
@@ -268,8 +272,9 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
 
     fixed_rule = None if device is None else (device, "rule")
 
-    def target(ident: Ident, param: Optional[torch.Tensor], group: Mapping[str, Any], key: str,
-               tensor: torch.Tensor) -> tuple[torch.device, str]:
+    def target(
+        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
         if cacheable and tensor.dim() != 0:
             # Non-scalar state always follows its param (policy.decide): the common case, kept cheap.
             if fixed_rule is not None:
@@ -296,5 +301,5 @@ def policy_target(optimizer: torch.optim.Optimizer, device: Optional[torch.devic
             memo[memo_key] = result
         return result
 
-    setattr(target, "follow", None if (device is None or not cacheable) else device)
+    setattr(target, "follow", None if device is None or not cacheable else device)  # noqa: B010  (read by build_plan)
     return target

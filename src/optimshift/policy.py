@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast, Any, Mapping, Optional, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -50,10 +51,10 @@ class Policy(Protocol):
         self,
         key: str,
         value: torch.Tensor,
-        param: Optional[torch.Tensor],
+        param: torch.Tensor | None,
         group: Mapping[str, Any],
         device: torch.device,
-    ) -> Optional[torch.device]: ...
+    ) -> torch.device | None: ...
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,7 @@ def register_policy(optimizer_class: type, policy: Policy, *, separable: bool = 
     params at a time.
     """
     if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
-        raise TypeError(
-            f"register_policy expects a torch.optim.Optimizer subclass, got {optimizer_class!r}"
-        )
+        raise TypeError(f"register_policy expects a torch.optim.Optimizer subclass, got {optimizer_class!r}")
     if not callable(policy):
         raise TypeError(f"register_policy: policy for {optimizer_class.__name__} must be callable, got {policy!r}")
     if not isinstance(separable, bool):
@@ -162,7 +161,7 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def builtin_base(cls: type) -> Optional[type[torch.optim.Optimizer]]:
+def builtin_base(cls: type) -> type[torch.optim.Optimizer] | None:
     """The nearest class in ``cls``'s MRO that torch.optim defines (``None`` if there is none)."""
     for base in cls.__mro__:
         if base is torch.optim.Optimizer:
@@ -172,7 +171,7 @@ def builtin_base(cls: type) -> Optional[type[torch.optim.Optimizer]]:
     return None
 
 
-def _table_rule(base: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> Optional[bool]:
+def _table_rule(base: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> bool | None:
     """Whether the table puts ``key`` on the param's device (``None``: it has no rule for it)."""
     rules = _TABLE.get(base.__name__)
     if rules is None or key not in rules:
@@ -192,7 +191,7 @@ def _default_scalar_on_device(group: Mapping[str, Any]) -> bool:
 def decide(
     optimizer: torch.optim.Optimizer,
     group: Mapping[str, Any],
-    param: Optional[torch.Tensor],
+    param: torch.Tensor | None,
     key: str,
     value: torch.Tensor,
     device: torch.device,
@@ -245,7 +244,10 @@ def _warn_guessed(cls: type) -> None:
     logging.getLogger("optimshift").warning(
         "no placement rule is known for %s: a 0-dim 'step' stays on the host unless the group is fused or "
         "capturable, everything else follows its param; register one with optimshift.register_policy(%s, policy) "
-        "if that is wrong", cls.__name__, cls.__name__)
+        "if that is wrong",
+        cls.__name__,
+        cls.__name__,
+    )
 
 
 def _group_entry(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor, device: torch.device) -> Decision:
@@ -272,7 +274,7 @@ def _group_entry(cls: type, group: Mapping[str, Any], key: str, value: torch.Ten
     return Decision(HOST if value.device.type == "cpu" else device, "rule" if observed is None else "probe")
 
 
-def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tuple[str, Optional[int]]:
+def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tuple[str, int | None]:
     """``(key, None)`` for ``group[key]`` itself, ``(key, i)`` for ``group[key][i]`` (found by identity)."""
     entry = group.get(key)
     if isinstance(entry, (list, tuple)):
@@ -293,4 +295,3 @@ def rule_source(optimizer: torch.optim.Optimizer) -> str:
         if base in _registry:
             return "registered"
     return "torch.optim" if builtin_base(type(optimizer)) is not None else "default"
-

@@ -7,7 +7,8 @@ buffers go back to the pool for the next cycle, so a steady offload/reload loop 
 
 A buffer whose contents a copy still in flight reads or writes is held with that copy's event (the device's
 own event object, see :mod:`optimshift._streams`) and is reused only once the event has completed: ``acquire``
-prefers idle buffers whose event is already complete, and otherwise waits for the event before handing it out. A buffer that something still looks into (a ``state_dict()`` taken while
+prefers idle buffers whose event is already complete, and otherwise waits for the event before handing it out.
+A buffer that something still looks into (a ``state_dict()`` taken while
 the state was offloaded, a kept reference to an offloaded tensor) is never handed out again: its storage's
 use count says so, and the pool allocates a new buffer instead of overwriting what someone still holds.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -45,19 +46,19 @@ class HostPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: list[tuple[torch.Tensor, bool, Optional[Any]]] = []  # (buffer, pinned, event to wait for)
+        self._idle: list[tuple[torch.Tensor, bool, Any | None]] = []  # (buffer, pinned, event to wait for)
         # per buffer id: (pinned, storage use count when it has no views); dropped when the buffer dies
-        self._meta: dict[int, tuple[bool, Optional[int]]] = {}
+        self._meta: dict[int, tuple[bool, int | None]] = {}
         # Held weakly (by id, as tensors compare elementwise): the buffers of an offloaded optimizer that is
         # garbage-collected are simply freed.
-        self._in_use: dict[int, "weakref.ref[torch.Tensor]"] = {}
+        self._in_use: dict[int, weakref.ref[torch.Tensor]] = {}
         self._allocations = 0
         self._reuses = 0
 
     def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
         """A uint8 host tensor of at least ``nbytes`` (the smallest idle one that fits, else a new one)."""
         nbytes = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
-        buf: Optional[torch.Tensor]  # each idle candidate, then the buffer handed out (None: none fits)
+        buf: torch.Tensor | None  # each idle candidate, then the buffer handed out (None: none fits)
         with self._lock:
             best = None
             best_key: tuple[bool, int] = (True, 0)
@@ -67,8 +68,8 @@ class HostPool:
                     key = (pending is not None and not pending.query(), buf.numel())
                     if best is None or key < best_key:
                         best, best_key = i, key
-            found: Optional[torch.Tensor] = None
-            event: Optional[Any] = None
+            found: torch.Tensor | None = None
+            event: Any | None = None
             if best is not None:
                 found, _, event = self._idle.pop(best)
                 self._reuses += 1
@@ -96,7 +97,7 @@ class HostPool:
         base = self._meta.get(id(buf), (False, uses))[1]
         return uses is not None and base is not None and uses > base
 
-    def release(self, buf: torch.Tensor, event: Optional[Any] = None) -> None:
+    def release(self, buf: torch.Tensor, event: Any | None = None) -> None:
         """Give ``buf`` back; with ``event``, it is reused only after that event completes."""
         with self._lock:
             if self._in_use.pop(id(buf), None) is not None:
@@ -123,7 +124,7 @@ class HostPool:
             )
 
 
-def _uses(buf: torch.Tensor) -> Optional[int]:
+def _uses(buf: torch.Tensor) -> int | None:
     """How many tensors share ``buf``'s storage (None where this torch cannot tell)."""
     counter = getattr(torch._C, "_storage_Use_Count", None)
     if counter is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -30,7 +29,7 @@ SYNC_COST: dict[tuple[str, str], tuple[int, int]] = {
 }
 
 
-def sync_cost(cls: Optional[type], name: str, key: str, foreach: Optional[bool], on_device: bool) -> Optional[int]:
+def sync_cost(cls: type | None, name: str, key: str, foreach: bool | None, on_device: bool) -> int | None:
     """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, for the class (its
     torch.optim base, else ``name``); ``foreach=None`` is torch's default: foreach for accelerator params.
     None where nothing was measured."""
@@ -57,8 +56,8 @@ class PlacementRow:
     dtype: str
     shape: tuple[int, ...]
     bytes: int
-    local_shape: Optional[tuple[int, ...]] = None
-    placements: Optional[str] = None
+    local_shape: tuple[int, ...] | None = None
+    placements: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,9 +75,9 @@ class Finding:
     dtype: str
     expected: str
     why: str
-    group: Optional[int] = None
-    index: Optional[int] = None
-    syncs_per_step: Optional[int] = None
+    group: int | None = None
+    index: int | None = None
+    syncs_per_step: int | None = None
 
 
 @dataclass
@@ -105,8 +104,16 @@ class Report:
         table = format_table(
             ["severity", "param", "key", "device", "dtype", "expected", "syncs/step", "why"],
             [
-                [f.severity, f.param, f.key, f.device, f.dtype, f.expected,
-                 "" if f.syncs_per_step is None else str(f.syncs_per_step), f.why]
+                [
+                    f.severity,
+                    f.param,
+                    f.key,
+                    f.device,
+                    f.dtype,
+                    f.expected,
+                    "" if f.syncs_per_step is None else str(f.syncs_per_step),
+                    f.why,
+                ]
                 for f in self.findings
             ],
         )

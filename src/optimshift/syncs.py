@@ -22,8 +22,9 @@ import os
 import sys
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,8 +47,18 @@ _DATA_DEPENDENT = {
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
 # torch's own wrappers between an op and the code that called it: never the interesting line.
-_PLUMBING = tuple(_TORCH_DIR + p for p in ("_dynamo", "_compile.py", "utils" + os.sep + "_python_dispatch",
-                                          "utils" + os.sep + "_stats.py", "_ops.py", "_subclasses", "_tensor.py"))
+_PLUMBING = tuple(
+    _TORCH_DIR + p
+    for p in (
+        "_dynamo",
+        "_compile.py",
+        "utils" + os.sep + "_python_dispatch",
+        "utils" + os.sep + "_stats.py",
+        "_ops.py",
+        "_subclasses",
+        "_tensor.py",
+    )
+)
 
 
 _async = threading.local()
@@ -112,8 +123,9 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
         else:
             self._record("copy_to_host", device)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         first: Any = args[0] if args else None
@@ -121,7 +133,13 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
             self._record("item", first.device)
         elif name == "_to_copy" and _is_device(first) and _to_host(kwargs.get("device")):
             self._record("copy_to_host", first.device)
-        elif name == "copy_" and len(args) >= 2 and _is_device(args[1]) and isinstance(first, torch.Tensor) and first.device.type == "cpu":
+        elif (
+            name == "copy_"
+            and len(args) >= 2
+            and _is_device(args[1])
+            and isinstance(first, torch.Tensor)
+            and first.device.type == "cpu"
+        ):
             self._copy_to_host(args[1].device)
         elif name == "_foreach_copy_" and len(args) >= 2:
             for dst, src in zip(first or (), args[1] or ()):
@@ -135,7 +153,7 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
 def _format(frame: Any) -> str:
     filename = os.path.abspath(frame.f_code.co_filename)
     if filename.startswith(_TORCH_DIR):
-        shown = "torch/" + filename[len(_TORCH_DIR):]
+        shown = "torch/" + filename[len(_TORCH_DIR) :]
     else:
         try:
             shown = os.path.relpath(filename)
@@ -178,6 +196,6 @@ class count_syncs:
         return self._count
 
     def __exit__(
-        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._count.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]  # unannotated in torch

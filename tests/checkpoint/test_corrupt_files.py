@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import optimshift
+from _crafted import rewrite_zip
+from _matrix import bitwise_equal
 from optimshift.checkpoint import CheckpointError, UnsafeCheckpointError
 from optimshift.checkpoint._files import find_optimizer_states, runs_code
 from optimshift.cli._inspect import describe
-from _crafted import rewrite_zip
-from _matrix import bitwise_equal
 
 O = torch.optim
 
@@ -38,13 +38,21 @@ def _pickled_zip(tmp_path, name, pkl):
 
 
 @pytest.mark.parametrize("mmap", [True, False])
-@pytest.mark.parametrize("case, change, drop, match", [
-    ("short", {"/data/0": lambda d: d[:8]}, (), r"record archive/data/0 holds 8 bytes but its pickle asks for "
-                                                 r"a storage of 256 bytes"),
-    ("long", {"/data/0": lambda d: d + bytes(64)}, (), r"record archive/data/0 holds 320 bytes"),
-    ("short-last", {"/data/1": lambda d: d[:4]}, (), r"record archive/data/1 holds 4 bytes"),
-    ("missing", {}, ("/data/1",), r"data/1"),
-])
+@pytest.mark.parametrize(
+    "case, change, drop, match",
+    [
+        (
+            "short",
+            {"/data/0": lambda d: d[:8]},
+            (),
+            r"record archive/data/0 holds 8 bytes but its pickle asks for "
+            r"a storage of 256 bytes",
+        ),
+        ("long", {"/data/0": lambda d: d + bytes(64)}, (), r"record archive/data/0 holds 320 bytes"),
+        ("short-last", {"/data/1": lambda d: d[:4]}, (), r"record archive/data/1 holds 4 bytes"),
+        ("missing", {}, ("/data/1",), r"data/1"),
+    ],
+)
 def test_a_data_record_of_the_wrong_size_is_refused(tmp_path, mmap, case, change, drop, match):
     good = tmp_path / "good.pt"
     optimshift.save({"a": torch.arange(64.0), "b": torch.ones(8)}, good)
@@ -56,8 +64,12 @@ def test_a_data_record_of_the_wrong_size_is_refused(tmp_path, mmap, case, change
 
 def test_records_shared_by_views_and_empty_storages_still_load(tmp_path):
     base = torch.arange(12.0)
-    obj = {"whole": base, "view": base[3:7], "empty": torch.empty(0),
-           "nested": [torch.zeros(2, 3, dtype=torch.bfloat16), {"u8": torch.arange(5, dtype=torch.uint8)}]}
+    obj = {
+        "whole": base,
+        "view": base[3:7],
+        "empty": torch.empty(0),
+        "nested": [torch.zeros(2, 3, dtype=torch.bfloat16), {"u8": torch.arange(5, dtype=torch.uint8)}],
+    }
     path = tmp_path / "ok.pt"
     optimshift.save(obj, path)
     loaded = optimshift.load(path)
@@ -78,7 +90,7 @@ MALFORMED = {
     "persistent-id-int": P2 + b"K\x05Q.",  # AssertionError
     "persistent-id-short": P2 + b"(X\x07\x00\x00\x00storageK\x01K\x02tQ.",  # ValueError
     "persistent-id-str-type": P2 + b"(X\x07\x00\x00\x00storageX\x01\x00\x00\x00xX\x01\x00\x00\x000"
-                                   b"X\x03\x00\x00\x00cpuK\x01tQ.",  # AttributeError
+    b"X\x03\x00\x00\x00cpuK\x01tQ.",  # AttributeError
     "bad-opcode": P2 + b"\xff.",  # an UnsafeCheckpointError that suggested --allow-global
     "truncated-stream": P2 + b"}q\x00(X\x01\x00\x00\x00a",  # EOFError
     "empty-pickle": b"",
@@ -100,10 +112,10 @@ def test_broken_zips_are_checkpoint_errors(tmp_path):
     optimshift.save({"a": torch.arange(64.0)}, good)
     data = good.read_bytes()
     end = data.rindex(b"PK\x05\x06")
-    directory = struct.unpack("<I", data[end + 16:end + 20])[0]
+    directory = struct.unpack("<I", data[end + 16 : end + 20])[0]
     cases = {
         "no-data-pkl": None,
-        "garbled-directory": data[:directory] + bytes(46) + data[directory + 46:],
+        "garbled-directory": data[:directory] + bytes(46) + data[directory + 46 :],
         "only-the-end-record": b"PK\x03\x04" + bytes(60) + data[end:],
     }
     rewrite_zip(good, tmp_path / "no-data-pkl.pt", drop=("/data.pkl",))
@@ -120,11 +132,22 @@ def test_broken_zips_are_checkpoint_errors(tmp_path):
 # --- item 4: refused globals -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module, name", [
-    ("os", "system"), ("posix", "system"), ("nt", "system"), ("subprocess", "Popen"), ("builtins", "eval"),
-    ("builtins", "exec"), ("builtins", "getattr"), ("__builtin__", "eval"), ("importlib", "import_module"),
-    ("runpy", "run_path"), ("shutil", "rmtree"),
-])
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("os", "system"),
+        ("posix", "system"),
+        ("nt", "system"),
+        ("subprocess", "Popen"),
+        ("builtins", "eval"),
+        ("builtins", "exec"),
+        ("builtins", "getattr"),
+        ("__builtin__", "eval"),
+        ("importlib", "import_module"),
+        ("runpy", "run_path"),
+        ("shutil", "rmtree"),
+    ],
+)
 def test_a_global_that_runs_code_is_refused_without_suggesting_to_allow_it(tmp_path, module, name):
     pkl = P2 + f"c{module}\n{name}\nX\x04\x00\x00\x00true\x85R.".encode()
     path = _pickled_zip(tmp_path, "evil.pt", pkl)
@@ -141,8 +164,10 @@ def test_a_global_nothing_provides_is_refused_as_corrupt_not_suggested(tmp_path)
     # A bit flip turned torch._utils into uorch._utils: allowing it would not help.
     pkl = P2 + b"cuorch._utils\n_rebuild_tensor_v2\n)R."
     path = _pickled_zip(tmp_path, "flipped.pt", pkl)
-    with pytest.raises(UnsafeCheckpointError, match="no installed package provides uorch._utils._rebuild_tensor_v2"
-                                                    ": the file is corrupt") as info:
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match="no installed package provides uorch._utils._rebuild_tensor_v2: the file is corrupt",
+    ) as info:
         optimshift.load(path)
     assert "allow-global" not in str(info.value)
 
@@ -161,8 +186,10 @@ def _data_start(path, name):
 
 
 def _snapshot(opt):
-    state = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-             for i, st in enumerate(opt.state.values())}
+    state = {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+        for i, st in enumerate(opt.state.values())
+    }
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return id(opt.state), [id(st) for st in opt.state.values()], state, groups
 
@@ -217,8 +244,7 @@ def test_single_bit_flips_of_a_real_checkpoint(tmp_path):
                     optimshift.load_state_dict(target, path)
                 except UnsafeCheckpointError as e:
                     counts["UnsafeCheckpointError"] += 1
-                    assert "allow-global" not in str(e) or not any(
-                        runs_code(g) for g in e.globals), case
+                    assert "allow-global" not in str(e) or not any(runs_code(g) for g in e.globals), case
                 except CheckpointError:
                     counts["CheckpointError"] += 1
                 except (ValueError, TypeError) as e:

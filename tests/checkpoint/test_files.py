@@ -13,13 +13,13 @@ import torch
 import torch.serialization as ser
 
 import optimshift
+from _matrix import bitwise_equal
 from optimshift.checkpoint._files import (
     META_KEY,
     CheckpointError,
     UnsafeCheckpointError,
     find_optimizer_states,
 )
-from _matrix import bitwise_equal
 
 O = torch.optim
 
@@ -115,14 +115,26 @@ def test_recognised_layouts(tmp_path):
     a, b = _adam().state_dict(), _adam().state_dict()
     layouts = {
         "hf_optimizer.pt": (a, [("", "state_dict")]),
-        "lightning.ckpt": ({"epoch": 1, "global_step": 4, "pytorch-lightning_version": "2.6.6",
-                            "state_dict": {"layer.weight": torch.randn(2, 2)}, "loops": {}, "callbacks": {},
-                            "optimizer_states": [a, b], "lr_schedulers": [], "hparams_name": "kwargs",
-                            "hyper_parameters": {"lr": 0.1}},
-                           [("['optimizer_states'][0]", "lightning"), ("['optimizer_states'][1]", "lightning")]),
+        "lightning.ckpt": (
+            {
+                "epoch": 1,
+                "global_step": 4,
+                "pytorch-lightning_version": "2.6.6",
+                "state_dict": {"layer.weight": torch.randn(2, 2)},
+                "loops": {},
+                "callbacks": {},
+                "optimizer_states": [a, b],
+                "lr_schedulers": [],
+                "hparams_name": "kwargs",
+                "hyper_parameters": {"lr": 0.1},
+            },
+            [("['optimizer_states'][0]", "lightning"), ("['optimizer_states'][1]", "lightning")],
+        ),
         "optim_key.pt": ({"model": {"w": torch.randn(2)}, "optim": a}, [("['optim']", "nested")]),
-        "tutorial.pt": ({"epoch": 2, "model_state_dict": {}, "optimizer_state_dict": a},
-                        [("['optimizer_state_dict']", "nested")]),
+        "tutorial.pt": (
+            {"epoch": 2, "model_state_dict": {}, "optimizer_state_dict": a},
+            [("['optimizer_state_dict']", "nested")],
+        ),
         "weights_only.pt": ({"w": torch.randn(2)}, []),
     }
     for name, (obj, expected) in layouts.items():

@@ -55,10 +55,13 @@ def _groups(opt):
 def _fingerprint(opt):
     """Identity of everything an aborted load could have touched."""
     return (
-        id(opt.state), id(opt.param_groups),
+        id(opt.state),
+        id(opt.param_groups),
         [(id(p), id(st), [(k, id(v)) for k, v in st.items()]) for p, st in opt.state.items()],
-        [(id(g), {k: v for k, v in g.items() if k != "params"}, [id(p) for p in g["params"]])
-         for g in opt.param_groups],
+        [
+            (id(g), {k: v for k, v in g.items() if k != "params"}, [id(p) for p in g["params"]])
+            for g in opt.param_groups
+        ],
     )
 
 
@@ -91,8 +94,12 @@ def test_equivalent_to_pytorch_on_host(cls, kwargs, shapes):
 
 # Host -> device, where PyTorch moves a host scalar onto the device (it casts every non-`step` tensor there, and
 # keeps a `step` wherever it was saved): the only classes of the matrix where it differs from a fresh optimizer.
-PYTORCH_MISPLACES_H2D = {"NAdam": {"mu_product"}, "NAdam-foreach-decoupled": {"mu_product"},
-                         "ASGD": {"step"}, "ASGD-foreach": {"step"}}
+PYTORCH_MISPLACES_H2D = {
+    "NAdam": {"mu_product"},
+    "NAdam-foreach-decoupled": {"mu_product"},
+    "ASGD": {"step"},
+    "ASGD-foreach": {"step"},
+}
 
 
 def _sim_cases():
@@ -168,8 +175,7 @@ def test_dtype_is_kept_unless_cast_param():
     sd["state"][0]["momentum_buffer"] = sd["state"][0]["momentum_buffer"] + 1e-3  # bits that bf16 cannot hold
 
     def bf16():
-        return O.SGD([torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))], lr=0.1, momentum=0.9,
-                     foreach=False)
+        return O.SGD([torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))], lr=0.1, momentum=0.9, foreach=False)
 
     theirs, ours, cast = bf16(), bf16(), bf16()
     theirs.load_state_dict(sd)
@@ -194,8 +200,9 @@ def _fp64_adam_checkpoint(cls=O.Adam, **kwargs):
     return opt.state_dict()
 
 
-@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"foreach": True}, {"fused": True}],
-                         ids=["single", "foreach", "fused"])
+@pytest.mark.parametrize(
+    "kwargs", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["single", "foreach", "fused"]
+)
 def test_a_dtype_the_step_would_reject_fails_the_load_before_anything_changes(kwargs):
     """float64 moments kept (cast=None) for float32 params: Adam's next step() would raise (lerp_ wants the
     moments in the grad's dtype). The load fails first, naming the key and both dtypes and the fix."""
@@ -410,25 +417,53 @@ def _adam(shapes=((4, 3), (3,)), groups=1):
     return opt
 
 
-@pytest.mark.parametrize("mutate, exc, match", [
-    (lambda sd: sd["param_groups"].append({"params": []}), ValueError,
-     r"Adam: load_state_dict: the checkpoint has 3 param groups, the optimizer has 2"),
-    (lambda sd: sd["param_groups"][1]["params"].append(9), ValueError,
-     r"param group 1 has 2 params in the checkpoint and 1 in the optimizer"),
-    (lambda sd: sd["state"][1].__setitem__("exp_avg", torch.zeros(4)), ValueError,
-     r"group 1, param 0, state key 'exp_avg': the checkpoint's tensor has shape \(4,\), the param has shape \(3,\)"),
-    (lambda sd: sd["state"][0].__setitem__("exp_avg_sq", torch.zeros(3, 4)), ValueError,
-     r"group 0, param 0, state key 'exp_avg_sq': .* shape \(3, 4\), the param has shape \(4, 3\)"),
-    (lambda sd: sd["state"].__setitem__(7, {"exp_avg": torch.zeros(1)}), ValueError,
-     r"entries for param ids \[7\] that no param group lists"),
-    (lambda sd: sd["param_groups"][1].__setitem__("params", [0]), ValueError,
-     r"lists param id 0 twice \(group 0, param 0 and group 1, param 0\)"),
-    (lambda sd: sd["state"].__setitem__(1, [torch.zeros(3)]), TypeError,
-     r"group 1, param 0: its state is a list, expected a dict"),
-    (lambda sd: sd.pop("param_groups"), ValueError, r"state_dict has no 'param_groups' entry"),
-    (lambda sd: sd["state"][0].__setitem__("exp_avg", torch.zeros(4, 3, device="meta")), ValueError,
-     r"group 0, param 0, state key 'exp_avg': a meta tensor has no values to load"),
-])
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (
+            lambda sd: sd["param_groups"].append({"params": []}),
+            ValueError,
+            r"Adam: load_state_dict: the checkpoint has 3 param groups, the optimizer has 2",
+        ),
+        (
+            lambda sd: sd["param_groups"][1]["params"].append(9),
+            ValueError,
+            r"param group 1 has 2 params in the checkpoint and 1 in the optimizer",
+        ),
+        (
+            lambda sd: sd["state"][1].__setitem__("exp_avg", torch.zeros(4)),
+            ValueError,
+            r"group 1, param 0, state key 'exp_avg': the checkpoint's tensor has shape \(4,\), "
+            r"the param has shape \(3,\)",
+        ),
+        (
+            lambda sd: sd["state"][0].__setitem__("exp_avg_sq", torch.zeros(3, 4)),
+            ValueError,
+            r"group 0, param 0, state key 'exp_avg_sq': .* shape \(3, 4\), the param has shape \(4, 3\)",
+        ),
+        (
+            lambda sd: sd["state"].__setitem__(7, {"exp_avg": torch.zeros(1)}),
+            ValueError,
+            r"entries for param ids \[7\] that no param group lists",
+        ),
+        (
+            lambda sd: sd["param_groups"][1].__setitem__("params", [0]),
+            ValueError,
+            r"lists param id 0 twice \(group 0, param 0 and group 1, param 0\)",
+        ),
+        (
+            lambda sd: sd["state"].__setitem__(1, [torch.zeros(3)]),
+            TypeError,
+            r"group 1, param 0: its state is a list, expected a dict",
+        ),
+        (lambda sd: sd.pop("param_groups"), ValueError, r"state_dict has no 'param_groups' entry"),
+        (
+            lambda sd: sd["state"][0].__setitem__("exp_avg", torch.zeros(4, 3, device="meta")),
+            ValueError,
+            r"group 0, param 0, state key 'exp_avg': a meta tensor has no values to load",
+        ),
+    ],
+)
 def test_bad_state_dict_is_refused_before_any_change(mutate, exc, match):
     source = _adam(groups=2)
     sd = copy.deepcopy(source.state_dict())
@@ -444,18 +479,24 @@ def test_wrong_class_is_refused(tmp_path):
     optimshift.save(_adam(), tmp_path / "adam.pt")
     sgd = O.SGD([torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=0.9)
     before = _fingerprint(sgd)
-    with pytest.raises(ValueError, match=r"SGD: load_state_dict: the checkpoint was saved from a "
-                                         r"torch\.optim\.adam\.Adam, not a torch\.optim\.sgd\.SGD"):
+    with pytest.raises(
+        ValueError,
+        match=r"SGD: load_state_dict: the checkpoint was saved from a "
+        r"torch\.optim\.adam\.Adam, not a torch\.optim\.sgd\.SGD",
+    ):
         optimshift.load_state_dict(sgd, optimshift.load(tmp_path / "adam.pt"))
     assert _fingerprint(sgd) == before
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({"flags": "mine"}, ValueError, "flags must be 'live' or 'checkpoint'"),
-    ({"cast": "bf16"}, ValueError, "cast must be None or 'param'"),
-    ({"copy": "yes"}, TypeError, "copy must be a bool"),
-    ({"device": "cuda:7"}, ValueError, "cuda:7 is not available"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"flags": "mine"}, ValueError, "flags must be 'live' or 'checkpoint'"),
+        ({"cast": "bf16"}, ValueError, "cast must be None or 'param'"),
+        ({"copy": "yes"}, TypeError, "copy must be a bool"),
+        ({"device": "cuda:7"}, ValueError, "cuda:7 is not available"),
+    ],
+)
 def test_bad_arguments(kwargs, exc, match):
     target = _adam()
     before = _fingerprint(target)
@@ -473,8 +514,11 @@ def test_setstate_failure_rolls_back():
     sd = _adam().state_dict()
     target = Fussy([torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))], foreach=False)
     before = _fingerprint(target)
-    with pytest.raises(ValueError, match=r"Fussy.__setstate__ rejected the loaded state \(KeyError: 'step'\); "
-                                         r"the optimizer is unchanged"):
+    with pytest.raises(
+        ValueError,
+        match=r"Fussy.__setstate__ rejected the loaded state \(KeyError: 'step'\); "
+        r"the optimizer is unchanged",
+    ):
         optimshift.load_state_dict(target, sd)
     assert _fingerprint(target) == before
 

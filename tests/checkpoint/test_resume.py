@@ -32,7 +32,7 @@ def _place(model, device):
 
 
 def _directions():
-    for name, cls, kwargs, directions, shapes in CASES:
+    for name, cls, kwargs, _directions, shapes in CASES:
         todo = []
         if kwargs.get("capturable"):
             todo += ["d0d1", "capturable-cpu"]
@@ -53,7 +53,11 @@ def _setup(direction, sim, kwargs):
         live.pop("fused")
         live["foreach"] = False
     src, dst = {
-        "h2d": (cpu, d0), "d2h": (d0, cpu), "d0d1": (d0, d1), "fused-nonfused": (d0, d0), "capturable-cpu": (d0, cpu),
+        "h2d": (cpu, d0),
+        "d2h": (d0, cpu),
+        "d0d1": (d0, d1),
+        "fused-nonfused": (d0, d0),
+        "capturable-cpu": (d0, cpu),
     }[direction]
     return src, dst, live
 
@@ -80,8 +84,10 @@ def test_resume(sim, tmp_path, cls, kwargs, shapes, direction):
     path = tmp_path / "optimizer.pt"
     optimshift.save(opt, path)
     trained = [h.weight.detach().to("cpu", copy=True) for h in source.parts]
-    saved_values = [{k: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
-                    for st in _state_values(opt)]
+    saved_values = [
+        {k: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+        for st in _state_values(opt)
+    ]
     saved_dtypes = state_dtypes(opt)
     train(source, opt, range(K, K + M))
 
@@ -99,8 +105,10 @@ def test_resume(sim, tmp_path, cls, kwargs, shapes, direction):
     loaded = optimshift.load(path, map_location="cpu" if src.type == "cpu" else None)
     assert optimshift.load_state_dict(ours, loaded) is ours
     assert state_dtypes(ours) == saved_dtypes, "a load must not change a dtype"
-    assert bitwise_equal([{k: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
-                          for st in _state_values(ours)], saved_values)
+    assert bitwise_equal(
+        [{k: (v.to("cpu") if isinstance(v, torch.Tensor) else v) for k, v in st.items()} for st in _state_values(ours)],
+        saved_values,
+    )
     for g in ours.param_groups:
         for flag in IMPL:
             if flag in live:

@@ -34,8 +34,11 @@ def _copied(value):
 
 
 def _snapshot(opt):
-    return (id(opt.state), [(id(p), id(st), _copied(st)) for p, st in opt.state.items()],
-            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    return (
+        id(opt.state),
+        [(id(p), id(st), _copied(st)) for p, st in opt.state.items()],
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    )
 
 
 def _refused(target, sd, exc, match):
@@ -59,17 +62,25 @@ def test_state_keyed_by_text_is_refused_not_dropped():
     plain = _trained(foreach=False)
     plain.load_state_dict(copy.deepcopy(texted))  # PyTorch: every param's state silently gone
     assert not any(isinstance(k, torch.Tensor) for k in plain.state)
-    _refused(_trained(foreach=False), texted, ValueError,
-             r"Adam: load_state_dict: state_dict\['state'\] is keyed by text \('0', '1'\) while the param groups "
-             r"list the ids 0, 1: it went through JSON .* sd\['state'\] = \{int\(k\): v")
+    _refused(
+        _trained(foreach=False),
+        texted,
+        ValueError,
+        r"Adam: load_state_dict: state_dict\['state'\] is keyed by text \('0', '1'\) while the param groups "
+        r"list the ids 0, 1: it went through JSON .* sd\['state'\] = \{int\(k\): v",
+    )
 
 
 def test_a_torch_optim_class_has_no_optimizer_wide_entries():
     sd = _trained(foreach=False).state_dict()
     sd["state"]["k"] = torch.tensor([3])
-    _refused(_trained(foreach=False), sd, ValueError,
-             r"state_dict\['state'\] has entries \['k'\] that are no param's id, but torch\.optim\.adam\.Adam keeps "
-             r"all of its state per param")
+    _refused(
+        _trained(foreach=False),
+        sd,
+        ValueError,
+        r"state_dict\['state'\] has entries \['k'\] that are no param's id, but torch\.optim\.adam\.Adam keeps "
+        r"all of its state per param",
+    )
 
 
 def test_other_classes_keep_their_optimizer_wide_entries():
@@ -96,9 +107,13 @@ def test_an_expanded_step_is_refused_before_any_copy(tmp_path):
     path = tmp_path / "amplify.pt"
     torch.save(sd, path)
     assert path.stat().st_size < 4096
-    _refused(_trained(foreach=False), path, ValueError,
-             rf"Adam: load_state_dict: {path}: group 0, param 0, state key 'step': expected a 0-dim tensor \(or a "
-             rf"number\), got a tensor of shape \(16384, 16384\)")
+    _refused(
+        _trained(foreach=False),
+        path,
+        ValueError,
+        rf"Adam: load_state_dict: {path}: group 0, param 0, state key 'step': expected a 0-dim tensor \(or a "
+        rf"number\), got a tensor of shape \(16384, 16384\)",
+    )
 
 
 def test_an_expanded_view_is_refused_for_any_class():
@@ -108,9 +123,13 @@ def test_an_expanded_view_is_refused_for_any_class():
 
     sd = _trained(Custom, foreach=False).state_dict()
     sd["state"][1]["history"] = [torch.zeros(1).expand(4096, 4096)]
-    _refused(_trained(Custom, foreach=False), sd, ValueError,
-             r"group 0, param 1, state key 'history'\[0\]: a tensor of shape \(4096, 4096\) \(67108864 bytes once "
-             r"copied\) is a view of a storage of 4 bytes")
+    _refused(
+        _trained(Custom, foreach=False),
+        sd,
+        ValueError,
+        r"group 0, param 1, state key 'history'\[0\]: a tensor of shape \(4096, 4096\) \(67108864 bytes once "
+        r"copied\) is a view of a storage of 4 bytes",
+    )
     small = _trained(Custom, foreach=False).state_dict()
     small["state"][1]["history"] = [torch.zeros(1).expand(8)]  # a small broadcast is harmless
     target = _trained(Custom, foreach=False)
@@ -118,11 +137,14 @@ def test_an_expanded_view_is_refused_for_any_class():
     assert torch.equal(target.state[target.param_groups[0]["params"][1]]["history"][0], torch.zeros(8))
 
 
-@pytest.mark.parametrize("cls, kwargs, key", [
-    (O.NAdam, {"foreach": False}, "mu_product"),
-    (O.ASGD, {"foreach": False}, "eta"),
-    (O.Adam, {"foreach": False}, "step"),
-])
+@pytest.mark.parametrize(
+    "cls, kwargs, key",
+    [
+        (O.NAdam, {"foreach": False}, "mu_product"),
+        (O.ASGD, {"foreach": False}, "eta"),
+        (O.Adam, {"foreach": False}, "step"),
+    ],
+)
 def test_scalar_keys_have_one_element(cls, kwargs, key):
     sd = _trained(cls, **kwargs).state_dict()
     sd["state"][0][key] = torch.zeros(4, 3)
@@ -132,26 +154,34 @@ def test_scalar_keys_have_one_element(cls, kwargs, key):
 # --- "Also": what a torch.optim step needs ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value, exc, match", [
-    ("abc", TypeError, r"expected a tensor, got str 'abc'"),
-    ([1.0], TypeError, r"expected a tensor, got a list of 1"),
-    (None, TypeError, r"expected a tensor, got None"),
-    (torch.zeros(4, 3).to_sparse(), TypeError, r"expected a dense tensor, got a sparse_coo one"),
-    (torch.zeros(4, 3, dtype=torch.int64), TypeError, r"expected a floating-point tensor, got int64"),
-])
+@pytest.mark.parametrize(
+    "value, exc, match",
+    [
+        ("abc", TypeError, r"expected a tensor, got str 'abc'"),
+        ([1.0], TypeError, r"expected a tensor, got a list of 1"),
+        (None, TypeError, r"expected a tensor, got None"),
+        (torch.zeros(4, 3).to_sparse(), TypeError, r"expected a dense tensor, got a sparse_coo one"),
+        (torch.zeros(4, 3, dtype=torch.int64), TypeError, r"expected a floating-point tensor, got int64"),
+    ],
+)
 def test_a_buffer_a_step_cannot_use_is_refused(value, exc, match):
     sd = _trained(foreach=False).state_dict()
     sd["state"][0]["exp_avg"] = value
-    _refused(_trained(foreach=False), sd, exc,
-             rf"Adam: load_state_dict: group 0, param 0, state key 'exp_avg': {match}")
+    _refused(
+        _trained(foreach=False), sd, exc, rf"Adam: load_state_dict: group 0, param 0, state key 'exp_avg': {match}"
+    )
 
 
 def test_a_missing_entry_is_refused():
     sd = _trained(foreach=False, amsgrad=True).state_dict()
     del sd["state"][1]["max_exp_avg_sq"]
-    _refused(_trained(foreach=False, amsgrad=True), sd, ValueError,
-             r"group 0, param 1: its state has no 'max_exp_avg_sq'; Adam\.step keeps 'exp_avg', 'exp_avg_sq', "
-             r"'max_exp_avg_sq', 'step'")
+    _refused(
+        _trained(foreach=False, amsgrad=True),
+        sd,
+        ValueError,
+        r"group 0, param 1: its state has no 'max_exp_avg_sq'; Adam\.step keeps 'exp_avg', 'exp_avg_sq', "
+        r"'max_exp_avg_sq', 'step'",
+    )
 
 
 def test_a_subclass_that_steps_like_its_torch_class_is_checked_like_it():
@@ -163,27 +193,39 @@ def test_a_subclass_that_steps_like_its_torch_class_is_checked_like_it():
     Sub.step.hooked = True
     sd = _trained(Sub, foreach=False).state_dict()
     sd["state"][0]["exp_avg"] = None
-    _refused(_trained(Sub, foreach=False), sd, TypeError, r"Sub: load_state_dict: group 0, param 0, state key "
-                                                          r"'exp_avg': expected a tensor, got None")
+    _refused(
+        _trained(Sub, foreach=False),
+        sd,
+        TypeError,
+        r"Sub: load_state_dict: group 0, param 0, state key "
+        r"'exp_avg': expected a tensor, got None",
+    )
 
 
 def test_eager_classes_need_every_params_state():
     sd = _trained(O.Adagrad).state_dict()
     del sd["state"][1]
-    _refused(_trained(O.Adagrad), sd, ValueError,
-             r"group 0, param 1: the checkpoint has no state for it, but Adagrad creates every param's state when it "
-             r"is built \('step', 'sum'\)")
+    _refused(
+        _trained(O.Adagrad),
+        sd,
+        ValueError,
+        r"group 0, param 1: the checkpoint has no state for it, but Adagrad creates every param's state when it "
+        r"is built \('step', 'sum'\)",
+    )
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("lr", "0.1", r"key 'lr': expected a number \(or a one-element tensor\), got str '0.1'"),
-    ("lr", torch.ones(2), r"key 'lr': expected a number .* got a tensor of shape \(2,\)"),
-    ("lr", True, r"key 'lr': expected a number"),
-    ("betas", 0.9, r"key 'betas': expected a pair of numbers like \(0.9, 0.999\), got a float"),
-    ("betas", (0.9, 0.99, 0.9), r"key 'betas': expected a pair of numbers .* got a tuple of 3"),
-    ("betas", (0.9, "x"), r"key 'betas': item 1 must be a number, got str 'x'"),
-    ("amsgrad", "no", r"key 'amsgrad': expected True or False, got str 'no'"),
-])
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("lr", "0.1", r"key 'lr': expected a number \(or a one-element tensor\), got str '0.1'"),
+        ("lr", torch.ones(2), r"key 'lr': expected a number .* got a tensor of shape \(2,\)"),
+        ("lr", True, r"key 'lr': expected a number"),
+        ("betas", 0.9, r"key 'betas': expected a pair of numbers like \(0.9, 0.999\), got a float"),
+        ("betas", (0.9, 0.99, 0.9), r"key 'betas': expected a pair of numbers .* got a tuple of 3"),
+        ("betas", (0.9, "x"), r"key 'betas': item 1 must be a number, got str 'x'"),
+        ("amsgrad", "no", r"key 'amsgrad': expected True or False, got str 'no'"),
+    ],
+)
 def test_hyperparameters_of_the_wrong_type_are_refused(key, value, match):
     sd = _trained(foreach=False).state_dict()
     sd["param_groups"][0][key] = value
@@ -248,5 +290,9 @@ def test_a_file_nested_20000_deep_names_the_file(tmp_path):
     while v:
         depth, v = depth + 1, v[0]
     assert depth == levels - 1
-    _refused(_trained(foreach=False), path, ValueError,
-             rf"Adam: load_state_dict: {path}: group 0, param 0, state key 'history': nested more than 64 levels")
+    _refused(
+        _trained(foreach=False),
+        path,
+        ValueError,
+        rf"Adam: load_state_dict: {path}: group 0, param 0, state key 'history': nested more than 64 levels",
+    )

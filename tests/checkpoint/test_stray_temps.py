@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import optimshift
+from _matrix import bitwise_equal
 from optimshift.checkpoint import _files
 from optimshift.cli import main
-from _matrix import bitwise_equal
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
@@ -32,8 +32,16 @@ def test_next_save_removes_what_killed_saves_left_and_nothing_else(tmp_path):
     optimshift.save({"v": 0}, dest)
     # What killed saves leave (the name format of this and earlier versions), next to files that are not ours.
     strays = [tmp_path / f".ck.pt.{i:012x}.tmp" for i in (1, 2, 0xABCDEF)]
-    keep = [tmp_path / n for n in (".ck.pt.notes.tmp", ".ck.pt.0123456789ab.tmp.bak", ".other.pt.000000000001.tmp",
-                                   ".ck.pt.000000000001.tmp.d", "ck.pt.000000000002.tmp")]
+    keep = [
+        tmp_path / n
+        for n in (
+            ".ck.pt.notes.tmp",
+            ".ck.pt.0123456789ab.tmp.bak",
+            ".other.pt.000000000001.tmp",
+            ".ck.pt.000000000001.tmp.d",
+            "ck.pt.000000000002.tmp",
+        )
+    ]
     for p in strays + keep[:-2]:
         p.write_bytes(b"partial checkpoint")
     keep[-2].mkdir()
@@ -93,7 +101,7 @@ def test_a_temporary_another_process_is_writing_is_left_alone(tmp_path):
             os.close(started_r)
             os.close(go_w)
 
-            def wait_for_parent(written, state={"first": True}):
+            def wait_for_parent(written, state={"first": True}):  # noqa: B006  (state kept across calls)
                 if state["first"]:
                     state["first"] = False
                     os.write(started_w, b"w")
@@ -169,8 +177,9 @@ def test_sigkill_during_save_and_convert_leaves_one_stray_at_most(tmp_path):
         strays_seen.append(len(strays))
         assert len(strays) <= 1, strays
 
-    _kill_at_random_moments(tmp_path, lambda i: optimshift.save(versions[i % 2], str(dest)), one_save, 20,
-                            check_save, rng)
+    _kill_at_random_moments(
+        tmp_path, lambda i: optimshift.save(versions[i % 2], str(dest)), one_save, 20, check_save, rng
+    )
     optimshift.save(versions[0], dest)
     assert _temps(tmp_path, "ck.pt") == [], "the next successful save removes the stray"
 
@@ -190,9 +199,13 @@ def test_sigkill_during_save_and_convert_leaves_one_stray_at_most(tmp_path):
         strays_seen.append(len(strays))
         assert len(strays) <= 1, strays
 
-    _kill_at_random_moments(tmp_path, lambda i: main(["convert", str(sources[i % 2]), str(out)]), one_convert, 20,
-                            check_convert, rng)
+    _kill_at_random_moments(
+        tmp_path, lambda i: main(["convert", str(sources[i % 2]), str(out)]), one_convert, 20, check_convert, rng
+    )
     assert main(["convert", str(sources[1]), str(out)]) == 0
     assert _temps(tmp_path, "out.pt") == [], "the next successful convert removes the stray"
-    print(f"one save {one_save * 1e3:.1f} ms, one convert {one_convert * 1e3:.1f} ms; strays after each of "
-          f"{len(strays_seen)} kills: {strays_seen}", file=sys.stderr)
+    print(
+        f"one save {one_save * 1e3:.1f} ms, one convert {one_convert * 1e3:.1f} ms; strays after each of "
+        f"{len(strays_seen)} kills: {strays_seen}",
+        file=sys.stderr,
+    )

@@ -111,7 +111,6 @@ def test_inspect_lists_optimizer_wide_entries(tmp_path, capsys):
 def test_legacy_files_in_any_pickle_protocol_are_named_as_such(tmp_path):
     import warnings
 
-
     from optimshift.checkpoint._files import CheckpointError, _sniff
 
     old = tmp_path / "legacy2.pt"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import optimshift
-from optimshift.cli import main
 from _crafted import nest_in_place, rewrite_zip
+from optimshift.cli import main
 
 
 def _run(capsys, *argv):
@@ -36,8 +36,12 @@ def bad_files(tmp_path):
     files = {}
     files["short-record"] = tmp_path / "short-record.pt"
     rewrite_zip(good, files["short-record"], {"/data/0": lambda d: d[:2]})
-    for name, pkl in {"stack-underflow": b"\x80\x02a.", "bad-opcode": b"\x80\x02\xff.", "memo-miss": b"\x80\x02h\x05.",
-                      "os-system": b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R."}.items():
+    for name, pkl in {
+        "stack-underflow": b"\x80\x02a.",
+        "bad-opcode": b"\x80\x02\xff.",
+        "memo-miss": b"\x80\x02h\x05.",
+        "os-system": b"\x80\x02cos\nsystem\nX\x04\x00\x00\x00true\x85R.",
+    }.items():
         files[name] = tmp_path / f"{name}.pt"
         rewrite_zip(good, files[name], pkl=pkl)
     files["cut"] = tmp_path / "cut.pt"

@@ -47,9 +47,17 @@ def test_bench_cases_report_what_they_measure(sim):
     assert steps["syncs_per_step"]["naive"] > 0
     overhead = bench._overhead_case(200, reps=1)
     assert overhead["tensors"] == 200 and overhead["move_vs_bare"] > 0
-    text = bench.render({"device": str(sim), "device_name": "simulated accelerator", "torch": torch.__version__,
-                         "throughput": [case], "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
-                         "step_after_move": steps, "overhead_meta": overhead})
+    text = bench.render(
+        {
+            "device": str(sim),
+            "device_name": "simulated accelerator",
+            "torch": torch.__version__,
+            "throughput": [case],
+            "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
+            "step_after_move": steps,
+            "overhead_meta": overhead,
+        }
+    )
     assert "optimshift vs flat copy" in text and "new allocations per offload/reload cycle" in text
 
 
@@ -60,10 +68,16 @@ def test_bench_streamed_case(sim):
     assert 0 < case["extra_device_bytes_streamed_step"] <= case["extra_device_bytes_bound"]
     assert case["goals"]["host syncs per step equal"] and case["note"]
     assert case["cpu_step_s"]["torch CPU AdamW"] > 0 and case["cpu_step_s"]["torchao CPUOffloadOptimizer"] is None
-    text = bench.render({"device": str(sim), "device_name": "simulated accelerator", "torch": torch.__version__,
-                         "throughput": [], "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
-                         "step_after_move": {"moved_vs_fresh": 1.0, "naive_vs_fresh": 1.0, "syncs_per_step": {}},
-                         "overhead_meta": {"tensors": 1, "move_us_per_tensor": 1.0, "bare_us_per_tensor": 1.0,
-                                           "move_vs_bare": 1.0},
-                         "streamed": case})
+    text = bench.render(
+        {
+            "device": str(sim),
+            "device_name": "simulated accelerator",
+            "torch": torch.__version__,
+            "throughput": [],
+            "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
+            "step_after_move": {"moved_vs_fresh": 1.0, "naive_vs_fresh": 1.0, "syncs_per_step": {}},
+            "overhead_meta": {"tensors": 1, "move_us_per_tensor": 1.0, "bare_us_per_tensor": 1.0, "move_vs_bare": 1.0},
+            "streamed": case,
+        }
+    )
     assert "streamed step, fused AdamW" in text and "goals:" in text and "not a GPU" in text

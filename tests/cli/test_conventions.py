@@ -30,15 +30,18 @@ WITHOUT_NUMPY = (
 
 
 def _python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})}
+    )
 
 
 def test_python_m_optimshift_and_version():
     out = _python("-m", "optimshift", "--version")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"optimshift {optimshift.__version__} (torch {torch.__version__}, Python " \
-                                 f"{'.'.join(map(str, sys.version_info[:3]))})"
+    assert (
+        out.stdout.strip() == f"optimshift {optimshift.__version__} (torch {torch.__version__}, Python "
+        f"{'.'.join(map(str, sys.version_info[:3]))})"
+    )
     out = _python("-m", "optimshift", "--help")
     assert out.returncode == 0 and all(c in out.stdout for c in COMMANDS)
 
@@ -58,9 +61,11 @@ def test_no_warning_without_numpy(tmp_path):
     plain = _python("-c", "import sys; sys.modules['numpy'] = None; import torch")
     assert "Failed to initialize NumPy" in plain.stderr
     # Importing optimshift first: nothing on stderr, and only that warning was silenced.
-    code = ("import sys, warnings; sys.modules['numpy'] = None; import optimshift, torch\n"
-            "assert not any(f[1] is not None and 'NumPy' in f[1].pattern for f in warnings.filters), warnings.filters\n"
-            "warnings.warn('still shown')\n")
+    code = (
+        "import sys, warnings; sys.modules['numpy'] = None; import optimshift, torch\n"
+        "assert not any(f[1] is not None and 'NumPy' in f[1].pattern for f in warnings.filters), warnings.filters\n"
+        "warnings.warn('still shown')\n"
+    )
     out = _python("-c", code)
     assert out.returncode == 0, out.stderr
     assert "Failed to initialize NumPy" not in out.stderr and "UserWarning: still shown" in out.stderr
@@ -69,8 +74,13 @@ def test_no_warning_without_numpy(tmp_path):
     opt.step()
     path = tmp_path / "optimizer.pt"
     torch.save(opt.state_dict(), path)
-    for args in (["--version"], ["--help"], ["inspect", str(path)], ["inspect", str(path), "--json"],
-                 ["convert", str(path), str(tmp_path / "out.pt")]):
+    for args in (
+        ["--version"],
+        ["--help"],
+        ["inspect", str(path)],
+        ["inspect", str(path), "--json"],
+        ["convert", str(path), str(tmp_path / "out.pt")],
+    ):
         out = _python("-c", WITHOUT_NUMPY, *args)
         assert out.returncode == 0, out.stderr
         assert out.stderr == "", f"optimshift {' '.join(args)} printed: {out.stderr}"
@@ -82,8 +92,11 @@ def _help(argv: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--help"]] + [[c, "--help"] for c in COMMANDS] + [[bench.main, "--help"]],
-                         ids=["optimshift"] + list(COMMANDS) + ["python -m optimshift.bench"])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"]] + [[c, "--help"] for c in COMMANDS] + [[bench.main, "--help"]],
+    ids=["optimshift"] + list(COMMANDS) + ["python -m optimshift.bench"],
+)
 def test_help_is_plain_wrapped_text(argv, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     text = _help(argv, capsys)
@@ -96,13 +109,24 @@ def test_help_is_plain_wrapped_text(argv, capsys, monkeypatch):
 def test_bench_says_slower_below_one():
     assert bench._speedup(2.0) == "2.00x faster"
     assert bench._speedup(0.5) == "2.00x slower"
-    case = {"case": "c", "tensors": 1, "bytes": 8, "methods": {},
-            "ratios": {"offload_vs_flat": 0.5, "reload_vs_flat": 0.4, "offload_vs_naive": 0.8, "reload_vs_naive": 3.0}}
-    text = bench.render({"device": "sim:0", "device_name": "simulated accelerator", "torch": torch.__version__,
-                         "throughput": [case], "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
-                         "step_after_move": {"moved_vs_fresh": 1.0, "naive_vs_fresh": 1.2, "syncs_per_step": {}},
-                         "overhead_meta": {"tensors": 2, "move_us_per_tensor": 1.0, "bare_us_per_tensor": 1.0,
-                                           "move_vs_bare": 1.0}})
+    case = {
+        "case": "c",
+        "tensors": 1,
+        "bytes": 8,
+        "methods": {},
+        "ratios": {"offload_vs_flat": 0.5, "reload_vs_flat": 0.4, "offload_vs_naive": 0.8, "reload_vs_naive": 3.0},
+    }
+    text = bench.render(
+        {
+            "device": "sim:0",
+            "device_name": "simulated accelerator",
+            "torch": torch.__version__,
+            "throughput": [case],
+            "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
+            "step_after_move": {"moved_vs_fresh": 1.0, "naive_vs_fresh": 1.2, "syncs_per_step": {}},
+            "overhead_meta": {"tensors": 2, "move_us_per_tensor": 1.0, "bare_us_per_tensor": 1.0, "move_vs_bare": 1.0},
+        }
+    )
     assert "vs naive loop: offload 1.25x slower, reload 3.00x faster" in text
     assert "0.80x faster" not in text
 

@@ -39,8 +39,9 @@ def _trainer_folder(root, step=10):
     folder.mkdir()
     _save_from_gpu(_trained().state_dict(), folder / "optimizer.pt")
     torch.save({"last_epoch": step, "_step_count": step + 1}, folder / "scheduler.pt")
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "epoch": 1.5, "max_steps": 20,
-                                                           "log_history": []}))
+    (folder / "trainer_state.json").write_text(
+        json.dumps({"global_step": step, "epoch": 1.5, "max_steps": 20, "log_history": []})
+    )
     (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     (folder / "training_args.bin").write_bytes(b"stand-in")
     (folder / "config.json").write_text("{}")
@@ -66,8 +67,11 @@ def test_inspect_trainer_folder(tmp_path, capsys):
     assert "optimshift.integrations.accelerate.patch()" in out
     rc, out, _ = _run(capsys, "inspect", folder, "--json")
     info = json.loads(out)
-    assert info["folder"] == "hf_trainer" and info["trainer_state"] == {"global_step": 10, "epoch": 1.5,
-                                                                        "max_steps": 20}
+    assert info["folder"] == "hf_trainer" and info["trainer_state"] == {
+        "global_step": 10,
+        "epoch": 1.5,
+        "max_steps": 20,
+    }
     (opt_file,) = info["optimizer_files"]
     assert opt_file["optimizers"][0]["kind"] == "state_dict"
     assert opt_file["tensors"]["saved_on"] == {"cpu": 2, "cuda:0": 4}

@@ -10,9 +10,9 @@ import torch
 import torch.serialization as ser
 
 import optimshift
+from _matrix import bitwise_equal
 from optimshift.cli import _inspect as checkpoint_cli
 from optimshift.cli import main
-from _matrix import bitwise_equal
 
 O = torch.optim
 
@@ -39,8 +39,13 @@ def _save_tagged(obj, path, tag="cuda:0"):
 
 
 def _lightning(*optimizers):
-    return {"epoch": 1, "global_step": 10, "state_dict": {"layer.weight": torch.randn(4, 3)},
-            "optimizer_states": [o.state_dict() for o in optimizers], "lr_schedulers": []}
+    return {
+        "epoch": 1,
+        "global_step": 10,
+        "state_dict": {"layer.weight": torch.randn(4, 3)},
+        "optimizer_states": [o.state_dict() for o in optimizers],
+        "lr_schedulers": [],
+    }
 
 
 def _run(capsys, *argv):
@@ -60,17 +65,23 @@ def test_inspect_gpu_lightning_checkpoint(tmp_path, capsys):
     lines = out.splitlines()
     assert any(line.split()[:3] == ["step", "3", "cuda:0"] for line in lines), out
     assert any(line.split()[:3] == ["mu_product", "3", "cuda:0"] for line in lines), out
-    assert ("`step` saved on cuda:0 for non-fused Adam (3 params): optimizer.load_state_dict keeps it there, "
-            "costing 2 host syncs per param per step; optimshift.load_state_dict places it on the host") in out
-    assert ("`mu_product` saved on cuda:0 for NAdam (3 params): optimizer.load_state_dict keeps it there, costing 2 "
-            "host syncs per param per step") in out
-    assert ("`step` saved on cuda:0 for non-fused NAdam (3 params): optimizer.load_state_dict keeps it there, "
-            "costing 1 host sync per param per step") in out  # foreach=False: the single-tensor implementation
+    assert (
+        "`step` saved on cuda:0 for non-fused Adam (3 params): optimizer.load_state_dict keeps it there, "
+        "costing 2 host syncs per param per step; optimshift.load_state_dict places it on the host"
+    ) in out
+    assert (
+        "`mu_product` saved on cuda:0 for NAdam (3 params): optimizer.load_state_dict keeps it there, costing 2 "
+        "host syncs per param per step"
+    ) in out
+    assert (
+        "`step` saved on cuda:0 for non-fused NAdam (3 params): optimizer.load_state_dict keeps it there, "
+        "costing 1 host sync per param per step"
+    ) in out  # foreach=False: the single-tensor implementation
     assert "optimshift convert IN OUT --device cpu" in out
     # Aligned tables: every row of the state table starts its columns where the header does.
     header = next(i for i, line in enumerate(lines) if line.strip().startswith("state key"))
     col = lines[header].index("saved on")
-    assert all(lines[i][col - 2:col] == "  " for i in range(header + 2, header + 5))
+    assert all(lines[i][col - 2 : col] == "  " for i in range(header + 2, header + 5))
 
 
 def test_inspect_json(tmp_path, capsys):
@@ -83,8 +94,14 @@ def test_inspect_json(tmp_path, capsys):
     assert o["kind"] == "state_dict" and o["class_guess"] == ["Adam", "AdamW"]
     assert o["groups"][0]["flags"]["capturable"] is True and o["groups"][0]["hyperparameters"]["lr"] == 0.001
     rows = {r["key"]: r for r in o["state"]}
-    assert rows["exp_avg"] == {"key": "exp_avg", "count": 3, "saved_on": {"cuda:0": 3}, "dtypes": {"float32": 3},
-                               "bytes": 3 * 12 * 4, "kinds": {}}
+    assert rows["exp_avg"] == {
+        "key": "exp_avg",
+        "count": 3,
+        "saved_on": {"cuda:0": 3},
+        "dtypes": {"float32": 3},
+        "bytes": 3 * 12 * 4,
+        "kinds": {},
+    }
     keys = {f["key"] for f in o["findings"]}
     assert keys == {"capturable"}, o["findings"]  # a capturable step on the device is where it belongs
 
@@ -128,8 +145,11 @@ def test_inspect_errors(tmp_path, capsys):
 def test_inspect_folder_uses_describe_dcp(tmp_path, capsys, monkeypatch):
     import optimshift.distributed as dist
 
-    info = {"path": str(tmp_path), "tensors": 3, "entries": [{"key": "optim.state.0.step", "shape": []},
-                                                               {"key": "optim.state.0.exp_avg", "shape": [4, 3]}]}
+    info = {
+        "path": str(tmp_path),
+        "tensors": 3,
+        "entries": [{"key": "optim.state.0.step", "shape": []}, {"key": "optim.state.0.exp_avg", "shape": [4, 3]}],
+    }
     monkeypatch.setattr(dist, "describe_dcp", lambda p: info, raising=False)
     rc, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
     assert rc == 0 and json.loads(out) == info

@@ -32,10 +32,13 @@ def _flag_findings(path, capsys) -> dict[str, dict]:
     return {f["key"]: f for f in o["findings"] if f["key"] in ("fused", "capturable")}
 
 
-@pytest.mark.parametrize("flag, supported", [
-    ("fused", torch_optimizer._get_fused_kernels_supported_devices),
-    ("capturable", torch_optimizer._get_capturable_supported_devices),
-])
+@pytest.mark.parametrize(
+    "flag, supported",
+    [
+        ("fused", torch_optimizer._get_fused_kernels_supported_devices),
+        ("capturable", torch_optimizer._get_capturable_supported_devices),
+    ],
+)
 def test_flag_statements_follow_the_installed_torch(tmp_path, capsys, flag, supported):
     # The Hugging Face Trainer's default (adamw_torch_fused) and a capturable Adam, saved on the host.
     path = tmp_path / "optimizer.pt"
@@ -69,8 +72,10 @@ def test_a_torch_without_cpu_fused_kernels_gets_the_warning(tmp_path, capsys, mo
     monkeypatch.setattr(torch_optimizer, "_get_fused_kernels_supported_devices", lambda: ["cuda", "privateuseone"])
     finding = _flag_findings(path, capsys)["fused"]
     assert finding["severity"] == "warning" and finding["kernel_devices"] == ["cuda"]
-    assert "this torch runs fused kernels on cuda, so resuming on a CPU or any other device outside that list " \
-           "fails at step()" in finding["message"]
+    assert (
+        "this torch runs fused kernels on cuda, so resuming on a CPU or any other device outside that list "
+        "fails at step()" in finding["message"]
+    )
 
 
 def test_guessing_the_class_builds_no_real_optimizer(monkeypatch):
@@ -95,9 +100,11 @@ def test_inspecting_a_host_checkpoint_imports_no_dynamo(tmp_path):
     add_param_group. Both imported torch._dynamo, 1-1.5 s of a 2.5-3 s run."""
     path = tmp_path / "optimizer.pt"
     torch.save(_trained(torch.optim.AdamW, fused=True).state_dict(), path)
-    code = ("import sys\nfrom optimshift.cli import main\n"
-            f"assert main(['inspect', {str(path)!r}]) == 0\n"
-            "print('torch._dynamo' in sys.modules)\n")
+    code = (
+        "import sys\nfrom optimshift.cli import main\n"
+        f"assert main(['inspect', {str(path)!r}]) == 0\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "class: not recorded; its param groups look like Adam or AdamW" in out.stdout

@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -26,8 +26,8 @@ JOB_TIMEOUT_S = 150  # the whole job, start-up included
 @dataclass
 class Job:
     name: str
-    results: list[Optional[dict[str, Any]]]  # per rank: {"ok": value} or {"error": traceback}; None if it died
-    exitcodes: list[Optional[int]]
+    results: list[dict[str, Any] | None]  # per rank: {"ok": value} or {"error": traceback}; None if it died
+    exitcodes: list[int | None]
     seconds: float
 
     def value(self, rank: int) -> Any:
@@ -47,8 +47,9 @@ def run(name: str, world: int, workdir: Path, *, timeout: float = JOB_TIMEOUT_S,
     if store.exists():
         store.unlink()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(name, rank, world, str(store), str(workdir), kwargs))
-             for rank in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(name, rank, world, str(store), str(workdir), kwargs)) for rank in range(world)
+    ]
     start = time.monotonic()
     for p in procs:
         p.start()
@@ -71,14 +72,18 @@ def run(name: str, world: int, workdir: Path, *, timeout: float = JOB_TIMEOUT_S,
 
 def _entry(name: str, rank: int, world: int, store: str, workdir: str, kwargs: dict) -> None:
     torch.set_num_threads(1)  # the same kernels in every process: per-rank results are comparable bitwise
-    import torch.distributed as dist
-
     import _dist_workers
+    import torch.distributed as dist
 
     result: dict[str, Any]
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        )
         result = {"ok": getattr(_dist_workers, name)(rank, world, Path(workdir), **kwargs)}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = {"error": traceback.format_exc()}

@@ -27,8 +27,12 @@ ROWS = 4  # rows of the batch per rank
 WORLD = 2
 S, K = 3, 2  # steps before the checkpoint, steps after it
 
-_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
-         torch.float16: torch.int16}
+_BITS = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
 
 
 # --- the training run ------------------------------------------------------------------------------------
@@ -42,8 +46,9 @@ def build_model(hidden: int = HIDDEN, dtype: torch.dtype = torch.float32) -> nn.
 def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1},
-                              {"params": biases, "lr": 5e-3, "weight_decay": 0.0}], lr=1e-2)
+    return torch.optim.AdamW(
+        [{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 5e-3, "weight_decay": 0.0}], lr=1e-2
+    )
 
 
 def batch(step: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +148,9 @@ def snapshot(opt: torch.optim.Optimizer, mesh: Any = None) -> dict[tuple, dict[s
                         placements=tuple(repr(pl) for pl in v.placements),
                         mesh=(v.device_mesh.device_type, tuple(v.device_mesh.shape), v.device_mesh.mesh.tolist()),
                         same_mesh=mesh is not None and v.device_mesh is mesh,
-                        shape=tuple(v.shape), stride=v.stride(), local_stride=local.stride(),
+                        shape=tuple(v.shape),
+                        stride=v.stride(),
+                        local_stride=local.stride(),
                         local_device=str(local.device),
                     )
                 entry["values"] = local.detach().to("cpu", copy=True)
@@ -221,7 +228,7 @@ def _fsdp_forward_on(mesh: Any, device: torch.device, rank: int) -> None:
     """A throwaway FSDP2 model moved to ``device`` runs a forward pass (it cannot: see the test)."""
     model = shard(build_model().to(device), mesh)
     x, _ = batch(0, device)
-    model(x[rank * ROWS:(rank + 1) * ROWS])
+    model(x[rank * ROWS : (rank + 1) * ROWS])
 
 
 def _dtensor_on_sim(mesh: Any, sim: torch.device) -> dict[str, Any]:
@@ -230,8 +237,10 @@ def _dtensor_on_sim(mesh: Any, sim: torch.device) -> dict[str, Any]:
 
     g = torch.Generator().manual_seed(7)
     w, b = torch.randn(6, 4, generator=g), torch.randn(4, generator=g)
-    params = [nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]).to(sim)),
-              nn.Parameter(distribute_tensor(b, mesh, [Replicate()]).to(sim))]
+    params = [
+        nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]).to(sim)),
+        nn.Parameter(distribute_tensor(b, mesh, [Replicate()]).to(sim)),
+    ]
     opt = torch.optim.Adam(params, lr=0.1)
 
     def step() -> int:
@@ -290,16 +299,23 @@ def load_continue(rank: int, world: int, workdir: Path) -> dict[str, Any]:
     res["model_mismatch_unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, wide.parameters()))
     res["model_mismatch_state"] = len(wide_opt.state)
     other = shard(build_model(), mesh)
-    sgd = torch.optim.SGD([{"params": [p for n, p in other.named_parameters() if n.endswith("weight")]},
-                           {"params": [p for n, p in other.named_parameters() if n.endswith("bias")]}],
-                          lr=0.1, momentum=0.9)
+    sgd = torch.optim.SGD(
+        [
+            {"params": [p for n, p in other.named_parameters() if n.endswith("weight")]},
+            {"params": [p for n, p in other.named_parameters() if n.endswith("bias")]},
+        ],
+        lr=0.1,
+        momentum=0.9,
+    )
     res["optimizer_mismatch"] = _error_of(lambda: load(workdir / "ck2", other, sgd))
     res["optimizer_mismatch_state"] = len(sgd.state)
     # an error on one rank only: the other rank must raise too instead of waiting in DCP's collectives
-    res["one_rank_load"] = _error_of(lambda: load(workdir / "ck2", other, build_optimizer(other),
-                                                  device="nonsense" if rank == 1 else None))
-    res["one_rank_save"] = _error_of(lambda: save(workdir / "ck_never", other, sgd,
-                                                  extra={"fine": 1} if rank == 0 else ["not", "a", "mapping"]))
+    res["one_rank_load"] = _error_of(
+        lambda: load(workdir / "ck2", other, build_optimizer(other), device="nonsense" if rank == 1 else None)
+    )
+    res["one_rank_save"] = _error_of(
+        lambda: save(workdir / "ck_never", other, sgd, extra={"fine": 1} if rank == 0 else ["not", "a", "mapping"])
+    )
     res["ck_never_exists"] = any(p.name.startswith("ck_never") for p in workdir.iterdir())
     dist.barrier()  # the group is still in step after all these errors
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import _dist_harness
-from _dist_workers import K, S, WORLD, build_model, build_optimizer, full_state, local_step
+import pytest
+from _dist_workers import WORLD, K, S, build_model, build_optimizer, full_state, local_step
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +59,9 @@ def sim_run(dist_dir: Path, sim: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def job_load(dist_dir: Path, job_train: _dist_harness.Job, single_run: dict[str, Any],
-             sim_run: dict[str, Any]) -> _dist_harness.Job:
+def job_load(
+    dist_dir: Path, job_train: _dist_harness.Job, single_run: dict[str, Any], sim_run: dict[str, Any]
+) -> _dist_harness.Job:
     """2-rank FSDP2 on CPU: load ``ck2``, ``ck1`` and ``ck_sim`` and train on; a mismatched model and optimizer;
     a bad argument on one rank."""
     job_train.value(0)  # its checkpoint must exist

@@ -14,16 +14,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
-import optimshift
 from _dist_harness import JOB_TIMEOUT_S
 from _dist_workers import (
     HIDDEN,
     IN,
-    K,
     OUT,
-    S,
     WORLD,
+    K,
+    S,
     bitwise_equal,
     build_model,
     build_optimizer,
@@ -31,6 +29,8 @@ from _dist_workers import (
     local_step,
     state_differences,
 )
+
+import optimshift
 from optimshift.distributed import describe_dcp, load, save
 
 
@@ -45,7 +45,8 @@ def _state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple[
 def _unchanged(before: list, model: torch.nn.Module, opt: torch.optim.Optimizer) -> bool:
     after = _state_of(model, opt)
     return [k for k, _ in before] == [k for k, _ in after] and all(
-        bitwise_equal(a, b) for (_, a), (_, b) in zip(before, after))
+        bitwise_equal(a, b) for (_, a), (_, b) in zip(before, after)
+    )
 
 
 def _placement(opt: torch.optim.Optimizer) -> list[tuple[str, str, str, str]]:
@@ -210,8 +211,13 @@ def test_describe_dcp_reads_metadata_without_a_process_group(job_train, dist_dir
     assert json.loads(json.dumps(info)) == info
     entries = {e["key"]: e for e in info["entries"]}
     w = entries["model.0.weight"]
-    assert (w["kind"], w["shape"], w["dtype"], w["bytes"], w["chunks"]) == ("tensor", [HIDDEN, IN], "float32",
-                                                                          HIDDEN * IN * 4, WORLD)
+    assert (w["kind"], w["shape"], w["dtype"], w["bytes"], w["chunks"]) == (
+        "tensor",
+        [HIDDEN, IN],
+        "float32",
+        HIDDEN * IN * 4,
+        WORLD,
+    )
     assert entries["model.2.weight"]["shape"] == [OUT, HIDDEN]
     step = entries["optim.state.0.weight.step"]
     assert (step["shape"], step["bytes"], step["path"]) == ([], 4, ["optim", "state", "0.weight", "step"])
@@ -250,8 +256,10 @@ def test_mismatched_model_or_optimizer_fails_on_every_rank_without_hanging(job_l
         assert res["model_mismatch_unchanged"] and res["model_mismatch_state"] == 0
         optimizer_error = res["optimizer_mismatch"]
         assert optimizer_error.startswith("ValueError: checkpoint ")
-        assert "param group 0: the checkpoint lacks ['dampening', 'momentum', 'nesterov'], which SGD uses, and " \
-               "has ['amsgrad', 'betas'" in optimizer_error
+        assert (
+            "param group 0: the checkpoint lacks ['dampening', 'momentum', 'nesterov'], which SGD uses, and "
+            "has ['amsgrad', 'betas'" in optimizer_error
+        )
         assert res["optimizer_mismatch_state"] == 0  # the SGD was not initialized by the attempt
 
 
@@ -322,8 +330,11 @@ def test_load_errors_are_clear_and_change_nothing(tmp_path, single_run, dist_dir
 
     fresh = build_model()
     sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(ValueError, match=r"saved from a Sequential with AdamW\) does not match this Sequential "
-                                         r"with SGD"):
+    with pytest.raises(
+        ValueError,
+        match=r"saved from a Sequential with AdamW\) does not match this Sequential "
+        r"with SGD",
+    ):
         load(ck, fresh, sgd)
     assert len(sgd.state) == 0
 
@@ -348,8 +359,11 @@ def test_state_keys_of_another_variant_are_a_mismatch(tmp_path):
     plain_model = build_model()
     plain = torch.optim.AdamW(plain_model.parameters())
     before = _state_of(plain_model, plain)
-    with pytest.raises(ValueError, match=r"optim.state.0.weight: keys \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', "
-                                         r"'step'\] in the checkpoint, \['exp_avg', 'exp_avg_sq', 'step'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"optim.state.0.weight: keys \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', "
+        r"'step'\] in the checkpoint, \['exp_avg', 'exp_avg_sq', 'step'\]",
+    ):
         load(tmp_path / "ck", plain_model, plain)
     assert _unchanged(before, plain_model, plain) and len(plain.state) == 0  # DCP's initialization undone
 

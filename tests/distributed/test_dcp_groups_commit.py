@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 import torch.nn as nn
-
 from _dist_workers import bitwise_equal
+
 from optimshift.distributed import _checkpoint, load, save
 
 
@@ -57,9 +57,12 @@ def test_param_groups_holding_other_params_are_a_mismatch(tmp_path):
     live_opt = _grouped(live, 3)  # same group count and hyperparameter keys, other members
     _step(live, live_opt)
     before = _copy(live, live_opt)
-    with pytest.raises(ValueError, match=r"param group 0 holds other params in the checkpoint than in the optimizer "
-                                         r"\(1 there, 3 here\): \['0.bias', '1.weight'\] are in this group only "
-                                         r"in the optimizer") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"param group 0 holds other params in the checkpoint than in the optimizer "
+        r"\(1 there, 3 here\): \['0.bias', '1.weight'\] are in this group only "
+        r"in the optimizer",
+    ) as info:
         load(tmp_path / "ck", live, live_opt)
     assert "param group 1 holds other params" in str(info.value)
     assert _same(before, _copy(live, live_opt))  # nothing was loaded
@@ -135,8 +138,11 @@ def test_a_partly_stepped_optimizer_cannot_take_state_it_lacks(tmp_path):
     live_opt = torch.optim.Adam(live.parameters())
     _step(live, live_opt)  # state for a.* only
     before = _copy(live, live_opt)
-    with pytest.raises(ValueError, match=r"optim.state.unused.bias: the checkpoint has state for it, the optimizer "
-                                         r"none"):
+    with pytest.raises(
+        ValueError,
+        match=r"optim.state.unused.bias: the checkpoint has state for it, the optimizer "
+        r"none",
+    ):
         load(tmp_path / "ck", live, live_opt)
     assert _same(before, _copy(live, live_opt))  # refused before DCP wrote anything
 
@@ -152,8 +158,11 @@ def test_an_error_after_reading_began_says_the_model_may_be_partly_loaded(tmp_pa
 
     monkeypatch.setattr(_checkpoint, "set_state_dict", broken)
     fresh = _WithUnused()
-    with pytest.raises(RuntimeError, match=r"failed after it began writing the checkpoint into the model and "
-                                           r"optimizer, which may now be partly loaded .*OSError: disk gone"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"failed after it began writing the checkpoint into the model and "
+        r"optimizer, which may now be partly loaded .*OSError: disk gone",
+    ):
         load(tmp_path / "ck", fresh, torch.optim.Adam(fresh.parameters()))
     assert all(p.grad is None for p in fresh.parameters())
 

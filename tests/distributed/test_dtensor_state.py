@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _dist_workers import S, WORLD, bitwise_equal, state_differences
+from _dist_workers import WORLD, S, bitwise_equal, state_differences
 
 SHARD0 = "Shard(dim=0) on cpu mesh (2,)"
 
@@ -36,7 +36,7 @@ def test_state_is_dtensor_with_a_host_step(job_train):
     for res in _ranks(job_train):
         before = res["before"]
         assert {k[2] for k in before} == {"step", "exp_avg", "exp_avg_sq"}
-        for (gi, pi, key), entry in before.items():
+        for (_gi, _pi, key), entry in before.items():
             if key == "step":
                 assert (entry["type"], entry["device"]) == ("Tensor", "cpu")
             else:

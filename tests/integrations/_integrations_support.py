@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -58,8 +59,12 @@ def bitwise_same(a: dict, b: dict) -> bool:
     for k in a:
         x, y = a[k], b[k]
         if isinstance(x, torch.Tensor):
-            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
-                    and torch.equal(_bits(x), _bits(y))):
+            if not (
+                isinstance(y, torch.Tensor)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(_bits(x), _bits(y))
+            ):
                 return False
         elif x != y:
             return False

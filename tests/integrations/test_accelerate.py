@@ -12,7 +12,6 @@ import contextlib
 
 import pytest
 import torch
-
 from _integrations_support import (
     bitwise_same,
     count_step_syncs,
@@ -26,9 +25,8 @@ from _integrations_support import (
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 
-from optimshift.testing.accelerate import on_device  # noqa: E402
-
 import optimshift.integrations.accelerate as osa  # noqa: E402
+from optimshift.testing.accelerate import on_device  # noqa: E402
 
 O = torch.optim
 CONFIGS = {
@@ -181,8 +179,9 @@ def test_save_and_load_state_on_device(sim, tmp_path, accelerator_on, accelerate
     [("on_device", "Adam", "step"), ("cpu", "NAdam", "mu_product")],
     ids=["on_device-Adam-step", "cpu-NAdam-mu_product"],
 )
-def test_load_state_unpatched_misplaces_host_scalars(sim, tmp_path, accelerator_on, accelerate_patch, map_location,
-                                                     config, key):
+def test_load_state_unpatched_misplaces_host_scalars(
+    sim, tmp_path, accelerator_on, accelerate_patch, map_location, config, key
+):
     """``load_state(map_location="on_device")`` loads every ``step`` onto the device and it stays there;
     with ``"cpu"``, PyTorch's cast (passed through by Accelerate) puts NAdam's ``mu_product`` there."""
     accelerate_patch(False)
@@ -246,8 +245,10 @@ def test_load_state_dict_keeps_dtypes_and_strings_when_patched(sim, accelerator_
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _, prepared = accelerator_on(sim).prepare(model, opt)
-    sd = {"state": {0: {"momentum_buffer": torch.ones(2, 3), "note": "warm"}},
-          "param_groups": [{**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": [0, 1]}]}
+    sd = {
+        "state": {0: {"momentum_buffer": torch.ones(2, 3), "note": "warm"}},
+        "param_groups": [{**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": [0, 1]}],
+    }
     prepared.load_state_dict(sd)
     weight = next(iter(model.parameters()))
     state = opt.state[weight]

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import optimshift
 from _integrations_support import (
     bitwise_same,
     count_step_syncs,
@@ -26,13 +24,15 @@ from _integrations_support import (
     step_with_grads,
 )
 
+import optimshift
+
 pl = pytest.importorskip("lightning.pytorch")
-from optimshift.testing.lightning import fabric_strategy  # noqa: E402
-from optimshift.testing.lightning import strategy as lightning_strategy  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 
 import optimshift.integrations.lightning as osl  # noqa: E402
+from optimshift.testing.lightning import fabric_strategy  # noqa: E402
+from optimshift.testing.lightning import strategy as lightning_strategy  # noqa: E402
 
 O = torch.optim
 # What the simulated accelerator (like CUDA) raises when a step mixes devices or feeds a host tensor to a fused kernel.
@@ -87,8 +87,16 @@ def _data(n: int = 16) -> torch.utils.data.DataLoader:
 
 
 def _trainer(device: torch.device, max_steps: int, callbacks=(), strategy=None, **kwargs) -> pl.Trainer:
-    options = dict(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=list(callbacks))
+    options = dict(
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
     options.update(kwargs)
     if strategy is not None:
         return pl.Trainer(strategy=strategy, **options)
@@ -272,8 +280,9 @@ def test_trainer_params_on_two_devices(sim, tmp_path, lightning_patch, config):
 
 
 def _host_state(name: str, kwargs: dict, shapes) -> dict:
-    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
-              for i, s in enumerate(shapes)]
+    params = [
+        torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i))) for i, s in enumerate(shapes)
+    ]
     opt = getattr(O, name)(params, **kwargs)
     for seed in range(3):
         step_with_grads(params, opt, seed)
@@ -426,8 +435,15 @@ class EvalProbe(pl.Callback):
 def _fit_with_validation(device, callbacks, module):
     # Validation after the 3rd of 4 batches while gradients accumulate over 2: it finds the gradients of an
     # unfinished accumulation on the device, which must come back intact.
-    trainer = _trainer(device, 6, callbacks, limit_val_batches=1, val_check_interval=3, num_sanity_val_steps=1,
-                       accumulate_grad_batches=2)
+    trainer = _trainer(
+        device,
+        6,
+        callbacks,
+        limit_val_batches=1,
+        val_check_interval=3,
+        num_sanity_val_steps=1,
+        accumulate_grad_batches=2,
+    )
     trainer.fit(module, _data(), _data(4))
     return trainer
 
@@ -606,8 +622,10 @@ def test_restore_keeps_fp32_state_and_strings_when_patched(sim, lightning_patch,
     params = [torch.nn.Parameter(torch.zeros(2, 3, device=sim, dtype=torch.bfloat16))]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-    saved = {"state": {0: {"momentum_buffer": torch.full((2, 3), 0.1), "note": "warm"}},
-             "param_groups": [{**group, "params": [0]}]}
+    saved = {
+        "state": {0: {"momentum_buffer": torch.full((2, 3), 0.1), "note": "warm"}},
+        "param_groups": [{**group, "params": [0]}],
+    }
     strategy = lightning_strategy(sim)
     strategy.optimizers = [opt]
     strategy.load_optimizer_state_dict({"optimizer_states": [saved]})

@@ -9,15 +9,18 @@ import pytest
 HEAVY = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "pytorch_optimizer", "transformers")
 
 
-@pytest.mark.parametrize("statement", [
-    "import optimshift",
-    "import optimshift.integrations",
-    "import optimshift.integrations.third_party",
-    "from optimshift.integrations import _common",
-    "import optimshift.testing",
-    "import optimshift.testing.accelerate",
-    "import optimshift.cli, optimshift.cli._inspect, optimshift.checkpoint._folders",
-])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import optimshift",
+        "import optimshift.integrations",
+        "import optimshift.integrations.third_party",
+        "from optimshift.integrations import _common",
+        "import optimshift.testing",
+        "import optimshift.testing.accelerate",
+        "import optimshift.cli, optimshift.cli._inspect, optimshift.checkpoint._folders",
+    ],
+)
 def test_importing_optimshift_imports_no_framework(statement):
     code = (
         f"import sys\n{statement}\n"
@@ -54,5 +57,4 @@ def test_third_party_register_warns_without_its_library():
     assert out.returncode == 0, out.stderr
     registered, messages = out.stdout.splitlines()
     assert registered == "[]"
-    assert "pytorch_optimizer is not installed, so no policy was registered (pip install pytorch-optimizer)" \
-        in messages
+    assert "pytorch_optimizer is not installed, so no policy was registered (pip install pytorch-optimizer)" in messages

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 import torch
+from _integrations_support import layout
 
 import optimshift
-from _integrations_support import layout
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
@@ -53,22 +53,28 @@ HESSIAN = {"adahessian", "sophiah"}  # need backward(create_graph=True)
 
 SKIP = {
     "demo": "DeMo all-gathers momentum over torch.distributed and needs `einops` (not a test dependency); "
-            "pytorch_optimizer itself excludes it from coverage",
+    "pytorch_optimizer itself excludes it from coverage",
     "distributedmuon": "DistributedMuon needs an initialized torch.distributed process group whose backend "
-                       "handles the device; gloo has none for the simulated one ('No backend type associated "
-                       "with device type sim'): check it on real GPUs with NCCL",
+    "handles the device; gloo has none for the simulated one ('No backend type associated "
+    "with device type sim'): check it on real GPUs with NCCL",
     "lomo": "LOMO updates params inside fused_backward(loss, lr) hooks and step() raises NotImplementedError; "
-            "it holds no optimizer state",
+    "it holds no optimizer state",
     "adalomo": "AdaLOMO updates params inside fused_backward(loss, lr) hooks and step() raises "
-               "NotImplementedError; its moments live in attributes (exp_avg_sq*), not in optimizer.state",
+    "NotImplementedError; its moments live in attributes (exp_avg_sq*), not in optimizer.state",
 }
 XFAIL = {
-    "magma": (RuntimeError, "Magma keeps per-param tensors in the private dict `_state`, keyed by id(param), "
-                            "outside optimizer.state and param_groups: they stay on the host and the next "
-                            "device step mixes devices"),
-    "sara": (RuntimeError, "SaRA caches index tensors derived from state['mask'] in the private dict "
-                           "`_mask_indices` (its load_state_dict clears it; a move cannot): the stale host "
-                           "indices meet device params in index_select"),
+    "magma": (
+        RuntimeError,
+        "Magma keeps per-param tensors in the private dict `_state`, keyed by id(param), "
+        "outside optimizer.state and param_groups: they stay on the host and the next "
+        "device step mixes devices",
+    ),
+    "sara": (
+        RuntimeError,
+        "SaRA caches index tensors derived from state['mask'] in the private dict "
+        "`_mask_indices` (its load_state_dict clears it; a move cannot): the stale host "
+        "indices meet device params in index_select",
+    ),
 }
 
 
@@ -90,8 +96,12 @@ def _build(name: str, net: Net) -> torch.optim.Optimizer:
     cls = pytorch_optimizer.load_optimizer(name)
     params = list(net.ps)
     if name in MUON_STYLE:
-        return cls([{"params": [p for p in params if p.ndim == 2], "use_muon": True},
-                    {"params": [p for p in params if p.ndim != 2], "use_muon": False}])
+        return cls(
+            [
+                {"params": [p for p in params if p.ndim == 2], "use_muon": True},
+                {"params": [p for p in params if p.ndim != 2], "use_muon": False},
+            ]
+        )
     if name in FROM_MODEL:
         return cls(net)
     return cls(params, **KWARGS.get(name, {}))
@@ -100,6 +110,7 @@ def _build(name: str, net: Net) -> torch.optim.Optimizer:
 def _train(name: str, net: Net, opt: torch.optim.Optimizer, steps: range) -> None:
     params = list(net.ps)
     for step in steps:
+
         @torch.enable_grad()
         def closure():
             opt.zero_grad()
@@ -246,9 +257,10 @@ def test_madgrad_needs_its_policy(sim):
 
 
 def test_register_is_idempotent_and_unregister_restores():
-    from optimshift import policy
     from pytorch_optimizer.optimizer.alig import AliG
     from pytorch_optimizer.optimizer.madgrad import MADGRAD
+
+    from optimshift import policy
 
     third_party.register()
     with warnings.catch_warnings():

@@ -14,9 +14,9 @@ import os
 
 import pytest
 import torch
+from _integrations_support import layout
 
 import optimshift
-from _integrations_support import layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,8 +42,15 @@ class _Data(torch.utils.data.Dataset):
 
 
 def _model(seed: int):
-    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
     torch.manual_seed(seed)
     return transformers.BertForSequenceClassification(config)
 
@@ -94,9 +101,18 @@ class _StepSyncs(transformers.TrainerCallback):
 
 
 def _args(output_dir, steps: int) -> _Args:
-    return _Args(output_dir=str(output_dir), max_steps=steps, save_steps=STEPS, per_device_train_batch_size=4,
-                 optim="adamw_torch", report_to="none", dataloader_pin_memory=False, disable_tqdm=True,
-                 logging_strategy="no", seed=0)
+    return _Args(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        save_steps=STEPS,
+        per_device_train_batch_size=4,
+        optim="adamw_torch",
+        report_to="none",
+        dataloader_pin_memory=False,
+        disable_tqdm=True,
+        logging_strategy="no",
+        seed=0,
+    )
 
 
 def _resumed(tmp_path, patched: bool):
@@ -110,8 +126,9 @@ def _resumed(tmp_path, patched: bool):
     try:
         with on_device() as device:
             syncs = _StepSyncs()
-            trainer = _MultiDeviceResume(model=_model(1), args=_args(out, 2 * STEPS), train_dataset=_Data(),
-                                         callbacks=[syncs])
+            trainer = _MultiDeviceResume(
+                model=_model(1), args=_args(out, 2 * STEPS), train_dataset=_Data(), callbacks=[syncs]
+            )
             trainer.map_locations = []
             trainer.train(resume_from_checkpoint=str(checkpoint))
     finally:

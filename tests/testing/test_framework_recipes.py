@@ -40,8 +40,14 @@ def test_lightning_trainer_runs_on_the_simulated_device(sim):
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3)), batch_size=4)
     module = Module()
-    trainer = pl.Trainer(strategy=ostl.strategy(), max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=ostl.strategy(),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, data)
     assert seen == [(sim, sim)] * 2
     assert trainer.strategy.root_device == sim and isinstance(trainer.accelerator, ostl.SimAccelerator)

@@ -7,8 +7,7 @@ import gc
 import pytest
 import torch
 
-from optimshift.testing import StreamRaceError, deferred_streams, simulated_accelerator
-from optimshift.testing import _sim_streams
+from optimshift.testing import StreamRaceError, _sim_streams, deferred_streams, simulated_accelerator
 
 
 @pytest.fixture()

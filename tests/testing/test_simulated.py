@@ -346,17 +346,23 @@ def test_rule2_fused_kernels_reject_cpu_tensors(sim0):
     p = torch.zeros(3, device=sim0)
     g = torch.ones(3, device=sim0)
     m, v = torch.zeros(3, device=sim0), torch.zeros(3, device=sim0)
-    hyper = dict(
-        lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False
-    )
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
     with pytest.raises(RuntimeError, match="_fused_adam_.*CPU tensor"):
         torch._fused_adam_([p], [g], [m], [v], [], [torch.tensor(0.0)], **hyper)
     with pytest.raises(RuntimeError, match="_fused_adamw_.*CPU tensor"):
         torch._fused_adamw_([p], [g], [m], [v], [], [torch.tensor(0.0)], **hyper)
     with pytest.raises(RuntimeError, match="_fused_sgd_.*CPU tensor"):
         torch._fused_sgd_(
-            [p], [g], [torch.zeros(3)], weight_decay=0.0, momentum=0.9, lr=0.1,
-            dampening=0.0, nesterov=False, maximize=False, is_first_step=True,
+            [p],
+            [g],
+            [torch.zeros(3)],
+            weight_decay=0.0,
+            momentum=0.9,
+            lr=0.1,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            is_first_step=True,
         )
     # With the step on the device, the same call runs.
     torch._fused_adam_([p], [g], [m], [v], [], [torch.tensor(1.0, device=sim0)], **hyper)
@@ -386,8 +392,18 @@ def test_rule2_fused_kernels_take_a_host_lr_as_cuda_does(sim0, sim1):
     with pytest.raises(RuntimeError, match="two devices"):
         adam(sim0, torch.tensor(1e-2, device=sim1))  # lr on another device of the kind
     p, g, buf = torch.ones(3, device=sim0), torch.ones(3, device=sim0), torch.zeros(3, device=sim0)
-    torch._fused_sgd_([p], [g], [buf], weight_decay=0.0, momentum=0.9, lr=torch.tensor(0.5), dampening=0.0,
-                      nesterov=False, maximize=False, is_first_step=True)
+    torch._fused_sgd_(
+        [p],
+        [g],
+        [buf],
+        weight_decay=0.0,
+        momentum=0.9,
+        lr=torch.tensor(0.5),
+        dampening=0.0,
+        nesterov=False,
+        maximize=False,
+        is_first_step=True,
+    )
     assert_bitwise(p.cpu(), torch.full((3,), 0.5))
     for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad):
         model = nn.Linear(4, 2).to(sim0)

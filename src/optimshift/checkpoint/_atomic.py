@@ -38,7 +38,7 @@ _live: set[str] = set()  # temporaries this process is writing right now
 _live_lock = threading.Lock()
 
 
-def temp_pattern(target: str) -> "re.Pattern[str]":
+def temp_pattern(target: str) -> re.Pattern[str]:
     """The names of ``target``'s temporaries (and of no other destination's: the token is exactly 12 hex)."""
     return re.compile(rf"\.{re.escape(os.path.basename(target))}\.[0-9a-f]{{{_TOKEN_HEX}}}\.tmp")
 
@@ -132,7 +132,7 @@ def _unlink(path: str) -> bool:
         return False
 
 
-def fsync_dir(folder: "str | os.PathLike[str]") -> None:
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
     """Make the rename durable (POSIX); a no-op where folders cannot be opened (Windows)."""
     try:
         dfd = os.open(folder, os.O_RDONLY)

@@ -19,13 +19,13 @@ import pickle
 import re
 import stat
 import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Iterable, Mapping, Optional, Union
+from typing import IO, Any, Union
 
 import torch
 
 from .._state import unwrap
-
 from . import _atomic, _records
 
 __all__ = [
@@ -107,10 +107,10 @@ class FoundOptimizer:
     where: str
     kind: str
     state_dict: Mapping[str, Any]
-    class_name: Optional[str] = None
+    class_name: str | None = None
 
 
-def _meta_class(sd: Mapping[str, Any]) -> Optional[str]:
+def _meta_class(sd: Mapping[str, Any]) -> str | None:
     meta = sd.get(META_KEY)
     if isinstance(meta, Mapping) and isinstance(meta.get("class"), str):
         module = meta.get("module")
@@ -157,7 +157,7 @@ def find_optimizer_states(obj: Any, *, max_depth: int = 4) -> list[FoundOptimize
 _EXPANSION_SLACK = 1 << 20  # bytes
 
 
-def overexpanded(t: torch.Tensor) -> Optional[str]:
+def overexpanded(t: torch.Tensor) -> str | None:
     """Why copying ``t`` would allocate far more than its storage holds (an expanded view), else None.
 
     Plain tensors only: a wrapper subclass (a DTensor) describes a global shape over a local storage."""
@@ -172,14 +172,16 @@ def overexpanded(t: torch.Tensor) -> Optional[str]:
         return None
     if need <= 2 * storage + _EXPANSION_SLACK:
         return None
-    return (f"a tensor of shape {tuple(t.shape)} ({need} bytes once copied) is a view of a storage of {storage} "
-            f"bytes (strides {tuple(t.stride())})")
+    return (
+        f"a tensor of shape {tuple(t.shape)} ({need} bytes once copied) is a view of a storage of {storage} "
+        f"bytes (strides {tuple(t.stride())})"
+    )
 
 
 # --- saving ------------------------------------------------------------------------------------------------
 
 
-def _wrapped_optimizer(obj: Any) -> Optional[Any]:
+def _wrapped_optimizer(obj: Any) -> Any | None:
     """The ``torch.optim.Optimizer`` that ``obj`` is or delegates to (for recording its class), else None."""
     inner = unwrap(obj)
     return inner if isinstance(inner, torch.optim.Optimizer) else None
@@ -195,8 +197,10 @@ def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
     cls = type(inner)
     from .._version import __version__
 
-    return {**sd, META_KEY: {"format": _FORMAT, "class": cls.__qualname__, "module": cls.__module__,
-                             "optimshift": __version__}}
+    return {
+        **sd,
+        META_KEY: {"format": _FORMAT, "class": cls.__qualname__, "module": cls.__module__, "optimshift": __version__},
+    }
 
 
 def _prepare(obj: Any, depth: int = 0) -> Any:
@@ -224,7 +228,7 @@ def save(obj: Any, path: PathLike) -> None:
     _save(obj, path)
 
 
-def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = None) -> None:
+def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = None) -> None:
     # Through a symlink (Lightning's save_last="link"), replace the file it points at, not the link.
     target = os.path.realpath(os.path.abspath(os.fspath(path)))
     folder = os.path.dirname(target)
@@ -232,8 +236,10 @@ def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = 
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")
     if os.path.exists(target) and not os.stat(target).st_mode & 0o222:
         # A file with no write bit was made read-only on purpose; a rename would silently replace it anyway.
-        raise PermissionError(f"save: {target} is read-only (mode {stat.S_IMODE(os.stat(target).st_mode):o}); "
-                              f"make it writable to replace it")
+        raise PermissionError(
+            f"save: {target} is read-only (mode {stat.S_IMODE(os.stat(target).st_mode):o}); "
+            f"make it writable to replace it"
+        )
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"save: folder {folder} does not exist")
     payload = _prepare(obj)
@@ -252,8 +258,10 @@ def _save(obj: Any, path: PathLike, progress: Optional[Callable[[int], None]] = 
             try:
                 torch.save(payload, sink)
             except RecursionError:
-                raise ValueError(f"save: {target}: the object is nested too deeply to pickle (more than "
-                                 f"{sys.getrecursionlimit()} levels); nothing was written") from None
+                raise ValueError(
+                    f"save: {target}: the object is nested too deeply to pickle (more than "
+                    f"{sys.getrecursionlimit()} levels); nothing was written"
+                ) from None
             raw.flush()
             os.fsync(raw.fileno())
             os.replace(tmp, target)
@@ -320,8 +328,9 @@ def _sniff(path: str) -> str:
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "pickle"
     if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size:
-        raise CheckpointError(f"{path} is a safetensors file, not a torch.save checkpoint: "
-                              f"read it with safetensors.torch.load_file")
+        raise CheckpointError(
+            f"{path} is a safetensors file, not a torch.save checkpoint: read it with safetensors.torch.load_file"
+        )
     if head.startswith(b"\x89HDF"):
         raise CheckpointError(f"{path} is an HDF5 file, not a torch.save checkpoint")
     if head.startswith(b"\x93NUMPY"):
@@ -337,18 +346,96 @@ _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 # Globals that run code or commands, reach the filesystem or the network, or call arbitrary functions: what a
 # malicious pickle names. No checkpoint needs them, so no message may suggest allowing one.
-_CODE_MODULES = frozenset({
-    "os", "posix", "nt", "posixpath", "ntpath", "subprocess", "_posixsubprocess", "sys", "shutil", "socket",
-    "select", "importlib", "runpy", "pickle", "_pickle", "pickletools", "marshal", "shelve", "dill", "cloudpickle",
-    "ctypes", "_ctypes", "code", "codeop", "pty", "tty", "multiprocessing", "concurrent", "threading", "_thread",
-    "signal", "webbrowser", "pdb", "bdb", "timeit", "trace", "profile", "cProfile", "asyncio", "platform",
-    "tempfile", "io", "_io", "pathlib", "glob", "fileinput", "operator", "_operator", "functools", "types",
-    "inspect", "gc", "weakref", "urllib", "http", "ftplib", "smtplib", "telnetlib", "zipimport", "pkgutil",
-    "site", "sysconfig", "commands", "popen2", "mmap", "fcntl", "resource",
-})
+_CODE_MODULES = frozenset(
+    {
+        "os",
+        "posix",
+        "nt",
+        "posixpath",
+        "ntpath",
+        "subprocess",
+        "_posixsubprocess",
+        "sys",
+        "shutil",
+        "socket",
+        "select",
+        "importlib",
+        "runpy",
+        "pickle",
+        "_pickle",
+        "pickletools",
+        "marshal",
+        "shelve",
+        "dill",
+        "cloudpickle",
+        "ctypes",
+        "_ctypes",
+        "code",
+        "codeop",
+        "pty",
+        "tty",
+        "multiprocessing",
+        "concurrent",
+        "threading",
+        "_thread",
+        "signal",
+        "webbrowser",
+        "pdb",
+        "bdb",
+        "timeit",
+        "trace",
+        "profile",
+        "cProfile",
+        "asyncio",
+        "platform",
+        "tempfile",
+        "io",
+        "_io",
+        "pathlib",
+        "glob",
+        "fileinput",
+        "operator",
+        "_operator",
+        "functools",
+        "types",
+        "inspect",
+        "gc",
+        "weakref",
+        "urllib",
+        "http",
+        "ftplib",
+        "smtplib",
+        "telnetlib",
+        "zipimport",
+        "pkgutil",
+        "site",
+        "sysconfig",
+        "commands",
+        "popen2",
+        "mmap",
+        "fcntl",
+        "resource",
+    }
+)
 # The builtins a data file may legitimately name (containers and numbers); every other builtin can run code.
-_HARMLESS_BUILTINS = frozenset({"set", "frozenset", "slice", "complex", "range", "bytearray", "bytes", "int",
-                                "float", "str", "list", "tuple", "dict", "bool"})
+_HARMLESS_BUILTINS = frozenset(
+    {
+        "set",
+        "frozenset",
+        "slice",
+        "complex",
+        "range",
+        "bytearray",
+        "bytes",
+        "int",
+        "float",
+        "str",
+        "list",
+        "tuple",
+        "dict",
+        "bool",
+    }
+)
 
 
 def _normalize_global(name: str) -> str:
@@ -364,7 +451,7 @@ def runs_code(name: str) -> bool:
     return root in _CODE_MODULES
 
 
-def _global_exists(name: str) -> Optional[bool]:
+def _global_exists(name: str) -> bool | None:
     """Whether ``name`` names something installed, judged without importing anything: ``False`` if its top-level
     module cannot be found, or its module is imported and lacks it; ``None`` when that cannot be told."""
     module, _, attr = name.rpartition(".")
@@ -415,8 +502,8 @@ def _legacy_unsafe_globals(path: str) -> list[str]:
         # its storage keys), then raw storage bytes; a plain pickle is one. Read pickles until the bytes stop
         # parsing as one.
         for _ in range(5):
-            pushed: list[Optional[str]] = []  # what each op pushed: a string, or None for anything else
-            memo: dict[Any, Optional[str]] = {}
+            pushed: list[str | None] = []  # what each op pushed: a string, or None for anything else
+            memo: dict[Any, str | None] = {}
             try:
                 for op, arg, _pos in pickletools.genops(f):
                     top = pushed[-1] if pushed else None
@@ -445,15 +532,19 @@ def _legacy_unsafe_globals(path: str) -> list[str]:
 def _allow_hint(names: list[str]) -> str:
     """How to allow every global in ``names`` (all of them: allowing one only reveals the next)."""
     if not names:
-        return ("If you trust the file and it names classes you expect (config objects), allow just them: "
-                "`with torch.serialization.safe_globals([SomeClass]): optimshift.load(path)` "
-                "(or `optimshift inspect/convert --allow-global module.SomeClass`).")
+        return (
+            "If you trust the file and it names classes you expect (config objects), allow just them: "
+            "`with torch.serialization.safe_globals([SomeClass]): optimshift.load(path)` "
+            "(or `optimshift inspect/convert --allow-global module.SomeClass`)."
+        )
     one = len(names) == 1
     what = f"{names[0]} is a class you expect (a config object)" if one else "these are classes you expect"
     flags = " ".join(f"--allow-global {n}" for n in names)
-    return (f"If you trust the file and {what}, allow just {'it' if one else 'them'}: "
-            f"`with torch.serialization.safe_globals([{', '.join(names)}]): optimshift.load(path)` "
-            f"(or `optimshift inspect/convert {flags}`).")
+    return (
+        f"If you trust the file and {what}, allow just {'it' if one else 'them'}: "
+        f"`with torch.serialization.safe_globals([{', '.join(names)}]): optimshift.load(path)` "
+        f"(or `optimshift inspect/convert {flags}`)."
+    )
 
 
 def _first_line(message: str) -> str:
@@ -513,6 +604,7 @@ def _guarded_map_location(map_location: Any, p: str) -> Any:
     """``map_location`` for torch.load: a device (or a dict of them) is checked to exist first, so a missing
     device is reported as such rather than as a broken file; a callable's own errors are passed through."""
     if callable(map_location):
+
         def call(storage: Any, location: str) -> Any:
             try:
                 return map_location(storage, location)
@@ -527,16 +619,20 @@ def _guarded_map_location(map_location: Any, p: str) -> Any:
         try:
             torch.empty(0, device=target)
         except Exception as e:
-            raise RuntimeError(f"load {p}: map_location {target!r} is not a device this machine can hold "
-                               f"tensors on ({_first_line(str(e))})") from None
+            raise RuntimeError(
+                f"load {p}: map_location {target!r} is not a device this machine can hold "
+                f"tensors on ({_first_line(str(e))})"
+            ) from None
     return map_location
 
 
 def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     """What a failed ``torch.load`` of ``p`` (sniffed as ``kind``) raises instead: an UnsafeCheckpointError for a
     global that is not allowed, a CheckpointError for anything else wrong with the file."""
-    plain = (f"{p} is a plain pickle (written by pickle.dump), not a torch.save checkpoint; "
-             f"optimshift only reads torch.save files")
+    plain = (
+        f"{p} is a plain pickle (written by pickle.dump), not a torch.save checkpoint; "
+        f"optimshift only reads torch.save files"
+    )
     if isinstance(e, pickle.UnpicklingError):
         reason = _weights_only_reason(e)
         names = _unsafe_globals(p, reason)
@@ -558,8 +654,10 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     if isinstance(e, RecursionError):
         return CheckpointError(f"{p} is corrupt or hostile: its objects are nested too deeply to load")
     if isinstance(e, MemoryError):
-        return CheckpointError(f"{p} asks for more memory than this machine has while loading (MemoryError): "
-                               f"it is corrupt, or too large to load without mmap=True")
+        return CheckpointError(
+            f"{p} asks for more memory than this machine has while loading (MemoryError): "
+            f"it is corrupt, or too large to load without mmap=True"
+        )
     first = _first_line(str(e)) or "unexpected end of file"
     return CheckpointError(f"{p} is truncated or corrupt ({type(e).__name__}: {first})")
 
@@ -587,8 +685,9 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
         try:
             _records.check_records(p)
         except _records.RecordMismatch as e:
-            raise CheckpointError(f"{p} is corrupt: {e} (a record cut short or a size changed in its pickle); "
-                                  f"nothing was loaded") from None
+            raise CheckpointError(
+                f"{p} is corrupt: {e} (a record cut short or a size changed in its pickle); nothing was loaded"
+            ) from None
         except _records.Unverifiable:
             # The sizes cannot be read without torch's unpickler: load eagerly, which checks every record.
             del obj
@@ -645,8 +744,10 @@ def resolve_global(name: str) -> Any:
     if not module:
         raise ValueError(f"--allow-global expects a dotted name such as 'collections.OrderedDict', got {name!r}")
     if runs_code(name):
-        raise ValueError(f"--allow-global {name}: refused; {name} can run code or commands, which no checkpoint "
-                         f"needs (a file that names it is malicious or broken)")
+        raise ValueError(
+            f"--allow-global {name}: refused; {name} can run code or commands, which no checkpoint "
+            f"needs (a file that names it is malicious or broken)"
+        )
     try:
         obj: Any = importlib.import_module(module)
     except ImportError:
@@ -661,12 +762,12 @@ def resolve_global(name: str) -> Any:
                 for part in parts[cut:]:
                     obj = getattr(obj, part)
             except AttributeError:
-                raise ValueError(f"--allow-global {name}: {'.'.join(parts[:cut])} has no {name[len('.'.join(parts[:cut])) + 1:]}") from None
+                raise ValueError(
+                    f"--allow-global {name}: {'.'.join(parts[:cut])} has no {name[len('.'.join(parts[:cut])) + 1 :]}"
+                ) from None
             return obj
         raise ValueError(f"--allow-global {name}: cannot import {module}") from None
     try:
         return getattr(obj, attr)
     except AttributeError:
         raise ValueError(f"--allow-global {name}: {module} has no {attr}") from None
-
-

@@ -19,7 +19,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["TrainingFolder", "training_folder"]
 
@@ -58,13 +58,14 @@ class TrainingFolder:
     kind: str
     optimizer_files: list[str]
     files: dict[str, str] = field(default_factory=dict)
-    trainer_state: Optional[dict[str, Any]] = None
+    trainer_state: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:
         """The layout in words: "Hugging Face Trainer checkpoint folder" or "Accelerate save_state folder"."""
-        return {HF_TRAINER: "Hugging Face Trainer checkpoint folder",
-                ACCELERATE: "Accelerate save_state folder"}[self.kind]
+        return {HF_TRAINER: "Hugging Face Trainer checkpoint folder", ACCELERATE: "Accelerate save_state folder"}[
+            self.kind
+        ]
 
 
 def _role(name: str, path: str) -> str:
@@ -81,7 +82,7 @@ def _optimizer_order(name: str) -> tuple[int, str]:
     return (int(match.group(1) or 0) if match else 0, name)
 
 
-def _trainer_state(path: str) -> Optional[dict[str, Any]]:
+def _trainer_state(path: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
@@ -92,7 +93,7 @@ def _trainer_state(path: str) -> Optional[dict[str, Any]]:
     return {k: state[k] for k in ("global_step", "epoch", "max_steps") if k in state}
 
 
-def training_folder(path: str) -> Optional[TrainingFolder]:
+def training_folder(path: str) -> TrainingFolder | None:
     """The framework checkpoint folder at ``path``, or None if it is not one (or not a folder).
 
     A Trainer folder has ``trainer_state.json``, or ``optimizer.pt`` with ``scheduler.pt``; an Accelerate folder
@@ -110,7 +111,8 @@ def training_folder(path: str) -> Optional[TrainingFolder]:
     if "trainer_state.json" in files or {"optimizer.pt", "scheduler.pt"} <= set(files):
         kind = HF_TRAINER
     elif any(n.endswith(".bin") for n in optimizers) and any(
-            role in ("model weights", "random number generator state", "scheduler") for role in files.values()):
+        role in ("model weights", "random number generator state", "scheduler") for role in files.values()
+    ):
         kind = ACCELERATE
     else:
         return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import pickle
 import zipfile
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -54,7 +54,7 @@ class _StorageName:
         self.itemsize = itemsize
 
 
-def _storage_itemsize(name: str) -> Optional[int]:
+def _storage_itemsize(name: str) -> int | None:
     if name == "UntypedStorage":
         return 1
     try:
@@ -131,5 +131,6 @@ def check_records(path: str) -> None:
             raise RecordMismatch(f"its pickle asks for a storage in record {name}, which the file does not have")
         for nbytes in sorted(claimed):
             if nbytes != size:
-                raise RecordMismatch(f"record {name} holds {size} bytes but its pickle asks for a storage of "
-                                     f"{nbytes} bytes")
+                raise RecordMismatch(
+                    f"record {name} holds {size} bytes but its pickle asks for a storage of {nbytes} bytes"
+                )

@@ -17,21 +17,36 @@ import os
 import threading
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Callable, Mapping, MutableMapping, Optional, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch
 
-from .. import _mode
-from .. import engine
-from .._copy import copy_tensor
-from .._offload import exclusive, prepare_discard
+from .. import _mode, engine
 from .. import policy as _policy
-from .._dtypes import Rejection, dtype_name, rejected_dtypes
+from .._copy import copy_tensor
 from .._devices import DeviceLike, resolve
+from .._dtypes import Rejection, dtype_name, rejected_dtypes
+from .._offload import exclusive, prepare_discard
 from .._probe import quiet_global_step_hooks
-from .._state import (_ATOMS, IMPLEMENTATION_FLAGS, MAX_DEPTH, Path, Setter, format_path, group_device, is_plain,
-                      leaves, param_label, param_name, rebuild, too_deep, unwrap)
+from .._state import (
+    _ATOMS,
+    IMPLEMENTATION_FLAGS,
+    MAX_DEPTH,
+    Path,
+    Setter,
+    format_path,
+    group_device,
+    is_plain,
+    leaves,
+    param_label,
+    param_name,
+    rebuild,
+    too_deep,
+    unwrap,
+)
 from ..plan import optimizer_name
 from . import _files
 
@@ -46,19 +61,21 @@ _CAST_MODES = (None, "param")
 # Overrides of ``load_state_dict`` that only post-process what ``Optimizer.load_state_dict`` produced in ways
 # this module already does (keeping non-floating dtypes and container types). Any other override may hold
 # logic we cannot reproduce, so such optimizers are refused with a workaround rather than loaded wrongly.
-_EQUIVALENT_OVERRIDES = frozenset({
-    "pytorch_optimizer.base.optimizer.BaseOptimizer.load_state_dict",
-})
+_EQUIVALENT_OVERRIDES = frozenset(
+    {
+        "pytorch_optimizer.base.optimizer.BaseOptimizer.load_state_dict",
+    }
+)
 
 
 def load_state_dict(
     optimizer: Opt,
     state_dict: Mapping[str, Any],
     *,
-    device: Optional[DeviceLike] = None,
+    device: DeviceLike | None = None,
     flags: str = "live",
     copy: bool = True,
-    cast: Optional[str] = None,
+    cast: str | None = None,
 ) -> Opt:
     """Drop-in for ``optimizer.load_state_dict(state_dict)`` that puts each entry where a fresh optimizer would.
 
@@ -96,8 +113,10 @@ def load_state_dict(
     mode = _mode.mode_of(receiver)
     if mode is not None:  # streamed: the state loads into host memory, where it lives between steps
         if target is not None and target.type != "cpu":
-            raise ValueError(f"{name}: load_state_dict: it is streamed (optimshift.stream), so its state loads into "
-                             f"host memory; device={target} would put it elsewhere. Call optimshift.unstream() first.")
+            raise ValueError(
+                f"{name}: load_state_dict: it is streamed (optimshift.stream), so its state loads into "
+                f"host memory; device={target} would put it elsewhere. Call optimshift.unstream() first."
+            )
         mode.settle()
         target = torch.device("cpu")
 
@@ -138,7 +157,7 @@ def load_state_dict(
 # --- which optimizer receives the state -------------------------------------------------------------------
 
 
-def _override_name(cls: type) -> Optional[str]:
+def _override_name(cls: type) -> str | None:
     """The qualified name of the nearest ``load_state_dict`` defined below ``torch.optim.Optimizer``."""
     for base in cls.__mro__:
         if base is torch.optim.Optimizer:
@@ -196,7 +215,7 @@ def _check_class(optimizer: Any, recorded: Mapping[str, Any], label: str) -> Non
     )
 
 
-def _extract(state_dict: Any, label: str) -> tuple[Any, Optional[Mapping[str, Any]]]:
+def _extract(state_dict: Any, label: str) -> tuple[Any, Mapping[str, Any] | None]:
     """The optimizer state dict inside ``state_dict`` (itself, or the only one a checkpoint holds) and the
     class optimshift recorded for it."""
     from ._files import META_KEY, find_optimizer_states, is_optimizer_state_dict
@@ -221,9 +240,9 @@ def _extract(state_dict: Any, label: str) -> tuple[Any, Optional[Mapping[str, An
 
 # --- building the new state ---------------------------------------------------------------------------------
 
-_Site = tuple[int, Optional[int], Any, Path]  # (group, param index or None for a group entry, key, path inside)
+_Site = tuple[int, int | None, Any, Path]  # (group, param index or None for a group entry, key, path inside)
 _Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): one copy each
-_Wanted = Union[torch.Tensor, _Ticket]  # a tensor that fits as it is, or the ticket of its copy
+_Wanted = torch.Tensor | _Ticket  # a tensor that fits as it is, or the ticket of its copy
 _Nested = list[tuple[int, _Wanted]]  # [(id(tensor), wanted)] for the tensors inside a container
 
 
@@ -233,8 +252,18 @@ class _Staging:
     Nothing here touches the optimizer: :meth:`build` returns objects that only :func:`_install` assigns.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, name: str, sd: Any, *, flags: str, cast: Optional[str],
-                 copy: bool, device: Optional[torch.device], source: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        name: str,
+        sd: Any,
+        *,
+        flags: str,
+        cast: str | None,
+        copy: bool,
+        device: torch.device | None,
+        source: str | None = None,
+    ) -> None:
         self.opt, self.name, self.sd, self.source = optimizer, name, sd, source
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
         self.registered = _policy.has_registered_policy(optimizer)
@@ -291,14 +320,16 @@ class _Staging:
             for pi, (sid, p) in enumerate(zip(saved_params, lg["params"])):
                 if id(p) in seen_live:
                     g0, i0 = seen_live[id(p)]
-                    raise self.fail(f"the optimizer lists one param twice (group {g0}, param {i0} and "
-                                    f"group {gi}, param {pi})")
+                    raise self.fail(
+                        f"the optimizer lists one param twice (group {g0}, param {i0} and group {gi}, param {pi})"
+                    )
                 seen_live[id(p)] = (gi, pi)
                 try:
                     prior = seen_ids.get(sid)
                 except TypeError:
-                    raise self.fail(f"group {gi}, param {pi}: the checkpoint's param id {sid!r} is not hashable",
-                                    TypeError) from None
+                    raise self.fail(
+                        f"group {gi}, param {pi}: the checkpoint's param id {sid!r} is not hashable", TypeError
+                    ) from None
                 if prior is not None:
                     raise self.fail(
                         f"the checkpoint lists param id {sid!r} twice (group {prior[0]}, param {prior[1]} and "
@@ -334,8 +365,16 @@ class _Staging:
 
     # -- placement ------------------------------------------------------------------------------------------
 
-    def _place(self, group: Mapping[str, Any], param: Optional[torch.Tensor], key: Any, tensor: torch.Tensor,
-               gi: int, where: torch.device, pdim: int) -> torch.device:
+    def _place(
+        self,
+        group: Mapping[str, Any],
+        param: torch.Tensor | None,
+        key: Any,
+        tensor: torch.Tensor,
+        gi: int,
+        where: torch.device,
+        pdim: int,
+    ) -> torch.device:
         """policy.decide for this entry, with the param (or, for a group entry, the group) on ``where``.
 
         For built-in rules the answer depends only on the group, the key, the param's rank and device and
@@ -350,8 +389,9 @@ class _Staging:
             self._decisions[memo_key] = found
         return found
 
-    def _cast_dtype(self, group: Mapping[str, Any], param: Optional[torch.Tensor], inner_key: Any,
-                    tensor: torch.Tensor) -> torch.dtype:
+    def _cast_dtype(
+        self, group: Mapping[str, Any], param: torch.Tensor | None, inner_key: Any, tensor: torch.Tensor
+    ) -> torch.dtype:
         """``cast="param"``: PyTorch's rule (``step`` to float32 when fused/capturable, other tensors to a
         floating param's dtype); otherwise the saved dtype."""
         if self.cast != "param" or param is None:
@@ -371,16 +411,18 @@ class _Staging:
             return f"param group {gi}, key {key!r}{format_path(path)}"
         return f"{self._param_label(gi, pi)}, state key {key!r}{format_path(path)}"
 
-    def _want(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, always_copy: bool,
-              site: _Site) -> _Wanted:
+    def _want(
+        self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, always_copy: bool, site: _Site
+    ) -> _Wanted:
         """Ask for ``tensor`` on ``device`` in ``dtype``: returns the tensor itself when it already fits and
         copying was not asked for, else a ticket that :meth:`_got` turns into its copy once :meth:`_resolve`
         has made every copy. One copy per distinct (source, device, dtype), so tensors shared in the
         checkpoint stay shared. Sources stay alive (the state dict holds them) while their ids are keys."""
         why = _files.overexpanded(tensor)
         if why is not None:
-            raise self.fail(f"{self._site(site)}: {why}; copying it would allocate every element (a corrupt or "
-                            f"hostile checkpoint)")
+            raise self.fail(
+                f"{self._site(site)}: {why}; copying it would allocate every element (a corrupt or hostile checkpoint)"
+            )
         if not always_copy and tensor.dtype == dtype and tensor.device == device:
             return tensor
         ticket: _Ticket = (id(tensor), device, dtype)
@@ -415,8 +457,10 @@ class _Staging:
                 batch = engine.copy_items([(t, d) for _, t, d in moving])
             except Exception as e:  # an OOM: nothing was installed yet
                 if hasattr(e, "add_note"):
-                    e.add_note(f"{self.name}: load_state_dict: while copying {len(moving)} tensors to "
-                               f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged")
+                    e.add_note(
+                        f"{self.name}: load_state_dict: while copying {len(moving)} tensors to "
+                        f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged"
+                    )
                 raise
             for (ticket, _, _), new in zip(moving, batch.copies):
                 assert new is not None  # (copy_items returns once every copy is made)
@@ -432,8 +476,10 @@ class _Staging:
             return tensor.to(device, dtype, False, True)  # a cast (cast="param"): a plain blocking copy
         except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
             if hasattr(e, "add_note"):
-                e.add_note(f"{self.name}: load_state_dict: while copying {self._site(site)} to {device}; "
-                           f"the optimizer is unchanged")
+                e.add_note(
+                    f"{self.name}: load_state_dict: while copying {self._site(site)} to {device}; "
+                    f"the optimizer is unchanged"
+                )
             raise
 
     # -- the whole state --------------------------------------------------------------------------------------
@@ -459,13 +505,17 @@ class _Staging:
                 if saved is None:
                     if self.strict and spec.eager:
                         assert self.base is not None  # (strict: a torch.optim class)
-                        raise self.fail(f"{self._param_label(gi, pi)}: the checkpoint has no state for it, but "
-                                        f"{self.base.__name__} creates every param's state when it is built "
-                                        f"({_keys_shown(spec.keys)}); this state dict is incomplete")
+                        raise self.fail(
+                            f"{self._param_label(gi, pi)}: the checkpoint has no state for it, but "
+                            f"{self.base.__name__} creates every param's state when it is built "
+                            f"({_keys_shown(spec.keys)}); this state dict is incomplete"
+                        )
                     continue
                 if type(saved) is not dict and not isinstance(saved, Mapping):
-                    raise self.fail(f"{self._param_label(gi, pi)}: its state is a {type(saved).__name__}, "
-                                    f"expected a dict", TypeError)
+                    raise self.fail(
+                        f"{self._param_label(gi, pi)}: its state is a {type(saved).__name__}, expected a dict",
+                        TypeError,
+                    )
                 if self.strict and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class
                     self._check_entries(gi, pi, p, saved, spec)
                 new: dict[Any, Any] = {}
@@ -494,7 +544,7 @@ class _Staging:
         fixed, always = self.device, self.copy
         owners = _group_owned(new_groups)
         # (holder, key, None): holder[key] is wanted; (holder, key, [(id, wanted)]): the tensors in its container
-        fills: list[tuple[MutableMapping[Any, Any], Any, Optional[_Nested]]] = []
+        fills: list[tuple[MutableMapping[Any, Any], Any, _Nested | None]] = []
         for new, p, gi, pi, tensors, containers in pending:
             group = new_groups[gi]
             where = fixed if fixed is not None else p.device
@@ -538,15 +588,26 @@ class _Staging:
                 value = _copy.deepcopy(value, memo)
             new_state[key] = value
             gwhere = fixed if fixed is not None else group_device(new_groups[0], value)
-            fills.append((new_state, key, self._want_nested(value, new_groups[0], None, key, 0, None, gwhere, -1,
-                                                            always)))
+            fills.append(
+                (new_state, key, self._want_nested(value, new_groups[0], None, key, 0, None, gwhere, -1, always))
+            )
         self._resolve()
         for holder, key, nested in fills:
             holder[key] = self._got(holder[key]) if nested is None else self._fill_nested(holder[key], nested)
         return new_state, new_groups
 
-    def _want_nested(self, value: Any, group: Mapping[str, Any], param: Optional[torch.Tensor], key: Any, gi: int,
-                     pi: Optional[int], where: Optional[torch.device], pdim: int, always_copy: bool) -> _Nested:
+    def _want_nested(
+        self,
+        value: Any,
+        group: Mapping[str, Any],
+        param: torch.Tensor | None,
+        key: Any,
+        gi: int,
+        pi: int | None,
+        where: torch.device | None,
+        pdim: int,
+        always_copy: bool,
+    ) -> _Nested:
         """Ask for each tensor inside ``value`` (our copy of the checkpoint's container, or a group's tensor)
         where it belongs: ``[(id(tensor), wanted)]`` for :meth:`_fill_nested`."""
         wanted: dict[int, _Wanted] = {}
@@ -594,8 +655,9 @@ class _Staging:
             out["param_names"] = live["param_names"]
         return out
 
-    def _check_dtypes(self, group: Mapping[str, Any], p: torch.Tensor, gi: int, pi: int,
-                      dtypes: Mapping[str, torch.dtype]) -> None:
+    def _check_dtypes(
+        self, group: Mapping[str, Any], p: torch.Tensor, gi: int, pi: int, dtypes: Mapping[str, torch.dtype]
+    ) -> None:
         """Keeping the checkpoint's dtypes (``cast=None``) must leave an optimizer that can step: fail now,
         before anything is copied, if a step refuses one of them (float64 moments for float32 params in Adam;
         SGD takes float32 momentum for bfloat16 params, so that one is kept)."""
@@ -637,28 +699,36 @@ class _Staging:
         missing = [k for k in spec.keys if k not in saved]
         if missing:
             assert self.base is not None  # (called when strict: a torch.optim class)
-            raise self.fail(f"{self._param_label(gi, pi)}: its state has no {_keys_shown(missing)}; "
-                            f"{self.base.__name__}.step keeps {_keys_shown(spec.keys)}")
+            raise self.fail(
+                f"{self._param_label(gi, pi)}: its state has no {_keys_shown(missing)}; "
+                f"{self.base.__name__}.step keeps {_keys_shown(spec.keys)}"
+            )
         for key in spec.tensors:
             value = saved[key]
             site = self._site((gi, pi, key, ()))
             if key in spec.scalars:
                 if _number_like(value) and (not isinstance(value, torch.Tensor) or value.layout == torch.strided):
                     continue  # a Python number is what older PyTorch saved; __setstate__ makes it a tensor
-                raise self.fail(f"{site}: expected a 0-dim tensor (or a number), got {_kind(value)}",
-                                TypeError if not isinstance(value, torch.Tensor) else ValueError)
+                raise self.fail(
+                    f"{site}: expected a 0-dim tensor (or a number), got {_kind(value)}",
+                    TypeError if not isinstance(value, torch.Tensor) else ValueError,
+                )
             if not isinstance(value, torch.Tensor):
                 raise self.fail(f"{site}: expected a tensor, got {_kind(value)}", TypeError)
             if value.layout != torch.strided:
-                raise self.fail(f"{site}: expected a dense tensor, got a {str(value.layout).replace('torch.', '')} "
-                                f"one", TypeError)
+                raise self.fail(
+                    f"{site}: expected a dense tensor, got a {str(value.layout).replace('torch.', '')} one", TypeError
+                )
             if key in spec.floating and not (value.is_floating_point() or value.is_complex()):
-                raise self.fail(f"{site}: expected a floating-point tensor, got "
-                                f"{str(value.dtype).replace('torch.', '')}", TypeError)
+                raise self.fail(
+                    f"{site}: expected a floating-point tensor, got {str(value.dtype).replace('torch.', '')}", TypeError
+                )
             if key in spec.bounded and key not in spec.shaped and value.numel() > p.numel():
-                raise self.fail(f"{site}: the checkpoint's tensor has {value.numel()} elements, more than its "
-                                f"param's {p.numel()} (shape {tuple(p.shape)}); this checkpoint was made for other "
-                                f"params")
+                raise self.fail(
+                    f"{site}: the checkpoint's tensor has {value.numel()} elements, more than its "
+                    f"param's {p.numel()} (shape {tuple(p.shape)}); this checkpoint was made for other "
+                    f"params"
+                )
 
     def _copy_container(self, value: Any, site: _Site) -> Any:
         """Our own copy of a checkpoint's container (the tensors inside stay the checkpoint's, to be placed
@@ -669,14 +739,17 @@ class _Staging:
             return _copy.deepcopy(value, memo)
         except Exception as e:
             where = self._site(site) if site[1] is not None else f"param group {site[0]}, key {site[2]!r}"
-            raise self.fail(f"{where}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})",
-                            TypeError) from e
+            raise self.fail(
+                f"{where}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})", TypeError
+            ) from e
 
     def _check_depth(self, value: Any, site: _Site, wide: bool = False) -> None:
         if too_deep(value):
             where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
-            raise self.fail(f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
-                            f"this (a corrupt or hostile checkpoint)")
+            raise self.fail(
+                f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
+                f"this (a corrupt or hostile checkpoint)"
+            )
 
 
 def _group_owned(groups: list[dict[str, Any]]) -> dict[int, tuple[int, Any]]:
@@ -695,7 +768,7 @@ def _same_step(cls: type, base: type) -> bool:
     profiling hook the first time a class is built, so a subclass may hold its own wrapper of the same function:
     compare what the wrappers wrap."""
     try:
-        return inspect.unwrap(getattr(cls, "step")) is inspect.unwrap(getattr(base, "step"))
+        return inspect.unwrap(getattr(cls, "step")) is inspect.unwrap(getattr(base, "step"))  # noqa: B009
     except (AttributeError, ValueError):
         return False
 
@@ -744,8 +817,11 @@ def _expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], 
         accepted = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         return _NO_SPEC
-    kwargs = {k: v for k, v in group.items()
-              if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and is_plain(v)}
+    kwargs = {
+        k: v
+        for k, v in group.items()
+        if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and is_plain(v)
+    }
     if "foreach" in accepted:
         kwargs["foreach"] = False
     shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
@@ -763,8 +839,7 @@ def _expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], 
     return result
 
 
-def _probe_state(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]
-                 ) -> _StateSpec:
+def _probe_state(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]) -> _StateSpec:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
@@ -784,8 +859,9 @@ def _probe_state(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shape
             return _NO_SPEC
 
         def common(test: Callable[[Any, torch.Tensor], bool]) -> frozenset[str]:
-            return frozenset.intersection(*(frozenset(k for k, v in st.items() if test(v, p))
-                                            for st, p in zip(states, params)))
+            return frozenset.intersection(
+                *(frozenset(k for k, v in st.items() if test(v, p)) for st, p in zip(states, params))
+            )
 
         def tensor(v: Any, p: torch.Tensor) -> bool:
             return isinstance(v, torch.Tensor)
@@ -826,7 +902,7 @@ def _number_like(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _hyper_problem(key: str, default: Any, value: Any) -> Optional[str]:
+def _hyper_problem(key: str, default: Any, value: Any) -> str | None:
     """What is wrong with ``value`` for a hyperparameter whose default is ``default`` (None if nothing)."""
     if key in IMPLEMENTATION_FLAGS or isinstance(default, bool):
         if value is None or isinstance(value, bool) or (type(value) is int and value in (0, 1)):
@@ -836,8 +912,11 @@ def _hyper_problem(key: str, default: Any, value: Any) -> Optional[str]:
         return None if _number_like(value) else f"expected a number (or a one-element tensor), got {_kind(value)}"
     if isinstance(default, tuple):
         if not isinstance(value, (tuple, list)) or len(value) != len(default):
-            return f"expected a pair of numbers like {default!r}, got {_kind(value)}" if len(default) == 2 else \
-                f"expected {len(default)} numbers like {default!r}, got {_kind(value)}"
+            return (
+                f"expected a pair of numbers like {default!r}, got {_kind(value)}"
+                if len(default) == 2
+                else f"expected {len(default)} numbers like {default!r}, got {_kind(value)}"
+            )
         for i, (d, v) in enumerate(zip(default, value)):
             if not (_number_like(v) or (d is None and v is None)):
                 return f"item {i} must be a number, got {_kind(v)}"
@@ -862,8 +941,14 @@ def _kind(value: Any) -> str:
 # --- installing ----------------------------------------------------------------------------------------------
 
 
-def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict[Any, Any], groups: list[dict[str, Any]],
-             *, made: AbstractSet[int] = frozenset()) -> None:
+def _install(
+    optimizer: torch.optim.Optimizer,
+    name: str,
+    state: defaultdict[Any, Any],
+    groups: list[dict[str, Any]],
+    *,
+    made: AbstractSet[int] = frozenset(),
+) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
     e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
 
@@ -873,8 +958,10 @@ def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict[Any
     ``copy=False`` the caller's own tensors are installed as they are.
     """
     before = dict(optimizer.__dict__)
-    live = [(holder, {k: v for k, v in holder.items() if isinstance(v, torch.Tensor)}, fresh)
-            for holder, fresh in _same_places(optimizer, state, groups)]
+    live = [
+        (holder, {k: v for k, v in holder.items() if isinstance(v, torch.Tensor)}, fresh)
+        for holder, fresh in _same_places(optimizer, state, groups)
+    ]
     try:
         optimizer.__setstate__({"state": state, "param_groups": groups})
     except Exception as e:
@@ -906,8 +993,9 @@ def _install(optimizer: torch.optim.Optimizer, name: str, state: defaultdict[Any
             fresh[key] = old
 
 
-def _same_places(optimizer: torch.optim.Optimizer, state: Mapping[Any, Any],
-                 groups: list[dict[str, Any]]) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
+def _same_places(
+    optimizer: torch.optim.Optimizer, state: Mapping[Any, Any], groups: list[dict[str, Any]]
+) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
     """(live holder, new holder) for each param's state dict and each param group present in both."""
     pairs: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
     for p, fresh in state.items():

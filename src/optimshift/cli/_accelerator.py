@@ -7,7 +7,7 @@ import torch
 from .._devices import resolve
 
 
-def demo_accelerator(name: "str | None" = None) -> torch.device:
+def demo_accelerator(name: str | None = None) -> torch.device:
     """The accelerator a command-line tool runs on: ``name`` if given (``sim`` sets the simulated one up),
     else ``cuda:0`` when present, else the simulated accelerator."""
     if name is None:

@@ -24,17 +24,18 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ._accelerator import demo_accelerator
 from .._stream import DEFAULT_CHUNK_BYTES, stream, unstream
 from ..api import _transfer, move, offload, reload
 from ..plan import policy_target
 from ..pool import host_pool
 from ..report import format_table
 from ..syncs import count_syncs
+from ._accelerator import demo_accelerator
 from ._help import HelpFormatter
 
 DESCRIPTION = """\
@@ -80,8 +81,20 @@ def _transformer_shapes(n_params: int) -> list[tuple[int, ...]]:
     layers = max(1, n_params // (12 * hidden * hidden))
     shapes: list[tuple[int, ...]] = []
     for _ in range(layers):
-        shapes += [(3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,), (4 * hidden, hidden),
-                   (4 * hidden,), (hidden, 4 * hidden), (hidden,), (hidden,), (hidden,), (hidden,), (hidden,)]
+        shapes += [
+            (3 * hidden, hidden),
+            (3 * hidden,),
+            (hidden, hidden),
+            (hidden,),
+            (4 * hidden, hidden),
+            (4 * hidden,),
+            (hidden, 4 * hidden),
+            (hidden,),
+            (hidden,),
+            (hidden,),
+            (hidden,),
+            (hidden,),
+        ]
     return shapes
 
 
@@ -97,8 +110,12 @@ def _optimizer(shapes: list[tuple[int, ...]], device: torch.device, **kwargs: An
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.device.type != "cpu")
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+    )
 
 
 def _naive(opt: torch.optim.Optimizer, device: torch.device) -> None:
@@ -108,7 +125,7 @@ def _naive(opt: torch.optim.Optimizer, device: torch.device) -> None:
                 st[k] = v.to(device)
 
 
-def _lightning() -> Optional[Callable[[torch.optim.Optimizer, torch.device], None]]:
+def _lightning() -> Callable[[torch.optim.Optimizer, torch.device], None] | None:
     try:
         from lightning.fabric.utilities.optimizer import _optimizer_to_device
     except Exception:
@@ -127,8 +144,10 @@ def _throughput_case(name: str, shapes: list[tuple[int, ...]], device: torch.dev
     flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     methods: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-        "flat copy (limit)": (lambda: flat_host.copy_(flat_dev, non_blocking=pin),
-                              lambda: flat_dev.copy_(flat_host, non_blocking=pin)),
+        "flat copy (limit)": (
+            lambda: flat_host.copy_(flat_dev, non_blocking=pin),
+            lambda: flat_dev.copy_(flat_host, non_blocking=pin),
+        ),
         "naive .to() loop": (lambda: _naive(opt, host), lambda: _naive(opt, device)),
     }
     lightning = _lightning()
@@ -137,7 +156,8 @@ def _throughput_case(name: str, shapes: list[tuple[int, ...]], device: torch.dev
     methods["optimshift offload/reload"] = (lambda: offload(opt), lambda: reload(opt))
 
     for method, (down, up) in methods.items():
-        def cycle() -> None:
+
+        def cycle(down: Callable[[], Any] = down, up: Callable[[], Any] = up) -> None:
             down()
             _sync(device)
             up()
@@ -191,8 +211,12 @@ def _pool_case(device: torch.device, shapes: list[tuple[int, ...]], cycles: int)
         offload(opt)
         reload(opt)
     after = host_pool.stats()
-    return {"cycles": cycles, "new_allocations_per_cycle": (after.allocations - before.allocations) / cycles,
-            "pinned": device.type == "cuda", "idle_bytes": after.idle_bytes}
+    return {
+        "cycles": cycles,
+        "new_allocations_per_cycle": (after.allocations - before.allocations) / cycles,
+        "pinned": device.type == "cuda",
+        "idle_bytes": after.idle_bytes,
+    }
 
 
 def _step_time_case(device: torch.device, shapes: list[tuple[int, ...]], reps: int) -> dict[str, Any]:
@@ -218,8 +242,12 @@ def _step_time_case(device: torch.device, shapes: list[tuple[int, ...]], reps: i
         moved.step()
     with count_syncs() as s_naive:
         naive.step()
-    return {"fresh_step_s": t_fresh, "moved_vs_fresh": t_moved / t_fresh, "naive_vs_fresh": t_naive / t_fresh,
-            "syncs_per_step": {"fresh": s_fresh.total, "optimshift.move": s_moved.total, "naive": s_naive.total}}
+    return {
+        "fresh_step_s": t_fresh,
+        "moved_vs_fresh": t_moved / t_fresh,
+        "naive_vs_fresh": t_naive / t_fresh,
+        "syncs_per_step": {"fresh": s_fresh.total, "optimshift.move": s_moved.total, "naive": s_naive.total},
+    }
 
 
 def _params_to(opt: torch.optim.Optimizer, device: torch.device) -> torch.optim.Optimizer:
@@ -261,9 +289,12 @@ def _overhead_case(n_tensors: int, reps: int) -> dict[str, Any]:
         t_move.append(t2 - t1)
         del a, b
     moved = 2 * n_params
-    return {"tensors": moved, "bare_us_per_tensor": statistics.median(t_bare) / moved * 1e6,
-            "move_us_per_tensor": statistics.median(t_move) / moved * 1e6,
-            "move_vs_bare": statistics.median(t_move) / statistics.median(t_bare)}
+    return {
+        "tensors": moved,
+        "bare_us_per_tensor": statistics.median(t_bare) / moved * 1e6,
+        "move_us_per_tensor": statistics.median(t_move) / moved * 1e6,
+        "move_vs_bare": statistics.median(t_move) / statistics.median(t_bare),
+    }
 
 
 class _PeakSim:
@@ -288,7 +319,7 @@ class _PeakSim:
         self.now: Callable[[], int] = lambda: simulated_memory_allocated(index)
 
 
-def _extra_memory(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
+def _extra_memory(fn: Callable[[], Any], device: torch.device) -> int | None:
     """Peak device bytes allocated while ``fn`` runs, beyond what was allocated before (None: not measurable)."""
     gc.collect()
     if device.type == "cuda":
@@ -307,11 +338,11 @@ def _extra_memory(fn: Callable[[], Any], device: torch.device) -> Optional[int]:
     return None
 
 
-def _cpu_steps(shapes: list[tuple[int, ...]], device: torch.device, reps: int) -> dict[str, Optional[float]]:
+def _cpu_steps(shapes: list[tuple[int, ...]], device: torch.device, reps: int) -> dict[str, float | None]:
     """Seconds per step of AdamW over the same shapes stepped on the CPU: torch's fused CPU AdamW (params on the
     host), and torchao's CPUOffloadOptimizer (params on ``device``, state and step on the host) if installed."""
     host = torch.device("cpu")
-    out: dict[str, Optional[float]] = {}
+    out: dict[str, float | None] = {}
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
@@ -342,8 +373,10 @@ def _flat_copies(nbytes: int, device: torch.device, reps: int) -> tuple[float, f
     pin = device.type == "cuda"
     flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    return (_time(lambda: flat_dev.copy_(flat_host, non_blocking=pin), device, reps),
-            _time(lambda: flat_host.copy_(flat_dev, non_blocking=pin), device, reps))
+    return (
+        _time(lambda: flat_dev.copy_(flat_host, non_blocking=pin), device, reps),
+        _time(lambda: flat_host.copy_(flat_dev, non_blocking=pin), device, reps),
+    )
 
 
 def _stream_case(device: torch.device, shapes: list[tuple[int, ...]], reps: int) -> dict[str, Any]:
@@ -381,10 +414,17 @@ def _stream_case(device: torch.device, shapes: list[tuple[int, ...]], reps: int)
     bound = 2 * DEFAULT_CHUNK_BYTES + (largest if largest > DEFAULT_CHUNK_BYTES else 0)
     cpu_s = cpu["torch CPU AdamW"]
     return {
-        "state_bytes": state_bytes, "chunk_bytes": DEFAULT_CHUNK_BYTES, "chunks": chunks,
-        "device_step_s": t_device, "streamed_step_s": t_stream, "flat_h2d_GBps": state_bytes / t_h2d / 1e9,
-        "flat_d2h_GBps": state_bytes / t_d2h / 1e9, "link_s": link_s, "cpu_step_s": cpu,
-        "extra_device_bytes_streamed_step": extra, "extra_device_bytes_bound": bound,
+        "state_bytes": state_bytes,
+        "chunk_bytes": DEFAULT_CHUNK_BYTES,
+        "chunks": chunks,
+        "device_step_s": t_device,
+        "streamed_step_s": t_stream,
+        "flat_h2d_GBps": state_bytes / t_h2d / 1e9,
+        "flat_d2h_GBps": state_bytes / t_d2h / 1e9,
+        "link_s": link_s,
+        "cpu_step_s": cpu,
+        "extra_device_bytes_streamed_step": extra,
+        "extra_device_bytes_bound": bound,
         "syncs_per_step": {"all on device": s_device.total, "streamed": s_stream.total},
         "goals": {
             "streamed <= 1.2 x link + device step": t_stream <= budget_s,
@@ -394,13 +434,16 @@ def _stream_case(device: torch.device, shapes: list[tuple[int, ...]], reps: int)
         },
         "streamed_vs_budget": t_stream / budget_s,
         "cpu_vs_streamed": (cpu_s / t_stream) if cpu_s else None,
-        "note": None if device.type == "cuda" else (
+        "note": None
+        if device.type == "cuda"
+        else (
             "not a GPU: copies here are synchronous host copies and nothing overlaps, so the time goals are not "
-            "measured by this run"),
+            "measured by this run"
+        ),
     }
 
 
-def run_bench(device: Optional[torch.device] = None, *, quick: bool = False) -> dict[str, Any]:
+def run_bench(device: torch.device | None = None, *, quick: bool = False) -> dict[str, Any]:
     device = demo_accelerator() if device is None else device
     reps = 3 if not quick else 2
     if device.type == "cuda":
@@ -443,23 +486,41 @@ def render(result: dict[str, Any]) -> str:
     lines = [f"optimshift bench on {result['device']} ({result['device_name']}), torch {result['torch']}"]
     for case in result["throughput"]:
         lines.append(f"\n{case['case']}: {case['tensors']} tensors, {case['bytes'] / 1e6:.1f} MB of device state")
-        rows = [[m, f"{r['offload_GBps']:.2f}", f"{r['reload_GBps']:.2f}", f"{r['offload_s'] * 1e3:.1f}",
-                 f"{r['reload_s'] * 1e3:.1f}", str(r["syncs_per_step_after"])] for m, r in case["methods"].items()]
-        lines.append(format_table(["method", "offload GB/s", "reload GB/s", "offload ms", "reload ms",
-                                   "syncs/step after"], rows))
+        rows = [
+            [
+                m,
+                f"{r['offload_GBps']:.2f}",
+                f"{r['reload_GBps']:.2f}",
+                f"{r['offload_s'] * 1e3:.1f}",
+                f"{r['reload_s'] * 1e3:.1f}",
+                str(r["syncs_per_step_after"]),
+            ]
+            for m, r in case["methods"].items()
+        ]
+        lines.append(
+            format_table(["method", "offload GB/s", "reload GB/s", "offload ms", "reload ms", "syncs/step after"], rows)
+        )
         r = case["ratios"]
-        lines.append(f"optimshift vs flat copy: offload {r['offload_vs_flat']:.2f}x, reload {r['reload_vs_flat']:.2f}x;"
-                     f" vs naive loop: offload {_speedup(r['offload_vs_naive'])}, reload "
-                     f"{_speedup(r['reload_vs_naive'])}")
+        lines.append(
+            f"optimshift vs flat copy: offload {r['offload_vs_flat']:.2f}x, reload {r['reload_vs_flat']:.2f}x;"
+            f" vs naive loop: offload {_speedup(r['offload_vs_naive'])}, reload "
+            f"{_speedup(r['reload_vs_naive'])}"
+        )
     p = result["pool"]
-    lines.append(f"\nhost pool ({'pinned' if p['pinned'] else 'pageable'}): {p['new_allocations_per_cycle']:g} new "
-                 f"allocations per offload/reload cycle after warm-up ({p['cycles']} cycles)")
+    lines.append(
+        f"\nhost pool ({'pinned' if p['pinned'] else 'pageable'}): {p['new_allocations_per_cycle']:g} new "
+        f"allocations per offload/reload cycle after warm-up ({p['cycles']} cycles)"
+    )
     s = result["step_after_move"]
-    lines.append(f"step time after move: optimshift {s['moved_vs_fresh']:.2f}x a fresh optimizer's, naive loop "
-                 f"{s['naive_vs_fresh']:.2f}x; host syncs per step {s['syncs_per_step']}")
+    lines.append(
+        f"step time after move: optimshift {s['moved_vs_fresh']:.2f}x a fresh optimizer's, naive loop "
+        f"{s['naive_vs_fresh']:.2f}x; host syncs per step {s['syncs_per_step']}"
+    )
     o = result["overhead_meta"]
-    lines.append(f"per-tensor overhead, host -> meta, {o['tensors']} tensors: move {o['move_us_per_tensor']:.2f} us, "
-                 f"bare .to() loop {o['bare_us_per_tensor']:.2f} us ({o['move_vs_bare']:.2f}x)")
+    lines.append(
+        f"per-tensor overhead, host -> meta, {o['tensors']} tensors: move {o['move_us_per_tensor']:.2f} us, "
+        f"bare .to() loop {o['bare_us_per_tensor']:.2f} us ({o['move_vs_bare']:.2f}x)"
+    )
     st = result.get("streamed")
     if st is not None:
         cpu = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in st["cpu_step_s"].items() if v is not None)
@@ -468,20 +529,27 @@ def render(result: dict[str, Any]) -> str:
             f"\nstreamed step, fused AdamW, {st['state_bytes'] / 1e6:.1f} MB of state in {st['chunks']} chunks of "
             f"{st['chunk_bytes'] >> 20} MiB: {st['streamed_step_s'] * 1e3:.1f} ms; all on the device "
             f"{st['device_step_s'] * 1e3:.1f} ms; flat copies (pinned on CUDA) {st['flat_h2d_GBps']:.2f} GB/s down, "
-            f"{st['flat_d2h_GBps']:.2f} GB/s up (state down and up: {st['link_s'] * 1e3:.1f} ms); CPU steps: {cpu}")
-        lines.append(f"extra device memory during the streamed step: "
-                     f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'} (bound "
-                     f"{st['extra_device_bytes_bound'] / 2**20:.0f} MiB); host syncs per step {st['syncs_per_step']}")
-        lines.append("goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in st["goals"].items())
-                     + f" (streamed / budget {st['streamed_vs_budget']:.2f})")
+            f"{st['flat_d2h_GBps']:.2f} GB/s up (state down and up: {st['link_s'] * 1e3:.1f} ms); CPU steps: {cpu}"
+        )
+        lines.append(
+            f"extra device memory during the streamed step: "
+            f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'} (bound "
+            f"{st['extra_device_bytes_bound'] / 2**20:.0f} MiB); host syncs per step {st['syncs_per_step']}"
+        )
+        lines.append(
+            "goals: "
+            + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in st["goals"].items())
+            + f" (streamed / budget {st['streamed_vs_budget']:.2f})"
+        )
         if st.get("note"):
             lines.append(f"({st['note']})")
     return "\n".join(lines)
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("bench", help="measure offload/reload/move against baselines in one run",
-                                   description=DESCRIPTION)
+    parser = subparsers.add_parser(
+        "bench", help="measure offload/reload/move against baselines in one run", description=DESCRIPTION
+    )
     _add_arguments(parser)
     parser.set_defaults(func=_main)
 
@@ -506,9 +574,10 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m optimshift.bench", description=DESCRIPTION,
-                                     formatter_class=HelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m optimshift.bench", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
     _add_arguments(parser)
     return _main(parser.parse_args(argv))
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 import argparse
 import io
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
-from ._accelerator import demo_accelerator
 from ..api import move
 from ..report import format_table
 from ..syncs import count_syncs
+from ._accelerator import demo_accelerator
 
 STEPS_BEFORE, STEPS_AFTER = 3, 5
 
@@ -40,15 +41,16 @@ class Row:
     method: str
     optimizer: str
     step_device: str
-    syncs_per_step: Optional[float]
+    syncs_per_step: float | None
     step_ran: str
-    max_param_diff: Optional[float]
+    max_param_diff: float | None
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
+    )
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,8 +88,14 @@ def _lightning_move(opt: torch.optim.Optimizer, device: torch.device) -> str:
         return "Lightning's rule (skip 'step'), replicated"
 
 
-def _resume(checkpoint: bytes, device: torch.device, fused: bool, how: Callable[[torch.optim.Optimizer], Any],
-            reference: list[torch.Tensor], method: str) -> Row:
+def _resume(
+    checkpoint: bytes,
+    device: torch.device,
+    fused: bool,
+    how: Callable[[torch.optim.Optimizer], Any],
+    reference: list[torch.Tensor],
+    method: str,
+) -> Row:
     saved = torch.load(io.BytesIO(checkpoint), weights_only=True)
     model = _model(1)  # different init: everything must come from the checkpoint
     model.load_state_dict(saved["model"])
@@ -109,7 +117,7 @@ def _resume(checkpoint: bytes, device: torch.device, fused: bool, how: Callable[
     return Row(method, label, str(step.device), syncs.total / STEPS_AFTER, "yes", diff)
 
 
-def run_demo(device: Optional[torch.device] = None) -> list[Row]:
+def run_demo(device: torch.device | None = None) -> list[Row]:
     """Run the scenario; returns the table rows."""
     device = demo_accelerator() if device is None else device
     rows = []
@@ -126,12 +134,32 @@ def run_demo(device: Optional[torch.device] = None) -> list[Row]:
             _train_step(model, opt, s, host)
         reference = [p.detach().clone() for p in model.parameters()]
         if not fused:
-            rows.append(_resume(checkpoint, device, fused, lambda o: _naive_move(o, device), reference,
-                                "naive: every tensor to the device"))
+            rows.append(
+                _resume(
+                    checkpoint,
+                    device,
+                    fused,
+                    lambda o: _naive_move(o, device),
+                    reference,
+                    "naive: every tensor to the device",
+                )
+            )
         else:
-            lightning_name = []
-            rows.append(_resume(checkpoint, device, fused, lambda o: lightning_name.append(_lightning_move(o, device)),
-                                reference, "Lightning today: all but 'step'"))
+            lightning_name: list[Any] = []
+
+            def lightning_move(o: Any, names: list[Any] = lightning_name) -> None:
+                names.append(_lightning_move(o, device))
+
+            rows.append(
+                _resume(
+                    checkpoint,
+                    device,
+                    fused,
+                    lightning_move,
+                    reference,
+                    "Lightning today: all but 'step'",
+                )
+            )
         rows.append(_resume(checkpoint, device, fused, lambda o: move(o), reference, "optimshift.move(opt)"))
     return rows
 
@@ -139,13 +167,30 @@ def run_demo(device: Optional[torch.device] = None) -> list[Row]:
 def render(rows: list[Row], device: torch.device) -> str:
     table = format_table(
         ["resume method", "optimizer", "'step' lives on", "host syncs/step", "step ran", "max |param diff|"],
-        [[r.method, r.optimizer, r.step_device, "-" if r.syncs_per_step is None else f"{r.syncs_per_step:g}",
-          r.step_ran, "-" if r.max_param_diff is None else f"{r.max_param_diff:.3g}"] for r in rows],
+        [
+            [
+                r.method,
+                r.optimizer,
+                r.step_device,
+                "-" if r.syncs_per_step is None else f"{r.syncs_per_step:g}",
+                r.step_ran,
+                "-" if r.max_param_diff is None else f"{r.max_param_diff:.3g}",
+            ]
+            for r in rows
+        ],
     )
-    note = ("(simulated accelerator: real values computed on the host; a real GPU shows small param differences "
-            "from its different kernels)") if device.type != "cuda" else ""
-    return (f"Adam trained {STEPS_BEFORE} steps on the host, checkpointed, resumed on {device} for {STEPS_AFTER} "
-            f"steps; compared with training that never stopped.\n\n{table}\n{note}").rstrip()
+    note = (
+        (
+            "(simulated accelerator: real values computed on the host; a real GPU shows small param differences "
+            "from its different kernels)"
+        )
+        if device.type != "cuda"
+        else ""
+    )
+    return (
+        f"Adam trained {STEPS_BEFORE} steps on the host, checkpointed, resumed on {device} for {STEPS_AFTER} "
+        f"steps; compared with training that never stopped.\n\n{table}\n{note}"
+    ).rstrip()
 
 
 def register(subparsers: Any) -> None:
@@ -154,8 +199,11 @@ def register(subparsers: Any) -> None:
         help="reproduce the Lightning #19955 resume bug and its fix (under a minute, CPU-only is fine)",
         description=DESCRIPTION,
     )
-    parser.add_argument("--device", default=None,
-                        help="accelerator to resume on (default: cuda:0 if present, else the simulated accelerator)")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="accelerator to resume on (default: cuda:0 if present, else the simulated accelerator)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.set_defaults(func=_main)
 

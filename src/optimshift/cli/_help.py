@@ -22,8 +22,9 @@ class HelpFormatter(argparse.HelpFormatter):
             for item in items:
                 item = " ".join(item.split())
                 hanging = indent + ("  " if item.startswith("- ") else "")
-                out.append(textwrap.fill(item, width, initial_indent=indent, subsequent_indent=hanging,
-                                         break_on_hyphens=False))
+                out.append(
+                    textwrap.fill(item, width, initial_indent=indent, subsequent_indent=hanging, break_on_hyphens=False)
+                )
             out.append("")
         return "\n".join(out).rstrip("\n")
 

@@ -21,14 +21,15 @@ import sys
 import time
 import warnings
 from collections import Counter
-from typing import IO, Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
 
 import torch
 
-from ..checkpoint import _files as ckpt
-from ..checkpoint._folders import TrainingFolder, training_folder
 from .. import policy as _policy
 from .._state import tensors as all_tensors
+from ..checkpoint import _files as ckpt
+from ..checkpoint._folders import TrainingFolder, training_folder
 from ..report import format_table, sync_cost
 
 __all__ = ["register", "describe", "render", "run_inspect", "run_convert"]
@@ -76,7 +77,10 @@ def register(subparsers: Any) -> None:
 
 def _allow_global_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--allow-global", action="append", default=[], metavar="NAME",
+        "--allow-global",
+        action="append",
+        default=[],
+        metavar="NAME",
         help="allow one class the file's pickle names (e.g. a config class), for a file you trust; repeatable",
     )
 
@@ -113,7 +117,7 @@ def human_bytes(n: int) -> str:
     return f"{size} B"  # pragma: no cover
 
 
-def _fail(command: str, message: str, *, as_json: bool = False, error: Optional[BaseException] = None) -> int:
+def _fail(command: str, message: str, *, as_json: bool = False, error: BaseException | None = None) -> int:
     """Report a failure in one line (stderr), or as ``{"error": {...}}`` on stdout with ``--json``; exit 1."""
     line = re.sub(r"\s*\n\s*", " ", re.sub(r"\x1b\[[0-9;]*m", "", message)).strip()
     if as_json:
@@ -166,10 +170,10 @@ def _short(value: Any) -> str:
 
 # --- which optimizer class a state dict came from --------------------------------------------------------
 
-_class_keys: dict[type[torch.optim.Optimizer], Optional[frozenset[str]]] = {}
+_class_keys: dict[type[torch.optim.Optimizer], frozenset[str] | None] = {}
 
 
-def _group_keys(cls: type[torch.optim.Optimizer]) -> Optional[frozenset[str]]:
+def _group_keys(cls: type[torch.optim.Optimizer]) -> frozenset[str] | None:
     """The keys of ``cls``'s param groups (``params`` aside), read from the installed torch; cached per class.
 
     NOTE: runs the class's own ``__init__`` over a tiny host param through a subclass whose
@@ -178,6 +182,7 @@ def _group_keys(cls: type[torch.optim.Optimizer]) -> Optional[frozenset[str]]:
     of the time ``inspect`` took; nothing else differs, and no state, hook or step is created.
     """
     if cls not in _class_keys:
+
         class _Recorder(cls):  # type: ignore[misc, valid-type]  # a base chosen at run time
             def add_param_group(self, param_group: dict[str, Any]) -> None:
                 self.param_groups.append({**self.defaults, **param_group})
@@ -220,7 +225,7 @@ def guess_classes(groups: list[Mapping[str, Any]]) -> list[str]:
     return names if best >= 0.8 else []
 
 
-def _resolve_class(recorded: Optional[str], guessed: list[str]) -> Optional[type[torch.optim.Optimizer]]:
+def _resolve_class(recorded: str | None, guessed: list[str]) -> type[torch.optim.Optimizer] | None:
     """The torch.optim class to judge placement by (only torch.optim classes: nothing else is imported)."""
     name = None
     if recorded:
@@ -236,7 +241,7 @@ def _resolve_class(recorded: Optional[str], guessed: list[str]) -> Optional[type
 # --- inspect -----------------------------------------------------------------------------------------------
 
 
-def _device(tag: str) -> Optional[torch.device]:
+def _device(tag: str) -> torch.device | None:
     try:
         return torch.device(tag)
     except Exception:
@@ -259,12 +264,16 @@ def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: in
     elsewhere = {tag: n for tag, n in saved_on.items() if not tag.startswith("cpu")}
     if elsewhere:
         where = ", ".join(f"{tag} ({n})" for tag, n in sorted(elsewhere.items()))
-        out["findings"].append({
-            "severity": "info", "key": "-", "count": sum(elsewhere.values()),
-            "message": f"tensors saved on {where}: plain torch.load restores them there (and fails where that device "
-                       f"is missing); optimshift.load uses map_location='cpu', or run `optimshift convert IN OUT "
-                       f"--device cpu` once",
-        })
+        out["findings"].append(
+            {
+                "severity": "info",
+                "key": "-",
+                "count": sum(elsewhere.values()),
+                "message": f"tensors saved on {where}: plain torch.load restores them there (and fails where that "
+                f"device is missing); optimshift.load uses map_location='cpu', or run `optimshift convert IN OUT "
+                f"--device cpu` once",
+            }
+        )
     for found in ckpt.find_optimizer_states(obj):
         out["optimizers"].append(_describe_optimizer(found, locations))
     return out
@@ -309,26 +318,41 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         "findings": [],
     }
     for gi, g in enumerate(groups):
-        desc["groups"].append({
-            "index": gi,
-            "params": len(g["params"]),
-            "hyperparameters": {str(k): _jsonable(v) for k, v in g.items()
-                                if k not in ("params", "param_names") + _FLAGS},
-            "flags": {k: _jsonable(g[k]) for k in _FLAGS if k in g},
-        })
+        desc["groups"].append(
+            {
+                "index": gi,
+                "params": len(g["params"]),
+                "hyperparameters": {
+                    str(k): _jsonable(v) for k, v in g.items() if k not in ("params", "param_names") + _FLAGS
+                },
+                "flags": {k: _jsonable(g[k]) for k in _FLAGS if k in g},
+            }
+        )
     table: dict[str, dict[str, Any]] = {}
     listed = {sid for g in groups for sid in g["params"] if _hashable(sid)}
     stringified = set(ckpt.stringified_ids(states, listed))
     # Optimizer-wide entries (keys of state that are no param's id, e.g. MADGRAD's "k"), shown as "state[key]".
-    wide = {f"state[{k!r}]": v for k, v in states.items() if k not in listed and k not in stringified and
-            type(k) not in {type(sid) for sid in listed}}
+    wide = {
+        f"state[{k!r}]": v
+        for k, v in states.items()
+        if k not in listed and k not in stringified and type(k) not in {type(sid) for sid in listed}
+    }
     per_param = [_state_of(states, sid) for g in groups for sid in g["params"]]
     for st in per_param + ([wide] if wide else []):
         if not isinstance(st, Mapping):
             continue
         for key, value in st.items():
-            row = table.setdefault(str(key), {"key": str(key), "count": 0, "saved_on": Counter(),
-                                              "dtypes": Counter(), "bytes": 0, "kinds": Counter()})
+            row = table.setdefault(
+                str(key),
+                {
+                    "key": str(key),
+                    "count": 0,
+                    "saved_on": Counter(),
+                    "dtypes": Counter(),
+                    "bytes": 0,
+                    "kinds": Counter(),
+                },
+            )
             row["count"] += 1
             ts = [value] if isinstance(value, torch.Tensor) else list(all_tensors(value))
             if not ts:
@@ -343,18 +367,23 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
     desc["findings"] = _findings(cls, found, groups, states, locations)
     if stringified:
         shown = ", ".join(repr(k) for k in sorted(stringified)[:3])
-        desc["findings"].insert(0, {
-            "severity": "error", "key": "-", "count": len(stringified),
-            "message": f"the state's keys are text ({shown}{', …' if len(stringified) > 3 else ''}) while the param "
-                       f"groups list numbers: the file went through JSON or a similar round trip. "
-                       f"optimizer.load_state_dict silently drops every param's state (it keeps them as "
-                       f"optimizer-wide entries); optimshift.load_state_dict refuses it. Turn the keys back into "
-                       f"the groups' ids ({{int(k): v for k, v in sd['state'].items()}})",
-        })
+        desc["findings"].insert(
+            0,
+            {
+                "severity": "error",
+                "key": "-",
+                "count": len(stringified),
+                "message": f"the state's keys are text ({shown}{', …' if len(stringified) > 3 else ''}) while the "
+                f"param groups list numbers: the file went through JSON or a similar round trip. "
+                f"optimizer.load_state_dict silently drops every param's state (it keeps them as "
+                f"optimizer-wide entries); optimshift.load_state_dict refuses it. Turn the keys back into "
+                f"the groups' ids ({{int(k): v for k, v in sd['state'].items()}})",
+            },
+        )
     return desc
 
 
-def _class_label(cls: Optional[type[torch.optim.Optimizer]], found: ckpt.FoundOptimizer) -> str:
+def _class_label(cls: type[torch.optim.Optimizer] | None, found: ckpt.FoundOptimizer) -> str:
     if cls is not None:
         return cls.__name__
     if found.class_name:
@@ -362,9 +391,13 @@ def _class_label(cls: Optional[type[torch.optim.Optimizer]], found: ckpt.FoundOp
     return "this optimizer"
 
 
-def _findings(cls: Optional[type[torch.optim.Optimizer]], found: ckpt.FoundOptimizer, groups: list[Mapping[str, Any]],
-              states: Mapping[Any, Any],
-              locations: Mapping[int, str]) -> list[dict[str, Any]]:
+def _findings(
+    cls: type[torch.optim.Optimizer] | None,
+    found: ckpt.FoundOptimizer,
+    groups: list[Mapping[str, Any]],
+    states: Mapping[Any, Any],
+    locations: Mapping[int, str],
+) -> list[dict[str, Any]]:
     findings: list[dict[str, Any]] = []
     name = _class_label(cls, found)
     stand_in = cls.__new__(cls) if cls is not None else None  # policy.decide reads only its type
@@ -403,8 +436,17 @@ def _findings(cls: Optional[type[torch.optim.Optimizer]], found: ckpt.FoundOptim
                 if puts_on != fresh_on:
                     # foreach=None: torch picks the foreach implementation for accelerator params.
                     foreach = g.get("foreach") if g.get("foreach") is not None else pdev.type != "cpu"
-                    moved[(str(key), str(saved_on), str(puts_on), str(fresh_on), bool(g.get("fused")),
-                           bool(g.get("capturable")), bool(foreach))] += 1
+                    moved[
+                        (
+                            str(key),
+                            str(saved_on),
+                            str(puts_on),
+                            str(fresh_on),
+                            bool(g.get("fused")),
+                            bool(g.get("capturable")),
+                            bool(foreach),
+                        )
+                    ] += 1
     for (key, saved, torch_puts, fresh, fused, capturable, foreach), n in sorted(moved.items()):
         kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
         subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
@@ -418,20 +460,34 @@ def _findings(cls: Optional[type[torch.optim.Optimizer]], found: ckpt.FoundOptim
                 price = f"costing {cost} host sync{'s' if cost != 1 else ''} per param per step"
             else:
                 price = "where each read of it is a host sync"
-            message = (f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
-                       f"{verb}, {price}; optimshift.load_state_dict places it on the host")
+            message = (
+                f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
+                f"{verb}, {price}; optimshift.load_state_dict places it on the host"
+            )
         else:
-            message = (f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
-                       f"leaves it on {torch_puts}, but a fresh {name} keeps it on its param's device ({fresh}); "
-                       f"optimshift.load_state_dict places it there")
-        findings.append({"severity": "info" if cost == 0 else "warning", "key": key, "count": n, "message": message,
-                         "saved_on": saved, "torch_load_puts_it_on": torch_puts, "fresh_optimizer_keeps_it_on": fresh,
-                         "syncs_per_param_per_step": cost})
+            message = (
+                f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
+                f"leaves it on {torch_puts}, but a fresh {name} keeps it on its param's device ({fresh}); "
+                f"optimshift.load_state_dict places it there"
+            )
+        findings.append(
+            {
+                "severity": "info" if cost == 0 else "warning",
+                "key": key,
+                "count": n,
+                "message": message,
+                "saved_on": saved,
+                "torch_load_puts_it_on": torch_puts,
+                "fresh_optimizer_keeps_it_on": fresh,
+                "syncs_per_param_per_step": cost,
+            }
+        )
     return _merge(findings)
 
 
-def _fresh_device(holder: Any, group: Mapping[str, Any], param: torch.Tensor, key: str, value: torch.Tensor,
-                  device: torch.device) -> torch.device:
+def _fresh_device(
+    holder: Any, group: Mapping[str, Any], param: torch.Tensor, key: str, value: torch.Tensor, device: torch.device
+) -> torch.device:
     """Where a fresh optimizer keeps ``value`` when its param is on ``device``.
 
     NOTE: for host params the answer needs no probe: a fresh optimizer over host params keeps everything on the
@@ -449,8 +505,8 @@ def _kernel_devices(flag: str) -> list[str]:
     from torch.optim import optimizer as torch_optimizer
 
     # (torch.optim.optimizer imports it from torch.utils._foreach_utils without re-exporting it in its stubs)
-    listed = (torch_optimizer._get_fused_kernels_supported_devices() if flag == "fused"  # type: ignore[attr-defined]
-              else torch_optimizer._get_capturable_supported_devices())
+    fused_devices: Any = torch_optimizer._get_fused_kernels_supported_devices  # type: ignore[attr-defined]
+    listed = fused_devices() if flag == "fused" else torch_optimizer._get_capturable_supported_devices()
     unnamed = "privateuseone"  # the out-of-tree backend's slot while no backend has renamed it
     return [d for d in dict.fromkeys(listed) if d != unnamed]
 
@@ -460,11 +516,19 @@ def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
     devices = _kernel_devices(flag)
     on_cpu = "cpu" in devices
     where = "a CPU or any other device outside that list" if not on_cpu else "a device outside that list"
-    message = (f"group {group} was saved with {flag}=True, and optimizer.load_state_dict adopts the checkpoint's "
-               f"flags: this torch runs {flag} kernels on {', '.join(devices)}, so resuming on {where} fails at "
-               f"step(); optimshift.load_state_dict keeps the live optimizer's flags and places the state for them")
-    return {"severity": "info" if on_cpu else "warning", "key": flag, "count": count, "group": group,
-            "message": message, "kernel_devices": devices}
+    message = (
+        f"group {group} was saved with {flag}=True, and optimizer.load_state_dict adopts the checkpoint's "
+        f"flags: this torch runs {flag} kernels on {', '.join(devices)}, so resuming on {where} fails at "
+        f"step(); optimshift.load_state_dict keeps the live optimizer's flags and places the state for them"
+    )
+    return {
+        "severity": "info" if on_cpu else "warning",
+        "key": flag,
+        "count": count,
+        "group": group,
+        "message": message,
+        "kernel_devices": devices,
+    }
 
 
 # Stands for an optimizer of unknown class (policy.decide reads only its type): the default rule applies.
@@ -486,9 +550,13 @@ def _has_namedtuple(value: Any) -> bool:
 
 
 def _mangle(key: Any, what: str, effect: str) -> dict[str, Any]:
-    return {"severity": "warning", "key": str(key), "count": 1,
-            "message": f"state key `{key}` {what}: optimizer.load_state_dict {effect}; "
-                       f"optimshift.load_state_dict keeps it as saved"}
+    return {
+        "severity": "warning",
+        "key": str(key),
+        "count": 1,
+        "message": f"state key `{key}` {what}: optimizer.load_state_dict {effect}; "
+        f"optimshift.load_state_dict keeps it as saved",
+    }
 
 
 def _merge(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -511,8 +579,10 @@ def render(desc: Mapping[str, Any], *, color: bool = False) -> str:
     fmt = formats.get(desc["format"], desc["format"])
     t = desc["tensors"]
     count = f"{t['count']} tensor{'s' if t['count'] != 1 else ''}"
-    lines.append(_paint(head, "bold", color)
-                 + f"  ({human_bytes(desc['bytes'])}, {fmt} format, {count}, {human_bytes(t['bytes'])})")
+    lines.append(
+        _paint(head, "bold", color)
+        + f"  ({human_bytes(desc['bytes'])}, {fmt} format, {count}, {human_bytes(t['bytes'])})"
+    )
     if t["saved_on"]:
         lines.append("  saved on: " + ", ".join(f"{k} ×{v}" for k, v in sorted(t["saved_on"].items())))
     whole = len(desc["optimizers"]) == 1 and desc["optimizers"][0]["where"] == ""  # the file is one state dict
@@ -525,8 +595,12 @@ def render(desc: Mapping[str, Any], *, color: bool = False) -> str:
         lines.append("no optimizer state found in this file")
     for i, o in enumerate(desc["optimizers"]):
         lines.append("")
-        kind = {"optimshift": "optimshift.save file", "state_dict": "bare optimizer state_dict",
-                "lightning": "Lightning checkpoint", "nested": "nested entry"}.get(o["kind"], o["kind"])
+        kind = {
+            "optimshift": "optimshift.save file",
+            "state_dict": "bare optimizer state_dict",
+            "lightning": "Lightning checkpoint",
+            "nested": "nested entry",
+        }.get(o["kind"], o["kind"])
         where = o["where"] or "(the whole file)"
         lines.append(_paint(f"optimizer {i + 1} of {len(desc['optimizers'])}: {where}", "bold", color) + f"  [{kind}]")
         if o["class"]:
@@ -535,16 +609,22 @@ def render(desc: Mapping[str, Any], *, color: bool = False) -> str:
             lines.append(f"  class: not recorded; its param groups look like {' or '.join(o['class_guess'])}")
         else:
             lines.append("  class: not recorded")
-        lines.append(f"  params: {o['params']} in {len(o['groups'])} group{'s' if len(o['groups']) != 1 else ''}, "
-                     f"{o['params_with_state']} with state")
+        lines.append(
+            f"  params: {o['params']} in {len(o['groups'])} group{'s' if len(o['groups']) != 1 else ''}, "
+            f"{o['params_with_state']} with state"
+        )
         hyper_keys: list[str] = []
         for g in o["groups"]:
             for k in g["hyperparameters"]:
                 if k not in hyper_keys:
                     hyper_keys.append(k)
         shown = o["groups"][:20]
-        rows = [[str(g["index"]), str(g["params"])] + [_short(g["hyperparameters"].get(k, "")) for k in hyper_keys]
-                + [" ".join(f"{k}={_short(v)}" for k, v in g["flags"].items())] for g in shown]
+        rows = [
+            [str(g["index"]), str(g["params"])]
+            + [_short(g["hyperparameters"].get(k, "")) for k in hyper_keys]
+            + [" ".join(f"{k}={_short(v)}" for k, v in g["flags"].items())]
+            for g in shown
+        ]
         lines.append("")
         lines.append(_indent(format_table(["group", "params"] + hyper_keys + ["flags"], rows)))
         if len(o["groups"]) > len(shown):
@@ -562,8 +642,14 @@ def render(desc: Mapping[str, Any], *, color: bool = False) -> str:
         else:
             lines.append("  no per-param state (the optimizer never stepped)")
         lines.append("")
-        lines.extend(_render_findings(o["findings"], color, none="  findings: none; optimizer.load_state_dict "
-                                      "and optimshift.load_state_dict place this state alike"))
+        lines.extend(
+            _render_findings(
+                o["findings"],
+                color,
+                none="  findings: none; optimizer.load_state_dict "
+                "and optimshift.load_state_dict place this state alike",
+            )
+        )
     if desc["findings"]:
         lines.append("")
         lines.append(_paint("file", "bold", color))
@@ -602,8 +688,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt)
         text = json.dumps(desc, indent=2, default=str) if as_json else render(desc, color=_use_color(sys.stdout))
     except Exception as e:  # NOTE: a last resort, so that a file we misread never prints a traceback
-        return _fail("inspect", f"{path} loaded, but describing it failed ({type(e).__name__}: {e}); "
-                                f"please report this", as_json=as_json, error=e)
+        return _fail(
+            "inspect",
+            f"{path} loaded, but describing it failed ({type(e).__name__}: {e}); please report this",
+            as_json=as_json,
+            error=e,
+        )
     print(text)
     return 0
 
@@ -623,9 +713,13 @@ def _inspect_folder(path: str, *, as_json: bool) -> int:
     try:
         from optimshift.distributed import describe_dcp
     except ImportError as e:
-        return _fail("inspect", f"{path} is a directory (a torch.distributed.checkpoint folder?); reading those needs "
-                                f"optimshift.distributed, which this installation does not have. Pass a file.",
-                     as_json=as_json, error=e)
+        return _fail(
+            "inspect",
+            f"{path} is a directory (a torch.distributed.checkpoint folder?); reading those needs "
+            f"optimshift.distributed, which this installation does not have. Pass a file.",
+            as_json=as_json,
+            error=e,
+        )
     try:
         info = describe_dcp(path)
     except Exception as e:
@@ -651,8 +745,9 @@ def _render_mapping(info: Mapping[str, Any], limit: int = 50) -> str:
             more = f"\n    … {len(value) - limit} more" if len(value) > limit else ""
             tables.append(f"  {key} ({len(value)})\n{table}{more}")
         elif isinstance(value, Mapping):
-            inner = ", ".join(f"{k}: {json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}"
-                              for k, v in value.items())
+            inner = ", ".join(
+                f"{k}: {json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}" for k, v in value.items()
+            )
             lines.append(f"  {key}: {inner}")
         else:
             lines.append(f"  {key}: {json.dumps(value, default=str) if isinstance(value, list) else value}")
@@ -702,8 +797,15 @@ def _protected(obj: Any) -> set[int]:
 _CAST_DEPTH = 64  # containers nested deeper than this are refused by --dtype (the copy is recursive)
 
 
-def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter[str],
-               where: str = "", depth: int = 0) -> Any:
+def _cast_tree(
+    obj: Any,
+    dtype: torch.dtype,
+    keep: set[int],
+    memo: dict[int, Any],
+    counts: Counter[str],
+    where: str = "",
+    depth: int = 0,
+) -> Any:
     if isinstance(obj, torch.Tensor):
         if id(obj) in memo:
             return memo[id(obj)]
@@ -714,8 +816,10 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
             else:
                 why = ckpt.overexpanded(obj)
                 if why is not None:
-                    raise ValueError(f"refusing to cast the tensor at {where or 'the top'}: {why}; casting it would "
-                                     f"allocate every element")
+                    raise ValueError(
+                        f"refusing to cast the tensor at {where or 'the top'}: {why}; casting it would "
+                        f"allocate every element"
+                    )
                 new = obj.to(dtype)
                 counts["cast"] += 1
         memo[id(obj)] = new
@@ -724,15 +828,17 @@ def _cast_tree(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any
         if id(obj) in memo:
             return memo[id(obj)]
         if depth >= _CAST_DEPTH:
-            raise ValueError(f"the object at {where} is nested deeper than {_CAST_DEPTH} levels; --dtype cannot "
-                             f"rewrite it")
+            raise ValueError(
+                f"the object at {where} is nested deeper than {_CAST_DEPTH} levels; --dtype cannot rewrite it"
+            )
         if isinstance(obj, dict):
             out: Any = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict) and its attributes (_metadata)
             for k, v in obj.items():
                 out[k] = _cast_tree(v, dtype, keep, memo, counts, f"{where}[{k!r}]", depth + 1)
         else:
-            out = type(obj)(_cast_tree(v, dtype, keep, memo, counts, f"{where}[{i}]", depth + 1)
-                            for i, v in enumerate(obj))
+            out = type(obj)(
+                _cast_tree(v, dtype, keep, memo, counts, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj)
+            )
         memo[id(obj)] = out
         return out
     return obj
@@ -754,24 +860,26 @@ def _storage_bytes(obj: Any) -> int:
     return total
 
 
-def _missing_device(device: torch.device) -> Optional[str]:
+def _missing_device(device: torch.device) -> str | None:
     """What to do when ``device`` is not on this machine (``convert --device cuda`` without a GPU), else None."""
     from .._devices import resolve
 
     try:
         resolve(device, what="--device")
     except (ValueError, TypeError) as e:
-        return (f"{e}. Convert to the CPU here instead (--device cpu, the default): a CPU checkpoint opens on "
-                f"any machine, and optimshift.load_state_dict (or torch.load's map_location) puts the state on the "
-                f"accelerator when you resume there. To write a {device.type} checkpoint, run this command on a machine "
-                f"that has the device.")
+        return (
+            f"{e}. Convert to the CPU here instead (--device cpu, the default): a CPU checkpoint opens on "
+            f"any machine, and optimshift.load_state_dict (or torch.load's map_location) puts the state on the "
+            f"accelerator when you resume there. To write a {device.type} checkpoint, run this command on a machine "
+            f"that has the device."
+        )
     return None
 
 
 def run_convert(args: argparse.Namespace) -> int:
     src, dst, as_json = args.input, args.output, args.json
 
-    def fail(message: str, error: Optional[BaseException] = None) -> int:
+    def fail(message: str, error: BaseException | None = None) -> int:
         return _fail("convert", message, as_json=as_json, error=error)
 
     try:
@@ -785,8 +893,11 @@ def run_convert(args: argparse.Namespace) -> int:
         folder = training_folder(src)
         if folder is not None:
             return _convert_training_folder(folder, args)
-        return fail(f"{src} is a directory but not a Hugging Face Trainer checkpoint-N folder or an Accelerate "
-                    f"save_state folder; convert reads torch.save files and those folders", IsADirectoryError())
+        return fail(
+            f"{src} is a directory but not a Hugging Face Trainer checkpoint-N folder or an Accelerate "
+            f"save_state folder; convert reads torch.save files and those folders",
+            IsADirectoryError(),
+        )
     try:
         torch.empty(0, device=device)
     except Exception as e:
@@ -805,8 +916,11 @@ def run_convert(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:  # RuntimeError: an OOM while casting
         return fail(f"{src}: {e}", e)
     total = _storage_bytes(obj)
-    bar = _Progress(f"writing {os.path.basename(dst)}", total, sys.stderr) if (
-        total >= _LARGE and _isatty(sys.stderr) and not as_json) else None
+    bar = (
+        _Progress(f"writing {os.path.basename(dst)}", total, sys.stderr)
+        if (total >= _LARGE and _isatty(sys.stderr) and not as_json)
+        else None
+    )
     try:
         ckpt._save(obj, dst, progress=bar)
     except (OSError, RuntimeError, ValueError) as e:
@@ -818,8 +932,19 @@ def run_convert(args: argparse.Namespace) -> int:
     tensors = list(all_tensors(obj))
     size = os.path.getsize(dst)
     if as_json:
-        print(json.dumps({"wrote": dst, "tensors": len(tensors), "device": str(device), "bytes": size,
-                          "dtype": args.dtype, "cast": counts["cast"], "kept": counts["kept"]}))
+        print(
+            json.dumps(
+                {
+                    "wrote": dst,
+                    "tensors": len(tensors),
+                    "device": str(device),
+                    "bytes": size,
+                    "dtype": args.dtype,
+                    "cast": counts["cast"],
+                    "kept": counts["kept"],
+                }
+            )
+        )
         return 0
     summary = f"wrote {dst}: {len(tensors)} tensors on {device}, {human_bytes(size)}"
     if args.dtype:
@@ -853,8 +978,10 @@ def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
         "path": folder.path,
         "folder": folder.kind,
         "trainer_state": folder.trainer_state,
-        "files": [{"name": name, "role": role, "bytes": _file_bytes(os.path.join(folder.path, name))}
-                  for name, role in folder.files.items()],
+        "files": [
+            {"name": name, "role": role, "bytes": _file_bytes(os.path.join(folder.path, name))}
+            for name, role in folder.files.items()
+        ],
         "optimizer_files": described,
     }
     if args.json:
@@ -868,13 +995,21 @@ def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     if "epoch" in state:
         head += f", epoch {_short(state['epoch'])}"
     lines = [_paint(folder.path, "bold", color) + f"  ({head})", ""]
-    rows = [[f["name"] + ("/" if f["role"] == "folder" else ""), f["role"],
-             "-" if f["bytes"] is None else human_bytes(f["bytes"])] for f in info["files"]]
+    rows = [
+        [
+            f["name"] + ("/" if f["role"] == "folder" else ""),
+            f["role"],
+            "-" if f["bytes"] is None else human_bytes(f["bytes"]),
+        ]
+        for f in info["files"]
+    ]
     lines.append(_indent(format_table(["file", "holds", "bytes"], rows)))
     for name, role in folder.files.items():
         if role == "folder" and os.path.exists(os.path.join(folder.path, name, ".metadata")):
-            lines.append(f"  {name}/ is a torch.distributed.checkpoint folder (sharded state): "
-                         f"`optimshift inspect {os.path.join(folder.path, name)}` describes it")
+            lines.append(
+                f"  {name}/ is a torch.distributed.checkpoint folder (sharded state): "
+                f"`optimshift inspect {os.path.join(folder.path, name)}` describes it"
+            )
     if not described:
         lines += ["", "no optimizer file in this folder (a model-only save?)"]
     for desc in described:
@@ -888,15 +1023,21 @@ def _trainer_resume_findings(o: Mapping[str, Any]) -> list[dict[str, Any]]:
     hosted = [g for g in o["groups"] if not (g["flags"].get("fused") or g["flags"].get("capturable"))]
     if not hosted or not any(row["key"] == "step" for row in o["state"]):
         return []
-    return [{"severity": "info", "key": "step", "count": sum(g["params"] for g in hosted),
-             "message": "the Trainer resumes this file with torch.load(map_location=its device) when it trains on "
-                        "more than one device, and optimizer.load_state_dict then leaves each non-fused `step` on "
-                        "the accelerator, where every read is a host sync; calling "
-                        "optimshift.integrations.accelerate.patch() before the Trainer is built keeps it on the "
-                        "host"}]
+    return [
+        {
+            "severity": "info",
+            "key": "step",
+            "count": sum(g["params"] for g in hosted),
+            "message": "the Trainer resumes this file with torch.load(map_location=its device) when it trains on "
+            "more than one device, and optimizer.load_state_dict then leaves each non-fused `step` on "
+            "the accelerator, where every read is a host sync; calling "
+            "optimshift.integrations.accelerate.patch() before the Trainer is built keeps it on the "
+            "host",
+        }
+    ]
 
 
-def _file_bytes(path: str) -> Optional[int]:
+def _file_bytes(path: str) -> int | None:
     return os.path.getsize(path) if os.path.isfile(path) else None
 
 
@@ -908,9 +1049,13 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     so OUT never holds half a checkpoint (a framework would resume from a folder that lacks its optimizer file
     without a word).
     """
+
     def convert(src: str, dst: str) -> int:
-        return run_convert(argparse.Namespace(input=src, output=dst, device=args.device, dtype=args.dtype,
-                                              allow_global=args.allow_global, json=False))
+        return run_convert(
+            argparse.Namespace(
+                input=src, output=dst, device=args.device, dtype=args.dtype, allow_global=args.allow_global, json=False
+            )
+        )
 
     if not folder.optimizer_files:
         return _fail("convert", f"{folder.path} is a {folder.label} without an optimizer file: nothing to convert")
@@ -922,8 +1067,10 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
                 return 1
         return 0
     if os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
-        return _fail("convert", f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its "
-                                f"optimizer files in place")
+        return _fail(
+            "convert",
+            f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its optimizer files in place",
+        )
     target = os.path.abspath(dst)
     tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
     os.mkdir(tmp)

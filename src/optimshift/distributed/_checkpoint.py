@@ -29,10 +29,10 @@ import shutil
 import sys
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Union
 
 try:
     import fcntl
@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - Windows
 
 import torch
 import torch.distributed as dist
+
 # NOTE: torch.distributed.checkpoint has no __all__: save, load and FileSystemReader/Writer are re-exported
 # implicitly, which torch's typing does not declare (hence the attr-defined ignores on dcp.* below).
 import torch.distributed.checkpoint as dcp
@@ -53,10 +54,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._devices import DeviceLike, resolve
-from ..api import move
-from ..plan import check_optimizer, optimizer_name
-from ..checkpoint._atomic import fsync_dir
 from .._probe import quiet_global_step_hooks
+from ..api import move
+from ..checkpoint._atomic import fsync_dir
+from ..plan import check_optimizer, optimizer_name
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES
@@ -76,8 +77,9 @@ _SHOWN = 8  # differences listed in a mismatch error before "... and N more"
 # --- public API -----------------------------------------------------------------------------------------
 
 
-def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-         extra: Optional[Mapping[str, Any]] = None) -> None:
+def save(
+    path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, extra: Mapping[str, Any] | None = None
+) -> None:
     """Save ``model`` and ``optimizer`` on every rank (or one process) as a DCP directory, swapped in atomically
     so a crash never leaves ``path`` half-written; values bitwise, devices not kept (:func:`load` re-derives them).
 
@@ -85,8 +87,8 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     """
     rank, world = _rank_world()
     target = tmp = None
-    blob: Optional[bytes] = None
-    error: Optional[BaseException] = None
+    blob: bytes | None = None
+    error: BaseException | None = None
     token = uuid.uuid4().hex  # rank 0's names this save's temporary directory, shared by _agree
     try:  # phase 1: local checks only, no torch.distributed call
         target = _as_path(path)
@@ -110,7 +112,7 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     state: dict[str, Any] = {}
     had_state = bool(optimizer.state)
     no_grad = _params_without_grad(optimizer)
-    lock: Optional[int] = None
+    lock: int | None = None
     try:
         if rank == 0:
             _clear_stale(target)
@@ -141,8 +143,11 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
         # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
         try:
             with _single_process_quiet(world):
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),  # type: ignore[attr-defined]
-                         no_dist=world == 1)
+                dcp.save(  # type: ignore[attr-defined]  # re-exported without being declared
+                    state,
+                    storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),  # type: ignore[attr-defined]
+                    no_dist=world == 1,
+                )
         except BaseException:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -151,23 +156,28 @@ def save(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
         # phase 4: rank 0 commits; every rank learns the outcome (so none returns before the commit is done).
         error = None
         if rank == 0:
-            error = _finish(tmp, target, lock, {
-                "format": _FORMAT,
-                "optimshift": _version(),
-                "torch": torch.__version__,
-                "world_size": world,
-                "model": type(model).__name__,
-                "optimizer": optimizer_name(optimizer),
-                "optimizer_state": had_state,
-                "extra": None if extra is None else sorted(str(k) for k in extra),
-            })
+            error = _finish(
+                tmp,
+                target,
+                lock,
+                {
+                    "format": _FORMAT,
+                    "optimshift": _version(),
+                    "torch": torch.__version__,
+                    "world_size": world,
+                    "model": type(model).__name__,
+                    "optimizer": optimizer_name(optimizer),
+                    "optimizer_state": had_state,
+                    "extra": None if extra is None else sorted(str(k) for k in extra),
+                },
+            )
         _agree(error, "save", path)
     finally:
         if lock is not None:
             os.close(lock)
 
 
-def _finish(tmp: Path, target: Path, lock: Optional[int], note: dict[str, Any]) -> Optional[Exception]:
+def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> Exception | None:
     """Rank 0: check that ``tmp`` is this save's complete checkpoint, write the note, commit; then clean up,
     best-effort (the checkpoint is in place by then). Returns the error that kept it from committing."""
     try:
@@ -182,18 +192,19 @@ def _finish(tmp: Path, target: Path, lock: Optional[int], note: dict[str, Any]) 
     return None
 
 
-def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-         device: Optional[DeviceLike] = None) -> Optional[dict[str, Any]]:
+def load(
+    path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, device: DeviceLike | None = None
+) -> dict[str, Any] | None:
     """Load a :func:`save` checkpoint with any number of ranks (DCP reshards), values bitwise; the optimizer state
     ends where a fresh optimizer over the params on ``device`` (default: each param's device) keeps it.
 
     Returns the saved ``extra`` (tensors on the host) or None. A mismatch raises on every rank before anything
     changes; an I/O error while reading may leave the model partly loaded.
     """
-    error: Optional[BaseException] = None
-    target: Optional[Path] = None
-    layout: Optional[_Layout] = None
-    where: Optional[torch.device] = None
+    error: BaseException | None = None
+    target: Path | None = None
+    layout: _Layout | None = None
+    where: torch.device | None = None
     try:  # phase 1: arguments and the checkpoint's metadata, local only
         _check_module(model)
         check_optimizer(optimizer)
@@ -213,8 +224,10 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
         problems = _compare_model(get_model_state_dict(model), layout)
         # which params each group holds is compared by parameter name: only once the model's names match
         problems += _compare_groups(optimizer, layout, None if problems else model)
-        if layout.has_state and not optimizer.state and any(
-            p.grad is not None for g in optimizer.param_groups for p in g["params"]
+        if (
+            layout.has_state
+            and not optimizer.state
+            and any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
         ):
             problems.append(
                 "the optimizer has no state yet but its params have gradients, so torch.distributed.checkpoint "
@@ -240,8 +253,10 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
         problems, stateless = _compare_state(optim_sd, layout, model)
         _raise_mismatch(problems, layout, model, optimizer)
         if layout.has_state:
-            optim_sd = {"state": {n: v for n, v in optim_sd["state"].items() if n not in stateless},
-                        "param_groups": optim_sd["param_groups"]}
+            optim_sd = {
+                "state": {n: v for n, v in optim_sd["state"].items() if n not in stateless},
+                "param_groups": optim_sd["param_groups"],
+            }
         else:  # saved before the first step: load the param groups, end without state
             optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
     except Exception as e:  # noqa: BLE001
@@ -263,8 +278,13 @@ def load(path: PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimize
     try:
         with _single_process_quiet(world):
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)  # type: ignore[attr-defined]
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=False))  # strict: refuses params without saved state
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=False),
+        )  # strict: refuses params without saved state
         if not layout.has_state:
             optimizer.state.clear()
         move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
@@ -300,8 +320,9 @@ def describe_dcp(path: PathLike) -> dict[str, Any]:
         if isinstance(meta, TensorStorageMetadata):
             dtype = meta.properties.dtype
             nbytes = math.prod(meta.size) * dtype.itemsize
-            entry.update(kind="tensor", shape=list(meta.size), dtype=_dtype_name(dtype), bytes=nbytes,
-                         chunks=len(meta.chunks))
+            entry.update(
+                kind="tensor", shape=list(meta.size), dtype=_dtype_name(dtype), bytes=nbytes, chunks=len(meta.chunks)
+            )
             section["tensors"] += 1
             section["bytes"] += nbytes
         else:
@@ -342,7 +363,7 @@ def _single_process_quiet(world: int) -> Iterator[None]:
         yield
 
 
-def _agree(error: Optional[BaseException], what: str, path: Any, share: Any = None) -> Any:
+def _agree(error: BaseException | None, what: str, path: Any, share: Any = None) -> Any:
     """Raise on every rank if any rank failed, with every failing rank's message; else return rank 0's
     ``share`` (a small picklable value) on every rank.
 
@@ -365,7 +386,7 @@ def _agree(error: Optional[BaseException], what: str, path: Any, share: Any = No
     for r, (_, message) in failed:
         messages.setdefault(message, []).append(r)
     if len(messages) == 1:
-        (message, ranks), = messages.items()
+        ((message, ranks),) = messages.items()
         text = f"{message} (on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world})"
     else:
         text = "; ".join(f"rank {', '.join(map(str, rs))}: {m}" for m, rs in messages.items())
@@ -373,8 +394,10 @@ def _agree(error: Optional[BaseException], what: str, path: Any, share: Any = No
     if not (isinstance(kind, type) and issubclass(kind, Exception)):
         kind = RuntimeError
     if error is None:
-        text = f"optimshift.distributed.{what}({os.fspath(path) if _pathlike(path) else path!r}) failed on " \
-               f"another rank: {text}"
+        text = (
+            f"optimshift.distributed.{what}({os.fspath(path) if _pathlike(path) else path!r}) failed on "
+            f"another rank: {text}"
+        )
     raise kind(text) from error
 
 
@@ -419,12 +442,16 @@ def _is_checkpoint(directory: Path) -> bool:
 
 def _check_replaceable(target: Path) -> None:
     if target.is_symlink():
-        raise ValueError(f"{target} is a symlink; save replaces checkpoint directories atomically and will not "
-                         f"replace a link: give the path it points to")
+        raise ValueError(
+            f"{target} is a symlink; save replaces checkpoint directories atomically and will not "
+            f"replace a link: give the path it points to"
+        )
     if target.exists() and not _is_checkpoint(target):
         kind = "directory" if target.is_dir() else "file"
-        raise FileExistsError(f"{target} exists and is a {kind} that is not a torch.distributed.checkpoint "
-                              f"checkpoint (no .metadata); refusing to replace it")
+        raise FileExistsError(
+            f"{target} exists and is a {kind} that is not a torch.distributed.checkpoint "
+            f"checkpoint (no .metadata); refusing to replace it"
+        )
 
 
 def _committed(target: Path) -> Path:
@@ -468,19 +495,21 @@ class _Layout:
     groups: dict[int, set[str]] = field(default_factory=dict)
     params_keys: dict[int, str] = field(default_factory=dict)  # group index -> DCP key of its "params" list
     has_extra: bool = False
-    note: Optional[dict[str, Any]] = None
+    note: dict[str, Any] | None = None
 
     @property
     def has_state(self) -> bool:
         return bool(self.state)
 
     @classmethod
-    def read(cls, target: Path) -> "_Layout":
+    def read(cls, target: Path) -> _Layout:
         metadata = _read_metadata(target)
         paths = metadata.planner_data
         if not isinstance(paths, dict):
-            raise ValueError(f"{target}: this DCP checkpoint was saved without flattening; optimshift.distributed "
-                             f"loads checkpoints written by optimshift.distributed.save")
+            raise ValueError(
+                f"{target}: this DCP checkpoint was saved without flattening; optimshift.distributed "
+                f"loads checkpoints written by optimshift.distributed.save"
+            )
         layout = cls(target, note=_read_note(target))
         for key, meta in metadata.state_dict_metadata.items():
             steps = tuple(paths.get(key, (key,)))
@@ -497,8 +526,10 @@ class _Layout:
             elif steps == (_EXTRA,):
                 layout.has_extra = True
         if not layout.model and not layout.groups:
-            raise ValueError(f"{target} is a DCP checkpoint but not one written by optimshift.distributed.save "
-                             f"(no 'model' and 'optim' entries)")
+            raise ValueError(
+                f"{target} is a DCP checkpoint but not one written by optimshift.distributed.save "
+                f"(no 'model' and 'optim' entries)"
+            )
         return layout
 
     def group_params(self) -> dict[int, list[str]]:
@@ -512,17 +543,20 @@ class _Layout:
         for gi, key in self.params_keys.items():
             names = wanted[key]
             if not isinstance(names, (list, tuple)):
-                raise ValueError(f"{self.path}: optim.param_groups.{gi}.params is a {type(names).__name__}, "
-                                 f"not a list of parameter names")
+                raise ValueError(
+                    f"{self.path}: optim.param_groups.{gi}.params is a {type(names).__name__}, "
+                    f"not a list of parameter names"
+                )
             out[gi] = [str(n) for n in names]
         return out
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
     """id(param) -> the name torch.distributed.checkpoint gives it in optimizer state dicts."""
-    fqns_of: Optional[Callable[[torch.nn.Module, str], set[str]]] = None
+    fqns_of: Callable[[torch.nn.Module, str], set[str]] | None = None
     try:
         from torch.distributed.checkpoint.state_dict import _get_fqns
+
         fqns_of = _get_fqns
     except ImportError:  # pragma: no cover - a torch without the private helper
         pass
@@ -567,20 +601,25 @@ def _compare_model(model_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
 
 def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
     if not isinstance(value, torch.Tensor):
-        return [] if not isinstance(meta, TensorStorageMetadata) else [
-            f"{label}: the checkpoint holds a tensor, this side a {type(value).__name__}"]
+        return (
+            []
+            if not isinstance(meta, TensorStorageMetadata)
+            else [f"{label}: the checkpoint holds a tensor, this side a {type(value).__name__}"]
+        )
     if not isinstance(meta, TensorStorageMetadata):
         return [f"{label}: the checkpoint holds a non-tensor object, this side a tensor"]
     problems = []
     if _shape(value.shape) != _shape(meta.size):  # a DTensor's .shape is its global shape
         problems.append(f"{label}: shape {_shape(meta.size)} in the checkpoint, {_shape(value.shape)} here")
     if value.dtype != meta.properties.dtype:
-        problems.append(f"{label}: dtype {_dtype_name(meta.properties.dtype)} in the checkpoint, "
-                        f"{_dtype_name(value.dtype)} here (load never casts)")
+        problems.append(
+            f"{label}: dtype {_dtype_name(meta.properties.dtype)} in the checkpoint, "
+            f"{_dtype_name(value.dtype)} here (load never casts)"
+        )
     return problems
 
 
-def _compare_groups(optimizer: Any, layout: _Layout, model: Optional[torch.nn.Module]) -> list[str]:
+def _compare_groups(optimizer: Any, layout: _Layout, model: torch.nn.Module | None) -> list[str]:
     """Group count, which params each group holds (by name, when ``model`` is given: DCP would otherwise load
     a group's hyperparameters onto other params), and the hyperparameters this optimizer class defines
     (``optimizer.defaults``): a checkpoint lacking one was written by another optimizer. Keys only the
@@ -607,24 +646,31 @@ def _compare_groups(optimizer: Any, layout: _Layout, model: Optional[torch.nn.Mo
                 problems.append(
                     f"param group {gi} holds other params in the checkpoint than in the optimizer "
                     f"({len(theirs)} there, {len(mine)} here): "
-                    + "; ".join(part for part in (
-                        f"{_listed(only_saved)} are in this group only in the checkpoint" if only_saved else "",
-                        f"{_listed(only_live)} are in this group only in the optimizer" if only_live else "",
-                    ) if part)
-                    + " (build the optimizer's param groups as when it was saved)")
+                    + "; ".join(
+                        part
+                        for part in (
+                            f"{_listed(only_saved)} are in this group only in the checkpoint" if only_saved else "",
+                            f"{_listed(only_live)} are in this group only in the optimizer" if only_live else "",
+                        )
+                        if part
+                    )
+                    + " (build the optimizer's param groups as when it was saved)"
+                )
     for gi, group in enumerate(live):
         saved = layout.groups.get(gi, set())
         missing = sorted((defaults or set(group)) - saved - {"params"})
         if missing:
             others = sorted(saved - set(group))
-            problems.append(f"param group {gi}: the checkpoint lacks {missing}, which {optimizer_name(optimizer)} "
-                            f"uses" + (f", and has {others}, which it does not" if others else "")
-                            + " (saved from another optimizer class?)")
+            problems.append(
+                f"param group {gi}: the checkpoint lacks {missing}, which {optimizer_name(optimizer)} "
+                f"uses"
+                + (f", and has {others}, which it does not" if others else "")
+                + " (saved from another optimizer class?)"
+            )
     return problems
 
 
-def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout,
-                   model: torch.nn.Module) -> tuple[list[str], set[str]]:
+def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout, model: torch.nn.Module) -> tuple[list[str], set[str]]:
     """Problems, and the params the optimizer has state for (its own, or DCP's initialization) that the
     checkpoint has none for: they had not been stepped when it was saved, and end without state."""
     if not layout.has_state:
@@ -634,9 +680,11 @@ def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout,
     named = set(_param_names(model).values())
     for name in sorted(set(layout.state) - set(live)):
         if name in named:
-            problems.append(f"optim.state.{name}: the checkpoint has state for it, the optimizer none (it has "
-                            f"state for other params, so it is not initialized for the load; load into an "
-                            f"optimizer without state, e.g. a fresh one)")
+            problems.append(
+                f"optim.state.{name}: the checkpoint has state for it, the optimizer none (it has "
+                f"state for other params, so it is not initialized for the load; load into an "
+                f"optimizer without state, e.g. a fresh one)"
+            )
         else:
             problems.append(f"optim.state.{name}: in the checkpoint, the optimizer holds no such param")
     stateless = set(live) - set(layout.state)
@@ -645,8 +693,9 @@ def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout,
         if saved is None:
             continue
         if set(entries) != set(saved):
-            problems.append(f"optim.state.{name}: keys {sorted(saved)} in the checkpoint, {sorted(entries)} in the "
-                            f"optimizer")
+            problems.append(
+                f"optim.state.{name}: keys {sorted(saved)} in the checkpoint, {sorted(entries)} in the optimizer"
+            )
             continue
         for key, value in entries.items():
             found = saved[key]
@@ -723,7 +772,7 @@ def _write_note(directory: Path, note: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _read_note(directory: Path) -> Optional[dict[str, Any]]:
+def _read_note(directory: Path) -> dict[str, Any] | None:
     try:
         with open(directory / _NOTE, encoding="utf-8") as f:
             note = json.load(f)
@@ -750,7 +799,7 @@ def _commit(tmp: Path, target: Path) -> None:
     fsync_dir(target.parent)
 
 
-def _check_complete(tmp: Path, lock: Optional[int]) -> None:
+def _check_complete(tmp: Path, lock: int | None) -> None:
     """``tmp`` is still the directory this save created (``lock`` is open on it) and a complete DCP checkpoint:
     its metadata and every file the metadata names."""
     try:
@@ -758,20 +807,26 @@ def _check_complete(tmp: Path, lock: Optional[int]) -> None:
     except OSError:
         same = False
     if not same:
-        raise RuntimeError(f"{tmp}, this save's temporary directory, was removed or replaced by something else "
-                           f"during the save; not committing")
+        raise RuntimeError(
+            f"{tmp}, this save's temporary directory, was removed or replaced by something else "
+            f"during the save; not committing"
+        )
     if not _is_checkpoint(tmp):
-        raise RuntimeError(f"{tmp}, this save's temporary directory, holds no .metadata after the write; "
-                           f"not committing an incomplete checkpoint")
+        raise RuntimeError(
+            f"{tmp}, this save's temporary directory, holds no .metadata after the write; "
+            f"not committing an incomplete checkpoint"
+        )
     metadata = dcp.FileSystemReader(str(tmp)).read_metadata()  # type: ignore[attr-defined]
     files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
     missing = sorted(f for f in files if isinstance(f, str) and not (tmp / f).is_file())
     if missing:
-        raise RuntimeError(f"{tmp}, this save's temporary directory, lacks {_listed(missing)}, which its metadata "
-                           f"names; not committing an incomplete checkpoint")
+        raise RuntimeError(
+            f"{tmp}, this save's temporary directory, lacks {_listed(missing)}, which its metadata "
+            f"names; not committing an incomplete checkpoint"
+        )
 
 
-def _lock(directory: Path) -> Optional[int]:
+def _lock(directory: Path) -> int | None:
     """An open descriptor holding an exclusive lock on ``directory`` (released when closed, or when the process
     dies): how :func:`_clear_stale` tells a live save's temporary directory from a crashed one's."""
     fd = os.open(directory, os.O_RDONLY)

@@ -46,8 +46,9 @@ def placeable(optimizer: Any) -> bool:
 def streamed(optimizer: Any) -> bool:
     """Whether ``optimizer`` (or the optimizer a wrapper holds) is streamed: its state stays where
     :func:`optimshift.stream` keeps it, whatever a framework asks."""
-    return any(_mode.mode_of(o) is not None for o in (optimizer, getattr(optimizer, "optimizer", None))
-               if o is not None)
+    return any(
+        _mode.mode_of(o) is not None for o in (optimizer, getattr(optimizer, "optimizer", None)) if o is not None
+    )
 
 
 def follow_params(optimizer: Any) -> None:

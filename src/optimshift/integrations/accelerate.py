@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ._common import Patch, Swap, follow_params, placeable
 
@@ -107,8 +108,12 @@ def _plan_swaps() -> list[Swap]:
         )
     return [
         Swap(AcceleratedOptimizer, "__init__", originals["__init__"], _make_init(originals["__init__"])),
-        Swap(AcceleratedOptimizer, "load_state_dict", originals["load_state_dict"],
-             _make_load_state_dict(originals["load_state_dict"])),
+        Swap(
+            AcceleratedOptimizer,
+            "load_state_dict",
+            originals["load_state_dict"],
+            _make_load_state_dict(originals["load_state_dict"]),
+        ),
     ]
 
 

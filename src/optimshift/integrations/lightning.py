@@ -44,8 +44,8 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -137,8 +137,9 @@ def _wrap_fabric_setup(original: Callable[..., Any], fabric_optimizer: type[_Fab
     return wrapper
 
 
-def _wrap_fabric_load(original: Callable[..., Any], fabric_optimizer: type[_FabricOptimizer],
-                      argument: str) -> Callable[..., Any]:
+def _wrap_fabric_load(
+    original: Callable[..., Any], fabric_optimizer: type[_FabricOptimizer], argument: str
+) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -173,13 +174,16 @@ def _plan_swaps() -> list[Swap]:
             originals[name] = helper
         one = _make_optimizer_to_device(originals["_optimizer_to_device"])
         many = _make_optimizers_to_device(one, originals["_optimizers_to_device"])
-        replacements = {id(originals["_optimizer_to_device"]): (originals["_optimizer_to_device"], one),
-                        id(originals["_optimizers_to_device"]): (originals["_optimizers_to_device"], many)}
+        replacements = {
+            id(originals["_optimizer_to_device"]): (originals["_optimizer_to_device"], one),
+            id(originals["_optimizers_to_device"]): (originals["_optimizers_to_device"], many),
+        }
         # Every Lightning module that holds a helper, under any name (``from ... import _optimizer_to_device``
         # binds it in the importing module): the source first, so that modules imported later get the
         # replacement. Only Lightning's own modules: a user's alias of the helper is theirs to keep.
-        lightning_modules = [m for name, m in list(sys.modules.items())
-                             if name.split(".")[0] in _LIGHTNING_PACKAGES and m is not source]
+        lightning_modules = [
+            m for name, m in list(sys.modules.items()) if name.split(".")[0] in _LIGHTNING_PACKAGES and m is not source
+        ]
         for module in [source] + lightning_modules:
             for name, value in module_items(module):
                 pair = replacements.get(id(value))
@@ -203,10 +207,13 @@ def _plan_swaps() -> list[Swap]:
             strategy_cls = importlib.import_module(f"{trainer}.strategies.strategy").Strategy
             original = strategy_cls.__dict__.get("load_optimizer_state_dict")
             if not callable(original):
-                raise RuntimeError(f"{trainer}.strategies.strategy.Strategy has no load_optimizer_state_dict(): "
-                                   f"optimshift cannot patch this Lightning version")
-            swaps.append(Swap(strategy_cls, "load_optimizer_state_dict", original,
-                               _make_load_optimizer_state_dict(original)))
+                raise RuntimeError(
+                    f"{trainer}.strategies.strategy.Strategy has no load_optimizer_state_dict(): "
+                    f"optimshift cannot patch this Lightning version"
+                )
+            swaps.append(
+                Swap(strategy_cls, "load_optimizer_state_dict", original, _make_load_optimizer_state_dict(original))
+            )
     return swaps
 
 
@@ -255,9 +262,7 @@ def _callback_base() -> type:
             return callback
         except ImportError:
             continue
-    raise ImportError(
-        "optimshift.integrations.lightning needs Lightning: pip install 'optimshift[lightning]'"
-    )
+    raise ImportError("optimshift.integrations.lightning needs Lightning: pip install 'optimshift[lightning]'")
 
 
 class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]  # a base chosen at run time
@@ -270,7 +275,7 @@ class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]  # a b
     where Lightning's teardown wants it.
     """
 
-    def __init__(self, *, pin_memory: Optional[bool] = None, include: Iterable[str] = ()) -> None:
+    def __init__(self, *, pin_memory: bool | None = None, include: Iterable[str] = ()) -> None:
         super().__init__()
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise TypeError(f"OffloadOptimizerDuringEval: pin_memory must be a bool or None, got {pin_memory!r}")

@@ -37,7 +37,8 @@ from __future__ import annotations
 import importlib
 import threading
 import warnings
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -46,16 +47,18 @@ from ..policy import Policy, register_policy, unregister_policy
 __all__ = ["register", "unregister", "POLICIES"]
 
 
-def _alig(key: str, value: torch.Tensor, param: Optional[torch.Tensor], group: Mapping[str, Any],
-          device: torch.device) -> Optional[torch.device]:
+def _alig(
+    key: str, value: torch.Tensor, param: torch.Tensor | None, group: Mapping[str, Any], device: torch.device
+) -> torch.device | None:
     """AliG: the group's ``step_size`` tensor is computed from the loss, on the params' device."""
     if param is None and key == "step_size":
         return device
     return None
 
 
-def _madgrad(key: str, value: torch.Tensor, param: Optional[torch.Tensor], group: Mapping[str, Any],
-             device: torch.device) -> Optional[torch.device]:
+def _madgrad(
+    key: str, value: torch.Tensor, param: torch.Tensor | None, group: Mapping[str, Any], device: torch.device
+) -> torch.device | None:
     """MADGRAD: the optimizer-wide counter ``state["k"]`` is created on the host and read there."""
     if param is None and key == "k":
         return torch.device("cpu")
@@ -72,7 +75,7 @@ _lock = threading.Lock()
 _registered: list[type] = []
 
 
-def _load(spec: str) -> Optional[type]:
+def _load(spec: str) -> type | None:
     module_name, _, class_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -62,5 +62,10 @@ from optimshift.testing.simulated import (
     simulated_memory_allocated,
 )
 
-__all__ = ["SIM_DEVICE_TYPE", "simulated_accelerator", "simulated_memory_allocated", "StreamRaceError",
-           "deferred_streams"]
+__all__ = [
+    "SIM_DEVICE_TYPE",
+    "simulated_accelerator",
+    "simulated_memory_allocated",
+    "StreamRaceError",
+    "deferred_streams",
+]

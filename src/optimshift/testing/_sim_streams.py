@@ -46,8 +46,9 @@ import random
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -71,7 +72,7 @@ StreamKey = tuple[int, int]  # (device index, stream id)
 MemKey = tuple[str, int]  # ("d"|"h", data_ptr): device or host memory
 _Access = tuple[MemKey, torch.Tensor, bool, int, int]  # (memory key, tensor, write, lo, hi)
 # (held host memory, snapshot bytes, lo, hi, memory key, write); held and snapshot are both None or both set
-_HostUse = tuple[Optional["_Held"], Optional[torch.Tensor], int, int, Optional[MemKey], bool]
+_HostUse = tuple[Optional["_Held"], torch.Tensor | None, int, int, MemKey | None, bool]
 
 
 class _Item:
@@ -79,8 +80,14 @@ class _Item:
 
     __slots__ = ("seq", "run", "waits", "what", "host")
 
-    def __init__(self, seq: int, run: Optional[Callable[[], None]], waits: list[tuple[StreamKey, int]], what: str,
-                 host: list[_HostUse]) -> None:
+    def __init__(
+        self,
+        seq: int,
+        run: Callable[[], None] | None,
+        waits: list[tuple[StreamKey, int]],
+        what: str,
+        host: list[_HostUse],
+    ) -> None:
         self.seq = seq
         self.run = run
         self.waits = waits  # [(stream key, seq)]: run those streams up to there first
@@ -113,7 +120,7 @@ class _State:
         self.lock = threading.RLock()
         self.local = threading.local()  # .current: {device index: stream id}
         self.streams: dict[StreamKey, _Stream] = {}
-        self.objects: dict[StreamKey, "SimStream"] = {}
+        self.objects: dict[StreamKey, SimStream] = {}
         self.next_id = 1
         self.tracking = False  # turned on by the first non-default stream: until then nothing is recorded
         self.host_known: dict[StreamKey, int] = {}  # what the host knows has completed
@@ -127,13 +134,13 @@ class _State:
         self.rng = random.Random(0)
         self.progress = 0.25
         self.running = False  # inside queued work: no progress, no checks re-entered
-        self.settled: Optional[bool] = True  # see _settled (None: to be computed)
+        self.settled: bool | None = True  # see _settled (None: to be computed)
 
 
 _state = _State()
 
 
-def configure(seed: Optional[int] = None, progress: Optional[float] = None) -> None:
+def configure(seed: int | None = None, progress: float | None = None) -> None:
     """Seed the random points at which queued work runs on its own, and how likely one is at each call
     into the simulator (0: queued work runs only when something orders it)."""
     with _state.lock:
@@ -325,7 +332,7 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(-1)
 
 
-def _mem(t: torch.Tensor) -> Optional[MemKey]:
+def _mem(t: torch.Tensor) -> MemKey | None:
     """The memory key of ``t``: ("d", ptr) for a sim tensor, ("h", ptr) for a host tensor; None if empty."""
     if t.numel() == 0:
         return None
@@ -378,9 +385,14 @@ def _check(key: StreamKey, reads: list[torch.Tensor], writes: list[torch.Tensor]
             for r in _state.accesses.get(mem, ()):
                 # NOTE: default streams of two devices are in step (both run eagerly here; on CUDA a copy between
                 # devices orders their current streams), so only a non-default stream can race.
-                if r.stream != key and (write or r.write) and r.lo < hi and lo < r.hi \
-                        and (r.stream[1] != _DEFAULT_ID or key[1] != _DEFAULT_ID) \
-                        and max(known.get(r.stream, 0), host.get(r.stream, 0)) < r.seq:
+                if (
+                    r.stream != key
+                    and (write or r.write)
+                    and r.lo < hi
+                    and lo < r.hi
+                    and (r.stream[1] != _DEFAULT_ID or key[1] != _DEFAULT_ID)
+                    and max(known.get(r.stream, 0), host.get(r.stream, 0)) < r.seq
+                ):
                     raise StreamRaceError(
                         f"{what} on {_name(key)} {'writes' if write else 'reads'} {_describe(t)} that {r.what} "
                         f"on {_name(r.stream)} {'writes' if r.write else 'reads'}, with nothing ordering the two: "
@@ -500,10 +512,17 @@ def _process_frees() -> None:
 # --------------------------------------------------------------------------------------------
 
 _aten = torch.ops.aten
-_METADATA = frozenset({
-    "aten::view", "aten::as_strided", "aten::_reshape_alias", "aten::unfold", "aten::view_as_real",
-    "aten::view_as_complex", "aten::set_",
-})
+_METADATA = frozenset(
+    {
+        "aten::view",
+        "aten::as_strided",
+        "aten::_reshape_alias",
+        "aten::unfold",
+        "aten::view_as_real",
+        "aten::view_as_complex",
+        "aten::set_",
+    }
+)
 _TENSOR_RESULTS = ("Tensor", "Tensor[]", "Tensor?", "Tensor?[]")
 
 
@@ -516,7 +535,7 @@ class _OpInfo:
         self.names = [a.name for a in args]
         self.written = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
         # per return: the index of the (written) argument it is, or None for a new tensor
-        returns: list[Optional[int]] = []
+        returns: list[int | None] = []
         view = False
         for r in schema.returns:
             alias = r.alias_info
@@ -570,7 +589,7 @@ def _op_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 
 def _caller() -> str:
     """Where user code (not torch, not this simulator) issued the work: for error messages."""
-    frame: Optional[FrameType] = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     here = os.path.dirname(os.path.abspath(__file__))
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     while frame is not None:
@@ -599,8 +618,11 @@ def dispatch(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], eager: Call
         if info.kind == "view":
             return eager(op, *args, **kwargs)
         name = op._schema.name
-        if name == "aten::_copy_from" or name == "aten::_to_copy" or (
-                name == "aten::_copy_from_and_resize" and args[0].shape == args[1].shape):
+        if (
+            name == "aten::_copy_from"
+            or name == "aten::_to_copy"
+            or (name == "aten::_copy_from_and_resize" and args[0].shape == args[1].shape)
+        ):
             return _copy(op, name, args, kwargs, key, eager)
         reads, writes = _reads_writes(info, args, kwargs)
         if key[1] == _DEFAULT_ID or info.kind in ("host", "metadata"):
@@ -615,8 +637,9 @@ def _arg(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], i: int) -
     return args[i] if i < len(args) else kwargs.get(info.names[i])
 
 
-def _reads_writes(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _reads_writes(
+    info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The tensors ``op`` reads and writes (a 0-dim host tensor is a scalar read on the host at launch)."""
     reads: list[torch.Tensor] = []
     writes: list[torch.Tensor] = []
@@ -640,8 +663,17 @@ def _issue(key: StreamKey) -> int:
     return s.seq
 
 
-def _now(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: StreamKey, eager: Callable[..., Any],
-         reads: list[torch.Tensor], writes: list[torch.Tensor], *, host_read: bool) -> Any:
+def _now(
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    key: StreamKey,
+    eager: Callable[..., Any],
+    reads: list[torch.Tensor],
+    writes: list[torch.Tensor],
+    *,
+    host_read: bool,
+) -> Any:
     """Run ``op`` now: on the default stream, or on another one once its queue ran (a host read waits)."""
     if key[1] != _DEFAULT_ID:
         _run_until(key, _stream(key).seq)
@@ -734,8 +766,14 @@ def _host_item(t: torch.Tensor, write: bool) -> _HostUse:
     return (_Held(t), _bytes(t), lo, hi, mem, write)
 
 
-def _enqueue(key: StreamKey, run: Callable[[], None], what: str, reads: list[torch.Tensor],
-             writes: list[torch.Tensor], host: list[_HostUse]) -> int:
+def _enqueue(
+    key: StreamKey,
+    run: Callable[[], None],
+    what: str,
+    reads: list[torch.Tensor],
+    writes: list[torch.Tensor],
+    host: list[_HostUse],
+) -> int:
     accesses = _check(key, reads, writes, what)
     seq = _issue(key)
     _record(key, seq, accesses, what)
@@ -743,8 +781,15 @@ def _enqueue(key: StreamKey, run: Callable[[], None], what: str, reads: list[tor
     return seq
 
 
-def _defer(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], key: StreamKey,
-           reads: list[torch.Tensor], writes: list[torch.Tensor]) -> Any:
+def _defer(
+    op: Any,
+    info: _OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    key: StreamKey,
+    reads: list[torch.Tensor],
+    writes: list[torch.Tensor],
+) -> Any:
     """Queue a data op issued on a non-default stream: its new outputs are allocated now (shapes from its
     meta kernel) and filled when it runs; in-place and out= results are the caller's tensors."""
     _sim._check_devices(op, args, kwargs)
@@ -767,7 +812,7 @@ def _defer(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
     if len(outs_meta) != len(info.returns):
         return _CANNOT
     results: list[Any] = []
-    fills: list[tuple[int, Optional[int], torch.Tensor]] = []  # (return position, list index, cpu buffer)
+    fills: list[tuple[int, int | None, torch.Tensor]] = []  # (return position, list index, cpu buffer)
     made: list[torch.Tensor] = []
     roots: dict[int, torch.Tensor] = {}
     for pos, (m, alias) in enumerate(zip(outs_meta, info.returns)):
@@ -812,8 +857,9 @@ def _defer(op: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
     return tuple(results) if len(results) > 1 or isinstance(meta_out, tuple) else results[0]
 
 
-def _copy(op: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], key: StreamKey,
-          eager: Callable[..., Any]) -> Any:
+def _copy(
+    op: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], key: StreamKey, eager: Callable[..., Any]
+) -> Any:
     """``_copy_from(src, dst, non_blocking)`` and ``_to_copy(src, ..., device, non_blocking)``: the copies."""
     src = args[0]
     if name == "aten::_to_copy":
@@ -822,12 +868,18 @@ def _copy(op: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], key
         target_index = src.device.index if device is None and _sim._is_sim(src) else _sim._sim_index_of(device)
         to_host = target_index is None
         involves_host = to_host or src.device.type == "cpu"
-        if key[1] == _DEFAULT_ID or kwargs.get("layout") not in (None, torch.strided) or (
-                to_host and device is not None and torch.device(device).type != "cpu"):
+        if (
+            key[1] == _DEFAULT_ID
+            or kwargs.get("layout") not in (None, torch.strided)
+            or (to_host and device is not None and torch.device(device).type != "cpu")
+        ):
             return _now(op, args, kwargs, key, eager, [src], [], host_read=involves_host and not non_blocking)
         src_cpu = _sim._backing(src) if _sim._is_sim(src) else src
-        cpu = torch.empty_like(src_cpu, dtype=kwargs.get("dtype") or src.dtype,
-                               memory_format=kwargs.get("memory_format") or torch.preserve_format)
+        cpu = torch.empty_like(
+            src_cpu,
+            dtype=kwargs.get("dtype") or src.dtype,
+            memory_format=kwargs.get("memory_format") or torch.preserve_format,
+        )
         _poison(cpu)
         result = cpu if target_index is None else _sim._wrap_fresh(cpu, target_index, {})
         held_src, held_out = _launch_value(src_cpu, False), _launch_value(cpu, False)
@@ -885,7 +937,7 @@ class SimStream(torch.Stream):
 
     _entered: list[tuple[StreamKey, int]]  # (previous stream, previous device) per `with`, set by __enter__
 
-    def __new__(cls, device: Any = None, priority: int = 0) -> "SimStream":
+    def __new__(cls, device: Any = None, priority: int = 0) -> SimStream:
         index = _index(device)
         with _state.lock:
             sid = _state.next_id
@@ -900,11 +952,12 @@ class SimStream(torch.Stream):
         pass
 
     @classmethod
-    def _of(cls, key: StreamKey) -> "SimStream":
+    def _of(cls, key: StreamKey) -> SimStream:
         obj = _state.objects.get(key)
         if obj is None:
-            obj = _state.objects[key] = torch.Stream.__new__(cls, stream_id=key[1], device_index=key[0],
-                                                             device_type=_PRIVATEUSE1)
+            obj = _state.objects[key] = torch.Stream.__new__(
+                cls, stream_id=key[1], device_index=key[0], device_type=_PRIVATEUSE1
+            )
         return obj
 
     @property
@@ -916,7 +969,9 @@ class SimStream(torch.Stream):
         with _state.lock:
             _enter()
             if not isinstance(event, SimEvent):
-                raise TypeError(f"simulated accelerator: wait_event needs a torch.sim.Event, got {type(event).__name__}")
+                raise TypeError(
+                    f"simulated accelerator: wait_event needs a torch.sim.Event, got {type(event).__name__}"
+                )
             if event._at is None:
                 return  # an event never recorded: nothing to wait for (as on CUDA)
             other, seq = event._at
@@ -933,7 +988,7 @@ class SimStream(torch.Stream):
         """Work issued on this stream from now on runs after the work issued on ``stream`` so far."""
         self.wait_event(stream.record_event())
 
-    def record_event(self, event: Optional[torch.Event] = None) -> torch.Event:
+    def record_event(self, event: torch.Event | None = None) -> torch.Event:
         event = SimEvent() if event is None else event
         event.record(self)
         return event
@@ -952,7 +1007,7 @@ class SimStream(torch.Stream):
             _enter()
             _sync_stream(self._key)
 
-    def __enter__(self) -> "SimStream":
+    def __enter__(self) -> SimStream:
         stack = self.__dict__.setdefault("_entered", [])
         stack.append((_current_key(self.device_index), _sim._current_index()))
         _sim._backend_module.set_device(self.device_index)
@@ -971,10 +1026,10 @@ class SimStream(torch.Stream):
 class SimEvent(torch.Event):
     """An event of the simulated accelerator (``torch.sim.Event``; mirrors ``torch.cuda.Event``)."""
 
-    _at: Optional[tuple[StreamKey, int]]  # (stream, position) it was last recorded at
+    _at: tuple[StreamKey, int] | None  # (stream, position) it was last recorded at
     _known: dict[StreamKey, int]  # that stream's vector clock then
 
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> "SimEvent":
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> SimEvent:
         self = super().__new__(cls, device=torch.device(_sim.SIM_DEVICE_TYPE, _sim._current_index()))
         self._at = None
         self._known = {}
@@ -983,7 +1038,7 @@ class SimEvent(torch.Event):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def record(self, stream: Optional[Any] = None) -> None:
+    def record(self, stream: Any | None = None) -> None:
         """Complete once the work issued on ``stream`` (default: the current one) so far has run."""
         with _state.lock:
             _enter()
@@ -992,7 +1047,7 @@ class SimEvent(torch.Event):
             self._at = (key, s.seq)
             self._known = dict(s.known)
 
-    def wait(self, stream: Optional[Any] = None) -> None:
+    def wait(self, stream: Any | None = None) -> None:
         stream = current_stream() if stream is None else stream
         SimStream._of((stream.device_index, stream.stream_id)).wait_event(self)
 
@@ -1038,7 +1093,7 @@ def set_stream(stream: SimStream) -> None:
 
 
 @contextlib.contextmanager
-def stream(stream: Optional[SimStream]) -> Iterator[None]:
+def stream(stream: SimStream | None) -> Iterator[None]:
     """``with torch.sim.stream(s):`` issues work on ``s`` (``None``: no change), as ``torch.cuda.stream``."""
     if stream is None:
         yield

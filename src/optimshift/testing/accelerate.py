@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Union
+from collections.abc import Iterator
 
 import torch
 
@@ -47,7 +47,7 @@ def _reset() -> None:
 
 
 @contextlib.contextmanager
-def on_device(device: Union[int, str, torch.device] = 0) -> Iterator[torch.device]:
+def on_device(device: int | str | torch.device = 0) -> Iterator[torch.device]:
     """Within the block, every new ``accelerate.Accelerator`` (and Transformers ``Trainer``) runs on ``device``.
 
     ``device``: an index of the simulated accelerator (``0``, ``1``), ``"sim:1"``, or any other device

@@ -23,7 +23,7 @@ Importing this module imports Lightning (the ``lightning`` package); importing :
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -38,7 +38,7 @@ from .simulated import SIM_DEVICE_TYPE, simulated_accelerator, simulated_memory_
 
 __all__ = ["SimAccelerator", "strategy", "fabric_strategy"]
 
-DeviceLike = Union[int, str, torch.device]
+DeviceLike = int | str | torch.device
 
 
 def _sim_device(device: DeviceLike) -> torch.device:
@@ -103,7 +103,7 @@ class SimAccelerator(_Accelerator):
         accelerator_registry.register(SIM_DEVICE_TYPE, cls, description="optimshift's simulated accelerator")
 
 
-def strategy(device: DeviceLike = 0, strategy_cls: Optional[type] = None) -> Any:
+def strategy(device: DeviceLike = 0, strategy_cls: type | None = None) -> Any:
     """A ``Trainer`` strategy that runs on the simulated device: ``L.Trainer(strategy=strategy())``.
 
     ``device``: ``0``/``1``, ``"sim:1"`` or ``torch.device("sim", 1)``; ``strategy_cls``: a subclass of

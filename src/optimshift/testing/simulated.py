@@ -97,7 +97,8 @@ import ctypes
 import math
 import threading
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -160,9 +161,7 @@ def simulated_memory_allocated(index: int = 0) -> int:
     if isinstance(index, bool) or not isinstance(index, int):
         raise TypeError(f"device index must be an int, got {index!r}")
     if not 0 <= index < _NUM_DEVICES:
-        raise ValueError(
-            f"simulated accelerator index {index} out of range (0..{_NUM_DEVICES - 1})"
-        )
+        raise ValueError(f"simulated accelerator index {index} out of range (0..{_NUM_DEVICES - 1})")
     with _registry_lock:
         return _allocated[index]
 
@@ -178,7 +177,6 @@ def simulated_memory_allocated(index: int = 0) -> int:
 # reference dies exactly when the last sim tensor on that storage is freed; its callback
 # removes the entry and updates the per-device byte counter. Keys cannot be confused while
 # an entry is alive: the backing memory cannot be reused while the backing storage lives.
-
 
 
 class _Entry:
@@ -206,9 +204,7 @@ class _State:
 
 
 # Reading torch.sim sets nothing up; it only finds the state of an earlier setup.
-_state: _State = (
-    getattr(getattr(torch, SIM_DEVICE_TYPE, None), "_optimshift_state", None) or _State()
-)
+_state: _State = getattr(getattr(torch, SIM_DEVICE_TYPE, None), "_optimshift_state", None) or _State()
 _registry_lock = _state.lock
 _registry = _state.registry
 _allocated = _state.allocated
@@ -361,9 +357,7 @@ def _sim_view(base: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         # Re-type through an empty view: view.dtype on a 0-element tensor always succeeds.
         base = _on_cpu_kernel(_aten.as_strided.default, base, (0,), (1,), 0)
         base = _on_cpu_kernel(_aten.view.dtype, base, like.dtype)
-    return _on_cpu_kernel(
-        _aten.as_strided.default, base, like.size(), like.stride(), like.storage_offset()
-    )
+    return _on_cpu_kernel(_aten.as_strided.default, base, like.size(), like.stride(), like.storage_offset())
 
 
 def _wrap_fresh(cpu: torch.Tensor, index: int, roots: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -403,9 +397,7 @@ _COPY_OPS = frozenset(
     }
 )
 # Indexing ops whose ``indices`` may live on the CPU (CUDA moves them to the device).
-_INDEX_OPS = frozenset(
-    {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
-)
+_INDEX_OPS = frozenset({"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"})
 
 
 # Arguments of fused optimizer kernels that may be a one-element host tensor: CUDA's (and XPU's, MPS's) kernels
@@ -444,11 +436,7 @@ def _check_devices(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> in
         if skip_indices and arg_name == "indices":
             continue
         schema_arg = schema_args.get(arg_name)
-        written = (
-            schema_arg is not None
-            and schema_arg.alias_info is not None
-            and schema_arg.alias_info.is_write
-        )
+        written = schema_arg is not None and schema_arg.alias_info is not None and schema_arg.alias_info.is_write
         host_scalar_ok = fused and arg_name in _FUSED_HOST_ARGS
         for t in _iter_tensors(value):
             dev = t.device
@@ -522,8 +510,7 @@ def _sim_index_of(device: Any) -> int | None:
     index = _current_index() if device.index is None else device.index
     if not 0 <= index < _NUM_DEVICES:
         raise RuntimeError(
-            f"Invalid device {device}: the simulated '{SIM_DEVICE_TYPE}' backend has "
-            f"{_NUM_DEVICES} devices"
+            f"Invalid device {device}: the simulated '{SIM_DEVICE_TYPE}' backend has {_NUM_DEVICES} devices"
         )
     return index
 
@@ -705,9 +692,7 @@ def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor
     return _copy_from(self, dst)
 
 
-def _resize_(
-    self: torch.Tensor, size: Any, memory_format: torch.memory_format | None = None
-) -> torch.Tensor:
+def _resize_(self: torch.Tensor, size: Any, memory_format: torch.memory_format | None = None) -> torch.Tensor:
     needed = (self.storage_offset() + math.prod(size)) * self.element_size()
     st = self.untyped_storage()
     if needed > st.nbytes():
@@ -733,14 +718,10 @@ def _resize_(
 
 def _set_empty(self: torch.Tensor) -> torch.Tensor:
     root = _new_sim_storage_root(torch.UntypedStorage(0), self.device.index)  # type: ignore[no-untyped-call]  # unannotated in torch
-    return _on_cpu_kernel(
-        _aten.set_.source_Storage_storage_offset, self, root.untyped_storage(), 0, (0,), (1,)
-    )
+    return _on_cpu_kernel(_aten.set_.source_Storage_storage_offset, self, root.untyped_storage(), 0, (0,), (1,))
 
 
-def _mse_loss_out(
-    self: torch.Tensor, target: torch.Tensor, reduction: int = 1, *, out: torch.Tensor
-) -> torch.Tensor:
+def _mse_loss_out(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, *, out: torch.Tensor) -> torch.Tensor:
     # The CPU kernel of mse_loss.out first resizes ``out`` to the unreduced shape, warning
     # that resizing a non-empty output is deprecated, and the composite mse_loss that every
     # non-CPU/CUDA backend gets calls mse_loss.out. Compute functionally instead.
@@ -845,7 +826,7 @@ class _SimBackendModule:
             raise ValueError(f"invalid simulated device {device!r}")
         self._optimshift_state.current_device = index
 
-    def device(self, device: Any) -> "_DeviceContext":
+    def device(self, device: Any) -> _DeviceContext:
         """Context manager making ``device`` the current sim device (like torch.cuda.device)."""
         return _DeviceContext(self, device)
 
@@ -855,8 +836,8 @@ class _SimBackendModule:
             _deferred.synchronize(device)
 
     def memory_allocated(self, device: Any = None) -> int:
-        index = self.current_device() if device is None else (
-            device if isinstance(device, int) else _sim_index_of(device)
+        index = (
+            self.current_device() if device is None else (device if isinstance(device, int) else _sim_index_of(device))
         )
         if index is None:  # not a sim device: what simulated_memory_allocated(None) raises
             raise TypeError(f"device index must be an int, got {index!r}")

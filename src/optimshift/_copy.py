@@ -23,6 +23,7 @@ import torch
 
 from ._devices import _fake_mode_active
 from ._dtensor import copy_dtensor, is_dtensor
+from ._errors import add_note
 from ._streams import host_pinning, pins_host_for
 from .pool import HostPool
 
@@ -219,11 +220,12 @@ def copy_many(
         synchronize(batch.devices)
         for buf in batch.held + batch.staging:
             pool.release(buf)
-        if describe is not None and items and hasattr(error, "add_note"):
+        if describe is not None and items:
             t, target = items[current]
-            error.add_note(
+            add_note(
+                error,
                 f"optimshift: while copying {describe(current)} ({tuple(t.shape)}, {t.dtype}) from "
-                f"{t.device} to {target}; the optimizer was left unchanged"
+                f"{t.device} to {target}; the optimizer was left unchanged",
             )
         raise
     return batch

@@ -67,7 +67,7 @@ class Observed:
 def quiet_global_step_hooks() -> Iterator[None]:
     """Run a throwaway probe optimizer without firing the user's global step hooks
     (``register_optimizer_step_pre_hook``/``_post_hook``: counters, LR loggers, profilers)."""
-    from torch.optim import optimizer as _optimizer
+    import torch.optim.optimizer as _optimizer
 
     saved = [
         (table, dict(table))

@@ -8,7 +8,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 
@@ -141,6 +141,28 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
 _INCLUDE = ("grads",)
 
 
+@overload
+def offload(
+    optimizer: Opt,
+    *,
+    pin_memory: bool | None = None,
+    non_blocking: Literal[False] = False,
+    include: Iterable[str] = (),
+    empty_cache: bool = False,
+) -> Opt: ...
+
+
+@overload
+def offload(
+    optimizer: torch.optim.Optimizer,
+    *,
+    pin_memory: bool | None = None,
+    non_blocking: Literal[True],
+    include: Iterable[str] = (),
+    empty_cache: bool = False,
+) -> PendingTransfer: ...
+
+
 @_one_at_a_time
 def offload(
     optimizer: Opt,
@@ -149,7 +171,7 @@ def offload(
     non_blocking: bool = False,
     include: Iterable[str] = (),
     empty_cache: bool = False,
-) -> Any:
+) -> Opt | PendingTransfer:
     """Move all state to host memory and remember where each tensor was, for :func:`reload`.
 
     Host copies live in a persistent pool (pinned where the state's accelerator can pin host memory, e.g. CUDA,
@@ -215,8 +237,18 @@ def is_offloaded(optimizer: Any) -> bool:
     return record_of(optimizer) is not None
 
 
+@overload
+def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: Literal[False] = False) -> Opt: ...
+
+
+@overload
+def reload(
+    optimizer: torch.optim.Optimizer, device: DeviceLike | None = None, *, non_blocking: Literal[True]
+) -> PendingTransfer: ...
+
+
 @_one_at_a_time
-def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Any:
+def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt | PendingTransfer:
     """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
     ``device`` would hold it), in the same tensor objects. Reloading an optimizer that was never offloaded is
     a no-op.

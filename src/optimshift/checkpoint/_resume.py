@@ -29,6 +29,7 @@ from .. import policy as _policy
 from .._copy import copy_tensor
 from .._devices import DeviceLike, resolve
 from .._dtypes import Rejection, dtype_name, rejected_dtypes
+from .._errors import add_note
 from .._offload import exclusive, prepare_discard
 from .._probe import quiet_global_step_hooks
 from .._state import (
@@ -456,11 +457,11 @@ class _Staging:
             try:
                 batch = engine.copy_items([(t, d) for _, t, d in moving])
             except Exception as e:  # an OOM: nothing was installed yet
-                if hasattr(e, "add_note"):
-                    e.add_note(
-                        f"{self.name}: load_state_dict: while copying {len(moving)} tensors to "
-                        f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged"
-                    )
+                add_note(
+                    e,
+                    f"{self.name}: load_state_dict: while copying {len(moving)} tensors to "
+                    f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged",
+                )
                 raise
             for (ticket, _, _), new in zip(moving, batch.copies):
                 assert new is not None  # (copy_items returns once every copy is made)
@@ -475,11 +476,11 @@ class _Staging:
                 return tensor.clone()  # same place: keeps the strides, and is the cheapest copy
             return tensor.to(device, dtype, False, True)  # a cast (cast="param"): a plain blocking copy
         except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
-            if hasattr(e, "add_note"):
-                e.add_note(
-                    f"{self.name}: load_state_dict: while copying {self._site(site)} to {device}; "
-                    f"the optimizer is unchanged"
-                )
+            add_note(
+                e,
+                f"{self.name}: load_state_dict: while copying {self._site(site)} to {device}; "
+                f"the optimizer is unchanged",
+            )
             raise
 
     # -- the whole state --------------------------------------------------------------------------------------

@@ -190,7 +190,7 @@ def _group_keys(cls: type[torch.optim.Optimizer]) -> frozenset[str] | None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 2))])
+                opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 2))])  # pyright: ignore[reportCallIssue]  # (the run-time base takes params alone)
             _class_keys[cls] = frozenset(opt.param_groups[0]) - {"params"}
         except Exception:
             _class_keys[cls] = None
@@ -502,7 +502,7 @@ def _fresh_device(
 
 def _kernel_devices(flag: str) -> list[str]:
     """The device types the installed torch runs ``fused`` or ``capturable`` optimizer kernels on."""
-    from torch.optim import optimizer as torch_optimizer
+    import torch.optim.optimizer as torch_optimizer
 
     # (torch.optim.optimizer imports it from torch.utils._foreach_utils without re-exporting it in its stubs)
     fused_devices: Any = torch_optimizer._get_fused_kernels_supported_devices  # type: ignore[attr-defined]

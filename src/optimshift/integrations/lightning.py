@@ -45,7 +45,7 @@ import importlib.util
 import inspect
 import sys
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -212,7 +212,12 @@ def _plan_swaps() -> list[Swap]:
                     f"optimshift cannot patch this Lightning version"
                 )
             swaps.append(
-                Swap(strategy_cls, "load_optimizer_state_dict", original, _make_load_optimizer_state_dict(original))
+                Swap(
+                    strategy_cls,
+                    "load_optimizer_state_dict",
+                    original,
+                    _make_load_optimizer_state_dict(cast(Callable[..., None], original)),
+                )
             )
     return swaps
 

@@ -56,7 +56,7 @@ from optimshift.testing import simulated as _sim
 
 __all__ = ["StreamRaceError", "SimStream", "SimEvent", "configure", "deferred_streams", "install"]
 
-_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1.value)
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1.value)  # pyright: ignore[reportAttributeAccessIssue]
 _DEFAULT_ID = 0  # each device's default stream has id 0, as torch's own (no-op) stream for the backend does
 
 
@@ -984,7 +984,7 @@ class SimStream(torch.Stream):
                 _state.settled = False
                 me.queue.append(_Item(me.seq, None, [(other, seq)], "a wait", []))
 
-    def wait_stream(self, stream: torch.Stream) -> None:
+    def wait_stream(self, stream: torch.Stream) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]  # (torch.Stream types it loosely)
         """Work issued on this stream from now on runs after the work issued on ``stream`` so far."""
         self.wait_event(stream.record_event())
 
@@ -1049,6 +1049,7 @@ class SimEvent(torch.Event):
 
     def wait(self, stream: Any | None = None) -> None:
         stream = current_stream() if stream is None else stream
+        assert stream is not None
         SimStream._of((stream.device_index, stream.stream_id)).wait_event(self)
 
     def query(self) -> bool:
@@ -1072,7 +1073,7 @@ class SimEvent(torch.Event):
             _learn(self._known, key, seq)
             _raise_violations()
 
-    def elapsed_time(self, end_event: Any) -> float:
+    def elapsed_time(self, end_event: Any) -> float:  # pyright: ignore[reportIncompatibleMethodOverride]
         raise RuntimeError("simulated accelerator: events carry no timing")
 
     def __repr__(self) -> str:

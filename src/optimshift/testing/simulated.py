@@ -892,7 +892,7 @@ _backend_module = _SimBackendModule(_state)
 
 
 def _make_hooks_and_guard() -> tuple[Any, Any]:
-    acc = torch._C._acc
+    acc = torch._C._acc  # pyright: ignore[reportAttributeAccessIssue]  # (a private module missing from the stubs)
 
     class _SimHooks(acc.PrivateUse1Hooks):
         def is_available(self) -> bool:
@@ -908,7 +908,7 @@ def _make_hooks_and_guard() -> tuple[Any, Any]:
         # PyTorch's Python device guard only lets Python choose the device type: in C++ it
         # always reports device 0, a device count of 1, and no-op streams and events.
         def type_(self) -> Any:
-            return torch._C._autograd.DeviceType.PrivateUse1
+            return torch._C._autograd.DeviceType.PrivateUse1  # pyright: ignore[reportAttributeAccessIssue]
 
     return _SimHooks(), _SimDeviceGuard()
 
@@ -938,7 +938,7 @@ def _ensure_setup() -> None:
                 _setup_privateuseone_for_python_backend,
             )
 
-            torch._C._acc.DeviceGuard  # noqa: B018 - feature check
+            torch._C._acc.DeviceGuard  # noqa: B018  # pyright: ignore[reportAttributeAccessIssue]  (a feature check)
         except (ImportError, AttributeError) as exc:  # pragma: no cover - old torch
             raise RuntimeError(
                 "the simulated accelerator needs PyTorch's Python PrivateUse1 hooks "

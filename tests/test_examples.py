@@ -48,7 +48,7 @@ def test_offload_around_evaluation(tmp_path):
     assert int(held.replace(",", "")) > 0
     assert lines[1].startswith("while evaluating: 0 bytes on ")
     assert lines[3].startswith(f"after evaluation: {held} bytes on ")
-    assert lines[4] == "every tensor back where it was, bitwise the same values: True"
+    assert lines[4] == "every tensor back where it was, the same objects, bitwise the same values: True"
 
 
 def test_inspect_checkpoint(tmp_path):

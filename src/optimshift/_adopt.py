@@ -14,7 +14,9 @@ installed torch allows for the pair:
   ``__dict__`` and slots. Works between any devices, but not on a tensor anyone holds a weak reference to
   (dynamo does, once it has traced a step over it) or whose C++ tensor something else also holds (a view of
   it, an autograd graph).
-- ``"replace"``: neither applies: the copy goes in the old object's place (the engine's fallback, which
+- ``"replace"``: neither applies, or the tensor is not the optimizer's to change in place (a ``Parameter`` kept
+  in state belongs to a module; an inference tensor cannot take ``set_data``; the engine also protects the
+  optimizer's params and their grads): the copy goes in the old object's place (the engine's fallback, which
   :func:`optimshift.check` explains and the docs list).
 
 Choosing is pure (:func:`mechanism`), so the engine decides for every tensor before it changes any, and
@@ -55,7 +57,12 @@ def decide_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism
             data = kinds[kind] = (
                 kind[0] in _PLAIN and kind[1] in _PLAIN and torch._has_compatible_shallow_copy_type(old, new)
             )
-        out.append("data" if data else "swap" if _swappable(old, new) else "replace")
+        if old.is_inference() or new.is_inference() or isinstance(old, torch.nn.Parameter):
+            # set_data breaks an inference tensor (no version counter to move); a Parameter in state is a
+            # module's (a frozen param kept as state): changing it in place would move the model with the state
+            out.append("replace")
+        else:
+            out.append("data" if data else "swap" if _swappable(old, new) else "replace")
     return out
 
 

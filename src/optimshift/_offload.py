@@ -202,12 +202,15 @@ def _compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str,
         return compact.get(id(t), t)
 
     states = state_dict.get("state", {})
-    for value in states.values():
+    groups = state_dict.get("param_groups", [])
+    for value in list(states.values()) + [{k: v for k, v in g.items() if k != "params"} for g in groups]:
         for _, t in leaves(value):
             own(t)
     if not compact:
         return state_dict
     out = dict(state_dict)
+    # (state_dict()'s groups are new dicts, but their values are the live ones: containers are copied)
+    out["param_groups"] = [{k: _compacted(v, compact) if k != "params" else v for k, v in g.items()} for g in groups]
     new_states = {}
     for key, value in states.items():
         if isinstance(value, dict):

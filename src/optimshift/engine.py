@@ -195,10 +195,16 @@ def _run_on_side_stream(
 
 def adopt_all(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    protect: frozenset[int] | set[int] = frozenset(),
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], dict[str, int]]]:
     """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
     object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
-    and returns how many tensors went each way."""
+    and returns how many tensors went each way.
+
+    ``protect``: ids of tensors that must not change in place because something outside the optimizer's state
+    owns them (a model's params and their grads kept in state): they are replaced instead. Each ``old`` must
+    come with one copy (the caller resolves tensors shared between places first).
+    """
     done: set[int] = set()
     unique = []
     for pair in pairs:
@@ -207,6 +213,8 @@ def adopt_all(
             done.add(id(old))
             unique.append(pair)
     hows = decide_all(unique)
+    if protect:
+        hows = ["replace" if id(old) in protect else how for (old, _), how in zip(unique, hows)]
     replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
 
     plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
@@ -231,7 +239,7 @@ def commit(optimizer: Any, copies: Copies) -> dict[str, int]:
     """Install the copies in ``optimizer``: each tensor adopts its copy's contents and stays the same object;
     where that is impossible, the copy takes its place in the state, param groups and containers.
     Everything is decided and prepared first, then applied. Returns how many tensors went each way."""
-    replaced, apply = adopt_all(copies.pairs)
+    replaced, apply = adopt_all(copies.pairs, protect=outside_owned(optimizer))
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
     if replaced:
@@ -243,6 +251,18 @@ def commit(optimizer: Any, copies: Copies) -> dict[str, int]:
         apply_one()
     copies.mechanisms = counts
     return counts
+
+
+def outside_owned(optimizer: Any) -> set[int]:
+    """ids of the optimizer's params and their grads: a state entry that *is* one of them (a frozen param kept
+    as state) must be replaced, never changed in place, or the model would move with the state."""
+    owned: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owned.add(id(p))
+            if isinstance(p, torch.Tensor) and p.grad is not None:
+                owned.add(id(p.grad))
+    return owned
 
 
 def _prepare_replacements(

@@ -978,15 +978,22 @@ def _install(
             new = fresh.get(key)
             if isinstance(new, torch.Tensor) and id(new) in made and new is not old:
                 places.append((fresh, key, old, new))
-    # A copy installed in two places (LBFGS's state['t'] is its group's lr) stays one shared object: adopting
-    # it into one old tensor would split the sharing.
+    # A copy installed in two places (LBFGS's state['t'] is its group's lr), at the top level or inside a
+    # container, stays one shared object: adopting it into one old tensor would split the sharing.
     uses: dict[int, int] = {}
     for holder in [st for st in state.values() if isinstance(st, dict)] + list(groups):
-        for value in holder.values():
-            if isinstance(value, torch.Tensor):
-                uses[id(value)] = uses.get(id(value), 0) + 1
+        for key, value in holder.items():
+            if key not in ("params", "param_names"):
+                for _, t in leaves(value):
+                    uses[id(t)] = uses.get(id(t), 0) + 1
     places = [place for place in places if uses.get(id(place[3]), 0) == 1]
-    cannot, apply = engine.adopt_all([(old, new) for _, _, old, new in places])
+    # An old tensor that sat in two places now given two different copies keeps neither: each place gets its
+    # own copy (the checkpoint's values), as PyTorch installs them.
+    by_old: dict[int, set[int]] = {}
+    for _, _, old, new in places:
+        by_old.setdefault(id(old), set()).add(id(new))
+    places = [place for place in places if len(by_old[id(place[2])]) == 1]
+    cannot, apply = engine.adopt_all([(old, new) for _, _, old, new in places], protect=engine.outside_owned(optimizer))
     stay_new = {id(old) for old, _ in cannot}  # no mechanism for this pair: the copy stays installed
     apply()
     for fresh, key, old, _ in places:

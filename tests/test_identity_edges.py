@@ -1,0 +1,97 @@
+"""Where keeping tensor objects needs care: tensors shared between places, tensors the model owns, inference
+tensors, and group tensors in a state_dict taken while offloaded (found in review)."""
+
+import copy
+import io
+
+import torch
+
+import optimshift
+from optimshift._adopt import mechanism
+from optimshift.pool import host_pool
+
+
+class Holder(torch.optim.Optimizer):
+    """A third-party-like optimizer whose state is whatever the test puts there."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):
+        return None
+
+
+def test_one_live_tensor_given_two_different_copies_takes_neither():
+    """LBFGS keeps state['t'] is group['lr'] after its second step; a checkpoint from its first step holds two
+    different tensors there. Each place gets the checkpoint's value, as with PyTorch's load."""
+    p = torch.nn.Parameter(torch.randn(3))
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return loss
+
+    opt = torch.optim.LBFGS([p], lr=torch.tensor(0.5))
+    opt.step(closure)
+    opt.step(closure)
+    assert opt.state[p]["t"] is opt.param_groups[0]["lr"], "precondition: the live optimizer shares them"
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["t"] = torch.tensor(0.123)
+    sd["param_groups"][0]["lr"] = torch.tensor(0.5)
+    optimshift.load_state_dict(opt, sd)
+    assert opt.param_groups[0]["lr"].item() == 0.5 and opt.state[p]["t"].item() == torch.tensor(0.123).item()
+
+
+def test_a_copy_also_held_inside_a_container_is_never_swapped_away(sim):
+    p = torch.nn.Parameter(torch.randn(3, device=sim))
+    opt = Holder([p])
+    opt.state[p]["x"] = torch.zeros(3)  # on the host: a swap would be the mechanism to the device
+    opt.state[p]["hist"] = [torch.zeros(3)]
+    assert mechanism(opt.state[p]["x"], torch.ones(3, device=sim)) == "swap"
+    shared = torch.full((3,), 7.0)
+    optimshift.load_state_dict(
+        opt, {"state": {0: {"x": shared, "hist": [shared]}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    )
+    st = opt.state[p]
+    assert st["x"] is st["hist"][0], "the checkpoint shares them: they stay one tensor"
+    assert st["x"].device == sim and torch.equal(st["x"].cpu(), shared)
+
+
+def test_tensors_the_model_owns_are_never_changed_in_place(sim):
+    """A frozen param or a param's grad kept in state goes to the host as a copy: the model does not move."""
+    p = torch.nn.Parameter(torch.randn(3, device=sim))
+    (p * 2).sum().backward()
+    frozen = torch.nn.Parameter(torch.randn(3, device=sim), requires_grad=False)
+    opt = Holder([p])
+    opt.state[p]["prev_grad"] = p.grad
+    opt.state[p]["anchor"] = frozen
+    optimshift.offload(opt)
+    assert p.grad.device == sim and frozen.device == sim
+    assert opt.state[p]["anchor"].device.type == "cpu" and opt.state[p]["prev_grad"].device.type == "cpu"
+    optimshift.reload(opt)
+    assert opt.state[p]["anchor"].device == sim
+
+
+def test_inference_tensors_are_replaced_not_broken():
+    with torch.inference_mode():
+        old = torch.zeros(3)
+    assert mechanism(old, torch.ones(3)) == "replace"
+    assert mechanism(torch.zeros(3), torch.ones(3)) == "data"
+
+
+def test_a_state_dict_taken_while_offloaded_has_compact_group_tensors(sim):
+    host_pool.release_idle()
+    params = [torch.nn.Parameter(torch.randn(64, 64, device=sim)) for _ in range(4)]
+    opt = torch.optim.Adam(params, lr=torch.tensor(0.01, device=sim), capturable=True)
+    for q in params:
+        q.grad = torch.ones_like(q)
+    opt.step()
+    optimshift.offload(opt)
+    sd = opt.state_dict()
+    lr = sd["param_groups"][0]["lr"]
+    assert lr.untyped_storage().nbytes() == lr.element_size(), "the group's tensor owns exactly its bytes"
+    assert opt.param_groups[0]["lr"] is not lr, "the live group is untouched"
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    optimshift.reload(opt)

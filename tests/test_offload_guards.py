@@ -115,3 +115,21 @@ def test_meta_is_refused(sim, device):
         optimshift.move(opt, device)
     with pytest.raises(ValueError, match="meta holds no data"):
         optimshift.reload(opt, device)
+
+
+def test_a_wrapper_and_its_optimizer_share_one_lock(sim, monkeypatch):
+    """move() given a delegating wrapper (Lightning's, Accelerate's) locks the optimizer it wraps, as
+    load_state_dict does, so the two never interleave."""
+    import optimshift.api as api
+
+    _, opt = _adam(sim)
+
+    class Wrapper:
+        def __init__(self, inner):
+            self.optimizer, self.param_groups, self.state = inner, inner.param_groups, inner.state
+
+    keys = []
+    real = api.exclusive
+    monkeypatch.setattr(api, "exclusive", lambda o: keys.append(o) or real(o))
+    optimshift.move(Wrapper(opt))
+    assert keys == [opt]

@@ -19,6 +19,7 @@ from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields
 from ._dtypes import dtype_findings
 from ._offload import PendingTransfer, Record, exclusive, forget, record_of, remember_pending, settle
+from ._state import unwrap
 from .plan import Ident, Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
 
@@ -32,11 +33,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _one_at_a_time(fn: F) -> F:
-    """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`)."""
+    """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`), whether they are
+    given the optimizer or a wrapper delegating to it (the lock is the wrapped optimizer's, as in
+    ``load_state_dict``)."""
 
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        with exclusive(optimizer):
+        with exclusive(unwrap(optimizer)):
             return fn(optimizer, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -6,6 +6,9 @@ from __future__ import annotations
 import pickle
 import zipfile
 
+import torch
+import torch.serialization as ser
+
 
 def rewrite_zip(src, dst, change=None, drop=(), pkl=None):
     """Copy the torch.save zip ``src`` to ``dst`` record by record: ``change`` maps a name suffix to a function
@@ -37,3 +40,27 @@ def nest_in_place(path, marker: str, levels: int) -> None:
         return data.replace(opcode, nested)
 
     rewrite_zip(path, path, {"/data.pkl": replace})
+
+
+def trained(cls, n=3, **kwargs):
+    """An optimizer of ``cls`` over ``n`` host params of shape (4, 3), after one step (its state exists even
+    where the step itself cannot run on a CPU, as capturable's)."""
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(n)]
+    opt = cls(params, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    try:
+        opt.step()
+    except (RuntimeError, AssertionError):
+        pass  # capturable on a CPU: the state exists, the step itself cannot run here
+    return opt
+
+
+def save_tagged(obj, path, tag="cuda:0"):
+    """torch.save, recording every storage as saved on ``tag`` (a GPU checkpoint made on a CPU machine)."""
+    real = ser.location_tag
+    ser.location_tag = lambda storage: tag
+    try:
+        torch.save(obj, path)
+    finally:
+        ser.location_tag = real

@@ -10,9 +10,9 @@ import stat
 
 import pytest
 import torch
-import torch.serialization as ser
 
 import optimshift
+from _crafted import save_tagged
 from _matrix import bitwise_equal
 from optimshift.checkpoint._files import (
     META_KEY,
@@ -31,16 +31,6 @@ def _adam(n=2):
         p.grad = torch.randn_like(p)
     opt.step()
     return opt
-
-
-def _save_tagged(obj, path, tag="cuda:0"):
-    """torch.save, recording every storage as saved on ``tag`` (a GPU checkpoint made on a CPU machine)."""
-    real = ser.location_tag
-    ser.location_tag = lambda storage: tag
-    try:
-        torch.save(obj, path)
-    finally:
-        ser.location_tag = real
 
 
 # --- save / load round trips --------------------------------------------------------------------------------
@@ -87,7 +77,7 @@ def test_permissions_follow_the_umask_or_the_replaced_file(tmp_path):
 
 def test_load_maps_gpu_checkpoints_to_the_host_and_mmaps(tmp_path):
     sd = _adam().state_dict()
-    _save_tagged(sd, tmp_path / "gpu.pt")
+    save_tagged(sd, tmp_path / "gpu.pt")
     with pytest.raises(RuntimeError):
         torch.load(tmp_path / "gpu.pt", weights_only=True)  # plain torch.load wants the GPU it was saved on
     loaded = optimshift.load(tmp_path / "gpu.pt")

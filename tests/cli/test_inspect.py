@@ -7,35 +7,14 @@ import json
 import sys
 
 import torch
-import torch.serialization as ser
 
 import optimshift
+from _crafted import save_tagged, trained
 from _matrix import bitwise_equal
 from optimshift.cli import _inspect as checkpoint_cli
 from optimshift.cli import main
 
 O = torch.optim
-
-
-def _trained(cls, n=3, **kwargs):
-    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(n)]
-    opt = cls(params, **kwargs)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    try:
-        opt.step()
-    except (RuntimeError, AssertionError):
-        pass  # capturable on a CPU: the state exists, the step itself cannot run here
-    return opt
-
-
-def _save_tagged(obj, path, tag="cuda:0"):
-    real = ser.location_tag
-    ser.location_tag = lambda storage: tag
-    try:
-        torch.save(obj, path)
-    finally:
-        ser.location_tag = real
 
 
 def _lightning(*optimizers):
@@ -56,7 +35,7 @@ def _run(capsys, *argv):
 
 def test_inspect_gpu_lightning_checkpoint(tmp_path, capsys):
     path = tmp_path / "gpu.ckpt"
-    _save_tagged(_lightning(_trained(O.Adam), _trained(O.NAdam, foreach=False)), path)
+    save_tagged(_lightning(trained(O.Adam), trained(O.NAdam, foreach=False)), path)
     rc, out, err = _run(capsys, "inspect", str(path))
     assert rc == 0, err
     assert "\x1b[" not in out, "no colour when stdout is not a terminal"
@@ -86,7 +65,7 @@ def test_inspect_gpu_lightning_checkpoint(tmp_path, capsys):
 
 def test_inspect_json(tmp_path, capsys):
     path = tmp_path / "opt.pt"
-    _save_tagged({**_trained(O.Adam, capturable=True).state_dict()}, path)
+    save_tagged({**trained(O.Adam, capturable=True).state_dict()}, path)
     rc, out, _ = _run(capsys, "inspect", str(path), "--json")
     assert rc == 0
     data = json.loads(out)
@@ -108,7 +87,7 @@ def test_inspect_json(tmp_path, capsys):
 
 def test_inspect_recorded_class_and_clean_file(tmp_path, capsys):
     path = tmp_path / "cpu.pt"
-    optimshift.save(_trained(O.SGD, lr=0.1, momentum=0.9), path)
+    optimshift.save(trained(O.SGD, lr=0.1, momentum=0.9), path)
     rc, out, _ = _run(capsys, "inspect", str(path))
     assert rc == 0
     assert "class: SGD (recorded)" not in out and "class: torch.optim.sgd.SGD (recorded)" in out
@@ -121,7 +100,7 @@ def test_colour_only_on_a_terminal(tmp_path, capsys, monkeypatch):
             return True
 
     path = tmp_path / "gpu.pt"
-    _save_tagged(_trained(O.Adam).state_dict(), path)
+    save_tagged(trained(O.Adam).state_dict(), path)
     for no_color, expected in ((None, True), ("1", False)):
         if no_color is None:
             monkeypatch.delenv("NO_COLOR", raising=False)
@@ -163,8 +142,8 @@ def test_inspect_folder_uses_describe_dcp(tmp_path, capsys, monkeypatch):
 
 def test_convert_to_cpu(tmp_path, capsys):
     src, dst = tmp_path / "gpu.ckpt", tmp_path / "cpu.ckpt"
-    ckpt = _lightning(_trained(O.Adam, foreach=False))
-    _save_tagged(ckpt, src)
+    ckpt = _lightning(trained(O.Adam, foreach=False))
+    save_tagged(ckpt, src)
     rc, out, err = _run(capsys, "convert", str(src), str(dst))
     assert rc == 0, err
     assert out.startswith(f"wrote {dst}: 10 tensors on cpu")
@@ -177,7 +156,7 @@ def test_convert_to_cpu(tmp_path, capsys):
 
 def test_convert_dtype_keeps_optimizer_scalars(tmp_path, capsys):
     src, dst = tmp_path / "a.pt", tmp_path / "b.pt"
-    opt = _trained(O.NAdam)
+    opt = trained(O.NAdam)
     optimshift.save({"model": {"w": torch.randn(3)}, "optimizer": opt}, src)
     rc, out, _ = _run(capsys, "convert", str(src), str(dst), "--dtype", "bfloat16")
     assert rc == 0
@@ -205,7 +184,7 @@ def test_convert_progress_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
 
 def test_convert_errors(tmp_path, capsys):
     src = tmp_path / "a.pt"
-    _save_tagged({"w": torch.randn(3)}, src)
+    save_tagged({"w": torch.randn(3)}, src)
     rc, _, err = _run(capsys, "convert", str(src), str(tmp_path / "b.pt"), "--device", "cuda:3")
     assert rc == 1 and "--device cuda:3 is not available" in err
     assert "Convert to the CPU here instead (--device cpu, the default)" in err  # what to do instead
@@ -227,7 +206,7 @@ class Schedule:
 
 def test_allow_global_hint_names_every_class(tmp_path, capsys):
     zipped, legacy = tmp_path / "zip.pt", tmp_path / "legacy.pt"
-    obj = {"config": Config(), "schedule": [Schedule()], "optimizer": _trained(O.SGD, lr=0.1).state_dict()}
+    obj = {"config": Config(), "schedule": [Schedule()], "optimizer": trained(O.SGD, lr=0.1).state_dict()}
     torch.save(obj, zipped)
     torch.save(obj, legacy, _use_new_zipfile_serialization=False)
     both = f"--allow-global {__name__}.Config --allow-global {__name__}.Schedule"
@@ -243,7 +222,7 @@ def test_allow_global_hint_names_every_class(tmp_path, capsys):
 
 def test_allow_global(tmp_path, capsys):
     path = tmp_path / "with_config.pt"
-    torch.save({"config": Config(), "optimizer": _trained(O.SGD, lr=0.1).state_dict()}, path)
+    torch.save({"config": Config(), "optimizer": trained(O.SGD, lr=0.1).state_dict()}, path)
     rc, _, err = _run(capsys, "inspect", str(path))
     assert rc == 1 and "refused to load" in err and f"--allow-global {__name__}.Config" in err
     rc, out, err = _run(capsys, "inspect", str(path), "--allow-global", f"{__name__}.Config")

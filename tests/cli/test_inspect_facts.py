@@ -11,19 +11,8 @@ import pytest
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from _crafted import trained
 from optimshift.cli import _inspect, main
-
-
-def _trained(cls, **kwargs):
-    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
-    opt = cls(params, **kwargs)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    try:
-        opt.step()
-    except (RuntimeError, AssertionError):
-        pass  # capturable on a CPU: the state exists, the step itself cannot run here
-    return opt
 
 
 def _flag_findings(path, capsys) -> dict[str, dict]:
@@ -42,7 +31,7 @@ def _flag_findings(path, capsys) -> dict[str, dict]:
 def test_flag_statements_follow_the_installed_torch(tmp_path, capsys, flag, supported):
     # The Hugging Face Trainer's default (adamw_torch_fused) and a capturable Adam, saved on the host.
     path = tmp_path / "optimizer.pt"
-    torch.save(_trained(torch.optim.AdamW, **{flag: True}).state_dict(), path)
+    torch.save(trained(torch.optim.AdamW, **{flag: True}, n=2).state_dict(), path)
     finding = _flag_findings(path, capsys)[flag]
     devices = [d for d in supported() if d != "privateuseone"]
     assert finding["kernel_devices"] == devices
@@ -62,13 +51,13 @@ def test_torch_2_13_runs_fused_on_cpu_and_capturable_not(tmp_path, capsys):
         param.grad = torch.ones(3)
         cls([param], lr=0.1, fused=True).step()  # runs: no "fails at step()" on a CPU
     path = tmp_path / "fused.pt"
-    torch.save(_trained(torch.optim.AdamW, fused=True).state_dict(), path)
+    torch.save(trained(torch.optim.AdamW, fused=True, n=2).state_dict(), path)
     assert "a CPU" not in _flag_findings(path, capsys)["fused"]["message"]
 
 
 def test_a_torch_without_cpu_fused_kernels_gets_the_warning(tmp_path, capsys, monkeypatch):
     path = tmp_path / "fused.pt"
-    torch.save(_trained(torch.optim.AdamW, fused=True).state_dict(), path)
+    torch.save(trained(torch.optim.AdamW, fused=True, n=2).state_dict(), path)
     monkeypatch.setattr(torch_optimizer, "_get_fused_kernels_supported_devices", lambda: ["cuda", "privateuseone"])
     finding = _flag_findings(path, capsys)["fused"]
     assert finding["severity"] == "warning" and finding["kernel_devices"] == ["cuda"]
@@ -99,7 +88,7 @@ def test_inspecting_a_host_checkpoint_imports_no_dynamo(tmp_path):
     optimizer over host params keeps everything on the host) and no class is built through torch's
     add_param_group. Both imported torch._dynamo, 1-1.5 s of a 2.5-3 s run."""
     path = tmp_path / "optimizer.pt"
-    torch.save(_trained(torch.optim.AdamW, fused=True).state_dict(), path)
+    torch.save(trained(torch.optim.AdamW, fused=True, n=2).state_dict(), path)
     code = (
         "import sys\nfrom optimshift.cli import main\n"
         f"assert main(['inspect', {str(path)!r}]) == 0\n"

@@ -2,8 +2,12 @@
 
 :func:`optimshift.offload` records where each tensor was (by site), where each param was, the pool buffers
 the host copies live in and the grads it took; :func:`optimshift.reload` reads the record back and forgets
-it. A non-blocking transfer is a :class:`PendingTransfer`; the optimizer's next ``step()`` waits for it on the
-device through a step pre-hook (removed by the next operation on that optimizer).
+it. A non-blocking transfer is a :class:`PendingTransfer`. While one is in flight, everything that reads the
+state through the optimizer waits for it first: its ``step()``, ``state_dict()`` and ``load_state_dict()``
+through pre-hooks (removed by the next operation on that optimizer), and every optimshift operation through
+:func:`settle` or :func:`wait_pending`. The rule (:meth:`PendingTransfer.order_before_use`): copies that write
+host memory are waited for on the host (host code reads those bytes); copies that write device memory are
+waited for on the device's current stream (whatever reads them next is work queued there), without a host sync.
 
 # NOTE: records live beside the optimizer (a weak-keyed table), never on it, so that offloading adds no
 # attribute to a user's object and an optimizer that is garbage-collected takes its record with it.
@@ -33,6 +37,7 @@ __all__ = [
     "record_of",
     "set_record",
     "settle",
+    "wait_pending",
     "remember_pending",
     "forget",
     "prepare_discard",
@@ -43,15 +48,19 @@ __all__ = [
 class PendingTransfer:
     """A non-blocking offload or reload whose copies may still be running on a side stream.
 
-    ``done()`` polls, ``wait()`` blocks the host until the copies are complete. A pending reload is also
-    waited for automatically (on the device, without a host sync) before the optimizer's next ``step()``.
+    ``done()`` polls, ``wait()`` blocks the host until the copies are complete. Until then the optimizer's
+    ``step()``, ``state_dict()``, ``load_state_dict()`` and every optimshift operation on it wait for the
+    copies by themselves (on the host for an offload, whose copies write host memory; on the device's current
+    stream, without a host sync, for a reload). Code that reads ``optimizer.state[p][k]`` directly must call
+    ``wait()`` (or :func:`optimshift.wait`) first: until then an offloaded tensor holds undefined bytes.
     On a device without streams (see :mod:`optimshift._streams`) transfers are synchronous and a handle is
     done from the start.
     """
 
-    def __init__(self, event: Any | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, event: Any | None = None, device: torch.device | None = None, *, to_host: bool = False) -> None:
         self._event = event
         self.device = device
+        self.to_host = to_host  # its copies write host memory (an offload): host readers must wait on the host
         self._callbacks: list[Callable[[], None]] = []
 
     @property
@@ -94,6 +103,19 @@ class PendingTransfer:
         else:
             self.wait()
 
+    def order_before_use(self) -> None:
+        """Order whatever touches the transferred tensors next after the copies: the host waits for copies that
+        write host memory (host code reads it: ``torch.save``, a compaction, a staging ``cat``); for copies that
+        write device memory, the device's current stream waits (work queued there reads it), with no host sync.
+
+        # NOTE: a device-side wait suffices only for work on the current stream; the engine's side stream
+        # waits for the current stream before its copies, so the next transfer is ordered too.
+        """
+        if self.to_host:
+            self.wait()
+        else:
+            self.wait_on_current_stream()
+
     def __repr__(self) -> str:
         return f"PendingTransfer(device={self.device}, done={self.done()})"
 
@@ -123,7 +145,8 @@ class Record:
 
 _records: weakref.WeakKeyDictionary[Any, Record] = weakref.WeakKeyDictionary()
 _pending: weakref.WeakKeyDictionary[Any, PendingTransfer] = weakref.WeakKeyDictionary()
-_hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
+# optimizer -> the handles of its pre-hooks that wait for a transfer in flight (see remember_pending)
+_hooks: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -233,17 +256,30 @@ def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:
 
 
 def settle(optimizer: Any) -> None:
-    """Finish a non-blocking transfer still running for this optimizer before touching its state again."""
+    """Before an operation changes this optimizer's state: order it after a transfer still in flight (see
+    :meth:`PendingTransfer.order_before_use`) and remove the hooks that guarded it."""
     try:
         with _lock:
             pending = _pending.pop(optimizer, None)
-            handle = _hooks.pop(optimizer, None)
+            handles = _hooks.pop(optimizer, ())
     except TypeError:
         return
-    if handle is not None:
+    for handle in handles:
         handle.remove()
     if pending is not None:
-        pending.wait()
+        pending.order_before_use()
+
+
+def wait_pending(optimizer: Any, *, host: bool = False) -> None:
+    """Before reading this optimizer's state: order the read after a transfer still in flight (``host``: the
+    host itself waits, whatever the transfer wrote). Changes nothing else (the guarding hooks stay)."""
+    try:
+        with _lock:
+            pending = _pending.get(optimizer)
+    except TypeError:
+        return
+    if pending is not None:
+        pending.wait() if host else pending.order_before_use()
 
 
 def pending_of(optimizer: Any) -> PendingTransfer:
@@ -255,16 +291,20 @@ def pending_of(optimizer: Any) -> PendingTransfer:
 
 
 def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
-    """Keep a transfer still in flight, and make the optimizer's next step wait for it (on the device).
+    """Keep a transfer still in flight, and make the optimizer's next ``step()``, ``state_dict()`` and
+    ``load_state_dict()`` wait for it first (see :meth:`PendingTransfer.order_before_use`).
 
-    # NOTE: one step pre-hook per optimizer, which waits for whatever is pending when ``step()`` runs. It
-    # cannot remove itself: torch iterates its hook dict while calling the hooks, and deleting from it there
-    # raises as soon as another hook follows. Once it has waited it does nothing until the next optimshift
-    # operation on this optimizer removes it (``settle``).
+    # NOTE: one pre-hook of each kind per optimizer, which waits for whatever is pending when it runs. They
+    # cannot remove themselves: torch iterates its hook dict while calling the hooks, and deleting from it
+    # there raises as soon as another hook follows. Once they have waited they do nothing until the next
+    # optimshift operation on this optimizer removes them (``settle``).
     """
     if pending.done():
         return
-    register = getattr(optimizer, "register_step_pre_hook", None)
+    registers = [
+        getattr(optimizer, name, None)
+        for name in ("register_step_pre_hook", "register_state_dict_pre_hook", "register_load_state_dict_pre_hook")
+    ]
     try:
         with _lock:
             _pending[optimizer] = pending
@@ -274,19 +314,18 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         return
     if hooked:
         return
-    if register is None:
+    if any(register is None for register in registers):  # not a torch.optim.Optimizer: nothing can guard it
         settle(optimizer)
+        pending.wait()
         return
-    handle = register(_wait_before_step)
+    handles = [register(_wait_before_use) for register in registers if register is not None]
     with _lock:
-        _hooks[optimizer] = handle
+        _hooks[optimizer] = handles
 
 
-def _wait_before_step(optimizer: Any, *_: Any) -> None:
-    with _lock:
-        pending = _pending.get(optimizer)
-    if pending is not None:
-        pending.wait_on_current_stream()
+def _wait_before_use(optimizer: Any, *_: Any) -> None:
+    """The pre-hook of ``step()``, ``state_dict()`` and ``load_state_dict()`` while a transfer is in flight."""
+    wait_pending(optimizer)
 
 
 def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:

@@ -790,8 +790,8 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     changes: another class, an offloaded or already streamed optimizer, no param on an accelerator.
     Returns a :class:`Streamed` handle; :func:`unstream` ends it.
     """
+    settle(optimizer)  # a transfer still in flight: its copies write the state laid out here
     target = _check(optimizer, chunk_bytes, device)
-    settle(optimizer)
     start = time.perf_counter()
     mode = Streamed(optimizer, chunk_bytes, target)
     with engine.no_gc():

@@ -18,12 +18,21 @@ from ._adopt import keeps_object_across_host
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields
 from ._dtypes import dtype_findings
-from ._offload import PendingTransfer, Record, exclusive, forget, record_of, remember_pending, settle
+from ._offload import (
+    PendingTransfer,
+    Record,
+    exclusive,
+    forget,
+    record_of,
+    remember_pending,
+    settle,
+    wait_pending,
+)
 from ._state import unwrap
 from .plan import Ident, Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
 
-__all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded"]
+__all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded", "wait"]
 
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 
@@ -111,7 +120,7 @@ def _transfer(
             copies.mechanisms.get("replace", 0),
             " (non-blocking: still in flight)" if copies.event is not None else "",
         )
-    return copies, PendingTransfer(copies.event, copies.device)
+    return copies, PendingTransfer(copies.event, copies.device, to_host=copies.to_host)
 
 
 @_one_at_a_time
@@ -235,6 +244,13 @@ def offload(
     return pending if non_blocking else optimizer
 
 
+def wait(optimizer: Any) -> None:
+    """Block the host until a non-blocking offload/reload of ``optimizer`` still in flight is complete: what
+    code that reads ``optimizer.state`` directly must call first (as ``PendingTransfer.wait()``, for when the
+    handle is not at hand). A no-op when nothing is in flight."""
+    wait_pending(unwrap(optimizer), host=True)
+
+
 def is_offloaded(optimizer: Any) -> bool:
     """Whether :func:`offload` moved this optimizer's state to the host and it was not reloaded since."""
     return record_of(optimizer) is not None
@@ -315,6 +331,7 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
     DTensor state: ``shape`` is global, ``device`` and ``bytes`` are this rank's shard (see :class:`PlacementRow`).
     """
     check_optimizer(optimizer)
+    wait_pending(unwrap(optimizer))
     rows = []
     for transfer in build_plan(optimizer, lambda ident, param, group, key, tensor: (tensor.device, "")).transfers:
         t = transfer.tensor
@@ -337,6 +354,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     For a streamed optimizer (:func:`optimshift.stream`), state that belongs on an accelerator is expected on the
     host, where it lives between steps."""
     check_optimizer(optimizer)
+    wait_pending(unwrap(optimizer))
     name = optimizer_name(optimizer)
     target = policy_target(optimizer, None)
     if _mode.mode_of(optimizer) is not None:

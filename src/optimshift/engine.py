@@ -50,6 +50,7 @@ class Copies:
     batch: Batch
     event: Any | None = None
     device: torch.device | None = None
+    to_host: bool = False  # some copies write host memory (what a reader of a pending transfer must wait for)
     mechanisms: dict[str, int] = field(default_factory=dict)  # filled by commit: how many tensors each way
 
 
@@ -156,7 +157,8 @@ def run(
         )
     new = {id(t): c for (t, _), c in zip(items, batch.copies) if c is not None}
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None]
-    return Copies(new, pairs, batch, event, device if event is not None else None)
+    to_host = any(target.type == "cpu" for _, target in items)
+    return Copies(new, pairs, batch, event, device if event is not None else None, to_host)
 
 
 def _run_on_side_stream(

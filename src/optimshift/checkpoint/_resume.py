@@ -30,7 +30,7 @@ from .._copy import copy_tensor
 from .._devices import DeviceLike, resolve
 from .._dtypes import Rejection, dtype_name, rejected_dtypes
 from .._errors import add_note
-from .._offload import exclusive, prepare_discard
+from .._offload import exclusive, prepare_discard, wait_pending
 from .._probe import quiet_global_step_hooks
 from .._state import (
     _ATOMS,
@@ -130,6 +130,8 @@ def load_state_dict(
     if recorded is not None:
         _check_class(receiver, recorded, label)
 
+    # A transfer still in flight writes the live state that the load reads and replaces: order after it first.
+    wait_pending(receiver)
     # As PyTorch: a shallow copy goes through the pre-hooks, which may return a replacement.
     sd = dict(sd)
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_pre_hooks", {}).values()):

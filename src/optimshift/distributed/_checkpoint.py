@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .._devices import DeviceLike, resolve
 from .._probe import quiet_global_step_hooks
-from ..api import move
+from ..api import move, wait
 from ..checkpoint._atomic import fsync_dir
 from ..plan import check_optimizer, optimizer_name
 
@@ -118,6 +118,7 @@ def save(
             _clear_stale(target)
             tmp.mkdir(parents=True)
             lock = _lock(tmp)
+        wait(optimizer)  # a non-blocking offload/reload still in flight: the writers read its bytes on the host
         with quiet_global_step_hooks():  # DCP steps a stateless optimizer once (zero lr) to create its state
             model_sd, optim_sd = get_state_dict(model, optimizer)
         if not had_state:

@@ -31,6 +31,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from .. import api
 from ._common import Patch, Swap, follow_params, placeable
 
 __all__ = ["patch", "unpatch", "is_patched"]
@@ -53,12 +54,14 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
         bound.apply_defaults()
         optimizer = bound.arguments["optimizer"]
         if not bound.arguments["device_placement"] or not placeable(optimizer):
+            api.wait(optimizer)  # Accelerate's own move reads the state: a transfer in flight finishes first
             original(self, *args, **kwargs)
             return
         from accelerate.state import AcceleratorState
         from accelerate.utils import DistributedType
 
         if AcceleratorState().distributed_type == DistributedType.XLA:
+            api.wait(optimizer)
             original(self, *args, **kwargs)  # XLA's own transfer (xm.send_cpu_data_to_device)
             return
         bound.arguments["device_placement"] = False  # skip Accelerate's move of the whole state dict

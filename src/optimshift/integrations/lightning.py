@@ -100,6 +100,7 @@ def _make_optimizer_to_device(original: Callable[[Any, Any], None]) -> Callable[
         accelerator: each param's state follows that param, as a fresh optimizer's would.
         """
         if not placeable(optimizer):
+            api.wait(optimizer)  # Lightning's own loop reads the state: a transfer in flight finishes first
             original(optimizer, device)
         elif _is_host(device):
             to_host(optimizer)

@@ -16,21 +16,64 @@ the engine (:mod:`optimshift.engine`) decides what to copy and commits the copie
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ._devices import _fake_mode_active
-from ._dtensor import copy_dtensor, is_dtensor
+from ._dtensor import copy_dtensor, is_dtensor, local_tensor
 from ._errors import add_note
-from ._streams import host_pinning, pins_host_for
+from ._streams import Streams, host_pinning, pins_host_for
 from .pool import HostPool
 
-__all__ = ["Batch", "copy_many", "copy_tensor", "synchronize", "CHUNK_BYTES", "SOLO_BYTES"]
+__all__ = ["Batch", "Side", "copy_many", "copy_tensor", "synchronize", "CHUNK_BYTES", "SOLO_BYTES"]
 
 CHUNK_BYTES = 64 << 20  # staging chunk: bounds the extra device memory a coalesced copy needs
 SOLO_BYTES = 4 << 20  # tensors at least this big are copied on their own (bandwidth-bound already)
+
+
+_HOSTS = ("cpu", "meta")  # devices that never need a synchronize
+
+
+class Side:
+    """Copies issued on another stream than the current one (the engine's side stream).
+
+    # NOTE: CUDA's caching allocator keeps a freed block for the stream that allocated it. Every device tensor
+    # a side-stream copy makes (outputs, staging temporaries) is therefore allocated on the current stream,
+    # which keeps using the outputs (a block the side stream allocated could not be reused by the next step
+    # without an empty_cache or an allocation failure, which synchronizes); only the copies are issued on the
+    # side stream, and every device tensor they read or write is ``record_stream``-ed to it, so freeing one
+    # early never hands its memory out under a queued copy.
+    """
+
+    def __init__(self, streams: Streams, stream: Any, current: Any) -> None:
+        self.streams = streams
+        self.stream = stream
+        self.current = current
+
+    def issue(self) -> contextlib.AbstractContextManager[None]:
+        """The ``with`` body queues its work on the side stream, after everything queued on the current stream
+        so far.
+
+        # NOTE: the wait covers the allocations just made: a block the current stream freed may still be in use
+        # by its queued work when the allocator hands it out again, and only that stream's order protects it.
+        """
+        self.streams.wait_stream(self.stream, self.current)
+        return self.streams.use(self.stream)
+
+    def uses(self, *tensors: torch.Tensor) -> None:
+        """The side stream reads or writes these (device tensors are recorded for it; host ones need nothing)."""
+        for t in tensors:
+            local = local_tensor(t)
+            if local.device.type not in _HOSTS:
+                self.streams.record_stream(local, self.stream)
+
+
+def _issue(side: Side | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if side is None else side.issue()
 
 
 def _can_pin(source: torch.Tensor) -> bool:
@@ -45,30 +88,40 @@ def _is_pinned(t: torch.Tensor) -> bool:
 
 
 def copy_tensor(
-    t: torch.Tensor, device: torch.device, non_blocking: bool = False, pin_memory: bool = False
+    t: torch.Tensor,
+    device: torch.device,
+    non_blocking: bool = False,
+    pin_memory: bool = False,
+    side: Side | None = None,
 ) -> torch.Tensor:
-    """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast)."""
-    if type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # the common case, kept cheap
+    """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast).
+    ``side``: the copy is queued on that stream, a device output allocated on the current one (:class:`Side`)."""
+    if side is None and type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # common, kept cheap
         if non_blocking or (pins_host_for(device) and _is_pinned(t)):
             return t.to(device, non_blocking=True)
         return t.to(device)  # (keyword arguments alone double the cost of a small .to())
     if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
-        return copy_dtensor(t, device, non_blocking=non_blocking, pin_memory=pin_memory)
+        return copy_dtensor(t, device, non_blocking=non_blocking, pin_memory=pin_memory, side=side)
     pin = pin_memory and device.type == "cpu" and _can_pin(t) and t.layout == torch.strided
-    if pin:
+    src = t.detach() if t.requires_grad or pin else t
+    if pin or (side is not None and device.type not in _HOSTS):  # allocated here, filled on the copy's stream
         shape_like = _dense_non_overlapping(t)
         new = torch.empty_strided(
             t.shape,
             t.stride() if shape_like else _contiguous_strides(t.shape),
             dtype=t.dtype,
             device=device,
-            pin_memory=True,
+            pin_memory=pin,
         )
-        new.copy_(t.detach(), non_blocking=True)  # completed by the one synchronize() of execute()
-    elif t.requires_grad:
-        new = t.detach().to(device, copy=True, non_blocking=non_blocking or _is_pinned(t)).requires_grad_(True)
+        with _issue(side):
+            new.copy_(src, non_blocking=True)  # completed by the caller's synchronize or event
     else:
-        new = t.to(device, copy=True, non_blocking=non_blocking or _is_pinned(t))
+        with _issue(side):
+            new = src.to(device, copy=True, non_blocking=non_blocking or _is_pinned(t))
+    if side is not None:
+        side.uses(t, new)
+    if t.requires_grad:
+        new.requires_grad_(True)
     if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
         new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
     return new
@@ -137,9 +190,6 @@ class Batch:
             pool.release(buf, event)
 
 
-_HOSTS = ("cpu", "meta")  # devices that never need a synchronize
-
-
 def _coalescible(t: torch.Tensor) -> bool:
     """Whether ``t`` can be staged through a flat buffer (the caller checked: host <-> accelerator)."""
     return (
@@ -159,15 +209,21 @@ def copy_many(
     keep_host_views: bool = False,
     non_blocking: bool = False,
     describe: Callable[[int], str] | None = None,
+    side: Side | None = None,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
 
     ``keep_host_views``: host results are views into pool buffers listed in ``Batch.held`` (offload);
     otherwise they are separate tensors and every staging buffer goes back to the pool.
     What cannot be grouped is copied by :func:`copy_tensor`. ``describe(i)`` names
-    input ``i`` in the note added to an exception (an OOM says which entry it hit).
+    input ``i`` in the note added to an exception (an OOM says which entry it hit). ``side``: the copies are
+    queued on that stream (:class:`Side`).
+
+    On an exception nothing is returned: every device involved is synchronized first (copies already queued
+    read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
     """
     batch = Batch([None] * len(items))
+    involved = {d for t, target in items for d in (t.device, target) if d.type not in _HOSTS}
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
     group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
     copies = batch.copies
@@ -188,7 +244,7 @@ def copy_many(
                 groups.setdefault((source, target, t.dtype), []).append(i)
                 continue
             current = i
-            copies[i] = copy_tensor(t, target, non_blocking, pin_memory)
+            copies[i] = copy_tensor(t, target, non_blocking, pin_memory, side)
         batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))
@@ -203,6 +259,7 @@ def copy_many(
                         pinned=pin_memory and pins_host_for(src),
                         keep=keep_host_views,
                         non_blocking=non_blocking,
+                        side=side,
                     )
                 else:
                     _to_device(
@@ -214,10 +271,13 @@ def copy_many(
                         dtype,
                         pinned=src.type == "cpu" and pins_host_for(dst),
                         non_blocking=non_blocking,
+                        side=side,
                     )
     except BaseException as error:
         # Nothing was committed; give back every buffer once no queued copy can still be using it.
-        synchronize(batch.devices)
+        # NOTE: every device the items touch, not only those copied so far in groups: a copy queued tensor by
+        # tensor (on a side stream too) reads or writes memory that the unwinding frees.
+        synchronize(involved)
         for buf in batch.held + batch.staging:
             pool.release(buf)
         if describe is not None and items:
@@ -260,12 +320,16 @@ def _to_host(
     pinned: bool,
     keep: bool,
     non_blocking: bool = False,
+    side: Side | None = None,
 ) -> None:
-    """``non_blocking``: the caller runs on a side stream and waits for its event before the host reads the
-    copies (the copies may then be asynchronous even into pageable memory, where a backend allows it)."""
+    """``non_blocking``: the caller waits for the copies' event before the host reads them (the copies may
+    then be asynchronous even into pageable memory, where a backend allows it)."""
     tensors = [items[i][0] for i in chunk]
+    if side is not None:
+        side.uses(*tensors)
     if len(tensors) == 1 and not keep:  # one big tensor to keep on the host: a plain copy, no staging
-        batch.copies[chunk[0]] = tensors[0].to("cpu", non_blocking=non_blocking)
+        with _issue(side):
+            batch.copies[chunk[0]] = tensors[0].to("cpu", non_blocking=non_blocking)
         return
     dtype = tensors[0].dtype
     numels = [t.numel() for t in tensors]
@@ -273,8 +337,16 @@ def _to_host(
     buf = pool.acquire(total * tensors[0].element_size(), pinned=pinned)
     (batch.held if keep else batch.staging).append(buf)  # at once: a failing cat must not leak it
     flat = buf[: total * tensors[0].element_size()].view(dtype)
-    source = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
-    flat.copy_(source, non_blocking=pinned or non_blocking)  # completed by the caller's synchronize or event
+    if len(tensors) == 1:
+        source = tensors[0].reshape(-1)
+    else:
+        source = torch.empty(total, dtype=dtype, device=tensors[0].device)  # (on the current stream: see Side)
+        if side is not None:
+            side.uses(source)
+        with _issue(side):
+            torch.cat([t.reshape(-1) for t in tensors], out=source)
+    with _issue(side):
+        flat.copy_(source, non_blocking=pinned or non_blocking)  # completed by the caller's synchronize or event
     views = [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]  # type: ignore[no-untyped-call]  # unannotated in torch
     if keep:
         for i, v in zip(chunk, views):
@@ -314,11 +386,15 @@ def _to_device(
     *,
     pinned: bool,
     non_blocking: bool = False,
+    side: Side | None = None,
 ) -> None:
     tensors = [items[i][0] for i in chunk]
     if len(tensors) == 1:
         t = tensors[0]
-        batch.copies[chunk[0]] = t.to(dst, non_blocking=non_blocking or (pinned and t.is_pinned()))
+        if side is None:
+            batch.copies[chunk[0]] = t.to(dst, non_blocking=non_blocking or (pinned and t.is_pinned()))
+        else:
+            batch.copies[chunk[0]] = copy_tensor(t, dst, non_blocking, side=side)
         return
     numels = [t.numel() for t in tensors]
     total = sum(numels)
@@ -329,10 +405,13 @@ def _to_device(
         batch.staging.append(buf)  # at once (a failing cat must not leak it); reusable once the copy completed
         host = buf[:nbytes].view(dtype)
         torch.cat([t.reshape(-1) for t in tensors], out=host)
-    flat = torch.empty(total, dtype=dtype, device=dst)
-    flat.copy_(host, non_blocking=pinned or non_blocking)
+    flat = torch.empty(total, dtype=dtype, device=dst)  # (outputs and temporaries on the current stream: Side)
     outs = [torch.empty(t.shape, dtype=dtype, device=dst) for t in tensors]
+    if side is not None:
+        side.uses(flat, *outs)
     parts = flat.split(numels)  # type: ignore[no-untyped-call]  # unannotated in torch
-    torch._foreach_copy_(outs, [v.view(t.shape) for v, t in zip(parts, tensors)])
+    with _issue(side):
+        flat.copy_(host, non_blocking=pinned or non_blocking)
+        torch._foreach_copy_(outs, [v.view(t.shape) for v, t in zip(parts, tensors)])
     for i, out in zip(chunk, outs):
         batch.copies[i] = out

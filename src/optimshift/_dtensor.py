@@ -7,8 +7,9 @@ This module imports nothing from ``torch.distributed`` at import time: the core 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
@@ -32,8 +33,21 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+class _Issuer(Protocol):
+    """Where a copy is queued (``_copy.Side``): ``issue()`` makes its stream current, ``uses`` records tensors."""
+
+    def issue(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def uses(self, *tensors: torch.Tensor) -> None: ...
+
+
 def copy_dtensor(
-    t: DTensor, device: torch.device, *, non_blocking: bool = False, pin_memory: bool = False
+    t: DTensor,
+    device: torch.device,
+    *,
+    non_blocking: bool = False,
+    pin_memory: bool = False,
+    side: _Issuer | None = None,
 ) -> torch.Tensor:
     """A copy of DTensor ``t`` whose local shard is on ``device``: same mesh, placements, global shape and
     stride, same dtype and bitwise-equal values (the policy already decided ``device`` for this shard).
@@ -50,7 +64,10 @@ def copy_dtensor(
     # A copy from pinned host memory to the device can be asynchronous; the engine synchronizes once at the end.
     from_pinned = local.device.type == "cpu" and pins_host_for(device) and local.is_pinned()
     new = torch.empty_like(src, device=device, pin_memory=pin)  # preserve_format: the shard keeps its strides
-    new.copy_(src, non_blocking=non_blocking or pin or from_pinned)
+    with contextlib.nullcontext() if side is None else side.issue():  # (allocated on the current stream)
+        new.copy_(src, non_blocking=non_blocking or pin or from_pinned)
+    if side is not None:
+        side.uses(src, new)
     if t.requires_grad:
         new.requires_grad_(True)
     if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):

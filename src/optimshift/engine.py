@@ -25,9 +25,8 @@ import torch
 
 from . import _streams
 from ._adopt import adopt, decide_all
-from ._copy import Batch, copy_many, synchronize
+from ._copy import Batch, Side, copy_many, synchronize
 from ._devices import _fake_mode_active
-from ._dtensor import local_tensor
 from ._state import Setter, rebuild
 from .plan import Plan, Transfer
 from .pool import HostPool, host_pool
@@ -62,11 +61,13 @@ def copy_items(
     keep_host_views: bool = False,
     pool: HostPool | None = None,
     describe: Callable[[int], str] | None = None,
+    side: Side | None = None,
 ) -> Batch:
     """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
 
     Host memory that state will point at is always written before this returns, except for a non-blocking
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
+    ``side``: the copies are queued on that stream; the caller records its event and completes the batch.
     """
     pool = host_pool if pool is None else pool
     batch = copy_many(
@@ -76,12 +77,13 @@ def copy_items(
         keep_host_views=keep_host_views,
         non_blocking=non_blocking,
         describe=describe,
+        side=side,
     )
     to_host = any(target.type == "cpu" and t.device.type not in ("cpu", "meta") for t, target in items)
     if batch.after_sync or not non_blocking or (to_host and not keep_host_views):
         synchronize(batch.devices)
         batch.complete(pool)
-    else:
+    elif side is None:
         batch.complete(pool, _current_stream_event(batch.devices))
     return batch
 
@@ -172,25 +174,20 @@ def _run_on_side_stream(
 ) -> tuple[Batch, Any]:
     streams = _streams.of(device)
     assert streams is not None  # (_single_stream_device checked)
-    main = streams.current(device)
     side = streams.side(device)
-    streams.wait_stream(side, main)  # the copies read what the main stream last wrote (e.g. the last step)
-    with streams.use(side):
-        batch = copy_items(
-            items,
-            non_blocking=True,
-            pin_memory=pin_memory,
-            keep_host_views=keep_host_views,
-            pool=pool,
-            describe=describe,
-        )
-        event = streams.new_event(device)
-        streams.record(event, side)
-    for (t, _), new in zip(items, batch.copies):
-        if t.device == device:
-            streams.record_stream(local_tensor(t), side)  # freed by the commit, but the side stream reads it
-        if new is not None and new.device == device:
-            streams.record_stream(local_tensor(new), main)  # allocated on the side stream, used by the main one
+    # (every copy waits for the current stream, where the last step wrote and where every device tensor the
+    # side stream touches is allocated, and records those tensors for the side one: see _copy.Side)
+    batch = copy_items(
+        items,
+        non_blocking=True,
+        pin_memory=pin_memory,
+        keep_host_views=keep_host_views,
+        pool=pool,
+        describe=describe,
+        side=Side(streams, side, streams.current(device)),
+    )
+    event = streams.new_event(device)
+    streams.record(event, side)
     batch.complete(pool, event)
     return batch, event
 

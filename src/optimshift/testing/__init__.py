@@ -56,6 +56,7 @@ non-blocking offload and reload are tested this way: its engine reaches these st
 """
 
 from optimshift.testing._sim_streams import StreamRaceError, deferred_streams
+from optimshift.testing._sim_streams import memory_cached as simulated_memory_cached
 from optimshift.testing.simulated import (
     SIM_DEVICE_TYPE,
     simulated_accelerator,
@@ -66,6 +67,7 @@ __all__ = [
     "SIM_DEVICE_TYPE",
     "simulated_accelerator",
     "simulated_memory_allocated",
+    "simulated_memory_cached",
     "StreamRaceError",
     "deferred_streams",
 ]

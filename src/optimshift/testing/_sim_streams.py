@@ -54,7 +54,16 @@ import torch
 
 from optimshift.testing import simulated as _sim
 
-__all__ = ["StreamRaceError", "SimStream", "SimEvent", "configure", "deferred_streams", "install"]
+__all__ = [
+    "StreamRaceError",
+    "SimStream",
+    "SimEvent",
+    "configure",
+    "deferred_streams",
+    "install",
+    "memory_cached",
+    "empty_cache",
+]
 
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1.value)  # pyright: ignore[reportAttributeAccessIssue]
 _DEFAULT_ID = 0  # each device's default stream has id 0, as torch's own (no-op) stream for the backend does
@@ -127,6 +136,9 @@ class _State:
         self.accesses: dict[MemKey, list[_Record]] = {}  # ("d"|"h", data_ptr) -> records
         self.alloc_stream: dict[int, StreamKey] = {}  # sim storage data_ptr -> stream it was allocated on
         self.recorded: dict[int, set[StreamKey]] = {}  # sim storage data_ptr -> streams given with record_stream
+        # The caching allocator's view (see memory_cached): live blocks, and freed bytes kept for each stream
+        self.blocks: dict[int, tuple[StreamKey, int]] = {}  # sim storage data_ptr -> (allocating stream, bytes)
+        self.cached: dict[StreamKey, int] = {}
         # storages whose death we must see (with a callback)
         self.watched: dict[MemKey, weakref.ref[torch.UntypedStorage]] = {}
         self.freed: list[MemKey] = []  # memory keys freed since the last call in (processed at a safe point)
@@ -450,7 +462,7 @@ def _raise_violations() -> None:
         raise StreamRaceError("\n".join(messages))
 
 
-def on_alloc(ptr: int, index: int) -> None:
+def on_alloc(ptr: int, index: int, nbytes: int = 0) -> None:
     """A sim storage was allocated (``simulated._register``): remember the stream it belongs to."""
     if not _state.tracking:
         return
@@ -466,12 +478,35 @@ def on_alloc(ptr: int, index: int) -> None:
             _state.alloc_stream.pop(ptr, None)
         else:
             _state.alloc_stream[ptr] = key
+        # As CUDA's caching allocator: an allocation is served from the blocks freed on its own stream only.
+        _state.blocks[ptr] = (key, nbytes)
+        cached = _state.cached.get(key, 0)
+        if cached:
+            _state.cached[key] = cached - min(cached, nbytes)
 
 
-def on_free(ptr: int) -> None:
+def on_free(ptr: int, nbytes: int = 0) -> None:
     """A sim storage's backing memory died (``simulated._unregister``; may run inside any code)."""
     if _state.tracking:
         _state.freed.append(("d", ptr))
+        block = _state.blocks.pop(ptr, None)
+        if block is not None:
+            _state.cached[block[0]] = _state.cached.get(block[0], 0) + block[1]
+
+
+def memory_cached(index: int = 0) -> dict[int, int]:
+    """Bytes of freed device memory that a CUDA-like caching allocator would keep for each stream of
+    ``sim:index`` (stream id -> bytes; 0 is the default stream): a block goes back to the stream that allocated
+    it, and only allocations on that stream reuse it (until ``empty_cache``). Counted while streams are in use
+    (after the first non-default stream was created)."""
+    with _state.lock:
+        return {key[1]: n for key, n in _state.cached.items() if key[0] == index and n}
+
+
+def empty_cache() -> None:
+    """Forget the freed blocks kept per stream (``torch.sim.empty_cache()``)."""
+    with _state.lock:
+        _state.cached.clear()
 
 
 def _process_frees() -> None:
@@ -1112,6 +1147,7 @@ def install(module: Any) -> None:
     module.set_stream = set_stream
     module.stream = stream
     module.StreamRaceError = StreamRaceError
+    module.empty_cache = empty_cache
     from optimshift import _streams
 
     _streams.register_backend(_sim.SIM_DEVICE_TYPE, module, pin_host=False)

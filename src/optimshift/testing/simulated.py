@@ -217,7 +217,7 @@ def _unregister(key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
             del _registry[key]
             _allocated[entry.index] -= entry.nbytes
             if _deferred is not None:
-                _deferred.on_free(key)
+                _deferred.on_free(key, entry.nbytes)
 
 
 def _register(storage: torch.UntypedStorage, index: int) -> None:
@@ -236,7 +236,7 @@ def _register(storage: torch.UntypedStorage, index: int) -> None:
         _registry[key] = entry
         _allocated[index] += nbytes
     if _deferred is not None:
-        _deferred.on_alloc(key, index)
+        _deferred.on_alloc(key, index, nbytes)
 
 
 def _lookup(key: int) -> torch.UntypedStorage | None:

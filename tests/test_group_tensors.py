@@ -180,3 +180,77 @@ def test_state_entries_sharing_a_tensor_across_devices_are_still_refused(sim):
     with pytest.raises(ValueError, match="one tensor is shared by group 0, param 0.*and group 0, param 1"):
         optimshift.move(opt)
     assert opt.state[sim_p]["momentum_buffer"] is shared and shared.device.type == "cpu"
+
+
+# -- group tensors follow params that moved (issue 17, item 5) ----------------------------------------------
+
+FOLLOW = [
+    (O.Adam, {"capturable": True, "foreach": True}),
+    (O.AdamW, {"capturable": True, "foreach": False}),
+    (O.RAdam, {"capturable": True, "foreach": True}),
+    (O.NAdam, {"capturable": True, "foreach": True}),
+]
+
+
+def _device_lr_optimizer(device, cls, kwargs):
+    params = _params(device)
+    opt = cls(params, lr=torch.tensor(0.01, device=device), **kwargs)
+    for k in range(2):
+        _step(opt, params, k)
+    return params, opt
+
+
+def _fresh_lr_device(device, cls, kwargs):
+    """Where a fresh optimizer over params on ``device``, given its lr there, holds lr after a step."""
+    params, opt = _device_lr_optimizer(device, cls, kwargs)
+    return opt.param_groups[0]["lr"].device
+
+
+@pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_a_device_lr_follows_params_that_moved_while_offloaded(sim, cls, kwargs):
+    sim1 = torch.device(sim.type, 1)
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    ref_params, ref = _device_lr_optimizer(sim, cls, kwargs)
+    optimshift.offload(opt)
+    for p in params:
+        p.data = p.data.to(sim1)  # the model moved while its optimizer state was on the host
+    optimshift.reload(opt)
+    assert opt.param_groups[0]["lr"].device == _fresh_lr_device(sim1, cls, kwargs) == sim1
+    assert not optimshift.check(opt).findings
+    for p in ref_params:
+        p.data = p.data.to(sim1)
+    optimshift.move(ref)
+    for k in range(2, 4):
+        _step(opt, params, k)  # no device mix
+        _step(ref, ref_params, k)
+    for a, b in zip(params, ref_params):
+        assert bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_a_device_lr_moved_to_the_host_and_back_is_on_the_device_again(sim, cls, kwargs):
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    lr = opt.param_groups[0]["lr"]
+    optimshift.move(opt, "cpu")
+    assert lr.device.type == "cpu"
+    for p in params:
+        p.data = p.data.to(sim)
+    # (check sees it too: with the params on the device, the lr given there belongs there)
+    assert [f.key for f in optimshift.check(opt).findings if f.param == "group 0"] == ["lr"]
+    optimshift.move(opt, sim)
+    assert opt.param_groups[0]["lr"] is lr and lr.device == _fresh_lr_device(sim, cls, kwargs) == sim
+    assert not optimshift.check(opt).findings
+    _step(opt, params, 2)
+
+
+def test_a_host_lr_stays_on_the_host(sim):
+    """The side is remembered, not invented: an lr given on the host stays there through the same moves."""
+    params = _params(sim)
+    opt = O.Adam(params, lr=torch.tensor(0.01), capturable=True, foreach=True)
+    _step(opt, params, 0)
+    optimshift.move(opt, "cpu")
+    optimshift.move(opt, sim)
+    assert opt.param_groups[0]["lr"].device.type == "cpu"
+    optimshift.offload(opt)
+    optimshift.reload(opt, sim)
+    assert opt.param_groups[0]["lr"].device.type == "cpu"

@@ -4,19 +4,19 @@ Operations that place state ask here first: ``move``, ``offload``, ``reload`` an
 optimizer (its state must stay where its streamed step reads it), ``load_state_dict`` loads into its host state,
 and ``check`` expects its state on the host.
 
-# NOTE: a registry of its own, above ``api`` and ``checkpoint``, so that both can ask without importing the
-# streaming machinery (which itself uses ``checkpoint`` to load).
+# NOTE: a module of its own, above ``api`` and ``checkpoint``, so that both can ask without importing the
+# streaming machinery (which itself uses ``checkpoint`` to load). The mode itself is the optimizer's session's.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
+from . import _session
 from .plan import Ident, TargetFn, optimizer_name
 
 __all__ = ["Mode", "mode_of", "enter", "leave", "refuse", "hosted"]
@@ -34,30 +34,28 @@ class Mode(Protocol):
         """Its state was replaced by a load (now plain host tensors): lay it out again. Must not raise."""
 
 
-# NOTE: both weak. The optimizer keeps its mode alive (its step and hooks refer to it); a strong reference
-# from here would keep the mode's tensors one garbage collection longer than the optimizer.
-_modes: weakref.WeakKeyDictionary[Any, weakref.ref[Mode]] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
+# NOTE: the session holds the mode weakly. The optimizer keeps its mode alive (its step and hooks refer to
+# it); a strong reference from the session would keep the mode's tensors one collection longer than the optimizer.
 
 
 def mode_of(optimizer: Any) -> Mode | None:
-    try:
-        with _lock:
-            ref = _modes.get(optimizer)
-    except TypeError:  # not weakly referenceable: never in a mode
-        return None
+    session = _session.of(optimizer)  # (not weakly referenceable: never in a mode)
+    ref = None if session is None else session.mode
     return None if ref is None else ref()
 
 
 def enter(optimizer: Any, mode: Mode) -> None:
     """``optimizer`` is in ``mode`` (which the optimizer itself must keep alive: only a weak reference is kept)."""
-    with _lock:
-        _modes[optimizer] = weakref.ref(mode)
+    session = _session.get(optimizer)
+    if session is None:
+        raise TypeError(f"{type(optimizer).__name__} cannot be weakly referenced: it cannot enter a mode")
+    session.mode = weakref.ref(mode)
 
 
 def leave(optimizer: Any) -> None:
-    with _lock:
-        _modes.pop(optimizer, None)
+    session = _session.of(optimizer)
+    if session is not None:
+        session.mode = None
 
 
 def refuse(optimizer: Any, operation: str) -> None:

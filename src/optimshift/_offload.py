@@ -9,8 +9,7 @@ through pre-hooks (removed by the next operation on that optimizer), and every o
 host memory are waited for on the host (host code reads those bytes); copies that write device memory are
 waited for on the device's current stream (whatever reads them next is work queued there), without a host sync.
 
-# NOTE: records live beside the optimizer (a weak-keyed table), never on it, so that offloading adds no
-# attribute to a user's object and an optimizer that is garbage-collected takes its record with it.
+What it remembers lives in the optimizer's :class:`optimshift._session.Session`.
 """
 
 from __future__ import annotations
@@ -18,14 +17,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import _streams
+from . import _session, _streams
 from ._state import leaves
 from .plan import Ident
 from .pool import host_pool
@@ -143,15 +141,9 @@ class Record:
         return any(d.type != "cpu" for d in self.devices.values()) or bool(self.grads)
 
 
-_records: weakref.WeakKeyDictionary[Any, Record] = weakref.WeakKeyDictionary()
-_pending: weakref.WeakKeyDictionary[Any, PendingTransfer] = weakref.WeakKeyDictionary()
-# optimizer -> the handles of its pre-hooks that wait for a transfer in flight (see remember_pending)
-_hooks: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-
-
-_operation_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
-_unweakable_lock = threading.RLock()  # for optimizers that cannot be weakly referenced
+# (records, transfers in flight, their hooks and the operation lock are the optimizer's _session.Session)
+_lock = threading.Lock()  # guards the session fields this module reads and writes
+_unweakable_lock = threading.RLock()  # for optimizers that cannot be weakly referenced (no session)
 
 
 @contextlib.contextmanager
@@ -161,31 +153,25 @@ def exclusive(optimizer: Any) -> Iterator[None]:
     # NOTE: an offload in one thread and a reload in another, interleaved, could otherwise record the host as
     # the original device or drop the record, leaving the state stranded on the host.
     """
-    try:
-        with _lock:
-            lock = _operation_locks.get(optimizer)
-            if lock is None:
-                lock = _operation_locks[optimizer] = threading.RLock()
-    except TypeError:
-        lock = _unweakable_lock
-    with lock:
+    session = _session.get(optimizer)
+    with _unweakable_lock if session is None else session.lock:
         yield
 
 
 def record_of(optimizer: Any) -> Record | None:
-    try:
-        with _lock:
-            return _records.get(optimizer)
-    except TypeError:  # an optimizer that cannot be weakly referenced (a wrapper) was never offloaded
-        return None
+    session = _session.of(optimizer)  # (an optimizer that cannot have one, a wrapper, was never offloaded)
+    return None if session is None else session.record
 
 
 def set_record(optimizer: Any, record: Record) -> None:
     """Keep ``record`` for ``optimizer`` and, the first time, install the hooks that guard offloaded state."""
+    session = _session.get(optimizer)
+    if session is None:
+        raise TypeError(f"{type(optimizer).__name__} cannot be weakly referenced: its offload cannot be remembered")
     if not record.hooks:
         record.hooks.extend(_install_hooks(optimizer))
     with _lock:
-        _records[optimizer] = record
+        session.record = record
 
 
 def _install_hooks(optimizer: Any) -> list[Any]:
@@ -258,12 +244,12 @@ def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:
 def settle(optimizer: Any) -> None:
     """Before an operation changes this optimizer's state: order it after a transfer still in flight (see
     :meth:`PendingTransfer.order_before_use`) and remove the hooks that guarded it."""
-    try:
-        with _lock:
-            pending = _pending.pop(optimizer, None)
-            handles = _hooks.pop(optimizer, ())
-    except TypeError:
+    session = _session.of(optimizer)
+    if session is None:
         return
+    with _lock:
+        pending, session.pending = session.pending, None
+        handles, session.guards = session.guards, []
     for handle in handles:
         handle.remove()
     if pending is not None:
@@ -273,21 +259,16 @@ def settle(optimizer: Any) -> None:
 def wait_pending(optimizer: Any, *, host: bool = False) -> None:
     """Before reading this optimizer's state: order the read after a transfer still in flight (``host``: the
     host itself waits, whatever the transfer wrote). Changes nothing else (the guarding hooks stay)."""
-    try:
-        with _lock:
-            pending = _pending.get(optimizer)
-    except TypeError:
-        return
+    session = _session.of(optimizer)
+    pending = None if session is None else session.pending
     if pending is not None:
         pending.wait() if host else pending.order_before_use()
 
 
 def pending_of(optimizer: Any) -> PendingTransfer:
-    try:
-        with _lock:
-            return _pending.get(optimizer) or PendingTransfer()
-    except TypeError:
-        return PendingTransfer()
+    session = _session.of(optimizer)
+    pending = None if session is None else session.pending
+    return pending or PendingTransfer()
 
 
 def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
@@ -305,13 +286,13 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         getattr(optimizer, name, None)
         for name in ("register_step_pre_hook", "register_state_dict_pre_hook", "register_load_state_dict_pre_hook")
     ]
-    try:
-        with _lock:
-            _pending[optimizer] = pending
-            hooked = optimizer in _hooks
-    except TypeError:  # an optimizer that cannot be weakly referenced: nothing can remember it, wait now
+    session = _session.get(optimizer)
+    if session is None:  # an optimizer that cannot be weakly referenced: nothing can remember it, wait now
         pending.wait()
         return
+    with _lock:
+        session.pending = pending
+        hooked = bool(session.guards)
     if hooked:
         return
     if any(register is None for register in registers):  # not a torch.optim.Optimizer: nothing can guard it
@@ -320,7 +301,7 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         return
     handles = [register(_wait_before_use) for register in registers if register is not None]
     with _lock:
-        _hooks[optimizer] = handles
+        session.guards = handles
 
 
 def _wait_before_use(optimizer: Any, *_: Any) -> None:
@@ -331,11 +312,11 @@ def _wait_before_use(optimizer: Any, *_: Any) -> None:
 def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
     """Drop the offload record and give its host buffers back to the pool, to be reused once the copies that
     read them (``pending``) are done and nothing looks into them any more (the pool checks both)."""
-    try:
-        with _lock:
-            record = _records.pop(optimizer, None)
-    except TypeError:
+    session = _session.of(optimizer)
+    if session is None:
         return
+    with _lock:
+        record, session.record = session.record, None
     if record is None:
         return
     for handle in record.hooks:
@@ -352,12 +333,16 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
     settle(optimizer)
     record = record_of(optimizer)
     if record is None:
-        return lambda: None
+        session = _session.of(optimizer)
+        return (lambda: None) if session is None else session.group_sides.clear
     back = [(p, host_grad.to(p.device)) for p, host_grad in record.grads.values() if p.grad is None]
 
     def finish() -> None:
         for p, grad in back:
             p.grad = grad
         forget(optimizer)
+        session = _session.of(optimizer)
+        if session is not None:  # the loaded groups placed their own tensors
+            session.group_sides.clear()
 
     return finish

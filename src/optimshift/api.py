@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import torch
 
-from . import _mode, _offload, _streams, engine
+from . import _mode, _offload, _session, _streams, engine
 from . import policy as _policy
 from ._adopt import keeps_object_across_host
 from ._devices import DeviceLike, resolve
@@ -28,7 +28,7 @@ from ._offload import (
     settle,
     wait_pending,
 )
-from ._state import unwrap
+from ._state import group_device, unwrap
 from .plan import Ident, Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
 from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
 
@@ -62,6 +62,15 @@ def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") ->
     if device is None:
         return None
     return resolve(device, what=what, tensors=_all_tensors(optimizer))
+
+
+def _group_moved(record: Record, gi: int, group: Mapping[str, Any]) -> bool:
+    """Whether a param of group ``gi`` is on another device than when the offload recorded it."""
+    return any(
+        record.param_devices.get((gi, pi), p.device) != p.device
+        for pi, p in enumerate(group["params"])
+        if isinstance(p, torch.Tensor)
+    )
 
 
 def _grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -136,18 +145,39 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     target = _resolve(device, optimizer)
     settle(optimizer)
     grads = _grads_back(optimizer, record_of(optimizer))
+    by_policy = policy_target(optimizer, target)
+    group_moves: list[tuple[Ident, torch.device, torch.device]] = []  # (group tensor, from, to)
+
+    def where(
+        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
+        device, source = by_policy(ident, param, group, key, tensor)
+        if param is None:
+            group_moves.append((ident, tensor.device, device))
+        return device, source
+
     copies, pending = _transfer(
-        optimizer,
-        policy_target(optimizer, target),
-        what="move",
-        non_blocking=non_blocking,
-        extra=[(g, p.device) for p, g in grads],
+        optimizer, where, what="move", non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads]
     )
+    _remember_sides(optimizer, group_moves)
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
     remember_pending(optimizer, pending)
     return optimizer
+
+
+def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:
+    """Group tensors a move took from an accelerator to the host remember where they were (a move back puts
+    them there again: see ``policy._group_entry``); one placed on an accelerator forgets it."""
+    session = _session.get(optimizer)
+    if session is None:
+        return
+    for ident, was, now in moves:
+        if now.type == "cpu" and was.type not in ("cpu", "meta"):
+            session.group_sides[ident] = was
+        elif now.type != "cpu":
+            session.group_sides.pop(ident, None)
 
 
 _INCLUDE = ("grads",)
@@ -294,6 +324,11 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
         was = record.devices.get(ident)
+        if param is None and was is not None and _group_moved(record, ident[0], group):
+            # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
+            # the params' new device, on the side they were given on
+            decision = _policy.decide(optimizer, group, None, key, tensor, group_device(group, tensor), side=was)
+            return decision.device, decision.source
         if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
             was = None  # the param moved while its state was away: place the state for where it is now
         if was is not None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from . import _session
 from . import policy as _policy
 from ._state import Path, format_path, group_device, leaves, param_label
 from ._state import param_name as _param_name
@@ -269,6 +270,8 @@ def policy_target(optimizer: torch.optim.Optimizer, device: torch.device | None)
 
     memo: dict[tuple[int, str, int, torch.device], tuple[torch.device, str]] = {}
     cacheable = not _policy.has_registered_policy(optimizer)  # a user policy may look at anything
+    session = _session.of(optimizer)
+    sides = {} if session is None else session.group_sides  # group tensors a move took to the host
 
     fixed_rule = None if device is None else (device, "rule")
 
@@ -295,7 +298,8 @@ def policy_target(optimizer: torch.optim.Optimizer, device: torch.device | None)
             hit = memo.get(memo_key)
             if hit is not None:
                 return hit
-        decision = _policy.decide(optimizer, group, param, key, tensor, param_device)
+        side = sides.get(ident) if param is None and tensor.device.type == "cpu" else None
+        decision = _policy.decide(optimizer, group, param, key, tensor, param_device, side=side)
         result = (decision.device, decision.source)
         if memo_key is not None:
             memo[memo_key] = result

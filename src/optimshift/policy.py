@@ -195,9 +195,12 @@ def decide(
     key: str,
     value: torch.Tensor,
     device: torch.device,
+    *,
+    side: torch.device | None = None,
 ) -> Decision:
     """Where ``value`` (state ``key`` of ``param``, or group entry ``key`` when ``param`` is None) belongs
-    when the param is on ``device``."""
+    when the param is on ``device``. ``side``: for a group entry that optimshift took to the host, where it was
+    given (a group tensor stays on its side: see ``_group_entry``)."""
     cls = type(optimizer)
     for base in cls.__mro__:
         policy = _registry.get(base)
@@ -209,7 +212,7 @@ def decide(
                 return Decision(answer, "registered")
             break
     if param is None:
-        return _group_entry(cls, group, key, value, device)
+        return _group_entry(cls, group, key, value, device, value.device if side is None else side)
     # Non-scalar tensors always live with their param (every torch.optim class, and the only sane default).
     if value.dim() != 0:
         return Decision(device, "rule")
@@ -250,8 +253,11 @@ def _warn_guessed(cls: type) -> None:
     )
 
 
-def _group_entry(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor, device: torch.device) -> Decision:
-    """Where a tensor kept in a param group (a tensor ``lr``, tensor ``betas``) belongs."""
+def _group_entry(
+    cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor, device: torch.device, side: torch.device
+) -> Decision:
+    """Where a tensor kept in a param group (a tensor ``lr``, tensor ``betas``) belongs; ``side``: where it was
+    given (its device, unless optimshift took it to the host)."""
     base = builtin_base(cls)
     if base is None:
         # Unknown kernels: a 0-dim one on the host, where reading it costs no sync, unless they run on the
@@ -270,8 +276,9 @@ def _group_entry(cls: type, group: Mapping[str, Any], key: str, value: torch.Ten
         return Decision(device, "probe")
     # NOTE: torch never moves a group's tensors: a fresh optimizer keeps them where they were given (on the
     # host in torch's own tests and docs; a CUDA-graph user may give a device lr on purpose). Where the step
-    # works alike either way, the tensor stays on its side: on the host, or with the params on their device.
-    return Decision(HOST if value.device.type == "cpu" else device, "rule" if observed is None else "probe")
+    # works alike either way, the tensor stays on its side: on the host, or with the params on their device
+    # (also after a move to the host and back, or a reload after the params moved: ``side`` remembers).
+    return Decision(HOST if side.type == "cpu" else device, "rule" if observed is None else "probe")
 
 
 def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tuple[str, int | None]:

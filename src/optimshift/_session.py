@@ -1,0 +1,63 @@
+"""What optimshift knows about one optimizer, in one object: its :class:`Session`.
+
+A session holds the optimizer's offload record, the transfer still in flight and the hook handles that guard
+it, the lock that runs one operation at a time, its mode (streamed), and where its group tensors sat before a
+move took them to the host. Every module that remembers something about an optimizer keeps it here.
+
+# NOTE: sessions live beside their optimizers (one weak-keyed table), never on them, so that optimshift adds no
+# attribute to a user's object and an optimizer that is garbage-collected takes its session with it. An
+# optimizer that cannot be weakly referenced (or hashed) has no session: nothing can be remembered for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .plan import Ident
+
+__all__ = ["Session", "of", "get"]
+
+
+@dataclass(eq=False)
+class Session:
+    """Everything optimshift remembers about one optimizer (see the module docstring)."""
+
+    lock: threading.RLock = field(default_factory=threading.RLock)  # one operation at a time (re-entrant)
+    record: Any = None  # _offload.Record while offloaded
+    pending: Any = None  # _offload.PendingTransfer while a non-blocking transfer may be in flight
+    guards: list[Any] = field(default_factory=list)  # handles of the pre-hooks that wait for ``pending``
+    mode: weakref.ref[Any] | None = None  # its _mode.Mode (weak: the optimizer keeps its mode alive)
+    # group tensors (tensor lr, betas) a move took to the host from an accelerator: where they came from, so that
+    # a move back puts them on the device side again, as a fresh optimizer given them there would hold them
+    group_sides: dict[Ident, torch.device] = field(default_factory=dict)
+
+
+_sessions: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def of(optimizer: Any) -> Session | None:
+    """``optimizer``'s session if it has one (None also for an optimizer that cannot have one)."""
+    try:
+        with _lock:
+            return _sessions.get(optimizer)
+    except TypeError:
+        return None
+
+
+def get(optimizer: Any) -> Session | None:
+    """``optimizer``'s session, made on first use; None for an optimizer that cannot be weakly referenced."""
+    try:
+        with _lock:
+            session = _sessions.get(optimizer)
+            if session is None:
+                session = _sessions[optimizer] = Session()
+            return session
+    except TypeError:
+        return None

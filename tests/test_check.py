@@ -107,3 +107,34 @@ def test_check_reports_a_dtype_the_next_step_would_reject(sim):
     sgd.state[bf16[0]]["momentum_buffer"] = sgd.state[bf16[0]]["momentum_buffer"].float()
     assert optimshift.check(sgd).ok
     sgd.step()
+
+
+def test_check_reports_lbfgs_history_in_a_dtype_the_next_step_would_reject():
+    """LBFGS keeps its history in lists (old_dirs, old_stps): float64 ones for float32 params make the next
+    step() raise in a dot product; check() names the list. Its ro (0-dim tensors) in float64 is taken."""
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = O.LBFGS([p], history_size=3)
+
+    def closure(target):
+        with torch.no_grad():
+            p.grad = 2 * (p - target)
+            return ((p - target) ** 2).sum()
+
+    for step in range(2):
+        opt.step(lambda: closure(float(step)))
+    state = opt.state[p]
+    assert state["old_dirs"] and optimshift.check(opt).ok
+    state["ro"] = [r.double() for r in state["ro"]]
+    assert optimshift.check(opt).ok
+    state["old_dirs"] = [d.double() for d in state["old_dirs"]]
+    [finding] = optimshift.check(opt).findings
+    assert (finding.severity, finding.param, finding.key, finding.dtype, finding.expected) == (
+        "error",
+        "group 0, param 0",
+        "old_dirs",
+        "float64",
+        "float32",
+    )
+    assert "step() rejects" in finding.why and "cast='param'" in finding.why
+    with pytest.raises(RuntimeError, match="dot"):
+        opt.step(lambda: closure(2.0))  # what check() said

@@ -6,7 +6,8 @@ params) and wrong where they do not (Adam's ``lerp_`` wants ``exp_avg`` in the g
 for float32 params make the next ``step()`` raise). Which is which depends on the class, its flags and the
 param dtype, so it is tried: a fresh optimizer over a small host param of that dtype steps once (its own
 state: the dtypes a fresh optimizer keeps), then steps again with the entries in question in the dtypes
-given. Where the trial cannot run on the host (a kernel this build lacks), nothing is rejected.
+given. Where the trial cannot run on the host (a kernel this build lacks), nothing is rejected. An entry is a
+tensor or a container of tensors in one dtype (LBFGS's ``old_dirs``, ``old_stps``, ``ro``, ``al``).
 
 The host trial stands for the device: the single-tensor and foreach paths run the same ops there (a foreach
 fast path that cannot take mixed dtypes falls back to the per-tensor ops), and the fused kernels have host
@@ -21,23 +22,25 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._probe import ProbeKey, probe_key, quiet_global_step_hooks
+from ._state import Setter, leaves, rebuild
 
 if TYPE_CHECKING:
     from .report import Finding
 
-__all__ = ["Rejection", "rejected_dtypes", "dtype_findings", "dtype_name"]
+__all__ = ["Rejection", "rejected_dtypes", "entry_dtypes", "dtype_findings", "dtype_name"]
 
 _CACHE_SIZE = 512
 
 
 class Rejection:
     """A state entry whose dtype a step refuses: ``key``, its ``dtype``, the one a fresh optimizer keeps
-    (``fresh``) and the step's error (``error``)."""
+    (``fresh``) and the step's error (``error``). For a container, the dtype of the tensors in it."""
 
     __slots__ = ("key", "dtype", "fresh", "error")
 
@@ -46,6 +49,21 @@ class Rejection:
 
     def __repr__(self) -> str:
         return f"Rejection({self.key!r}, {self.dtype}, fresh {self.fresh}: {self.error})"
+
+
+def entry_dtypes(entries: Mapping[Any, Any], skip: AbstractSet[int] = frozenset()) -> dict[Any, torch.dtype]:
+    """{key: dtype} for each entry of a param's state that is a tensor, or a container whose tensors share one
+    dtype (LBFGS's history lists); tensors whose id is in ``skip`` (a group's own, as LBFGS's ``t``) are left out."""
+    out: dict[Any, torch.dtype] = {}
+    for key, value in entries.items():
+        if isinstance(value, torch.Tensor):
+            if id(value) not in skip:
+                out[key] = value.dtype
+            continue
+        found = {t.dtype for _, t in leaves(value) if id(t) not in skip}
+        if len(found) == 1:
+            out[key] = found.pop()
+    return out
 
 
 def _shape(ndim: int) -> tuple[int, ...]:
@@ -73,22 +91,36 @@ class _Trial:
             kwargs["capturable"] = False  # it cannot step on a host; the dtype rules are the same
         self.param = torch.full(_shape(ndim), 0.5, dtype=dtype)
         self.opt = cls([self.param], **kwargs)
+        self.steps = 0
 
     def step(self) -> None:
-        def closure() -> torch.Tensor:  # LBFGS: a loss and a grad, without autograd
-            self.param.grad = torch.full_like(self.param, 0.25)
-            return torch.tensor(1.0)
+        # NOTE: the loss is a quadratic whose minimum moves every step: LBFGS then fills its history in one step
+        # and walks it in the next, so the dtypes of old_dirs/old_stps are tried (a constant grad, whose
+        # differences are zero, left the history empty and every dtype of it accepted).
+        self.steps += 1
+        target = float(self.steps)
 
-        self.param.grad = torch.full_like(self.param, 0.25)
+        def closure() -> torch.Tensor:  # LBFGS: a loss and a grad, without autograd
+            self.param.grad = self.param - target
+            return ((self.param - target) ** 2).sum() / 2
+
+        self.param.grad = self.param - target
         self.opt.step(closure)  # type: ignore[arg-type]  # torch's stubs type the closure's loss as a float
 
     def fresh_dtypes(self) -> dict[str, torch.dtype]:
-        return {k: v.dtype for k, v in self.opt.state.get(self.param, {}).items() if isinstance(v, torch.Tensor)}
+        return entry_dtypes(self.opt.state.get(self.param, {}))
 
     def recast(self, dtypes: Mapping[str, torch.dtype]) -> None:
         state = self.opt.state[self.param]
         for key, dtype in dtypes.items():
-            state[key] = state[key].to(dtype)
+            value = state[key]
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(dtype)
+                continue
+            setters: list[Setter] = []  # a container (LBFGS's history): each tensor in it
+            state[key] = rebuild(value, {id(t): t.to(dtype) for _, t in leaves(value)}, setters, {})
+            for apply in setters:
+                apply()
 
 
 def _try(
@@ -144,9 +176,9 @@ _lock = threading.Lock()
 def rejected_dtypes(
     cls: type[torch.optim.Optimizer], group: Mapping[str, Any], param: torch.Tensor, dtypes: Mapping[str, torch.dtype]
 ) -> list[Rejection]:
-    """The entries of ``dtypes`` ({state key: dtype}) that a step of ``cls`` with ``group``'s flags and
-    hyperparameters over a param like ``param`` (its dtype and rank) refuses. Entries a fresh optimizer
-    does not keep, and anything the host trial cannot tell, are not rejected."""
+    """The entries of ``dtypes`` ({state key: dtype}, as :func:`entry_dtypes` gives) that a step of ``cls``
+    with ``group``'s flags and hyperparameters over a param like ``param`` (its dtype and rank) refuses.
+    Entries a fresh optimizer does not keep, and anything the host trial cannot tell, are not rejected."""
     if not param.is_floating_point():
         return []
     key: _Key = (probe_key(cls, group, param.dim()), param.dtype, tuple(sorted((k, str(d)) for k, d in dtypes.items())))
@@ -195,8 +227,7 @@ def dtype_findings(optimizer: Any) -> list[Finding]:
             state = optimizer.state.get(p)
             if not isinstance(p, torch.Tensor) or not isinstance(state, Mapping):
                 continue
-            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and id(v) not in own}
-            dtypes = {k: v.dtype for k, v in tensors.items()}
+            dtypes = entry_dtypes(state, own)
             memo_key = (p.dtype, p.dim(), tuple(sorted((str(k), str(d)) for k, d in dtypes.items())))
             if memo_key not in memo:
                 memo[memo_key] = rejected_dtypes(base, group, p, dtypes)
@@ -204,7 +235,7 @@ def dtype_findings(optimizer: Any) -> list[Finding]:
                 gi, pi, "", (), str(names[pi]) if isinstance(names, (list, tuple)) and pi < len(names) else None
             ).param_label
             for r in memo[memo_key]:
-                t = tensors[r.key]
+                t = next(t for _, t in leaves(state[r.key]) if id(t) not in own)
                 findings.append(
                     Finding(
                         "error",

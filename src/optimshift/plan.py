@@ -176,10 +176,15 @@ def iter_holders(
             state = by_id.get(id(p))
             if not state:
                 continue
+            # NOTE: `pname`, not `name`: that one is the optimizer's, in every error above and below.
+            pname = _param_name(pi, names)
+            pname = None if pname is None else str(pname)
             if type(state) is not dict and not isinstance(state, Mapping):
-                raise TypeError(f"{name}: state of group {gi}, param {pi} is a {type(state).__name__}, expected a dict")
-            name = _param_name(pi, names)
-            yield gi, pi, p, group, state, None if name is None else str(name)
+                raise TypeError(
+                    f"{name}: state of {param_label(gi, pi, pname)} is a {type(state).__name__}, expected a dict "
+                    f"of its entries (optimizer.state[param] = {{key: value}}); nothing was changed"
+                )
+            yield gi, pi, p, group, state, pname
     for gi, group in enumerate(optimizer.param_groups):
         yield gi, None, None, group, group, None
     if wide and optimizer.param_groups:
@@ -225,8 +230,8 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
                 found: Iterable[tuple[Path, torch.Tensor]] = ((path, value),)
             else:
                 found = leaves(value, path)
-            for path, tensor in found:
-                ident: Ident = (gi, pi, path)
+            for where, tensor in found:
+                ident: Ident = (gi, pi, where)
                 if follow is not None and param is not None and tensor.dim():
                     device, source = follow, "rule"  # what target() would answer, without the call
                 else:

@@ -1,7 +1,8 @@
 """load_state_dict refuses, before anything changes, what PyTorch accepts and fails on later: state keys left
 as text by a JSON round trip, optimizer-wide entries a torch.optim class never has, state a torch.optim step
-cannot use, expanded views that would allocate GiBs, and containers nested thousands deep. Errors name the
-param, the key and, for a path, the file."""
+cannot use (LBFGS's history lists in a dtype it refuses too), param groups without a key the step reads,
+expanded views that would allocate GiBs, and containers nested thousands deep. Errors name the param, the key
+and, for a path, the file."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 import optimshift
 from _crafted import nest_in_place
-from _matrix import bitwise_equal
+from _matrix import bitwise_equal, grad_for, snapshot, tensor_ids
+from _optim_db_cases import collect, common_optimizers
+from optimshift.checkpoint._resume import IMPLEMENTATION_FLAGS
 
 O = torch.optim
 
@@ -27,26 +30,22 @@ def _trained(cls=O.Adam, shapes=((4, 3), (3,)), **kwargs):
     return opt
 
 
-def _copied(value):
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    return {k: _copied(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-
 def _snapshot(opt):
     return (
         id(opt.state),
-        [(id(p), id(st), _copied(st)) for p, st in opt.state.items()],
+        [(id(p), id(st), snapshot(st)) for p, st in opt.state.items()],
         [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        (id(opt.param_groups), [id(g) for g in opt.param_groups], tensor_ids(opt)),
     )
 
 
-def _refused(target, sd, exc, match):
+def _refused(target, sd, exc, match, **kwargs):
+    """load_state_dict raises, and the optimizer is the same objects with the same bits as before."""
     before = _snapshot(target)
     with pytest.raises(exc, match=match):
-        optimshift.load_state_dict(target, sd)
+        optimshift.load_state_dict(target, sd, **kwargs)
     after = _snapshot(target)
-    assert before[0] == after[0] and before[2] == after[2]
+    assert before[0] == after[0] and before[2] == after[2] and before[3] == after[3]
     assert [(a, b) for a, b, _ in before[1]] == [(a, b) for a, b, _ in after[1]]
     assert all(bitwise_equal(x, y) for (_, _, x), (_, _, y) in zip(before[1], after[1])), "nothing may change"
 
@@ -247,6 +246,172 @@ def test_what_older_pytorch_saved_still_loads():
     assert bitwise_equal(states[0]["exp_avg"], src.state_dict()["state"][0]["exp_avg"])
     target.step()  # and PyTorch's step takes them
     assert states[0]["step"].item() == 2.0 and states[1]["step"].item() == 2.0
+
+
+# --- issue 17, item 7: a group missing a key the step reads -------------------------------------------------------
+
+# One configuration of every class in PyTorch's optimizer test database (its first, "default", input).
+INFOS = {info.optim_cls.__name__: info for info in common_optimizers().optim_db}
+
+
+def _db_params(dtype=torch.float32):
+    # 2-D: Muon takes nothing else. Seeds other than grad_for's (a target equal to its param has no grad).
+    return [
+        torch.nn.Parameter(torch.randn(s, dtype=dtype, generator=torch.Generator().manual_seed(100 + i)))
+        for i, s in enumerate([(3, 2), (2, 3)])
+    ]
+
+
+def _db_step(info, opt, params, step):
+    """One step towards a target that moves with ``step`` (a quadratic: LBFGS builds its history), with sparse
+    grads for a class that takes only those, through a closure for a class that needs one."""
+    targets = [grad_for(step, i, p.shape).to(p.dtype) for i, p in enumerate(params)]
+
+    def closure():
+        with torch.no_grad():
+            for p, t in zip(params, targets):
+                g = 2 * (p - t)
+                p.grad = g.to_sparse() if info.only_supports_sparse_grads else g
+            return sum(((p - t) ** 2).sum() for p, t in zip(params, targets))
+
+    if info.step_requires_closure:
+        opt.step(closure)
+    else:
+        closure()
+        opt.step()
+
+
+def _db_trained(info, kwargs, dtype=torch.float32, steps=1):
+    params = _db_params(dtype)
+    opt = info.optim_cls(params, **copy.deepcopy(kwargs))
+    for step in range(steps):
+        _db_step(info, opt, params, step)
+    return opt, params
+
+
+def _without(sd, key):
+    sd = copy.deepcopy(sd)
+    del sd["param_groups"][0][key]
+    return sd
+
+
+def _torch_needs(info, kwargs, sd, key, flags, steps):
+    """Whether PyTorch's own load_state_dict of ``sd`` (with the live implementation flags for
+    ``flags="live"``, as optimshift keeps them) into an optimizer trained ``steps`` steps takes it, and its next
+    step then raises ``KeyError(key)``."""
+    theirs, params = _db_trained(info, kwargs, steps=steps)
+    sd = copy.deepcopy(sd)
+    if flags == "live":
+        for flag in IMPLEMENTATION_FLAGS:
+            if flag in theirs.param_groups[0]:
+                sd["param_groups"][0][flag] = theirs.param_groups[0][flag]
+    theirs.load_state_dict(sd)
+    try:
+        _db_step(info, theirs, params, steps)
+    except KeyError as e:
+        assert e.args == (key,), f"{info.optim_cls.__name__} without {key!r}: {e!r}"
+        return True
+    return False
+
+
+@pytest.mark.parametrize("flags", ["live", "checkpoint"])
+@pytest.mark.parametrize("name", sorted(INFOS))
+def test_a_group_without_a_key_the_step_reads_is_refused(name, flags):
+    """Each key of a saved group deleted in turn. PyTorch says which ones the class needs: its own
+    load_state_dict takes every one, and its next step raises ``KeyError`` for some, resuming a trained
+    optimizer or (Rprop's ``lr``, read when a param's state is created) a fresh one. Those are refused before
+    anything changes, naming the optimizer, group and key and the fix; the rest (what older PyTorch did not
+    save, and the class fills with a default) load, and both optimizers step."""
+    info = INFOS[name]
+    kwargs = info.optim_inputs_func(device="cpu")[0].kwargs
+    trained = _db_trained(info, kwargs)[0].state_dict()
+    fresh = _db_trained(info, kwargs, steps=0)[0].state_dict()
+    refused, accepted = [], []
+    for key in [k for k in trained["param_groups"][0] if k not in ("params", "param_names")]:
+        if _torch_needs(info, kwargs, _without(trained, key), key, flags, 1) or _torch_needs(
+            info, kwargs, _without(fresh, key), key, flags, 0
+        ):
+            _refused(
+                _db_trained(info, kwargs)[0],
+                _without(trained, key),
+                ValueError,
+                rf"^{name}: load_state_dict: param group 0 has no '{key}', which {name}\.step reads .*"
+                rf"state_dict\['param_groups'\]\[0\]\['{key}'\] = .*the optimizer is unchanged",
+                flags=flags,
+            )
+            refused.append(key)
+        else:
+            for sd, steps in ((trained, 1), (fresh, 0)):
+                target, params = _db_trained(info, kwargs, steps=steps)
+                optimshift.load_state_dict(target, _without(sd, key), flags=flags)
+                _db_step(info, target, params, steps)
+            accepted.append(key)
+    assert "lr" in refused, (refused, accepted)
+
+
+def test_what_older_pytorch_saved_in_a_group_still_loads():
+    """An Adam group as PyTorch 1.10 saved it (no foreach, maximize, capturable, differentiable, fused,
+    decoupled_weight_decay) loads with either flags mode; Adam's __setstate__ fills those as PyTorch's
+    load_state_dict does. SparseAdam's step reads ``maximize`` with a default (PyTorch < 1.13 had none)."""
+    sd = _trained(foreach=False).state_dict()
+    newer = ("foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+    for key in newer:
+        del sd["param_groups"][0][key]
+    for flags in ("live", "checkpoint"):
+        target = _trained(foreach=False)
+        optimshift.load_state_dict(target, copy.deepcopy(sd), flags=flags)
+        group = target.param_groups[0]
+        assert all(key in group for key in newer) and group["maximize"] is False
+        assert group["foreach"] is (False if flags == "live" else None)
+        target.step()
+    info = INFOS["SparseAdam"]
+    sd = _db_trained(info, {})[0].state_dict()
+    del sd["param_groups"][0]["maximize"]
+    target, params = _db_trained(info, {})
+    optimshift.load_state_dict(target, sd)
+    _db_step(info, target, params, 1)
+
+
+# --- issue 17, item 8: LBFGS's flat and list-valued state in another dtype --------------------------------------
+
+LBFGS_CASES = [c for c in collect()[0] if c.info.optim_cls is O.LBFGS]  # PyTorch's own LBFGS configurations
+
+
+@pytest.mark.parametrize("case", LBFGS_CASES, ids=[c.ident for c in LBFGS_CASES])
+def test_lbfgs_float64_state_for_float32_params_is_refused_and_cast_param_loads_it(case):
+    """LBFGS state saved from float64 params, loaded into float32 ones: kept as saved, its next step would raise
+    (``dot: expected both vectors to have same dtype``). Its flat entries (``d``, ``prev_flat_grad``) and its
+    history lists (``old_dirs``, ``old_stps``) are checked like every other class's state: the load is refused
+    before anything changes and says cast='param'; with cast='param' it loads as PyTorch's own load_state_dict
+    does (cast to the params' dtype), bit for bit, and steps as it does."""
+    assert len(LBFGS_CASES) == 5
+    info = case.info
+    sd = _db_trained(info, case.kwargs, torch.float64, steps=3)[0].state_dict()
+    saved = sd["state"][0]
+    assert saved["old_dirs"] and saved["old_dirs"][0].dtype == torch.float64 and saved["d"].dtype == torch.float64
+    target, params = _db_trained(info, case.kwargs)
+    _refused(
+        target,
+        sd,
+        ValueError,
+        r"^LBFGS: load_state_dict: group 0, param 0, state key 'd': the checkpoint holds it as float64 .*"
+        r"a step of LBFGS over float32 params rejects that .*cast='param'",
+    )
+    with pytest.raises(ValueError) as raised:
+        optimshift.load_state_dict(target, sd)
+    for key in ("old_dirs", "old_stps", "prev_flat_grad"):
+        assert f"{key!r}, float64" in str(raised.value), str(raised.value)
+
+    optimshift.load_state_dict(target, sd, cast="param")
+    theirs, their_params = _db_trained(info, case.kwargs)
+    theirs.load_state_dict(copy.deepcopy(sd))  # PyTorch casts every floating tensor to the param's dtype
+    ours, their_state = target.state[params[0]], theirs.state[their_params[0]]
+    assert all(t.dtype == torch.float32 for k in ("d", "prev_flat_grad") for t in [ours[k]])
+    assert all(t.dtype == torch.float32 for k in ("old_dirs", "old_stps", "ro") for t in ours[k])
+    assert bitwise_equal(ours, their_state)
+    _db_step(info, target, params, 3)
+    _db_step(info, theirs, their_params, 3)
+    assert bitwise_equal(params, their_params) and bitwise_equal(target.state[params[0]], their_state)
 
 
 # --- deep nesting ----------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from .. import _mode, engine
 from .. import policy as _policy
 from .._copy import copy_tensor
 from .._devices import DeviceLike, resolve
-from .._dtypes import Rejection, dtype_name, rejected_dtypes
+from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
 from .._errors import add_note
 from .._offload import exclusive, prepare_discard, wait_pending
 from .._probe import quiet_global_step_hooks
@@ -98,8 +98,13 @@ def load_state_dict(
     its storage. For torch.optim classes, also what their step needs (probed): every entry a step creates is
     there and is a dense tensor, per-param buffers have the param's shape and a floating dtype, scalars such as
     ``step`` have one element, and hyperparameters have the right type (``lr`` a number or one-element
-    tensor, ``betas`` a pair). Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run
-    as in PyTorch.
+    tensor, ``betas`` a pair) and are there. A group may lack only keys the class fills itself for older
+    checkpoints: its ``__setstate__`` defaults (torch 2.13: the flags ``foreach``, ``fused``, ``capturable``,
+    ``differentiable`` it has; ``maximize`` but for Adafactor's; Adam's and AdamW's ``amsgrad``; Adam's,
+    AdamW's, NAdam's and RAdam's ``decoupled_weight_decay``; SGD's ``nesterov``; RMSprop's ``momentum`` and
+    ``centered``; none of LBFGS's or Muon's) and keys its step never reads or reads with a default (Adagrad's
+    ``initial_accumulator_value``, SparseAdam's ``maximize``); both are read from the installed torch.
+    Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run as in PyTorch.
     """
     receiver = _receiver(optimizer)
     name = optimizer_name(receiver)
@@ -568,7 +573,10 @@ class _Staging:
                     new[key] = self._want(value, device, dtype, always, (gi, pi, key, ()))
                 fills.append((new, key, None))
             if self.cast is None:
-                self._check_dtypes(group, p, gi, pi, {k: v.dtype for k, v in tensors if id(v) not in owners})
+                # (containers too: LBFGS's old_dirs/old_stps; a group's own tensor, LBFGS's t, is the group's)
+                dtypes = {k: v.dtype for k, v in tensors if id(v) not in owners}
+                dtypes.update(entry_dtypes({k: new[k] for k in containers}, owners.keys()))
+                self._check_dtypes(group, p, gi, pi, dtypes)
             for key in containers:
                 fills.append((new, key, self._want_nested(new[key], group, p, key, gi, pi, where, pdim, always)))
         for gi, group in enumerate(new_groups):
@@ -689,8 +697,20 @@ class _Staging:
     # -- validation -------------------------------------------------------------------------------------------
 
     def _check_group(self, gi: int, group: Mapping[str, Any]) -> None:
-        """The hyperparameters a torch.optim class takes have the types it needs (PyTorch fails at step())."""
+        """The hyperparameters a torch.optim class takes are there and have the types it needs (PyTorch fails
+        at step())."""
         assert self.base is not None  # (called when strict: a torch.optim class)
+        fresh, filled = _group_keys(type(self.opt), self.base)
+        absent = sorted(k for k in fresh if k not in group and k not in filled and _step_needs(self.base, group, k))
+        if absent:
+            key = absent[0]
+            raise self.fail(
+                f"param group {gi} has no {_keys_shown(absent)}, which {self.base.__name__}.step reads (a fresh "
+                f"{self.base.__name__} group holds {_keys_shown(fresh)}); the checkpoint is incomplete or was "
+                f"edited. Set {'it' if len(absent) == 1 else 'each'} in the state dict before loading, e.g. to "
+                f"the optimizer's own value: state_dict['param_groups'][{gi}][{key!r}] = "
+                f"optimizer.param_groups[{gi}][{key!r}]; the optimizer is unchanged"
+            )
         for key, default in _hyper_defaults(self.base).items():
             if key in group and key not in ("params", "param_names"):
                 problem = _hyper_problem(key, default, group[key])
@@ -896,6 +916,104 @@ def _hyper_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
             found = {}
         _defaults_cache[cls] = found
     return found
+
+
+_group_keys_cache: dict[tuple[type, type], tuple[frozenset[str], frozenset[str]]] = {}
+
+
+def _group_keys(
+    cls: type[torch.optim.Optimizer], base: type[torch.optim.Optimizer]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(the keys a fresh ``base`` group holds, those of them ``cls.__setstate__`` fills in a group that lacks
+    them), read from the installed torch: a fresh optimizer's ``defaults``, and ``__setstate__`` (what a load
+    runs, as PyTorch's does) on a bare group. NOTE: PyTorch's classes ``setdefault`` each key their older
+    releases did not save (``foreach``, ``maximize``, ``fused``...), so those checkpoints still load."""
+    found = _group_keys_cache.get((cls, base))
+    if found is not None:
+        return found
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"):
+        warnings.simplefilter("ignore")
+        try:
+            fresh_opt: Any = base([torch.nn.Parameter(torch.zeros(2, 3))])  # type: ignore[call-arg]  # (its own __init__)
+            defaults = dict(fresh_opt.defaults)  # (a 2-D param: Muon takes only those)
+        except Exception:
+            defaults = dict(_hyper_defaults(base))
+        fresh = frozenset(defaults)
+        filled: frozenset[str] = frozenset()
+        group: dict[str, Any] = {"params": []}
+        for _ in range(len(fresh) + 1):  # a __setstate__ that reads a key it does not fill is given that key
+            bare, given = cls.__new__(cls), set(group)
+            try:
+                bare.__setstate__({"defaults": dict(defaults), "state": {}, "param_groups": [dict(group)]})
+            except KeyError as e:
+                missing = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else ""
+                if missing not in defaults or missing in group:
+                    break
+                group[missing] = defaults[missing]
+                continue
+            except Exception:
+                break
+            filled = frozenset(k for k in bare.param_groups[0] if k in fresh and k not in given)
+            break
+    found = _group_keys_cache[(cls, base)] = (fresh, filled)
+    return found
+
+
+_step_needs_cache: dict[tuple[type, str, str], bool] = {}
+
+
+def _step_needs(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], key: str) -> bool:
+    """Whether a step of ``cls`` fails without ``group[key]``: two steps over a small host param, with
+    ``group``'s other hyperparameters, ``key`` deleted and ``__setstate__`` run as a load runs it, raise
+    ``KeyError(key)`` (the first step creates the state: Rprop reads ``lr`` only then). NOTE: a step may read a
+    key with a default (SparseAdam's ``maximize``, which PyTorch < 1.13 did not save). Where no trial step
+    runs, the key is needed: a fresh group holds it and nothing fills it."""
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return True
+    skip = ("params", "param_names", key) + IMPLEMENTATION_FLAGS
+    kwargs = {k: v for k, v in group.items() if k in accepted and k not in skip and is_plain(v)}
+    if "foreach" in accepted and key != "foreach":
+        kwargs["foreach"] = False
+    cache_key = (cls, key, repr(sorted(kwargs.items())))
+    found = _step_needs_cache.get(cache_key)
+    if found is None:
+        # (a class that takes only sparse grads refuses dense ones: SparseAdam)
+        tried = [_steps_without(cls, kwargs, key, sparse) for sparse in (False, True)]
+        found = next((t for t in tried if t is not None), True)
+        _step_needs_cache[cache_key] = found
+    return found
+
+
+def _steps_without(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], key: str, sparse: bool) -> bool | None:
+    """True if two steps without ``key`` raise ``KeyError(key)``, False if they run, None if they fail otherwise."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
+        warnings.simplefilter("ignore")
+        param = torch.nn.Parameter(torch.full((2, 3), 0.5))  # 2-D: Muon takes only those
+
+        def closure() -> torch.Tensor:
+            grad = torch.full((2, 3), 0.25)
+            param.grad = grad.to_sparse() if sparse else grad
+            return torch.tensor(1.0)
+
+        try:
+            opt = cls([param], **kwargs)
+            opt.param_groups[0].pop(key, None)
+            opt.__setstate__({"state": opt.state, "param_groups": opt.param_groups})
+            with torch.no_grad():
+                for _ in range(2):
+                    closure()
+                    opt.step(closure)  # type: ignore[arg-type]  # (torch's stubs type the loss as a float)
+        except KeyError as e:
+            return True if e.args == (key,) else None
+        except Exception:
+            return None
+    return False
 
 
 def _number_like(value: Any) -> bool:

@@ -1,0 +1,40 @@
+"""plan.py: the errors a plan raises for bad input name the optimizer and the param, and come before anything
+changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optimshift
+from _matrix import bitwise_equal, snapshot, tensor_ids
+
+O = torch.optim
+
+
+def _adam(named: bool) -> tuple[O.Optimizer, list[torch.nn.Parameter]]:
+    model = torch.nn.Linear(3, 2)
+    opt = O.Adam(model.named_parameters() if named else model.parameters(), foreach=False)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return opt, params
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named"])
+@pytest.mark.parametrize("operation", ["move", "offload", "check"])
+def test_state_that_is_not_a_dict_names_the_optimizer_and_the_param(named, operation):
+    """The second param's state is a list: the error names the class (not the first param's name, as the
+    param name once overwrote it) and the param, with its name where the group has one; nothing changes."""
+    opt, params = _adam(named)
+    bad = [torch.zeros(2)]
+    opt.state[params[1]] = bad
+    ids, values, first = tensor_ids(opt), snapshot(dict(opt.state)), opt.state[params[0]]
+    label = "group 0, param 1 (bias)" if named else "group 0, param 1"
+    with pytest.raises(TypeError) as raised:
+        getattr(optimshift, operation)(opt)
+    assert str(raised.value).startswith(f"Adam: state of {label} is a list, expected a dict"), str(raised.value)
+    assert "optimizer.state[param]" in str(raised.value)  # the fix
+    assert opt.state[params[1]] is bad and opt.state[params[0]] is first
+    assert tensor_ids(opt) == ids and bitwise_equal(dict(opt.state), values)

@@ -34,7 +34,11 @@ def test_the_session_goes_with_its_optimizer(sim):
     model = Model([(3, 2)]).to(sim)
     opt = torch.optim.Adam(list(model.parameters()))
     train(model, opt, range(1))
+    for _ in range(2):  # (cached plans too: they must not keep the optimizer alive)
+        optimshift.offload(opt)
+        optimshift.reload(opt)
     optimshift.offload(opt)
+    assert _session.of(opt).plans
     session = weakref.ref(_session.of(opt))
     del opt
     gc.collect()

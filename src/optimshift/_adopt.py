@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Mechanism", "mechanism", "decide_all", "adopt", "keeps_object_across_host"]
+__all__ = ["Mechanism", "mechanism", "decide_all", "still_valid", "adopt", "keeps_object_across_host"]
 
 Mechanism = Literal["data", "swap", "replace"]
 
@@ -77,6 +77,29 @@ def _swappable(old: torch.Tensor, new: torch.Tensor) -> bool:
     # (Tensor._use_count exists at runtime but is missing from torch's stubs.)
     use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]
     return use_count(old) == 1 and use_count(new) == 1 and not old.requires_grad and not new.requires_grad
+
+
+def still_valid(pairs: list[tuple[torch.Tensor, torch.Tensor]], hows: list[Mechanism]) -> bool:
+    """Whether decisions made for an earlier commit of the same plan hold for these pairs: cheaper than
+    :func:`decide_all` (what depends on classes, devices and inference-ness was checked with the plan; what a
+    swap needs is asked again). A decision to replace is never reused (the tensor may be swappable now)."""
+    if len(pairs) != len(hows):
+        return False
+    getweakrefcount = weakref.getweakrefcount
+    use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]
+    for (old, new), how in zip(pairs, hows):
+        if type(old) is not type(new) or how == "replace":
+            return False
+        if how == "swap" and (
+            getweakrefcount(old)
+            or getweakrefcount(new)
+            or use_count(old) != 1
+            or use_count(new) != 1
+            or old.requires_grad
+            or new.requires_grad
+        ):
+            return False
+    return True
 
 
 _HOST_PROBE = torch.empty(0)

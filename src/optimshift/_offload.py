@@ -128,6 +128,7 @@ class Record:
     buffers: list[torch.Tensor] = field(default_factory=list)
     grads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
+    token: Any = None  # the cached offload plan that made this record (what a cached reload undoes)
 
     def extended(self) -> Record:
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded)."""

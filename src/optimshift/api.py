@@ -7,12 +7,12 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 import torch
 
-from . import _mode, _offload, _session, _streams, engine
+from . import _mode, _offload, _plans, _session, _streams, engine
 from . import policy as _policy
 from ._adopt import keeps_object_across_host
 from ._devices import DeviceLike, resolve
@@ -104,15 +104,23 @@ def _transfer(
     pin_memory: bool = False,
     keep_host_views: bool = False,
     extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
-) -> tuple[engine.Copies, PendingTransfer]:
-    """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object)."""
+    cache_key: Hashable | None = None,
+    grads: bool = False,
+) -> tuple[engine.Copies, PendingTransfer, _plans.Cached | None]:
+    """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
+
+    ``cache_key``: the plan (and its adoption decisions) is kept in the optimizer's session under this key and
+    reused while still valid (:mod:`optimshift._plans`); ``target`` is then not called at all. ``grads``: the
+    params' grads matter to the plan (they are part of ``extra``)."""
     start = time.perf_counter()
     with engine.no_gc():
-        plan = build_plan(optimizer, target)
+        plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads)
         copies = engine.run(
             plan, non_blocking=non_blocking, pin_memory=pin_memory, keep_host_views=keep_host_views, extra=extra
         )
-        engine.commit(optimizer, copies)
+        hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
+        if cached is not None:
+            cached.hows = hows
     if _log.isEnabledFor(logging.DEBUG):
         moved = list(copies.new.values())
         _log.debug(
@@ -129,7 +137,7 @@ def _transfer(
             copies.mechanisms.get("replace", 0),
             " (non-blocking: still in flight)" if copies.event is not None else "",
         )
-    return copies, PendingTransfer(copies.event, copies.device, to_host=copies.to_host)
+    return copies, PendingTransfer(copies.event, copies.device, to_host=copies.to_host), cached
 
 
 @_one_at_a_time
@@ -156,9 +164,19 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
             group_moves.append((ident, tensor.device, device))
         return device, source
 
-    copies, pending = _transfer(
-        optimizer, where, what="move", non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads]
+    session = _session.get(optimizer)
+    cacheable = session is not None and not grads and not _policy.has_registered_policy(optimizer)
+    key = ("move", target, frozenset(session.group_sides.items())) if cacheable and session is not None else None
+    copies, pending, cached = _transfer(
+        optimizer,
+        where,
+        what="move",
+        non_blocking=non_blocking,
+        extra=[(g, p.device) for p, g in grads],
+        cache_key=key,
     )
+    if cached is not None and cached.hits:  # (where() was not called: the plan's group tensors say it)
+        group_moves = [(tr[0], cached.sources[tr[0]], tr[4]) for tr in cached.transfers if tr[3] is None]
     _remember_sides(optimizer, group_moves)
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)
@@ -254,7 +272,9 @@ def offload(
         record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
         return host, "offload"
 
-    copies, pending = _transfer(
+    # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)
+    key = ("offload", "grads" in include) if previous is None else None
+    copies, pending, cached = _transfer(
         optimizer,
         to_host,
         what="offload",
@@ -262,7 +282,13 @@ def offload(
         pin_memory=pin_memory is not False,
         keep_host_views=True,
         extra=[(p.grad, host) for _, p in grads],
+        cache_key=key,
+        grads="grads" in include,
     )
+    if cached is not None:
+        if cached.hits:  # (to_host() was not called: the plan knows where every tensor was)
+            record.devices.update(cached.sources)
+        record.token = cached
     for where, p in grads:  # only now: every copy exists
         record.grads[where] = (p, copies.new[id(p.grad)])
         p.grad = None
@@ -335,8 +361,15 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
             return was, "recorded"
         return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
-    copies, pending = _transfer(
-        optimizer, back, what="reload", non_blocking=non_blocking, extra=[(g, p.device) for p, g in grads]
+    key = None if record.token is None or _policy.has_registered_policy(optimizer) else ("reload", id(record.token))
+    copies, pending, _ = _transfer(
+        optimizer,
+        back,
+        what="reload",
+        non_blocking=non_blocking,
+        extra=[(g, p.device) for p, g in grads],
+        cache_key=key,
+        grads=bool(grads),
     )
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)

@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from . import _streams
-from ._adopt import adopt, decide_all
+from ._adopt import Mechanism, adopt, decide_all, still_valid
 from ._copy import Batch, Side, copy_many, synchronize
 from ._devices import _fake_mode_active
 from ._state import Setter, rebuild
 from .plan import Plan, Transfer
 from .pool import HostPool, host_pool
 
-__all__ = ["Copies", "run", "copy_items", "commit", "adopt_all", "no_gc"]
+__all__ = ["Copies", "run", "copy_items", "commit", "adopt_all", "adoptions", "no_gc"]
 
 
 @dataclass
@@ -198,11 +198,25 @@ def adopt_all(
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], dict[str, int]]]:
     """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
     object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
+    and returns how many tensors went each way. See :func:`adoptions`."""
+    replaced, apply, _ = adoptions(pairs, protect)
+    return replaced, apply
+
+
+def adoptions(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    protect: frozenset[int] | set[int] = frozenset(),
+    hint: list[Mechanism] | None = None,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], dict[str, int]], list[Mechanism]]:
+    """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
+    object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
     and returns how many tensors went each way.
 
     ``protect``: ids of tensors that must not change in place because something outside the optimizer's state
     owns them (a model's params and their grads kept in state): they are replaced instead. Each ``old`` must
-    come with one copy (the caller resolves tensors shared between places first).
+    come with one copy (the caller resolves tensors shared between places first). ``hint``: the decisions of an
+    earlier commit of the same (cached) plan, reused where :func:`optimshift._adopt.still_valid` says they hold.
+    Also returns the decisions made.
     """
     done: set[int] = set()
     unique = []
@@ -211,9 +225,12 @@ def adopt_all(
         if old is not pair[1] and id(old) not in done:
             done.add(id(old))
             unique.append(pair)
-    hows = decide_all(unique)
-    if protect:
-        hows = ["replace" if id(old) in protect else how for (old, _), how in zip(unique, hows)]
+    if hint is not None and still_valid(unique, hint) and not any(id(old) in protect for old, _ in unique):
+        hows = hint
+    else:
+        hows = decide_all(unique)
+        if protect:
+            hows = ["replace" if id(old) in protect else how for (old, _), how in zip(unique, hows)]
     replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
 
     plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
@@ -231,14 +248,15 @@ def adopt_all(
             counts[how] += 1
         return counts
 
-    return replaced, apply
+    return replaced, apply, hows
 
 
-def commit(optimizer: Any, copies: Copies) -> dict[str, int]:
+def commit(optimizer: Any, copies: Copies, hint: list[Mechanism] | None = None) -> list[Mechanism]:
     """Install the copies in ``optimizer``: each tensor adopts its copy's contents and stays the same object;
     where that is impossible, the copy takes its place in the state, param groups and containers.
-    Everything is decided and prepared first, then applied. Returns how many tensors went each way."""
-    replaced, apply = adopt_all(copies.pairs, protect=outside_owned(optimizer))
+    Everything is decided and prepared first, then applied; ``copies.mechanisms`` counts how many tensors went
+    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adopt_all`)."""
+    replaced, apply, hows = adoptions(copies.pairs, protect=outside_owned(optimizer), hint=hint)
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
     if replaced:
@@ -249,7 +267,7 @@ def commit(optimizer: Any, copies: Copies) -> dict[str, int]:
     for apply_one in setters:
         apply_one()
     copies.mechanisms = counts
-    return counts
+    return hows
 
 
 def outside_owned(optimizer: Any) -> set[int]:

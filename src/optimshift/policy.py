@@ -72,6 +72,12 @@ class Decision:
 _registry: dict[type, Policy] = {}
 _separable: dict[type, bool] = {}
 _lock = threading.Lock()
+_generation = [0]  # bumped by every (un)registration: a plan cached before it is stale (see plan.py)
+
+
+def generation() -> int:
+    """A counter that changes whenever a policy is registered or removed."""
+    return _generation[0]
 
 
 def register_policy(optimizer_class: type, policy: Policy, *, separable: bool = False) -> None:
@@ -91,6 +97,7 @@ def register_policy(optimizer_class: type, policy: Policy, *, separable: bool = 
     with _lock:
         _registry[optimizer_class] = policy
         _separable[optimizer_class] = separable
+        _generation[0] += 1
 
 
 def unregister_policy(optimizer_class: type) -> None:
@@ -98,6 +105,7 @@ def unregister_policy(optimizer_class: type) -> None:
     with _lock:
         _registry.pop(optimizer_class, None)
         _separable.pop(optimizer_class, None)
+        _generation[0] += 1
 
 
 # torch.optim classes whose step is not a per-param update: LBFGS flattens every grad into one vector, keeps

@@ -1,0 +1,151 @@
+"""Cached plans: a repeated operation on an unchanged optimizer reuses its plan and its adoption decisions.
+
+An offload/reload loop (an RL pipeline, every iteration) or a repeated ``move`` asks the same question of the
+same optimizer each time. The first call builds the plan (:func:`optimshift.plan.build_plan`: a policy
+decision per tensor) and, once committed, the adoption decisions (:mod:`optimshift._adopt`); both are kept in
+the optimizer's session under the operation's key. Every later call re-validates them with cheap checks and no
+policy decision, and rebuilds on any mismatch:
+
+- the layout: the same group dicts and param objects, param devices, implementation flags, which
+  hyperparameters are tensors (where, on which device, of which dtype), which params have grads (when grads
+  are moved), the policy registry's generation, fake mode and whether the device has streams;
+- each site: the same tensor object under the same key, with the same device, dtype, shape and strides;
+- the adoption inputs (:func:`optimshift._adopt.still_valid`), checked when the decisions are reused.
+
+# NOTE: keyed by what the caller's target function depends on besides the optimizer (the operation, the target
+# device, the offload a reload undoes): a cached plan is never asked a question it was not built for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _session, _streams
+from . import policy as _policy
+from ._adopt import Mechanism
+from ._devices import _fake_mode_active
+from ._state import IMPLEMENTATION_FLAGS, leaves
+from .plan import _GROUP_SKIP, Ident, Plan, TargetFn, Transfer, build_plan, iter_holders
+
+__all__ = ["Cached", "plan_for"]
+
+MAX_KEYS = 8  # per optimizer: an offload, a reload, a few move targets
+PER_KEY = 2  # layouts kept per key: a move that follows params back and forth between two devices
+
+
+@dataclass(eq=False)
+class Cached:
+    """A plan's transfers and what they were built over (see the module docstring).
+
+    # NOTE: the transfers, not the Plan: a Plan holds its optimizer, and the session (the value of a weak-keyed
+    # table) must not keep its own key alive.
+    """
+
+    transfers: list[Transfer]
+    layout: tuple[Any, ...]
+    keys: list[Any]  # per transfer: its top-level key (containers: the full path), to check each site
+    metas: list[tuple[Any, ...]]  # per transfer: (device, dtype, shape, strides) of its tensor
+    sources: dict[Ident, torch.device] = field(default_factory=dict)  # per site: its tensor's device
+    hows: list[Mechanism] | None = None  # the commit's adoption decisions, in its order
+    hits: int = 0
+
+
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.dtype, t.shape, t.stride())
+
+
+def _hyper_tensors(group: dict[str, Any]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for key, value in group.items():
+        if key in _GROUP_SKIP:
+            continue
+        if isinstance(value, torch.Tensor):
+            out.append((key, None, value.device, value.dtype))
+        elif isinstance(value, (list, tuple)):
+            out.extend((key, i, v.device, v.dtype) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+    return tuple(out)
+
+
+def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
+    """What a cached plan of ``optimizer`` depends on besides its state tensors (the module docstring's list)."""
+    parts: list[Any] = [_policy.generation(), _fake_mode_active()]
+    devices: set[torch.device] = set()
+    for group in optimizer.param_groups:
+        params = group["params"]
+        param_devices = tuple(p.device for p in params)
+        devices.update(param_devices)
+        parts.append(
+            (
+                id(group),
+                tuple(map(id, params)),
+                param_devices,
+                tuple(group.get(flag) for flag in IMPLEMENTATION_FLAGS),
+                _hyper_tensors(group),
+                tuple(p.grad is not None and p.grad.device for p in params) if grads else (),
+            )
+        )
+    parts.append(tuple(sorted((str(d), _streams.of(d) is not None) for d in devices if d.type not in ("cpu", "meta"))))
+    return tuple(parts)
+
+
+def _same_sites(optimizer: Any, cached: Cached) -> bool:
+    """Whether every site still holds the tensor object the plan was built over, unchanged (the walk of
+    build_plan, with no decision)."""
+    transfers = cached.transfers
+    keys, metas = cached.keys, cached.metas
+    n = len(transfers)
+    i = 0
+    for _, pi, _, _, entries, _ in iter_holders(optimizer):
+        for key, value in entries.items():
+            if pi is None and key in _GROUP_SKIP:
+                continue
+            if isinstance(value, torch.Tensor):
+                if i >= n or transfers[i][2] is not value or keys[i] != key or _meta(value) != metas[i]:
+                    return False
+                i += 1
+                continue
+            for path, tensor in leaves(value, (("key", key),)):
+                if i >= n or transfers[i][2] is not tensor or keys[i] != path or _meta(tensor) != metas[i]:
+                    return False
+                i += 1
+    return i == n
+
+
+def plan_for(
+    optimizer: Any, target: TargetFn, key: Hashable | None = None, *, grads: bool = False
+) -> tuple[Plan, Cached | None]:
+    """The plan of ``target`` over ``optimizer``: the one cached under ``key`` if it is still valid, else a new
+    one (cached under ``key``). ``key=None``: not cacheable (a new plan, nothing kept)."""
+    session = None if key is None else _session.get(optimizer)
+    if session is None:
+        return build_plan(optimizer, target), None
+    shape = layout(optimizer, grads)
+    kept: list[Cached] = session.plans.get(key) or []
+    for cached in kept:
+        if cached.layout == shape:
+            if _same_sites(optimizer, cached):
+                cached.hits += 1
+                return Plan(optimizer, cached.transfers), cached
+            kept.remove(cached)  # the same layout with other state: this one is stale
+            break
+    plan = build_plan(optimizer, target)
+    keys: list[Any] = []
+    metas: list[tuple[Any, ...]] = []
+    sources: dict[Ident, torch.device] = {}
+    for tr in plan.transfers:
+        ident, tensor = tr[0], tr[2]
+        path = ident[2]
+        keys.append(path[0][1] if len(path) == 1 else path)
+        metas.append(_meta(tensor))
+        sources.setdefault(ident, tensor.device)
+    cached = Cached(plan.transfers, shape, keys, metas, sources)
+    plans = session.plans
+    plans.pop(key, None)
+    if len(plans) >= MAX_KEYS:
+        plans.pop(next(iter(plans)))  # the least recently built
+    plans[key] = [cached] + kept[: PER_KEY - 1]
+    return plan, cached

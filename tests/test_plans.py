@@ -1,0 +1,266 @@
+"""Cached plans (optimshift._plans): a repeated operation on an unchanged optimizer reuses its plan and its
+adoption decisions; every change that could alter a decision rebuilds it (one test per invalidation).
+
+A rebuild is seen as a call of ``build_plan``; every scenario also checks the result against the rule (state
+where a fresh optimizer keeps it, values bitwise, objects kept), so a stale plan would fail twice.
+"""
+
+import contextlib
+import weakref
+
+import pytest
+import torch
+
+import optimshift
+from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
+from optimshift import _plans, _session, _streams
+from optimshift import plan as _plan
+
+SHAPES = [(3, 2), (4,), (2, 5)]
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """The number of plans built so far (cache misses)."""
+    count = [0]
+    real = _plans.build_plan
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_plans, "build_plan", counting)
+    return count
+
+
+def _trained(device, cls=torch.optim.Adam, **kwargs):
+    model = Model(SHAPES).to(device)
+    opt = cls(list(model.parameters()), **({"foreach": True} | kwargs))
+    train(model, opt, range(2))
+    return model, opt
+
+
+def _cycle(opt):
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+
+
+def _placed_like_fresh(opt):
+    assert not optimshift.check(opt).findings
+
+
+def test_an_unchanged_optimizer_reuses_its_offload_and_reload_plans(sim, builds, monkeypatch):
+    model, opt = _trained(sim)
+    values = [snapshot(dict(st)) for st in opt.state.values()]
+    objects = tensor_ids(opt)
+    _cycle(opt)
+    assert builds[0] == 2  # the first offload and the first reload
+    decided = []
+    real_decide = optimshift.engine.decide_all
+    monkeypatch.setattr(optimshift.engine, "decide_all", lambda pairs: decided.append(1) or real_decide(pairs))
+    targets = []
+    real_target = _plan.policy_target
+    monkeypatch.setattr(optimshift.api, "policy_target", lambda *a: targets.append(1) or real_target(*a))
+    for _ in range(3):
+        _cycle(opt)
+    assert builds[0] == 2 and decided == [], "no plan built and no adoption decided again"
+    assert tensor_ids(opt) == objects
+    for st, before in zip(opt.state.values(), values):
+        assert bitwise_equal(dict(st), before)
+    session = _session.of(opt)
+    assert {k[0] for k in session.plans} == {"offload", "reload"}
+    assert [c.hits for kept in session.plans.values() for c in kept] == [3, 3]
+    train(model, opt, range(2, 3))
+    _placed_like_fresh(opt)
+
+
+def test_a_repeated_move_reuses_its_plan(sim, builds):
+    model, opt = _trained(sim)
+    for _ in range(3):
+        model.to("cpu")
+        optimshift.move(opt)
+        model.to(sim)
+        optimshift.move(opt)
+    assert builds[0] == 2
+    _placed_like_fresh(opt)
+
+
+# -- each invalidation ------------------------------------------------------------------------------------
+
+
+def _rebuilt_after(sim, builds, change, *, cls=torch.optim.Adam, kwargs=None):
+    """Cycle once (two plans), apply ``change(model, opt)``, cycle again: returns how many plans that built."""
+    model, opt = _trained(sim, cls, **(kwargs or {}))
+    _cycle(opt)
+    before = builds[0]
+    change(model, opt)
+    _cycle(opt)
+    train(model, opt, range(2, 3))
+    _placed_like_fresh(opt)
+    return builds[0] - before
+
+
+def test_control_nothing_changed_builds_nothing(sim, builds):
+    assert _rebuilt_after(sim, builds, lambda model, opt: None) == 0
+
+
+def test_a_new_param_group_rebuilds(sim, builds):
+    def change(model, opt):
+        extra = torch.nn.Parameter(torch.ones(3, device=sim))
+        extra.grad = torch.ones_like(extra)
+        opt.add_param_group({"params": [extra]})
+        opt.step()
+
+    assert _rebuilt_after(sim, builds, change) == 2
+
+
+def test_another_param_object_rebuilds(sim, builds):
+    def change(model, opt):
+        old = opt.param_groups[0]["params"][0]
+        new = torch.nn.Parameter(old.detach().clone())
+        opt.param_groups[0]["params"][0] = new
+        opt.state[new] = opt.state.pop(old)
+        model.parts[0].weight = new
+
+    assert _rebuilt_after(sim, builds, change) == 2
+
+
+def test_another_tensor_object_at_a_site_rebuilds(sim, builds):
+    def change(model, opt):
+        st = next(iter(opt.state.values()))
+        st["exp_avg"] = st["exp_avg"].clone()
+
+    assert _rebuilt_after(sim, builds, change) == 2
+
+
+@pytest.mark.parametrize("what", ["dtype", "shape", "strides", "device"])
+def test_a_site_whose_tensor_changed_in_place_rebuilds(sim, builds, what):
+    def change(model, opt):
+        st = opt.state[opt.param_groups[0]["params"][0]]  # a (3, 2) param
+        t = st["exp_avg"]
+        if what == "dtype":
+            t.data = t.data.double()
+        elif what == "shape":
+            t.data = t.data.reshape(2, 3).reshape(3, 2).clone().resize_(3, 2)
+            st["max"] = torch.zeros(1, device=sim)  # (and a new entry: a site that was not there)
+        elif what == "strides":
+            t.data = t.data.t().contiguous().t()
+        else:
+            torch.utils.swap_tensors(opt.state[opt.param_groups[0]["params"][1]]["exp_avg_sq"], torch.zeros(4))
+
+    model, opt = _trained(sim)
+    _cycle(opt)
+    before = builds[0]
+    change(model, opt)
+    optimshift.offload(opt)
+    assert builds[0] == before + 1
+    optimshift.reload(opt)
+
+
+def test_a_param_that_moved_rebuilds_and_its_state_follows(sim, builds):
+    sim1 = torch.device(sim.type, 1)
+
+    def change(model, opt):
+        model.to(sim1)
+
+    model, opt = _trained(sim)
+    _cycle(opt)
+    before = builds[0]
+    change(model, opt)
+    optimshift.move(opt)
+    optimshift.move(opt)  # (the state it starts from is not the first move's: a plan of its own, moving nothing)
+    _cycle(opt)
+    assert builds[0] - before == 4  # the two moves, and a new offload and reload
+    assert {r.device for r in optimshift.placement(opt) if r.key != "step"} == {str(sim1)}
+    _placed_like_fresh(opt)
+
+
+def test_a_registered_policy_rebuilds(sim, builds):
+    class Mine(torch.optim.Adam):
+        pass
+
+    def change(model, opt):
+        optimshift.register_policy(Mine, lambda key, value, param, group, device: None)
+
+    try:
+        assert _rebuilt_after(sim, builds, change, cls=Mine) == 2
+    finally:
+        optimshift.unregister_policy(Mine)
+
+
+def test_an_implementation_flag_rebuilds(sim, builds):
+    def change(model, opt):
+        opt.param_groups[0]["foreach"] = False
+
+    assert _rebuilt_after(sim, builds, change) == 2
+
+
+def test_a_hyperparameter_that_became_a_tensor_rebuilds(sim, builds):
+    def change(model, opt):
+        opt.param_groups[0]["lr"] = torch.tensor(opt.param_groups[0]["lr"])
+
+    assert _rebuilt_after(sim, builds, change, kwargs={"foreach": False}) == 2
+
+
+def test_a_float_hyperparameter_change_rebuilds_nothing(sim, builds):
+    """A scheduler stepping lr every iteration: not a reason to plan again."""
+
+    def change(model, opt):
+        opt.param_groups[0]["lr"] *= 0.5
+
+    assert _rebuilt_after(sim, builds, change) == 0
+
+
+def test_grads_present_matter_when_grads_are_offloaded(sim, builds):
+    model, opt = _trained(sim)
+    for _ in range(2):
+        optimshift.offload(opt, include=("grads",))
+        optimshift.reload(opt)
+    assert builds[0] == 2
+    model.parts[0].weight.grad = None
+    optimshift.offload(opt, include=("grads",))
+    optimshift.reload(opt)
+    assert builds[0] == 4
+    assert model.parts[0].weight.grad is None and model.parts[1].weight.grad is not None
+
+
+def test_the_adoption_inputs_are_checked_before_reusing_decisions(sim, builds):
+    """A weak reference taken to a state tensor after the first cycle (as dynamo does once it traced a step):
+    the cached swap decision no longer holds; the commit decides again (it replaces that tensor) instead of
+    raising half-way in swap_tensors."""
+    model, opt = _trained(sim)
+    _cycle(opt)
+    st = next(iter(opt.state.values()))
+    watched = st["exp_avg"]
+    ref = weakref.ref(watched)
+    values = [snapshot(dict(s)) for s in opt.state.values()]
+    _cycle(opt)
+    # the offload plan still holds (only its decisions are made again); the reload's does not: the site holds the
+    # replacement now
+    assert builds[0] == 3
+    offload_plan = _session.of(opt).plans[("offload", False)][0]
+    assert offload_plan.hits == 1
+    assert ref() is watched and st["exp_avg"] is not watched  # replaced (the documented fallback)
+    for s, before in zip(opt.state.values(), values):
+        assert bitwise_equal(dict(s), before)
+
+
+@pytest.mark.parametrize("what", ["fake mode", "streams"])
+def test_fake_mode_and_stream_availability_are_part_of_the_layout(sim, builds, monkeypatch, what):
+    model, opt = _trained(sim)
+    _cycle(opt)
+    shape = _plans.layout(opt)
+    if what == "streams":
+        monkeypatch.setitem(_streams._chosen, sim.type, None)
+        context = contextlib.nullcontext()
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        context = FakeTensorMode(allow_non_fake_inputs=True)
+    with context:
+        assert _plans.layout(opt) != shape
+    if what == "streams":
+        before = builds[0]
+        optimshift.offload(opt, non_blocking=True).wait()
+        optimshift.reload(opt)
+        assert builds[0] == before + 2

@@ -19,7 +19,9 @@ from .report import Finding, PlacementRow, Report
 from .syncs import SyncCount, count_syncs
 
 if _typing.TYPE_CHECKING:  # what the lazy attributes below are, for type checkers
-    from . import distributed, integrations, testing
+    from . import distributed as distributed
+    from . import integrations as integrations
+    from . import testing as testing
 
 # NOTE: subpackages that are attributes of the package but imported on first use (PEP 562), so that
 # `import optimshift` imports neither torch.distributed.checkpoint nor any framework:

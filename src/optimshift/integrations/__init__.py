@@ -21,7 +21,9 @@ import pkgutil
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from . import accelerate, lightning, third_party
+    from . import accelerate as accelerate
+    from . import lightning as lightning
+    from . import third_party as third_party
 
 __all__: list[str] = []
 

@@ -16,8 +16,7 @@ import torch
 
 import optimshift
 from _crafted import legacy_file, pickled_zip, rebuilt_tensor_with_state, unicode_op
-from optimshift.checkpoint import CheckpointError, UnsafeCheckpointError
-from optimshift.checkpoint import _untrusted
+from optimshift.checkpoint import CheckpointError, UnsafeCheckpointError, _untrusted
 
 P2, P4 = b"\x80\x02", b"\x80\x04"
 EXT_CODE = 0x5E  # a code this test registers for os.system (and removes again)

@@ -64,3 +64,53 @@ def save_tagged(obj, path, tag="cuda:0"):
         torch.save(obj, path)
     finally:
         ser.location_tag = real
+
+
+# --- pickles of our own -------------------------------------------------------------------------------------------
+
+
+def unicode_op(text: str) -> bytes:
+    """BINUNICODE ``text``: a string pushed on the unpickler's stack."""
+    raw = text.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def pickled_zip(folder, name, pkl):
+    """A torch.save zip file ``folder / name`` whose data.pkl is ``pkl`` (its records: one of 8 bytes,
+    ``archive/data/0``, a 2-float storage)."""
+    base = folder / f".base-{name}"
+    torch.save({"t": torch.zeros(2)}, base)
+    rewrite_zip(base, folder / name, pkl=pkl)
+    base.unlink()
+    return folder / name
+
+
+def legacy_file(path, pkl):
+    """A legacy-format torch.save file (``_use_new_zipfile_serialization=False``) whose object pickle is ``pkl``:
+    the magic number, protocol and system-info pickles torch writes first, ``pkl``, then an empty list of
+    storage keys."""
+    import io
+
+    out = io.BytesIO()
+    pickle.dump(0x1950A86A20F9469CFC6C, out, protocol=2)
+    pickle.dump(1001, out, protocol=2)
+    pickle.dump(
+        {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}},
+        out,
+        protocol=2,
+    )
+    out.write(pkl)
+    pickle.dump([], out, protocol=2)
+    path.write_bytes(out.getvalue())
+    return path
+
+
+def rebuilt_tensor_with_state(state: bytes) -> bytes:
+    """A data.pkl (for :func:`pickled_zip`) holding ``{"t": tensor}``, the tensor built by
+    ``torch._tensor._rebuild_from_type_v2`` (how torch.save writes a tensor with attributes) with the pickled
+    dict ``state`` as its attributes."""
+    pid = b"(" + unicode_op("storage") + b"ctorch\nFloatStorage\n" + unicode_op("0") + unicode_op("cpu") + b"K\x02tQ"
+    # _rebuild_tensor_v2's arguments: storage, offset 0, size (2,), stride (1,), requires_grad False, hooks
+    args = b"(" + pid + b"K\x00K\x02\x85K\x01\x85\x89ccollections\nOrderedDict\n)Rt"
+    rebuild = b"ctorch._tensor\n_rebuild_from_type_v2\n(ctorch._utils\n_rebuild_tensor_v2\nctorch\nTensor\n"
+    return b"\x80\x02}" + unicode_op("t") + rebuild + args + state + b"tRs."

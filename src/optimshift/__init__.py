@@ -5,6 +5,8 @@ every state entry sits where a freshly built optimizer of the same class and fla
 the target device, would put it after a step, with bitwise-unchanged values and dtypes.
 """
 
+import typing as _typing
+
 from . import _quiet_torch  # noqa: F401  (first: imports torch without its NumPy warning)
 from ._offload import PendingTransfer
 from ._stream import DEFAULT_CHUNK_BYTES, Streamed, is_streamed, stream, streamed, unstream
@@ -15,6 +17,16 @@ from .policy import Policy, register_policy, unregister_policy
 from .pool import HostPool, host_pool
 from .report import Finding, PlacementRow, Report
 from .syncs import SyncCount, count_syncs
+
+if _typing.TYPE_CHECKING:  # what the lazy attributes below are, for type checkers
+    from . import distributed as distributed
+    from . import integrations as integrations
+    from . import testing as testing
+
+# NOTE: subpackages that are attributes of the package but imported on first use (PEP 562), so that
+# `import optimshift` imports neither torch.distributed.checkpoint nor any framework:
+# `optimshift.distributed.save(...)` and `optimshift.testing.simulated_accelerator()` work as written.
+_SUBPACKAGES = ("distributed", "integrations", "testing")
 
 __all__ = [
     "move",
@@ -47,3 +59,15 @@ __all__ = [
     "host_pool",
     "HostPool",
 ]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")  # also sets it as an attribute of the package
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SUBPACKAGES))

@@ -5,12 +5,14 @@ that would materialise an expanded view is refused."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import optimshift
-from _crafted import nest_in_place, rewrite_zip
+from _crafted import nest_in_place, pickled_zip, rebuilt_tensor_with_state, rewrite_zip, unicode_op
 from optimshift.cli import main
 
 
@@ -29,6 +31,12 @@ def _adam():
     return opt
 
 
+STACK_GLOBAL_OS_SYSTEM = unicode_op("os") + unicode_op("system") + b"\x93" + unicode_op("true") + b"\x85R."
+# a tensor whose attributes (torch._tensor._rebuild_from_type_v2's state) give it a __reduce_ex__ of its own:
+# saving it again calls OrderedDict(2), "TypeError: 'int' object is not iterable"
+TENSOR_OWN_REDUCE_EX = rebuilt_tensor_with_state(b"}" + unicode_op("__reduce_ex__") + b"ccollections\nOrderedDict\ns")
+
+
 @pytest.fixture
 def bad_files(tmp_path):
     good = tmp_path / "good.pt"
@@ -44,6 +52,9 @@ def bad_files(tmp_path):
     }.items():
         files[name] = tmp_path / f"{name}.pt"
         rewrite_zip(good, files[name], pkl=pkl)
+    files["stack-global-os-system"] = tmp_path / "stack-global-os-system.pt"
+    rewrite_zip(good, files["stack-global-os-system"], pkl=b"\x80\x04" + STACK_GLOBAL_OS_SYSTEM)
+    files["tensor-own-reduce-ex"] = pickled_zip(tmp_path, "tensor-own-reduce-ex.pt", TENSOR_OWN_REDUCE_EX)
     files["cut"] = tmp_path / "cut.pt"
     files["cut"].write_bytes(good.read_bytes()[:300])
     files["text"] = tmp_path / "text.pt"
@@ -65,15 +76,32 @@ def test_unreadable_files_give_one_line_or_a_json_error(tmp_path, capsys, bad_fi
         assert rc == 1 and err == "", (name, err)
         error = json.loads(out)["error"]
         assert error["command"] == command and str(path) in error["message"] and "\n" not in error["message"]
-        assert error["type"] == ("UnsafeCheckpointError" if name == "os-system" else "CheckpointError"), name
+        unsafe = name in ("os-system", "stack-global-os-system")
+        assert error["type"] == ("UnsafeCheckpointError" if unsafe else "CheckpointError"), name
         assert not (tmp_path / f"out-{name}.pt").exists()
 
 
 def test_code_running_globals_are_never_suggested_nor_allowed(capsys, bad_files):
-    rc, _, err = _run(capsys, "inspect", str(bad_files["os-system"]))
-    assert rc == 1 and "os.system" in err and "can run code" in err and "--allow-global" not in err
+    for name in ("os-system", "stack-global-os-system"):
+        rc, _, err = _run(capsys, "inspect", str(bad_files[name]))
+        assert rc == 1 and "os.system" in err and "can run code" in err and "--allow-global" not in err, name
+        assert "corrupt" not in err, name
     rc, _, err = _run(capsys, "inspect", str(bad_files["os-system"]), "--allow-global", "os.system")
     assert rc == 1 and "--allow-global os.system: refused" in err
+
+
+def test_convert_of_a_tensor_with_its_own_reduce_ex_exits_1_with_one_line(tmp_path):
+    src = pickled_zip(tmp_path, "hostile.pt", TENSOR_OWN_REDUCE_EX)
+    dst = tmp_path / "out.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimshift", "convert", str(src), str(dst)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"optimshift convert: error: {src} is corrupt or hostile: its pickle sets '__reduce_ex__' on the Tensor at "
+        "['t'], in place of its class's own (no checkpoint does that); nothing was executed and nothing was returned"
+    ]
+    assert not dst.exists()
 
 
 def test_inspect_shows_a_list_nested_5000_deep_in_a_param_group(tmp_path, capsys):

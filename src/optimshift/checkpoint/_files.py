@@ -3,8 +3,9 @@
 :func:`save` never leaves a torn file (a temporary file in the same folder, fsynced, then renamed over the
 target) and removes the temporaries that killed saves left (``_atomic``). :func:`load` always uses
 ``weights_only=True``: a pickle that would import or call code is refused before anything runs
-(:class:`UnsafeCheckpointError`); every other file it cannot read, whatever broke inside torch.load, is a
-:class:`CheckpointError` that says so, and with mmap every storage is checked against its record first
+(:class:`UnsafeCheckpointError`, naming the global whichever opcode imports it: ``_untrusted``); every other file
+it cannot read, whatever broke inside torch.load, is a :class:`CheckpointError` that says so, and so is one whose
+pickle built objects that replace their own methods; with mmap every storage is checked against its record first
 (``_records``). Neither moves a tensor: :func:`optimshift.load_state_dict` places optimizer state where a fresh
 optimizer would keep it.
 """
@@ -16,6 +17,7 @@ import importlib.util
 import io
 import os
 import pickle
+import pickletools
 import re
 import stat
 import sys
@@ -26,7 +28,7 @@ from typing import IO, Any, Union
 import torch
 
 from .._state import unwrap
-from . import _atomic, _records
+from . import _atomic, _records, _untrusted
 
 __all__ = [
     "save",
@@ -467,68 +469,6 @@ def _global_exists(name: str) -> bool | None:
     return hasattr(loaded, attr)
 
 
-def _unsafe_globals(path: str, message: str) -> list[str]:
-    """The globals ``message`` (a weights-only refusal) names, plus any others the pickle names; only
-    well-formed dotted names. Empty when the refusal was not about a global."""
-    named = [_normalize_global(n) for n in _GLOBAL_RE.findall(message)]
-    if not named:
-        return []
-    try:
-        listed = list(torch.serialization.get_unsafe_globals_in_checkpoint(path))  # reads, never executes
-    except Exception:
-        listed = _legacy_unsafe_globals(path)  # torch reads only zip files
-    names: list[str] = []
-    for name in named + [_normalize_global(n) for n in listed if isinstance(n, str)]:
-        if _DOTTED.fullmatch(name) and name not in names:
-            names.append(name)
-    return names
-
-
-def _legacy_unsafe_globals(path: str) -> list[str]:
-    """The globals a legacy-format (or plain pickle) file names that weights-only loading does not allow,
-    read from its opcodes: nothing is imported or executed. Empty when they cannot be read."""
-    import pickletools
-
-    from torch import _weights_only_unpickler as wou
-
-    try:
-        # (_get_user_allowed_globals is unannotated in torch)
-        allowed = set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())  # type: ignore[no-untyped-call]
-    except Exception:
-        return []
-    found: list[str] = []
-    with open(path, "rb") as f:
-        # NOTE: a legacy file is a few pickles back to back (magic number, protocol, system info, the object,
-        # its storage keys), then raw storage bytes; a plain pickle is one. Read pickles until the bytes stop
-        # parsing as one.
-        for _ in range(5):
-            pushed: list[str | None] = []  # what each op pushed: a string, or None for anything else
-            memo: dict[Any, str | None] = {}
-            try:
-                for op, arg, _pos in pickletools.genops(f):
-                    top = pushed[-1] if pushed else None
-                    if op.name == "GLOBAL":
-                        found.append(str(arg).replace(" ", "."))
-                        pushed.append(None)
-                    elif op.name == "STACK_GLOBAL":
-                        if len(pushed) >= 2 and pushed[-2] is not None and pushed[-1] is not None:
-                            found.append(f"{pushed[-2]}.{pushed[-1]}")
-                        pushed.append(None)
-                    elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                        memo[arg] = top
-                    elif op.name == "MEMOIZE":
-                        memo[len(memo)] = top
-                    elif op.name in ("GET", "BINGET", "LONG_BINGET"):
-                        pushed.append(memo.get(arg))
-                    elif isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
-                        pushed.append(arg)
-                    else:
-                        pushed.append(None)
-            except Exception:
-                break
-    return list(dict.fromkeys(name for name in found if name not in allowed))
-
-
 def _allow_hint(names: list[str]) -> str:
     """How to allow every global in ``names`` (all of them: allowing one only reveals the next)."""
     if not names:
@@ -564,13 +504,28 @@ def _weights_only_reason(e: pickle.UnpicklingError) -> str:
     return _first_line(message)
 
 
-def _unsafe(p: str, names: list[str]) -> UnsafeCheckpointError:
-    named = ", ".join(names)
+def _unsafe(p: str, named: list[str], refused: list[_untrusted.Named]) -> UnsafeCheckpointError:
+    """The error for a pickle that imports globals weights-only loading refuses: ``named`` by the refusal's
+    message, ``refused`` as read from the opcodes (:mod:`._untrusted`)."""
+    names: list[str] = []
+    for name in named + [g.name for g in refused if g.name is not None]:
+        if _DOTTED.fullmatch(name) and name not in names:
+            names.append(name)
+    unnamed = [g for g in refused if g.name is None or not _DOTTED.fullmatch(g.name)]
+    if not names:
+        ways = ", ".join(g.describe() for g in unnamed)
+        return UnsafeCheckpointError(
+            f"refused to load {p}: it cannot be read safely. Its pickle imports a global it does not name ({ways}): "
+            f"only running it would say which, and that could run anything. Do not load it with "
+            f"weights_only=False; nothing was executed.",
+            [],
+        )
+    named_text = ", ".join(names)
     dangerous = [n for n in names if runs_code(n)]
     if dangerous:
         which = ", ".join(dangerous)
         return UnsafeCheckpointError(
-            f"refused to load {p}: its pickle names {named}. {which} can run code or commands, which no "
+            f"refused to load {p}: its pickle names {named_text}. {which} can run code or commands, which no "
             f"checkpoint needs: this file is malicious or broken. Do not allow it and do not load it with "
             f"weights_only=False; nothing was executed.",
             names,
@@ -578,13 +533,23 @@ def _unsafe(p: str, names: list[str]) -> UnsafeCheckpointError:
     missing = [n for n in names if _global_exists(n) is False]
     if missing:
         return UnsafeCheckpointError(
-            f"refused to load {p}: its pickle names {named}, and no installed package provides "
+            f"refused to load {p}: its pickle names {named_text}, and no installed package provides "
             f"{', '.join(missing)}: the file is corrupt, or needs a package this environment lacks; "
             f"nothing was executed.",
             names,
         )
+    unreadable = sorted({g.opcode for g in refused if g.opcode != "GLOBAL"})
+    if unreadable or unnamed:
+        # NOTE: allowing a global cannot help here: weights-only loading reads none of these opcodes.
+        also = " and imports a global it does not name" if unnamed else ""
+        return UnsafeCheckpointError(
+            f"refused to load {p}: it cannot be read safely. Its pickle names {named_text} through "
+            f"{'/'.join(unreadable) or 'GLOBAL'}{also}, opcodes weights-only loading does not read; nothing was "
+            f"executed. If you wrote it, save it again with torch.save's default pickle protocol.",
+            names,
+        )
     return UnsafeCheckpointError(
-        f"refused to load {p}: its pickle names {named}. Loading it would import and call that code "
+        f"refused to load {p}: its pickle names {named_text}. Loading it would import and call that code "
         f"(a checkpoint can run anything this way), and optimshift only loads with weights_only=True; "
         f"nothing was executed. {_allow_hint(names)} Only for a file you fully trust: "
         f"torch.load(path, weights_only=False).",
@@ -626,31 +591,47 @@ def _guarded_map_location(map_location: Any, p: str) -> Any:
     return map_location
 
 
+_OPCODE_NAMES = {ord(op.code): op.name for op in pickletools.opcodes}
+
+
 def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     """What a failed ``torch.load`` of ``p`` (sniffed as ``kind``) raises instead: an UnsafeCheckpointError for a
-    global that is not allowed, a CheckpointError for anything else wrong with the file."""
+    pickle that imports a global weights-only loading refuses (named in the refusal, or read from its opcodes:
+    ``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``EXT*``), a CheckpointError for anything else wrong with the file."""
     plain = (
         f"{p} is a plain pickle (written by pickle.dump), not a torch.save checkpoint; "
         f"optimshift only reads torch.save files"
     )
-    if isinstance(e, pickle.UnpicklingError):
-        reason = _weights_only_reason(e)
-        names = _unsafe_globals(p, reason)
-        if names:
-            return _unsafe(p, names)
-        if kind == "pickle":
-            return CheckpointError(plain)
-        if "must be imported to load" in reason:
-            return CheckpointError(f"{p} cannot be loaded yet: {reason}; nothing was executed")
-        if "Unsupported operand" in reason and kind == "legacy":
-            return CheckpointError(
-                f"{p} is a legacy-format torch.save file (_use_new_zipfile_serialization=False) written with a "
-                f"pickle protocol that weights-only loading cannot read; nothing was executed. Re-save it in "
-                f"torch.save's default format (or, only if you fully trust it, torch.load(weights_only=False))."
-            )
-        return CheckpointError(f"{p} is corrupt: its pickle cannot be read ({reason}); nothing was executed")
+    # NOTE: whatever broke, a pickle that imports code is reported as such, never as "corrupt": a user told
+    # "corrupt" may try torch.load(weights_only=False), which would run it.
+    found = _untrusted.scan(p, kind)
+    refused = _untrusted.refused(found)
+    reason = _weights_only_reason(e) if isinstance(e, pickle.UnpicklingError) else ""
+    named = [_normalize_global(n) for n in _GLOBAL_RE.findall(reason)]
+    if named or refused:
+        return _unsafe(p, named, refused)
     if kind == "pickle":
         return CheckpointError(plain)
+    if isinstance(e, pickle.UnpicklingError):
+        if "must be imported to load" in reason:
+            return CheckpointError(f"{p} cannot be loaded yet: {reason}; nothing was executed")
+        operand = re.search(r"Unsupported operand (\d+)", reason)
+        opcode = _OPCODE_NAMES.get(int(operand.group(1))) if operand else None
+        if opcode is not None and (found.protocol or 0) >= 4:  # a valid opcode of a protocol torch cannot read
+            if kind == "legacy":
+                return CheckpointError(
+                    f"{p} is a legacy-format torch.save file (_use_new_zipfile_serialization=False) written with "
+                    f"pickle protocol {found.protocol}, whose {opcode} opcode weights-only loading cannot read; "
+                    f"nothing was executed. Re-save it in torch.save's default format (or, only if you fully "
+                    f"trust it, torch.load(weights_only=False))."
+                )
+            return CheckpointError(
+                f"{p} was written with pickle protocol {found.protocol} (torch.save(..., pickle_protocol="
+                f"{found.protocol})), whose {opcode} opcode weights-only loading cannot read; every global it names "
+                f"is one weights-only loading allows, and nothing was executed. Re-save it with torch.save's "
+                f"default protocol."
+            )
+        return CheckpointError(f"{p} is corrupt: its pickle cannot be read ({reason}); nothing was executed")
     if isinstance(e, RecursionError):
         return CheckpointError(f"{p} is corrupt or hostile: its objects are nested too deeply to load")
     if isinstance(e, MemoryError):
@@ -671,10 +652,10 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
     ``optimshift.load_state_dict`` copies by default). Every storage is checked against the size of the record
     that holds it before anything is returned, as ``mmap=False`` does.
 
-    Raises :class:`UnsafeCheckpointError` for a pickle that names a global weights-only loading does not allow
-    (nothing is imported or run), :class:`CheckpointError` for every other file that cannot be read (empty,
-    truncated, corrupt, another format); ``FileNotFoundError``/``PermissionError``/``IsADirectoryError`` for a
-    path that cannot be opened.
+    Raises :class:`UnsafeCheckpointError` for a pickle that imports a global weights-only loading does not allow,
+    by any opcode (nothing is imported or run), :class:`CheckpointError` for every other file that cannot be read
+    (empty, truncated, corrupt, another format, objects that replace their own methods);
+    ``FileNotFoundError``/``PermissionError``/``IsADirectoryError`` for a path that cannot be opened.
     """
     p = os.fspath(path)
     kind = _sniff(p)
@@ -692,6 +673,14 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
             # The sizes cannot be read without torch's unpickler: load eagerly, which checks every record.
             del obj
             obj = _torch_load(p, kind, where, False)
+    shadowed = _untrusted.shadowed_attribute(obj)
+    if shadowed is not None:
+        # NOTE: weights-only loading lets a pickle set any attribute on a tensor or an OrderedDict; one that
+        # replaces a method (__reduce_ex__, items) breaks whoever calls it later with an error of theirs.
+        raise CheckpointError(
+            f"{p} is corrupt or hostile: its pickle {shadowed} (no checkpoint does that); nothing was executed "
+            f"and nothing was returned"
+        )
     return obj
 
 

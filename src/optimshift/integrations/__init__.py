@@ -10,6 +10,35 @@ this package never imports Lightning, Accelerate or any optimizer library.
   ``Accelerator.load_state`` (either ``map_location``) place optimizer state correctly.
 - :mod:`optimshift.integrations.third_party`: ``register()`` installs the placement policies that third-party
   optimizer libraries need (``pytorch_optimizer``), and documents the classes no policy can fix.
+
+Each is also an attribute of this package, imported on first access (``optimshift.integrations.lightning``).
 """
 
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import accelerate as accelerate
+    from . import lightning as lightning
+    from . import third_party as third_party
+
 __all__: list[str] = []
+
+
+def _public_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: lazy (PEP 562), and for any public submodule present (integrations added later need no entry
+    # here): importing this package must not import a framework; accessing one imports it.
+    if name in _public_modules():
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_public_modules()))

@@ -1138,8 +1138,9 @@ def stream(stream: SimStream | None) -> Iterator[None]:
         yield
 
 
-def install(module: Any) -> None:
-    """Put the stream API on ``torch.sim`` and give optimshift's engine the simulator's streams."""
+def install(module: Any) -> Any:
+    """Put the stream API on ``torch.sim`` and give optimshift's engine the simulator's streams; returns the
+    hooks the simulator calls (this module)."""
     module.Stream = SimStream
     module.Event = SimEvent
     module.current_stream = current_stream
@@ -1151,3 +1152,7 @@ def install(module: Any) -> None:
     from optimshift import _streams
 
     _streams.register_backend(_sim.SIM_DEVICE_TYPE, module, pin_host=False)
+    return sys.modules[__name__]
+
+
+_sim.attach_streams(install)  # the simulator calls install() when it is set up (see simulated.attach_streams)

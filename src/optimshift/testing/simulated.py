@@ -97,7 +97,7 @@ import ctypes
 import math
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -976,7 +976,20 @@ def _ensure_setup() -> None:
 # Streams and events (optimshift.testing._sim_streams): deferred work on non-default streams
 # --------------------------------------------------------------------------------------------
 
-_deferred: Any = None  # the _sim_streams module once set up
+# NOTE: the dependency runs one way. _sim_streams is built on this module's helpers and plugs itself in
+# through attach_streams() when it is imported (optimshift.testing imports it before anything can set the
+# simulator up); this module never imports it.
+_deferred: Any = None  # what attach_streams' installer returned, once the simulator is set up
+_stream_installer: Callable[[Any], Any] | None = None
+
+
+def attach_streams(installer: Callable[[Any], Any]) -> None:
+    """Give the simulator its streams: ``installer(torch.sim)`` runs at setup (at once if it is already set up)
+    and returns the hooks the simulator calls (``on_alloc``, ``on_free``, ``dispatch``, ``synchronize``)."""
+    global _stream_installer
+    _stream_installer = installer
+    if _is_setup:
+        _install_streams()
 
 
 def _to_copy_entry(*args: Any, **kwargs: Any) -> Any:
@@ -987,7 +1000,5 @@ def _to_copy_entry(*args: Any, **kwargs: Any) -> Any:
 
 def _install_streams() -> None:
     global _deferred
-    from optimshift.testing import _sim_streams
-
-    _sim_streams.install(_backend_module)
-    _deferred = _sim_streams
+    if _stream_installer is not None and _deferred is None:
+        _deferred = _stream_installer(_backend_module)

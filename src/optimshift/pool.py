@@ -11,10 +11,17 @@ prefers idle buffers whose event is already complete, and otherwise waits for th
 A buffer that something still looks into (a ``state_dict()`` taken while
 the state was offloaded, a kept reference to an offloaded tensor) is never handed out again: its storage's
 use count says so, and the pool allocates a new buffer instead of overwriting what someone still holds.
+
+Pinned memory is bounded (``pinned_limit``, the ``OPTIMSHIFT_PINNED_LIMIT`` environment variable; by default
+half the host's memory shared by the node's ranks): a pinned request past the limit first frees idle pinned
+buffers, then gets pageable memory (slower copies, the same bytes), as does a request whose pinning fails.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -22,15 +29,29 @@ from typing import Any
 
 import torch
 
+from ._streams import host_pinning
+
 __all__ = ["HostPool", "host_pool", "PoolStats"]
 
 _GRANULE = 1 << 20  # sizes are rounded up to 1 MiB, so that slightly different requests reuse a buffer
+
+# the pinned-memory limit (read once per pool, when first needed): bytes (8589934592), a number with a unit
+# (8GiB, 512MiB, 1.5GB) or "unlimited"
+_ENV = "OPTIMSHIFT_PINNED_LIMIT"
+
+# cgroup v2, then v1: a container's memory limit, when it is below the machine's
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+_log = logging.getLogger("optimshift")
 
 
 @dataclass(frozen=True)
 class PoolStats:
     """``allocations``: buffers ever allocated; ``reuses``: requests served from the pool; ``idle``/``in_use``:
-    buffers (and ``idle_bytes``/``in_use_bytes``) now."""
+    buffers (and ``idle_bytes``/``in_use_bytes``) now. ``pinned_bytes``/``pageable_bytes``: the bytes of the
+    buffers held now (idle and in use) that are pinned / pageable; ``pinned_limit``: the limit on
+    ``pinned_bytes`` (None: none); ``over_limit``: pinned requests served with pageable memory because of the
+    limit; ``pin_failures``: pinned requests served with pageable memory because pinning failed."""
 
     allocations: int
     reuses: int
@@ -38,49 +59,197 @@ class PoolStats:
     in_use: int
     idle_bytes: int
     in_use_bytes: int
+    pinned_bytes: int = 0
+    pageable_bytes: int = 0
+    pinned_limit: int | None = None
+    over_limit: int = 0
+    pin_failures: int = 0
+
+
+class _Default:
+    """``HostPool``'s limit before it is known: the environment variable, else :func:`_default_limit`."""
+
+
+_FROM_ENVIRONMENT = _Default()
 
 
 class HostPool:
-    """Host byte buffers by size; pinned ones only where the accelerator pins host memory (see the module
-    docstring)."""
+    """Host byte buffers by size; pinned ones only where the accelerator pins host memory, at most
+    ``pinned_limit`` bytes of them (see the module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: list[tuple[torch.Tensor, bool, Any | None]] = []  # (buffer, pinned, event to wait for)
-        # per buffer id: (pinned, storage use count when it has no views); dropped when the buffer dies
-        self._meta: dict[int, tuple[bool, int | None]] = {}
+        # per buffer id: (pinned, storage use count when it has no views, bytes); dropped when the buffer dies
+        self._meta: dict[int, tuple[bool, int | None, int]] = {}
         # Held weakly (by id, as tensors compare elementwise): the buffers of an offloaded optimizer that is
         # garbage-collected are simply freed.
         self._in_use: dict[int, weakref.ref[torch.Tensor]] = {}
         self._allocations = 0
         self._reuses = 0
+        self._held = {True: 0, False: 0}  # bytes of the buffers held (idle and in use), pinned and pageable
+        self._limit: int | None | _Default = _FROM_ENVIRONMENT
+        self._over_limit = 0
+        self._pin_failures = 0
+        self._warned_limit = False  # one WARNING per limit: re-armed when the limit is set
+        self._warned_failure = False  # one WARNING per pool
+
+    @property
+    def pinned_limit(self) -> int | None:
+        """The most bytes of pinned buffers the pool holds at once (idle and in use); None: no limit. Until set
+        here: ``OPTIMSHIFT_PINNED_LIMIT``, else :func:`_default_limit` (read once, when first needed)."""
+        limit = self._limit
+        if isinstance(limit, _Default):
+            limit = _limit_from_environment()  # (a bad value raises, naming the variable, every time it is read)
+            with self._lock:
+                if isinstance(self._limit, _Default):
+                    self._limit = limit
+        return limit
+
+    @pinned_limit.setter
+    def pinned_limit(self, limit: int | None) -> None:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise TypeError(f"host_pool.pinned_limit must be a number of bytes or None, not {limit!r}")
+        if limit is not None and limit < 0:
+            raise ValueError(f"host_pool.pinned_limit must be at least 0 bytes (None: no limit), not {limit}")
+        with self._lock:
+            self._limit = limit
+            self._warned_limit = False
+            # Idle pinned buffers above a lowered limit are freed now, not at the next request.
+            evicted = [] if limit is None else self._evict(self._held[True] - limit, partial=True)
+        _free(evicted)
 
     def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        """A uint8 host tensor of at least ``nbytes`` (the smallest idle one that fits, else a new one)."""
-        nbytes = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
-        buf: torch.Tensor | None  # each idle candidate, then the buffer handed out (None: none fits)
+        """A uint8 host tensor of at least ``nbytes`` (the smallest idle one that fits, else a new one).
+        ``pinned``: pinned memory, unless that would take the pool past ``pinned_limit`` or pinning fails;
+        then pageable memory (one WARNING, counted in :meth:`stats`)."""
+        size = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+        if pinned:
+            buf = self._acquire_pinned(size)
+            if buf is not None:
+                return buf
         with self._lock:
-            best = None
-            best_key: tuple[bool, int] = (True, 0)
-            for i, (buf, is_pinned, pending) in enumerate(self._idle):
-                if nbytes <= buf.numel() <= 2 * nbytes and is_pinned == pinned and not self._viewed(buf):
-                    # the smallest fitting buffer, one that no copy in flight still uses first
-                    key = (pending is not None and not pending.query(), buf.numel())
-                    if best is None or key < best_key:
-                        best, best_key = i, key
-            found: torch.Tensor | None = None
-            event: Any | None = None
-            if best is not None:
-                found, _, event = self._idle.pop(best)
-                self._reuses += 1
-        buf = found
-        if buf is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            found, event = self._take_idle(size, pinned=False)
+        if found is None:
+            found = self._new(size, pinned=False)
+        return self._hand_out(found, event)
+
+    def _acquire_pinned(self, size: int) -> torch.Tensor | None:
+        """A pinned buffer, or None where the limit or a failure to pin says pageable memory instead.
+
+        # NOTE: PyTorch's caching host allocator rounds every pinned block up to a power of two, and pins (and
+        # keeps) that much. Asking it for exactly that size costs nothing more, lets the buffer serve every
+        # request of its size class, and makes the bytes the pool counts against the limit the bytes pinned.
+        """
+        size = 1 << (size - 1).bit_length()
+        limit = self.pinned_limit
+        evicted: list[tuple[torch.Tensor, bool, Any | None]] = []
+        over = warn = False
+        with self._lock:
+            found, event = self._take_idle(size, pinned=True)
+            if found is None:
+                if limit is not None and self._held[True] + size > limit:
+                    evicted = self._evict(self._held[True] + size - limit)  # all it takes, or nothing
+                    over = self._held[True] + size > limit
+                if over:
+                    self._over_limit += 1
+                    warn, self._warned_limit = not self._warned_limit, True
+                    held = self._held[True]
+                else:
+                    self._held[True] += size  # reserved here, allocated outside the lock
+        _free(evicted)
+        if found is not None:
+            return self._hand_out(found, event)
+        if over:
+            if warn:
+                _log.warning(
+                    "optimshift: the host pool's pinned-memory limit (%s; set with %s or "
+                    "optimshift.host_pool.pinned_limit) is reached: %s pinned, %s more asked. Copies past the "
+                    "limit go through pageable host memory (the same bytes, slower transfers that do not "
+                    "overlap); host_pool.stats().over_limit counts them. Logged once per limit.",
+                    _size(limit or 0),
+                    _ENV,
+                    _size(held),
+                    _size(size),
+                )
+            return None
+        try:
+            buf = self._new(size, pinned=True, reserved=True)
+        except RuntimeError as error:  # (cudaHostAlloc out of memory, no pinned allocator): pageable instead
             with self._lock:
-                self._allocations += 1
-                self._meta[id(buf)] = (pinned, _uses(buf))
-            weakref.finalize(buf, self._drop, id(buf))
-        elif event is not None:
+                self._held[True] -= size
+                self._pin_failures += 1
+                warn, self._warned_failure = not self._warned_failure, True
+            if warn:
+                _log.warning(
+                    "optimshift: pinning %s of host memory failed (%s: %s); copies go through pageable host "
+                    "memory instead (the same bytes, slower transfers). host_pool.stats().pin_failures counts "
+                    "them; a lower %s keeps the pool under what this host can pin. Logged once.",
+                    _size(size),
+                    type(error).__name__,
+                    (str(error).splitlines() or [""])[0],
+                    _ENV,
+                )
+            return None
+        except BaseException:
+            with self._lock:
+                self._held[True] -= size
+            raise
+        return self._hand_out(buf, None)
+
+    def _take_idle(self, size: int, *, pinned: bool) -> tuple[torch.Tensor | None, Any | None]:
+        """(Under the lock) the smallest idle buffer of ``size``'s class and kind that nothing looks into."""
+        best = None
+        best_key: tuple[bool, int] = (True, 0)
+        for i, (buf, is_pinned, pending) in enumerate(self._idle):
+            if size <= buf.numel() <= 2 * size and is_pinned == pinned and not self._viewed(buf):
+                # the smallest fitting buffer, one that no copy in flight still uses first
+                key = (pending is not None and not pending.query(), buf.numel())
+                if best is None or key < best_key:
+                    best, best_key = i, key
+        if best is None:
+            return None, None
+        found, _, event = self._idle.pop(best)
+        self._reuses += 1
+        return found, event
+
+    def _evict(self, need: int, *, partial: bool = False) -> list[tuple[torch.Tensor, bool, Any | None]]:
+        """(Under the lock) take idle pinned buffers out of the pool until ``need`` bytes are freed; none at all
+        when that many cannot be, unless ``partial``. A buffer something looks into frees nothing, and stays.
+        The caller frees them outside the lock (:func:`_free`)."""
+        candidates = [i for i, (buf, pinned, _) in enumerate(self._idle) if pinned and not self._viewed(buf)]
+        if need <= 0 or (not partial and sum(self._idle[i][0].numel() for i in candidates) < need):
+            return []
+
+        def order(i: int) -> tuple[bool, int]:  # no copy still using it first (no host wait), then the largest
+            buf, _, pending = self._idle[i]
+            return (pending is not None and not pending.query(), -buf.numel())
+
+        chosen: list[int] = []
+        freed = 0
+        for i in sorted(candidates, key=order):
+            if freed >= need:
+                break
+            chosen.append(i)
+            freed += self._idle[i][0].numel()
+        taken = [self._idle[i] for i in chosen]
+        for i in sorted(chosen, reverse=True):
+            del self._idle[i]
+        self._held[True] -= freed
+        return taken
+
+    def _new(self, size: int, *, pinned: bool, reserved: bool = False) -> torch.Tensor:
+        buf = _allocate(size, pinned)
+        with self._lock:
+            self._allocations += 1
+            self._meta[id(buf)] = (pinned, _uses(buf), size)
+            if not reserved:
+                self._held[pinned] += size
+        weakref.finalize(buf, self._drop, id(buf))
+        return buf
+
+    def _hand_out(self, buf: torch.Tensor, event: Any | None) -> torch.Tensor:
+        if event is not None:
             event.synchronize()  # a copy still reading this buffer must finish before it is overwritten
         with self._lock:
             self._in_use[id(buf)] = weakref.ref(buf)
@@ -88,13 +257,14 @@ class HostPool:
 
     def _drop(self, key: int) -> None:
         with self._lock:
-            self._meta.pop(key, None)
-            self._in_use.pop(key, None)
+            pinned, _, size = self._meta.pop(key, (False, None, 0))
+            if self._in_use.pop(key, None) is not None:  # died in use (an offloaded optimizer collected)
+                self._held[pinned] -= size
 
     def _viewed(self, buf: torch.Tensor) -> bool:
         """Whether a tensor other than ``buf`` itself still uses its memory."""
         uses = _uses(buf)
-        base = self._meta.get(id(buf), (False, uses))[1]
+        base = self._meta.get(id(buf), (False, uses, 0))[1]
         return uses is not None and base is not None and uses > base
 
     def release(self, buf: torch.Tensor, event: Any | None = None) -> None:
@@ -107,12 +277,14 @@ class HostPool:
         """Free every idle buffer (pinned memory goes back to the OS); returns the bytes freed."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for _, _, event in idle:
-            if event is not None:
-                event.synchronize()
-        return sum(buf.numel() for buf, _, _ in idle)
+            for buf, pinned, _ in idle:
+                self._held[pinned] -= buf.numel()
+        freed = sum(buf.numel() for buf, _, _ in idle)
+        _free(idle)
+        return freed
 
     def stats(self) -> PoolStats:
+        limit = self.pinned_limit
         with self._lock:
             return PoolStats(
                 self._allocations,
@@ -121,7 +293,120 @@ class HostPool:
                 len(self._in_use),
                 sum(b.numel() for b, _, _ in self._idle),
                 sum(b.numel() for b in (ref() for ref in self._in_use.values()) if b is not None),
+                self._held[True],
+                self._held[False],
+                limit,
+                self._over_limit,
+                self._pin_failures,
             )
+
+
+def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A new uint8 host buffer (a test stands in for the pinned allocator here)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def _free(entries: list[tuple[torch.Tensor, bool, Any | None]]) -> None:
+    """Free buffers taken out of the pool (outside its lock: a dying buffer calls back into the pool), once the
+    copies they were held with completed; pinned memory goes back to the OS."""
+    pinned = False
+    while entries:
+        buf, is_pinned, event = entries.pop()
+        if event is not None:
+            event.synchronize()
+        pinned = pinned or is_pinned
+        del buf
+    if pinned:
+        _return_pinned_memory()
+
+
+def _return_pinned_memory() -> None:
+    """Give the freed pinned blocks that PyTorch's caching host allocator keeps back to the OS.
+
+    # NOTE: the caching host allocator keeps every freed pinned block for the process (not for the pool), so
+    # without this a limit would bound what the pool holds but not what the process pins: a block freed to
+    # make room, of another size class, would stay pinned next to the new one. (It frees every unused cached
+    # block, others' too: they are pinned again when next asked for.)
+    """
+    if host_pinning() is None:  # no pinned allocator (a stand-in for one in tests): nothing is cached
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
+def _default_limit() -> int | None:
+    """The pinned-memory limit when none is set: half the host's memory (the machine's or the container's,
+    whichever is less) divided by the node's ranks (``LOCAL_WORLD_SIZE``, set by torchrun); None where the
+    host's memory cannot be read.
+
+    # NOTE: pinned pages are locked: the OS can neither swap nor reclaim them, and each rank of a node pins its
+    # own. Half leaves the other half for what every rank also needs on the host (the process, pageable
+    # copies, dataloader workers, the page cache a checkpoint is written through); past the limit copies still
+    # work, through pageable memory.
+    """
+    total = _host_memory()
+    if total is None:
+        return None
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
+    return total // 2 // ranks
+
+
+def _host_memory() -> int | None:
+    """Bytes of physical memory, or of the container's memory limit when that is lower."""
+    try:
+        total: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # (no sysconf: Windows)
+        total = None
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = int(text) if total is None else min(total, int(text))
+        break
+    return total if total else None
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)(b?)|(b?))", re.IGNORECASE)
+
+
+def _parse_size(text: str) -> int | None:
+    """Bytes from ``8589934592``, ``8GiB``/``8G`` (powers of 1024), ``8GB`` (powers of 1000) or ``unlimited``
+    (None); a ValueError naming the variable otherwise."""
+    value = text.strip()
+    if value.lower() in ("unlimited", "none"):
+        return None
+    match = _SIZE.fullmatch(value)
+    if match is None or (match[2] is None and "." in match[1]):
+        raise ValueError(
+            f"{_ENV}={text!r} is not a size: give bytes (8589934592), a number with a unit (8GiB, 512MiB, "
+            f"1.5GB) or 'unlimited'"
+        )
+    number, unit, binary, decimal = match[1], match[2], match[3], match[4]
+    if unit is None:
+        return int(number)
+    power = "kmgt".index(unit.lower()) + 1
+    scale = 1000**power if decimal and not binary else 1024**power  # (a bare 8G: powers of 1024)
+    return int(float(number) * scale) if "." in number else int(number) * scale
+
+
+def _limit_from_environment() -> int | None:
+    raw = os.environ.get(_ENV, "").strip()
+    return _default_limit() if not raw else _parse_size(raw)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _uses(buf: torch.Tensor) -> int | None:

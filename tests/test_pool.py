@@ -1,0 +1,440 @@
+"""The host pool's pinned-memory budget: past ``pinned_limit`` (or when pinning itself fails) a pinned request
+gets pageable memory, with one WARNING, counted in ``stats()``; offload/reload round trips through such buffers
+stay bitwise, blocking and non-blocking, under the simulator's deferred streams.
+
+No pinned allocator exists on a CPU-only machine (and the simulator has none), so the pinned path is exercised
+with a stand-in: ``pool._allocate`` makes plain host buffers it reports as pinned (``Tensor.is_pinned``), and the
+simulated accelerator is declared one that pins (``_copy.pins_host_for``), so that copies ask for pinned buffers.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+
+import optimshift
+from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
+from optimshift import _copy, pool
+from optimshift.pool import HostPool, host_pool
+from optimshift.testing import deferred_streams
+
+MiB = 1 << 20
+SCHEDULES = [
+    pytest.param(0, 0.0, id="strict"),
+    pytest.param(1, 0.02, id="seed1"),
+    pytest.param(2, 0.05, id="seed2"),
+    pytest.param(3, 0.2, id="seed3"),
+]
+CONFIGS = [
+    pytest.param(torch.optim.Adam, {"foreach": True}, id="Adam-foreach"),
+    pytest.param(torch.optim.AdamW, {"fused": True}, id="AdamW-fused"),
+    pytest.param(torch.optim.SGD, {"momentum": 0.9, "foreach": False}, id="SGD-momentum"),
+]
+SHAPES = [(3, 2), (4,), (2, 5), (1,)]
+
+
+class Pinning:
+    """A stand-in pinned allocator: plain host memory, reported as pinned by ``Tensor.is_pinned``; ``fail``: the
+    exception every pinned allocation raises instead."""
+
+    def __init__(self) -> None:
+        self.pointers: set[int] = set()
+        self.fail: BaseException | None = None
+        self.pinned_allocations = 0
+
+    def allocate(self, nbytes, pinned):
+        if pinned and self.fail is not None:
+            raise self.fail
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if pinned:
+            self.pinned_allocations += 1
+            pointer = buf.untyped_storage().data_ptr()
+            self.pointers.add(pointer)
+            weakref.finalize(buf, self.pointers.discard, pointer)
+        return buf
+
+    def is_pinned(self, t) -> bool:
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self.pointers
+
+
+@pytest.fixture
+def pinning(monkeypatch):
+    stand_in = Pinning()
+    monkeypatch.setattr(pool, "_allocate", stand_in.allocate)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: stand_in.is_pinned(self))
+    return stand_in
+
+
+@pytest.fixture
+def global_pool():
+    """``host_pool`` as a test leaves it: its limit as it was, no idle buffer (none made by a stand-in)."""
+    host_pool.release_idle()
+    limit = host_pool._limit
+    yield host_pool
+    host_pool._limit = limit
+    host_pool.release_idle()
+
+
+@pytest.fixture
+def sim_pins(sim, monkeypatch, pinning, global_pool):
+    """The simulated accelerator as one whose copies use pinned host buffers (from the stand-in allocator)."""
+    monkeypatch.setattr(_copy, "pins_host_for", lambda device: device.type == sim.type)
+    return pinning
+
+
+def _consistent(stats):
+    assert stats.pinned_bytes + stats.pageable_bytes == stats.idle_bytes + stats.in_use_bytes, stats
+
+
+def _warnings(caplog, text):
+    return [r for r in caplog.records if r.name == "optimshift" and r.levelno == logging.WARNING and text in r.message]
+
+
+# -- the limit -----------------------------------------------------------------------------------------------
+
+
+def test_past_the_limit_a_pinned_request_gets_pageable_memory_with_one_warning(pinning, caplog):
+    p = HostPool()
+    p.pinned_limit = 4 * MiB
+    with caplog.at_level(logging.WARNING, logger="optimshift"):
+        a, b = p.acquire(2 * MiB, pinned=True), p.acquire(2 * MiB - 5, pinned=True)
+        assert pinning.is_pinned(a) and pinning.is_pinned(b)
+        assert not _warnings(caplog, "limit")
+        c = p.acquire(1, pinned=True)  # 4 MiB pinned already: past the limit
+        d = p.acquire(3 * MiB, pinned=True)
+    assert not pinning.is_pinned(c) and not pinning.is_pinned(d)
+    assert c.numel() == MiB and d.numel() == 3 * MiB, "pageable buffers keep the 1 MiB granule"
+    stats = p.stats()
+    assert (stats.pinned_bytes, stats.pageable_bytes) == (4 * MiB, 4 * MiB)
+    assert (stats.pinned_limit, stats.over_limit, stats.pin_failures) == (4 * MiB, 2, 0)
+    _consistent(stats)
+    [line] = _warnings(caplog, "limit")
+    assert "4.0 MiB" in line.message and "OPTIMSHIFT_PINNED_LIMIT" in line.message and "over_limit" in line.message
+    # the pageable buffers are reused by the next requests past the limit: no new memory in a steady loop
+    p.release(c)
+    allocations = p.stats().allocations
+    assert p.acquire(MiB, pinned=True) is c and p.stats().allocations == allocations
+    assert p.stats().over_limit == 3
+    # setting the limit again re-arms the warning
+    p.pinned_limit = 4 * MiB
+    with caplog.at_level(logging.WARNING, logger="optimshift"):
+        p.acquire(MiB, pinned=True)
+    assert len(_warnings(caplog, "limit")) == 2 and p.stats().over_limit == 4
+
+
+def test_idle_pinned_buffers_are_freed_to_make_room_before_pageable_memory(pinning, caplog, monkeypatch):
+    emptied = []
+    monkeypatch.setattr(pool, "_return_pinned_memory", lambda: emptied.append(1))
+    p = HostPool()
+    p.pinned_limit = 4 * MiB
+    a, b = p.acquire(MiB, pinned=True), p.acquire(2 * MiB, pinned=True)
+
+    class Event:
+        synchronized = 0
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            Event.synchronized += 1
+
+    p.release(a, Event())  # a copy in flight still reads it
+    p.release(b)
+    gone = [weakref.ref(a), weakref.ref(b)]
+    del a, b
+    with caplog.at_level(logging.WARNING, logger="optimshift"):
+        c = p.acquire(4 * MiB, pinned=True)  # fits neither: both go (3 MiB held + 4 MiB > 4 MiB)
+    assert pinning.is_pinned(c) and not _warnings(caplog, "limit")
+    assert all(ref() is None for ref in gone), "the idle pinned buffers were freed"
+    assert Event.synchronized == 1, "after the copy that read one of them"
+    assert emptied == [1], "and the caching host allocator was told to give them back"
+    stats = p.stats()
+    assert (stats.pinned_bytes, stats.idle, stats.over_limit) == (4 * MiB, 0, 0)
+    # a buffer something still looks into frees nothing: it stays, counted, and the request goes pageable
+    p.release(c)
+    view = c[:10]
+    del c
+    d = p.acquire(MiB, pinned=True)  # (a 4 MiB buffer is not in a 1 MiB request's size class)
+    assert not pinning.is_pinned(d) and view.untyped_storage().data_ptr() in pinning.pointers
+    assert (p.stats().pinned_bytes, p.stats().over_limit) == (4 * MiB, 1)
+    _consistent(p.stats())
+
+
+def test_pinned_buffers_are_powers_of_two_as_the_caching_host_allocator_pins(pinning):
+    p = HostPool()
+    p.pinned_limit = None
+    a = p.acquire(3 * MiB, pinned=True)
+    assert a.numel() == 4 * MiB and p.stats().pinned_bytes == 4 * MiB
+    assert p.acquire(3 * MiB, pinned=False).numel() == 3 * MiB
+    p.release(a)
+    assert p.acquire(3 * MiB + 1, pinned=True) is a and p.stats().reuses == 1
+
+
+def test_a_lower_limit_frees_idle_pinned_buffers_and_bad_limits_are_refused(pinning):
+    p = HostPool()
+    p.pinned_limit = None
+    bufs = [p.acquire(2 * MiB, pinned=True) for _ in range(3)]
+    for buf in bufs:
+        p.release(buf)
+    del bufs, buf
+    p.pinned_limit = 3 * MiB
+    stats = p.stats()
+    assert (stats.pinned_bytes, stats.idle) == (2 * MiB, 1)
+    for bad, error in [(True, TypeError), (1.5, TypeError), ("8GiB", TypeError), (-1, ValueError)]:
+        with pytest.raises(error, match="host_pool.pinned_limit must be"):
+            p.pinned_limit = bad
+    assert p.pinned_limit == 3 * MiB
+    p.pinned_limit = 0  # no pinned memory at all
+    assert p.stats().pinned_bytes == 0 and not pinning.is_pinned(p.acquire(1, pinned=True))
+
+
+def test_a_buffer_that_dies_in_use_stops_counting(pinning):
+    p = HostPool()
+    p.pinned_limit = None
+    a, b = p.acquire(1, pinned=True), p.acquire(1, pinned=False)
+    assert (p.stats().pinned_bytes, p.stats().pageable_bytes) == (MiB, MiB)
+    del a, b
+    gc.collect()
+    assert (p.stats().pinned_bytes, p.stats().pageable_bytes, p.stats().in_use) == (0, 0, 0)
+
+
+def test_release_idle_gives_pinned_memory_back_to_the_os(pinning, monkeypatch):
+    """PyTorch's caching host allocator keeps freed pinned blocks for the process: the pool empties its cache
+    once it freed pinned buffers (and not for pageable ones alone)."""
+    emptied = []
+    monkeypatch.setattr(pool, "host_pinning", lambda: "cuda")
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: emptied.append(1))
+    p = HostPool()
+    p.pinned_limit = None
+    p.release(p.acquire(1, pinned=False))
+    assert p.release_idle() == MiB and emptied == []
+    p.release(p.acquire(1, pinned=True))
+    assert p.release_idle() == MiB and emptied == [1]
+    assert (p.stats().pinned_bytes, p.stats().pageable_bytes) == (0, 0)
+
+
+# -- pinning that fails ----------------------------------------------------------------------------------------
+
+
+def test_a_failing_pin_memory_falls_back_to_pageable_memory(pinning, caplog):
+    p = HostPool()
+    p.pinned_limit = None
+    kept = p.acquire(1, pinned=True)
+    pinning.fail = torch.OutOfMemoryError("CUDA error: out of memory\nCUDA kernel errors might be reported ...")
+    with caplog.at_level(logging.WARNING, logger="optimshift"):
+        a = p.acquire(2 * MiB, pinned=True)
+        b = p.acquire(MiB, pinned=True)
+    assert not pinning.is_pinned(a) and not pinning.is_pinned(b) and a.numel() == 2 * MiB
+    stats = p.stats()
+    assert (stats.pin_failures, stats.over_limit) == (2, 0)
+    assert (stats.pinned_bytes, stats.pageable_bytes) == (MiB, 3 * MiB), "nothing counted for the failed pins"
+    [line] = _warnings(caplog, "pinning")
+    assert "(OutOfMemoryError: CUDA error: out of memory);" in line.message and "pin_failures" in line.message
+    # an interrupt is no allocation failure: it propagates, and nothing stays reserved
+    pinning.fail = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        p.acquire(MiB, pinned=True)
+    assert p.stats().pinned_bytes == MiB and p.stats().pin_failures == 2
+    del kept
+
+
+# -- where the limit comes from ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, limit",
+    [
+        ("8GiB", 8 << 30),
+        ("8g", 8 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5GB", 1_500_000_000),
+        ("2 kb", 2000),
+        ("1048576", 1 << 20),
+        ("0", 0),
+        ("unlimited", None),
+    ],
+)
+def test_the_limit_from_the_environment(monkeypatch, value, limit):
+    monkeypatch.setenv("OPTIMSHIFT_PINNED_LIMIT", value)
+    assert HostPool().pinned_limit == limit
+    p = HostPool()
+    p.pinned_limit = 3 * MiB  # set in code: the variable no longer counts
+    assert p.pinned_limit == 3 * MiB and p.stats().pinned_limit == 3 * MiB
+
+
+@pytest.mark.parametrize("value", ["lots", "8 GiBs", "-1", "1.5", "8iB"])
+def test_a_bad_environment_value_is_refused_naming_the_variable(monkeypatch, pinning, value):
+    monkeypatch.setenv("OPTIMSHIFT_PINNED_LIMIT", value)
+    p = HostPool()
+    message = rf"OPTIMSHIFT_PINNED_LIMIT='{value}' is not a size: give bytes .* or 'unlimited'"
+    with pytest.raises(ValueError, match=message):
+        p.acquire(1, pinned=True)
+    assert p.acquire(1, pinned=False).numel() == MiB, "pageable requests never read it"
+    monkeypatch.setenv("OPTIMSHIFT_PINNED_LIMIT", "1MiB")
+    assert p.stats().allocations == 1 and p.pinned_limit == MiB
+
+
+def test_the_default_is_half_the_host_memory_shared_by_the_local_ranks(monkeypatch):
+    monkeypatch.delenv("OPTIMSHIFT_PINNED_LIMIT", raising=False)
+    monkeypatch.setattr(pool, "_host_memory", lambda: 64 << 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert HostPool().pinned_limit == 4 << 30
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert HostPool().pinned_limit == 32 << 30
+    monkeypatch.setattr(pool, "_host_memory", lambda: None)
+    assert HostPool().pinned_limit is None, "unknown host memory: no limit"
+
+
+def test_host_memory_is_the_machine_s_or_the_container_s_whichever_is_less(monkeypatch, tmp_path):
+    import os
+
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(pool, "_CGROUP_LIMITS", (str(limit), str(tmp_path / "v1")))
+    assert pool._host_memory() == machine, "no cgroup file"
+    limit.write_text("max\n")
+    assert pool._host_memory() == machine
+    limit.write_text("1073741824\n")
+    assert pool._host_memory() == 1 << 30
+    limit.write_text(f"{machine * 4}\n")
+    assert pool._host_memory() == machine
+
+
+# -- offload and reload through pageable buffers: bitwise, blocking and non-blocking ---------------------------------
+
+
+def _cycles(sim, cls, kwargs, *, non_blocking, offloaded=None, strict=False):
+    """Train, then two offload/reload cycles with training between and after: (params, state) at the end.
+    ``offloaded(opt)`` is called while the state is offloaded (and waited for); ``strict``: the schedule runs
+    nothing unordered, so each non-blocking transfer must still be in flight when it returns."""
+    model = Model(SHAPES).to(sim)
+    opt = cls(list(model.parameters()), **kwargs)
+    train(model, opt, range(2))
+    objects = tensor_ids(opt)
+    for cycle in range(2):
+        handle = optimshift.offload(opt, non_blocking=non_blocking)
+        assert not (strict and handle.done()), "the offload is in flight"
+        optimshift.wait(opt)
+        if offloaded is not None:
+            offloaded(opt)
+        handle = optimshift.reload(opt, non_blocking=non_blocking)  # the next step waits for it on the device
+        assert not (strict and handle.done()), "the reload is in flight"
+        train(model, opt, range(2 + 2 * cycle, 4 + 2 * cycle))
+    assert tensor_ids(opt) == objects
+    optimshift.wait(opt)
+    return [snapshot(p.detach()) for p in model.parameters()], [snapshot(dict(st)) for st in opt.state.values()]
+
+
+def _run(sim, cls, kwargs, *, non_blocking, seed=0, progress=0.0, offloaded=None):
+    with deferred_streams(seed=seed, progress=progress):
+        strict = non_blocking and progress == 0.0
+        return _cycles(sim, cls, kwargs, non_blocking=non_blocking, offloaded=offloaded, strict=strict)
+
+
+def _assert_bitwise(run, ref):
+    for a, b in zip(run[0], ref[0]):
+        assert bitwise_equal(a, b)
+    for a, b in zip(run[1], ref[1]):
+        assert bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "non_blocking, seed, progress",
+    [pytest.param(False, 0, 0.0, id="blocking")] + [pytest.param(True, *s.values, id=s.id) for s in SCHEDULES],
+)
+@pytest.mark.parametrize("cls, kwargs", CONFIGS)
+def test_round_trips_past_the_limit_are_bitwise(sim, sim_pins, monkeypatch, cls, kwargs, non_blocking, seed, progress):
+    """A 1 MiB limit: one chunk's buffer is pinned, every other one pageable (a reload then stages it into a
+    pinned buffer where there is room, a pageable one where there is not); bitwise like the unlimited pool."""
+    monkeypatch.setattr(_copy, "CHUNK_BYTES", 48)  # several chunks, each in a buffer of its own
+    host_pool.pinned_limit = None
+    ref = _cycles(sim, cls, kwargs, non_blocking=False)
+    assert host_pool.stats().pageable_bytes == 0, "the reference ran on pinned buffers alone"
+    host_pool.release_idle()
+    host_pool.pinned_limit = MiB
+    before = host_pool.stats()
+    kinds = []
+
+    def offloaded(opt):
+        kinds.append({v.is_pinned() for st in opt.state.values() for v in st.values() if v.dim()})
+        stats = host_pool.stats()
+        assert stats.pinned_bytes <= MiB and stats.pageable_bytes > 0
+        _consistent(stats)
+
+    run = _run(sim, cls, kwargs, non_blocking=non_blocking, seed=seed, progress=progress, offloaded=offloaded)
+    _assert_bitwise(run, ref)
+    assert kinds == [{True, False}] * 2, "offloaded state in pinned and in pageable buffers, both cycles"
+    assert host_pool.stats().over_limit > before.over_limit
+
+
+@pytest.mark.parametrize(
+    "non_blocking, seed, progress",
+    [pytest.param(False, 0, 0.0, id="blocking"), pytest.param(True, 0, 0.0, id="strict")]
+    + [pytest.param(True, *s.values, id=s.id) for s in SCHEDULES[2:]],
+)
+def test_round_trips_when_pin_memory_itself_fails_are_bitwise(
+    sim, global_pool, monkeypatch, caplog, non_blocking, seed, progress
+):
+    """The real allocator, asked for pinned memory where there is none (the simulated accelerator has no pinned
+    allocator: ``pin_memory=True`` raises): every transfer still happens, through pageable buffers."""
+    ref = _run(sim, torch.optim.Adam, {"foreach": True}, non_blocking=non_blocking, seed=seed, progress=progress)
+    host_pool.release_idle()
+    host_pool.pinned_limit = None
+    monkeypatch.setattr(_copy, "pins_host_for", lambda device: device.type == sim.type)
+    failures = host_pool.stats().pin_failures
+    with caplog.at_level(logging.WARNING, logger="optimshift"):
+        run = _run(sim, torch.optim.Adam, {"foreach": True}, non_blocking=non_blocking, seed=seed, progress=progress)
+    _assert_bitwise(run, ref)
+    stats = host_pool.stats()
+    assert stats.pin_failures > failures and stats.pinned_bytes == 0
+    assert len(_warnings(caplog, "pinning")) <= 1  # (one per pool: an earlier test may have logged it)
+
+
+@pytest.mark.parametrize("seed, progress", [(0, 0.0), (1, 0.3)])
+def test_streamed_steps_past_the_limit_are_bitwise(sim, sim_pins, monkeypatch, seed, progress):
+    """Streamed state lives in pool buffers, one per chunk: past the limit in pageable ones, and each streamed
+    step is still bitwise the ordinary step, under deferred copy streams."""
+    from optimshift import _streams
+
+    monkeypatch.setattr(_streams, "pins_host_for", lambda device: device.type == sim.type)
+    host_pool.pinned_limit = MiB
+    before = host_pool.stats()
+    with deferred_streams(seed=seed, progress=progress):
+        model, ref_model = Model(SHAPES).to(sim), Model(SHAPES).to(sim)
+        opt, ref = (torch.optim.Adam(list(m.parameters()), foreach=True) for m in (model, ref_model))
+        optimshift.stream(opt, chunk_bytes=64)  # a chunk per param or two
+        train(model, opt, range(3))
+        train(ref_model, ref, range(3))
+        stats = host_pool.stats()
+        assert stats.pinned_bytes == MiB and stats.pageable_bytes >= 2 * MiB and stats.over_limit > before.over_limit
+        _consistent(stats)
+        optimshift.unstream(opt)
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert bitwise_equal(a, b)
+            assert bitwise_equal(dict(opt.state[a]), dict(ref.state[b]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("non_blocking", [False, True], ids=["blocking", "non_blocking"])
+@pytest.mark.parametrize("cls, kwargs", CONFIGS)
+def test_on_cuda_round_trips_past_the_limit_are_bitwise(global_pool, monkeypatch, cls, kwargs, non_blocking):
+    """The real pinned allocator: pinned and pageable pool buffers side by side, bitwise like the unlimited
+    pool, and no more pinned than the limit."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(_copy, "CHUNK_BYTES", 48)
+    host_pool.pinned_limit = None
+    ref = _cycles(cuda, cls, kwargs, non_blocking=False)
+    host_pool.release_idle()
+    host_pool.pinned_limit = MiB
+    kinds = []
+
+    def offloaded(opt):
+        kinds.append({v.is_pinned() for st in opt.state.values() for v in st.values() if v.dim()})
+        assert host_pool.stats().pinned_bytes <= MiB
+
+    _assert_bitwise(_cycles(cuda, cls, kwargs, non_blocking=non_blocking, offloaded=offloaded), ref)
+    assert kinds == [{True, False}] * 2

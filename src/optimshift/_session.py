@@ -16,12 +16,12 @@ import threading
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .plan import Ident
+# (plan.Ident, spelled out: this module sits below plan, which asks it for a session)
+Ident = tuple[int, int | None, tuple[Any, ...]]
 
 __all__ = ["Session", "of", "get"]
 

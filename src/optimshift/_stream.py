@@ -49,7 +49,7 @@ from . import policy as _policy
 from ._adopt import Mechanism, adopt, decide_all
 from ._copystream import CopyStream, copy_stream, pinned_for
 from ._devices import DeviceLike, resolve
-from ._offload import record_of, settle
+from ._offload import compact_state_dict, record_of, settle
 from ._state import _ATOMS, leaves
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
@@ -173,7 +173,6 @@ class Streamed:
         self._raw = _raw_step(type(optimizer))
         self._chunk_of: dict[int, _Chunk] = {}  # id(param) -> its chunk
         self._chunks: dict[int, _Chunk] = {}  # id(chunk) -> chunk (in layout order)
-        self._objects: dict[int, _Entry] = {}  # id(streamed tensor object) -> entry
         self._examined: set[int] = set()  # params whose state holds nothing to stream (host-only or none)
         self._pending: dict[torch.device, Any] = {}  # device -> event after its last queued write-back
         self._stale = False  # a load replaced the state and laying it out failed: retried at the next step
@@ -324,8 +323,6 @@ class Streamed:
             for p in c.params:
                 self._chunk_of[id(p)] = c
                 self._examined.discard(id(p))
-            for e in c.entries:
-                self._objects[id(e.obj)] = e
 
     def _partition(self, items: list[_Item]) -> Iterator[list[_Item]]:
         """Consecutive params of one group and device, cut where the next param's state would take the chunk
@@ -395,9 +392,6 @@ class Streamed:
             for p in c.params:
                 if self._chunk_of.get(id(p)) is c:
                     del self._chunk_of[id(p)]
-            for e in c.entries:
-                if self._objects.get(id(e.obj), None) is e:
-                    self._objects.pop(id(e.obj))
 
     def _release(self, chunks: Sequence[_Chunk]) -> None:
         """Give the chunks' host buffers back to the pool (reused only once nothing looks into them)."""
@@ -417,8 +411,6 @@ class Streamed:
                 self._chunks[id(c)] = c
                 for p in c.params:
                     self._chunk_of[id(p)] = c
-                for e in c.entries:
-                    self._objects[id(e.obj)] = e
             raise
         self._release(chunks)
 
@@ -652,7 +644,7 @@ class Streamed:
             setattr(opt, attr, types.MethodType(fn, opt))
         self._handles = [
             opt.register_state_dict_pre_hook(lambda _opt: self.wait()),
-            opt.register_state_dict_post_hook(self._compact),
+            opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
         self._active = True
         _mode.enter(opt, self)
@@ -670,21 +662,6 @@ class Streamed:
                 else:
                     opt.__dict__[attr] = previous
             # else: replaced by someone since; our step then falls through to the plain step (see _install)
-
-    def _compact(self, opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        """state_dict() post-hook: each streamed tensor as a compact host copy (not a view into a pool buffer,
-        which torch.save would write whole), in new per-param dicts (the live ones stay as they are)."""
-        objects = self._objects
-        state = {}
-        for k, st in sd["state"].items():
-            if isinstance(st, dict) and any(isinstance(v, torch.Tensor) and id(v) in objects for v in st.values()):
-                st = {
-                    kk: vv.clone() if isinstance(vv, torch.Tensor) and id(vv) in objects else vv
-                    for kk, vv in st.items()
-                }
-            state[k] = st
-        sd["state"] = state
-        return sd
 
 
 def _where(opt: Any, p: torch.Tensor) -> str:

@@ -144,13 +144,6 @@ class _Chunk:
         self.nbytes, self.buffer, self.counts, self.oversized = nbytes, buffer, counts, oversized
 
 
-def _raw_step(cls: type) -> Callable[..., Any]:
-    """The class's step without torch's hook wrapper (``Optimizer._patch_step_function`` puts it on the class)."""
-    fn = getattr(cls, "step")  # noqa: B009  (typed: a class, not an Optimizer)
-    raw: Callable[..., Any] = fn.__wrapped__ if getattr(fn, "hooked", False) else fn
-    return raw
-
-
 _MISSING = object()
 
 
@@ -170,7 +163,7 @@ class Streamed:
         self._ref = weakref.ref(optimizer)
         self.chunk_bytes = chunk_bytes
         self.device = device
-        self._raw = _raw_step(type(optimizer))
+        self._raw = _policy.step_of(type(optimizer))  # (we fire the step hooks: see _install)
         self._chunk_of: dict[int, _Chunk] = {}  # id(param) -> its chunk
         self._chunks: dict[int, _Chunk] = {}  # id(chunk) -> chunk (in layout order)
         self._examined: set[int] = set()  # params whose state holds nothing to stream (host-only or none)

@@ -22,10 +22,12 @@ called once; LR schedulers, ``GradScaler`` (also its fused ``grad_scale``/``foun
 clipping and ``zero_grad`` see the real groups. Every state tensor stays the same Python object across chunks
 and steps: it takes its device window's contents for its chunk and its host buffer's back afterwards
 (:mod:`optimshift._adopt`). ``state_dict()`` returns compact host copies of the streamed tensors (no pool
-bytes around them) and ``load_state_dict`` loads straight into host state (no device memory on resume).
+bytes around them: :func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict``
+loads straight into host state (no device memory on resume).
 
-The copies go through :mod:`optimshift._copystream` (copy on the copy stream, record an event, wait for one):
-the loads wait for the previous occupant's write-back of their window (same copy stream, in order), a chunk's
+The copies go through the engine's stream layer (:mod:`optimshift._streams`, with :class:`optimshift._copy.Side`'s
+rules), on a side stream of their own per device (the lane): the loads wait for the previous occupant's
+write-back of their window (same lane, in order), a chunk's
 compute waits for its load, its write-back waits for its compute. After ``step()`` returns, the last
 write-backs may still be running on CUDA: ``state_dict()``, ``load_state_dict()``, every optimshift function,
 :func:`unstream` and :meth:`Streamed.wait` wait for them; the next step orders its loads after them on the
@@ -44,10 +46,10 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from . import _mode, engine
+from . import _mode, _streams, engine
 from . import policy as _policy
 from ._adopt import Mechanism, adopt, decide_all
-from ._copystream import CopyStream, copy_stream, pinned_for
+from ._copy import Side
 from ._devices import DeviceLike, resolve
 from ._offload import compact_state_dict, record_of, settle
 from ._state import _ATOMS, leaves
@@ -55,6 +57,7 @@ from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
 from .plan import Ident, check_optimizer, optimizer_name, policy_target
 from .pool import host_pool
+from .syncs import async_copies
 
 __all__ = ["stream", "unstream", "streamed", "is_streamed", "Streamed", "DEFAULT_CHUNK_BYTES"]
 
@@ -151,6 +154,38 @@ def _is_device(t: torch.Tensor) -> bool:
     return t.device.type not in _HOSTS
 
 
+# -- copies: the engine's stream layer (_streams.Streams, with _copy.Side's rules) on a side stream of their own --
+
+
+def _lane(device: torch.device) -> Side | None:
+    """Where the streamed step queues its copies on ``device``: its own side stream there (never behind an
+    engine transfer), used as the engine uses its own (:class:`optimshift._copy.Side`: every device tensor is
+    allocated on the current stream and recorded for the side one). None: the device has no streams, each copy
+    is complete when it returns."""
+    streams = _streams.of(device)
+    return None if streams is None else Side(streams, streams.side(device, "stream"), streams.current(device))
+
+
+def _queue(side: Side | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, wait: bool = True) -> None:
+    """Copy ``srcs`` into ``dsts`` on ``side`` (``wait``: after the work queued on the current stream so far:
+    the compute that wrote the sources, the allocation of a window). Device-to-host copies are
+    ``async_copies``: the host does not wait for them here (:func:`optimshift.count_syncs` lists them apart)."""
+    to_host = dsts[0].device.type == "cpu" and srcs[0].device.type != "cpu"
+    on = contextlib.nullcontext() if side is None else side.issue() if wait else side.streams.use(side.stream)
+    with on, async_copies(to_host):
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0], non_blocking=side is not None)
+        else:
+            torch._foreach_copy_(dsts, srcs, non_blocking=side is not None)
+
+
+def _recorded(side: Side, device: torch.device) -> Any:
+    """An event after the copies queued on ``side`` so far."""
+    event = side.streams.new_event(device)
+    side.streams.record(event, side.stream)
+    return event
+
+
 class Streamed:
     """What :func:`stream` returns: the streamed mode of one optimizer.
 
@@ -201,8 +236,8 @@ class Streamed:
     def wait(self) -> None:
         """Block until every queued write-back of streamed state has reached host memory."""
         pending, self._pending = self._pending, {}
-        for device, event in pending.items():
-            copy_stream(device).host_wait(event)
+        for event in pending.values():
+            event.synchronize()
 
     settle = wait
 
@@ -284,17 +319,15 @@ class Streamed:
                     chunks.append(chunk)
                     pairs.extend(fills)
             moved = engine.copy_items([(t, _HOST) for _, _, t in host_moves]).copies if host_moves else []
-            devices = self._fill(pairs)
+            lanes = self._fill(pairs)
         except BaseException:
             self._release(chunks)
             raise
-        if wait:
-            for device in devices:
-                s = copy_stream(device)
-                s.host_wait(s.record())
-        else:
-            for device in devices:
-                self._pending[device] = copy_stream(device).record()
+        for device, side in lanes.items():
+            if wait:
+                _recorded(side, device).synchronize()
+            else:
+                self._pending[device] = _recorded(side, device)
         # Every copy exists: now the objects take their new places (cannot fail).
         # (every entry of a new chunk has its host view: _new_chunk set it; copy_items copied every input)
         adoptions = [(e.obj, cast(torch.Tensor, e.host)) for c in chunks for e in c.entries]
@@ -340,7 +373,7 @@ class Streamed:
             for key, t in streamed:
                 entries.append(_Entry(st, key, t, offset))
                 offset += _aligned(entries[-1].nbytes)
-        buffer = host_pool.acquire(max(offset, 1), pinned=pinned_for(device))
+        buffer = host_pool.acquire(max(offset, 1), pinned=_streams.pins_host_for(device))
         counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
         chunk = _Chunk(
             group,
@@ -357,27 +390,26 @@ class Streamed:
             e.host = host
         return chunk, [(host, e.obj) for e, host in zip(entries, hosts)]
 
-    def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.device]:
-        """Copy each source into its host view: host sources at once, device sources on their device's copy
-        stream (after the work queued on the current stream, e.g. the step that made them). Returns the devices
-        whose copy streams hold copies still to wait for."""
+    def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[torch.device, Side]:
+        """Copy each source into its host view: host sources at once, device sources on their device's lane
+        (after the work queued on the current stream, e.g. the step that made them). Returns the lanes that
+        hold copies still to wait for."""
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for view, source in pairs:
             dsts, srcs = by_device.setdefault(source.device, ([], []))
             dsts.append(view)
             srcs.append(source.detach())
-        devices = []
+        lanes = {}
         for device, (dsts, srcs) in by_device.items():
             if device.type in _HOSTS:
                 torch._foreach_copy_(dsts, srcs)
                 continue
-            s = copy_stream(device)
-            s.after_current()
-            s.copy_all(dsts, srcs)
-            for t in srcs:
-                s.keep(t)  # the source may be freed (adopted away) before the copy stream has read it
-            devices.append(device)
-        return devices
+            side = _lane(device)
+            _queue(side, dsts, srcs)
+            if side is not None:
+                side.uses(*srcs)  # the source may be freed (adopted away) before the lane has read it
+                lanes[device] = side
+        return lanes
 
     def _forget(self, chunks: Sequence[_Chunk]) -> None:
         for c in chunks:
@@ -521,15 +553,18 @@ class Streamed:
         turn: dict[torch.device, int] = {}
         windows: list[Any] = [None] * n
         loaded: list[Any] = [None] * n
+        lanes: dict[torch.device, Side | None] = {}
 
         def load(k: int) -> None:
             c = chunks[k]
-            s = copy_stream(c.device)
+            if c.device not in lanes:
+                lanes[c.device] = _lane(c.device)
+            side = lanes[c.device]
             if c.oversized:  # a window of its own, freed after its write-back
                 window = torch.empty(c.nbytes, dtype=torch.uint8, device=c.device)
                 fresh = True
             else:  # two windows per device, taken in turn: a window's previous chunk was written back before
-                # (the same copy stream runs its copies in order)
+                # (the same lane runs its copies in order)
                 ring = rings.setdefault(c.device, [None, None])
                 i = turn.get(c.device, 0)
                 turn[c.device] = 1 - i
@@ -538,36 +573,37 @@ class Streamed:
                 if found is None:
                     found = ring[i] = torch.empty(capacity[c.device], dtype=torch.uint8, device=c.device)
                 window = found
-            if fresh:
-                # NOTE: memory just allocated on the current stream may still be in use by work queued there
-                # (the caching allocator reuses a block in stream order): the copy stream waits for it first.
-                s.after_current()
-                s.keep(window)
-            s.copy(window[: c.nbytes], c.buffer[: c.nbytes])
-            windows[k], loaded[k] = window, s.record()
+            # NOTE: memory just allocated on the current stream may still be in use by work queued there (the
+            # caching allocator reuses a block in stream order): the lane waits for it first.
+            _queue(side, [window[: c.nbytes]], [c.buffer[: c.nbytes]], wait=fresh)
+            if side is not None:
+                if fresh:
+                    side.uses(window)
+                loaded[k] = _recorded(side, c.device)
+            windows[k] = window
 
         out = None
-        used: set[torch.device] = set()
         try:
             load(0)
             for k, c in enumerate(chunks):
-                used.add(c.device)
                 ahead = k + 1 < n and not (c.oversized and chunks[k + 1].oversized)
                 if ahead:
                     load(k + 1)
-                s = copy_stream(c.device)
-                s.current_waits(loaded[k])
-                out = self._chunk_step(c, windows[k], s, rest, kwargs)
+                side = lanes[c.device]
+                if side is not None:
+                    side.streams.wait_event(side.current, loaded[k])  # the compute waits for its load
+                out = self._chunk_step(c, windows[k], side, rest, kwargs)
                 windows[k] = None
                 if k + 1 < n and not ahead:
                     load(k + 1)  # two oversized chunks in a row: never on the device together
         finally:
-            for device in used:
-                self._pending[device] = copy_stream(device).record()
+            for device, side in lanes.items():
+                if side is not None:
+                    self._pending[device] = _recorded(side, device)
         return out
 
     def _chunk_step(
-        self, c: _Chunk, window: torch.Tensor, s: CopyStream, rest: tuple[Any, ...], kwargs: dict[str, Any]
+        self, c: _Chunk, window: torch.Tensor, side: Side | None, rest: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Step one chunk with its state in ``window``, then queue its write-back."""
         entries = c.entries
@@ -592,11 +628,11 @@ class Streamed:
                     adopt(e.obj, v, "swap")
                 elif e.state.get(e.key) is v:
                     e.state[e.key] = e.obj
-            s.after_current()
-            s.copy(c.buffer[: c.nbytes], window[: c.nbytes])
+            _queue(side, [c.buffer[: c.nbytes]], [window[: c.nbytes]])  # the write-back, after the compute
         if changed:
             # The step added, dropped or replaced a state tensor of this chunk: lay its params out again.
-            s.host_wait(s.record())
+            if side is not None:
+                _recorded(side, c.device).synchronize()
             self._relay([c])
         return out
 

@@ -46,9 +46,11 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from . import _chunks as layout
 from . import _mode, _streams, engine
 from . import policy as _policy
 from ._adopt import Mechanism, adopt, decide_all
+from ._chunks import Chunk, Group, Item, ParamState, tensor_bytes
 from ._copy import Side
 from ._devices import DeviceLike, resolve
 from ._offload import compact_state_dict, record_of, settle
@@ -56,7 +58,6 @@ from ._state import _ATOMS, leaves
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
 from .plan import Ident, check_optimizer, optimizer_name, policy_target
-from .pool import host_pool
 from .syncs import async_copies
 
 __all__ = ["stream", "unstream", "streamed", "is_streamed", "Streamed", "DEFAULT_CHUNK_BYTES"]
@@ -67,84 +68,13 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 """64 MiB: one copy of this size runs at close to the link's bandwidth (PCIe or NVLink-C2C), and the first load
 and last write-back that cannot overlap a compute cost about a millisecond each."""
 
-# NOTE: every tensor starts at a multiple of 64 bytes in its chunk, on the host and in the window alike, so that
-# a window view is as aligned as the vectorized multi-tensor kernels need (16 bytes x 4 lanes for complex128).
-_ALIGN = 64
 _HOST = torch.device("cpu")
 _HOSTS = ("cpu", "meta")
 
 _log = logging.getLogger("optimshift")
 
-Group = dict[str, Any]
-"""A param group (an entry of ``optimizer.param_groups``)."""
-ParamState = dict[Any, Any]
-"""One param's state (``optimizer.state[p]``), keyed as the optimizer keys it."""
-_Item = tuple[Group, torch.Tensor, ParamState, list[tuple[Any, torch.Tensor]]]
-"""A param to lay out: its group, the param, its state and the (key, tensor) entries of it to stream."""
-
 # NOTE: policy_target never reads the ident (its rules depend on the param, group, key and tensor only).
 _NO_IDENT = cast(Ident, ())
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class _Entry:
-    """One streamed state tensor: where it sits (``state[key]``), its object, its place in the chunk."""
-
-    __slots__ = ("state", "key", "obj", "host", "offset", "nbytes", "dtype", "shape", "stride")
-
-    def __init__(self, state: ParamState, key: Any, obj: torch.Tensor, offset: int) -> None:
-        self.state, self.key, self.obj, self.offset = state, key, obj, offset
-        self.nbytes = _nbytes(obj)
-        self.dtype, self.shape = obj.dtype, tuple(obj.shape)
-        # Strides kept when the tensor is dense (as a fresh optimizer's zeros_like(p) of a permuted param is).
-        self.stride = obj.stride() if obj.is_contiguous() else torch.empty_like(obj, device="meta").stride()
-        self.host: torch.Tensor | None = None  # a view of the host buffer (what the object points at between steps)
-
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This tensor's place in a flat uint8 buffer laid out like its chunk (the host buffer or a window)."""
-        return _views(flat, [self])[0]
-
-
-def _views(flat: torch.Tensor, entries: Sequence[_Entry]) -> list[torch.Tensor]:
-    """Each entry's place in ``flat`` (a whole uint8 buffer, its size a multiple of 64): one ``as_strided``
-    per tensor over a view of the buffer in the tensor's dtype."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    out = []
-    for e in entries:
-        t = typed.get(e.dtype)
-        if t is None:
-            t = typed[e.dtype] = flat.view(e.dtype)
-        out.append(t.as_strided(e.shape, e.stride, e.offset // t.element_size()))
-    return out
-
-
-class _Chunk:
-    """Params of one group on one device whose streamed state shares one host buffer (and, in a step, one
-    window). ``counts``: how many tensors each param's state held when laid out (a step that adds or drops one
-    makes the chunk laid out again)."""
-
-    __slots__ = ("group", "device", "params", "entries", "nbytes", "buffer", "counts", "oversized")
-
-    def __init__(
-        self,
-        group: Group,
-        device: torch.device,
-        params: list[torch.Tensor],
-        entries: list[_Entry],
-        nbytes: int,
-        buffer: torch.Tensor,
-        counts: list[tuple[torch.Tensor, int]],
-        oversized: bool,
-    ) -> None:
-        self.group, self.device, self.params, self.entries = group, device, params, entries
-        self.nbytes, self.buffer, self.counts, self.oversized = nbytes, buffer, counts, oversized
 
 
 _MISSING = object()
@@ -199,8 +129,8 @@ class Streamed:
         self.chunk_bytes = chunk_bytes
         self.device = device
         self._raw = _policy.step_of(type(optimizer))  # (we fire the step hooks: see _install)
-        self._chunk_of: dict[int, _Chunk] = {}  # id(param) -> its chunk
-        self._chunks: dict[int, _Chunk] = {}  # id(chunk) -> chunk (in layout order)
+        self._chunk_of: dict[int, Chunk] = {}  # id(param) -> its chunk
+        self._chunks: dict[int, Chunk] = {}  # id(chunk) -> chunk (in layout order)
         self._examined: set[int] = set()  # params whose state holds nothing to stream (host-only or none)
         self._pending: dict[torch.device, Any] = {}  # device -> event after its last queued write-back
         self._stale = False  # a load replaced the state and laying it out failed: retried at the next step
@@ -256,7 +186,7 @@ class Streamed:
                 type(error).__name__,
                 error,
             )
-        self._release(old)
+        layout.release(old)
 
     # -- layout --------------------------------------------------------------------------------------------------
 
@@ -271,7 +201,7 @@ class Streamed:
         opt = self.optimizer
         name = optimizer_name(opt)
         target = policy_target(opt, None)
-        buckets: dict[tuple[int, torch.device], list[_Item]] = {}
+        buckets: dict[tuple[int, torch.device], list[Item]] = {}
         host_moves: list[tuple[ParamState, Any, torch.Tensor]] = []
         for group, p in members:
             st = opt.state.get(p)
@@ -310,18 +240,18 @@ class Streamed:
                 buckets.setdefault((id(group), p.device), []).append((group, p, st, streamed))
             else:
                 self._examined.add(id(p))
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host view, source)
         try:
             for items in buckets.values():
-                for part in self._partition(items):
-                    chunk, fills = self._new_chunk(part)
+                for part in layout.partition(items, self.chunk_bytes):
+                    chunk, fills = layout.new_chunk(part, self.chunk_bytes)
                     chunks.append(chunk)
                     pairs.extend(fills)
             moved = engine.copy_items([(t, _HOST) for _, _, t in host_moves]).copies if host_moves else []
             lanes = self._fill(pairs)
         except BaseException:
-            self._release(chunks)
+            layout.release(chunks)
             raise
         for device, side in lanes.items():
             if wait:
@@ -329,7 +259,7 @@ class Streamed:
             else:
                 self._pending[device] = _recorded(side, device)
         # Every copy exists: now the objects take their new places (cannot fail).
-        # (every entry of a new chunk has its host view: _new_chunk set it; copy_items copied every input)
+        # (every entry of a new chunk has its host view: new_chunk set it; copy_items copied every input)
         adoptions = [(e.obj, cast(torch.Tensor, e.host)) for c in chunks for e in c.entries]
         adoptions += [(t, cast(torch.Tensor, new)) for (_, _, t), new in zip(host_moves, moved)]
         replaced, apply = engine.adopt_all(adoptions)
@@ -343,52 +273,12 @@ class Streamed:
                 new = instead.get(id(e.obj))
                 if new is not None:  # no mechanism keeps this object: its host view takes its place
                     e.state[e.key] = e.obj = new
-            for e, host in zip(c.entries, _views(c.buffer, c.entries)):
+            for e, host in zip(c.entries, layout.views(c.buffer, c.entries)):
                 e.host = host  # (after a swap, the view made for the fill holds the old contents)
             self._chunks[id(c)] = c
             for p in c.params:
                 self._chunk_of[id(p)] = c
                 self._examined.discard(id(p))
-
-    def _partition(self, items: list[_Item]) -> Iterator[list[_Item]]:
-        """Consecutive params of one group and device, cut where the next param's state would take the chunk
-        past ``chunk_bytes`` (a param is never split: its step needs all its state)."""
-        part: list[_Item] = []
-        size = 0
-        for item in items:
-            n = sum(_aligned(_nbytes(t)) for _, t in item[3])
-            if part and size + n > self.chunk_bytes:
-                yield part
-                part, size = [], 0
-            part.append(item)
-            size += n
-        if part:
-            yield part
-
-    def _new_chunk(self, part: list[_Item]) -> tuple[_Chunk, list[tuple[torch.Tensor, torch.Tensor]]]:
-        group, device = part[0][0], part[0][1].device
-        entries: list[_Entry] = []
-        offset = 0
-        for _, _, st, streamed in part:
-            for key, t in streamed:
-                entries.append(_Entry(st, key, t, offset))
-                offset += _aligned(entries[-1].nbytes)
-        buffer = host_pool.acquire(max(offset, 1), pinned=_streams.pins_host_for(device))
-        counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
-        chunk = _Chunk(
-            group,
-            device,
-            [p for _, p, _, _ in part],
-            entries,
-            offset,
-            buffer,
-            counts,
-            oversized=len(part) == 1 and offset > self.chunk_bytes,
-        )
-        hosts = _views(buffer, entries)
-        for e, host in zip(entries, hosts):
-            e.host = host
-        return chunk, [(host, e.obj) for e, host in zip(entries, hosts)]
 
     def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[torch.device, Side]:
         """Copy each source into its host view: host sources at once, device sources on their device's lane
@@ -411,21 +301,14 @@ class Streamed:
                 lanes[device] = side
         return lanes
 
-    def _forget(self, chunks: Sequence[_Chunk]) -> None:
+    def _forget(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
             self._chunks.pop(id(c), None)
             for p in c.params:
                 if self._chunk_of.get(id(p)) is c:
                     del self._chunk_of[id(p)]
 
-    def _release(self, chunks: Sequence[_Chunk]) -> None:
-        """Give the chunks' host buffers back to the pool (reused only once nothing looks into them)."""
-        for c in chunks:
-            for e in c.entries:
-                e.host = None
-            host_pool.release(c.buffer)
-
-    def _relay(self, chunks: Sequence[_Chunk], extra: Sequence[tuple[Group, torch.Tensor]] = ()) -> None:
+    def _relay(self, chunks: Sequence[Chunk], extra: Sequence[tuple[Group, torch.Tensor]] = ()) -> None:
         """Lay out again the params of ``chunks`` (their host state is complete) and ``extra``."""
         wanted = {id(p) for c in chunks for p in c.params} | {id(p) for _, p in extra}
         self._forget(chunks)
@@ -437,7 +320,7 @@ class Streamed:
                 for p in c.params:
                     self._chunk_of[id(p)] = c
             raise
-        self._release(chunks)
+        layout.release(chunks)
 
     # -- the step -----------------------------------------------------------------------------------------------
 
@@ -469,13 +352,13 @@ class Streamed:
             raise
         return loss if closure is not None else out
 
-    def _schedule(self, opt: Any) -> tuple[list[_Chunk], list[tuple[Group, list[torch.Tensor]]]]:
+    def _schedule(self, opt: Any) -> tuple[list[Chunk], list[tuple[Group, list[torch.Tensor]]]]:
         """The chunks to stream this step (those with a param that has a grad, in group order) and, per group,
         the params with grads and no chunk (stepped in place; state they create is laid out afterwards)."""
-        active: list[_Chunk] = []
+        active: list[Chunk] = []
         seen: set[int] = set()
         plain: list[tuple[Group, list[torch.Tensor]]] = []
-        moved: list[_Chunk] = []
+        moved: list[Chunk] = []
         unlaid: list[tuple[Group, torch.Tensor]] = []
         chunk_of, examined, state = self._chunk_of, self._examined, opt.state
         for group in opt.param_groups:
@@ -525,7 +408,7 @@ class Streamed:
         part: list[torch.Tensor] = []
         size = 0
         for p in params + [None]:
-            n = 2 * _nbytes(p) if p is not None else 0
+            n = 2 * tensor_bytes(p) if p is not None else 0
             if p is None or (part and size + n > self.chunk_bytes):
                 if part:
                     out = self._compute(group, part, rest, kwargs)
@@ -543,7 +426,7 @@ class Streamed:
                 size += n
         return out
 
-    def _pipeline(self, chunks: list[_Chunk], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pipeline(self, chunks: list[Chunk], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         n = len(chunks)
         capacity: dict[torch.device, int] = {}
         for c in chunks:
@@ -603,11 +486,11 @@ class Streamed:
         return out
 
     def _chunk_step(
-        self, c: _Chunk, window: torch.Tensor, side: Side | None, rest: tuple[Any, ...], kwargs: dict[str, Any]
+        self, c: Chunk, window: torch.Tensor, side: Side | None, rest: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Step one chunk with its state in ``window``, then queue its write-back."""
         entries = c.entries
-        views = _views(window, entries)
+        views = layout.views(window, entries)
         hows = decide_all([(e.obj, v) for e, v in zip(entries, views)])
         for e, v, how in zip(entries, views, hows):
             if how == "data":
@@ -636,7 +519,7 @@ class Streamed:
             self._relay([c])
         return out
 
-    def _changed(self, c: _Chunk, views: list[torch.Tensor], hows: list[Mechanism]) -> bool:
+    def _changed(self, c: Chunk, views: list[torch.Tensor], hows: list[Mechanism]) -> bool:
         state = self.optimizer.state
         for p, count in c.counts:
             st = state.get(p)
@@ -841,7 +724,7 @@ def unstream(optimizer: Opt) -> Opt:
     mode._uninstall(optimizer)
     chunks = list(mode._chunks.values())
     mode._forget(chunks)
-    mode._release(chunks)
+    layout.release(chunks)
     return optimizer
 
 

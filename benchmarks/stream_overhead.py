@@ -8,7 +8,8 @@ per-call work, no copies); a streamed step in one chunk (the default ``chunk_byt
 chunks of ``--per-chunk`` params. Reported: median ms per step, and the streamed step's extra time per state
 tensor and per chunk (and how much of the latter is torch's own per-call cost).
 
-The streamed steps' copies are synchronous here (``SyncCopyStream``): the simulator's own streams queue every
+The streamed steps' copies are synchronous here (the simulator taken as a device without streams, as
+``optimshift._streams`` treats one): the simulator's own streams queue every
 op issued on a side stream and check every access against every other stream's (its race detector), which
 costs far more than optimshift's work and nothing like a GPU's streams. ``--sim-streams`` measures with them.
 The simulator runs every copy and view through
@@ -31,7 +32,7 @@ import time
 import torch
 
 import optimshift
-from optimshift import _copystream
+from optimshift import _streams
 from optimshift.testing import simulated_accelerator
 
 
@@ -119,7 +120,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if not args.sim_streams:
-        _copystream.use_factory(_copystream.SyncCopyStream)
+        sim = simulated_accelerator()  # (registers its streams with _streams first)
+        _streams._chosen[sim.type] = None  # no streams: each copy is complete when it returns
     r = run(args.params, args.per_chunk, args.reps)
     copies = "the simulator's streams" if args.sim_streams else "synchronous copies"
     print(

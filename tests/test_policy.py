@@ -257,3 +257,48 @@ def test_probes_do_not_fire_the_users_global_step_hooks():
         assert fired == []
     finally:
         handle.remove()
+
+
+def test_step_of_takes_off_torchs_hook_wrapper_and_nothing_else():
+    import functools
+
+    from torch.optim.optimizer import _use_grad_for_differentiable
+
+    class Base(O.Optimizer):
+        @_use_grad_for_differentiable
+        def step(self, closure=None):
+            return "base"
+
+    class Sub(Base):  # no step of its own
+        pass
+
+    raw = Base.__dict__["step"]  # decorated (the grad mode the step needs), not yet hooked
+    Sub([torch.nn.Parameter(torch.zeros(1))], {"differentiable": False})  # torch hooks Sub.step (Base's)
+    assert getattr(Sub.__dict__["step"], "hooked", False) and "hooked" not in vars(raw)
+    assert policy.step_of(Sub) is raw and policy.step_of(Base) is raw and policy.same_step(Sub, Base)
+    Base([torch.nn.Parameter(torch.zeros(1))], {"differentiable": False})  # now Base.step is hooked too
+    assert getattr(Base.__dict__["step"], "hooked", False)
+    assert policy.step_of(Base) is raw and policy.same_step(Sub, Base)
+
+    class Over(Base):  # its own step, even wrapping Base's hooked one (which copies its marks onto this one)
+        @functools.wraps(Base.step)
+        def step(self, closure=None):
+            return "over"
+
+    assert not policy.same_step(Over, Base) and policy.step_of(Over) is Over.__dict__["step"]
+
+
+def test_a_subclass_inheriting_adamws_step_is_separable_whoever_was_built_first(monkeypatch):
+    """AdamW has no step of its own (it inherits Adam's): a subclass built before any Adam gets torch's hook
+    wrapper of Adam's step on itself, and still steps with AdamW's step."""
+    hooked = O.Adam.__dict__["step"]
+    if getattr(hooked, "hooked", False):  # as in a process where no Adam was built yet
+        monkeypatch.setattr(O.Adam, "step", hooked.__wrapped__)
+
+    class MyAdamW(O.AdamW):
+        pass
+
+    MyAdamW([torch.nn.Parameter(torch.zeros(1))])
+    assert getattr(MyAdamW.__dict__["step"], "hooked", False) and "step" not in O.AdamW.__dict__
+    assert policy.same_step(MyAdamW, O.AdamW)
+    assert policy.separable(MyAdamW) == (True, "torch.optim")

@@ -4,6 +4,7 @@ that run late (a copy stream that defers every copy until something waits for it
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 import warnings
@@ -13,7 +14,7 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
-from optimshift import _copystream, _stream, _streams
+from optimshift import _stream, _streams
 from optimshift.testing import simulated_memory_allocated
 
 
@@ -41,42 +42,20 @@ def _assert_same(model, opt, ref_model, ref):
 # --- device memory ------------------------------------------------------------------------------------------
 
 
-class _Sampling(_copystream.SyncCopyStream):
-    """The simulator's copy stream, sampling the device's allocated bytes at every call (windows are allocated
-    before their copies; a chunk's state is resident from its load to its write-back)."""
+def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, monkeypatch):
+    # Synchronous copies (a device without streams), the device's allocated bytes sampled at every copy the step
+    # queues: windows are allocated before their copies; a chunk's state is resident from its load to its
+    # write-back.
+    monkeypatch.setitem(_streams._chosen, sim.type, None)
+    samples = []
+    queue = _stream._queue
 
-    samples: list = []
+    def sampling(side, dsts, srcs, **kwargs):
+        assert side is None, "no streams: each copy is complete when it returns"
+        samples.append(simulated_memory_allocated(0))
+        queue(side, dsts, srcs, **kwargs)
 
-    def _sample(self):
-        _Sampling.samples.append(simulated_memory_allocated(self.device.index or 0))
-
-    def copy(self, dst, src):
-        self._sample()
-        super().copy(dst, src)
-
-    def copy_all(self, dsts, srcs):
-        self._sample()
-        super().copy_all(dsts, srcs)
-
-    def after_current(self):
-        self._sample()
-
-
-@pytest.fixture
-def copy_streams():
-    """Install a copy-stream factory for one test (the default one is put back afterwards)."""
-    previous = []
-
-    def use(factory):
-        previous.append(_copystream.use_factory(factory))
-
-    yield use
-    if previous:
-        _copystream.use_factory(previous[0])
-
-
-def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, copy_streams):
-    copy_streams(_Sampling)
+    monkeypatch.setattr(_stream, "_queue", sampling)
     small, big = (64,), (64, 64)  # AdamW state: 512 bytes per small param, 32 KiB per big one
     shapes = [small] * 20 + [big, big] + [small] * 20
     chunk = 2048  # four small params per chunk; each big param is a chunk of its own, larger than a chunk
@@ -90,9 +69,9 @@ def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, copy_stream
             p.grad = grad_for(step, i, p.shape).to(sim)
         gc.collect()
         base = simulated_memory_allocated(0)  # params and grads: no state lives on the device between steps
-        _Sampling.samples = []
+        samples.clear()
         opt.step()
-        peak = max(_Sampling.samples) - base
+        peak = max(samples) - base
         assert 0 < peak <= bound, f"step {step}: {peak} bytes of state on the device, bound {bound}"
         gc.collect()
         assert simulated_memory_allocated(0) == base, "nothing stays on the device after a step"
@@ -253,6 +232,28 @@ def test_save_and_resume_into_a_streamed_optimizer(sim, kwargs, tmp_path):
     assert set(state_layout(opt2).values()) == {torch.device("cpu")}
     with pytest.raises(ValueError, match="streamed"):
         optimshift.load_state_dict(opt2, ref.state_dict(), device=sim)
+
+
+@pytest.mark.parametrize("mode", ["stream", "offload"])
+def test_state_dict_tensors_own_their_bytes_streamed_as_offloaded(sim, mode):
+    """One compaction serves both modes (``_offload.compact_state_dict``): every tensor in the state_dict owns
+    exactly its bytes, the streamed ones (views into pool buffers) and a group tensor that is a view of a larger
+    one alike; the live tensors stay as they are."""
+    lrs = torch.tensor([1e-3, 7.0])  # the group's lr is a view: its storage holds another number too
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model), lr=lrs[0], foreach=False)
+    train(model, opt, range(2))
+    optimshift.stream(opt, chunk_bytes=256) if mode == "stream" else optimshift.offload(opt)
+    sd = opt.state_dict()
+    tensors = {f"{i}.{k}": v for i, st in sd["state"].items() for k, v in st.items()}
+    tensors["lr"] = sd["param_groups"][0]["lr"]
+    for where, t in tensors.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{mode}: {where} holds other bytes"
+    assert bitwise_equal(sd["param_groups"][0]["lr"], lrs[0])
+    assert opt.param_groups[0]["lr"].untyped_storage().nbytes() == 8, "the live group tensor is untouched"
+    assert any(v.untyped_storage().nbytes() > 64 for st in opt.state.values() for v in st.values()), (
+        "the live state still sits in pool buffers"
+    )
 
 
 # --- objects, modes, refusals ---------------------------------------------------------------------------------
@@ -474,32 +475,48 @@ def test_direct_reads_before_wait_see_the_write_back_in_flight(sim):
             assert not torch.isnan(opt.state[p]["exp_avg"]).any()
 
 
-def _without(method):
-    """A copy stream that skips one of its waits: what a bug in the pipeline would do."""
+def _without(monkeypatch, name):
+    """The streamed step's lanes with one of their orderings taken away, what a bug in the pipeline would do
+    (the engine's streams keep theirs): a ``Streams`` method, or the host's wait for the events they record."""
+    lane = _stream._lane
 
-    class Broken(_copystream.StreamsCopyStream):
-        pass
+    def broken(device):
+        side = lane(device)
+        side.streams = streams = copy.copy(side.streams)  # the same backend and streams, one method short
+        if name == "host_wait":
+            new_event = streams.new_event
 
-    setattr(Broken, method, lambda self, *args: None)
-    return lambda device: Broken(device, _streams.of(device))
+            def deaf(device):
+                event = new_event(device)
+                event.synchronize = lambda: None
+                return event
+
+            streams.new_event = deaf
+        else:
+            setattr(streams, name, lambda *args: None)
+        return side
+
+    monkeypatch.setattr(_stream, "_lane", broken)
 
 
 @pytest.mark.parametrize(
-    "method, error",
+    "name, error",
     [
-        ("current_waits", "StreamRaceError"),
-        ("after_current", "StreamRaceError"),
-        ("keep", "StreamRaceError"),
+        ("wait_event", "StreamRaceError"),
+        ("wait_stream", "StreamRaceError"),
+        ("record_stream", "StreamRaceError"),
+        ("record", "StreamRaceError"),
         ("host_wait", "AssertionError"),
     ],
 )
-def test_a_missing_wait_is_caught(sim, copy_streams, method, error):
-    """Without the compute's wait for its load, the copy stream's wait for the compute (or for fresh memory), or
-    record_stream on what it copies, the race detector raises; without the host's wait, state_dict() reads
-    write-backs that have not landed (the bitwise comparison fails)."""
+def test_a_missing_wait_is_caught(sim, monkeypatch, name, error):
+    """Without the compute's wait for its load (``wait_event``), the lane's wait for the compute or for fresh
+    memory (``wait_stream``), ``record_stream`` on what it copies, or the events it records, the race detector
+    raises; without the host's wait, state_dict() reads write-backs that have not landed (the bitwise comparison
+    fails)."""
     from optimshift.testing import StreamRaceError
 
-    copy_streams(_without(method))
+    _without(monkeypatch, name)
     with pytest.raises(StreamRaceError if error == "StreamRaceError" else AssertionError):
         _scheduled_run(sim, 0, 0.0)
     from optimshift.testing._sim_streams import synchronize

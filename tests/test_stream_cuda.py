@@ -13,7 +13,7 @@ import torch
 
 import optimshift
 from _matrix import CASES, Model, bitwise_equal, grad_for, state_layout, train
-from optimshift import _copystream, _streams
+from optimshift import _stream
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda", 0)
@@ -37,7 +37,7 @@ def _pair(cls, kwargs, shapes):
 def test_streamed_matrix_on_cuda(cls, kwargs, shapes):
     (model, opt), (ref_model, ref) = _pair(cls, kwargs, shapes)
     handle = optimshift.stream(opt, chunk_bytes=128)
-    assert isinstance(_copystream.copy_stream(CUDA), _copystream.StreamsCopyStream)  # really asynchronous
+    assert _stream._lane(CUDA) is not None  # really asynchronous: copies on a side stream of their own
     train(model, opt, range(2))
     train(ref_model, ref, range(2))
     with optimshift.count_syncs() as syncs:
@@ -57,34 +57,24 @@ def test_streamed_matrix_on_cuda(cls, kwargs, shapes):
     assert state_layout(opt) == state_layout(ref)
 
 
-class _Slow(_copystream.StreamsCopyStream):
-    """Each copy waits ~1 ms on the copy stream first: any missing wait shows up as a wrong value."""
-
-    def copy(self, dst, src):
-        with self.streams.use(self.stream):
-            torch.cuda._sleep(2_000_000)
-        super().copy(dst, src)
-
-    def copy_all(self, dsts, srcs):
-        with self.streams.use(self.stream):
-            torch.cuda._sleep(2_000_000)
-        super().copy_all(dsts, srcs)
-
-
 @pytest.mark.parametrize("kwargs", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
-def test_slowed_copy_stream_still_gives_the_ordinary_steps(kwargs):
-    previous = _copystream.use_factory(lambda device: _Slow(device, _streams.of(device)))
-    try:
-        (model, opt), (ref_model, ref) = _pair(torch.optim.AdamW, kwargs, [(256, 256)] * 6 + [(256,)] * 6)
-        optimshift.stream(opt, chunk_bytes=256 * 256 * 4 * 2)  # one matrix's state per chunk
-        train(model, opt, range(5))
-        train(ref_model, ref, range(5))
-        sd = opt.state_dict()  # waits for the write-backs
-        assert bitwise_equal(sd["state"], ref.state_dict()["state"])
-        for a, b in zip(model.parameters(), ref_model.parameters()):
-            assert bitwise_equal(a, b)
-    finally:
-        _copystream.use_factory(previous)
+def test_slowed_copy_stream_still_gives_the_ordinary_steps(kwargs, monkeypatch):
+    queue = _stream._queue
+
+    def slow(side, dsts, srcs, **kw):  # each copy waits ~1 ms on its lane first: a missing wait shows
+        with side.streams.use(side.stream):
+            torch.cuda._sleep(2_000_000)
+        queue(side, dsts, srcs, **kw)
+
+    monkeypatch.setattr(_stream, "_queue", slow)
+    (model, opt), (ref_model, ref) = _pair(torch.optim.AdamW, kwargs, [(256, 256)] * 6 + [(256,)] * 6)
+    optimshift.stream(opt, chunk_bytes=256 * 256 * 4 * 2)  # one matrix's state per chunk
+    train(model, opt, range(5))
+    train(ref_model, ref, range(5))
+    sd = opt.state_dict()  # waits for the write-backs
+    assert bitwise_equal(sd["state"], ref.state_dict()["state"])
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert bitwise_equal(a, b)
 
 
 def test_extra_device_memory_is_two_chunks_plus_the_largest_param():

@@ -26,6 +26,8 @@ def test_the_simulated_accelerator_is_a_registered_backend(sim):
     side = streams.side(sim)
     assert side is streams.side(sim), "one side stream per device, kept"
     assert side != streams.current(sim)
+    lane = streams.side(sim, "stream")
+    assert lane is streams.side(sim, "stream") and lane != side, "the streamed step's lane: its own, kept"
     assert not _streams.pins_host_for(sim), "a Python backend has no pinned host allocator"
 
 

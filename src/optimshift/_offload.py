@@ -40,6 +40,7 @@ __all__ = [
     "forget",
     "prepare_discard",
     "pending_of",
+    "compact_state_dict",
 ]
 
 
@@ -184,7 +185,7 @@ def _install_hooks(optimizer: Any) -> list[Any]:
         handles.append(register_pre(_refuse_step))
     register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
     if register_sd is not None:
-        handles.append(register_sd(_compact_state_dict))
+        handles.append(register_sd(compact_state_dict))
     return handles
 
 
@@ -197,11 +198,12 @@ def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         )
 
 
-def _compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A state_dict whose offloaded tensors own exactly their bytes.
+def compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state_dict whose tensors own exactly their bytes: the ``state_dict()`` post-hook of an offloaded
+    optimizer and of a streamed one (:mod:`optimshift._stream`), whose host state is a view into pool buffers.
 
-    # NOTE: offloaded state is a view into a pool buffer shared with other tensors (even other optimizers');
-    # torch.save writes a view's whole storage, so a checkpoint taken while offloaded would hold their bytes.
+    # NOTE: offloaded and streamed state are views into pool buffers shared with other tensors (even other
+    # optimizers'); torch.save writes a view's whole storage, so a checkpoint taken then would hold their bytes.
     # The live per-param dicts are shared with the returned state_dict: build new ones, never mutate them.
     """
     compact: dict[int, torch.Tensor] = {}

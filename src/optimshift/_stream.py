@@ -22,10 +22,12 @@ called once; LR schedulers, ``GradScaler`` (also its fused ``grad_scale``/``foun
 clipping and ``zero_grad`` see the real groups. Every state tensor stays the same Python object across chunks
 and steps: it takes its device window's contents for its chunk and its host buffer's back afterwards
 (:mod:`optimshift._adopt`). ``state_dict()`` returns compact host copies of the streamed tensors (no pool
-bytes around them) and ``load_state_dict`` loads straight into host state (no device memory on resume).
+bytes around them: :func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict``
+loads straight into host state (no device memory on resume).
 
-The copies go through :mod:`optimshift._copystream` (copy on the copy stream, record an event, wait for one):
-the loads wait for the previous occupant's write-back of their window (same copy stream, in order), a chunk's
+The copies go through the engine's stream layer (:mod:`optimshift._streams`, with :class:`optimshift._copy.Side`'s
+rules), on a side stream of their own per device (the lane): the loads wait for the previous occupant's
+write-back of their window (same lane, in order), a chunk's
 compute waits for its load, its write-back waits for its compute. After ``step()`` returns, the last
 write-backs may still be running on CUDA: ``state_dict()``, ``load_state_dict()``, every optimshift function,
 :func:`unstream` and :meth:`Streamed.wait` wait for them; the next step orders its loads after them on the
@@ -44,17 +46,19 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from . import _mode, engine
+from . import _chunks as layout
+from . import _mode, _streams, engine
 from . import policy as _policy
 from ._adopt import Mechanism, adopt, decide_all
-from ._copystream import CopyStream, copy_stream, pinned_for
+from ._chunks import Chunk, Group, Item, ParamState, tensor_bytes
+from ._copy import Side
 from ._devices import DeviceLike, resolve
-from ._offload import record_of, settle
+from ._offload import compact_state_dict, record_of, settle
 from ._state import _ATOMS, leaves
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
 from .plan import Ident, check_optimizer, optimizer_name, policy_target
-from .pool import host_pool
+from .syncs import async_copies
 
 __all__ = ["stream", "unstream", "streamed", "is_streamed", "Streamed", "DEFAULT_CHUNK_BYTES"]
 
@@ -64,91 +68,13 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 """64 MiB: one copy of this size runs at close to the link's bandwidth (PCIe or NVLink-C2C), and the first load
 and last write-back that cannot overlap a compute cost about a millisecond each."""
 
-# NOTE: every tensor starts at a multiple of 64 bytes in its chunk, on the host and in the window alike, so that
-# a window view is as aligned as the vectorized multi-tensor kernels need (16 bytes x 4 lanes for complex128).
-_ALIGN = 64
 _HOST = torch.device("cpu")
 _HOSTS = ("cpu", "meta")
 
 _log = logging.getLogger("optimshift")
 
-Group = dict[str, Any]
-"""A param group (an entry of ``optimizer.param_groups``)."""
-ParamState = dict[Any, Any]
-"""One param's state (``optimizer.state[p]``), keyed as the optimizer keys it."""
-_Item = tuple[Group, torch.Tensor, ParamState, list[tuple[Any, torch.Tensor]]]
-"""A param to lay out: its group, the param, its state and the (key, tensor) entries of it to stream."""
-
 # NOTE: policy_target never reads the ident (its rules depend on the param, group, key and tensor only).
 _NO_IDENT = cast(Ident, ())
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class _Entry:
-    """One streamed state tensor: where it sits (``state[key]``), its object, its place in the chunk."""
-
-    __slots__ = ("state", "key", "obj", "host", "offset", "nbytes", "dtype", "shape", "stride")
-
-    def __init__(self, state: ParamState, key: Any, obj: torch.Tensor, offset: int) -> None:
-        self.state, self.key, self.obj, self.offset = state, key, obj, offset
-        self.nbytes = _nbytes(obj)
-        self.dtype, self.shape = obj.dtype, tuple(obj.shape)
-        # Strides kept when the tensor is dense (as a fresh optimizer's zeros_like(p) of a permuted param is).
-        self.stride = obj.stride() if obj.is_contiguous() else torch.empty_like(obj, device="meta").stride()
-        self.host: torch.Tensor | None = None  # a view of the host buffer (what the object points at between steps)
-
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This tensor's place in a flat uint8 buffer laid out like its chunk (the host buffer or a window)."""
-        return _views(flat, [self])[0]
-
-
-def _views(flat: torch.Tensor, entries: Sequence[_Entry]) -> list[torch.Tensor]:
-    """Each entry's place in ``flat`` (a whole uint8 buffer, its size a multiple of 64): one ``as_strided``
-    per tensor over a view of the buffer in the tensor's dtype."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    out = []
-    for e in entries:
-        t = typed.get(e.dtype)
-        if t is None:
-            t = typed[e.dtype] = flat.view(e.dtype)
-        out.append(t.as_strided(e.shape, e.stride, e.offset // t.element_size()))
-    return out
-
-
-class _Chunk:
-    """Params of one group on one device whose streamed state shares one host buffer (and, in a step, one
-    window). ``counts``: how many tensors each param's state held when laid out (a step that adds or drops one
-    makes the chunk laid out again)."""
-
-    __slots__ = ("group", "device", "params", "entries", "nbytes", "buffer", "counts", "oversized")
-
-    def __init__(
-        self,
-        group: Group,
-        device: torch.device,
-        params: list[torch.Tensor],
-        entries: list[_Entry],
-        nbytes: int,
-        buffer: torch.Tensor,
-        counts: list[tuple[torch.Tensor, int]],
-        oversized: bool,
-    ) -> None:
-        self.group, self.device, self.params, self.entries = group, device, params, entries
-        self.nbytes, self.buffer, self.counts, self.oversized = nbytes, buffer, counts, oversized
-
-
-def _raw_step(cls: type) -> Callable[..., Any]:
-    """The class's step without torch's hook wrapper (``Optimizer._patch_step_function`` puts it on the class)."""
-    fn = getattr(cls, "step")  # noqa: B009  (typed: a class, not an Optimizer)
-    raw: Callable[..., Any] = fn.__wrapped__ if getattr(fn, "hooked", False) else fn
-    return raw
 
 
 _MISSING = object()
@@ -156,6 +82,38 @@ _MISSING = object()
 
 def _is_device(t: torch.Tensor) -> bool:
     return t.device.type not in _HOSTS
+
+
+# -- copies: the engine's stream layer (_streams.Streams, with _copy.Side's rules) on a side stream of their own --
+
+
+def _lane(device: torch.device) -> Side | None:
+    """Where the streamed step queues its copies on ``device``: its own side stream there (never behind an
+    engine transfer), used as the engine uses its own (:class:`optimshift._copy.Side`: every device tensor is
+    allocated on the current stream and recorded for the side one). None: the device has no streams, each copy
+    is complete when it returns."""
+    streams = _streams.of(device)
+    return None if streams is None else Side(streams, streams.side(device, "stream"), streams.current(device))
+
+
+def _queue(side: Side | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, wait: bool = True) -> None:
+    """Copy ``srcs`` into ``dsts`` on ``side`` (``wait``: after the work queued on the current stream so far:
+    the compute that wrote the sources, the allocation of a window). Device-to-host copies are
+    ``async_copies``: the host does not wait for them here (:func:`optimshift.count_syncs` lists them apart)."""
+    to_host = dsts[0].device.type == "cpu" and srcs[0].device.type != "cpu"
+    on = contextlib.nullcontext() if side is None else side.issue() if wait else side.streams.use(side.stream)
+    with on, async_copies(to_host):
+        if len(dsts) == 1:
+            dsts[0].copy_(srcs[0], non_blocking=side is not None)
+        else:
+            torch._foreach_copy_(dsts, srcs, non_blocking=side is not None)
+
+
+def _recorded(side: Side, device: torch.device) -> Any:
+    """An event after the copies queued on ``side`` so far."""
+    event = side.streams.new_event(device)
+    side.streams.record(event, side.stream)
+    return event
 
 
 class Streamed:
@@ -170,10 +128,9 @@ class Streamed:
         self._ref = weakref.ref(optimizer)
         self.chunk_bytes = chunk_bytes
         self.device = device
-        self._raw = _raw_step(type(optimizer))
-        self._chunk_of: dict[int, _Chunk] = {}  # id(param) -> its chunk
-        self._chunks: dict[int, _Chunk] = {}  # id(chunk) -> chunk (in layout order)
-        self._objects: dict[int, _Entry] = {}  # id(streamed tensor object) -> entry
+        self._raw = _policy.step_of(type(optimizer))  # (we fire the step hooks: see _install)
+        self._chunk_of: dict[int, Chunk] = {}  # id(param) -> its chunk
+        self._chunks: dict[int, Chunk] = {}  # id(chunk) -> chunk (in layout order)
         self._examined: set[int] = set()  # params whose state holds nothing to stream (host-only or none)
         self._pending: dict[torch.device, Any] = {}  # device -> event after its last queued write-back
         self._stale = False  # a load replaced the state and laying it out failed: retried at the next step
@@ -209,8 +166,8 @@ class Streamed:
     def wait(self) -> None:
         """Block until every queued write-back of streamed state has reached host memory."""
         pending, self._pending = self._pending, {}
-        for device, event in pending.items():
-            copy_stream(device).host_wait(event)
+        for event in pending.values():
+            event.synchronize()
 
     settle = wait
 
@@ -229,7 +186,7 @@ class Streamed:
                 type(error).__name__,
                 error,
             )
-        self._release(old)
+        layout.release(old)
 
     # -- layout --------------------------------------------------------------------------------------------------
 
@@ -244,7 +201,7 @@ class Streamed:
         opt = self.optimizer
         name = optimizer_name(opt)
         target = policy_target(opt, None)
-        buckets: dict[tuple[int, torch.device], list[_Item]] = {}
+        buckets: dict[tuple[int, torch.device], list[Item]] = {}
         host_moves: list[tuple[ParamState, Any, torch.Tensor]] = []
         for group, p in members:
             st = opt.state.get(p)
@@ -283,28 +240,26 @@ class Streamed:
                 buckets.setdefault((id(group), p.device), []).append((group, p, st, streamed))
             else:
                 self._examined.add(id(p))
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host view, source)
         try:
             for items in buckets.values():
-                for part in self._partition(items):
-                    chunk, fills = self._new_chunk(part)
+                for part in layout.partition(items, self.chunk_bytes):
+                    chunk, fills = layout.new_chunk(part, self.chunk_bytes)
                     chunks.append(chunk)
                     pairs.extend(fills)
             moved = engine.copy_items([(t, _HOST) for _, _, t in host_moves]).copies if host_moves else []
-            devices = self._fill(pairs)
+            lanes = self._fill(pairs)
         except BaseException:
-            self._release(chunks)
+            layout.release(chunks)
             raise
-        if wait:
-            for device in devices:
-                s = copy_stream(device)
-                s.host_wait(s.record())
-        else:
-            for device in devices:
-                self._pending[device] = copy_stream(device).record()
+        for device, side in lanes.items():
+            if wait:
+                _recorded(side, device).synchronize()
+            else:
+                self._pending[device] = _recorded(side, device)
         # Every copy exists: now the objects take their new places (cannot fail).
-        # (every entry of a new chunk has its host view: _new_chunk set it; copy_items copied every input)
+        # (every entry of a new chunk has its host view: new_chunk set it; copy_items copied every input)
         adoptions = [(e.obj, cast(torch.Tensor, e.host)) for c in chunks for e in c.entries]
         adoptions += [(t, cast(torch.Tensor, new)) for (_, _, t), new in zip(host_moves, moved)]
         replaced, apply = engine.adopt_all(adoptions)
@@ -318,95 +273,42 @@ class Streamed:
                 new = instead.get(id(e.obj))
                 if new is not None:  # no mechanism keeps this object: its host view takes its place
                     e.state[e.key] = e.obj = new
-            for e, host in zip(c.entries, _views(c.buffer, c.entries)):
+            for e, host in zip(c.entries, layout.views(c.buffer, c.entries)):
                 e.host = host  # (after a swap, the view made for the fill holds the old contents)
             self._chunks[id(c)] = c
             for p in c.params:
                 self._chunk_of[id(p)] = c
                 self._examined.discard(id(p))
-            for e in c.entries:
-                self._objects[id(e.obj)] = e
 
-    def _partition(self, items: list[_Item]) -> Iterator[list[_Item]]:
-        """Consecutive params of one group and device, cut where the next param's state would take the chunk
-        past ``chunk_bytes`` (a param is never split: its step needs all its state)."""
-        part: list[_Item] = []
-        size = 0
-        for item in items:
-            n = sum(_aligned(_nbytes(t)) for _, t in item[3])
-            if part and size + n > self.chunk_bytes:
-                yield part
-                part, size = [], 0
-            part.append(item)
-            size += n
-        if part:
-            yield part
-
-    def _new_chunk(self, part: list[_Item]) -> tuple[_Chunk, list[tuple[torch.Tensor, torch.Tensor]]]:
-        group, device = part[0][0], part[0][1].device
-        entries: list[_Entry] = []
-        offset = 0
-        for _, _, st, streamed in part:
-            for key, t in streamed:
-                entries.append(_Entry(st, key, t, offset))
-                offset += _aligned(entries[-1].nbytes)
-        buffer = host_pool.acquire(max(offset, 1), pinned=pinned_for(device))
-        counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
-        chunk = _Chunk(
-            group,
-            device,
-            [p for _, p, _, _ in part],
-            entries,
-            offset,
-            buffer,
-            counts,
-            oversized=len(part) == 1 and offset > self.chunk_bytes,
-        )
-        hosts = _views(buffer, entries)
-        for e, host in zip(entries, hosts):
-            e.host = host
-        return chunk, [(host, e.obj) for e, host in zip(entries, hosts)]
-
-    def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.device]:
-        """Copy each source into its host view: host sources at once, device sources on their device's copy
-        stream (after the work queued on the current stream, e.g. the step that made them). Returns the devices
-        whose copy streams hold copies still to wait for."""
+    def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[torch.device, Side]:
+        """Copy each source into its host view: host sources at once, device sources on their device's lane
+        (after the work queued on the current stream, e.g. the step that made them). Returns the lanes that
+        hold copies still to wait for."""
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for view, source in pairs:
             dsts, srcs = by_device.setdefault(source.device, ([], []))
             dsts.append(view)
             srcs.append(source.detach())
-        devices = []
+        lanes = {}
         for device, (dsts, srcs) in by_device.items():
             if device.type in _HOSTS:
                 torch._foreach_copy_(dsts, srcs)
                 continue
-            s = copy_stream(device)
-            s.after_current()
-            s.copy_all(dsts, srcs)
-            for t in srcs:
-                s.keep(t)  # the source may be freed (adopted away) before the copy stream has read it
-            devices.append(device)
-        return devices
+            side = _lane(device)
+            _queue(side, dsts, srcs)
+            if side is not None:
+                side.uses(*srcs)  # the source may be freed (adopted away) before the lane has read it
+                lanes[device] = side
+        return lanes
 
-    def _forget(self, chunks: Sequence[_Chunk]) -> None:
+    def _forget(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
             self._chunks.pop(id(c), None)
             for p in c.params:
                 if self._chunk_of.get(id(p)) is c:
                     del self._chunk_of[id(p)]
-            for e in c.entries:
-                if self._objects.get(id(e.obj), None) is e:
-                    self._objects.pop(id(e.obj))
 
-    def _release(self, chunks: Sequence[_Chunk]) -> None:
-        """Give the chunks' host buffers back to the pool (reused only once nothing looks into them)."""
-        for c in chunks:
-            for e in c.entries:
-                e.host = None
-            host_pool.release(c.buffer)
-
-    def _relay(self, chunks: Sequence[_Chunk], extra: Sequence[tuple[Group, torch.Tensor]] = ()) -> None:
+    def _relay(self, chunks: Sequence[Chunk], extra: Sequence[tuple[Group, torch.Tensor]] = ()) -> None:
         """Lay out again the params of ``chunks`` (their host state is complete) and ``extra``."""
         wanted = {id(p) for c in chunks for p in c.params} | {id(p) for _, p in extra}
         self._forget(chunks)
@@ -417,10 +319,8 @@ class Streamed:
                 self._chunks[id(c)] = c
                 for p in c.params:
                     self._chunk_of[id(p)] = c
-                for e in c.entries:
-                    self._objects[id(e.obj)] = e
             raise
-        self._release(chunks)
+        layout.release(chunks)
 
     # -- the step -----------------------------------------------------------------------------------------------
 
@@ -452,13 +352,13 @@ class Streamed:
             raise
         return loss if closure is not None else out
 
-    def _schedule(self, opt: Any) -> tuple[list[_Chunk], list[tuple[Group, list[torch.Tensor]]]]:
+    def _schedule(self, opt: Any) -> tuple[list[Chunk], list[tuple[Group, list[torch.Tensor]]]]:
         """The chunks to stream this step (those with a param that has a grad, in group order) and, per group,
         the params with grads and no chunk (stepped in place; state they create is laid out afterwards)."""
-        active: list[_Chunk] = []
+        active: list[Chunk] = []
         seen: set[int] = set()
         plain: list[tuple[Group, list[torch.Tensor]]] = []
-        moved: list[_Chunk] = []
+        moved: list[Chunk] = []
         unlaid: list[tuple[Group, torch.Tensor]] = []
         chunk_of, examined, state = self._chunk_of, self._examined, opt.state
         for group in opt.param_groups:
@@ -508,7 +408,7 @@ class Streamed:
         part: list[torch.Tensor] = []
         size = 0
         for p in params + [None]:
-            n = 2 * _nbytes(p) if p is not None else 0
+            n = 2 * tensor_bytes(p) if p is not None else 0
             if p is None or (part and size + n > self.chunk_bytes):
                 if part:
                     out = self._compute(group, part, rest, kwargs)
@@ -526,7 +426,7 @@ class Streamed:
                 size += n
         return out
 
-    def _pipeline(self, chunks: list[_Chunk], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pipeline(self, chunks: list[Chunk], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         n = len(chunks)
         capacity: dict[torch.device, int] = {}
         for c in chunks:
@@ -536,15 +436,18 @@ class Streamed:
         turn: dict[torch.device, int] = {}
         windows: list[Any] = [None] * n
         loaded: list[Any] = [None] * n
+        lanes: dict[torch.device, Side | None] = {}
 
         def load(k: int) -> None:
             c = chunks[k]
-            s = copy_stream(c.device)
+            if c.device not in lanes:
+                lanes[c.device] = _lane(c.device)
+            side = lanes[c.device]
             if c.oversized:  # a window of its own, freed after its write-back
                 window = torch.empty(c.nbytes, dtype=torch.uint8, device=c.device)
                 fresh = True
             else:  # two windows per device, taken in turn: a window's previous chunk was written back before
-                # (the same copy stream runs its copies in order)
+                # (the same lane runs its copies in order)
                 ring = rings.setdefault(c.device, [None, None])
                 i = turn.get(c.device, 0)
                 turn[c.device] = 1 - i
@@ -553,40 +456,41 @@ class Streamed:
                 if found is None:
                     found = ring[i] = torch.empty(capacity[c.device], dtype=torch.uint8, device=c.device)
                 window = found
-            if fresh:
-                # NOTE: memory just allocated on the current stream may still be in use by work queued there
-                # (the caching allocator reuses a block in stream order): the copy stream waits for it first.
-                s.after_current()
-                s.keep(window)
-            s.copy(window[: c.nbytes], c.buffer[: c.nbytes])
-            windows[k], loaded[k] = window, s.record()
+            # NOTE: memory just allocated on the current stream may still be in use by work queued there (the
+            # caching allocator reuses a block in stream order): the lane waits for it first.
+            _queue(side, [window[: c.nbytes]], [c.buffer[: c.nbytes]], wait=fresh)
+            if side is not None:
+                if fresh:
+                    side.uses(window)
+                loaded[k] = _recorded(side, c.device)
+            windows[k] = window
 
         out = None
-        used: set[torch.device] = set()
         try:
             load(0)
             for k, c in enumerate(chunks):
-                used.add(c.device)
                 ahead = k + 1 < n and not (c.oversized and chunks[k + 1].oversized)
                 if ahead:
                     load(k + 1)
-                s = copy_stream(c.device)
-                s.current_waits(loaded[k])
-                out = self._chunk_step(c, windows[k], s, rest, kwargs)
+                side = lanes[c.device]
+                if side is not None:
+                    side.streams.wait_event(side.current, loaded[k])  # the compute waits for its load
+                out = self._chunk_step(c, windows[k], side, rest, kwargs)
                 windows[k] = None
                 if k + 1 < n and not ahead:
                     load(k + 1)  # two oversized chunks in a row: never on the device together
         finally:
-            for device in used:
-                self._pending[device] = copy_stream(device).record()
+            for device, side in lanes.items():
+                if side is not None:
+                    self._pending[device] = _recorded(side, device)
         return out
 
     def _chunk_step(
-        self, c: _Chunk, window: torch.Tensor, s: CopyStream, rest: tuple[Any, ...], kwargs: dict[str, Any]
+        self, c: Chunk, window: torch.Tensor, side: Side | None, rest: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Step one chunk with its state in ``window``, then queue its write-back."""
         entries = c.entries
-        views = _views(window, entries)
+        views = layout.views(window, entries)
         hows = decide_all([(e.obj, v) for e, v in zip(entries, views)])
         for e, v, how in zip(entries, views, hows):
             if how == "data":
@@ -607,15 +511,15 @@ class Streamed:
                     adopt(e.obj, v, "swap")
                 elif e.state.get(e.key) is v:
                     e.state[e.key] = e.obj
-            s.after_current()
-            s.copy(c.buffer[: c.nbytes], window[: c.nbytes])
+            _queue(side, [c.buffer[: c.nbytes]], [window[: c.nbytes]])  # the write-back, after the compute
         if changed:
             # The step added, dropped or replaced a state tensor of this chunk: lay its params out again.
-            s.host_wait(s.record())
+            if side is not None:
+                _recorded(side, c.device).synchronize()
             self._relay([c])
         return out
 
-    def _changed(self, c: _Chunk, views: list[torch.Tensor], hows: list[Mechanism]) -> bool:
+    def _changed(self, c: Chunk, views: list[torch.Tensor], hows: list[Mechanism]) -> bool:
         state = self.optimizer.state
         for p, count in c.counts:
             st = state.get(p)
@@ -652,7 +556,7 @@ class Streamed:
             setattr(opt, attr, types.MethodType(fn, opt))
         self._handles = [
             opt.register_state_dict_pre_hook(lambda _opt: self.wait()),
-            opt.register_state_dict_post_hook(self._compact),
+            opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
         self._active = True
         _mode.enter(opt, self)
@@ -670,21 +574,6 @@ class Streamed:
                 else:
                     opt.__dict__[attr] = previous
             # else: replaced by someone since; our step then falls through to the plain step (see _install)
-
-    def _compact(self, opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        """state_dict() post-hook: each streamed tensor as a compact host copy (not a view into a pool buffer,
-        which torch.save would write whole), in new per-param dicts (the live ones stay as they are)."""
-        objects = self._objects
-        state = {}
-        for k, st in sd["state"].items():
-            if isinstance(st, dict) and any(isinstance(v, torch.Tensor) and id(v) in objects for v in st.values()):
-                st = {
-                    kk: vv.clone() if isinstance(vv, torch.Tensor) and id(vv) in objects else vv
-                    for kk, vv in st.items()
-                }
-            state[k] = st
-        sd["state"] = state
-        return sd
 
 
 def _where(opt: Any, p: torch.Tensor) -> str:
@@ -835,7 +724,7 @@ def unstream(optimizer: Opt) -> Opt:
     mode._uninstall(optimizer)
     chunks = list(mode._chunks.values())
     mode._forget(chunks)
-    mode._release(chunks)
+    layout.release(chunks)
     return optimizer
 
 

@@ -1,8 +1,10 @@
-"""Streams and events of an accelerator, as the engine uses them: one small interface for every backend.
+"""Streams and events of an accelerator, as optimshift uses them: one small interface for every backend.
 
 The asynchronous path (:func:`optimshift.engine.run` with ``non_blocking``, :class:`optimshift.PendingTransfer`,
-the step pre-hook, the pool's buffer events) is written once against :class:`Streams`. Which implementation a
-device type gets is decided once per type by :func:`of`:
+the step pre-hook, the pool's buffer events) and the streamed step's pipeline (:mod:`optimshift._stream`) are
+written once against :class:`Streams`, their copies queued on a side stream by :class:`optimshift._copy.Side`'s
+rules (each on a lane of its own: :meth:`Streams.side`). Which implementation a device type gets is decided
+once per type by :func:`of`:
 
 1. A backend registered with :func:`register_backend`: its ``torch.cuda``-shaped module (``Stream``, ``Event``,
    ``current_stream``, ``stream``, ``synchronize``). This is how a Python PrivateUse1 backend gets streams: its C++
@@ -43,7 +45,7 @@ class Streams:
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
-        self._side: dict[torch.device, Any] = {}
+        self._side: dict[tuple[torch.device, str], Any] = {}
         self._lock = threading.Lock()
 
     # -- primitives (per implementation) --------------------------------------------------------------------
@@ -66,14 +68,16 @@ class Streams:
         raise NotImplementedError
 
     # -- ordering (the same for every implementation: the backend objects share method names) -------------
-    def side(self, device: torch.device) -> Any:
-        """The engine's side stream on ``device`` (one per device, kept for the process)."""
-        stream = self._side.get(device)
+    def side(self, device: torch.device, lane: str = "engine") -> Any:
+        """A side stream on ``device``, one per ``lane`` and device, kept for the process: the engine's transfers
+        use ``"engine"``, the streamed step's copies ``"stream"`` (never queued behind a transfer)."""
+        key = (device, lane)
+        stream = self._side.get(key)
         if stream is None:
             with self._lock:
-                stream = self._side.get(device)
+                stream = self._side.get(key)
                 if stream is None:
-                    stream = self._side[device] = self.new_stream(device)
+                    stream = self._side[key] = self.new_stream(device)
         return stream
 
     def record(self, event: Any, stream: Any) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -26,7 +26,18 @@ import torch
 
 from ._probe import HOST_READ, NEEDS_DEVICE, probe, quiet_global_step_hooks  # noqa: F401 (re-exported)
 
-__all__ = ["Policy", "register_policy", "unregister_policy", "Decision", "decide", "HOST", "builtin_base", "separable"]
+__all__ = [
+    "Policy",
+    "register_policy",
+    "unregister_policy",
+    "Decision",
+    "decide",
+    "HOST",
+    "builtin_base",
+    "separable",
+    "step_of",
+    "same_step",
+]
 
 HOST = torch.device("cpu")
 
@@ -124,24 +135,35 @@ def separable(optimizer_class: type) -> tuple[bool, str]:
     torch_base = builtin_base(optimizer_class)
     if torch_base is None:
         return False, "unknown"
-    base = torch_base
-    if base.__name__ in _NOT_SEPARABLE:
+    if torch_base.__name__ in _NOT_SEPARABLE:
         return False, "not separable"
-    base_step = _own_step(base)
-    for klass in optimizer_class.__mro__:
-        if klass is base:
-            break
-        own = _own_step(klass)
-        if own is not None and own is not base_step:
-            return False, "overrides step"
+    if not same_step(optimizer_class, torch_base):
+        return False, "overrides step"
     return True, "torch.optim"
 
 
-def _own_step(klass: type) -> Any:
-    """The step function ``klass`` defines itself, without the hook wrapper torch.optim puts on the class of
-    the first instance made (on a subclass that defines no step, that wrapper wraps the base's step)."""
-    fn: Any = klass.__dict__.get("step")
-    return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
+# NOTE: torch's hook wrapper is told by its code: its ``hooked`` mark is no proof, as ``functools.wraps`` copies it
+# (and ``__wrapped__``) onto any function that wraps a hooked step.
+_HOOK_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+
+
+def step_of(cls: type) -> Callable[..., Any]:
+    """The step function instances of ``cls`` run (its own or inherited), without the hook wrapper that
+    ``torch.optim.Optimizer`` puts on the class of the first instance made (``_patch_step_function``; on a
+    subclass that defines no step it wraps the base's). Only that wrapper comes off: a decorator such as torch's
+    ``_use_grad_for_differentiable`` stays (calling the step needs it), and a step that wraps another is its own.
+    """
+    fn: Any = getattr(cls, "step")  # noqa: B009  (typed: a class, not an Optimizer)
+    while getattr(fn, "__code__", None) is _HOOK_WRAPPER:
+        fn = fn.__wrapped__
+    step: Callable[..., Any] = fn
+    return step
+
+
+def same_step(cls: type, base: type) -> bool:
+    """Whether ``cls`` steps with ``base``'s step (a subclass that does not override it, or whose override is
+    ``base``'s own function)."""
+    return step_of(cls) is step_of(base)
 
 
 # --- built-in rules -------------------------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""How streamed state is laid out in host memory: chunks of params, each state tensor at its place in one buffer.
+
+A chunk is consecutive params of one group on one device (:func:`partition`: at most ``chunk_bytes`` of state,
+a param never split, since its step needs all its state). Its streamed state tensors share one flat uint8 host
+buffer from the host pool (pinned where the device pins host memory), each at a 64-byte-aligned offset; a device
+window of the same layout holds them during a step. :func:`views` gives each tensor's place in either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ._streams import pins_host_for
+from .pool import host_pool
+
+__all__ = [
+    "Group",
+    "ParamState",
+    "Item",
+    "Entry",
+    "Chunk",
+    "tensor_bytes",
+    "views",
+    "partition",
+    "new_chunk",
+    "release",
+]
+
+# NOTE: every tensor starts at a multiple of 64 bytes in its chunk, on the host and in the window alike, so that
+# a window view is as aligned as the vectorized multi-tensor kernels need (16 bytes x 4 lanes for complex128).
+_ALIGN = 64
+
+Group = dict[str, Any]
+"""A param group (an entry of ``optimizer.param_groups``)."""
+ParamState = dict[Any, Any]
+"""One param's state (``optimizer.state[p]``), keyed as the optimizer keys it."""
+Item = tuple[Group, torch.Tensor, ParamState, list[tuple[Any, torch.Tensor]]]
+"""A param to lay out: its group, the param, its state and the (key, tensor) entries of it to stream."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Entry:
+    """One streamed state tensor: where it sits (``state[key]``), its object, its place in the chunk."""
+
+    __slots__ = ("state", "key", "obj", "host", "offset", "nbytes", "dtype", "shape", "stride")
+
+    def __init__(self, state: ParamState, key: Any, obj: torch.Tensor, offset: int) -> None:
+        self.state, self.key, self.obj, self.offset = state, key, obj, offset
+        self.nbytes = tensor_bytes(obj)
+        self.dtype, self.shape = obj.dtype, tuple(obj.shape)
+        # Strides kept when the tensor is dense (as a fresh optimizer's zeros_like(p) of a permuted param is).
+        self.stride = obj.stride() if obj.is_contiguous() else torch.empty_like(obj, device="meta").stride()
+        self.host: torch.Tensor | None = None  # a view of the host buffer (what the object points at between steps)
+
+
+def views(flat: torch.Tensor, entries: Sequence[Entry]) -> list[torch.Tensor]:
+    """Each entry's place in ``flat`` (a whole uint8 buffer laid out like its chunk, its size a multiple of 64:
+    the host buffer or a window): one ``as_strided`` per tensor over a view of the buffer in the tensor's dtype."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out = []
+    for e in entries:
+        t = typed.get(e.dtype)
+        if t is None:
+            t = typed[e.dtype] = flat.view(e.dtype)
+        out.append(t.as_strided(e.shape, e.stride, e.offset // t.element_size()))
+    return out
+
+
+class Chunk:
+    """Params of one group on one device whose streamed state shares one host buffer (and, in a step, one
+    window). ``counts``: how many tensors each param's state held when laid out (a step that adds or drops one
+    makes the chunk laid out again). ``oversized``: one param whose state is larger than ``chunk_bytes``."""
+
+    __slots__ = ("group", "device", "params", "entries", "nbytes", "buffer", "counts", "oversized")
+
+    def __init__(
+        self,
+        group: Group,
+        device: torch.device,
+        params: list[torch.Tensor],
+        entries: list[Entry],
+        nbytes: int,
+        buffer: torch.Tensor,
+        counts: list[tuple[torch.Tensor, int]],
+        oversized: bool,
+    ) -> None:
+        self.group, self.device, self.params, self.entries = group, device, params, entries
+        self.nbytes, self.buffer, self.counts, self.oversized = nbytes, buffer, counts, oversized
+
+
+def partition(items: list[Item], chunk_bytes: int) -> Iterator[list[Item]]:
+    """Consecutive params of one group and device, cut where the next param's state would take the chunk
+    past ``chunk_bytes`` (a param is never split: its step needs all its state)."""
+    part: list[Item] = []
+    size = 0
+    for item in items:
+        n = sum(_aligned(tensor_bytes(t)) for _, t in item[3])
+        if part and size + n > chunk_bytes:
+            yield part
+            part, size = [], 0
+        part.append(item)
+        size += n
+    if part:
+        yield part
+
+
+def new_chunk(part: list[Item], chunk_bytes: int) -> tuple[Chunk, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A chunk for ``part`` with a host buffer from the pool, each entry given its host view; and the
+    (host view, state tensor) pairs to fill it with. Nothing in the state changes here."""
+    group, device = part[0][0], part[0][1].device
+    entries: list[Entry] = []
+    offset = 0
+    for _, _, st, streamed in part:
+        for key, t in streamed:
+            entries.append(Entry(st, key, t, offset))
+            offset += _aligned(entries[-1].nbytes)
+    buffer = host_pool.acquire(max(offset, 1), pinned=pins_host_for(device))
+    counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
+    params = [p for _, p, _, _ in part]
+    oversized = len(part) == 1 and offset > chunk_bytes
+    chunk = Chunk(group, device, params, entries, offset, buffer, counts, oversized)
+    hosts = views(buffer, entries)
+    for e, host in zip(entries, hosts):
+        e.host = host
+    return chunk, [(host, e.obj) for e, host in zip(entries, hosts)]
+
+
+def release(chunks: Sequence[Chunk]) -> None:
+    """Give the chunks' host buffers back to the pool (reused only once nothing looks into them)."""
+    for c in chunks:
+        for e in c.entries:
+            e.host = None
+        host_pool.release(c.buffer)

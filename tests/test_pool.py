@@ -398,9 +398,9 @@ def test_round_trips_when_pin_memory_itself_fails_are_bitwise(
 def test_streamed_steps_past_the_limit_are_bitwise(sim, sim_pins, monkeypatch, seed, progress):
     """Streamed state lives in pool buffers, one per chunk: past the limit in pageable ones, and each streamed
     step is still bitwise the ordinary step, under deferred copy streams."""
-    from optimshift import _streams
+    from optimshift import _chunks
 
-    monkeypatch.setattr(_streams, "pins_host_for", lambda device: device.type == sim.type)
+    monkeypatch.setattr(_chunks, "pins_host_for", lambda device: device.type == sim.type)  # (chunk buffers)
     host_pool.pinned_limit = MiB
     before = host_pool.stats()
     with deferred_streams(seed=seed, progress=progress):

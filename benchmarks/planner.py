@@ -1,0 +1,188 @@
+"""Benchmark: issue 18's goals, each a ratio against the least work, run in the same process (interleaved).
+
+- ``move`` host -> meta (no bytes copied: the plan, decisions and adoption), first call on a fresh optimizer,
+  against a bare loop that keeps identity (``torch.utils.swap_tensors(v, v.to("meta"))``, skipping the host
+  ``step`` as the rule says);
+- the same move repeated on an unchanged optimizer (its plan cached): fake ``cpu`` <-> fake ``cuda:0``
+  (FakeTensorMode: copies cost only their dispatch), against the same bare loop on the same device pair;
+- an offload + reload cycle of an unchanged optimizer (cached plans) against a bare per-tensor identity-keeping
+  loop on the same device pair, on the simulated accelerator and on fake ``cuda:0``;
+- ``load_state_dict`` (copy=True) into a fresh optimizer against a bare clone loop, and into existing state
+  against a bare ``copy_`` loop.
+
+    .venv/bin/python benchmarks/planner.py [--tensors 50000] [--cycle-tensors 10000] [--params 16000] [--reps 5]
+
+Not a test: timings depend on the machine and its load. Record results in benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import optimshift
+from optimshift.testing import simulated_accelerator
+
+swap = torch.utils.swap_tensors
+
+
+def _adam(n_params: int, device: torch.device | str, numel: int = 8) -> torch.optim.Optimizer:
+    params = [torch.nn.Parameter(torch.zeros(numel, device=device)) for _ in range(n_params)]
+    opt = torch.optim.Adam(params, foreach=False)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
+    return opt
+
+
+def _bare_move(opt: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """The least an identity-keeping move does: every tensor that changes device, by swap_tensors."""
+    for st in opt.state.values():
+        for k, v in st.items():
+            if k != "step":
+                swap(v, v.to(device))
+
+
+def _median_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    ma, mb = statistics.median(a), statistics.median(b)
+    return ma, mb, ma / mb
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def move_first_call(n_tensors: int, reps: int) -> dict[str, float]:
+    n = n_tensors // 2
+    t_os, t_bare = [], []
+    for _ in range(reps):
+        a, b = _adam(n, "cpu"), _adam(n, "cpu")
+        gc.collect()
+        t_bare.append(_timed(lambda: _bare_move(a, "meta")))
+        t_os.append(_timed(lambda: optimshift.api._transfer(b, optimshift.plan.policy_target(b, torch.device("meta")), what="move")))  # noqa: E501  (move() refuses meta)
+        del a, b
+    os_s, bare_s, ratio = _median_ratio(t_os, t_bare)
+    return {"tensors": 2 * n, "us_per_tensor": os_s / (2 * n) * 1e6, "bare_us": bare_s / (2 * n) * 1e6, "ratio": ratio}
+
+
+def move_repeated_fake(n_tensors: int, reps: int) -> dict[str, float]:
+    n = n_tensors // 2
+    cuda = torch.device("cuda", 0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        a, b = _adam(n, "cpu"), _adam(n, "cpu")
+        optimshift.move(b, cuda)  # plans for both directions, cached from here on
+        optimshift.move(b, "cpu")
+        t_os, t_bare = [], []
+        for _ in range(reps):
+            gc.collect()
+            t_bare.append(_timed(lambda: (_bare_move(a, cuda), _bare_move(a, "cpu"))))
+            t_os.append(_timed(lambda: (optimshift.move(b, cuda), optimshift.move(b, "cpu"))))
+    os_s, bare_s, ratio = _median_ratio(t_os, t_bare)
+    return {"tensors": 2 * n, "us_per_tensor": os_s / (4 * n) * 1e6, "bare_us": bare_s / (4 * n) * 1e6, "ratio": ratio}
+
+
+def cycle(n_tensors: int, reps: int, where: str) -> dict[str, float]:
+    n = n_tensors // 2
+    context: Any
+    if where == "sim":
+        device: torch.device = simulated_accelerator()
+        context = torch.no_grad()
+    else:
+        device = torch.device("cuda", 0)
+        context = FakeTensorMode(allow_non_fake_inputs=True)
+    with context:
+        a, b = _adam(n, device), _adam(n, device)
+        optimshift.offload(b)
+        optimshift.reload(b)  # the cycle's two plans, cached from here on
+        t_os, t_bare = [], []
+        for _ in range(reps):
+            gc.collect()
+            t_bare.append(_timed(lambda: (_bare_move(a, "cpu"), _bare_move(a, device))))
+            t_os.append(_timed(lambda: (optimshift.offload(b), optimshift.reload(b))))
+    os_s, bare_s, ratio = _median_ratio(t_os, t_bare)
+    return {"tensors": 2 * n, "us_per_tensor": os_s / (2 * n) * 1e6, "bare_us": bare_s / (2 * n) * 1e6, "ratio": ratio}
+
+
+def load(n_params: int, reps: int) -> dict[str, float]:
+    opt = _adam(n_params, "cpu", numel=16)
+    sd = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    def bare_clone() -> dict[Any, Any]:
+        return {
+            k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in st.items()}
+            for k, st in sd["state"].items()
+        }
+
+    existing = torch.optim.Adam(params, foreach=False)
+    optimshift.load_state_dict(existing, sd)
+    live = list(existing.state.values())
+
+    def bare_copy() -> None:
+        for st, saved in zip(live, sd["state"].values()):
+            for k, v in st.items():
+                v.copy_(saved[k])
+
+    t_clone, t_fresh, t_copy, t_existing = [], [], [], []
+    for _ in range(reps):
+        gc.collect()
+        t_clone.append(_timed(bare_clone))
+        fresh = torch.optim.Adam(params, foreach=False)
+        gc.collect()
+        t_fresh.append(_timed(lambda: optimshift.load_state_dict(fresh, sd)))
+        gc.collect()
+        t_copy.append(_timed(bare_copy))
+        gc.collect()
+        t_existing.append(_timed(lambda: optimshift.load_state_dict(existing, sd)))
+    return {
+        "params": n_params,
+        "fresh_vs_clone": _median_ratio(t_fresh, t_clone)[2],
+        "existing_vs_copy": _median_ratio(t_existing, t_copy)[2],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensors", type=int, default=50_000)
+    parser.add_argument("--cycle-tensors", type=int, default=10_000, help="(sim and fake ops run in Python: slower)")
+    parser.add_argument("--params", type=int, default=16_000)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}, reps {args.reps}")
+    r = move_first_call(args.tensors, args.reps)
+    print(
+        f"move host->meta, first call, {r['tensors']} tensors: {r['us_per_tensor']:.2f} us/tensor against "
+        f"{r['bare_us']:.2f} (bare swap_tensors loop): {r['ratio']:.2f}x (goal <= 1.5x)"
+    )
+    r = move_repeated_fake(args.cycle_tensors, args.reps)
+    print(
+        f"move fake cpu<->cuda:0, repeated (cached plans), {r['tensors']} tensors: {r['us_per_tensor']:.2f} us/tensor "
+        f"against {r['bare_us']:.2f}: {r['ratio']:.2f}x (goal <= 1.2x)"
+    )
+    for where in ("sim", "fake"):
+        r = cycle(args.cycle_tensors, args.reps, where)
+        print(
+            f"offload+reload cycle on {where}, cached plans, {r['tensors']} tensors: {r['us_per_tensor']:.2f} "
+            f"us/tensor against {r['bare_us']:.2f} (bare per-tensor swap loop): {r['ratio']:.2f}x (goal <= 1.5x)"
+        )
+    r = load(args.params, args.reps)
+    print(
+        f"load_state_dict copy=True, {r['params']} params: into a fresh optimizer {r['fresh_vs_clone']:.2f}x a bare "
+        f"clone loop; into existing state {r['existing_vs_copy']:.2f}x a bare copy_ loop (goal <= 1.5x each)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _alias
 from ._devices import _fake_mode_active
 from ._dtensor import copy_dtensor, is_dtensor
 from ._errors import add_note
@@ -174,7 +175,19 @@ def copy_many(
     current = 0
     kinds: dict[tuple[torch.device, torch.device], bool] = {}  # (source, target) -> may be grouped
     try:
+        done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
+        for indices, target in _alias.together(items) if group else ():
+            current = indices[0]
+            batch.devices.update(d for d in (items[current][0].device, target) if d.type not in _HOSTS)
+            news = _alias.copy_storage(
+                [items[i][0] for i in indices], target, lambda src, dst: copy_tensor(src, dst, non_blocking, pin_memory)
+            )
+            for i, new in zip(indices, news):
+                copies[i] = new
+            done.update(indices)
         for i, (t, target) in enumerate(items):
+            if done and i in done:
+                continue
             source = t.device
             pair = (source, target)
             groupable = kinds.get(pair)

@@ -279,3 +279,168 @@ def test_a_base_whose_views_adopt_copies_too_keeps_its_object():
     # (CPU to CPU: set_data applies; ask as if only a swap could exchange them, as for CPU <-> sim)
     assert decide_all([(flat, new_flat.to("meta")), (view, new_view.to("meta"))]) == ["swap", "swap"]
     assert decide_all([(flat, new_flat.to("meta"))]) == ["replace"], "its view stays: the base is replaced"
+
+
+def test_a_state_dict_taken_while_offloaded_keeps_the_sharing(sim):
+    """Offloaded tensors that are views into the host pool get compact copies in state_dict(); a storage of
+    the optimizer's own (the flat buffer's host copy) is kept, so a checkpoint saved while offloaded shares too."""
+    _, opt = _trained(sim)
+    optimshift.offload(opt)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    optimshift.reload(opt)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    storages = {t.untyped_storage().data_ptr() for st in sd["state"].values() for t in st.values()}
+    assert len(storages) == 1, "the flat buffer and its views, saved as one storage"
+    model = Model(SHAPES).to(sim)
+    fresh = FlatMomentum(model.parameters())
+    optimshift.load_state_dict(fresh, sd)
+    assert layout(fresh) == layout(opt)
+
+
+def test_load_state_dict_with_a_cast_casts_the_storage_once(sim):
+    """cast="param": the flat buffer and its views are cast as one storage (bf16 params, fp32 checkpoint)."""
+    _, source = _trained(sim)
+    model = Model(SHAPES).to(sim).to(torch.bfloat16)
+    opt = FlatMomentum(model.parameters())
+    optimshift.load_state_dict(opt, source.state_dict(), cast="param")
+    expected = {w: v[:4] + (torch.bfloat16, sim) for w, v in layout(source).items()}
+    assert layout(opt) == expected
+    for (where, t), (_, s) in zip(_entries(opt), _entries(source)):
+        assert bitwise_equal(t, s.to(torch.bfloat16)), where
+
+
+def test_load_state_dict_refuses_a_shared_storage_loaded_onto_two_devices(sim):
+    _, source = _trained("cpu")
+    model = Model(SHAPES)
+    model.parts[2].to(sim)
+    opt = FlatMomentum(model.parameters())
+    with pytest.raises(ValueError) as info:
+        optimshift.load_state_dict(opt, source.state_dict())
+    message = str(info.value)
+    assert message.startswith("FlatMomentum: load_state_dict: ") and "share one storage" in message, message
+    assert "param 0, state key 'flat'" in message and "param 2, state key 'momentum'" in message, message
+    assert not opt.state, "nothing was loaded"
+
+
+_DTENSOR_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+import optimshift
+from optimshift.testing import simulated_accelerator
+sim = simulated_accelerator()
+mesh = init_device_mesh("cpu", (2,))
+p = torch.nn.Parameter(DTensor.from_local(torch.zeros(10), mesh, [Replicate()], run_check=False).to(sim))
+class Holder(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+    def step(self, closure=None):
+        pass
+opt = Holder([p])
+flat = torch.zeros_like(p)
+flat._local_tensor.copy_(torch.arange(10.0))
+opt.state[p]["flat"], opt.state[p]["view"] = flat, flat[2:6]
+out = []
+def shared():
+    st = opt.state[p]
+    a, b = st["flat"].to_local(), st["view"].to_local()
+    return (type(st["view"]).__name__, str(a.device), a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(),
+            b.storage_offset(), st["view"].placements == (Replicate(),), tuple(st["view"].shape), b.tolist())
+optimshift.offload(opt)
+out.append(shared())
+optimshift.reload(opt)
+out.append(shared())
+opt.state[p]["flat"]._local_tensor.add_(1)
+out.append(opt.state[p]["view"].to_local().tolist())
+dist.destroy_process_group()
+print(repr(out))
+"""
+
+
+def test_dtensor_state_shares_its_local_shards_storage(tmp_path):
+    """DTensor state: the local shards' storage is copied once and each DTensor rebuilt around a view of it
+    (same placements and global shape). A fake process group in a subprocess: no collective runs."""
+    import ast
+    import subprocess
+    import sys
+
+    script = tmp_path / "dtensor_alias.py"
+    script.write_text(_DTENSOR_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    offloaded, reloaded, updated = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert offloaded == ("DTensor", "cpu", True, 2, True, (4,), [2.0, 3.0, 4.0, 5.0])
+    assert reloaded == ("DTensor", "sim:0", True, 2, True, (4,), [2.0, 3.0, 4.0, 5.0])
+    assert updated == [3.0, 4.0, 5.0, 6.0], "the flat shard's update shows through the view"
+
+
+def test_the_set_data_path_keeps_the_sharing_and_the_objects():
+    """CPU <-> CUDA copies are adopted by set_data (no swap): the old objects take views of the new storage.
+    Shown host to host, where set_data applies too (the path a CUDA move takes)."""
+    from optimshift import _alias, engine
+    from optimshift._adopt import mechanism
+
+    flat = torch.arange(12.0)
+    olds = [flat, flat[:6].view(2, 3), flat[:6].view(2, 3).t(), flat[6:]]
+    (group,) = _alias.shared(olds)
+    news = _alias.copy_storage([olds[i] for i in group], torch.device("cpu"), lambda src, d: src.clone())
+    assert mechanism(olds[1], news[1]) == "data"
+    ids = [id(t) for t in olds]
+    old_storage, new_storage = flat.untyped_storage().data_ptr(), news[0].untyped_storage().data_ptr()
+    layout_before = [(t.storage_offset(), t.shape, t.stride()) for t in olds]
+    replaced, apply = engine.adopt_all(list(zip(olds, news)))
+    assert replaced == []
+    apply()
+    assert [id(t) for t in olds] == ids
+    assert {t.untyped_storage().data_ptr() for t in olds} == {new_storage} != {old_storage}
+    assert [(t.storage_offset(), t.shape, t.stride()) for t in olds] == layout_before
+    olds[0].add_(1)
+    assert torch.equal(olds[2], torch.arange(1.0, 7.0).view(2, 3).t()) and torch.equal(olds[3], torch.arange(7.0, 13.0))
+
+
+@pytest.mark.cuda
+def test_on_cuda_offload_to_pinned_memory_and_back_keeps_the_views():
+    cuda = torch.device("cuda", 0)
+    model, opt = _trained("cpu")
+    reference, ref = _trained("cpu")
+    for m, o in ((model, opt), (reference, ref)):
+        m.to(cuda)
+        optimshift.move(o)
+    before = _snapshot(opt)
+    optimshift.offload(opt)  # pinned host memory: the state came from CUDA
+    host = {w: v[:5] + (torch.device("cpu"),) for w, v in before[0].items()}
+    assert_views_of_the_flat_buffer(opt, host, *before[1:])
+    assert all(t.is_pinned() for _, t in _entries(opt))
+    optimshift.reload(opt, non_blocking=True).wait()
+    assert_views_of_the_flat_buffer(opt, *before)
+    _train(model, opt, range(2, 4))
+    _train(reference, ref, range(2, 4))
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert bitwise_equal(a, b)
+
+
+def test_stream_refuses_entries_that_share_a_storage(sim):
+    """Streaming gives each entry its own place in a chunk: entries that share a storage are refused, before
+    anything changes."""
+    model = Model([(4,), (2,)]).to(sim)
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    _train(model, opt, range(1))
+    flat = torch.zeros(6, device=sim)
+    p0, p1 = model.parameters()
+    flat[:4].copy_(opt.state[p0]["exp_avg"])
+    flat[4:].copy_(opt.state[p1]["exp_avg"])
+    opt.state[p0]["exp_avg"], opt.state[p1]["exp_avg"] = flat[:4], flat[4:]
+    opt.state[p0]["flat"] = flat  # (the buffer is the optimizer's: a storage something else uses is not its own)
+    del flat
+    before = _snapshot(opt)
+    with pytest.raises(ValueError) as info:
+        optimshift.stream(opt)
+    message = str(info.value)
+    assert "group 0, param 0, state 'exp_avg'" in message and "group 0, param 0, state 'flat'" in message
+    assert "share one storage" in message, message
+    assert layout(opt) == before[0] and tensor_ids(opt) == before[2]
+    _train(model, opt, range(1, 2))  # still the ordinary step

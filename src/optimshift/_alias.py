@@ -94,15 +94,15 @@ def _whole(key: int, members: list[torch.Tensor]) -> bool:
     """
     locals_ = [_local(t) for t in members]
     first = locals_[0]
-    if first.is_meta or any(t.is_conj() or t.is_neg() or t.device != first.device for t in locals_):
+    if first.is_meta:
         return False
     storage = first.untyped_storage()  # (held while counting: one Python storage object, see below)
-    if storage.nbytes() == 0:
-        return False
     # NOTE: a storage's use count is one per TensorImpl on it, plus one for its Python storage object (which
     # torch keeps alive with the storage once created; `storage` above makes sure there is one). Anything more
     # is a user outside ``members``: a param, a grad, a pool buffer, a base kept outside the optimizer.
-    return _use_count(key) == len(locals_) + 1
+    if _use_count(key) != len(locals_) + 1 or storage.nbytes() == 0:
+        return False
+    return not any(t.is_conj() or t.is_neg() or t.device != first.device for t in locals_)
 
 
 def split_targets(
@@ -168,7 +168,8 @@ def _like(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     ``requires_grad``."""
     if is_dtensor(t):
         # NOTE: DTensor's own constructor, not ``from_local``: that moves the shard to the mesh's device type
-        # and would undo an offload to the host (see _dtensor.copy_dtensor).
+        # and would undo an offload to the host (see _dtensor.copy_dtensor). (A DTensor that other DTensors in
+        # state are views of cannot be swapped, torch's swap_tensors counts them: it is replaced, still sharing.)
         cls: Any = type(t)
         return cls(view, t._spec, requires_grad=t.requires_grad)  # type: ignore[no-any-return]
     if t.requires_grad:

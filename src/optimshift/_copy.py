@@ -165,6 +165,7 @@ def copy_many(
 
     ``keep_host_views``: host results are views into pool buffers listed in ``Batch.held`` (offload);
     otherwise they are separate tensors and every staging buffer goes back to the pool.
+    Tensors that share a storage nothing else uses are copied as that storage (:mod:`optimshift._alias`).
     What cannot be grouped is copied by :func:`copy_tensor`. ``describe(i)`` names
     input ``i`` in the note added to an exception (an OOM says which entry it hit).
     """

@@ -58,7 +58,8 @@ def shared(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     share one storage which nothing else uses, to be copied with :func:`copy_storage`.
 
     Costs one C call per tensor when nothing is shared (the common case)."""
-    if not tensors or _fake_mode_active():  # (fake tensors have no bytes to share)
+    # NOTE: under FakeTensorMode there are no bytes to share (and FakeTensors outside one have no key).
+    if not tensors or _fake_mode_active():
         return []
     keys: list[int | None]
     try:

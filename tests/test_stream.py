@@ -236,9 +236,10 @@ def test_save_and_resume_into_a_streamed_optimizer(sim, kwargs, tmp_path):
 
 @pytest.mark.parametrize("mode", ["stream", "offload"])
 def test_state_dict_tensors_own_their_bytes_streamed_as_offloaded(sim, mode):
-    """One compaction serves both modes (``_offload.compact_state_dict``): every tensor in the state_dict owns
-    exactly its bytes, the streamed ones (views into pool buffers) and a group tensor that is a view of a larger
-    one alike; the live tensors stay as they are."""
+    """One compaction serves both modes (``_offload.compact_state_dict``): every state tensor in the state_dict
+    owns exactly its bytes (the live ones are views into pool buffers); a group tensor the user gave as a view
+    of a larger tensor is the user's, not a pool's, and stays that view (as in torch's own state_dict, and as
+    state tensors that share a storage of their own keep sharing it: optimshift._alias)."""
     lrs = torch.tensor([1e-3, 7.0])  # the group's lr is a view: its storage holds another number too
     model = Model([(4, 3), (3,)]).to(sim)
     opt = torch.optim.Adam(_params(model), lr=lrs[0], foreach=False)
@@ -246,10 +247,11 @@ def test_state_dict_tensors_own_their_bytes_streamed_as_offloaded(sim, mode):
     optimshift.stream(opt, chunk_bytes=256) if mode == "stream" else optimshift.offload(opt)
     sd = opt.state_dict()
     tensors = {f"{i}.{k}": v for i, st in sd["state"].items() for k, v in st.items()}
-    tensors["lr"] = sd["param_groups"][0]["lr"]
     for where, t in tensors.items():
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{mode}: {where} holds other bytes"
-    assert bitwise_equal(sd["param_groups"][0]["lr"], lrs[0])
+    assert sd["param_groups"][0]["lr"] is opt.param_groups[0]["lr"] and bitwise_equal(
+        sd["param_groups"][0]["lr"], lrs[0]
+    )
     assert opt.param_groups[0]["lr"].untyped_storage().nbytes() == 8, "the live group tensor is untouched"
     assert any(v.untyped_storage().nbytes() > 64 for st in opt.state.values() for v in st.values()), (
         "the live state still sits in pool buffers"

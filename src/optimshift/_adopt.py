@@ -13,7 +13,7 @@ installed torch allows for the pair:
 - ``"swap"``: ``torch.utils.swap_tensors(old, new)``: exchanges the two objects' C++ tensors, classes,
   ``__dict__`` and slots. Works between any devices, but not on a tensor anyone holds a weak reference to
   (dynamo does, once it has traced a step over it) or whose C++ tensor something else also holds (a view of
-  it, an autograd graph).
+  it that is not adopting a copy in the same batch, an autograd graph).
 - ``"replace"``: neither applies, or the tensor is not the optimizer's to change in place (a ``Parameter`` kept
   in state belongs to a module; an inference tensor cannot take ``set_data``; the engine also protects the
   optimizer's params and their grads): the copy goes in the old object's place (the engine's fallback, which
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copyreg
 import weakref
+from collections import Counter
 from typing import Any, Literal
 
 import torch
@@ -50,6 +51,7 @@ def decide_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism
     # (classes, devices) -> set_data allowed
     kinds: dict[tuple[type[torch.Tensor], type[torch.Tensor], torch.device, torch.device], bool] = {}
     out: list[Mechanism] = []
+    views: Counter[int] | None = None  # id(base) -> how many of the olds are views of it (counted when needed)
     for old, new in pairs:
         kind = (type(old), type(new), old.device, new.device)
         data = kinds.get(kind)
@@ -61,13 +63,25 @@ def decide_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism
             # set_data breaks an inference tensor (no version counter to move); a Parameter in state is a
             # module's (a frozen param kept as state): changing it in place would move the model with the state
             out.append("replace")
+        elif data:
+            out.append("data")
+        elif _swappable(old, new):
+            out.append("swap")
         else:
-            out.append("data" if data else "swap" if _swappable(old, new) else "replace")
+            if views is None and type(old) is torch.Tensor and not old.__dict__:
+                views = Counter(id(o._base) for o, _ in pairs if o._base is not None)
+            # NOTE: a flat buffer kept in state with views of it (state[p]["view"] = flat[i:j]): each view holds
+            # the base's TensorImpl. When those views are all among the tensors adopting copies here, nothing
+            # that stays with the optimizer holds it, and a plain tensor is swapped without torch's use-count
+            # check (_swap_tensor_impl): the old views keep the old base, now on the copy's object.
+            held = views.get(id(old), 0) if views is not None and type(old) is torch.Tensor else 0
+            out.append("swap" if held and _swappable(old, new, held) else "replace")
     return out
 
 
-def _swappable(old: torch.Tensor, new: torch.Tensor) -> bool:
-    """What ``torch.utils.swap_tensors`` checks, asked beforehand (it raises half-way otherwise)."""
+def _swappable(old: torch.Tensor, new: torch.Tensor, views: int = 0) -> bool:
+    """What ``torch.utils.swap_tensors`` checks, asked beforehand (it raises half-way otherwise); ``views``:
+    how many other holders of ``old`` are views of it that adopt copies too (see decide_all)."""
     if weakref.getweakrefcount(old) or weakref.getweakrefcount(new):
         return False
     # (copyreg._slotnames is not in typeshed)
@@ -76,7 +90,7 @@ def _swappable(old: torch.Tensor, new: torch.Tensor) -> bool:
     # Another C++ holder of either tensor (a view's base, an autograd node) would end up on the other object.
     # (Tensor._use_count exists at runtime but is missing from torch's stubs.)
     use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]
-    return use_count(old) == 1 and use_count(new) == 1 and not old.requires_grad and not new.requires_grad
+    return use_count(old) == 1 + views and use_count(new) == 1 and not old.requires_grad and not new.requires_grad
 
 
 def still_valid(pairs: list[tuple[torch.Tensor, torch.Tensor]], hows: list[Mechanism]) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import _alias
 from ._devices import _fake_mode_active
 from ._dtensor import copy_dtensor, is_dtensor, local_tensor
 from ._errors import add_note
@@ -215,6 +216,7 @@ def copy_many(
 
     ``keep_host_views``: host results are views into pool buffers listed in ``Batch.held`` (offload);
     otherwise they are separate tensors and every staging buffer goes back to the pool.
+    Tensors that share a storage nothing else uses are copied as that storage (:mod:`optimshift._alias`).
     What cannot be grouped is copied by :func:`copy_tensor`. ``describe(i)`` names
     input ``i`` in the note added to an exception (an OOM says which entry it hit). ``side``: the copies are
     queued on that stream (:class:`Side`).
@@ -223,14 +225,27 @@ def copy_many(
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
     """
     batch = Batch([None] * len(items))
-    involved = {d for t, target in items for d in (t.device, target) if d.type not in _HOSTS}
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
     group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
     copies = batch.copies
     current = 0
     kinds: dict[tuple[torch.device, torch.device], bool] = {}  # (source, target) -> may be grouped
     try:
+        done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
+        for indices, target in _alias.together(items) if group else ():
+            current = indices[0]
+            batch.devices.update(d for d in (items[current][0].device, target) if d.type not in _HOSTS)
+            news = _alias.copy_storage(
+                [items[i][0] for i in indices],
+                target,
+                lambda src, dst: copy_tensor(src, dst, non_blocking, pin_memory, side),
+            )
+            for i, new in zip(indices, news):
+                copies[i] = new
+            done.update(indices)
         for i, (t, target) in enumerate(items):
+            if done and i in done:
+                continue
             source = t.device
             pair = (source, target)
             groupable = kinds.get(pair)
@@ -275,9 +290,10 @@ def copy_many(
                     )
     except BaseException as error:
         # Nothing was committed; give back every buffer once no queued copy can still be using it.
-        # NOTE: every device the items touch, not only those copied so far in groups: a copy queued tensor by
-        # tensor (on a side stream too) reads or writes memory that the unwinding frees.
-        synchronize(involved)
+        # NOTE: every device the items copied so far touch, not only those copied in groups: a copy queued tensor
+        # by tensor (on a side stream too) reads or writes memory that the unwinding frees. (``kinds`` has every
+        # pair reached, the failing one included.)
+        synchronize(batch.devices | {d for pair in kinds for d in pair if d.type not in _HOSTS})
         for buf in batch.held + batch.staging:
             pool.release(buf)
         if describe is not None and items:

@@ -207,9 +207,12 @@ def compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, 
     # The live per-param dicts are shared with the returned state_dict: build new ones, never mutate them.
     """
     compact: dict[int, torch.Tensor] = {}
+    # (only views into pool buffers: tensors that share a storage of their own keep sharing it, see _alias)
+    pooled = host_pool.in_use_storages()
 
     def own(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().nbytes() > t.numel() * t.element_size() and id(t) not in compact:
+        storage = t.untyped_storage()
+        if storage.nbytes() > t.numel() * t.element_size() and storage.data_ptr() in pooled and id(t) not in compact:
             compact[id(t)] = t.clone()
         return compact.get(id(t), t)
 

@@ -46,8 +46,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from . import _alias, _mode, _streams, engine
 from . import _chunks as layout
-from . import _mode, _streams, engine
 from . import policy as _policy
 from ._adopt import Mechanism, adopt, decide_all
 from ._chunks import Chunk, Group, Item, ParamState, tensor_bytes
@@ -659,6 +659,19 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
                         f"streaming gives each entry its own place"
                     )
                 seen[id(value)] = where
+    entries = [
+        (f"group {gi}, param {pi}, state {key!r}", value)
+        for gi, pi, p in params
+        for key, value in optimizer.state.get(p, {}).items()
+        if isinstance(value, torch.Tensor)
+    ]
+    groups = _alias.shared([value for _, value in entries])
+    if groups:  # (a flat buffer and views of it: each entry would get its own place, and stop sharing)
+        a, b = groups[0][:2]
+        raise ValueError(
+            f"{name}: stream: {entries[a][0]} and {entries[b][0]} share one storage; streaming gives each entry "
+            f"its own place, so an update through one would no longer show through the other"
+        )
     return target
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _streams
+from . import _alias, _streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
 from ._copy import Batch, Side, copy_many, synchronize
 from ._devices import _fake_mode_active
@@ -142,6 +142,8 @@ def run(
             seen.add(id(t))
             items.append((t, target))
             names.append("a param's .grad")
+    if items:  # (nothing moves: nothing can stop sharing)
+        _refuse_split_storage(plan, extra)
     optimizer_name = type(plan.optimizer).__name__
 
     def describe(i: int) -> str:
@@ -161,6 +163,31 @@ def run(
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None]
     to_host = any(target.type == "cpu" for _, target in items)
     return Copies(new, pairs, batch, event, device if event is not None else None, to_host)
+
+
+def _refuse_split_storage(plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device]]) -> None:
+    """ValueError, before anything is copied, when tensors that share a storage belong on different devices:
+    copied apart, an update through one would no longer show through the other (see :mod:`optimshift._alias`)."""
+    transfers = plan.transfers
+    tensors = [tr[2] for tr in transfers] + [t for t, _ in extra]
+    groups = _alias.shared(tensors)
+    if not groups:
+        return
+    targets = [tr[4] for tr in transfers] + [d for _, d in extra]
+    split = _alias.split_targets(tensors, targets, groups)
+    if split is None:
+        return
+
+    def where(i: int) -> str:
+        return str(transfers[i].site) if i < len(transfers) else "a param's .grad"
+
+    a, b = split
+    raise ValueError(
+        f"{type(plan.optimizer).__name__}: {where(a)} and {where(b)} share one storage, but belong on different "
+        f"devices ({targets[a]} and {targets[b]}): copied apart, an update through one would no longer show "
+        f"through the other. Give one of them its own storage (.clone()), or put their params on one device; "
+        f"nothing was changed"
+    )
 
 
 def _run_on_side_stream(

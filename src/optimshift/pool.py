@@ -283,6 +283,13 @@ class HostPool:
         _free(idle)
         return freed
 
+    def in_use_storages(self) -> set[int]:
+        """The storage addresses (``untyped_storage().data_ptr()``) of the buffers handed out and not given back:
+        what offloaded and streamed state are views into."""
+        with self._lock:
+            refs = list(self._in_use.values())
+        return {b.untyped_storage().data_ptr() for b in (ref() for ref in refs) if b is not None}
+
     def stats(self) -> PoolStats:
         limit = self.pinned_limit
         with self._lock:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _mode, engine
+from .. import _alias, _mode, engine
 from .. import policy as _policy
 from .._copy import copy_tensor
 from .._devices import DeviceLike, resolve
@@ -453,7 +453,10 @@ class _Staging:
         synchronize); copies in place (``copy=True``) and casts are made tensor by tensor."""
         moving: list[tuple[_Ticket, torch.Tensor, torch.device]] = []
         batched: set[int] = set()
+        made = self._copy_shared()
         for ticket, (t, site) in self._wanted.items():
+            if made and ticket in made:
+                continue
             _, device, dtype = ticket
             if t.dtype == dtype and t.device != device and id(t) not in batched:
                 batched.add(id(t))
@@ -473,6 +476,51 @@ class _Staging:
             for (ticket, _, _), new in zip(moving, batch.copies):
                 assert new is not None  # (copy_items returns once every copy is made)
                 self._made[ticket] = new
+
+    def _copy_shared(self) -> set[_Ticket]:
+        """Copy the state dict's tensors that share a storage (nothing else using it) as that storage, each a
+        view of the copy at its own offset (:mod:`optimshift._alias`), so that a flat buffer and its views stay
+        one; returns their tickets. Refuses members asked for on different devices or in different dtypes."""
+        wanted = list(self._wanted.items())
+        groups = _alias.shared([t for _, (t, _) in wanted])
+        if not groups:
+            return set()
+        by_id: dict[int, list[tuple[_Ticket, torch.Tensor, _Site]]] = {}
+        for ticket, (t, site) in wanted:
+            by_id.setdefault(id(t), []).append((ticket, t, site))
+        done: set[_Ticket] = set()
+        for group in groups:
+            tickets = [entry for i in group for entry in by_id[id(wanted[i][1][0])]]
+            (_, device, dtype), first, where = tickets[0]
+            # One device; and no member cast, or all cast alike (one dtype to one dtype: the storage is cast).
+            uncast = all(ticket[2] == t.dtype for ticket, t, _ in tickets)
+            for (_, other_device, other_dtype), t, site in tickets[1:]:
+                if other_device != device or not uncast and (t.dtype, other_dtype) != (first.dtype, dtype):
+                    raise self.fail(
+                        f"{self._site(where)} and {self._site(site)} share one storage in the state dict but load "
+                        f"as {dtype_name(dtype)} on {device} and {dtype_name(other_dtype)} on {other_device}: copied "
+                        f"apart, they would stop sharing it. Give one of them its own storage (.clone()) before "
+                        f"loading; the optimizer is unchanged"
+                    )
+            cast = None if uncast else dtype
+            try:
+                copies = _alias.copy_storage(
+                    [t for _, t, _ in tickets],
+                    device,
+                    _blocking_copy(cast),
+                    dtype=cast,
+                )
+            except Exception as e:  # an OOM: nothing was installed yet
+                add_note(
+                    e,
+                    f"{self.name}: load_state_dict: while copying {self._site(where)} to {device}; the optimizer "
+                    f"is unchanged",
+                )
+                raise
+            for (ticket, _, _), new in zip(tickets, copies):
+                self._made[ticket] = new
+                done.add(ticket)
+        return done
 
     def _copy_one(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, site: _Site) -> torch.Tensor:
         try:
@@ -773,6 +821,11 @@ class _Staging:
                 f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                 f"this (a corrupt or hostile checkpoint)"
             )
+
+
+def _blocking_copy(dtype: torch.dtype | None) -> Callable[[torch.Tensor, torch.device], torch.Tensor]:
+    """A copy of a tensor on a device (in ``dtype``: a cast), complete when it returns."""
+    return lambda src, device: src.to(device, dtype or src.dtype, copy=True)
 
 
 def _group_owned(groups: list[dict[str, Any]]) -> dict[int, tuple[int, Any]]:

@@ -1,0 +1,180 @@
+"""Tensors that share a storage are copied as one storage: its bytes once, and each copy a view of the new
+storage at the same storage offset, size and stride (what ``torch.save`` and ``torch.load`` do).
+
+An optimizer that keeps a flat buffer and per-param views of it (``state[p]["view"] = flat[i:j].view_as(p)``)
+needs ``flat.add_()`` to show through the views. Copied tensor by tensor, each would get its own storage and
+the step would silently update a buffer no view reads any more.
+
+Only a storage that nothing but the tensors being copied uses is copied whole. One that something else also
+uses (a param or its grad, a host pool buffer that offloaded state lives in, a tensor kept outside the
+optimizer) leaves each tensor to the engine's own copy, as before: a state entry that views a param gets its
+own copy and the param stays where it is (the rule for params and grads kept in state, see
+:func:`optimshift.engine.outside_owned`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._devices import _fake_mode_active
+from ._dtensor import is_dtensor
+
+__all__ = ["shared", "split_targets", "together", "copy_storage"]
+
+_address: Callable[[torch.Tensor], int] = getattr(
+    torch._C, "_storage_address", lambda t: int(t.untyped_storage()._cdata)
+)
+_use_count: Callable[[int], int] = torch._C._storage_Use_Count
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_SET = frozenset(_PLAIN)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds the storage: a DTensor's local shard (its own object, not a ``to_local()`` view,
+    which would hold the storage once more), else ``t``."""
+    return getattr(t, "_local_tensor", t) if is_dtensor(t) else t
+
+
+def _key(t: torch.Tensor) -> int | None:
+    """The identity of ``t``'s storage (its StorageImpl), or None where it is not copied as a storage.
+
+    # NOTE: plain tensors, Parameters and DTensors (by their local shard, as the engine moves them). Other
+    # subclasses (FakeTensor, wrapper subclasses) may keep their data elsewhere: they are copied one by one.
+    """
+    if type(t) not in _PLAIN and not is_dtensor(t):
+        return None
+    try:
+        return _address(_local(t))
+    except Exception:  # a layout without a storage (sparse, nested): copied one by one
+        return None
+
+
+def shared(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Groups of indices into ``tensors``: the distinct tensors (at least two, first occurrence each) that
+    share one storage which nothing else uses, to be copied with :func:`copy_storage`.
+
+    Costs one C call per tensor when nothing is shared (the common case)."""
+    # NOTE: under FakeTensorMode there are no bytes to share (and FakeTensors outside one have no key).
+    if not tensors or _fake_mode_active():
+        return []
+    keys: list[int | None]
+    try:
+        if set(map(type, tensors)) <= _PLAIN_SET:
+            keys = list(map(_address, tensors))
+        else:
+            keys = [_key(t) for t in tensors]
+    except Exception:  # a plain tensor without a storage (sparse): ask one by one
+        keys = [_key(t) for t in tensors]
+    if len(set(keys)) == len(keys):
+        return []
+    many = {k for k, n in Counter(keys).items() if n > 1 and k is not None}
+    if not many:
+        return []
+    members: dict[int, dict[int, int]] = {}  # storage -> {id(tensor): index of its first occurrence}
+    for i, k in enumerate(keys):
+        if k in many:
+            members.setdefault(k, {}).setdefault(id(tensors[i]), i)
+    groups = []
+    for k, found in members.items():
+        indices = list(found.values())
+        if len(indices) > 1 and _whole(k, [tensors[i] for i in indices]):
+            groups.append(indices)
+    return groups
+
+
+def _whole(key: int, members: list[torch.Tensor]) -> bool:
+    """Whether ``members`` can be copied as their storage: they are all that uses it, and each can be rebuilt
+    as a view of a copy of it.
+
+    # NOTE: a meta storage has no bytes and a zero-byte storage has nothing to share: both are copied one by
+    # one. A conjugate or negative view keeps its bit outside the storage, which a rebuilt view would lose.
+    """
+    locals_ = [_local(t) for t in members]
+    first = locals_[0]
+    if first.is_meta:
+        return False
+    storage = first.untyped_storage()  # (held while counting: one Python storage object, see below)
+    # NOTE: a storage's use count is one per TensorImpl on it, plus one for its Python storage object (which
+    # torch keeps alive with the storage once created; `storage` above makes sure there is one). Anything more
+    # is a user outside ``members``: a param, a grad, a pool buffer, a base kept outside the optimizer.
+    if _use_count(key) != len(locals_) + 1 or storage.nbytes() == 0:
+        return False
+    return not any(t.is_conj() or t.is_neg() or t.device != first.device for t in locals_)
+
+
+def split_targets(
+    tensors: Sequence[torch.Tensor], targets: Sequence[torch.device], groups: Sequence[Sequence[int]]
+) -> tuple[int, int] | None:
+    """The indices of two tensors of one group of :func:`shared` that must go to different devices (they cannot
+    keep sharing a storage), or None."""
+    for group in groups:
+        first = group[0]
+        for i in group[1:]:
+            if targets[i] != targets[first]:
+                return first, i
+    return None
+
+
+def together(items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[tuple[list[int], torch.device]]:
+    """The groups of :func:`shared` among ``items`` whose members all go to one device, with that device.
+    (Members bound for different devices cannot keep sharing: the engine refuses them before copying, see
+    :func:`split_targets`; any other caller gets them copied one by one.)"""
+    groups = shared([t for t, _ in items])
+    return [(g, items[g[0]][1]) for g in groups if all(items[i][1] == items[g[0]][1] for i in g)]
+
+
+def copy_storage(
+    members: Sequence[torch.Tensor],
+    target: torch.device,
+    copy: Callable[[torch.Tensor, torch.device], torch.Tensor],
+    *,
+    dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """Copies of ``members`` (one group of :func:`shared`) on ``target``, views of one copy of their storage.
+
+    ``copy(src, target)`` copies the storage's bytes (a flat uint8 tensor over all of it) to ``target``: the
+    caller's copy, with its streams, pinning and allocation rules. With ``dtype`` (a cast; every member has
+    one dtype) ``src`` is the storage's elements and ``copy`` returns them cast to ``dtype``. Each copy keeps
+    its member's dtype (or ``dtype``), size, stride and storage offset, ``requires_grad`` and class.
+    """
+    locals_ = [_local(t) for t in members]
+    first = locals_[0]
+    storage = first.untyped_storage()
+    if dtype is None:
+        src = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+    else:
+        if any(t.dtype != first.dtype for t in locals_):  # pragma: no cover - a caller bug
+            raise ValueError("copy_storage: a cast needs members of one dtype")
+        count = storage.nbytes() // first.element_size()
+        src = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, 0, (count,), (1,))
+    if target == first.device and dtype is None:
+        new_bytes = src.clone()  # (a copy to the same device: ``copy`` may hand the tensor itself back)
+    else:
+        new_bytes = copy(src, target)
+    new_storage = new_bytes.untyped_storage()
+    out = []
+    for t, local in zip(members, locals_):
+        view = torch.empty(0, dtype=local.dtype if dtype is None else dtype, device=new_bytes.device)
+        view.set_(new_storage, local.storage_offset(), local.size(), local.stride())
+        out.append(_like(t, view))
+    return out
+
+
+def _like(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``view`` dressed as ``t`` was: a DTensor around it (same mesh, placements, global shape), a Parameter,
+    ``requires_grad``."""
+    if is_dtensor(t):
+        # NOTE: DTensor's own constructor, not ``from_local``: that moves the shard to the mesh's device type
+        # and would undo an offload to the host (see _dtensor.copy_dtensor). (A DTensor that other DTensors in
+        # state are views of cannot be swapped, torch's swap_tensors counts them: it is replaced, still sharing.)
+        cls: Any = type(t)
+        return cls(view, t._spec, requires_grad=t.requires_grad)  # type: ignore[no-any-return]
+    if t.requires_grad:
+        view.requires_grad_(True)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(view, requires_grad=t.requires_grad)
+    return view

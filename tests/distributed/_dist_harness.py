@@ -1,8 +1,9 @@
 """Run a worker of ``_dist_workers`` on N spawned processes with a gloo process group, with hard time limits.
 
-Each rank runs ``_dist_workers.<name>(rank, world, workdir, **kwargs)`` and its return value (or its
-traceback) is saved to ``workdir/<name>.rank<r>.pt`` before the process group is torn down. The parent waits
-until a deadline, then kills whatever is still running and reports it as a hang, so no test can block CI.
+Each rank runs ``_dist_workers.<name>(rank, world, workdir, **kwargs)`` (``module=`` names another module of
+workers) and its return value (or its traceback) is saved to ``workdir/<name>.rank<r>.pt`` before the process
+group is torn down. The parent waits until a deadline, then kills whatever is still running and reports it as
+a hang, so no test can block CI.
 Rendezvous goes through a FileStore in ``workdir`` (no port to pick); gloo's own sockets use free ports.
 """
 
@@ -40,7 +41,15 @@ class Job:
         return result["ok"]
 
 
-def run(name: str, world: int, workdir: Path, *, timeout: float = JOB_TIMEOUT_S, **kwargs: Any) -> Job:
+def run(
+    name: str,
+    world: int,
+    workdir: Path,
+    *,
+    timeout: float = JOB_TIMEOUT_S,
+    module: str = "_dist_workers",
+    **kwargs: Any,
+) -> Job:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     store = workdir / f"{name}.store"
@@ -48,7 +57,8 @@ def run(name: str, world: int, workdir: Path, *, timeout: float = JOB_TIMEOUT_S,
         store.unlink()
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=_entry, args=(name, rank, world, str(store), str(workdir), kwargs)) for rank in range(world)
+        ctx.Process(target=_entry, args=(name, rank, world, str(store), str(workdir), kwargs, module))
+        for rank in range(world)
     ]
     start = time.monotonic()
     for p in procs:
@@ -70,10 +80,13 @@ def run(name: str, world: int, workdir: Path, *, timeout: float = JOB_TIMEOUT_S,
     return Job(name, results, [p.exitcode for p in procs], seconds)
 
 
-def _entry(name: str, rank: int, world: int, store: str, workdir: str, kwargs: dict) -> None:
+def _entry(name: str, rank: int, world: int, store: str, workdir: str, kwargs: dict, module: str) -> None:
     torch.set_num_threads(1)  # the same kernels in every process: per-rank results are comparable bitwise
-    import _dist_workers
+    import importlib
+
     import torch.distributed as dist
+
+    workers = importlib.import_module(module)
 
     result: dict[str, Any]
     try:
@@ -84,7 +97,7 @@ def _entry(name: str, rank: int, world: int, store: str, workdir: str, kwargs: d
             world_size=world,
             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
         )
-        result = {"ok": getattr(_dist_workers, name)(rank, world, Path(workdir), **kwargs)}
+        result = {"ok": getattr(workers, name)(rank, world, Path(workdir), **kwargs)}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = {"error": traceback.format_exc()}
     out = Path(workdir) / f"{name}.rank{rank}.pt"

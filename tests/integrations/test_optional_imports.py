@@ -6,7 +6,17 @@ import sys
 
 import pytest
 
-HEAVY = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "pytorch_optimizer", "transformers")
+HEAVY = (
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "accelerate",
+    "pytorch_optimizer",
+    "transformers",
+    "verl",
+    "ray",
+    "tensordict",
+)
 
 
 @pytest.mark.parametrize(
@@ -41,6 +51,19 @@ def test_the_framework_modules_do_import_their_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"], "the module imports Accelerate only when patch() runs"
+
+
+def test_the_verl_module_without_verl_patches_nothing_and_patch_says_what_to_install():
+    code = (
+        "import sys\nsys.modules['verl'] = None\n"
+        "import optimshift.integrations.verl as osv\nprint(osv.is_patched())\n"
+        "try:\n    osv.patch()\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    patched, message = out.stdout.splitlines()
+    assert patched == "False"
+    assert "pip install 'optimshift[verl]'" in message
 
 
 def test_third_party_register_warns_without_its_library():

@@ -50,6 +50,9 @@ baselines run in the same process, because shared machines are noisy:
   optimizer;
 - new host-memory allocations per offload/reload cycle once warmed up;
 - the per-tensor cost of move against a bare .to() loop.
+
+--case verl measures verl's optimizer offload/load as shipped against optimshift's replacements instead
+(needs verl: pip install "optimshift[verl]").
 """
 
 
@@ -399,6 +402,7 @@ def _stream_case(device: torch.device, shapes: list[tuple[int, ...]], reps: int)
     t_stream = _time(opt.step, device, reps)
     with count_syncs() as s_stream:
         opt.step()
+    handle.wait()  # the last step's write-backs done: their windows are gone before the baseline is read
     extra = _extra_memory(opt.step, device)
     chunks = handle.chunks
     unstream(opt)
@@ -559,10 +563,23 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="also write the JSON results to this file")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     parser.add_argument("--device", default=None, help="device to measure (default: cuda:0, else the simulated one)")
+    parser.add_argument(
+        "--case",
+        choices=("all", "verl"),
+        default="all",
+        help="all: the measurements above; verl: verl's optimizer offload/load, shipped vs patched",
+    )
 
 
 def _main(args: argparse.Namespace) -> int:
-    result = run_bench(demo_accelerator(args.device), quick=args.quick)
+    text: Callable[[dict[str, Any]], str] = render
+    if args.case == "verl":
+        from ._bench_verl import render_verl, run_verl_case
+
+        result = run_verl_case(demo_accelerator(args.device), quick=args.quick)
+        text = render_verl
+    else:
+        result = run_bench(demo_accelerator(args.device), quick=args.quick)
     if args.out:
         import os
 
@@ -570,7 +587,7 @@ def _main(args: argparse.Namespace) -> int:
         with open(tmp, "w") as f:
             json.dump(result, f, indent=2)
         os.replace(tmp, args.out)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    print(json.dumps(result, indent=2) if args.json else text(result))
     return 0
 
 

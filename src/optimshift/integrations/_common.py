@@ -103,6 +103,12 @@ class Patch:
         with self._lock:
             return bool(self._swaps)
 
+    @property
+    def swaps(self) -> list[Swap]:
+        """The swaps in effect (a copy; empty when not applied)."""
+        with self._lock:
+            return list(self._swaps)
+
     def apply(self, plan: Callable[[], list[Swap]]) -> None:
         with self._lock:
             if self._swaps:

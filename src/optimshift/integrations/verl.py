@@ -1,0 +1,352 @@
+"""verl: its optimizer offload and reload, done by the rule, in every Ray worker, with one line.
+
+One line, for a whole verl run (verl imports the modules named there in the driver and in every worker)::
+
+    VERL_USE_EXTERNAL_MODULES=optimshift.integrations.verl python -m verl.trainer.main_ppo ...
+
+or, in one process, ``import optimshift.integrations.verl`` (it patches at once when verl is importable;
+``patch()``/``unpatch()`` do it by hand). Importing :mod:`optimshift` alone never imports verl.
+
+What it changes: with ``optimizer_offload=True`` verl's engines call ``load_fsdp_optimizer(optimizer,
+device_id)`` when they enter ``train_mode()`` and ``offload_fsdp_optimizer(optimizer)`` when they leave it,
+once per actor or critic update, every RL iteration. Both replace every tensor in ``optimizer.state[p]`` with
+``value.to(...)``, ``step`` included: after the first reload a non-fused Adam's ``step`` lives on the GPU
+(AdamW's foreach step then reads it with ``.item()`` twice per param per step), every tensor is a new object
+(a compiled step recompiles) and every offload allocates a fresh host buffer per tensor. ``patch()`` swaps
+them, in ``verl.utils.fsdp_utils`` and in every verl module holding them by name (the FSDP, torchtitan and
+automodel engines, ``verl.workers.fsdp_workers`` in versions that have it), and the veomni engine's own
+copies (``offload_veomni_optimizer``/``load_veomni_optimizer``, which also walk a multi-optimizer's
+``optimizers_dict``), for :func:`optimshift.offload` and :func:`optimshift.reload`:
+
+- no state yet: nothing happens (verl's contract);
+- offload: every state tensor to the persistent host pool (pinned on CUDA), the same objects, reused every
+  cycle; reload: each tensor back where it was, the same objects, ``step`` where a fresh optimizer keeps it;
+- ``device_id`` (an int, a string such as ``"cuda"``, or a ``torch.device``) naming another device than the
+  one the state was offloaded from: the state goes where a fresh optimizer on that device keeps it;
+- sharded state (FSDP2 DTensors, FSDP1 flat params) moves its local shards; streamed optimizers
+  (:func:`optimshift.stream`) and objects that are no optimizer are left to verl's own code.
+
+Modules are found by scanning the loaded verl modules for the functions themselves, not by a list of names, so
+a verl module that binds them under another name is patched too; a verl function that looks like an optimizer
+offload or load but is not one of these (a version's new engine) is reported with a warning at ``patch()`` and
+listed by :func:`unknown_functions`. Megatron's ``offload_megatron_optimizer``/``load_megatron_optimizer`` move
+Megatron's own optimizer buffers and leave ``step`` alone: they are not patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import logging
+import re
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .. import api
+from .._devices import resolve
+from .._offload import PendingTransfer, record_of
+from ..plan import check_optimizer
+from ._common import Patch, Swap, module_items, streamed
+
+__all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
+
+_FSDP_UTILS = "verl.utils.fsdp_utils"
+# Modules that define offload/load functions of their own, the functions, and whether they walk a
+# multi-optimizer's ``optimizers_dict``. The last item: a package the module's engine needs (importing the
+# module without it fails in verl's engine package, and then no engine of it can run in this process).
+_SOURCES: tuple[tuple[str, tuple[str, str], bool, str | None], ...] = (
+    (_FSDP_UTILS, ("offload_fsdp_optimizer", "load_fsdp_optimizer"), False, None),
+    ("verl.workers.engine.veomni.utils", ("offload_veomni_optimizer", "load_veomni_optimizer"), True, "veomni"),
+    (
+        "verl.workers.engine.automodel.utils",
+        ("offload_automodel_optimizer", "load_automodel_optimizer"),
+        False,
+        "nemo_automodel",
+    ),
+)
+# verl functions that look like an optimizer offload or load and are deliberately left alone.
+_LEFT_ALONE = {
+    "offload_megatron_optimizer": "Megatron's optimizer buffers; step is not moved",
+    "load_megatron_optimizer": "Megatron's optimizer buffers; step is not moved",
+}
+_LOOKALIKE = re.compile(r"^_?(offload|load)_\w*optimizers?$")
+_NAMES_ONLY = ("__name__", "__qualname__")
+
+_patch = Patch(rebound=True)
+
+
+# --- keeping verl's start-up noise out of our output --------------------------------------------------------
+
+
+class _DropPlatformNotice(logging.Filter):
+    # verl's platform detection on a machine without its accelerators (a CPU-only Ray driver, CI).
+    _NOTICES = ("No supported accelerator detected", "Platform '%s' (%s) is registered but not available")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self._NOTICES))
+
+
+@contextlib.contextmanager
+def _quiet_verl_import() -> Iterator[None]:
+    """Import verl modules without its CPU-only platform notices and its "<engine> engine is not available"
+    warnings (verl prints them when it is imported on a machine without its accelerators or optional engines;
+    they say nothing about optimshift). Only those messages, only inside the block."""
+    logger = logging.getLogger("verl.plugin.platform.platform_manager")
+    notice = _DropPlatformNotice()
+    logger.addFilter(notice)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
+            yield
+    finally:
+        logger.removeFilter(notice)
+
+
+# --- the replacements ---------------------------------------------------------------------------------------
+
+
+def _optimizers(optimizer: Any, multi: bool) -> list[Any]:
+    """What verl's function walks: a veomni multi-optimizer's sub-optimizers, else the optimizer itself."""
+    if multi and getattr(optimizer, "_is_multi_optimizer", False):
+        return list(optimizer.optimizers_dict.values())
+    return [optimizer]
+
+
+def _is_optimizer(optimizer: Any) -> bool:
+    try:
+        check_optimizer(optimizer)
+    except TypeError:
+        return False
+    return True
+
+
+_guard_lock = threading.Lock()
+_inflight: weakref.WeakKeyDictionary[Any, PendingTransfer] = weakref.WeakKeyDictionary()
+_guards: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _wait_for_transfer(optimizer: Any, *_: Any) -> None:
+    with _guard_lock:
+        pending = _inflight.pop(optimizer, None)
+    if pending is not None:
+        pending.wait()
+
+
+def _in_flight(optimizer: Any, pending: PendingTransfer) -> None:
+    """Remember a non-blocking transfer until ``state_dict()``/``load_state_dict()`` needs it done.
+
+    # NOTE: verl saves and loads checkpoints with the optimizer offloaded (``optimizer.state_dict()`` then
+    # ``torch.save``; ``load_state_dict``): those read the host copies, which a non-blocking offload may still
+    # be writing. optimshift's own operations and ``step()`` wait for a transfer in flight; these two hooks
+    # make torch's state_dict()/load_state_dict() wait too (on the host, once, only while one is in flight).
+    """
+    if pending.done():
+        return
+    with _guard_lock:
+        _inflight[optimizer] = pending
+        if optimizer in _guards:
+            return
+        handles = []
+        for register, hook in (
+            ("register_state_dict_pre_hook", _wait_for_transfer),
+            ("register_load_state_dict_pre_hook", _wait_for_transfer),
+        ):
+            method = getattr(optimizer, register, None)
+            if method is not None:
+                handles.append(method(hook, prepend=True))
+        _guards[optimizer] = handles
+
+
+def _remove_guards() -> None:
+    with _guard_lock:
+        guarded = list(_guards.items())
+        _guards.clear()
+    for optimizer, handles in guarded:
+        _wait_for_transfer(optimizer)
+        for handle in handles:
+            handle.remove()
+
+
+def _offload(optimizer: Any) -> None:
+    if not optimizer.state or streamed(optimizer):
+        return  # no state yet (verl's contract); a streamed optimizer's state lives on the host already
+    # NOTE: non-blocking. After an offload verl offloads the model and runs rollouts on the memory freed:
+    # device work, ordered after the copies (the freed tensors are record_stream'ed to the copy stream, so the
+    # allocator reuses them only once the copies are done). Host reads (checkpointing) wait: see _in_flight.
+    pending = api.offload(optimizer, non_blocking=True)
+    _in_flight(optimizer, pending)
+
+
+def _load(optimizer: Any, device_id: Any) -> None:
+    if not optimizer.state or streamed(optimizer):
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+    target = resolve(device_id, what="verl's device_id", tensors=params)
+    record = record_of(optimizer)
+    recorded = {d for d in record.devices.values() if d.type != "cpu"} if record is not None else set()
+    # NOTE: non-blocking. verl's next use of the state is optimizer.step(), after the forward and backward
+    # passes the copies overlap with; the step pre-hook makes the step wait for them on the device.
+    if recorded == {target}:
+        pending = api.reload(optimizer, non_blocking=True)  # back exactly where it was
+    else:  # another device than the one it came from, or state never offloaded by optimshift
+        pending = api.reload(optimizer, target, non_blocking=True)
+    _in_flight(optimizer, pending)
+
+
+def _make_offload(original: Callable[[Any], None], multi: bool) -> Callable[[Any], None]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @torch.no_grad()
+    def offload_optimizer(optimizer: Any) -> None:
+        """optimshift's replacement for verl's optimizer offload (see optimshift.integrations.verl): every state
+        tensor to the host pool, the same objects, where it was recorded for the reload."""
+        for opt in _optimizers(optimizer, multi):
+            if _is_optimizer(opt):
+                _offload(opt)
+            else:
+                original(opt)  # not an optimizer optimshift knows: verl's own code
+
+    return offload_optimizer
+
+
+def _make_load(original: Callable[[Any, Any], None], multi: bool) -> Callable[[Any, Any], None]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @torch.no_grad()
+    def load_optimizer(optimizer: Any, device_id: Any) -> None:
+        """optimshift's replacement for verl's optimizer load (see optimshift.integrations.verl): every state
+        tensor back where it was (on ``device_id``'s device: where a fresh optimizer keeps it), the same
+        objects; a non-fused Adam's ``step`` stays on the host."""
+        for opt in _optimizers(optimizer, multi):
+            if _is_optimizer(opt):
+                _load(opt, device_id)
+            else:
+                original(opt, device_id)
+
+    return load_optimizer
+
+
+# --- finding and swapping -----------------------------------------------------------------------------------
+
+
+def _verl_modules() -> list[Any]:
+    return [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "verl" and m is not None]
+
+
+def _sources() -> list[tuple[Any, tuple[str, str], bool]]:
+    """The modules that define the functions: verl's fsdp_utils (imported), and each engine's own copy when its
+    module is loaded or its engine can be imported here (then it is imported)."""
+    try:
+        with _quiet_verl_import():
+            found = [(importlib.import_module(_FSDP_UTILS), _SOURCES[0][1], _SOURCES[0][2])]
+    except ImportError as e:
+        raise ImportError(
+            f"optimshift.integrations.verl.patch() needs verl: pip install 'optimshift[verl]' ({e})"
+        ) from e
+    for name, functions, multi, needs in _SOURCES[1:]:
+        module = sys.modules.get(name)
+        if module is None and needs is not None and importlib.util.find_spec(needs) is not None:
+            try:
+                with _quiet_verl_import():
+                    module = importlib.import_module(name)
+            except ImportError:
+                module = None  # this engine cannot run here: nothing calls its functions
+        if module is not None:
+            found.append((module, functions, multi))
+    return found
+
+
+def _plan_swaps() -> list[Swap]:
+    replacements: dict[int, tuple[Any, Any]] = {}
+    sources = _sources()
+    for module, (offload_name, load_name), multi in sources:
+        for name, make in ((offload_name, _make_offload), (load_name, _make_load)):
+            original = module.__dict__.get(name)
+            if not callable(original):
+                raise RuntimeError(
+                    f"{module.__name__} has no {name}(): this verl version moves optimizer state differently and "
+                    f"optimshift.integrations.verl does not know how to patch it"
+                )
+            replacements[id(original)] = (original, make(original, multi))
+    swaps: list[Swap] = []
+    # The sources first (modules imported later bind the replacement from there), then every other verl module
+    # holding a function under any name. Only verl's own modules: a user's alias of a function is theirs.
+    defining = [m for m, _, _ in sources]
+    for module in defining + [m for m in _verl_modules() if all(m is not d for d in defining)]:
+        for name, value in module_items(module):
+            pair = replacements.get(id(value))
+            if pair is not None and pair[0] is value:
+                swaps.append(Swap(module, name, value, pair[1]))
+    return swaps
+
+
+def unknown_functions() -> list[str]:
+    """verl functions loaded now that look like an optimizer offload or load (``offload_*_optimizer``,
+    ``load_*_optimizer``) but are neither patched nor known to need no patch: ``module.name`` of each."""
+    ours = {id(s.replacement) for s in _patch.swaps}
+    originals = {id(s.original) for s in _patch.swaps}
+    found = []
+    for module in _verl_modules():
+        for name, value in module_items(module):
+            if not callable(value) or not _LOOKALIKE.match(name) or name in _LEFT_ALONE:
+                continue
+            if id(value) in ours or id(value) in originals:
+                continue
+            if not str(getattr(value, "__module__", "")).startswith("verl"):
+                continue
+            if getattr(value, "__module__", None) != module.__name__:
+                continue  # reported where it is defined
+            found.append(f"{module.__name__}.{name}")
+    return sorted(found)
+
+
+def patched_functions() -> list[str]:
+    """``module.name`` of every verl function that :func:`patch` replaced (empty when not patched)."""
+    return sorted(f"{s.owner.__name__}.{s.name}" for s in _patch.swaps)
+
+
+def patch() -> None:
+    """Make verl offload and reload optimizer state with optimshift (see the module doc).
+
+    Imports ``verl.utils.fsdp_utils`` (without verl's CPU-only start-up notices). Calling it again is a no-op;
+    :func:`unpatch` undoes it. Raises ImportError without verl, RuntimeError if this verl lacks the functions it
+    replaces; warns about verl functions that look like an optimizer offload and are not patched.
+    """
+    _patch.apply(_plan_swaps)
+    unknown = unknown_functions()
+    if unknown:
+        warnings.warn(
+            f"optimshift.integrations.verl: {', '.join(unknown)} look like optimizer offload/load functions that "
+            f"optimshift does not patch: their state moves are verl's own",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def unpatch() -> None:
+    """Restore verl's own functions (also in modules imported since). A no-op when not patched."""
+    _patch.undo()
+    _remove_guards()
+
+
+def is_patched() -> bool:
+    """Whether :func:`patch` is in effect."""
+    return _patch.applied
+
+
+def _verl_importable() -> bool:
+    try:
+        return importlib.util.find_spec("verl") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# Importing this module is the way in (VERL_USE_EXTERNAL_MODULES): patch at once when verl is there.
+if _verl_importable():
+    patch()

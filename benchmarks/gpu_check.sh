@@ -22,7 +22,9 @@ TESTS_BUDGET=200  # seconds for `pytest -m cuda`
 # The quick run first, so that a full run cut short still leaves figures.
 BENCH_CASES=(
   "quick 60 --quick"
-  "full 180"
+  "full 150"
+  "verl 30 --case verl"
+  "rl-loop 30 --case rl-loop"
 )
 TOTAL_BUDGET=470  # tests + every case, in seconds: the whole check ends within 8 minutes
 

@@ -71,7 +71,11 @@ def move_first_call(n_tensors: int, reps: int) -> dict[str, float]:
         a, b = _adam(n, "cpu"), _adam(n, "cpu")
         gc.collect()
         t_bare.append(_timed(lambda: _bare_move(a, "meta")))
-        t_os.append(_timed(lambda: optimshift.api._transfer(b, optimshift.plan.policy_target(b, torch.device("meta")), what="move")))  # noqa: E501  (move() refuses meta)
+        t_os.append(
+            _timed(
+                lambda: optimshift.api._transfer(b, optimshift.plan.policy_target(b, torch.device("meta")), what="move")
+            )
+        )  # noqa: E501  (move() refuses meta)
 
     os_s, bare_s, ratio = _median_ratio(t_os, t_bare)
     return {"tensors": 2 * n, "us_per_tensor": os_s / (2 * n) * 1e6, "bare_us": bare_s / (2 * n) * 1e6, "ratio": ratio}

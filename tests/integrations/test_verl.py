@@ -307,10 +307,11 @@ def test_non_blocking_cycles_are_race_free_and_match_the_blocking_run(sim, verl_
 def test_without_the_state_dict_guard_a_checkpoint_after_the_offload_reads_unfinished_copies(
     sim, verl_patch, monkeypatch
 ):
-    """The control for the test above: take away the hook that makes ``state_dict()`` wait and the checkpoint
-    holds what the simulator puts in a copy's destination until it ran (NaN)."""
+    """The control for the test above: take away optimshift's in-flight guards (the pre-hook that makes
+    ``state_dict()`` wait) and the checkpoint holds what the simulator puts in a copy's destination until it ran
+    (NaN)."""
     verl_patch(True)
-    monkeypatch.setattr(osv, "_in_flight", lambda optimizer, pending: None)
+    monkeypatch.setattr(optimshift.api, "remember_pending", lambda optimizer, pending: None)
     model = _model(sim)
     params = list(model.parameters())
     opt = _make("AdamW-foreach")(params)

@@ -565,9 +565,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="device to measure (default: cuda:0, else the simulated one)")
     parser.add_argument(
         "--case",
-        choices=("all", "verl"),
+        choices=("all", "verl", "rl-loop"),
         default="all",
-        help="all: the measurements above; verl: verl's optimizer offload/load, shipped vs patched",
+        help="all: the measurements above; verl: verl's optimizer offload/load, shipped vs patched; rl-loop: an RL "
+        "pipeline's offload/reload loop around a compiled step",
     )
 
 
@@ -578,6 +579,11 @@ def _main(args: argparse.Namespace) -> int:
 
         result = run_verl_case(demo_accelerator(args.device), quick=args.quick)
         text = render_verl
+    elif args.case == "rl-loop":
+        from ._bench_rl import render_rl_loop, run_rl_loop_case
+
+        result = run_rl_loop_case(demo_accelerator(args.device), quick=args.quick)
+        text = render_rl_loop
     else:
         result = run_bench(demo_accelerator(args.device), quick=args.quick)
     if args.out:

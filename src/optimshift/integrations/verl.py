@@ -42,9 +42,7 @@ import importlib.util
 import logging
 import re
 import sys
-import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,7 +50,7 @@ import torch
 
 from .. import api
 from .._devices import resolve
-from .._offload import PendingTransfer, record_of
+from .._offload import record_of
 from ..plan import check_optimizer
 from ._common import Patch, Swap, module_items, streamed
 
@@ -128,61 +126,14 @@ def _is_optimizer(optimizer: Any) -> bool:
     return True
 
 
-_guard_lock = threading.Lock()
-_inflight: weakref.WeakKeyDictionary[Any, PendingTransfer] = weakref.WeakKeyDictionary()
-_guards: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
-
-
-def _wait_for_transfer(optimizer: Any, *_: Any) -> None:
-    with _guard_lock:
-        pending = _inflight.pop(optimizer, None)
-    if pending is not None:
-        pending.wait()
-
-
-def _in_flight(optimizer: Any, pending: PendingTransfer) -> None:
-    """Remember a non-blocking transfer until ``state_dict()``/``load_state_dict()`` needs it done.
-
-    # NOTE: verl saves and loads checkpoints with the optimizer offloaded (``optimizer.state_dict()`` then
-    # ``torch.save``; ``load_state_dict``): those read the host copies, which a non-blocking offload may still
-    # be writing. optimshift's own operations and ``step()`` wait for a transfer in flight; these two hooks
-    # make torch's state_dict()/load_state_dict() wait too (on the host, once, only while one is in flight).
-    """
-    if pending.done():
-        return
-    with _guard_lock:
-        _inflight[optimizer] = pending
-        if optimizer in _guards:
-            return
-        handles = []
-        for register, hook in (
-            ("register_state_dict_pre_hook", _wait_for_transfer),
-            ("register_load_state_dict_pre_hook", _wait_for_transfer),
-        ):
-            method = getattr(optimizer, register, None)
-            if method is not None:
-                handles.append(method(hook, prepend=True))
-        _guards[optimizer] = handles
-
-
-def _remove_guards() -> None:
-    with _guard_lock:
-        guarded = list(_guards.items())
-        _guards.clear()
-    for optimizer, handles in guarded:
-        _wait_for_transfer(optimizer)
-        for handle in handles:
-            handle.remove()
-
-
 def _offload(optimizer: Any) -> None:
     if not optimizer.state or streamed(optimizer):
         return  # no state yet (verl's contract); a streamed optimizer's state lives on the host already
     # NOTE: non-blocking. After an offload verl offloads the model and runs rollouts on the memory freed:
     # device work, ordered after the copies (the freed tensors are record_stream'ed to the copy stream, so the
-    # allocator reuses them only once the copies are done). Host reads (checkpointing) wait: see _in_flight.
-    pending = api.offload(optimizer, non_blocking=True)
-    _in_flight(optimizer, pending)
+    # allocator reuses them only once the copies are done). Host reads (verl checkpoints with the state
+    # offloaded: state_dict(), load_state_dict()) wait for them: optimshift's in-flight guards (_offload.py).
+    api.offload(optimizer, non_blocking=True)
 
 
 def _load(optimizer: Any, device_id: Any) -> None:
@@ -195,10 +146,9 @@ def _load(optimizer: Any, device_id: Any) -> None:
     # NOTE: non-blocking. verl's next use of the state is optimizer.step(), after the forward and backward
     # passes the copies overlap with; the step pre-hook makes the step wait for them on the device.
     if recorded == {target}:
-        pending = api.reload(optimizer, non_blocking=True)  # back exactly where it was
+        api.reload(optimizer, non_blocking=True)  # back exactly where it was
     else:  # another device than the one it came from, or state never offloaded by optimshift
-        pending = api.reload(optimizer, target, non_blocking=True)
-    _in_flight(optimizer, pending)
+        api.reload(optimizer, target, non_blocking=True)
 
 
 def _make_offload(original: Callable[[Any], None], multi: bool) -> Callable[[Any], None]:
@@ -332,7 +282,6 @@ def patch() -> None:
 def unpatch() -> None:
     """Restore verl's own functions (also in modules imported since). A no-op when not patched."""
     _patch.undo()
-    _remove_guards()
 
 
 def is_patched() -> bool:

@@ -1,0 +1,26 @@
+"""`optimshift bench --case rl-loop`: an RL pipeline's offload/reload loop around a compiled step, small sizes."""
+
+from optimshift.cli import _bench as bench
+from optimshift.cli._bench_rl import render_rl_loop, run_rl_loop_case
+
+
+def test_the_rl_loop_case_reports_its_goals_per_cycle(sim):
+    result = run_rl_loop_case(sim, quick=True)
+    assert len(result["rows"]) == result["cycles"] == 4
+    warm = result["rows"][1:]
+    assert all(r["syncs_per_step"] == 0 for r in warm), "a fresh optimizer's step makes no host sync"
+    assert all(r["new_host_allocations"] == 0 for r in warm), "the pool serves every cycle after the first"
+    assert all(r["freed_bytes"] >= result["state_bytes"] for r in warm), "the device holds no state offloaded"
+    assert result["goals"]["syncs per step 0"] and result["goals"]["all state bytes freed while offloaded"]
+    assert result["bare_ms"] > 0 and result["overhead_vs_bare"] > 0
+    text = render_rl_loop(result)
+    assert "rl-loop on sim:0" in text and "goals:" in text
+
+
+def test_bench_takes_case_rl_loop(capsys, monkeypatch, sim):
+    import optimshift.cli._bench_rl as case
+
+    monkeypatch.setattr(case, "run_rl_loop_case", lambda device, quick: {"called": (str(device), quick)})
+    monkeypatch.setattr(case, "render_rl_loop", lambda result: f"rendered {result['called']}")
+    assert bench.main(["--case", "rl-loop", "--quick", "--device", "sim"]) == 0
+    assert capsys.readouterr().out.strip() == "rendered ('sim:0', True)"

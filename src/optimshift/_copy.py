@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from . import _alias
 from ._devices import _fake_mode_active
-from ._dtensor import copy_dtensor, is_dtensor, local_tensor
+from ._dtensor import copy_dtensor, is_dtensor, local_tensor, wrap_local
 from ._errors import add_note
 from ._streams import Streams, host_pinning, pins_host_for
 from .pool import HostPool
@@ -230,6 +230,7 @@ def copy_many(
     copies = batch.copies
     current = 0
     kinds: dict[tuple[torch.device, torch.device], bool] = {}  # (source, target) -> may be grouped
+    wrapped: dict[int, Any] = {}  # index -> the DTensor whose local shard was copied there
     try:
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
         for indices, target in _alias.together(items) if group else ():
@@ -243,9 +244,16 @@ def copy_many(
             for i, new in zip(indices, news):
                 copies[i] = new
             done.update(indices)
+        # what the grouped copies read: DTensors' local shards in their place (a list of its own once one is)
+        work: Sequence[tuple[torch.Tensor, torch.device]] = items
         for i, (t, target) in enumerate(items):
             if done and i in done:
                 continue
+            original = t
+            if type(t) is not torch.Tensor and group and is_dtensor(t) and not t.requires_grad:
+                # NOTE: FSDP2/TP state: the local shard goes through the grouped, pooled copies as a plain
+                # tensor would; the copy is wrapped back with the same mesh, placements and global shape.
+                t = t._local_tensor  # (the shard itself: to_local() may add an autograd view)
             source = t.device
             pair = (source, target)
             groupable = kinds.get(pair)
@@ -257,18 +265,23 @@ def copy_many(
                 )
             if groupable and _coalescible(t):
                 groups.setdefault((source, target, t.dtype), []).append(i)
+                if t is not original:
+                    if work is items:
+                        work = list(items)
+                    cast(list[tuple[torch.Tensor, torch.device]], work)[i] = (t, target)
+                    wrapped[i] = original
                 continue
             current = i
-            copies[i] = copy_tensor(t, target, non_blocking, pin_memory, side)
+            copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
         batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))
-            for chunk in _chunks(indices, items):
+            for chunk in _chunks(indices, work):
                 current = chunk[0]
                 if dst.type == "cpu":
                     _to_host(
                         chunk,
-                        items,
+                        work,
                         batch,
                         pool,
                         pinned=pin_memory and pins_host_for(src),
@@ -279,7 +292,7 @@ def copy_many(
                 else:
                     _to_device(
                         chunk,
-                        items,
+                        work,
                         batch,
                         pool,
                         dst,
@@ -304,6 +317,10 @@ def copy_many(
                 f"{t.device} to {target}; the optimizer was left unchanged",
             )
         raise
+    for i, dtensor in wrapped.items():
+        local = copies[i]
+        assert local is not None
+        copies[i] = wrap_local(dtensor, local)
     return batch
 
 

@@ -18,7 +18,7 @@ from ._streams import pins_host_for
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["is_dtensor", "copy_dtensor", "local_tensor", "row_fields"]
+__all__ = ["is_dtensor", "copy_dtensor", "local_tensor", "wrap_local", "row_fields"]
 
 
 def is_dtensor(t: Any) -> TypeGuard[DTensor]:
@@ -73,6 +73,13 @@ def copy_dtensor(
     if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
         new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
     return new
+
+
+def wrap_local(like: DTensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``like``'s mesh, placements, global shape and stride around ``local`` (a copy of its local
+    shard, on any device): DTensor's own constructor, which, unlike ``DTensor.from_local``, leaves the shard where
+    it is (the grouped copies of :mod:`optimshift._copy` made it)."""
+    return type(like)(local, like._spec, requires_grad=False)
 
 
 def row_fields(t: torch.Tensor) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from . import _session, _streams
+from ._dtensor import local_tensor
 from ._state import leaves
 from .plan import Ident
 from .pool import host_pool
@@ -211,8 +212,13 @@ def compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, 
     pooled = host_pool.in_use_storages()
 
     def own(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.nbytes() > t.numel() * t.element_size() and storage.data_ptr() in pooled and id(t) not in compact:
+        local = local_tensor(t)  # (a DTensor: its shard is what sits in a pool buffer; its clone clones that)
+        storage = local.untyped_storage()
+        if (
+            id(t) not in compact
+            and storage.nbytes() > local.numel() * local.element_size()
+            and storage.data_ptr() in pooled
+        ):
             compact[id(t)] = t.clone()
         return compact.get(id(t), t)
 

@@ -198,6 +198,23 @@ def train_save(rank: int, world: int, workdir: Path) -> dict[str, Any]:
     res["is_offloaded"] = optimshift.is_offloaded(opt)
     optimshift.reload(opt)
     res["reloaded"] = snapshot(opt, mesh)
+    # more cycles on sim: the local shards go through the grouped copies into the persistent pool
+    from optimshift.pool import host_pool
+
+    optimshift.move(opt, sim)
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    allocations = host_pool.stats().allocations
+    for _ in range(3):
+        optimshift.offload(opt)
+        pooled = host_pool.in_use_storages()
+        locals_ = [v.to_local() for st in opt.state.values() for v in st.values() if v.dim()]
+        res["offloaded_shards_in_pool"] = all(t.untyped_storage().data_ptr() in pooled for t in locals_)
+        res["offloaded_shard_buffers"] = len({t.untyped_storage().data_ptr() for t in locals_})
+        res["offloaded_shards"] = len(locals_)
+        del locals_  # (a view kept into a pool buffer keeps the pool from reusing it)
+        optimshift.reload(opt)
+    res["pool_allocations_after_warmup"] = host_pool.stats().allocations - allocations
     optimshift.move(opt, "cpu")
     res["back"] = snapshot(opt, mesh)
     res["same_objects"] = _object_ids(opt) == objects  # the DTensor objects stay; their local shards moved

@@ -129,3 +129,12 @@ def test_steps_match_the_single_process_run(job_train, single_run):
     assert state_differences(ref["ref_S"], single_run["S"]) == []
     assert state_differences(ref["ref_SK"], single_run["SK"]) == []
     assert ref["ref_S"]["state"]["0.weight"]["step"].item() == S
+
+
+def test_dtensor_shards_are_offloaded_through_the_grouped_copies_into_the_pool(job_train):
+    """FSDP2 state: each rank's local shards are copied together (one pool buffer for many shards, not a fresh
+    pinned tensor each), and a steady offload/reload cycle allocates no new host memory (issue 18, item 5)."""
+    for res in _ranks(job_train):
+        assert res["offloaded_shards_in_pool"], "every offloaded shard is a view into a pool buffer"
+        assert res["offloaded_shard_buffers"] < res["offloaded_shards"], "shards share grouped buffers"
+        assert res["pool_allocations_after_warmup"] == 0

@@ -38,6 +38,7 @@ Mechanism = Literal["data", "swap", "replace"]
 
 # NOTE: exact classes only. ``Parameter``/``Buffer`` keep no device in Python; any other subclass might
 # (FakeTensor's ``fake_device``, a wrapper subclass's inner tensor), so it is swapped as a whole instead.
+_PARAM = torch.nn.Parameter
 _PLAIN = (torch.Tensor, torch.nn.Parameter) + ((torch.nn.Buffer,) if hasattr(torch.nn, "Buffer") else ())
 
 
@@ -59,7 +60,8 @@ def decide_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism
             data = kinds[kind] = (
                 kind[0] in _PLAIN and kind[1] in _PLAIN and torch._has_compatible_shallow_copy_type(old, new)
             )
-        if old.is_inference() or new.is_inference() or isinstance(old, torch.nn.Parameter):
+        # (type() first: Parameter's isinstance goes through a Python-level metaclass check)
+        if old.is_inference() or new.is_inference() or (type(old) is not torch.Tensor and isinstance(old, _PARAM)):
             # set_data breaks an inference tensor (no version counter to move); a Parameter in state is a
             # module's (a frozen param kept as state): changing it in place would move the model with the state
             out.append("replace")

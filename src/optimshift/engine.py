@@ -79,8 +79,14 @@ def copy_items(
         describe=describe,
         side=side,
     )
-    to_host = any(target.type == "cpu" and t.device.type not in ("cpu", "meta") for t, target in items)
-    if batch.after_sync or not non_blocking or (to_host and not keep_host_views):
+    if (
+        batch.after_sync
+        or not non_blocking
+        or (
+            not keep_host_views
+            and any(target.type == "cpu" and t.device.type not in ("cpu", "meta") for t, target in items)
+        )
+    ):
         synchronize(batch.devices)
         batch.complete(pool)
     elif side is None:
@@ -161,7 +167,7 @@ def run(
         )
     new = {id(t): c for (t, _), c in zip(items, batch.copies) if c is not None}
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None]
-    to_host = any(target.type == "cpu" for _, target in items)
+    to_host = event is not None and any(target.type == "cpu" for _, target in items)  # (what a reader waits for)
     return Copies(new, pairs, batch, event, device if event is not None else None, to_host)
 
 

@@ -135,7 +135,7 @@ def run_verl_case(
     a fresh optimizer keeps it, then the patched ones). Needs verl installed (``optimshift[verl]``).
     ``shapes``: the params' shapes (default: a transformer's, scaled to the device)."""
     from ..integrations import verl as osv
-    from ._bench import _transformer_shapes
+    from ._shapes import transformer_shapes
 
     was_patched = osv.is_patched()
     osv.unpatch()
@@ -152,7 +152,7 @@ def run_verl_case(
                 n_params = int(min(2e8, free / 8 / 8))
             else:
                 n_params = 500_000 if quick else 2_000_000  # every simulated op runs through Python: scale down
-            shapes = _transformer_shapes(n_params)
+            shapes = transformer_shapes(n_params)
         reps = 3 if quick else 5
         params = [torch.nn.Parameter(torch.zeros(s, device=device)) for s in shapes]
         opt = torch.optim.AdamW(params, foreach=True)

@@ -14,12 +14,10 @@ import copy as _copy
 import inspect
 import numbers
 import os
-import threading
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -31,7 +29,7 @@ from .._devices import DeviceLike, resolve
 from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
 from .._errors import add_note
 from .._offload import exclusive, prepare_discard, wait_pending
-from .._probe import quiet_global_step_hooks
+from .._probe import NO_SPEC, StateSpec, expected_state, step_needs
 from .._state import (
     _ATOMS,
     IMPLEMENTATION_FLAGS,
@@ -40,7 +38,6 @@ from .._state import (
     Setter,
     format_path,
     group_device,
-    is_plain,
     leaves,
     param_label,
     param_name,
@@ -496,7 +493,7 @@ class _Staging:
         saved_groups, states = self._validate_structure()
         live_groups = self.opt.param_groups
         new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
-        spec_cache: dict[tuple[int, int], _StateSpec] = {}
+        spec_cache: dict[tuple[int, int], StateSpec] = {}
         new_state: defaultdict[Any, Any] = defaultdict(dict)
         # Per param with state: (its new state dict, param, group, index, [(key, tensor)], [container key]).
         pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, list[tuple[Any, torch.Tensor]], list[Any]]] = []
@@ -688,11 +685,11 @@ class _Staging:
                 f"dtype as PyTorch does; the optimizer is unchanged"
             )
 
-    def _spec(self, group: Mapping[str, Any], ndim: int) -> _StateSpec:
+    def _spec(self, group: Mapping[str, Any], ndim: int) -> StateSpec:
         """What this optimizer class keeps per param (probed), for the checks."""
         if self.base is None:
-            return _NO_SPEC
-        return _expected_state(self.base, group, ndim)
+            return NO_SPEC
+        return expected_state(self.base, group, ndim)
 
     # -- validation -------------------------------------------------------------------------------------------
 
@@ -701,7 +698,7 @@ class _Staging:
         at step())."""
         assert self.base is not None  # (called when strict: a torch.optim class)
         fresh, filled = _group_keys(type(self.opt), self.base)
-        absent = sorted(k for k in fresh if k not in group and k not in filled and _step_needs(self.base, group, k))
+        absent = sorted(k for k in fresh if k not in group and k not in filled and step_needs(self.base, group, k))
         if absent:
             key = absent[0]
             raise self.fail(
@@ -717,7 +714,7 @@ class _Staging:
                 if problem is not None:
                     raise self.fail(f"param group {gi}, key {key!r}: {problem}", TypeError)
 
-    def _check_entries(self, gi: int, pi: int, p: torch.Tensor, saved: Mapping[Any, Any], spec: _StateSpec) -> None:
+    def _check_entries(self, gi: int, pi: int, p: torch.Tensor, saved: Mapping[Any, Any], spec: StateSpec) -> None:
         """Each entry a step of this torch.optim class creates is there, with the kind, dtype and size it needs."""
         missing = [k for k in spec.keys if k not in saved]
         if missing:
@@ -805,101 +802,6 @@ def _ids_shown(ids: Mapping[Any, Any]) -> str:
     return ", ".join(repr(i) for i in shown) + (", …" if len(ids) > len(shown) else "")
 
 
-# --- what a torch.optim class keeps per param -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _StateSpec:
-    """What one step of a torch.optim class leaves in a param's state (probed on two small host params).
-
-    ``keys``: every key; ``shaped``: tensors with their param's shape; ``scalars``: 0-dim tensors (``step``,
-    ``mu_product``); ``tensors``: every tensor key; ``floating``: non-scalar tensors in floating point;
-    ``bounded``: other tensors never larger than their param (Adafactor's ``row_var``); ``eager``: the class
-    creates every param's state when it is built (Adagrad), so a param without state cannot step."""
-
-    keys: frozenset[str] = frozenset()
-    shaped: frozenset[str] = frozenset()
-    scalars: frozenset[str] = frozenset()
-    tensors: frozenset[str] = frozenset()
-    floating: frozenset[str] = frozenset()
-    bounded: frozenset[str] = frozenset()
-    eager: bool = False
-
-
-_NO_SPEC = _StateSpec()
-_spec_cache: dict[tuple[type[torch.optim.Optimizer], str, int], _StateSpec] = {}
-_spec_lock = threading.Lock()
-
-
-def _expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> _StateSpec:
-    """Run ``cls`` for one step on two small host params of rank ``ndim`` (1, or 2 for anything higher) and
-    describe the state both got. Empty (nothing is checked) when the probe cannot run, or for 0-dim params."""
-    if ndim == 0:
-        return _NO_SPEC
-    try:
-        accepted = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return _NO_SPEC
-    kwargs = {
-        k: v
-        for k, v in group.items()
-        if k in accepted and k not in ("params", "param_names") + IMPLEMENTATION_FLAGS and is_plain(v)
-    }
-    if "foreach" in accepted:
-        kwargs["foreach"] = False
-    shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
-    cache_key = (cls, repr(sorted(kwargs.items())), len(shapes[0]))
-    with _spec_lock:
-        hit = _spec_cache.get(cache_key)
-    if hit is not None:
-        return hit
-    try:
-        result = _probe_state(cls, kwargs, shapes)
-    except Exception:
-        result = _NO_SPEC
-    with _spec_lock:
-        _spec_cache[cache_key] = result
-    return result
-
-
-def _probe_state(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]) -> _StateSpec:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
-        warnings.simplefilter("ignore")
-        params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
-        for p in params:
-            p.grad = torch.full(p.shape, 0.25)
-        opt = cls(params, **kwargs)
-        eager = all(opt.state.get(p) for p in params)
-        try:
-            # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
-            opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
-        except Exception:
-            pass  # the state was created before whatever failed; it is all we read
-        states = [opt.state.get(p, {}) for p in params]
-        if not all(states):
-            return _NO_SPEC
-
-        def common(test: Callable[[Any, torch.Tensor], bool]) -> frozenset[str]:
-            return frozenset.intersection(
-                *(frozenset(k for k, v in st.items() if test(v, p)) for st, p in zip(states, params))
-            )
-
-        def tensor(v: Any, p: torch.Tensor) -> bool:
-            return isinstance(v, torch.Tensor)
-
-        return _StateSpec(
-            keys=frozenset.intersection(*(frozenset(st) for st in states)),
-            shaped=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.shape == p.shape),
-            scalars=common(lambda v, p: tensor(v, p) and v.dim() == 0),
-            tensors=common(tensor),
-            floating=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.is_floating_point()),
-            bounded=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.numel() <= p.numel()),
-            eager=eager,
-        )
-
-
 # --- which hyperparameters a torch.optim class takes -------------------------------------------------------
 
 _defaults_cache: dict[type[torch.optim.Optimizer], dict[str, Any]] = {}
@@ -959,61 +861,6 @@ def _group_keys(
             break
     found = _group_keys_cache[(cls, base)] = (fresh, filled)
     return found
-
-
-_step_needs_cache: dict[tuple[type, str, str], bool] = {}
-
-
-def _step_needs(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], key: str) -> bool:
-    """Whether a step of ``cls`` fails without ``group[key]``: two steps over a small host param, with
-    ``group``'s other hyperparameters, ``key`` deleted and ``__setstate__`` run as a load runs it, raise
-    ``KeyError(key)`` (the first step creates the state: Rprop reads ``lr`` only then). NOTE: a step may read a
-    key with a default (SparseAdam's ``maximize``, which PyTorch < 1.13 did not save). Where no trial step
-    runs, the key is needed: a fresh group holds it and nothing fills it."""
-    try:
-        accepted = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        return True
-    skip = ("params", "param_names", key) + IMPLEMENTATION_FLAGS
-    kwargs = {k: v for k, v in group.items() if k in accepted and k not in skip and is_plain(v)}
-    if "foreach" in accepted and key != "foreach":
-        kwargs["foreach"] = False
-    cache_key = (cls, key, repr(sorted(kwargs.items())))
-    found = _step_needs_cache.get(cache_key)
-    if found is None:
-        # (a class that takes only sparse grads refuses dense ones: SparseAdam)
-        tried = [_steps_without(cls, kwargs, key, sparse) for sparse in (False, True)]
-        found = next((t for t in tried if t is not None), True)
-        _step_needs_cache[cache_key] = found
-    return found
-
-
-def _steps_without(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], key: str, sparse: bool) -> bool | None:
-    """True if two steps without ``key`` raise ``KeyError(key)``, False if they run, None if they fail otherwise."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
-        warnings.simplefilter("ignore")
-        param = torch.nn.Parameter(torch.full((2, 3), 0.5))  # 2-D: Muon takes only those
-
-        def closure() -> torch.Tensor:
-            grad = torch.full((2, 3), 0.25)
-            param.grad = grad.to_sparse() if sparse else grad
-            return torch.tensor(1.0)
-
-        try:
-            opt = cls([param], **kwargs)
-            opt.param_groups[0].pop(key, None)
-            opt.__setstate__({"state": opt.state, "param_groups": opt.param_groups})
-            with torch.no_grad():
-                for _ in range(2):
-                    closure()
-                    opt.step(closure)  # type: ignore[arg-type]  # (torch's stubs type the loss as a float)
-        except KeyError as e:
-            return True if e.args == (key,) else None
-        except Exception:
-            return None
-    return False
 
 
 def _number_like(value: Any) -> bool:

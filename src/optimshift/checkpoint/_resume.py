@@ -37,7 +37,6 @@ from .._state import (
     Path,
     Setter,
     format_path,
-    group_device,
     leaves,
     param_label,
     param_name,
@@ -45,7 +44,7 @@ from .._state import (
     too_deep,
     unwrap,
 )
-from ..plan import optimizer_name
+from ..plan import OPTIMIZER_WIDE, Plan, build_plan, optimizer_name, policy_target
 from . import _files
 
 __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
@@ -149,7 +148,7 @@ def load_state_dict(
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
         # leaves everything as it was), handed back only once the state is installed.
         finish = [prepare_discard(obj) for obj in dict.fromkeys((receiver, optimizer))]
-        _install(receiver, name, new_state, new_groups, made=staged.made_ids())
+        _install(receiver, name, new_state, new_groups, made=staged.made_ids(), shared=staged.shared_ids())
         if mode is not None:
             mode.after_load()
     for done in finish:
@@ -248,7 +247,6 @@ def _extract(state_dict: Any, label: str) -> tuple[Any, Mapping[str, Any] | None
 _Site = tuple[int, int | None, Any, Path]  # (group, param index or None for a group entry, key, path inside)
 _Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): one copy each
 _Wanted = torch.Tensor | _Ticket  # a tensor that fits as it is, or the ticket of its copy
-_Nested = list[tuple[int, _Wanted]]  # [(id(tensor), wanted)] for the tensors inside a container
 
 
 class _Staging:
@@ -271,16 +269,15 @@ class _Staging:
     ) -> None:
         self.opt, self.name, self.sd, self.source = optimizer, name, sd, source
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
-        self.registered = _policy.has_registered_policy(optimizer)
         self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
         self.base = _policy.builtin_base(type(optimizer))
         # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
         self.strict = self.base is not None and _same_step(type(optimizer), self.base)
-        self._decisions: dict[tuple[int, Any, int, bool, torch.device], torch.device] = {}
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
         self._wanted: dict[_Ticket, tuple[torch.Tensor, _Site]] = {}
         self._made: dict[_Ticket, torch.Tensor] = {}
+        self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
         self._dtype_checks: dict[tuple[int, torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
 
     def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
@@ -370,30 +367,6 @@ class _Staging:
 
     # -- placement ------------------------------------------------------------------------------------------
 
-    def _place(
-        self,
-        group: Mapping[str, Any],
-        param: torch.Tensor | None,
-        key: Any,
-        tensor: torch.Tensor,
-        gi: int,
-        where: torch.device,
-        pdim: int,
-    ) -> torch.device:
-        """policy.decide for this entry, with the param (or, for a group entry, the group) on ``where``.
-
-        For built-in rules the answer depends only on the group, the key, the param's rank and device and
-        whether the tensor is a scalar, so it is memoized on those: this is what keeps a load linear with a
-        small constant. A registered policy sees each value, so it is asked for each one."""
-        if self.registered or param is None:  # a group's own tensors: decided one by one (policy._group_entry)
-            return _policy.decide(self.opt, group, param, str(key), tensor, where).device
-        memo_key = (gi, key, pdim, tensor.dim() == 0, where)
-        found = self._decisions.get(memo_key)
-        if found is None:
-            found = _policy.decide(self.opt, group, param, str(key), tensor, where).device
-            self._decisions[memo_key] = found
-        return found
-
     def _cast_dtype(
         self, group: Mapping[str, Any], param: torch.Tensor | None, inner_key: Any, tensor: torch.Tensor
     ) -> torch.dtype:
@@ -440,6 +413,21 @@ class _Staging:
     def made_ids(self) -> set[int]:
         """The ids of the copies this staging made (never the caller's own tensors)."""
         return {id(t) for t in self._made.values()}
+
+    def shared_ids(self) -> set[int]:
+        """The ids of the copies installed in more than one place (a tensor the checkpoint shares: LBFGS's
+        ``state['t']`` is its group's ``lr``), which must stay one object."""
+        return {id(self._made[ticket]) for ticket, n in self._uses.items() if n > 1}
+
+    def _plan(self, groups: list[dict[str, Any]], state: Mapping[Any, Any]) -> Plan:
+        """The plan of the state about to be installed: where :func:`optimshift.plan.policy_target` puts each
+        tensor for the live optimizer's class, with the loaded groups' hyperparameters and the live flags."""
+        # (remembered=False: where a move took the old group tensors from says nothing of the loaded ones)
+        target = policy_target(self.opt, self.device, remembered=False)
+        try:
+            return build_plan(self.opt, target, groups=groups, state=state)
+        except ValueError as e:  # a tensor the checkpoint shares between entries that belong on two devices
+            raise self.fail(str(e).removeprefix(f"{self.name}: ")) from None
 
     def _got(self, wanted: _Wanted) -> torch.Tensor:
         return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
@@ -495,8 +483,7 @@ class _Staging:
         new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
         spec_cache: dict[tuple[int, int], StateSpec] = {}
         new_state: defaultdict[Any, Any] = defaultdict(dict)
-        # Per param with state: (its new state dict, param, group, index, [(key, tensor)], [container key]).
-        pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, list[tuple[Any, torch.Tensor]], list[Any]]] = []
+        pending: list[tuple[dict[Any, Any], torch.Tensor, int, int]] = []  # (new state dict, param, group, index)
         if self.strict:
             for gi, ng in enumerate(new_groups):
                 self._check_group(gi, ng)
@@ -524,8 +511,6 @@ class _Staging:
                 if self.strict and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class
                     self._check_entries(gi, pi, p, saved, spec)
                 new: dict[Any, Any] = {}
-                tensors: list[tuple[Any, torch.Tensor]] = []
-                containers: list[Any] = []
                 for key, value in saved.items():
                     if isinstance(value, torch.Tensor):
                         if key in spec.shaped and value.shape != pshape:
@@ -534,104 +519,74 @@ class _Staging:
                                 f"{tuple(value.shape)}, the param has shape {tuple(p.shape)}; this checkpoint was "
                                 f"made for other params (or another model)"
                             )
-                        tensors.append((key, value))
                         new[key] = value  # a placeholder (keeps the key order), replaced by its placed copy
                     elif isinstance(value, _ATOMS):
                         new[key] = value
                     else:
                         new[key] = self._copy_container(value, (gi, pi, key, ()))
-                        containers.append(key)
                 new_state[p] = new
-                pending.append((new, p, gi, pi, tensors, containers))
+                pending.append((new, p, gi, pi))
 
-        # Where each tensor goes (and in which dtype); then every copy is made, before the optimizer changes,
-        # so an error (an OOM) leaves it as it was; then the new dicts and containers are filled in.
-        fixed, always = self.device, self.copy
-        owners = _group_owned(new_groups)
-        # (holder, key, None): holder[key] is wanted; (holder, key, [(id, wanted)]): the tensors in its container
-        fills: list[tuple[MutableMapping[Any, Any], Any, _Nested | None]] = []
-        for new, p, gi, pi, tensors, containers in pending:
-            group = new_groups[gi]
-            where = fixed if fixed is not None else p.device
-            pdim = p.dim()
-            for key, value in tensors:
-                owner = owners.get(id(value))
-                if owner is not None:
-                    # NOTE: a state entry holding its group's own tensor (LBFGS: state['t'] is group['lr']) gets the
-                    # group entry's copy, placed as the group's (below): the two stay one tensor, as in PyTorch.
-                    ogi, okey = owner
-                    ogroup = new_groups[ogi]
-                    gwhere = fixed if fixed is not None else group_device(ogroup, value)
-                    device = self._place(ogroup, None, okey, value, ogi, gwhere, -1)
-                    new[key] = self._want(value, device, value.dtype, True, (gi, pi, key, ()))
-                else:
-                    device = self._place(group, p, key, value, gi, where, pdim)
-                    dtype = value.dtype if self.cast is None else self._cast_dtype(group, p, key, value)
-                    new[key] = self._want(value, device, dtype, always, (gi, pi, key, ()))
-                fills.append((new, key, None))
-            if self.cast is None:
-                # (containers too: LBFGS's old_dirs/old_stps; a group's own tensor, LBFGS's t, is the group's)
-                dtypes = {k: v.dtype for k, v in tensors if id(v) not in owners}
-                dtypes.update(entry_dtypes({k: new[k] for k in containers}, owners.keys()))
-                self._check_dtypes(group, p, gi, pi, dtypes)
-            for key in containers:
-                fills.append((new, key, self._want_nested(new[key], group, p, key, gi, pi, where, pdim, always)))
-        for gi, group in enumerate(new_groups):
-            for key in list(group):
-                if key in ("params", "param_names"):
-                    continue
-                value = group[key]
-                if isinstance(value, torch.Tensor) or not isinstance(value, _ATOMS):
-                    # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
-                    gwhere = fixed if fixed is not None else group_device(group, value)
-                    fills.append((group, key, self._want_nested(value, group, None, key, gi, None, gwhere, -1, True)))
-        for key in self.wide:  # optimizer-wide entries: placed like the plan places them (the first group's)
+        for key in self.wide:  # optimizer-wide entries (placed as the plan places them: with the first group's)
             value = states[key]
-            if isinstance(value, _ATOMS) and not isinstance(value, torch.Tensor):
-                new_state[key] = value
-                continue
-            if not isinstance(value, torch.Tensor):
+            if not isinstance(value, (torch.Tensor, *_ATOMS)):
                 self._check_depth(value, (0, None, key, ()), wide=True)
-                memo = {id(t): t for _, t in leaves(value)}
-                value = _copy.deepcopy(value, memo)
+                value = _copy.deepcopy(value, {id(t): t for _, t in leaves(value)})
             new_state[key] = value
-            gwhere = fixed if fixed is not None else group_device(new_groups[0], value)
-            fills.append(
-                (new_state, key, self._want_nested(value, new_groups[0], None, key, 0, None, gwhere, -1, always))
-            )
+
+        # Where each tensor goes: the planner's, over the state and groups about to be installed (policy_target,
+        # and plan._share: a state entry holding its group's own tensor, as LBFGS's state['t'] is its tensor lr,
+        # goes where the group entry goes, one tensor). Then in which dtype; then every copy is made, before the
+        # optimizer changes, so an error (an OOM) leaves it as it was; then the new dicts and containers are
+        # filled in.
+        plan = self._plan(new_groups, new_state)
+        owned = {id(tr[2]) for tr in plan.transfers if tr[0][1] is None and tr[0][0] != OPTIMIZER_WIDE}
+        if self.cast is None:  # (containers too: LBFGS's old_dirs/old_stps; a group's own tensor is the group's)
+            for new, p, gi, pi in pending:
+                self._check_dtypes(new_groups[gi], p, gi, pi, entry_dtypes(new, owned))
+        holders: dict[tuple[int, int | None], MutableMapping[Any, Any]] = {(gi, pi): new for new, _, gi, pi in pending}
+        holders.update({(gi, None): group for gi, group in enumerate(new_groups)})
+        holders[(OPTIMIZER_WIDE, None)] = new_state
+        # (group, param index, key) -> None: holder[key] is wanted; {id: wanted}: the tensors in its container
+        fills: dict[tuple[int, int | None, Any], dict[int, _Wanted] | None] = {}
+        for tr in plan.transfers:
+            (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]
+            key = path[0][1]
+            slot = (tgi, tpi, key)
+            nested = fills.get(slot)
+            if nested is not None and id(tensor) in nested:
+                continue  # one tensor twice in a container: one copy
+            ggi = 0 if tgi == OPTIMIZER_WIDE else tgi
+            site: _Site = (ggi, tpi, key, path[1:])
+            if tpi is not None and id(tensor) in owned:
+                # NOTE: it holds its group's own tensor: it gets the group entry's copy (same device, dtype and a
+                # copy whatever `copy` says, as the group's), so the two stay one tensor, as in PyTorch.
+                wanted = self._want(tensor, device, tensor.dtype, True, site)
+            else:
+                inner = path[-1][1] if path[-1][0] == "key" else None  # PyTorch casts by the innermost dict key
+                dtype = self._cast_dtype(new_groups[ggi], param, inner, tensor)
+                # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
+                always = self.copy or (tpi is None and tgi != OPTIMIZER_WIDE)
+                wanted = self._want(tensor, device, dtype, always, site)
+            if not isinstance(wanted, torch.Tensor):
+                self._uses[wanted] = self._uses.get(wanted, 0) + 1
+            if len(path) == 1:
+                holders[(tgi, tpi)][key] = wanted  # (its placeholder was the checkpoint's tensor)
+                fills[slot] = None
+            elif nested is None:
+                fills[slot] = {id(tensor): wanted}
+            else:
+                nested[id(tensor)] = wanted
         self._resolve()
-        for holder, key, nested in fills:
+        for (tgi, tpi, key), nested in fills.items():
+            holder = holders[(tgi, tpi)]
             holder[key] = self._got(holder[key]) if nested is None else self._fill_nested(holder[key], nested)
         return new_state, new_groups
 
-    def _want_nested(
-        self,
-        value: Any,
-        group: Mapping[str, Any],
-        param: torch.Tensor | None,
-        key: Any,
-        gi: int,
-        pi: int | None,
-        where: torch.device | None,
-        pdim: int,
-        always_copy: bool,
-    ) -> _Nested:
-        """Ask for each tensor inside ``value`` (our copy of the checkpoint's container, or a group's tensor)
-        where it belongs: ``[(id(tensor), wanted)]`` for :meth:`_fill_nested`."""
-        wanted: dict[int, _Wanted] = {}
-        for path, t in leaves(value, (("key", key),)):
-            if id(t) in wanted:
-                continue
-            inner = path[-1][1] if path[-1][0] == "key" else None  # PyTorch casts by the innermost dict key
-            device = self._place(group, param, key, t, gi, where if where is not None else t.device, pdim)
-            dtype = self._cast_dtype(group, param, inner, t)
-            wanted[id(t)] = self._want(t, device, dtype, always_copy, (gi, pi, key, path[1:]))
-        return list(wanted.items())
-
-    def _fill_nested(self, value: Any, wanted: _Nested) -> Any:
+    def _fill_nested(self, value: Any, wanted: Mapping[int, _Wanted]) -> Any:
         """``value`` with each tensor replaced by its copy. Only our own copies of the checkpoint's
         containers are mutated."""
-        replace = {ident: self._got(w) for ident, w in wanted}
+        replace = {ident: self._got(w) for ident, w in wanted.items()}
         if isinstance(value, torch.Tensor):
             return replace.get(id(value), value)
         setters: list[Setter] = []
@@ -643,7 +598,7 @@ class _Staging:
     def _new_group(self, gi: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
         """The group as PyTorch builds it (a deep copy of the saved one, with the live params and, when the
         checkpoint has none, the live param names), with the live implementation flags for ``flags="live"``.
-        Tensors inside are left for :meth:`_want_nested` to place."""
+        Tensors inside are left for the plan to place (:meth:`build`)."""
         out: dict[str, Any] = {}
         for key, value in saved.items():
             if key == "params":
@@ -770,17 +725,6 @@ class _Staging:
                 f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                 f"this (a corrupt or hostile checkpoint)"
             )
-
-
-def _group_owned(groups: list[dict[str, Any]]) -> dict[int, tuple[int, Any]]:
-    """{id(tensor): (group index, key)} for the tensors the groups hold themselves (tensor lr, betas)."""
-    owned: dict[int, tuple[int, Any]] = {}
-    for gi, group in enumerate(groups):
-        for key, value in group.items():
-            if key not in ("params", "param_names"):
-                for _, t in leaves(value):
-                    owned.setdefault(id(t), (gi, key))
-    return owned
 
 
 def _same_step(cls: type, base: type) -> bool:
@@ -916,14 +860,16 @@ def _install(
     groups: list[dict[str, Any]],
     *,
     made: AbstractSet[int] = frozenset(),
+    shared: AbstractSet[int] = frozenset(),
 ) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
     e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
 
     Then every tensor the optimizer already held at the same place (param and key, or group and key) adopts
     the loaded copy's contents and stays the same object (see :mod:`optimshift._adopt`), so a resume into an
-    optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted: with
-    ``copy=False`` the caller's own tensors are installed as they are.
+    optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted (``made``),
+    and only those installed in one place (``shared``: the others): with ``copy=False`` the caller's own tensors
+    are installed as they are.
     """
     before = dict(optimizer.__dict__)
     live = [
@@ -947,13 +893,7 @@ def _install(
                 places.append((fresh, key, old, new))
     # A copy installed in two places (LBFGS's state['t'] is its group's lr), at the top level or inside a
     # container, stays one shared object: adopting it into one old tensor would split the sharing.
-    uses: dict[int, int] = {}
-    for holder in [st for st in state.values() if isinstance(st, dict)] + list(groups):
-        for key, value in holder.items():
-            if key not in ("params", "param_names"):
-                for _, t in leaves(value):
-                    uses[id(t)] = uses.get(id(t), 0) + 1
-    places = [place for place in places if uses.get(id(place[3]), 0) == 1]
+    places = [place for place in places if id(place[3]) not in shared]
     # An old tensor that sat in two places now given two different copies keeps neither: each place gets its
     # own copy (the checkpoint's values), as PyTorch installs them.
     by_old: dict[int, set[int]] = {}

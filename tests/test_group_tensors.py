@@ -3,6 +3,7 @@ on the simulated accelerator: they go exactly where a fresh optimizer keeps them
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -180,6 +181,52 @@ def test_state_entries_sharing_a_tensor_across_devices_are_still_refused(sim):
     with pytest.raises(ValueError, match="one tensor is shared by group 0, param 0.*and group 0, param 1"):
         optimshift.move(opt)
     assert opt.state[sim_p]["momentum_buffer"] is shared and shared.device.type == "cpu"
+
+
+def test_a_checkpoint_sharing_a_tensor_across_devices_is_refused_like_a_move(sim, tmp_path):
+    """A load plans with the planner every operation uses (issue 18): a checkpoint tensor that two state entries
+    share, for params on two devices, cannot be placed for both, as a move says; the load is refused before
+    anything changes, naming both entries and the file (it used to split it silently)."""
+    cpu_p, sim_p = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, device=sim))
+    source = O.SGD([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
+    sd = source.state_dict()
+    shared = torch.ones(3)
+    sd["state"] = {0: {"momentum_buffer": shared}, 1: {"momentum_buffer": shared}}
+    opt = O.SGD([cpu_p, sim_p], lr=0.1, momentum=0.9)
+    with pytest.raises(
+        ValueError,
+        match=r"^SGD: load_state_dict: one tensor is shared by group 0, param 0.*and group 0, "
+        r"param 1.*it cannot be placed for both",
+    ):
+        optimshift.load_state_dict(opt, sd)
+    assert not opt.state
+    path = tmp_path / "shared.pt"
+    torch.save(sd, path)
+    with pytest.raises(ValueError, match=rf"^SGD: load_state_dict: {path}: one tensor is shared"):
+        optimshift.load_state_dict(opt, path)
+    optimshift.load_state_dict(opt, sd, device="cpu")  # one device: one tensor, still shared
+    assert opt.state[cpu_p]["momentum_buffer"] is opt.state[sim_p]["momentum_buffer"]
+
+
+@pytest.mark.parametrize("cls, kwargs", [(O.Adam, {"capturable": True, "foreach": True})], ids=["Adam-capturable"])
+def test_a_load_places_group_tensors_from_the_checkpoint_not_from_a_past_move(sim, cls, kwargs):
+    """A move to the host and back remembers where a device lr was given (the session); a load brings its own
+    group tensors, placed from where the checkpoint has them, as PyTorch's load (and a fresh optimizer given
+    them there) keeps them: the remembered side is not applied to them."""
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    optimshift.move(opt, "cpu")  # the lr given on the device goes to the host: the session remembers the device
+    for p in params:
+        p.data = p.data.to(sim)
+    host_params = _params("cpu")
+    saved = cls(host_params, lr=torch.tensor(0.02), **kwargs)  # a host lr in the checkpoint
+    sd = saved.state_dict()
+    ref_params, ref = _device_lr_optimizer(sim, cls, kwargs)
+    ref.load_state_dict(copy.deepcopy(sd))
+    optimshift.load_state_dict(opt, sd)
+    assert opt.param_groups[0]["lr"].device == ref.param_groups[0]["lr"].device == torch.device("cpu")
+    assert not optimshift.check(opt).findings
+    optimshift.move(opt, sim)  # and the load's groups are what a later move sees, not the old session's
+    assert opt.param_groups[0]["lr"].device.type == "cpu"
 
 
 # -- group tensors follow params that moved (issue 17, item 5) ----------------------------------------------

@@ -1,5 +1,6 @@
-"""The placement probe (optimshift._probe): it can never take the process down, its cache key covers everything
-that can change what it observes, and it observes where a step reads a group's tensors."""
+"""The probes (optimshift._probe): they can never take the process down, their one cache key covers everything
+that can change what a throwaway step observes and never a float's value, and the placement probe observes where a
+step reads a group's tensors."""
 
 from __future__ import annotations
 
@@ -108,39 +109,187 @@ def _group(cls, **kwargs):
     return cls([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs).param_groups[0]
 
 
-@pytest.mark.parametrize(
-    "cls, changes",
-    [
-        (O.Adam, {"lr": 0.01, "weight_decay": 0.1, "eps": 1e-6, "betas": (0.8, 0.9), "amsgrad": True}),
-        (O.SGD, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.1, "lr": torch.tensor(0.5)}),
-        (O.Adagrad, {"lr_decay": 0.1, "initial_accumulator_value": 0.5, "weight_decay": 0.1}),
-        (O.LBFGS, {"line_search_fn": "strong_wolfe", "history_size": 3, "max_iter": 2}),
-    ],
-)
-def test_probe_key_covers_every_hyperparameter(cls, changes):
-    """Not only the boolean flags: a non-boolean hyperparameter (weight_decay decides whether grad.add runs, and
-    so whether a differentiable step records an edge) or a tensor's value changes the key."""
+def _key(cls, ndim=2, **entries):
     from optimshift import _probe
 
-    base = _group(cls)
+    return _probe.probe_key(cls, {**_group(cls), **entries}, ndim)
+
+
+@pytest.mark.parametrize(
+    "cls, base, changes",
+    [
+        (O.Adam, {"weight_decay": 0.1}, {"lr": 0.01, "eps": 1e-6, "betas": (0.8, 0.9), "weight_decay": 0.2}),
+        (O.SGD, {"momentum": 0.9, "dampening": 0.1}, {"lr": 0.5, "momentum": 0.5, "dampening": 0.2}),
+        (
+            O.Adagrad,
+            {"lr_decay": 0.1, "initial_accumulator_value": 0.1},
+            {"lr_decay": 0.2, "initial_accumulator_value": 0.7},
+        ),
+        (O.LBFGS, {"lr": 2.0}, {"lr": 3.0, "tolerance_grad": 1e-3, "tolerance_change": 0.5}),
+        (O.Rprop, {}, {"etas": (0.3, 1.5), "step_sizes": (1e-3, 50)}),
+    ],
+)
+def test_probe_key_never_holds_a_float_value(cls, base, changes):
+    """Floats count by their class against 0 and 1 (what torch.optim's steps and constructors branch on), never
+    by value: what an LR or momentum scheduler changes leaves the key as it was, and so does the value of a
+    tensor lr or betas (changed in place by a CUDA-graph schedule; reading a device tensor would cost a sync)."""
     for key, value in changes.items():
-        assert _probe.probe_key(cls, base, 2) != _probe.probe_key(cls, {**base, key: value}, 2), key
-    lr = _group(O.Adam, lr=torch.tensor(0.01))
-    assert _probe.probe_key(O.Adam, lr, 2) != _probe.probe_key(O.Adam, {**lr, "lr": torch.tensor(0.02)}, 2)
-    assert _probe.probe_key(cls, base, 2) == _probe.probe_key(cls, dict(base), 2)
+        assert _key(cls, **base) == _key(cls, **{**base, key: value}), key
+    tensor_lr = _key(O.Adam, lr=torch.tensor(0.01), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    assert tensor_lr == _key(O.Adam, lr=torch.tensor(0.02), betas=(torch.tensor(0.8), torch.tensor(0.9)))
 
 
-def test_probe_runs_once_per_distinct_group(monkeypatch):
-    """What one configuration observed is never served to another that differs only in a number."""
+# Each change, from the fresh group of `cls` (plus `base`), that can change what a throwaway step observes.
+INVALIDATING = [
+    ("class", O.Adam, {}, {"__class__": O.AdamW}),
+    ("fused", O.Adam, {}, {"fused": True}),
+    ("capturable", O.Adam, {}, {"capturable": True}),
+    ("foreach True", O.Adam, {}, {"foreach": True}),
+    ("foreach False", O.Adam, {}, {"foreach": False}),  # None: torch's choice
+    ("differentiable", O.Adam, {}, {"differentiable": True}),
+    ("amsgrad", O.Adam, {}, {"amsgrad": True}),
+    ("maximize", O.Adam, {}, {"maximize": True}),
+    ("weight_decay 0 -> > 0", O.Adam, {}, {"weight_decay": 0.01}),
+    ("lr > 0 -> 0", O.Adam, {}, {"lr": 0.0}),
+    ("lr > 0 -> < 0", O.Adam, {}, {"lr": -0.01}),
+    ("lr (0, 1) -> 1", O.Adam, {}, {"lr": 1.0}),
+    ("lr (0, 1) -> > 1", O.Adam, {}, {"lr": 1.5}),
+    ("lr nan", O.Adam, {}, {"lr": float("nan")}),
+    ("lr inf", O.Adam, {}, {"lr": float("inf")}),
+    ("lr float -> int", O.Adam, {"lr": 1.0}, {"lr": 1}),
+    ("beta1 0", O.Adam, {}, {"betas": (0.0, 0.999)}),
+    ("lr a tensor", O.Adam, {}, {"lr": torch.tensor(0.001)}),
+    ("lr tensor dtype", O.Adam, {"lr": torch.tensor(0.001)}, {"lr": torch.tensor(0.001, dtype=torch.float64)}),
+    ("lr tensor shape", O.Adam, {"lr": torch.tensor(0.001)}, {"lr": torch.tensor([0.001])}),
+    ("lr tensor device", O.Adam, {"lr": torch.tensor(0.001)}, {"lr": torch.tensor(0.001, device="meta")}),
+    ("beta1 a tensor", O.Adam, {}, {"betas": (torch.tensor(0.9), 0.999)}),
+    ("beta2 a tensor", O.Adam, {}, {"betas": (0.9, torch.tensor(0.999))}),
+    ("betas a list", O.Adam, {}, {"betas": [0.9, 0.999]}),
+    ("momentum 0 -> > 0", O.SGD, {"lr": 0.1}, {"momentum": 0.9}),
+    ("nesterov", O.SGD, {"lr": 0.1, "momentum": 0.9}, {"nesterov": True}),
+    ("dampening 0 -> > 0", O.SGD, {"lr": 0.1, "momentum": 0.9}, {"dampening": 0.1}),
+    ("momentum (RMSprop)", O.RMSprop, {}, {"momentum": 0.5}),
+    ("centered", O.RMSprop, {}, {"centered": True}),
+    ("beta2_decay -> 0", O.Adafactor, {}, {"beta2_decay": 0.0}),
+    ("d 1 -> > 1", O.Adafactor, {}, {"d": 1.5}),
+    ("eps1 None -> number", O.Adafactor, {}, {"eps": (1e-30, 1e-3)}),
+    ("max_iter (an int: by value)", O.LBFGS, {}, {"max_iter": 1}),
+    ("line_search_fn", O.LBFGS, {}, {"line_search_fn": "strong_wolfe"}),
+    ("tolerance_change 0", O.LBFGS, {}, {"tolerance_change": 0.0}),
+    ("param rank", O.Adam, {}, {"__ndim__": 1}),
+    ("a key no fresh group holds", O.Adam, {}, {"extra": 0.5}),
+]
+
+
+@pytest.mark.parametrize("what, cls, base, change", INVALIDATING, ids=[c[0] for c in INVALIDATING])
+def test_each_key_component_that_matters_invalidates(what, cls, base, change):
+    """Class, flags, bools, ints and strings by value, a float's class against 0 and 1, which entries are tensors
+    (and their device, dtype and shape), the param rank: each is in the key. Param ranks above 2 are one rank."""
+    change = dict(change)
+    other_cls = change.pop("__class__", cls)
+    ndim = change.pop("__ndim__", 2)
+    assert _key(cls, **base) != _key(other_cls, ndim, **{**base, **change})
+    assert _key(cls, 2, **base) == _key(cls, 5, **base)
+
+
+def test_an_lr_scheduler_changing_lr_runs_no_probe_again(monkeypatch):
+    """Issue 18: move, check and load_state_dict, 16 param groups, after each step of a scheduler that changes
+    every group's lr (and one cycling betas/momentum, as OneCycleLR does), run no throwaway step again; a change
+    of kind (lr reaching 0) runs them once more."""
+    from optimshift import _probe
+
+    runs = []
+    for name in ("_observe", "_try", "_spec", "_steps_without"):
+        real = getattr(_probe, name)
+        monkeypatch.setattr(_probe, name, lambda *a, _real=real, _name=name: runs.append(_name) or _real(*a))
+
+    for cls, kwargs in ((O.Adam, {}), (O.SGD, {"momentum": 0.9, "nesterov": True}), (O.Adagrad, {})):
+        _probe.clear_cache()
+        params = [[torch.nn.Parameter(torch.randn(3, 2)) for _ in range(2)] for _ in range(16)]
+        opt = cls([{"params": ps, "lr": 0.01 * (i + 1)} for i, ps in enumerate(params)], **kwargs)
+        sched = O.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        for p in (p for ps in params for p in ps):
+            p.grad = torch.ones_like(p)
+        opt.step()
+
+        def cycle():
+            optimshift.move(opt)
+            assert optimshift.check(opt).ok
+            optimshift.load_state_dict(opt, opt.state_dict())
+
+        cycle()
+        assert runs, "the first cycle probes"
+        runs.clear()
+        for step in range(5):
+            sched.step()
+            for group in opt.param_groups:
+                if "betas" in group:
+                    group["betas"] = (0.85 + 0.01 * step, group["betas"][1])
+                if group.get("momentum"):
+                    group["momentum"] = 0.85 + 0.01 * step
+            cycle()
+        assert runs == [], (cls.__name__, runs)
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        cycle()
+        assert runs, "lr = 0 is another class of value: probed once more"
+
+
+def test_a_throwaway_step_is_built_from_the_key_alone():
+    """What the throwaway optimizer is given depends only on the key: floats of one class are built as one value
+    (the default where it is of that class), tensors as numbers it never reads, and what it is built with passes
+    the constructor's checks exactly when the group's values would."""
+    from optimshift import _probe
+
+    a = {**_group(O.Adam), "lr": 0.02, "betas": (torch.tensor(0.8), 0.95), "weight_decay": 0.3}
+    b = {**_group(O.Adam), "lr": 0.5, "betas": (torch.tensor(0.7), 0.9), "weight_decay": 0.01}
+    assert _probe.probe_key(O.Adam, a, 2) == _probe.probe_key(O.Adam, b, 2)
+    assert _probe.built_kwargs(O.Adam, a) == _probe.built_kwargs(O.Adam, b)
+    built = _probe.built_kwargs(O.Adam, a)
+    assert built["lr"] == 1e-3 and built["betas"] == (0.9, 0.999) and built["weight_decay"] == 0.5
+    for cls, group in [
+        (O.Rprop, {"etas": (0.3, 1.7), "step_sizes": (1e-4, 10.0)}),
+        (O.Adafactor, {"d": 3.0, "beta2_decay": -0.3}),
+        (O.SGD, {"lr": 0.3, "momentum": 0.3, "nesterov": True}),
+        (O.Adadelta, {"rho": 1.0}),
+    ]:
+        cls([torch.nn.Parameter(torch.zeros(2, 2))], **_probe.built_kwargs(cls, {**_group(cls), **group}))
+
+
+def test_a_code_path_a_value_selects_is_observed_for_each_class(monkeypatch):
+    """SGD keeps a momentum buffer only for momentum != 0: the state spec (what a load checks) differs between
+    momentum 0 and 0.9, and momentum 0.5 is served what 0.9 observed, without a run."""
+    from optimshift import _probe
+
+    runs = []
+    real = _probe._spec
+    monkeypatch.setattr(_probe, "_spec", lambda *a: runs.append(a[1]["momentum"]) or real(*a))
+    _probe.clear_cache()
+    without = _probe.expected_state(O.SGD, _group(O.SGD, lr=0.1, momentum=0), 2)
+    with_momentum = _probe.expected_state(O.SGD, _group(O.SGD, lr=0.1, momentum=0.9), 2)
+    assert "momentum_buffer" not in without.keys and "momentum_buffer" in with_momentum.shaped
+    assert _probe.expected_state(O.SGD, _group(O.SGD, lr=0.2, momentum=0.5), 2) is with_momentum
+    assert runs == [0, 0.5]  # (built with the class's value: 0.5 between 0 and 1, SGD's default being 0)
+
+
+def test_the_one_cache_is_bounded_and_drops_the_least_recently_used(monkeypatch):
     from optimshift import _probe
 
     runs = []
     real = _probe._observe
-    monkeypatch.setattr(_probe, "_observe", lambda *a: runs.append(a[1]["weight_decay"]) or real(*a))
+    monkeypatch.setattr(_probe, "_observe", lambda *a: runs.append((a[1]["amsgrad"], a[1]["maximize"])) or real(*a))
+    monkeypatch.setattr(_probe, "CACHE_SIZE", 3)
     _probe.clear_cache()
-    for wd in (0.0, 0.1, 0.0, 0.1):
-        _probe.probe(O.Adagrad, _group(O.Adagrad, weight_decay=wd, differentiable=True), 2)
-    assert runs == [0.0, 0.1]
+    groups = [_group(O.Adam, amsgrad=a, maximize=m) for a in (False, True) for m in (False, True)]
+    for g in groups[:3]:
+        _probe.probe(O.Adam, g, 2)
+    _probe.probe(O.Adam, groups[0], 2)  # used again: now the most recent
+    _probe.probe(O.Adam, groups[3], 2)  # a fourth: the least recently used (groups[1]) goes
+    assert len(_probe._cache) == 3
+    runs.clear()
+    _probe.probe(O.Adam, groups[0], 2)
+    _probe.probe(O.Adam, groups[1], 2)
+    assert runs == [(False, True)]
 
 
 @pytest.mark.parametrize(

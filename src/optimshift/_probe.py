@@ -1,38 +1,69 @@
-"""The probe: what a fresh ``torch.optim`` optimizer does on an accelerator, observed rather than assumed.
+"""What the installed torch does, observed rather than assumed: the one module that runs throwaway steps.
 
-It builds the optimizer over one fake ``cuda:0`` param (``FakeTensorMode``: no GPU, no memory) with the live
-group's hyperparameters, runs one step and reads
+Every rule optimshift derives from torch comes from a throwaway optimizer of the class in question, built with
+a group's hyperparameters (see below), stepped and read. Nothing here touches the caller's optimizer.
 
-- where each 0-dim state tensor landed: on the param's device or on the host;
-- for each tensor the group holds (a tensor ``lr``, tensor ``betas``): whether the step reads it on the host
-  (``1 - beta2`` given to ``addcmul_`` as a number, ``alpha=-lr``), which costs a device-to-host sync per read
-  when it sits on the device, and whether the step refuses it on the host. The step runs once with every such
-  tensor on the host, as torch's own tests and docs give them, then once per tensor with only that one on the
-  device; the device reads and the errors are compared.
+- :func:`probe` (placement): one step over a fake ``cuda:0`` param (``FakeTensorMode``: no GPU, no memory) says
+  where each 0-dim state tensor landed, on the param's device or on the host, and, for each tensor the group
+  holds (a tensor ``lr``, tensor ``betas``), whether the step reads it on the host (``1 - beta2`` given to
+  ``addcmul_`` as a number, ``alpha=-lr``), which costs a device-to-host sync per read when it sits on the
+  device, and whether the step refuses it on the host. The step runs once with every such tensor on the host,
+  as torch's own tests and docs give them, then once per tensor with only that one on the device; the device
+  reads and the errors are compared. Fake tensors have no values: a read during the step gets a stand-in of the
+  right kind (0.5, 1, False) and is counted when the tensor is on the device.
+- :func:`expected_state`: one step over two small host params says what the class keeps per param (keys,
+  shapes, kinds), which a load checks a checkpoint against.
+- :func:`rejected_dtypes`: a host trial says which saved state dtypes a step refuses (a fresh optimizer steps
+  once, then again with the entries in question in the dtypes given).
+- :func:`step_needs`: two host steps without one group key say whether a step reads it.
 
-Fake tensors have no values: a read during the step gets a stand-in of the right kind (0.5, 1, False) and is
-counted when the tensor is on the device. The constructor sees the group's real values.
+One cache serves them all (least recently used out first, :data:`CACHE_SIZE` entries), keyed by
+:func:`probe_key`: the class, its implementation flags, the param rank, and each group entry by what can change
+what a step does with it, never a float's value. A bool, int, string or None counts by value; a float by its
+class against 0 and 1 (negative, zero, between, one, above, infinite, NaN), which is all torch.optim branches on
+(``weight_decay != 0``, ``momentum > 0``, ``0 <= beta < 1``, Adafactor's ``1 <= d``); a tensor by device, dtype,
+shape and ``requires_grad``, never by its value (reading a device tensor's costs a sync, and a tensor ``lr`` may
+change in place every step). So an LR scheduler changing ``lr`` at every step runs no probe again.
 
-Results are cached per (class, every group entry but the params, param rank up to 2): anything in the group
-can change what a step does (``weight_decay`` decides whether ``grad.add`` runs, a tensor's value whether a
-branch is taken), so all of it is in the key, tensors by dtype, shape and value.
+NOTE: what is cached for a key must be what any group with that key observes, so the throwaway optimizer never
+sees the group's floats: each is built with torch's default for that hyperparameter where the default is of the
+same class, else with a fixed number of the class (0.5 between 0 and 1, 2.0 above 1, -0.5 below 0), and a
+one-element tensor hyperparameter as the default number. What it observes is then a function of the key alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import math
+import numbers
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Observed", "probe", "probe_key", "group_tensor_paths", "quiet_global_step_hooks"]
+from ._state import IMPLEMENTATION_FLAGS, Setter, leaves, rebuild
+
+__all__ = [
+    "Observed",
+    "StateSpec",
+    "Rejection",
+    "probe",
+    "probe_key",
+    "expected_state",
+    "rejected_dtypes",
+    "step_needs",
+    "entry_dtypes",
+    "group_tensor_paths",
+    "quiet_global_step_hooks",
+    "clear_cache",
+]
 
 HOST_READ, NEEDS_DEVICE = "host", "device"  # verdicts on a group tensor; absent: the step does not care
 
@@ -43,24 +74,15 @@ HOST_READ, NEEDS_DEVICE = "host", "device"  # verdicts on a group tensor; absent
 # node can be recorded whatever grad mode says, and nothing in it requires grad (the param, its grad, the
 # group's tensors: all made by the probe).
 _FAKE_DEVICE = torch.device("cuda", 0)
-_CACHE_SIZE = 1024  # LR schedulers change `lr` every step: old entries are dropped, not kept forever
+CACHE_SIZE = 1024
 _KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
+_SKIP = ("params", "param_names")
 
 GroupPath = tuple[Any, int | None]
 """A tensor a group holds: ``(key, None)`` for ``group[key]``, ``(key, i)`` for ``group[key][i]``."""
 ProbeKey = tuple[type[torch.optim.Optimizer], tuple[tuple[str, Any], ...], tuple[bool, ...], int]
-"""What :func:`probe_key` returns: the class, the group's entries, its implementation flags, the param rank."""
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What one probe saw. ``state``: {0-dim state key: on the param's device after a step}, ``None`` if the
-    step created no state. ``group``:
-    {(group key, index in a tuple or None): HOST_READ or NEEDS_DEVICE} for the group tensors the step reads on
-    the host or refuses there (absent: it works alike wherever the tensor is)."""
-
-    state: Mapping[str, bool] | None
-    group: Mapping[GroupPath, str] = field(default_factory=dict)
+"""What :func:`probe_key` returns: the class, the group's entries (by kind), its implementation flags, the
+param rank."""
 
 
 @contextlib.contextmanager
@@ -89,51 +111,71 @@ def quiet_global_step_hooks() -> Iterator[None]:
 # --- the cache key -------------------------------------------------------------------------------------------
 
 
+def _is_float(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (numbers.Integral, torch.Tensor))
+
+
+def _float_class(x: float) -> str:
+    """Where ``x`` lies against 0 and 1: all that torch.optim's constructors and steps compare a float with."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x < 0:
+        return "< 0"
+    if x == 0:
+        return "0"
+    if x < 1:
+        return "(0, 1)"
+    return "1" if x == 1 else "> 1"
+
+
+_REPRESENTATIVE = {"< 0": -0.5, "0": 0.0, "(0, 1)": 0.5, "1": 1.0, "> 1": 2.0}
+
+
 def _key_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        described = ("tensor", str(value.dtype), tuple(value.shape), value.requires_grad)
-        if value.numel() > 16:
-            return described
-        try:
-            return described + (tuple(value.detach().to("cpu").reshape(-1).tolist()),)
-        except Exception:  # a tensor without values (fake, meta): its kind alone
-            return described
+        device = value.device
+        return ("tensor", device.type, device.index, str(value.dtype), tuple(value.shape), value.requires_grad)
+    if isinstance(value, (bool, str, complex)) or value is None:
+        return (type(value).__name__, value)  # type too: 1 and True are distinct keys
+    if isinstance(value, numbers.Integral):
+        return (type(value).__name__, int(value))  # (LBFGS's max_iter=1 keeps no tensor H_diag: by value)
+    if _is_float(value):
+        return (type(value).__name__, _float_class(float(value)))  # its class, never its value
     if isinstance(value, (list, tuple)):
         return (type(value).__name__,) + tuple(_key_of(v) for v in value)
     if isinstance(value, Mapping):
         return ("dict",) + tuple(sorted((str(k), _key_of(v)) for k, v in value.items()))
-    if value is None or isinstance(value, (bool, int, float, complex, str)):
-        return (type(value).__name__, value)  # type too: 1 and True, 0 and 0.0 are distinct keys
     return (type(value).__qualname__, repr(value))
 
 
 def probe_key(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> ProbeKey:
-    """Everything that can change what the probe observes: the class, every group entry but the params (the
-    known implementation flags also as booleans: ``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():  # read the values themselves, not through a mode the caller is in
-        items = tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in ("params", "param_names")))
+    """What can change what a throwaway step of ``cls`` with ``group``'s hyperparameters over a param of rank
+    ``ndim`` observes (see the module docstring): the class, every group entry but the params by kind, the known
+    implementation flags also as booleans (``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
+    items = tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in _SKIP))
     flags = tuple(bool(group.get(flag)) for flag in _KNOWN_FLAGS)
     return (cls, items, flags, min(ndim, 2))
 
 
-# --- running it ------------------------------------------------------------------------------------------------
+# --- what the throwaway optimizer is built with ------------------------------------------------------------
 
 
-def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
-    """The one-element tensors a group holds as hyperparameters: ``(key, None)`` for ``group[key]`` itself,
-    ``(key, i)`` for ``group[key][i]`` (tensor ``betas``)."""
-    paths: list[GroupPath] = []
-    for key, value in group.items():
-        if key in ("params", "param_names"):
-            continue
-        if isinstance(value, torch.Tensor):
-            if value.numel() == 1:
-                paths.append((key, None))
-        elif isinstance(value, (list, tuple)):
-            paths.extend((key, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor) and v.numel() == 1)
-    return paths
+_signatures: dict[type, Mapping[str, Any]] = {}  # (one entry per class: bounded by the classes there are)
+
+
+def signature_defaults(cls: type[torch.optim.Optimizer]) -> Mapping[str, Any]:
+    """``cls.__init__``'s parameters other than ``self`` and ``params``, with their defaults (``inspect``'s
+    ``Parameter.empty`` where there is none). Raises ``TypeError``/``ValueError`` where it has no signature."""
+    found = _signatures.get(cls)
+    if found is None:
+        params = inspect.signature(cls.__init__).parameters
+        found = _signatures[cls] = {name: p.default for name, p in params.items() if name not in ("self", "params")}
+    return found
+
+
+_DROP = object()
 
 
 def _stand_in(t: torch.Tensor, want: type = float) -> Any:
@@ -143,6 +185,105 @@ def _stand_in(t: torch.Tensor, want: type = float) -> Any:
     if want is int or not (t.dtype.is_floating_point or t.dtype.is_complex):
         return 1
     return 0.5
+
+
+def _built_with(value: Any, default: Any) -> Any:
+    """What the throwaway optimizer is given for a group entry ``value`` whose default is ``default``: a number
+    that depends only on ``value``'s key (see the module NOTE); ``_DROP`` for a tensor that is not one number."""
+    number = _is_float(default) or (isinstance(default, numbers.Integral) and not isinstance(default, bool))
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return _DROP
+        if number and (value.dtype.is_floating_point or value.dtype.is_complex):
+            return float(default)
+        return _stand_in(value)
+    if _is_float(value):
+        kind = _float_class(float(value))
+        if number and _float_class(float(default)) == kind:
+            return float(default)
+        return _REPRESENTATIVE.get(kind, float(value))  # (infinite, NaN: the value is its class)
+    if isinstance(value, (list, tuple)):
+        defaults = (
+            default if isinstance(default, (list, tuple)) and len(default) == len(value) else (None,) * len(value)
+        )
+        items = [_built_with(v, d) for v, d in zip(value, defaults)]
+        if any(item is _DROP for item in items):
+            return _DROP
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
+
+
+def built_kwargs(
+    cls: type[torch.optim.Optimizer], group: Mapping[str, Any], skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The constructor keywords of a throwaway ``cls`` for ``group``: the entries ``cls.__init__`` takes (but
+    ``skip``), each as :func:`_built_with` gives it."""
+    accepted = signature_defaults(cls)
+    out: dict[str, Any] = {}
+    for key, value in group.items():
+        if key in _SKIP or key in skip or key not in accepted:
+            continue
+        built = _built_with(value, accepted[key])
+        if built is not _DROP:
+            out[key] = built
+    return out
+
+
+# --- the one cache -------------------------------------------------------------------------------------------
+
+_T = TypeVar("_T")
+_cache: OrderedDict[Hashable, Any] = OrderedDict()
+_lock = threading.Lock()
+_MISSING = object()
+
+
+def _cached(key: Hashable, compute: Callable[[], _T]) -> _T:
+    """``compute()``, once per ``key`` while it stays among the :data:`CACHE_SIZE` most recently used."""
+    with _lock:
+        found = _cache.get(key, _MISSING)
+        if found is not _MISSING:
+            _cache.move_to_end(key)
+            return found  # type: ignore[no-any-return]
+    result = compute()
+    with _lock:
+        _cache[key] = result
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return result
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()
+
+
+# --- placement: one step over a fake cuda:0 param --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one probe saw. ``state``: {0-dim state key: on the param's device after a step}, ``None`` if the
+    step created no state. ``group``:
+    {(group key, index in a tuple or None): HOST_READ or NEEDS_DEVICE} for the group tensors the step reads on
+    the host or refuses there (absent: it works alike wherever the tensor is)."""
+
+    state: Mapping[str, bool] | None
+    group: Mapping[GroupPath, str] = field(default_factory=dict)
+
+
+def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
+    """The one-element tensors a group holds as hyperparameters: ``(key, None)`` for ``group[key]`` itself,
+    ``(key, i)`` for ``group[key][i]`` (tensor ``betas``)."""
+    paths: list[GroupPath] = []
+    for key, value in group.items():
+        if key in _SKIP:
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.numel() == 1:
+                paths.append((key, None))
+        elif isinstance(value, (list, tuple)):
+            paths.extend((key, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor) and v.numel() == 1)
+    return paths
 
 
 _READS = {
@@ -229,20 +370,6 @@ class _Run:
     error: str | None
 
 
-def _as_python(value: Any) -> Any:
-    """A tensor hyperparameter as the Python number the constructor validates (``0.0 <= lr``)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            return value
-        try:
-            return value.reshape(-1)[0].item()
-        except Exception:  # a tensor without values (fake, meta)
-            return _stand_in(value)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        return type(value)(_as_python(v) for v in value)
-    return value
-
-
 def _run(
     cls: type[torch.optim.Optimizer],
     group: Mapping[str, Any],
@@ -253,8 +380,7 @@ def _run(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: _as_python(v) for k, v in group.items() if k in accepted and k not in ("params", "param_names")}
+    kwargs = built_kwargs(cls, group)
     shape = (2,) * ndim
     with _disable_current_modes(), warnings.catch_warnings(), quiet_global_step_hooks(), torch.inference_mode():
         warnings.simplefilter("ignore")
@@ -305,30 +431,305 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
     return Observed(baseline.state, verdicts)
 
 
-_cache: OrderedDict[ProbeKey, Observed | None] = OrderedDict()
-_lock = threading.Lock()
-
-
 def probe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | None:
     """What one step of a fresh ``cls`` over a fake ``cuda:0`` param of rank ``ndim`` with ``group``'s
     hyperparameters does (see the module docstring); ``None`` when the probe cannot run (the caller falls back
     to its table for state, and keeps group tensors where they are)."""
-    key = probe_key(cls, group, ndim)
-    with _lock:
-        if key in _cache:
-            _cache.move_to_end(key)
-            return _cache[key]
-    try:
-        result = _observe(cls, group, min(ndim, 2))
-    except Exception:  # the optimizer cannot be built this way: use the static table
-        result = None
-    with _lock:
-        _cache[key] = result
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    return result
+
+    def observe() -> Observed | None:
+        try:
+            return _observe(cls, group, min(ndim, 2))
+        except Exception:  # the optimizer cannot be built this way: use the static table
+            return None
+
+    return _cached(("placement", probe_key(cls, group, ndim)), observe)
 
 
-def clear_cache() -> None:
-    with _lock:
-        _cache.clear()
+# --- what a step keeps per param: one step over two small host params -------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What one step of a torch.optim class leaves in a param's state (probed on two small host params).
+
+    ``keys``: every key; ``shaped``: tensors with their param's shape; ``scalars``: 0-dim tensors (``step``,
+    ``mu_product``); ``tensors``: every tensor key; ``floating``: non-scalar tensors in floating point;
+    ``bounded``: other tensors never larger than their param (Adafactor's ``row_var``); ``eager``: the class
+    creates every param's state when it is built (Adagrad), so a param without state cannot step."""
+
+    keys: frozenset[str] = frozenset()
+    shaped: frozenset[str] = frozenset()
+    scalars: frozenset[str] = frozenset()
+    tensors: frozenset[str] = frozenset()
+    floating: frozenset[str] = frozenset()
+    bounded: frozenset[str] = frozenset()
+    eager: bool = False
+
+
+NO_SPEC = StateSpec()
+
+
+def _host_kwargs(
+    cls: type[torch.optim.Optimizer], group: Mapping[str, Any], skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """A host trial's keywords: the implementation flags left at their defaults, but ``foreach=False`` (the
+    single-tensor path: the same ops, one tensor at a time)."""
+    kwargs = built_kwargs(cls, group, skip + IMPLEMENTATION_FLAGS)
+    if "foreach" in signature_defaults(cls) and "foreach" not in skip:
+        kwargs["foreach"] = False
+    return kwargs
+
+
+def expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> StateSpec:
+    """Run ``cls`` for one step on two small host params of rank ``ndim`` (1, or 2 for anything higher) and
+    describe the state both got. Empty (nothing is checked) when the probe cannot run, or for 0-dim params."""
+    if ndim == 0:
+        return NO_SPEC
+
+    def spec() -> StateSpec:
+        try:
+            shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
+            return _spec(cls, _host_kwargs(cls, group), shapes)
+        except Exception:
+            return NO_SPEC
+
+    return _cached(("spec", probe_key(cls, group, ndim)), spec)
+
+
+def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]) -> StateSpec:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
+        warnings.simplefilter("ignore")
+        params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
+        for p in params:
+            p.grad = torch.full(p.shape, 0.25)
+        opt = cls(params, **kwargs)
+        eager = all(opt.state.get(p) for p in params)
+        try:
+            # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
+            opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
+        except Exception:
+            pass  # the state was created before whatever failed; it is all we read
+        states = [opt.state.get(p, {}) for p in params]
+        if not all(states):
+            return NO_SPEC
+
+        def common(test: Callable[[Any, torch.Tensor], bool]) -> frozenset[str]:
+            return frozenset.intersection(
+                *(frozenset(k for k, v in st.items() if test(v, p)) for st, p in zip(states, params))
+            )
+
+        def tensor(v: Any, p: torch.Tensor) -> bool:
+            return isinstance(v, torch.Tensor)
+
+        return StateSpec(
+            keys=frozenset.intersection(*(frozenset(st) for st in states)),
+            shaped=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.shape == p.shape),
+            scalars=common(lambda v, p: tensor(v, p) and v.dim() == 0),
+            tensors=common(tensor),
+            floating=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.is_floating_point()),
+            bounded=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.numel() <= p.numel()),
+            eager=eager,
+        )
+
+
+# --- which state dtypes a step refuses: a host trial -------------------------------------------------------------
+#
+# NOTE: the host trial stands for the device: the single-tensor and foreach paths run the same ops there (a
+# foreach fast path that cannot take mixed dtypes falls back to the per-tensor ops), and the fused kernels have
+# host twins with the same list checks; capturable cannot step on a host, so the trial runs without it. A device
+# kernel stricter than its host twin (a CUDA fused kernel's `step` dtype) is not seen here. Where the trial
+# cannot run on the host (a kernel this build lacks), nothing is rejected.
+
+
+class Rejection:
+    """A state entry whose dtype a step refuses: ``key``, its ``dtype``, the one a fresh optimizer keeps
+    (``fresh``) and the step's error (``error``). For a container, the dtype of the tensors in it."""
+
+    __slots__ = ("key", "dtype", "fresh", "error")
+
+    def __init__(self, key: str, dtype: torch.dtype, fresh: torch.dtype, error: str) -> None:
+        self.key, self.dtype, self.fresh, self.error = key, dtype, fresh, error
+
+    def __repr__(self) -> str:
+        return f"Rejection({self.key!r}, {self.dtype}, fresh {self.fresh}: {self.error})"
+
+
+def entry_dtypes(entries: Mapping[Any, Any], skip: AbstractSet[int] = frozenset()) -> dict[Any, torch.dtype]:
+    """{key: dtype} for each entry of a param's state that is a tensor, or a container whose tensors share one
+    dtype (LBFGS's history lists); tensors whose id is in ``skip`` (a group's own, as LBFGS's ``t``) are left out."""
+    out: dict[Any, torch.dtype] = {}
+    for key, value in entries.items():
+        if isinstance(value, torch.Tensor):
+            if id(value) not in skip:
+                out[key] = value.dtype
+            continue
+        found = {t.dtype for _, t in leaves(value) if id(t) not in skip}
+        if len(found) == 1:
+            out[key] = found.pop()
+    return out
+
+
+def _trial_shape(ndim: int) -> tuple[int, ...]:
+    return ((3, 2) if ndim >= 2 else (3,)) if ndim else ()
+
+
+class _Trial:
+    """One fresh optimizer over a host param; ``step()`` steps it, ``recast`` changes some entries' dtypes."""
+
+    def __init__(
+        self, cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype, ndim: int
+    ) -> None:
+        kwargs = built_kwargs(cls, group)
+        if "capturable" in kwargs:
+            kwargs["capturable"] = False  # it cannot step on a host; the dtype rules are the same
+        self.param = torch.full(_trial_shape(ndim), 0.5, dtype=dtype)
+        self.opt = cls([self.param], **kwargs)
+        self.steps = 0
+
+    def step(self) -> None:
+        # NOTE: the loss is a quadratic whose minimum moves every step: LBFGS then fills its history in one step
+        # and walks it in the next, so the dtypes of old_dirs/old_stps are tried (a constant grad, whose
+        # differences are zero, left the history empty and every dtype of it accepted).
+        self.steps += 1
+        target = float(self.steps)
+
+        def closure() -> torch.Tensor:  # LBFGS: a loss and a grad, without autograd
+            self.param.grad = self.param - target
+            return ((self.param - target) ** 2).sum() / 2
+
+        self.param.grad = self.param - target
+        self.opt.step(closure)  # type: ignore[arg-type]  # torch's stubs type the closure's loss as a float
+
+    def fresh_dtypes(self) -> dict[str, torch.dtype]:
+        return entry_dtypes(self.opt.state.get(self.param, {}))
+
+    def recast(self, dtypes: Mapping[str, torch.dtype]) -> None:
+        state = self.opt.state[self.param]
+        for key, dtype in dtypes.items():
+            value = state[key]
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(dtype)
+                continue
+            setters: list[Setter] = []  # a container (LBFGS's history): each tensor in it
+            state[key] = rebuild(value, {id(t): t.to(dtype) for _, t in leaves(value)}, setters, {})
+            for apply in setters:
+                apply()
+
+
+def _try(
+    cls: type[torch.optim.Optimizer],
+    group: Mapping[str, Any],
+    dtype: torch.dtype,
+    ndim: int,
+    dtypes: Mapping[str, torch.dtype],
+) -> tuple[Rejection, ...] | None:
+    """The rejections, ``()`` if a step takes these dtypes, ``None`` if the trial cannot run."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with (
+        _disable_current_modes(),
+        warnings.catch_warnings(),
+        torch.device("cpu"),
+        quiet_global_step_hooks(),
+        torch.no_grad(),
+    ):
+        warnings.simplefilter("ignore")
+        try:
+            trial = _Trial(cls, group, dtype, ndim)
+            trial.step()
+        except Exception:
+            return None
+        fresh = trial.fresh_dtypes()
+        changed = {k: d for k, d in dtypes.items() if k in fresh and fresh[k] != d}
+        if not changed:
+            return ()
+        trial.recast(changed)
+        try:
+            trial.step()
+            return ()
+        except Exception as e:
+            together = f"{type(e).__name__}: {e}"
+        rejected: list[Rejection] = []
+        for key, wanted in changed.items():  # which of them, each alone
+            alone = _Trial(cls, group, dtype, ndim)
+            alone.step()
+            alone.recast({key: wanted})
+            try:
+                alone.step()
+            except Exception as e:
+                rejected.append(Rejection(key, wanted, fresh[key], f"{type(e).__name__}: {e}"))
+        return tuple(rejected) or tuple(Rejection(k, d, fresh[k], together) for k, d in changed.items())
+
+
+def rejected_dtypes(
+    cls: type[torch.optim.Optimizer], group: Mapping[str, Any], param: torch.Tensor, dtypes: Mapping[str, torch.dtype]
+) -> list[Rejection]:
+    """The entries of ``dtypes`` ({state key: dtype}, as :func:`entry_dtypes` gives) that a step of ``cls``
+    with ``group``'s flags and hyperparameters over a param like ``param`` (its dtype and rank) refuses.
+    Entries a fresh optimizer does not keep, and anything the host trial cannot tell, are not rejected."""
+    if not param.is_floating_point():
+        return []
+    asked = tuple(sorted((str(k), str(d)) for k, d in dtypes.items()))
+
+    def trial() -> tuple[Rejection, ...] | None:
+        try:
+            return _try(cls, group, param.dtype, min(param.dim(), 2), dtypes)
+        except Exception:
+            return None
+
+    found = _cached(("dtypes", probe_key(cls, group, param.dim()), param.dtype, asked), trial)
+    return list(found or ())
+
+
+# --- whether a step reads a group key -------------------------------------------------------------------------
+
+
+def step_needs(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], key: str) -> bool:
+    """Whether a step of ``cls`` fails without ``group[key]``: two steps over a small host param, with
+    ``group``'s other hyperparameters, ``key`` deleted and ``__setstate__`` run as a load runs it, raise
+    ``KeyError(key)`` (the first step creates the state: Rprop reads ``lr`` only then). NOTE: a step may read a
+    key with a default (SparseAdam's ``maximize``, which PyTorch < 1.13 did not save). Where no trial step
+    runs, the key is needed: a fresh group holds it and nothing fills it."""
+
+    without = {k: v for k, v in group.items() if k != key}
+
+    def needs() -> bool:
+        try:
+            kwargs = _host_kwargs(cls, without, (key,))
+        except Exception:
+            return True
+        # (a class that takes only sparse grads refuses dense ones: SparseAdam)
+        tried = [_steps_without(cls, kwargs, key, sparse) for sparse in (False, True)]
+        return next((t for t in tried if t is not None), True)
+
+    return _cached(("needs", probe_key(cls, without, 2), key), needs)
+
+
+def _steps_without(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], key: str, sparse: bool) -> bool | None:
+    """True if two steps without ``key`` raise ``KeyError(key)``, False if they run, None if they fail otherwise."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
+        warnings.simplefilter("ignore")
+        param = torch.nn.Parameter(torch.full((2, 3), 0.5))  # 2-D: Muon takes only those
+
+        def closure() -> torch.Tensor:
+            grad = torch.full((2, 3), 0.25)
+            param.grad = grad.to_sparse() if sparse else grad
+            return torch.tensor(1.0)
+
+        try:
+            opt = cls([param], **kwargs)
+            opt.param_groups[0].pop(key, None)
+            opt.__setstate__({"state": opt.state, "param_groups": opt.param_groups})
+            with torch.no_grad():
+                for _ in range(2):
+                    closure()
+                    opt.step(closure)  # type: ignore[arg-type]  # (torch's stubs type the loss as a float)
+        except KeyError as e:
+            return True if e.args == (key,) else None
+        except Exception:
+            return None
+    return False

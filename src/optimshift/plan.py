@@ -137,6 +137,8 @@ OPTIMIZER_WIDE = -1  # the "group" of optimizer.state entries under plain (non-p
 
 def iter_holders(
     optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]] | None = None,
+    state: Mapping[Any, Any] | None = None,
 ) -> Iterator[tuple[int, int | None, torch.Tensor | None, Mapping[str, Any], Mapping[Any, Any], str | None]]:
     """Yield (group index, param index, param, group dict, entries, param name) for every param with state
     (``entries`` is its state dict), then for every param group (``param index`` and ``param`` None,
@@ -144,11 +146,14 @@ def iter_holders(
     entries (``optimizer.state`` keys that are not tensors, e.g. MADGRAD's ``"k"``) as group
     ``OPTIMIZER_WIDE`` with the first group (their tensors go where its params are).
 
+    ``groups``/``state``: walk these in place of the optimizer's own (a load plans the state it will install).
+
     Raises ValueError if the state holds a param that no group holds (it could never be placed).
     """
     name = optimizer_name(optimizer)
+    param_groups = optimizer.param_groups if groups is None else groups
     located: dict[int, tuple[int, int]] = {}
-    for gi, group in enumerate(optimizer.param_groups):
+    for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             if id(p) in located:
                 g0, i0 = located[id(p)]
@@ -158,37 +163,37 @@ def iter_holders(
             located[id(p)] = (gi, pi)
     wide: dict[Any, Any] = {}
     by_id: dict[int, Any] = {}  # (id-keyed: a tensor's __hash__ is a Python call)
-    for p, state in optimizer.state.items():
+    for p, entries in (optimizer.state if state is None else state).items():
         if not isinstance(p, torch.Tensor):
-            wide[p] = state  # an optimizer-wide entry under a plain key
+            wide[p] = entries  # an optimizer-wide entry under a plain key
         elif id(p) not in located:
             shape = tuple(p.shape)
-            keys = list(state) if isinstance(state, Mapping) else []
+            keys = list(entries) if isinstance(entries, Mapping) else []
             raise ValueError(
                 f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
                 f"group; it cannot be placed. Remove it (del optimizer.state[param]) or add the param to a group."
             )
         else:
-            by_id[id(p)] = state
-    for gi, group in enumerate(optimizer.param_groups):
+            by_id[id(p)] = entries
+    for gi, group in enumerate(param_groups):
         names = group.get("param_names")
         for pi, p in enumerate(group["params"]):
-            state = by_id.get(id(p))
-            if not state:
+            held = by_id.get(id(p))
+            if not held:
                 continue
             # NOTE: `pname`, not `name`: that one is the optimizer's, in every error above and below.
             pname = _param_name(pi, names)
             pname = None if pname is None else str(pname)
-            if type(state) is not dict and not isinstance(state, Mapping):
+            if type(held) is not dict and not isinstance(held, Mapping):
                 raise TypeError(
-                    f"{name}: state of {param_label(gi, pi, pname)} is a {type(state).__name__}, expected a dict "
+                    f"{name}: state of {param_label(gi, pi, pname)} is a {type(held).__name__}, expected a dict "
                     f"of its entries (optimizer.state[param] = {{key: value}}); nothing was changed"
                 )
-            yield gi, pi, p, group, state, pname
-    for gi, group in enumerate(optimizer.param_groups):
+            yield gi, pi, p, group, held, pname
+    for gi, group in enumerate(param_groups):
         yield gi, None, None, group, group, None
-    if wide and optimizer.param_groups:
-        yield OPTIMIZER_WIDE, None, None, optimizer.param_groups[0], wide, None
+    if wide and param_groups:
+        yield OPTIMIZER_WIDE, None, None, param_groups[0], wide, None
 
 
 _GROUP_SKIP = ("params", "param_names")
@@ -209,8 +214,15 @@ def _top_path(key: Any) -> Path:
     return path
 
 
-def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
-    """Every tensor in ``optimizer``'s state and param groups, with the device ``target`` assigns it.
+def build_plan(
+    optimizer: torch.optim.Optimizer,
+    target: TargetFn,
+    *,
+    groups: list[dict[str, Any]] | None = None,
+    state: Mapping[Any, Any] | None = None,
+) -> Plan:
+    """Every tensor in ``optimizer``'s state and param groups (or in ``groups`` and ``state``, for a load), with
+    the device ``target`` assigns it.
 
     Validates that a tensor shared between entries is not sent to two places.
     """
@@ -221,7 +233,7 @@ def build_plan(optimizer: torch.optim.Optimizer, target: TargetFn) -> Plan:
     setdefault = first.setdefault
     follow = getattr(target, "follow", None)  # a policy target's fixed device for non-scalar state
     paths = _top_paths
-    for gi, pi, param, group, entries, pname in iter_holders(optimizer):
+    for gi, pi, param, group, entries, pname in iter_holders(optimizer, groups, state):
         for key, value in entries.items():
             if pi is None and key in _GROUP_SKIP:
                 continue
@@ -269,13 +281,16 @@ def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Tra
     )
 
 
-def policy_target(optimizer: torch.optim.Optimizer, device: torch.device | None) -> TargetFn:
+def policy_target(
+    optimizer: torch.optim.Optimizer, device: torch.device | None, *, remembered: bool = True
+) -> TargetFn:
     """Targets by the policy: each entry where a fresh optimizer with its param on ``device`` keeps it
-    (``device=None``: the param's current device)."""
+    (``device=None``: the param's current device). ``remembered=False``: group tensors are placed from where
+    they are, not from where the session remembers a move took them from (a load brings its own)."""
 
     memo: dict[tuple[int, str, int, torch.device], tuple[torch.device, str]] = {}
     cacheable = not _policy.has_registered_policy(optimizer)  # a user policy may look at anything
-    session = _session.of(optimizer)
+    session = _session.of(optimizer) if remembered else None
     sides = {} if session is None else session.group_sides  # group tensors a move took to the host
 
     fixed_rule = None if device is None else (device, "rule")

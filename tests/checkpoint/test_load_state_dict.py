@@ -524,9 +524,9 @@ def test_setstate_failure_rolls_back():
 
 
 def test_copy_failure_midway_changes_nothing(monkeypatch):
-    from optimshift.checkpoint import _resume as restore
+    from optimshift.checkpoint import _staging
 
-    real, calls = restore._Staging._copy_one, []
+    real, calls = _staging.Staging._copy_one, []
 
     def failing(self, *args):
         calls.append(1)
@@ -534,7 +534,7 @@ def test_copy_failure_midway_changes_nothing(monkeypatch):
             raise torch.OutOfMemoryError("simulated OOM")
         return real(self, *args)
 
-    monkeypatch.setattr(restore._Staging, "_copy_one", failing)
+    monkeypatch.setattr(_staging.Staging, "_copy_one", failing)
     target = _adam()
     before = _fingerprint(target)
     with pytest.raises(torch.OutOfMemoryError):

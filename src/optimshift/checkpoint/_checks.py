@@ -1,0 +1,201 @@
+"""What a ``torch.optim`` class needs of the state it loads, read from the installed torch: its param groups'
+hyperparameters (there, unless the class fills them itself, and of the types its step takes) and each param's
+entries (there, of the kind, dtype and size its step needs: :func:`optimshift._probe.expected_state`).
+
+Each check raises through ``fail(message, exception type)``, which names the optimizer and the file.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .._probe import StateSpec, signature_defaults, step_needs
+from .._state import IMPLEMENTATION_FLAGS
+
+__all__ = ["check_group", "check_entries", "same_step", "keys_shown"]
+
+Fail = Callable[..., Exception]
+"""``fail(message, exc=ValueError)``: the exception to raise, its message prefixed with the optimizer and file."""
+
+
+def check_group(
+    fail: Fail, cls: type[torch.optim.Optimizer], base: type[torch.optim.Optimizer], gi: int, group: Mapping[str, Any]
+) -> None:
+    """The hyperparameters torch.optim class ``base`` (that ``cls`` steps as) takes are in param group ``gi``
+    and have the types it needs (PyTorch fails at step())."""
+    fresh, filled = _group_keys(cls, base)
+    absent = sorted(k for k in fresh if k not in group and k not in filled and step_needs(base, group, k))
+    if absent:
+        key = absent[0]
+        raise fail(
+            f"param group {gi} has no {keys_shown(absent)}, which {base.__name__}.step reads (a fresh "
+            f"{base.__name__} group holds {keys_shown(fresh)}); the checkpoint is incomplete or was "
+            f"edited. Set {'it' if len(absent) == 1 else 'each'} in the state dict before loading, e.g. to "
+            f"the optimizer's own value: state_dict['param_groups'][{gi}][{key!r}] = "
+            f"optimizer.param_groups[{gi}][{key!r}]; the optimizer is unchanged"
+        )
+    for key, default in _hyper_defaults(base).items():
+        if key in group and key not in ("params", "param_names"):
+            problem = _hyper_problem(key, default, group[key])
+            if problem is not None:
+                raise fail(f"param group {gi}, key {key!r}: {problem}", TypeError)
+
+
+def check_entries(
+    fail: Fail,
+    where: Callable[[Any], str],
+    base: type[torch.optim.Optimizer],
+    p: torch.Tensor,
+    saved: Mapping[Any, Any],
+    spec: StateSpec,
+) -> None:
+    """Each entry a step of ``base`` creates is in ``saved`` (the checkpoint's state of param ``p``), with the
+    kind, dtype and size it needs. ``where(key)``: the entry in words for an error (``where(None)``: the param)."""
+    missing = [k for k in spec.keys if k not in saved]
+    if missing:
+        raise fail(
+            f"{where(None)}: its state has no {keys_shown(missing)}; {base.__name__}.step keeps {keys_shown(spec.keys)}"
+        )
+    for key in spec.tensors:
+        value = saved[key]
+        if key in spec.scalars:
+            if _number_like(value) and (not isinstance(value, torch.Tensor) or value.layout == torch.strided):
+                continue  # a Python number is what older PyTorch saved; __setstate__ makes it a tensor
+            raise fail(
+                f"{where(key)}: expected a 0-dim tensor (or a number), got {_kind(value)}",
+                TypeError if not isinstance(value, torch.Tensor) else ValueError,
+            )
+        if not isinstance(value, torch.Tensor):
+            raise fail(f"{where(key)}: expected a tensor, got {_kind(value)}", TypeError)
+        if value.layout != torch.strided:
+            raise fail(
+                f"{where(key)}: expected a dense tensor, got a {str(value.layout).replace('torch.', '')} one", TypeError
+            )
+        if key in spec.floating and not (value.is_floating_point() or value.is_complex()):
+            raise fail(
+                f"{where(key)}: expected a floating-point tensor, got {str(value.dtype).replace('torch.', '')}",
+                TypeError,
+            )
+        if key in spec.bounded and key not in spec.shaped and value.numel() > p.numel():
+            raise fail(
+                f"{where(key)}: the checkpoint's tensor has {value.numel()} elements, more than its "
+                f"param's {p.numel()} (shape {tuple(p.shape)}); this checkpoint was made for other "
+                f"params"
+            )
+
+
+def same_step(cls: type, base: type) -> bool:
+    """Whether ``cls`` steps with ``base``'s ``step``. NOTE: ``Optimizer.__init__`` wraps ``type(self).step`` in a
+    profiling hook the first time a class is built, so a subclass may hold its own wrapper of the same function:
+    compare what the wrappers wrap."""
+    try:
+        return inspect.unwrap(getattr(cls, "step")) is inspect.unwrap(getattr(base, "step"))  # noqa: B009
+    except (AttributeError, ValueError):
+        return False
+
+
+def keys_shown(keys: Any) -> str:
+    return ", ".join(repr(k) for k in sorted(keys, key=str))
+
+
+# --- which hyperparameters a torch.optim class takes -------------------------------------------------------
+
+
+def _hyper_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+    """``cls.__init__``'s keyword defaults (``lr``, ``betas``, ``maximize``…), read from its signature."""
+    try:
+        return {k: d for k, d in signature_defaults(cls).items() if d is not inspect.Parameter.empty}
+    except (TypeError, ValueError):
+        return {}
+
+
+_group_keys_cache: dict[tuple[type, type], tuple[frozenset[str], frozenset[str]]] = {}
+
+
+def _group_keys(
+    cls: type[torch.optim.Optimizer], base: type[torch.optim.Optimizer]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(the keys a fresh ``base`` group holds, those of them ``cls.__setstate__`` fills in a group that lacks
+    them), read from the installed torch: a fresh optimizer's ``defaults``, and ``__setstate__`` (what a load
+    runs, as PyTorch's does) on a bare group. NOTE: PyTorch's classes ``setdefault`` each key their older
+    releases did not save (``foreach``, ``maximize``, ``fused``...), so those checkpoints still load."""
+    found = _group_keys_cache.get((cls, base))
+    if found is not None:
+        return found
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"):
+        warnings.simplefilter("ignore")
+        try:
+            fresh_opt: Any = base([torch.nn.Parameter(torch.zeros(2, 3))])  # type: ignore[call-arg]  # (its own __init__)
+            defaults = dict(fresh_opt.defaults)  # (a 2-D param: Muon takes only those)
+        except Exception:
+            defaults = dict(_hyper_defaults(base))
+        fresh = frozenset(defaults)
+        filled: frozenset[str] = frozenset()
+        group: dict[str, Any] = {"params": []}
+        for _ in range(len(fresh) + 1):  # a __setstate__ that reads a key it does not fill is given that key
+            bare, given = cls.__new__(cls), set(group)
+            try:
+                bare.__setstate__({"defaults": dict(defaults), "state": {}, "param_groups": [dict(group)]})
+            except KeyError as e:
+                missing = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else ""
+                if missing not in defaults or missing in group:
+                    break
+                group[missing] = defaults[missing]
+                continue
+            except Exception:
+                break
+            filled = frozenset(k for k in bare.param_groups[0] if k in fresh and k not in given)
+            break
+    found = _group_keys_cache[(cls, base)] = (fresh, filled)
+    return found
+
+
+def _number_like(value: Any) -> bool:
+    """A real number, or a one-element real tensor (PyTorch takes a tensor ``lr``)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _hyper_problem(key: str, default: Any, value: Any) -> str | None:
+    """What is wrong with ``value`` for a hyperparameter whose default is ``default`` (None if nothing)."""
+    if key in IMPLEMENTATION_FLAGS or isinstance(default, bool):
+        if value is None or isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            return None
+        return f"expected True or False, got {_kind(value)}"
+    if isinstance(default, numbers.Real):
+        return None if _number_like(value) else f"expected a number (or a one-element tensor), got {_kind(value)}"
+    if isinstance(default, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(default):
+            return (
+                f"expected a pair of numbers like {default!r}, got {_kind(value)}"
+                if len(default) == 2
+                else f"expected {len(default)} numbers like {default!r}, got {_kind(value)}"
+            )
+        for i, (d, v) in enumerate(zip(default, value)):
+            if not (_number_like(v) or (d is None and v is None)):
+                return f"item {i} must be a number, got {_kind(v)}"
+        return None
+    if isinstance(default, str) and not isinstance(value, str):
+        return f"expected a string, got {_kind(value)}"
+    return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} ({str(value.dtype).replace('torch.', '')})"
+    if isinstance(value, (str, bytes)):
+        return f"{type(value).__name__} {value[:40]!r}"
+    if value is None:
+        return "None"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,531 @@
+"""Staging a load: a state dict validated against the live optimizer and turned into its new state and groups,
+made of copies, before anything changes.
+
+The new state is placed by the planner every operation uses: :func:`optimshift.plan.build_plan` over the state
+and groups about to be installed, with :func:`optimshift.plan.policy_target` (and the plan's rule for a state
+entry that holds its group's own tensor). Every copy is made (:func:`optimshift.engine.copy_items`, grouped)
+before :func:`optimshift.checkpoint._resume` installs anything, so an error leaves the optimizer as it was.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+from collections import defaultdict
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from .. import _alias, engine
+from .. import policy as _policy
+from .._copy import copy_tensor
+from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
+from .._errors import add_note
+from .._probe import NO_SPEC, StateSpec, expected_state
+from .._state import (
+    _ATOMS,
+    IMPLEMENTATION_FLAGS,
+    MAX_DEPTH,
+    Path,
+    Setter,
+    format_path,
+    leaves,
+    param_label,
+    param_name,
+    rebuild,
+    too_deep,
+)
+from ..plan import OPTIMIZER_WIDE, Plan, build_plan, policy_target
+from . import _files
+from ._checks import check_entries, check_group, keys_shown, same_step
+
+__all__ = ["Staging"]
+
+_Site = tuple[int, int | None, Any, Path]  # (group, param index or None for a group entry, key, path inside)
+_Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): one copy each
+_Wanted = torch.Tensor | _Ticket  # a tensor that fits as it is, or the ticket of its copy
+
+
+class Staging:
+    """Validates a state dict against the live optimizer and builds its new state and groups from copies.
+
+    Nothing here touches the optimizer: :meth:`build` returns objects that only ``_resume._install`` assigns.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        name: str,
+        sd: Any,
+        *,
+        flags: str,
+        cast: str | None,
+        copy: bool,
+        device: torch.device | None,
+        source: str | None = None,
+    ) -> None:
+        self.opt, self.name, self.sd, self.source = optimizer, name, sd, source
+        self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
+        self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
+        self.base = _policy.builtin_base(type(optimizer))
+        # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
+        # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
+        self.strict = self.base is not None and same_step(type(optimizer), self.base)
+        # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
+        self._wanted: dict[_Ticket, tuple[torch.Tensor, _Site]] = {}
+        self._made: dict[_Ticket, torch.Tensor] = {}
+        self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
+        self._dtype_checks: dict[tuple[int, torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
+
+    def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
+        where = f"{self.source}: " if self.source else ""
+        return exc(f"{self.name}: load_state_dict: {where}{message}")
+
+    # -- structure ------------------------------------------------------------------------------------------
+
+    def _validate_structure(self) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
+        sd = self.sd
+        if not isinstance(sd, Mapping):
+            raise self.fail(f"state_dict must be a dict, got {type(sd).__name__}", TypeError)
+        missing = [k for k in ("state", "param_groups") if k not in sd]
+        if missing:
+            keys = ", ".join(repr(k) for k in list(sd)[:8])
+            raise self.fail(
+                f"state_dict has no {' or '.join(repr(k) for k in missing)} entry (its keys: {keys}); "
+                f"it is not an optimizer state dict"
+            )
+        groups, states = sd["param_groups"], sd["state"]
+        if not isinstance(states, Mapping):
+            raise self.fail(f"state_dict['state'] must be a dict, got {type(states).__name__}", TypeError)
+        if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+            raise self.fail("state_dict['param_groups'] must be a list of dicts", TypeError)
+        live = self.opt.param_groups
+        if len(groups) != len(live):
+            raise self.fail(
+                f"the checkpoint has {len(groups)} param group{'s' if len(groups) != 1 else ''}, "
+                f"the optimizer has {len(live)}"
+            )
+        seen_live: dict[int, tuple[int, int]] = {}
+        seen_ids: dict[Any, tuple[int, int]] = {}
+        for gi, (g, lg) in enumerate(zip(groups, live)):
+            saved_params = g.get("params")
+            if not isinstance(saved_params, (list, tuple)):
+                raise self.fail(f"param group {gi} of the checkpoint has no 'params' list", TypeError)
+            if len(saved_params) != len(lg["params"]):
+                raise self.fail(
+                    f"param group {gi} has {len(saved_params)} params in the checkpoint and "
+                    f"{len(lg['params'])} in the optimizer"
+                )
+            for pi, (sid, p) in enumerate(zip(saved_params, lg["params"])):
+                if id(p) in seen_live:
+                    g0, i0 = seen_live[id(p)]
+                    raise self.fail(
+                        f"the optimizer lists one param twice (group {g0}, param {i0} and group {gi}, param {pi})"
+                    )
+                seen_live[id(p)] = (gi, pi)
+                try:
+                    prior = seen_ids.get(sid)
+                except TypeError:
+                    raise self.fail(
+                        f"group {gi}, param {pi}: the checkpoint's param id {sid!r} is not hashable", TypeError
+                    ) from None
+                if prior is not None:
+                    raise self.fail(
+                        f"the checkpoint lists param id {sid!r} twice (group {prior[0]}, param {prior[1]} and "
+                        f"group {gi}, param {pi})"
+                    )
+                seen_ids[sid] = (gi, pi)
+        id_types = {type(sid) for sid in seen_ids}
+        texts = _files.stringified_ids([k for k in states if k not in seen_ids], seen_ids)
+        if texts:
+            raise self.fail(
+                f"state_dict['state'] is keyed by text ({', '.join(repr(k) for k in texts[:3])}"
+                f"{', …' if len(texts) > 3 else ''}) while the param groups list the ids "
+                f"{_ids_shown(seen_ids)}: it went through JSON or another round trip that turns keys into text, "
+                f"and PyTorch would silently drop every param's state. Turn the keys back first: "
+                f"sd['state'] = {{int(k): v for k, v in sd['state'].items()}}"
+            )
+        # Keys of another kind than the params' ids are optimizer-wide entries (MADGRAD's "k"): PyTorch keeps them.
+        self.wide = [k for k in states if k not in seen_ids and type(k) not in id_types] if id_types else []
+        if self.wide and self.base is not None and type(self.opt) is self.base:
+            raise self.fail(
+                f"state_dict['state'] has entries {self.wide[:5]!r} that are no param's id, but "
+                f"{self.base.__module__}.{self.base.__qualname__} keeps all of its state per param (only other "
+                f"optimizer classes keep optimizer-wide entries); the param groups list the ids "
+                f"{_ids_shown(seen_ids)}"
+            )
+        stray = [k for k in states if k not in seen_ids and k not in self.wide] if len(states) > 0 else []
+        if stray:
+            raise self.fail(
+                f"state_dict['state'] has entries for param ids {stray[:5]!r} that no param group lists; "
+                f"they could not be matched to a param"
+            )
+        return list(groups), states
+
+    # -- placement ------------------------------------------------------------------------------------------
+
+    def _cast_dtype(
+        self, group: Mapping[str, Any], param: torch.Tensor | None, inner_key: Any, tensor: torch.Tensor
+    ) -> torch.dtype:
+        """``cast="param"``: PyTorch's rule (``step`` to float32 when fused/capturable, other tensors to a
+        floating param's dtype); otherwise the saved dtype."""
+        if self.cast != "param" or param is None:
+            return tensor.dtype
+        if inner_key == "step":
+            return torch.float32 if (group.get("fused") or group.get("capturable")) else tensor.dtype
+        return param.dtype if param.is_floating_point() else tensor.dtype
+
+    def _param_label(self, gi: int, pi: int) -> str:
+        names = self.opt.param_groups[gi].get("param_names") or self.sd["param_groups"][gi].get("param_names")
+        return param_label(gi, pi, param_name(pi, names))
+
+    def _site(self, site: _Site) -> str:
+        """``(group, param index or None, key, path)`` as words, for errors."""
+        gi, pi, key, path = site
+        if pi is None:
+            return f"param group {gi}, key {key!r}{format_path(path)}"
+        return f"{self._param_label(gi, pi)}, state key {key!r}{format_path(path)}"
+
+    def _where(self, gi: int, pi: int) -> Callable[[Any], str]:
+        """Param ``pi`` of group ``gi`` (``None``), or its state entry ``key``, in words: made only for an error."""
+        return lambda key: self._param_label(gi, pi) if key is None else self._site((gi, pi, key, ()))
+
+    def _want(
+        self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, always_copy: bool, site: _Site
+    ) -> _Wanted:
+        """Ask for ``tensor`` on ``device`` in ``dtype``: returns the tensor itself when it already fits and
+        copying was not asked for, else a ticket that :meth:`_got` turns into its copy once :meth:`_resolve`
+        has made every copy. One copy per distinct (source, device, dtype), so tensors shared in the
+        checkpoint stay shared. Sources stay alive (the state dict holds them) while their ids are keys."""
+        why = _files.overexpanded(tensor)
+        if why is not None:
+            raise self.fail(
+                f"{self._site(site)}: {why}; copying it would allocate every element (a corrupt or hostile checkpoint)"
+            )
+        if not always_copy and tensor.dtype == dtype and tensor.device == device:
+            return tensor
+        ticket: _Ticket = (id(tensor), device, dtype)
+        if ticket not in self._wanted:
+            if tensor.is_meta and device.type != "meta":
+                raise self.fail(f"{self._site(site)}: a meta tensor has no values to load")
+            self._wanted[ticket] = (tensor, site)
+        return ticket
+
+    def made_ids(self) -> set[int]:
+        """The ids of the copies this staging made (never the caller's own tensors)."""
+        return {id(t) for t in self._made.values()}
+
+    def shared_ids(self) -> set[int]:
+        """The ids of the copies installed in more than one place (a tensor the checkpoint shares: LBFGS's
+        ``state['t']`` is its group's ``lr``), which must stay one object."""
+        return {id(self._made[ticket]) for ticket, n in self._uses.items() if n > 1}
+
+    def _plan(self, groups: list[dict[str, Any]], state: Mapping[Any, Any]) -> Plan:
+        """The plan of the state about to be installed: where :func:`optimshift.plan.policy_target` puts each
+        tensor for the live optimizer's class, with the loaded groups' hyperparameters and the live flags."""
+        # (remembered=False: where a move took the old group tensors from says nothing of the loaded ones)
+        target = policy_target(self.opt, self.device, remembered=False)
+        try:
+            return build_plan(self.opt, target, groups=groups, state=state)
+        except ValueError as e:  # a tensor the checkpoint shares between entries that belong on two devices
+            raise self.fail(str(e).removeprefix(f"{self.name}: ")) from None
+
+    def _got(self, wanted: _Wanted) -> torch.Tensor:
+        return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
+
+    def _resolve(self) -> None:
+        """Make every copy asked for. Host<->device moves go to the engine as one batch (grouped by device
+        pair and dtype: one staging copy per chunk instead of one transfer per tensor, then one
+        synchronize); copies in place (``copy=True``) and casts are made tensor by tensor."""
+        moving: list[tuple[_Ticket, torch.Tensor, torch.device]] = []
+        batched: set[int] = set()
+        made = self._copy_shared()
+        for ticket, (t, site) in self._wanted.items():
+            if made and ticket in made:
+                continue
+            _, device, dtype = ticket
+            if t.dtype == dtype and t.device != device and id(t) not in batched:
+                batched.add(id(t))
+                moving.append((ticket, t, device))
+            else:
+                self._made[ticket] = self._copy_one(t, device, dtype, site)
+        if moving:
+            try:
+                batch = engine.copy_items([(t, d) for _, t, d in moving])
+            except Exception as e:  # an OOM: nothing was installed yet
+                add_note(
+                    e,
+                    f"{self.name}: load_state_dict: while copying {len(moving)} tensors to "
+                    f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged",
+                )
+                raise
+            for (ticket, _, _), new in zip(moving, batch.copies):
+                assert new is not None  # (copy_items returns once every copy is made)
+                self._made[ticket] = new
+
+    def _copy_shared(self) -> set[_Ticket]:
+        """Copy the state dict's tensors that share a storage (nothing else using it) as that storage, each a
+        view of the copy at its own offset (:mod:`optimshift._alias`), so that a flat buffer and its views stay
+        one; returns their tickets. Refuses members asked for on different devices or in different dtypes."""
+        wanted = list(self._wanted.items())
+        groups = _alias.shared([t for _, (t, _) in wanted])
+        if not groups:
+            return set()
+        by_id: dict[int, list[tuple[_Ticket, torch.Tensor, _Site]]] = {}
+        for ticket, (t, site) in wanted:
+            by_id.setdefault(id(t), []).append((ticket, t, site))
+        done: set[_Ticket] = set()
+        for group in groups:
+            tickets = [entry for i in group for entry in by_id[id(wanted[i][1][0])]]
+            (_, device, dtype), first, where = tickets[0]
+            # One device; and no member cast, or all cast alike (one dtype to one dtype: the storage is cast).
+            uncast = all(ticket[2] == t.dtype for ticket, t, _ in tickets)
+            for (_, other_device, other_dtype), t, site in tickets[1:]:
+                if other_device != device or not uncast and (t.dtype, other_dtype) != (first.dtype, dtype):
+                    raise self.fail(
+                        f"{self._site(where)} and {self._site(site)} share one storage in the state dict but load "
+                        f"as {dtype_name(dtype)} on {device} and {dtype_name(other_dtype)} on {other_device}: copied "
+                        f"apart, they would stop sharing it. Give one of them its own storage (.clone()) before "
+                        f"loading; the optimizer is unchanged"
+                    )
+            cast = None if uncast else dtype
+            try:
+                copies = _alias.copy_storage([t for _, t, _ in tickets], device, _blocking_copy(cast), dtype=cast)
+            except Exception as e:  # an OOM: nothing was installed yet
+                add_note(
+                    e,
+                    f"{self.name}: load_state_dict: while copying {self._site(where)} to {device}; the optimizer "
+                    f"is unchanged",
+                )
+                raise
+            for (ticket, _, _), new in zip(tickets, copies):
+                self._made[ticket] = new
+                done.add(ticket)
+        return done
+
+    def _copy_one(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, site: _Site) -> torch.Tensor:
+        try:
+            if tensor.requires_grad or type(tensor) is not torch.Tensor:  # Parameters, subclasses: the general copy
+                new = copy_tensor(tensor, device)
+                return new if new.dtype == dtype else new.to(dtype)
+            if tensor.dtype == dtype and tensor.device == device:
+                return tensor.clone()  # same place: keeps the strides, and is the cheapest copy
+            return tensor.to(device, dtype, False, True)  # a cast (cast="param"): a plain blocking copy
+        except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
+            add_note(
+                e,
+                f"{self.name}: load_state_dict: while copying {self._site(site)} to {device}; "
+                f"the optimizer is unchanged",
+            )
+            raise
+
+    # -- the whole state --------------------------------------------------------------------------------------
+
+    def build(self) -> tuple[defaultdict[Any, Any], list[dict[str, Any]]]:
+        saved_groups, states = self._validate_structure()
+        live_groups = self.opt.param_groups
+        new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
+        spec_cache: dict[tuple[int, int], StateSpec] = {}
+        new_state: defaultdict[Any, Any] = defaultdict(dict)
+        pending: list[tuple[dict[Any, Any], torch.Tensor, int, int]] = []  # (new state dict, param, group, index)
+        if self.strict:
+            assert self.base is not None  # (strict: a torch.optim class)
+            for gi, ng in enumerate(new_groups):
+                check_group(self.fail, type(self.opt), self.base, gi, ng)
+        for gi, (lg, sg, ng) in enumerate(zip(live_groups, saved_groups, new_groups)):
+            for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
+                saved = states.get(sid)
+                ndim, pshape = p.dim(), p.shape
+                spec = spec_cache.get((gi, ndim))
+                if spec is None:
+                    spec = spec_cache[(gi, ndim)] = self._spec(ng, ndim)
+                if saved is None:
+                    if self.strict and spec.eager:
+                        assert self.base is not None  # (strict: a torch.optim class)
+                        raise self.fail(
+                            f"{self._param_label(gi, pi)}: the checkpoint has no state for it, but "
+                            f"{self.base.__name__} creates every param's state when it is built "
+                            f"({keys_shown(spec.keys)}); this state dict is incomplete"
+                        )
+                    continue
+                if type(saved) is not dict and not isinstance(saved, Mapping):
+                    raise self.fail(
+                        f"{self._param_label(gi, pi)}: its state is a {type(saved).__name__}, expected a dict",
+                        TypeError,
+                    )
+                if self.strict and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class
+                    assert self.base is not None  # (strict: a torch.optim class)
+                    check_entries(self.fail, self._where(gi, pi), self.base, p, saved, spec)
+                new: dict[Any, Any] = {}
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor):
+                        if key in spec.shaped and value.shape != pshape:
+                            raise self.fail(
+                                f"{self._site((gi, pi, key, ()))}: the checkpoint's tensor has shape "
+                                f"{tuple(value.shape)}, the param has shape {tuple(p.shape)}; this checkpoint was "
+                                f"made for other params (or another model)"
+                            )
+                        new[key] = value  # a placeholder (keeps the key order), replaced by its placed copy
+                    elif isinstance(value, _ATOMS):
+                        new[key] = value
+                    else:
+                        new[key] = self._copy_container(value, (gi, pi, key, ()))
+                new_state[p] = new
+                pending.append((new, p, gi, pi))
+
+        for key in self.wide:  # optimizer-wide entries (placed as the plan places them: with the first group's)
+            value = states[key]
+            if not isinstance(value, (torch.Tensor, *_ATOMS)):
+                self._check_depth(value, (0, None, key, ()), wide=True)
+                value = _copy.deepcopy(value, {id(t): t for _, t in leaves(value)})
+            new_state[key] = value
+
+        # Where each tensor goes: the planner's, over the state and groups about to be installed (policy_target,
+        # and plan._share: a state entry holding its group's own tensor, as LBFGS's state['t'] is its tensor lr,
+        # goes where the group entry goes, one tensor). Then in which dtype; then every copy is made, before the
+        # optimizer changes, so an error (an OOM) leaves it as it was; then the new dicts and containers are
+        # filled in.
+        plan = self._plan(new_groups, new_state)
+        owned = {id(tr[2]) for tr in plan.transfers if tr[0][1] is None and tr[0][0] != OPTIMIZER_WIDE}
+        if self.cast is None:  # (containers too: LBFGS's old_dirs/old_stps; a group's own tensor is the group's)
+            for new, p, gi, pi in pending:
+                self._check_dtypes(new_groups[gi], p, gi, pi, entry_dtypes(new, owned))
+        holders: dict[tuple[int, int | None], MutableMapping[Any, Any]] = {(gi, pi): new for new, _, gi, pi in pending}
+        holders.update({(gi, None): group for gi, group in enumerate(new_groups)})
+        holders[(OPTIMIZER_WIDE, None)] = new_state
+        cast, always_copy, uses, want = self.cast, self.copy, self._uses, self._want
+        top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is wanted
+        inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
+        for tr in plan.transfers:
+            (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]
+            key = path[0][1]
+            nested = None
+            if len(path) > 1:
+                nested = inside.setdefault((tgi, tpi, key), {})
+                if id(tensor) in nested:
+                    continue  # one tensor twice in a container: one copy
+            ggi = 0 if tgi == OPTIMIZER_WIDE else tgi
+            if tpi is not None and id(tensor) in owned:
+                # NOTE: it holds its group's own tensor: it gets the group entry's copy (same device, dtype and a
+                # copy whatever `copy` says, as the group's), so the two stay one tensor, as in PyTorch.
+                dtype, always = tensor.dtype, True
+            else:
+                if cast is None:
+                    dtype = tensor.dtype
+                else:  # PyTorch casts by the innermost dict key
+                    dtype = self._cast_dtype(
+                        new_groups[ggi], param, path[-1][1] if path[-1][0] == "key" else None, tensor
+                    )
+                # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
+                always = always_copy or (tpi is None and tgi != OPTIMIZER_WIDE)
+            wanted = want(tensor, device, dtype, always, (ggi, tpi, key, path[1:]))
+            if type(wanted) is tuple:  # a copy: count the places it is installed in
+                uses[wanted] = uses.get(wanted, 0) + 1
+            if nested is None:
+                holder = holders[(tgi, tpi)]
+                holder[key] = wanted  # (its placeholder was the checkpoint's tensor)
+                top.append((holder, key))
+            else:
+                nested[id(tensor)] = wanted
+        self._resolve()
+        got = self._got
+        for holder, key in top:
+            holder[key] = got(holder[key])
+        for (tgi, tpi, key), nested in inside.items():
+            holder = holders[(tgi, tpi)]
+            holder[key] = self._fill_nested(holder[key], nested)
+        return new_state, new_groups
+
+    def _fill_nested(self, value: Any, wanted: Mapping[int, _Wanted]) -> Any:
+        """``value`` with each tensor replaced by its copy. Only our own copies of the checkpoint's
+        containers are mutated."""
+        replace = {ident: self._got(w) for ident, w in wanted.items()}
+        if isinstance(value, torch.Tensor):
+            return replace.get(id(value), value)
+        setters: list[Setter] = []
+        result = rebuild(value, replace, setters, {})
+        for apply in setters:
+            apply()
+        return result
+
+    def _new_group(self, gi: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
+        """The group as PyTorch builds it (a deep copy of the saved one, with the live params and, when the
+        checkpoint has none, the live param names), with the live implementation flags for ``flags="live"``.
+        Tensors inside are left for the plan to place (:meth:`build`)."""
+        out: dict[str, Any] = {}
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            if isinstance(value, torch.Tensor) or isinstance(value, _ATOMS):
+                out[key] = value
+            else:
+                out[key] = self._copy_container(value, (gi, None, key, ()))
+        if self.flags == "live":
+            for flag in IMPLEMENTATION_FLAGS:
+                if flag in live:
+                    out[flag] = live[flag]
+                else:
+                    out.pop(flag, None)
+        out["params"] = live["params"]
+        if "param_names" in live and "param_names" not in out:
+            out["param_names"] = live["param_names"]
+        return out
+
+    def _check_dtypes(
+        self, group: Mapping[str, Any], p: torch.Tensor, gi: int, pi: int, dtypes: Mapping[str, torch.dtype]
+    ) -> None:
+        """Keeping the checkpoint's dtypes (``cast=None``) must leave an optimizer that can step: fail now,
+        before anything is copied, if a step refuses one of them (float64 moments for float32 params in Adam;
+        SGD takes float32 momentum for bfloat16 params, so that one is kept)."""
+        if self.base is None or not dtypes:
+            return
+        memo_key = (gi, p.dtype, p.dim(), tuple(sorted((str(k), str(d)) for k, d in dtypes.items())))
+        rejected = self._dtype_checks.get(memo_key)
+        if rejected is None:
+            rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dtypes)
+        if rejected:
+            r, n = rejected[0], dtype_name
+            others = "".join(f" (and {x.key!r}, {n(x.dtype)})" for x in rejected[1:])
+            raise self.fail(
+                f"{self._site((gi, pi, r.key, ()))}: the checkpoint holds it as {n(r.dtype)}{others}, and a step of "
+                f"{self.name} over {n(p.dtype)} params rejects that ({r.error.splitlines()[0]}); a fresh "
+                f"{self.name} keeps it as {n(r.fresh)}. Load with cast='param' to cast the state to the params' "
+                f"dtype as PyTorch does; the optimizer is unchanged"
+            )
+
+    def _spec(self, group: Mapping[str, Any], ndim: int) -> StateSpec:
+        """What this optimizer class keeps per param (probed), for the checks."""
+        if self.base is None:
+            return NO_SPEC
+        return expected_state(self.base, group, ndim)
+
+    def _copy_container(self, value: Any, site: _Site) -> Any:
+        """Our own copy of a checkpoint's container (the tensors inside stay the checkpoint's, to be placed
+        one by one), after the depth check; an uncopyable object is a clear error."""
+        self._check_depth(value, site)
+        memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
+        try:
+            return _copy.deepcopy(value, memo)
+        except Exception as e:
+            where = self._site(site) if site[1] is not None else f"param group {site[0]}, key {site[2]!r}"
+            raise self.fail(
+                f"{where}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})", TypeError
+            ) from e
+
+    def _check_depth(self, value: Any, site: _Site, wide: bool = False) -> None:
+        if too_deep(value):
+            where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
+            raise self.fail(
+                f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
+                f"this (a corrupt or hostile checkpoint)"
+            )
+
+
+def _ids_shown(ids: Mapping[Any, Any]) -> str:
+    shown = list(ids)[:4]
+    return ", ".join(repr(i) for i in shown) + (", …" if len(ids) > len(shown) else "")
+
+
+def _blocking_copy(dtype: torch.dtype | None) -> Callable[[torch.Tensor, torch.device], torch.Tensor]:
+    """A copy of a tensor on a device (in ``dtype``: a cast), complete when it returns."""
+    return lambda src, device: src.to(device, dtype or src.dtype, copy=True)

@@ -372,11 +372,12 @@ def _to_host(
     flat = buf[: total * tensors[0].element_size()].view(dtype)
     if len(tensors) == 1:
         source = tensors[0].reshape(-1)
+    elif side is None:
+        source = torch.cat([t.reshape(-1) for t in tensors])
     else:
         source = torch.empty(total, dtype=dtype, device=tensors[0].device)  # (on the current stream: see Side)
-        if side is not None:
-            side.uses(source)
-        with _issue(side):
+        side.uses(source)
+        with side.issue():
             torch.cat([t.reshape(-1) for t in tensors], out=source)
     with _issue(side):
         flat.copy_(source, non_blocking=pinned or non_blocking)  # completed by the caller's synchronize or event

@@ -30,13 +30,42 @@ from ._errors import add_note
 from ._streams import Streams, host_pinning, pins_host_for
 from .pool import HostPool
 
-__all__ = ["Batch", "Side", "copy_many", "copy_tensor", "synchronize", "CHUNK_BYTES", "SOLO_BYTES"]
+__all__ = [
+    "Batch",
+    "Options",
+    "BLOCKING",
+    "Side",
+    "copy_many",
+    "copy_tensor",
+    "synchronize",
+    "CHUNK_BYTES",
+    "SOLO_BYTES",
+]
 
 CHUNK_BYTES = 64 << 20  # staging chunk: bounds the extra device memory a coalesced copy needs
 SOLO_BYTES = 4 << 20  # tensors at least this big are copied on their own (bandwidth-bound already)
 
 
 _HOSTS = ("cpu", "meta")  # devices that never need a synchronize
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a transfer copies, passed down whole from the operation to the copies (never as loose flags).
+
+    ``non_blocking``: copies may run on after the call (on a side stream where the device has streams);
+    ``pin_memory``: host buffers are pinned where the accelerator pins host memory; ``keep_host_views``: host
+    copies stay views into pool buffers (offloaded state) instead of tensors of their own; ``pool``: the host
+    buffer pool (None: :data:`optimshift.pool.host_pool`).
+    """
+
+    non_blocking: bool = False
+    pin_memory: bool = False
+    keep_host_views: bool = False
+    pool: HostPool | None = None
+
+
+BLOCKING = Options()
 
 
 class Side:
@@ -204,11 +233,9 @@ def _coalescible(t: torch.Tensor) -> bool:
 
 def copy_many(
     items: Sequence[tuple[torch.Tensor, torch.device]],
+    options: Options,
     *,
     pool: HostPool,
-    pin_memory: bool = False,
-    keep_host_views: bool = False,
-    non_blocking: bool = False,
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
 ) -> Batch:
@@ -225,6 +252,7 @@ def copy_many(
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
     """
     batch = Batch([None] * len(items))
+    non_blocking, pin_memory, keep_host_views = options.non_blocking, options.pin_memory, options.keep_host_views
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
     group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
     copies = batch.copies

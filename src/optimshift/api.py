@@ -15,6 +15,7 @@ import torch
 from . import _mode, _offload, _plans, _session, _streams, engine
 from . import policy as _policy
 from ._adopt import keeps_object_across_host
+from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields
 from ._dtypes import dtype_findings
@@ -100,9 +101,7 @@ def _transfer(
     target: TargetFn,
     *,
     what: str,
-    non_blocking: bool = False,
-    pin_memory: bool = False,
-    keep_host_views: bool = False,
+    options: Options = BLOCKING,
     extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
     cache_key: Hashable | None = None,
     grads: bool = False,
@@ -115,9 +114,7 @@ def _transfer(
     start = time.perf_counter()
     with engine.no_gc():
         plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads)
-        copies = engine.run(
-            plan, non_blocking=non_blocking, pin_memory=pin_memory, keep_host_views=keep_host_views, extra=extra
-        )
+        copies = engine.run(plan, options, extra=extra)
         hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
         if cached is not None:
             cached.hows = hows
@@ -171,7 +168,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         optimizer,
         where,
         what="move",
-        non_blocking=non_blocking,
+        options=Options(non_blocking=non_blocking),
         extra=[(g, p.device) for p, g in grads],
         cache_key=key,
     )
@@ -278,9 +275,7 @@ def offload(
         optimizer,
         to_host,
         what="offload",
-        non_blocking=non_blocking,
-        pin_memory=pin_memory is not False,
-        keep_host_views=True,
+        options=Options(non_blocking=non_blocking, pin_memory=pin_memory is not False, keep_host_views=True),
         extra=[(p.grad, host) for _, p in grads],
         cache_key=key,
         grads="grads" in include,
@@ -366,7 +361,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         optimizer,
         back,
         what="reload",
-        non_blocking=non_blocking,
+        options=Options(non_blocking=non_blocking),
         extra=[(g, p.device) for p, g in grads],
         cache_key=key,
         grads=bool(grads),

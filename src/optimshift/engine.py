@@ -25,11 +25,11 @@ import torch
 
 from . import _alias, _streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
-from ._copy import Batch, Side, copy_many, synchronize
+from ._copy import BLOCKING, Batch, Options, Side, copy_many, synchronize
 from ._devices import _fake_mode_active
 from ._state import Setter, rebuild
 from .plan import Plan, Transfer
-from .pool import HostPool, host_pool
+from .pool import host_pool
 
 __all__ = ["Copies", "run", "copy_items", "commit", "adopt_all", "adoptions", "no_gc"]
 
@@ -55,11 +55,8 @@ class Copies:
 
 def copy_items(
     items: Sequence[tuple[torch.Tensor, torch.device]],
+    options: Options = BLOCKING,
     *,
-    non_blocking: bool = False,
-    pin_memory: bool = False,
-    keep_host_views: bool = False,
-    pool: HostPool | None = None,
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
 ) -> Batch:
@@ -69,21 +66,13 @@ def copy_items(
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
     ``side``: the copies are queued on that stream; the caller records its event and completes the batch.
     """
-    pool = host_pool if pool is None else pool
-    batch = copy_many(
-        items,
-        pool=pool,
-        pin_memory=pin_memory,
-        keep_host_views=keep_host_views,
-        non_blocking=non_blocking,
-        describe=describe,
-        side=side,
-    )
+    pool = host_pool if options.pool is None else options.pool
+    batch = copy_many(items, options, pool=pool, describe=describe, side=side)
     if (
         batch.after_sync
-        or not non_blocking
+        or not options.non_blocking
         or (
-            not keep_host_views
+            not options.keep_host_views
             and any(target.type == "cpu" and t.device.type not in ("cpu", "meta") for t, target in items)
         )
     ):
@@ -117,21 +106,17 @@ def _single_stream_device(items: Sequence[tuple[torch.Tensor, torch.device]]) ->
 
 def run(
     plan: Plan,
+    options: Options = BLOCKING,
     *,
-    non_blocking: bool = False,
-    pin_memory: bool = False,
-    keep_host_views: bool = False,
     extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
-    pool: HostPool | None = None,
 ) -> Copies:
     """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (e.g. grads), grouped.
 
-    With ``non_blocking`` on one device that has streams (:mod:`optimshift._streams`: CUDA, any accelerator
+    With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._streams`: CUDA, any accelerator
     with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
     back to the pool with their event, and device memory they read is protected with ``record_stream`` so the
     caching allocator never reuses it early. Nothing in the optimizer changes here.
     """
-    pool = host_pool if pool is None else pool
     items: list[tuple[torch.Tensor, torch.device]] = []
     names: list[Any] = []
     seen: set[int] = set()
@@ -157,14 +142,12 @@ def run(
         return f"{optimizer_name} {what.site}" if isinstance(what, Transfer) else f"{optimizer_name} {what}"
 
     # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)
-    device = _single_stream_device(items) if non_blocking and not _fake_mode_active() else None
+    device = _single_stream_device(items) if options.non_blocking and not _fake_mode_active() else None
     if device is None:
-        batch = copy_items(items, pin_memory=pin_memory, keep_host_views=keep_host_views, pool=pool, describe=describe)
+        batch = copy_items(items, options, describe=describe)
         event = None
     else:
-        batch, event = _run_on_side_stream(
-            items, device, pin_memory=pin_memory, keep_host_views=keep_host_views, pool=pool, describe=describe
-        )
+        batch, event = _run_on_side_stream(items, device, options, describe=describe)
     new = {id(t): c for (t, _), c in zip(items, batch.copies) if c is not None}
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None]
     to_host = event is not None and any(target.type == "cpu" for _, target in items)  # (what a reader waits for)
@@ -199,10 +182,8 @@ def _refuse_split_storage(plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.
 def _run_on_side_stream(
     items: Sequence[tuple[torch.Tensor, torch.device]],
     device: torch.device,
+    options: Options,
     *,
-    pin_memory: bool,
-    keep_host_views: bool,
-    pool: HostPool,
     describe: Callable[[int], str],
 ) -> tuple[Batch, Any]:
     streams = _streams.of(device)
@@ -210,18 +191,10 @@ def _run_on_side_stream(
     side = streams.side(device)
     # (every copy waits for the current stream, where the last step wrote and where every device tensor the
     # side stream touches is allocated, and records those tensors for the side one: see _copy.Side)
-    batch = copy_items(
-        items,
-        non_blocking=True,
-        pin_memory=pin_memory,
-        keep_host_views=keep_host_views,
-        pool=pool,
-        describe=describe,
-        side=Side(streams, side, streams.current(device)),
-    )
+    batch = copy_items(items, options, describe=describe, side=Side(streams, side, streams.current(device)))
     event = streams.new_event(device)
     streams.record(event, side)
-    batch.complete(pool, event)
+    batch.complete(host_pool if options.pool is None else options.pool, event)
     return batch, event
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -144,7 +144,12 @@ def run(
     # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)
     device = _single_stream_device(items) if options.non_blocking and not _fake_mode_active() else None
     if device is None:
-        batch = copy_items(items, options, describe=describe)
+        # NOTE: no side stream (several devices, a device without streams, fake tensors): the blocking path,
+        # synchronized at the end. A copy between two devices left queued would be ordered after neither
+        # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
+        batch = copy_items(
+            items, replace(options, non_blocking=False) if options.non_blocking else options, describe=describe
+        )
         event = None
     else:
         batch, event = _run_on_side_stream(items, device, options, describe=describe)

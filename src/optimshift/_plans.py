@@ -88,7 +88,8 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
                 tuple(p.grad is not None and p.grad.device for p in params) if grads else (),
             )
         )
-    parts.append(tuple(sorted((str(d), _streams.of(d) is not None) for d in devices if d.type not in ("cpu", "meta"))))
+    # (known, not probed: a blocking loop never needs streams, and probing creates one)
+    parts.append(tuple(sorted((str(d), _streams.known(d)) for d in devices if d.type not in ("cpu", "meta"))))
     return tuple(parts)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Streams", "of", "register_backend", "pins_host_for", "host_pinning", "empty_cache"]
+__all__ = ["Streams", "of", "known", "register_backend", "pins_host_for", "host_pinning", "empty_cache"]
 
 
 class Streams:
@@ -248,6 +248,13 @@ def of(device: torch.device | None) -> Streams | None:
             streams = _candidate(kind)
             _chosen[kind] = streams if streams is not None and _probe(streams, device) else None
         return _chosen[kind]
+
+
+def known(device: torch.device) -> bool | None:
+    """Whether ``device``'s type has streams, as far as :func:`of` has found out: None before it was asked
+    (asking probes the backend, which creates a stream: something only a transfer that needs one should do)."""
+    streams = _chosen.get(device.type, False)
+    return None if streams is False else streams is not None
 
 
 # -- pinned host memory -------------------------------------------------------------------------------------

@@ -229,7 +229,10 @@ def build_plan(
     plan = Plan(optimizer)
     transfers = plan.transfers
     append = transfers.append
-    first: dict[int, list[int]] = {}  # id(tensor) -> the indices of its transfers
+    # id(tensor) -> the index of its first transfer; for a tensor held twice or more, ``again`` lists them all
+    # (NOTE: an int per tensor, not a list: one allocation less per tensor, and sharing is rare)
+    first: dict[int, int] = {}
+    again: dict[int, list[int]] = {}
     setdefault = first.setdefault
     follow = getattr(target, "follow", None)  # a policy target's fixed device for non-scalar state
     paths = _top_paths
@@ -249,11 +252,15 @@ def build_plan(
                 else:
                     device, source = target(ident, param, group, key, tensor)
                 tr = _new_transfer(Transfer, (ident, pname, tensor, param, device, source))
-                shared = setdefault(id(tensor), [len(transfers)])
-                if shared[-1] != len(transfers):  # a tensor seen before: one tensor, one place
+                n = len(transfers)
+                seen = setdefault(id(tensor), n)
+                if seen != n:  # a tensor seen before: one tensor, one place
+                    shared = again.get(id(tensor))
+                    if shared is None:
+                        shared = again[id(tensor)] = [seen]
                     if transfers[shared[0]][4] != device:
                         _share(optimizer, transfers, shared, tr)
-                    shared.append(len(transfers))
+                    shared.append(n)
                 append(tr)
     return plan
 

@@ -9,16 +9,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids
+from _schedules import SCHEDULES
 from optimshift._adopt import decide_all
 from optimshift.testing import deferred_streams
 
 SHAPES = [(3, 2), (4,), (2, 5)]
-SCHEDULES = [
-    pytest.param(0, 0.0, id="strict"),
-    pytest.param(1, 0.02, id="seed1"),
-    pytest.param(2, 0.05, id="seed2"),
-    pytest.param(3, 0.2, id="seed3"),
-]
 
 
 class FlatMomentum(torch.optim.Optimizer):

@@ -13,36 +13,16 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
+from _schedules import SCHEDULES, drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
 from optimshift import _offload, _streams
 from optimshift.testing import StreamRaceError, deferred_streams
 
-# (seed, progress): progress is how likely queued work runs on its own at each call into the simulator; 0 is the
-# strictest schedule (nothing runs until something orders it)
-SCHEDULES = [
-    pytest.param(0, 0.0, id="strict"),
-    pytest.param(1, 0.02, id="seed1"),
-    pytest.param(2, 0.05, id="seed2"),
-    pytest.param(3, 0.2, id="seed3"),
-]
 CONFIGS = [
     pytest.param(torch.optim.Adam, {"foreach": True}, id="Adam-foreach"),
     pytest.param(torch.optim.AdamW, {"fused": True}, id="AdamW-fused"),  # a device `step` goes to the host too
     pytest.param(torch.optim.SGD, {"momentum": 0.9, "foreach": False}, id="SGD-momentum"),
 ]
 SHAPES = [(3, 2), (4,), (2, 5), (1,)]
-
-
-@pytest.fixture(autouse=True)
-def _drain(sim):
-    yield
-    # A scenario that raised leaves copies queued: run them all before the next test (errors included).
-    for _ in range(10):
-        try:
-            torch.sim.synchronize(0)
-            torch.sim.synchronize(1)
-            break
-        except StreamRaceError:
-            continue
 
 
 def _trained(sim, cls, kwargs, steps=2):

@@ -16,9 +16,10 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
+from _schedules import drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
 from optimshift import _copy
 from optimshift.pool import host_pool
-from optimshift.testing import StreamRaceError, deferred_streams
+from optimshift.testing import deferred_streams
 
 SHAPES = [(3, 2), (4,), (2, 5)]
 ERRORS = [RuntimeError, MemoryError, KeyboardInterrupt]
@@ -28,17 +29,6 @@ CASES = [
     for operation in ("offload", "reload")
     for site in ("copy_tensor", "Tensor.to" if operation == "offload" else "Tensor.copy_", "requires_grad_")
 ]
-
-
-@pytest.fixture(autouse=True)
-def _drain(sim):
-    yield
-    for _ in range(10):
-        try:
-            torch.sim.synchronize(0)
-            break
-        except StreamRaceError:
-            continue
 
 
 def _awkward(sim):

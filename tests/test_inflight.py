@@ -12,27 +12,11 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
+from _schedules import SCHEDULES, drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
 from optimshift import _offload
-from optimshift.testing import StreamRaceError, deferred_streams
+from optimshift.testing import deferred_streams
 
-SCHEDULES = [
-    pytest.param(0, 0.0, id="strict"),
-    pytest.param(1, 0.02, id="seed1"),
-    pytest.param(2, 0.05, id="seed2"),
-    pytest.param(3, 0.2, id="seed3"),
-]
 SHAPES = [(3, 2), (4,), (2, 5)]
-
-
-@pytest.fixture(autouse=True)
-def _drain(sim):
-    yield
-    for _ in range(10):  # a scenario that failed leaves copies queued: run them before the next test
-        try:
-            torch.sim.synchronize(0)
-            break
-        except StreamRaceError:
-            continue
 
 
 def _trained(sim, cls=torch.optim.Adam, **kwargs):

@@ -18,17 +18,12 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
+from _schedules import SCHEDULES
 from optimshift import _copy, pool
 from optimshift.pool import HostPool, host_pool
 from optimshift.testing import deferred_streams
 
 MiB = 1 << 20
-SCHEDULES = [
-    pytest.param(0, 0.0, id="strict"),
-    pytest.param(1, 0.02, id="seed1"),
-    pytest.param(2, 0.05, id="seed2"),
-    pytest.param(3, 0.2, id="seed3"),
-]
 CONFIGS = [
     pytest.param(torch.optim.Adam, {"foreach": True}, id="Adam-foreach"),
     pytest.param(torch.optim.AdamW, {"fused": True}, id="AdamW-fused"),

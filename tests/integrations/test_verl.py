@@ -24,7 +24,8 @@ pytest.importorskip("verl")
 
 import optimshift  # noqa: E402
 import optimshift.integrations.verl as osv  # noqa: E402  (patches verl at import)
-from optimshift.testing import StreamRaceError, deferred_streams  # noqa: E402
+from _schedules import drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
+from optimshift.testing import deferred_streams  # noqa: E402
 
 with osv._quiet_verl_import():
     from verl.utils import fsdp_utils  # noqa: E402
@@ -57,18 +58,6 @@ def verl_patch():
 
     yield apply
     osv.unpatch()
-
-
-@pytest.fixture(autouse=True)
-def _drain(sim):
-    yield
-    for _ in range(10):  # a failed scenario may leave queued copies: run them before the next test
-        try:
-            torch.sim.synchronize(0)
-            torch.sim.synchronize(1)
-            break
-        except StreamRaceError:
-            continue
 
 
 def _make(config: str):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copyreg
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -47,12 +48,16 @@ def mechanism(old: torch.Tensor, new: torch.Tensor) -> Mechanism:
     return decide_all([(old, new)])[0]
 
 
-def decide_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism]:
+def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism]:
     """:func:`mechanism` for each pair; what depends only on the classes and devices is asked once per kind."""
     # (classes, devices) -> set_data allowed
     kinds: dict[tuple[type[torch.Tensor], type[torch.Tensor], torch.device, torch.device], bool] = {}
     out: list[Mechanism] = []
+    append = out.append
     views: Counter[int] | None = None  # id(base) -> how many of the olds are views of it (counted when needed)
+    plain = torch.Tensor
+    getweakrefcount = weakref.getweakrefcount
+    use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]  # (missing from torch's stubs)
     for old, new in pairs:
         kind = (type(old), type(new), old.device, new.device)
         data = kinds.get(kind)
@@ -61,14 +66,21 @@ def decide_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism
                 kind[0] in _PLAIN and kind[1] in _PLAIN and torch._has_compatible_shallow_copy_type(old, new)
             )
         # (type() first: Parameter's isinstance goes through a Python-level metaclass check)
-        if old.is_inference() or new.is_inference() or (type(old) is not torch.Tensor and isinstance(old, _PARAM)):
+        if old.is_inference() or new.is_inference() or (kind[0] is not plain and isinstance(old, _PARAM)):
             # set_data breaks an inference tensor (no version counter to move); a Parameter in state is a
             # module's (a frozen param kept as state): changing it in place would move the model with the state
-            out.append("replace")
+            append("replace")
         elif data:
-            out.append("data")
-        elif _swappable(old, new):
-            out.append("swap")
+            append("data")
+        elif (
+            kind[0] is plain
+            and kind[1] is plain
+            and not (getweakrefcount(old) or getweakrefcount(new))
+            and use_count(old) == 1
+            and use_count(new) == 1
+            and not (old.requires_grad or new.requires_grad)
+        ) or _swappable(old, new):  # (_swappable's checks for two plain tensors, inlined: once per tensor)
+            append("swap")
         else:
             if views is None and type(old) is torch.Tensor and not old.__dict__:
                 views = Counter(id(o._base) for o, _ in pairs if o._base is not None)
@@ -77,7 +89,7 @@ def decide_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism
             # that stays with the optimizer holds it, and a plain tensor is swapped without torch's use-count
             # check (_swap_tensor_impl): the old views keep the old base, now on the copy's object.
             held = views.get(id(old), 0) if views is not None and type(old) is torch.Tensor else 0
-            out.append("swap" if held and _swappable(old, new, held) else "replace")
+            append("swap" if held and _swappable(old, new, held) else "replace")
     return out
 
 
@@ -95,7 +107,7 @@ def _swappable(old: torch.Tensor, new: torch.Tensor, views: int = 0) -> bool:
     return use_count(old) == 1 + views and use_count(new) == 1 and not old.requires_grad and not new.requires_grad
 
 
-def still_valid(pairs: list[tuple[torch.Tensor, torch.Tensor]], hows: list[Mechanism]) -> bool:
+def still_valid(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hows: list[Mechanism]) -> bool:
     """Whether decisions made for an earlier commit of the same plan hold for these pairs: cheaper than
     :func:`decide_all` (what depends on classes, devices and inference-ness was checked with the plan; what a
     swap needs is asked again). A decision to replace is never reused (the tensor may be swappable now)."""

@@ -123,11 +123,14 @@ def copy_tensor(
     non_blocking: bool = False,
     pin_memory: bool = False,
     side: Side | None = None,
+    *,
+    pins: bool | None = None,
 ) -> torch.Tensor:
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast).
-    ``side``: the copy is queued on that stream, a device output allocated on the current one (:class:`Side`)."""
+    ``side``: the copy is queued on that stream, a device output allocated on the current one (:class:`Side`).
+    ``pins``: :func:`~optimshift._streams.pins_host_for` ``(device)``, when the caller asked it already."""
     if side is None and type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # common, kept cheap
-        if non_blocking or (pins_host_for(device) and _is_pinned(t)):
+        if non_blocking or ((pins_host_for(device) if pins is None else pins) and _is_pinned(t)):
             return t.to(device, non_blocking=True)
         return t.to(device)  # (keyword arguments alone double the cost of a small .to())
     if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
@@ -238,15 +241,16 @@ def copy_many(
     pool: HostPool,
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
+    together: Sequence[tuple[list[int], torch.device]] | None = None,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
 
     ``keep_host_views``: host results are views into pool buffers listed in ``Batch.held`` (offload);
     otherwise they are separate tensors and every staging buffer goes back to the pool.
-    Tensors that share a storage nothing else uses are copied as that storage (:mod:`optimshift._alias`).
-    What cannot be grouped is copied by :func:`copy_tensor`. ``describe(i)`` names
-    input ``i`` in the note added to an exception (an OOM says which entry it hit). ``side``: the copies are
-    queued on that stream (:class:`Side`).
+    Tensors that share a storage nothing else uses are copied as that storage (:mod:`optimshift._alias`;
+    ``together``: those groups, when the caller has them already). What cannot be grouped is copied by
+    :func:`copy_tensor`. ``describe(i)`` names input ``i`` in the note added to an exception (an OOM says which
+    entry it hit). ``side``: the copies are queued on that stream (:class:`Side`).
 
     On an exception nothing is returned: every device involved is synchronized first (copies already queued
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
@@ -257,11 +261,13 @@ def copy_many(
     group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
     copies = batch.copies
     current = 0
-    kinds: dict[tuple[torch.device, torch.device], bool] = {}  # (source, target) -> may be grouped
+    # (source, target) -> (may be grouped, a pinned source may be copied asynchronously)
+    kinds: dict[tuple[torch.device, torch.device], tuple[bool, bool]] = {}
     wrapped: dict[int, Any] = {}  # index -> the DTensor whose local shard was copied there
+    plain = torch.Tensor
     try:
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
-        for indices, target in _alias.together(items) if group else ():
+        for indices, target in (_alias.together(items) if together is None else together) if group else ():
             current = indices[0]
             batch.devices.update(d for d in (items[current][0].device, target) if d.type not in _HOSTS)
             news = _alias.copy_storage(
@@ -278,20 +284,21 @@ def copy_many(
             if done and i in done:
                 continue
             original = t
-            if type(t) is not torch.Tensor and group and is_dtensor(t) and not t.requires_grad:
+            if type(t) is not plain and group and is_dtensor(t) and not t.requires_grad:
                 # NOTE: FSDP2/TP state: the local shard goes through the grouped, pooled copies as a plain
                 # tensor would; the copy is wrapped back with the same mesh, placements and global shape.
                 t = t._local_tensor  # (the shard itself: to_local() may add an autograd view)
             source = t.device
             pair = (source, target)
-            groupable = kinds.get(pair)
-            if groupable is None:
-                groupable = kinds[pair] = (
+            kind = kinds.get(pair)
+            if kind is None:
+                kind = kinds[pair] = (
                     group
                     and (source.type == "cpu") != (target.type == "cpu")
-                    and "meta" not in (source.type, target.type)
+                    and "meta" not in (source.type, target.type),
+                    pins_host_for(target),
                 )
-            if groupable and _coalescible(t):
+            if kind[0] and _coalescible(t):
                 groups.setdefault((source, target, t.dtype), []).append(i)
                 if t is not original:
                     if work is items:
@@ -300,7 +307,7 @@ def copy_many(
                     wrapped[i] = original
                 continue
             current = i
-            copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
+            copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side, pins=kind[1])
         batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))

@@ -50,6 +50,7 @@ class Cached:
     keys: list[Any]  # per transfer: its top-level key (containers: the full path), to check each site
     metas: list[tuple[Any, ...]]  # per transfer: (device, dtype, shape, strides) of its tensor
     sources: dict[Ident, torch.device] = field(default_factory=dict)  # per site: its tensor's device
+    repeats: bool = True  # Plan.repeats (the same tensor objects at the same sites: the same answer)
     hows: list[Mechanism] | None = None  # the commit's adoption decisions, in its order
     hits: int = 0
 
@@ -130,7 +131,7 @@ def plan_for(
         if cached.layout == shape:
             if _same_sites(optimizer, cached):
                 cached.hits += 1
-                return Plan(optimizer, cached.transfers), cached
+                return Plan(optimizer, cached.transfers, cached.repeats), cached
             kept.remove(cached)  # the same layout with other state: this one is stale
             break
     plan = build_plan(optimizer, target)
@@ -143,7 +144,7 @@ def plan_for(
         keys.append(path[0][1] if len(path) == 1 else path)
         metas.append(_meta(tensor))
         sources.setdefault(ident, tensor.device)
-    cached = Cached(plan.transfers, shape, keys, metas, sources)
+    cached = Cached(plan.transfers, shape, keys, metas, sources, plan.repeats)
     plans = session.plans
     plans.pop(key, None)
     if len(plans) >= MAX_KEYS:

@@ -16,10 +16,11 @@ does not (see :mod:`optimshift._adopt`), the copy takes the old object's place i
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -37,20 +38,25 @@ __all__ = ["Copies", "run", "copy_items", "commit", "adopt_all", "adoptions", "n
 @dataclass
 class Copies:
     """What :func:`run` made: ``new[id(t)]`` is the copy of input tensor ``t``; ``pairs`` lists
-    ``(t, copy)`` for the plan's tensors (what :func:`commit` installs), in plan order.
+    ``(t, copy)`` for the plan's tensors (what :func:`commit` installs), in plan order, each tensor once.
 
     ``event``/``device``: set when the copies may still be running on a side stream (non-blocking on a device
     with streams, see :mod:`optimshift._streams`);
     ``batch`` holds the pool buffers the host copies live in (offloaded state).
     """
 
-    new: dict[int, torch.Tensor]
+    items: list[tuple[torch.Tensor, torch.device]]  # (tensor, target) of every copy, in batch order
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
     batch: Batch
     event: Any | None = None
     device: torch.device | None = None
     to_host: bool = False  # some copies write host memory (what a reader of a pending transfer must wait for)
     mechanisms: dict[str, int] = field(default_factory=dict)  # filled by commit: how many tensors each way
+
+    @functools.cached_property
+    def new(self) -> dict[int, torch.Tensor]:
+        """id(input tensor) -> its copy (built when asked: most operations only commit the pairs)."""
+        return {id(t): c for (t, _), c in zip(self.items, self.batch.copies) if c is not None}
 
 
 def copy_items(
@@ -59,15 +65,17 @@ def copy_items(
     *,
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
+    together: Sequence[tuple[list[int], torch.device]] | None = None,
 ) -> Batch:
     """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
 
     Host memory that state will point at is always written before this returns, except for a non-blocking
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
     ``side``: the copies are queued on that stream; the caller records its event and completes the batch.
+    ``together``: the groups to copy as one storage, when the caller has them (see :func:`copy_many`).
     """
     pool = host_pool if options.pool is None else options.pool
-    batch = copy_many(items, options, pool=pool, describe=describe, side=side)
+    batch = copy_many(items, options, pool=pool, describe=describe, side=side, together=together)
     if (
         batch.after_sync
         or not options.non_blocking
@@ -119,22 +127,30 @@ def run(
     """
     items: list[tuple[torch.Tensor, torch.device]] = []
     names: list[Any] = []
-    seen: set[int] = set()
-    n_plan = 0
-    for transfer in plan.transfers:
-        t, target = transfer[2], transfer[4]  # (tensor, target: see plan.Transfer)
-        if t.device != target and id(t) not in seen:
-            seen.add(id(t))
-            items.append((t, target))
-            names.append(transfer)
+    if plan.repeats:
+        seen: set[int] = set()
+        for transfer in plan.transfers:
+            t, target = transfer[2], transfer[4]  # (tensor, target: see plan.Transfer)
+            if t.device != target and id(t) not in seen:
+                seen.add(id(t))
+                items.append((t, target))
+                names.append(transfer)
+    else:  # (each tensor once: the common case, without the set)
+        for transfer in plan.transfers:
+            t, target = transfer[2], transfer[4]
+            if t.device != target:
+                items.append((t, target))
+                names.append(transfer)
     n_plan = len(items)
-    for t, target in extra:
-        if t.device != target and id(t) not in seen:
-            seen.add(id(t))
-            items.append((t, target))
-            names.append("a param's .grad")
-    if items:  # (nothing moves: nothing can stop sharing)
-        _refuse_split_storage(plan, extra)
+    if extra:
+        seen = {id(t) for t, _ in items}
+        for t, target in extra:
+            if t.device != target and id(t) not in seen:
+                seen.add(id(t))
+                items.append((t, target))
+                names.append("a param's .grad")
+    # (nothing moves: nothing can stop sharing, nor be copied as a storage)
+    together = _shared_storages(plan, extra, items) if items else []
     optimizer_name = type(plan.optimizer).__name__
 
     def describe(i: int) -> str:
@@ -148,40 +164,52 @@ def run(
         # synchronized at the end. A copy between two devices left queued would be ordered after neither
         # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
         batch = copy_items(
-            items, replace(options, non_blocking=False) if options.non_blocking else options, describe=describe
+            items,
+            replace(options, non_blocking=False) if options.non_blocking else options,
+            describe=describe,
+            together=together,
         )
         event = None
     else:
-        batch, event = _run_on_side_stream(items, device, options, describe=describe)
-    new = {id(t): c for (t, _), c in zip(items, batch.copies) if c is not None}
+        batch, event = _run_on_side_stream(items, device, options, describe=describe, together=together)
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None]
     to_host = event is not None and any(target.type == "cpu" for _, target in items)  # (what a reader waits for)
-    return Copies(new, pairs, batch, event, device if event is not None else None, to_host)
+    return Copies(items, pairs, batch, event, device if event is not None else None, to_host)
 
 
-def _refuse_split_storage(plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device]]) -> None:
-    """ValueError, before anything is copied, when tensors that share a storage belong on different devices:
-    copied apart, an update through one would no longer show through the other (see :mod:`optimshift._alias`)."""
+def _shared_storages(
+    plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device]], items: Sequence[tuple[torch.Tensor, torch.device]]
+) -> list[tuple[list[int], torch.device]]:
+    """The groups of ``items`` to copy as one storage (:func:`optimshift._alias.shared`, asked once for the
+    whole plan), with their target. ValueError, before anything is copied, when tensors that share a storage
+    belong on different devices: copied apart, an update through one would no longer show through the other."""
     transfers = plan.transfers
     tensors = [tr[2] for tr in transfers] + [t for t, _ in extra]
     groups = _alias.shared(tensors)
     if not groups:
-        return
+        return []
     targets = [tr[4] for tr in transfers] + [d for _, d in extra]
     split = _alias.split_targets(tensors, targets, groups)
-    if split is None:
-        return
+    if split is not None:
 
-    def where(i: int) -> str:
-        return str(transfers[i].site) if i < len(transfers) else "a param's .grad"
+        def where(i: int) -> str:
+            return str(transfers[i].site) if i < len(transfers) else "a param's .grad"
 
-    a, b = split
-    raise ValueError(
-        f"{type(plan.optimizer).__name__}: {where(a)} and {where(b)} share one storage, but belong on different "
-        f"devices ({targets[a]} and {targets[b]}): copied apart, an update through one would no longer show "
-        f"through the other. Give one of them its own storage (.clone()), or put their params on one device; "
-        f"nothing was changed"
-    )
+        a, b = split
+        raise ValueError(
+            f"{type(plan.optimizer).__name__}: {where(a)} and {where(b)} share one storage, but belong on "
+            f"different devices ({targets[a]} and {targets[b]}): copied apart, an update through one would no "
+            f"longer show through the other. Give one of them its own storage (.clone()), or put their params on "
+            f"one device; nothing was changed"
+        )
+    # NOTE: the members of a group share a device and (not split) a target: they all move or none does.
+    index = {id(t): i for i, (t, _) in enumerate(items)}
+    together = []
+    for group in groups:
+        at = [index.get(id(tensors[i])) for i in group]
+        if at[0] is not None:
+            together.append((cast(list[int], at), targets[group[0]]))
+    return together
 
 
 def _run_on_side_stream(
@@ -190,13 +218,16 @@ def _run_on_side_stream(
     options: Options,
     *,
     describe: Callable[[int], str],
+    together: Sequence[tuple[list[int], torch.device]],
 ) -> tuple[Batch, Any]:
     streams = _streams.of(device)
     assert streams is not None  # (_single_stream_device checked)
     side = streams.side(device)
     # (every copy waits for the current stream, where the last step wrote and where every device tensor the
     # side stream touches is allocated, and records those tensors for the side one: see _copy.Side)
-    batch = copy_items(items, options, describe=describe, side=Side(streams, side, streams.current(device)))
+    batch = copy_items(
+        items, options, describe=describe, side=Side(streams, side, streams.current(device)), together=together
+    )
     event = streams.new_event(device)
     streams.record(event, side)
     batch.complete(host_pool if options.pool is None else options.pool, event)
@@ -218,6 +249,8 @@ def adoptions(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     protect: frozenset[int] | set[int] = frozenset(),
     hint: list[Mechanism] | None = None,
+    *,
+    distinct: bool = False,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], dict[str, int]], list[Mechanism]]:
     """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
     object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
@@ -227,27 +260,30 @@ def adoptions(
     owns them (a model's params and their grads kept in state): they are replaced instead. Each ``old`` must
     come with one copy (the caller resolves tensors shared between places first). ``hint``: the decisions of an
     earlier commit of the same (cached) plan, reused where :func:`optimshift._adopt.still_valid` says they hold.
+    ``distinct``: the caller promises each ``old`` once and never its own copy (:class:`Copies` pairs).
     Also returns the decisions made.
     """
-    done: set[int] = set()
-    unique = []
-    for pair in pairs:
-        old = pair[0]
-        if old is not pair[1] and id(old) not in done:
-            done.add(id(old))
-            unique.append(pair)
+    if distinct:
+        unique = pairs
+    else:
+        done: set[int] = set()
+        unique = []
+        for pair in pairs:
+            old = pair[0]
+            if old is not pair[1] and id(old) not in done:
+                done.add(id(old))
+                unique.append(pair)
     if hint is not None and still_valid(unique, hint) and not any(id(old) in protect for old, _ in unique):
         hows = hint
     else:
         hows = decide_all(unique)
-        if protect:
+        if protect and not protect.isdisjoint([id(old) for old, _ in unique]):
             hows = ["replace" if id(old) in protect else how for (old, _), how in zip(unique, hows)]
     replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
 
     plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
 
     def apply() -> dict[str, int]:
-        counts = {"data": 0, "swap": 0, "replace": len(replaced)}
         for (old, new), how in zip(unique, hows):
             if how == "data":
                 old.data = new  # (inline: this loop runs once per tensor)
@@ -256,8 +292,7 @@ def adoptions(
                     swap_impl(old, new)  # adopt()'s plain-tensor case, inline
                 else:
                     adopt(old, new, how)
-            counts[how] += 1
-        return counts
+        return {"data": hows.count("data"), "swap": hows.count("swap"), "replace": len(replaced)}
 
     return replaced, apply, hows
 
@@ -267,7 +302,7 @@ def commit(optimizer: Any, copies: Copies, hint: list[Mechanism] | None = None) 
     where that is impossible, the copy takes its place in the state, param groups and containers.
     Everything is decided and prepared first, then applied; ``copies.mechanisms`` counts how many tensors went
     each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adopt_all`)."""
-    replaced, apply, hows = adoptions(copies.pairs, protect=outside_owned(optimizer), hint=hint)
+    replaced, apply, hows = adoptions(copies.pairs, protect=outside_owned(optimizer), hint=hint, distinct=True)
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
     if replaced:
@@ -284,12 +319,9 @@ def commit(optimizer: Any, copies: Copies, hint: list[Mechanism] | None = None) 
 def outside_owned(optimizer: Any) -> set[int]:
     """ids of the optimizer's params and their grads: a state entry that *is* one of them (a frozen param kept
     as state) must be replaced, never changed in place, or the model would move with the state."""
-    owned: set[int] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            owned.add(id(p))
-            if isinstance(p, torch.Tensor) and p.grad is not None:
-                owned.add(id(p.grad))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    owned = set(map(id, params))
+    owned.update(id(p.grad) for p in params if isinstance(p, torch.Tensor) and p.grad is not None)
     return owned
 
 

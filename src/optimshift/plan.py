@@ -6,7 +6,7 @@ while the optimizer is untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, cast
@@ -16,7 +16,6 @@ import torch
 from . import _session
 from . import policy as _policy
 from ._state import Path, format_path, group_device, leaves, param_label
-from ._state import param_name as _param_name
 
 __all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_holders", "check_optimizer"]
 
@@ -110,8 +109,11 @@ _new_transfer = tuple.__new__
 
 @dataclass
 class Plan:
+    """``repeats``: some tensor is held by more than one entry (it is listed once per entry, copied once)."""
+
     optimizer: torch.optim.Optimizer
     transfers: list[Transfer] = field(default_factory=list)
+    repeats: bool = True
 
 
 def optimizer_name(optimizer: Any) -> str:
@@ -152,38 +154,40 @@ def iter_holders(
     """
     name = optimizer_name(optimizer)
     param_groups = optimizer.param_groups if groups is None else groups
-    located: dict[int, tuple[int, int]] = {}
-    for gi, group in enumerate(param_groups):
-        for pi, p in enumerate(group["params"]):
-            if id(p) in located:
-                g0, i0 = located[id(p)]
-                raise ValueError(
-                    f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})"
-                )
-            located[id(p)] = (gi, pi)
+    # NOTE: dict and set operations over ids first, one pass each in C; the loops that name the culprit run
+    # only when one of them finds something wrong (this runs once per operation over every param).
+    located = {id(p): None for group in param_groups for p in group["params"]}
+    if len(located) != sum(len(group["params"]) for group in param_groups):
+        _refuse_listed_twice(name, param_groups)
+    entries_of = optimizer.state if state is None else state
+    by_id: dict[int, Any] = {id(p): entries for p, entries in entries_of.items()}  # (a tensor's hash is a Python call)
     wide: dict[Any, Any] = {}
-    by_id: dict[int, Any] = {}  # (id-keyed: a tensor's __hash__ is a Python call)
-    for p, entries in (optimizer.state if state is None else state).items():
-        if not isinstance(p, torch.Tensor):
-            wide[p] = entries  # an optimizer-wide entry under a plain key
-        elif id(p) not in located:
-            shape = tuple(p.shape)
-            keys = list(entries) if isinstance(entries, Mapping) else []
-            raise ValueError(
-                f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
-                f"group; it cannot be placed. Remove it (del optimizer.state[param]) or add the param to a group."
-            )
-        else:
-            by_id[id(p)] = entries
+    if len(by_id) != len(entries_of) or not by_id.keys() <= located.keys():
+        by_id = {}
+        for p, entries in entries_of.items():
+            if not isinstance(p, torch.Tensor):
+                wide[p] = entries  # an optimizer-wide entry under a plain key
+            elif id(p) not in located:
+                shape = tuple(p.shape)
+                keys = list(entries) if isinstance(entries, Mapping) else []
+                raise ValueError(
+                    f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
+                    f"group; it cannot be placed. Remove it (del optimizer.state[param]) or add the param to a "
+                    f"group."
+                )
+            else:
+                by_id[id(p)] = entries
+    get = by_id.get
     for gi, group in enumerate(param_groups):
         names = group.get("param_names")
+        if not isinstance(names, (list, tuple)):
+            names = ()
         for pi, p in enumerate(group["params"]):
-            held = by_id.get(id(p))
+            held = get(id(p))
             if not held:
                 continue
             # NOTE: `pname`, not `name`: that one is the optimizer's, in every error above and below.
-            pname = _param_name(pi, names)
-            pname = None if pname is None else str(pname)
+            pname = str(names[pi]) if pi < len(names) and names[pi] is not None else None
             if type(held) is not dict and not isinstance(held, Mapping):
                 raise TypeError(
                     f"{name}: state of {param_label(gi, pi, pname)} is a {type(held).__name__}, expected a dict "
@@ -194,6 +198,18 @@ def iter_holders(
         yield gi, None, None, group, group, None
     if wide and param_groups:
         yield OPTIMIZER_WIDE, None, None, param_groups[0], wide, None
+
+
+def _refuse_listed_twice(name: str, param_groups: list[dict[str, Any]]) -> None:
+    located: dict[int, tuple[int, int]] = {}
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            if id(p) in located:
+                g0, i0 = located[id(p)]
+                raise ValueError(
+                    f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})"
+                )
+            located[id(p)] = (gi, pi)
 
 
 _GROUP_SKIP = ("params", "param_names")
@@ -229,40 +245,55 @@ def build_plan(
     plan = Plan(optimizer)
     transfers = plan.transfers
     append = transfers.append
-    # id(tensor) -> the index of its first transfer; for a tensor held twice or more, ``again`` lists them all
-    # (NOTE: an int per tensor, not a list: one allocation less per tensor, and sharing is rare)
-    first: dict[int, int] = {}
-    again: dict[int, list[int]] = {}
-    setdefault = first.setdefault
     follow = getattr(target, "follow", None)  # a policy target's fixed device for non-scalar state
     paths = _top_paths
+    tensor_type = torch.Tensor
     for gi, pi, param, group, entries, pname in iter_holders(optimizer, groups, state):
+        followed = follow is not None and param is not None
         for key, value in entries.items():
-            if pi is None and key in _GROUP_SKIP:
-                continue
-            path = paths.get(key) or _top_path(key)
-            if isinstance(value, torch.Tensor):
-                found: Iterable[tuple[Path, torch.Tensor]] = ((path, value),)
-            else:
-                found = leaves(value, path)
-            for where, tensor in found:
-                ident: Ident = (gi, pi, where)
-                if follow is not None and param is not None and tensor.dim():
+            if type(value) is tensor_type or isinstance(value, tensor_type):
+                # (the common case, a tensor right under its key, inlined: this runs once per tensor)
+                ident: Ident = (gi, pi, paths.get(key) or _top_path(key))
+                if followed and value.dim():
                     device, source = follow, "rule"  # what target() would answer, without the call
                 else:
-                    device, source = target(ident, param, group, key, tensor)
-                tr = _new_transfer(Transfer, (ident, pname, tensor, param, device, source))
-                n = len(transfers)
-                seen = setdefault(id(tensor), n)
-                if seen != n:  # a tensor seen before: one tensor, one place
-                    shared = again.get(id(tensor))
-                    if shared is None:
-                        shared = again[id(tensor)] = [seen]
-                    if transfers[shared[0]][4] != device:
-                        _share(optimizer, transfers, shared, tr)
-                    shared.append(n)
-                append(tr)
+                    device, source = target(ident, param, group, key, value)
+                append(_new_transfer(Transfer, (ident, pname, value, param, device, source)))
+            elif pi is None and key in _GROUP_SKIP:
+                continue
+            else:
+                for where, tensor in leaves(value, paths.get(key) or _top_path(key)):
+                    ident = (gi, pi, where)
+                    if followed and tensor.dim():
+                        device, source = follow, "rule"
+                    else:
+                        device, source = target(ident, param, group, key, tensor)
+                    append(_new_transfer(Transfer, (ident, pname, tensor, param, device, source)))
+    # NOTE: a tensor held by several entries is rare: one pass in C finds none (the common case).
+    ids = list(map(id, map(_tensor_of, transfers)))
+    plan.repeats = len(set(ids)) != len(ids)
+    if plan.repeats:
+        _one_place_each(optimizer, transfers, ids)
     return plan
+
+
+_tensor_of = itemgetter(2)
+
+
+def _one_place_each(optimizer: Any, transfers: list[Transfer], ids: list[int]) -> None:
+    """Validate (and, for LBFGS's shared lr, settle) where each tensor held by several entries goes."""
+    held: dict[int, list[int]] = {}
+    for i, key in enumerate(ids):
+        held.setdefault(key, []).append(i)
+    for indices in held.values():
+        if len(indices) < 2:
+            continue
+        shared = indices[:1]
+        for n in indices[1:]:
+            tr = transfers[n]
+            if transfers[shared[0]][4] != tr[4]:
+                _share(optimizer, transfers, shared, tr)
+            shared.append(n)
 
 
 def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Transfer) -> None:

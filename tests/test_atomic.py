@@ -29,7 +29,8 @@ def _fingerprint(opt):
 
 @pytest.fixture
 def fail_on_50th(monkeypatch):
-    """Every copy path (tensor by tensor, and grouped chunks cut to one tensor each) fails on its 50th call."""
+    """Every copy path (tensor by tensor, and grouped chunks cut to one tensor each) fails on its 50th call
+    (a copy may count twice: copy_tensor calls Tensor.to; it still fails on the 50th)."""
     calls = {"n": 0}
 
     def flaky(real):
@@ -42,6 +43,7 @@ def fail_on_50th(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(batch, "copy_tensor", flaky(batch.copy_tensor))
+    monkeypatch.setattr(torch.Tensor, "to", flaky(torch.Tensor.to))  # (copy_many copies a plain tensor inline)
     monkeypatch.setattr(batch, "_to_host", flaky(batch._to_host))
     monkeypatch.setattr(batch, "_to_device", flaky(batch._to_device))
     monkeypatch.setattr(batch, "CHUNK_BYTES", 1)

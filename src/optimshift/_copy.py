@@ -265,6 +265,7 @@ def copy_many(
     kinds: dict[tuple[torch.device, torch.device], tuple[bool, bool]] = {}
     wrapped: dict[int, Any] = {}  # index -> the DTensor whose local shard was copied there
     plain = torch.Tensor
+    inline = side is None and not pin_memory
     try:
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
         for indices, target in (_alias.together(items) if together is None else together) if group else ():
@@ -307,7 +308,12 @@ def copy_many(
                     wrapped[i] = original
                 continue
             current = i
-            copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side, pins=kind[1])
+            if inline and type(t) is plain and not t.requires_grad:
+                # NOTE: copy_tensor's common case (a plain tensor), inlined: this runs once per tensor
+                fast = non_blocking or (kind[1] and _is_pinned(t))
+                copies[i] = t.to(target, non_blocking=True) if fast else t.to(target)
+            else:
+                copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side, pins=kind[1])
         batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))

@@ -45,11 +45,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _one_at_a_time(fn: F) -> F:
     """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`), whether they are
     given the optimizer or a wrapper delegating to it (the lock is the wrapped optimizer's, as in
-    ``load_state_dict``)."""
+    ``load_state_dict``), with the cyclic collector paused (:func:`optimshift.engine.no_gc`)."""
 
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        with exclusive(unwrap(optimizer)):
+        # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
+        # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
+        # while they were alive would cost ~0.5 us per tensor, a third of a bare move).
+        with exclusive(unwrap(optimizer)), engine.no_gc():
             return fn(optimizer, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

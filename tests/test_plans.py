@@ -6,6 +6,7 @@ where a fresh optimizer keeps it, values bitwise, objects kept), so a stale plan
 """
 
 import contextlib
+import gc
 import weakref
 
 import pytest
@@ -243,6 +244,26 @@ def test_the_adoption_inputs_are_checked_before_reusing_decisions(sim, builds):
     assert ref() is watched and st["exp_avg"] is not watched  # replaced (the documented fallback)
     for s, before in zip(opt.state.values(), values):
         assert bitwise_equal(dict(s), before)
+
+
+def test_a_cached_plan_pins_no_tensor_the_state_let_go(sim):
+    """A tensor the commit replaced (a weak reference blocks the swap, as dynamo's do on a compiled step's
+    state) is freed with the state: the cached plans hold no tensor, so an offload frees all the state's device
+    memory (it freed none while the offload plan held the tensors it was built over)."""
+    from optimshift.testing import simulated_memory_allocated
+
+    model, opt = _trained(sim)
+    for cycle in range(2):
+        gc.collect()
+        refs = [weakref.ref(v) for st in opt.state.values() for v in st.values() if v.device == sim]
+        state_bytes = sum(v.numel() * v.element_size() for v in map(weakref.ref.__call__, refs))
+        before = simulated_memory_allocated(0)
+        optimshift.offload(opt)
+        gc.collect()
+        assert all(r() is None for r in refs), cycle  # replaced, and nothing else holds them
+        assert before - simulated_memory_allocated(0) == state_bytes, cycle
+        optimshift.reload(opt)
+        _placed_like_fresh(opt)
 
 
 @pytest.mark.parametrize("what", ["fake mode", "streams"])

@@ -29,7 +29,7 @@ from . import policy as _policy
 from ._adopt import Mechanism
 from ._devices import _fake_mode_active
 from ._state import IMPLEMENTATION_FLAGS, leaves
-from .plan import _GROUP_SKIP, Ident, Plan, TargetFn, Transfer, build_plan, iter_holders
+from .plan import _GROUP_SKIP, Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
 
 __all__ = ["Cached", "plan_for"]
 
@@ -39,18 +39,21 @@ PER_KEY = 2  # layouts kept per key: a move that follows params back and forth b
 
 @dataclass(eq=False)
 class Cached:
-    """A plan's transfers and what they were built over (see the module docstring).
+    """A plan's decisions and what they were built over (see the module docstring), holding no tensor.
 
-    # NOTE: the transfers, not the Plan: a Plan holds its optimizer, and the session (the value of a weak-keyed
-    # table) must not keep its own key alive.
+    # NOTE: no tensor, and not the Plan: the session lives as long as the optimizer, and a tensor the state no
+    # longer holds (one a commit replaced, a load superseded, a user deleted) must be freed with the state, not
+    # pinned here until this key is planned again (an offload would free no device memory). Sites are matched
+    # by ``id`` and meta; the tensors are the state's own, taken at each use.
     """
 
-    transfers: list[Transfer]
+    template: list[tuple[Ident, str | None, torch.Tensor | None, torch.device, str]]  # per transfer, no tensor
     layout: tuple[Any, ...]
     keys: list[Any]  # per transfer: its top-level key (containers: the full path), to check each site
     metas: list[tuple[Any, ...]]  # per transfer: (device, dtype, shape, strides) of its tensor
+    ids: list[int]  # per transfer: id() of its tensor when the plan was last used
     sources: dict[Ident, torch.device] = field(default_factory=dict)  # per site: its tensor's device
-    repeats: bool = True  # Plan.repeats (the same tensor objects at the same sites: the same answer)
+    repeats: bool = True  # Plan.repeats: the same ids at the same sites give the same answer
     hows: list[Mechanism] | None = None  # the commit's adoption decisions, in its order
     hits: int = 0
 
@@ -94,27 +97,30 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
     return tuple(parts)
 
 
-def _same_sites(optimizer: Any, cached: Cached) -> bool:
-    """Whether every site still holds the tensor object the plan was built over, unchanged (the walk of
-    build_plan, with no decision)."""
-    transfers = cached.transfers
-    keys, metas = cached.keys, cached.metas
-    n = len(transfers)
+def _current(optimizer: Any, cached: Cached) -> list[torch.Tensor] | None:
+    """The state's tensors in plan order if every site still holds the tensor the plan was last used with
+    (by id), unchanged (the walk of build_plan, with no decision); else None."""
+    ids, keys, metas = cached.ids, cached.keys, cached.metas
+    n = len(ids)
+    out: list[torch.Tensor] = []
+    append = out.append
     i = 0
     for _, pi, _, _, entries, _ in iter_holders(optimizer):
         for key, value in entries.items():
             if pi is None and key in _GROUP_SKIP:
                 continue
             if isinstance(value, torch.Tensor):
-                if i >= n or transfers[i][2] is not value or keys[i] != key or _meta(value) != metas[i]:
-                    return False
+                if i >= n or ids[i] != id(value) or keys[i] != key or _meta(value) != metas[i]:
+                    return None
+                append(value)
                 i += 1
                 continue
             for path, tensor in leaves(value, (("key", key),)):
-                if i >= n or transfers[i][2] is not tensor or keys[i] != path or _meta(tensor) != metas[i]:
-                    return False
+                if i >= n or ids[i] != id(tensor) or keys[i] != path or _meta(tensor) != metas[i]:
+                    return None
+                append(tensor)
                 i += 1
-    return i == n
+    return out if i == n else None
 
 
 def plan_for(
@@ -129,9 +135,15 @@ def plan_for(
     kept: list[Cached] = session.plans.get(key) or []
     for cached in kept:
         if cached.layout == shape:
-            if _same_sites(optimizer, cached):
+            tensors = _current(optimizer, cached)
+            if tensors is not None:
                 cached.hits += 1
-                return Plan(optimizer, cached.transfers, cached.repeats), cached
+                new = _new_transfer
+                transfers = [
+                    new(Transfer, (ident, name, t, param, device, source))
+                    for (ident, name, param, device, source), t in zip(cached.template, tensors)
+                ]
+                return Plan(optimizer, transfers, cached.repeats), cached
             kept.remove(cached)  # the same layout with other state: this one is stale
             break
     plan = build_plan(optimizer, target)
@@ -144,7 +156,9 @@ def plan_for(
         keys.append(path[0][1] if len(path) == 1 else path)
         metas.append(_meta(tensor))
         sources.setdefault(ident, tensor.device)
-    cached = Cached(plan.transfers, shape, keys, metas, sources, plan.repeats)
+    template = [(tr[0], tr[1], tr[3], tr[4], tr[5]) for tr in plan.transfers]
+    ids = [id(tr[2]) for tr in plan.transfers]
+    cached = Cached(template, shape, keys, metas, ids, sources, plan.repeats)
     plans = session.plans
     plans.pop(key, None)
     if len(plans) >= MAX_KEYS:

@@ -176,7 +176,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         cache_key=key,
     )
     if cached is not None and cached.hits:  # (where() was not called: the plan's group tensors say it)
-        group_moves = [(tr[0], cached.sources[tr[0]], tr[4]) for tr in cached.transfers if tr[3] is None]
+        group_moves = [(site[0], cached.sources[site[0]], site[3]) for site in cached.template if site[2] is None]
     _remember_sides(optimizer, group_moves)
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)

@@ -245,17 +245,19 @@ def build_plan(
     plan = Plan(optimizer)
     transfers = plan.transfers
     append = transfers.append
-    follow = getattr(target, "follow", None)  # a policy target's fixed device for non-scalar state
+    # a policy target's device for a param's non-scalar state: fixed, or "param" (the param's own device)
+    follow = getattr(target, "follow", None)
     paths = _top_paths
     tensor_type = torch.Tensor
     for gi, pi, param, group, entries, pname in iter_holders(optimizer, groups, state):
         followed = follow is not None and param is not None
+        dest = (param.device if isinstance(follow, str) else follow) if followed else None  # type: ignore[union-attr]
         for key, value in entries.items():
             if type(value) is tensor_type or isinstance(value, tensor_type):
                 # (the common case, a tensor right under its key, inlined: this runs once per tensor)
                 ident: Ident = (gi, pi, paths.get(key) or _top_path(key))
                 if followed and value.dim():
-                    device, source = follow, "rule"  # what target() would answer, without the call
+                    device, source = dest, "rule"  # what target() would answer, without the call
                 else:
                     device, source = target(ident, param, group, key, value)
                 append(_new_transfer(Transfer, (ident, pname, value, param, device, source)))
@@ -265,7 +267,7 @@ def build_plan(
                 for where, tensor in leaves(value, paths.get(key) or _top_path(key)):
                     ident = (gi, pi, where)
                     if followed and tensor.dim():
-                        device, source = follow, "rule"
+                        device, source = dest, "rule"
                     else:
                         device, source = target(ident, param, group, key, tensor)
                     append(_new_transfer(Transfer, (ident, pname, tensor, param, device, source)))
@@ -363,5 +365,6 @@ def policy_target(
             memo[memo_key] = result
         return result
 
-    setattr(target, "follow", None if device is None or not cacheable else device)  # noqa: B010  (read by build_plan)
+    # (read by build_plan: where a param's non-scalar state goes, without a call; "param": its param's device)
+    setattr(target, "follow", None if not cacheable else ("param" if device is None else device))  # noqa: B010
     return target

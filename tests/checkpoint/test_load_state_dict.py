@@ -523,22 +523,39 @@ def test_setstate_failure_rolls_back():
     assert _fingerprint(target) == before
 
 
-def test_copy_failure_midway_changes_nothing(monkeypatch):
+@pytest.mark.parametrize("site", ["_copy_one", "Tensor.clone"])
+def test_copy_failure_midway_changes_nothing(monkeypatch, site):
+    """An OOM on the 5th copy (one by one, or in the loop that clones same-place tensors) changes nothing; the
+    clone loop's error says which entry it hit."""
     from optimshift.checkpoint import _staging
 
-    real, calls = _staging.Staging._copy_one, []
+    shapes = ((4, 3), (3,), (2,), (5,))
+    source = _adam(shapes).state_dict()
+    calls = []
 
-    def failing(self, *args):
-        calls.append(1)
-        if len(calls) == 5:
-            raise torch.OutOfMemoryError("simulated OOM")
-        return real(self, *args)
+    def failing(real):
+        def wrapper(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 5:
+                raise torch.OutOfMemoryError("simulated OOM")
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(_staging.Staging, "_copy_one", failing)
-    target = _adam()
+        return wrapper
+
+    if site == "_copy_one":
+        monkeypatch.setattr(_staging.Staging, "_copy_one", failing(_staging.Staging._copy_one))
+        for st in source["state"].values():  # (copied one by one: tensors that require grad)
+            for key in ("exp_avg", "exp_avg_sq"):
+                st[key] = st[key].detach().requires_grad_(True)
+    else:
+        monkeypatch.setattr(torch.Tensor, "clone", failing(torch.Tensor.clone))
+    target = _adam(shapes)
     before = _fingerprint(target)
-    with pytest.raises(torch.OutOfMemoryError):
-        optimshift.load_state_dict(target, _adam().state_dict())
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        optimshift.load_state_dict(target, source)
+    assert len(calls) == 5
+    if site == "Tensor.clone":  # (a failing _copy_one is replaced whole: its own note is not reached)
+        assert any("the optimizer is unchanged" in n and "state key" in n for n in caught.value.__notes__)
     assert _fingerprint(target) == before
 
 

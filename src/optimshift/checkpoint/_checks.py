@@ -57,15 +57,19 @@ def check_entries(
 ) -> None:
     """Each entry a step of ``base`` creates is in ``saved`` (the checkpoint's state of param ``p``), with the
     kind, dtype and size it needs. ``where(key)``: the entry in words for an error (``where(None)``: the param)."""
-    missing = [k for k in spec.keys if k not in saved]
-    if missing:
+    if not spec.keys <= saved.keys():
+        missing = [k for k in spec.keys if k not in saved]
         raise fail(
             f"{where(None)}: its state has no {keys_shown(missing)}; {base.__name__}.step keeps {keys_shown(spec.keys)}"
         )
+    strided, plain = torch.strided, torch.Tensor
     for key in spec.tensors:
         value = saved[key]
         if key in spec.scalars:
-            if _number_like(value) and (not isinstance(value, torch.Tensor) or value.layout == torch.strided):
+            if type(value) is plain:  # (the common case, decided inline: this runs once per entry)
+                if value.numel() == 1 and value.layout == strided and value.dtype not in _NOT_REAL:
+                    continue
+            elif _number_like(value) and (not isinstance(value, torch.Tensor) or value.layout == strided):
                 continue  # a Python number is what older PyTorch saved; __setstate__ makes it a tensor
             raise fail(
                 f"{where(key)}: expected a 0-dim tensor (or a number), got {_kind(value)}",
@@ -156,6 +160,9 @@ def _group_keys(
             break
     found = _group_keys_cache[(cls, base)] = (fresh, filled)
     return found
+
+
+_NOT_REAL = frozenset({torch.bool, torch.complex32, torch.complex64, torch.complex128})
 
 
 def _number_like(value: Any) -> bool:

@@ -258,25 +258,34 @@ def _install(
             f"({type(e).__name__}: {e}); the optimizer is unchanged"
         ) from e
     places: list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
+    append, plain = places.append, torch.Tensor
     for _, old_tensors, fresh in live:
+        get = fresh.get
         for key, old in old_tensors.items():
-            new = fresh.get(key)
-            if isinstance(new, torch.Tensor) and id(new) in made and new is not old:
-                places.append((fresh, key, old, new))
+            new = get(key)
+            if (type(new) is plain or isinstance(new, torch.Tensor)) and new is not old and id(new) in made:
+                append((fresh, key, old, new))
     # A copy installed in two places (LBFGS's state['t'] is its group's lr), at the top level or inside a
     # container, stays one shared object: adopting it into one old tensor would split the sharing.
-    places = [place for place in places if id(place[3]) not in shared]
-    # An old tensor that sat in two places now given two different copies keeps neither: each place gets its
-    # own copy (the checkpoint's values), as PyTorch installs them.
-    by_old: dict[int, set[int]] = {}
-    for _, _, old, new in places:
-        by_old.setdefault(id(old), set()).add(id(new))
-    places = [place for place in places if len(by_old[id(place[2])]) == 1]
-    cannot, apply = engine.adopt_all([(old, new) for _, _, old, new in places], protect=engine.outside_owned(optimizer))
+    if shared:
+        places = [place for place in places if id(place[3]) not in shared]
+    # NOTE: each old tensor once is the common case, found by one set over ids; the pairs are then distinct.
+    olds = [id(place[2]) for place in places]
+    distinct = len(set(olds)) == len(olds)
+    if not distinct:
+        # An old tensor that sat in two places now given two different copies keeps neither: each place gets
+        # its own copy (the checkpoint's values), as PyTorch installs them.
+        by_old: dict[int, set[int]] = {}
+        for _, _, old, new in places:
+            by_old.setdefault(id(old), set()).add(id(new))
+        places = [place for place in places if len(by_old[id(place[2])]) == 1]
+    cannot, apply, _ = engine.adoptions(
+        [(old, new) for _, _, old, new in places], protect=engine.outside_owned(optimizer), distinct=distinct
+    )
     stay_new = {id(old) for old, _ in cannot}  # no mechanism for this pair: the copy stays installed
     apply()
     for fresh, key, old, _ in places:
-        if id(old) not in stay_new:
+        if not stay_new or id(old) not in stay_new:
             fresh[key] = old
 
 

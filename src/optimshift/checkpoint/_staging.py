@@ -35,7 +35,7 @@ from .._state import (
     rebuild,
     too_deep,
 )
-from ..plan import OPTIMIZER_WIDE, Plan, build_plan, policy_target
+from ..plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from . import _files
 from ._checks import check_entries, check_group, keys_shown, same_step
 
@@ -44,6 +44,7 @@ __all__ = ["Staging"]
 _Site = tuple[int, int | None, Any, Path]  # (group, param index or None for a group entry, key, path inside)
 _Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): one copy each
 _Wanted = torch.Tensor | _Ticket  # a tensor that fits as it is, or the ticket of its copy
+_DtypeKey = tuple[int, torch.dtype, int, tuple[tuple[Any, torch.dtype], ...]]  # (group, param dtype, rank, entries)
 
 
 class Staging:
@@ -72,10 +73,10 @@ class Staging:
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
         self.strict = self.base is not None and same_step(type(optimizer), self.base)
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
-        self._wanted: dict[_Ticket, tuple[torch.Tensor, _Site]] = {}
+        self._wanted: dict[_Ticket, tuple[torch.Tensor, Transfer]] = {}
         self._made: dict[_Ticket, torch.Tensor] = {}
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
-        self._dtype_checks: dict[tuple[int, torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
+        self._dtype_checks: dict[_DtypeKey, list[Rejection]] = {}
 
     def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
         where = f"{self.source}: " if self.source else ""
@@ -190,26 +191,13 @@ class Staging:
         """Param ``pi`` of group ``gi`` (``None``), or its state entry ``key``, in words: made only for an error."""
         return lambda key: self._param_label(gi, pi) if key is None else self._site((gi, pi, key, ()))
 
-    def _want(
-        self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, always_copy: bool, site: _Site
-    ) -> _Wanted:
-        """Ask for ``tensor`` on ``device`` in ``dtype``: returns the tensor itself when it already fits and
-        copying was not asked for, else a ticket that :meth:`_got` turns into its copy once :meth:`_resolve`
-        has made every copy. One copy per distinct (source, device, dtype), so tensors shared in the
-        checkpoint stay shared. Sources stay alive (the state dict holds them) while their ids are keys."""
+    def _refuse_overexpanded(self, tensor: torch.Tensor, tr: Transfer) -> None:
         why = _files.overexpanded(tensor)
         if why is not None:
             raise self.fail(
-                f"{self._site(site)}: {why}; copying it would allocate every element (a corrupt or hostile checkpoint)"
+                f"{self._site(_site_of(tr))}: {why}; copying it would allocate every element (a corrupt or hostile "
+                f"checkpoint)"
             )
-        if not always_copy and tensor.dtype == dtype and tensor.device == device:
-            return tensor
-        ticket: _Ticket = (id(tensor), device, dtype)
-        if ticket not in self._wanted:
-            if tensor.is_meta and device.type != "meta":
-                raise self.fail(f"{self._site(site)}: a meta tensor has no values to load")
-            self._wanted[ticket] = (tensor, site)
-        return ticket
 
     def made_ids(self) -> set[int]:
         """The ids of the copies this staging made (never the caller's own tensors)."""
@@ -240,15 +228,24 @@ class Staging:
         moving: list[tuple[_Ticket, torch.Tensor, torch.device]] = []
         batched: set[int] = set()
         made = self._copy_shared()
-        for ticket, (t, site) in self._wanted.items():
+        clones: list[tuple[_Ticket, torch.Tensor]] = []  # plain tensors copied where they are, as they are
+        plain = torch.Tensor
+        for ticket, (t, tr) in self._wanted.items():
             if made and ticket in made:
                 continue
             _, device, dtype = ticket
-            if t.dtype == dtype and t.device != device and id(t) not in batched:
-                batched.add(id(t))
-                moving.append((ticket, t, device))
-            else:
-                self._made[ticket] = self._copy_one(t, device, dtype, site)
+            if t.dtype == dtype:
+                if t.device != device:
+                    if id(t) not in batched:
+                        batched.add(id(t))
+                        moving.append((ticket, t, device))
+                        continue
+                elif type(t) is plain and not t.requires_grad:
+                    clones.append((ticket, t))
+                    continue
+            self._made[ticket] = self._copy_one(t, device, dtype, _site_of(tr))
+        if clones:
+            self._clone_all(clones)
         if moving:
             try:
                 batch = engine.copy_items([(t, d) for _, t, d in moving])
@@ -263,6 +260,23 @@ class Staging:
                 assert new is not None  # (copy_items returns once every copy is made)
                 self._made[ticket] = new
 
+    def _clone_all(self, clones: list[tuple[_Ticket, torch.Tensor]]) -> None:
+        """Clone each tensor (the common copy of a load: same device, same dtype), in one loop."""
+        made: list[torch.Tensor] = []
+        try:
+            append = made.append
+            for _, t in clones:
+                append(t.clone())  # (keeps the strides, and is the cheapest copy)
+        except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
+            ticket = clones[len(made)][0]
+            add_note(
+                e,
+                f"{self.name}: load_state_dict: while copying {self._site(_site_of(self._wanted[ticket][1]))} to "
+                f"{ticket[1]}; the optimizer is unchanged",
+            )
+            raise
+        self._made.update(zip([ticket for ticket, _ in clones], made))
+
     def _copy_shared(self) -> set[_Ticket]:
         """Copy the state dict's tensors that share a storage (nothing else using it) as that storage, each a
         view of the copy at its own offset (:mod:`optimshift._alias`), so that a flat buffer and its views stay
@@ -272,8 +286,8 @@ class Staging:
         if not groups:
             return set()
         by_id: dict[int, list[tuple[_Ticket, torch.Tensor, _Site]]] = {}
-        for ticket, (t, site) in wanted:
-            by_id.setdefault(id(t), []).append((ticket, t, site))
+        for ticket, (t, tr) in wanted:
+            by_id.setdefault(id(t), []).append((ticket, t, _site_of(tr)))
         done: set[_Ticket] = set()
         for group in groups:
             tickets = [entry for i in group for entry in by_id[id(wanted[i][1][0])]]
@@ -393,7 +407,7 @@ class Staging:
         holders: dict[tuple[int, int | None], MutableMapping[Any, Any]] = {(gi, pi): new for new, _, gi, pi in pending}
         holders.update({(gi, None): group for gi, group in enumerate(new_groups)})
         holders[(OPTIMIZER_WIDE, None)] = new_state
-        cast, always_copy, uses, want = self.cast, self.copy, self._uses, self._want
+        cast, always_copy, uses, wanted_by = self.cast, self.copy, self._uses, self._wanted
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is wanted
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
@@ -418,9 +432,22 @@ class Staging:
                     )
                 # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
                 always = always_copy or (tpi is None and tgi != OPTIMIZER_WIDE)
-            wanted = want(tensor, device, dtype, always, (ggi, tpi, key, path[1:]))
-            if type(wanted) is tuple:  # a copy: count the places it is installed in
-                uses[wanted] = uses.get(wanted, 0) + 1
+            # NOTE: the tensor itself when it already fits and no copy was asked for, else a ticket that is
+            # turned into its copy once _resolve has made every copy: one copy per distinct (source, device,
+            # dtype), so tensors shared in the checkpoint stay shared (sources stay alive, the state dict holds
+            # them, while their ids are keys). Inlined: this runs once per tensor.
+            if not tensor.is_contiguous():  # (only a view with overlapping strides can be overexpanded)
+                self._refuse_overexpanded(tensor, tr)
+            wanted: _Wanted
+            if not always and tensor.dtype == dtype and tensor.device == device:
+                wanted = tensor
+            else:
+                wanted = (id(tensor), device, dtype)
+                if wanted not in wanted_by:
+                    if tensor.is_meta and device.type != "meta":
+                        raise self.fail(f"{self._site(_site_of(tr))}: a meta tensor has no values to load")
+                    wanted_by[wanted] = (tensor, tr)
+                uses[wanted] = uses.get(wanted, 0) + 1  # a copy: count the places it is installed in
             if nested is None:
                 holder = holders[(tgi, tpi)]
                 holder[key] = wanted  # (its placeholder was the checkpoint's tensor)
@@ -428,9 +455,11 @@ class Staging:
             else:
                 nested[id(tensor)] = wanted
         self._resolve()
-        got = self._got
+        made = self._made
         for holder, key in top:
-            holder[key] = got(holder[key])
+            value = holder[key]
+            if type(value) is tuple:  # (a ticket: its copy)
+                holder[key] = made[value]
         for (tgi, tpi, key), nested in inside.items():
             holder = holders[(tgi, tpi)]
             holder[key] = self._fill_nested(holder[key], nested)
@@ -479,7 +508,7 @@ class Staging:
         SGD takes float32 momentum for bfloat16 params, so that one is kept)."""
         if self.base is None or not dtypes:
             return
-        memo_key = (gi, p.dtype, p.dim(), tuple(sorted((str(k), str(d)) for k, d in dtypes.items())))
+        memo_key = (gi, p.dtype, p.dim(), tuple(dtypes.items()))  # (in the entries' order: a miss costs a check)
         rejected = self._dtype_checks.get(memo_key)
         if rejected is None:
             rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dtypes)
@@ -519,6 +548,12 @@ class Staging:
                 f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                 f"this (a corrupt or hostile checkpoint)"
             )
+
+
+def _site_of(tr: Transfer) -> _Site:
+    """Where a planned tensor sits, as a staging site (optimizer-wide entries: with the first group)."""
+    gi, pi, path = tr[0]
+    return (0 if gi == OPTIMIZER_WIDE else gi, pi, path[0][1], path[1:])
 
 
 def _ids_shown(ids: Mapping[Any, Any]) -> str:

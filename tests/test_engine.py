@@ -167,3 +167,61 @@ def test_an_offloaded_optimizer_that_dies_leaves_no_buffer_in_use(sim):
     del model, opt
     gc.collect()
     assert host_pool.stats().in_use == start
+
+
+_DTENSOR_ONE_BY_ONE = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+import optimshift
+from optimshift.testing import simulated_accelerator
+sim = simulated_accelerator()
+mesh = init_device_mesh("cpu", (2,))
+def sharded(local, shape, stride):
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+class Holder(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+    def step(self, closure=None):
+        pass
+p = torch.nn.Parameter(sharded(torch.zeros(0, 3), (1, 3), (3, 1)))
+opt = Holder([p])
+st = opt.state[p]
+st["empty"] = sharded(torch.zeros(0, 3), (1, 3), (3, 1))  # rank 1's shard of an uneven FSDP2 split: no rows
+st["transposed"] = sharded(torch.arange(6.0).reshape(3, 2).t(), (4, 3), (3, 1))  # not contiguous
+objects = {k: v for k, v in st.items()}
+out = []
+for op in ("move sim:0", "move sim:1", "offload", "reload"):
+    if op == "offload":
+        optimshift.offload(opt)
+    elif op == "reload":
+        optimshift.reload(opt)
+    else:
+        optimshift.move(opt, torch.device(op.split()[1]))
+    out.append((op, {k: (type(v).__name__, str(v.device), tuple(v.shape), v is objects[k],
+                     v.to_local().cpu().tolist()) for k, v in st.items()}))
+dist.destroy_process_group()
+print(repr(out))
+"""
+
+
+def test_dtensor_state_copied_one_by_one_stays_dtensor(tmp_path):
+    """DTensor entries the grouped copies do not take (an empty local shard, a non-contiguous one, a move
+    between two devices) are copied whole: each stays the same DTensor object with its global shape, its shard
+    on the target. (A plain-tensor shortcut once copied the bare shard, and the commit replaced the DTensor
+    with it.) A fake process group in a subprocess: no collective runs."""
+    import ast
+    import subprocess
+    import sys
+
+    script = tmp_path / "dtensor_one_by_one.py"
+    script.write_text(_DTENSOR_ONE_BY_ONE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    devices = {"move sim:0": "sim:0", "move sim:1": "sim:1", "offload": "cpu", "reload": "sim:1"}
+    for op, entries in steps:
+        assert entries["empty"] == ("DTensor", devices[op], (1, 3), True, []), op
+        assert entries["transposed"] == ("DTensor", devices[op], (4, 3), True, [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]), op

@@ -134,6 +134,36 @@ def test_another_tensor_object_at_a_site_rebuilds(sim, builds):
     assert _rebuilt_after(sim, builds, change) == 2
 
 
+@pytest.mark.parametrize("what", ["a frozen Parameter", "an inference tensor"])
+def test_a_new_tensor_that_reuses_a_freed_ones_id_rebuilds(sim, builds, what):
+    """Sites are matched by id (the cache holds no tensor), and a tensor created after a freed one may get its
+    id. Such a tensor of another kind (a Parameter another module owns, kept as state; an inference tensor)
+    must not inherit the cached decisions: the plan is rebuilt and the tensor replaced, never changed in place.
+    (The reuse is made certain here by giving the cache the new tensor's id.)"""
+    model, opt = _trained(sim)
+    st = opt.state[opt.param_groups[0]["params"][0]]
+    st["extra"] = torch.ones(3, 2, device=sim)
+    _cycle(opt)
+    _cycle(opt)  # the plans and their adoption decisions are cached
+    optimshift.offload(opt)
+    cached = next(kept[0] for key, kept in _session.of(opt).plans.items() if key[0] == "reload")
+    i = cached.ids.index(id(st["extra"]))
+    if what == "a frozen Parameter":
+        new = torch.nn.Parameter(torch.full((3, 2), 7.0), requires_grad=False)  # a frozen weight, on the host
+    else:
+        with torch.inference_mode():
+            new = torch.full((3, 2), 7.0)
+    st["extra"] = new
+    cached.ids[i] = id(new)  # as if it had landed where the freed tensor was
+    before = builds[0]
+    optimshift.reload(opt)
+    assert builds[0] == before + 1, "rebuilt"
+    assert st["extra"] is not new and new.device.type == "cpu", "replaced; the original left where it was"
+    assert st["extra"].device == sim and torch.equal(st["extra"].cpu(), torch.full((3, 2), 7.0))
+    if what == "an inference tensor":
+        assert new.is_inference() and repr(new)  # still a working inference tensor
+
+
 @pytest.mark.parametrize("what", ["dtype", "shape", "strides", "device"])
 def test_a_site_whose_tensor_changed_in_place_rebuilds(sim, builds, what):
     def change(model, opt):

@@ -308,8 +308,9 @@ def copy_many(
                     wrapped[i] = original
                 continue
             current = i
-            if inline and type(t) is plain and not t.requires_grad:
-                # NOTE: copy_tensor's common case (a plain tensor), inlined: this runs once per tensor
+            if inline and t is original and type(t) is plain and not t.requires_grad:
+                # NOTE: copy_tensor's common case (a plain tensor, not a DTensor's shard, which copy_tensor wraps
+                # back), inlined: this runs once per tensor
                 fast = non_blocking or (kind[1] and _is_pinned(t))
                 copies[i] = t.to(target, non_blocking=True) if fast else t.to(target)
             else:

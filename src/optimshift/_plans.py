@@ -50,7 +50,7 @@ class Cached:
     template: list[tuple[Ident, str | None, torch.Tensor | None, torch.device, str]]  # per transfer, no tensor
     layout: tuple[Any, ...]
     keys: list[Any]  # per transfer: its top-level key (containers: the full path), to check each site
-    metas: list[tuple[Any, ...]]  # per transfer: (device, dtype, shape, strides) of its tensor
+    metas: list[tuple[Any, ...]]  # per transfer: (class, device, dtype, shape, strides, inference) of its tensor
     ids: list[int]  # per transfer: id() of its tensor when the plan was last used
     sources: dict[Ident, torch.device] = field(default_factory=dict)  # per site: its tensor's device
     repeats: bool = True  # Plan.repeats: the same ids at the same sites give the same answer
@@ -59,7 +59,10 @@ class Cached:
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.dtype, t.shape, t.stride())
+    # NOTE: the class and inference-ness too: sites are matched by id, and a tensor created where a freed one
+    # was can reuse its id; the cached decisions (a Parameter or an inference tensor is replaced, never changed
+    # in place) depend on both.
+    return (type(t), t.device, t.dtype, t.shape, t.stride(), t.is_inference())
 
 
 def _hyper_tensors(group: dict[str, Any]) -> tuple[Any, ...]:

@@ -253,6 +253,8 @@ def build_plan(
         followed = follow is not None and param is not None
         dest = (param.device if isinstance(follow, str) else follow) if followed else None  # type: ignore[union-attr]
         for key, value in entries.items():
+            if pi is None and key in _GROUP_SKIP:  # (a group's params, or an optimizer-wide entry so named)
+                continue
             if type(value) is tensor_type or isinstance(value, tensor_type):
                 # (the common case, a tensor right under its key, inlined: this runs once per tensor)
                 ident: Ident = (gi, pi, paths.get(key) or _top_path(key))
@@ -261,8 +263,6 @@ def build_plan(
                 else:
                     device, source = target(ident, param, group, key, value)
                 append(_new_transfer(Transfer, (ident, pname, value, param, device, source)))
-            elif pi is None and key in _GROUP_SKIP:
-                continue
             else:
                 for where, tensor in leaves(value, paths.get(key) or _top_path(key)):
                     ident = (gi, pi, where)

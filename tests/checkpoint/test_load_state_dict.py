@@ -662,3 +662,25 @@ def test_param_names_follow_pytorch():
             p.grad = torch.ones(3)
         source.step()
         optimshift.load_state_dict(named, source.state_dict())
+
+
+def test_sparse_state_loads_as_it_was_saved():
+    """A sparse CSR entry (a third-party optimizer's mask) loads as it was saved, next to dense ones: the
+    overexpanded-view check asks only strided tensors about their strides (sparse CSR has none)."""
+
+    class Holder(O.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):
+            pass
+
+    p = torch.nn.Parameter(torch.zeros(3, 3))
+    src = Holder([p])
+    src.state[p]["csr"] = torch.eye(3).to_sparse_csr()
+    src.state[p]["m"] = torch.ones(3, 3)
+    dst = Holder([torch.nn.Parameter(torch.zeros(3, 3))])
+    optimshift.load_state_dict(dst, src.state_dict())
+    st = next(iter(dst.state.values()))
+    assert st["csr"].layout == torch.sparse_csr and torch.equal(st["csr"].to_dense(), torch.eye(3))
+    assert st["csr"] is not src.state[p]["csr"] and torch.equal(st["m"], torch.ones(3, 3))

@@ -408,6 +408,7 @@ class Staging:
         holders.update({(gi, None): group for gi, group in enumerate(new_groups)})
         holders[(OPTIMIZER_WIDE, None)] = new_state
         cast, always_copy, uses, wanted_by = self.cast, self.copy, self._uses, self._wanted
+        strided = torch.strided
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is wanted
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
@@ -436,7 +437,8 @@ class Staging:
             # turned into its copy once _resolve has made every copy: one copy per distinct (source, device,
             # dtype), so tensors shared in the checkpoint stay shared (sources stay alive, the state dict holds
             # them, while their ids are keys). Inlined: this runs once per tensor.
-            if not tensor.is_contiguous():  # (only a view with overlapping strides can be overexpanded)
+            # (only a strided view with overlapping strides can be overexpanded; sparse layouts have no strides)
+            if tensor.layout == strided and not tensor.is_contiguous():
                 self._refuse_overexpanded(tensor, tr)
             wanted: _Wanted
             if not always and tensor.dtype == dtype and tensor.device == device:

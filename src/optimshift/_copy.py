@@ -123,14 +123,11 @@ def copy_tensor(
     non_blocking: bool = False,
     pin_memory: bool = False,
     side: Side | None = None,
-    *,
-    pins: bool | None = None,
 ) -> torch.Tensor:
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast).
-    ``side``: the copy is queued on that stream, a device output allocated on the current one (:class:`Side`).
-    ``pins``: :func:`~optimshift._streams.pins_host_for` ``(device)``, when the caller asked it already."""
+    ``side``: the copy is queued on that stream, a device output allocated on the current one (:class:`Side`)."""
     if side is None and type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # common, kept cheap
-        if non_blocking or ((pins_host_for(device) if pins is None else pins) and _is_pinned(t)):
+        if non_blocking or (pins_host_for(device) and _is_pinned(t)):
             return t.to(device, non_blocking=True)
         return t.to(device)  # (keyword arguments alone double the cost of a small .to())
     if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
@@ -314,7 +311,7 @@ def copy_many(
                 fast = non_blocking or (kind[1] and _is_pinned(t))
                 copies[i] = t.to(target, non_blocking=True) if fast else t.to(target)
             else:
-                copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side, pins=kind[1])
+                copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
         batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))

@@ -115,12 +115,12 @@ def _transfer(
     reused while still valid (:mod:`optimshift._plans`); ``target`` is then not called at all. ``grads``: the
     params' grads matter to the plan (they are part of ``extra``)."""
     start = time.perf_counter()
-    with engine.no_gc():
-        plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads)
-        copies = engine.run(plan, options, extra=extra)
-        hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
-        if cached is not None:
-            cached.hows = hows
+    # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
+    plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads)
+    copies = engine.run(plan, options, extra=extra)
+    hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
+    if cached is not None:
+        cached.hows = hows
     if _log.isEnabledFor(logging.DEBUG):
         moved = list(copies.new.values())
         _log.debug(
@@ -551,8 +551,7 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
         decision = _policy.decide(optimizer, group, None, key, tensor, firsts[0].device if firsts else tensor.device)
         return decision.device, decision.source
 
-    with engine.no_gc():
-        copies = engine.run(build_plan(optimizer, target))
+    copies = engine.run(build_plan(optimizer, target))  # (the collector is paused by _one_at_a_time)
     # Everything is copied: now swap params and re-key state, then the tensors.
     states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
     for (gi, pi, _), q in zip(old, new):

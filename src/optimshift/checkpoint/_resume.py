@@ -285,7 +285,7 @@ def _install(
     stay_new = {id(old) for old, _ in cannot}  # no mechanism for this pair: the copy stays installed
     apply()
     for fresh, key, old, _ in places:
-        if not stay_new or id(old) not in stay_new:
+        if id(old) not in stay_new:
             fresh[key] = old
 
 

@@ -67,8 +67,10 @@ def _timed(fn: Callable[[], Any]) -> float:
 @optimshift.api._one_at_a_time  # (what move() runs in: its lock, the collector paused until its frame is gone)
 def _move_to_meta(opt: torch.optim.Optimizer) -> None:
     """``move(opt, "meta")`` (which move() refuses: meta tensors have no values): the same plan, copies and
-    commit."""
-    optimshift.api._transfer(opt, optimshift.plan.policy_target(opt, torch.device("meta")), what="move")
+    commit, under the cache key move() uses (a first call leaves its marker in the session)."""
+    meta = torch.device("meta")
+    key = optimshift.api._move_key(opt, meta)
+    optimshift.api._transfer(opt, optimshift.plan.policy_target(opt, meta), what="move", cache_key=key)
 
 
 def move_first_call(n_tensors: int, reps: int) -> dict[str, float]:
@@ -89,8 +91,9 @@ def move_repeated_fake(n_tensors: int, reps: int) -> dict[str, float]:
     cuda = torch.device("cuda", 0)
     with FakeTensorMode(allow_non_fake_inputs=True):
         a, b = _adam(n, "cpu"), _adam(n, "cpu")
-        optimshift.move(b, cuda)  # plans for both directions, cached from here on
-        optimshift.move(b, "cpu")
+        for _ in range(2):  # plans for both directions, kept from their second build
+            optimshift.move(b, cuda)
+            optimshift.move(b, "cpu")
         t_os, t_bare = [], []
         for _ in range(reps):
             gc.collect()
@@ -111,8 +114,9 @@ def cycle(n_tensors: int, reps: int, where: str) -> dict[str, float]:
         context = FakeTensorMode(allow_non_fake_inputs=True)
     with context:
         a, b = _adam(n, device), _adam(n, device)
-        optimshift.offload(b)
-        optimshift.reload(b)  # the cycle's two plans, cached from here on
+        for _ in range(2):  # the cycle's two plans, kept from their second build
+            optimshift.offload(b)
+            optimshift.reload(b)
         t_os, t_bare = [], []
         for _ in range(reps):
             gc.collect()

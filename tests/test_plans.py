@@ -55,7 +55,8 @@ def test_an_unchanged_optimizer_reuses_its_offload_and_reload_plans(sim, builds,
     values = [snapshot(dict(st)) for st in opt.state.values()]
     objects = tensor_ids(opt)
     _cycle(opt)
-    assert builds[0] == 2  # the first offload and the first reload
+    _cycle(opt)
+    assert builds[0] == 4  # the first two offloads and reloads: a plan is kept from its second build
     decided = []
     real_decide = optimshift.engine.decide_all
     monkeypatch.setattr(optimshift.engine, "decide_all", lambda pairs: decided.append(1) or real_decide(pairs))
@@ -64,7 +65,7 @@ def test_an_unchanged_optimizer_reuses_its_offload_and_reload_plans(sim, builds,
     monkeypatch.setattr(optimshift.api, "policy_target", lambda *a: targets.append(1) or real_target(*a))
     for _ in range(3):
         _cycle(opt)
-    assert builds[0] == 2 and decided == [], "no plan built and no adoption decided again"
+    assert builds[0] == 4 and decided == [], "no plan built and no adoption decided again"
     assert tensor_ids(opt) == objects
     for st, before in zip(opt.state.values(), values):
         assert bitwise_equal(dict(st), before)
@@ -77,12 +78,33 @@ def test_an_unchanged_optimizer_reuses_its_offload_and_reload_plans(sim, builds,
 
 def test_a_repeated_move_reuses_its_plan(sim, builds):
     model, opt = _trained(sim)
-    for _ in range(3):
+    for _ in range(4):
         model.to("cpu")
         optimshift.move(opt)
         model.to(sim)
         optimshift.move(opt)
-    assert builds[0] == 2
+    assert builds[0] == 4  # each direction's first two
+    _placed_like_fresh(opt)
+
+
+def test_a_one_off_operation_keeps_nothing_per_tensor(sim, builds):
+    """The first plan under a key leaves a marker (its layout) and no per-tensor record: a one-off move pays
+    nothing for the cache. The second build under that key and layout is kept, the third call reuses it."""
+    model, opt = _trained(sim)
+
+    def follow(device):
+        model.to(device)
+        optimshift.move(opt)
+
+    follow("cpu")
+    (entry,) = next(iter(_session.of(opt).plans.values()))
+    assert entry.template is None and entry.ids == [] and entry.metas == [] and entry.hows is None
+    follow(sim)
+    follow("cpu")
+    assert builds[0] == 3 and entry.template is not None and entry.hits == 0
+    follow(sim)  # (built the second time: kept)
+    follow("cpu")
+    assert builds[0] == 4 and entry.hits == 1
     _placed_like_fresh(opt)
 
 
@@ -93,6 +115,7 @@ def _rebuilt_after(sim, builds, change, *, cls=torch.optim.Adam, kwargs=None):
     """Cycle once (two plans), apply ``change(model, opt)``, cycle again: returns how many plans that built."""
     model, opt = _trained(sim, cls, **(kwargs or {}))
     _cycle(opt)
+    _cycle(opt)  # (kept from the second build)
     before = builds[0]
     change(model, opt)
     _cycle(opt)
@@ -244,14 +267,14 @@ def test_a_float_hyperparameter_change_rebuilds_nothing(sim, builds):
 
 def test_grads_present_matter_when_grads_are_offloaded(sim, builds):
     model, opt = _trained(sim)
-    for _ in range(2):
+    for _ in range(3):
         optimshift.offload(opt, include=("grads",))
         optimshift.reload(opt)
-    assert builds[0] == 2
+    assert builds[0] == 4  # (kept from the second build)
     model.parts[0].weight.grad = None
     optimshift.offload(opt, include=("grads",))
     optimshift.reload(opt)
-    assert builds[0] == 4
+    assert builds[0] == 6
     assert model.parts[0].weight.grad is None and model.parts[1].weight.grad is not None
 
 
@@ -261,6 +284,7 @@ def test_the_adoption_inputs_are_checked_before_reusing_decisions(sim, builds):
     raising half-way in swap_tensors."""
     model, opt = _trained(sim)
     _cycle(opt)
+    _cycle(opt)  # (kept from the second build)
     st = next(iter(opt.state.values()))
     watched = st["exp_avg"]
     ref = weakref.ref(watched)
@@ -268,7 +292,7 @@ def test_the_adoption_inputs_are_checked_before_reusing_decisions(sim, builds):
     _cycle(opt)
     # the offload plan still holds (only its decisions are made again); the reload's does not: the site holds the
     # replacement now
-    assert builds[0] == 3
+    assert builds[0] == 5
     offload_plan = _session.of(opt).plans[("offload", False)][0]
     assert offload_plan.hits == 1
     assert ref() is watched and st["exp_avg"] is not watched  # replaced (the documented fallback)

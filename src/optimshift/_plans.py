@@ -12,6 +12,10 @@ policy decision, and rebuilds on any mismatch:
 - each site: the same tensor object under the same key, with the same device, dtype, shape and strides;
 - the adoption inputs (:func:`optimshift._adopt.still_valid`), checked when the decisions are reused.
 
+A plan is kept from its second build under one key and layout: the first call leaves only a marker (its
+layout), so a one-off operation (most moves) pays nothing for the cache; a loop reuses its plans from its third
+iteration.
+
 # NOTE: keyed by what the caller's target function depends on besides the optimizer (the operation, the target
 # device, the offload a reload undoes): a cached plan is never asked a question it was not built for.
 """
@@ -47,15 +51,32 @@ class Cached:
     # by ``id`` and meta; the tensors are the state's own, taken at each use.
     """
 
-    template: list[tuple[Ident, str | None, torch.Tensor | None, torch.device, str]]  # per transfer, no tensor
     layout: tuple[Any, ...]
-    keys: list[Any]  # per transfer: its top-level key (containers: the full path), to check each site
-    metas: list[tuple[Any, ...]]  # per transfer: (class, device, dtype, shape, strides, inference) of its tensor
-    ids: list[int]  # per transfer: id() of its tensor when the plan was last used
+    # per transfer, no tensor; None: a marker (built once under this key and layout, not kept yet)
+    template: list[tuple[Ident, str | None, torch.Tensor | None, torch.device, str]] | None = None
+    keys: list[Any] = field(default_factory=list)  # per transfer: its top-level key (containers: the full path)
+    metas: list[tuple[Any, ...]] = field(default_factory=list)  # per transfer: _meta() of its tensor
+    ids: list[int] = field(default_factory=list)  # per transfer: id() of its tensor when the plan was last used
     sources: dict[Ident, torch.device] = field(default_factory=dict)  # per site: its tensor's device
     repeats: bool = True  # Plan.repeats: the same ids at the same sites give the same answer
-    hows: list[Mechanism] | None = None  # the commit's adoption decisions, in its order
+    hows: list[Mechanism] | None = None  # the commit's adoption decisions, in its order (read on a hit only)
     hits: int = 0
+
+    def keep(self, plan: Plan) -> None:
+        """Keep ``plan`` (built under this key and layout for the second time) for the calls that follow."""
+        keys: list[Any] = []
+        metas: list[tuple[Any, ...]] = []
+        sources: dict[Ident, torch.device] = {}
+        for tr in plan.transfers:
+            ident, tensor = tr[0], tr[2]
+            path = ident[2]
+            keys.append(path[0][1] if len(path) == 1 else path)
+            metas.append(_meta(tensor))
+            sources.setdefault(ident, tensor.device)
+        self.keys, self.metas, self.sources = keys, metas, sources
+        self.template = [(tr[0], tr[1], tr[3], tr[4], tr[5]) for tr in plan.transfers]
+        self.ids = [id(tr[2]) for tr in plan.transfers]
+        self.repeats, self.hows = plan.repeats, None
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -130,7 +151,8 @@ def plan_for(
     optimizer: Any, target: TargetFn, key: Hashable | None = None, *, grads: bool = False
 ) -> tuple[Plan, Cached | None]:
     """The plan of ``target`` over ``optimizer``: the one cached under ``key`` if it is still valid, else a new
-    one (cached under ``key``). ``key=None``: not cacheable (a new plan, nothing kept)."""
+    one. ``key=None``: not cacheable (a new plan, nothing kept). Also returns the cache entry of ``key`` and this
+    layout (a marker the first time; ``hits`` counts the calls it answered), one object for as long as it holds."""
     session = None if key is None else _session.get(optimizer)
     if session is None:
         return build_plan(optimizer, target), None
@@ -138,6 +160,10 @@ def plan_for(
     kept: list[Cached] = session.plans.get(key) or []
     for cached in kept:
         if cached.layout == shape:
+            if cached.template is None:  # the second build under this key and layout: keep it from now on
+                plan = build_plan(optimizer, target)
+                cached.keep(plan)
+                return plan, cached
             tensors = _current(optimizer, cached)
             if tensors is not None:
                 cached.hits += 1
@@ -149,22 +175,11 @@ def plan_for(
                 return Plan(optimizer, transfers, cached.repeats), cached
             kept.remove(cached)  # the same layout with other state: this one is stale
             break
-    plan = build_plan(optimizer, target)
-    keys: list[Any] = []
-    metas: list[tuple[Any, ...]] = []
-    sources: dict[Ident, torch.device] = {}
-    for tr in plan.transfers:
-        ident, tensor = tr[0], tr[2]
-        path = ident[2]
-        keys.append(path[0][1] if len(path) == 1 else path)
-        metas.append(_meta(tensor))
-        sources.setdefault(ident, tensor.device)
-    template = [(tr[0], tr[1], tr[3], tr[4], tr[5]) for tr in plan.transfers]
-    ids = [id(tr[2]) for tr in plan.transfers]
-    cached = Cached(template, shape, keys, metas, ids, sources, plan.repeats)
+    # NOTE: a marker only (no per-tensor record): a plan built once is most often never asked for again.
+    cached = Cached(shape)
     plans = session.plans
     plans.pop(key, None)
     if len(plans) >= MAX_KEYS:
         plans.pop(next(iter(plans)))  # the least recently built
     plans[key] = [cached] + kept[: PER_KEY - 1]
-    return plan, cached
+    return build_plan(optimizer, target), cached

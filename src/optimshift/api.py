@@ -119,7 +119,7 @@ def _transfer(
     plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads)
     copies = engine.run(plan, options, extra=extra)
     hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
-    if cached is not None:
+    if cached is not None and cached.template is not None:  # (a marker keeps nothing per tensor)
         cached.hows = hows
     if _log.isEnabledFor(logging.DEBUG):
         moved = list(copies.new.values())
@@ -164,9 +164,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
             group_moves.append((ident, tensor.device, device))
         return device, source
 
-    session = _session.get(optimizer)
-    cacheable = session is not None and not grads and not _policy.has_registered_policy(optimizer)
-    key = ("move", target, frozenset(session.group_sides.items())) if cacheable and session is not None else None
+    key = None if grads else _move_key(optimizer, target)
     copies, pending, cached = _transfer(
         optimizer,
         where,
@@ -175,7 +173,8 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         extra=[(g, p.device) for p, g in grads],
         cache_key=key,
     )
-    if cached is not None and cached.hits:  # (where() was not called: the plan's group tensors say it)
+    # (where() was not called: the plan's group tensors say it)
+    if cached is not None and cached.hits and cached.template is not None:
         group_moves = [(site[0], cached.sources[site[0]], site[3]) for site in cached.template if site[2] is None]
     _remember_sides(optimizer, group_moves)
     for p, host_grad in grads:
@@ -183,6 +182,15 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
     remember_pending(optimizer, pending)
     return optimizer
+
+
+def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
+    """The cache key of a move's plan (:mod:`optimshift._plans`): its target and where the group tensors a move
+    took to the host came from; None when not cacheable (a registered policy may look at anything)."""
+    session = _session.get(optimizer)
+    if session is None or _policy.has_registered_policy(optimizer):
+        return None
+    return ("move", target, frozenset(session.group_sides.items()))
 
 
 def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:

@@ -245,13 +245,18 @@ def build_plan(
     plan = Plan(optimizer)
     transfers = plan.transfers
     append = transfers.append
-    # a policy target's device for a param's non-scalar state: fixed, or "param" (the param's own device)
+    # a policy target's device for a param's non-scalar state: fixed, or "param" (the param's own device); its
+    # memo of scalar decisions (see policy_target), read here without the call
     follow = getattr(target, "follow", None)
+    memo: dict[Any, tuple[torch.device, str]] | None = getattr(target, "memo", None)
+    if memo is None:
+        memo = {}
     paths = _top_paths
     tensor_type = torch.Tensor
     for gi, pi, param, group, entries, pname in iter_holders(optimizer, groups, state):
         followed = follow is not None and param is not None
         dest = (param.device if isinstance(follow, str) else follow) if followed else None  # type: ignore[union-attr]
+        scalar_key = (id(group), param.dim(), dest) if followed else None  # type: ignore[union-attr]
         for key, value in entries.items():
             if pi is None and key in _GROUP_SKIP:  # (a group's params, or an optimizer-wide entry so named)
                 continue
@@ -261,7 +266,8 @@ def build_plan(
                 if followed and value.dim():
                     device, source = dest, "rule"  # what target() would answer, without the call
                 else:
-                    device, source = target(ident, param, group, key, value)
+                    hit = memo.get((scalar_key, key)) if followed else None
+                    device, source = hit or target(ident, param, group, key, value)
                 append(_new_transfer(Transfer, (ident, pname, value, param, device, source)))
             else:
                 for where, tensor in leaves(value, paths.get(key) or _top_path(key)):
@@ -328,7 +334,8 @@ def policy_target(
     (``device=None``: the param's current device). ``remembered=False``: group tensors are placed from where
     they are, not from where the session remembers a move took them from (a load brings its own)."""
 
-    memo: dict[tuple[int, str, int, torch.device], tuple[torch.device, str]] = {}
+    # (id(group), param rank, the param's device for the rule), key -> decision; read inline by build_plan too
+    memo: dict[tuple[tuple[int, int, torch.device], str], tuple[torch.device, str]] = {}
     cacheable = not _policy.has_registered_policy(optimizer)  # a user policy may look at anything
     session = _session.of(optimizer) if remembered else None
     sides = {} if session is None else session.group_sides  # group tensors a move took to the host
@@ -354,7 +361,7 @@ def policy_target(
         memo_key = None
         if cacheable and param is not None:
             # Built-in rules depend only on these: decide once per distinct combination in this plan.
-            memo_key = (id(group), key, param.dim(), param_device)
+            memo_key = ((id(group), param.dim(), param_device), key)
             hit = memo.get(memo_key)
             if hit is not None:
                 return hit
@@ -367,4 +374,5 @@ def policy_target(
 
     # (read by build_plan: where a param's non-scalar state goes, without a call; "param": its param's device)
     setattr(target, "follow", None if not cacheable else ("param" if device is None else device))  # noqa: B010
+    setattr(target, "memo", memo)  # noqa: B010  # (read by build_plan: a scalar's decision, without the call)
     return target

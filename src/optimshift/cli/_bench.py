@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .._stream import DEFAULT_CHUNK_BYTES, stream, unstream
-from ..api import _one_at_a_time, _transfer, move, offload, reload
+from ..api import _move_key, _one_at_a_time, _transfer, move, offload, reload
 from ..plan import policy_target
 from ..pool import host_pool
 from ..report import format_table
@@ -259,7 +259,8 @@ def _overhead_case(n_tensors: int, reps: int) -> dict[str, Any]:
 
     @_one_at_a_time  # move()'s path and wrapper (move itself refuses meta)
     def move_to_meta(opt: torch.optim.Optimizer) -> None:
-        _transfer(opt, policy_target(opt, meta), what="move")  # (nothing returned: freed before the collector runs)
+        # (move()'s cache key too: a first call leaves its marker; nothing returned: freed before the collector runs)
+        _transfer(opt, policy_target(opt, meta), what="move", cache_key=_move_key(opt, meta))
 
     t_bare, t_move = [], []
     for _ in range(reps):  # alternate, fresh optimizers each time: the same conditions for both

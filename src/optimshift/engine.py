@@ -29,7 +29,7 @@ from ._adopt import Mechanism, adopt, decide_all, still_valid
 from ._copy import BLOCKING, Batch, Options, Side, copy_many, synchronize
 from ._devices import _fake_mode_active
 from ._state import Setter, rebuild
-from .plan import Plan, Transfer
+from .plan import Plan
 from .pool import host_pool
 
 __all__ = ["Copies", "run", "copy_items", "commit", "adopt_all", "adoptions", "no_gc"]
@@ -125,9 +125,10 @@ def run(
     back to the pool with their event, and device memory they read is protected with ``record_stream`` so the
     caching allocator never reuses it early. Nothing in the optimizer changes here.
     """
-    items: list[tuple[torch.Tensor, torch.device]] = []
-    names: list[Any] = []
+    items: list[tuple[torch.Tensor, torch.device]]
+    names: list[Any] | None = None  # what each item is, for errors (built when one is raised)
     if plan.repeats:
+        items, names = [], []
         seen: set[int] = set()
         for transfer in plan.transfers:
             t, target = transfer[2], transfer[4]  # (tensor, target: see plan.Transfer)
@@ -135,12 +136,8 @@ def run(
                 seen.add(id(t))
                 items.append((t, target))
                 names.append(transfer)
-    else:  # (each tensor once: the common case, without the set)
-        for transfer in plan.transfers:
-            t, target = transfer[2], transfer[4]
-            if t.device != target:
-                items.append((t, target))
-                names.append(transfer)
+    else:  # (each tensor once: the common case, without the set, one comprehension)
+        items = [(tr[2], tr[4]) for tr in plan.transfers if tr[2].device != tr[4]]
     n_plan = len(items)
     if extra:
         seen = {id(t) for t, _ in items}
@@ -148,14 +145,15 @@ def run(
             if t.device != target and id(t) not in seen:
                 seen.add(id(t))
                 items.append((t, target))
-                names.append("a param's .grad")
     # (nothing moves: nothing can stop sharing, nor be copied as a storage)
     together = _shared_storages(plan, extra, items) if items else []
     optimizer_name = type(plan.optimizer).__name__
 
     def describe(i: int) -> str:
-        what = names[i]
-        return f"{optimizer_name} {what.site}" if isinstance(what, Transfer) else f"{optimizer_name} {what}"
+        if i >= n_plan:
+            return f"{optimizer_name} a param's .grad"
+        plans = names if names is not None else [tr for tr in plan.transfers if tr[2].device != tr[4]]
+        return f"{optimizer_name} {plans[i].site}"
 
     # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)
     device = _single_stream_device(items) if options.non_blocking and not _fake_mode_active() else None

@@ -8,7 +8,8 @@
 - an offload + reload cycle of an unchanged optimizer (cached plans) against a bare per-tensor identity-keeping
   loop on the same device pair, on the simulated accelerator and on fake ``cuda:0``;
 - ``load_state_dict`` (copy=True) into a fresh optimizer against a bare clone loop, and into existing state
-  against a bare ``copy_`` loop.
+  against a bare ``copy_`` loop;
+- the floors: the least any implementation of each does, against the same baselines (see :func:`floors`).
 
     .venv/bin/python benchmarks/planner.py [--tensors 50000] [--cycle-tensors 10000] [--params 16000] [--reps 5]
 
@@ -164,6 +165,85 @@ def load(n_params: int, reps: int) -> dict[str, float]:
     }
 
 
+def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
+    """The least any implementation of each operation does, against the same baselines as the goals (not
+    goals: what a ratio can go down to on this machine).
+
+    - move: a ``.to()`` and torch's C swap (``_swap_tensor_impl``, what ``swap_tensors`` ends in) per tensor;
+    - load into existing state: per param, its keys against the live ones, and per tensor its dtype, shape and
+      device against the live tensor's (the least a load that refuses a mismatched checkpoint asks), then one
+      ``copy_`` each;
+    - load into a fresh optimizer: the same checks against the param, then one ``clone`` each.
+    """
+    n = n_tensors // 2
+    swap_impl = torch._C._swap_tensor_impl
+    meta = torch.device("meta")
+
+    def least_move(opt: torch.optim.Optimizer) -> None:
+        for st in opt.state.values():
+            for k, v in st.items():
+                if k != "step":
+                    swap_impl(v, v.to(meta))
+
+    t_least, t_bare = [], []
+    for _ in range(reps):
+        a, b = _adam(n, "cpu"), _adam(n, "cpu")
+        gc.collect()
+        t_bare.append(_timed(lambda: _bare_move(a, meta)))
+        gc.collect()
+        t_least.append(_timed(lambda: least_move(b)))
+    move = _median_ratio(t_least, t_bare)[2]
+
+    opt = _adam(n_params, "cpu", numel=16)
+    saved = list(opt.state_dict()["state"].values())
+    params = [p for g in opt.param_groups for p in g["params"]]
+    live = [{k: v.clone() for k, v in st.items()} for st in saved]
+
+    def bare_copy() -> None:
+        for st, sv in zip(live, saved):
+            for k, v in st.items():
+                v.copy_(sv[k])
+
+    def checked_copy() -> None:
+        for st, sv in zip(live, saved):
+            if st.keys() != sv.keys():
+                raise ValueError("keys")
+            for k, v in st.items():
+                w = sv[k]
+                if v.dtype != w.dtype or v.shape != w.shape or v.device != w.device:
+                    raise ValueError(k)
+            for k, v in st.items():
+                v.copy_(sv[k])
+
+    def bare_clone() -> list[dict[str, torch.Tensor]]:
+        return [{k: v.clone() for k, v in sv.items()} for sv in saved]
+
+    def checked_clone() -> list[dict[str, torch.Tensor]]:
+        out: list[dict[str, torch.Tensor]] = []
+        for p, sv in zip(params, saved):
+            for k, w in sv.items():
+                if w.dim() and (w.shape != p.shape or w.dtype != p.dtype or w.device != p.device):
+                    raise ValueError(k)
+            out.append({k: v.clone() for k, v in sv.items()})
+        return out
+
+    t: dict[str, list[float]] = {name: [] for name in ("copy", "checked_copy", "clone", "checked_clone")}
+    for _ in range(reps):
+        for name, fn in (
+            ("copy", bare_copy),
+            ("checked_copy", checked_copy),
+            ("clone", bare_clone),
+            ("checked_clone", checked_clone),
+        ):
+            gc.collect()
+            t[name].append(_timed(fn))
+    return {
+        "move": move,
+        "existing": _median_ratio(t["checked_copy"], t["copy"])[2],
+        "fresh": _median_ratio(t["checked_clone"], t["clone"])[2],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, default=50_000)
@@ -192,6 +272,11 @@ def main() -> None:
     print(
         f"load_state_dict copy=True, {r['params']} params: into a fresh optimizer {r['fresh_vs_clone']:.2f}x a bare "
         f"clone loop; into existing state {r['existing_vs_copy']:.2f}x a bare copy_ loop (goal <= 1.5x each)"
+    )
+    f = floors(args.tensors, args.params, args.reps)
+    print(
+        f"floors (the least any implementation does, same baselines): move {f['move']:.2f}x; load into a fresh "
+        f"optimizer {f['fresh']:.2f}x; load into existing state {f['existing']:.2f}x"
     )
 
 

@@ -228,8 +228,7 @@ class Staging:
         moving: list[tuple[_Ticket, torch.Tensor, torch.device]] = []
         batched: set[int] = set()
         made = self._copy_shared()
-        clones: list[tuple[_Ticket, torch.Tensor]] = []  # plain tensors copied where they are, as they are
-        plain = torch.Tensor
+        plain, copies = torch.Tensor, self._made
         for ticket, (t, tr) in self._wanted.items():
             if made and ticket in made:
                 continue
@@ -241,11 +240,18 @@ class Staging:
                         moving.append((ticket, t, device))
                         continue
                 elif type(t) is plain and not t.requires_grad:
-                    clones.append((ticket, t))
+                    # NOTE: the common copy of a load (same place, same dtype), inlined: this runs once per tensor
+                    try:
+                        copies[ticket] = t.clone()  # (keeps the strides, and is the cheapest copy)
+                    except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
+                        add_note(
+                            e,
+                            f"{self.name}: load_state_dict: while copying {self._site(_site_of(tr))} to {device}; "
+                            f"the optimizer is unchanged",
+                        )
+                        raise
                     continue
-            self._made[ticket] = self._copy_one(t, device, dtype, _site_of(tr))
-        if clones:
-            self._clone_all(clones)
+            copies[ticket] = self._copy_one(t, device, dtype, _site_of(tr))
         if moving:
             try:
                 batch = engine.copy_items([(t, d) for _, t, d in moving])
@@ -259,23 +265,6 @@ class Staging:
             for (ticket, _, _), new in zip(moving, batch.copies):
                 assert new is not None  # (copy_items returns once every copy is made)
                 self._made[ticket] = new
-
-    def _clone_all(self, clones: list[tuple[_Ticket, torch.Tensor]]) -> None:
-        """Clone each tensor (the common copy of a load: same device, same dtype), in one loop."""
-        made: list[torch.Tensor] = []
-        try:
-            append = made.append
-            for _, t in clones:
-                append(t.clone())  # (keeps the strides, and is the cheapest copy)
-        except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
-            ticket = clones[len(made)][0]
-            add_note(
-                e,
-                f"{self.name}: load_state_dict: while copying {self._site(_site_of(self._wanted[ticket][1]))} to "
-                f"{ticket[1]}; the optimizer is unchanged",
-            )
-            raise
-        self._made.update(zip([ticket for ticket, _ in clones], made))
 
     def _copy_shared(self) -> set[_Ticket]:
         """Copy the state dict's tensors that share a storage (nothing else using it) as that storage, each a

@@ -339,6 +339,32 @@ def _comparisons(load, n):
     return CountingId.comparisons
 
 
+@pytest.mark.parametrize("sharing", ["one tensor", "one tensor and views of one storage"])
+def test_what_the_checkpoint_shares_stays_shared(sharing):
+    """One tensor held by two entries of the checkpoint loads as one copy held by both; tensors that share a
+    storage (views of one buffer) load as views of one copied storage. Neither is the caller's."""
+    model, opt = _trained(O.SGD, {"lr": 0.1, "momentum": 0.9}, [(4, 3), (4, 3), (4, 3)])
+    sd = opt.state_dict()
+    one = torch.arange(12.0).reshape(4, 3)
+    sd["state"][0]["momentum_buffer"] = sd["state"][1]["momentum_buffer"] = one
+    if sharing != "one tensor":
+        # (as torch.load makes them: two tensors on one storage, no base; nothing else uses it)
+        storage = torch.arange(24.0).untyped_storage()
+        sd["state"][2]["momentum_buffer"] = torch.empty(0).set_(storage, 0, (4, 3), (3, 1))
+        sd["state"][2]["extra"] = torch.empty(0).set_(storage, 12, (4, 3), (3, 1))
+        source = storage.data_ptr()
+        del storage
+    _, new = _twin(model, O.SGD, {"lr": 0.1, "momentum": 0.9})
+    optimshift.load_state_dict(new, sd)
+    a, b, c = (new.state[p] for p in new.param_groups[0]["params"])
+    assert a["momentum_buffer"] is b["momentum_buffer"] and a["momentum_buffer"] is not one
+    assert torch.equal(a["momentum_buffer"], one)
+    if sharing != "one tensor":
+        storage = c["momentum_buffer"].untyped_storage()
+        assert c["extra"].untyped_storage().data_ptr() == storage.data_ptr() != source
+        assert torch.equal(c["extra"], torch.arange(12.0, 24.0).view(4, 3))
+
+
 def test_linear_time_no_group_scans():
     pytorch = [_comparisons(lambda o, sd: o.load_state_dict(sd), n) for n in (100, 200)]
     assert pytorch[1] > 3.5 * pytorch[0] > 3.5 * 100 * 100 / 2  # quadratic: one scan per state tensor

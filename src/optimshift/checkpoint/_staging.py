@@ -240,16 +240,7 @@ class Staging:
                         moving.append((ticket, t, device))
                         continue
                 elif type(t) is plain and not t.requires_grad:
-                    # NOTE: the common copy of a load (same place, same dtype), inlined: this runs once per tensor
-                    try:
-                        copies[ticket] = t.clone()  # (keeps the strides, and is the cheapest copy)
-                    except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
-                        add_note(
-                            e,
-                            f"{self.name}: load_state_dict: while copying {self._site(_site_of(tr))} to {device}; "
-                            f"the optimizer is unchanged",
-                        )
-                        raise
+                    copies[ticket] = self._clone(t, tr)
                     continue
             copies[ticket] = self._copy_one(t, device, dtype, _site_of(tr))
         if moving:
@@ -265,6 +256,18 @@ class Staging:
             for (ticket, _, _), new in zip(moving, batch.copies):
                 assert new is not None  # (copy_items returns once every copy is made)
                 self._made[ticket] = new
+
+    def _clone(self, tensor: torch.Tensor, tr: Transfer) -> torch.Tensor:
+        """A copy of ``tensor`` where it is, as it is (the common copy of a load)."""
+        try:
+            return tensor.clone()  # (keeps the strides, and is the cheapest copy)
+        except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
+            add_note(
+                e,
+                f"{self.name}: load_state_dict: while copying {self._site(_site_of(tr))} to {tensor.device}; the "
+                f"optimizer is unchanged",
+            )
+            raise
 
     def _copy_shared(self) -> set[_Ticket]:
         """Copy the state dict's tensors that share a storage (nothing else using it) as that storage, each a
@@ -330,7 +333,8 @@ class Staging:
         new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
         spec_cache: dict[tuple[int, int], StateSpec] = {}
         new_state: defaultdict[Any, Any] = defaultdict(dict)
-        pending: list[tuple[dict[Any, Any], torch.Tensor, int, int]] = []  # (new state dict, param, group, index)
+        # (new state dict, param, group, index, its tensors' (key, dtype) when it holds no container)
+        pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, tuple[tuple[Any, torch.dtype], ...] | None]] = []
         if self.strict:
             assert self.base is not None  # (strict: a torch.optim class)
             for gi, ng in enumerate(new_groups):
@@ -360,6 +364,7 @@ class Staging:
                     assert self.base is not None  # (strict: a torch.optim class)
                     check_entries(self.fail, self._where(gi, pi), self.base, p, saved, spec)
                 new: dict[Any, Any] = {}
+                dtypes: list[tuple[Any, torch.dtype]] | None = []  # (key, dtype) of each tensor; None: containers
                 for key, value in saved.items():
                     if isinstance(value, torch.Tensor):
                         if key in spec.shaped and value.shape != pshape:
@@ -369,12 +374,15 @@ class Staging:
                                 f"made for other params (or another model)"
                             )
                         new[key] = value  # a placeholder (keeps the key order), replaced by its placed copy
+                        if dtypes is not None:
+                            dtypes.append((key, value.dtype))
                     elif isinstance(value, _ATOMS):
                         new[key] = value
                     else:
                         new[key] = self._copy_container(value, (gi, pi, key, ()))
+                        dtypes = None
                 new_state[p] = new
-                pending.append((new, p, gi, pi))
+                pending.append((new, p, gi, pi, None if dtypes is None else tuple(dtypes)))
 
         for key in self.wide:  # optimizer-wide entries (placed as the plan places them: with the first group's)
             value = states[key]
@@ -391,14 +399,22 @@ class Staging:
         plan = self._plan(new_groups, new_state)
         owned = {id(tr[2]) for tr in plan.transfers if tr[0][1] is None and tr[0][0] != OPTIMIZER_WIDE}
         if self.cast is None:  # (containers too: LBFGS's old_dirs/old_stps; a group's own tensor is the group's)
-            for new, p, gi, pi in pending:
-                self._check_dtypes(new_groups[gi], p, gi, pi, entry_dtypes(new, owned))
-        holders: dict[tuple[int, int | None], MutableMapping[Any, Any]] = {(gi, pi): new for new, _, gi, pi in pending}
+            for new, p, gi, pi, held in pending:
+                if held is None or owned:
+                    held = tuple(entry_dtypes(new, owned).items())
+                self._check_dtypes(new_groups[gi], p, gi, pi, held)
+        holders: dict[tuple[int, int | None], MutableMapping[Any, Any]] = {
+            (gi, pi): new for new, _, gi, pi, _ in pending
+        }
         holders.update({(gi, None): group for gi, group in enumerate(new_groups)})
         holders[(OPTIMIZER_WIDE, None)] = new_state
-        cast, always_copy, uses, wanted_by = self.cast, self.copy, self._uses, self._wanted
-        strided = torch.strided
-        top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is wanted
+        cast, always_copy, uses, wanted_by, made = self.cast, self.copy, self._uses, self._wanted, self._made
+        strided, plain = torch.strided, torch.Tensor
+        # NOTE: when no two of the checkpoint's tensors share a storage (the common case, one C call per tensor),
+        # a same-place copy is made right here, where its entry is placed; else every copy waits for _resolve,
+        # which copies tensors sharing a storage as that storage (a subset of these shares one only if they do).
+        direct = not _alias.shared([tr[2] for tr in plan.transfers])
+        top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is a ticket
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
             (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]
@@ -434,23 +450,32 @@ class Staging:
                 wanted = tensor
             else:
                 wanted = (id(tensor), device, dtype)
-                if wanted not in wanted_by:
+                copy = made.get(wanted) if direct else None
+                if copy is not None:  # (made here for another place: the checkpoint shares this tensor)
+                    uses[wanted] = uses.get(wanted, 1) + 1  # (a copy made here counts one place until then)
+                    wanted = copy
+                elif wanted not in wanted_by:
                     if tensor.is_meta and device.type != "meta":
                         raise self.fail(f"{self._site(_site_of(tr))}: a meta tensor has no values to load")
-                    wanted_by[wanted] = (tensor, tr)
-                uses[wanted] = uses.get(wanted, 0) + 1  # a copy: count the places it is installed in
+                    if direct and type(tensor) is plain and tensor.dtype == dtype and tensor.device == device:
+                        if not tensor.requires_grad:
+                            copy = made[wanted] = self._clone(tensor, tr)
+                            wanted = copy
+                    if type(wanted) is tuple:
+                        wanted_by[wanted] = (tensor, tr)
+                        uses[wanted] = 1
+                else:
+                    uses[wanted] += 1  # a copy: count the places it is installed in
             if nested is None:
                 holder = holders[(tgi, tpi)]
                 holder[key] = wanted  # (its placeholder was the checkpoint's tensor)
-                top.append((holder, key))
+                if type(wanted) is tuple:
+                    top.append((holder, key))
             else:
                 nested[id(tensor)] = wanted
         self._resolve()
-        made = self._made
-        for holder, key in top:
-            value = holder[key]
-            if type(value) is tuple:  # (a ticket: its copy)
-                holder[key] = made[value]
+        for holder, key in top:  # (tickets: their copies)
+            holder[key] = made[holder[key]]
         for (tgi, tpi, key), nested in inside.items():
             holder = holders[(tgi, tpi)]
             holder[key] = self._fill_nested(holder[key], nested)
@@ -492,17 +517,17 @@ class Staging:
         return out
 
     def _check_dtypes(
-        self, group: Mapping[str, Any], p: torch.Tensor, gi: int, pi: int, dtypes: Mapping[str, torch.dtype]
+        self, group: Mapping[str, Any], p: torch.Tensor, gi: int, pi: int, dtypes: tuple[tuple[Any, torch.dtype], ...]
     ) -> None:
         """Keeping the checkpoint's dtypes (``cast=None``) must leave an optimizer that can step: fail now,
         before anything is copied, if a step refuses one of them (float64 moments for float32 params in Adam;
         SGD takes float32 momentum for bfloat16 params, so that one is kept)."""
         if self.base is None or not dtypes:
             return
-        memo_key = (gi, p.dtype, p.dim(), tuple(dtypes.items()))  # (in the entries' order: a miss costs a check)
+        memo_key = (gi, p.dtype, p.dim(), dtypes)  # (in the entries' order: a miss costs a check)
         rejected = self._dtype_checks.get(memo_key)
         if rejected is None:
-            rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dtypes)
+            rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dict(dtypes))
         if rejected:
             r, n = rejected[0], dtype_name
             others = "".join(f" (and {x.key!r}, {n(x.dtype)})" for x in rejected[1:])

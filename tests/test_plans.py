@@ -339,3 +339,62 @@ def test_fake_mode_and_stream_availability_are_part_of_the_layout(sim, builds, m
         optimshift.offload(opt, non_blocking=True).wait()
         optimshift.reload(opt)
         assert builds[0] == before + 2
+
+
+def test_a_reload_plan_built_for_one_offload_is_not_reused_for_another(sim, monkeypatch):
+    """A reload keyed by the offload plan it undoes: by that plan's build, not its object (a marker stays one
+    object when it is kept). A reload that failed and was retried keeps its plan at the first offload's
+    targets; the next offload (a new build: the state moved) must not reuse it. Found by review: the retried
+    reload's plan put exp_avg back on the host."""
+    model, opt = _trained(sim)
+    st = opt.state[model.parts[0].weight]
+    exp_avg = st["exp_avg"]
+    torch.utils.swap_tensors(exp_avg, exp_avg.detach().cpu())  # misplaced; a reload puts it back where it was
+    optimshift.offload(opt)
+    real, calls = optimshift.engine.copy_items, []
+
+    def failing_once(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise torch.OutOfMemoryError("simulated OOM")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optimshift.engine, "copy_items", failing_once)
+    with pytest.raises(torch.OutOfMemoryError):
+        optimshift.reload(opt)  # (all or nothing: still offloaded)
+    optimshift.reload(opt)
+    assert exp_avg.device.type == "cpu"
+    optimshift.move(opt)  # placed by the rule: on the device
+    assert st["exp_avg"] is exp_avg and exp_avg.device == sim
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert st["exp_avg"] is exp_avg and exp_avg.device == sim
+    _placed_like_fresh(opt)
+
+
+def test_a_first_build_that_raises_leaves_the_cache_as_it_was(sim, monkeypatch):
+    model, opt = _trained(sim)
+    _cycle(opt)
+    _cycle(opt)
+    kept = {k: list(v) for k, v in _session.of(opt).plans.items()}
+
+    def refusing(*args, **kwargs):
+        raise ValueError("refused")
+
+    monkeypatch.setattr(_plans, "build_plan", refusing)
+    with pytest.raises(ValueError, match="refused"):
+        optimshift.move(opt, "cpu")
+    assert {k: list(v) for k, v in _session.of(opt).plans.items()} == kept
+
+
+def test_plans_in_use_are_evicted_last(sim):
+    """The cycle's two plans, used every iteration, outlive a burst of one-off moves to other targets."""
+    model, opt = _trained(sim)
+    for _ in range(2):
+        _cycle(opt)
+    cycle_keys = set(_session.of(opt).plans)
+    for i in range(_plans.MAX_KEYS - 2):
+        optimshift.move(opt, "cpu" if i % 2 else sim)
+        model.to(sim)
+        _cycle(opt)
+    assert cycle_keys <= set(_session.of(opt).plans)

@@ -130,7 +130,7 @@ class Record:
     buffers: list[torch.Tensor] = field(default_factory=list)
     grads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
-    token: Any = None  # the cached offload plan that made this record (what a cached reload undoes)
+    token: Any = None  # the serial of the cached offload plan's build that made this record (what a reload undoes)
 
     def extended(self) -> Record:
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded)."""

@@ -14,7 +14,8 @@ policy decision, and rebuilds on any mismatch:
 
 A plan is kept from its second build under one key and layout: the first call leaves only a marker (its
 layout), so a one-off operation (most moves) pays nothing for the cache; a loop reuses its plans from its third
-iteration.
+iteration. A reload is keyed by the build of the offload plan it undoes (``Cached.serial``, new at each build),
+and kept at its first build once that offload plan is kept (``eager``).
 
 # NOTE: keyed by what the caller's target function depends on besides the optimizer (the operation, the target
 # device, the offload a reload undoes): a cached plan is never asked a question it was not built for.
@@ -22,6 +23,7 @@ iteration.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,7 @@ __all__ = ["Cached", "plan_for"]
 
 MAX_KEYS = 8  # per optimizer: an offload, a reload, a few move targets
 PER_KEY = 2  # layouts kept per key: a move that follows params back and forth between two devices
+_serials = itertools.count()
 
 
 @dataclass(eq=False)
@@ -61,6 +64,10 @@ class Cached:
     repeats: bool = True  # Plan.repeats: the same ids at the same sites give the same answer
     hows: list[Mechanism] | None = None  # the commit's adoption decisions, in its order (read on a hit only)
     hits: int = 0
+    # NOTE: a new number at each (re)build: what a plan of another operation that depends on this one (the
+    # reload undoing an offload) is keyed by. Not id(): the marker stays one object when it is kept, and a freed
+    # entry's id can be reused.
+    serial: int = field(default_factory=lambda: next(_serials))
 
     def keep(self, plan: Plan) -> None:
         """Keep ``plan`` (built under this key and layout for the second time) for the calls that follow."""
@@ -76,7 +83,7 @@ class Cached:
         self.keys, self.metas, self.sources = keys, metas, sources
         self.template = [(tr[0], tr[1], tr[3], tr[4], tr[5]) for tr in plan.transfers]
         self.ids = [id(tr[2]) for tr in plan.transfers]
-        self.repeats, self.hows = plan.repeats, None
+        self.repeats, self.hows, self.serial = plan.repeats, None, next(_serials)
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -148,25 +155,29 @@ def _current(optimizer: Any, cached: Cached) -> list[torch.Tensor] | None:
 
 
 def plan_for(
-    optimizer: Any, target: TargetFn, key: Hashable | None = None, *, grads: bool = False
+    optimizer: Any, target: TargetFn, key: Hashable | None = None, *, grads: bool = False, eager: bool = False
 ) -> tuple[Plan, Cached | None]:
     """The plan of ``target`` over ``optimizer``: the one cached under ``key`` if it is still valid, else a new
     one. ``key=None``: not cacheable (a new plan, nothing kept). Also returns the cache entry of ``key`` and this
-    layout (a marker the first time; ``hits`` counts the calls it answered), one object for as long as it holds."""
+    layout (a marker the first time; ``hits`` counts the calls it answered), one object for as long as it holds.
+    ``eager``: keep a first build at once (the operation this one undoes was kept: a loop is under way)."""
     session = None if key is None else _session.get(optimizer)
     if session is None:
         return build_plan(optimizer, target), None
     shape = layout(optimizer, grads)
-    kept: list[Cached] = session.plans.get(key) or []
+    plans = session.plans
+    kept: list[Cached] = plans.get(key) or []
     for cached in kept:
         if cached.layout == shape:
             if cached.template is None:  # the second build under this key and layout: keep it from now on
                 plan = build_plan(optimizer, target)
                 cached.keep(plan)
+                plans[key] = plans.pop(key)  # (the most recently used key is evicted last)
                 return plan, cached
             tensors = _current(optimizer, cached)
             if tensors is not None:
                 cached.hits += 1
+                plans[key] = plans.pop(key)
                 new = _new_transfer
                 transfers = [
                     new(Transfer, (ident, name, t, param, device, source))
@@ -175,11 +186,13 @@ def plan_for(
                 return Plan(optimizer, transfers, cached.repeats), cached
             kept.remove(cached)  # the same layout with other state: this one is stale
             break
+    plan = build_plan(optimizer, target)  # (first: a build that raises leaves the cache as it was)
     # NOTE: a marker only (no per-tensor record): a plan built once is most often never asked for again.
     cached = Cached(shape)
-    plans = session.plans
+    if eager:
+        cached.keep(plan)
     plans.pop(key, None)
     if len(plans) >= MAX_KEYS:
-        plans.pop(next(iter(plans)))  # the least recently built
+        plans.pop(next(iter(plans)))  # the least recently used
     plans[key] = [cached] + kept[: PER_KEY - 1]
-    return build_plan(optimizer, target), cached
+    return plan, cached

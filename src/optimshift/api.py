@@ -108,15 +108,17 @@ def _transfer(
     extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
     cache_key: Hashable | None = None,
     grads: bool = False,
+    eager: bool = False,
 ) -> tuple[engine.Copies, PendingTransfer, _plans.Cached | None]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
     ``cache_key``: the plan (and its adoption decisions) is kept in the optimizer's session under this key and
     reused while still valid (:mod:`optimshift._plans`); ``target`` is then not called at all. ``grads``: the
-    params' grads matter to the plan (they are part of ``extra``)."""
+    params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
+    :func:`optimshift._plans.plan_for`)."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
-    plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads)
+    plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     copies = engine.run(plan, options, extra=extra)
     hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
     if cached is not None and cached.template is not None:  # (a marker keeps nothing per tensor)
@@ -294,7 +296,8 @@ def offload(
     if cached is not None:
         if cached.hits:  # (to_host() was not called: the plan knows where every tensor was)
             record.devices.update(cached.sources)
-        record.token = cached
+        # (this build of the offload plan, which a cached reload undoes, and whether it is kept)
+        record.token = (cached.serial, cached.template is not None)
     for where, p in grads:  # only now: every copy exists
         record.grads[where] = (p, copies.new[id(p.grad)])
         p.grad = None
@@ -367,7 +370,9 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
             return was, "recorded"
         return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
-    key = None if record.token is None or _policy.has_registered_policy(optimizer) else ("reload", id(record.token))
+    # (cached only when the offload's plan was kept, the sign of a loop: its next build would bump the serial)
+    cacheable = record.token is not None and record.token[1] and not _policy.has_registered_policy(optimizer)
+    key = ("reload", record.token[0]) if cacheable else None
     copies, pending, _ = _transfer(
         optimizer,
         back,
@@ -376,6 +381,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         extra=[(g, p.device) for p, g in grads],
         cache_key=key,
         grads=bool(grads),
+        eager=cacheable,
     )
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)

@@ -23,7 +23,7 @@ import torch
 from ._devices import _fake_mode_active
 from ._dtensor import is_dtensor
 
-__all__ = ["shared", "split_targets", "together", "copy_storage"]
+__all__ = ["shared", "split_targets", "together", "copy_storage", "sole_user"]
 
 _address: Callable[[torch.Tensor], int] = getattr(
     torch._C, "_storage_address", lambda t: int(t.untyped_storage()._cdata)
@@ -117,6 +117,13 @@ def split_targets(
             if targets[i] != targets[first]:
                 return first, i
     return None
+
+
+def sole_user(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a plain tensor) is all that uses its storage: no view of it, no tensor on the same storage,
+    no Python storage object of it (which a caller may read or write through), so writing into it in place
+    changes nothing else."""
+    return _use_count(_address(t)) == 1
 
 
 def together(items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[tuple[list[int], torch.device]]:

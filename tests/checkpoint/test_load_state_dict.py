@@ -365,6 +365,50 @@ def test_what_the_checkpoint_shares_stays_shared(sharing):
         assert torch.equal(c["extra"], torch.arange(12.0, 24.0).view(4, 3))
 
 
+def _two_trained_adams():
+    """An optimizer with state, and the state dict of another over params of the same shapes (other values)."""
+    model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3, 3)])
+    _, other = _trained(O.Adam, {"foreach": False}, [(3, 3), (3, 3)], steps=K + 1)
+    return model, opt, other.state_dict()
+
+
+def test_existing_state_takes_the_values_in_place():
+    """Loading into state that already fits (same device, dtype, shape, contiguous, nothing else on its storage)
+    copies the values into the live tensors: same objects, same storage (a CUDA graph's addresses stay valid),
+    no copy made first; values bitwise the checkpoint's, which shares nothing with the optimizer."""
+    model, opt, sd = _two_trained_adams()
+    live = [(t, t.data_ptr()) for st in opt.state.values() for t in st.values()]
+    saved = [t for st in sd["state"].values() for t in st.values()]
+    optimshift.load_state_dict(opt, sd)
+    now = [t for st in opt.state.values() for t in st.values()]
+    assert all(t is old and t.data_ptr() == ptr for t, (old, ptr) in zip(now, live))
+    assert all(bitwise_equal(t, s) and t.data_ptr() != s.data_ptr() for t, s in zip(now, saved))
+    train(model, opt, range(K + 1, K + 2))
+    assert optimshift.check(opt).ok
+
+
+@pytest.mark.parametrize("held", ["a view of it", "one tensor in two places"])
+def test_live_state_used_elsewhere_is_not_written_in_place(held):
+    """A live tensor something else reads (a view a user keeps) keeps its object but gets new storage (the
+    adoption): the view keeps the old values. One that sits in two places, given two values, is written by
+    neither: each place gets its own copy."""
+    model, opt, sd = _two_trained_adams()
+    first, second = (opt.state[p] for p in opt.param_groups[0]["params"])
+    old = first["exp_avg"]
+    if held == "one tensor in two places":
+        second["exp_avg"] = old
+    before, ptr = old.clone(), old.data_ptr()
+    view = old[0] if held == "a view of it" else None
+    optimshift.load_state_dict(opt, sd)
+    first, second = (opt.state[p] for p in opt.param_groups[0]["params"])  # (the loaded state's own dicts)
+    assert bitwise_equal(first["exp_avg"], sd["state"][0]["exp_avg"])
+    assert bitwise_equal(second["exp_avg"], sd["state"][1]["exp_avg"])
+    if held == "a view of it":
+        assert first["exp_avg"] is old and old.data_ptr() != ptr and bitwise_equal(view, before[0])
+    else:
+        assert first["exp_avg"] is not second["exp_avg"] and bitwise_equal(old, before)
+
+
 def test_linear_time_no_group_scans():
     pytorch = [_comparisons(lambda o, sd: o.load_state_dict(sd), n) for n in (100, 200)]
     assert pytorch[1] > 3.5 * pytorch[0] > 3.5 * 100 * 100 / 2  # quadratic: one scan per state tensor
@@ -575,7 +619,8 @@ def test_copy_failure_midway_changes_nothing(monkeypatch, site):
                 st[key] = st[key].detach().requires_grad_(True)
     else:
         monkeypatch.setattr(torch.Tensor, "clone", failing(torch.Tensor.clone))
-    target = _adam(shapes)
+    # (a fresh optimizer for the clones: live tensors that fit take the values in place, with no copy)
+    target = _adam(shapes) if site == "_copy_one" else O.Adam([torch.nn.Parameter(torch.randn(s)) for s in shapes])
     before = _fingerprint(target)
     with pytest.raises(torch.OutOfMemoryError) as caught:
         optimshift.load_state_dict(target, source)

@@ -6,14 +6,15 @@ installed here).
 tensor (quadratic), casts floating state to the param's dtype, mangles strings and namedtuples, aliases the
 caller's tensors, puts host scalars such as NAdam's ``mu_product`` on the device and adopts the checkpoint's
 ``fused``/``capturable`` flags. :func:`load_state_dict` validates everything first, builds the new state from
-copies, then installs it the way PyTorch does (``__setstate__`` and the load hooks).
+copies, then installs it the way PyTorch does (``__setstate__`` and the load hooks); a live tensor that already
+fits takes the loaded values in place (no copy made: its object and storage stay).
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, TypeVar
 
@@ -128,7 +129,15 @@ def load_state_dict(
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
         # leaves everything as it was), handed back only once the state is installed.
         finish = [prepare_discard(obj) for obj in dict.fromkeys((receiver, optimizer))]
-        _install(receiver, name, new_state, new_groups, made=staged.made_ids(), shared=staged.shared_ids())
+        _install(
+            receiver,
+            name,
+            new_state,
+            new_groups,
+            made=staged.made_ids(),
+            shared=staged.shared_ids(),
+            in_place=staged.in_place,
+        )
         if mode is not None:
             mode.after_load()
     for done in finish:
@@ -233,6 +242,7 @@ def _install(
     *,
     made: AbstractSet[int] = frozenset(),
     shared: AbstractSet[int] = frozenset(),
+    in_place: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
 ) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
     e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
@@ -241,7 +251,8 @@ def _install(
     the loaded copy's contents and stays the same object (see :mod:`optimshift._adopt`), so a resume into an
     optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted (``made``),
     and only those installed in one place (``shared``: the others): with ``copy=False`` the caller's own tensors
-    are installed as they are.
+    are installed as they are. ``in_place``: (live tensor, checkpoint tensor) pairs the staging installed as the
+    live tensor itself, which takes the values here (no copy made, no adoption: same object, same storage).
     """
     before = dict(optimizer.__dict__)
     live = [
@@ -257,6 +268,13 @@ def _install(
             f"{name}: load_state_dict: {type(optimizer).__name__}.__setstate__ rejected the loaded state "
             f"({type(e).__name__}: {e}); the optimizer is unchanged"
         ) from e
+    # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when the
+    # __setstate__ above might have failed. A copy between two tensors of one device, dtype, shape and layout
+    # allocates nothing and cannot fail, as an adoption cannot.
+    if in_place:
+        with torch.no_grad():
+            for old, saved in in_place:
+                old.copy_(saved)
     places: list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
     append, plain = places.append, torch.Tensor
     for _, old_tensors, fresh in live:

@@ -77,6 +77,9 @@ class Staging:
         self._made: dict[_Ticket, torch.Tensor] = {}
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
         self._dtype_checks: dict[_DtypeKey, list[Rejection]] = {}
+        # (live tensor, checkpoint tensor): the live tensor is installed as it is and takes the values in place
+        # once the class's __setstate__ accepted the new state (see in_place)
+        self.in_place: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
         where = f"{self.source}: " if self.source else ""
@@ -257,6 +260,25 @@ class Staging:
                 assert new is not None  # (copy_items returns once every copy is made)
                 self._made[ticket] = new
 
+    def _live_states(
+        self, pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, Any]]
+    ) -> dict[tuple[int, int | None], Mapping[Any, Any]]:
+        """(group, index) -> the live state of each param the load gives state to, when its live tensors may take
+        the loaded values in place (see ``in_place``); empty when none may.
+
+        NOTE: only for a torch.optim class whose ``__setstate__`` is the class's own: it runs before the values
+        are copied in, and those fix up non-tensor entries only (a float ``step`` becomes a tensor). And only
+        when each live tensor sits in one place: one given two values must stop being shared (``_install``)."""
+        base = self.base
+        if not self.strict or base is None or type(self.opt).__setstate__ is not base.__setstate__:
+            return {}
+        get = self.opt.state.get
+        lives: dict[tuple[int, int | None], Mapping[Any, Any]] = {
+            (gi, pi): live for _, p, gi, pi, _ in pending if (live := get(p))
+        }
+        ids = [id(v) for live in lives.values() for v in live.values() if isinstance(v, torch.Tensor)]
+        return lives if len(set(ids)) == len(ids) else {}
+
     def _clone(self, tensor: torch.Tensor, tr: Transfer) -> torch.Tensor:
         """A copy of ``tensor`` where it is, as it is (the common copy of a load)."""
         try:
@@ -415,6 +437,9 @@ class Staging:
         # which copies tensors sharing a storage as that storage (a subset of these shares one only if they do).
         direct = not _alias.shared([tr[2] for tr in plan.transfers])
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is a ticket
+        lives = self._live_states(pending) if direct and not plan.repeats else {}
+        protect = engine.outside_owned(self.opt) if lives else set()
+        in_place, fits = self.in_place, _fits_in_place
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
             (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]
@@ -458,7 +483,14 @@ class Staging:
                     if tensor.is_meta and device.type != "meta":
                         raise self.fail(f"{self._site(_site_of(tr))}: a meta tensor has no values to load")
                     if direct and type(tensor) is plain and tensor.dtype == dtype and tensor.device == device:
-                        if not tensor.requires_grad:
+                        live = lives.get((tgi, tpi)) if lives and nested is None else None
+                        old = live.get(key) if live else None
+                        if tensor.requires_grad:
+                            pass  # (the general copy, in _resolve)
+                        elif old is not None and id(old) not in protect and fits(old, tensor):
+                            in_place.append((old, tensor))
+                            wanted = old
+                        else:
                             copy = made[wanted] = self._clone(tensor, tr)
                             wanted = copy
                     if type(wanted) is tuple:
@@ -564,6 +596,27 @@ class Staging:
                 f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                 f"this (a corrupt or hostile checkpoint)"
             )
+
+
+def _fits_in_place(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether live tensor ``old`` can take checkpoint tensor ``new``'s values by ``old.copy_(new)`` and end up
+    exactly as a clone of ``new`` adopted into it would be: both plain, dense and contiguous, on one device, of
+    one dtype and shape; ``old`` nobody's but the optimizer's (no grad, not an inference tensor, all that uses
+    its storage) and not ``new`` itself (the caller's state dict would keep holding it)."""
+    return (
+        type(old) is torch.Tensor
+        and old is not new
+        and old.layout == torch.strided
+        and new.layout == torch.strided
+        and old.dtype == new.dtype
+        and old.shape == new.shape
+        and old.device == new.device
+        and not old.requires_grad
+        and not old.is_inference()
+        and old.is_contiguous()
+        and new.is_contiguous()
+        and _alias.sole_user(old)
+    )
 
 
 def _site_of(tr: Transfer) -> _Site:

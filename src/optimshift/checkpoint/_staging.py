@@ -270,8 +270,13 @@ class Staging:
         are copied in, and those fix up non-tensor entries only (a float ``step`` becomes a tensor). And only
         when each live tensor sits in one place: one given two values must stop being shared (``_install``)."""
         base = self.base
-        if not self.strict or base is None or type(self.opt).__setstate__ is not base.__setstate__:
-            return {}
+        if (
+            not self.opt.state
+            or not self.strict
+            or base is None
+            or type(self.opt).__setstate__ is not base.__setstate__
+        ):
+            return {}  # (no live state: a fresh optimizer, the common resume)
         get = self.opt.state.get
         lives: dict[tuple[int, int | None], Mapping[Any, Any]] = {
             (gi, pi): live for _, p, gi, pi, _ in pending if (live := get(p))

@@ -387,6 +387,62 @@ def test_existing_state_takes_the_values_in_place():
     assert optimshift.check(opt).ok
 
 
+@pytest.mark.parametrize("how", ["params permuted", "keys swapped"])
+def test_a_state_dict_made_of_live_tensors_loads_its_values(how):
+    """A state dict whose tensors are the optimizer's own live tensors, at other places (its own state_dict()
+    with the params permuted, or two entries swapped): each place gets the values the state dict holds for it.
+    Found by review: written in place one by one, a later copy read a live tensor an earlier one had
+    overwritten."""
+    ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    opt = O.Adam(ps, foreach=False)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(3)
+        opt.step()
+    sd = opt.state_dict()
+    if how == "params permuted":
+        sd["state"] = {0: sd["state"][1], 1: sd["state"][0]}
+    else:
+        st = sd["state"][0]
+        sd["state"][0] = {**st, "exp_avg": st["exp_avg_sq"], "exp_avg_sq": st["exp_avg"]}
+    want = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+    objects = [id(v) for st in opt.state.values() for v in st.values()]
+    optimshift.load_state_dict(opt, sd)
+    for i, p in enumerate(ps):
+        assert bitwise_equal(dict(opt.state[p]), want[i])
+    assert [id(v) for st in opt.state.values() for v in st.values()] == objects
+
+
+def test_lbfgs_live_t_that_is_its_tensor_lr_takes_the_checkpoints_t():
+    """LBFGS's live state['t'] is its group's tensor lr; the checkpoint's t is not its lr. The loaded t holds the
+    checkpoint's t and the loaded lr its lr, two tensors as in the checkpoint. Found by review: t was written in
+    place, then the group's adoption gave the same object lr's value."""
+
+    def lbfgs(steps):
+        p = torch.nn.Parameter(torch.randn(4))
+        opt = O.LBFGS([p], lr=torch.tensor(0.5), max_iter=1)
+
+        def closure():
+            opt.zero_grad()
+            loss = (p**2).sum()
+            loss.backward()
+            return loss
+
+        for _ in range(steps):
+            opt.step(closure)
+        return p, opt
+
+    p, opt = lbfgs(3)
+    assert opt.state[p]["t"] is opt.param_groups[0]["lr"], "precondition: the live t is the lr"
+    _, other = lbfgs(1)
+    sd = other.state_dict()
+    assert sd["state"][0]["t"] is not sd["param_groups"][0]["lr"], "precondition: the checkpoint's are two"
+    t, lr = sd["state"][0]["t"].clone(), sd["param_groups"][0]["lr"].clone()
+    optimshift.load_state_dict(opt, sd)
+    assert bitwise_equal(opt.state[p]["t"], t) and bitwise_equal(opt.param_groups[0]["lr"], lr)
+    assert opt.state[p]["t"] is not opt.param_groups[0]["lr"]
+
+
 @pytest.mark.parametrize("held", ["a view of it", "one tensor in two places"])
 def test_live_state_used_elsewhere_is_not_written_in_place(held):
     """A live tensor something else reads (a view a user keeps) keeps its object but gets new storage (the

@@ -33,6 +33,7 @@ from .._state import (
     param_label,
     param_name,
     rebuild,
+    tensors,
     too_deep,
 )
 from ..plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
@@ -284,6 +285,20 @@ class Staging:
         ids = [id(v) for live in lives.values() for v in live.values() if isinstance(v, torch.Tensor)]
         return lives if len(set(ids)) == len(ids) else {}
 
+    def _not_in_place(self, sources: list[torch.Tensor]) -> set[int]:
+        """ids of live tensors that must not take loaded values in place: the optimizer's params and their grads
+        (a module's), its groups' own tensors (LBFGS's ``state['t']`` is its tensor ``lr``: written in place, the
+        group's adoption would then overwrite it), and the checkpoint's own tensors (a state dict made of live
+        tensors, e.g. ``opt.state_dict()`` with its params permuted: one written in place would be read,
+        overwritten, by another place's copy)."""
+        protect = engine.outside_owned(self.opt)
+        for group in self.opt.param_groups:
+            for key, value in group.items():
+                if key not in ("params", "param_names") and not isinstance(value, _ATOMS):
+                    protect.update(map(id, tensors(value)))
+        protect.update(map(id, sources))
+        return protect
+
     def _clone(self, tensor: torch.Tensor, tr: Transfer) -> torch.Tensor:
         """A copy of ``tensor`` where it is, as it is (the common copy of a load)."""
         try:
@@ -440,10 +455,11 @@ class Staging:
         # NOTE: when no two of the checkpoint's tensors share a storage (the common case, one C call per tensor),
         # a same-place copy is made right here, where its entry is placed; else every copy waits for _resolve,
         # which copies tensors sharing a storage as that storage (a subset of these shares one only if they do).
-        direct = not _alias.shared([tr[2] for tr in plan.transfers])
+        sources = [tr[2] for tr in plan.transfers]
+        direct = not _alias.shared(sources)
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is a ticket
         lives = self._live_states(pending) if direct and not plan.repeats else {}
-        protect = engine.outside_owned(self.opt) if lives else set()
+        protect = self._not_in_place(sources) if lives else set()
         in_place, fits = self.in_place, _fits_in_place
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
@@ -605,9 +621,10 @@ class Staging:
 
 def _fits_in_place(old: torch.Tensor, new: torch.Tensor) -> bool:
     """Whether live tensor ``old`` can take checkpoint tensor ``new``'s values by ``old.copy_(new)`` and end up
-    exactly as a clone of ``new`` adopted into it would be: both plain, dense and contiguous, on one device, of
-    one dtype and shape; ``old`` nobody's but the optimizer's (no grad, not an inference tensor, all that uses
-    its storage) and not ``new`` itself (the caller's state dict would keep holding it)."""
+    exactly as a clone of ``new`` adopted into it would be: both plain and contiguous with the same strides, on
+    one device, of one dtype and shape; ``old`` nobody's but the optimizer's (no grad, not an inference tensor,
+    all that uses its storage) and not ``new`` itself (the caller's state dict would keep holding it). The caller
+    also keeps out live tensors that are params, grads, group tensors or the checkpoint's own."""
     return (
         type(old) is torch.Tensor
         and old is not new
@@ -619,7 +636,7 @@ def _fits_in_place(old: torch.Tensor, new: torch.Tensor) -> bool:
         and not old.requires_grad
         and not old.is_inference()
         and old.is_contiguous()
-        and new.is_contiguous()
+        and old.stride() == new.stride()  # (contiguous both, and alike where a size-1 dimension's stride is free)
         and _alias.sole_user(old)
     )
 

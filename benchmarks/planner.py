@@ -70,7 +70,10 @@ def _move_to_meta(opt: torch.optim.Optimizer) -> None:
     """``move(opt, "meta")`` (which move() refuses: meta tensors have no values): the same plan, copies and
     commit, under the cache key move() uses (a first call leaves its marker in the session)."""
     meta = torch.device("meta")
-    key = optimshift.api._move_key(opt, meta)
+    if hasattr(optimshift.api, "_move_key"):
+        key = optimshift.api._move_key(opt, meta)
+    else:  # (an older optimshift on PYTHONPATH, for a before/after run: move()'s key as it built it)
+        key = ("move", meta, frozenset(optimshift._session.get(opt).group_sides.items()))
     optimshift.api._transfer(opt, optimshift.plan.policy_target(opt, meta), what="move", cache_key=key)
 
 
@@ -158,10 +161,14 @@ def load(n_params: int, reps: int) -> dict[str, float]:
         t_copy.append(_timed(bare_copy))
         gc.collect()
         t_existing.append(_timed(lambda: optimshift.load_state_dict(existing, sd)))
+    fresh, clone, fresh_ratio = _median_ratio(t_fresh, t_clone)
+    existing, copy, existing_ratio = _median_ratio(t_existing, t_copy)
+    # (the medians too: the baselines run in the same process, and how much a load allocates and frees moves them)
     return {
         "params": n_params,
-        "fresh_vs_clone": _median_ratio(t_fresh, t_clone)[2],
-        "existing_vs_copy": _median_ratio(t_existing, t_copy)[2],
+        "fresh_vs_clone": fresh_ratio,
+        "existing_vs_copy": existing_ratio,
+        "ms": (fresh * 1e3, clone * 1e3, existing * 1e3, copy * 1e3),
     }
 
 
@@ -271,7 +278,8 @@ def main() -> None:
     r = load(args.params, args.reps)
     print(
         f"load_state_dict copy=True, {r['params']} params: into a fresh optimizer {r['fresh_vs_clone']:.2f}x a bare "
-        f"clone loop; into existing state {r['existing_vs_copy']:.2f}x a bare copy_ loop (goal <= 1.5x each)"
+        f"clone loop; into existing state {r['existing_vs_copy']:.2f}x a bare copy_ loop (goal <= 1.5x each); "
+        "medians: fresh %.0f ms, clone loop %.0f ms, existing %.0f ms, copy_ loop %.0f ms" % r["ms"]
     )
     f = floors(args.tensors, args.params, args.reps)
     print(

@@ -166,6 +166,10 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
             group_moves.append((ident, tensor.device, device))
         return device, source
 
+    # (what build_plan answers for a param's state without a call is the policy's: where() adds nothing there)
+    where.follow = getattr(by_policy, "follow", None)  # type: ignore[attr-defined]
+    where.memo = getattr(by_policy, "memo", None)  # type: ignore[attr-defined]
+
     key = None if grads else _move_key(optimizer, target)
     copies, pending, cached = _transfer(
         optimizer,

@@ -529,3 +529,25 @@ def test_a_missing_wait_is_caught(sim, monkeypatch, name, error):
             synchronize(index)  # (what was queued when the race was found runs, or raises, here)
         except StreamRaceError:
             pass
+
+
+def test_optimshift_wait_waits_for_a_streamed_steps_write_backs(sim):
+    """``optimshift.wait(opt)`` (for code that reads the state directly and has no handle at hand) also waits
+    for a streamed optimizer's last write-backs, as the handle's ``wait()`` does; it used to wait only for
+    offloads and reloads, and the host state read right after a step on the simulator was still unwritten."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=g).to(sim)) for _ in range(2)]
+    opt = torch.optim.Adam(params, foreach=False)
+    twin_params = [torch.nn.Parameter(p.detach().cpu().clone()) for p in params]
+    twin = torch.optim.Adam(twin_params, foreach=False)
+    for step in range(2):
+        for p, q in zip(params, twin_params):
+            q.grad = torch.full_like(q, 0.5 + step)
+            p.grad = q.grad.to(sim)
+        if step == 1:
+            optimshift.stream(opt, chunk_bytes=256)
+        opt.step()
+        twin.step()
+    optimshift.wait(opt)
+    for p, q in zip(params, twin_params):
+        assert bitwise_equal(dict(opt.state[p]), dict(twin.state[q]))

@@ -314,10 +314,15 @@ def offload(
 
 
 def wait(optimizer: Any) -> None:
-    """Block the host until a non-blocking offload/reload of ``optimizer`` still in flight is complete: what
-    code that reads ``optimizer.state`` directly must call first (as ``PendingTransfer.wait()``, for when the
-    handle is not at hand). A no-op when nothing is in flight."""
-    wait_pending(unwrap(optimizer), host=True)
+    """Block the host until a non-blocking offload/reload of ``optimizer`` still in flight is complete, and, for
+    a streamed optimizer, until its last step's write-backs are in host memory: what code that reads
+    ``optimizer.state`` directly must call first (as ``PendingTransfer.wait()`` or the stream handle's
+    ``wait()``, for when the handle is not at hand). A no-op when nothing is in flight."""
+    receiver = unwrap(optimizer)
+    wait_pending(receiver, host=True)
+    mode = _mode.mode_of(receiver)
+    if mode is not None:
+        mode.settle()
 
 
 def is_offloaded(optimizer: Any) -> bool:

@@ -69,6 +69,11 @@ class Cached:
     # entry's id can be reused.
     serial: int = field(default_factory=lambda: next(_serials))
 
+    @property
+    def kept(self) -> bool:
+        """Whether a plan is kept here (not a marker)."""
+        return self.template is not None
+
     def keep(self, plan: Plan) -> None:
         """Keep ``plan`` (built under this key and layout for the second time) for the calls that follow."""
         keys: list[Any] = []

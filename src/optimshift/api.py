@@ -121,7 +121,7 @@ def _transfer(
     plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     copies = engine.run(plan, options, extra=extra)
     hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
-    if cached is not None and cached.template is not None:  # (a marker keeps nothing per tensor)
+    if cached is not None and cached.kept:  # (a marker keeps nothing per tensor)
         cached.hows = hows
     if _log.isEnabledFor(logging.DEBUG):
         moved = list(copies.new.values())
@@ -301,7 +301,7 @@ def offload(
         if cached.hits:  # (to_host() was not called: the plan knows where every tensor was)
             record.devices.update(cached.sources)
         # (this build of the offload plan, which a cached reload undoes, and whether it is kept)
-        record.token = (cached.serial, cached.template is not None)
+        record.token = (cached.serial, cached.kept)
     for where, p in grads:  # only now: every copy exists
         record.grads[where] = (p, copies.new[id(p.grad)])
         p.grad = None

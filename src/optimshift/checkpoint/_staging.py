@@ -36,7 +36,7 @@ from .._state import (
     tensors,
     too_deep,
 )
-from ..plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
+from ..plan import _GROUP_SKIP, OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from . import _files
 from ._checks import check_entries, check_group, keys_shown, same_step
 
@@ -294,7 +294,7 @@ class Staging:
         protect = engine.outside_owned(self.opt)
         for group in self.opt.param_groups:
             for key, value in group.items():
-                if key not in ("params", "param_names") and not isinstance(value, _ATOMS):
+                if key not in _GROUP_SKIP and not isinstance(value, _ATOMS):
                     protect.update(map(id, tensors(value)))
         protect.update(map(id, sources))
         return protect
@@ -503,12 +503,16 @@ class Staging:
                 elif wanted not in wanted_by:
                     if tensor.is_meta and device.type != "meta":
                         raise self.fail(f"{self._site(_site_of(tr))}: a meta tensor has no values to load")
-                    if direct and type(tensor) is plain and tensor.dtype == dtype and tensor.device == device:
+                    if (
+                        direct
+                        and type(tensor) is plain
+                        and not tensor.requires_grad  # (else the general copy, in _resolve)
+                        and tensor.dtype == dtype
+                        and tensor.device == device
+                    ):
                         live = lives.get((tgi, tpi)) if lives and nested is None else None
                         old = live.get(key) if live else None
-                        if tensor.requires_grad:
-                            pass  # (the general copy, in _resolve)
-                        elif old is not None and id(old) not in protect and fits(old, tensor):
+                        if old is not None and id(old) not in protect and fits(old, tensor):
                             in_place.append((old, tensor))
                             wanted = old
                         else:

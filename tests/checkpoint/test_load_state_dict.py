@@ -387,6 +387,41 @@ def test_existing_state_takes_the_values_in_place():
     assert optimshift.check(opt).ok
 
 
+def _adams_of_two_dtypes(device, steps):
+    """A trained Adam over two params, the second (and its state) in float64."""
+    model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (2, 5)], device=device, steps=steps)
+    p = model.parts[1].weight
+    model.parts[1].double()
+    opt.state[p] = {k: v.double() if k != "step" else v for k, v in opt.state[p].items()}
+    return model, opt
+
+
+@pytest.mark.parametrize("where", ["host", "host and accelerator"])
+def test_existing_state_of_two_dtypes_and_devices_takes_the_values(sim, where):
+    """State of two dtypes (one param in float64), on the host or on two devices (Adam's host ``step`` beside
+    moments on the accelerator): every live tensor keeps its object and takes the checkpoint's values (the
+    in-place copies are batched per device); on the host, in place (same storage); and the optimizer then steps
+    as the one the checkpoint came from."""
+    device = "cpu" if where == "host" else sim
+    model, opt = _adams_of_two_dtypes(device, K)
+    other_model, other = _adams_of_two_dtypes(device, K + 1)
+    live = [(t, t.data_ptr()) for st in opt.state.values() for t in st.values()]
+    assert len({t.dtype for t, _ in live}) == 2
+    assert {t.device.type for t, _ in live} == ({"cpu"} if where == "host" else {"cpu", sim.type})
+    optimshift.load_state_dict(opt, other.state_dict())
+    now = [t for st in opt.state.values() for t in st.values()]
+    assert all(t is old for t, (old, _) in zip(now, live))
+    # (the simulator's backend keeps its own reference to each storage: not the sole user, so adopted instead)
+    assert all(t.data_ptr() == ptr for t, (_, ptr) in zip(now, live) if t.device.type == "cpu")
+    assert bitwise_equal(_state(opt), _state(other))
+    other_model.load_state_dict(model.state_dict())
+    for o in (opt, other):
+        for p in o.param_groups[0]["params"]:
+            p.grad = torch.full_like(p, 0.5)
+        o.step()
+    assert bitwise_equal(_state(opt), _state(other))
+
+
 @pytest.mark.parametrize("how", ["params permuted", "keys swapped"])
 def test_a_state_dict_made_of_live_tensors_loads_its_values(how):
     """A state dict whose tensors are the optimizer's own live tensors, at other places (its own state_dict()

@@ -16,6 +16,7 @@ import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -242,7 +243,7 @@ def _install(
     *,
     made: AbstractSet[int] = frozenset(),
     shared: AbstractSet[int] = frozenset(),
-    in_place: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    in_place: Mapping[torch.device, Sequence[tuple[torch.Tensor, torch.Tensor]]] = MappingProxyType({}),
 ) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
     e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
@@ -251,14 +252,19 @@ def _install(
     the loaded copy's contents and stays the same object (see :mod:`optimshift._adopt`), so a resume into an
     optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted (``made``),
     and only those installed in one place (``shared``: the others): with ``copy=False`` the caller's own tensors
-    are installed as they are. ``in_place``: (live tensor, checkpoint tensor) pairs the staging installed as the
-    live tensor itself, which takes the values here (no copy made, no adoption: same object, same storage).
+    are installed as they are. ``in_place``: by device, (live tensor, checkpoint tensor) pairs the staging installed as
+    the live tensor itself, which takes the values here (no copy made, no adoption: same object, same storage).
     """
     before = dict(optimizer.__dict__)
-    live = [
-        (holder, {k: v for k, v in holder.items() if isinstance(v, torch.Tensor)}, fresh)
-        for holder, fresh in _same_places(optimizer, state, groups)
-    ]
+    # (only copies made here are adopted: when every entry was installed as it is or taken in place, none is)
+    live = (
+        [
+            (holder, {k: v for k, v in holder.items() if isinstance(v, torch.Tensor)}, fresh)
+            for holder, fresh in _same_places(optimizer, state, groups)
+        ]
+        if made
+        else []
+    )
     try:
         optimizer.__setstate__({"state": state, "param_groups": groups})
     except Exception as e:
@@ -271,10 +277,9 @@ def _install(
     # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when the
     # __setstate__ above might have failed. A copy between two tensors of one device, dtype, shape and layout
     # allocates nothing and cannot fail, as an adoption cannot.
-    if in_place:
-        with torch.no_grad():
-            for old, saved in in_place:
-                old.copy_(saved)
+    with torch.no_grad():
+        for pairs in in_place.values():  # (one call per device: a foreach copy, which torch groups by dtype)
+            torch._foreach_copy_([old for old, _ in pairs], [saved for _, saved in pairs])
     places: list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
     append, plain = places.append, torch.Tensor
     for _, old_tensors, fresh in live:

@@ -79,8 +79,9 @@ class Staging:
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
         self._dtype_checks: dict[_DtypeKey, list[Rejection]] = {}
         # (live tensor, checkpoint tensor): the live tensor is installed as it is and takes the values in place
-        # once the class's __setstate__ accepted the new state (see in_place)
-        self.in_place: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # once the class's __setstate__ accepted the new state (see in_place), by device (one batched copy each)
+        self.in_place: defaultdict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self._cloned: list[torch.Tensor] = []  # copies made with no ticket (see build), each installed once
 
     def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
         where = f"{self.source}: " if self.source else ""
@@ -205,7 +206,7 @@ class Staging:
 
     def made_ids(self) -> set[int]:
         """The ids of the copies this staging made (never the caller's own tensors)."""
-        return {id(t) for t in self._made.values()}
+        return {id(t) for t in self._made.values()}.union(map(id, self._cloned))
 
     def shared_ids(self) -> set[int]:
         """The ids of the copies installed in more than one place (a tensor the checkpoint shares: LBFGS's
@@ -460,11 +461,37 @@ class Staging:
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is a ticket
         lives = self._live_states(pending) if direct and not plan.repeats else {}
         protect = self._not_in_place(sources) if lives else set()
-        in_place, fits = self.in_place, _fits_in_place
+        in_place, fits, cloned = self.in_place, _fits_in_place, self._cloned
+        # NOTE: the common entry, a plain dense tensor right under its key in a param's state, staying where it
+        # is, with no cast, no tensor shared and no storage shared, needs no ticket: it is its own copy (or
+        # the live tensor taking its values, or, with copy=False, itself), made right here.
+        lone = direct and not plan.repeats and cast is None
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
             (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]
             key = path[0][1]
+            if (
+                lone
+                and tpi is not None
+                and len(path) == 1
+                and type(tensor) is plain
+                and tensor.device == device
+                and not tensor.requires_grad
+                and tensor.layout == strided
+                and tensor.is_contiguous()  # (so not overexpanded)
+                and (not owned or id(tensor) not in owned)
+            ):
+                if always_copy:
+                    live = lives.get((tgi, tpi)) if lives else None
+                    old = live.get(key) if live else None
+                    if old is not None and id(old) not in protect and fits(old, tensor, device):
+                        in_place[device].append((old, tensor))
+                        tensor = old
+                    else:
+                        tensor = self._clone(tensor, tr)
+                        cloned.append(tensor)
+                holders[(tgi, tpi)][key] = tensor
+                continue
             nested = None
             if len(path) > 1:
                 nested = inside.setdefault((tgi, tpi, key), {})
@@ -512,8 +539,14 @@ class Staging:
                     ):
                         live = lives.get((tgi, tpi)) if lives and nested is None else None
                         old = live.get(key) if live else None
-                        if old is not None and id(old) not in protect and fits(old, tensor):
-                            in_place.append((old, tensor))
+                        if (
+                            old is not None
+                            and id(old) not in protect
+                            and tensor.layout == strided
+                            and tensor.is_contiguous()
+                            and fits(old, tensor, device)
+                        ):
+                            in_place[device].append((old, tensor))
                             wanted = old
                         else:
                             copy = made[wanted] = self._clone(tensor, tr)
@@ -623,24 +656,23 @@ class Staging:
             )
 
 
-def _fits_in_place(old: torch.Tensor, new: torch.Tensor) -> bool:
+def _fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) -> bool:
     """Whether live tensor ``old`` can take checkpoint tensor ``new``'s values by ``old.copy_(new)`` and end up
-    exactly as a clone of ``new`` adopted into it would be: both plain and contiguous with the same strides, on
-    one device, of one dtype and shape; ``old`` nobody's but the optimizer's (no grad, not an inference tensor,
-    all that uses its storage) and not ``new`` itself (the caller's state dict would keep holding it). The caller
-    also keeps out live tensors that are params, grads, group tensors or the checkpoint's own."""
+    exactly as a clone of ``new`` adopted into it would be: both plain and dense with the same shape and strides
+    (``new``, on ``device``, is plain, dense and contiguous: the caller checked), on one device, of one dtype;
+    ``old`` nobody's but the optimizer's (no grad, not an inference tensor, all that uses its storage) and not
+    ``new`` itself (the caller's state dict would keep holding it). The caller also keeps out live tensors that
+    are params, grads, group tensors or the checkpoint's own."""
     return (
         type(old) is torch.Tensor
         and old is not new
-        and old.layout == torch.strided
-        and new.layout == torch.strided
+        and old.layout == torch.strided  # (before stride(), which a sparse tensor refuses)
         and old.dtype == new.dtype
+        and old.device == device
         and old.shape == new.shape
-        and old.device == new.device
+        and old.stride() == new.stride()  # (so contiguous as ``new``; alike where a size-1 dimension's is free)
         and not old.requires_grad
         and not old.is_inference()
-        and old.is_contiguous()
-        and old.stride() == new.stride()  # (contiguous both, and alike where a size-1 dimension's stride is free)
         and _alias.sole_user(old)
     )
 

@@ -317,9 +317,10 @@ def _same_places(
 ) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
     """(live holder, new holder) for each param's state dict and each param group present in both."""
     pairs: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
-    for p, fresh in state.items():
+    live = optimizer.state
+    for p, fresh in state.items() if live else ():  # (a fresh optimizer: no state to pair)
         if isinstance(p, torch.Tensor) and isinstance(fresh, dict):
-            old = optimizer.state.get(p)
+            old = live.get(p)
             if isinstance(old, dict) and old:
                 pairs.append((old, fresh))
     for old_group, new_group in zip(optimizer.param_groups, groups):

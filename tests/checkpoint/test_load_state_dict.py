@@ -5,6 +5,7 @@ validation before any change; hooks and ``__setstate__`` fix-ups as in PyTorch."
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 
 import pytest
@@ -420,6 +421,62 @@ def test_existing_state_of_two_dtypes_and_devices_takes_the_values(sim, where):
             p.grad = torch.full_like(p, 0.5)
         o.step()
     assert bitwise_equal(_state(opt), _state(other))
+
+
+def _complex_adam(steps):
+    torch.manual_seed(steps)
+    p = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+    opt = O.Adam([p], foreach=False)
+    for _ in range(steps):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("failure", ["the batched copy is refused", "a conjugate view's temporary runs out"])
+def test_in_place_copies_complete_when_the_batched_copy_fails(monkeypatch, failure):
+    """The in-place copies run after __setstate__ (nothing may fail there): when the batched foreach copy fails
+    (on CUDA it refuses some dtypes, uint32; for a conjugate view it first allocates a resolved temporary, which
+    can run out of memory), each pair is copied one by one and the load completes, in place. Found by review:
+    the failure left the checkpoint's groups over the old state values."""
+    p, opt = _complex_adam(2)
+    _, other = _complex_adam(3)
+    sd = other.state_dict()
+    want = {k: v.clone() for k, v in sd["state"][0].items()}
+    sd["param_groups"][0]["lr"] = 0.5
+    live = {k: (v, v.data_ptr()) for k, v in opt.state[p].items()}
+    armed = []
+    if failure == "the batched copy is refused":
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("\"foreach_tensor_copy\" not implemented for 'UInt32'")
+
+        monkeypatch.setattr(torch, "_foreach_copy_", refuse)
+        mode = contextlib.nullcontext()
+    else:
+        sd["state"][0]["exp_avg"] = want["exp_avg"].conj_physical().conj()  # the same values, a conjugate view
+
+        class OutOfMemoryAfterSetstate(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if armed and func is torch.ops.aten.clone.default:
+                    raise torch.OutOfMemoryError("simulated: out of memory")
+                return func(*args, **(kwargs or {}))
+
+        setstate = O.Adam.__setstate__
+
+        def armed_setstate(self, state):
+            setstate(self, state)
+            armed.append(True)
+
+        monkeypatch.setattr(O.Adam, "__setstate__", armed_setstate)
+        mode = OutOfMemoryAfterSetstate()
+    with mode:
+        optimshift.load_state_dict(opt, sd)
+    assert failure == "the batched copy is refused" or armed, "precondition: the failure was armed"
+    assert opt.param_groups[0]["lr"] == 0.5
+    for k, (old, ptr) in live.items():
+        assert opt.state[p][k] is old and old.data_ptr() == ptr
+    assert bitwise_equal(dict(opt.state[p]), want)
 
 
 @pytest.mark.parametrize("how", ["params permuted", "keys swapped"])

@@ -275,11 +275,18 @@ def _install(
             f"({type(e).__name__}: {e}); the optimizer is unchanged"
         ) from e
     # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when the
-    # __setstate__ above might have failed. A copy between two tensors of one device, dtype, shape and layout
-    # allocates nothing and cannot fail, as an adoption cannot.
+    # __setstate__ above might have failed. A copy between two tensors of one device, dtype, shape and strides
+    # allocates nothing and cannot fail, as an adoption cannot. One foreach copy per device is the fast way, but
+    # it may refuse or allocate where per-tensor copies do not (a dtype a device's foreach kernel lacks, such as
+    # uint32 on CUDA; a conjugate or negative view, which torch resolves into a temporary first): on any error
+    # every pair of that device is copied one by one (writing the same values again).
     with torch.no_grad():
-        for pairs in in_place.values():  # (one call per device: a foreach copy, which torch groups by dtype)
-            torch._foreach_copy_([old for old, _ in pairs], [saved for _, saved in pairs])
+        for pairs in in_place.values():
+            try:
+                torch._foreach_copy_([old for old, _ in pairs], [saved for _, saved in pairs])
+            except Exception:
+                for old, saved in pairs:
+                    old.copy_(saved)
     places: list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
     append, plain = places.append, torch.Tensor
     for _, old_tensors, fresh in live:

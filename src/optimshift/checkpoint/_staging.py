@@ -463,9 +463,10 @@ class Staging:
         protect = self._not_in_place(sources) if lives else set()
         in_place, fits, cloned = self.in_place, _fits_in_place, self._cloned
         # NOTE: the common entry, a plain dense tensor right under its key in a param's state, staying where it
-        # is, with no cast, no tensor shared and no storage shared, needs no ticket: it is its own copy (or
-        # the live tensor taking its values, or, with copy=False, itself), made right here.
-        lone = direct and not plan.repeats and cast is None
+        # is in its own dtype, with no tensor shared and no storage shared, needs no ticket: it is its own copy
+        # (or the live tensor taking its values, or, with copy=False, itself), made right here. (Only such an
+        # entry can take its values in place.)
+        lone = direct and not plan.repeats
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
             (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]
@@ -480,6 +481,7 @@ class Staging:
                 and tensor.layout == strided
                 and tensor.is_contiguous()  # (so not overexpanded)
                 and (not owned or id(tensor) not in owned)
+                and (cast is None or self._cast_dtype(new_groups[tgi], param, key, tensor) == tensor.dtype)
             ):
                 if always_copy:
                     live = lives.get((tgi, tpi)) if lives else None
@@ -537,20 +539,8 @@ class Staging:
                         and tensor.dtype == dtype
                         and tensor.device == device
                     ):
-                        live = lives.get((tgi, tpi)) if lives and nested is None else None
-                        old = live.get(key) if live else None
-                        if (
-                            old is not None
-                            and id(old) not in protect
-                            and tensor.layout == strided
-                            and tensor.is_contiguous()
-                            and fits(old, tensor, device)
-                        ):
-                            in_place[device].append((old, tensor))
-                            wanted = old
-                        else:
-                            copy = made[wanted] = self._clone(tensor, tr)
-                            wanted = copy
+                        copy = made[wanted] = self._clone(tensor, tr)
+                        wanted = copy
                     if type(wanted) is tuple:
                         wanted_by[wanted] = (tensor, tr)
                         uses[wanted] = 1

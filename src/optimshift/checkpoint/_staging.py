@@ -459,14 +459,14 @@ class Staging:
         sources = [tr[2] for tr in plan.transfers]
         direct = not _alias.shared(sources)
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is a ticket
-        lives = self._live_states(pending) if direct and not plan.repeats else {}
-        protect = self._not_in_place(sources) if lives else set()
-        in_place, fits, cloned = self.in_place, _fits_in_place, self._cloned
         # NOTE: the common entry, a plain dense tensor right under its key in a param's state, staying where it
         # is in its own dtype, with no tensor shared and no storage shared, needs no ticket: it is its own copy
         # (or the live tensor taking its values, or, with copy=False, itself), made right here. (Only such an
         # entry can take its values in place.)
         lone = direct and not plan.repeats
+        lives = self._live_states(pending) if lone else {}
+        protect = self._not_in_place(sources) if lives else set()
+        in_place, fits, cloned = self.in_place, _fits_in_place, self._cloned
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
             (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]

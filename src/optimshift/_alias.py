@@ -126,6 +126,11 @@ def sole_user(t: torch.Tensor) -> bool:
     return _use_count(_address(t)) == 1
 
 
+def sole_users(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether each of ``tensors`` (plain tensors) is all that uses its storage (see :func:`sole_user`)."""
+    return all(n == 1 for n in map(_use_count, map(_address, tensors)))
+
+
 def together(items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[tuple[list[int], torch.device]]:
     """The groups of :func:`shared` among ``items`` whose members all go to one device, with that device.
     (Members bound for different devices cannot keep sharing: the engine refuses them before copying, see

@@ -17,7 +17,17 @@ from . import _session
 from . import policy as _policy
 from ._state import Path, format_path, group_device, leaves, param_label
 
-__all__ = ["Site", "Transfer", "Plan", "TargetFn", "build_plan", "policy_target", "iter_holders", "check_optimizer"]
+__all__ = [
+    "Site",
+    "Transfer",
+    "Plan",
+    "TargetFn",
+    "build_plan",
+    "place",
+    "policy_target",
+    "iter_holders",
+    "check_optimizer",
+]
 
 
 class Site:
@@ -286,6 +296,23 @@ def build_plan(
 
 
 _tensor_of = itemgetter(2)
+
+
+def place(
+    target: TargetFn,
+    ident: Ident,
+    param: torch.Tensor,
+    group: Mapping[str, Any],
+    key: str,
+    tensor: torch.Tensor,
+    dest: torch.device | None,
+) -> torch.device:
+    """The device :func:`build_plan` gives ``tensor``, right under ``key`` in ``param``'s state, by ``target``
+    (``dest``: where a param's non-scalar state goes by ``target.follow``, None without one), for a caller that
+    plans one kind of entry at a time (the uniform load: ``checkpoint/_uniform.py``)."""
+    if dest is not None and tensor.dim():
+        return dest
+    return target(ident, param, group, key, tensor)[0]  # (it reads and fills its own memo of scalar decisions)
 
 
 def _one_place_each(optimizer: Any, transfers: list[Transfer], ids: list[int]) -> None:

@@ -18,7 +18,7 @@ import torch
 from .._probe import StateSpec, signature_defaults, step_needs
 from .._state import IMPLEMENTATION_FLAGS
 
-__all__ = ["check_group", "check_entries", "same_step", "keys_shown"]
+__all__ = ["check_group", "check_entries", "same_step", "keys_shown", "NOT_REAL"]
 
 Fail = Callable[..., Exception]
 """``fail(message, exc=ValueError)``: the exception to raise, its message prefixed with the optimizer and file."""
@@ -67,7 +67,7 @@ def check_entries(
         value = saved[key]
         if key in spec.scalars:
             if type(value) is plain:  # (the common case, decided inline: this runs once per entry)
-                if value.numel() == 1 and value.layout == strided and value.dtype not in _NOT_REAL:
+                if value.numel() == 1 and value.layout == strided and value.dtype not in NOT_REAL:
                     continue
             elif _number_like(value) and (not isinstance(value, torch.Tensor) or value.layout == strided):
                 continue  # a Python number is what older PyTorch saved; __setstate__ makes it a tensor
@@ -162,7 +162,7 @@ def _group_keys(
     return found
 
 
-_NOT_REAL = frozenset({torch.bool, torch.complex32, torch.complex64, torch.complex128})
+NOT_REAL = frozenset({torch.bool, torch.complex32, torch.complex64, torch.complex128})
 
 
 def _number_like(value: Any) -> bool:

@@ -92,8 +92,11 @@ def stringified_ids(state_keys: Iterable[Any], ids: Iterable[Any]) -> list[str]:
     """The keys of ``state`` that are the text of a param id the groups list (``"0"`` for ``0``): what a JSON
     round trip makes of an optimizer state dict. ``Optimizer.load_state_dict`` takes them for optimizer-wide
     entries and drops every param's state."""
+    keys = [k for k in state_keys if isinstance(k, str)]
+    if not keys:
+        return []
     texts = {str(i) for i in ids if type(i) is int}  # the ids PyTorch writes; JSON makes "0" of 0
-    return [k for k in state_keys if isinstance(k, str) and k in texts] if texts else []
+    return [k for k in keys if k in texts] if texts else []
 
 
 @dataclass(frozen=True)

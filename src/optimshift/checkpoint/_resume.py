@@ -309,6 +309,8 @@ def _install(
         for _, _, old, new in places:
             by_old.setdefault(id(old), set()).add(id(new))
         places = [place for place in places if len(by_old[id(place[2])]) == 1]
+    if not places:
+        return
     cannot, apply, _ = engine.adoptions(
         [(old, new) for _, _, old, new in places], protect=engine.outside_owned(optimizer), distinct=distinct
     )

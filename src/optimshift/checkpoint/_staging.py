@@ -39,6 +39,7 @@ from .._state import (
 from ..plan import _GROUP_SKIP, OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from . import _files
 from ._checks import check_entries, check_group, keys_shown, same_step
+from ._uniform import build_uniform, fits_in_place
 
 __all__ = ["Staging"]
 
@@ -81,7 +82,8 @@ class Staging:
         # (live tensor, checkpoint tensor): the live tensor is installed as it is and takes the values in place
         # once the class's __setstate__ accepted the new state (see in_place), by device (one batched copy each)
         self.in_place: defaultdict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-        self._cloned: list[torch.Tensor] = []  # copies made with no ticket (see build), each installed once
+        self.cloned: list[torch.Tensor] = []  # copies made with no ticket (see build), each installed once
+        self._specs: dict[tuple[int, int], StateSpec] = {}  # (group, param rank) -> what a step keeps
 
     def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
         where = f"{self.source}: " if self.source else ""
@@ -111,8 +113,6 @@ class Staging:
                 f"the checkpoint has {len(groups)} param group{'s' if len(groups) != 1 else ''}, "
                 f"the optimizer has {len(live)}"
             )
-        seen_live: dict[int, tuple[int, int]] = {}
-        seen_ids: dict[Any, tuple[int, int]] = {}
         for gi, (g, lg) in enumerate(zip(groups, live)):
             saved_params = g.get("params")
             if not isinstance(saved_params, (list, tuple)):
@@ -122,7 +122,51 @@ class Staging:
                     f"param group {gi} has {len(saved_params)} params in the checkpoint and "
                     f"{len(lg['params'])} in the optimizer"
                 )
-            for pi, (sid, p) in enumerate(zip(saved_params, lg["params"])):
+        # NOTE: one pass in C over each side's params; the loop that names the culprit runs only when one finds
+        # a param listed twice or an id that is not hashable.
+        n = sum(len(lg["params"]) for lg in live)
+        seen_ids: dict[Any, Any] = {}
+        try:
+            seen_ids = dict.fromkeys(sid for g in groups for sid in g["params"])
+        except TypeError:
+            pass
+        if len(seen_ids) != n or len({id(p) for lg in live for p in lg["params"]}) != n:
+            self._refuse_listed_twice(groups, live)
+        id_types = {type(sid) for sid in seen_ids}
+        others = [k for k in states if k not in seen_ids]  # (optimizer-wide entries, text ids, strays)
+        texts = _files.stringified_ids(others, seen_ids)
+        if texts:
+            raise self.fail(
+                f"state_dict['state'] is keyed by text ({', '.join(repr(k) for k in texts[:3])}"
+                f"{', …' if len(texts) > 3 else ''}) while the param groups list the ids "
+                f"{_ids_shown(seen_ids)}: it went through JSON or another round trip that turns keys into text, "
+                f"and PyTorch would silently drop every param's state. Turn the keys back first: "
+                f"sd['state'] = {{int(k): v for k, v in sd['state'].items()}}"
+            )
+        # Keys of another kind than the params' ids are optimizer-wide entries (MADGRAD's "k"): PyTorch keeps them.
+        self.wide = [k for k in others if type(k) not in id_types] if id_types else []
+        if self.wide and self.base is not None and type(self.opt) is self.base:
+            raise self.fail(
+                f"state_dict['state'] has entries {self.wide[:5]!r} that are no param's id, but "
+                f"{self.base.__module__}.{self.base.__qualname__} keeps all of its state per param (only other "
+                f"optimizer classes keep optimizer-wide entries); the param groups list the ids "
+                f"{_ids_shown(seen_ids)}"
+            )
+        stray = [k for k in others if k not in self.wide]
+        if stray:
+            raise self.fail(
+                f"state_dict['state'] has entries for param ids {stray[:5]!r} that no param group lists; "
+                f"they could not be matched to a param"
+            )
+        return list(groups), states
+
+    def _refuse_listed_twice(self, groups: Any, live: list[dict[str, Any]]) -> None:
+        """Raise naming the first param the optimizer lists twice, or the first checkpoint id listed twice or
+        not hashable."""
+        seen_live: dict[int, tuple[int, int]] = {}
+        seen_ids: dict[Any, tuple[int, int]] = {}
+        for gi, (g, lg) in enumerate(zip(groups, live)):
+            for pi, (sid, p) in enumerate(zip(g["params"], lg["params"])):
                 if id(p) in seen_live:
                     g0, i0 = seen_live[id(p)]
                     raise self.fail(
@@ -141,32 +185,6 @@ class Staging:
                         f"group {gi}, param {pi})"
                     )
                 seen_ids[sid] = (gi, pi)
-        id_types = {type(sid) for sid in seen_ids}
-        texts = _files.stringified_ids([k for k in states if k not in seen_ids], seen_ids)
-        if texts:
-            raise self.fail(
-                f"state_dict['state'] is keyed by text ({', '.join(repr(k) for k in texts[:3])}"
-                f"{', …' if len(texts) > 3 else ''}) while the param groups list the ids "
-                f"{_ids_shown(seen_ids)}: it went through JSON or another round trip that turns keys into text, "
-                f"and PyTorch would silently drop every param's state. Turn the keys back first: "
-                f"sd['state'] = {{int(k): v for k, v in sd['state'].items()}}"
-            )
-        # Keys of another kind than the params' ids are optimizer-wide entries (MADGRAD's "k"): PyTorch keeps them.
-        self.wide = [k for k in states if k not in seen_ids and type(k) not in id_types] if id_types else []
-        if self.wide and self.base is not None and type(self.opt) is self.base:
-            raise self.fail(
-                f"state_dict['state'] has entries {self.wide[:5]!r} that are no param's id, but "
-                f"{self.base.__module__}.{self.base.__qualname__} keeps all of its state per param (only other "
-                f"optimizer classes keep optimizer-wide entries); the param groups list the ids "
-                f"{_ids_shown(seen_ids)}"
-            )
-        stray = [k for k in states if k not in seen_ids and k not in self.wide] if len(states) > 0 else []
-        if stray:
-            raise self.fail(
-                f"state_dict['state'] has entries for param ids {stray[:5]!r} that no param group lists; "
-                f"they could not be matched to a param"
-            )
-        return list(groups), states
 
     # -- placement ------------------------------------------------------------------------------------------
 
@@ -192,6 +210,10 @@ class Staging:
             return f"param group {gi}, key {key!r}{format_path(path)}"
         return f"{self._param_label(gi, pi)}, state key {key!r}{format_path(path)}"
 
+    def site_words(self, gi: int, pi: int, key: Any) -> str:
+        """Param ``pi`` of group ``gi``'s state entry ``key``, in words (for errors)."""
+        return self._site((gi, pi, key, ()))
+
     def _where(self, gi: int, pi: int) -> Callable[[Any], str]:
         """Param ``pi`` of group ``gi`` (``None``), or its state entry ``key``, in words: made only for an error."""
         return lambda key: self._param_label(gi, pi) if key is None else self._site((gi, pi, key, ()))
@@ -206,7 +228,7 @@ class Staging:
 
     def made_ids(self) -> set[int]:
         """The ids of the copies this staging made (never the caller's own tensors)."""
-        return {id(t) for t in self._made.values()}.union(map(id, self._cloned))
+        return {id(t) for t in self._made.values()}.union(map(id, self.cloned))
 
     def shared_ids(self) -> set[int]:
         """The ids of the copies installed in more than one place (a tensor the checkpoint shares: LBFGS's
@@ -286,7 +308,7 @@ class Staging:
         ids = [id(v) for live in lives.values() for v in live.values() if isinstance(v, torch.Tensor)]
         return lives if len(set(ids)) == len(ids) else {}
 
-    def _not_in_place(self, sources: list[torch.Tensor]) -> set[int]:
+    def not_in_place(self, sources: list[torch.Tensor]) -> set[int]:
         """ids of live tensors that must not take loaded values in place: the optimizer's params and their grads
         (a module's), its groups' own tensors (LBFGS's ``state['t']`` is its tensor ``lr``: written in place, the
         group's adoption would then overwrite it), and the checkpoint's own tensors (a state dict made of live
@@ -374,7 +396,6 @@ class Staging:
         saved_groups, states = self._validate_structure()
         live_groups = self.opt.param_groups
         new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
-        spec_cache: dict[tuple[int, int], StateSpec] = {}
         new_state: defaultdict[Any, Any] = defaultdict(dict)
         # (new state dict, param, group, index, its tensors' (key, dtype) when it holds no container)
         pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, tuple[tuple[Any, torch.dtype], ...] | None]] = []
@@ -382,13 +403,14 @@ class Staging:
             assert self.base is not None  # (strict: a torch.optim class)
             for gi, ng in enumerate(new_groups):
                 check_group(self.fail, type(self.opt), self.base, gi, ng)
+        uniform = build_uniform(self, saved_groups, states, new_groups)
+        if uniform is not None:  # (the common checkpoint, staged in one pass: see _uniform)
+            return uniform, new_groups
         for gi, (lg, sg, ng) in enumerate(zip(live_groups, saved_groups, new_groups)):
             for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
                 saved = states.get(sid)
                 ndim, pshape = p.dim(), p.shape
-                spec = spec_cache.get((gi, ndim))
-                if spec is None:
-                    spec = spec_cache[(gi, ndim)] = self._spec(ng, ndim)
+                spec = self.spec(gi, ng, ndim)
                 if saved is None:
                     if self.strict and spec.eager:
                         assert self.base is not None  # (strict: a torch.optim class)
@@ -465,8 +487,8 @@ class Staging:
         # entry can take its values in place.)
         lone = direct and not plan.repeats
         lives = self._live_states(pending) if lone else {}
-        protect = self._not_in_place(sources) if lives else set()
-        in_place, fits, cloned = self.in_place, _fits_in_place, self._cloned
+        protect = self.not_in_place(sources) if lives else set()
+        in_place, fits, cloned = self.in_place, fits_in_place, self.cloned
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
             (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]
@@ -602,12 +624,7 @@ class Staging:
         """Keeping the checkpoint's dtypes (``cast=None``) must leave an optimizer that can step: fail now,
         before anything is copied, if a step refuses one of them (float64 moments for float32 params in Adam;
         SGD takes float32 momentum for bfloat16 params, so that one is kept)."""
-        if self.base is None or not dtypes:
-            return
-        memo_key = (gi, p.dtype, p.dim(), dtypes)  # (in the entries' order: a miss costs a check)
-        rejected = self._dtype_checks.get(memo_key)
-        if rejected is None:
-            rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dict(dtypes))
+        rejected = self.rejected(group, p, gi, dtypes)
         if rejected:
             r, n = rejected[0], dtype_name
             others = "".join(f" (and {x.key!r}, {n(x.dtype)})" for x in rejected[1:])
@@ -618,11 +635,26 @@ class Staging:
                 f"dtype as PyTorch does; the optimizer is unchanged"
             )
 
-    def _spec(self, group: Mapping[str, Any], ndim: int) -> StateSpec:
-        """What this optimizer class keeps per param (probed), for the checks."""
-        if self.base is None:
-            return NO_SPEC
-        return expected_state(self.base, group, ndim)
+    def rejected(
+        self, group: Mapping[str, Any], p: torch.Tensor, gi: int, dtypes: tuple[tuple[Any, torch.dtype], ...]
+    ) -> list[Rejection]:
+        """The entries (key, dtype) of a param ``p`` of group ``gi`` that a step refuses (none without a
+        torch.optim base), memoized by the param's dtype and rank."""
+        if self.base is None or not dtypes:
+            return []
+        memo_key = (gi, p.dtype, p.dim(), dtypes)  # (in the entries' order: a miss costs a check)
+        rejected = self._dtype_checks.get(memo_key)
+        if rejected is None:
+            rejected = self._dtype_checks[memo_key] = rejected_dtypes(self.base, group, p, dict(dtypes))
+        return rejected
+
+    def spec(self, gi: int, group: Mapping[str, Any], ndim: int) -> StateSpec:
+        """What this optimizer class keeps per param of rank ``ndim`` in (new) group ``gi`` (probed), for the
+        checks."""
+        spec = self._specs.get((gi, ndim))
+        if spec is None:
+            spec = self._specs[(gi, ndim)] = NO_SPEC if self.base is None else expected_state(self.base, group, ndim)
+        return spec
 
     def _copy_container(self, value: Any, site: _Site) -> Any:
         """Our own copy of a checkpoint's container (the tensors inside stay the checkpoint's, to be placed
@@ -644,27 +676,6 @@ class Staging:
                 f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                 f"this (a corrupt or hostile checkpoint)"
             )
-
-
-def _fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) -> bool:
-    """Whether live tensor ``old`` can take checkpoint tensor ``new``'s values by ``old.copy_(new)`` and end up
-    exactly as a clone of ``new`` adopted into it would be: both plain and dense with the same shape and strides
-    (``new``, on ``device``, is plain, dense and contiguous: the caller checked), on one device, of one dtype;
-    ``old`` nobody's but the optimizer's (no grad, not an inference tensor, all that uses its storage) and not
-    ``new`` itself (the caller's state dict would keep holding it). The caller also keeps out live tensors that
-    are params, grads, group tensors or the checkpoint's own."""
-    return (
-        type(old) is torch.Tensor
-        and old is not new
-        and old.layout == torch.strided  # (before stride(), which a sparse tensor refuses)
-        and old.dtype == new.dtype
-        and old.device == device
-        and old.shape == new.shape
-        and old.stride() == new.stride()  # (so contiguous as ``new``; alike where a size-1 dimension's is free)
-        and not old.requires_grad
-        and not old.is_inference()
-        and _alias.sole_user(old)
-    )
 
 
 def _site_of(tr: Transfer) -> _Site:

@@ -1,0 +1,321 @@
+"""The uniform load: a checkpoint whose every param's state is what its class's step creates, each entry a plain
+dense tensor that stays where the plan puts it, staged in one pass with its checks made in C.
+
+Most resumes load such a checkpoint (``opt.state_dict()`` of the same class, saved and read back). The general
+staging (:class:`._staging.Staging`) looks at each tensor in Python, a dozen attribute reads each; here each
+*kind* of entry (a group, a key, a param shape, dtype and device) is checked once in Python, on its first tensor,
+exactly as the general path checks it, and every tensor is then compared with its kind's first in one C call
+(``TensorGuards``, what ``torch.compile`` checks its inputs with: class, dispatch keys, dtype, device,
+``requires_grad``, sizes, strides). Anything else (a mismatch, a tensor shared, a cast, a container, a group
+tensor) returns None and the general path stages the load, with its errors. Same result, same placement (the
+plan's target function), same copies: a clone each, a live tensor that fits taking the values in place.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from .. import _alias, engine
+from .._dtypes import Rejection
+from .._errors import add_note
+from .._probe import StateSpec
+from ..plan import place, policy_target
+from ._checks import NOT_REAL
+
+
+class Staging(Protocol):
+    """What the uniform load reads and fills of a :class:`._staging.Staging` (which imports this module)."""
+
+    opt: torch.optim.Optimizer
+    name: str
+    cast: str | None
+    copy: bool
+    device: torch.device | None
+    strict: bool
+    base: type[torch.optim.Optimizer] | None
+    wide: list[Any]
+    cloned: list[torch.Tensor]
+    in_place: defaultdict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]
+
+    def spec(self, gi: int, group: Mapping[str, Any], ndim: int) -> StateSpec: ...
+    def rejected(
+        self, group: Mapping[str, Any], p: torch.Tensor, gi: int, dtypes: tuple[tuple[Any, torch.dtype], ...]
+    ) -> list[Rejection]: ...
+    def not_in_place(self, sources: list[torch.Tensor]) -> set[int]: ...
+    def site_words(self, gi: int, pi: int, key: Any) -> str: ...
+
+
+__all__ = ["build_uniform", "fits_in_place"]
+
+TensorGuards: Any  # (torch's stub types its sizes and strides as one flat list: it takes one list per tensor)
+try:  # (private to torch: without it, every load takes the general path)
+    from torch._C._dynamo import guards as _guards
+
+    TensorGuards = _guards.TensorGuards
+except (ImportError, AttributeError):  # pragma: no cover - every supported torch has it
+    TensorGuards = None
+
+# NOTE: TensorGuards compares dispatch keys as the thread's dispatch state shows them: under inference mode (which
+# excludes the autograd keys) an inference tensor would look like any other. Only the state it is imported under
+# (the default one) is trusted.
+_DEFAULT_EXCLUDED = repr(torch._C._dispatch_tls_local_exclude_set())
+
+
+class _Kind:
+    """One kind of entry row: the checkpoint state of a param of one shape, dtype and device in one group, as its
+    first param holds it. ``refs``/``sizes``/``strides``: per entry, the tensor every other row's entry must match
+    (its sizes and strides given apart: the shaped entries have the param's, the scalars none);
+    ``devices``: where each entry goes."""
+
+    __slots__ = ("keys", "refs", "sizes", "strides", "devices")
+
+    def __init__(
+        self,
+        keys: frozenset[Any],
+        refs: list[torch.Tensor],
+        sizes: list[list[int]],
+        strides: list[list[int]],
+        devices: list[torch.device],
+    ) -> None:
+        self.keys, self.refs, self.sizes, self.strides, self.devices = keys, refs, sizes, strides, devices
+
+
+def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether this load may be uniform at all (per load, before any param)."""
+    if TensorGuards is None or st.cast is not None or st.wide or not st.strict or st.base is None:
+        return False
+    if torch.is_inference_mode_enabled() or repr(torch._C._dispatch_tls_local_exclude_set()) != _DEFAULT_EXCLUDED:
+        return False
+    # A group's own tensors (a tensor lr) are placed, copied and shared by the general path's rules.
+    return not any(
+        isinstance(v, torch.Tensor) or isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v)
+        for g in new_groups
+        for k, v in g.items()
+        if k not in ("params", "param_names")
+    )
+
+
+def build_uniform(
+    st: Staging, saved_groups: list[Mapping[str, Any]], states: Mapping[Any, Any], new_groups: list[dict[str, Any]]
+) -> defaultdict[Any, Any] | None:
+    """The new state of a uniform load (filling ``st``'s copies and in-place pairs), or None: the general path's."""
+    if not _usable(st, new_groups):
+        return None
+    target = policy_target(st.opt, st.device, remembered=False)
+    follow = getattr(target, "follow", None)
+    if follow is None:  # (a registered policy may look at every tensor)
+        return None
+    base = st.base
+    assert base is not None  # (see _usable)
+    lives = st.copy and bool(st.opt.state) and type(st.opt).__setstate__ is base.__setstate__
+    # (by id: a tensor's hash is a Python call)
+    live_get = {id(p): live for p, live in st.opt.state.items()}.get if lives else None
+    got: list[torch.Tensor] = []  # every checkpoint tensor, row by row
+    refs: list[torch.Tensor] = []
+    sizes: list[list[int]] = []
+    strides: list[list[int]] = []
+    devices: list[torch.device] = []
+    olds: list[Any] = []  # the live tensor at each entry (lives)
+    rows: list[tuple[torch.Tensor, Mapping[Any, Any], int, int]] = []  # (param, its saved state, group, index)
+    for gi, (lg, sg, ng) in enumerate(zip(st.opt.param_groups, saved_groups, new_groups)):
+        kinds: dict[tuple[Any, ...], _Kind | None] = {}
+        for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
+            saved = states.get(sid)
+            if saved is None:
+                if st.spec(gi, ng, p.dim()).eager:
+                    return None  # (an error: the general path says which)
+                continue
+            if type(saved) is not dict:
+                return None
+            kind_key = (p.shape, p.dtype, p.device)
+            kind = kinds.get(kind_key)
+            if kind is None:
+                kind = kinds[kind_key] = _kind(st, target, follow, gi, pi, ng, p, saved)
+                if kind is None:
+                    return None
+            if saved.keys() != kind.keys:
+                return None
+            got.extend(saved.values())
+            refs.extend(kind.refs)
+            sizes.extend(kind.sizes)
+            strides.extend(kind.strides)
+            devices.extend(kind.devices)
+            if lives:
+                live = live_get(id(p))  # type: ignore[misc]  # (lives: a getter)
+                if not live:
+                    olds.extend([None] * len(saved))  # (no live state: copies)
+                elif live.keys() == kind.keys:
+                    olds.extend(map(live.__getitem__, saved))  # (by key: the same order as the checkpoint's)
+                else:
+                    return None  # (live entries under other keys: the general path pairs them key by key)
+            rows.append((p, saved, gi, pi))
+    ids = set(map(id, got))
+    # (one tensor in two places, or tensors sharing a storage: the general path keeps them shared)
+    if len(ids) != len(got) or _alias.shared(got):
+        return None
+    try:
+        guard = TensorGuards(*refs, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+        matches = guard.check(*got)
+    except Exception:  # (a torch whose TensorGuards takes other arguments: the general path)
+        return None
+    if not matches:
+        return None
+    new_state: defaultdict[Any, Any] = defaultdict(dict)
+    if not st.copy:  # the checkpoint's own tensors, installed as they are
+        for p, saved, _, _ in rows:
+            new_state[p] = dict(saved)
+        return new_state
+    installed = _in_place(st, guard, got, ids, olds, devices) if lives and olds else None
+    cloned = st.cloned
+    done: list[torch.Tensor] = []
+    append = done.append
+    try:
+        if installed is None:  # (no live tensor taking the values: a fresh optimizer, the common resume)
+            for t in got:
+                append(t.clone())  # (keeps the strides, and is the cheapest copy)
+            cloned.extend(done)
+        elif installed is olds:  # (every live tensor taking the values)
+            done = olds
+        else:
+            for t, old in zip(got, installed):
+                if old is None:
+                    t = t.clone()
+                    cloned.append(t)
+                    append(t)
+                else:
+                    append(old)
+    except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
+        add_note(
+            e,
+            f"{st.name}: load_state_dict: while copying {_site_at(st, rows, len(done))} to "
+            f"{devices[len(done)]}; the optimizer is unchanged",
+        )
+        raise
+    it = iter(done)
+    for p, saved, _, _ in rows:
+        new_state[p] = dict(zip(saved, it))  # (zip stops at the last key: exactly this param's entries)
+    return new_state
+
+
+def _kind(
+    st: Staging,
+    target: Any,
+    follow: Any,
+    gi: int,
+    pi: int,
+    group: Mapping[str, Any],
+    p: torch.Tensor,
+    saved: Mapping[Any, Any],
+) -> _Kind | None:
+    """The kind of ``p``'s row, checked in Python as the general path checks each entry, or None if any entry is
+    not the common one (a plain, dense, contiguous tensor right under its key, staying where it is, not
+    requiring grad) or a check fails (the general path raises, naming it)."""
+    spec = st.spec(gi, group, p.dim())
+    if spec.keys != saved.keys() or spec.tensors != spec.keys or spec.shaped | spec.scalars != spec.tensors:
+        return None
+    pshape = list(p.shape)
+    contiguous = _contiguous_strides(pshape)
+    dest = p.device if follow == "param" else follow
+    kind = _Kind(frozenset(saved), [], [], [], [])
+    dtypes: list[tuple[Any, torch.dtype]] = []
+    for key, value in saved.items():
+        if type(value) is not torch.Tensor or value.requires_grad or value.layout != torch.strided:
+            return None
+        if key in spec.scalars:
+            if value.dim() != 0 or value.dtype in NOT_REAL:
+                return None
+            kind.sizes.append([])
+            kind.strides.append([])
+        else:  # shaped: the param's shape, contiguous
+            if list(value.shape) != pshape or list(value.stride()) != contiguous:
+                return None
+            if key in spec.floating and not (value.is_floating_point() or value.is_complex()):
+                return None
+            kind.sizes.append(pshape)
+            kind.strides.append(contiguous)
+        device = place(target, (gi, pi, (("key", key),)), p, group, key, value, dest)
+        if value.device != device:
+            return None
+        kind.refs.append(value)
+        kind.devices.append(device)
+        dtypes.append((key, value.dtype))
+    if st.rejected(group, p, gi, tuple(dtypes)):
+        return None
+    return kind
+
+
+def _in_place(
+    st: Staging, guard: Any, got: list[torch.Tensor], got_ids: set[int], olds: list[Any], devices: list[torch.device]
+) -> list[torch.Tensor | None] | None:
+    """Per entry, the live tensor that takes the checkpoint's values in place (recorded in ``st.in_place``), or
+    None (a clone is installed, and ``_resume._install`` adopts it into the live tensor); None if none does.
+    The general path's rule (``Staging._live_states``, :func:`fits_in_place`): distinct live tensors, none of
+    them a param, grad, group tensor or checkpoint tensor (``got_ids``), each of the checkpoint tensor's kind
+    (``guard``: one C call), all that uses its storage."""
+    try:
+        alike = guard.check(*olds)
+    except Exception:  # (a live entry that is no tensor, or none)
+        alike = False
+    live = olds if alike else [t for t in olds if isinstance(t, torch.Tensor)]
+    ids = set(map(id, live))
+    if len(ids) != len(live):
+        return None  # (a live tensor in two places: it must stop being shared)
+    # (the groups hold no tensor here: see _usable)
+    clear = ids.isdisjoint(got_ids) and ids.isdisjoint(engine.outside_owned(st.opt))
+    protect = set() if clear else st.not_in_place(got)
+    if alike and clear and _alias.sole_users(olds) and devices.count(devices[0]) == len(devices):
+        st.in_place[devices[0]].extend(zip(olds, got))  # (the common case: every one, on one device)
+        return olds
+    sole = _alias.sole_user
+    out: list[torch.Tensor | None] = []
+    append = out.append
+    pairs = st.in_place
+    for old, new, device in zip(olds, got, devices):
+        if (clear or id(old) not in protect) and (sole(old) if alike else fits_in_place(old, new, device)):
+            pairs[device].append((old, new))
+            append(old)
+        else:
+            append(None)
+    return out
+
+
+def fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) -> bool:
+    """Whether live tensor ``old`` can take checkpoint tensor ``new``'s values by ``old.copy_(new)`` and end up
+    exactly as a clone of ``new`` adopted into it would be: both plain and dense with the same shape and strides
+    (``new``, on ``device``, is plain, dense and contiguous: the caller checked), on one device, of one dtype;
+    ``old`` nobody's but the optimizer's (no grad, not an inference tensor, all that uses its storage) and not
+    ``new`` itself (the caller's state dict would keep holding it). The caller also keeps out live tensors that
+    are params, grads, group tensors or the checkpoint's own."""
+    return (
+        type(old) is torch.Tensor
+        and old is not new
+        and old.layout == torch.strided  # (before stride(), which a sparse tensor refuses)
+        and old.dtype == new.dtype
+        and old.device == device
+        and old.shape == new.shape
+        and old.stride() == new.stride()  # (so contiguous as ``new``; alike where a size-1 dimension's is free)
+        and not old.requires_grad
+        and not old.is_inference()
+        and _alias.sole_user(old)
+    )
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
+
+
+def _site_at(st: Staging, rows: list[tuple[torch.Tensor, Mapping[Any, Any], int, int]], n: int) -> str:
+    """Entry ``n`` of the rows, in words (for an error)."""
+    for _, saved, gi, pi in rows:
+        if n < len(saved):
+            return st.site_words(gi, pi, list(saved)[n])
+        n -= len(saved)
+    return "?"  # pragma: no cover - n is always an entry

@@ -1,0 +1,379 @@
+"""The uniform load (``checkpoint/_uniform.py``): a checkpoint whose every param's state is what its class's step
+creates loads in one pass, checked in C, and ends exactly as the general staging ends it (same placement, dtypes,
+values, objects, storages, errors); anything else takes the general path.
+
+Each test loads one checkpoint into two equal optimizers, once as it is and once with the uniform path switched off
+(``TensorGuards`` None), and compares everything an optimizer holds afterwards, then one more step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import optimshift
+from _matrix import CASES, Model, bits, train
+from optimshift.checkpoint import _staging, _uniform
+
+O = torch.optim
+K = 2
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """Whether each load of the test took the uniform path."""
+    calls: list[bool] = []
+    real = _staging.build_uniform
+
+    def spy(*args, **kwargs):
+        try:
+            out = real(*args, **kwargs)
+        except BaseException:
+            calls.append("raised")
+            raise
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_staging, "build_uniform", spy)
+    return calls
+
+
+def _trained(cls, kwargs, shapes, device="cpu", steps=K):
+    model = Model(shapes)
+    model.to(device)
+    opt = cls([h.weight for h in model.parts], **kwargs)
+    train(model, opt, range(steps))
+    return model, opt
+
+
+def _live(opt):
+    """{(param index, key): (id, data_ptr)} of every tensor entry."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {
+        (i, k): (id(v), v.data_ptr())
+        for i, p in enumerate(params)
+        for k, v in opt.state.get(p, {}).items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def _facts(opt, before, sd):
+    """Everything a load decides, comparable across two optimizers: per param, each entry's key (in order), class,
+    dtype, device, bits, and whether it is the live object it was, on its storage, or the checkpoint's own tensor;
+    the groups but their params."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved = {id(t) for st in sd["state"].values() for t in st.values() if isinstance(t, torch.Tensor)}
+    rows = []
+    for i, p in enumerate(params):
+        st = opt.state.get(p)
+        if st is None:
+            rows.append(None)
+            continue
+        row = []
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                was = before.get((i, k))
+                kept = was is not None and id(v) == was[0]
+                row.append(
+                    (
+                        k,
+                        type(v),
+                        v.dtype,
+                        v.device,
+                        tuple(v.stride()),
+                        bits(v.detach()).cpu(),
+                        kept,
+                        kept and v.data_ptr() == was[1],
+                        id(v) in saved,
+                    )
+                )
+            else:
+                row.append((k, v))
+        rows.append(row)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return rows, groups
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b or (a != a and b != b)
+
+
+def _load(make, sd, monkeypatch, *, uniform, **kwargs):
+    """(outcome, model, optimizer) of one load into a new ``make()``: the facts, or the error's type and text."""
+    model, opt = make()
+    if kwargs.get("copy") is False:  # (the optimizer then holds the checkpoint's tensors: each load its own)
+        sd = copy.deepcopy(sd)
+    before = _live(opt)
+    with monkeypatch.context() as m:
+        if not uniform:
+            m.setattr(_uniform, "TensorGuards", None)
+        try:
+            optimshift.load_state_dict(opt, sd, **kwargs)
+        except Exception as e:  # (compared: both paths must raise alike)
+            return (type(e), str(e), getattr(e, "__notes__", None)), model, opt
+    return _facts(opt, before, sd), model, opt
+
+
+def _both(make, sd, monkeypatch, **kwargs):
+    """Load ``sd`` both ways; assert every fact agrees, then that one more step agrees too. Returns the uniform
+    load's outcome."""
+    got, m1, o1 = _load(make, sd, monkeypatch, uniform=True, **kwargs)
+    want, m2, o2 = _load(make, sd, monkeypatch, uniform=False, **kwargs)
+    assert _same(got, want)
+    if not isinstance(got[0], type):
+        train(m1, o1, range(K, K + 1))
+        train(m2, o2, range(K, K + 1))
+        assert _same(_facts(o1, {}, {"state": {}}), _facts(o2, {}, {"state": {}}))
+        assert all(torch.equal(bits(a.detach()), bits(b.detach())) for a, b in zip(m1.parameters(), m2.parameters()))
+    return got
+
+
+# Classes whose state after a step is every key its step creates, each a plain tensor of the param's shape or
+# 0-dim: the checkpoints the uniform path is for. (Adafactor keeps row and column factors, LBFGS containers.)
+_GENERAL = {"Adafactor", "Adafactor-foreach", "LBFGS"}
+
+
+def _host_cases():
+    for name, cls, kwargs, _directions, shapes in CASES:
+        if not kwargs.get("capturable"):  # capturable cannot step on a CPU
+            yield pytest.param(name, cls, kwargs, shapes, id=name)
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+@pytest.mark.parametrize("name, cls, kwargs, shapes", list(_host_cases()))
+def test_every_class_loads_as_the_general_path_loads_it(monkeypatch, taken, name, cls, kwargs, shapes, into):
+    _, source = _trained(cls, kwargs, shapes, steps=K + 1)
+    sd = source.state_dict()
+
+    def make():
+        if into == "fresh":
+            model = Model(shapes)
+            return model, cls([h.weight for h in model.parts], **kwargs)
+        return _trained(cls, kwargs, shapes)
+
+    _both(make, sd, monkeypatch)
+    assert taken[0] is (name not in _GENERAL)
+
+
+@pytest.mark.parametrize("how", ["copy=False", "device='cpu'"])
+def test_options_load_as_the_general_path_loads_them(monkeypatch, taken, how):
+    _, source = _trained(O.AdamW, {"foreach": False}, [(4, 3), (3,)], steps=K + 1)
+    kwargs = {"copy": False} if how == "copy=False" else {"device": "cpu"}
+    got = _both(
+        lambda: _trained(O.AdamW, {"foreach": False}, [(4, 3), (3,)]), source.state_dict(), monkeypatch, **kwargs
+    )
+    assert taken[0] is True
+    installed_as_saved = [entry[-1] for row in got[0] for entry in row]
+    assert all(installed_as_saved) is (how == "copy=False")
+
+
+def test_existing_state_takes_the_values_in_place(monkeypatch, taken):
+    """Same objects, same storage, the checkpoint's bits, nothing shared with it."""
+    _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,)], steps=K + 1)
+    got = _both(lambda: _trained(O.Adam, {"foreach": False}, [(4, 3), (3,)]), source.state_dict(), monkeypatch)
+    assert taken[0] is True
+    entries = [entry for row in got[0] for entry in row]
+    assert entries and all(kept and same_storage and not saved for *_, kept, same_storage, saved in entries)
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+@pytest.mark.parametrize(
+    "kwargs", [{"foreach": False}, {"capturable": True, "foreach": False}], ids=["Adam", "capturable"]
+)
+def test_on_the_simulated_accelerator(monkeypatch, taken, sim, kwargs, into):
+    """Placement by the plan: a capturable Adam keeps ``step`` on the device, a plain one on the host."""
+    shapes = [(4, 3), (3,)]
+    _, source = _trained(O.Adam, kwargs, shapes, device=sim, steps=K + 1)
+    sd = source.state_dict()
+
+    def make():
+        if into == "fresh":
+            model = Model(shapes).to(sim)
+            return model, O.Adam([h.weight for h in model.parts], **kwargs)
+        return _trained(O.Adam, kwargs, shapes, device=sim)
+
+    got = _both(make, sd, monkeypatch)
+    assert taken[0] is True
+    steps = {entry[3].type for row in got[0] for entry in row if entry[0] == "step"}
+    assert steps == ({sim.type} if kwargs.get("capturable") else {"cpu"})
+
+
+def _adam_sd(shapes=((3, 3), (3,), (3,))):
+    _, source = _trained(O.Adam, {"foreach": False}, list(shapes), steps=K + 1)
+    return source.state_dict()
+
+
+def _edit(what):
+    """A checkpoint of a trained Adam, edited: each edit is one thing the uniform path leaves to the general one."""
+    sd = _adam_sd()
+    st0, st1 = sd["state"][0], sd["state"][1]
+    if what == "a wrong shape":
+        st1["exp_avg"] = torch.zeros(5)
+    elif what == "float64 moments":
+        st0["exp_avg"], st0["exp_avg_sq"] = st0["exp_avg"].double(), st0["exp_avg_sq"].double()
+    elif what == "a step of shape (1,)":
+        st1["step"] = st1["step"].reshape(1)
+    elif what == "another key order":
+        # (param 2 is of param 1's kind, which holds its entries in the class's order)
+        st2 = sd["state"][2]
+        sd["state"][2] = {"exp_avg": st2["exp_avg"], "step": st2["step"], "exp_avg_sq": st2["exp_avg_sq"]}
+    elif what == "views of one storage":
+        # (no base tensor kept alive by a view: the two are all that uses the storage)
+        flat = torch.cat([st0["exp_avg"].flatten(), st0["exp_avg_sq"].flatten()]).untyped_storage()
+        st0["exp_avg"] = torch.tensor([]).set_(flat, 0, (3, 3), (3, 1))
+        st0["exp_avg_sq"] = torch.tensor([]).set_(flat, 9, (3, 3), (3, 1))
+    elif what == "one tensor twice":
+        st1["exp_avg_sq"] = st1["exp_avg"]
+    elif what == "a tensor lr":
+        sd["param_groups"][0]["lr"] = torch.tensor(0.01)
+    elif what == "a transposed moment":
+        st0["exp_avg"] = st0["exp_avg"].t().contiguous().t()
+    elif what == "a moment requiring grad":
+        st0["exp_avg"] = st0["exp_avg"].clone().requires_grad_()
+    elif what == "an extra key":
+        st1["extra"] = torch.zeros(3)
+    elif what == "a missing key":
+        del st1["exp_avg_sq"]
+    elif what == "an integer moment":
+        st0["exp_avg"] = st0["exp_avg"].to(torch.int32)
+    elif what == "a 0-dim moment of a 1-dim param":
+        st1["exp_avg"] = st1["exp_avg"][0]
+    elif what == "a param without state":
+        del sd["state"][1]
+    return sd
+
+
+_EDITS = [
+    "a wrong shape",
+    "float64 moments",
+    "a step of shape (1,)",
+    "another key order",
+    "views of one storage",
+    "one tensor twice",
+    "a tensor lr",
+    "a transposed moment",
+    "a moment requiring grad",
+    "an extra key",
+    "a missing key",
+    "an integer moment",
+    "a 0-dim moment of a 1-dim param",
+]
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+@pytest.mark.parametrize("what", _EDITS)
+def test_anything_else_takes_the_general_path(monkeypatch, taken, what, into):
+    """Each edit fails the uniform path's checks, and the load (or its error) is the general path's."""
+    sd = _edit(what)
+
+    def make():
+        if into == "fresh":
+            model = Model([(3, 3), (3,), (3,)])
+            return model, O.Adam([h.weight for h in model.parts], foreach=False)
+        return _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
+
+    _both(make, sd, monkeypatch)
+    assert taken[0] is False
+
+
+def test_a_param_without_state_is_uniform(monkeypatch, taken):
+    """A param a lazy class never stepped has no state: it is skipped, as the general path skips it."""
+    _both(
+        lambda: _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)]), _edit("a param without state"), monkeypatch
+    )
+    assert taken[0] is True
+
+
+def test_under_inference_mode_the_general_path_loads(monkeypatch, taken):
+    """Inference mode hides the dispatch keys that tell inference tensors apart: not uniform."""
+    sd = _adam_sd()
+    model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
+    with torch.inference_mode():
+        optimshift.load_state_dict(opt, sd)
+    assert taken == [False]
+
+
+@pytest.mark.parametrize(
+    "live",
+    [
+        "an inference tensor",
+        "a view held elsewhere",
+        "a float step",
+        "a param's grad",
+        "one tensor twice",
+        "another key order",
+    ],
+)
+def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, live):
+    """The live tensors of a uniform checkpoint are judged one by one as the general path judges them: those that
+    cannot be written in place get a copy, adopted into the live object."""
+    sd = _adam_sd()
+    keep = []
+
+    def make():
+        model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
+        p0, p1, _ = (h.weight for h in model.parts)
+        if live == "an inference tensor":
+            with torch.inference_mode():
+                opt.state[p0]["exp_avg"] = opt.state[p0]["exp_avg"].clone()
+        elif live == "a view held elsewhere":
+            keep.append(opt.state[p0]["exp_avg"][0])
+        elif live == "a float step":
+            opt.state[p1]["step"] = float(opt.state[p1]["step"])
+        elif live == "a param's grad":
+            p1.grad = opt.state[p1]["exp_avg"]
+        elif live == "one tensor twice":
+            opt.state[p1]["exp_avg_sq"] = opt.state[p1]["exp_avg"]
+        elif live == "another key order":  # (each live tensor takes the values saved under its own key)
+            opt.state[p1] = {k: opt.state[p1][k] for k in ("exp_avg_sq", "step", "exp_avg")}
+        return model, opt
+
+    got = _both(make, sd, monkeypatch)
+    assert taken[0] is True
+    written = [entry[7] for row in got[0] for entry in row]
+    if live == "another key order":
+        assert all(written)
+        return
+    assert not all(written)
+    if live != "one tensor twice":
+        assert any(written)  # (the others still take their values in place)
+
+
+def test_an_oom_on_a_copy_names_the_entry_and_changes_nothing(monkeypatch, taken):
+    sd = _adam_sd()
+    sd["param_groups"][0]["lr"] = 0.5
+    saved = {id(t) for st in sd["state"].values() for t in st.values()}
+    model = Model([(3, 3), (3,), (3,)])
+    opt = O.Adam([h.weight for h in model.parts], foreach=False)
+    real, calls = torch.Tensor.clone, []
+
+    def clone(self, *args, **kwargs):
+        if id(self) in saved:  # (the load's copies of the checkpoint's tensors: the fifth runs out of memory)
+            calls.append(1)
+            if len(calls) == 5:
+                raise torch.OutOfMemoryError("out of memory (test)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        optimshift.load_state_dict(opt, sd)
+    assert taken == ["raised"]  # (in the uniform path)
+    assert len(opt.state) == 0 and opt.param_groups[0]["lr"] == 0.001
+    (note,) = info.value.__notes__
+    assert "Adam: load_state_dict: while copying" in note and "param 1" in note and "'exp_avg'" in note
+    assert note.endswith("the optimizer is unchanged")
+
+
+def test_a_copied_optimizer_state_dict_loads_uniformly_into_its_twin(monkeypatch, taken):
+    """The common resume: ``copy.deepcopy`` of ``state_dict()`` (what torch.save and torch.load give back)."""
+    _, source = _trained(O.AdamW, {"foreach": True}, [(4, 3), (3,), (2, 3)], steps=K + 1)
+    sd = copy.deepcopy(source.state_dict())
+    _both(lambda: _trained(O.AdamW, {"foreach": True}, [(4, 3), (3,), (2, 3)]), sd, monkeypatch)
+    assert taken[0] is True

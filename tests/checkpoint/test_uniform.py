@@ -247,6 +247,13 @@ def _edit(what):
         st1["exp_avg"] = st1["exp_avg"][0]
     elif what == "a param without state":
         del sd["state"][1]
+    elif what == "two moments' dtypes swapped with their order":
+        # (param 2 holds param 1's dtypes entry by entry, but under the other keys: its bfloat16 exp_avg is refused)
+        st1["exp_avg_sq"] = st1["exp_avg_sq"].to(torch.bfloat16)
+        st2 = sd["state"][2]
+        sd["state"][2] = {"step": st2["step"], "exp_avg_sq": st2["exp_avg_sq"], "exp_avg": st2["exp_avg"].bfloat16()}
+    elif what == "a tensor inside a group entry":
+        sd["param_groups"][0]["extra"] = {"scale": torch.tensor(0.5), "more": [[torch.tensor(0.25)]]}
     return sd
 
 
@@ -264,6 +271,8 @@ _EDITS = [
     "a missing key",
     "an integer moment",
     "a 0-dim moment of a 1-dim param",
+    "two moments' dtypes swapped with their order",
+    "a tensor inside a group entry",
 ]
 
 
@@ -279,8 +288,12 @@ def test_anything_else_takes_the_general_path(monkeypatch, taken, what, into):
             return model, O.Adam([h.weight for h in model.parts], foreach=False)
         return _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
 
-    _both(make, sd, monkeypatch)
+    got = _both(make, sd, monkeypatch)
     assert taken[0] is False
+    if what == "a tensor inside a group entry":  # (copied, as PyTorch deep-copies the groups)
+        (group,) = got[1]
+        assert group["extra"]["scale"] is not sd["param_groups"][0]["extra"]["scale"]
+        assert group["extra"]["more"][0][0] is not sd["param_groups"][0]["extra"]["more"][0][0]
 
 
 def test_a_param_without_state_is_uniform(monkeypatch, taken):
@@ -308,6 +321,7 @@ def test_under_inference_mode_the_general_path_loads(monkeypatch, taken):
         "a float step",
         "a param's grad",
         "one tensor twice",
+        "its group's tensor lr",
         "another key order",
     ],
 )
@@ -331,6 +345,9 @@ def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, live)
             p1.grad = opt.state[p1]["exp_avg"]
         elif live == "one tensor twice":
             opt.state[p1]["exp_avg_sq"] = opt.state[p1]["exp_avg"]
+        elif live == "its group's tensor lr":  # (LBFGS's state['t'] is its tensor lr: never written in place)
+            opt.param_groups[0]["lr"] = torch.tensor(0.001)
+            opt.state[p1]["step"] = opt.param_groups[0]["lr"]
         elif live == "another key order":  # (each live tensor takes the values saved under its own key)
             opt.state[p1] = {k: opt.state[p1][k] for k in ("exp_avg_sq", "step", "exp_avg")}
         return model, opt
@@ -344,6 +361,25 @@ def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, live)
     assert not all(written)
     if live != "one tensor twice":
         assert any(written)  # (the others still take their values in place)
+
+
+def test_an_inference_checkpoint_into_inference_state_takes_the_general_path(monkeypatch, taken):
+    """Inference tensors (a checkpoint read, and a state built, under inference mode) cannot be written outside it:
+    the general path copies them, whatever their dispatch keys say to the guard."""
+    sd = _adam_sd()
+    with torch.inference_mode():
+        sd["state"] = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+
+    def make():
+        model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
+        with torch.inference_mode():
+            for p in list(opt.state):
+                opt.state[p] = {k: v.clone() for k, v in opt.state[p].items()}
+        return model, opt
+
+    got = _both(make, sd, monkeypatch)
+    assert taken[0] is False
+    assert not any(entry[7] for row in got[0] for entry in row)  # (no live tensor written in place)
 
 
 def test_an_oom_on_a_copy_names_the_entry_and_changes_nothing(monkeypatch, taken):

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
 
-from .. import _alias, engine
+from .. import _alias
 from .._dtypes import Rejection
 from .._errors import add_note
 from .._probe import StateSpec
+from .._state import _ATOMS, holds_tensor
 from ..plan import place, policy_target
 from ._checks import NOT_REAL
 
@@ -67,21 +70,24 @@ _DEFAULT_EXCLUDED = repr(torch._C._dispatch_tls_local_exclude_set())
 
 class _Kind:
     """One kind of entry row: the checkpoint state of a param of one shape, dtype and device in one group, as its
-    first param holds it. ``refs``/``sizes``/``strides``: per entry, the tensor every other row's entry must match
-    (its sizes and strides given apart: the shaped entries have the param's, the scalars none);
+    first param holds it. ``order``: its keys in their order (every row of the kind holds them in it: each entry
+    is checked against its own key's); ``refs``/``sizes``/``strides``: per entry, the tensor every other row's
+    entry must match (its sizes and strides given apart: the shaped entries have the param's, the scalars none);
     ``devices``: where each entry goes."""
 
-    __slots__ = ("keys", "refs", "sizes", "strides", "devices")
+    __slots__ = ("order", "keys", "refs", "sizes", "strides", "devices")
 
     def __init__(
         self,
+        order: tuple[Any, ...],
         keys: frozenset[Any],
         refs: list[torch.Tensor],
         sizes: list[list[int]],
         strides: list[list[int]],
         devices: list[torch.device],
     ) -> None:
-        self.keys, self.refs, self.sizes, self.strides, self.devices = keys, refs, sizes, strides, devices
+        self.order, self.keys = order, keys
+        self.refs, self.sizes, self.strides, self.devices = refs, sizes, strides, devices
 
 
 def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -90,9 +96,10 @@ def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
         return False
     if torch.is_inference_mode_enabled() or repr(torch._C._dispatch_tls_local_exclude_set()) != _DEFAULT_EXCLUDED:
         return False
-    # A group's own tensors (a tensor lr) are placed, copied and shared by the general path's rules.
+    # A group's own tensors (a tensor lr, one inside a container) are placed, copied and shared by the general
+    # path's rules.
     return not any(
-        isinstance(v, torch.Tensor) or isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v)
+        isinstance(v, torch.Tensor) or not isinstance(v, _ATOMS) and holds_tensor(v)
         for g in new_groups
         for k, v in g.items()
         if k not in ("params", "param_names")
@@ -115,12 +122,9 @@ def build_uniform(
     # (by id: a tensor's hash is a Python call)
     live_get = {id(p): live for p, live in st.opt.state.items()}.get if lives else None
     got: list[torch.Tensor] = []  # every checkpoint tensor, row by row
-    refs: list[torch.Tensor] = []
-    sizes: list[list[int]] = []
-    strides: list[list[int]] = []
-    devices: list[torch.device] = []
     olds: list[Any] = []  # the live tensor at each entry (lives)
     rows: list[tuple[torch.Tensor, Mapping[Any, Any], int, int]] = []  # (param, its saved state, group, index)
+    row_kinds: list[_Kind] = []
     for gi, (lg, sg, ng) in enumerate(zip(st.opt.param_groups, saved_groups, new_groups)):
         kinds: dict[tuple[Any, ...], _Kind | None] = {}
         for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
@@ -137,13 +141,12 @@ def build_uniform(
                 kind = kinds[kind_key] = _kind(st, target, follow, gi, pi, ng, p, saved)
                 if kind is None:
                     return None
-            if saved.keys() != kind.keys:
+            # NOTE: in the kind's order, not merely the same keys: the guard compares entry by entry, and each entry
+            # must meet its own key's reference (a moment of another dtype under another key is no such entry).
+            if tuple(saved) != kind.order:
                 return None
             got.extend(saved.values())
-            refs.extend(kind.refs)
-            sizes.extend(kind.sizes)
-            strides.extend(kind.strides)
-            devices.extend(kind.devices)
+            row_kinds.append(kind)
             if lives:
                 live = live_get(id(p))  # type: ignore[misc]  # (lives: a getter)
                 if not live:
@@ -153,6 +156,11 @@ def build_uniform(
                 else:
                     return None  # (live entries under other keys: the general path pairs them key by key)
             rows.append((p, saved, gi, pi))
+
+    def entries(field: str) -> list[Any]:  # (each row's kind's, entry by entry, in C)
+        return list(chain.from_iterable(map(attrgetter(field), row_kinds)))
+
+    refs, sizes, strides, devices = entries("refs"), entries("sizes"), entries("strides"), entries("devices")
     ids = set(map(id, got))
     # (one tensor in two places, or tensors sharing a storage: the general path keeps them shared)
     if len(ids) != len(got) or _alias.shared(got):
@@ -220,10 +228,12 @@ def _kind(
     pshape = list(p.shape)
     contiguous = _contiguous_strides(pshape)
     dest = p.device if follow == "param" else follow
-    kind = _Kind(frozenset(saved), [], [], [], [])
+    kind = _Kind(tuple(saved), frozenset(saved), [], [], [], [])
     dtypes: list[tuple[Any, torch.dtype]] = []
     for key, value in saved.items():
         if type(value) is not torch.Tensor or value.requires_grad or value.layout != torch.strided:
+            return None
+        if value.is_inference():  # (nor is a live tensor matching it ever written in place: see fits_in_place)
             return None
         if key in spec.scalars:
             if value.dim() != 0 or value.dtype in NOT_REAL:
@@ -264,9 +274,10 @@ def _in_place(
     ids = set(map(id, live))
     if len(ids) != len(live):
         return None  # (a live tensor in two places: it must stop being shared)
-    # (the groups hold no tensor here: see _usable)
-    clear = ids.isdisjoint(got_ids) and ids.isdisjoint(engine.outside_owned(st.opt))
-    protect = set() if clear else st.not_in_place(got)
+    protect = st.not_in_place([])  # (the params, their grads, the live groups' tensors; the checkpoint's: got_ids)
+    clear = ids.isdisjoint(got_ids) and ids.isdisjoint(protect)
+    if not clear:
+        protect |= got_ids
     if alike and clear and _alias.sole_users(olds) and devices.count(devices[0]) == len(devices):
         st.in_place[devices[0]].extend(zip(olds, got))  # (the common case: every one, on one device)
         return olds

@@ -126,6 +126,12 @@ def sole_user(t: torch.Tensor) -> bool:
     return _use_count(_address(t)) == 1
 
 
+def own_storages(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no two of ``tensors`` (plain tensors with storages) are on one storage, which also means none is
+    there twice: one C call per tensor."""
+    return len(set(map(_address, tensors))) == len(tensors)
+
+
 def sole_users(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether each of ``tensors`` (plain tensors) is all that uses its storage (see :func:`sole_user`)."""
     return all(n == 1 for n in map(_use_count, map(_address, tensors)))

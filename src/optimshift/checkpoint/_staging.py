@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy as _copy
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -127,13 +128,14 @@ class Staging:
         n = sum(len(lg["params"]) for lg in live)
         seen_ids: dict[Any, Any] = {}
         try:
-            seen_ids = dict.fromkeys(sid for g in groups for sid in g["params"])
+            seen_ids = dict.fromkeys(chain.from_iterable(g["params"] for g in groups))
         except TypeError:
             pass
-        if len(seen_ids) != n or len({id(p) for lg in live for p in lg["params"]}) != n:
+        if len(seen_ids) != n or len(set(map(id, chain.from_iterable(lg["params"] for lg in live)))) != n:
             self._refuse_listed_twice(groups, live)
-        id_types = {type(sid) for sid in seen_ids}
-        others = [k for k in states if k not in seen_ids]  # (optimizer-wide entries, text ids, strays)
+        id_types = set(map(type, seen_ids))
+        # (optimizer-wide entries, text ids, strays: none when every key is a listed id, one set operation)
+        others = [] if seen_ids.keys() >= states.keys() else [k for k in states if k not in seen_ids]
         texts = _files.stringified_ids(others, seen_ids)
         if texts:
             raise self.fail(

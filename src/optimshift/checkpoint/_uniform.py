@@ -161,10 +161,6 @@ def build_uniform(
         return list(chain.from_iterable(map(attrgetter(field), row_kinds)))
 
     refs, sizes, strides, devices = entries("refs"), entries("sizes"), entries("strides"), entries("devices")
-    ids = set(map(id, got))
-    # (one tensor in two places, or tensors sharing a storage: the general path keeps them shared)
-    if len(ids) != len(got) or _alias.shared(got):
-        return None
     try:
         guard = TensorGuards(*refs, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
         matches = guard.check(*got)
@@ -172,12 +168,16 @@ def build_uniform(
         return None
     if not matches:
         return None
+    # (one tensor in two places, or tensors on one storage: the general path keeps them shared; every entry is a
+    # plain dense tensor now, see _kind)
+    if not _alias.own_storages(got):
+        return None
     new_state: defaultdict[Any, Any] = defaultdict(dict)
     if not st.copy:  # the checkpoint's own tensors, installed as they are
         for p, saved, _, _ in rows:
             new_state[p] = dict(saved)
         return new_state
-    installed = _in_place(st, guard, got, ids, olds, devices) if lives and olds else None
+    installed = _in_place(st, guard, got, olds, devices) if lives and olds else None
     cloned = st.cloned
     done: list[torch.Tensor] = []
     append = done.append
@@ -259,12 +259,12 @@ def _kind(
 
 
 def _in_place(
-    st: Staging, guard: Any, got: list[torch.Tensor], got_ids: set[int], olds: list[Any], devices: list[torch.device]
+    st: Staging, guard: Any, got: list[torch.Tensor], olds: list[Any], devices: list[torch.device]
 ) -> list[torch.Tensor | None] | None:
     """Per entry, the live tensor that takes the checkpoint's values in place (recorded in ``st.in_place``), or
     None (a clone is installed, and ``_resume._install`` adopts it into the live tensor); None if none does.
     The general path's rule (``Staging._live_states``, :func:`fits_in_place`): distinct live tensors, none of
-    them a param, grad, group tensor or checkpoint tensor (``got_ids``), each of the checkpoint tensor's kind
+    them a param, grad, group tensor or checkpoint tensor (``got``), each of the checkpoint tensor's kind
     (``guard``: one C call), all that uses its storage."""
     try:
         alike = guard.check(*olds)
@@ -275,6 +275,7 @@ def _in_place(
     if len(ids) != len(live):
         return None  # (a live tensor in two places: it must stop being shared)
     protect = st.not_in_place([])  # (the params, their grads, the live groups' tensors; the checkpoint's: got_ids)
+    got_ids = set(map(id, got))
     clear = ids.isdisjoint(got_ids) and ids.isdisjoint(protect)
     if not clear:
         protect |= got_ids

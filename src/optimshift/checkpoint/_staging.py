@@ -5,6 +5,9 @@ The new state is placed by the planner every operation uses: :func:`optimshift.p
 and groups about to be installed, with :func:`optimshift.plan.policy_target` (and the plan's rule for a state
 entry that holds its group's own tensor). Every copy is made (:func:`optimshift.engine.copy_items`, grouped)
 before :func:`optimshift.checkpoint._resume` installs anything, so an error leaves the optimizer as it was.
+
+The common checkpoint (every param's state what its class's step creates, each entry a plain dense tensor that
+stays where it is) is staged first, in one pass, by :mod:`._uniform`, with the same result; anything else here.
 """
 
 from __future__ import annotations

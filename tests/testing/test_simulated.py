@@ -146,6 +146,34 @@ def test_setup_is_idempotent_and_global_effects(sim0, sim1):
     assert ost.SIM_DEVICE_TYPE is SIM_DEVICE_TYPE
 
 
+def test_accelerator_allocator_queries_answer_for_the_sim():
+    # torch.accelerator.empty_cache() is what Accelerate's free_memory() calls (the Transformers Trainer, at the
+    # start of train()); without the simulator's answer PyTorch fails an internal assert, and empty_host_cache()
+    # segfaults: a child process, so that a regression fails this test and not the whole run.
+    proc = _run_python(
+        """
+        import json, torch
+        import optimshift.testing as ost
+        ost.simulated_accelerator(0)
+        x = torch.ones(1024, device="sim:0")
+        assert torch.accelerator.current_accelerator().type == "sim"
+        torch.accelerator.empty_cache()
+        torch.accelerator.empty_host_cache()
+        torch.accelerator.reset_peak_memory_stats()
+        print(json.dumps({
+            "stats": dict(torch.accelerator.memory_stats()),
+            "allocated": torch.accelerator.memory_allocated(),
+            "sim_allocated": ost.simulated_memory_allocated(0),
+            "value": float(x.sum().item()),
+        }))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stats"] == {} and out["allocated"] == 0  # no C++ caching allocator to report on
+    assert out["sim_allocated"] >= 4096 and out["value"] == 1024.0  # the tensor was untouched
+
+
 @pytest.mark.parametrize("bad", [2, -1, 7])
 def test_index_out_of_range(bad):
     with pytest.raises(ValueError, match="out of range"):

@@ -78,6 +78,10 @@ importing ``optimshift.testing`` sets nothing up):
   one PyTorch dereferences a null allocator (segfault) in ``copy.deepcopy`` of a sim
   tensor, ``storage.to(sim)`` and ``torch.load(..., map_location=sim)``. Other devices go
   straight to the original constructor.
+* ``torch.accelerator``'s allocator queries answer, while the sim is the current accelerator,
+  as for an allocator not yet in use: ``empty_cache()`` and ``empty_host_cache()`` do nothing
+  and ``memory_stats()`` is empty (without this PyTorch fails an internal assert, or
+  segfaults, for a backend with no C++ allocator). Other accelerators are asked as before.
 * A boxed fallback and a few kernels are registered for the PrivateUse1 dispatch key.
 
 How it works: a sim tensor is an ordinary ``torch.Tensor`` of device ``sim:N`` whose storage
@@ -798,6 +802,36 @@ def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
+# torch.accelerator's allocator queries: empty_cache(), memory_stats(), empty_host_cache()
+# --------------------------------------------------------------------------------------------
+#
+# They read the C++ caching allocators of the current accelerator, and a Python backend has neither: asked
+# whether its device allocator is initialized, PyTorch fails an internal assert ("Allocator for sim is not a
+# DeviceAllocator"), and emptying a host cache that was never registered dereferences a null pointer
+# (segfault). Frameworks call them on whatever accelerator is current (Accelerate's ``free_memory`` calls
+# ``torch.accelerator.empty_cache()``, as the Transformers ``Trainer`` does at the start of ``train``).
+# While the sim is the current accelerator, setup makes them answer as PyTorch does for an allocator not
+# yet in use: nothing cached to empty, no statistics (``simulated_memory_allocated`` counts the memory).
+
+_accelerator_allocator_initialized = torch._C._accelerator_isAllocatorInitialized  # pyright: ignore[reportAttributeAccessIssue]
+_accelerator_empty_host_cache = torch._C._accelerator_emptyHostCache  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _sim_is_current_accelerator() -> bool:
+    current = torch.accelerator.current_accelerator()
+    return current is not None and current.type == SIM_DEVICE_TYPE
+
+
+def _allocator_initialized() -> bool:
+    return False if _sim_is_current_accelerator() else bool(_accelerator_allocator_initialized())
+
+
+def _empty_host_cache() -> None:
+    if not _sim_is_current_accelerator():
+        _accelerator_empty_host_cache()
+
+
+# --------------------------------------------------------------------------------------------
 # Backend module (torch.sim), hooks, device guard, setup
 # --------------------------------------------------------------------------------------------
 
@@ -963,6 +997,8 @@ def _ensure_setup() -> None:
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]
         torch.UntypedStorage.__new__ = _untyped_storage_new  # type: ignore[method-assign]
+        torch._C._accelerator_isAllocatorInitialized = _allocator_initialized  # pyright: ignore[reportAttributeAccessIssue]
+        torch._C._accelerator_emptyHostCache = _empty_host_cache  # pyright: ignore[reportAttributeAccessIssue]
         # The autograd engine sizes its per-device worker queues from the C++ device guard,
         # which reports a single device for Python backends, so backward on sim:1 would hit an
         # internal assert. With multithreading off, this thread runs device backward itself.

@@ -134,7 +134,7 @@ def own_storages(tensors: Sequence[torch.Tensor]) -> bool:
 
 def sole_users(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether each of ``tensors`` (plain tensors) is all that uses its storage (see :func:`sole_user`)."""
-    return all(map((1).__eq__, map(_use_count, map(_address, tensors))))  # (in C: an int's __eq__ with an int)
+    return all(n == 1 for n in map(_use_count, map(_address, tensors)))
 
 
 def together(items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[tuple[list[int], torch.device]]:

@@ -39,21 +39,6 @@ def taken(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def grouped(monkeypatch):
-    """Per group of each uniform load: whether it was staged as one kind, all in C (else param by param)."""
-    calls: list[bool] = []
-    real = _uniform._one_kind
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(_uniform, "_one_kind", spy)
-    return calls
-
-
 def _trained(cls, kwargs, shapes, device="cpu", steps=K):
     model = Model(shapes)
     model.to(device)
@@ -161,15 +146,9 @@ def _host_cases():
             yield pytest.param(name, cls, kwargs, shapes, id=name)
 
 
-@pytest.mark.parametrize("layout", ["mixed", "one kind"])
 @pytest.mark.parametrize("into", ["fresh", "existing state"])
 @pytest.mark.parametrize("name, cls, kwargs, shapes", list(_host_cases()))
-def test_every_class_loads_as_the_general_path_loads_it(
-    monkeypatch, taken, grouped, name, cls, kwargs, shapes, into, layout
-):
-    """``mixed``: the case's params, of several shapes (param by param); ``one kind``: three of its first shape."""
-    if layout == "one kind":
-        shapes = [shapes[0]] * 3
+def test_every_class_loads_as_the_general_path_loads_it(monkeypatch, taken, name, cls, kwargs, shapes, into):
     _, source = _trained(cls, kwargs, shapes, steps=K + 1)
     sd = source.state_dict()
 
@@ -181,8 +160,6 @@ def test_every_class_loads_as_the_general_path_loads_it(
 
     _both(make, sd, monkeypatch)
     assert taken[0] is (name not in _GENERAL)
-    if taken[0]:
-        assert grouped == [layout == "one kind"]
 
 
 @pytest.mark.parametrize("how", ["copy=False", "device='cpu'"])
@@ -228,21 +205,14 @@ def test_on_the_simulated_accelerator(monkeypatch, taken, sim, kwargs, into):
     assert steps == ({sim.type} if kwargs.get("capturable") else {"cpu"})
 
 
-_MIXED = ((3, 3), (3,), (3,))  # (param by param: three shapes in one group)
-_ONE_KIND = ((3,), (3,), (3,))  # (one kind: the group in C)
-_LAYOUTS = {"mixed": _MIXED, "one kind": _ONE_KIND}
-# (edits of the (3, 3) param's own layout: no edit on params of one kind)
-_KIND_EDITS = {"a transposed moment", "views of one storage"}
-
-
-def _adam_sd(shapes=_MIXED):
+def _adam_sd(shapes=((3, 3), (3,), (3,))):
     _, source = _trained(O.Adam, {"foreach": False}, list(shapes), steps=K + 1)
     return source.state_dict()
 
 
-def _edit(what, shapes=_MIXED):
+def _edit(what):
     """A checkpoint of a trained Adam, edited: each edit is one thing the uniform path leaves to the general one."""
-    sd = _adam_sd(shapes)
+    sd = _adam_sd()
     st0, st1 = sd["state"][0], sd["state"][1]
     if what == "a wrong shape":
         st1["exp_avg"] = torch.zeros(5)
@@ -307,19 +277,16 @@ _EDITS = [
 
 
 @pytest.mark.parametrize("into", ["fresh", "existing state"])
-@pytest.mark.parametrize(
-    "what, layout", [(w, lay) for lay in _LAYOUTS for w in _EDITS if lay == "mixed" or w not in _KIND_EDITS]
-)
-def test_anything_else_takes_the_general_path(monkeypatch, taken, what, into, layout):
+@pytest.mark.parametrize("what", _EDITS)
+def test_anything_else_takes_the_general_path(monkeypatch, taken, what, into):
     """Each edit fails the uniform path's checks, and the load (or its error) is the general path's."""
-    shapes = list(_LAYOUTS[layout])
-    sd = _edit(what, shapes)
+    sd = _edit(what)
 
     def make():
         if into == "fresh":
-            model = Model(shapes)
+            model = Model([(3, 3), (3,), (3,)])
             return model, O.Adam([h.weight for h in model.parts], foreach=False)
-        return _trained(O.Adam, {"foreach": False}, shapes)
+        return _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
 
     got = _both(make, sd, monkeypatch)
     assert taken[0] is False
@@ -329,12 +296,12 @@ def test_anything_else_takes_the_general_path(monkeypatch, taken, what, into, la
         assert group["extra"]["more"][0][0] is not sd["param_groups"][0]["extra"]["more"][0][0]
 
 
-@pytest.mark.parametrize("layout", ["mixed", "one kind"])
-def test_a_param_without_state_is_uniform(monkeypatch, taken, grouped, layout):
+def test_a_param_without_state_is_uniform(monkeypatch, taken):
     """A param a lazy class never stepped has no state: it is skipped, as the general path skips it."""
-    shapes = list(_LAYOUTS[layout])
-    _both(lambda: _trained(O.Adam, {"foreach": False}, shapes), _edit("a param without state", shapes), monkeypatch)
-    assert taken[0] is True and grouped[0] is False
+    _both(
+        lambda: _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)]), _edit("a param without state"), monkeypatch
+    )
+    assert taken[0] is True
 
 
 def test_under_inference_mode_the_general_path_loads(monkeypatch, taken):
@@ -356,19 +323,16 @@ def test_under_inference_mode_the_general_path_loads(monkeypatch, taken):
         "one tensor twice",
         "its group's tensor lr",
         "another key order",
-        "one param without live state",
     ],
 )
-@pytest.mark.parametrize("layout", ["mixed", "one kind"])
-def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, grouped, live, layout):
+def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, live):
     """The live tensors of a uniform checkpoint are judged one by one as the general path judges them: those that
     cannot be written in place get a copy, adopted into the live object."""
-    shapes = list(_LAYOUTS[layout])
-    sd = _adam_sd(shapes)
+    sd = _adam_sd()
     keep = []
 
     def make():
-        model, opt = _trained(O.Adam, {"foreach": False}, shapes)
+        model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
         p0, p1, _ = (h.weight for h in model.parts)
         if live == "an inference tensor":
             with torch.inference_mode():
@@ -386,14 +350,10 @@ def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, group
             opt.state[p1]["step"] = opt.param_groups[0]["lr"]
         elif live == "another key order":  # (each live tensor takes the values saved under its own key)
             opt.state[p1] = {k: opt.state[p1][k] for k in ("exp_avg_sq", "step", "exp_avg")}
-        elif live == "one param without live state":  # (its entries are copies; the others' live tensors take theirs)
-            del opt.state[p1]
         return model, opt
 
     got = _both(make, sd, monkeypatch)
     assert taken[0] is True
-    # (one kind: live entries under other keys, or some params without any, are paired param by param)
-    assert grouped[0] is (layout == "one kind" and live not in ("another key order", "one param without live state"))
     written = [entry[7] for row in got[0] for entry in row]
     if live == "another key order":
         assert all(written)
@@ -453,35 +413,3 @@ def test_a_copied_optimizer_state_dict_loads_uniformly_into_its_twin(monkeypatch
     sd = copy.deepcopy(source.state_dict())
     _both(lambda: _trained(O.AdamW, {"foreach": True}, [(4, 3), (3,), (2, 3)]), sd, monkeypatch)
     assert taken[0] is True
-
-
-def test_setstate_is_handed_the_state_unless_torch_optim_s_own_has_nothing_to_fix(monkeypatch, taken):
-    """A torch.optim class's ``__setstate__`` only turns non-tensor entries into tensors: on a uniform load (every
-    entry a tensor) it is handed no state, which is installed after it; a class with its own is handed all of it."""
-    seen, loaded = [], []
-    real = O.Adam.__setstate__
-
-    def spy(self, state):
-        if any(self is opt for opt in loaded):  # (not the probe's throwaway optimizers)
-            seen.append((type(self).__name__, "Adam", len(state["state"])))
-        real(self, state)
-
-    monkeypatch.setattr(O.Adam, "__setstate__", spy)
-
-    class Own(O.Adam):
-        def __setstate__(self, state):
-            if any(self is opt for opt in loaded):
-                seen.append(("Own", "Own", len(state["state"])))
-            O.Adam.__setstate__(self, state)
-
-    sd = _adam_sd()
-    for cls in (O.Adam, Own):
-        model = Model(list(_MIXED))
-        opt = cls([h.weight for h in model.parts], foreach=False)
-        loaded.append(opt)
-        optimshift.load_state_dict(opt, sd)
-        params = opt.param_groups[0]["params"]
-        assert len(opt.state) == 3
-        assert all(torch.equal(opt.state[p]["exp_avg"], sd["state"][i]["exp_avg"]) for i, p in enumerate(params))
-    assert taken == [True, True]
-    assert seen == [("Adam", "Adam", 0), ("Own", "Own", 3), ("Own", "Adam", 3)]

@@ -138,7 +138,6 @@ def load_state_dict(
             made=staged.made_ids(),
             shared=staged.shared_ids(),
             in_place=staged.in_place,
-            settled=staged.settled,
         )
         if mode is not None:
             mode.after_load()
@@ -245,7 +244,6 @@ def _install(
     made: AbstractSet[int] = frozenset(),
     shared: AbstractSet[int] = frozenset(),
     in_place: Mapping[torch.device, Sequence[tuple[torch.Tensor, torch.Tensor]]] = MappingProxyType({}),
-    settled: bool = False,
 ) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
     e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
@@ -256,8 +254,6 @@ def _install(
     and only those installed in one place (``shared``: the others): with ``copy=False`` the caller's own tensors
     are installed as they are. ``in_place``: by device, (live tensor, checkpoint tensor) pairs the staging installed as
     the live tensor itself, which takes the values here (no copy made, no adoption: same object, same storage).
-    ``settled``: every entry of ``state`` is a tensor and the class's ``__setstate__`` is a torch.optim class's own
-    (see the note below).
     """
     before = dict(optimizer.__dict__)
     # (only copies made here are adopted: when every entry was installed as it is or taken in place, none is)
@@ -270,15 +266,7 @@ def _install(
         else []
     )
     try:
-        if settled:
-            # NOTE: a torch.optim class's __setstate__ fixes up each param's state only where an entry is not a
-            # tensor (a float ``step``, ASGD's ``eta``/``mu``, NAdam's ``mu_product`` become tensors), in a Python
-            # pass over every param. With every entry a tensor that pass does nothing: it is handed no state, and
-            # the state is installed right after, as it would have been.
-            optimizer.__setstate__({"state": defaultdict(dict), "param_groups": groups})
-            optimizer.__dict__["state"] = state
-        else:
-            optimizer.__setstate__({"state": state, "param_groups": groups})
+        optimizer.__setstate__({"state": state, "param_groups": groups})
     except Exception as e:
         optimizer.__dict__.clear()
         optimizer.__dict__.update(before)

@@ -88,9 +88,6 @@ class Staging:
         self.in_place: defaultdict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         self.cloned: list[torch.Tensor] = []  # copies made with no ticket (see build), each installed once
         self._specs: dict[tuple[int, int], StateSpec] = {}  # (group, param rank) -> what a step keeps
-        # Whether the class's __setstate__ has nothing to fix in the new state (see _resume._install): a uniform
-        # load (every entry a tensor) into a torch.optim class whose __setstate__ is that class's own.
-        self.settled = False
 
     def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
         where = f"{self.source}: " if self.source else ""
@@ -413,8 +410,6 @@ class Staging:
                 check_group(self.fail, type(self.opt), self.base, gi, ng)
         uniform = build_uniform(self, saved_groups, states, new_groups)
         if uniform is not None:  # (the common checkpoint, staged in one pass: see _uniform)
-            assert self.base is not None  # (uniform: a torch.optim class)
-            self.settled = type(self.opt).__setstate__ is self.base.__setstate__
             return uniform, new_groups
         for gi, (lg, sg, ng) in enumerate(zip(live_groups, saved_groups, new_groups)):
             for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from itertools import chain, repeat
-from operator import attrgetter, itemgetter
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
@@ -66,9 +66,6 @@ except (ImportError, AttributeError):  # pragma: no cover - every supported torc
 # excludes the autograd keys) an inference tensor would look like any other. Only the state it is imported under
 # (the default one) is trusted.
 _DEFAULT_EXCLUDED = repr(torch._C._dispatch_tls_local_exclude_set())
-
-
-_KIND_KEY = attrgetter("shape", "dtype", "device")  # (a param's: what its row's kind depends on)
 
 
 class _Kind:
@@ -130,24 +127,15 @@ def build_uniform(
     row_kinds: list[_Kind] = []
     for gi, (lg, sg, ng) in enumerate(zip(st.opt.param_groups, saved_groups, new_groups)):
         kinds: dict[tuple[Any, ...], _Kind | None] = {}
-        params = lg["params"]
-        saveds: list[Any] = list(map(states.get, sg["params"]))  # (each a dict, checked below)
-        whole = _one_kind(st, target, follow, gi, ng, params, saveds, live_get, kinds)
-        if whole is not None:  # (the common group, in C)
-            group_kind, group_olds = whole
-            got.extend(chain.from_iterable(map(dict.values, saveds)))
-            olds.extend(group_olds)
-            row_kinds.extend(repeat(group_kind, len(saveds)))
-            rows.extend(zip(params, saveds, repeat(gi), range(len(saveds))))
-            continue
-        for pi, (saved, p) in enumerate(zip(saveds, params)):
+        for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
+            saved = states.get(sid)
             if saved is None:
                 if st.spec(gi, ng, p.dim()).eager:
                     return None  # (an error: the general path says which)
                 continue
             if type(saved) is not dict:
                 return None
-            kind_key = _KIND_KEY(p)
+            kind_key = (p.shape, p.dtype, p.device)
             kind = kinds.get(kind_key)
             if kind is None:
                 kind = kinds[kind_key] = _kind(st, target, follow, gi, pi, ng, p, saved)
@@ -186,7 +174,8 @@ def build_uniform(
         return None
     new_state: defaultdict[Any, Any] = defaultdict(dict)
     if not st.copy:  # the checkpoint's own tensors, installed as they are
-        new_state.update(zip(map(itemgetter(0), rows), map(dict, map(itemgetter(1), rows))))
+        for p, saved, _, _ in rows:
+            new_state[p] = dict(saved)
         return new_state
     installed = _in_place(st, guard, got, olds, devices) if lives and olds else None
     cloned = st.cloned
@@ -214,40 +203,10 @@ def build_uniform(
             f"{devices[len(done)]}; the optimizer is unchanged",
         )
         raise
-    # (each param's keys paired with its entries: zip stops at the last key, taking exactly this param's)
     it = iter(done)
-    new_state.update(zip(map(itemgetter(0), rows), map(dict, map(zip, map(itemgetter(1), rows), repeat(it)))))
+    for p, saved, _, _ in rows:
+        new_state[p] = dict(zip(saved, it))  # (zip stops at the last key: exactly this param's entries)
     return new_state
-
-
-def _one_kind(
-    st: Staging,
-    target: Any,
-    follow: Any,
-    gi: int,
-    group: Mapping[str, Any],
-    params: list[torch.Tensor],
-    saveds: list[Any],
-    live_get: Any,
-    kinds: dict[tuple[Any, ...], _Kind | None],
-) -> tuple[_Kind, list[Any]] | None:
-    """(the kind, the live tensor at each entry) of group ``gi`` if its rows are all one kind, checked in C: every
-    param of one shape, dtype and device, each with saved state in the kind's key order and, with ``live_get``,
-    each with live state in that order too, or none; None otherwise (param by param, which also says what fails)."""
-    if not saveds or None in saveds or set(map(type, saveds)) != {dict} or len(set(map(_KIND_KEY, params))) != 1:
-        return None
-    kind_key = _KIND_KEY(params[0])
-    kind = kinds[kind_key] = _kind(st, target, follow, gi, 0, group, params[0], saveds[0])
-    if kind is None or set(map(tuple, saveds)) != {kind.order}:
-        return None
-    if live_get is None:
-        return kind, []
-    lives: list[Any] = list(map(live_get, map(id, params)))
-    if lives.count(None) == len(lives):  # (none of them has live state: copies)
-        return kind, [None] * (len(saveds) * len(kind.order))
-    if None in lives or set(map(type, lives)) != {dict} or set(map(tuple, lives)) != {kind.order}:
-        return None
-    return kind, list(chain.from_iterable(map(dict.values, lives)))
 
 
 def _kind(

@@ -413,3 +413,45 @@ def test_a_copied_optimizer_state_dict_loads_uniformly_into_its_twin(monkeypatch
     sd = copy.deepcopy(source.state_dict())
     _both(lambda: _trained(O.AdamW, {"foreach": True}, [(4, 3), (3,), (2, 3)]), sd, monkeypatch)
     assert taken[0] is True
+
+
+_SHAPES = [(4, 3), (3,), (3,), (3,), (2, 2), (3,)]
+
+
+def _grouped(cls, kwargs, steps=K, stateless=()):
+    """Three groups over _SHAPES' params (two, three and one of them, other lrs), trained; the params listed in
+    ``stateless`` (by index) then lose their state."""
+    model = Model(_SHAPES)
+    ps = [h.weight for h in model.parts]
+    opt = cls([{"params": ps[:2]}, {"params": ps[2:5], "lr": 0.02}, {"params": ps[5:], "lr": 0.003}], **kwargs)
+    train(model, opt, range(steps))
+    for i in stateless:
+        del opt.state[ps[i]]
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "into", ["fresh", "existing state", "one group without live state", "one param without live state"]
+)
+@pytest.mark.parametrize("cls, kwargs", [(O.Adam, {"foreach": False}), (O.ASGD, {}), (O.SGD, {"momentum": 0.9})])
+def test_several_groups_load_as_the_general_path_loads_them(monkeypatch, taken, cls, kwargs, into):
+    """Entries of every group in one pass, paired with their live tensors group by group, some groups or params
+    with live state and some without."""
+    _, source = _grouped(cls, kwargs, steps=K + 1)
+    sd = source.state_dict()
+
+    def make():
+        if into == "fresh":
+            model = Model(_SHAPES)
+            ps = [h.weight for h in model.parts]
+            return model, cls([{"params": ps[:2]}, {"params": ps[2:5], "lr": 0.02}, {"params": ps[5:]}], **kwargs)
+        stateless = {"one group without live state": (2, 3, 4), "one param without live state": (3,)}.get(into, ())
+        return _grouped(cls, kwargs, stateless=stateless)
+
+    got = _both(make, sd, monkeypatch)
+    assert taken[0] is True
+    written = [entry[7] for row in got[0] for entry in row]
+    if into == "fresh":
+        assert not any(written)
+    else:  # (the params with live state take the values in place, the others get copies)
+        assert any(written) and all(written) is (into == "existing state")

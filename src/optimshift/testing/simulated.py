@@ -78,10 +78,12 @@ importing ``optimshift.testing`` sets nothing up):
   one PyTorch dereferences a null allocator (segfault) in ``copy.deepcopy`` of a sim
   tensor, ``storage.to(sim)`` and ``torch.load(..., map_location=sim)``. Other devices go
   straight to the original constructor.
-* ``torch.accelerator``'s allocator queries answer, while the sim is the current accelerator,
-  as for an allocator not yet in use: ``empty_cache()`` and ``empty_host_cache()`` do nothing
-  and ``memory_stats()`` is empty (without this PyTorch fails an internal assert, or
-  segfaults, for a backend with no C++ allocator). Other accelerators are asked as before.
+* ``torch.accelerator.empty_cache()``, ``empty_host_cache()``, ``memory_stats()`` (and what is
+  built on it: ``memory_allocated()``, ...) and the ``reset_*_stats()`` answer, while the sim is
+  the current accelerator, as for an allocator not yet in use: nothing to empty, no statistics
+  (without this PyTorch fails an internal assert, or segfaults, for a backend with no C++
+  allocator). ``get_memory_info()`` still fails that assert: the sim has no total memory to
+  report. Other accelerators are asked as before.
 * A boxed fallback and a few kernels are registered for the PrivateUse1 dispatch key.
 
 How it works: a sim tensor is an ordinary ``torch.Tensor`` of device ``sim:N`` whose storage

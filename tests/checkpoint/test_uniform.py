@@ -455,3 +455,26 @@ def test_several_groups_load_as_the_general_path_loads_them(monkeypatch, taken, 
         assert not any(written)
     else:  # (the params with live state take the values in place, the others get copies)
         assert any(written) and all(written) is (into == "existing state")
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "general"])
+def test_a_setstate_set_on_the_instance_is_handed_the_loaded_values(monkeypatch, uniform):
+    """Live tensors take the loaded values in place only after a torch.optim class's own ``__setstate__``, which
+    fixes up non-tensor entries only; one set on the instance may read the state it is handed: as with
+    ``torch.optim``'s own ``load_state_dict``, it reads the checkpoint's values (copies, adopted afterwards)."""
+    sd = _adam_sd()
+    model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
+    live = [st["exp_avg"] for st in opt.state.values()]
+    seen = []
+
+    def own(state, _opt=opt):
+        seen.append([st["exp_avg"].clone() for st in state["state"].values()])
+        O.Adam.__setstate__(_opt, state)
+
+    opt.__setstate__ = own
+    if not uniform:
+        monkeypatch.setattr(_uniform, "TensorGuards", None)
+    optimshift.load_state_dict(opt, sd)
+    want = [st["exp_avg"] for st in sd["state"].values()]
+    assert len(seen) == 1 and all(torch.equal(a, b) for a, b in zip(seen[0], want))
+    assert all(st["exp_avg"] is t for st, t in zip(opt.state.values(), live))  # (still the same objects)

@@ -78,6 +78,13 @@ class Staging:
         # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
         self.strict = self.base is not None and same_step(type(optimizer), self.base)
+        # Whether the __setstate__ a load calls is the torch.optim class's own (not a subclass's, not one set on the
+        # instance): it fixes up non-tensor entries only, so live tensors may take the loaded values after it.
+        self.torch_setstate = (
+            self.base is not None
+            and type(optimizer).__setstate__ is self.base.__setstate__
+            and "__setstate__" not in getattr(optimizer, "__dict__", {})
+        )
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
         self._wanted: dict[_Ticket, tuple[torch.Tensor, Transfer]] = {}
         self._made: dict[_Ticket, torch.Tensor] = {}
@@ -298,13 +305,7 @@ class Staging:
         NOTE: only for a torch.optim class whose ``__setstate__`` is the class's own: it runs before the values
         are copied in, and those fix up non-tensor entries only (a float ``step`` becomes a tensor). And only
         when each live tensor sits in one place: one given two values must stop being shared (``_install``)."""
-        base = self.base
-        if (
-            not self.opt.state
-            or not self.strict
-            or base is None
-            or type(self.opt).__setstate__ is not base.__setstate__
-        ):
+        if not self.opt.state or not self.strict or not self.torch_setstate:
             return {}  # (no live state: a fresh optimizer, the common resume)
         get = self.opt.state.get
         lives: dict[tuple[int, int | None], Mapping[Any, Any]] = {

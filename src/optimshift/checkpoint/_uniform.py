@@ -40,6 +40,7 @@ class Staging(Protocol):
     device: torch.device | None
     strict: bool
     base: type[torch.optim.Optimizer] | None
+    torch_setstate: bool
     wide: list[Any]
     cloned: list[torch.Tensor]
     in_place: defaultdict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -118,7 +119,7 @@ def build_uniform(
         return None
     base = st.base
     assert base is not None  # (see _usable)
-    lives = st.copy and bool(st.opt.state) and type(st.opt).__setstate__ is base.__setstate__
+    lives = st.copy and bool(st.opt.state) and st.torch_setstate
     # (by id: a tensor's hash is a Python call)
     live_get = {id(p): live for p, live in st.opt.state.items()}.get if lives else None
     got: list[torch.Tensor] = []  # every checkpoint tensor, row by row

@@ -457,21 +457,28 @@ def test_several_groups_load_as_the_general_path_loads_them(monkeypatch, taken, 
         assert any(written) and all(written) is (into == "existing state")
 
 
+@pytest.mark.parametrize("where", ["set on the instance", "patched into the class"])
 @pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "general"])
-def test_a_setstate_set_on_the_instance_is_handed_the_loaded_values(monkeypatch, uniform):
+def test_a_setstate_of_its_own_is_handed_the_loaded_values(monkeypatch, uniform, where):
     """Live tensors take the loaded values in place only after a torch.optim class's own ``__setstate__``, which
-    fixes up non-tensor entries only; one set on the instance may read the state it is handed: as with
-    ``torch.optim``'s own ``load_state_dict``, it reads the checkpoint's values (copies, adopted afterwards)."""
+    fixes up non-tensor entries only; another (set on the instance, or a wrapper patched into the class) may read
+    the state it is handed: as with ``torch.optim``'s own ``load_state_dict``, it reads the checkpoint's values
+    (copies, adopted afterwards)."""
     sd = _adam_sd()
     model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
     live = [st["exp_avg"] for st in opt.state.values()]
     seen = []
+    real = O.Adam.__setstate__
 
-    def own(state, _opt=opt):
-        seen.append([st["exp_avg"].clone() for st in state["state"].values()])
-        O.Adam.__setstate__(_opt, state)
+    def own(self, state):
+        if self is opt:  # (not the probe's throwaway optimizers)
+            seen.append([st["exp_avg"].clone() for st in state["state"].values()])
+        real(self, state)
 
-    opt.__setstate__ = own
+    if where == "set on the instance":
+        opt.__setstate__ = own.__get__(opt)
+    else:
+        monkeypatch.setattr(O.Adam, "__setstate__", own)
     if not uniform:
         monkeypatch.setattr(_uniform, "TensorGuards", None)
     optimshift.load_state_dict(opt, sd)

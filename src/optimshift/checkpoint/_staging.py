@@ -52,6 +52,15 @@ _Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): 
 _Wanted = torch.Tensor | _Ticket  # a tensor that fits as it is, or the ticket of its copy
 _DtypeKey = tuple[int, torch.dtype, int, tuple[tuple[Any, torch.dtype], ...]]  # (group, param dtype, rank, entries)
 
+# NOTE: each torch.optim class's __setstate__ as torch defines it, taken when optimshift is imported: one replaced on
+# the class since (a wrapper patched in) may read the state it is handed, as one set on an instance may, so live
+# tensors never take the loaded values after it (see Staging.torch_setstate).
+_TORCH_SETSTATE: dict[type, Any] = {
+    cls: cls.__setstate__
+    for cls in vars(torch.optim).values()
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+}
+
 
 class Staging:
     """Validates a state dict against the live optimizer and builds its new state and groups from copies.
@@ -79,10 +88,11 @@ class Staging:
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
         self.strict = self.base is not None and same_step(type(optimizer), self.base)
         # Whether the __setstate__ a load calls is the torch.optim class's own (not a subclass's, not one set on the
-        # instance): it fixes up non-tensor entries only, so live tensors may take the loaded values after it.
+        # instance or patched into the class): it fixes up non-tensor entries only, so live tensors may take the
+        # loaded values after it.
         self.torch_setstate = (
             self.base is not None
-            and type(optimizer).__setstate__ is self.base.__setstate__
+            and type(optimizer).__setstate__ is _TORCH_SETSTATE.get(self.base)
             and "__setstate__" not in getattr(optimizer, "__dict__", {})
         )
         # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().

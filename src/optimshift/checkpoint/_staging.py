@@ -312,8 +312,9 @@ class Staging:
         """(group, index) -> the live state of each param the load gives state to, when its live tensors may take
         the loaded values in place (see ``in_place``); empty when none may.
 
-        NOTE: only for a torch.optim class whose ``__setstate__`` is the class's own: it runs before the values
-        are copied in, and those fix up non-tensor entries only (a float ``step`` becomes a tensor). And only
+        NOTE: only when the ``__setstate__`` called is torch's own for the class (``torch_setstate``): it runs
+        before the values are copied in, and torch's fix up non-tensor entries only (a float ``step`` becomes a
+        tensor). And only
         when each live tensor sits in one place: one given two values must stop being shared (``_install``)."""
         if not self.opt.state or not self.strict or not self.torch_setstate:
             return {}  # (no live state: a fresh optimizer, the common resume)

@@ -117,8 +117,6 @@ def build_uniform(
     follow = getattr(target, "follow", None)
     if follow is None:  # (a registered policy may look at every tensor)
         return None
-    base = st.base
-    assert base is not None  # (see _usable)
     lives = st.copy and bool(st.opt.state) and st.torch_setstate
     # (by id: a tensor's hash is a Python call)
     live_get = {id(p): live for p, live in st.opt.state.items()}.get if lives else None

@@ -815,8 +815,9 @@ def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
 # While the sim is the current accelerator, setup makes them answer as PyTorch does for an allocator not
 # yet in use: nothing cached to empty, no statistics (``simulated_memory_allocated`` counts the memory).
 
-_accelerator_allocator_initialized = torch._C._accelerator_isAllocatorInitialized  # pyright: ignore[reportAttributeAccessIssue]
-_accelerator_empty_host_cache = torch._C._accelerator_emptyHostCache  # pyright: ignore[reportAttributeAccessIssue]
+# (None on a torch without them: nothing to answer for)
+_accelerator_allocator_initialized = getattr(torch._C, "_accelerator_isAllocatorInitialized", None)
+_accelerator_empty_host_cache = getattr(torch._C, "_accelerator_emptyHostCache", None)
 
 
 def _sim_is_current_accelerator() -> bool:
@@ -825,10 +826,12 @@ def _sim_is_current_accelerator() -> bool:
 
 
 def _allocator_initialized() -> bool:
+    assert _accelerator_allocator_initialized is not None  # (installed only where torch has it)
     return False if _sim_is_current_accelerator() else bool(_accelerator_allocator_initialized())
 
 
 def _empty_host_cache() -> None:
+    assert _accelerator_empty_host_cache is not None  # (installed only where torch has it)
     if not _sim_is_current_accelerator():
         _accelerator_empty_host_cache()
 
@@ -999,8 +1002,10 @@ def _ensure_setup() -> None:
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]
         torch.UntypedStorage.__new__ = _untyped_storage_new  # type: ignore[method-assign]
-        torch._C._accelerator_isAllocatorInitialized = _allocator_initialized  # pyright: ignore[reportAttributeAccessIssue]
-        torch._C._accelerator_emptyHostCache = _empty_host_cache  # pyright: ignore[reportAttributeAccessIssue]
+        if _accelerator_allocator_initialized is not None:
+            torch._C._accelerator_isAllocatorInitialized = _allocator_initialized  # pyright: ignore[reportAttributeAccessIssue]
+        if _accelerator_empty_host_cache is not None:
+            torch._C._accelerator_emptyHostCache = _empty_host_cache  # pyright: ignore[reportAttributeAccessIssue]
         # The autograd engine sizes its per-device worker queues from the C++ device guard,
         # which reports a single device for Python backends, so backward on sim:1 would hit an
         # internal assert. With multithreading off, this thread runs device backward itself.

@@ -383,6 +383,19 @@ def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device
     return chunks
 
 
+# NOTE: a flat part of a chunk is reshaped only where its tensor is not flat already (most state is: a bias, a
+# norm's weight, every 1-D param's moments): each view is one more dispatch per tensor, which costs a few
+# microseconds on a real device and more on a Python backend.
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the flat run of its values that a chunk's concatenation reads (``t`` itself when 1-D)."""
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+def _shaped(parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each flat part of a chunk viewed with its tensor's shape (the part itself for a 1-D tensor)."""
+    return [v if t.dim() == 1 else v.view(t.shape) for v, t in zip(parts, tensors)]
+
+
 def _to_host(
     chunk: list[int],
     items: Sequence[tuple[torch.Tensor, torch.device]],
@@ -412,15 +425,15 @@ def _to_host(
     if len(tensors) == 1:
         source = tensors[0].reshape(-1)
     elif side is None:
-        source = torch.cat([t.reshape(-1) for t in tensors])
+        source = torch.cat([_flat(t) for t in tensors])
     else:
         source = torch.empty(total, dtype=dtype, device=tensors[0].device)  # (on the current stream: see Side)
         side.uses(source)
         with side.issue():
-            torch.cat([t.reshape(-1) for t in tensors], out=source)
+            torch.cat([_flat(t) for t in tensors], out=source)
     with _issue(side):
         flat.copy_(source, non_blocking=pinned or non_blocking)  # completed by the caller's synchronize or event
-    views = [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]  # type: ignore[no-untyped-call]  # unannotated in torch
+    views = _shaped(flat.split(numels), tensors)  # type: ignore[no-untyped-call]  # unannotated in torch
     if keep:
         for i, v in zip(chunk, views):
             batch.copies[i] = v
@@ -477,7 +490,7 @@ def _to_device(
         buf = pool.acquire(nbytes, pinned=pinned)
         batch.staging.append(buf)  # at once (a failing cat must not leak it); reusable once the copy completed
         host = buf[:nbytes].view(dtype)
-        torch.cat([t.reshape(-1) for t in tensors], out=host)
+        torch.cat([_flat(t) for t in tensors], out=host)
     flat = torch.empty(total, dtype=dtype, device=dst)  # (outputs and temporaries on the current stream: Side)
     outs = [torch.empty(t.shape, dtype=dtype, device=dst) for t in tensors]
     if side is not None:
@@ -485,6 +498,6 @@ def _to_device(
     parts = flat.split(numels)  # type: ignore[no-untyped-call]  # unannotated in torch
     with _issue(side):
         flat.copy_(host, non_blocking=pinned or non_blocking)
-        torch._foreach_copy_(outs, [v.view(t.shape) for v, t in zip(parts, tensors)])
+        torch._foreach_copy_(outs, _shaped(parts, tensors))
     for i, out in zip(chunk, outs):
         batch.copies[i] = out

@@ -296,6 +296,36 @@ def test_factories_land_on_the_requested_index(sim0, sim1):
         assert_bitwise(r.cpu(), torch.randn(3, 4))  # RNG is the CPU's
 
 
+def test_empty_factories_allocate_on_the_sim_as_requested(sim0, sim1):
+    # torch.empty and empty_strided have kernels of their own (the copies allocate with them): each result is
+    # a fresh sim storage of exactly its bytes, counted and freed, on the index asked for (the current one
+    # when none is), with the strides asked for; pinning is refused as for every sim factory.
+    gc.collect()
+    base0, base1 = simulated_memory_allocated(0), simulated_memory_allocated(1)
+    a = torch.empty(2, 3, device=sim1, dtype=torch.float64)
+    b = torch.empty_strided((2, 3), (1, 2), device=sim0)
+    c = torch.empty_like(b)  # keeps b's strides: empty_strided
+    with torch.sim.device(1):
+        d = torch.empty(5, device=SIM_DEVICE_TYPE, dtype=torch.int16)
+    assert (a.device, a.shape, a.dtype, a.is_contiguous()) == (sim1, (2, 3), torch.float64, True)
+    assert (b.device, b.stride(), c.device, c.stride()) == (sim0, (1, 2), sim0, (1, 2))
+    assert d.device == sim1
+    assert len({t.untyped_storage().data_ptr() for t in (a, b, c, d)}) == 4
+    assert simulated_memory_allocated(0) == base0 + 24 + 24
+    assert simulated_memory_allocated(1) == base1 + 48 + 10
+    b.copy_(torch.arange(6.0).view(2, 3))
+    assert_bitwise(b.cpu(), torch.arange(6.0).view(2, 3))
+    for pinned in (
+        lambda: torch.empty(3, device=sim0, pin_memory=True),
+        lambda: torch.empty_strided((3,), (1,), device=sim0, pin_memory=True),
+    ):
+        with pytest.raises(RuntimeError, match="Only dense CPU tensors can be pinned"):
+            pinned()
+    del a, b, c, d
+    gc.collect()
+    assert (simulated_memory_allocated(0), simulated_memory_allocated(1)) == (base0, base1)
+
+
 def test_out_arguments_and_resize(sim0):
     gc.collect()
     base = simulated_memory_allocated(0)

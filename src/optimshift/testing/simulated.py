@@ -737,6 +737,44 @@ def _mse_loss_out(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, 
     return out.copy_(result)
 
 
+def _factory_index(device: Any, pin_memory: bool | None) -> int:
+    index = _sim_index_of(device)
+    if pin_memory:
+        raise RuntimeError("Only dense CPU tensors can be pinned (simulated accelerator)")
+    return _current_index() if index is None else index
+
+
+# NOTE: the two allocating factories get kernels of their own (what _run_on_backing does for them, without its
+# walk over arguments that hold no tensor): every copy to a device allocates, and an empty tensor must not cost
+# the simulator more than a copy does (on a real device it costs a small fraction of one).
+def _empty(
+    size: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: Any = None,
+    pin_memory: bool | None = None,
+    memory_format: torch.memory_format | None = None,
+) -> torch.Tensor:
+    index = _factory_index(device, pin_memory)
+    cpu = _aten.empty.memory_format(size, dtype=dtype, layout=layout, device="cpu", memory_format=memory_format)
+    return _wrap_fresh(cpu, index, {})
+
+
+def _empty_strided(
+    size: Any,
+    stride: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: Any = None,
+    pin_memory: bool | None = None,
+) -> torch.Tensor:
+    index = _factory_index(device, pin_memory)
+    cpu = _aten.empty_strided.default(size, stride, dtype=dtype, layout=layout, device="cpu")
+    return _wrap_fresh(cpu, index, {})
+
+
 def _metadata_only(op: Any) -> Any:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         return _on_cpu_kernel(op, *args, **kwargs)
@@ -751,6 +789,8 @@ _SPECIAL_KERNELS: dict[Any, Any] = {
     _aten.resize_.default: _resize_,
     _aten.set_.default: _set_empty,
     _aten.mse_loss.out: _mse_loss_out,
+    _aten.empty.memory_format: _empty,
+    _aten.empty_strided.default: _empty_strided,
 }
 # View ops and storage swaps with backend-specific (CPU/Meta/...) kernels: their CPU kernels
 # only build a new TensorImpl on ``self``'s storage, which works unchanged for sim tensors and

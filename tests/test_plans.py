@@ -88,8 +88,10 @@ def test_a_repeated_move_reuses_its_plan(sim, builds):
 
 
 def test_a_one_off_operation_keeps_nothing_per_tensor(sim, builds):
-    """The first plan under a key leaves a marker (its layout) and no per-tensor record: a one-off move pays
-    nothing for the cache. The second build under that key and layout is kept, the third call reuses it."""
+    """The first plan under a key leaves a marker (no layout) and no per-tensor record: a one-off move pays
+    nothing for the cache. The second build under that key is kept with its layout; a call over that layout
+    reuses it, a call over another leaves a marker of that layout beside it (a move that follows its params back
+    and forth: ``PER_KEY`` layouts per key)."""
     model, opt = _trained(sim)
 
     def follow(device):
@@ -99,12 +101,20 @@ def test_a_one_off_operation_keeps_nothing_per_tensor(sim, builds):
     follow("cpu")
     (entry,) = next(iter(_session.of(opt).plans.values()))
     assert entry.template is None and entry.ids == [] and entry.metas == [] and entry.hows is None
+    assert entry.layout is None  # (not even the layout: it is asked from the second call under the key on)
+    follow(sim)  # (the second build under the key: kept, with this layout)
+    assert builds[0] == 2 and entry.template is not None and entry.hits == 0
+    assert entry.layout == _plans.layout(opt)
+    follow("cpu")  # (another layout: built, a marker of it left beside the kept plan)
+    (marker, same) = next(iter(_session.of(opt).plans.values()))
+    assert builds[0] == 3 and same is entry and marker.template is None and marker.layout == _plans.layout(opt)
+    follow(sim)  # (the kept plan's layout: reused)
+    assert builds[0] == 3 and entry.hits == 1
+    follow("cpu")  # (the marker's layout, built the second time: kept)
+    assert builds[0] == 4 and marker.template is not None
     follow(sim)
     follow("cpu")
-    assert builds[0] == 3 and entry.template is not None and entry.hits == 0
-    follow(sim)  # (built the second time: kept)
-    follow("cpu")
-    assert builds[0] == 4 and entry.hits == 1
+    assert builds[0] == 4 and (entry.hits, marker.hits) == (2, 1)
     _placed_like_fresh(opt)
 
 

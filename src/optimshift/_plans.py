@@ -12,10 +12,11 @@ policy decision, and rebuilds on any mismatch:
 - each site: the same tensor object under the same key, with the same device, dtype, shape and strides;
 - the adoption inputs (:func:`optimshift._adopt.still_valid`), checked when the decisions are reused.
 
-A plan is kept from its second build under one key and layout: the first call leaves only a marker (its
-layout), so a one-off operation (most moves) pays nothing for the cache; a loop reuses its plans from its third
-iteration. A reload is keyed by the build of the offload plan it undoes (``Cached.serial``, new at each build),
-and kept at its first build once that offload plan is kept (``eager``).
+A plan is kept from its second build under one key: the first call leaves only a marker (no layout, no
+per-tensor record), so a one-off operation (most moves) pays nothing for the cache, not even the layout; a loop
+reuses its plans from its third iteration. From the second build on, each key keeps its last ``PER_KEY``
+layouts, a marker for a layout seen once. A reload is keyed by the build of the offload plan it undoes
+(``Cached.serial``, new at each build), and kept at its first build once that offload plan is kept (``eager``).
 
 # NOTE: keyed by what the caller's target function depends on besides the optimizer (the operation, the target
 # device, the offload a reload undoes): a cached plan is never asked a question it was not built for.
@@ -54,7 +55,7 @@ class Cached:
     # by ``id`` and meta; the tensors are the state's own, taken at each use.
     """
 
-    layout: tuple[Any, ...]
+    layout: tuple[Any, ...] | None  # None: the first call's marker, which stands for any layout
     # per transfer, no tensor; None: a marker (built once under this key and layout, not kept yet)
     template: list[tuple[Ident, str | None, torch.Tensor | None, torch.device, str]] | None = None
     keys: list[Any] = field(default_factory=list)  # per transfer: its top-level key (containers: the full path)
@@ -169,13 +170,16 @@ def plan_for(
     session = None if key is None else _session.get(optimizer)
     if session is None:
         return build_plan(optimizer, target), None
-    shape = layout(optimizer, grads)
     plans = session.plans
     kept: list[Cached] = plans.get(key) or []
+    # NOTE: the first call under a key asks no layout (~0.5 us per tensor over its params): its marker stands
+    # for any, and the second build is kept with the layout it was built over.
+    shape = layout(optimizer, grads) if kept or eager else None
     for cached in kept:
-        if cached.layout == shape:
-            if cached.template is None:  # the second build under this key and layout: keep it from now on
+        if cached.layout is None or cached.layout == shape:
+            if cached.template is None:  # the second build under this key (and layout): keep it from now on
                 plan = build_plan(optimizer, target)
+                cached.layout = shape
                 cached.keep(plan)
                 plans[key] = plans.pop(key)  # (the most recently used key is evicted last)
                 return plan, cached

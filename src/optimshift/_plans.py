@@ -56,7 +56,7 @@ class Cached:
     """
 
     layout: tuple[Any, ...] | None  # None: the first call's marker, which stands for any layout
-    # per transfer, no tensor; None: a marker (built once under this key and layout, not kept yet)
+    # per transfer, no tensor; None: a marker (built once under this key, or this key and layout; not kept yet)
     template: list[tuple[Ident, str | None, torch.Tensor | None, torch.device, str]] | None = None
     keys: list[Any] = field(default_factory=list)  # per transfer: its top-level key (containers: the full path)
     metas: list[tuple[Any, ...]] = field(default_factory=list)  # per transfer: _meta() of its tensor
@@ -76,7 +76,7 @@ class Cached:
         return self.template is not None
 
     def keep(self, plan: Plan) -> None:
-        """Keep ``plan`` (built under this key and layout for the second time) for the calls that follow."""
+        """Keep ``plan`` (the second build under this key, or this key and layout) for the calls that follow."""
         keys: list[Any] = []
         metas: list[tuple[Any, ...]] = []
         sources: dict[Ident, torch.device] = {}

@@ -737,6 +737,9 @@ def _mse_loss_out(self: torch.Tensor, target: torch.Tensor, reduction: int = 1, 
     return out.copy_(result)
 
 
+_CPU = torch.device("cpu")
+
+
 def _factory_index(device: Any, pin_memory: bool | None) -> int:
     index = _sim_index_of(device)
     if pin_memory:
@@ -757,7 +760,7 @@ def _empty(
     memory_format: torch.memory_format | None = None,
 ) -> torch.Tensor:
     index = _factory_index(device, pin_memory)
-    cpu = _aten.empty.memory_format(size, dtype=dtype, layout=layout, device="cpu", memory_format=memory_format)
+    cpu = _aten.empty.memory_format(size, dtype=dtype, layout=layout, device=_CPU, memory_format=memory_format)
     return _wrap_fresh(cpu, index, {})
 
 
@@ -771,7 +774,7 @@ def _empty_strided(
     pin_memory: bool | None = None,
 ) -> torch.Tensor:
     index = _factory_index(device, pin_memory)
-    cpu = _aten.empty_strided.default(size, stride, dtype=dtype, layout=layout, device="cpu")
+    cpu = _aten.empty_strided.default(size, stride, dtype=dtype, layout=layout, device=_CPU)
     return _wrap_fresh(cpu, index, {})
 
 

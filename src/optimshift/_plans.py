@@ -56,8 +56,9 @@ class Cached:
     """
 
     layout: tuple[Any, ...] | None  # None: the first call's marker, which stands for any layout
-    # per transfer, no tensor; None: a marker (built once under this key, or this key and layout; not kept yet)
-    template: list[tuple[Ident, str | None, torch.Tensor | None, torch.device, str]] | None = None
+    # per transfer, no tensor and no param (the layout names the params by id; each use takes them from the
+    # groups); None: a marker (built once under this key, or this key and layout; not kept yet)
+    template: list[tuple[Ident, str | None, torch.device, str]] | None = None
     keys: list[Any] = field(default_factory=list)  # per transfer: its top-level key (containers: the full path)
     metas: list[tuple[Any, ...]] = field(default_factory=list)  # per transfer: _meta() of its tensor
     ids: list[int] = field(default_factory=list)  # per transfer: id() of its tensor when the plan was last used
@@ -87,7 +88,7 @@ class Cached:
             metas.append(_meta(tensor))
             sources.setdefault(ident, tensor.device)
         self.keys, self.metas, self.sources = keys, metas, sources
-        self.template = [(tr[0], tr[1], tr[3], tr[4], tr[5]) for tr in plan.transfers]
+        self.template = [(tr[0], tr[1], tr[4], tr[5]) for tr in plan.transfers]
         self.ids = [id(tr[2]) for tr in plan.transfers]
         self.repeats, self.hows, self.serial = plan.repeats, None, next(_serials)
 
@@ -134,28 +135,28 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
     return tuple(parts)
 
 
-def _current(optimizer: Any, cached: Cached) -> list[torch.Tensor] | None:
-    """The state's tensors in plan order if every site still holds the tensor the plan was last used with
-    (by id), unchanged (the walk of build_plan, with no decision); else None."""
+def _current(optimizer: Any, cached: Cached) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """The state's tensors, each with its param, in plan order if every site still holds the tensor the plan
+    was last used with (by id), unchanged (the walk of build_plan, with no decision); else None."""
     ids, keys, metas = cached.ids, cached.keys, cached.metas
     n = len(ids)
-    out: list[torch.Tensor] = []
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     append = out.append
     i = 0
-    for _, pi, _, _, entries, _ in iter_holders(optimizer):
+    for _, pi, param, _, entries, _ in iter_holders(optimizer):
         for key, value in entries.items():
             if pi is None and key in _GROUP_SKIP:
                 continue
             if isinstance(value, torch.Tensor):
                 if i >= n or ids[i] != id(value) or keys[i] != key or _meta(value) != metas[i]:
                     return None
-                append(value)
+                append((value, param))
                 i += 1
                 continue
             for path, tensor in leaves(value, (("key", key),)):
                 if i >= n or ids[i] != id(tensor) or keys[i] != path or _meta(tensor) != metas[i]:
                     return None
-                append(tensor)
+                append((tensor, param))
                 i += 1
     return out if i == n else None
 
@@ -190,7 +191,7 @@ def plan_for(
                 new = _new_transfer
                 transfers = [
                     new(Transfer, (ident, name, t, param, device, source))
-                    for (ident, name, param, device, source), t in zip(cached.template, tensors)
+                    for (ident, name, device, source), (t, param) in zip(cached.template, tensors)
                 ]
                 return Plan(optimizer, transfers, cached.repeats), cached
             kept.remove(cached)  # the same layout with other state: this one is stale

@@ -30,7 +30,17 @@ from ._offload import (
     wait_pending,
 )
 from ._state import group_device, unwrap
-from .plan import Ident, Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
+from .plan import (
+    OPTIMIZER_WIDE,
+    Ident,
+    Plan,
+    Site,
+    TargetFn,
+    build_plan,
+    check_optimizer,
+    optimizer_name,
+    policy_target,
+)
 from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
 
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded", "wait"]
@@ -109,18 +119,22 @@ def _transfer(
     cache_key: Hashable | None = None,
     grads: bool = False,
     eager: bool = False,
+    sides: bool = False,
 ) -> tuple[engine.Copies, PendingTransfer, _plans.Cached | None]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
     ``cache_key``: the plan (and its adoption decisions) is kept in the optimizer's session under this key and
     reused while still valid (:mod:`optimshift._plans`); ``target`` is then not called at all. ``grads``: the
     params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
-    :func:`optimshift._plans.plan_for`)."""
+    :func:`optimshift._plans.plan_for`). ``sides``: remember where group tensors taken to the host came from
+    (a move: see :func:`_remember_sides`)."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     copies = engine.run(plan, options, extra=extra)
+    group_moves = _group_moves(plan) if sides else ()
     hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
+    _remember_sides(optimizer, group_moves)
     if cached is not None and cached.kept:  # (a marker keeps nothing per tensor)
         cached.hows = hows
     if _log.isEnabledFor(logging.DEBUG):
@@ -155,34 +169,16 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     target = _resolve(device, optimizer)
     settle(optimizer)
     grads = _grads_back(optimizer, record_of(optimizer))
-    by_policy = policy_target(optimizer, target)
-    group_moves: list[tuple[Ident, torch.device, torch.device]] = []  # (group tensor, from, to)
-
-    def where(
-        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
-    ) -> tuple[torch.device, str]:
-        device, source = by_policy(ident, param, group, key, tensor)
-        if param is None:
-            group_moves.append((ident, tensor.device, device))
-        return device, source
-
-    # (what build_plan answers for a param's state without a call is the policy's: where() adds nothing there)
-    where.follow = getattr(by_policy, "follow", None)  # type: ignore[attr-defined]
-    where.memo = getattr(by_policy, "memo", None)  # type: ignore[attr-defined]
-
     key = None if grads else _move_key(optimizer, target)
-    copies, pending, cached = _transfer(
+    copies, pending, _ = _transfer(
         optimizer,
-        where,
+        policy_target(optimizer, target),
         what="move",
         options=Options(non_blocking=non_blocking),
         extra=[(g, p.device) for p, g in grads],
         cache_key=key,
+        sides=True,
     )
-    # (where() was not called: the plan's group tensors say it)
-    if cached is not None and cached.hits and cached.template is not None:
-        group_moves = [(site[0], cached.sources[site[0]], site[3]) for site in cached.template if site[2] is None]
-    _remember_sides(optimizer, group_moves)
     for p, host_grad in grads:
         p.grad = copies.new.get(id(host_grad), host_grad)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
@@ -197,6 +193,18 @@ def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
     if session is None or _policy.has_registered_policy(optimizer):
         return None
     return ("move", target, frozenset(session.group_sides.items()))
+
+
+def _group_moves(plan: Plan) -> list[tuple[Ident, torch.device, torch.device]]:
+    """(site, from, to) of each group tensor in ``plan`` (they follow the param state: walked from the end)."""
+    out = []
+    for tr in reversed(plan.transfers):
+        ident = tr[0]
+        if ident[1] is not None:
+            break
+        if ident[0] != OPTIMIZER_WIDE:
+            out.append((ident, tr[2].device, tr[4]))
+    return out
 
 
 def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:
@@ -371,8 +379,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         if param is None and was is not None and _group_moved(record, ident[0], group):
             # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
             # the params' new device, on the side they were given on
-            decision = _policy.decide(optimizer, group, None, key, tensor, group_device(group, tensor), side=was)
-            return decision.device, decision.source
+            return by_policy.at(None, group, key, tensor, group_device(group, tensor), side=was)
         if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
             was = None  # the param moved while its state was away: place the state for where it is now
         if was is not None:
@@ -445,7 +452,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     check_optimizer(optimizer)
     wait_pending(unwrap(optimizer))
     name = optimizer_name(optimizer)
-    target = policy_target(optimizer, None)
+    target: TargetFn = policy_target(optimizer, None)
     if _mode.mode_of(optimizer) is not None:
         target = _mode.hosted(target)
     plan = build_plan(optimizer, target)
@@ -571,8 +578,7 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
         if param is not None:
             return by_policy(ident, mapping[id(param)], group, key, tensor)
         firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params
-        decision = _policy.decide(optimizer, group, None, key, tensor, firsts[0].device if firsts else tensor.device)
-        return decision.device, decision.source
+        return by_policy.at(None, group, key, tensor, firsts[0].device if firsts else tensor.device)
 
     copies = engine.run(build_plan(optimizer, target))  # (the collector is paused by _one_at_a_time)
     # Everything is copied: now swap params and re-key state, then the tensors.

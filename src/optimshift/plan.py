@@ -15,7 +15,7 @@ import torch
 
 from . import _session
 from . import policy as _policy
-from ._state import Path, format_path, group_device, leaves, param_label
+from ._state import Path, format_path, leaves, param_label
 
 __all__ = [
     "Site",
@@ -23,7 +23,6 @@ __all__ = [
     "Plan",
     "TargetFn",
     "build_plan",
-    "place",
     "policy_target",
     "iter_holders",
     "check_optimizer",
@@ -255,37 +254,21 @@ def build_plan(
     plan = Plan(optimizer)
     transfers = plan.transfers
     append = transfers.append
-    # a policy target's device for a param's non-scalar state: fixed, or "param" (the param's own device); its
-    # memo of scalar decisions (see policy_target), read here without the call
-    follow = getattr(target, "follow", None)
-    memo: dict[Any, tuple[torch.device, str]] | None = getattr(target, "memo", None)
-    if memo is None:
-        memo = {}
     paths = _top_paths
     tensor_type = torch.Tensor
     for gi, pi, param, group, entries, pname in iter_holders(optimizer, groups, state):
-        followed = follow is not None and param is not None
-        dest = (param.device if isinstance(follow, str) else follow) if followed else None  # type: ignore[union-attr]
-        scalar_key = (id(group), param.dim(), dest) if followed else None  # type: ignore[union-attr]
         for key, value in entries.items():
             if pi is None and key in _GROUP_SKIP:  # (a group's params, or an optimizer-wide entry so named)
                 continue
             if type(value) is tensor_type or isinstance(value, tensor_type):
                 # (the common case, a tensor right under its key, inlined: this runs once per tensor)
                 ident: Ident = (gi, pi, paths.get(key) or _top_path(key))
-                if followed and value.dim():
-                    device, source = dest, "rule"  # what target() would answer, without the call
-                else:
-                    hit = memo.get((scalar_key, key)) if followed else None
-                    device, source = hit or target(ident, param, group, key, value)
+                device, source = target(ident, param, group, key, value)
                 append(_new_transfer(Transfer, (ident, pname, value, param, device, source)))
             else:
                 for where, tensor in leaves(value, paths.get(key) or _top_path(key)):
                     ident = (gi, pi, where)
-                    if followed and tensor.dim():
-                        device, source = dest, "rule"
-                    else:
-                        device, source = target(ident, param, group, key, tensor)
+                    device, source = target(ident, param, group, key, tensor)
                     append(_new_transfer(Transfer, (ident, pname, tensor, param, device, source)))
     # NOTE: a tensor held by several entries is rare: one pass in C finds none (the common case).
     ids = list(map(id, map(_tensor_of, transfers)))
@@ -296,23 +279,6 @@ def build_plan(
 
 
 _tensor_of = itemgetter(2)
-
-
-def place(
-    target: TargetFn,
-    ident: Ident,
-    param: torch.Tensor,
-    group: Mapping[str, Any],
-    key: str,
-    tensor: torch.Tensor,
-    dest: torch.device | None,
-) -> torch.device:
-    """The device :func:`build_plan` gives ``tensor``, right under ``key`` in ``param``'s state, by ``target``
-    (``dest``: where a param's non-scalar state goes by ``target.follow``, None without one), for a caller that
-    plans one kind of entry at a time (the uniform load: ``checkpoint/_uniform.py``)."""
-    if dest is not None and tensor.dim():
-        return dest
-    return target(ident, param, group, key, tensor)[0]  # (it reads and fills its own memo of scalar decisions)
 
 
 def _one_place_each(optimizer: Any, transfers: list[Transfer], ids: list[int]) -> None:
@@ -356,50 +322,9 @@ def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Tra
 
 def policy_target(
     optimizer: torch.optim.Optimizer, device: torch.device | None, *, remembered: bool = True
-) -> TargetFn:
+) -> _policy.Placer:
     """Targets by the policy: each entry where a fresh optimizer with its param on ``device`` keeps it
     (``device=None``: the param's current device). ``remembered=False``: group tensors are placed from where
     they are, not from where the session remembers a move took them from (a load brings its own)."""
-
-    # (id(group), param rank, the param's device for the rule), key -> decision; read inline by build_plan too
-    memo: dict[tuple[tuple[int, int, torch.device], str], tuple[torch.device, str]] = {}
-    cacheable = not _policy.has_registered_policy(optimizer)  # a user policy may look at anything
     session = _session.of(optimizer) if remembered else None
-    sides = {} if session is None else session.group_sides  # group tensors a move took to the host
-
-    fixed_rule = None if device is None else (device, "rule")
-
-    def target(
-        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
-    ) -> tuple[torch.device, str]:
-        if cacheable and tensor.dim() != 0:
-            # Non-scalar state always follows its param (policy.decide): the common case, kept cheap.
-            if fixed_rule is not None:
-                return fixed_rule
-            return (param.device if param is not None else group_device(group, tensor)), "rule"
-        if device is not None:
-            param_device = device
-        elif param is not None:
-            param_device = param.device
-        else:
-            param_device = group_device(group, tensor)
-        # A group's own tensors (tensor lr, betas) are decided one by one: their rule depends on which entry
-        # and on where each one is (policy._group_entry).
-        memo_key = None
-        if cacheable and param is not None:
-            # Built-in rules depend only on these: decide once per distinct combination in this plan.
-            memo_key = ((id(group), param.dim(), param_device), key)
-            hit = memo.get(memo_key)
-            if hit is not None:
-                return hit
-        side = sides.get(ident) if param is None and tensor.device.type == "cpu" else None
-        decision = _policy.decide(optimizer, group, param, key, tensor, param_device, side=side)
-        result = (decision.device, decision.source)
-        if memo_key is not None:
-            memo[memo_key] = result
-        return result
-
-    # (read by build_plan: where a param's non-scalar state goes, without a call; "param": its param's device)
-    setattr(target, "follow", None if not cacheable else ("param" if device is None else device))  # noqa: B010
-    setattr(target, "memo", memo)  # noqa: B010  # (read by build_plan: a scalar's decision, without the call)
-    return target
+    return _policy.Placer(optimizer, device, None if session is None else session.group_sides)

@@ -25,6 +25,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from ._probe import HOST_READ, NEEDS_DEVICE, probe, quiet_global_step_hooks  # noqa: F401 (re-exported)
+from ._state import group_device
 
 __all__ = [
     "Policy",
@@ -37,6 +38,7 @@ __all__ = [
     "separable",
     "step_of",
     "same_step",
+    "Placer",
 ]
 
 HOST = torch.device("cpu")
@@ -319,6 +321,63 @@ def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tupl
             if v is value:
                 return (key, i)
     return (key, None)
+
+
+class Placer:
+    """The memoizing front of :func:`decide` for one operation: ``placer(ident, param, group, key, tensor)`` is
+    ``(device, source)`` for each entry, the param on ``device`` (``None``: where it is now). Every operation
+    asks one (as its plan's target function); nothing else states the rule.
+
+    ``sides``: group tensors optimshift took to the host, by site, with the side they were given on (the
+    session's memory; a load brings its own and passes none).
+
+    NOTE: the memo key is what :func:`decide` reads of a param's entry when no policy is registered (the group,
+    for the length of one operation; the key; the param's rank and device; whether the tensor is 0-dim and on
+    the host); a registered policy may read anything, so then every entry is decided. Group entries are few and
+    decided by their identity in the group: never memoized.
+    """
+
+    __slots__ = ("optimizer", "device", "sides", "memo")
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device | None = None,
+        sides: Mapping[Any, torch.device] | None = None,
+    ) -> None:
+        self.optimizer, self.device, self.sides = optimizer, device, {} if sides is None else sides
+        self.memo: dict[Any, tuple[torch.device, str]] | None = None if has_registered_policy(optimizer) else {}
+
+    def __call__(
+        self, ident: Any, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
+        device = self.device
+        if param is None:
+            side = self.sides.get(ident) if tensor.is_cpu else None
+            return self.at(param, group, key, tensor, group_device(group, tensor) if device is None else device, side)
+        if device is None:
+            device = param.device
+        memo = self.memo
+        if memo is None:
+            return self.at(param, group, key, tensor, device)
+        memo_key = (id(group), key, param.dim(), device, tensor.dim() == 0, tensor.is_cpu)
+        hit = memo.get(memo_key)
+        if hit is None:
+            hit = memo[memo_key] = self.at(param, group, key, tensor, device)
+        return hit
+
+    def at(
+        self,
+        param: torch.Tensor | None,
+        group: Mapping[str, Any],
+        key: str,
+        tensor: torch.Tensor,
+        device: torch.device,
+        side: torch.device | None = None,
+    ) -> tuple[torch.device, str]:
+        """Where ``tensor`` belongs with its param (or, for a group entry, the group's params) on ``device``."""
+        decision = decide(self.optimizer, group, param, key, tensor, device, side=side)
+        return decision.device, decision.source
 
 
 def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -905,3 +906,34 @@ def test_sparse_state_loads_as_it_was_saved():
     st = next(iter(dst.state.values()))
     assert st["csr"].layout == torch.sparse_csr and torch.equal(st["csr"].to_dense(), torch.eye(3))
     assert st["csr"] is not src.state[p]["csr"] and torch.equal(st["m"], torch.ones(3, 3))
+
+
+class _Int8Moments(torch.optim.Adam):
+    """Keeps its first moment as int8 between steps (as 8-bit optimizers do), around Adam's own step, wrapped with
+    ``functools.wraps`` (which copies Adam's step's ``__wrapped__`` and ``hooked`` marks)."""
+
+    @functools.wraps(torch.optim.Adam.step)
+    def step(self, closure=None):
+        for st in self.state.values():
+            if st["exp_avg"].dtype == torch.int8:
+                st["exp_avg"] = st["exp_avg"].float() / 100
+        loss = super().step(closure)
+        for st in self.state.values():
+            st["exp_avg"] = (st["exp_avg"] * 100).round().to(torch.int8)
+        return loss
+
+
+def test_a_step_wrapped_with_functools_wraps_is_its_own_for_the_load_as_for_the_policy():
+    """One ``same_step`` (policy's): a subclass whose step wraps Adam's keeps state of its own kind, so the load
+    checks only what any subclass's state is checked for (it used to apply Adam's checks and refuse int8)."""
+    assert optimshift.policy.separable(_Int8Moments) == (False, "overrides step")
+    params = [torch.nn.Parameter(torch.randn(3))]
+    src = _Int8Moments(params)
+    params[0].grad = torch.ones(3)
+    src.step()
+    dst = _Int8Moments([torch.nn.Parameter(torch.randn(3))])
+    optimshift.load_state_dict(dst, src.state_dict())
+    (state,) = dst.state.values()
+    assert state["exp_avg"].dtype == torch.int8 and torch.equal(state["exp_avg"], src.state[params[0]]["exp_avg"])
+    dst.param_groups[0]["params"][0].grad = torch.ones(3)
+    dst.step()

@@ -18,7 +18,7 @@ import torch
 from .._probe import StateSpec, signature_defaults, step_needs
 from .._state import IMPLEMENTATION_FLAGS
 
-__all__ = ["check_group", "check_entries", "same_step", "keys_shown", "NOT_REAL"]
+__all__ = ["check_group", "check_entries", "keys_shown", "NOT_REAL"]
 
 Fail = Callable[..., Exception]
 """``fail(message, exc=ValueError)``: the exception to raise, its message prefixed with the optimizer and file."""
@@ -92,16 +92,6 @@ def check_entries(
                 f"param's {p.numel()} (shape {tuple(p.shape)}); this checkpoint was made for other "
                 f"params"
             )
-
-
-def same_step(cls: type, base: type) -> bool:
-    """Whether ``cls`` steps with ``base``'s ``step``. NOTE: ``Optimizer.__init__`` wraps ``type(self).step`` in a
-    profiling hook the first time a class is built, so a subclass may hold its own wrapper of the same function:
-    compare what the wrappers wrap."""
-    try:
-        return inspect.unwrap(getattr(cls, "step")) is inspect.unwrap(getattr(base, "step"))  # noqa: B009
-    except (AttributeError, ValueError):
-        return False
 
 
 def keys_shown(keys: Any) -> str:

@@ -42,7 +42,7 @@ from .._state import (
 )
 from ..plan import _GROUP_SKIP, OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from . import _files
-from ._checks import check_entries, check_group, keys_shown, same_step
+from ._checks import check_entries, check_group, keys_shown
 from ._uniform import build_uniform, fits_in_place
 
 __all__ = ["Staging"]
@@ -86,7 +86,7 @@ class Staging:
         self.base = _policy.builtin_base(type(optimizer))
         # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
-        self.strict = self.base is not None and same_step(type(optimizer), self.base)
+        self.strict = self.base is not None and _policy.same_step(type(optimizer), self.base)
         # Whether the __setstate__ a load calls is the torch.optim class's own (not a subclass's, not one set on the
         # instance or patched into the class): it fixes up non-tensor entries only, so live tensors may take the
         # loaded values after it.
@@ -655,9 +655,9 @@ class Staging:
     def rejected(
         self, group: Mapping[str, Any], p: torch.Tensor, gi: int, dtypes: tuple[tuple[Any, torch.dtype], ...]
     ) -> list[Rejection]:
-        """The entries (key, dtype) of a param ``p`` of group ``gi`` that a step refuses (none without a
-        torch.optim base), memoized by the param's dtype and rank."""
-        if self.base is None or not dtypes:
+        """The entries (key, dtype) of a param ``p`` of group ``gi`` that a step refuses (none unless the class
+        steps with its torch.optim base's step: ``strict``), memoized by the param's dtype and rank."""
+        if not self.strict or self.base is None or not dtypes:
             return []
         memo_key = (gi, p.dtype, p.dim(), dtypes)  # (in the entries' order: a miss costs a check)
         rejected = self._dtype_checks.get(memo_key)

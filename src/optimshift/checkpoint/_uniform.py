@@ -26,7 +26,8 @@ from .._dtypes import Rejection
 from .._errors import add_note
 from .._probe import StateSpec
 from .._state import _ATOMS, holds_tensor
-from ..plan import place, policy_target
+from ..plan import policy_target
+from ..policy import Placer, has_registered_policy
 from ._checks import NOT_REAL
 
 
@@ -113,10 +114,9 @@ def build_uniform(
     """The new state of a uniform load (filling ``st``'s copies and in-place pairs), or None: the general path's."""
     if not _usable(st, new_groups):
         return None
-    target = policy_target(st.opt, st.device, remembered=False)
-    follow = getattr(target, "follow", None)
-    if follow is None:  # (a registered policy may look at every tensor)
+    if has_registered_policy(st.opt):  # (it may place each param apart: kinds are placed once each)
         return None
+    target = policy_target(st.opt, st.device, remembered=False)
     lives = st.copy and bool(st.opt.state) and st.torch_setstate
     # (by id: a tensor's hash is a Python call)
     live_get = {id(p): live for p, live in st.opt.state.items()}.get if lives else None
@@ -137,7 +137,7 @@ def build_uniform(
             kind_key = (p.shape, p.dtype, p.device)
             kind = kinds.get(kind_key)
             if kind is None:
-                kind = kinds[kind_key] = _kind(st, target, follow, gi, pi, ng, p, saved)
+                kind = kinds[kind_key] = _kind(st, target, gi, pi, ng, p, saved)
                 if kind is None:
                     return None
             # NOTE: in the kind's order, not merely the same keys: the guard compares entry by entry, and each entry
@@ -210,8 +210,7 @@ def build_uniform(
 
 def _kind(
     st: Staging,
-    target: Any,
-    follow: Any,
+    target: Placer,
     gi: int,
     pi: int,
     group: Mapping[str, Any],
@@ -226,7 +225,6 @@ def _kind(
         return None
     pshape = list(p.shape)
     contiguous = _contiguous_strides(pshape)
-    dest = p.device if follow == "param" else follow
     kind = _Kind(tuple(saved), frozenset(saved), [], [], [], [])
     dtypes: list[tuple[Any, torch.dtype]] = []
     for key, value in saved.items():
@@ -246,7 +244,7 @@ def _kind(
                 return None
             kind.sizes.append(pshape)
             kind.strides.append(contiguous)
-        device = place(target, (gi, pi, (("key", key),)), p, group, key, value, dest)
+        device = target((gi, pi, (("key", key),)), p, group, key, value)[0]
         if value.device != device:
             return None
         kind.refs.append(value)

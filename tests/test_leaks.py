@@ -1,0 +1,78 @@
+"""Caches hold nothing strongly that the optimizer no longer uses (issue 27, item 6).
+
+Each test warms a cache the way a loop does (its plans kept from the second build, reused from the third), lets
+the optimizer drop what it held (new params, new state, the optimizer itself), and checks with ``weakref`` that
+nothing survives: on a GPU a survivor is the whole model's memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+import optimshift
+
+O = torch.optim
+Parameter = torch.nn.Parameter
+
+
+def _trained(device, n=3):
+    params = [Parameter(torch.randn(4, 3, device=device)) for _ in range(n)]
+    opt = O.Adam(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return params, opt
+
+
+def _cycles(opt, sim, n=3):
+    for _ in range(n):
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+    for _ in range(n):
+        optimshift.move(opt, "cpu")
+        optimshift.move(opt, sim)
+
+
+def _alive(refs):
+    gc.collect()
+    return [r for r in refs if r() is not None]
+
+
+def test_cached_plans_let_go_of_params_a_rebind_replaced(sim):
+    params, opt = _trained(sim)
+    _cycles(opt, sim)
+    refs = [weakref.ref(p) for p in params] + [weakref.ref(p.grad) for p in params]
+    optimshift.rebind(opt, [Parameter(p.detach().clone()) for p in params])
+    del params
+    assert not _alive(refs), "a cached plan keeps the old params (or their grads) alive"
+    optimshift.offload(opt)  # and the cache still answers for the new params
+    optimshift.reload(opt)
+    assert all(st["exp_avg"].device == sim for st in opt.state.values())
+
+
+def test_cached_plans_let_go_of_state_the_optimizer_dropped(sim, tmp_path):
+    params, opt = _trained(sim)
+    _cycles(opt, sim)
+    refs = [weakref.ref(t) for st in opt.state.values() for t in st.values()]
+    fresh_params, fresh = _trained(sim)
+    optimshift.load_state_dict(opt, fresh.state_dict(), copy=False)  # the live tensors are superseded
+    del fresh
+    assert not _alive(refs), "a cached plan keeps state tensors the optimizer no longer holds"
+
+
+def test_an_optimizer_dropped_takes_everything_optimshift_knew_of_it(sim):
+    params, opt = _trained(sim)
+    _cycles(opt, sim)
+    optimshift.check(opt)
+    optimshift.stream(opt)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    optimshift.unstream(opt)
+    refs = [weakref.ref(opt)] + [weakref.ref(p) for p in params]
+    refs += [weakref.ref(t) for st in opt.state.values() for t in st.values()]
+    del opt, params, p
+    assert not _alive(refs), "a session, a plan or a mode outlives its optimizer"

@@ -138,3 +138,37 @@ def test_check_reports_lbfgs_history_in_a_dtype_the_next_step_would_reject():
     assert "step() rejects" in finding.why and "cast='param'" in finding.why
     with pytest.raises(RuntimeError, match="dot"):
         opt.step(lambda: closure(2.0))  # what check() said
+
+
+@pytest.mark.parametrize("history", ["empty", "filled after the first step"])
+def test_check_reports_lbfgs_state_a_later_step_would_reject(history):
+    """Issue 31: the same rule for LBFGS's every state. Its line search converged, its history is empty and
+    ``H_diag`` a number: float64 ``d`` and ``prev_flat_grad`` can pass a step together (``y.dot(s)``, both
+    float64) and fail the next (``prev_flat_grad`` keeps its dtype, ``d`` is made anew in float32). With
+    ``max_iter=1`` the history appears only after the first step: float64 ``old_dirs`` fail the walk over it.
+    check() names each (it said ok to both: its trial stepped once, and held no history to try)."""
+    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(3))) for s in [(2, 3), (3,)]]
+    kwargs = {"line_search_fn": "strong_wolfe"} if history == "empty" else {"history_size": 2, "max_iter": 1}
+    opt = O.LBFGS(params, **kwargs)
+
+    def step(k):
+        g = torch.Generator().manual_seed(k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step(lambda: sum((p * p).sum() for p in params))
+
+    for k in range(3):
+        step(k)
+    state = opt.state[params[0]]
+    assert len(state["old_dirs"]) == (0 if history == "empty" else 2) and optimshift.check(opt).ok
+    keys = ["d", "prev_flat_grad"] if history == "empty" else ["old_dirs"]
+    for key in keys:
+        state[key] = state[key].double() if key in ("d", "prev_flat_grad") else [t.double() for t in state[key]]
+    report = optimshift.check(opt)
+    assert sorted((f.severity, f.param, f.key, f.dtype, f.expected) for f in report.findings) == [
+        ("error", "group 0, param 0", key, "float64", "float32") for key in sorted(keys)
+    ]
+    assert all("step() rejects" in f.why and "cast='param'" in f.why for f in report.findings)
+    with pytest.raises(RuntimeError, match="dot"):
+        for k in range(3, 5):
+            step(k)  # what check() said

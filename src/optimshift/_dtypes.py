@@ -5,9 +5,11 @@ move keeps what is there. That is right where the kernels accept it (SGD's float
 params) and wrong where they do not (Adam's ``lerp_`` wants ``exp_avg`` in the grad's dtype: float64 moments
 for float32 params make the next ``step()`` raise). Which is which depends on the class, its flags and the
 param dtype, so it is tried: :func:`optimshift._probe.rejected_dtypes` steps a fresh optimizer over a small host
-param of that dtype once (its own state: the dtypes a fresh optimizer keeps), then again with the entries in
-question in the dtypes given. An entry is a tensor or a container of tensors in one dtype (LBFGS's
-``old_dirs``, ``old_stps``, ``ro``, ``al``).
+param of that dtype until it holds the entries in question (its own state: the dtypes a fresh optimizer keeps;
+LBFGS fills its history lists only once a step measures a positive curvature), then again with those entries in
+the dtypes given, and again while a step changes the dtypes it found (LBFGS makes ``d`` anew in the grad's dtype
+and keeps ``prev_flat_grad``'s: a float64 pair passes one step and fails the next). An entry is a tensor or a
+container of tensors in one dtype (LBFGS's ``old_dirs``, ``old_stps``, ``ro``, ``al``).
 """
 
 from __future__ import annotations

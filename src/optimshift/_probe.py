@@ -14,7 +14,8 @@ a group's hyperparameters (see below), stepped and read. Nothing here touches th
 - :func:`expected_state`: one step over two small host params says what the class keeps per param (keys,
   shapes, kinds), which a load checks a checkpoint against.
 - :func:`rejected_dtypes`: a host trial says which saved state dtypes a step refuses (a fresh optimizer steps
-  once, then again with the entries in question in the dtypes given).
+  until it holds the entries in question, then again with them in the dtypes given, and again while a step
+  changes the dtypes it found: what the step after a load and the ones after it do).
 - :func:`step_needs`: two host steps without one group key say whether a step reads it.
 
 One cache serves them all (least recently used out first, :data:`CACHE_SIZE` entries), keyed by
@@ -48,7 +49,7 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._state import IMPLEMENTATION_FLAGS, Setter, leaves, rebuild
+from ._state import IMPLEMENTATION_FLAGS, Setter, holds_tensor, leaves, rebuild
 
 __all__ = [
     "Observed",
@@ -589,9 +590,10 @@ class _Trial:
         self.steps = 0
 
     def step(self) -> None:
-        # NOTE: the loss is a quadratic whose minimum moves every step: LBFGS then fills its history in one step
-        # and walks it in the next, so the dtypes of old_dirs/old_stps are tried (a constant grad, whose
-        # differences are zero, left the history empty and every dtype of it accepted).
+        # NOTE: the loss is a quadratic whose minimum moves every step: LBFGS then fills its history (in the
+        # first step, or with max_iter=1 a later one: _filled) and walks it in the next, so the dtypes of
+        # old_dirs/old_stps are tried (a constant grad, whose differences are zero, left the history empty and
+        # every dtype of it accepted).
         self.steps += 1
         target = float(self.steps)
 
@@ -605,6 +607,14 @@ class _Trial:
     def fresh_dtypes(self) -> dict[str, torch.dtype]:
         return entry_dtypes(self.opt.state.get(self.param, {}))
 
+    def held_dtypes(self) -> dict[Any, frozenset[torch.dtype]]:
+        """{key: the dtypes of its tensors} for every entry holding one (a container's may be mixed)."""
+        held: dict[Any, set[torch.dtype]] = {}
+        for key, value in self.opt.state.get(self.param, {}).items():
+            for _, t in leaves(value):
+                held.setdefault(key, set()).add(t.dtype)
+        return {key: frozenset(found) for key, found in held.items()}
+
     def recast(self, dtypes: Mapping[str, torch.dtype]) -> None:
         state = self.opt.state[self.param]
         for key, dtype in dtypes.items():
@@ -616,6 +626,50 @@ class _Trial:
             state[key] = rebuild(value, {id(t): t.to(dtype) for _, t in leaves(value)}, setters, {})
             for apply in setters:
                 apply()
+
+
+FILL_STEPS = 4
+"""At most this many more steps for a trial to fill the entries in question (see :func:`_filled`)."""
+AFTER_STEPS = 3
+"""At most this many steps after the recast, while each changes the dtypes it found (see :func:`_refusal`)."""
+
+
+def _filled(
+    cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype, ndim: int, keys: AbstractSet[Any]
+) -> _Trial:
+    """A fresh trial, stepped once, then again while it holds one of ``keys`` without a tensor in it (up to
+    :data:`FILL_STEPS` more steps). NOTE: a class may keep an entry empty at first and fill it in a later step:
+    LBFGS keeps ``old_dirs``, ``old_stps``, ``ro`` as empty lists and ``H_diag`` as the number 1 until a step
+    measures a positive curvature (``y.dot(s) > 1e-10``), which with ``max_iter=1`` is not the first. An entry
+    the trial holds no tensor in cannot be tried (there is nothing to recast), so a saved one would be taken in
+    any dtype. A key the trial does not hold at all is not the class's: no step fills it."""
+    trial = _Trial(cls, group, dtype, ndim)
+    trial.step()
+    for _ in range(FILL_STEPS):
+        state = trial.opt.state.get(trial.param, {})
+        if not any(key in state and not holds_tensor(state[key]) for key in keys):
+            break
+        trial.step()
+    return trial
+
+
+def _refusal(trial: _Trial, dtypes: Mapping[str, torch.dtype]) -> str | None:
+    """The error of a step of ``trial`` with ``dtypes`` recast, ``None`` if the steps take them. NOTE: a step that
+    takes the state may leave it in one the next step refuses, when it changes an entry's dtype: LBFGS makes
+    ``d`` anew from the grad (the param's dtype) but copies into ``prev_flat_grad``, keeping its dtype, so a float64
+    pair that agrees within one step (``y.dot(s)``, both float64) meets a float32 ``d`` in the next. So the trial
+    steps again while a step leaves the dtypes otherwise than it found them (up to :data:`AFTER_STEPS` steps)."""
+    trial.recast(dtypes)
+    held = trial.held_dtypes()
+    try:
+        for _ in range(AFTER_STEPS):
+            trial.step()
+            before, held = held, trial.held_dtypes()
+            if held == before:
+                return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _try(
@@ -636,30 +690,23 @@ def _try(
         torch.no_grad(),
     ):
         warnings.simplefilter("ignore")
+        keys = frozenset(dtypes)
         try:
-            trial = _Trial(cls, group, dtype, ndim)
-            trial.step()
+            trial = _filled(cls, group, dtype, ndim, keys)
         except Exception:
             return None
         fresh = trial.fresh_dtypes()
         changed = {k: d for k, d in dtypes.items() if k in fresh and fresh[k] != d}
         if not changed:
             return ()
-        trial.recast(changed)
-        try:
-            trial.step()
+        together = _refusal(trial, changed)
+        if together is None:
             return ()
-        except Exception as e:
-            together = f"{type(e).__name__}: {e}"
         rejected: list[Rejection] = []
-        for key, wanted in changed.items():  # which of them, each alone
-            alone = _Trial(cls, group, dtype, ndim)
-            alone.step()
-            alone.recast({key: wanted})
-            try:
-                alone.step()
-            except Exception as e:
-                rejected.append(Rejection(key, wanted, fresh[key], f"{type(e).__name__}: {e}"))
+        for key, wanted in changed.items():  # which of them, each alone (from the same state: a trial is repeatable)
+            error = _refusal(_filled(cls, group, dtype, ndim, keys), {key: wanted})
+            if error is not None:
+                rejected.append(Rejection(key, wanted, fresh[key], error))
         return tuple(rejected) or tuple(Rejection(k, d, fresh[k], together) for k, d in changed.items())
 
 

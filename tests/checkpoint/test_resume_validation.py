@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -411,6 +412,90 @@ def test_lbfgs_float64_state_for_float32_params_is_refused_and_cast_param_loads_
     assert bitwise_equal(ours, their_state)
     _db_step(info, target, params, 3)
     _db_step(info, theirs, their_params, 3)
+    assert bitwise_equal(params, their_params) and bitwise_equal(target.state[params[0]], their_state)
+
+
+# --- issue 31: every state LBFGS saves, its history empty or full -------------------------------------------------
+
+F64 = torch.float64
+
+
+def _lbfgs(kwargs, dtype, device="cpu"):
+    torch.manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, dtype=F64).to(device, dtype)) for s in [(2, 3), (3,)]]
+    return O.LBFGS(params, **kwargs), params
+
+
+def _lbfgs_step(opt, params, k):
+    """The issue's step: grads drawn once (seeded by ``k``), a closure that returns the loss only."""
+    g = torch.Generator().manual_seed(k)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=F64).to(p.device, p.dtype)
+    opt.step(lambda: sum((p * p).sum() for p in params))
+
+
+@pytest.mark.parametrize("h_diag", ["number", "tensor"])
+@pytest.mark.parametrize("line_search_fn", ["strong_wolfe", None])
+@pytest.mark.parametrize("history", ["empty", "full"])
+def test_lbfgs_float64_state_is_refused_whatever_its_history(sim, history, line_search_fn, h_diag):
+    """LBFGS state saved from float64 params, loaded into float32 ones on the device, in every shape LBFGS saves:
+    its history empty (the line search converged: ``old_dirs``, ``old_stps``, ``ro`` empty, ``H_diag`` 1; or one
+    step without it) or full (``history_size=2``, ``max_iter=1``); with and without ``strong_wolfe``; ``H_diag`` a
+    number or a 0-dim tensor (LBFGS saves a number with an empty history and a tensor with a full one; the other
+    two are those edited, which its step takes alike). Kept as saved, the next steps raise (``dot``: the flat
+    entries meet the float32 grad, if not in the first step then in the one after it, which a check that tried one
+    step did not see; a history filled only after the first step, as with ``max_iter=1``, was not tried at all).
+    Each is refused before anything changes, naming every entry a step rejects and cast='param'; with
+    cast='param' it loads as PyTorch's own load_state_dict does, bit for bit, and steps as it does."""
+    kwargs = {"line_search_fn": line_search_fn}
+    if history == "full":
+        kwargs.update(history_size=2, max_iter=1)
+    src, src_params = _lbfgs(kwargs, F64)
+    for k in range(3 if history == "full" or line_search_fn else 1):
+        _lbfgs_step(src, src_params, k)
+    sd = src.state_dict()
+    saved = sd["state"][0]
+    if h_diag == "tensor" and not isinstance(saved["H_diag"], torch.Tensor):
+        saved["H_diag"] = torch.tensor(float(saved["H_diag"]), dtype=F64)
+    elif h_diag == "number" and isinstance(saved["H_diag"], torch.Tensor):
+        saved["H_diag"] = saved["H_diag"].item()
+    assert len(saved["old_dirs"]) == len(saved["old_stps"]) == len(saved["ro"]) == (2 if history == "full" else 0)
+    assert isinstance(saved["H_diag"], torch.Tensor) is (h_diag == "tensor")
+    assert saved["d"].dtype == saved["prev_flat_grad"].dtype == F64
+
+    kept, kept_params = _lbfgs(kwargs, torch.float32)  # what keeping the saved dtypes would give
+    kept.load_state_dict(copy.deepcopy(sd))
+    kept.state[kept_params[0]].update(copy.deepcopy(saved))
+    with pytest.raises(RuntimeError, match="dot : expected both vectors to have same dtype"):
+        for k in range(3, 5):
+            _lbfgs_step(kept, kept_params, k)
+
+    target, params = _lbfgs(kwargs, torch.float32, sim)
+    _lbfgs_step(target, params, 0)
+    rejected = {"prev_flat_grad"} | ({"old_dirs", "old_stps"} if history == "full" else set())
+    _refused(
+        target,
+        sd,
+        ValueError,
+        r"^LBFGS: load_state_dict: group 0, param 0, state key 'd': the checkpoint holds it as float64 .*"
+        r"a step of LBFGS over float32 params rejects that \(RuntimeError: dot : .*cast='param'.*"
+        r"the optimizer is unchanged$",
+    )
+    with pytest.raises(ValueError) as raised:
+        optimshift.load_state_dict(target, sd)
+    named = re.findall(r"\(and '(\w+)', float64\)", str(raised.value))
+    assert sorted(named) == sorted(rejected), str(raised.value)
+
+    optimshift.load_state_dict(target, sd, cast="param")
+    theirs, their_params = _lbfgs(kwargs, torch.float32, sim)
+    _lbfgs_step(theirs, their_params, 0)
+    theirs.load_state_dict(copy.deepcopy(sd))  # PyTorch casts every floating tensor to the param's dtype
+    ours, their_state = target.state[params[0]], theirs.state[their_params[0]]
+    assert ours["d"].dtype == ours["prev_flat_grad"].dtype == torch.float32 and ours["d"].device == sim
+    assert bitwise_equal(ours, their_state)
+    for k in range(3, 5):
+        _lbfgs_step(target, params, k)
+        _lbfgs_step(theirs, their_params, k)
     assert bitwise_equal(params, their_params) and bitwise_equal(target.state[params[0]], their_state)
 
 

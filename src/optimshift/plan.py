@@ -256,14 +256,24 @@ def build_plan(
     append = transfers.append
     paths = _top_paths
     tensor_type = torch.Tensor
+    # (a policy's target places a param's entries through its memo, asked once per param: see policy.Placer)
+    placer = target if isinstance(target, _policy.Placer) else None
     for gi, pi, param, group, entries, pname in iter_holders(optimizer, groups, state):
+        if placer is not None and param is not None:
+            holder = placer.holder(param, group)
+            entry = placer.entry
+        else:
+            holder, entry = None, None
         for key, value in entries.items():
             if pi is None and key in _GROUP_SKIP:  # (a group's params, or an optimizer-wide entry so named)
                 continue
             if type(value) is tensor_type or isinstance(value, tensor_type):
                 # (the common case, a tensor right under its key, inlined: this runs once per tensor)
                 ident: Ident = (gi, pi, paths.get(key) or _top_path(key))
-                device, source = target(ident, param, group, key, value)
+                if entry is not None:
+                    device, source = entry(holder, param, group, key, value)  # type: ignore[arg-type]
+                else:
+                    device, source = target(ident, param, group, key, value)
                 append(_new_transfer(Transfer, (ident, pname, value, param, device, source)))
             else:
                 for where, tensor in leaves(value, paths.get(key) or _top_path(key)):

@@ -351,19 +351,35 @@ class Placer:
     def __call__(
         self, ident: Any, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
-        device = self.device
         if param is None:
+            device = self.device
             side = self.sides.get(ident) if tensor.is_cpu else None
             return self.at(param, group, key, tensor, group_device(group, tensor) if device is None else device, side)
-        if device is None:
-            device = param.device
+        return self.entry(self.holder(param, group), param, group, key, tensor)
+
+    def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int, torch.device] | None:
+        """The part of the memo key that all of ``param``'s entries share (None: no memo), for a caller that
+        places a param's entries one after another (:func:`optimshift.plan.build_plan`)."""
+        if self.memo is None:
+            return None
+        return (id(group), param.dim(), param.device if self.device is None else self.device)
+
+    def entry(
+        self,
+        holder: tuple[int, int, torch.device] | None,
+        param: torch.Tensor,
+        group: Mapping[str, Any],
+        key: str,
+        tensor: torch.Tensor,
+    ) -> tuple[torch.device, str]:
+        """Entry ``key`` of ``param``'s state, ``holder`` being :meth:`holder`'s answer for the param."""
+        if holder is None:
+            return self.at(param, group, key, tensor, param.device if self.device is None else self.device)
+        memo_key = (holder, key, tensor.dim() == 0, tensor.is_cpu)
         memo = self.memo
-        if memo is None:
-            return self.at(param, group, key, tensor, device)
-        memo_key = (id(group), key, param.dim(), device, tensor.dim() == 0, tensor.is_cpu)
-        hit = memo.get(memo_key)
+        hit = memo.get(memo_key)  # type: ignore[union-attr]  # (holder: a memo)
         if hit is None:
-            hit = memo[memo_key] = self.at(param, group, key, tensor, device)
+            hit = memo[memo_key] = self.at(param, group, key, tensor, holder[2])  # type: ignore[index]
         return hit
 
     def at(

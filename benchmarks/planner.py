@@ -9,6 +9,8 @@
   loop on the same device pair, on the simulated accelerator and on fake ``cuda:0``;
 - ``load_state_dict`` (copy=True) into a fresh optimizer against a bare clone loop, and into existing state
   against a bare ``copy_`` loop;
+- ``load_state_dict`` of a host checkpoint into a fresh optimizer on ``meta`` and on the simulated accelerator
+  (the common resume) against a bare ``.to(device)`` loop;
 - the floors: the least any implementation of each does, against the same baselines (see :func:`floors`).
 
     .venv/bin/python benchmarks/planner.py [--tensors 50000] [--cycle-tensors 10000] [--params 16000] [--reps 5]
@@ -172,6 +174,31 @@ def load(n_params: int, reps: int) -> dict[str, float]:
     }
 
 
+def load_onto(n_params: int, reps: int, where: str) -> dict[str, float]:
+    """A host checkpoint into a fresh optimizer whose params are on ``where`` (the common resume), against a bare
+    ``state[p] = {k: v.to(device)}`` loop (issue 27)."""
+    device = torch.device("meta") if where == "meta" else simulated_accelerator()
+    sd = _adam(n_params, "cpu", numel=16).state_dict()
+    params = [torch.nn.Parameter(torch.zeros(16, device=device)) for _ in range(n_params)]
+
+    def bare_to() -> dict[Any, Any]:
+        return {
+            p: {k: v.to(device) if isinstance(v, torch.Tensor) and k != "step" else v for k, v in st.items()}
+            for p, st in zip(params, sd["state"].values())
+        }
+
+    optimshift.load_state_dict(torch.optim.Adam(params, foreach=False), sd)  # (warm: the probes)
+    t_bare, t_os = [], []
+    for _ in range(reps):
+        gc.collect()
+        t_bare.append(_timed(bare_to))
+        fresh = torch.optim.Adam(params, foreach=False)
+        gc.collect()
+        t_os.append(_timed(lambda: optimshift.load_state_dict(fresh, sd)))
+    ours, bare, ratio = _median_ratio(t_os, t_bare)
+    return {"params": n_params, "ratio": ratio, "ms": (ours * 1e3, bare * 1e3)}
+
+
 def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
     """The least any implementation of each operation does, against the same baselines as the goals (not
     goals: what a ratio can go down to on this machine).
@@ -281,6 +308,12 @@ def main() -> None:
         f"clone loop; into existing state {r['existing_vs_copy']:.2f}x a bare copy_ loop (goal <= 1.5x each); "
         "medians: fresh %.0f ms, clone loop %.0f ms, existing %.0f ms, copy_ loop %.0f ms" % r["ms"]
     )
+    for where in ("meta", "sim"):
+        r = load_onto(args.params, args.reps, where)
+        print(
+            f"load_state_dict of a host checkpoint, {r['params']} params, into a fresh optimizer on {where}: "
+            f"{r['ratio']:.2f}x a bare .to({where}) loop (goal <= 1.5x); medians %.0f ms against %.0f ms" % r["ms"]
+        )
     f = floors(args.tensors, args.params, args.reps)
     print(
         f"floors (the least any implementation does, same baselines): move {f['move']:.2f}x; load into a fresh "

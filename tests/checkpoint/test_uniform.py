@@ -485,3 +485,43 @@ def test_a_setstate_of_its_own_is_handed_the_loaded_values(monkeypatch, uniform,
     want = [st["exp_avg"] for st in sd["state"].values()]
     assert len(seen) == 1 and all(torch.equal(a, b) for a, b in zip(seen[0], want))
     assert all(st["exp_avg"] is t for st, t in zip(opt.state.values(), live))  # (still the same objects)
+
+
+def _device_cases():
+    for name, cls, kwargs, _directions, shapes in CASES:
+        if name not in _GENERAL and not kwargs.get("capturable"):
+            yield pytest.param(name, cls, kwargs, shapes, id=name)
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+@pytest.mark.parametrize("name, cls, kwargs, shapes", list(_device_cases()))
+def test_a_host_checkpoint_onto_a_device_loads_uniformly_as_the_general_path_loads_it(
+    monkeypatch, taken, sim, name, cls, kwargs, shapes, into
+):
+    """The common resume (issue 27): a checkpoint on the host (what ``optimshift.load`` maps to) into an optimizer
+    whose params are on an accelerator. Its entries are copied to the device with the others, in one engine batch,
+    by the uniform path (it used to leave every such load to the general path)."""
+    _, source = _trained(cls, kwargs, shapes, steps=K + 1)
+    sd = source.state_dict()
+
+    def make():
+        if into == "fresh":
+            model = Model(shapes)
+            model.to(sim)
+            return model, cls([h.weight for h in model.parts], **kwargs)
+        return _trained(cls, kwargs, shapes, device=sim)
+
+    _both(make, sd, monkeypatch)
+    assert taken[0] is True
+
+
+def test_a_host_checkpoint_onto_meta_loads_uniformly(taken):
+    """The speed goal's case: 16k params on ``meta`` in the benchmark; the path taken is what this shows."""
+    _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,)], steps=K + 1)
+    params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(4, 3), (3,)]]
+    opt = O.Adam(params, foreach=False)
+    optimshift.load_state_dict(opt, source.state_dict())
+    assert taken == [True]
+    assert [{k: v.device.type for k, v in opt.state[p].items()} for p in params] == [
+        {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
+    ] * 2

@@ -14,14 +14,14 @@ plan's target function), same copies: a clone each, a live tensor that fits taki
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from itertools import chain
+from collections.abc import Callable, Mapping, Sequence
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
 
-from .. import _alias
+from .. import _alias, engine
 from .._dtypes import Rejection
 from .._errors import add_note
 from .._probe import StateSpec
@@ -75,9 +75,10 @@ class _Kind:
     first param holds it. ``order``: its keys in their order (every row of the kind holds them in it: each entry
     is checked against its own key's); ``refs``/``sizes``/``strides``: per entry, the tensor every other row's
     entry must match (its sizes and strides given apart: the shaped entries have the param's, the scalars none);
-    ``devices``: where each entry goes."""
+    ``devices``: where each entry goes; ``moves``: whether that is another device than the one it is on (a host
+    checkpoint onto an accelerator: the entry is copied there with the others, in one engine batch)."""
 
-    __slots__ = ("order", "keys", "refs", "sizes", "strides", "devices")
+    __slots__ = ("order", "keys", "refs", "sizes", "strides", "devices", "moves")
 
     def __init__(
         self,
@@ -87,9 +88,10 @@ class _Kind:
         sizes: list[list[int]],
         strides: list[list[int]],
         devices: list[torch.device],
+        moves: list[bool],
     ) -> None:
         self.order, self.keys = order, keys
-        self.refs, self.sizes, self.strides, self.devices = refs, sizes, strides, devices
+        self.refs, self.sizes, self.strides, self.devices, self.moves = refs, sizes, strides, devices, moves
 
 
 def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -177,35 +179,65 @@ def build_uniform(
             new_state[p] = dict(saved)
         return new_state
     installed = _in_place(st, guard, got, olds, devices) if lives and olds else None
-    cloned = st.cloned
-    done: list[torch.Tensor] = []
-    append = done.append
-    try:
-        if installed is None:  # (no live tensor taking the values: a fresh optimizer, the common resume)
-            for t in got:
-                append(t.clone())  # (keeps the strides, and is the cheapest copy)
-            cloned.extend(done)
-        elif installed is olds:  # (every live tensor taking the values)
-            done = olds
-        else:
-            for t, old in zip(got, installed):
-                if old is None:
-                    t = t.clone()
-                    cloned.append(t)
-                    append(t)
-                else:
-                    append(old)
-    except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
-        add_note(
-            e,
-            f"{st.name}: load_state_dict: while copying {_site_at(st, rows, len(done))} to "
-            f"{devices[len(done)]}; the optimizer is unchanged",
-        )
-        raise
+    done = _copies(st, got, devices, entries("moves"), installed, olds, lambda n: _site_at(st, rows, n))
     it = iter(done)
     for p, saved, _, _ in rows:
         new_state[p] = dict(zip(saved, it))  # (zip stops at the last key: exactly this param's entries)
     return new_state
+
+
+def _copies(
+    st: Staging,
+    got: list[torch.Tensor],
+    devices: list[torch.device],
+    moves: list[bool],
+    installed: list[torch.Tensor | None] | None,
+    olds: list[Any],
+    where: Callable[[int], str],
+) -> list[torch.Tensor]:
+    """Each entry's new tensor: the live one where it takes the values in place (``installed``), else a copy on
+    its device: a clone where it stays, the engine's copy (one batch for all, as every other copy) where it
+    moves. An error (an OOM on the 900th tensor) says which entry (``where(n)``); nothing was installed yet."""
+    if installed is olds:  # (every live tensor taking the values)
+        return olds
+    cloned = st.cloned
+    done: list[torch.Tensor] = []
+    append = done.append
+    moving: list[int] = []
+    try:
+        if installed is None and not any(moves):  # (a fresh optimizer, the checkpoint where it belongs)
+            for t in got:
+                append(t.clone())  # (keeps the strides, and is the cheapest copy)
+            cloned.extend(done)
+            return done
+        for i, (t, old, move) in enumerate(zip(got, installed or repeat(None), moves)):
+            if old is not None:
+                append(old)
+            elif move:
+                moving.append(i)
+                append(t)  # (a placeholder: its copy below)
+            else:
+                t = t.clone()
+                cloned.append(t)
+                append(t)
+    except Exception as e:
+        add_note(
+            e,
+            f"{st.name}: load_state_dict: while copying {where(len(done))} to {devices[len(done)]}; the optimizer "
+            f"is unchanged",
+        )
+        raise
+    if moving:
+        batch = engine.copy_items(
+            [(got[i], devices[i]) for i in moving],
+            describe=lambda n: f"{st.name}: load_state_dict: {where(moving[n])} (the optimizer is unchanged)",
+            together=(),  # (no two entries share a storage: build_uniform checked)
+        )
+        for i, new in zip(moving, batch.copies):
+            assert new is not None  # (copy_items returns once every copy is made)
+            done[i] = new
+            cloned.append(new)
+    return done
 
 
 def _kind(
@@ -225,7 +257,7 @@ def _kind(
         return None
     pshape = list(p.shape)
     contiguous = _contiguous_strides(pshape)
-    kind = _Kind(tuple(saved), frozenset(saved), [], [], [], [])
+    kind = _Kind(tuple(saved), frozenset(saved), [], [], [], [], [])
     dtypes: list[tuple[Any, torch.dtype]] = []
     for key, value in saved.items():
         if type(value) is not torch.Tensor or value.requires_grad or value.layout != torch.strided:
@@ -245,10 +277,11 @@ def _kind(
             kind.sizes.append(pshape)
             kind.strides.append(contiguous)
         device = target((gi, pi, (("key", key),)), p, group, key, value)[0]
-        if value.device != device:
-            return None
+        if value.is_meta and device.type != "meta":
+            return None  # (no values to copy: the general path says so)
         kind.refs.append(value)
         kind.devices.append(device)
+        kind.moves.append(value.device != device)
         dtypes.append((key, value.dtype))
     if st.rejected(group, p, gi, tuple(dtypes)):
         return None

@@ -263,22 +263,23 @@ class Streamed:
         adoptions = [(e.obj, cast(torch.Tensor, e.host)) for c in chunks for e in c.entries]
         adoptions += [(t, cast(torch.Tensor, new)) for (_, _, t), new in zip(host_moves, moved)]
         replaced, apply = engine.adopt_all(adoptions)
-        apply()
-        instead = {id(old): new for old, new in replaced}
-        for st, key, t in host_moves:
-            if id(t) in instead:
-                st[key] = instead[id(t)]
-        for c in chunks:
-            for e in c.entries:
-                new = instead.get(id(e.obj))
-                if new is not None:  # no mechanism keeps this object: its host view takes its place
-                    e.state[e.key] = e.obj = new
-            for e, host in zip(c.entries, layout.views(c.buffer, c.entries)):
-                e.host = host  # (after a swap, the view made for the fill holds the old contents)
-            self._chunks[id(c)] = c
-            for p in c.params:
-                self._chunk_of[id(p)] = c
-                self._examined.discard(id(p))
+        with engine.uninterrupted():  # (the commit runs to its end)
+            apply()
+            instead = {id(old): new for old, new in replaced}
+            for st, key, t in host_moves:
+                if id(t) in instead:
+                    st[key] = instead[id(t)]
+            for c in chunks:
+                for e in c.entries:
+                    new = instead.get(id(e.obj))
+                    if new is not None:  # no mechanism keeps this object: its host view takes its place
+                        e.state[e.key] = e.obj = new
+                for e, host in zip(c.entries, layout.views(c.buffer, c.entries)):
+                    e.host = host  # (after a swap, the view made for the fill holds the old contents)
+                self._chunks[id(c)] = c
+                for p in c.params:
+                    self._chunk_of[id(p)] = c
+                    self._examined.discard(id(p))
 
     def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[torch.device, Side]:
         """Copy each source into its host view: host sources at once, device sources on their device's lane

@@ -120,6 +120,7 @@ def _transfer(
     grads: bool = False,
     eager: bool = False,
     sides: bool = False,
+    rewrite: Callable[[], None] | None = None,
 ) -> tuple[engine.Copies, PendingTransfer, _plans.Cached | None]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
@@ -127,13 +128,14 @@ def _transfer(
     reused while still valid (:mod:`optimshift._plans`); ``target`` is then not called at all. ``grads``: the
     params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
     :func:`optimshift._plans.plan_for`). ``sides``: remember where group tensors taken to the host came from
-    (a move: see :func:`_remember_sides`)."""
+    (a move: see :func:`_remember_sides`). ``rewrite``: the structural change the commit makes with the
+    adoptions (see :func:`optimshift.engine.commit`)."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     copies = engine.run(plan, options, extra=extra)
     group_moves = _group_moves(plan) if sides else ()
-    hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows)
+    hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite)
     _remember_sides(optimizer, group_moves)
     if cached is not None and cached.kept:  # (a marker keeps nothing per tensor)
         cached.hows = hows
@@ -580,16 +582,18 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
         firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params
         return by_policy.at(None, group, key, tensor, firsts[0].device if firsts else tensor.device)
 
-    copies = engine.run(build_plan(optimizer, target))  # (the collector is paused by _one_at_a_time)
-    # Everything is copied: now swap params and re-key state, then the tensors.
-    states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
-    for (gi, pi, _), q in zip(old, new):
-        optimizer.param_groups[gi]["params"][pi] = q
-    for (_, _, p), q in zip(old, new):
-        if id(p) in states and p is not q:
-            del optimizer.state[p]
-    for (_, _, p), q in zip(old, new):
-        if id(p) in states:
-            optimizer.state[q] = states[id(p)]
-    engine.commit(optimizer, copies)
+    def rewrite() -> None:
+        """The new params in the groups, their state re-keyed (dict and list operations: they cannot fail)."""
+        states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
+        for (gi, pi, _), q in zip(old, new):
+            optimizer.param_groups[gi]["params"][pi] = q
+        for (_, _, p), q in zip(old, new):
+            if id(p) in states and p is not q:
+                del optimizer.state[p]
+        for (_, _, p), q in zip(old, new):
+            if id(p) in states:
+                optimizer.state[q] = states[id(p)]
+
+    # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
+    _transfer(optimizer, target, what="rebind", rewrite=rewrite)
     return optimizer

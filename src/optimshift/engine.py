@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -32,7 +34,17 @@ from ._state import Setter, rebuild
 from .plan import Plan
 from .pool import host_pool
 
-__all__ = ["Copies", "run", "copy_items", "commit", "adopt_all", "adoptions", "no_gc"]
+__all__ = [
+    "Copies",
+    "run",
+    "copy_items",
+    "commit",
+    "adopt_all",
+    "adoptions",
+    "no_gc",
+    "uninterrupted",
+    "write_in_place",
+]
 
 
 @dataclass
@@ -295,23 +307,73 @@ def adoptions(
     return replaced, apply, hows
 
 
-def commit(optimizer: Any, copies: Copies, hint: list[Mechanism] | None = None) -> list[Mechanism]:
+def commit(
+    optimizer: Any,
+    copies: Copies,
+    hint: list[Mechanism] | None = None,
+    *,
+    rewrite: Callable[[], None] | None = None,
+) -> list[Mechanism]:
     """Install the copies in ``optimizer``: each tensor adopts its copy's contents and stays the same object;
     where that is impossible, the copy takes its place in the state, param groups and containers.
     Everything is decided and prepared first, then applied; ``copies.mechanisms`` counts how many tensors went
-    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adopt_all`)."""
-    replaced, apply, hows = adoptions(copies.pairs, protect=outside_owned(optimizer), hint=hint, distinct=True)
+    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adopt_all`). ``rewrite``: a change
+    of the optimizer's own structure that is part of the operation (a rebind's new params), made once every
+    decision is, right before they are applied; it must not fail."""
+    protect = outside_owned(optimizer)
+    replaced, apply, hows = adoptions(copies.pairs, protect=protect, hint=hint, distinct=True)
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
     if replaced:
         _prepare_replacements(optimizer, {id(old): new for old, new in replaced}, assignments, setters)
-    counts = apply()
-    for mapping, key, value in assignments:
-        mapping[key] = value
-    for apply_one in setters:
-        apply_one()
+    with uninterrupted():
+        if rewrite is not None:
+            rewrite()
+        counts = apply()
+        for mapping, key, value in assignments:
+            mapping[key] = value
+        for apply_one in setters:
+            apply_one()
     copies.mechanisms = counts
     return hows
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A commit runs to its end: a SIGINT (Ctrl-C, ``KeyboardInterrupt``) that arrives while it applies is handed
+    to its handler once it is done, so an interrupt never leaves part of the state installed. Only in the main
+    thread (the one Python delivers signals to) and for a Python-level handler (torch's default included)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # (ignored, or the OS default: nothing Python would raise)
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(*caught[0])
+
+
+def write_in_place(pairs_by_device: Mapping[torch.device, Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Each live tensor takes its source's values (``old.copy_(new)``), one foreach copy per device, as part of a
+    commit (uninterrupted). The caller chose pairs of one dtype, shape and strides, each ``old`` on its device:
+    a per-tensor copy allocates nothing and cannot fail. The foreach copy may refuse or allocate where per-tensor
+    copies do not (a dtype a device's foreach kernel lacks, such as uint32 on CUDA; a conjugate or negative view,
+    which torch resolves into a temporary first): then every pair of that device is copied one by one (writing
+    the same values again)."""
+    with uninterrupted(), torch.no_grad():
+        for pairs in pairs_by_device.values():
+            try:
+                torch._foreach_copy_([old for old, _ in pairs], [new for _, new in pairs])
+            except Exception:
+                for old, new in pairs:
+                    old.copy_(new)
 
 
 def outside_owned(optimizer: Any) -> set[int]:

@@ -937,3 +937,46 @@ def test_a_step_wrapped_with_functools_wraps_is_its_own_for_the_load_as_for_the_
     assert state["exp_avg"].dtype == torch.int8 and torch.equal(state["exp_avg"], src.state[params[0]]["exp_avg"])
     dst.param_groups[0]["params"][0].grad = torch.ones(3)
     dst.step()
+
+
+def test_an_interrupt_during_the_in_place_copies_waits_for_the_load_to_finish(monkeypatch):
+    """Ctrl-C while live tensors take the loaded values one by one (the per-tensor fallback after the foreach copy
+    refused) used to leave some of them written and the rest old; now the commit runs to its end, then the
+    interrupt is raised."""
+    import os
+    import signal
+
+    def trained(seed):
+        torch.manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(3)) for _ in range(6)]
+        opt = torch.optim.Adam(params, foreach=False)
+        for p in params:
+            p.grad = torch.randn(3)
+        opt.step()
+        return params, opt
+
+    _, source = trained(0)
+    params, live = trained(1)
+    before = {id(t) for st in live.state.values() for t in st.values()}
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no foreach kernel for this dtype")
+
+    real_copy = torch.Tensor.copy_
+    calls = []
+
+    def copy_then_interrupt(self, src, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode boundary: inside the loop
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", refuse)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.load_state_dict(live, source.state_dict())
+    monkeypatch.undo()
+    assert len(calls) == 18  # every pair was written
+    assert {id(t) for st in live.state.values() for t in st.values()} == before  # in place: the same objects
+    for p, q in zip(source.param_groups[0]["params"], params):
+        assert all(torch.equal(live.state[q][k], source.state[p][k]) for k in ("step", "exp_avg", "exp_avg_sq"))

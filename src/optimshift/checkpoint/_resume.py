@@ -267,26 +267,31 @@ def _install(
     )
     try:
         optimizer.__setstate__({"state": state, "param_groups": groups})
-    except Exception as e:
+    except BaseException as e:  # (an interrupt too: the optimizer is put back, and the interrupt goes on)
         optimizer.__dict__.clear()
         optimizer.__dict__.update(before)
+        if not isinstance(e, Exception):
+            raise
         raise ValueError(
             f"{name}: load_state_dict: {type(optimizer).__name__}.__setstate__ rejected the loaded state "
             f"({type(e).__name__}: {e}); the optimizer is unchanged"
         ) from e
     # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when the
-    # __setstate__ above might have failed. A copy between two tensors of one device, dtype, shape and strides
-    # allocates nothing and cannot fail, as an adoption cannot. One foreach copy per device is the fast way, but
-    # it may refuse or allocate where per-tensor copies do not (a dtype a device's foreach kernel lacks, such as
-    # uint32 on CUDA; a conjugate or negative view, which torch resolves into a temporary first): on any error
-    # every pair of that device is copied one by one (writing the same values again).
-    with torch.no_grad():
-        for pairs in in_place.values():
-            try:
-                torch._foreach_copy_([old for old, _ in pairs], [saved for _, saved in pairs])
-            except Exception:
-                for old, saved in pairs:
-                    old.copy_(saved)
+    # __setstate__ above might have failed. From here on the load is committed: what follows cannot fail, and an
+    # interrupt waits for its end (engine.uninterrupted).
+    with engine.uninterrupted():
+        engine.write_in_place(in_place)
+        _adopt_copies(optimizer, live, made, shared)
+
+
+def _adopt_copies(
+    optimizer: torch.optim.Optimizer,
+    live: list[tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]]],
+    made: AbstractSet[int],
+    shared: AbstractSet[int],
+) -> None:
+    """Every tensor the optimizer held at a place the load fills with a copy made here adopts the copy's contents
+    (see :func:`_install`)."""
     places: list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
     append, plain = places.append, torch.Tensor
     for _, old_tensors, fresh in live:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ._dtensor import tensor_bytes
 from ._streams import pins_host_for
 from .pool import host_pool
 
@@ -22,7 +23,6 @@ __all__ = [
     "Item",
     "Entry",
     "Chunk",
-    "tensor_bytes",
     "views",
     "partition",
     "new_chunk",
@@ -43,10 +43,6 @@ Item = tuple[Group, torch.Tensor, ParamState, list[tuple[Any, torch.Tensor]]]
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class Entry:

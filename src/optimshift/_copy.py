@@ -17,7 +17,7 @@ the engine (:mod:`optimshift.engine`) decides what to copy and commits the copie
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,7 +27,7 @@ from . import _alias
 from ._devices import _fake_mode_active
 from ._dtensor import copy_dtensor, is_dtensor, local_tensor, wrap_local
 from ._errors import add_note
-from ._streams import Streams, host_pinning, pins_host_for
+from ._streams import Streams, host_pinning, pins_host_for, synchronize
 from .pool import HostPool
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
     "Side",
     "copy_many",
     "copy_tensor",
-    "synchronize",
     "CHUNK_BYTES",
     "SOLO_BYTES",
 ]
@@ -176,22 +175,6 @@ def _dense_non_overlapping(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def synchronize(devices: Iterable[torch.device]) -> None:
-    """Wait for the copies queued on each accelerator (one call per device, not per tensor)."""
-    for device in {d for d in devices if d.type not in ("cpu", "meta")}:  # one wait per device
-        try:
-            module = torch.get_device_module(device.type)
-        except Exception:
-            module = getattr(torch, device.type, None)
-        sync = getattr(module, "synchronize", None)
-        available = getattr(module, "is_available", lambda: True)
-        if sync is not None and available():  # not available: fake tensors that only claim the device
-            try:
-                sync(device)
-            except TypeError:
-                sync()
 
 
 @dataclass

@@ -18,7 +18,7 @@ from ._streams import pins_host_for
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["is_dtensor", "copy_dtensor", "local_tensor", "wrap_local", "row_fields"]
+__all__ = ["is_dtensor", "copy_dtensor", "local_tensor", "wrap_local", "row_fields", "tensor_bytes"]
 
 
 def is_dtensor(t: Any) -> TypeGuard[DTensor]:
@@ -31,6 +31,16 @@ def is_dtensor(t: Any) -> TypeGuard[DTensor]:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (``t`` itself for a plain tensor)."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` occupies on this process; for a DTensor, those of the local shard (global numel would count
+    every rank's memory as this rank's); 0 for a layout without a numel (sparse and other exotic ones)."""
+    t = local_tensor(t)
+    try:
+        return t.numel() * t.element_size()
+    except Exception:
+        return 0
 
 
 class _Issuer(Protocol):

@@ -50,9 +50,10 @@ from . import _alias, _mode, _streams, engine
 from . import _chunks as layout
 from . import policy as _policy
 from ._adopt import Mechanism, adopt, decide_all
-from ._chunks import Chunk, Group, Item, ParamState, tensor_bytes
+from ._chunks import Chunk, Group, Item, ParamState
 from ._copy import Side
 from ._devices import DeviceLike, resolve
+from ._dtensor import tensor_bytes
 from ._offload import compact_state_dict, record_of, settle
 from ._state import _ATOMS, leaves
 from .api import move

@@ -32,12 +32,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["Streams", "of", "known", "register_backend", "pins_host_for", "host_pinning", "empty_cache"]
+__all__ = ["Streams", "of", "known", "register_backend", "pins_host_for", "host_pinning", "empty_cache", "synchronize"]
 
 
 class Streams:
@@ -255,6 +255,28 @@ def known(device: torch.device) -> bool | None:
     (asking probes the backend, which creates a stream: something only a transfer that needs one should do)."""
     streams = _chosen.get(device.type, False)
     return None if streams is False else streams is not None
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Block the host until the work queued on each accelerator among ``devices`` has run, one wait per device:
+    through its :class:`Streams` where :func:`of` found them, else through its type's torch module (one that is
+    not available: fake tensors that only claim the device, nothing to wait for)."""
+    for device in {d for d in devices if d.type not in ("cpu", "meta")}:
+        streams = _chosen.get(device.type)
+        if streams is not None:
+            streams.synchronize(device)
+            continue
+        try:
+            module = torch.get_device_module(device.type)
+        except Exception:
+            module = getattr(torch, device.type, None)
+        sync = getattr(module, "synchronize", None)
+        available = getattr(module, "is_available", lambda: True)
+        if sync is not None and available():
+            try:
+                sync(device)
+            except TypeError:
+                sync()
 
 
 # -- pinned host memory -------------------------------------------------------------------------------------

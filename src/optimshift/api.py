@@ -17,7 +17,7 @@ from . import policy as _policy
 from ._adopt import keeps_object_across_host
 from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
-from ._dtensor import row_fields
+from ._dtensor import row_fields, tensor_bytes
 from ._dtypes import dtype_findings
 from ._offload import (
     PendingTransfer,
@@ -41,7 +41,7 @@ from .plan import (
     optimizer_name,
     policy_target,
 )
-from .report import Finding, PlacementRow, Report, sync_cost, tensor_bytes
+from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded", "wait"]
 

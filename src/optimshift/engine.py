@@ -28,9 +28,10 @@ import torch
 
 from . import _alias, _streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
-from ._copy import BLOCKING, Batch, Options, Side, copy_many, synchronize
+from ._copy import BLOCKING, Batch, Options, Side, copy_many
 from ._devices import _fake_mode_active
 from ._state import Setter, rebuild
+from ._streams import synchronize
 from .plan import Plan
 from .pool import host_pool
 

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from ._dtensor import local_tensor
-
 __all__ = ["Finding", "Report", "PlacementRow", "format_table", "SYNC_COST", "sync_cost"]
 
 # Host syncs per param per step caused by one 0-dim state tensor that this torch reads on the host being kept
@@ -130,13 +126,3 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines.extend("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
     return "\n".join(lines)
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes ``t`` occupies on this process; for a DTensor, those of the local shard (global numel would
-    count every rank's memory as this rank's)."""
-    t = local_tensor(t)
-    try:
-        return t.numel() * t.element_size()
-    except Exception:  # sparse or exotic layouts
-        return 0

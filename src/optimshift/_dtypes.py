@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._probe import Rejection, entry_dtypes, rejected_dtypes
-from ._state import leaves
+from ._state import group_tensors, leaves
 
 if TYPE_CHECKING:
     from .report import Finding
@@ -44,13 +44,7 @@ def dtype_findings(optimizer: Any) -> list[Finding]:
     name = type(optimizer).__name__
     findings: list[Finding] = []
     for gi, group in enumerate(optimizer.param_groups):
-        own = {
-            id(t)
-            for k, v in group.items()
-            if k not in ("params", "param_names")
-            for t in (v if isinstance(v, (list, tuple)) else (v,))
-            if isinstance(t, torch.Tensor)
-        }
+        own = {id(t) for _, t in group_tensors(group)}
         names = group.get("param_names")
         memo: dict[tuple[torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
         for pi, p in enumerate(group["params"]):

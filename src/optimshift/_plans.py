@@ -35,8 +35,8 @@ from . import _session, _streams
 from . import policy as _policy
 from ._adopt import Mechanism
 from ._devices import _fake_mode_active
-from ._state import IMPLEMENTATION_FLAGS, leaves
-from .plan import _GROUP_SKIP, Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
+from ._state import GROUP_SKIP, IMPLEMENTATION_FLAGS, group_tensors, leaves
+from .plan import Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
 
 __all__ = ["Cached", "plan_for"]
 
@@ -101,15 +101,7 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _hyper_tensors(group: dict[str, Any]) -> tuple[Any, ...]:
-    out: list[Any] = []
-    for key, value in group.items():
-        if key in _GROUP_SKIP:
-            continue
-        if isinstance(value, torch.Tensor):
-            out.append((key, None, value.device, value.dtype))
-        elif isinstance(value, (list, tuple)):
-            out.extend((key, i, v.device, v.dtype) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
-    return tuple(out)
+    return tuple((path, t.device, t.dtype) for path, t in group_tensors(group))
 
 
 def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
@@ -145,7 +137,7 @@ def _current(optimizer: Any, cached: Cached) -> list[tuple[torch.Tensor, torch.T
     i = 0
     for _, pi, param, _, entries, _ in iter_holders(optimizer):
         for key, value in entries.items():
-            if pi is None and key in _GROUP_SKIP:
+            if pi is None and key in GROUP_SKIP:
                 continue
             if isinstance(value, torch.Tensor):
                 if i >= n or ids[i] != id(value) or keys[i] != key or _meta(value) != metas[i]:

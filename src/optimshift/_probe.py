@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._state import IMPLEMENTATION_FLAGS, Setter, holds_tensor, leaves, rebuild
+from ._state import GROUP_SKIP, IMPLEMENTATION_FLAGS, Setter, group_tensors, holds_tensor, leaves, rebuild
 
 __all__ = [
     "Observed",
@@ -77,7 +77,6 @@ HOST_READ, NEEDS_DEVICE = "host", "device"  # verdicts on a group tensor; absent
 _FAKE_DEVICE = torch.device("cuda", 0)
 CACHE_SIZE = 1024
 _KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
-_SKIP = ("params", "param_names")
 
 GroupPath = tuple[Any, int | None]
 """A tensor a group holds: ``(key, None)`` for ``group[key]``, ``(key, i)`` for ``group[key][i]``."""
@@ -155,7 +154,7 @@ def probe_key(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: 
     """What can change what a throwaway step of ``cls`` with ``group``'s hyperparameters over a param of rank
     ``ndim`` observes (see the module docstring): the class, every group entry but the params by kind, the known
     implementation flags also as booleans (``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
-    items = tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in _SKIP))
+    items = tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in GROUP_SKIP))
     flags = tuple(bool(group.get(flag)) for flag in _KNOWN_FLAGS)
     return (cls, items, flags, min(ndim, 2))
 
@@ -222,7 +221,7 @@ def built_kwargs(
     accepted = signature_defaults(cls)
     out: dict[str, Any] = {}
     for key, value in group.items():
-        if key in _SKIP or key in skip or key not in accepted:
+        if key in GROUP_SKIP or key in skip or key not in accepted:
             continue
         built = _built_with(value, accepted[key])
         if built is not _DROP:
@@ -276,14 +275,13 @@ def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
     """The one-element tensors a group holds as hyperparameters: ``(key, None)`` for ``group[key]`` itself,
     ``(key, i)`` for ``group[key][i]`` (tensor ``betas``)."""
     paths: list[GroupPath] = []
-    for key, value in group.items():
-        if key in _SKIP:
+    for path, t in group_tensors(group):
+        if t.numel() != 1:
             continue
-        if isinstance(value, torch.Tensor):
-            if value.numel() == 1:
-                paths.append((key, None))
-        elif isinstance(value, (list, tuple)):
-            paths.extend((key, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor) and v.numel() == 1)
+        if len(path) == 1:
+            paths.append((path[0][1], None))
+        elif len(path) == 2 and path[1][0] == "index":
+            paths.append((path[0][1], path[1][1]))
     return paths
 
 

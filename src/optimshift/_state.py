@@ -259,6 +259,19 @@ def _attr_setter(obj: Any, name: str, new: Any) -> Setter:
 
 # --- what every module asks of an optimizer ------------------------------------------------------------------
 
+GROUP_SKIP = ("params", "param_names")
+"""A param group's entries that are not hyperparameters: its params and their names."""
+
+
+def group_tensors(group: Mapping[str, Any]) -> Iterator[tuple[Path, torch.Tensor]]:
+    """Every tensor a param group holds among its hyperparameters (a tensor ``lr``, tensor ``betas``, anything
+    deeper), with its path in the group (``(("key", "betas"), ("index", 1))``): the one walk of a group's own
+    tensors."""
+    for key, value in group.items():
+        if key not in GROUP_SKIP:
+            yield from leaves(value, (("key", key),))
+
+
 IMPLEMENTATION_FLAGS = ("fused", "capturable", "foreach", "differentiable")
 """Group entries that choose *how* a step is computed, not *what* it computes (and where scalars live)."""
 

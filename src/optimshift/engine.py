@@ -30,7 +30,7 @@ from . import _alias, _streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
 from ._copy import BLOCKING, Batch, Options, Side, copy_many
 from ._devices import _fake_mode_active
-from ._state import Setter, rebuild
+from ._state import GROUP_SKIP, Setter, rebuild
 from ._streams import synchronize
 from .plan import Plan
 from .pool import host_pool
@@ -398,7 +398,7 @@ def _prepare_replacements(
             if new is not state:
                 assignments.append((optimizer.state, key, new))
     for group in optimizer.param_groups:
-        _prepare_mapping(group, ("params", "param_names"), replace, assignments, setters, memo)
+        _prepare_mapping(group, GROUP_SKIP, replace, assignments, setters, memo)
 
 
 def _prepare_mapping(

@@ -15,7 +15,7 @@ import torch
 
 from . import _session
 from . import policy as _policy
-from ._state import Path, format_path, leaves, param_label
+from ._state import GROUP_SKIP, Path, format_path, leaves, param_label
 
 __all__ = [
     "Site",
@@ -221,9 +221,6 @@ def _refuse_listed_twice(name: str, param_groups: list[dict[str, Any]]) -> None:
             located[id(p)] = (gi, pi)
 
 
-_GROUP_SKIP = ("params", "param_names")
-
-
 # target(ident, param, group, key, tensor) -> (device, source); ident = (group index, param index, path).
 TargetFn = Callable[[Ident, torch.Tensor | None, Mapping[str, Any], str, torch.Tensor], tuple[torch.device, str]]
 
@@ -265,7 +262,7 @@ def build_plan(
         else:
             holder, entry = None, None
         for key, value in entries.items():
-            if pi is None and key in _GROUP_SKIP:  # (a group's params, or an optimizer-wide entry so named)
+            if pi is None and key in GROUP_SKIP:  # (a group's params, or an optimizer-wide entry so named)
                 continue
             if type(value) is tensor_type or isinstance(value, tensor_type):
                 # (the common case, a tensor right under its key, inlined: this runs once per tensor)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._probe import StateSpec, signature_defaults, step_needs
-from .._state import IMPLEMENTATION_FLAGS
+from .._state import GROUP_SKIP, IMPLEMENTATION_FLAGS
 
 __all__ = ["check_group", "check_entries", "keys_shown", "NOT_REAL"]
 
@@ -41,7 +41,7 @@ def check_group(
             f"optimizer.param_groups[{gi}][{key!r}]; the optimizer is unchanged"
         )
     for key, default in _hyper_defaults(base).items():
-        if key in group and key not in ("params", "param_names"):
+        if key in group and key not in GROUP_SKIP:
             problem = _hyper_problem(key, default, group[key])
             if problem is not None:
                 raise fail(f"param group {gi}, key {key!r}: {problem}", TypeError)

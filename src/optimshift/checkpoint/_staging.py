@@ -33,14 +33,14 @@ from .._state import (
     Path,
     Setter,
     format_path,
+    group_tensors,
     leaves,
     param_label,
     param_name,
     rebuild,
-    tensors,
     too_deep,
 )
-from ..plan import _GROUP_SKIP, OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
+from ..plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from . import _files
 from ._checks import check_entries, check_group, keys_shown
 from ._uniform import build_uniform, fits_in_place
@@ -333,9 +333,7 @@ class Staging:
         overwritten, by another place's copy)."""
         protect = engine.outside_owned(self.opt)
         for group in self.opt.param_groups:
-            for key, value in group.items():
-                if key not in _GROUP_SKIP and not isinstance(value, _ATOMS):
-                    protect.update(map(id, tensors(value)))
+            protect.update(id(t) for _, t in group_tensors(group))
         protect.update(map(id, sources))
         return protect
 

@@ -25,7 +25,7 @@ from .. import _alias, engine
 from .._dtypes import Rejection
 from .._errors import add_note
 from .._probe import StateSpec
-from .._state import _ATOMS, holds_tensor
+from .._state import group_tensors
 from ..plan import policy_target
 from ..policy import Placer, has_registered_policy
 from ._checks import NOT_REAL
@@ -102,12 +102,7 @@ def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
         return False
     # A group's own tensors (a tensor lr, one inside a container) are placed, copied and shared by the general
     # path's rules.
-    return not any(
-        isinstance(v, torch.Tensor) or not isinstance(v, _ATOMS) and holds_tensor(v)
-        for g in new_groups
-        for k, v in g.items()
-        if k not in ("params", "param_names")
-    )
+    return all(next(group_tensors(g), None) is None for g in new_groups)
 
 
 def build_uniform(

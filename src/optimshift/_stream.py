@@ -49,7 +49,7 @@ import torch
 from . import _alias, _mode, _streams, engine
 from . import _chunks as layout
 from . import policy as _policy
-from ._adopt import Mechanism, adopt, decide_all
+from ._adopt import Mechanism, decide_all, lend
 from ._chunks import Chunk, Group, Item, ParamState
 from ._copy import Side
 from ._devices import DeviceLike, resolve
@@ -493,25 +493,20 @@ class Streamed:
         """Step one chunk with its state in ``window``, then queue its write-back."""
         entries = c.entries
         views = layout.views(window, entries)
-        hows = decide_all([(e.obj, v) for e, v in zip(entries, views)])
+        pairs = [(e.obj, v) for e, v in zip(entries, views)]
+        hows = decide_all(pairs)
+        back = lend(pairs, hows, [cast(torch.Tensor, e.host) for e in entries])  # (a laid-out entry has its view)
         for e, v, how in zip(entries, views, hows):
-            if how == "data":
-                e.obj.data = v
-            elif how == "swap":
-                adopt(e.obj, v, "swap")
-            else:  # only on a Python backend for a weakly referenced tensor: the view stands in for the step
+            if how == "replace":  # only on a Python backend for a weakly referenced tensor: the view stands in
                 e.state[e.key] = v
         changed = False
         try:
             out = self._compute(c.group, c.params, rest, kwargs)
             changed = self._changed(c, views, hows)
         finally:
+            back()
             for e, v, how in zip(entries, views, hows):
-                if how == "data":
-                    e.obj.data = cast(torch.Tensor, e.host)  # (a laid-out entry has its host view)
-                elif how == "swap":
-                    adopt(e.obj, v, "swap")
-                elif e.state.get(e.key) is v:
+                if how == "replace" and e.state.get(e.key) is v:
                     e.state[e.key] = e.obj
             _queue(side, [c.buffer[: c.nbytes]], [window[: c.nbytes]])  # the write-back, after the compute
         if changed:

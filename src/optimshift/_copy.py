@@ -27,7 +27,8 @@ from . import _alias
 from ._devices import _fake_mode_active
 from ._dtensor import copy_dtensor, is_dtensor, local_tensor, wrap_local
 from ._errors import add_note
-from ._streams import Streams, host_pinning, pins_host_for, synchronize
+from ._state import like_source
+from ._streams import Streams, in_pinned_memory, pins_copy, pins_host_for, synchronize
 from .pool import HostPool
 
 __all__ = [
@@ -105,17 +106,6 @@ def _issue(side: Side | None) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext() if side is None else side.issue()
 
 
-def _can_pin(source: torch.Tensor) -> bool:
-    """Pinned host memory only helps (and only exists) for copies from an accelerator that can pin it."""
-    return pins_host_for(source.device)
-
-
-def _is_pinned(t: torch.Tensor) -> bool:
-    """A copy from pinned host memory can be asynchronous (asking with no accelerator that pins would
-    initialize one, or raise)."""
-    return t.device.type == "cpu" and host_pinning() is not None and t.is_pinned()
-
-
 def copy_tensor(
     t: torch.Tensor,
     device: torch.device,
@@ -126,12 +116,12 @@ def copy_tensor(
     """A copy of ``t`` on ``device`` with the same dtype, shape, strides and values (a move is not a cast).
     ``side``: the copy is queued on that stream, a device output allocated on the current one (:class:`Side`)."""
     if side is None and type(t) is torch.Tensor and not pin_memory and not t.requires_grad:  # common, kept cheap
-        if non_blocking or (pins_host_for(device) and _is_pinned(t)):
+        if non_blocking or (pins_host_for(device) and in_pinned_memory(t)):
             return t.to(device, non_blocking=True)
         return t.to(device)  # (keyword arguments alone double the cost of a small .to())
     if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
         return copy_dtensor(t, device, non_blocking=non_blocking, pin_memory=pin_memory, side=side)
-    pin = pin_memory and device.type == "cpu" and _can_pin(t) and t.layout == torch.strided
+    pin = pins_copy(t, device, pin_memory)
     src = t.detach() if t.requires_grad or pin else t
     if pin or (side is not None and device.type not in _HOSTS):  # allocated here, filled on the copy's stream
         shape_like = _dense_non_overlapping(t)
@@ -146,14 +136,10 @@ def copy_tensor(
             new.copy_(src, non_blocking=True)  # completed by the caller's synchronize or event
     else:
         with _issue(side):
-            new = src.to(device, copy=True, non_blocking=non_blocking or _is_pinned(t))
+            new = src.to(device, copy=True, non_blocking=non_blocking or in_pinned_memory(t))
     if side is not None:
         side.uses(t, new)
-    if t.requires_grad:
-        new.requires_grad_(True)
-    if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
-        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-    return new
+    return like_source(t, new)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -291,7 +277,7 @@ def copy_many(
             if inline and t is original and type(t) is plain and not t.requires_grad:
                 # NOTE: copy_tensor's common case (a plain tensor, not a DTensor's shard, which copy_tensor wraps
                 # back), inlined: this runs once per tensor
-                fast = non_blocking or (kind[1] and _is_pinned(t))
+                fast = non_blocking or (kind[1] and in_pinned_memory(t))
                 copies[i] = t.to(target, non_blocking=True) if fast else t.to(target)
             else:
                 copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
@@ -461,7 +447,7 @@ def _to_device(
     if len(tensors) == 1:
         t = tensors[0]
         if side is None:
-            batch.copies[chunk[0]] = t.to(dst, non_blocking=non_blocking or (pinned and t.is_pinned()))
+            batch.copies[chunk[0]] = t.to(dst, non_blocking=non_blocking or (pinned and in_pinned_memory(t)))
         else:
             batch.copies[chunk[0]] = copy_tensor(t, dst, non_blocking, side=side)
         return

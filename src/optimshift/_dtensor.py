@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
-from ._streams import pins_host_for
+from ._state import like_source
+from ._streams import in_pinned_memory, pins_copy, pins_host_for
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -68,21 +69,15 @@ def copy_dtensor(
     """
     src = t.detach()
     local = src.to_local()  # type: ignore[attr-defined]  # torch types detach() as returning a Tensor
-    # Pinned host memory only helps (and only exists) for copies from an accelerator that pins it, as in
-    # _copy.copy_tensor.
-    pin = pin_memory and device.type == "cpu" and pins_host_for(local.device) and local.layout == torch.strided
-    # A copy from pinned host memory to the device can be asynchronous; the engine synchronizes once at the end.
-    from_pinned = local.device.type == "cpu" and pins_host_for(device) and local.is_pinned()
+    # (the same rules as every copy: _streams.pins_copy, in_pinned_memory; the engine synchronizes at the end)
+    pin = pins_copy(local, device, pin_memory)
+    from_pinned = pins_host_for(device) and in_pinned_memory(local)
     new = torch.empty_like(src, device=device, pin_memory=pin)  # preserve_format: the shard keeps its strides
     with contextlib.nullcontext() if side is None else side.issue():  # (allocated on the current stream)
         new.copy_(src, non_blocking=non_blocking or pin or from_pinned)
     if side is not None:
         side.uses(src, new)
-    if t.requires_grad:
-        new.requires_grad_(True)
-    if isinstance(t, torch.nn.Parameter) and not isinstance(new, torch.nn.Parameter):
-        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-    return new
+    return like_source(t, new)
 
 
 def wrap_local(like: DTensor, local: torch.Tensor) -> torch.Tensor:

@@ -259,6 +259,16 @@ def _attr_setter(obj: Any, name: str, new: Any) -> Setter:
 
 # --- what every module asks of an optimizer ------------------------------------------------------------------
 
+
+def like_source(source: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+    """``copy`` (made detached) as its ``source`` is: requiring grad if it did, a ``Parameter`` if it was one."""
+    if source.requires_grad:
+        copy.requires_grad_(True)
+    if isinstance(source, torch.nn.Parameter) and not isinstance(copy, torch.nn.Parameter):
+        copy = torch.nn.Parameter(copy, requires_grad=source.requires_grad)
+    return copy
+
+
 GROUP_SKIP = ("params", "param_names")
 """A param group's entries that are not hyperparameters: its params and their names."""
 

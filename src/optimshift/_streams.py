@@ -37,7 +37,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["Streams", "of", "known", "register_backend", "pins_host_for", "host_pinning", "empty_cache", "synchronize"]
+__all__ = [
+    "Streams",
+    "of",
+    "known",
+    "register_backend",
+    "pins_host_for",
+    "host_pinning",
+    "pins_copy",
+    "in_pinned_memory",
+    "empty_cache",
+    "synchronize",
+]
 
 
 class Streams:
@@ -305,6 +316,18 @@ def host_pinning() -> str | None:
 def pins_host_for(device: torch.device) -> bool:
     """Whether host buffers for copies to and from ``device`` should be pinned (they can be, and it helps)."""
     return device.type == host_pinning()
+
+
+def pins_copy(source: torch.Tensor, target: torch.device, pin_memory: bool) -> bool:
+    """Whether a copy of ``source`` to ``target`` goes to pinned host memory: asked for (``pin_memory``), to the
+    host, from an accelerator host memory is pinned for (only there does it exist and help), strided."""
+    return pin_memory and target.type == "cpu" and pins_host_for(source.device) and source.layout == torch.strided
+
+
+def in_pinned_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` sits in pinned host memory, so that a copy from it may be queued (asked only where an
+    accelerator pins host memory: elsewhere asking would initialize one, or raise)."""
+    return t.device.type == "cpu" and host_pinning() is not None and t.is_pinned()
 
 
 def empty_cache() -> None:

@@ -182,3 +182,59 @@ def test_numpy_is_a_dependency():
     names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower() for d in dependencies}
     assert names == {"torch", "numpy"}, dependencies
     assert "NumPy" in (ROOT / "README.md").read_text().split("## The device rule", 1)[0]
+
+
+SRC = Path(optimshift.__file__).resolve().parents[1]  # this checkout's code, whatever folder a command runs in
+
+
+def _command(args: list[str], cwd: Path, *, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+
+
+def test_python_m_optimshift_resolves_globals_as_the_command_does(tmp_path):
+    """``python -m`` puts the current folder first on sys.path; the installed ``optimshift`` script does not. A
+    module in the current folder (a training script's) is imported by neither, so both say the same, and neither
+    runs that module's code."""
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir()
+    bin_dir.mkdir()
+    (work / "trainconfig.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('imported').touch()\nclass Config:\n    lr = 0.1\n"
+    )
+    # What pip writes for the [project.scripts] entry point.
+    (bin_dir / "optimshift").write_text(
+        "import sys\nfrom optimshift.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n"
+    )
+    saving = "import sys, torch; sys.path[:0] = ['.']; import trainconfig as t; torch.save({'c': t.Config()}, 'c.pt')"
+    assert _command(["-c", saving], work).returncode == 0
+    (work / "imported").unlink()
+    argv = ["convert", "c.pt", "out.pt", "--allow-global", "trainconfig.Config"]
+    script = _command([str(bin_dir / "optimshift"), *argv], work)
+    module = _command(["-m", "optimshift", *argv], work)
+    assert script.returncode == 1 and "cannot import trainconfig" in script.stderr, script.stderr
+    assert (module.returncode, module.stdout, module.stderr) == (script.returncode, script.stdout, script.stderr)
+    assert not (work / "imported").exists() and not (work / "out.pt").exists()
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """``optimshift inspect ckpt.pt | head``: once the reader is gone the command ends without a traceback."""
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    try:
+        out = _command(["-m", "optimshift", "inspect", str(path)], tmp_path, stdout=write)
+        assert out.stderr == "" and out.returncode == 141, (out.returncode, out.stderr)  # 141: as killed by SIGPIPE
+        out = _command(["-m", "optimshift", "inspect", str(path), "--json"], tmp_path, stdout=write)
+        assert out.stderr == "" and out.returncode == 141, (out.returncode, out.stderr)
+    finally:
+        os.close(write)

@@ -6,6 +6,7 @@ import io
 import json
 import sys
 
+import pytest
 import torch
 
 import optimshift
@@ -130,6 +131,7 @@ def test_inspect_folder_uses_describe_dcp(tmp_path, capsys, monkeypatch):
         "entries": [{"key": "optim.state.0.step", "shape": []}, {"key": "optim.state.0.exp_avg", "shape": [4, 3]}],
     }
     monkeypatch.setattr(dist, "describe_dcp", lambda p: info, raising=False)
+    (tmp_path / ".metadata").write_bytes(b"")  # what makes a folder a DCP checkpoint
     rc, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
     assert rc == 0 and json.loads(out) == info
     rc, out, _ = _run(capsys, "inspect", str(tmp_path))
@@ -138,6 +140,34 @@ def test_inspect_folder_uses_describe_dcp(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "optimshift.distributed", None)  # a build without it
     rc, _, err = _run(capsys, "inspect", str(tmp_path))
     assert rc == 1 and "is a directory" in err and "optimshift.distributed" in err
+
+
+READS = (
+    "pass a torch.save file, a Hugging Face Trainer checkpoint-N folder, an Accelerate save_state folder or a "
+    "torch.distributed.checkpoint folder (one with a .metadata file)"
+)
+
+
+def test_a_folder_of_no_known_kind_says_what_inspect_reads(tmp_path, capsys, monkeypatch):
+    """``optimshift inspect .`` and a plain folder: one line naming what can be passed (not a ValueError about
+    an empty name, nor only that it is no DCP folder)."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("hi")
+    monkeypatch.chdir(tmp_path)
+    for path in (".", "plain", str(tmp_path / "plain")):
+        rc, out, err = _run(capsys, "inspect", path)
+        assert rc == 1 and out == "" and len(err.splitlines()) == 1, err
+        assert err == f"optimshift inspect: error: {path} is a folder of none of the kinds inspect reads; {READS}\n"
+        rc, out, err = _run(capsys, "inspect", path, "--json")
+        assert rc == 1 and READS in json.loads(out)["error"]["message"]
+
+
+def test_describe_dcp_of_the_current_folder(tmp_path, monkeypatch):
+    from optimshift.distributed import describe_dcp
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^\. is not a torch\.distributed\.checkpoint checkpoint"):
+        describe_dcp(".")
 
 
 def test_convert_to_cpu(tmp_path, capsys):

@@ -709,9 +709,17 @@ def _warnings_only_on_success() -> Iterator[None]:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
+# What ``inspect`` reads, said once for every message that names it.
+_READS = (
+    "a torch.save file, a Hugging Face Trainer checkpoint-N folder, an Accelerate save_state folder or a "
+    "torch.distributed.checkpoint folder (one with a .metadata file)"
+)
+
+
 def _inspect_folder(path: str, *, as_json: bool) -> int:
     try:
         from optimshift.distributed import describe_dcp
+        from optimshift.distributed._checkpoint import is_dcp_folder
     except ImportError as e:
         return _fail(
             "inspect",
@@ -719,6 +727,13 @@ def _inspect_folder(path: str, *, as_json: bool) -> int:
             f"optimshift.distributed, which this installation does not have. Pass a file.",
             as_json=as_json,
             error=e,
+        )
+    if not is_dcp_folder(path):
+        return _fail(
+            "inspect",
+            f"{path} is a folder of none of the kinds inspect reads; pass {_READS}",
+            as_json=as_json,
+            error=IsADirectoryError(path),
         )
     try:
         info = describe_dcp(path)

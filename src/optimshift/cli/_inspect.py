@@ -241,11 +241,31 @@ def _resolve_class(recorded: str | None, guessed: list[str]) -> type[torch.optim
 # --- inspect -----------------------------------------------------------------------------------------------
 
 
-def _device(tag: str) -> torch.device | None:
+_TAG = re.compile(r"([A-Za-z_]\w*)(?::(\d+))?")
+
+
+def _device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.device | None:
+    """The device a storage's location tag names, for torch's placement rules (None for a malformed tag).
+
+    NOTE: torch parses the device types it is built with and the PrivateUse1 backend registered in this process;
+    a saved type it cannot parse is another process's PrivateUse1 backend (an out-of-tree accelerator: ``npu``,
+    the simulator's ``sim``). What a load does with it follows from its type alone (torch's optimizer rules tell
+    the host from accelerators, never whether the device is here), so this process's PrivateUse1 device of the
+    same index stands in for it; ``unknown`` records the stand-in's tag, for messages.
+    """
     try:
         return torch.device(tag)
     except Exception:
+        pass
+    match = _TAG.fullmatch(tag)
+    if unknown is None or match is None:
         return None
+    try:
+        stand_in = torch.device(torch._C._get_privateuse1_backend_name(), int(match.group(2) or 0))
+    except Exception:
+        return None
+    unknown.setdefault(stand_in, tag)
+    return stand_in
 
 
 def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: int = 0, fmt: str = "") -> dict[str, Any]:
@@ -403,6 +423,11 @@ def _findings(
     stand_in = cls.__new__(cls) if cls is not None else None  # policy.decide reads only its type
     # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
     moved: Counter[tuple[str, str, str, str, bool, bool, bool]] = Counter()
+    unknown: dict[torch.device, str] = {}  # stand-ins for saved device types this process does not know
+
+    def tag(device: torch.device) -> str:
+        return unknown.get(device, str(device))
+
     for gi, g in enumerate(groups):
         flagged = [f for f in ("fused", "capturable") if g.get(f)]
         for f in flagged:
@@ -419,7 +444,7 @@ def _findings(
             if cls is None and found.class_name:
                 continue  # a recorded class that is not torch.optim: its placement rules are not known here
             big = next((v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-            pdev = _device(ckpt.saved_location(big, locations)) if big is not None else None
+            pdev = _device(ckpt.saved_location(big, locations), unknown) if big is not None else None
             if pdev is None or big is None:
                 continue
             fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
@@ -427,7 +452,7 @@ def _findings(
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     continue
-                saved_on = _device(ckpt.saved_location(value, locations))
+                saved_on = _device(ckpt.saved_location(value, locations), unknown)
                 if saved_on is None:
                     continue
                 fresh_on = _fresh_device(holder, g, fake, str(key), value, pdev)
@@ -439,9 +464,9 @@ def _findings(
                     moved[
                         (
                             str(key),
-                            str(saved_on),
-                            str(puts_on),
-                            str(fresh_on),
+                            tag(saved_on),
+                            tag(puts_on),
+                            tag(fresh_on),
                             bool(g.get("fused")),
                             bool(g.get("capturable")),
                             bool(foreach),
@@ -452,7 +477,7 @@ def _findings(
         subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
         cost = sync_cost(cls, name, key, foreach, True)
         plural = "s" if n != 1 else ""
-        if torch.device(fresh).type == "cpu":
+        if fresh.partition(":")[0] == "cpu":
             verb = "keeps it there" if torch_puts == saved else f"moves it to {torch_puts}"
             if cost == 0:
                 price = "which this torch reads without a host sync (it still holds device memory)"

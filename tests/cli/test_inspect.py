@@ -241,20 +241,72 @@ def test_allow_global_hint_names_every_class(tmp_path, capsys):
     torch.save(obj, legacy, _use_new_zipfile_serialization=False)
     both = f"--allow-global {__name__}.Config --allow-global {__name__}.Schedule"
     for path in (zipped, legacy):
-        rc, _, err = _run(capsys, "inspect", str(path))
+        out = tmp_path / "out.pt"
+        rc, _, err = _run(capsys, "convert", str(path), str(out))
         assert rc == 1 and both in err, err
         assert f"safe_globals([{__name__}.Config, {__name__}.Schedule])" in err
-        rc, out, err = _run(capsys, "inspect", str(path), *both.split())
+        rc, _, err = _run(capsys, "convert", str(path), str(out), *both.split())
         assert rc == 0, err
-        rc, _, err = _run(capsys, "inspect", str(path), "--allow-global", f"{__name__}.Config")
+        rc, _, err = _run(capsys, "convert", str(path), str(out), "--allow-global", f"{__name__}.Config")
         assert rc == 1 and f"inspect/convert --allow-global {__name__}.Schedule`" in err  # only what is still missing
+
+
+def test_inspect_shows_a_file_with_classes_it_does_not_rebuild(tmp_path, capsys):
+    """inspect imports no class a file names: it reads the optimizer state, names the objects it left opaque, and
+    exits 0; --allow-global rebuilds one."""
+    zipped, legacy = tmp_path / "zip.pt", tmp_path / "legacy.pt"
+    obj = {"config": Config(), "schedule": [Schedule()], "optimizer": trained(O.SGD, lr=0.1).state_dict()}
+    torch.save(obj, zipped)
+    torch.save(obj, legacy, _use_new_zipfile_serialization=False)
+    names = [f"{__name__}.Config", f"{__name__}.Schedule"]
+    for path in (zipped, legacy):
+        rc, out, err = _run(capsys, "inspect", str(path))
+        assert rc == 0, err
+        assert "optimizer 1 of 1: ['optimizer']" in out and "params: 3 in 1 group" in out
+        assert f"not rebuilt: {', '.join(names)}. inspect imports no class" in out
+        rc, out, _ = _run(capsys, "inspect", str(path), "--json")
+        desc = json.loads(out)
+        assert rc == 0 and desc["not_rebuilt"] == names and desc["optimizers"][0]["params"] == 3
+        rc, out, _ = _run(capsys, "inspect", str(path), "--json", "--allow-global", names[0])
+        assert rc == 0 and json.loads(out)["not_rebuilt"] == names[1:]
+
+
+def test_a_class_of_the_saving_script_is_not_called_corrupt(tmp_path, capsys):
+    """The common file: a training script pickles its own ``Config`` (``__main__.Config``) next to the optimizer
+    state. inspect reads it; load and convert refuse it saying which class it is and why the file is not
+    corrupt."""
+    import subprocess
+
+    path = tmp_path / "ckpt.pt"
+    script = (
+        "import dataclasses, torch\n"
+        "@dataclasses.dataclass\nclass Config:\n    lr: float = 0.1\n"
+        "p = torch.nn.Parameter(torch.ones(3)); opt = torch.optim.AdamW([p]); p.grad = torch.ones(3); opt.step()\n"
+        f"torch.save({{'config': Config(), 'optimizer': opt.state_dict()}}, {str(path)!r})\n"
+    )
+    saved = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert saved.returncode == 0, saved.stderr
+    rc, out, err = _run(capsys, "inspect", str(path))
+    assert rc == 0 and "corrupt" not in out, err
+    assert "not rebuilt: __main__.Config (__main__: the script that saved the file)" in out
+    assert "  step        1      cpu ×1    float32" in out
+    with pytest.raises(optimshift.UnsafeCheckpointError) as info:
+        optimshift.load(path)
+    message = str(info.value)
+    assert "corrupt" not in message.replace("not corrupt", "") and "the file is not corrupt" in message
+    assert "__main__.Config is a class of the script that saved it" in message
+    assert "safe_globals([Config])" in message
+    rc, _, err = _run(capsys, "inspect", str(path), "--allow-global", "__main__.Config")
+    assert rc == 1 and "Config is a class of the script that saved the file" in err and "has no Config" not in err
+    rc, _, err = _run(capsys, "convert", str(path), str(tmp_path / "out.pt"))
+    assert rc == 1 and "the file is not corrupt" in err
 
 
 def test_allow_global(tmp_path, capsys):
     path = tmp_path / "with_config.pt"
     torch.save({"config": Config(), "optimizer": trained(O.SGD, lr=0.1).state_dict()}, path)
-    rc, _, err = _run(capsys, "inspect", str(path))
+    rc, _, err = _run(capsys, "convert", str(path), str(tmp_path / "out.pt"))
     assert rc == 1 and "refused to load" in err and f"--allow-global {__name__}.Config" in err
     rc, out, err = _run(capsys, "inspect", str(path), "--allow-global", f"{__name__}.Config")
     assert rc == 0, err
-    assert "optimizer 1 of 1: ['optimizer']" in out
+    assert "optimizer 1 of 1: ['optimizer']" in out and "not rebuilt" not in out

@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import torch
@@ -268,8 +268,17 @@ def _device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.d
     return stand_in
 
 
-def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: int = 0, fmt: str = "") -> dict[str, Any]:
-    """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data."""
+def describe(
+    obj: Any,
+    locations: Mapping[int, str],
+    *,
+    path: str = "",
+    size: int = 0,
+    fmt: str = "",
+    opaque: Sequence[str] = (),
+) -> dict[str, Any]:
+    """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data; ``opaque``: the globals its pickle
+    names that were not rebuilt (``checkpoint._files.Opaque`` objects stand for them)."""
     tensors = list(all_tensors(obj))
     saved_on = Counter(ckpt.saved_location(t, locations) for t in tensors)
     out: dict[str, Any] = {
@@ -279,7 +288,8 @@ def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: in
         "top_level_keys": [str(k) for k in obj] if isinstance(obj, Mapping) else None,
         "tensors": {"count": len(tensors), "bytes": sum(_nbytes(t) for t in tensors), "saved_on": dict(saved_on)},
         "optimizers": [],
-        "findings": [],
+        "not_rebuilt": list(opaque),
+        "findings": [_opaque_finding(opaque)] if opaque else [],
     }
     elsewhere = {tag: n for tag, n in saved_on.items() if not tag.startswith("cpu")}
     if elsewhere:
@@ -297,6 +307,21 @@ def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: in
     for found in ckpt.find_optimizer_states(obj):
         out["optimizers"].append(_describe_optimizer(found, locations))
     return out
+
+
+def _opaque_finding(names: Sequence[str]) -> dict[str, Any]:
+    """What ``inspect`` says about the classes a file names that it did not rebuild (it imports none)."""
+    scripts = [n for n in names if n.partition(".")[0] == "__main__"]
+    whose = " (__main__: the script that saved the file)" if scripts else ""
+    return {
+        "severity": "info",
+        "key": "-",
+        "count": len(names),
+        "message": f"not rebuilt: {', '.join(names)}{whose}. inspect imports no class a file names and runs none "
+        f"of its code: it leaves these objects opaque and reads everything else as saved. optimshift.load "
+        f"refuses the file until they are allowed, for a file you trust: "
+        f"torch.serialization.safe_globals([...]) in a process that has the classes",
+    }
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -706,11 +731,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         fmt = ckpt._sniff(path)
         with _allowed(args.allow_global), _warnings_only_on_success():
-            obj, locations = ckpt._load_recording(path)
+            obj, locations, opaque = ckpt._load_recording(path, opaque=True)
     except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
         return _fail("inspect", str(e), as_json=as_json, error=e)
     try:
-        desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt)
+        desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt, opaque=opaque)
         text = json.dumps(desc, indent=2, default=str) if as_json else render(desc, color=_use_color(sys.stdout))
     except Exception as e:  # NOTE: a last resort, so that a file we misread never prints a traceback
         return _fail(
@@ -1006,10 +1031,10 @@ def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
         try:
             fmt = ckpt._sniff(file)
             with _allowed(args.allow_global):
-                obj, locations = ckpt._load_recording(file)
+                obj, locations, opaque = ckpt._load_recording(file, opaque=True)
         except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
             return _fail("inspect", str(e))
-        desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt)
+        desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt, opaque=opaque)
         if folder.kind == "hf_trainer":
             for o in desc["optimizers"]:
                 o["findings"].extend(_trainer_resume_findings(o))

@@ -340,6 +340,28 @@ def reload(
 ) -> PendingTransfer: ...
 
 
+def _reload_target(optimizer: Any, record: Record) -> TargetFn:
+    """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
+    by_policy = policy_target(optimizer, None)
+
+    def back(
+        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
+        was = record.devices.get(ident)
+        if param is None and was is not None and _group_moved(record, ident[0], group):
+            # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
+            # the params' new device, on the side they were given on
+            decision = _policy.decide(optimizer, group, None, key, tensor, group_device(group, tensor), side=was)
+            return decision.device, decision.source
+        if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
+            was = None  # the param moved while its state was away: place the state for where it is now
+        if was is not None:
+            return was, "recorded"
+        return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
+
+    return back
+
+
 @_one_at_a_time
 def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt | PendingTransfer:
     """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
@@ -362,22 +384,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     if record is None:
         return PendingTransfer() if non_blocking else optimizer
     grads = _grads_back(optimizer, record)
-    by_policy = policy_target(optimizer, None)
-
-    def back(
-        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
-    ) -> tuple[torch.device, str]:
-        was = record.devices.get(ident)
-        if param is None and was is not None and _group_moved(record, ident[0], group):
-            # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
-            # the params' new device, on the side they were given on
-            decision = _policy.decide(optimizer, group, None, key, tensor, group_device(group, tensor), side=was)
-            return decision.device, decision.source
-        if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
-            was = None  # the param moved while its state was away: place the state for where it is now
-        if was is not None:
-            return was, "recorded"
-        return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
+    back = _reload_target(optimizer, record)
 
     # (cached only when the offload's plan was kept, the sign of a loop: its next build would bump the serial)
     cacheable = record.token is not None and record.token[1] and not _policy.has_registered_policy(optimizer)
@@ -441,35 +448,61 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
 def check(optimizer: torch.optim.Optimizer) -> Report:
     """Compare every state entry with where a fresh optimizer would keep it; say what each misplacement costs.
     For a streamed optimizer (:func:`optimshift.stream`), state that belongs on an accelerator is expected on the
-    host, where it lives between steps."""
+    host, where it lives between steps; an offloaded one (:func:`offload`) is judged by where :func:`reload` puts
+    its state back, in one finding that says so (:func:`placement` lists where each tensor is now)."""
     check_optimizer(optimizer)
     wait_pending(unwrap(optimizer))
     name = optimizer_name(optimizer)
     target = policy_target(optimizer, None)
-    if _mode.mode_of(optimizer) is not None:
+    streamed_mode = _mode.mode_of(optimizer) is not None
+    if streamed_mode:
         target = _mode.hosted(target)
     plan = build_plan(optimizer, target)
     report = Report(name, rows=placement(optimizer))
+    record = None if streamed_mode else record_of(optimizer)
+    offloaded = record is not None and record.moved_any
+    back: dict[Ident, torch.device] = {}  # offloaded: where reload() puts each tensor
+    if record is not None and offloaded:
+        back = {tr.ident: tr.target for tr in build_plan(optimizer, _reload_target(optimizer, record)).transfers}
     guessed = False
     for tr in plan.transfers:
         guessed = guessed or tr.source == "default"
-        if not tr.moves:
-            continue
         t, site = tr.tensor, tr.site
-        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target)
+        at = back.get(tr.ident, t.device)  # where the entry is (offloaded: where reload() puts it)
+        if at == tr.target:
+            continue
+        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at)
         report.findings.append(
             Finding(
                 severity,
                 site.param_label,
                 site.key_label,
-                str(t.device),
+                str(at),
                 str(t.dtype).replace("torch.", ""),
                 str(tr.target),
-                why,
+                f"after reload(): {why}" if offloaded else why,
                 site.group,
                 site.index,
                 cost,
             )
+        )
+    if offloaded:
+        hosted = sum(1 for device in back.values() if device.type != "cpu")
+        grads = len(record.grads) if record is not None else 0
+        report.findings.insert(
+            0,
+            Finding(
+                "info",
+                "-",
+                "-",
+                "cpu",
+                "-",
+                "-",
+                f"offloaded by optimshift.offload: {hosted} state tensor{'s' if hosted != 1 else ''}"
+                f"{f' and {grads} grad' + ('s' if grads != 1 else '') if grads else ''} in host memory on purpose; "
+                f"call optimshift.reload(optimizer) before step() (which refuses until then). The other findings, "
+                f"if any, are where reload() puts an entry; placement() lists where each tensor is now.",
+            ),
         )
     report.findings.extend(dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
@@ -508,20 +541,27 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
 
 
 def _explain(
-    optimizer: Any, param: torch.Tensor | None, site: Site, t: torch.Tensor, expected: torch.device
+    optimizer: Any,
+    param: torch.Tensor | None,
+    site: Site,
+    t: torch.Tensor,
+    expected: torch.device,
+    at: torch.device | None = None,
 ) -> tuple[str, str, int | None]:
+    """Why ``t`` (on ``at``: its device, or where a reload puts it) belongs on ``expected``, and its cost."""
     name = optimizer_name(optimizer)
     group = optimizer.param_groups[max(site.group, 0)]  # optimizer-wide entries: the first group
-    on_host = t.device.type == "cpu"
+    at = t.device if at is None else at
+    on_host = at.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
         cost = (
-            sync_cost(type(optimizer), name, site.key, group.get("foreach"), t.device.type != "cpu")
+            sync_cost(type(optimizer), name, site.key, group.get("foreach"), at.type != "cpu")
             if len(site.path) == 1
             else None
         )
         return (
             "warning",
-            f"{name} reads this scalar on the host each step: on {t.device} every read is a device-to-host sync",
+            f"{name} reads this scalar on the host each step: on {at} every read is a device-to-host sync",
             cost,
         )
     if t.dim() == 0 and on_host:
@@ -530,7 +570,7 @@ def _explain(
         if group.get("capturable"):
             return "error", "capturable step() asserts its scalars are on the param's device: it will raise", None
         return "warning", f"{name} keeps this scalar on the param's device ({expected})", None
-    if param is not None and t.device != param.device:
+    if param is not None and at != param.device:
         return "error", f"the param is on {param.device}: step() fails mixing devices", None
     return "warning", f"a fresh {name} keeps it on {expected}", None
 

@@ -330,16 +330,6 @@ def is_offloaded(optimizer: Any) -> bool:
     return record_of(optimizer) is not None
 
 
-@overload
-def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: Literal[False] = False) -> Opt: ...
-
-
-@overload
-def reload(
-    optimizer: torch.optim.Optimizer, device: DeviceLike | None = None, *, non_blocking: Literal[True]
-) -> PendingTransfer: ...
-
-
 def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
     by_policy = policy_target(optimizer, None)
@@ -360,6 +350,16 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
         return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
 
     return back
+
+
+@overload
+def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: Literal[False] = False) -> Opt: ...
+
+
+@overload
+def reload(
+    optimizer: torch.optim.Optimizer, device: DeviceLike | None = None, *, non_blocking: Literal[True]
+) -> PendingTransfer: ...
 
 
 @_one_at_a_time

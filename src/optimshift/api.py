@@ -364,9 +364,10 @@ def reload(
 
 @_one_at_a_time
 def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt | PendingTransfer:
-    """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
-    ``device`` would hold it), in the same tensor objects. Reloading an optimizer that was never offloaded is
-    a no-op.
+    """Put offloaded state back exactly where it was, in the same tensor objects; without ``device``, a no-op
+    for an optimizer that is not offloaded. With ``device``, the state goes where a fresh optimizer on ``device``
+    keeps it, offloaded or not (as :func:`move` puts it): one call that brings the state to a device, as RL
+    frameworks' move-to-device functions expect.
 
     Entries of a param that moved while offloaded go where a fresh optimizer keeps them for its new device.
     ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the

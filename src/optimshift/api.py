@@ -14,7 +14,7 @@ import torch
 
 from . import _mode, _offload, _plans, _session, _streams, engine
 from . import policy as _policy
-from ._adopt import keeps_object_across_host
+from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields
@@ -97,6 +97,13 @@ def _grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tenso
             )
         out.append((p, host_grad))
     return out
+
+
+def _give_grads_back(grads: Sequence[tuple[torch.Tensor, torch.Tensor]], copies: engine.Copies) -> None:
+    """Each offloaded grad back on its param: the same object, holding its copy on the param's device."""
+    for p, host_grad in grads:
+        copy = copies.new.get(id(host_grad))  # (None: it is where its param is already)
+        p.grad = host_grad if copy is None else kept(host_grad, copy)
 
 
 def _transfer(
@@ -183,8 +190,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     if cached is not None and cached.hits and cached.template is not None:
         group_moves = [(site[0], cached.sources[site[0]], site[3]) for site in cached.template if site[2] is None]
     _remember_sides(optimizer, group_moves)
-    for p, host_grad in grads:
-        p.grad = copies.new.get(id(host_grad), host_grad)
+    _give_grads_back(grads, copies)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
     remember_pending(optimizer, pending)
     return optimizer
@@ -251,7 +257,10 @@ def offload(
     Host copies live in a persistent pool (pinned where the state's accelerator can pin host memory, e.g. CUDA,
     unless ``pin_memory`` is False),
     reused cycle after cycle; the state tensors stay the same objects. ``include=("grads",)`` also takes the
-    params' ``.grad`` tensors, so the optimizer holds nothing on the device. ``non_blocking=True`` returns a
+    params' ``.grad`` tensors, so the optimizer holds nothing on the device: while offloaded each such
+    ``param.grad`` is ``None`` (torch refuses a host grad on an accelerator param, and a backward would
+    accumulate into it across devices) and the grad, the same object, holds its values in the host pool, kept by
+    optimshift; :func:`reload` gives each param that object back. ``non_blocking=True`` returns a
     :class:`PendingTransfer` at once (copies run on a side stream; ``wait()`` before reading the host copies);
     otherwise the optimizer. Offloading an offloaded optimizer only moves what was added since.
     """
@@ -303,8 +312,10 @@ def offload(
         # (this build of the offload plan, which a cached reload undoes, and whether it is kept)
         record.token = (cached.serial, cached.kept)
     for where, p in grads:  # only now: every copy exists
-        record.grads[where] = (p, copies.new[id(p.grad)])
-        p.grad = None
+        grad = p.grad
+        assert grad is not None  # (grads lists only params with one)
+        p.grad = None  # (first: the param no longer holds it, so it can be swapped)
+        record.grads[where] = (p, kept(grad, copies.new[id(grad)]))  # the same object, on the host
     record.buffers.extend(copies.batch.held)
     _offload.set_record(optimizer, record)
     remember_pending(optimizer, pending)
@@ -400,8 +411,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         grads=bool(grads),
         eager=cacheable,
     )
-    for p, host_grad in grads:
-        p.grad = copies.new.get(id(host_grad), host_grad)
+    _give_grads_back(grads, copies)
     if grads:
         pending.wait_on_current_stream()  # grads are read before step() (clipping, scaling, accumulation)
     forget(optimizer, pending)

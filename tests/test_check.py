@@ -172,3 +172,43 @@ def test_check_reports_lbfgs_state_a_later_step_would_reject(history):
     with pytest.raises(RuntimeError, match="dot"):
         for k in range(3, 5):
             step(k)  # what check() said
+
+
+def _trained_on(device, n=3, **flags):
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=device)) for _ in range(n)]
+    opt = torch.optim.Adam(params, **flags)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("flags, moved", [({"fused": True}, 9), ({"foreach": True}, 6)])  # (foreach: step on host)
+def test_check_of_an_offloaded_optimizer_says_so_in_one_finding(sim, flags, moved):
+    """Deliberately offloaded state is one finding that says so and that reload() comes before step(), not one
+    error per tensor; placement() still lists every tensor where it is now."""
+    opt = _trained_on(sim, **flags)
+    assert optimshift.check(opt).ok
+    optimshift.offload(opt)
+    report = optimshift.check(opt)
+    assert report.ok, report
+    (finding,) = report.findings
+    assert finding.severity == "info" and f"offloaded by optimshift.offload: {moved} state tensors" in finding.why
+    assert "optimshift.reload(optimizer) before step()" in finding.why
+    assert len(report.rows) == 9 and {row.device for row in optimshift.placement(opt)} == {"cpu"}
+    optimshift.reload(opt)
+    assert optimshift.check(opt).findings == []
+
+
+def test_check_of_an_offloaded_optimizer_reports_what_reload_leaves_misplaced(sim):
+    """An entry misplaced before the offload is reloaded where it was: check() still reports it, as it will be."""
+    opt = _trained_on(sim, n=2, foreach=True)
+    for st in opt.state.values():
+        st["step"] = st["step"].to(sim)  # what torch's own load_state_dict leaves after map_location=device
+    before = [(f.param, f.key, f.device, f.syncs_per_step) for f in optimshift.check(opt).findings]
+    assert before == [(f"group 0, param {i}", "step", str(sim), 2) for i in range(2)]
+    optimshift.offload(opt, include=("grads",))
+    report = optimshift.check(opt)
+    assert [(f.param, f.key, f.device, f.syncs_per_step) for f in report.findings[1:]] == before
+    assert all(f.why.startswith("after reload(): ") for f in report.findings[1:])
+    assert "6 state tensors and 2 grads in host memory" in report.findings[0].why and not report.ok

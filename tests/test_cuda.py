@@ -176,3 +176,27 @@ def test_compiled_step_survives_offload_reload_cycles(cls, kwargs):
     assert recompiles == 0, f"{recompiles} recompiles over 20 offload/reload cycles"
     for a, b in zip(cycled, plain):
         assert bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_offloaded_grads_keep_their_objects_and_free_device_memory(non_blocking):
+    """On CUDA an offloaded grad keeps its object by set_data (the simulator's test covers swap): while
+    offloaded ``.grad`` is None and the grad, on the host, holds no device memory."""
+    model, opt = _fresh(torch.optim.Adam, {"fused": True}, [(256, 256)] * 4, CUDA, steps=1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    grads = [p.grad for p in model.parameters()]
+    values = [g.cpu() for g in grads]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(CUDA)
+    handle = optimshift.offload(opt, include=("grads",), non_blocking=non_blocking)
+    if non_blocking:
+        handle.wait()
+    assert all(p.grad is None for p in model.parameters()) and all(g.device.type == "cpu" for g in grads)
+    assert torch.cuda.memory_allocated(CUDA) < base - sum(g.numel() * g.element_size() for g in grads)
+    handle = optimshift.reload(opt, non_blocking=non_blocking)
+    if non_blocking:
+        handle.wait()
+    for p, g, v in zip(model.parameters(), grads, values):
+        assert p.grad is g and g.device == CUDA and bitwise_equal(g.cpu(), v)
+    train(model, opt, range(1, 2))

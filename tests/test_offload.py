@@ -92,6 +92,33 @@ def test_reload_to_another_device_places_like_fresh(sim):
     assert not optimshift.is_offloaded(opt)
 
 
+def test_reload_to_a_device_of_a_never_offloaded_optimizer_moves_it_as_documented(sim):
+    """``reload(opt)`` of an optimizer that is not offloaded changes nothing; ``reload(opt, device)`` puts its
+    state where a fresh optimizer on ``device`` keeps it, as ``move`` does, and the docstring says both."""
+    doc = " ".join(optimshift.reload.__doc__.split())
+    assert "without ``device``, a no-op for an optimizer that is not offloaded" in doc
+    assert "With ``device``, the state goes where a fresh optimizer on ``device`` keeps it, offloaded or not" in doc
+    host = torch.device("cpu")
+    model = Model([(3, 2), (2,)])
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    train(model, opt, range(1))
+    ids, layout = tensor_ids(opt), state_layout(opt)
+    assert optimshift.reload(opt) is opt and state_layout(opt) == layout and tensor_ids(opt) == ids
+    model.to(sim)
+    moved = Model([(3, 2), (2,)])
+    other = torch.optim.Adam(moved.parameters(), foreach=False)
+    train(moved, other, range(1))
+    moved.to(sim)
+    optimshift.move(other)
+    optimshift.reload(opt, sim)
+    assert state_layout(opt) == state_layout(other) and tensor_ids(opt) == ids and not optimshift.is_offloaded(opt)
+    assert {row.key: row.device for row in optimshift.placement(opt)} == {
+        "step": str(host),
+        "exp_avg": str(sim),
+        "exp_avg_sq": str(sim),
+    }
+
+
 def test_offloaded_context_reloads_on_exception(sim):
     model = Model([(3, 2)]).to(sim)
     opt = torch.optim.Adam(model.parameters(), fused=True)

@@ -158,3 +158,34 @@ def test_int_valued_flags_are_not_confused_in_the_rule_cache():
     on = {**torch.optim.Adam([p]).param_groups[0], "capturable": 1}
     off = {**torch.optim.Adam([p]).param_groups[0], "capturable": 0}
     assert _probe.probe_key(torch.optim.Adam, on, 2) != _probe.probe_key(torch.optim.Adam, off, 2)
+
+
+@pytest.mark.parametrize("back", ["reload", "non_blocking", "reload_to", "move", "load_state_dict"])
+def test_offloaded_grads_keep_their_objects(sim, back):
+    """Grads keep their objects like every other tensor (a compiled step reads them too): while offloaded each
+    ``.grad`` is None and the grad, the same object, holds its values on the host; every way back gives it back."""
+    model, opt = _adam(sim, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    grads = [p.grad for p in model.parameters()]
+    values = [g.cpu() for g in grads]
+    sd = opt.state_dict()
+    if back == "non_blocking":
+        optimshift.offload(opt, include=("grads",), non_blocking=True).wait()
+    else:
+        optimshift.offload(opt, include=("grads",))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(g.device.type == "cpu" for g in grads)  # (the objects the caller holds moved too: no device memory)
+    if back == "reload":
+        optimshift.reload(opt)
+    elif back == "non_blocking":
+        optimshift.reload(opt, non_blocking=True).wait()
+    elif back == "reload_to":
+        optimshift.reload(opt, sim)
+    elif back == "move":
+        optimshift.move(opt)
+    else:
+        optimshift.load_state_dict(opt, sd)
+    for p, g, v in zip(model.parameters(), grads, values):
+        assert p.grad is g and g.device == sim and bitwise_equal(g, v)
+    train(model, opt, range(1))  # the step runs on them

@@ -12,7 +12,7 @@ from ._offload import PendingTransfer
 from ._stream import DEFAULT_CHUNK_BYTES, Streamed, is_streamed, stream, streamed, unstream
 from ._version import __version__ as __version__
 from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload, wait
-from .checkpoint import load, load_state_dict, save
+from .checkpoint import CheckpointError, UnsafeCheckpointError, load, load_state_dict, save
 from .policy import Policy, register_policy, unregister_policy
 from .pool import HostPool, host_pool
 from .report import Finding, PlacementRow, Report
@@ -47,6 +47,8 @@ __all__ = [
     "load_state_dict",
     "save",
     "load",
+    "CheckpointError",
+    "UnsafeCheckpointError",
     "count_syncs",
     "register_policy",
     "unregister_policy",

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Mechanism", "mechanism", "decide_all", "still_valid", "adopt", "lend", "keeps_object_across_host"]
+__all__ = ["Mechanism", "mechanism", "decide_all", "still_valid", "adopt", "lend", "kept", "keeps_object_across_host"]
 
 Mechanism = Literal["data", "swap", "replace"]
 
@@ -139,6 +139,16 @@ def keeps_object_across_host(t: torch.Tensor) -> bool:
     if type(t) in _PLAIN and torch._has_compatible_shallow_copy_type(t, _HOST_PROBE):
         return True
     return not weakref.getweakrefcount(t)
+
+
+def kept(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``old`` holding ``new``'s contents where a mechanism allows it, else ``new`` (it takes ``old``'s place):
+    for a tensor adopting on its own, outside a commit (a param's grad going to or from the host)."""
+    how = mechanism(old, new)
+    if how == "replace":
+        return new
+    adopt(old, new, how)
+    return old
 
 
 def adopt(old: torch.Tensor, new: torch.Tensor, how: Mechanism) -> None:

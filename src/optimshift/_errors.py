@@ -1,4 +1,5 @@
-"""Context on errors that pass through optimshift: which entry a failing copy hit, and that nothing changed."""
+"""Context on errors that pass through optimshift: which entry a failing copy hit, and that nothing changed; the
+article a name takes in a message."""
 
 from __future__ import annotations
 
@@ -8,3 +9,18 @@ def add_note(error: BaseException, note: str) -> None:
     adder = getattr(error, "add_note", None)
     if adder is not None:
         adder(note)
+
+
+# Consonants whose spoken name starts with a vowel sound: an initialism that starts with one takes "an" (an SGD,
+# an LBFGS, an RMSprop, an NAdam).
+_VOWEL_SOUNDING_LETTERS = frozenset("FHLMNRSX")
+
+
+def with_article(word: str) -> str:
+    """``word`` after the indefinite article its sound takes: "an Adam", "a SparseAdam", "an SGD", "an int"."""
+    initialism = len(word) > 1 and word[0].isupper() and word[1].isupper()
+    first = word[:1]
+    vowel = first.lower() in "aeiou" if first else False
+    if initialism and first in _VOWEL_SOUNDING_LETTERS:
+        vowel = True
+    return f"{'an' if vowel else 'a'} {word}"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from . import _session, _streams
+from ._adopt import kept
 from ._dtensor import local_tensor
 from ._state import leaves
 from .plan import Ident
@@ -347,11 +348,12 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
     if record is None:
         session = _session.of(optimizer)
         return (lambda: None) if session is None else session.group_sides.clear
-    back = [(p, host_grad.to(p.device)) for p, host_grad in record.grads.values() if p.grad is None]
+    held = [(p, host_grad) for p, host_grad in record.grads.values() if p.grad is None]
+    back = [(p, host_grad.to(p.device)) for p, host_grad in held]
 
     def finish() -> None:
-        for p, grad in back:
-            p.grad = grad
+        for (p, host_grad), (_, grad) in zip(held, back):
+            p.grad = host_grad if grad is host_grad else kept(host_grad, grad)  # the same object, on p's device
         forget(optimizer)
         session = _session.of(optimizer)
         if session is not None:  # the loaded groups placed their own tensors

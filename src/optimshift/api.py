@@ -14,7 +14,7 @@ import torch
 
 from . import _mode, _offload, _plans, _session, _streams, engine
 from . import policy as _policy
-from ._adopt import keeps_object_across_host
+from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
@@ -109,6 +109,13 @@ def _grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tenso
     return out
 
 
+def _give_grads_back(grads: Sequence[tuple[torch.Tensor, torch.Tensor]], copies: engine.Copies) -> None:
+    """Each offloaded grad back on its param: the same object, holding its copy on the param's device."""
+    for p, host_grad in grads:
+        copy = copies.new.get(id(host_grad))  # (None: it is where its param is already)
+        p.grad = host_grad if copy is None else kept(host_grad, copy)
+
+
 def _transfer(
     optimizer: Any,
     target: TargetFn,
@@ -181,8 +188,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         cache_key=key,
         sides=True,
     )
-    for p, host_grad in grads:
-        p.grad = copies.new.get(id(host_grad), host_grad)
+    _give_grads_back(grads, copies)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
     remember_pending(optimizer, pending)
     return optimizer
@@ -261,7 +267,10 @@ def offload(
     Host copies live in a persistent pool (pinned where the state's accelerator can pin host memory, e.g. CUDA,
     unless ``pin_memory`` is False),
     reused cycle after cycle; the state tensors stay the same objects. ``include=("grads",)`` also takes the
-    params' ``.grad`` tensors, so the optimizer holds nothing on the device. ``non_blocking=True`` returns a
+    params' ``.grad`` tensors, so the optimizer holds nothing on the device: while offloaded each such
+    ``param.grad`` is ``None`` (torch refuses a host grad on an accelerator param, and a backward would
+    accumulate into it across devices) and the grad, the same object, holds its values in the host pool, kept by
+    optimshift; :func:`reload` gives each param that object back. ``non_blocking=True`` returns a
     :class:`PendingTransfer` at once (copies run on a side stream; ``wait()`` before reading the host copies);
     otherwise the optimizer. Offloading an offloaded optimizer only moves what was added since.
     """
@@ -313,8 +322,10 @@ def offload(
         # (this build of the offload plan, which a cached reload undoes, and whether it is kept)
         record.token = (cached.serial, cached.kept)
     for where, p in grads:  # only now: every copy exists
-        record.grads[where] = (p, copies.new[id(p.grad)])
-        p.grad = None
+        grad = p.grad
+        assert grad is not None  # (grads lists only params with one)
+        p.grad = None  # (first: the param no longer holds it, so it can be swapped)
+        record.grads[where] = (p, kept(grad, copies.new[id(grad)]))  # the same object, on the host
     record.buffers.extend(copies.batch.held)
     _offload.set_record(optimizer, record)
     remember_pending(optimizer, pending)
@@ -340,6 +351,27 @@ def is_offloaded(optimizer: Any) -> bool:
     return record_of(optimizer) is not None
 
 
+def _reload_target(optimizer: Any, record: Record) -> TargetFn:
+    """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
+    by_policy = policy_target(optimizer, None)
+
+    def back(
+        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+    ) -> tuple[torch.device, str]:
+        was = record.devices.get(ident)
+        if param is None and was is not None and _group_moved(record, ident[0], group):
+            # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
+            # the params' new device, on the side they were given on
+            return by_policy.at(None, group, key, tensor, group_device(group, tensor), side=was)
+        if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
+            was = None  # the param moved while its state was away: place the state for where it is now
+        if was is not None:
+            return was, "recorded"
+        return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
+
+    return back
+
+
 @overload
 def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: Literal[False] = False) -> Opt: ...
 
@@ -352,9 +384,10 @@ def reload(
 
 @_one_at_a_time
 def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt | PendingTransfer:
-    """Put offloaded state back exactly where it was (or, with ``device``, where a fresh optimizer on
-    ``device`` would hold it), in the same tensor objects. Reloading an optimizer that was never offloaded is
-    a no-op.
+    """Put offloaded state back exactly where it was, in the same tensor objects; without ``device``, a no-op
+    for an optimizer that is not offloaded. With ``device``, the state goes where a fresh optimizer on ``device``
+    keeps it, offloaded or not (as :func:`move` puts it): one call that brings the state to a device, as RL
+    frameworks' move-to-device functions expect.
 
     Entries of a param that moved while offloaded go where a fresh optimizer keeps them for its new device.
     ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the
@@ -372,21 +405,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     if record is None:
         return PendingTransfer() if non_blocking else optimizer
     grads = _grads_back(optimizer, record)
-    by_policy = policy_target(optimizer, None)
-
-    def back(
-        ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
-    ) -> tuple[torch.device, str]:
-        was = record.devices.get(ident)
-        if param is None and was is not None and _group_moved(record, ident[0], group):
-            # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
-            # the params' new device, on the side they were given on
-            return by_policy.at(None, group, key, tensor, group_device(group, tensor), side=was)
-        if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
-            was = None  # the param moved while its state was away: place the state for where it is now
-        if was is not None:
-            return was, "recorded"
-        return by_policy(ident, param, group, key, tensor)  # added after the offload: place it by the policy
+    back = _reload_target(optimizer, record)
 
     # (cached only when the offload's plan was kept, the sign of a loop: its next build would bump the serial)
     cacheable = record.token is not None and record.token[1] and not _policy.has_registered_policy(optimizer)
@@ -401,8 +420,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         grads=bool(grads),
         eager=cacheable,
     )
-    for p, host_grad in grads:
-        p.grad = copies.new.get(id(host_grad), host_grad)
+    _give_grads_back(grads, copies)
     if grads:
         pending.wait_on_current_stream()  # grads are read before step() (clipping, scaling, accumulation)
     forget(optimizer, pending)
@@ -450,35 +468,61 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
 def check(optimizer: torch.optim.Optimizer) -> Report:
     """Compare every state entry with where a fresh optimizer would keep it; say what each misplacement costs.
     For a streamed optimizer (:func:`optimshift.stream`), state that belongs on an accelerator is expected on the
-    host, where it lives between steps."""
+    host, where it lives between steps; an offloaded one (:func:`offload`) is judged by where :func:`reload` puts
+    its state back, in one finding that says so (:func:`placement` lists where each tensor is now)."""
     check_optimizer(optimizer)
     wait_pending(unwrap(optimizer))
     name = optimizer_name(optimizer)
     target: TargetFn = policy_target(optimizer, None)
-    if _mode.mode_of(optimizer) is not None:
+    streamed_mode = _mode.mode_of(optimizer) is not None
+    if streamed_mode:
         target = _mode.hosted(target)
     plan = build_plan(optimizer, target)
     report = Report(name, rows=placement(optimizer))
+    record = None if streamed_mode else record_of(optimizer)
+    offloaded = record is not None and record.moved_any
+    back: dict[Ident, torch.device] = {}  # offloaded: where reload() puts each tensor
+    if record is not None and offloaded:
+        back = {tr.ident: tr.target for tr in build_plan(optimizer, _reload_target(optimizer, record)).transfers}
     guessed = False
     for tr in plan.transfers:
         guessed = guessed or tr.source == "default"
-        if not tr.moves:
-            continue
         t, site = tr.tensor, tr.site
-        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target)
+        at = back.get(tr.ident, t.device)  # where the entry is (offloaded: where reload() puts it)
+        if at == tr.target:
+            continue
+        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at)
         report.findings.append(
             Finding(
                 severity,
                 site.param_label,
                 site.key_label,
-                str(t.device),
+                str(at),
                 str(t.dtype).replace("torch.", ""),
                 str(tr.target),
-                why,
+                f"after reload(): {why}" if offloaded else why,
                 site.group,
                 site.index,
                 cost,
             )
+        )
+    if offloaded:
+        hosted = sum(1 for device in back.values() if device.type != "cpu")
+        grads = len(record.grads) if record is not None else 0
+        report.findings.insert(
+            0,
+            Finding(
+                "info",
+                "-",
+                "-",
+                "cpu",
+                "-",
+                "-",
+                f"offloaded by optimshift.offload: {hosted} state tensor{'s' if hosted != 1 else ''}"
+                f"{f' and {grads} grad' + ('s' if grads != 1 else '') if grads else ''} in host memory on purpose; "
+                f"call optimshift.reload(optimizer) before step() (which refuses until then). The other findings, "
+                f"if any, are where reload() puts an entry; placement() lists where each tensor is now.",
+            ),
         )
     report.findings.extend(dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
@@ -517,20 +561,27 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
 
 
 def _explain(
-    optimizer: Any, param: torch.Tensor | None, site: Site, t: torch.Tensor, expected: torch.device
+    optimizer: Any,
+    param: torch.Tensor | None,
+    site: Site,
+    t: torch.Tensor,
+    expected: torch.device,
+    at: torch.device | None = None,
 ) -> tuple[str, str, int | None]:
+    """Why ``t`` (on ``at``: its device, or where a reload puts it) belongs on ``expected``, and its cost."""
     name = optimizer_name(optimizer)
     group = optimizer.param_groups[max(site.group, 0)]  # optimizer-wide entries: the first group
-    on_host = t.device.type == "cpu"
+    at = t.device if at is None else at
+    on_host = at.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
         cost = (
-            sync_cost(type(optimizer), name, site.key, group.get("foreach"), t.device.type != "cpu")
+            sync_cost(type(optimizer), name, site.key, group.get("foreach"), at.type != "cpu")
             if len(site.path) == 1
             else None
         )
         return (
             "warning",
-            f"{name} reads this scalar on the host each step: on {t.device} every read is a device-to-host sync",
+            f"{name} reads this scalar on the host each step: on {at} every read is a device-to-host sync",
             cost,
         )
     if t.dim() == 0 and on_host:
@@ -539,7 +590,7 @@ def _explain(
         if group.get("capturable"):
             return "error", "capturable step() asserts its scalars are on the param's device: it will raise", None
         return "warning", f"{name} keeps this scalar on the param's device ({expected})", None
-    if param is not None and t.device != param.device:
+    if param is not None and at != param.device:
         return "error", f"the param is on {param.device}: step() fails mixing devices", None
     return "warning", f"a fresh {name} keeps it on {expected}", None
 

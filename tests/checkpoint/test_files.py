@@ -171,6 +171,15 @@ def test_code_executing_pickle_is_refused(tmp_path, fmt):
     assert any("open" in g for g in info.value.globals)
 
 
+def test_the_errors_load_raises_are_importable_from_optimshift(tmp_path):
+    """What the README says ``load`` raises can be caught by the names it gives: ``optimshift.CheckpointError``."""
+    assert optimshift.CheckpointError is CheckpointError and optimshift.UnsafeCheckpointError is UnsafeCheckpointError
+    assert {"CheckpointError", "UnsafeCheckpointError"} <= set(optimshift.__all__)
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(optimshift.CheckpointError, match="not a PyTorch checkpoint"):
+        optimshift.load(tmp_path / "bad.pt")
+
+
 # --- faults ---------------------------------------------------------------------------------------------------
 
 

@@ -707,6 +707,11 @@ def test_wrong_class_is_refused(tmp_path):
     ):
         optimshift.load_state_dict(sgd, optimshift.load(tmp_path / "adam.pt"))
     assert _fingerprint(sgd) == before
+    with pytest.raises(ValueError, match=r"Load it into an Adam, or pass"):  # the article its sound takes
+        optimshift.load_state_dict(sgd, optimshift.load(tmp_path / "adam.pt"))
+    optimshift.save(sgd, tmp_path / "sgd.pt")
+    with pytest.raises(ValueError, match=r"saved from a torch\.optim\.sgd\.SGD, not a torch\.optim\.adam\.Adam; "):
+        optimshift.load_state_dict(_adam(), tmp_path / "sgd.pt")
 
 
 @pytest.mark.parametrize(

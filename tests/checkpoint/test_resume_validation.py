@@ -160,6 +160,7 @@ def test_scalar_keys_have_one_element(cls, kwargs, key):
         ("abc", TypeError, r"expected a tensor, got str 'abc'"),
         ([1.0], TypeError, r"expected a tensor, got a list of 1"),
         (None, TypeError, r"expected a tensor, got None"),
+        (3, TypeError, r"expected a tensor, got an int$"),  # the article its sound takes
         (torch.zeros(4, 3).to_sparse(), TypeError, r"expected a dense tensor, got a sparse_coo one"),
         (torch.zeros(4, 3, dtype=torch.int64), TypeError, r"expected a floating-point tensor, got int64"),
     ],

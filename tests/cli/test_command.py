@@ -47,18 +47,25 @@ def test_bench_cases_report_what_they_measure(sim):
     assert steps["syncs_per_step"]["naive"] > 0
     overhead = bench._overhead_case(200, reps=1)
     assert overhead["tensors"] == 200 and overhead["move_vs_bare"] > 0
-    text = bench.render(
-        {
-            "device": str(sim),
-            "device_name": "simulated accelerator",
-            "torch": torch.__version__,
-            "throughput": [case],
-            "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
-            "step_after_move": steps,
-            "overhead_meta": overhead,
-        }
-    )
-    assert "optimshift vs flat copy" in text and "new allocations per offload/reload cycle" in text
+    result = {
+        "device": str(sim),
+        "device_name": "simulated accelerator",
+        "torch": torch.__version__,
+        "throughput": [case],
+        "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
+        "step_after_move": steps,
+        "overhead_meta": overhead,
+    }
+    # On the simulator the times measure the simulator: only the counts are shown, and said why.
+    text = bench.render(result)
+    assert "times on the simulated accelerator measure the simulator" in text.splitlines()[1]
+    assert "new allocations per offload/reload cycle" in text and "after a move: host syncs per step" in text
+    assert "syncs/step after" in text and "GB/s" not in text and "faster" not in text and "slower" not in text
+    assert "optimshift vs flat copy" not in text and "step time after move" not in text
+    # On a device, the times and their ratios.
+    text = bench.render({**result, "device": "cuda:0", "device_name": "a GPU"})
+    assert "optimshift vs flat copy" in text and "offload GB/s" in text and "step time after move" in text
+    assert "measure the simulator" not in text
 
 
 def test_bench_streamed_case(sim):
@@ -68,16 +75,21 @@ def test_bench_streamed_case(sim):
     assert 0 < case["extra_device_bytes_streamed_step"] <= case["extra_device_bytes_bound"]
     assert case["goals"]["host syncs per step equal"] and case["note"]
     assert case["cpu_step_s"]["torch CPU AdamW"] > 0 and case["cpu_step_s"]["torchao CPUOffloadOptimizer"] is None
-    text = bench.render(
-        {
-            "device": str(sim),
-            "device_name": "simulated accelerator",
-            "torch": torch.__version__,
-            "throughput": [],
-            "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
-            "step_after_move": {"moved_vs_fresh": 1.0, "naive_vs_fresh": 1.0, "syncs_per_step": {}},
-            "overhead_meta": {"tensors": 1, "move_us_per_tensor": 1.0, "bare_us_per_tensor": 1.0, "move_vs_bare": 1.0},
-            "streamed": case,
-        }
-    )
-    assert "streamed step, fused AdamW" in text and "goals:" in text and "not a GPU" in text
+    result = {
+        "device": str(sim),
+        "device_name": "simulated accelerator",
+        "torch": torch.__version__,
+        "throughput": [],
+        "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
+        "step_after_move": {"moved_vs_fresh": 1.0, "naive_vs_fresh": 1.0, "syncs_per_step": {}},
+        "overhead_meta": {"tensors": 1, "move_us_per_tensor": 1.0, "bare_us_per_tensor": 1.0, "move_vs_bare": 1.0},
+        "streamed": case,
+    }
+    text = bench.render(result)
+    (goals,) = [line for line in text.splitlines() if line.startswith("goals:")]
+    assert "streamed step, fused AdamW" in text and " ms" not in text.split("streamed step", 1)[1]
+    assert "host syncs per step equal: met" in goals and "extra device memory" in goals
+    assert "1.2 x link" not in goals and "CPU AdamW" not in goals and "not checked on the simulator" in goals
+    text = bench.render({**result, "device": "xpu:0", "device_name": "another accelerator"})
+    (goals,) = [line for line in text.splitlines() if line.startswith("goals:")]
+    assert "1.2 x link" in goals and "CPU AdamW" in goals and "not a GPU" in text  # (the case's own note)

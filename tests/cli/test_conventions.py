@@ -118,8 +118,8 @@ def test_bench_says_slower_below_one():
     }
     text = bench.render(
         {
-            "device": "sim:0",
-            "device_name": "simulated accelerator",
+            "device": "cuda:0",
+            "device_name": "a GPU",
             "torch": torch.__version__,
             "throughput": [case],
             "pool": {"pinned": False, "new_allocations_per_cycle": 0, "cycles": 3},
@@ -145,3 +145,96 @@ def test_readme_starts_with_install():
     assert commands == ["demo", "inspect"] and all(c in COMMANDS for c in commands)
     assert install.index("pip install") < install.index("scripts/demo")
     assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog")
+
+
+def test_the_readme_function_table_gives_every_parameter():
+    """Each call in the README's table of functions names every parameter the function takes, as it takes it
+    (positional, or keyword-only after ``*``), so the table is the signature a reader can rely on."""
+    import inspect
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("| function | what it does |", 1)[1].split("\n\n", 1)[0]
+    cells = re.findall(r"^\| (.+?) \|", table, flags=re.M)
+    calls = [c for cell in cells for c in re.findall(r"`([\w.]+)\(([^`]*)\)(?: -> \w+)?`", cell)]
+    assert len(calls) >= 12, calls
+    for name, args in calls:
+        obj = optimshift
+        for part in name.removeprefix("optimshift.").split("."):
+            obj = getattr(obj, part)
+        written, keyword_only = [], False
+        for arg in (a.strip() for a in args.split(",") if a.strip()):
+            if arg == "*":
+                keyword_only = True
+                continue
+            written.append((arg.split("=", 1)[0].strip(), keyword_only))
+        params = list(inspect.signature(obj).parameters.values())
+        real = [(p.name, p.kind is inspect.Parameter.KEYWORD_ONLY) for p in params]
+        if params and params[0].kind is not inspect.Parameter.KEYWORD_ONLY:  # (the README says opt, cls)
+            real[0] = (written[0][0] if written else real[0][0], False)
+        assert written == real, f"README's {name}({args}) vs {name}{inspect.signature(obj)}"
+
+
+def test_numpy_is_a_dependency():
+    """torch does not require NumPy but warns at ``import torch`` in every script without it: installing optimshift
+    installs it, so a user's own script starts without that warning (the README says why)."""
+    tomllib = pytest.importorskip("tomllib")
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower() for d in dependencies}
+    assert names == {"torch", "numpy"}, dependencies
+    assert "NumPy" in (ROOT / "README.md").read_text().split("## The device rule", 1)[0]
+
+
+SRC = Path(optimshift.__file__).resolve().parents[1]  # this checkout's code, whatever folder a command runs in
+
+
+def _command(args: list[str], cwd: Path, *, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
+
+
+def test_python_m_optimshift_resolves_globals_as_the_command_does(tmp_path):
+    """``python -m`` puts the current folder first on sys.path; the installed ``optimshift`` script does not. A
+    module in the current folder (a training script's) is imported by neither, so both say the same, and neither
+    runs that module's code."""
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir()
+    bin_dir.mkdir()
+    (work / "trainconfig.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('imported').touch()\nclass Config:\n    lr = 0.1\n"
+    )
+    # What pip writes for the [project.scripts] entry point.
+    (bin_dir / "optimshift").write_text(
+        "import sys\nfrom optimshift.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n"
+    )
+    saving = "import sys, torch; sys.path[:0] = ['.']; import trainconfig as t; torch.save({'c': t.Config()}, 'c.pt')"
+    assert _command(["-c", saving], work).returncode == 0
+    (work / "imported").unlink()
+    argv = ["convert", "c.pt", "out.pt", "--allow-global", "trainconfig.Config"]
+    script = _command([str(bin_dir / "optimshift"), *argv], work)
+    module = _command(["-m", "optimshift", *argv], work)
+    assert script.returncode == 1 and "cannot import trainconfig" in script.stderr, script.stderr
+    assert (module.returncode, module.stdout, module.stderr) == (script.returncode, script.stdout, script.stderr)
+    assert not (work / "imported").exists() and not (work / "out.pt").exists()
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """``optimshift inspect ckpt.pt | head``: once the reader is gone the command ends without a traceback."""
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    try:
+        out = _command(["-m", "optimshift", "inspect", str(path)], tmp_path, stdout=write)
+        assert out.stderr == "" and out.returncode == 141, (out.returncode, out.stderr)  # 141: as killed by SIGPIPE
+        out = _command(["-m", "optimshift", "inspect", str(path), "--json"], tmp_path, stdout=write)
+        assert out.stderr == "" and out.returncode == 141, (out.returncode, out.stderr)
+    finally:
+        os.close(write)

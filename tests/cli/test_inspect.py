@@ -6,6 +6,7 @@ import io
 import json
 import sys
 
+import pytest
 import torch
 
 import optimshift
@@ -130,6 +131,7 @@ def test_inspect_folder_uses_describe_dcp(tmp_path, capsys, monkeypatch):
         "entries": [{"key": "optim.state.0.step", "shape": []}, {"key": "optim.state.0.exp_avg", "shape": [4, 3]}],
     }
     monkeypatch.setattr(dist, "describe_dcp", lambda p: info, raising=False)
+    (tmp_path / ".metadata").write_bytes(b"")  # what makes a folder a DCP checkpoint
     rc, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
     assert rc == 0 and json.loads(out) == info
     rc, out, _ = _run(capsys, "inspect", str(tmp_path))
@@ -138,6 +140,34 @@ def test_inspect_folder_uses_describe_dcp(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "optimshift.distributed", None)  # a build without it
     rc, _, err = _run(capsys, "inspect", str(tmp_path))
     assert rc == 1 and "is a directory" in err and "optimshift.distributed" in err
+
+
+READS = (
+    "pass a torch.save file, a Hugging Face Trainer checkpoint-N folder, an Accelerate save_state folder or a "
+    "torch.distributed.checkpoint folder (one with a .metadata file)"
+)
+
+
+def test_a_folder_of_no_known_kind_says_what_inspect_reads(tmp_path, capsys, monkeypatch):
+    """``optimshift inspect .`` and a plain folder: one line naming what can be passed (not a ValueError about
+    an empty name, nor only that it is no DCP folder)."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("hi")
+    monkeypatch.chdir(tmp_path)
+    for path in (".", "plain", str(tmp_path / "plain")):
+        rc, out, err = _run(capsys, "inspect", path)
+        assert rc == 1 and out == "" and len(err.splitlines()) == 1, err
+        assert err == f"optimshift inspect: error: {path} is a folder of none of the kinds inspect reads; {READS}\n"
+        rc, out, err = _run(capsys, "inspect", path, "--json")
+        assert rc == 1 and READS in json.loads(out)["error"]["message"]
+
+
+def test_describe_dcp_of_the_current_folder(tmp_path, monkeypatch):
+    from optimshift.distributed import describe_dcp
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^\. is not a torch\.distributed\.checkpoint checkpoint"):
+        describe_dcp(".")
 
 
 def test_convert_to_cpu(tmp_path, capsys):
@@ -211,20 +241,72 @@ def test_allow_global_hint_names_every_class(tmp_path, capsys):
     torch.save(obj, legacy, _use_new_zipfile_serialization=False)
     both = f"--allow-global {__name__}.Config --allow-global {__name__}.Schedule"
     for path in (zipped, legacy):
-        rc, _, err = _run(capsys, "inspect", str(path))
+        out = tmp_path / "out.pt"
+        rc, _, err = _run(capsys, "convert", str(path), str(out))
         assert rc == 1 and both in err, err
         assert f"safe_globals([{__name__}.Config, {__name__}.Schedule])" in err
-        rc, out, err = _run(capsys, "inspect", str(path), *both.split())
+        rc, _, err = _run(capsys, "convert", str(path), str(out), *both.split())
         assert rc == 0, err
-        rc, _, err = _run(capsys, "inspect", str(path), "--allow-global", f"{__name__}.Config")
+        rc, _, err = _run(capsys, "convert", str(path), str(out), "--allow-global", f"{__name__}.Config")
         assert rc == 1 and f"inspect/convert --allow-global {__name__}.Schedule`" in err  # only what is still missing
+
+
+def test_inspect_shows_a_file_with_classes_it_does_not_rebuild(tmp_path, capsys):
+    """inspect imports no class a file names: it reads the optimizer state, names the objects it left opaque, and
+    exits 0; --allow-global rebuilds one."""
+    zipped, legacy = tmp_path / "zip.pt", tmp_path / "legacy.pt"
+    obj = {"config": Config(), "schedule": [Schedule()], "optimizer": trained(O.SGD, lr=0.1).state_dict()}
+    torch.save(obj, zipped)
+    torch.save(obj, legacy, _use_new_zipfile_serialization=False)
+    names = [f"{__name__}.Config", f"{__name__}.Schedule"]
+    for path in (zipped, legacy):
+        rc, out, err = _run(capsys, "inspect", str(path))
+        assert rc == 0, err
+        assert "optimizer 1 of 1: ['optimizer']" in out and "params: 3 in 1 group" in out
+        assert f"not rebuilt: {', '.join(names)}. inspect imports no class" in out
+        rc, out, _ = _run(capsys, "inspect", str(path), "--json")
+        desc = json.loads(out)
+        assert rc == 0 and desc["not_rebuilt"] == names and desc["optimizers"][0]["params"] == 3
+        rc, out, _ = _run(capsys, "inspect", str(path), "--json", "--allow-global", names[0])
+        assert rc == 0 and json.loads(out)["not_rebuilt"] == names[1:]
+
+
+def test_a_class_of_the_saving_script_is_not_called_corrupt(tmp_path, capsys):
+    """The common file: a training script pickles its own ``Config`` (``__main__.Config``) next to the optimizer
+    state. inspect reads it; load and convert refuse it saying which class it is and why the file is not
+    corrupt."""
+    import subprocess
+
+    path = tmp_path / "ckpt.pt"
+    script = (
+        "import dataclasses, torch\n"
+        "@dataclasses.dataclass\nclass Config:\n    lr: float = 0.1\n"
+        "p = torch.nn.Parameter(torch.ones(3)); opt = torch.optim.AdamW([p]); p.grad = torch.ones(3); opt.step()\n"
+        f"torch.save({{'config': Config(), 'optimizer': opt.state_dict()}}, {str(path)!r})\n"
+    )
+    saved = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert saved.returncode == 0, saved.stderr
+    rc, out, err = _run(capsys, "inspect", str(path))
+    assert rc == 0 and "corrupt" not in out, err
+    assert "not rebuilt: __main__.Config (__main__: the script that saved the file)" in out
+    assert "  step        1      cpu ×1    float32" in out
+    with pytest.raises(optimshift.UnsafeCheckpointError) as info:
+        optimshift.load(path)
+    message = str(info.value)
+    assert "corrupt" not in message.replace("not corrupt", "") and "the file is not corrupt" in message
+    assert "__main__.Config is a class of the script that saved it" in message
+    assert "safe_globals([Config])" in message
+    rc, _, err = _run(capsys, "inspect", str(path), "--allow-global", "__main__.Config")
+    assert rc == 1 and "Config is a class of the script that saved the file" in err and "has no Config" not in err
+    rc, _, err = _run(capsys, "convert", str(path), str(tmp_path / "out.pt"))
+    assert rc == 1 and "the file is not corrupt" in err
 
 
 def test_allow_global(tmp_path, capsys):
     path = tmp_path / "with_config.pt"
     torch.save({"config": Config(), "optimizer": trained(O.SGD, lr=0.1).state_dict()}, path)
-    rc, _, err = _run(capsys, "inspect", str(path))
+    rc, _, err = _run(capsys, "convert", str(path), str(tmp_path / "out.pt"))
     assert rc == 1 and "refused to load" in err and f"--allow-global {__name__}.Config" in err
     rc, out, err = _run(capsys, "inspect", str(path), "--allow-global", f"{__name__}.Config")
     assert rc == 0, err
-    assert "optimizer 1 of 1: ['optimizer']" in out
+    assert "optimizer 1 of 1: ['optimizer']" in out and "not rebuilt" not in out

@@ -98,3 +98,39 @@ def test_inspecting_a_host_checkpoint_imports_no_dynamo(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "class: not recorded; its param groups look like Adam or AdamW" in out.stdout
     assert out.stdout.splitlines()[-1] == "False"
+
+
+def test_a_device_type_this_process_does_not_know_is_judged_by_its_type(tmp_path, sim, capsys):
+    """A file saved with ``step`` on an accelerator, inspected where that device type is not registered (the
+    simulator's ``sim`` in a fresh process; a ``cuda`` file on a machine without CUDA): the findings are the ones
+    a process that knows the type gives, from the saved type and torch's rules, never from the device being here."""
+    import os
+    from pathlib import Path
+
+    import optimshift
+
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+    opt = torch.optim.Adam(params, foreach=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        st["step"] = st["step"].to(sim)  # what plain torch.load + opt.load_state_dict leave
+    path = tmp_path / "optimizer.pt"
+    torch.save(sd, path)
+    assert main(["inspect", str(path), "--json"]) == 0
+    (here,) = json.loads(capsys.readouterr().out)["optimizers"]
+    (step,) = [f for f in here["findings"] if f["key"] == "step"]
+    assert step["severity"] == "warning" and step["saved_on"] == str(sim) and step["syncs_per_param_per_step"] == 2
+    src = str(Path(optimshift.__file__).resolve().parents[1])
+    fresh = subprocess.run(
+        [sys.executable, "-m", "optimshift", "inspect", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": src},
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    (there,) = json.loads(fresh.stdout)["optimizers"]
+    assert there["findings"] == here["findings"]

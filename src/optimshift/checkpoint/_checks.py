@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._errors import with_article
 from .._probe import StateSpec, signature_defaults, step_needs
 from .._state import GROUP_SKIP, IMPLEMENTATION_FLAGS
 
@@ -194,5 +195,5 @@ def _kind(value: Any) -> str:
     if value is None:
         return "None"
     if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
+        return f"{with_article(type(value).__name__)} of {len(value)}"
+    return with_article(type(value).__name__)

@@ -12,6 +12,7 @@ optimizer would keep it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import io
@@ -534,6 +535,20 @@ def _unsafe(p: str, named: list[str], refused: list[_untrusted.Named]) -> Unsafe
             names,
         )
     missing = [n for n in names if _global_exists(n) is False]
+    scripts = [n for n in missing if n.partition(".")[0] == "__main__"]
+    if scripts:
+        which = ", ".join(scripts)
+        classes = ", ".join(n.rpartition(".")[2] for n in scripts)
+        return UnsafeCheckpointError(
+            f"refused to load {p}: its pickle names {named_text}. {which} "
+            f"{'is a class' if len(scripts) == 1 else 'are classes'} of the script that saved it (pickle calls the "
+            f"running script __main__), which this process does not define: the file is not corrupt, but "
+            f"{'that object' if len(scripts) == 1 else 'those objects'} can only be rebuilt where the script's "
+            f"classes are; nothing was executed. In a script that defines {classes}: "
+            f"`with torch.serialization.safe_globals([{classes}]): optimshift.load(path)`; or save plain data "
+            f"(dataclasses.asdict(config)) instead. `optimshift inspect` shows the rest of the file.",
+            names,
+        )
     if missing:
         return UnsafeCheckpointError(
             f"refused to load {p}: its pickle names {named_text}, and no installed package provides "
@@ -703,10 +718,43 @@ def _torch_load(p: str, kind: str, map_location: Any, mmap: bool) -> Any:
         raise _load_error(p, kind, e) from None
 
 
-def _load_recording(path: PathLike, *, mmap: bool = True) -> tuple[Any, dict[int, str]]:
-    """Load onto the host and also return where each storage was saved: ``{storage data_ptr: "cuda:0"}``.
+class Opaque:
+    """What ``inspect`` puts where a file's pickle builds an object of a class it does not import: the arguments
+    and state the pickle gave it, kept as data (nothing of the class runs; the class need not exist here)."""
 
-    For inspecting a file on any machine: the storages stay on the host whatever their location tag.
+    name = "?"  # the global it stands for: "__main__.Config"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        obj = object.__new__(cls)
+        obj.__dict__["args"] = args
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__["state"] = state
+
+    def __repr__(self) -> str:
+        return f"<{self.name}, not rebuilt>"
+
+
+def _opaque_class(name: str) -> type[Opaque]:
+    """A subclass of :class:`Opaque` that weights-only loading allows under the global ``name`` (it names an
+    allowed global by ``module.qualname``)."""
+    module, _, qualname = name.rpartition(".")
+    return type(qualname, (Opaque,), {"__module__": module, "__qualname__": qualname, "name": name})
+
+
+def _load_recording(
+    path: PathLike, *, mmap: bool = True, opaque: bool = False
+) -> tuple[Any, dict[int, str], list[str]]:
+    """Load onto the host and also return where each storage was saved (``{storage data_ptr: "cuda:0"}``) and
+    the globals built as :class:`Opaque` objects.
+
+    For inspecting a file on any machine: the storages stay on the host whatever their location tag. With
+    ``opaque``, a global weights-only loading refuses is stood in for by an :class:`Opaque` class (nothing is
+    imported), unless one the file names can run code: that file is refused as by :func:`load`.
     """
     locations: dict[int, str] = {}
 
@@ -717,7 +765,18 @@ def _load_recording(path: PathLike, *, mmap: bool = True) -> tuple[Any, dict[int
             pass
         return storage
 
-    return load(path, map_location=keep, mmap=mmap), locations
+    stood_in: list[str] = []
+    allow: Any = getattr(torch.serialization, "safe_globals", None)  # (torch >= 2.5)
+    while True:
+        try:
+            with allow([_opaque_class(n) for n in stood_in]) if stood_in else contextlib.nullcontext():
+                return load(path, map_location=keep, mmap=mmap), locations, stood_in
+        except UnsafeCheckpointError as e:
+            more = [n for n in e.globals if n not in stood_in]
+            if not (opaque and allow is not None and more) or any(runs_code(n) for n in e.globals):
+                raise
+            stood_in.extend(more)  # (each retry stands in for more names, of the finitely many the file has)
+            locations.clear()
 
 
 def saved_location(t: torch.Tensor, locations: Mapping[int, str]) -> str:
@@ -739,6 +798,13 @@ def resolve_global(name: str) -> Any:
         raise ValueError(
             f"--allow-global {name}: refused; {name} can run code or commands, which no checkpoint "
             f"needs (a file that names it is malicious or broken)"
+        )
+    if module == "__main__" and not hasattr(sys.modules.get("__main__"), attr):
+        raise ValueError(
+            f"--allow-global {name}: {attr} is a class of the script that saved the file (pickle calls the running "
+            f"script __main__), which this command cannot import: `optimshift inspect` shows the file without it "
+            f"(its {attr} objects not rebuilt); to load it, call optimshift.load in a script that defines {attr}, "
+            f"inside `with torch.serialization.safe_globals([{attr}])`"
         )
     try:
         obj: Any = importlib.import_module(module)

@@ -23,6 +23,7 @@ import torch
 
 from .. import _mode, engine
 from .._devices import DeviceLike, resolve
+from .._errors import with_article
 from .._offload import exclusive, prepare_discard, wait_pending
 from .._state import IMPLEMENTATION_FLAGS, unwrap
 from ..plan import optimizer_name
@@ -203,9 +204,9 @@ def _check_class(optimizer: Any, recorded: Mapping[str, Any], label: str) -> Non
         return
     saved = f"{module}.{qualname}" if module else qualname
     raise ValueError(
-        f"{label}: the checkpoint was saved from a {saved}, not a {cls.__module__}.{cls.__qualname__}; "
-        f"its state would be misread. Load it into a {qualname}, or pass only its 'state' and 'param_groups' "
-        f"entries to skip this check."
+        f"{label}: the checkpoint was saved from {with_article(saved)}, not "
+        f"{with_article(f'{cls.__module__}.{cls.__qualname__}')}; its state would be misread. Load it into "
+        f"{with_article(qualname)}, or pass only its 'state' and 'param_groups' entries to skip this check."
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -40,13 +41,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The status of a command whose reader went away (``optimshift inspect ckpt.pt | head``): a tool killed by SIGPIPE
+# reports 128 + 13 to the shell.
+_CLOSED_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # NOTE: the reader closed the pipe: end quietly, as every Unix tool does. What is still buffered would
+        # fail again when Python flushes stdout at exit, so stdout is pointed at /dev/null first.
+        _discard_stdout()
+        return _CLOSED_PIPE
+    return status
+
+
+def _discard_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # not a file descriptor (a test's captured stream)
+        pass
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import torch
@@ -241,15 +241,44 @@ def _resolve_class(recorded: str | None, guessed: list[str]) -> type[torch.optim
 # --- inspect -----------------------------------------------------------------------------------------------
 
 
-def _device(tag: str) -> torch.device | None:
+_TAG = re.compile(r"([A-Za-z_]\w*)(?::(\d+))?")
+
+
+def _device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.device | None:
+    """The device a storage's location tag names, for torch's placement rules (None for a malformed tag).
+
+    NOTE: torch parses the device types it is built with and the PrivateUse1 backend registered in this process;
+    a saved type it cannot parse is another process's PrivateUse1 backend (an out-of-tree accelerator: ``npu``,
+    the simulator's ``sim``). What a load does with it follows from its type alone (torch's optimizer rules tell
+    the host from accelerators, never whether the device is here), so this process's PrivateUse1 device of the
+    same index stands in for it; ``unknown`` records the stand-in's tag, for messages.
+    """
     try:
         return torch.device(tag)
     except Exception:
+        pass
+    match = _TAG.fullmatch(tag)
+    if unknown is None or match is None:
         return None
+    try:
+        stand_in = torch.device(torch._C._get_privateuse1_backend_name(), int(match.group(2) or 0))
+    except Exception:
+        return None
+    unknown.setdefault(stand_in, tag)
+    return stand_in
 
 
-def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: int = 0, fmt: str = "") -> dict[str, Any]:
-    """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data."""
+def describe(
+    obj: Any,
+    locations: Mapping[int, str],
+    *,
+    path: str = "",
+    size: int = 0,
+    fmt: str = "",
+    opaque: Sequence[str] = (),
+) -> dict[str, Any]:
+    """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data; ``opaque``: the globals its pickle
+    names that were not rebuilt (``checkpoint._files.Opaque`` objects stand for them)."""
     tensors = list(all_tensors(obj))
     saved_on = Counter(ckpt.saved_location(t, locations) for t in tensors)
     out: dict[str, Any] = {
@@ -259,7 +288,8 @@ def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: in
         "top_level_keys": [str(k) for k in obj] if isinstance(obj, Mapping) else None,
         "tensors": {"count": len(tensors), "bytes": sum(_nbytes(t) for t in tensors), "saved_on": dict(saved_on)},
         "optimizers": [],
-        "findings": [],
+        "not_rebuilt": list(opaque),
+        "findings": [_opaque_finding(opaque)] if opaque else [],
     }
     elsewhere = {tag: n for tag, n in saved_on.items() if not tag.startswith("cpu")}
     if elsewhere:
@@ -277,6 +307,21 @@ def describe(obj: Any, locations: Mapping[int, str], *, path: str = "", size: in
     for found in ckpt.find_optimizer_states(obj):
         out["optimizers"].append(_describe_optimizer(found, locations))
     return out
+
+
+def _opaque_finding(names: Sequence[str]) -> dict[str, Any]:
+    """What ``inspect`` says about the classes a file names that it did not rebuild (it imports none)."""
+    scripts = [n for n in names if n.partition(".")[0] == "__main__"]
+    whose = " (__main__: the script that saved the file)" if scripts else ""
+    return {
+        "severity": "info",
+        "key": "-",
+        "count": len(names),
+        "message": f"not rebuilt: {', '.join(names)}{whose}. inspect imports no class a file names and runs none "
+        f"of its code: it leaves these objects opaque and reads everything else as saved. optimshift.load "
+        f"refuses the file until they are allowed, for a file you trust: "
+        f"torch.serialization.safe_globals([...]) in a process that has the classes",
+    }
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -403,6 +448,11 @@ def _findings(
     stand_in = cls.__new__(cls) if cls is not None else None  # policy.decide reads only its type
     # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
     moved: Counter[tuple[str, str, str, str, bool, bool, bool]] = Counter()
+    unknown: dict[torch.device, str] = {}  # stand-ins for saved device types this process does not know
+
+    def tag(device: torch.device) -> str:
+        return unknown.get(device, str(device))
+
     for gi, g in enumerate(groups):
         flagged = [f for f in ("fused", "capturable") if g.get(f)]
         for f in flagged:
@@ -419,7 +469,7 @@ def _findings(
             if cls is None and found.class_name:
                 continue  # a recorded class that is not torch.optim: its placement rules are not known here
             big = next((v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-            pdev = _device(ckpt.saved_location(big, locations)) if big is not None else None
+            pdev = _device(ckpt.saved_location(big, locations), unknown) if big is not None else None
             if pdev is None or big is None:
                 continue
             fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
@@ -427,7 +477,7 @@ def _findings(
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     continue
-                saved_on = _device(ckpt.saved_location(value, locations))
+                saved_on = _device(ckpt.saved_location(value, locations), unknown)
                 if saved_on is None:
                     continue
                 fresh_on = _fresh_device(holder, g, fake, str(key), value, pdev)
@@ -439,9 +489,9 @@ def _findings(
                     moved[
                         (
                             str(key),
-                            str(saved_on),
-                            str(puts_on),
-                            str(fresh_on),
+                            tag(saved_on),
+                            tag(puts_on),
+                            tag(fresh_on),
                             bool(g.get("fused")),
                             bool(g.get("capturable")),
                             bool(foreach),
@@ -452,7 +502,7 @@ def _findings(
         subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
         cost = sync_cost(cls, name, key, foreach, True)
         plural = "s" if n != 1 else ""
-        if torch.device(fresh).type == "cpu":
+        if fresh.partition(":")[0] == "cpu":
             verb = "keeps it there" if torch_puts == saved else f"moves it to {torch_puts}"
             if cost == 0:
                 price = "which this torch reads without a host sync (it still holds device memory)"
@@ -681,11 +731,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         fmt = ckpt._sniff(path)
         with _allowed(args.allow_global), _warnings_only_on_success():
-            obj, locations = ckpt._load_recording(path)
+            obj, locations, opaque = ckpt._load_recording(path, opaque=True)
     except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
         return _fail("inspect", str(e), as_json=as_json, error=e)
     try:
-        desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt)
+        desc = describe(obj, locations, path=path, size=os.path.getsize(path), fmt=fmt, opaque=opaque)
         text = json.dumps(desc, indent=2, default=str) if as_json else render(desc, color=_use_color(sys.stdout))
     except Exception as e:  # NOTE: a last resort, so that a file we misread never prints a traceback
         return _fail(
@@ -709,9 +759,17 @@ def _warnings_only_on_success() -> Iterator[None]:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
+# What ``inspect`` reads, said once for every message that names it.
+_READS = (
+    "a torch.save file, a Hugging Face Trainer checkpoint-N folder, an Accelerate save_state folder or a "
+    "torch.distributed.checkpoint folder (one with a .metadata file)"
+)
+
+
 def _inspect_folder(path: str, *, as_json: bool) -> int:
     try:
         from optimshift.distributed import describe_dcp
+        from optimshift.distributed._checkpoint import is_dcp_folder
     except ImportError as e:
         return _fail(
             "inspect",
@@ -719,6 +777,13 @@ def _inspect_folder(path: str, *, as_json: bool) -> int:
             f"optimshift.distributed, which this installation does not have. Pass a file.",
             as_json=as_json,
             error=e,
+        )
+    if not is_dcp_folder(path):
+        return _fail(
+            "inspect",
+            f"{path} is a folder of none of the kinds inspect reads; pass {_READS}",
+            as_json=as_json,
+            error=IsADirectoryError(path),
         )
     try:
         info = describe_dcp(path)
@@ -966,10 +1031,10 @@ def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
         try:
             fmt = ckpt._sniff(file)
             with _allowed(args.allow_global):
-                obj, locations = ckpt._load_recording(file)
+                obj, locations, opaque = ckpt._load_recording(file, opaque=True)
         except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
             return _fail("inspect", str(e))
-        desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt)
+        desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt, opaque=opaque)
         if folder.kind == "hf_trainer":
             for o in desc["optimizers"]:
                 o["findings"].extend(_trainer_resume_findings(o))

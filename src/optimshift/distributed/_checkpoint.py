@@ -416,6 +416,8 @@ def _as_path(path: Any) -> Path:
 
 
 def _sibling(target: Path, suffix: str) -> Path:
+    if target.name in ("", ".", ".."):  # "." has no name of its own to add a suffix to: name the folder
+        target = Path(os.path.abspath(target))
     return target.with_name(target.name + suffix)
 
 
@@ -439,6 +441,11 @@ def _check_owned(model: torch.nn.Module, optimizer: Any) -> None:
 
 def _is_checkpoint(directory: Path) -> bool:
     return directory.is_dir() and (directory / ".metadata").is_file()
+
+
+def is_dcp_folder(path: PathLike) -> bool:
+    """Whether ``path`` is a torch.distributed.checkpoint folder (what :func:`describe_dcp` reads)."""
+    return _is_checkpoint(_as_path(path))
 
 
 def _check_replaceable(target: Path) -> None:

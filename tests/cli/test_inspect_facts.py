@@ -12,6 +12,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from _crafted import trained
+from optimshift.checkpoint import _checks
 from optimshift.cli import _inspect, main
 
 
@@ -73,7 +74,7 @@ def test_guessing_the_class_builds_no_real_optimizer(monkeypatch):
     calls = []
     real = torch.optim.Optimizer.add_param_group
     monkeypatch.setattr(torch.optim.Optimizer, "add_param_group", lambda self, g: calls.append(g) or real(self, g))
-    monkeypatch.setattr(_inspect, "_class_keys", {})
+    monkeypatch.setattr(_checks, "_fresh_groups", {})
     groups = [dict(torch.optim.NAdam([torch.nn.Parameter(torch.zeros(1))]).param_groups[0], params=[0])]
     calls.clear()
     assert _inspect.guess_classes(groups) == ["NAdam"]

@@ -19,7 +19,7 @@ from .._errors import with_article
 from .._probe import StateSpec, signature_defaults, step_needs
 from .._state import GROUP_SKIP, IMPLEMENTATION_FLAGS
 
-__all__ = ["check_group", "check_entries", "keys_shown", "NOT_REAL"]
+__all__ = ["check_group", "check_entries", "keys_shown", "fresh_group", "torch_cast", "NOT_REAL"]
 
 Fail = Callable[..., Exception]
 """``fail(message, exc=ValueError)``: the exception to raise, its message prefixed with the optimizer and file."""
@@ -110,6 +110,54 @@ def _hyper_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
         return {}
 
 
+_fresh_groups: dict[type, dict[str, Any] | None] = {}
+
+
+def fresh_group(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | None:
+    """What a fresh ``cls`` group holds besides its params (its hyperparameters and flags, with their defaults),
+    read from the installed torch; None where ``cls`` cannot be built from params alone. Cached per class.
+
+    NOTE: runs the class's own ``__init__`` over a tiny host param through a subclass whose ``add_param_group``
+    only records the group (the defaults merged in, as ``Optimizer.add_param_group`` does): torch's own imports
+    torch._dynamo on first use (about 1.5 s, most of what ``inspect`` took); nothing else differs, and no state,
+    hook or step is created. The param is 2-D: Muon takes only those.
+    """
+    if cls not in _fresh_groups:
+
+        class _Recorder(cls):  # type: ignore[misc, valid-type]  # a base chosen at run time
+            def add_param_group(self, param_group: dict[str, Any]) -> None:
+                self.param_groups.append({**self.defaults, **param_group})
+
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        try:
+            with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"):
+                warnings.simplefilter("ignore")
+                opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 3))])  # pyright: ignore[reportCallIssue]  # (the run-time base takes params alone)
+            _fresh_groups[cls] = {k: v for k, v in opt.param_groups[0].items() if k not in GROUP_SKIP}
+        except Exception:
+            _fresh_groups[cls] = None
+    return _fresh_groups[cls]
+
+
+def torch_cast(
+    key: Any,
+    group: Mapping[str, Any],
+    param: tuple[torch.dtype, torch.device],
+    value: tuple[torch.dtype, torch.device],
+) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device PyTorch's ``Optimizer.load_state_dict`` gives a saved state tensor (``value``: its
+    dtype and device) of a param (``param``: the same): ``step`` stays as saved unless the group is fused or
+    capturable (then float32 on the param's device); anything else goes to the param's device, and to its dtype
+    when that is floating (``_process_value_according_to_param_policy``). What ``cast='param'`` applies and
+    what ``inspect`` reports torch's load would do."""
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return torch.float32, param[1]
+        return value
+    return (param[0] if param[0].is_floating_point else value[0]), param[1]
+
+
 _group_keys_cache: dict[tuple[type, type], tuple[frozenset[str], frozenset[str]]] = {}
 
 
@@ -127,11 +175,8 @@ def _group_keys(
 
     with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"):
         warnings.simplefilter("ignore")
-        try:
-            fresh_opt: Any = base([torch.nn.Parameter(torch.zeros(2, 3))])  # type: ignore[call-arg]  # (its own __init__)
-            defaults = dict(fresh_opt.defaults)  # (a 2-D param: Muon takes only those)
-        except Exception:
-            defaults = dict(_hyper_defaults(base))
+        recorded = fresh_group(base)
+        defaults = dict(_hyper_defaults(base) if recorded is None else recorded)
         fresh = frozenset(defaults)
         filled: frozenset[str] = frozenset()
         group: dict[str, Any] = {"params": []}

@@ -42,7 +42,7 @@ from .._state import (
 )
 from ..plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from . import _files
-from ._checks import check_entries, check_group, keys_shown
+from ._checks import check_entries, check_group, keys_shown, torch_cast
 from ._uniform import build_uniform, fits_in_place
 
 __all__ = ["Staging"]
@@ -217,9 +217,7 @@ class Staging:
         floating param's dtype); otherwise the saved dtype."""
         if self.cast != "param" or param is None:
             return tensor.dtype
-        if inner_key == "step":
-            return torch.float32 if (group.get("fused") or group.get("capturable")) else tensor.dtype
-        return param.dtype if param.is_floating_point() else tensor.dtype
+        return torch_cast(inner_key, group, (param.dtype, param.device), (tensor.dtype, tensor.device))[0]
 
     def _param_label(self, gi: int, pi: int) -> str:
         names = self.opt.param_groups[gi].get("param_names") or self.sd["param_groups"][gi].get("param_names")

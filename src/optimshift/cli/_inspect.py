@@ -27,8 +27,10 @@ from typing import IO, Any
 import torch
 
 from .. import policy as _policy
+from .._dtensor import tensor_bytes
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
+from ..checkpoint._checks import fresh_group, torch_cast
 from ..checkpoint._folders import TrainingFolder, training_folder
 from ..report import format_table, sync_cost
 
@@ -170,32 +172,6 @@ def _short(value: Any) -> str:
 
 # --- which optimizer class a state dict came from --------------------------------------------------------
 
-_class_keys: dict[type[torch.optim.Optimizer], frozenset[str] | None] = {}
-
-
-def _group_keys(cls: type[torch.optim.Optimizer]) -> frozenset[str] | None:
-    """The keys of ``cls``'s param groups (``params`` aside), read from the installed torch; cached per class.
-
-    NOTE: runs the class's own ``__init__`` over a tiny host param through a subclass whose
-    ``add_param_group`` only records the group (the defaults merged in, as ``Optimizer.add_param_group``
-    does). Torch's own ``add_param_group`` imports torch._dynamo on first use (about 1.5 s), which was most
-    of the time ``inspect`` took; nothing else differs, and no state, hook or step is created.
-    """
-    if cls not in _class_keys:
-
-        class _Recorder(cls):  # type: ignore[misc, valid-type]  # a base chosen at run time
-            def add_param_group(self, param_group: dict[str, Any]) -> None:
-                self.param_groups.append({**self.defaults, **param_group})
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 2))])  # pyright: ignore[reportCallIssue]  # (the run-time base takes params alone)
-            _class_keys[cls] = frozenset(opt.param_groups[0]) - {"params"}
-        except Exception:
-            _class_keys[cls] = None
-    return _class_keys[cls]
-
 
 def _torch_optimizers() -> list[tuple[str, type[torch.optim.Optimizer], frozenset[str]]]:
     """(name, class, the keys of its param groups) for every torch.optim optimizer of the installed torch."""
@@ -204,9 +180,9 @@ def _torch_optimizers() -> list[tuple[str, type[torch.optim.Optimizer], frozense
         cls = getattr(torch.optim, name)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
             continue
-        keys = _group_keys(cls)
-        if keys is not None:
-            found.append((name, cls, keys))
+        group = fresh_group(cls)
+        if group is not None:
+            found.append((name, cls, frozenset(group)))
     return found
 
 
@@ -286,7 +262,7 @@ def describe(
         "bytes": size,
         "format": fmt,
         "top_level_keys": [str(k) for k in obj] if isinstance(obj, Mapping) else None,
-        "tensors": {"count": len(tensors), "bytes": sum(_nbytes(t) for t in tensors), "saved_on": dict(saved_on)},
+        "tensors": {"count": len(tensors), "bytes": sum(tensor_bytes(t) for t in tensors), "saved_on": dict(saved_on)},
         "optimizers": [],
         "not_rebuilt": list(opaque),
         "findings": [_opaque_finding(opaque)] if opaque else [],
@@ -322,13 +298,6 @@ def _opaque_finding(names: Sequence[str]) -> dict[str, Any]:
         f"refuses the file until they are allowed, for a file you trust: "
         f"torch.serialization.safe_globals([...]) in a process that has the classes",
     }
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return t.numel() * t.element_size()
-    except Exception:
-        return 0
 
 
 def _hashable(value: Any) -> bool:
@@ -405,7 +374,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
             for t in ts:
                 row["saved_on"][ckpt.saved_location(t, locations)] += 1
                 row["dtypes"][str(t.dtype).replace("torch.", "")] += 1
-                row["bytes"] += _nbytes(t)
+                row["bytes"] += tensor_bytes(t)
     for row in table.values():
         row["saved_on"], row["dtypes"], row["kinds"] = dict(row["saved_on"]), dict(row["dtypes"]), dict(row["kinds"])
         desc["state"].append(row)
@@ -449,6 +418,7 @@ def _findings(
     # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
     moved: Counter[tuple[str, str, str, str, bool, bool, bool]] = Counter()
     unknown: dict[torch.device, str] = {}  # stand-ins for saved device types this process does not know
+    placers: dict[tuple[int, torch.device], _policy.Placer] = {}  # (the policy's memoizing front, per device)
 
     def tag(device: torch.device) -> str:
         return unknown.get(device, str(device))
@@ -480,9 +450,8 @@ def _findings(
                 saved_on = _device(ckpt.saved_location(value, locations), unknown)
                 if saved_on is None:
                     continue
-                fresh_on = _fresh_device(holder, g, fake, str(key), value, pdev)
-                casts = str(key) != "step" or bool(g.get("fused") or g.get("capturable"))
-                puts_on = pdev if casts else saved_on
+                fresh_on = _fresh_device(placers, holder, gi, g, fake, str(key), value, pdev)
+                puts_on = torch_cast(key, g, (big.dtype, pdev), (value.dtype, saved_on))[1]
                 if puts_on != fresh_on:
                     # foreach=None: torch picks the foreach implementation for accelerator params.
                     foreach = g.get("foreach") if g.get("foreach") is not None else pdev.type != "cpu"
@@ -536,7 +505,14 @@ def _findings(
 
 
 def _fresh_device(
-    holder: Any, group: Mapping[str, Any], param: torch.Tensor, key: str, value: torch.Tensor, device: torch.device
+    placers: dict[tuple[int, torch.device], _policy.Placer],
+    holder: Any,
+    gi: int,
+    group: Mapping[str, Any],
+    param: torch.Tensor,
+    key: str,
+    value: torch.Tensor,
+    device: torch.device,
 ) -> torch.device:
     """Where a fresh optimizer keeps ``value`` when its param is on ``device``.
 
@@ -547,7 +523,10 @@ def _fresh_device(
     """
     if device.type == "cpu" and not _policy.has_registered_policy(holder):
         return device
-    return _policy.decide(holder, group, param, key, value, device).device
+    placer = placers.get((id(holder), device))
+    if placer is None:
+        placer = placers[(id(holder), device)] = _policy.Placer(holder, device)
+    return placer((gi, 0, (("key", key),)), param, group, key, value)[0]
 
 
 def _kernel_devices(flag: str) -> list[str]:
@@ -921,7 +900,7 @@ def _storage_bytes(obj: Any) -> int:
             seen.add(key)
             total += s.nbytes()
         except Exception:
-            total += _nbytes(t)
+            total += tensor_bytes(t)
     return total
 
 

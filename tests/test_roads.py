@@ -199,3 +199,28 @@ def test_every_road_places_like_a_fresh_optimizer(sim, tmp_path, cls, kwargs, on
         if misplaced or findings or counted.total > fresh_syncs:
             wrong[road] = (misplaced, [(f.param, f.key, f.why) for f in findings], counted.total, fresh_syncs)
     assert not wrong, f"roads that disagree with a fresh optimizer: {wrong}"
+
+
+@pytest.mark.parametrize("cls, kwargs, on_device, hyper, layout", [c for c in _configs() if "two" in c.id])
+def test_the_placer_answers_as_decide_for_every_entry(sim, cls, kwargs, on_device, hyper, layout):
+    """The memo in front of the rule is only a memo: every entry ``policy.Placer`` places (through
+    ``build_plan``, its per-param memo key included), ``policy.decide`` places alike when asked directly."""
+    kw = _hyper(cls, kwargs, hyper)
+    if kw is None or cls is O.LBFGS:
+        pytest.skip("no such configuration")
+    shapes = SHAPES_2D if cls is O.Muon else SHAPES
+    _, dst = _devices(sim, layout, on_device)
+    try:
+        opt = _trained(cls, kw, shapes, dst)
+    except (RuntimeError, ValueError, TypeError) as e:
+        pytest.skip(f"torch refuses {cls.__name__}({kw}): {e}")
+    from optimshift.plan import build_plan, policy_target
+
+    for device in (None, torch.device("cpu"), torch.device(sim.type, 1)):
+        plan = build_plan(opt, policy_target(opt, device))
+        for tr in plan.transfers:
+            gi, pi, path = tr.ident
+            group = opt.param_groups[gi]
+            where = device or (tr.param.device if tr.param is not None else group["params"][0].device)
+            direct = optimshift.policy.decide(opt, group, tr.param, path[0][1], tr.tensor, where)
+            assert (tr.target, tr.source) == (direct.device, direct.source), (tr.site, device)

@@ -9,7 +9,7 @@ chunks of ``--per-chunk`` params. Reported: median ms per step, and the streamed
 tensor and per chunk (and how much of the latter is torch's own per-call cost).
 
 The streamed steps' copies are synchronous here (the simulator taken as a device without streams, as
-``optimshift._streams`` treats one): the simulator's own streams queue every
+``optimshift._device_streams`` treats one): the simulator's own streams queue every
 op issued on a side stream and check every access against every other stream's (its race detector), which
 costs far more than optimshift's work and nothing like a GPU's streams. ``--sim-streams`` measures with them.
 The simulator runs every copy and view through
@@ -32,7 +32,7 @@ import time
 import torch
 
 import optimshift
-from optimshift import _streams
+from optimshift import _device_streams
 from optimshift.testing import simulated_accelerator
 
 
@@ -120,8 +120,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if not args.sim_streams:
-        sim = simulated_accelerator()  # (registers its streams with _streams first)
-        _streams._chosen[sim.type] = None  # no streams: each copy is complete when it returns
+        sim = simulated_accelerator()  # (registers its streams with _device_streams first)
+        _device_streams._chosen[sim.type] = None  # no streams: each copy is complete when it returns
     r = run(args.params, args.per_chunk, args.reps)
     copies = "the simulator's streams" if args.sim_streams else "synchronous copies"
     print(

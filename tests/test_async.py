@@ -14,7 +14,7 @@ import torch
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
 from _schedules import SCHEDULES, drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
-from optimshift import _offload, _streams
+from optimshift import _device_streams, _offload
 from optimshift.testing import StreamRaceError, deferred_streams
 
 CONFIGS = [
@@ -183,7 +183,7 @@ def test_the_step_pre_hook_is_one_per_optimizer_and_goes_with_the_next_operation
 def test_without_streams_a_non_blocking_transfer_is_synchronous(sim, monkeypatch):
     """A device type whose streams are unknown (or failed the probe) gets the blocking path, and a handle that
     is done from the start."""
-    monkeypatch.setitem(_streams._chosen, sim.type, None)
+    monkeypatch.setitem(_device_streams._chosen, sim.type, None)
     model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
     values = [snapshot(dict(st)) for st in opt.state.values()]
     handle = optimshift.offload(opt, non_blocking=True)
@@ -199,7 +199,7 @@ def test_without_streams_a_non_blocking_transfer_is_synchronous(sim, monkeypatch
 
 
 def _without(monkeypatch, name):
-    monkeypatch.setattr(_streams.Streams, name, lambda self, *args: None)
+    monkeypatch.setattr(_device_streams.Streams, name, lambda self, *args: None)
 
 
 def test_mutation_without_the_wait_the_step_races(sim, monkeypatch):
@@ -370,7 +370,7 @@ def test_the_reload_leaves_no_memory_cached_for_the_side_stream(sim):
 
     with deferred_streams(progress=0.0):
         model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
-        _streams.of(sim)  # (the one-time probe of the backend's streams allocates on a stream of its own)
+        _device_streams.of(sim)  # (the one-time probe of the backend's streams allocates on a stream of its own)
         torch.sim.empty_cache()
         state_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim())
         for step in range(3):

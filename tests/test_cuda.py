@@ -5,7 +5,7 @@ import torch
 
 import optimshift
 from _matrix import CASES, Model, bitwise_equal, state_layout, train
-from optimshift import _streams
+from optimshift import _device_streams
 from optimshift.pool import host_pool
 
 pytestmark = pytest.mark.cuda
@@ -81,10 +81,10 @@ def test_non_blocking_handles_and_prefetch_before_forward():
 def test_cuda_transfers_go_through_the_device_generic_streams():
     """The one async path: torch.Stream/torch.Event/torch.accelerator where torch has them (torch.cuda's before),
     probed once; a non-blocking round trip through it is bitwise and leaves the step waiting on the device."""
-    streams = _streams.of(CUDA)
-    generic = _streams._generic_api() and _streams._current_accelerator_type() == "cuda"
-    expected = _streams._AcceleratorStreams if generic else _streams._ModuleStreams
-    assert type(streams) is expected and _streams.pins_host_for(CUDA)
+    streams = _device_streams.of(CUDA)
+    generic = _device_streams._generic_api() and _device_streams._current_accelerator_type() == "cuda"
+    expected = _device_streams._AcceleratorStreams if generic else _device_streams._ModuleStreams
+    assert type(streams) is expected and _device_streams.pins_host_for(CUDA)
     model = Model([(256, 256)] * 4).to(CUDA)
     opt = torch.optim.Adam(model.parameters(), foreach=True)
     train(model, opt, range(2))

@@ -174,7 +174,7 @@ def test_the_import_graph_sees_relative_and_function_level_imports():
     graph = import_graph()
     assert "optimshift.checkpoint._records" in graph["optimshift.checkpoint._files"]  # from . import _records
     assert "optimshift._state" in graph["optimshift.checkpoint._files"]  # from .._state import unwrap
-    assert "optimshift._streams" in graph["optimshift.testing._sim_streams"]  # inside install()
+    assert "optimshift._device_streams" in graph["optimshift.testing._sim_streams"]  # inside install()
     assert "optimshift.distributed._checkpoint" in graph["optimshift.distributed"]  # a TYPE_CHECKING block
 
 

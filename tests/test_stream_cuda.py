@@ -13,7 +13,7 @@ import torch
 
 import optimshift
 from _matrix import CASES, Model, bitwise_equal, grad_for, state_layout, train
-from optimshift import _stream
+from optimshift import _streaming
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda", 0)
@@ -37,7 +37,7 @@ def _pair(cls, kwargs, shapes):
 def test_streamed_matrix_on_cuda(cls, kwargs, shapes):
     (model, opt), (ref_model, ref) = _pair(cls, kwargs, shapes)
     handle = optimshift.stream(opt, chunk_bytes=128)
-    assert _stream._lane(CUDA) is not None  # really asynchronous: copies on a side stream of their own
+    assert _streaming._lane(CUDA) is not None  # really asynchronous: copies on a side stream of their own
     train(model, opt, range(2))
     train(ref_model, ref, range(2))
     with optimshift.count_syncs() as syncs:
@@ -59,14 +59,14 @@ def test_streamed_matrix_on_cuda(cls, kwargs, shapes):
 
 @pytest.mark.parametrize("kwargs", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
 def test_slowed_copy_stream_still_gives_the_ordinary_steps(kwargs, monkeypatch):
-    queue = _stream._queue
+    queue = _streaming._queue
 
     def slow(side, dsts, srcs, **kw):  # each copy waits ~1 ms on its lane first: a missing wait shows
         with side.streams.use(side.stream):
             torch.cuda._sleep(2_000_000)
         queue(side, dsts, srcs, **kw)
 
-    monkeypatch.setattr(_stream, "_queue", slow)
+    monkeypatch.setattr(_streaming, "_queue", slow)
     (model, opt), (ref_model, ref) = _pair(torch.optim.AdamW, kwargs, [(256, 256)] * 6 + [(256,)] * 6)
     optimshift.stream(opt, chunk_bytes=256 * 256 * 4 * 2)  # one matrix's state per chunk
     train(model, opt, range(5))

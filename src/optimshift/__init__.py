@@ -9,7 +9,7 @@ import typing as _typing
 
 from . import _quiet_torch  # noqa: F401  (first: imports torch without its NumPy warning)
 from ._offload import PendingTransfer
-from ._stream import DEFAULT_CHUNK_BYTES, Streamed, is_streamed, stream, streamed, unstream
+from ._streaming import DEFAULT_CHUNK_BYTES, Streamed, is_streamed, stream, streamed, unstream
 from ._version import __version__ as __version__
 from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload, wait
 from .checkpoint import CheckpointError, UnsafeCheckpointError, load, load_state_dict, save

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from ._device_streams import pins_host_for
 from ._dtensor import tensor_bytes
-from ._streams import pins_host_for
 from .pool import host_pool
 
 __all__ = [

@@ -4,7 +4,7 @@ Per-tensor ``.to()`` loops (verl, NeMo-RL, Megatron's fallback) pay a launch, an
 per tensor. Here transfers are grouped by (source device, target device, dtype) and cut into chunks:
 
 - device -> host: one ``torch.cat`` on the device, one copy into a host buffer from the pool (pinned where the
-  accelerator can pin host memory, see :func:`optimshift._streams.pins_host_for`);
+  accelerator can pin host memory, see :func:`optimshift._device_streams.pins_host_for`);
 - host -> device: one copy of a host buffer (no staging at all when the tensors already sit side by side in a
   pool buffer, as offloaded state does) into a flat device buffer, then one ``_foreach_copy_`` into separate
   device tensors;
@@ -24,11 +24,11 @@ from typing import Any, cast
 import torch
 
 from . import _alias
+from ._device_streams import Streams, in_pinned_memory, pins_copy, pins_host_for, synchronize
 from ._devices import _fake_mode_active
 from ._dtensor import copy_dtensor, is_dtensor, local_tensor, wrap_local
 from ._errors import add_note
 from ._state import like_source
-from ._streams import Streams, in_pinned_memory, pins_copy, pins_host_for, synchronize
 from .pool import HostPool
 
 __all__ = [

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
+from ._device_streams import in_pinned_memory, pins_copy, pins_host_for
 from ._state import like_source
-from ._streams import in_pinned_memory, pins_copy, pins_host_for
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -69,7 +69,7 @@ def copy_dtensor(
     """
     src = t.detach()
     local = src.to_local()  # type: ignore[attr-defined]  # torch types detach() as returning a Tensor
-    # (the same rules as every copy: _streams.pins_copy, in_pinned_memory; the engine synchronizes at the end)
+    # (the same rules as every copy: _device_streams.pins_copy, in_pinned_memory; the engine synchronizes at the end)
     pin = pins_copy(local, device, pin_memory)
     from_pinned = pins_host_for(device) and in_pinned_memory(local)
     new = torch.empty_like(src, device=device, pin_memory=pin)  # preserve_format: the shard keeps its strides

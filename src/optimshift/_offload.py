@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _session, _streams
+from . import _device_streams, _session
 from ._adopt import kept
 from ._dtensor import local_tensor
 from ._state import leaves
@@ -54,7 +54,7 @@ class PendingTransfer:
     copies by themselves (on the host for an offload, whose copies write host memory; on the device's current
     stream, without a host sync, for a reload). Code that reads ``optimizer.state[p][k]`` directly must call
     ``wait()`` (or :func:`optimshift.wait`) first: until then an offloaded tensor holds undefined bytes.
-    On a device without streams (see :mod:`optimshift._streams`) transfers are synchronous and a handle is
+    On a device without streams (see :mod:`optimshift._device_streams`) transfers are synchronous and a handle is
     done from the start.
     """
 
@@ -97,7 +97,7 @@ class PendingTransfer:
         Without a device stream to wait on, the host waits."""
         if self.done():
             return  # complete already: the host knows, so everything issued from now on comes after it
-        streams = _streams.of(self.device)
+        streams = _device_streams.of(self.device)
         if streams is not None:
             assert self.device is not None
             streams.wait_event(streams.current(self.device), self._event)
@@ -202,7 +202,7 @@ def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
     """A state_dict whose tensors own exactly their bytes: the ``state_dict()`` post-hook of an offloaded
-    optimizer and of a streamed one (:mod:`optimshift._stream`), whose host state is a view into pool buffers.
+    optimizer and of a streamed one (:mod:`optimshift._streaming`), whose host state is a view into pool buffers.
 
     # NOTE: offloaded and streamed state are views into pool buffers shared with other tensors (even other
     # optimizers'); torch.save writes a view's whole storage, so a checkpoint taken then would hold their bytes.

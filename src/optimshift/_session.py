@@ -2,7 +2,7 @@
 
 A session holds the optimizer's offload record, the transfer still in flight and the hook handles that guard
 it, the lock that runs one operation at a time, its mode (streamed), where its group tensors sat before a
-move took them to the host, and its cached plans (:mod:`optimshift._plans`). Every module that remembers
+move took them to the host, and its cached plans (:mod:`optimshift._plan_cache`). Every module that remembers
 something about an optimizer keeps it here.
 
 # NOTE: sessions live beside their optimizers (one weak-keyed table), never on them, so that optimshift adds no
@@ -38,7 +38,7 @@ class Session:
     # group tensors (tensor lr, betas) a move took to the host from an accelerator: where they came from, so that
     # a move back puts them on the device side again, as a fresh optimizer given them there would hold them
     group_sides: dict[Ident, torch.device] = field(default_factory=dict)
-    plans: dict[Hashable, list[Any]] = field(default_factory=dict)  # operation key -> its _plans.Cached
+    plans: dict[Hashable, list[Any]] = field(default_factory=dict)  # operation key -> its _plan_cache.Cached
 
 
 _sessions: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import torch
 
-from . import _mode, _offload, _plans, _session, _streams, engine
+from . import _device_streams, _mode, _offload, _plan_cache, _session, engine
 from . import policy as _policy
 from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
@@ -128,18 +128,18 @@ def _transfer(
     eager: bool = False,
     sides: bool = False,
     rewrite: Callable[[], None] | None = None,
-) -> tuple[engine.Copies, PendingTransfer, _plans.Cached | None]:
+) -> tuple[engine.Copies, PendingTransfer, _plan_cache.Cached | None]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
     ``cache_key``: the plan (and its adoption decisions) is kept in the optimizer's session under this key and
-    reused while still valid (:mod:`optimshift._plans`); ``target`` is then not called at all. ``grads``: the
+    reused while still valid (:mod:`optimshift._plan_cache`); ``target`` is then not called at all. ``grads``: the
     params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
-    :func:`optimshift._plans.plan_for`). ``sides``: remember where group tensors taken to the host came from
+    :func:`optimshift._plan_cache.plan_for`). ``sides``: remember where group tensors taken to the host came from
     (a move: see :func:`_remember_sides`). ``rewrite``: the structural change the commit makes with the
     adoptions (see :func:`optimshift.engine.commit`)."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
-    plan, cached = _plans.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
+    plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     copies = engine.run(plan, options, extra=extra)
     group_moves = _group_moves(plan) if sides else ()
     hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite)
@@ -195,7 +195,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
 
 
 def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
-    """The cache key of a move's plan (:mod:`optimshift._plans`): its target and where the group tensors a move
+    """The cache key of a move's plan (:mod:`optimshift._plan_cache`): its target and where the group tensors a move
     took to the host came from; None when not cacheable (a registered policy may look at anything)."""
     session = _session.get(optimizer)
     if session is None or _policy.has_registered_policy(optimizer):
@@ -330,7 +330,7 @@ def offload(
     _offload.set_record(optimizer, record)
     remember_pending(optimizer, pending)
     if empty_cache:
-        _streams.empty_cache()
+        _device_streams.empty_cache()
     return pending if non_blocking else optimizer
 
 

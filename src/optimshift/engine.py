@@ -26,12 +26,12 @@ from typing import Any, cast
 
 import torch
 
-from . import _alias, _streams
+from . import _alias, _device_streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
 from ._copy import BLOCKING, Batch, Options, Side, copy_many
+from ._device_streams import synchronize
 from ._devices import _fake_mode_active
 from ._state import GROUP_SKIP, Setter, rebuild
-from ._streams import synchronize
 from .plan import Plan
 from .pool import host_pool
 
@@ -54,7 +54,7 @@ class Copies:
     ``(t, copy)`` for the plan's tensors (what :func:`commit` installs), in plan order, each tensor once.
 
     ``event``/``device``: set when the copies may still be running on a side stream (non-blocking on a device
-    with streams, see :mod:`optimshift._streams`);
+    with streams, see :mod:`optimshift._device_streams`);
     ``batch`` holds the pool buffers the host copies live in (offloaded state).
     """
 
@@ -108,7 +108,7 @@ def _current_stream_event(devices: Iterable[torch.device]) -> Any | None:
     """An event after the copies queued on the current stream of the (one) device with streams among
     ``devices`` (staging buffers wait for it); None where no device has streams."""
     for device in sorted({d for d in devices if d.type not in ("cpu", "meta")}, key=str):
-        streams = _streams.of(device)
+        streams = _device_streams.of(device)
         if streams is not None:
             event = streams.new_event(device)
             streams.record(event, streams.current(device))
@@ -122,7 +122,7 @@ def _single_stream_device(items: Sequence[tuple[torch.Tensor, torch.device]]) ->
     if len(devices) != 1:
         return None
     device = devices.pop()
-    return device if _streams.of(device) is not None else None
+    return device if _device_streams.of(device) is not None else None
 
 
 def run(
@@ -133,8 +133,8 @@ def run(
 ) -> Copies:
     """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (e.g. grads), grouped.
 
-    With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._streams`: CUDA, any accelerator
-    with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
+    With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._device_streams`: CUDA, any
+    accelerator with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
     back to the pool with their event, and device memory they read is protected with ``record_stream`` so the
     caching allocator never reuses it early. Nothing in the optimizer changes here.
     """
@@ -231,7 +231,7 @@ def _run_on_side_stream(
     describe: Callable[[int], str],
     together: Sequence[tuple[list[int], torch.device]],
 ) -> tuple[Batch, Any]:
-    streams = _streams.of(device)
+    streams = _device_streams.of(device)
     assert streams is not None  # (_single_stream_device checked)
     side = streams.side(device)
     # (every copy waits for the current stream, where the last step wrote and where every device tensor the

@@ -6,7 +6,7 @@ buffers go back to the pool for the next cycle, so a steady offload/reload loop 
 ``optimshift.host_pool.release_idle()`` frees what is idle; ``stats()`` counts allocations and reuses.
 
 A buffer whose contents a copy still in flight reads or writes is held with that copy's event (the device's
-own event object, see :mod:`optimshift._streams`) and is reused only once the event has completed: ``acquire``
+own event object, see :mod:`optimshift._device_streams`) and is reused only once the event has completed: ``acquire``
 prefers idle buffers whose event is already complete, and otherwise waits for the event before handing it out.
 A buffer that something still looks into (a ``state_dict()`` taken while
 the state was offloaded, a kept reference to an offloaded tensor) is never handed out again: its storage's
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._streams import host_pinning
+from ._device_streams import host_pinning
 
 __all__ = ["HostPool", "host_pool", "PoolStats"]
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .._stream import DEFAULT_CHUNK_BYTES, stream, unstream
+from .._streaming import DEFAULT_CHUNK_BYTES, stream, unstream
 from ..api import _move_key, _one_at_a_time, _transfer, move, offload, reload
 from ..plan import policy_target
 from ..pool import host_pool

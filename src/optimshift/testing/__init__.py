@@ -52,7 +52,7 @@ a Python backend's C++ device guard cannot have streams. Then run the test under
 ``deferred_streams(seed, progress)`` fixes the schedule for its block (``progress=0``: queued work runs only
 when ordered, the strictest schedule) and synchronizes every sim stream when the block ends. optimshift's own
 non-blocking offload and reload are tested this way: its engine reaches these streams through
-``optimshift._streams``, the same interface it uses for CUDA and other accelerators.
+``optimshift._device_streams``, the same interface it uses for CUDA and other accelerators.
 """
 
 from optimshift.testing._sim_streams import StreamRaceError, deferred_streams

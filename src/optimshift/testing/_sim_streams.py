@@ -34,7 +34,7 @@ the copy ran, as PyTorch's pinned host allocator does (it records an event on th
 ``torch.Stream``/``torch.Event``/``torch.accelerator.current_stream`` on ``"sim"`` still give torch's own
 no-op streams (a Python backend's C++ device guard has no streams); code that should be race-tested on the
 simulator uses the device module, ``torch.get_device_module(device)`` (``torch.cuda`` on CUDA, ``torch.sim``
-here), as optimshift's engine does through :mod:`optimshift._streams`.
+here), as optimshift's engine does through :mod:`optimshift._device_streams`.
 """
 
 from __future__ import annotations
@@ -1149,9 +1149,9 @@ def install(module: Any) -> Any:
     module.stream = stream
     module.StreamRaceError = StreamRaceError
     module.empty_cache = empty_cache
-    from optimshift import _streams
+    from optimshift import _device_streams
 
-    _streams.register_backend(_sim.SIM_DEVICE_TYPE, module, pin_host=False)
+    _device_streams.register_backend(_sim.SIM_DEVICE_TYPE, module, pin_host=False)
     return sys.modules[__name__]
 
 

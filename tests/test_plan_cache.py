@@ -1,4 +1,4 @@
-"""Cached plans (optimshift._plans): a repeated operation on an unchanged optimizer reuses its plan and its
+"""Cached plans (optimshift._plan_cache): a repeated operation on an unchanged optimizer reuses its plan and its
 adoption decisions; every change that could alter a decision rebuilds it (one test per invalidation).
 
 A rebuild is seen as a call of ``build_plan``; every scenario also checks the result against the rule (state
@@ -14,7 +14,7 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
-from optimshift import _plans, _session, _streams
+from optimshift import _device_streams, _plan_cache, _session
 from optimshift import plan as _plan
 
 SHAPES = [(3, 2), (4,), (2, 5)]
@@ -24,13 +24,13 @@ SHAPES = [(3, 2), (4,), (2, 5)]
 def builds(monkeypatch):
     """The number of plans built so far (cache misses)."""
     count = [0]
-    real = _plans.build_plan
+    real = _plan_cache.build_plan
 
     def counting(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_plans, "build_plan", counting)
+    monkeypatch.setattr(_plan_cache, "build_plan", counting)
     return count
 
 
@@ -104,10 +104,10 @@ def test_a_one_off_operation_keeps_nothing_per_tensor(sim, builds):
     assert entry.layout is None  # (not even the layout: it is asked from the second call under the key on)
     follow(sim)  # (the second build under the key: kept, with this layout)
     assert builds[0] == 2 and entry.template is not None and entry.hits == 0
-    assert entry.layout == _plans.layout(opt)
+    assert entry.layout == _plan_cache.layout(opt)
     follow("cpu")  # (another layout: built, a marker of it left beside the kept plan)
     (marker, same) = next(iter(_session.of(opt).plans.values()))
-    assert builds[0] == 3 and same is entry and marker.template is None and marker.layout == _plans.layout(opt)
+    assert builds[0] == 3 and same is entry and marker.template is None and marker.layout == _plan_cache.layout(opt)
     follow(sim)  # (the kept plan's layout: reused)
     assert builds[0] == 3 and entry.hits == 1
     follow("cpu")  # (the marker's layout, built the second time: kept)
@@ -334,16 +334,16 @@ def test_a_cached_plan_pins_no_tensor_the_state_let_go(sim):
 def test_fake_mode_and_stream_availability_are_part_of_the_layout(sim, builds, monkeypatch, what):
     model, opt = _trained(sim)
     _cycle(opt)
-    shape = _plans.layout(opt)
+    shape = _plan_cache.layout(opt)
     if what == "streams":
-        monkeypatch.setitem(_streams._chosen, sim.type, None)
+        monkeypatch.setitem(_device_streams._chosen, sim.type, None)
         context = contextlib.nullcontext()
     else:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         context = FakeTensorMode(allow_non_fake_inputs=True)
     with context:
-        assert _plans.layout(opt) != shape
+        assert _plan_cache.layout(opt) != shape
     if what == "streams":
         before = builds[0]
         optimshift.offload(opt, non_blocking=True).wait()
@@ -391,7 +391,7 @@ def test_a_first_build_that_raises_leaves_the_cache_as_it_was(sim, monkeypatch):
     def refusing(*args, **kwargs):
         raise ValueError("refused")
 
-    monkeypatch.setattr(_plans, "build_plan", refusing)
+    monkeypatch.setattr(_plan_cache, "build_plan", refusing)
     with pytest.raises(ValueError, match="refused"):
         optimshift.move(opt, "cpu")
     assert {k: list(v) for k, v in _session.of(opt).plans.items()} == kept
@@ -403,7 +403,7 @@ def test_plans_in_use_are_evicted_last(sim):
     for _ in range(2):
         _cycle(opt)
     cycle_keys = set(_session.of(opt).plans)
-    for i in range(_plans.MAX_KEYS - 2):
+    for i in range(_plan_cache.MAX_KEYS - 2):
         optimshift.move(opt, "cpu" if i % 2 else sim)
         model.to(sim)
         _cycle(opt)

@@ -25,10 +25,10 @@ and steps: it takes its device window's contents for its chunk and its host buff
 bytes around them: :func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict``
 loads straight into host state (no device memory on resume).
 
-The copies go through the engine's stream layer (:mod:`optimshift._streams`, with :class:`optimshift._copy.Side`'s
-rules), on a side stream of their own per device (the lane): the loads wait for the previous occupant's
-write-back of their window (same lane, in order), a chunk's
-compute waits for its load, its write-back waits for its compute. After ``step()`` returns, the last
+The copies go through the engine's stream layer (:mod:`optimshift._device_streams`, with
+:class:`optimshift._copy.Side`'s rules), on a side stream of their own per device (the lane): the loads wait
+for the previous occupant's write-back of their window (same lane, in order), a chunk's compute waits
+for its load, its write-back waits for its compute. After ``step()`` returns, the last
 write-backs may still be running on CUDA: ``state_dict()``, ``load_state_dict()``, every optimshift function,
 :func:`unstream` and :meth:`Streamed.wait` wait for them; the next step orders its loads after them on the
 device. So a streamed step adds no host sync.
@@ -46,7 +46,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from . import _alias, _mode, _streams, engine
+from . import _alias, _device_streams, _mode, engine
 from . import _chunks as layout
 from . import policy as _policy
 from ._adopt import Mechanism, decide_all, lend
@@ -85,7 +85,7 @@ def _is_device(t: torch.Tensor) -> bool:
     return t.device.type not in _HOSTS
 
 
-# -- copies: the engine's stream layer (_streams.Streams, with _copy.Side's rules) on a side stream of their own --
+# -- copies: the engine's stream layer (_device_streams.Streams, _copy.Side's rules) on a side stream of their own --
 
 
 def _lane(device: torch.device) -> Side | None:
@@ -93,7 +93,7 @@ def _lane(device: torch.device) -> Side | None:
     engine transfer), used as the engine uses its own (:class:`optimshift._copy.Side`: every device tensor is
     allocated on the current stream and recorded for the side one). None: the device has no streams, each copy
     is complete when it returns."""
-    streams = _streams.of(device)
+    streams = _device_streams.of(device)
     return None if streams is None else Side(streams, streams.side(device, "stream"), streams.current(device))
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import _session, _streams
+from . import _device_streams, _session
 from . import policy as _policy
 from ._adopt import Mechanism
 from ._devices import _fake_mode_active
@@ -123,7 +123,7 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
             )
         )
     # (known, not probed: a blocking loop never needs streams, and probing creates one)
-    parts.append(tuple(sorted((str(d), _streams.known(d)) for d in devices if d.type not in ("cpu", "meta"))))
+    parts.append(tuple(sorted((str(d), _device_streams.known(d)) for d in devices if d.type not in ("cpu", "meta"))))
     return tuple(parts)
 
 

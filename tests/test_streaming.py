@@ -14,7 +14,7 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
-from optimshift import _stream, _streams
+from optimshift import _device_streams, _streaming
 from optimshift.testing import simulated_memory_allocated
 
 
@@ -33,7 +33,7 @@ def _pair(shapes, sim, cls=torch.optim.AdamW, **kwargs):
 
 def _assert_same(model, opt, ref_model, ref):
     if optimshift.is_streamed(opt):
-        _stream._mode_of(opt).wait()  # reading state tensors directly: the write-backs must have landed
+        _streaming._mode_of(opt).wait()  # reading state tensors directly: the write-backs must have landed
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert bitwise_equal(a, b)
         assert bitwise_equal(dict(opt.state[a]), dict(ref.state[b]))
@@ -46,16 +46,16 @@ def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, monkeypatch
     # Synchronous copies (a device without streams), the device's allocated bytes sampled at every copy the step
     # queues: windows are allocated before their copies; a chunk's state is resident from its load to its
     # write-back.
-    monkeypatch.setitem(_streams._chosen, sim.type, None)
+    monkeypatch.setitem(_device_streams._chosen, sim.type, None)
     samples = []
-    queue = _stream._queue
+    queue = _streaming._queue
 
     def sampling(side, dsts, srcs, **kwargs):
         assert side is None, "no streams: each copy is complete when it returns"
         samples.append(simulated_memory_allocated(0))
         queue(side, dsts, srcs, **kwargs)
 
-    monkeypatch.setattr(_stream, "_queue", sampling)
+    monkeypatch.setattr(_streaming, "_queue", sampling)
     small, big = (64,), (64, 64)  # AdamW state: 512 bytes per small param, 32 KiB per big one
     shapes = [small] * 20 + [big, big] + [small] * 20
     chunk = 2048  # four small params per chunk; each big param is a chunk of its own, larger than a chunk
@@ -433,7 +433,7 @@ def test_params_that_move_and_groups_added_while_streamed(sim):
 
 # --- the copy-stream protocol under the simulator's deferred, race-checked streams -------------------------------
 #
-# The streamed step's copy stream is a simulated stream (through optimshift._streams): its copies are queued and
+# The streamed step's copy stream is a simulated stream (through optimshift._device_streams): its copies are queued and
 # run late, in seeded schedules; a missing wait raises StreamRaceError (happens-before, whatever the schedule),
 # and a copy's host destination reads as garbage until the copy ran.
 
@@ -481,7 +481,7 @@ def test_direct_reads_before_wait_see_the_write_back_in_flight(sim):
 def _without(monkeypatch, name):
     """The streamed step's lanes with one of their orderings taken away, what a bug in the pipeline would do
     (the engine's streams keep theirs): a ``Streams`` method, or the host's wait for the events they record."""
-    lane = _stream._lane
+    lane = _streaming._lane
 
     def broken(device):
         side = lane(device)
@@ -499,7 +499,7 @@ def _without(monkeypatch, name):
             setattr(streams, name, lambda *args: None)
         return side
 
-    monkeypatch.setattr(_stream, "_lane", broken)
+    monkeypatch.setattr(_streaming, "_lane", broken)
 
 
 @pytest.mark.parametrize(

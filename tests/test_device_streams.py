@@ -1,49 +1,49 @@
-"""optimshift._streams: which streams and events each device type gets (one interface for every backend)."""
+"""optimshift._device_streams: which streams and events each device type gets (one interface for every backend)."""
 
 import pytest
 import torch
 
-from optimshift import _streams
+from optimshift import _device_streams
 
 
 @pytest.fixture()
 def isolated(monkeypatch):
     """Choices and registrations made by a test stay in the test."""
-    monkeypatch.setattr(_streams, "_registered", dict(_streams._registered))
-    monkeypatch.setattr(_streams, "_chosen", {})
+    monkeypatch.setattr(_device_streams, "_registered", dict(_device_streams._registered))
+    monkeypatch.setattr(_device_streams, "_chosen", {})
     return monkeypatch
 
 
 def test_host_devices_have_no_streams():
-    assert _streams.of(None) is None
-    assert _streams.of(torch.device("cpu")) is None
-    assert _streams.of(torch.device("meta")) is None
+    assert _device_streams.of(None) is None
+    assert _device_streams.of(torch.device("cpu")) is None
+    assert _device_streams.of(torch.device("meta")) is None
 
 
 def test_the_simulated_accelerator_is_a_registered_backend(sim):
-    streams = _streams.of(sim)
-    assert isinstance(streams, _streams._ModuleStreams) and streams.module is torch.sim
+    streams = _device_streams.of(sim)
+    assert isinstance(streams, _device_streams._ModuleStreams) and streams.module is torch.sim
     side = streams.side(sim)
     assert side is streams.side(sim), "one side stream per device, kept"
     assert side != streams.current(sim)
     lane = streams.side(sim, "stream")
     assert lane is streams.side(sim, "stream") and lane != side, "the streamed step's lane: its own, kept"
-    assert not _streams.pins_host_for(sim), "a Python backend has no pinned host allocator"
+    assert not _device_streams.pins_host_for(sim), "a Python backend has no pinned host allocator"
 
 
 def test_the_current_accelerator_gets_the_device_generic_api(isolated):
-    isolated.setattr(_streams, "_generic_api", lambda: True)
-    isolated.setattr(_streams, "_current_accelerator_type", lambda: "xpu")
-    assert isinstance(_streams._candidate("xpu"), _streams._AcceleratorStreams)
-    assert _streams._candidate("mps") is None, "not the current accelerator: no streams"
+    isolated.setattr(_device_streams, "_generic_api", lambda: True)
+    isolated.setattr(_device_streams, "_current_accelerator_type", lambda: "xpu")
+    assert isinstance(_device_streams._candidate("xpu"), _device_streams._AcceleratorStreams)
+    assert _device_streams._candidate("mps") is None, "not the current accelerator: no streams"
 
 
 def test_an_older_torch_falls_back_to_torch_cuda(isolated):
-    isolated.setattr(_streams, "_generic_api", lambda: False)
-    isolated.setattr(_streams, "_cuda_available", lambda: True)
-    chosen = _streams._candidate("cuda")
-    assert isinstance(chosen, _streams._ModuleStreams) and chosen.module is torch.cuda
-    assert _streams._candidate("xpu") is None
+    isolated.setattr(_device_streams, "_generic_api", lambda: False)
+    isolated.setattr(_device_streams, "_cuda_available", lambda: True)
+    chosen = _device_streams._candidate("cuda")
+    assert isinstance(chosen, _device_streams._ModuleStreams) and chosen.module is torch.cuda
+    assert _device_streams._candidate("xpu") is None
 
 
 def test_a_backend_that_fails_the_probe_gets_synchronous_transfers(isolated):
@@ -74,12 +74,12 @@ def test_a_backend_that_fails_the_probe_gets_synchronous_transfers(isolated):
 
             return contextlib.nullcontext()
 
-    _streams.register_backend("cpu", NoRecordStream)  # registered, and a tensor's record_stream fails on it
+    _device_streams.register_backend("cpu", NoRecordStream)  # registered, and a tensor's record_stream fails on it
     probed = []
-    real_probe = _streams._probe
-    isolated.setattr(_streams, "_probe", lambda s, d: probed.append(s) or real_probe(s, d))
-    assert _streams.of(torch.device("cpu")) is None and len(probed) == 1
-    assert _streams.of(torch.device("cpu")) is None and len(probed) == 1, "probed once per device type"
+    real_probe = _device_streams._probe
+    isolated.setattr(_device_streams, "_probe", lambda s, d: probed.append(s) or real_probe(s, d))
+    assert _device_streams.of(torch.device("cpu")) is None and len(probed) == 1
+    assert _device_streams.of(torch.device("cpu")) is None and len(probed) == 1, "probed once per device type"
 
 
 def test_use_restores_the_stream_and_the_device(isolated):
@@ -102,14 +102,14 @@ def test_use_restores_the_stream_and_the_device(isolated):
     isolated.setattr(torch.accelerator, "set_stream", set_stream)
     isolated.setattr(torch.accelerator, "set_device_index", lambda i: state.__setitem__("index", i))
     side = FakeStream(0, "side")
-    with _streams._AcceleratorStreams("cuda").use(side):
+    with _device_streams._AcceleratorStreams("cuda").use(side):
         assert state["index"] == 0 and state["stream"][0] is side
     assert state["index"] == 1 and state["stream"][0] == "s0-default"
     assert calls == [("set_stream", "side"), ("set_stream", "s0-default")]
 
 
 def test_no_pinning_without_an_accelerator_that_pins():
-    assert _streams.host_pinning() == ("cuda" if torch.cuda.is_available() else None)
-    assert _streams.pins_host_for(torch.device("cuda", 0)) == torch.cuda.is_available()
-    assert not _streams.pins_host_for(torch.device("cpu"))
-    _streams.empty_cache()  # nothing to give back, and no accelerator initialized for it
+    assert _device_streams.host_pinning() == ("cuda" if torch.cuda.is_available() else None)
+    assert _device_streams.pins_host_for(torch.device("cuda", 0)) == torch.cuda.is_available()
+    assert not _device_streams.pins_host_for(torch.device("cpu"))
+    _device_streams.empty_cache()  # nothing to give back, and no accelerator initialized for it

@@ -21,7 +21,7 @@ from _crafted import rewrite_zip
 from _matrix import bitwise_equal
 from optimshift.checkpoint import CheckpointError, UnsafeCheckpointError
 from optimshift.checkpoint._files import find_optimizer_states, runs_code
-from optimshift.cli._inspect import describe
+from optimshift.checkpoint._inspection import describe
 
 O = torch.optim
 

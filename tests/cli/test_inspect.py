@@ -12,7 +12,7 @@ import torch
 import optimshift
 from _crafted import save_tagged, trained
 from _matrix import bitwise_equal
-from optimshift.cli import _inspect as checkpoint_cli
+from optimshift.cli import _convert as convert_cli
 from optimshift.cli import main
 
 O = torch.optim
@@ -204,7 +204,7 @@ def test_convert_progress_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
             return True
 
     term = Terminal()
-    monkeypatch.setattr(checkpoint_cli, "_LARGE", 1)
+    monkeypatch.setattr(convert_cli, "_LARGE", 1)
     monkeypatch.setattr(sys, "stderr", term)
     src = tmp_path / "a.pt"
     torch.save({"w": torch.randn(1000)}, src)

@@ -12,8 +12,8 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from _crafted import trained
-from optimshift.checkpoint import _checks
-from optimshift.cli import _inspect, main
+from optimshift.checkpoint import _checks, _inspection
+from optimshift.cli import main
 
 
 def _flag_findings(path, capsys) -> dict[str, dict]:
@@ -77,9 +77,9 @@ def test_guessing_the_class_builds_no_real_optimizer(monkeypatch):
     monkeypatch.setattr(_checks, "_fresh_groups", {})
     groups = [dict(torch.optim.NAdam([torch.nn.Parameter(torch.zeros(1))]).param_groups[0], params=[0])]
     calls.clear()
-    assert _inspect.guess_classes(groups) == ["NAdam"]
+    assert _inspection.guess_classes(groups) == ["NAdam"]
     assert calls == []
-    for name, cls, keys in _inspect._torch_optimizers():  # the same keys as a real optimizer's groups
+    for name, cls, keys in _inspection._torch_optimizers():  # the same keys as a real optimizer's groups
         real_keys = frozenset(cls([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]) - {"params"}
         assert keys == real_keys, name
 

@@ -14,7 +14,7 @@ from ._help import HelpFormatter, SubcommandParser, version_text
 _COMMANDS = {
     "demo": "optimshift.cli._demo",
     "inspect": "optimshift.cli._inspect",
-    "convert": "optimshift.cli._inspect",
+    "convert": "optimshift.cli._convert",
     "bench": "optimshift.cli._bench",
 }
 

@@ -1,0 +1,497 @@
+"""What ``inspect`` reads in a checkpoint file, as data: each optimizer state's class, groups, entries, and what
+PyTorch's ``optimizer.load_state_dict`` would do with it (where each entry goes, against where a fresh optimizer
+keeps it, and what that costs per step), judged by the saved device *type* and the installed torch's rules.
+
+Nothing here renders or runs code from a file; the CLI (:mod:`optimshift.cli._inspect`) only shows it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .. import policy as _policy
+from .._dtensor import tensor_bytes
+from .._state import tensors as all_tensors
+from ..report import sync_cost
+from . import _files as ckpt
+from ._checks import fresh_group, torch_cast
+
+__all__ = ["describe", "guess_classes", "jsonable", "trainer_resume_findings"]
+_FLAGS = ("fused", "capturable", "foreach", "differentiable")
+SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "base_lr"}
+
+
+_SHOWN_DEPTH = 16  # containers nested deeper than this are summarised (a hostile file may nest thousands)
+
+
+def jsonable(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return value.item()
+        return {"tensor": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+    if isinstance(value, (list, tuple, Mapping)) and depth >= _SHOWN_DEPTH:
+        return f"<{type(value).__name__} nested deeper than {_SHOWN_DEPTH} levels>"
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, depth + 1) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+# --- which optimizer class a state dict came from --------------------------------------------------------
+
+
+def _torch_optimizers() -> list[tuple[str, type[torch.optim.Optimizer], frozenset[str]]]:
+    """(name, class, the keys of its param groups) for every torch.optim optimizer of the installed torch."""
+    found: list[tuple[str, type[torch.optim.Optimizer], frozenset[str]]] = []
+    for name in sorted(dir(torch.optim)):
+        cls = getattr(torch.optim, name)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+            continue
+        group = fresh_group(cls)
+        if group is not None:
+            found.append((name, cls, frozenset(group)))
+    return found
+
+
+def guess_classes(groups: list[Mapping[str, Any]]) -> list[str]:
+    """torch.optim classes whose param groups have the keys these have (best matches; ties all listed)."""
+    if not groups:
+        return []
+    keys = frozenset(groups[0]) - {"params", "param_names"} - SCHEDULER_KEYS
+    best, names = 0.0, []
+    for name, _cls, ckeys in _torch_optimizers():
+        score = len(keys & ckeys) / max(1, len(keys | ckeys))
+        if score > best + 1e-9:
+            best, names = score, [name]
+        elif abs(score - best) <= 1e-9:
+            names.append(name)
+    return names if best >= 0.8 else []
+
+
+def _resolve_class(recorded: str | None, guessed: list[str]) -> type[torch.optim.Optimizer] | None:
+    """The torch.optim class to judge placement by (only torch.optim classes: nothing else is imported)."""
+    name = None
+    if recorded:
+        module, _, qual = recorded.rpartition(".")
+        if module.startswith("torch.optim") or not module:
+            name = qual
+    elif guessed:
+        name = guessed[0]
+    cls = getattr(torch.optim, name, None) if name else None
+    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
+
+
+# --- inspect -----------------------------------------------------------------------------------------------
+
+
+_TAG = re.compile(r"([A-Za-z_]\w*)(?::(\d+))?")
+
+
+def _device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.device | None:
+    """The device a storage's location tag names, for torch's placement rules (None for a malformed tag).
+
+    NOTE: torch parses the device types it is built with and the PrivateUse1 backend registered in this process;
+    a saved type it cannot parse is another process's PrivateUse1 backend (an out-of-tree accelerator: ``npu``,
+    the simulator's ``sim``). What a load does with it follows from its type alone (torch's optimizer rules tell
+    the host from accelerators, never whether the device is here), so this process's PrivateUse1 device of the
+    same index stands in for it; ``unknown`` records the stand-in's tag, for messages.
+    """
+    try:
+        return torch.device(tag)
+    except Exception:
+        pass
+    match = _TAG.fullmatch(tag)
+    if unknown is None or match is None:
+        return None
+    try:
+        stand_in = torch.device(torch._C._get_privateuse1_backend_name(), int(match.group(2) or 0))
+    except Exception:
+        return None
+    unknown.setdefault(stand_in, tag)
+    return stand_in
+
+
+def describe(
+    obj: Any,
+    locations: Mapping[int, str],
+    *,
+    path: str = "",
+    size: int = 0,
+    fmt: str = "",
+    opaque: Sequence[str] = (),
+) -> dict[str, Any]:
+    """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data; ``opaque``: the globals its pickle
+    names that were not rebuilt (``checkpoint._files.Opaque`` objects stand for them)."""
+    tensors = list(all_tensors(obj))
+    saved_on = Counter(ckpt.saved_location(t, locations) for t in tensors)
+    out: dict[str, Any] = {
+        "path": path,
+        "bytes": size,
+        "format": fmt,
+        "top_level_keys": [str(k) for k in obj] if isinstance(obj, Mapping) else None,
+        "tensors": {"count": len(tensors), "bytes": sum(tensor_bytes(t) for t in tensors), "saved_on": dict(saved_on)},
+        "optimizers": [],
+        "not_rebuilt": list(opaque),
+        "findings": [_opaque_finding(opaque)] if opaque else [],
+    }
+    elsewhere = {tag: n for tag, n in saved_on.items() if not tag.startswith("cpu")}
+    if elsewhere:
+        where = ", ".join(f"{tag} ({n})" for tag, n in sorted(elsewhere.items()))
+        out["findings"].append(
+            {
+                "severity": "info",
+                "key": "-",
+                "count": sum(elsewhere.values()),
+                "message": f"tensors saved on {where}: plain torch.load restores them there (and fails where that "
+                f"device is missing); optimshift.load uses map_location='cpu', or run `optimshift convert IN OUT "
+                f"--device cpu` once",
+            }
+        )
+    for found in ckpt.find_optimizer_states(obj):
+        out["optimizers"].append(_describe_optimizer(found, locations))
+    return out
+
+
+def _opaque_finding(names: Sequence[str]) -> dict[str, Any]:
+    """What ``inspect`` says about the classes a file names that it did not rebuild (it imports none)."""
+    scripts = [n for n in names if n.partition(".")[0] == "__main__"]
+    whose = " (__main__: the script that saved the file)" if scripts else ""
+    return {
+        "severity": "info",
+        "key": "-",
+        "count": len(names),
+        "message": f"not rebuilt: {', '.join(names)}{whose}. inspect imports no class a file names and runs none "
+        f"of its code: it leaves these objects opaque and reads everything else as saved. optimshift.load "
+        f"refuses the file until they are allowed, for a file you trust: "
+        f"torch.serialization.safe_globals([...]) in a process that has the classes",
+    }
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _state_of(states: Mapping[Any, Any], sid: Any) -> Any:
+    """The saved state of param id ``sid`` (None for ids a corrupt file made unhashable)."""
+    return states.get(sid) if _hashable(sid) else None
+
+
+def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]) -> dict[str, Any]:
+    sd = found.state_dict
+    groups = list(sd["param_groups"])
+    states = sd["state"]
+    guessed = [] if found.class_name else guess_classes(groups)
+    cls = _resolve_class(found.class_name, guessed)
+    n_params = sum(len(g["params"]) for g in groups)
+    desc: dict[str, Any] = {
+        "where": found.where,
+        "kind": found.kind,
+        "class": found.class_name,
+        "class_guess": guessed,
+        "params": n_params,
+        "params_with_state": sum(1 for g in groups for sid in g["params"] if _state_of(states, sid)),
+        "groups": [],
+        "state": [],
+        "findings": [],
+    }
+    for gi, g in enumerate(groups):
+        desc["groups"].append(
+            {
+                "index": gi,
+                "params": len(g["params"]),
+                "hyperparameters": {
+                    str(k): jsonable(v) for k, v in g.items() if k not in ("params", "param_names") + _FLAGS
+                },
+                "flags": {k: jsonable(g[k]) for k in _FLAGS if k in g},
+            }
+        )
+    table: dict[str, dict[str, Any]] = {}
+    listed = {sid for g in groups for sid in g["params"] if _hashable(sid)}
+    stringified = set(ckpt.stringified_ids(states, listed))
+    # Optimizer-wide entries (keys of state that are no param's id, e.g. MADGRAD's "k"), shown as "state[key]".
+    wide = {
+        f"state[{k!r}]": v
+        for k, v in states.items()
+        if k not in listed and k not in stringified and type(k) not in {type(sid) for sid in listed}
+    }
+    per_param = [_state_of(states, sid) for g in groups for sid in g["params"]]
+    for st in per_param + ([wide] if wide else []):
+        if not isinstance(st, Mapping):
+            continue
+        for key, value in st.items():
+            row = table.setdefault(
+                str(key),
+                {
+                    "key": str(key),
+                    "count": 0,
+                    "saved_on": Counter(),
+                    "dtypes": Counter(),
+                    "bytes": 0,
+                    "kinds": Counter(),
+                },
+            )
+            row["count"] += 1
+            ts = [value] if isinstance(value, torch.Tensor) else list(all_tensors(value))
+            if not ts:
+                row["kinds"][type(value).__name__] += 1
+            for t in ts:
+                row["saved_on"][ckpt.saved_location(t, locations)] += 1
+                row["dtypes"][str(t.dtype).replace("torch.", "")] += 1
+                row["bytes"] += tensor_bytes(t)
+    for row in table.values():
+        row["saved_on"], row["dtypes"], row["kinds"] = dict(row["saved_on"]), dict(row["dtypes"]), dict(row["kinds"])
+        desc["state"].append(row)
+    desc["findings"] = _findings(cls, found, groups, states, locations)
+    if stringified:
+        shown = ", ".join(repr(k) for k in sorted(stringified)[:3])
+        desc["findings"].insert(
+            0,
+            {
+                "severity": "error",
+                "key": "-",
+                "count": len(stringified),
+                "message": f"the state's keys are text ({shown}{', …' if len(stringified) > 3 else ''}) while the "
+                f"param groups list numbers: the file went through JSON or a similar round trip. "
+                f"optimizer.load_state_dict silently drops every param's state (it keeps them as "
+                f"optimizer-wide entries); optimshift.load_state_dict refuses it. Turn the keys back into "
+                f"the groups' ids ({{int(k): v for k, v in sd['state'].items()}})",
+            },
+        )
+    return desc
+
+
+def _class_label(cls: type[torch.optim.Optimizer] | None, found: ckpt.FoundOptimizer) -> str:
+    if cls is not None:
+        return cls.__name__
+    if found.class_name:
+        return found.class_name.rpartition(".")[2]
+    return "this optimizer"
+
+
+def _findings(
+    cls: type[torch.optim.Optimizer] | None,
+    found: ckpt.FoundOptimizer,
+    groups: list[Mapping[str, Any]],
+    states: Mapping[Any, Any],
+    locations: Mapping[int, str],
+) -> list[dict[str, Any]]:
+    findings: list[dict[str, Any]] = []
+    name = _class_label(cls, found)
+    stand_in = cls.__new__(cls) if cls is not None else None  # policy.decide reads only its type
+    # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
+    moved: Counter[tuple[str, str, str, str, bool, bool, bool]] = Counter()
+    unknown: dict[torch.device, str] = {}  # stand-ins for saved device types this process does not know
+    placers: dict[tuple[int, torch.device], _policy.Placer] = {}  # (the policy's memoizing front, per device)
+
+    def tag(device: torch.device) -> str:
+        return unknown.get(device, str(device))
+
+    for gi, g in enumerate(groups):
+        flagged = [f for f in ("fused", "capturable") if g.get(f)]
+        for f in flagged:
+            findings.append(_flag_finding(f, gi, len(g["params"])))
+        for sid in g["params"]:
+            st = _state_of(states, sid)
+            if not isinstance(st, Mapping):
+                continue
+            for key, value in st.items():
+                if isinstance(value, str) or any(isinstance(v, str) for v in _shallow(value)):
+                    findings.append(_mangle(key, "holds a string", "turns it into the text of a generator object"))
+                elif _has_namedtuple(value):
+                    findings.append(_mangle(key, "holds a namedtuple", "raises TypeError rebuilding it"))
+            if cls is None and found.class_name:
+                continue  # a recorded class that is not torch.optim: its placement rules are not known here
+            big = next((v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+            pdev = _device(ckpt.saved_location(big, locations), unknown) if big is not None else None
+            if pdev is None or big is None:
+                continue
+            fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
+            holder = stand_in if stand_in is not None else _GENERIC
+            for key, value in st.items():
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    continue
+                saved_on = _device(ckpt.saved_location(value, locations), unknown)
+                if saved_on is None:
+                    continue
+                fresh_on = _fresh_device(placers, holder, gi, g, fake, str(key), value, pdev)
+                puts_on = torch_cast(key, g, (big.dtype, pdev), (value.dtype, saved_on))[1]
+                if puts_on != fresh_on:
+                    # foreach=None: torch picks the foreach implementation for accelerator params.
+                    foreach = g.get("foreach") if g.get("foreach") is not None else pdev.type != "cpu"
+                    moved[
+                        (
+                            str(key),
+                            tag(saved_on),
+                            tag(puts_on),
+                            tag(fresh_on),
+                            bool(g.get("fused")),
+                            bool(g.get("capturable")),
+                            bool(foreach),
+                        )
+                    ] += 1
+    for (key, saved, torch_puts, fresh, fused, capturable, foreach), n in sorted(moved.items()):
+        kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
+        subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
+        cost = sync_cost(cls, name, key, foreach, True)
+        plural = "s" if n != 1 else ""
+        if fresh.partition(":")[0] == "cpu":
+            verb = "keeps it there" if torch_puts == saved else f"moves it to {torch_puts}"
+            if cost == 0:
+                price = "which this torch reads without a host sync (it still holds device memory)"
+            elif cost:
+                price = f"costing {cost} host sync{'s' if cost != 1 else ''} per param per step"
+            else:
+                price = "where each read of it is a host sync"
+            message = (
+                f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
+                f"{verb}, {price}; optimshift.load_state_dict places it on the host"
+            )
+        else:
+            message = (
+                f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
+                f"leaves it on {torch_puts}, but a fresh {name} keeps it on its param's device ({fresh}); "
+                f"optimshift.load_state_dict places it there"
+            )
+        findings.append(
+            {
+                "severity": "info" if cost == 0 else "warning",
+                "key": key,
+                "count": n,
+                "message": message,
+                "saved_on": saved,
+                "torch_load_puts_it_on": torch_puts,
+                "fresh_optimizer_keeps_it_on": fresh,
+                "syncs_per_param_per_step": cost,
+            }
+        )
+    return _merge(findings)
+
+
+def _fresh_device(
+    placers: dict[tuple[int, torch.device], _policy.Placer],
+    holder: Any,
+    gi: int,
+    group: Mapping[str, Any],
+    param: torch.Tensor,
+    key: str,
+    value: torch.Tensor,
+    device: torch.device,
+) -> torch.device:
+    """Where a fresh optimizer keeps ``value`` when its param is on ``device``.
+
+    NOTE: for host params the answer needs no probe: a fresh optimizer over host params keeps everything on the
+    host (state either follows its param or stays on the host). Only a registered policy could say otherwise.
+    The probe (policy.decide builds the optimizer under FakeTensorMode) costs more than a second the first time,
+    so a host checkpoint is read without it.
+    """
+    if device.type == "cpu" and not _policy.has_registered_policy(holder):
+        return device
+    placer = placers.get((id(holder), device))
+    if placer is None:
+        placer = placers[(id(holder), device)] = _policy.Placer(holder, device)
+    return placer((gi, 0, (("key", key),)), param, group, key, value)[0]
+
+
+def _kernel_devices(flag: str) -> list[str]:
+    """The device types the installed torch runs ``fused`` or ``capturable`` optimizer kernels on."""
+    import torch.optim.optimizer as torch_optimizer
+
+    # (torch.optim.optimizer imports it from torch.utils._foreach_utils without re-exporting it in its stubs)
+    fused_devices: Any = torch_optimizer._get_fused_kernels_supported_devices  # type: ignore[attr-defined]
+    listed = fused_devices() if flag == "fused" else torch_optimizer._get_capturable_supported_devices()
+    unnamed = "privateuseone"  # the out-of-tree backend's slot while no backend has renamed it
+    return [d for d in dict.fromkeys(listed) if d != unnamed]
+
+
+def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
+    """What a group saved with ``fused``/``capturable`` means for a resume, as this torch has it."""
+    devices = _kernel_devices(flag)
+    on_cpu = "cpu" in devices
+    where = "a CPU or any other device outside that list" if not on_cpu else "a device outside that list"
+    message = (
+        f"group {group} was saved with {flag}=True, and optimizer.load_state_dict adopts the checkpoint's "
+        f"flags: this torch runs {flag} kernels on {', '.join(devices)}, so resuming on {where} fails at "
+        f"step(); optimshift.load_state_dict keeps the live optimizer's flags and places the state for them"
+    )
+    return {
+        "severity": "info" if on_cpu else "warning",
+        "key": flag,
+        "count": count,
+        "group": group,
+        "message": message,
+        "kernel_devices": devices,
+    }
+
+
+# Stands for an optimizer of unknown class (policy.decide reads only its type): the default rule applies.
+_GENERIC = object.__new__(torch.optim.Optimizer)
+
+
+def _shallow(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    if isinstance(value, Mapping):
+        return list(value.values())
+    return []
+
+
+def _has_namedtuple(value: Any) -> bool:
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
+        return True
+    return any(isinstance(v, tuple) and hasattr(type(v), "_fields") for v in _shallow(value))
+
+
+def _mangle(key: Any, what: str, effect: str) -> dict[str, Any]:
+    return {
+        "severity": "warning",
+        "key": str(key),
+        "count": 1,
+        "message": f"state key `{key}` {what}: optimizer.load_state_dict {effect}; "
+        f"optimshift.load_state_dict keeps it as saved",
+    }
+
+
+def _merge(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Identical findings (one per param) become one, with a count."""
+    merged: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for f in findings:
+        k = (f["severity"], f["key"], f["message"])
+        if k in merged:
+            merged[k]["count"] += f["count"]
+        else:
+            merged[k] = dict(f)
+    return list(merged.values())
+
+
+def trainer_resume_findings(o: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the Trainer's multi-device resume does to this optimizer's ``step`` (when it keeps one on the host)."""
+    hosted = [g for g in o["groups"] if not (g["flags"].get("fused") or g["flags"].get("capturable"))]
+    if not hosted or not any(row["key"] == "step" for row in o["state"]):
+        return []
+    return [
+        {
+            "severity": "info",
+            "key": "step",
+            "count": sum(g["params"] for g in hosted),
+            "message": "the Trainer resumes this file with torch.load(map_location=its device) when it trains on "
+            "more than one device, and optimizer.load_state_dict then leaves each non-fused `step` on "
+            "the accelerator, where every read is a host sync; calling "
+            "optimshift.integrations.accelerate.patch() before the Trainer is built keeps it on the "
+            "host",
+        }
+    ]

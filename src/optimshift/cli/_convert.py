@@ -1,0 +1,295 @@
+"""``optimshift convert``: rewrite a checkpoint with every tensor on one device (and floating ones in one
+dtype), atomically; a Trainer or Accelerate folder's optimizer files too."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import os
+import secrets
+import shutil
+import sys
+from collections import Counter
+from typing import Any
+
+import torch
+
+from .._dtensor import tensor_bytes
+from .._state import tensors as all_tensors
+from ..checkpoint import _files as ckpt
+from ..checkpoint._folders import TrainingFolder, training_folder
+from ._common import (
+    Progress,
+    allow_global_arg,
+    allowed,
+    failure,
+    first_line,
+    human_bytes,
+    isatty,
+    warnings_only_on_success,
+)
+
+__all__ = ["register", "run_convert"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``convert`` subcommand to the ``optimshift`` parser."""
+    c = subparsers.add_parser(
+        "convert",
+        help="rewrite a checkpoint with every tensor on one device (atomically)",
+        description="Loads IN without running code from it, puts every tensor on --device (and casts floating "
+        "tensors to --dtype, keeping optimizer scalars such as 'step' exact), and writes OUT atomically, so that "
+        "a GPU checkpoint opens on a CPU-only machine without map_location. IN may be a Hugging Face Trainer "
+        "checkpoint-N folder or an Accelerate save_state folder: its optimizer files are rewritten and every "
+        "other file is copied into the new folder OUT (give IN itself as OUT to rewrite them in place).",
+    )
+    c.add_argument("input", metavar="IN")
+    c.add_argument("output", metavar="OUT")
+    c.add_argument("--device", default="cpu", help="where every tensor goes (default: cpu)")
+    c.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors to this dtype")
+    c.add_argument("--json", action="store_true", help="print the result (or the error) as JSON on stdout")
+    allow_global_arg(c)
+    c.set_defaults(func=run_convert)
+
+
+_LARGE = 64 << 20  # bytes: show a progress bar for files at least this big (on a terminal)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _protected(obj: Any) -> set[int]:
+    """ids of tensors a dtype cast must not touch: optimizer scalars (``step``, ``mu_product``…) and tensors
+    in param groups, whose exact values and dtypes the optimizer relies on."""
+    keep: set[int] = set()
+    for found in ckpt.find_optimizer_states(obj):
+        for st in found.state_dict["state"].values():
+            for t in all_tensors(st):
+                if t.dim() == 0:
+                    keep.add(id(t))
+        for g in found.state_dict["param_groups"]:
+            keep.update(id(t) for t in all_tensors({k: v for k, v in g.items() if k != "params"}))
+    return keep
+
+
+_CAST_DEPTH = 64  # containers nested deeper than this are refused by --dtype (the copy is recursive)
+
+
+def _cast_tree(
+    obj: Any,
+    dtype: torch.dtype,
+    keep: set[int],
+    memo: dict[int, Any],
+    counts: Counter[str],
+    where: str = "",
+    depth: int = 0,
+) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in memo:
+            return memo[id(obj)]
+        new = obj
+        if obj.is_floating_point() and obj.dtype != dtype:
+            if id(obj) in keep:
+                counts["kept"] += 1
+            else:
+                why = ckpt.overexpanded(obj)
+                if why is not None:
+                    raise ValueError(
+                        f"refusing to cast the tensor at {where or 'the top'}: {why}; casting it would "
+                        f"allocate every element"
+                    )
+                new = obj.to(dtype)
+                counts["cast"] += 1
+        memo[id(obj)] = new
+        return new
+    if isinstance(obj, (dict, list)) or type(obj) is tuple:  # dict subclasses too: OrderedDict state_dicts
+        if id(obj) in memo:
+            return memo[id(obj)]
+        if depth >= _CAST_DEPTH:
+            raise ValueError(
+                f"the object at {where} is nested deeper than {_CAST_DEPTH} levels; --dtype cannot rewrite it"
+            )
+        if isinstance(obj, dict):
+            out: Any = copy.copy(obj)  # keeps the type (OrderedDict, defaultdict) and its attributes (_metadata)
+            for k, v in obj.items():
+                out[k] = _cast_tree(v, dtype, keep, memo, counts, f"{where}[{k!r}]", depth + 1)
+        else:
+            out = type(obj)(
+                _cast_tree(v, dtype, keep, memo, counts, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj)
+            )
+        memo[id(obj)] = out
+        return out
+    return obj
+
+
+def _storage_bytes(obj: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in all_tensors(obj):
+        try:
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key in seen and key != 0:
+                continue
+            seen.add(key)
+            total += s.nbytes()
+        except Exception:
+            total += tensor_bytes(t)
+    return total
+
+
+def _missing_device(device: torch.device) -> str | None:
+    """What to do when ``device`` is not on this machine (``convert --device cuda`` without a GPU), else None."""
+    from .._devices import resolve
+
+    try:
+        resolve(device, what="--device")
+    except (ValueError, TypeError) as e:
+        return (
+            f"{e}. Convert to the CPU here instead (--device cpu, the default): a CPU checkpoint opens on "
+            f"any machine, and optimshift.load_state_dict (or torch.load's map_location) puts the state on the "
+            f"accelerator when you resume there. To write a {device.type} checkpoint, run this command on a machine "
+            f"that has the device."
+        )
+    return None
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    src, dst, as_json = args.input, args.output, args.json
+
+    def fail(message: str, error: BaseException | None = None) -> int:
+        return failure("convert", message, as_json=as_json, error=error)
+
+    try:
+        device = torch.device(args.device)
+    except Exception as e:
+        return fail(f"--device {args.device!r} is not a device PyTorch knows", e)
+    missing = _missing_device(device)
+    if missing:
+        return fail(missing, ValueError(missing))
+    if os.path.isdir(src):
+        folder = training_folder(src)
+        if folder is not None:
+            return _convert_training_folder(folder, args)
+        return fail(
+            f"{src} is a directory but not a Hugging Face Trainer checkpoint-N folder or an Accelerate "
+            f"save_state folder; convert reads torch.save files and those folders",
+            IsADirectoryError(),
+        )
+    try:
+        torch.empty(0, device=device)
+    except Exception as e:
+        return fail(f"cannot put {src}'s tensors on {device}: {first_line(str(e))}", e)
+    try:
+        with allowed(args.allow_global), warnings_only_on_success():
+            obj = ckpt.load(src, map_location=device, mmap=device.type == "cpu")
+    except (ckpt.CheckpointError, OSError, ValueError) as e:
+        return fail(str(e), e)
+    except RuntimeError as e:
+        return fail(f"cannot put {src}'s tensors on {device}: {first_line(str(e))}", e)
+    counts: Counter[str] = Counter()
+    try:
+        if args.dtype:
+            obj = _cast_tree(obj, DTYPES[args.dtype], _protected(obj), {}, counts)
+    except (ValueError, RuntimeError) as e:  # RuntimeError: an OOM while casting
+        return fail(f"{src}: {e}", e)
+    total = _storage_bytes(obj)
+    bar = (
+        Progress(f"writing {os.path.basename(dst)}", total, sys.stderr)
+        if (total >= _LARGE and isatty(sys.stderr) and not as_json)
+        else None
+    )
+    try:
+        ckpt._save(obj, dst, progress=bar)
+    except (OSError, RuntimeError, ValueError) as e:
+        if bar:
+            bar.close()
+        return fail(f"cannot write {dst}: {e}", e)
+    if bar:
+        bar.close()
+    tensors = list(all_tensors(obj))
+    size = os.path.getsize(dst)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "wrote": dst,
+                    "tensors": len(tensors),
+                    "device": str(device),
+                    "bytes": size,
+                    "dtype": args.dtype,
+                    "cast": counts["cast"],
+                    "kept": counts["kept"],
+                }
+            )
+        )
+        return 0
+    summary = f"wrote {dst}: {len(tensors)} tensors on {device}, {human_bytes(size)}"
+    if args.dtype:
+        summary += f"; cast {counts['cast']} floating tensors to {args.dtype}"
+        if counts["kept"]:
+            summary += f", kept {counts['kept']} optimizer scalars (step, …) in their dtype"
+    print(summary)
+    return 0
+
+
+def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -> int:
+    """``convert`` of a Trainer or Accelerate folder: its optimizer files are rewritten, the rest copied as is.
+
+    OUT the folder itself rewrites the optimizer files in place (each atomically). Otherwise OUT must not exist
+    (or be an empty folder): the copy is built in a hidden folder beside it and renamed into place at the end,
+    so OUT never holds half a checkpoint (a framework would resume from a folder that lacks its optimizer file
+    without a word).
+    """
+
+    def convert(src: str, dst: str) -> int:
+        return run_convert(
+            argparse.Namespace(
+                input=src, output=dst, device=args.device, dtype=args.dtype, allow_global=args.allow_global, json=False
+            )
+        )
+
+    if not folder.optimizer_files:
+        return failure("convert", f"{folder.path} is a {folder.label} without an optimizer file: nothing to convert")
+    dst = args.output
+    if os.path.exists(dst) and os.path.samefile(dst, folder.path):
+        for name in folder.optimizer_files:
+            path = os.path.join(folder.path, name)
+            if convert(path, path):
+                return 1
+        return 0
+    if os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
+        return failure(
+            "convert",
+            f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its optimizer files in place",
+        )
+    target = os.path.abspath(dst)
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    os.mkdir(tmp)
+    try:
+        written = io.StringIO()
+        for name in folder.optimizer_files:
+            with contextlib.redirect_stdout(written):
+                failed = convert(os.path.join(folder.path, name), os.path.join(tmp, name))
+            if failed:
+                return 1
+        for name, role in folder.files.items():
+            if role == "optimizer":
+                continue
+            source = os.path.join(folder.path, name)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(tmp, name), symlinks=True)
+            else:
+                shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
+        os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
+    except OSError as e:
+        return failure("convert", f"cannot write {dst}: {e}")
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    # NOTE: each file's summary names the hidden folder it was written to; report where it is now.
+    sys.stdout.write(written.getvalue().replace(tmp, os.path.normpath(dst)))
+    copied = len(folder.files) - len(folder.optimizer_files)
+    print(f"copied {copied} other entr{'y' if copied == 1 else 'ies'} of {folder.path} unchanged into {dst}")
+    return 0

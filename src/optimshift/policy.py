@@ -433,7 +433,8 @@ def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def rule_source(optimizer: torch.optim.Optimizer) -> str:
-    """How this optimizer's rules are known: ``registered``, ``torch.optim`` or ``default`` (guessed)."""
+    """How this optimizer's rules are known: ``registered``, ``torch.optim`` or ``default`` (neither: its 0-dim
+    state is probed where the class can be built from a param, else guessed; see :func:`decide`)."""
     for base in type(optimizer).__mro__:
         if base in _registry:
             return "registered"

@@ -23,8 +23,10 @@ def test_debug_says_what_each_operation_moved(sim, caplog):
 
 
 def test_warning_when_a_rule_was_guessed(caplog):
+    """A class the probe cannot build from a param alone (it needs ``data``) gets the default rule, said once."""
+
     class Homemade(torch.optim.Optimizer):
-        def __init__(self, params):
+        def __init__(self, params, data):
             super().__init__(params, {"lr": 0.1})
 
         def step(self, closure=None):
@@ -33,8 +35,9 @@ def test_warning_when_a_rule_was_guessed(caplog):
                     self.state[p].setdefault("step", torch.tensor(0.0))
 
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = Homemade([p])
+    opt = Homemade([p], data=None)
     opt.step()
     with caplog.at_level(logging.WARNING, logger="optimshift"):
         optimshift.move(opt)
-    assert any("no placement rule is known for Homemade" in r.getMessage() for r in caplog.records)
+    (warned,) = [r.getMessage() for r in caplog.records if "no placement rule is known for Homemade" in r.getMessage()]
+    assert "the probe could not build Homemade" in warned and "'data'" in warned

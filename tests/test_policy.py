@@ -153,8 +153,11 @@ def policy_cost(name):
 
 
 def test_unknown_optimizer_uses_default_rule_and_check_says_so():
+    """A class the probe cannot build from a param and its group (a required argument the group does not hold)
+    gets the default rule, and check() says so and why."""
+
     class Mine(torch.optim.Optimizer):
-        def __init__(self, params):
+        def __init__(self, params, num_data):
             super().__init__(params, {"lr": 0.1})
 
         def step(self, closure=None):
@@ -166,7 +169,7 @@ def test_unknown_optimizer_uses_default_rule_and_check_says_so():
                     st["step"] += 1
 
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = Mine([p])
+    opt = Mine([p], num_data=8)
     opt.step()
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
@@ -174,7 +177,9 @@ def test_unknown_optimizer_uses_default_rule_and_check_says_so():
         assert opt.state[q]["step"].device.type == "cpu" and opt.state[q]["buf"].device == CUDA0
         report = optimshift.check(opt)
         assert report.ok
-        assert any(f.severity == "info" and "register_policy" in f.why for f in report.findings)
+        (info,) = [f for f in report.findings if f.severity == "info"]
+        assert "register_policy" in info.why
+        assert "the probe could not build Mine" in info.why and "'num_data'" in info.why
 
 
 def test_register_policy_decides_for_third_party_classes():
@@ -205,7 +210,7 @@ def test_register_policy_decides_for_third_party_classes():
             q = torch.nn.Parameter(torch.zeros(3, device=CUDA0))
             optimshift.rebind(opt, [q])
             assert opt.state[q]["count"].device.type == "cpu"
-            assert opt.state[q]["scale"].device == CUDA0  # default: a 0-dim non-'step' follows its param
+            assert opt.state[q]["scale"].device.type == "cpu"  # probed: a fresh Counting keeps it on the host
             assert ("count", CUDA0) in calls
             assert optimshift.check(opt).ok
     finally:

@@ -4,7 +4,11 @@ Every rule optimshift derives from torch comes from a throwaway optimizer of the
 a group's hyperparameters (see below), stepped and read. Nothing here touches the caller's optimizer.
 
 - :func:`probe` (placement): one step over a fake ``cuda:0`` param (``FakeTensorMode``: no GPU, no memory) says
-  where each 0-dim state tensor landed, on the param's device or on the host, and, for each tensor the group
+  where each 0-dim state tensor landed, on the param's device or on the host (for a class torch.optim does not
+  define, also what each one it keeps on the host costs in device reads per step when it is on the device
+  instead: one more step, and one per such entry, see :class:`Observed`; :func:`unprobed` says why a class
+  could not be probed),
+  and, for each tensor the group
   holds (a tensor ``lr``, tensor ``betas``), whether the step reads it on the host (``1 - beta2`` given to
   ``addcmul_`` as a number, ``alpha=-lr``), which costs a device-to-host sync per read when it sits on the
   device, and whether the step refuses it on the host. The step runs once with every such tensor on the host,
@@ -30,11 +34,20 @@ NOTE: what is cached for a key must be what any group with that key observes, so
 sees the group's floats: each is built with torch's default for that hyperparameter where the default is of the
 same class, else with a fixed number of the class (0.5 between 0 and 1, 2.0 above 1, -0.5 below 0), and a
 one-element tensor hyperparameter as the default number. What it observes is then a function of the key alone.
+A value that is neither a number, a string, a dtype or device, an enum nor a tuple or list of those (a dict, a
+callable, any other object) is never handed over: the constructor's default stands in for it, so the throwaway
+shares nothing mutable with the user's groups (a third-party class may keep anything there).
+
+A third-party class is probed the same way (its ``__init__``'s keyword defaults, the group's values by kind);
+its step is user code, run only as a torch class's is: on fake tensors, under ``inference_mode``, every
+exception caught, with a bound on the host reads it makes (:data:`MAX_READS`: a loop until a value converges
+would never end on stand-ins).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import math
 import numbers
@@ -56,6 +69,8 @@ __all__ = [
     "StateSpec",
     "Rejection",
     "probe",
+    "unprobed",
+    "torch_defined",
     "probe_key",
     "expected_state",
     "rejected_dtypes",
@@ -76,6 +91,8 @@ HOST_READ, NEEDS_DEVICE = "host", "device"  # verdicts on a group tensor; absent
 # group's tensors: all made by the probe).
 _FAKE_DEVICE = torch.device("cuda", 0)
 CACHE_SIZE = 1024
+MAX_READS = 10_000
+"""At most this many host reads in one probe step: past it the step is stopped (an error the probe catches)."""
 _KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
 
 GroupPath = tuple[Any, int | None]
@@ -210,7 +227,14 @@ def _built_with(value: Any, default: Any) -> Any:
         if any(item is _DROP for item in items):
             return _DROP
         return tuple(items) if isinstance(value, tuple) else items
-    return value
+    if _plain(value):
+        return value
+    return _DROP  # (a dict, a callable, an object: the constructor's default, never the user's object)
+
+
+def _plain(value: Any) -> bool:
+    """An immutable value a throwaway optimizer may be given as it is (see the module docstring)."""
+    return value is None or isinstance(value, (numbers.Number, str, bytes, enum.Enum, torch.dtype, torch.device))
 
 
 def built_kwargs(
@@ -265,10 +289,15 @@ class Observed:
     """What one probe saw. ``state``: {0-dim state key: on the param's device after a step}, ``None`` if the
     step created no state. ``group``:
     {(group key, index in a tuple or None): HOST_READ or NEEDS_DEVICE} for the group tensors the step reads on
-    the host or refuses there (absent: it works alike wherever the tensor is)."""
+    the host or refuses there (absent: it works alike wherever the tensor is). ``error``: what the step raised,
+    if it did (the state it made before that is what was read). ``reads``, for a class torch.optim does not
+    define: {0-dim state key the step keeps on the host: the device reads a later step makes more with that
+    entry on the device}, for the one param, where the later steps could run."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
+    error: str | None = None
+    reads: Mapping[str, int] = field(default_factory=dict)
 
 
 def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
@@ -305,8 +334,12 @@ class _Reads(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.on_device = 0
+        self.reads = 0
 
     def _count(self, t: torch.Tensor) -> None:
+        self.reads += 1
+        if self.reads > MAX_READS:
+            raise RuntimeError(f"optimshift probe: more than {MAX_READS} host reads in one step; stopped")
         if t.device.type != "cpu":
             self.on_device += 1
 
@@ -367,6 +400,23 @@ class _Run:
     state: dict[str, bool] | None
     reads: int
     error: str | None
+    costs: dict[str, int] = field(default_factory=dict)
+
+
+class _Unbuilt(Exception):
+    """The throwaway optimizer could not be built (its message: why)."""
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _fake_step(opt: torch.optim.Optimizer, reads: _Reads) -> int:
+    """One step of ``opt`` (its exceptions propagate), its host reads counted in ``reads``; the device reads."""
+    with reads:
+        # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
+        opt.step(lambda: torch.zeros((), device=_FAKE_DEVICE))  # type: ignore[arg-type, return-value]
+    return reads.on_device
 
 
 def _run(
@@ -375,7 +425,10 @@ def _run(
     ndim: int,
     paths: list[GroupPath],
     on_device: GroupPath | None,
+    costs: bool = False,
 ) -> _Run:
+    """One probe step (``on_device``: the group tensor put on the device, the others on the host); ``costs``: then
+    measure what each host scalar the step made costs on the device (:func:`_costs`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -386,7 +439,10 @@ def _run(
         with FakeTensorMode(allow_non_fake_inputs=True):
             param = torch.nn.Parameter(torch.zeros(shape, device=_FAKE_DEVICE), requires_grad=False)
             param.grad = torch.zeros(shape, device=_FAKE_DEVICE)
-            opt = cls([param], **kwargs)
+            try:
+                opt = cls([param], **kwargs)
+            except Exception as e:
+                raise _Unbuilt(_error(e)) from None
             live = opt.param_groups[0]
             for key, index in paths:  # the group's own tensors, on the host (one of them on the device)
                 like = group[key] if index is None else group[key][index]
@@ -400,26 +456,53 @@ def _run(
                     entry[index] = t
                     live[key] = type(group[key])(entry)
             error = None
-            with _Reads() as reads:
-                try:
-                    # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
-                    opt.step(lambda: torch.zeros((), device=_FAKE_DEVICE))  # type: ignore[arg-type, return-value]
-                except Exception as e:
-                    # Fake tensors cannot launch every kernel (a CPU-only build has no fused CUDA kernels), but
-                    # the state was created before that point, which is all that is read of it.
-                    error = f"{type(e).__name__}: {str(e)[:200]}"
+            reads = _Reads()
+            try:
+                _fake_step(opt, reads)
+            except Exception as e:
+                # Fake tensors cannot launch every kernel (a CPU-only build has no fused CUDA kernels), but
+                # the state was created before that point, which is all that is read of it.
+                error = _error(e)
             state = opt.state.get(param, {})
             found = {
                 key: value.device.type != "cpu"
                 for key, value in state.items()
                 if isinstance(value, torch.Tensor) and value.dim() == 0
             }
-    return _Run(found if state else None, reads.on_device, error)
+            measured = _costs(opt, state, found) if costs and error is None else {}
+    return _Run(found if state else None, reads.on_device, error, measured)
+
+
+def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str, bool]) -> dict[str, int]:
+    """{host scalar key: the device reads one more step makes with it on the (fake) device than without}: a
+    step as it is, then for each key a step with that entry on the device (and back on the host after it).
+    NOTE: every read of a fake tensor returns the same stand-in, so the steps after the first take one path and
+    compare alike. A key whose step fails is left out (its cost is not known)."""
+    try:
+        baseline = _fake_step(opt, _Reads())
+    except Exception:
+        return {}
+    out: dict[str, int] = {}
+    for key in [k for k, on_device in found.items() if not on_device]:
+        held = state[key]
+        state[key] = torch.zeros((), dtype=held.dtype, device=_FAKE_DEVICE)
+        try:
+            out[key] = max(_fake_step(opt, _Reads()) - baseline, 0)
+        except Exception:
+            pass
+        finally:
+            state[key] = torch.zeros((), dtype=held.dtype)
+    return out
+
+
+def torch_defined(cls: type) -> bool:
+    """Whether torch.optim defines ``cls`` itself (its sync costs are measured on a device: ``report``)."""
+    return cls.__module__.split(".")[:2] == ["torch", "optim"] and getattr(torch.optim, cls.__name__, None) is cls
 
 
 def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed:
     paths = group_tensor_paths(group)
-    baseline = _run(cls, group, ndim, paths, None)
+    baseline = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
     verdicts: dict[GroupPath, str] = {}
     for path in paths:
         alone = _run(cls, group, ndim, paths, path)
@@ -427,21 +510,36 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
         elif baseline.error is not None and alone.error is None:
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
-    return Observed(baseline.state, verdicts)
+    return Observed(baseline.state, verdicts, baseline.error, baseline.costs)
+
+
+def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | str:
+    """The cached probe: what it observed, or why it could not run."""
+
+    def observe() -> Observed | str:
+        try:
+            return _observe(cls, group, min(ndim, 2))
+        except _Unbuilt as e:
+            return f"the probe could not build {cls.__name__} from a param and its group's hyperparameters ({e})"
+        except Exception as e:
+            return f"the probe could not run {cls.__name__} ({_error(e)})"
+
+    return _cached(("placement", probe_key(cls, group, ndim)), observe)
 
 
 def probe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | None:
     """What one step of a fresh ``cls`` over a fake ``cuda:0`` param of rank ``ndim`` with ``group``'s
     hyperparameters does (see the module docstring); ``None`` when the probe cannot run (the caller falls back
-    to its table for state, and keeps group tensors where they are)."""
+    to its table for state, and keeps group tensors where they are; :func:`unprobed` says why)."""
+    found = _placement(cls, group, ndim)
+    return found if isinstance(found, Observed) else None
 
-    def observe() -> Observed | None:
-        try:
-            return _observe(cls, group, min(ndim, 2))
-        except Exception:  # the optimizer cannot be built this way: use the static table
-            return None
 
-    return _cached(("placement", probe_key(cls, group, ndim)), observe)
+def unprobed(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> str | None:
+    """Why :func:`probe` cannot run for ``cls`` with ``group`` (the constructor's error, for a class that needs
+    more than a param and those hyperparameters), ``None`` where it runs."""
+    found = _placement(cls, group, ndim)
+    return found if isinstance(found, str) else None
 
 
 # --- what a step keeps per param: one step over two small host params -------------------------------------------

@@ -484,9 +484,11 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     back: dict[Ident, torch.device] = {}  # offloaded: where reload() puts each tensor
     if record is not None and offloaded:
         back = {tr.ident: tr.target for tr in build_plan(optimizer, _reload_target(optimizer, record)).transfers}
-    guessed = False
+    guessed: dict[str, None] = {}  # why the default rule was used, each reason once, in order
     for tr in plan.transfers:
-        guessed = guessed or tr.source == "default"
+        if tr.source == "default" and tr.param is not None:
+            group = optimizer.param_groups[tr.site.group]
+            guessed[_policy.why_guessed(type(optimizer), group, tr.param.dim(), tr.site.key)] = None
         t, site = tr.tensor, tr.site
         at = back.get(tr.ident, t.device)  # where the entry is (offloaded: where reload() puts it)
         if at == tr.target:
@@ -534,8 +536,9 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
                 "-",
                 "-",
                 "-",
-                f"no placement rule is known for {name}: used the default (a 0-dim 'step' stays on the host unless "
-                f"the group is fused/capturable; everything else follows its param). Register one with "
+                f"no placement rule is known for {name}: {'; '.join(guessed)}; used the default (a 0-dim "
+                f"'step' stays on the host unless the group is fused/capturable; everything else follows its "
+                f"param). Register one with "
                 f"optimshift.register_policy({name}, policy) if that is wrong.",
             )
         )
@@ -574,8 +577,18 @@ def _explain(
     at = t.device if at is None else at
     on_host = at.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
+        on_device = at.type != "cpu"
+        held_by = param if param is not None and param.device.type != "cpu" else None  # (a probe's count)
         cost = (
-            sync_cost(type(optimizer), name, site.key, group.get("foreach"), at.type != "cpu")
+            sync_cost(
+                type(optimizer),
+                name,
+                site.key,
+                group.get("foreach"),
+                on_device,
+                None if held_by is None else group,
+                1 if held_by is None else held_by.dim(),
+            )
             if len(site.path) == 1
             else None
         )

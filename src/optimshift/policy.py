@@ -10,8 +10,9 @@ tensor landed, and which of the group's own tensors (tensor ``lr``, ``betas``) t
 Where it cannot run, a static table of torch 2.4-2.13's rules is used. Non-scalar state always follows its
 param. A group's own tensor goes to the host if the step reads it there; otherwise it stays on its side (torch
 never moves them: a fresh optimizer keeps them where they were given). Third-party optimizers can say where
-their entries belong with :func:`register_policy`; anything else gets a safe default rule and
-:func:`optimshift.check` reports that it guessed.
+their entries belong with :func:`register_policy`; otherwise their 0-dim state is probed as torch's is (a
+throwaway of the class itself, where it can be built from a param and the group's hyperparameters), and
+anything still unknown gets a safe default rule, which :func:`optimshift.check` reports, with why.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ._probe import HOST_READ, NEEDS_DEVICE, probe, quiet_global_step_hooks  # noqa: F401 (re-exported)
+from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
+    HOST_READ,
+    NEEDS_DEVICE,
+    probe,
+    quiet_global_step_hooks,
+    torch_defined,
+    unprobed,
+)
 from ._state import group_device
 
 __all__ = [
@@ -39,6 +47,7 @@ __all__ = [
     "step_of",
     "same_step",
     "Placer",
+    "why_guessed",
 ]
 
 HOST = torch.device("cpu")
@@ -198,7 +207,7 @@ def builtin_base(cls: type) -> type[torch.optim.Optimizer] | None:
     for base in cls.__mro__:
         if base is torch.optim.Optimizer:
             return None
-        if base.__module__.split(".")[:2] == ["torch", "optim"] and getattr(torch.optim, base.__name__, None) is base:
+        if torch_defined(base):
             return cast("type[torch.optim.Optimizer]", base)  # (torch.optim's classes below Optimizer)
     return None
 
@@ -262,25 +271,47 @@ def decide(
             # The probe ran and this class keeps no such scalar after a step: follow the param, as
             # torch.optim does for every tensor it does not deliberately host.
             return Decision(device, "rule")
-    _warn_guessed(cls)
+    else:
+        # A class torch.optim does not define is learned as torch's are, from a throwaway step of its own (a
+        # fake cuda:0 param, the group's hyperparameters by kind), where it can be built that way.
+        observed = probe(cls, group, param.dim())
+        probed = None if observed is None else observed.state
+        if probed is not None and key in probed:
+            return Decision(device if probed[key] else HOST, "probe")
+    _warn_guessed(cls, group, param.dim(), key)
     if key == "step":
         return Decision(device if _default_scalar_on_device(group) else HOST, "default")
     return Decision(device, "default")
 
 
+def why_guessed(cls: type, group: Mapping[str, Any], ndim: int, key: str) -> str:
+    """Why :func:`decide` used the default rule for 0-dim state ``key`` of a rank-``ndim`` param in ``group``
+    (the probe could not build or run the class, or its step made no such entry)."""
+    probed_cls = builtin_base(cls) or cls
+    failed = unprobed(probed_cls, group, ndim)
+    if failed is not None:
+        return failed
+    observed = probe(probed_cls, group, ndim)
+    if observed is None or observed.state is None:
+        error = None if observed is None else observed.error
+        return f"a probe step of {probed_cls.__name__} made no state" + (f" ({error})" if error else "")
+    return f"a probe step of {probed_cls.__name__} made no 0-dim {key!r}"
+
+
 _guessed: set[type] = set()
 
 
-def _warn_guessed(cls: type) -> None:
-    """Say once per class, on the ``optimshift`` logger, that its placement was guessed."""
+def _warn_guessed(cls: type, group: Mapping[str, Any], ndim: int, key: str) -> None:
+    """Say once per class, on the ``optimshift`` logger, that its placement was guessed, and why."""
     if cls in _guessed:
         return
     _guessed.add(cls)
     logging.getLogger("optimshift").warning(
-        "no placement rule is known for %s: a 0-dim 'step' stays on the host unless the group is fused or "
+        "no placement rule is known for %s: %s; a 0-dim 'step' stays on the host unless the group is fused or "
         "capturable, everything else follows its param; register one with optimshift.register_policy(%s, policy) "
         "if that is wrong",
         cls.__name__,
+        why_guessed(cls, group, ndim, key),
         cls.__name__,
     )
 
@@ -402,7 +433,8 @@ def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def rule_source(optimizer: torch.optim.Optimizer) -> str:
-    """How this optimizer's rules are known: ``registered``, ``torch.optim`` or ``default`` (guessed)."""
+    """How this optimizer's rules are known: ``registered``, ``torch.optim`` or ``default`` (neither: its 0-dim
+    state is probed where the class can be built from a param, else guessed; see :func:`decide`)."""
     for base in type(optimizer).__mro__:
         if base in _registry:
             return "registered"

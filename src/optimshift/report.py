@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Finding", "Report", "PlacementRow", "format_table", "SYNC_COST", "sync_cost"]
 
@@ -25,16 +27,29 @@ SYNC_COST: dict[tuple[str, str], tuple[int, int]] = {
 }
 
 
-def sync_cost(cls: type | None, name: str, key: str, foreach: bool | None, on_device: bool) -> int | None:
+def sync_cost(
+    cls: type | None,
+    name: str,
+    key: str,
+    foreach: bool | None,
+    on_device: bool,
+    group: Mapping[str, Any] | None = None,
+    ndim: int = 1,
+) -> int | None:
     """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, for the class (its
     torch.optim base, else ``name``); ``foreach=None`` is torch's default: foreach for accelerator params.
-    None where nothing was measured."""
+    For a class torch.optim does not define, with the ``group`` and param rank ``ndim`` given and the param on
+    an accelerator: what its probe counted (``_probe.Observed.reads``). None where nothing was measured."""
+    from ._probe import probe
     from .policy import builtin_base
 
     base = builtin_base(cls) if cls is not None else None
     costs = SYNC_COST.get((base.__name__ if base else name, key))  # (single-tensor, foreach)
     if costs is None:
-        return None
+        if base is not None or cls is None or group is None or not on_device:
+            return None
+        observed = probe(cls, group, ndim)
+        return None if observed is None else observed.reads.get(key)
     return costs[1 if (on_device if foreach is None else bool(foreach)) else 0]
 
 

@@ -7,9 +7,11 @@ Importing this module registers nothing and imports no optimizer library; ``regi
 it has policies for, if installed. ``unregister()`` removes them again.
 
 Checked against every optimizer in ``pytorch_optimizer``'s registry (``tests/integrations/test_third_party.py``):
-the built-in rule (each tensor follows its param; a 0-dim ``step`` stays on the host unless the group is
-fused/capturable; 0-dim tensors kept in a param group stay on the host) already matches a fresh optimizer for
-all but one class that can be placed at all:
+the built-in rule (a param's 0-dim state where a probe step of the class puts it, where the probe can build the
+class from a param; else a 0-dim ``step`` stays on the host unless the group is fused/capturable; every other
+tensor follows its param; 0-dim tensors kept in a param group stay on the host) already matches a fresh
+optimizer for every class that can be placed at all but two, whose entries no probe decides (a group's and an
+optimizer-wide one):
 
 - ``AliG`` writes ``group["step_size"] = loss / grad_norm``, a 0-dim tensor on the loss's device (the
   params' device) when the closure returns a tensor: it belongs with the group's params, not on the host.

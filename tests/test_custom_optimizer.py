@@ -1,0 +1,203 @@
+"""A class torch.optim does not define, with no registered policy (issue 30, item 7): its 0-dim state is placed
+where a fresh optimizer of the class keeps it, learned by the probe from a throwaway step of the class itself;
+check() reports a scalar that costs syncs a fresh optimizer does not have, with what the probe counted."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import optimshift
+from optimshift import _probe, policy
+
+
+class Counter(torch.optim.Optimizer):
+    """SGD with momentum whose step size shrinks with a 0-dim host counter, read with ``.item()`` each step."""
+
+    def __init__(self, params, lr=0.1, momentum=0.9):
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["count"] = torch.tensor(0.0)  # on the host, as a fresh optimizer keeps it
+                    state["buf"] = torch.zeros_like(p)
+                state["count"] += 1
+                scale = 1.0 / state["count"].item()  # on the device: one host sync per param per step
+                state["buf"].mul_(group["momentum"]).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"] * scale)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, shapes, device):
+        super().__init__()
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(s, device=device)) for s in shapes)
+
+
+def _trained(cls, device, groups=None, steps=2, shapes=((3,), (2, 2))):
+    net = Net(shapes, device)
+    opt = cls(groups(list(net.ps)) if groups else list(net.ps))
+    for _ in range(steps):
+        _step(net, opt)
+    return net, opt
+
+
+def _step(net, opt):
+    for i, p in enumerate(net.ps):
+        p.grad = torch.full_like(p, 0.5 * (i + 1))
+    opt.step()
+
+
+def _layout(opt):
+    return [
+        (gi, pi, key, str(value.device))
+        for gi, group in enumerate(opt.param_groups)
+        for pi, p in enumerate(group["params"])
+        for key, value in opt.state[p].items()
+    ]
+
+
+def test_move_keeps_a_custom_host_counter_where_a_fresh_optimizer_does(sim):
+    net, opt = _trained(Counter, "cpu")
+    net.to(sim)
+    optimshift.move(opt, sim)
+    fresh_net, fresh = _trained(Counter, sim)
+    assert _layout(opt) == _layout(fresh)
+    assert {key: str(v.device) for key, v in opt.state[net.ps[0]].items()} == {"count": "cpu", "buf": str(sim)}
+    with optimshift.count_syncs() as moved:
+        _step(net, opt)
+    with optimshift.count_syncs() as fresh_syncs:
+        _step(fresh_net, fresh)
+    assert moved.total == fresh_syncs.total == 0
+    report = optimshift.check(opt)
+    assert report.ok and report.findings == []  # probed: no guess to report
+
+
+def test_check_reports_a_custom_counter_on_the_device_with_its_sync_cost(sim):
+    net, opt = _trained(Counter, sim)
+    for p in net.ps:
+        opt.state[p]["count"] = opt.state[p]["count"].to(sim)  # by hand: what the old default rule did
+    report = optimshift.check(opt)
+    assert not report.ok
+    assert [(f.severity, f.key, f.expected) for f in report.findings] == [("warning", "count", "cpu")] * 2
+    assert all("device-to-host sync" in f.why for f in report.findings)
+    with optimshift.count_syncs() as syncs:
+        _step(net, opt)
+    assert syncs.total == 2  # one .item() per param
+    assert report.syncs_per_step == syncs.total  # the probe's count, per param per step
+
+
+def test_the_probe_counts_the_device_reads_of_each_host_scalar():
+    group = {"lr": 0.1, "momentum": 0.9}
+    observed = _probe.probe(Counter, group, 1)
+    assert observed is not None and observed.state == {"count": False}
+    assert dict(observed.reads) == {"count": 1}
+    assert _probe.unprobed(Counter, group, 1) is None
+
+
+class Placed(torch.optim.Optimizer):
+    """Its counter lives on the param's device for matrices, or where ``device_counter`` says, else on the host."""
+
+    def __init__(self, params, lr=0.1, device_counter=False):
+        super().__init__(params, {"lr": lr, "device_counter": device_counter})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    on_device = group["device_counter"] or p.dim() >= 2
+                    state["count"] = torch.zeros((), device=p.device) if on_device else torch.zeros(())
+                state["count"] += 1
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_custom_class_is_placed_per_group_flag_and_param_rank(sim):
+    """The probe key (flags by value, param rank) and the Placer's memo (group, rank) hold for a third-party
+    class: each entry goes where a fresh one keeps it."""
+
+    def groups(ps):
+        return [{"params": ps[:2], "device_counter": False}, {"params": ps[2:], "device_counter": True}]
+
+    shapes = ((3,), (2, 2), (3,))
+    net, opt = _trained(Placed, "cpu", groups, shapes=shapes)
+    net.to(sim)
+    optimshift.move(opt, sim)
+    _, fresh = _trained(Placed, sim, groups, shapes=shapes)
+    expected = [(0, 0, "count", "cpu"), (0, 1, "count", str(sim)), (1, 0, "count", str(sim))]
+    assert _layout(opt) == _layout(fresh) == expected
+    assert optimshift.check(opt).ok
+
+
+def test_a_custom_class_is_probed_once_per_key(monkeypatch):
+    """A float's value is not part of the key (an LR scheduler runs no probe again); its class against 0 and 1 is."""
+    runs = []
+    real = _probe._observe
+    monkeypatch.setattr(_probe, "_observe", lambda *a: runs.append(a[1]["lr"]) or real(*a))
+    _probe.clear_cache()
+    p = torch.nn.Parameter(torch.zeros(3))
+    for lr in (0.1, 0.01, 0.5, 0.0):
+        group = {"params": [p], "lr": lr, "momentum": 0.9}
+        decision = policy.decide(Counter([p]), group, p, "count", torch.zeros(()), torch.device("cuda", 0))
+        assert (decision.device.type, decision.source) == ("cpu", "probe")
+    assert runs == [0.1, 0.0]
+
+
+class Converging(torch.optim.Optimizer):
+    """Iterates until a device value converges: on the probe's stand-ins (no values) it never would."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["count"] = torch.tensor(0.0)
+                state["count"] += 1
+                while (p.grad * p.grad).sum().item() > 0.1:
+                    p.grad.mul_(0.5)
+
+
+def test_a_probe_step_that_would_never_end_is_stopped(monkeypatch):
+    monkeypatch.setattr(_probe, "MAX_READS", 50)
+    _probe.clear_cache()
+    observed = _probe.probe(Converging, {"lr": 0.1}, 1)
+    assert observed is not None and observed.state == {"count": False}
+    assert observed.error is not None and "host reads" in observed.error
+
+
+def test_the_throwaway_is_given_no_mutable_value_of_the_users_group():
+    class Configured(torch.optim.Optimizer):
+        def __init__(self, params, lr=0.1, config=None, betas=(0.9, 0.99)):
+            super().__init__(params, {"lr": lr, "config": config, "betas": betas})
+
+    config = {"warmup": 3}
+    built = _probe.built_kwargs(Configured, {"lr": 0.2, "config": config, "betas": [0.8, 0.9], "params": []})
+    assert built == {"lr": 0.1, "betas": [0.9, 0.99]}  # (the dict: the constructor's default stands in)
+
+
+def test_an_unbuildable_custom_class_falls_back_and_says_why(sim, caplog):
+    class Needy(Counter):
+        def __init__(self, params, num_data, lr=0.1):
+            super().__init__(params, lr)
+
+    net = Net(((3,),), "cpu")
+    opt = Needy(list(net.ps), num_data=8)
+    _step(net, opt)
+    net.to(sim)
+    with caplog.at_level(logging.WARNING, logger="optimshift"):
+        optimshift.move(opt, sim)
+    assert opt.state[net.ps[0]]["count"].device == sim  # the default rule: a 0-dim non-'step' follows its param
+    (warned,) = [r.getMessage() for r in caplog.records if "Needy" in r.getMessage()]
+    assert "could not build Needy" in warned and "num_data" in warned
+    report = optimshift.check(opt)
+    (info,) = [f for f in report.findings if f.severity == "info"]
+    assert "could not build Needy" in info.why and "num_data" in info.why and "register_policy" in info.why

@@ -169,3 +169,28 @@ def test_other_folders_are_not_training_folders(tmp_path, capsys):
     assert training_folder(str(plain / "notes.txt")) is None
     rc, _, err = _run(capsys, "convert", plain, tmp_path / "out")
     assert rc == 1 and "not a Hugging Face Trainer checkpoint-N folder or an Accelerate save_state folder" in err
+
+
+def test_convert_into_a_new_folder_removes_what_a_crashed_convert_left(tmp_path, capsys):
+    """A convert killed while building its folder leaves ``.OUT.<hex>.tmp`` beside OUT; the next convert to OUT
+    removes it once no process holds its writer's lock, and leaves a live writer's alone (the DCP save's rule,
+    one implementation: ``checkpoint._atomic.sweep_folders``)."""
+    from optimshift.checkpoint._atomic import lock_folder
+
+    folder = _trainer_folder(tmp_path)
+    out = tmp_path / "converted"
+    crashed = tmp_path / ".converted.0123456789ab.tmp"
+    live = tmp_path / ".converted.ba9876543210.tmp"
+    crashed.mkdir()
+    (crashed / "optimizer.pt").write_bytes(b"half written")
+    live.mkdir()
+    held = lock_folder(live)  # (another writer, still at work)
+    try:
+        rc, _, err = _run(capsys, "convert", folder, out)
+        assert rc == 0, err
+        assert not crashed.exists() and live.is_dir()
+        torch.load(out / "optimizer.pt", weights_only=True)
+    finally:
+        if held is not None:
+            os.close(held)
+    assert sorted(os.listdir(tmp_path)) == [".converted.ba9876543210.tmp", "checkpoint-10", "converted"]

@@ -427,9 +427,9 @@ def test_save_replaces_a_checkpoint_and_clears_a_crashed_save(tmp_path):
 def test_commit_without_an_atomic_exchange(tmp_path, monkeypatch):
     """Where renameat2(RENAME_EXCHANGE) is unavailable the commit takes two renames; a crash between them
     leaves the previous checkpoint at <path>.optimshift-old, which load and describe_dcp then read."""
-    from optimshift.distributed import _checkpoint
+    from optimshift.checkpoint import _atomic
 
-    monkeypatch.setattr(_checkpoint, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(_atomic, "exchange", lambda a, b: False)
     model, opt = _trained()
     target = tmp_path / "ck"
     save(target, model, opt, extra={"n": 1})

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from _dist_workers import bitwise_equal
 
+from optimshift.checkpoint import _atomic
 from optimshift.distributed import _checkpoint, load, save
 
 
@@ -251,7 +252,7 @@ def test_an_incomplete_temporary_directory_is_not_committed(tmp_path, monkeypatc
 @pytest.mark.parametrize("exchange", [True, False])
 def test_a_failing_cleanup_after_the_commit_is_not_a_failed_save(tmp_path, monkeypatch, exchange):
     if not exchange:
-        monkeypatch.setattr(_checkpoint, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(_atomic, "exchange", lambda a, b: False)
     model, opt = _trained()
     target = tmp_path / "ck"
     save(target, model, opt, extra={"n": 1})

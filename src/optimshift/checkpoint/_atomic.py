@@ -1,4 +1,5 @@
-"""Temporary files for atomic saves, and removing the ones crashed saves left behind.
+"""Temporary files and folders for atomic saves, the rename that commits them, and removing the ones crashed saves
+left behind.
 
 A save writes ``.NAME.<12 hex>.tmp`` next to ``NAME`` and renames it over ``NAME``. A writer killed before the
 rename (SIGKILL, preemption, OOM killer) leaves its temporary behind; :func:`sweep` removes such strays at the
@@ -11,23 +12,42 @@ temporary only after taking that lock itself, so a live writer's file is never t
 host, and a recycled pid cannot keep a stray alive. Temporaries this process is writing are skipped outright
 (on NFS, ``flock`` is emulated with per-process POSIX locks, which another thread of the writer could take).
 Without ``fcntl`` (Windows) a file open in another process cannot be deleted, which is the same test.
+
+A folder (a DCP checkpoint, a converted Trainer folder) is built the same way: a temporary folder beside its
+destination, locked by its writer for as long as it writes (:func:`lock_folder`), swept by the next writer once no
+process holds that lock (:func:`sweep_folders`), and put in place by :func:`commit_folder` (an atomic exchange with
+a folder already there where the kernel can, else two renames).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
 import secrets
+import shutil
 import stat
+import sys
 import threading
+from collections.abc import Callable
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["create_temp", "release_temp", "sweep", "temp_pattern"]
+__all__ = [
+    "create_temp",
+    "release_temp",
+    "sweep",
+    "temp_pattern",
+    "fsync_dir",
+    "lock_folder",
+    "sweep_folders",
+    "commit_folder",
+    "exchange",
+]
 
 # NOTE: the name format is the one earlier versions used, so strays they left are recognised (and removed) too.
 _TOKEN_HEX = 12
@@ -111,9 +131,7 @@ def _remove_if_abandoned(path: str) -> bool:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not _abandoned(fd):
             return False  # its writer holds the lock: still being written
         try:
             same = os.path.samestat(st, os.stat(path))
@@ -122,6 +140,92 @@ def _remove_if_abandoned(path: str) -> bool:
         return same and _unlink(path)
     finally:
         os.close(fd)
+
+
+def _abandoned(fd: int) -> bool:
+    """Whether no process holds the writer's lock on the open file or folder ``fd`` (taking it ourselves: the
+    kernel drops a writer's lock when it dies, however it dies)."""
+    assert fcntl is not None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def lock_folder(folder: str | os.PathLike[str]) -> int | None:
+    """An open descriptor holding the writer's lock on ``folder`` (released when closed, or when the process
+    dies): what keeps :func:`sweep_folders` off a live writer's temporary folder. None where folders cannot be
+    opened; where locks are unsupported the folder is merely not protected."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
+    if fcntl is not None:
+        _abandoned(fd)  # (taken: ours now)
+    return fd
+
+
+def sweep_folders(parent: str | os.PathLike[str], is_temp: Callable[[str], bool]) -> int:
+    """Remove the temporary folders in ``parent`` (names ``is_temp`` accepts) whose writer is gone: no process
+    holds their lock; returns how many. A live writer's is left alone, and so is everything without locks."""
+    if fcntl is None:
+        return 0
+    try:
+        names = [n for n in os.listdir(parent) if is_temp(n)]
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        path = os.path.join(parent, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if _abandoned(fd):
+                shutil.rmtree(path, ignore_errors=True)
+                removed += 1
+        finally:
+            os.close(fd)
+    return removed
+
+
+def commit_folder(tmp: str | os.PathLike[str], target: str | os.PathLike[str], old: str | os.PathLike[str]) -> None:
+    """Put the complete folder ``tmp`` at ``target``: a rename, or an atomic exchange with a folder already there
+    where the kernel can, else two renames (a crash between them leaves the previous folder at ``old``). Once
+    ``target`` holds the new folder nothing raises: removing the previous one is best-effort."""
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+    elif exchange(tmp, target):
+        shutil.rmtree(tmp, ignore_errors=True)  # it now holds the previous folder
+    else:
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(os.path.dirname(os.path.abspath(target)))
+
+
+def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, musl
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False  # the kernel or this filesystem cannot exchange
+    raise OSError(code, os.strerror(code), os.fspath(b))
 
 
 def _unlink(path: str) -> bool:

@@ -20,6 +20,7 @@ import torch
 from .._dtensor import tensor_bytes
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
+from ..checkpoint._atomic import fsync_dir, lock_folder, sweep_folders, temp_pattern
 from ..checkpoint._folders import TrainingFolder, training_folder
 from ._common import (
     Progress,
@@ -265,8 +266,11 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
             f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its optimizer files in place",
         )
     target = os.path.abspath(dst)
-    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    parent = os.path.dirname(target)
+    sweep_folders(parent, temp_pattern(target).fullmatch)  # what crashed converts to OUT left (no lock held)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
     os.mkdir(tmp)
+    lock = lock_folder(tmp)  # (held while this convert writes: a concurrent one's sweep leaves it alone)
     try:
         written = io.StringIO()
         for name in folder.optimizer_files:
@@ -283,9 +287,12 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
             else:
                 shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
         os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
+        fsync_dir(parent)
     except OSError as e:
         return failure("convert", f"cannot write {dst}: {e}")
     finally:
+        if lock is not None:
+            os.close(lock)
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     # NOTE: each file's summary names the hidden folder it was written to; report where it is now.

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
-import errno
 import io
 import json
 import math
 import os
 import shutil
-import sys
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -56,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .._devices import DeviceLike, resolve
 from .._probe import quiet_global_step_hooks
 from ..api import move, wait
-from ..checkpoint._atomic import fsync_dir
+from ..checkpoint._atomic import commit_folder, fsync_dir, lock_folder, sweep_folders
 from ..plan import check_optimizer, optimizer_name
 
 if TYPE_CHECKING:
@@ -117,7 +114,7 @@ def save(
         if rank == 0:
             _clear_stale(target)
             tmp.mkdir(parents=True)
-            lock = _lock(tmp)
+            lock = lock_folder(tmp)
         wait(optimizer)  # a non-blocking offload/reload still in flight: the writers read its bytes on the host
         with quiet_global_step_hooks():  # DCP steps a stateless optimizer once (zero lr) to create its state
             model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -184,7 +181,7 @@ def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> 
     try:
         _write_note(tmp, note)
         _check_complete(tmp, lock)
-        _commit(tmp, target)
+        commit_folder(tmp, target, _sibling(target, _OLD))
     except Exception as e:  # noqa: BLE001
         shutil.rmtree(tmp, ignore_errors=True)
         return e
@@ -413,6 +410,14 @@ def _as_path(path: Any) -> Path:
     if not _pathlike(path):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     return Path(os.fspath(path))
+
+
+def _clear_stale(target: Path) -> None:
+    """Remove temporary directories that crashed saves to ``target`` left: the name older versions used, and
+    ours whose lock no process holds (:func:`optimshift.checkpoint._atomic.sweep_folders`)."""
+    shutil.rmtree(_sibling(target, _TMP), ignore_errors=True)
+    prefix = target.name + _TMP + "-"
+    sweep_folders(target.parent, lambda name: name.startswith(prefix))
 
 
 def _sibling(target: Path, suffix: str) -> Path:
@@ -791,22 +796,6 @@ def _read_note(directory: Path) -> dict[str, Any] | None:
     return note if isinstance(note, dict) else {"unreadable": f"not a JSON object: {note!r}"}
 
 
-def _commit(tmp: Path, target: Path) -> None:
-    """Put the complete directory ``tmp`` at ``target``; a previous checkpoint there is replaced atomically.
-    Once ``target`` holds the new checkpoint nothing raises: removing the previous one is best-effort."""
-    if not target.exists():
-        os.rename(tmp, target)
-    elif _exchange(tmp, target):
-        shutil.rmtree(tmp, ignore_errors=True)  # it now holds the previous checkpoint
-    else:
-        old = _sibling(target, _OLD)
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)  # a crash here leaves the previous checkpoint at <path>.optimshift-old
-        os.rename(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(target.parent)
-
-
 def _check_complete(tmp: Path, lock: int | None) -> None:
     """``tmp`` is still the directory this save created (``lock`` is open on it) and a complete DCP checkpoint:
     its metadata and every file the metadata names."""
@@ -832,58 +821,3 @@ def _check_complete(tmp: Path, lock: int | None) -> None:
             f"{tmp}, this save's temporary directory, lacks {_listed(missing)}, which its metadata "
             f"names; not committing an incomplete checkpoint"
         )
-
-
-def _lock(directory: Path) -> int | None:
-    """An open descriptor holding an exclusive lock on ``directory`` (released when closed, or when the process
-    dies): how :func:`_clear_stale` tells a live save's temporary directory from a crashed one's."""
-    fd = os.open(directory, os.O_RDONLY)
-    if fcntl is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            pass  # a filesystem without locks: the directory is merely not protected from _clear_stale
-    return fd
-
-
-def _clear_stale(target: Path) -> None:
-    """Remove temporary directories that crashed saves to ``target`` left: the name older versions used, and
-    ours whose lock no process holds. A concurrent save's (locked) is left alone."""
-    shutil.rmtree(_sibling(target, _TMP), ignore_errors=True)
-    if fcntl is None or not target.parent.is_dir():
-        return
-    prefix = target.name + _TMP + "-"
-    for entry in target.parent.iterdir():
-        if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
-            continue
-        try:
-            fd = os.open(entry, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live save holds it (or locks are unsupported: leave it)
-        else:
-            shutil.rmtree(entry, ignore_errors=True)
-        finally:
-            os.close(fd)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where that is unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # glibc < 2.28, musl
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    renameat2.restype = ctypes.c_int
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False  # the kernel or this filesystem cannot exchange
-    raise OSError(code, os.strerror(code), os.fspath(b))

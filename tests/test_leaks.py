@@ -76,3 +76,47 @@ def test_an_optimizer_dropped_takes_everything_optimshift_knew_of_it(sim):
     refs += [weakref.ref(t) for st in opt.state.values() for t in st.values()]
     del opt, params, p
     assert not _alive(refs), "a session, a plan or a mode outlives its optimizer"
+
+
+class _Counting(torch.optim.Optimizer):
+    """A third-party class (probed by a throwaway step of its own: issue 30) keeping a host counter."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["count"] = torch.tensor(0.0)
+                    state["buf"] = torch.zeros_like(p)
+                state["count"] += 1
+                state["buf"].add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+def test_the_probe_and_load_caches_keep_no_tensor_of_the_user(sim, tmp_path):
+    """The probes (torch's classes and third-party ones), the load's checks and the plan caches key on kinds
+    (class, flags, ranks, a tensor hyperparameter's device and dtype), never on the user's objects: a tensor
+    ``lr``, a checkpoint's tensors, the params and the optimizer all die with the user's last reference."""
+    lr = torch.tensor(0.01)
+    params = [Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+    adam = O.Adam(params, lr=lr, betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    custom_params = [Parameter(torch.randn(3, device=sim))]
+    custom = _Counting(custom_params)
+    for opt, ps in ((adam, params), (custom, custom_params)):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        optimshift.check(opt)
+        _cycles(opt, sim)
+        optimshift.save(opt, tmp_path / f"{type(opt).__name__}.pt")
+        sd = optimshift.load(tmp_path / f"{type(opt).__name__}.pt")
+        optimshift.load_state_dict(opt, sd)
+    refs = [weakref.ref(x) for x in (lr, adam, custom, *params, *custom_params)]
+    refs += [weakref.ref(t) for o in (adam, custom) for st in o.state.values() for t in st.values()]
+    refs += [weakref.ref(t) for st in sd["state"].values() for t in st.values() if isinstance(t, torch.Tensor)]
+    del lr, params, adam, custom_params, custom, opt, ps, p, sd
+    assert not _alive(refs), "a cache keeps an object of the user's"

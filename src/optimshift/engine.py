@@ -28,15 +28,17 @@ import torch
 
 from . import _alias, _device_streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
-from ._copy import BLOCKING, Batch, Options, Side, copy_many
+from ._copy import BLOCKING, Batch, Options, Side, copy_many, copy_tensor
 from ._device_streams import synchronize
 from ._devices import _fake_mode_active
+from ._errors import add_note
 from ._state import GROUP_SKIP, Setter, rebuild
 from .plan import Plan
 from .pool import host_pool
 
 __all__ = [
     "Copies",
+    "copy_each",
     "run",
     "copy_items",
     "commit",
@@ -102,6 +104,45 @@ def copy_items(
     elif side is None:
         batch.complete(pool, _current_stream_event(batch.devices))
     return batch
+
+
+def copy_each(
+    items: Sequence[tuple[torch.Tensor, torch.device, torch.dtype]], describe: Callable[[int], str]
+) -> list[torch.Tensor]:
+    """A new copy of each ``(tensor, device, dtype)``, never the tensor itself (a load's copies: the checkpoint's
+    tensors stay the caller's): moves as one grouped batch (:func:`copy_items`), copies where a tensor is and
+    casts one by one, then one synchronize. An error (an OOM on the 900th tensor) says which item
+    (``describe(i)``) and that nothing changed; nothing was installed yet."""
+    out: list[torch.Tensor | None] = [None] * len(items)
+    moving: list[int] = []
+    batched: set[int] = set()
+    i = 0
+    try:
+        for i, (t, device, dtype) in enumerate(items):
+            if t.dtype == dtype and t.device != device and id(t) not in batched:
+                batched.add(id(t))  # (one tensor asked for on two devices: the second copy is made apart)
+                moving.append(i)
+            elif type(t) is torch.Tensor and not t.requires_grad:
+                # the same place: keeps the strides, and is the cheapest copy; else a cast (cast="param")
+                out[i] = t.clone() if t.dtype == dtype and t.device == device else t.to(device, dtype, False, True)
+            else:  # Parameters, subclasses: the general copy
+                new = copy_tensor(t, device)
+                out[i] = new if new.dtype == dtype else new.to(dtype)
+    except Exception as e:
+        add_note(e, f"{describe(i)} to {items[i][1]}; the optimizer is unchanged")
+        raise
+    if moving:
+        try:
+            batch = copy_items([(items[i][0], items[i][1]) for i in moving])
+        except Exception as e:
+            at = sorted({str(items[i][1]) for i in moving})
+            add_note(
+                e, f"{describe(moving[0])} and {len(moving) - 1} more to {', '.join(at)}; the optimizer is unchanged"
+            )
+            raise
+        for i, copy in zip(moving, batch.copies):
+            out[i] = copy
+    return cast("list[torch.Tensor]", out)
 
 
 def _current_stream_event(devices: Iterable[torch.device]) -> Any | None:

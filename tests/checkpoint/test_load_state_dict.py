@@ -749,11 +749,11 @@ def test_setstate_failure_rolls_back():
     assert _fingerprint(target) == before
 
 
-@pytest.mark.parametrize("site", ["_copy_one", "Tensor.clone"])
+@pytest.mark.parametrize("site", ["copy_tensor", "Tensor.clone"])
 def test_copy_failure_midway_changes_nothing(monkeypatch, site):
-    """An OOM on the 5th copy (one by one, or in the loop that clones same-place tensors) changes nothing; the
-    clone loop's error says which entry it hit."""
-    from optimshift.checkpoint import _staging
+    """An OOM on the 5th copy (one by one, or in the loop that clones same-place tensors) changes nothing, and
+    the error says which entry it hit."""
+    from optimshift import engine
 
     shapes = ((4, 3), (3,), (2,), (5,))
     source = _adam(shapes).state_dict()
@@ -768,21 +768,20 @@ def test_copy_failure_midway_changes_nothing(monkeypatch, site):
 
         return wrapper
 
-    if site == "_copy_one":
-        monkeypatch.setattr(_staging.Staging, "_copy_one", failing(_staging.Staging._copy_one))
+    if site == "copy_tensor":  # (the engine's general copy: what copy_each makes one by one)
+        monkeypatch.setattr(engine, "copy_tensor", failing(engine.copy_tensor))
         for st in source["state"].values():  # (copied one by one: tensors that require grad)
             for key in ("exp_avg", "exp_avg_sq"):
                 st[key] = st[key].detach().requires_grad_(True)
     else:
         monkeypatch.setattr(torch.Tensor, "clone", failing(torch.Tensor.clone))
     # (a fresh optimizer for the clones: live tensors that fit take the values in place, with no copy)
-    target = _adam(shapes) if site == "_copy_one" else O.Adam([torch.nn.Parameter(torch.randn(s)) for s in shapes])
+    target = _adam(shapes) if site == "copy_tensor" else O.Adam([torch.nn.Parameter(torch.randn(s)) for s in shapes])
     before = _fingerprint(target)
     with pytest.raises(torch.OutOfMemoryError) as caught:
         optimshift.load_state_dict(target, source)
     assert len(calls) == 5
-    if site == "Tensor.clone":  # (a failing _copy_one is replaced whole: its own note is not reached)
-        assert any("the optimizer is unchanged" in n and "state key" in n for n in caught.value.__notes__)
+    assert any("the optimizer is unchanged" in n and "state key" in n for n in caught.value.__notes__)
     assert _fingerprint(target) == before
 
 

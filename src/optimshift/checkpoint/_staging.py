@@ -22,7 +22,6 @@ import torch
 
 from .. import _alias, engine
 from .. import policy as _policy
-from .._copy import copy_tensor
 from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
 from .._errors import add_note
 from .._probe import NO_SPEC, StateSpec, expected_state
@@ -269,40 +268,17 @@ class Staging:
         return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
 
     def _resolve(self) -> None:
-        """Make every copy asked for. Host<->device moves go to the engine as one batch (grouped by device
-        pair and dtype: one staging copy per chunk instead of one transfer per tensor, then one
-        synchronize); copies in place (``copy=True``) and casts are made tensor by tensor."""
-        moving: list[tuple[_Ticket, torch.Tensor, torch.device]] = []
-        batched: set[int] = set()
+        """Make every copy asked for, through the engine (:func:`optimshift.engine.copy_each`: host<->device
+        moves as one grouped batch, then one synchronize; copies where a tensor is and casts one by one), after
+        the tensors that share a storage (copied as that storage)."""
         made = self._copy_shared()
-        plain, copies = torch.Tensor, self._made
-        for ticket, (t, tr) in self._wanted.items():
-            if made and ticket in made:
-                continue
-            _, device, dtype = ticket
-            if t.dtype == dtype:
-                if t.device != device:
-                    if id(t) not in batched:
-                        batched.add(id(t))
-                        moving.append((ticket, t, device))
-                        continue
-                elif type(t) is plain and not t.requires_grad:
-                    copies[ticket] = self._clone(t, tr)
-                    continue
-            copies[ticket] = self._copy_one(t, device, dtype, _site_of(tr))
-        if moving:
-            try:
-                batch = engine.copy_items([(t, d) for _, t, d in moving])
-            except Exception as e:  # an OOM: nothing was installed yet
-                add_note(
-                    e,
-                    f"{self.name}: load_state_dict: while copying {len(moving)} tensors to "
-                    f"{', '.join(sorted({str(d) for _, _, d in moving}))}; the optimizer is unchanged",
-                )
-                raise
-            for (ticket, _, _), new in zip(moving, batch.copies):
-                assert new is not None  # (copy_items returns once every copy is made)
-                self._made[ticket] = new
+        wanted = [(ticket, t, tr) for ticket, (t, tr) in self._wanted.items() if not made or ticket not in made]
+        copies = engine.copy_each(
+            [(t, ticket[1], ticket[2]) for ticket, t, _ in wanted],
+            lambda i: f"{self.name}: load_state_dict: while copying {self._site(_site_of(wanted[i][2]))}",
+        )
+        for (ticket, _, _), new in zip(wanted, copies):
+            self._made[ticket] = new
 
     def _live_states(
         self, pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, Any]]
@@ -386,22 +362,6 @@ class Staging:
                 self._made[ticket] = new
                 done.add(ticket)
         return done
-
-    def _copy_one(self, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, site: _Site) -> torch.Tensor:
-        try:
-            if tensor.requires_grad or type(tensor) is not torch.Tensor:  # Parameters, subclasses: the general copy
-                new = copy_tensor(tensor, device)
-                return new if new.dtype == dtype else new.to(dtype)
-            if tensor.dtype == dtype and tensor.device == device:
-                return tensor.clone()  # same place: keeps the strides, and is the cheapest copy
-            return tensor.to(device, dtype, False, True)  # a cast (cast="param"): a plain blocking copy
-        except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
-            add_note(
-                e,
-                f"{self.name}: load_state_dict: while copying {self._site(site)} to {device}; "
-                f"the optimizer is unchanged",
-            )
-            raise
 
     # -- the whole state --------------------------------------------------------------------------------------
 

@@ -174,7 +174,15 @@ def build_uniform(
             new_state[p] = dict(saved)
         return new_state
     installed = _in_place(st, guard, got, olds, devices) if lives and olds else None
-    done = _copies(st, got, devices, entries("moves"), installed, olds, lambda n: _site_at(st, rows, n))
+    done = _copies(
+        st,
+        got,
+        devices,
+        entries("moves"),
+        installed,
+        olds,
+        lambda n: f"{st.name}: load_state_dict: while copying {_site_at(st, rows, n)}",
+    )
     it = iter(done)
     for p, saved, _, _ in rows:
         new_state[p] = dict(zip(saved, it))  # (zip stops at the last key: exactly this param's entries)
@@ -188,51 +196,33 @@ def _copies(
     moves: list[bool],
     installed: list[torch.Tensor | None] | None,
     olds: list[Any],
-    where: Callable[[int], str],
+    describe: Callable[[int], str],
 ) -> list[torch.Tensor]:
     """Each entry's new tensor: the live one where it takes the values in place (``installed``), else a copy on
-    its device: a clone where it stays, the engine's copy (one batch for all, as every other copy) where it
-    moves. An error (an OOM on the 900th tensor) says which entry (``where(n)``); nothing was installed yet."""
+    its device: a clone each for a fresh optimizer's load where nothing moves (the common resume), else the
+    engine's (:func:`optimshift.engine.copy_each`, as the general path's). An error (an OOM on the 900th tensor)
+    says which entry (``describe(n)``); nothing was installed yet."""
     if installed is olds:  # (every live tensor taking the values)
         return olds
     cloned = st.cloned
-    done: list[torch.Tensor] = []
-    append = done.append
-    moving: list[int] = []
-    try:
-        if installed is None and not any(moves):  # (a fresh optimizer, the checkpoint where it belongs)
+    if installed is None and not any(moves):  # (a fresh optimizer, the checkpoint where it belongs: the common)
+        done: list[torch.Tensor] = []
+        append = done.append
+        try:
             for t in got:
                 append(t.clone())  # (keeps the strides, and is the cheapest copy)
-            cloned.extend(done)
-            return done
-        for i, (t, old, move) in enumerate(zip(got, installed or repeat(None), moves)):
-            if old is not None:
-                append(old)
-            elif move:
-                moving.append(i)
-                append(t)  # (a placeholder: its copy below)
-            else:
-                t = t.clone()
-                cloned.append(t)
-                append(t)
-    except Exception as e:
-        add_note(
-            e,
-            f"{st.name}: load_state_dict: while copying {where(len(done))} to {devices[len(done)]}; the optimizer "
-            f"is unchanged",
-        )
-        raise
-    if moving:
-        batch = engine.copy_items(
-            [(got[i], devices[i]) for i in moving],
-            describe=lambda n: f"{st.name}: load_state_dict: {where(moving[n])} (the optimizer is unchanged)",
-            together=(),  # (no two entries share a storage: build_uniform checked)
-        )
-        for i, new in zip(moving, batch.copies):
-            assert new is not None  # (copy_items returns once every copy is made)
-            done[i] = new
-            cloned.append(new)
-    return done
+        except Exception as e:  # (the note copy_each adds, for the same error on the general path)
+            add_note(e, f"{describe(len(done))} to {devices[len(done)]}; the optimizer is unchanged")
+            raise
+        cloned.extend(done)
+        return done
+    at = [i for i, old in enumerate(installed or repeat(None, len(got))) if old is None]
+    made = engine.copy_each([(got[i], devices[i], got[i].dtype) for i in at], lambda n: describe(at[n]))
+    cloned.extend(made)
+    slots: list[Any] = list(got if installed is None else installed)  # (a live tensor in its slot, or a copy below)
+    for i, new in zip(at, made):
+        slots[i] = new
+    return slots
 
 
 def _kind(

@@ -267,7 +267,8 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
         )
     target = os.path.abspath(dst)
     parent = os.path.dirname(target)
-    sweep_folders(parent, temp_pattern(target).fullmatch)  # what crashed converts to OUT left (no lock held)
+    pattern = temp_pattern(target)
+    sweep_folders(parent, lambda name: pattern.fullmatch(name) is not None)  # what crashed converts left
     tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
     os.mkdir(tmp)
     lock = lock_folder(tmp)  # (held while this convert writes: a concurrent one's sweep leaves it alone)

@@ -114,3 +114,60 @@ def test_verls_patched_functions_go_the_one_road(sim, calls):
         assert calls["run"] == 2 and calls["commit"] == 2
     finally:
         osv.unpatch()
+
+
+def _interrupt_in_the_commit(monkeypatch):
+    """Send a SIGINT from inside the next commit's apply (delivered there, at the next bytecode boundary)."""
+    import os
+    import signal
+
+    real = engine.adoptions
+
+    def spy(*args, **kwargs):
+        replaced, apply, hows = real(*args, **kwargs)
+
+        def apply_interrupted():
+            os.kill(os.getpid(), signal.SIGINT)
+            return apply()
+
+        return replaced, apply_interrupted, hows
+
+    monkeypatch.setattr(engine, "adoptions", spy)
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_a_ctrl_c_during_a_commit_waits_for_the_operations_own_records(sim, monkeypatch, non_blocking):
+    """The held interrupt is raised when the operation ends, not when its commit does: an offload interrupted
+    there still records itself (so reload() brings the state back) and guards its transfer in flight (found by
+    review: raised at the commit's end, it left the state on the host with no record, and reload() a no-op)."""
+    params, opt = _trained(sim)
+    _interrupt_in_the_commit(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.offload(opt, non_blocking=non_blocking)
+    monkeypatch.undo()
+    assert optimshift.is_offloaded(opt)
+    assert {t.device.type for st in opt.state.values() for t in st.values()} == {"cpu"}
+    optimshift.reload(opt)
+    assert [{k: t.device.type for k, t in st.items()} for st in opt.state.values()] == [
+        {"step": "cpu", "exp_avg": "sim", "exp_avg_sq": "sim"}
+    ] * 2
+    optimshift.offload(opt)
+    _interrupt_in_the_commit(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.reload(opt)
+    monkeypatch.undo()
+    assert not optimshift.is_offloaded(opt)
+    assert {st["exp_avg"].device.type for st in opt.state.values()} == {"sim"}
+
+
+def test_an_operation_leaves_the_sigint_handler_as_it_found_it(sim):
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    params, opt = _trained(sim)
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    optimshift.load_state_dict(opt, opt.state_dict())
+    optimshift.stream(opt)
+    optimshift.unstream(opt)
+    assert signal.getsignal(signal.SIGINT) is before

@@ -693,9 +693,10 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     target = _check(optimizer, chunk_bytes, device)
     start = time.perf_counter()
     mode = Streamed(optimizer, chunk_bytes, target)
-    with engine.no_gc():
-        mode._lay_out(mode._members(None))
-    mode._install(optimizer)
+    with engine.operation():  # (a Ctrl-C the layout's commit holds waits for the mode to be in place)
+        with engine.no_gc():
+            mode._lay_out(mode._members(None))
+        mode._install(optimizer)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "stream %s: %d chunks, %d bytes of state in host memory, in %.2f ms",
@@ -725,16 +726,17 @@ def unstream(optimizer: Opt) -> Opt:
     if mode is None:
         return optimizer
     mode.wait()
-    _mode.leave(optimizer)
-    try:
-        move(optimizer)
-    except BaseException:
-        _mode.enter(optimizer, mode)
-        raise
-    mode._uninstall(optimizer)
-    chunks = list(mode._chunks.values())
-    mode._forget(chunks)
-    layout.release(chunks)
+    with engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
+        _mode.leave(optimizer)
+        try:
+            move(optimizer)
+        except BaseException:
+            _mode.enter(optimizer, mode)
+            raise
+        mode._uninstall(optimizer)
+        chunks = list(mode._chunks.values())
+        mode._forget(chunks)
+        layout.release(chunks)
     return optimizer
 
 

@@ -62,7 +62,7 @@ def _one_at_a_time(fn: F) -> F:
         # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
         # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
         # while they were alive would cost ~0.5 us per tensor, a third of a bare move).
-        with exclusive(unwrap(optimizer)), engine.no_gc():
+        with exclusive(unwrap(optimizer)), engine.no_gc(), engine.operation():
             return fn(optimizer, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -46,6 +46,7 @@ __all__ = [
     "adoptions",
     "no_gc",
     "uninterrupted",
+    "operation",
     "write_in_place",
 ]
 
@@ -107,12 +108,12 @@ def copy_items(
 
 
 def copy_each(
-    items: Sequence[tuple[torch.Tensor, torch.device, torch.dtype]], describe: Callable[[int], str]
+    items: Sequence[tuple[torch.Tensor, torch.device, torch.dtype]], what: str, site: Callable[[int], str]
 ) -> list[torch.Tensor]:
     """A new copy of each ``(tensor, device, dtype)``, never the tensor itself (a load's copies: the checkpoint's
     tensors stay the caller's): moves as one grouped batch (:func:`copy_items`), copies where a tensor is and
-    casts one by one, then one synchronize. An error (an OOM on the 900th tensor) says which item
-    (``describe(i)``) and that nothing changed; nothing was installed yet."""
+    casts one by one, then one synchronize. An error (an OOM on the 900th tensor) names the operation (``what``)
+    and the item it hit (``site(i)``), and says that nothing changed: nothing was installed yet."""
     out: list[torch.Tensor | None] = [None] * len(items)
     moving: list[int] = []
     batched: set[int] = set()
@@ -129,17 +130,12 @@ def copy_each(
                 new = copy_tensor(t, device)
                 out[i] = new if new.dtype == dtype else new.to(dtype)
     except Exception as e:
-        add_note(e, f"{describe(i)} to {items[i][1]}; the optimizer is unchanged")
+        add_note(e, f"{what}: while copying {site(i)} to {items[i][1]}; the optimizer is unchanged")
         raise
-    if moving:
-        try:
-            batch = copy_items([(items[i][0], items[i][1]) for i in moving])
-        except Exception as e:
-            at = sorted({str(items[i][1]) for i in moving})
-            add_note(
-                e, f"{describe(moving[0])} and {len(moving) - 1} more to {', '.join(at)}; the optimizer is unchanged"
-            )
-            raise
+    if moving:  # (copy_many's note names the entry an error hit)
+        batch = copy_items(
+            [(items[i][0], items[i][1]) for i in moving], describe=lambda n: f"{what}: {site(moving[n])}"
+        )
         for i, copy in zip(moving, batch.copies):
             out[i] = copy
     return cast("list[torch.Tensor]", out)
@@ -380,20 +376,55 @@ def commit(
     return hows
 
 
+# The operations under way in the main thread (nested ones join the outermost): each [the SIGINT handler a commit
+# section replaced (None: none yet), the signals it held].
+_operations: list[list[Any]] = []
+
+
+@contextlib.contextmanager
+def operation() -> Iterator[None]:
+    """The span of one operation (``api``'s, a load, ``stream``/``unstream``): a Ctrl-C that a commit section
+    (:func:`uninterrupted`) holds is handed to its handler at the operation's end, once the operation's own
+    records (the offload record, the transfer in flight, grads given back, a mode) are in place too, not at the
+    commit's. Nested operations join the outermost."""
+    if _operations or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    frame: list[Any] = [None, []]
+    _operations.append(frame)
+    try:
+        yield
+    finally:
+        _operations.pop()
+        previous, caught = frame
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+            if caught:
+                previous(*caught[0])
+
+
 @contextlib.contextmanager
 def uninterrupted() -> Iterator[None]:
-    """A commit runs to its end: a SIGINT (Ctrl-C, ``KeyboardInterrupt``) that arrives while it applies is handed
-    to its handler once it is done, so an interrupt never leaves part of the state installed. Only in the main
-    thread (the one Python delivers signals to) and for a Python-level handler (torch's default included)."""
+    """A commit runs to its end: a SIGINT (Ctrl-C, ``KeyboardInterrupt``) that arrives from here on is held and
+    handed to its handler when the operation ends (:func:`operation`), or this section where none is under way,
+    so an interrupt never leaves part of the state installed. Several held are handed over once. Only in the
+    main thread (the one Python delivers signals to) and for a Python-level handler (torch's default included)."""
     if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _operations and _operations[-1][0] is not None:  # (held already, by this operation)
         yield
         return
     previous = signal.getsignal(signal.SIGINT)
     if not callable(previous):  # (ignored, or the OS default: nothing Python would raise)
         yield
         return
-    caught: list[tuple[int, Any]] = []
+    caught: list[tuple[int, Any]] = _operations[-1][1] if _operations else []
     signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    if _operations:  # (the operation hands it over at its end)
+        _operations[-1][0] = previous
+        yield
+        return
     try:
         yield
     finally:

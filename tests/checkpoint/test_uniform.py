@@ -525,3 +525,37 @@ def test_a_host_checkpoint_onto_meta_loads_uniformly(taken):
     assert [{k: v.device.type for k, v in opt.state[p].items()} for p in params] == [
         {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
     ] * 2
+
+
+def test_a_host_checkpoint_into_live_device_state_writes_in_place_only_what_stays(monkeypatch, taken):
+    """Into existing state on an accelerator (``meta`` here: its live tensors are nobody else's, as on CUDA), the
+    uniform path writes in place only the entries already where they belong (the host ``step``) and copies the
+    rest there, adopting the copies, as the general path does; it used to write the device moments in place from
+    the host checkpoint, one pageable copy each (found by review)."""
+    from optimshift import engine
+
+    _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,), (2, 3)], steps=K + 1)
+    sd = source.state_dict()
+    written = []
+    real = engine.write_in_place
+
+    def spy(pairs):
+        written.append(sorted((str(old.device), str(new.device)) for ps in pairs.values() for old, new in ps))
+        return real(pairs)
+
+    monkeypatch.setattr(engine, "write_in_place", spy)
+    for uniform in (True, False):
+        params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(4, 3), (3,), (2, 3)]]
+        live = O.Adam(params, foreach=False)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        live.step()
+        with monkeypatch.context() as m:
+            if not uniform:
+                m.setattr(_uniform, "TensorGuards", None)
+            optimshift.load_state_dict(live, sd)
+        assert [{k: v.device.type for k, v in live.state[p].items()} for p in params] == [
+            {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
+        ] * 3
+    assert taken == [True, False]
+    assert written[0] == written[1] == [("cpu", "cpu")] * 3

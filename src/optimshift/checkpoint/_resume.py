@@ -126,7 +126,7 @@ def load_state_dict(
     staged = Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target, source=source)
     # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
     # collections would cost more than the copies)
-    with exclusive(receiver), engine.no_gc():
+    with engine.operation(), exclusive(receiver), engine.no_gc():
         new_state, new_groups = staged.build()
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
         # leaves everything as it was), handed back only once the state is installed.
@@ -142,8 +142,8 @@ def load_state_dict(
         )
         if mode is not None:
             mode.after_load()
-    for done in finish:
-        done()
+        for done in finish:  # (in the operation: a Ctrl-C held by the commit waits for these too)
+            done()
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
         hook(receiver)
     return optimizer
@@ -266,21 +266,22 @@ def _install(
         if made
         else []
     )
-    try:
-        optimizer.__setstate__({"state": state, "param_groups": groups})
-    except BaseException as e:  # (an interrupt too: the optimizer is put back, and the interrupt goes on)
-        optimizer.__dict__.clear()
-        optimizer.__dict__.update(before)
-        if not isinstance(e, Exception):
-            raise
-        raise ValueError(
-            f"{name}: load_state_dict: {type(optimizer).__name__}.__setstate__ rejected the loaded state "
-            f"({type(e).__name__}: {e}); the optimizer is unchanged"
-        ) from e
-    # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when the
-    # __setstate__ above might have failed. From here on the load is committed: what follows cannot fail, and an
-    # interrupt waits for its end (engine.uninterrupted).
+    # (the commit, from __setstate__ on: an interrupt is held until the operation ends, engine.uninterrupted; an
+    # error __setstate__ raises puts the optimizer back)
     with engine.uninterrupted():
+        try:
+            optimizer.__setstate__({"state": state, "param_groups": groups})
+        except BaseException as e:  # (an interrupt too: the optimizer is put back, and the interrupt goes on)
+            optimizer.__dict__.clear()
+            optimizer.__dict__.update(before)
+            if not isinstance(e, Exception):
+                raise
+            raise ValueError(
+                f"{name}: load_state_dict: {type(optimizer).__name__}.__setstate__ rejected the loaded state "
+                f"({type(e).__name__}: {e}); the optimizer is unchanged"
+            ) from e
+        # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when
+        # the __setstate__ above might have failed. What follows cannot fail.
         engine.write_in_place(in_place)
         _adopt_copies(optimizer, live, made, shared)
 

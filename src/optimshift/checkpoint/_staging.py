@@ -275,7 +275,8 @@ class Staging:
         wanted = [(ticket, t, tr) for ticket, (t, tr) in self._wanted.items() if not made or ticket not in made]
         copies = engine.copy_each(
             [(t, ticket[1], ticket[2]) for ticket, t, _ in wanted],
-            lambda i: f"{self.name}: load_state_dict: while copying {self._site(_site_of(wanted[i][2]))}",
+            f"{self.name}: load_state_dict",
+            lambda i: self._site(_site_of(wanted[i][2])),
         )
         for (ticket, _, _), new in zip(wanted, copies):
             self._made[ticket] = new

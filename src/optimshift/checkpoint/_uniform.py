@@ -173,15 +173,17 @@ def build_uniform(
         for p, saved, _, _ in rows:
             new_state[p] = dict(saved)
         return new_state
-    installed = _in_place(st, guard, got, olds, devices) if lives and olds else None
+    moves = entries("moves")
+    installed = _in_place(st, guard, got, olds, devices, moves) if lives and olds else None
     done = _copies(
         st,
         got,
         devices,
-        entries("moves"),
+        moves,
         installed,
         olds,
-        lambda n: f"{st.name}: load_state_dict: while copying {_site_at(st, rows, n)}",
+        f"{st.name}: load_state_dict",
+        lambda n: _site_at(st, rows, n),
     )
     it = iter(done)
     for p, saved, _, _ in rows:
@@ -196,12 +198,13 @@ def _copies(
     moves: list[bool],
     installed: list[torch.Tensor | None] | None,
     olds: list[Any],
-    describe: Callable[[int], str],
+    what: str,
+    site: Callable[[int], str],
 ) -> list[torch.Tensor]:
     """Each entry's new tensor: the live one where it takes the values in place (``installed``), else a copy on
     its device: a clone each for a fresh optimizer's load where nothing moves (the common resume), else the
     engine's (:func:`optimshift.engine.copy_each`, as the general path's). An error (an OOM on the 900th tensor)
-    says which entry (``describe(n)``); nothing was installed yet."""
+    says which entry (``site(n)``); nothing was installed yet."""
     if installed is olds:  # (every live tensor taking the values)
         return olds
     cloned = st.cloned
@@ -212,12 +215,13 @@ def _copies(
             for t in got:
                 append(t.clone())  # (keeps the strides, and is the cheapest copy)
         except Exception as e:  # (the note copy_each adds, for the same error on the general path)
-            add_note(e, f"{describe(len(done))} to {devices[len(done)]}; the optimizer is unchanged")
+            n = len(done)
+            add_note(e, f"{what}: while copying {site(n)} to {devices[n]}; the optimizer is unchanged")
             raise
         cloned.extend(done)
         return done
     at = [i for i, old in enumerate(installed or repeat(None, len(got))) if old is None]
-    made = engine.copy_each([(got[i], devices[i], got[i].dtype) for i in at], lambda n: describe(at[n]))
+    made = engine.copy_each([(got[i], devices[i], got[i].dtype) for i in at], what, lambda n: site(at[n]))
     cloned.extend(made)
     slots: list[Any] = list(got if installed is None else installed)  # (a live tensor in its slot, or a copy below)
     for i, new in zip(at, made):
@@ -274,13 +278,19 @@ def _kind(
 
 
 def _in_place(
-    st: Staging, guard: Any, got: list[torch.Tensor], olds: list[Any], devices: list[torch.device]
+    st: Staging,
+    guard: Any,
+    got: list[torch.Tensor],
+    olds: list[Any],
+    devices: list[torch.device],
+    moves: list[bool],
 ) -> list[torch.Tensor | None] | None:
     """Per entry, the live tensor that takes the checkpoint's values in place (recorded in ``st.in_place``), or
     None (a clone is installed, and ``_resume._install`` adopts it into the live tensor); None if none does.
     The general path's rule (``Staging._live_states``, :func:`fits_in_place`): distinct live tensors, none of
     them a param, grad, group tensor or checkpoint tensor (``got``), each of the checkpoint tensor's kind
-    (``guard``: one C call), all that uses its storage."""
+    (``guard``: one C call), all that uses its storage, and the checkpoint's tensor already where it belongs (one
+    that ``moves`` is copied there with the others and the copy adopted, as the general path does)."""
     try:
         alike = guard.check(*olds)
     except Exception:  # (a live entry that is no tensor, or none)
@@ -294,15 +304,15 @@ def _in_place(
     clear = ids.isdisjoint(got_ids) and ids.isdisjoint(protect)
     if not clear:
         protect |= got_ids
-    if alike and clear and _alias.sole_users(olds) and devices.count(devices[0]) == len(devices):
+    if alike and clear and not any(moves) and _alias.sole_users(olds) and devices.count(devices[0]) == len(devices):
         st.in_place[devices[0]].extend(zip(olds, got))  # (the common case: every one, on one device)
         return olds
     sole = _alias.sole_user
     out: list[torch.Tensor | None] = []
     append = out.append
     pairs = st.in_place
-    for old, new, device in zip(olds, got, devices):
-        if (clear or id(old) not in protect) and (sole(old) if alike else fits_in_place(old, new, device)):
+    for old, new, device, move in zip(olds, got, devices, moves):
+        if not move and (clear or id(old) not in protect) and (sole(old) if alike else fits_in_place(old, new, device)):
             pairs[device].append((old, new))
             append(old)
         else:
@@ -323,6 +333,7 @@ def fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) ->
         and old.layout == torch.strided  # (before stride(), which a sparse tensor refuses)
         and old.dtype == new.dtype
         and old.device == device
+        and new.device == device  # (the general path writes in place only what is already where it belongs)
         and old.shape == new.shape
         and old.stride() == new.stride()  # (so contiguous as ``new``; alike where a size-1 dimension's is free)
         and not old.requires_grad

@@ -209,3 +209,31 @@ def test_sigkill_during_save_and_convert_leaves_one_stray_at_most(tmp_path):
         f"{len(strays_seen)} kills: {strays_seen}",
         file=sys.stderr,
     )
+
+
+def test_a_temporary_folder_swept_before_its_lock_is_made_again(tmp_path, monkeypatch):
+    """A sweep (another writer's) may remove a new temporary folder between its mkdir and its writer's lock;
+    make_folder then makes it again, so the writer never writes into a folder that is gone."""
+    import shutil
+
+    from optimshift.checkpoint import _atomic
+
+    real, calls = _atomic.lock_folder, []
+
+    def swept_first(folder):
+        calls.append(1)
+        fd = real(folder)
+        if len(calls) == 1:
+            shutil.rmtree(folder)  # (what sweep_folders does to a folder no one has locked yet)
+        return fd
+
+    monkeypatch.setattr(_atomic, "lock_folder", swept_first)
+    folder = tmp_path / ".out.0123456789ab.tmp"
+    fd = _atomic.make_folder(folder)
+    try:
+        assert len(calls) == 2 and folder.is_dir()
+        assert os.path.samestat(os.fstat(fd), os.stat(folder))
+        assert _atomic.sweep_folders(tmp_path, lambda name: name.endswith(".tmp")) == 0  # (locked: left alone)
+    finally:
+        os.close(fd)
+    assert _atomic.sweep_folders(tmp_path, lambda name: name.endswith(".tmp")) == 1  # (its writer gone)

@@ -44,6 +44,7 @@ __all__ = [
     "temp_pattern",
     "fsync_dir",
     "lock_folder",
+    "make_folder",
     "sweep_folders",
     "commit_folder",
     "exchange",
@@ -151,6 +152,24 @@ def _abandoned(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def make_folder(folder: str | os.PathLike[str]) -> int | None:
+    """Create the temporary folder ``folder`` and take its writer's lock (:func:`lock_folder`), made again if a
+    sweep removed it between the two (the gap ``create_temp`` closes for files); the descriptor, to close once
+    the folder is committed or removed."""
+    for _ in range(100):
+        os.mkdir(folder)
+        fd = lock_folder(folder)
+        if fd is None:
+            return None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(folder)):
+                return fd
+        except FileNotFoundError:
+            pass  # swept before our lock: make it again
+        os.close(fd)
+    raise OSError(f"could not create the temporary folder {folder}")  # pragma: no cover - a hundred lost races
 
 
 def lock_folder(folder: str | os.PathLike[str]) -> int | None:

@@ -20,7 +20,7 @@ import torch
 from .._dtensor import tensor_bytes
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
-from ..checkpoint._atomic import fsync_dir, lock_folder, sweep_folders, temp_pattern
+from ..checkpoint._atomic import fsync_dir, make_folder, sweep_folders, temp_pattern
 from ..checkpoint._folders import TrainingFolder, training_folder
 from ._common import (
     Progress,
@@ -270,8 +270,7 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     pattern = temp_pattern(target)
     sweep_folders(parent, lambda name: pattern.fullmatch(name) is not None)  # what crashed converts left
     tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
-    os.mkdir(tmp)
-    lock = lock_folder(tmp)  # (held while this convert writes: a concurrent one's sweep leaves it alone)
+    lock = make_folder(tmp)  # (locked while this convert writes: a concurrent one's sweep leaves it alone)
     try:
         written = io.StringIO()
         for name in folder.optimizer_files:

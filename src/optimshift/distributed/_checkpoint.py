@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .._devices import DeviceLike, resolve
 from .._probe import quiet_global_step_hooks
 from ..api import move, wait
-from ..checkpoint._atomic import commit_folder, fsync_dir, lock_folder, sweep_folders
+from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
 from ..plan import check_optimizer, optimizer_name
 
 if TYPE_CHECKING:
@@ -113,8 +113,8 @@ def save(
     try:
         if rank == 0:
             _clear_stale(target)
-            tmp.mkdir(parents=True)
-            lock = lock_folder(tmp)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            lock = make_folder(tmp)
         wait(optimizer)  # a non-blocking offload/reload still in flight: the writers read its bytes on the host
         with quiet_global_step_hooks():  # DCP steps a stateless optimizer once (zero lr) to create its state
             model_sd, optim_sd = get_state_dict(model, optimizer)

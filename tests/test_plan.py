@@ -38,3 +38,14 @@ def test_state_that_is_not_a_dict_names_the_optimizer_and_the_param(named, opera
     assert "optimizer.state[param]" in str(raised.value)  # the fix
     assert opt.state[params[1]] is bad and opt.state[params[0]] is first
     assert tensor_ids(opt) == ids and bitwise_equal(dict(opt.state), values)
+
+
+def test_an_errors_type_name_takes_the_article_its_sound_takes(sim):
+    """Every "is a {type}" message reads as English (issue 30's small things): "an int", "an OrderedDict"."""
+    opt, params = _adam(False)
+    opt.state[params[1]] = 3
+    with pytest.raises(TypeError, match=r"Adam: state of group 0, param 1 is an int, expected a dict"):
+        optimshift.move(opt)
+    del opt.state[params[1]]
+    with pytest.raises(TypeError, match=r"param 1 is an int, not a tensor"):
+        optimshift.rebind(opt, [torch.nn.Parameter(params[0].detach().clone()), 3])

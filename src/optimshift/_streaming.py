@@ -54,6 +54,7 @@ from ._chunks import Chunk, Group, Item, ParamState
 from ._copy import Side
 from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
+from ._errors import with_article
 from ._offload import compact_state_dict, record_of, settle
 from ._state import _ATOMS, leaves
 from .api import move
@@ -223,7 +224,7 @@ class Streamed:
                         )
                     elif type(value) is not torch.Tensor:
                         raise ValueError(
-                            f"{name}: {_where(opt, p)}: state {key!r} is a {type(value).__name__}; "
+                            f"{name}: {_where(opt, p)}: state {key!r} is {with_article(type(value).__name__)}; "
                             f"streaming lays out plain tensors only (sharded DTensor state is not "
                             f"streamed). Keep this optimizer's state on the device (optimshift.move)."
                         )

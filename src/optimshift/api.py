@@ -19,6 +19,7 @@ from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
 from ._dtypes import dtype_findings
+from ._errors import with_article
 from ._offload import (
     PendingTransfer,
     Record,
@@ -626,7 +627,8 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     for (gi, pi, p), q in zip(old, new):
         if not isinstance(q, torch.Tensor):
             raise TypeError(
-                f"{name}: rebind: new param for group {gi}, param {pi} is a {type(q).__name__}, not a tensor"
+                f"{name}: rebind: new param for group {gi}, param {pi} is {with_article(type(q).__name__)}, not a "
+                f"tensor"
             )
         if tuple(q.shape) != tuple(p.shape):
             raise ValueError(

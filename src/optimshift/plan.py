@@ -15,6 +15,7 @@ import torch
 
 from . import _session
 from . import policy as _policy
+from ._errors import with_article
 from ._state import GROUP_SKIP, Path, format_path, leaves, param_label
 
 __all__ = [
@@ -199,8 +200,8 @@ def iter_holders(
             pname = str(names[pi]) if pi < len(names) and names[pi] is not None else None
             if type(held) is not dict and not isinstance(held, Mapping):
                 raise TypeError(
-                    f"{name}: state of {param_label(gi, pi, pname)} is a {type(held).__name__}, expected a dict "
-                    f"of its entries (optimizer.state[param] = {{key: value}}); nothing was changed"
+                    f"{name}: state of {param_label(gi, pi, pname)} is {with_article(type(held).__name__)}, "
+                    f"expected a dict of its entries (optimizer.state[param] = {{key: value}}); nothing was changed"
                 )
             yield gi, pi, p, group, held, pname
     for gi, group in enumerate(param_groups):

@@ -23,7 +23,7 @@ import torch
 from .. import _alias, engine
 from .. import policy as _policy
 from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
-from .._errors import add_note
+from .._errors import add_note, with_article
 from .._probe import NO_SPEC, StateSpec, expected_state
 from .._state import (
     _ATOMS,
@@ -396,7 +396,8 @@ class Staging:
                     continue
                 if type(saved) is not dict and not isinstance(saved, Mapping):
                     raise self.fail(
-                        f"{self._param_label(gi, pi)}: its state is a {type(saved).__name__}, expected a dict",
+                        f"{self._param_label(gi, pi)}: its state is {with_article(type(saved).__name__)}, expected "
+                        f"a dict",
                         TypeError,
                     )
                 if self.strict and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._devices import DeviceLike, resolve
+from .._errors import with_article
 from .._probe import quiet_global_step_hooks
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
@@ -557,7 +558,7 @@ class _Layout:
             names = wanted[key]
             if not isinstance(names, (list, tuple)):
                 raise ValueError(
-                    f"{self.path}: optim.param_groups.{gi}.params is a {type(names).__name__}, "
+                    f"{self.path}: optim.param_groups.{gi}.params is {with_article(type(names).__name__)}, "
                     f"not a list of parameter names"
                 )
             out[gi] = [str(n) for n in names]
@@ -617,7 +618,7 @@ def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
         return (
             []
             if not isinstance(meta, TensorStorageMetadata)
-            else [f"{label}: the checkpoint holds a tensor, this side a {type(value).__name__}"]
+            else [f"{label}: the checkpoint holds a tensor, this side {with_article(type(value).__name__)}"]
         )
     if not isinstance(meta, TensorStorageMetadata):
         return [f"{label}: the checkpoint holds a non-tensor object, this side a tensor"]

@@ -376,7 +376,8 @@ def test_dtensor_state_shares_its_local_shards_storage(tmp_path):
 def test_the_set_data_path_keeps_the_sharing_and_the_objects():
     """CPU <-> CUDA copies are adopted by set_data (no swap): the old objects take views of the new storage.
     Shown host to host, where set_data applies too (the path a CUDA move takes)."""
-    from optimshift import _alias, engine
+    from optimshift import _alias
+    from optimshift import _engine as engine
     from optimshift._adopt import mechanism
 
     flat = torch.arange(12.0)

@@ -76,7 +76,7 @@ def test_state_dict_while_offloaded_is_compact_and_holds_no_other_bytes(sim, tmp
 def test_operations_from_two_threads_never_interleave(sim, monkeypatch):
     """An offload paused mid-copy in one thread, and a reload issued meanwhile from another: the reload waits
     for the offload to finish (then undoes it), instead of running in the middle and being overwritten."""
-    from optimshift import engine
+    from optimshift import _engine as engine
 
     model, opt = _adam(sim)
     layout = state_layout(opt)

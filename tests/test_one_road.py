@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import optimshift
-from optimshift import engine
+from optimshift import _engine as engine
 
 O = torch.optim
 

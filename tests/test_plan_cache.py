@@ -14,8 +14,7 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
-from optimshift import _device_streams, _plan_cache, _session
-from optimshift import plan as _plan
+from optimshift import _device_streams, _plan, _plan_cache, _session
 
 SHAPES = [(3, 2), (4,), (2, 5)]
 
@@ -58,8 +57,8 @@ def test_an_unchanged_optimizer_reuses_its_offload_and_reload_plans(sim, builds,
     _cycle(opt)
     assert builds[0] == 4  # the first two offloads and reloads: a plan is kept from its second build
     decided = []
-    real_decide = optimshift.engine.decide_all
-    monkeypatch.setattr(optimshift.engine, "decide_all", lambda pairs: decided.append(1) or real_decide(pairs))
+    real_decide = optimshift._engine.decide_all
+    monkeypatch.setattr(optimshift._engine, "decide_all", lambda pairs: decided.append(1) or real_decide(pairs))
     targets = []
     real_target = _plan.policy_target
     monkeypatch.setattr(optimshift.api, "policy_target", lambda *a: targets.append(1) or real_target(*a))
@@ -361,7 +360,7 @@ def test_a_reload_plan_built_for_one_offload_is_not_reused_for_another(sim, monk
     exp_avg = st["exp_avg"]
     torch.utils.swap_tensors(exp_avg, exp_avg.detach().cpu())  # misplaced; a reload puts it back where it was
     optimshift.offload(opt)
-    real, calls = optimshift.engine.copy_items, []
+    real, calls = optimshift._engine.copy_items, []
 
     def failing_once(*args, **kwargs):
         if not calls:
@@ -369,7 +368,7 @@ def test_a_reload_plan_built_for_one_offload_is_not_reused_for_another(sim, monk
             raise torch.OutOfMemoryError("simulated OOM")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(optimshift.engine, "copy_items", failing_once)
+    monkeypatch.setattr(optimshift._engine, "copy_items", failing_once)
     with pytest.raises(torch.OutOfMemoryError):
         optimshift.reload(opt)  # (all or nothing: still offloaded)
     optimshift.reload(opt)

@@ -214,7 +214,7 @@ def test_the_placer_answers_as_decide_for_every_entry(sim, cls, kwargs, on_devic
         opt = _trained(cls, kw, shapes, dst)
     except (RuntimeError, ValueError, TypeError) as e:
         pytest.skip(f"torch refuses {cls.__name__}({kw}): {e}")
-    from optimshift.plan import build_plan, policy_target
+    from optimshift._plan import build_plan, policy_target
 
     for device in (None, torch.device("cpu"), torch.device(sim.type, 1)):
         plan = build_plan(opt, policy_target(opt, device))

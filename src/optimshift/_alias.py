@@ -9,7 +9,7 @@ Only a storage that nothing but the tensors being copied uses is copied whole. O
 uses (a param or its grad, a host pool buffer that offloaded state lives in, a tensor kept outside the
 optimizer) leaves each tensor to the engine's own copy, as before: a state entry that views a param gets its
 own copy and the param stays where it is (the rule for params and grads kept in state, see
-:func:`optimshift.engine.outside_owned`).
+:func:`optimshift._engine.outside_owned`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ per tensor. Here transfers are grouped by (source device, target device, dtype) 
 - anything else (device to device, tensor subclasses, non-contiguous or autograd tensors) tensor by tensor.
 
 Every copy is queued first; the caller synchronizes once per device. Nothing here touches an optimizer:
-the engine (:mod:`optimshift.engine`) decides what to copy and commits the copies.
+the engine (:mod:`optimshift._engine`) decides what to copy and commits the copies.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Streams and events of an accelerator, as optimshift uses them: one small interface for every backend.
 
-The asynchronous path (:func:`optimshift.engine.run` with ``non_blocking``, :class:`optimshift.PendingTransfer`,
+The asynchronous path (:func:`optimshift._engine.run` with ``non_blocking``, :class:`optimshift.PendingTransfer`,
 the step pre-hook, the pool's buffer events) and the streamed step's pipeline (:mod:`optimshift._streaming`) are
 written once against :class:`Streams`, their copies queued on a side stream by :class:`optimshift._copy.Side`'s
 rules (each on a lane of its own: :meth:`Streams.side`). Which implementation a device type gets is decided

@@ -34,7 +34,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_findings(optimizer: Any) -> list[Finding]:
     """:func:`optimshift.check`'s findings for state entries whose dtype the next step would refuse."""
-    from .plan import Site
+    from ._plan import Site
     from .policy import builtin_base
     from .report import Finding
 

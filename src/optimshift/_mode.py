@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from . import _session
-from .plan import Ident, TargetFn, optimizer_name
+from ._plan import Ident, TargetFn, optimizer_name
 
 __all__ = ["Mode", "mode_of", "enter", "leave", "refuse", "hosted"]
 

@@ -26,8 +26,8 @@ import torch
 from . import _device_streams, _session
 from ._adopt import kept
 from ._dtensor import local_tensor
+from ._plan import Ident
 from ._state import leaves
-from .plan import Ident
 from .pool import host_pool
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Cached plans: a repeated operation on an unchanged optimizer reuses its plan and its adoption decisions.
 
 An offload/reload loop (an RL pipeline, every iteration) or a repeated ``move`` asks the same question of the
-same optimizer each time. The first call builds the plan (:func:`optimshift.plan.build_plan`: a policy
+same optimizer each time. The first call builds the plan (:func:`optimshift._plan.build_plan`: a policy
 decision per tensor) and, once committed, the adoption decisions (:mod:`optimshift._adopt`); both are kept in
 the optimizer's session under the operation's key. Every later call re-validates them with cheap checks and no
 policy decision, and rebuilds on any mismatch:
@@ -35,8 +35,8 @@ from . import _device_streams, _session
 from . import policy as _policy
 from ._adopt import Mechanism
 from ._devices import _fake_mode_active
+from ._plan import Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
 from ._state import GROUP_SKIP, IMPLEMENTATION_FLAGS, group_tensors, leaves
-from .plan import Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
 
 __all__ = ["Cached", "plan_for"]
 

@@ -46,7 +46,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from . import _alias, _device_streams, _mode, engine
+from . import _alias, _device_streams, _engine, _mode
 from . import _chunks as layout
 from . import policy as _policy
 from ._adopt import Mechanism, decide_all, lend
@@ -56,10 +56,10 @@ from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import with_article
 from ._offload import compact_state_dict, record_of, settle
+from ._plan import Ident, check_optimizer, optimizer_name, policy_target
 from ._state import _ATOMS, leaves
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
-from .plan import Ident, check_optimizer, optimizer_name, policy_target
 from .syncs import async_copies
 
 __all__ = ["stream", "unstream", "streamed", "is_streamed", "Streamed", "DEFAULT_CHUNK_BYTES"]
@@ -250,7 +250,7 @@ class Streamed:
                     chunk, fills = layout.new_chunk(part, self.chunk_bytes)
                     chunks.append(chunk)
                     pairs.extend(fills)
-            moved = engine.copy_items([(t, _HOST) for _, _, t in host_moves]).copies if host_moves else []
+            moved = _engine.copy_items([(t, _HOST) for _, _, t in host_moves]).copies if host_moves else []
             lanes = self._fill(pairs)
         except BaseException:
             layout.release(chunks)
@@ -264,8 +264,8 @@ class Streamed:
         # (every entry of a new chunk has its host view: new_chunk set it; copy_items copied every input)
         adoptions = [(e.obj, cast(torch.Tensor, e.host)) for c in chunks for e in c.entries]
         adoptions += [(t, cast(torch.Tensor, new)) for (_, _, t), new in zip(host_moves, moved)]
-        replaced, apply = engine.adopt_all(adoptions)
-        with engine.uninterrupted():  # (the commit runs to its end)
+        replaced, apply = _engine.adopt_all(adoptions)
+        with _engine.uninterrupted():  # (the commit runs to its end)
             apply()
             instead = {id(old): new for old, new in replaced}
             for st, key, t in host_moves:
@@ -694,8 +694,8 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     target = _check(optimizer, chunk_bytes, device)
     start = time.perf_counter()
     mode = Streamed(optimizer, chunk_bytes, target)
-    with engine.operation():  # (a Ctrl-C the layout's commit holds waits for the mode to be in place)
-        with engine.no_gc():
+    with _engine.operation():  # (a Ctrl-C the layout's commit holds waits for the mode to be in place)
+        with _engine.no_gc():
             mode._lay_out(mode._members(None))
         mode._install(optimizer)
     if _log.isEnabledFor(logging.DEBUG):
@@ -727,7 +727,7 @@ def unstream(optimizer: Opt) -> Opt:
     if mode is None:
         return optimizer
     mode.wait()
-    with engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
+    with _engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
         _mode.leave(optimizer)
         try:
             move(optimizer)

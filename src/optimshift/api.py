@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import torch
 
-from . import _device_streams, _mode, _offload, _plan_cache, _session, engine
+from . import _device_streams, _engine, _mode, _offload, _plan_cache, _session
 from . import policy as _policy
 from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
@@ -30,8 +30,7 @@ from ._offload import (
     settle,
     wait_pending,
 )
-from ._state import group_device, unwrap
-from .plan import (
+from ._plan import (
     OPTIMIZER_WIDE,
     Ident,
     Plan,
@@ -42,6 +41,7 @@ from .plan import (
     optimizer_name,
     policy_target,
 )
+from ._state import group_device, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded", "wait"]
@@ -56,14 +56,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _one_at_a_time(fn: F) -> F:
     """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`), whether they are
     given the optimizer or a wrapper delegating to it (the lock is the wrapped optimizer's, as in
-    ``load_state_dict``), with the cyclic collector paused (:func:`optimshift.engine.no_gc`)."""
+    ``load_state_dict``), with the cyclic collector paused (:func:`optimshift._engine.no_gc`)."""
 
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
         # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
         # while they were alive would cost ~0.5 us per tensor, a third of a bare move).
-        with exclusive(unwrap(optimizer)), engine.no_gc(), engine.operation():
+        with exclusive(unwrap(optimizer)), _engine.no_gc(), _engine.operation():
             return fn(optimizer, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -110,7 +110,7 @@ def _grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tenso
     return out
 
 
-def _give_grads_back(grads: Sequence[tuple[torch.Tensor, torch.Tensor]], copies: engine.Copies) -> None:
+def _give_grads_back(grads: Sequence[tuple[torch.Tensor, torch.Tensor]], copies: _engine.Copies) -> None:
     """Each offloaded grad back on its param: the same object, holding its copy on the param's device."""
     for p, host_grad in grads:
         copy = copies.new.get(id(host_grad))  # (None: it is where its param is already)
@@ -129,7 +129,7 @@ def _transfer(
     eager: bool = False,
     sides: bool = False,
     rewrite: Callable[[], None] | None = None,
-) -> tuple[engine.Copies, PendingTransfer, _plan_cache.Cached | None]:
+) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
     ``cache_key``: the plan (and its adoption decisions) is kept in the optimizer's session under this key and
@@ -137,13 +137,13 @@ def _transfer(
     params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
     :func:`optimshift._plan_cache.plan_for`). ``sides``: remember where group tensors taken to the host came from
     (a move: see :func:`_remember_sides`). ``rewrite``: the structural change the commit makes with the
-    adoptions (see :func:`optimshift.engine.commit`)."""
+    adoptions (see :func:`optimshift._engine.commit`)."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
-    copies = engine.run(plan, options, extra=extra)
+    copies = _engine.run(plan, options, extra=extra)
     group_moves = _group_moves(plan) if sides else ()
-    hows = engine.commit(optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite)
+    hows = _engine.commit(optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite)
     _remember_sides(optimizer, group_moves)
     if cached is not None and cached.kept:  # (a marker keeps nothing per tensor)
         cached.hows = hows

@@ -94,7 +94,7 @@ class Decision:
 _registry: dict[type, Policy] = {}
 _separable: dict[type, bool] = {}
 _lock = threading.Lock()
-_generation = [0]  # bumped by every (un)registration: a plan cached before it is stale (see plan.py)
+_generation = [0]  # bumped by every (un)registration: a plan cached before it is stale (see _plan.py)
 
 
 def generation() -> int:
@@ -390,7 +390,7 @@ class Placer:
 
     def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int, torch.device] | None:
         """The part of the memo key that all of ``param``'s entries share (None: no memo), for a caller that
-        places a param's entries one after another (:func:`optimshift.plan.build_plan`)."""
+        places a param's entries one after another (:func:`optimshift._plan.build_plan`)."""
         if self.memo is None:
             return None
         return (id(group), param.dim(), param.device if self.device is None else self.device)

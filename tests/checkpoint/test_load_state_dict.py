@@ -753,7 +753,7 @@ def test_setstate_failure_rolls_back():
 def test_copy_failure_midway_changes_nothing(monkeypatch, site):
     """An OOM on the 5th copy (one by one, or in the loop that clones same-place tensors) changes nothing, and
     the error says which entry it hit."""
-    from optimshift import engine
+    from optimshift import _engine as engine
 
     shapes = ((4, 3), (3,), (2,), (5,))
     source = _adam(shapes).state_dict()

@@ -532,7 +532,7 @@ def test_a_host_checkpoint_into_live_device_state_writes_in_place_only_what_stay
     uniform path writes in place only the entries already where they belong (the host ``step``) and copies the
     rest there, adopting the copies, as the general path does; it used to write the device moments in place from
     the host checkpoint, one pageable copy each (found by review)."""
-    from optimshift import engine
+    from optimshift import _engine as engine
 
     _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,), (2, 3)], steps=K + 1)
     sd = source.state_dict()

@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _mode, engine
+from .. import _engine, _mode
 from .._devices import DeviceLike, resolve
 from .._errors import with_article
 from .._offload import exclusive, prepare_discard, wait_pending
+from .._plan import optimizer_name
 from .._state import IMPLEMENTATION_FLAGS, unwrap
-from ..plan import optimizer_name
 from . import _files
 from ._staging import Staging
 
@@ -126,7 +126,7 @@ def load_state_dict(
     staged = Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target, source=source)
     # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
     # collections would cost more than the copies)
-    with engine.operation(), exclusive(receiver), engine.no_gc():
+    with _engine.operation(), exclusive(receiver), _engine.no_gc():
         new_state, new_groups = staged.build()
         # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
         # leaves everything as it was), handed back only once the state is installed.
@@ -266,9 +266,9 @@ def _install(
         if made
         else []
     )
-    # (the commit, from __setstate__ on: an interrupt is held until the operation ends, engine.uninterrupted; an
+    # (the commit, from __setstate__ on: an interrupt is held until the operation ends, _engine.uninterrupted; an
     # error __setstate__ raises puts the optimizer back)
-    with engine.uninterrupted():
+    with _engine.uninterrupted():
         try:
             optimizer.__setstate__({"state": state, "param_groups": groups})
         except BaseException as e:  # (an interrupt too: the optimizer is put back, and the interrupt goes on)
@@ -282,7 +282,7 @@ def _install(
             ) from e
         # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when
         # the __setstate__ above might have failed. What follows cannot fail.
-        engine.write_in_place(in_place)
+        _engine.write_in_place(in_place)
         _adopt_copies(optimizer, live, made, shared)
 
 
@@ -318,8 +318,8 @@ def _adopt_copies(
         places = [place for place in places if len(by_old[id(place[2])]) == 1]
     if not places:
         return
-    cannot, apply, _ = engine.adoptions(
-        [(old, new) for _, _, old, new in places], protect=engine.outside_owned(optimizer), distinct=distinct
+    cannot, apply, _ = _engine.adoptions(
+        [(old, new) for _, _, old, new in places], protect=_engine.outside_owned(optimizer), distinct=distinct
     )
     stay_new = {id(old) for old, _ in cannot}  # no mechanism for this pair: the copy stays installed
     apply()

@@ -1,9 +1,9 @@
 """Staging a load: a state dict validated against the live optimizer and turned into its new state and groups,
 made of copies, before anything changes.
 
-The new state is placed by the planner every operation uses: :func:`optimshift.plan.build_plan` over the state
-and groups about to be installed, with :func:`optimshift.plan.policy_target` (and the plan's rule for a state
-entry that holds its group's own tensor). Every copy is made (:func:`optimshift.engine.copy_items`, grouped)
+The new state is placed by the planner every operation uses: :func:`optimshift._plan.build_plan` over the state
+and groups about to be installed, with :func:`optimshift._plan.policy_target` (and the plan's rule for a state
+entry that holds its group's own tensor). Every copy is made (:func:`optimshift._engine.copy_items`, grouped)
 before :func:`optimshift.checkpoint._resume` installs anything, so an error leaves the optimizer as it was.
 
 The common checkpoint (every param's state what its class's step creates, each entry a plain dense tensor that
@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from .. import _alias, engine
+from .. import _alias, _engine
 from .. import policy as _policy
 from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
 from .._errors import add_note, with_article
+from .._plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from .._probe import NO_SPEC, StateSpec, expected_state
 from .._state import (
     _ATOMS,
@@ -39,7 +40,6 @@ from .._state import (
     rebuild,
     too_deep,
 )
-from ..plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from . import _files
 from ._checks import check_entries, check_group, keys_shown, torch_cast
 from ._uniform import build_uniform, fits_in_place
@@ -255,7 +255,7 @@ class Staging:
         return {id(self._made[ticket]) for ticket, n in self._uses.items() if n > 1}
 
     def _plan(self, groups: list[dict[str, Any]], state: Mapping[Any, Any]) -> Plan:
-        """The plan of the state about to be installed: where :func:`optimshift.plan.policy_target` puts each
+        """The plan of the state about to be installed: where :func:`optimshift._plan.policy_target` puts each
         tensor for the live optimizer's class, with the loaded groups' hyperparameters and the live flags."""
         # (remembered=False: where a move took the old group tensors from says nothing of the loaded ones)
         target = policy_target(self.opt, self.device, remembered=False)
@@ -268,12 +268,12 @@ class Staging:
         return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
 
     def _resolve(self) -> None:
-        """Make every copy asked for, through the engine (:func:`optimshift.engine.copy_each`: host<->device
+        """Make every copy asked for, through the engine (:func:`optimshift._engine.copy_each`: host<->device
         moves as one grouped batch, then one synchronize; copies where a tensor is and casts one by one), after
         the tensors that share a storage (copied as that storage)."""
         made = self._copy_shared()
         wanted = [(ticket, t, tr) for ticket, (t, tr) in self._wanted.items() if not made or ticket not in made]
-        copies = engine.copy_each(
+        copies = _engine.copy_each(
             [(t, ticket[1], ticket[2]) for ticket, t, _ in wanted],
             f"{self.name}: load_state_dict",
             lambda i: self._site(_site_of(wanted[i][2])),
@@ -306,7 +306,7 @@ class Staging:
         group's adoption would then overwrite it), and the checkpoint's own tensors (a state dict made of live
         tensors, e.g. ``opt.state_dict()`` with its params permuted: one written in place would be read,
         overwritten, by another place's copy)."""
-        protect = engine.outside_owned(self.opt)
+        protect = _engine.outside_owned(self.opt)
         for group in self.opt.param_groups:
             protect.update(id(t) for _, t in group_tensors(group))
         protect.update(map(id, sources))

@@ -21,12 +21,12 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import _alias, engine
+from .. import _alias, _engine
 from .._dtypes import Rejection
 from .._errors import add_note
+from .._plan import policy_target
 from .._probe import StateSpec
 from .._state import group_tensors
-from ..plan import policy_target
 from ..policy import Placer, has_registered_policy
 from ._checks import NOT_REAL
 
@@ -203,7 +203,7 @@ def _copies(
 ) -> list[torch.Tensor]:
     """Each entry's new tensor: the live one where it takes the values in place (``installed``), else a copy on
     its device: a clone each for a fresh optimizer's load where nothing moves (the common resume), else the
-    engine's (:func:`optimshift.engine.copy_each`, as the general path's). An error (an OOM on the 900th tensor)
+    engine's (:func:`optimshift._engine.copy_each`, as the general path's). An error (an OOM on the 900th tensor)
     says which entry (``site(n)``); nothing was installed yet."""
     if installed is olds:  # (every live tensor taking the values)
         return olds
@@ -221,7 +221,7 @@ def _copies(
         cloned.extend(done)
         return done
     at = [i for i, old in enumerate(installed or repeat(None, len(got))) if old is None]
-    made = engine.copy_each([(got[i], devices[i], got[i].dtype) for i in at], what, lambda n: site(at[n]))
+    made = _engine.copy_each([(got[i], devices[i], got[i].dtype) for i in at], what, lambda n: site(at[n]))
     cloned.extend(made)
     slots: list[Any] = list(got if installed is None else installed)  # (a live tensor in its slot, or a copy below)
     for i, new in zip(at, made):

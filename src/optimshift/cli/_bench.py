@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from .._plan import policy_target
 from .._streaming import DEFAULT_CHUNK_BYTES, stream, unstream
 from ..api import _move_key, _one_at_a_time, _transfer, move, offload, reload
-from ..plan import policy_target
 from ..pool import host_pool
 from ..report import format_table
 from ..syncs import count_syncs

@@ -52,10 +52,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .._devices import DeviceLike, resolve
 from .._errors import with_article
+from .._plan import check_optimizer, optimizer_name
 from .._probe import quiet_global_step_hooks
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
-from ..plan import check_optimizer, optimizer_name
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES

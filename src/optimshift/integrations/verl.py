@@ -51,7 +51,7 @@ import torch
 from .. import api
 from .._devices import resolve
 from .._offload import record_of
-from ..plan import check_optimizer
+from .._plan import check_optimizer
 from ._common import Patch, Swap, module_items, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]

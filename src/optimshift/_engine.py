@@ -32,8 +32,8 @@ from ._copy import BLOCKING, Batch, Options, Side, copy_many, copy_tensor
 from ._device_streams import synchronize
 from ._devices import _fake_mode_active
 from ._errors import add_note
+from ._plan import Plan
 from ._state import GROUP_SKIP, Setter, rebuild
-from .plan import Plan
 from .pool import host_pool
 
 __all__ = [

@@ -299,7 +299,7 @@ def test_a_reload_allocates_on_the_current_stream_and_records_for_the_side_one(s
         model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
         optimshift.offload(opt)
         optimshift.reload(opt, non_blocking=True)
-        _offload.settle(opt)  # (ordered on the device only: the copies are still queued under the strict schedule)
+        _offload.end_pending(opt)  # (ordered on the device only: the copies are still queued under the strict schedule)
         del model, opt
         gc.collect()
         torch.sim.synchronize(sim)

@@ -217,7 +217,7 @@ def test_the_hooks_that_wait_go_with_the_next_operation(sim):
         )
         # (+1 step pre-hook and +1 state_dict post-hook belong to the offload record, gone after reload)
         assert with_pending == (counts[0] + 1, counts[1] + 1, counts[2] + 1)
-        _offload.settle(opt)
+        _offload.end_pending(opt)
         assert (
             len(opt._optimizer_step_pre_hooks),
             len(opt._optimizer_state_dict_pre_hooks),

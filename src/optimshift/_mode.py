@@ -27,8 +27,8 @@ HOST = torch.device("cpu")
 class Mode(Protocol):
     """What an operation needs to know about an optimizer in a mode."""
 
-    def settle(self) -> None:
-        """Wait for copies still writing its host state."""
+    def wait(self) -> None:
+        """Block the host until copies still writing its host state are complete."""
 
     def after_load(self) -> None:
         """Its state was replaced by a load (now plain host tensors): lay it out again. Must not raise."""

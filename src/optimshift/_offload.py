@@ -5,7 +5,8 @@ the host copies live in and the grads it took; :func:`optimshift.reload` reads t
 it. A non-blocking transfer is a :class:`PendingTransfer`. While one is in flight, everything that reads the
 state through the optimizer waits for it first: its ``step()``, ``state_dict()`` and ``load_state_dict()``
 through pre-hooks (removed by the next operation on that optimizer), and every optimshift operation through
-:func:`settle` or :func:`wait_pending`. The rule (:meth:`PendingTransfer.order_before_use`): copies that write
+:func:`end_pending` (an operation that changes the state) or ``pending_of(optimizer).order_before_use()``
+(one that reads it). The rule (:meth:`PendingTransfer.order_before_use`): copies that write
 host memory are waited for on the host (host code reads those bytes); copies that write device memory are
 waited for on the device's current stream (whatever reads them next is work queued there), without a host sync.
 
@@ -36,8 +37,7 @@ __all__ = [
     "exclusive",
     "record_of",
     "set_record",
-    "settle",
-    "wait_pending",
+    "end_pending",
     "remember_pending",
     "forget",
     "prepare_discard",
@@ -88,34 +88,28 @@ class PendingTransfer:
         return self._event is None
 
     def wait(self) -> None:
+        """Block the host until the copies are complete."""
         if self._event is not None:
             self._event.synchronize()
             self._finish()
 
-    def wait_on_current_stream(self) -> None:
-        """Make the device's current stream wait for the copies (no host sync): what the step pre-hook does.
-        Without a device stream to wait on, the host waits."""
-        if self.done():
-            return  # complete already: the host knows, so everything issued from now on comes after it
-        streams = _device_streams.of(self.device)
-        if streams is not None:
-            assert self.device is not None
-            streams.wait_event(streams.current(self.device), self._event)
-        else:
-            self.wait()
-
-    def order_before_use(self) -> None:
+    def order_before_use(self, *, host: bool = False) -> None:
         """Order whatever touches the transferred tensors next after the copies: the host waits for copies that
-        write host memory (host code reads it: ``torch.save``, a compaction, a staging ``cat``); for copies that
-        write device memory, the device's current stream waits (work queued there reads it), with no host sync.
+        write host memory (host code reads it: ``torch.save``, a compaction, a staging ``cat``), or when ``host``
+        (the host itself reads); otherwise the device's current stream waits (work queued there reads it), with
+        no host sync, and the host waits only where the device has no stream to wait on.
 
         # NOTE: a device-side wait suffices only for work on the current stream; the engine's side stream
         # waits for the current stream before its copies, so the next transfer is ordered too.
         """
-        if self.to_host:
+        if self.done():
+            return  # complete already: the host knows, so everything issued from now on comes after it
+        streams = None if self.to_host or host else _device_streams.of(self.device)
+        if streams is None:
             self.wait()
         else:
-            self.wait_on_current_stream()
+            assert self.device is not None
+            streams.wait_event(streams.current(self.device), self._event)
 
     def __repr__(self) -> str:
         return f"PendingTransfer(device={self.device}, done={self.done()})"
@@ -254,9 +248,9 @@ def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:
     return copy.deepcopy(value, {id(t): compact.get(id(t), t) for t in found})
 
 
-def settle(optimizer: Any) -> None:
-    """Before an operation changes this optimizer's state: order it after a transfer still in flight (see
-    :meth:`PendingTransfer.order_before_use`) and remove the hooks that guarded it."""
+def end_pending(optimizer: Any) -> None:
+    """Before an operation changes this optimizer's state: the transfer still in flight is over for it: order
+    the operation after it (:meth:`PendingTransfer.order_before_use`) and remove the hooks that guarded it."""
     session = _session.of(optimizer)
     if session is None:
         return
@@ -269,16 +263,9 @@ def settle(optimizer: Any) -> None:
         pending.order_before_use()
 
 
-def wait_pending(optimizer: Any, *, host: bool = False) -> None:
-    """Before reading this optimizer's state: order the read after a transfer still in flight (``host``: the
-    host itself waits, whatever the transfer wrote). Changes nothing else (the guarding hooks stay)."""
-    session = _session.of(optimizer)
-    pending = None if session is None else session.pending
-    if pending is not None:
-        pending.wait() if host else pending.order_before_use()
-
-
 def pending_of(optimizer: Any) -> PendingTransfer:
+    """The transfer in flight on this optimizer (a done one when none is): what a read orders itself after,
+    changing nothing else (the guarding hooks stay)."""
     session = _session.of(optimizer)
     pending = None if session is None else session.pending
     return pending or PendingTransfer()
@@ -291,7 +278,7 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
     # NOTE: one pre-hook of each kind per optimizer, which waits for whatever is pending when it runs. They
     # cannot remove themselves: torch iterates its hook dict while calling the hooks, and deleting from it
     # there raises as soon as another hook follows. Once they have waited they do nothing until the next
-    # optimshift operation on this optimizer removes them (``settle``).
+    # optimshift operation on this optimizer removes them (``end_pending``).
     """
     if pending.done():
         return
@@ -309,7 +296,7 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
     if hooked:
         return
     if any(register is None for register in registers):  # not a torch.optim.Optimizer: nothing can guard it
-        settle(optimizer)
+        end_pending(optimizer)
         pending.wait()
         return
     handles = [register(_wait_before_use) for register in registers if register is not None]
@@ -319,7 +306,7 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
 
 def _wait_before_use(optimizer: Any, *_: Any) -> None:
     """The pre-hook of ``step()``, ``state_dict()`` and ``load_state_dict()`` while a transfer is in flight."""
-    wait_pending(optimizer)
+    pending_of(optimizer).order_before_use()
 
 
 def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
@@ -343,7 +330,7 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
     """For a load that replaces the optimizer's state: finish any transfer in flight and copy offloaded grads
     back to their params' devices now (this may raise; nothing has changed then); the returned function, called
     once the new state is installed, hands the grads back and forgets the old record and its buffers."""
-    settle(optimizer)
+    end_pending(optimizer)
     record = record_of(optimizer)
     if record is None:
         session = _session.of(optimizer)

@@ -55,7 +55,7 @@ from ._copy import Side
 from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import with_article
-from ._offload import compact_state_dict, record_of, settle
+from ._offload import compact_state_dict, end_pending, record_of
 from ._plan import Ident, check_optimizer, optimizer_name, policy_target
 from ._state import _ATOMS, leaves
 from .api import move
@@ -170,8 +170,6 @@ class Streamed:
         pending, self._pending = self._pending, {}
         for event in pending.values():
             event.synchronize()
-
-    settle = wait
 
     def after_load(self) -> None:
         """A load put plain host tensors in the state: lay every param's state out again in pinned chunks."""
@@ -690,7 +688,7 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     changes: another class, an offloaded or already streamed optimizer, no param on an accelerator.
     Returns a :class:`Streamed` handle; :func:`unstream` ends it.
     """
-    settle(optimizer)  # a transfer still in flight: its copies write the state laid out here
+    end_pending(optimizer)  # a transfer still in flight: its copies write the state laid out here
     target = _check(optimizer, chunk_bytes, device)
     start = time.perf_counter()
     mode = Streamed(optimizer, chunk_bytes, target)

@@ -23,12 +23,12 @@ from ._errors import with_article
 from ._offload import (
     PendingTransfer,
     Record,
+    end_pending,
     exclusive,
     forget,
+    pending_of,
     record_of,
     remember_pending,
-    settle,
-    wait_pending,
 )
 from ._plan import (
     OPTIMIZER_WIDE,
@@ -177,7 +177,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     check_optimizer(optimizer)
     _mode.refuse(optimizer, "move")
     target = _resolve(device, optimizer)
-    settle(optimizer)
+    end_pending(optimizer)
     grads = _grads_back(optimizer, record_of(optimizer))
     key = None if grads else _move_key(optimizer, target)
     copies, pending, _ = _transfer(
@@ -289,7 +289,7 @@ def offload(
             f"offload needs an optimizer it can remember weakly (hashable, weak-referenceable); "
             f"{type(optimizer).__name__} is not: pass the torch.optim.Optimizer it wraps"
         ) from None
-    settle(optimizer)
+    end_pending(optimizer)
     host = torch.device("cpu")
     previous = record_of(optimizer)
     record = previous.extended() if previous is not None else Record()
@@ -341,10 +341,10 @@ def wait(optimizer: Any) -> None:
     ``optimizer.state`` directly must call first (as ``PendingTransfer.wait()`` or the stream handle's
     ``wait()``, for when the handle is not at hand). A no-op when nothing is in flight."""
     receiver = unwrap(optimizer)
-    wait_pending(receiver, host=True)
+    pending_of(receiver).order_before_use(host=True)
     mode = _mode.mode_of(receiver)
     if mode is not None:
-        mode.settle()
+        mode.wait()
 
 
 def is_offloaded(optimizer: Any) -> bool:
@@ -398,7 +398,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     check_optimizer(optimizer)
     _mode.refuse(optimizer, "reload")
     target = _resolve(device, optimizer)
-    settle(optimizer)
+    end_pending(optimizer)
     record = record_of(optimizer)
     if target is not None:
         move(optimizer, target, non_blocking=non_blocking)
@@ -423,7 +423,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     )
     _give_grads_back(grads, copies)
     if grads:
-        pending.wait_on_current_stream()  # grads are read before step() (clipping, scaling, accumulation)
+        pending.order_before_use()  # grads are read before step() (clipping, scaling, accumulation)
     forget(optimizer, pending)
     remember_pending(optimizer, pending)
     return pending if non_blocking else optimizer
@@ -448,7 +448,7 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
     DTensor state: ``shape`` is global, ``device`` and ``bytes`` are this rank's shard (see :class:`PlacementRow`).
     """
     check_optimizer(optimizer)
-    wait_pending(unwrap(optimizer))
+    pending_of(unwrap(optimizer)).order_before_use()
     rows = []
     for transfer in build_plan(optimizer, lambda ident, param, group, key, tensor: (tensor.device, "")).transfers:
         t = transfer.tensor
@@ -472,7 +472,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     host, where it lives between steps; an offloaded one (:func:`offload`) is judged by where :func:`reload` puts
     its state back, in one finding that says so (:func:`placement` lists where each tensor is now)."""
     check_optimizer(optimizer)
-    wait_pending(unwrap(optimizer))
+    pending_of(unwrap(optimizer)).order_before_use()
     name = optimizer_name(optimizer)
     target: TargetFn = policy_target(optimizer, None)
     streamed_mode = _mode.mode_of(optimizer) is not None
@@ -616,7 +616,7 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
     check_optimizer(optimizer)
     _mode.refuse(optimizer, "rebind")
     name = optimizer_name(optimizer)
-    settle(optimizer)
+    end_pending(optimizer)
     if is_offloaded(optimizer):
         raise ValueError(f"{name}: rebind while offloaded would lose where the state was; reload() it first")
     new = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]

@@ -24,7 +24,7 @@ import torch
 from .. import _engine, _mode
 from .._devices import DeviceLike, resolve
 from .._errors import with_article
-from .._offload import exclusive, prepare_discard, wait_pending
+from .._offload import exclusive, pending_of, prepare_discard
 from .._plan import optimizer_name
 from .._state import IMPLEMENTATION_FLAGS, unwrap
 from . import _files
@@ -102,7 +102,7 @@ def load_state_dict(
                 f"{name}: load_state_dict: it is streamed (optimshift.stream), so its state loads into "
                 f"host memory; device={target} would put it elsewhere. Call optimshift.unstream() first."
             )
-        mode.settle()
+        mode.wait()
         target = torch.device("cpu")
 
     source = None
@@ -115,7 +115,7 @@ def load_state_dict(
         _check_class(receiver, recorded, label)
 
     # A transfer still in flight writes the live state that the load reads and replaces: order after it first.
-    wait_pending(receiver)
+    pending_of(receiver).order_before_use()
     # As PyTorch: a shallow copy goes through the pre-hooks, which may return a replacement.
     sd = dict(sd)
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_pre_hooks", {}).values()):

@@ -319,6 +319,43 @@ def test_load_state_dict_refuses_a_shared_storage_loaded_onto_two_devices(sim):
     assert not opt.state, "nothing was loaded"
 
 
+def test_a_shared_storage_refused_from_a_file_names_the_file(sim, tmp_path):
+    """The refusal comes from the engine's copy (one rule for every load's copies), and names the file loaded."""
+    _, source = _trained("cpu")
+    path = tmp_path / "optim.pt"
+    optimshift.save(source, path)
+    model = Model(SHAPES)
+    model.parts[2].to(sim)
+    opt = FlatMomentum(model.parameters())
+    with pytest.raises(ValueError) as info:
+        optimshift.load_state_dict(opt, path)
+    message = str(info.value)
+    assert message.startswith(f"FlatMomentum: load_state_dict: {path}: ") and "share one storage" in message, message
+    assert not opt.state, "nothing was loaded"
+
+
+def test_an_error_copying_a_shared_storage_names_the_entry_and_the_file(sim, tmp_path, monkeypatch):
+    """An OOM while the engine copies a flat buffer and its views as one storage: the note names the entry and
+    the file, and nothing is loaded."""
+    from optimshift import _alias
+
+    _, source = _trained("cpu")
+    path = tmp_path / "optim.pt"
+    optimshift.save(source, path)
+    opt = FlatMomentum(Model(SHAPES).to(sim).parameters())
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated OOM")
+
+    monkeypatch.setattr(_alias, "copy_storage", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        optimshift.load_state_dict(opt, path)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"FlatMomentum: load_state_dict: {path}: while copying group 0, param 0, state key" in notes, notes
+    assert "the optimizer is unchanged" in notes
+    assert not opt.state, "nothing was loaded"
+
+
 _DTENSOR_SCRIPT = """
 import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -31,6 +31,7 @@ from ._adopt import Mechanism, adopt, decide_all, still_valid
 from ._copy import BLOCKING, Batch, Options, Side, copy_many, copy_tensor
 from ._device_streams import synchronize
 from ._devices import _fake_mode_active
+from ._dtypes import dtype_name
 from ._errors import add_note
 from ._plan import Plan
 from ._state import GROUP_SKIP, Setter, rebuild
@@ -108,18 +109,28 @@ def copy_items(
 
 
 def copy_each(
-    items: Sequence[tuple[torch.Tensor, torch.device, torch.dtype]], what: str, site: Callable[[int], str]
+    items: Sequence[tuple[torch.Tensor, torch.device, torch.dtype]],
+    what: str,
+    site: Callable[[int], str],
+    *,
+    own_storages: bool = False,
 ) -> list[torch.Tensor]:
     """A new copy of each ``(tensor, device, dtype)``, never the tensor itself (a load's copies: the checkpoint's
-    tensors stay the caller's): moves as one grouped batch (:func:`copy_items`), copies where a tensor is and
-    casts one by one, then one synchronize. An error (an OOM on the 900th tensor) names the operation (``what``)
-    and the item it hit (``site(i)``), and says that nothing changed: nothing was installed yet."""
+    tensors stay the caller's): tensors that share a storage as that storage (:func:`_copy_storages`), moves as
+    one grouped batch (:func:`copy_items`), copies where a tensor is and casts one by one, then one synchronize.
+    An error (an OOM on the 900th tensor) names the operation (``what``) and the item it hit (``site(i)``), and
+    says that nothing changed: nothing was installed yet. ``own_storages``: the caller checked that no two items
+    share a storage (the uniform load's validator)."""
     out: list[torch.Tensor | None] = [None] * len(items)
+    if not own_storages:
+        _copy_storages(items, what, site, out)
     moving: list[int] = []
     batched: set[int] = set()
     i = 0
     try:
         for i, (t, device, dtype) in enumerate(items):
+            if out[i] is not None:
+                continue  # (copied with its storage)
             if t.dtype == dtype and t.device != device and id(t) not in batched:
                 batched.add(id(t))  # (one tensor asked for on two devices: the second copy is made apart)
                 moving.append(i)
@@ -139,6 +150,52 @@ def copy_each(
         for i, copy in zip(moving, batch.copies):
             out[i] = copy
     return cast("list[torch.Tensor]", out)
+
+
+def _copy_storages(
+    items: Sequence[tuple[torch.Tensor, torch.device, torch.dtype]],
+    what: str,
+    site: Callable[[int], str],
+    out: list[torch.Tensor | None],
+) -> None:
+    """Copy the items whose tensors share a storage (nothing else using it) as that storage, each a view of the
+    copy at its own offset (:func:`optimshift._alias.copy_storage`), so that a flat buffer and its views stay one;
+    fills ``out`` at their indices. ValueError, before anything is copied, for members asked for on different
+    devices or in different dtypes: copied apart, they would stop sharing it."""
+    groups = _alias.shared([t for t, _, _ in items])
+    if not groups:
+        return
+    by_id: dict[int, list[int]] = {}
+    for i, (t, _, _) in enumerate(items):
+        by_id.setdefault(id(t), []).append(i)
+    members = [[j for i in group for j in by_id[id(items[i][0])]] for group in groups]
+    for at in members:  # (every group checked before any is copied)
+        first, device, dtype = items[at[0]]
+        uncast = all(items[j][2] == items[j][0].dtype for j in at)  # (one dtype to one dtype: the storage is cast)
+        for j in at[1:]:
+            t, other_device, other_dtype = items[j]
+            if other_device != device or not uncast and (t.dtype, other_dtype) != (first.dtype, dtype):
+                raise ValueError(
+                    f"{what}: {site(at[0])} and {site(j)} share one storage in the state dict but load as "
+                    f"{dtype_name(dtype)} on {device} and {dtype_name(other_dtype)} on {other_device}: copied apart, "
+                    f"they would stop sharing it. Give one of them its own storage (.clone()) before loading; the "
+                    f"optimizer is unchanged"
+                )
+    for at in members:
+        first, device, dtype = items[at[0]]
+        to = None if all(items[j][2] == items[j][0].dtype for j in at) else dtype
+        try:
+            copies = _alias.copy_storage([items[j][0] for j in at], device, functools.partial(_copied, to), dtype=to)
+        except Exception as e:  # an OOM: nothing was installed yet
+            add_note(e, f"{what}: while copying {site(at[0])} to {device}; the optimizer is unchanged")
+            raise
+        for j, c in zip(at, copies):
+            out[j] = c
+
+
+def _copied(dtype: torch.dtype | None, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``src`` on ``device`` (in ``dtype``: a cast), complete when it returns."""
+    return src.to(device, dtype or src.dtype, copy=True)
 
 
 def _current_stream_event(devices: Iterable[torch.device]) -> Any | None:

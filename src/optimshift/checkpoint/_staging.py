@@ -105,9 +105,13 @@ class Staging:
         self.cloned: list[torch.Tensor] = []  # copies made with no ticket (see build), each installed once
         self._specs: dict[tuple[int, int], StateSpec] = {}  # (group, param rank) -> what a step keeps
 
+    @property
+    def what(self) -> str:
+        """The operation, as errors name it: the optimizer, ``load_state_dict`` and the file loaded, if any."""
+        return f"{self.name}: load_state_dict: {self.source}" if self.source else f"{self.name}: load_state_dict"
+
     def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
-        where = f"{self.source}: " if self.source else ""
-        return exc(f"{self.name}: load_state_dict: {where}{message}")
+        return exc(f"{self.what}: {message}")
 
     # -- structure ------------------------------------------------------------------------------------------
 
@@ -268,17 +272,16 @@ class Staging:
         return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
 
     def _resolve(self) -> None:
-        """Make every copy asked for, through the engine (:func:`optimshift._engine.copy_each`: host<->device
-        moves as one grouped batch, then one synchronize; copies where a tensor is and casts one by one), after
-        the tensors that share a storage (copied as that storage)."""
-        made = self._copy_shared()
-        wanted = [(ticket, t, tr) for ticket, (t, tr) in self._wanted.items() if not made or ticket not in made]
+        """Make every copy asked for, through the engine (:func:`optimshift._engine.copy_each`: tensors that share
+        a storage as that storage, host<->device moves as one grouped batch, then one synchronize; copies where a
+        tensor is and casts one by one)."""
+        wanted = list(self._wanted.items())
         copies = _engine.copy_each(
-            [(t, ticket[1], ticket[2]) for ticket, t, _ in wanted],
-            f"{self.name}: load_state_dict",
-            lambda i: self._site(_site_of(wanted[i][2])),
+            [(t, ticket[1], ticket[2]) for ticket, (t, _) in wanted],
+            self.what,
+            lambda i: self._site(_site_of(wanted[i][1][1])),
         )
-        for (ticket, _, _), new in zip(wanted, copies):
+        for (ticket, _), new in zip(wanted, copies):
             self._made[ticket] = new
 
     def _live_states(
@@ -319,50 +322,9 @@ class Staging:
         except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
             add_note(
                 e,
-                f"{self.name}: load_state_dict: while copying {self._site(_site_of(tr))} to {tensor.device}; the "
-                f"optimizer is unchanged",
+                f"{self.what}: while copying {self._site(_site_of(tr))} to {tensor.device}; the optimizer is unchanged",
             )
             raise
-
-    def _copy_shared(self) -> set[_Ticket]:
-        """Copy the state dict's tensors that share a storage (nothing else using it) as that storage, each a
-        view of the copy at its own offset (:mod:`optimshift._alias`), so that a flat buffer and its views stay
-        one; returns their tickets. Refuses members asked for on different devices or in different dtypes."""
-        wanted = list(self._wanted.items())
-        groups = _alias.shared([t for _, (t, _) in wanted])
-        if not groups:
-            return set()
-        by_id: dict[int, list[tuple[_Ticket, torch.Tensor, _Site]]] = {}
-        for ticket, (t, tr) in wanted:
-            by_id.setdefault(id(t), []).append((ticket, t, _site_of(tr)))
-        done: set[_Ticket] = set()
-        for group in groups:
-            tickets = [entry for i in group for entry in by_id[id(wanted[i][1][0])]]
-            (_, device, dtype), first, where = tickets[0]
-            # One device; and no member cast, or all cast alike (one dtype to one dtype: the storage is cast).
-            uncast = all(ticket[2] == t.dtype for ticket, t, _ in tickets)
-            for (_, other_device, other_dtype), t, site in tickets[1:]:
-                if other_device != device or not uncast and (t.dtype, other_dtype) != (first.dtype, dtype):
-                    raise self.fail(
-                        f"{self._site(where)} and {self._site(site)} share one storage in the state dict but load "
-                        f"as {dtype_name(dtype)} on {device} and {dtype_name(other_dtype)} on {other_device}: copied "
-                        f"apart, they would stop sharing it. Give one of them its own storage (.clone()) before "
-                        f"loading; the optimizer is unchanged"
-                    )
-            cast = None if uncast else dtype
-            try:
-                copies = _alias.copy_storage([t for _, t, _ in tickets], device, _blocking_copy(cast), dtype=cast)
-            except Exception as e:  # an OOM: nothing was installed yet
-                add_note(
-                    e,
-                    f"{self.name}: load_state_dict: while copying {self._site(where)} to {device}; the optimizer "
-                    f"is unchanged",
-                )
-                raise
-            for (ticket, _, _), new in zip(tickets, copies):
-                self._made[ticket] = new
-                done.add(ticket)
-        return done
 
     # -- the whole state --------------------------------------------------------------------------------------
 
@@ -662,8 +624,3 @@ def _site_of(tr: Transfer) -> _Site:
 def _ids_shown(ids: Mapping[Any, Any]) -> str:
     shown = list(ids)[:4]
     return ", ".join(repr(i) for i in shown) + (", …" if len(ids) > len(shown) else "")
-
-
-def _blocking_copy(dtype: torch.dtype | None) -> Callable[[torch.Tensor, torch.device], torch.Tensor]:
-    """A copy of a tensor on a device (in ``dtype``: a cast), complete when it returns."""
-    return lambda src, device: src.to(device, dtype or src.dtype, copy=True)

@@ -46,6 +46,9 @@ class Staging(Protocol):
     cloned: list[torch.Tensor]
     in_place: defaultdict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]
 
+    @property
+    def what(self) -> str: ...
+
     def spec(self, gi: int, group: Mapping[str, Any], ndim: int) -> StateSpec: ...
     def rejected(
         self, group: Mapping[str, Any], p: torch.Tensor, gi: int, dtypes: tuple[tuple[Any, torch.dtype], ...]
@@ -182,7 +185,7 @@ def build_uniform(
         moves,
         installed,
         olds,
-        f"{st.name}: load_state_dict",
+        st.what,
         lambda n: _site_at(st, rows, n),
     )
     it = iter(done)
@@ -221,7 +224,9 @@ def _copies(
         cloned.extend(done)
         return done
     at = [i for i, old in enumerate(installed or repeat(None, len(got))) if old is None]
-    made = _engine.copy_each([(got[i], devices[i], got[i].dtype) for i in at], what, lambda n: site(at[n]))
+    made = _engine.copy_each(
+        [(got[i], devices[i], got[i].dtype) for i in at], what, lambda n: site(at[n]), own_storages=True
+    )
     cloned.extend(made)
     slots: list[Any] = list(got if installed is None else installed)  # (a live tensor in its slot, or a copy below)
     for i, new in zip(at, made):

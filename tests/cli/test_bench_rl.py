@@ -16,6 +16,9 @@ def test_the_rl_loop_case_reports_its_goals_per_cycle(sim):
     assert all(0 <= r["objects_kept"] <= result["state_tensors"] for r in result["rows"])
     text = render_rl_loop(result)
     assert "rl-loop on sim:0" in text and "goals:" in text and "objects kept" in text
+    assert "times on the simulated accelerator measure the simulator" in text, "its times are said to be the sim's"
+    on_a_gpu = render_rl_loop({**result, "device": "cuda:0"})
+    assert "measure the simulator" not in on_a_gpu, "only the simulator's times get the caveat"
     # the note explains a cycle that replaced state tensors (on the simulator, a compiled step's weak references
     # block the swap and set_data does not apply), and only then
     replaced = any(r["objects_kept"] < result["state_tensors"] for r in result["rows"])

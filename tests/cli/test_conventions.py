@@ -238,3 +238,16 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
         assert out.stderr == "" and out.returncode == 141, (out.returncode, out.stderr)
     finally:
         os.close(write)
+
+
+def test_python_m_optimshift_bench_ends_quietly_on_a_closed_pipe(monkeypatch):
+    """``python -m optimshift.bench | head`` ends as ``optimshift bench | head`` does: the reader gone while the
+    results are written, the status is 141 and no traceback (both entry points run through ``run_command``)."""
+    from optimshift.cli import _bench, _help
+
+    def reader_gone(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(_bench, "_main", reader_gone)
+    monkeypatch.setattr(_help, "_discard_stdout", lambda: None)  # (pytest's captured stdout has no descriptor)
+    assert _bench.main(["--quick"]) == 141

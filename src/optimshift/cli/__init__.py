@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
-from ._help import HelpFormatter, SubcommandParser, version_text
+from ._help import HelpFormatter, SubcommandParser, run_command, version_text
 
 # subcommand name -> module defining ``register(subparsers)`` (which sets ``func`` on its parser).
 _COMMANDS = {
@@ -41,35 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The status of a command whose reader went away (``optimshift inspect ckpt.pt | head``): a tool killed by SIGPIPE
-# reports 128 + 13 to the shell.
-_CLOSED_PIPE = 141
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(lambda: _run(argv))
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # (its help and errors are written here: inside run_command too)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        status = int(args.func(args) or 0)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # NOTE: the reader closed the pipe: end quietly, as every Unix tool does. What is still buffered would
-        # fail again when Python flushes stdout at exit, so stdout is pointed at /dev/null first.
-        _discard_stdout()
-        return _CLOSED_PIPE
-    return status
-
-
-def _discard_stdout() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (AttributeError, OSError, ValueError):  # not a file descriptor (a test's captured stream)
-        pass
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

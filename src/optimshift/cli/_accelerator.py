@@ -19,3 +19,16 @@ def demo_accelerator(name: str | None = None) -> torch.device:
 
         simulated_accelerator()
     return resolve(name)
+
+
+# What every bench case says of the times it measured on the simulated accelerator.
+SIMULATED_TIMES = (
+    "times on the simulated accelerator measure the simulator (every op runs in Python on host copies), not a device"
+)
+
+
+def simulated(device: str | torch.device) -> bool:
+    """Whether ``device`` is the simulated accelerator, whose times measure the simulator, not a device."""
+    from ..testing.simulated import SIM_DEVICE_TYPE
+
+    return str(device).split(":", 1)[0] == SIM_DEVICE_TYPE

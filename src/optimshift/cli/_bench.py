@@ -35,8 +35,8 @@ from ..api import _move_key, _one_at_a_time, _transfer, move, offload, reload
 from ..pool import host_pool
 from ..report import format_table
 from ..syncs import count_syncs
-from ._accelerator import demo_accelerator
-from ._help import HelpFormatter
+from ._accelerator import SIMULATED_TIMES, demo_accelerator, simulated
+from ._help import HelpFormatter, run_command
 from ._shapes import transformer_shapes
 
 _transformer_shapes = transformer_shapes  # (the name tests use)
@@ -476,23 +476,20 @@ _TIME_GOALS = ("streamed <= 1.2 x link + device step", "streamed >= 3x faster th
 def _on_simulator(result: dict[str, Any]) -> bool:
     """Whether ``result`` was measured on the simulated accelerator, whose every op runs in Python on host copies:
     its times measure the simulator, not a device, so only its counts are shown."""
-    from ..testing.simulated import SIM_DEVICE_TYPE
-
-    return str(result["device"]).split(":", 1)[0] == SIM_DEVICE_TYPE
+    return simulated(result["device"])
 
 
 def render(result: dict[str, Any]) -> str:
-    simulated = _on_simulator(result)
+    on_sim = _on_simulator(result)
     lines = [f"optimshift bench on {result['device']} ({result['device_name']}), torch {result['torch']}"]
-    if simulated:
+    if on_sim:
         lines.append(
-            "times on the simulated accelerator measure the simulator (every op runs in Python on host copies), "
-            "not a device: only counts are shown (host syncs, allocations, device memory) and no time is compared; "
-            "run it on a GPU for times (the per-tensor overhead on the meta device is real host time)"
+            f"{SIMULATED_TIMES}: only counts are shown (host syncs, allocations, device memory) and no time is "
+            "compared; run it on a GPU for times (the per-tensor overhead on the meta device is real host time)"
         )
     for case in result["throughput"]:
         lines.append(f"\n{case['case']}: {case['tensors']} tensors, {case['bytes'] / 1e6:.1f} MB of device state")
-        if simulated:
+        if on_sim:
             rows = [[m, str(r["syncs_per_step_after"])] for m, r in case["methods"].items()]
             lines.append(format_table(["method", "syncs/step after"], rows))
             continue
@@ -522,7 +519,7 @@ def render(result: dict[str, Any]) -> str:
         f"allocations per offload/reload cycle after warm-up ({p['cycles']} cycles)"
     )
     s = result["step_after_move"]
-    if simulated:
+    if on_sim:
         lines.append(f"after a move: host syncs per step {s['syncs_per_step']}")
     else:
         lines.append(
@@ -542,7 +539,7 @@ def render(result: dict[str, Any]) -> str:
             f"\nstreamed step, fused AdamW, {st['state_bytes'] / 1e6:.1f} MB of state in {st['chunks']} chunks of "
             f"{st['chunk_bytes'] >> 20} MiB"
         )
-        if simulated:
+        if on_sim:
             lines.append(head)
         else:
             lines.append(
@@ -556,9 +553,9 @@ def render(result: dict[str, Any]) -> str:
             f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'} (bound "
             f"{st['extra_device_bytes_bound'] / 2**20:.0f} MiB); host syncs per step {st['syncs_per_step']}"
         )
-        goals = {k: v for k, v in st["goals"].items() if not (simulated and k in _TIME_GOALS)}
+        goals = {k: v for k, v in st["goals"].items() if not (on_sim and k in _TIME_GOALS)}
         verdicts = "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in goals.items())
-        if simulated:
+        if on_sim:
             lines.append(f"goals: {verdicts} (the time goals are not checked on the simulator)")
         else:
             lines.append(f"goals: {verdicts} (streamed / budget {st['streamed_vs_budget']:.2f})")
@@ -619,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m optimshift.bench", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     _add_arguments(parser)
-    return _main(parser.parse_args(argv))
+    return run_command(lambda: _main(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from .._adopt import decide_all
 from ..api import offload, reload
 from ..pool import host_pool
 from ..syncs import count_syncs
+from ._accelerator import SIMULATED_TIMES, simulated
 
 __all__ = ["run_rl_loop_case", "render_rl_loop"]
 
@@ -161,6 +162,11 @@ def render_rl_loop(result: dict[str, Any]) -> str:
         f"offload+reload (non-blocking, waited for) {result['optimshift_ms']:.2f} ms against a bare per-tensor "
         f"identity-keeping loop {result['bare_ms']:.2f} ms: {result['overhead_vs_bare']:.2f}x"
     )
+    if simulated(result["device"]):
+        lines.append(
+            f"({SIMULATED_TIMES}: the ms and the ratio compare Python overheads over the simulator, not transfers; "
+            f"the counts are the device's. Run it on a GPU for times)"
+        )
     lines.append("goals: " + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in result["goals"].items()))
     if any(r["objects_kept"] < result["state_tensors"] for r in result["rows"]):
         lines.append(

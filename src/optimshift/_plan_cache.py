@@ -6,7 +6,8 @@ decision per tensor) and, once committed, the adoption decisions (:mod:`optimshi
 the optimizer's session under the operation's key. Every later call re-validates them with cheap checks and no
 policy decision, and rebuilds on any mismatch:
 
-- the layout: the same group dicts and param objects, param devices, implementation flags, which
+- the layout: the same group dicts and param objects, param devices, implementation flags, every group entry by
+  kind (a float by its class against 0 and 1, as the probe that learns a class's placement keys it), which
   hyperparameters are tensors (where, on which device, of which dtype), which params have grads (when grads
   are moved), the policy registry's generation, fake mode and whether the device has streams;
 - each site: the same tensor object under the same key, with the same device, dtype, shape and strides;
@@ -36,6 +37,7 @@ from . import policy as _policy
 from ._adopt import Mechanism
 from ._devices import _fake_mode_active
 from ._plan import Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
+from ._probe import group_kinds
 from ._state import GROUP_SKIP, IMPLEMENTATION_FLAGS, group_tensors, leaves
 
 __all__ = ["Cached", "plan_for"]
@@ -118,6 +120,7 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
                 tuple(map(id, params)),
                 param_devices,
                 tuple(group.get(flag) for flag in IMPLEMENTATION_FLAGS),
+                group_kinds(group),  # (a probed placement depends on the group's entries by kind)
                 _hyper_tensors(group),
                 tuple(p.grad is not None and p.grad.device for p in params) if grads else (),
             )

@@ -72,6 +72,7 @@ __all__ = [
     "unprobed",
     "torch_defined",
     "probe_key",
+    "group_kinds",
     "expected_state",
     "rejected_dtypes",
     "step_needs",
@@ -171,9 +172,14 @@ def probe_key(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: 
     """What can change what a throwaway step of ``cls`` with ``group``'s hyperparameters over a param of rank
     ``ndim`` observes (see the module docstring): the class, every group entry but the params by kind, the known
     implementation flags also as booleans (``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
-    items = tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in GROUP_SKIP))
     flags = tuple(bool(group.get(flag)) for flag in _KNOWN_FLAGS)
-    return (cls, items, flags, min(ndim, 2))
+    return (cls, group_kinds(group), flags, min(ndim, 2))
+
+
+def group_kinds(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Every entry of ``group`` but its params, by what can change what a step does with it (a float by its class,
+    never its value): what a placement learned by a probe depends on, and so what a cached plan keys on."""
+    return tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in GROUP_SKIP))
 
 
 # --- what the throwaway optimizer is built with ------------------------------------------------------------

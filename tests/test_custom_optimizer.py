@@ -9,27 +9,8 @@ import logging
 import torch
 
 import optimshift
+from _custom_optimizers import Counter, Placed
 from optimshift import _probe, policy
-
-
-class Counter(torch.optim.Optimizer):
-    """SGD with momentum whose step size shrinks with a 0-dim host counter, read with ``.item()`` each step."""
-
-    def __init__(self, params, lr=0.1, momentum=0.9):
-        super().__init__(params, {"lr": lr, "momentum": momentum})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["count"] = torch.tensor(0.0)  # on the host, as a fresh optimizer keeps it
-                    state["buf"] = torch.zeros_like(p)
-                state["count"] += 1
-                scale = 1.0 / state["count"].item()  # on the device: one host sync per param per step
-                state["buf"].mul_(group["momentum"]).add_(p.grad)
-                p.add_(state["buf"], alpha=-group["lr"] * scale)
 
 
 class Net(torch.nn.Module):
@@ -97,24 +78,6 @@ def test_the_probe_counts_the_device_reads_of_each_host_scalar():
     assert observed is not None and observed.state == {"count": False}
     assert dict(observed.reads) == {"count": 1}
     assert _probe.unprobed(Counter, group, 1) is None
-
-
-class Placed(torch.optim.Optimizer):
-    """Its counter lives on the param's device for matrices, or where ``device_counter`` says, else on the host."""
-
-    def __init__(self, params, lr=0.1, device_counter=False):
-        super().__init__(params, {"lr": lr, "device_counter": device_counter})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    on_device = group["device_counter"] or p.dim() >= 2
-                    state["count"] = torch.zeros((), device=p.device) if on_device else torch.zeros(())
-                state["count"] += 1
-                p.add_(p.grad, alpha=-group["lr"])
 
 
 def test_a_custom_class_is_placed_per_group_flag_and_param_rank(sim):

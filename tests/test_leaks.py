@@ -13,6 +13,7 @@ import weakref
 import torch
 
 import optimshift
+from _custom_optimizers import Counter
 
 O = torch.optim
 Parameter = torch.nn.Parameter
@@ -78,25 +79,6 @@ def test_an_optimizer_dropped_takes_everything_optimshift_knew_of_it(sim):
     assert not _alive(refs), "a session, a plan or a mode outlives its optimizer"
 
 
-class _Counting(torch.optim.Optimizer):
-    """A third-party class (probed by a throwaway step of its own: issue 30) keeping a host counter."""
-
-    def __init__(self, params, lr=0.1):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["count"] = torch.tensor(0.0)
-                    state["buf"] = torch.zeros_like(p)
-                state["count"] += 1
-                state["buf"].add_(p.grad)
-                p.add_(state["buf"], alpha=-group["lr"])
-
-
 def test_the_probe_and_load_caches_keep_no_tensor_of_the_user(sim, tmp_path):
     """The probes (torch's classes and third-party ones), the load's checks and the plan caches key on kinds
     (class, flags, ranks, a tensor hyperparameter's device and dtype), never on the user's objects: a tensor
@@ -105,7 +87,7 @@ def test_the_probe_and_load_caches_keep_no_tensor_of_the_user(sim, tmp_path):
     params = [Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
     adam = O.Adam(params, lr=lr, betas=(torch.tensor(0.9), torch.tensor(0.99)))
     custom_params = [Parameter(torch.randn(3, device=sim))]
-    custom = _Counting(custom_params)
+    custom = Counter(custom_params)
     for opt, ps in ((adam, params), (custom, custom_params)):
         for p in ps:
             p.grad = torch.ones_like(p)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import optimshift
+from _custom_optimizers import Placed
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
 from optimshift import _device_streams, _plan, _plan_cache, _session
 
@@ -409,33 +410,11 @@ def test_plans_in_use_are_evicted_last(sim):
     assert cycle_keys <= set(_session.of(opt).plans)
 
 
-class _FlagStep(torch.optim.Optimizer):
-    """A third-party class whose ``step`` lives with its param only when the group says so: its placement depends
-    on a hyperparameter that is no implementation flag torch knows (learned by the probe, as for any such class)."""
-
-    def __init__(self, params, lr=0.1, device_step=False):
-        super().__init__(params, {"lr": lr, "device_step": device_step})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["step"] = torch.zeros((), device=p.device if group["device_step"] else "cpu")
-                    st["m"] = torch.zeros_like(p)
-                st["step"] += 1
-                st["m"].mul_(0.9).add_(p.grad)
-                p.add_(st["m"], alpha=-group["lr"])
-
-
 def test_a_hyperparameter_the_placement_depends_on_rebuilds_the_cached_plan(sim, builds):
     """A cached plan keys on the group's entries by kind (what the probe that places a third-party class's
     scalars keys on), not only on torch's implementation flags: a group flag switched between moves re-places."""
     model = Model(SHAPES).to(sim)
-    opt = _FlagStep(model.parameters())
+    opt = Placed(model.parameters())  # (its counter on the host for a vector, unless the group says otherwise)
     train(model, opt, range(2))
 
     def there_and_back():
@@ -446,10 +425,11 @@ def test_a_hyperparameter_the_placement_depends_on_rebuilds_the_cached_plan(sim,
 
     for _ in range(3):  # (plans are kept from their second build: the third round is served from the cache)
         there_and_back()
-    assert all(st["step"].device.type == "cpu" for st in opt.state.values())
+    vectors = [opt.state[p] for p in model.parameters() if p.dim() == 1]
+    assert vectors and all(st["count"].device.type == "cpu" for st in vectors)
     before = builds[0]
-    opt.param_groups[0]["device_step"] = True  # a fresh _FlagStep(..., device_step=True) keeps step on the device
+    opt.param_groups[0]["device_counter"] = True  # a fresh Placed(..., device_counter=True) keeps it on the device
     there_and_back()
     assert builds[0] > before, "the cached plans were reused for a group whose placement changed"
-    assert all(st["step"].device == torch.device(sim) for st in opt.state.values()), "step where a fresh one keeps it"
+    assert all(st["count"].device == torch.device(sim) for st in opt.state.values()), "where a fresh one keeps it"
     _placed_like_fresh(opt)

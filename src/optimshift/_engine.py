@@ -125,16 +125,25 @@ def copy_each(
     if not own_storages:
         _copy_storages(items, what, site, out)
     moving: list[int] = []
+    append = moving.append
     batched: set[int] = set()
+    plain = torch.Tensor
     i = 0
     try:
         for i, (t, device, dtype) in enumerate(items):
-            if out[i] is not None:
-                continue  # (copied with its storage)
-            if t.dtype == dtype and t.device != device and id(t) not in batched:
-                batched.add(id(t))  # (one tensor asked for on two devices: the second copy is made apart)
-                moving.append(i)
-            elif type(t) is torch.Tensor and not t.requires_grad:
+            if t.dtype == dtype and t.device != device:
+                if own_storages:  # (distinct tensors, the caller checked: none asked for twice)
+                    append(i)
+                    continue
+                if out[i] is not None:
+                    continue  # (copied with its storage)
+                if id(t) not in batched:
+                    batched.add(id(t))  # (one tensor asked for on two devices: the second copy is made apart)
+                    append(i)
+                    continue
+            elif not own_storages and out[i] is not None:
+                continue
+            if type(t) is plain and not t.requires_grad:
                 # the same place: keeps the strides, and is the cheapest copy; else a cast (cast="param")
                 out[i] = t.clone() if t.dtype == dtype and t.device == device else t.to(device, dtype, False, True)
             else:  # Parameters, subclasses: the general copy
@@ -145,7 +154,9 @@ def copy_each(
         raise
     if moving:  # (copy_many's note names the entry an error hit)
         batch = copy_items(
-            [(items[i][0], items[i][1]) for i in moving], describe=lambda n: f"{what}: {site(moving[n])}"
+            [(items[i][0], items[i][1]) for i in moving],
+            describe=lambda n: f"{what}: {site(moving[n])}",
+            together=() if own_storages else None,  # (no two share a storage: nothing to group as one)
         )
         for i, copy in zip(moving, batch.copies):
             out[i] = copy

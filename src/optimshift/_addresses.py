@@ -83,7 +83,7 @@ def _close(mapped: _Mapped) -> None:
             mapped.unmap(i)
         mapped.driver.free_reserved(mapped.device, mapped.address, mapped.size)
     except Exception as e:  # noqa: BLE001 - a finalizer must not raise; the process frees it at exit
-        _log.warning("optimshift: could not free a reserved range on %s: %s", mapped.device, e)
+        _log.warning("optimshift: could not free a reserved range on %s: %s", mapped.device, str(e))
 
 
 class _Range:
@@ -165,8 +165,10 @@ def keeping(optimizer: Any, keep: bool | str, name: str) -> frozenset[torch.devi
     refused = {d: w for d, w in why.items() if w is not None}
     if refused and keep is True:
         device, reason = next(iter(refused.items()))
-        raise ValueError(f"{name}: offload(keep_addresses=True): {device} cannot keep addresses ({reason}); nothing "
-                         f"was changed. Pass keep_addresses='auto' to offload without keeping them there")
+        raise ValueError(
+            f"{name}: offload(keep_addresses=True): {device} cannot keep addresses ({reason}); nothing "
+            f"was changed. Pass keep_addresses='auto' to offload without keeping them there"
+        )
     if refused:
         _log.info(
             "optimshift: %s: keep_addresses='auto': %s; offloading %s without keeping addresses",
@@ -275,16 +277,25 @@ class Placement:
             mapped = owner.mapped
             flat = mapped.driver.wrap(mapped.device, mapped.address + slot.offset, slot.nbytes, lease)
             self._leases.append((slot, lease))
-            storage = flat.untyped_storage()
-            for t in unit.members:
-                if unit.shared:
-                    offset, strides = t.storage_offset(), tuple(t.stride())
-                else:
-                    offset, strides = 0, _dense(t) or _contiguous(t.shape)
+            if unit.shared:
+                # (a shared storage gets its Python storage object from the copy anyway: see _alias.copy_storage)
+                storage = flat.untyped_storage()
+                for t in unit.members:
+                    view = torch.empty(0, dtype=t.dtype, device=mapped.device)
+                    self._dests[id(t)] = view.set_(storage, t.storage_offset(), t.shape, t.stride())
+                del storage
+            else:
+                # NOTE: no Python storage object for a tensor's own slot (torch keeps one for the storage's
+                # lifetime, and it counts as a second user: a load would no longer write the tensor in place); a
+                # tensor set_ to a view takes its storage and metadata without becoming a view itself.
+                t = unit.members[0]
+                size = t.element_size()
+                typed = flat[: slot.nbytes // size * size].view(t.dtype)
                 view = torch.empty(0, dtype=t.dtype, device=mapped.device)
-                view.set_(storage, offset, t.shape, strides)
-                self._dests[id(t)] = view
-            del flat, storage, lease
+                source = typed.as_strided(t.shape, _dense(t) or _contiguous(t.shape), 0)
+                self._dests[id(t)] = view.set_(source)  # type: ignore[call-overload]  # (set_(Tensor): not in the stubs)
+                del typed
+            del flat, lease
 
     def keep(self) -> None:
         """The commit went through: the ranges, slots and leases are the layout's."""
@@ -309,7 +320,9 @@ class Placement:
                 try:
                     mapped.unmap(i)
                 except DriverError as e:  # pragma: no cover - a second failure; the next release tries again
-                    _log.warning("optimshift: could not unmap a block on %s while rolling back: %s", mapped.device, e)
+                    _log.warning(
+                        "optimshift: could not unmap a block on %s while rolling back: %s", mapped.device, str(e)
+                    )
         for owner in self._fresh:
             for slot in owner.slots:
                 slot.leases.clear()
@@ -317,8 +330,9 @@ class Placement:
 
 
 def _out_of_memory(message: str) -> Exception:
-    cls = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
-    return cls(message)  # type: ignore[no-any-return]
+    found = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    cls: type[Exception] = found if isinstance(found, type) else RuntimeError
+    return cls(message)
 
 
 def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str) -> Placement | None:
@@ -435,8 +449,12 @@ def release(optimizer: Any, name: str) -> None:
                     try:
                         owner.mapped.unmap(i)
                     except DriverError as e:
-                        _log.warning("optimshift: %s: could not unmap %s memory (%s); it stays mapped", name,
-                                     owner.mapped.device, e)
+                        _log.warning(
+                            "optimshift: %s: could not unmap %s memory (%s); it stays mapped",
+                            name,
+                            owner.mapped.device,
+                            str(e),
+                        )
     if foreign:
         warnings.warn(
             f"{name}: {foreign} slot{'s' if foreign != 1 else ''} of state ({foreign_bytes} bytes) kept at fixed "

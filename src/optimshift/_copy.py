@@ -17,6 +17,7 @@ the engine (:mod:`optimshift._engine`) decides what to copy and commits the copi
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -155,6 +156,11 @@ def _copy_into(src: torch.Tensor, out: torch.Tensor, side: Side | None) -> torch
     return out
 
 
+def _copy_to(src: torch.Tensor, _: torch.device, *, out: torch.Tensor, side: Side | None) -> torch.Tensor:
+    """:func:`_copy_into` as ``_alias.copy_storage``'s ``copy(src, target)``."""
+    return _copy_into(src, out, side)
+
+
 def _storage_into(
     into: Callable[[torch.Tensor], torch.Tensor | None], members: Sequence[torch.Tensor]
 ) -> torch.Tensor | None:
@@ -162,8 +168,9 @@ def _storage_into(
     destination over one storage of its own (``Options.into``); else None (the storage is allocated here)."""
     dests = [into(t) for t in members]
     first = dests[0]
-    if first is None or any(d is None or d.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                            for d in dests):
+    if first is None or any(
+        d is None or d.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for d in dests
+    ):
         return None
     nbytes = members[0].untyped_storage().nbytes()
     flat = torch.empty(0, dtype=torch.uint8, device=first.device)
@@ -273,7 +280,7 @@ def copy_many(
                 target,
                 (lambda src, dst: copy_tensor(src, dst, non_blocking, pin_memory, side))
                 if dest is None
-                else (lambda src, dst, out=dest: _copy_into(src, out, side)),
+                else functools.partial(_copy_to, out=dest, side=side),
             )
             for i, new in zip(indices, news):
                 copies[i] = new

@@ -242,7 +242,7 @@ class CudaDriver:
         # first made the primary context current: torch.cuda initializes it, and this thread may have none.
         """
         index = torch.cuda.current_device() if device.index is None else device.index
-        torch.cuda.init()
+        torch.cuda.init()  # type: ignore[no-untyped-call]  # (unannotated in torch)
         ctx = self._contexts.get(index)
         if ctx is None:
             dev = ctypes.c_int()

@@ -7,8 +7,8 @@ import functools
 import logging
 import time
 import weakref
-from dataclasses import replace
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal, TypeVar, overload
 
 import torch

@@ -197,8 +197,9 @@ class SimDriver:
         """Bytes mapped on ``sim:index`` now."""
         with self._lock:
             ranges = [r for r in self._ranges.values() if r.index == index]
-            return sum(n for a, (n, _, _) in self._mappings.items() if any(r.address <= a < r.address + r.size
-                                                                            for r in ranges))
+            return sum(
+                n for a, (n, _, _) in self._mappings.items() if any(r.address <= a < r.address + r.size for r in ranges)
+            )
 
     def reserved(self) -> int:
         """Reservations alive now (all devices)."""

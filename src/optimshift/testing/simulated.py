@@ -161,8 +161,9 @@ def simulated_memory_allocated(index: int = 0) -> int:
 
     Counts every storage allocated on that device (parameters, optimizer state, temporaries)
     until the last tensor using it is freed, and the mapped bytes of reserved ranges (state kept at
-    fixed addresses, ``offload(keep_addresses=True)``) while they are mapped, not their tensors. Freed storages are subtracted as soon as
-    CPython frees them; call ``gc.collect()`` first if reference cycles may hold tensors.
+    fixed addresses, ``offload(keep_addresses=True)``) while they are mapped, not their tensors.
+    Freed storages are subtracted as soon as CPython frees them; call ``gc.collect()`` first if
+    reference cycles may hold tensors.
     Returns 0 if the backend was never set up.
     """
     if isinstance(index, bool) or not isinstance(index, int):
@@ -187,7 +188,7 @@ def simulated_memory_allocated(index: int = 0) -> int:
 
 
 class _Entry:
-    __slots__ = ("ref", "nbytes", "index", "counted", "guard")
+    __slots__ = ("ref", "nbytes", "index", "counted", "guard", "below")
 
     def __init__(
         self,
@@ -202,6 +203,7 @@ class _Entry:
         self.index = index
         self.counted = counted  # counted in simulated_memory_allocated (mapped ranges count their mappings)
         self.guard = guard  # raises if the memory is not mapped now (a storage over a reserved range)
+        self.below: _Entry | None = None  # another storage over the same mapped memory, still alive
 
 
 class _State:
@@ -229,7 +231,16 @@ _allocated = _state.allocated
 def _unregister(key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
     with _registry_lock:
         entry = _registry.get(key)
+        if entry is not None and entry.ref is not ref:  # (a storage over mapped memory that another covers)
+            while entry.below is not None and entry.below.ref is not ref:
+                entry = entry.below
+            if entry.below is not None:
+                entry.below = entry.below.below
+            return
         if entry is not None and entry.ref is ref:
+            if entry.below is not None:  # another storage over the same mapped memory takes its place
+                _registry[key] = entry.below
+                return
             del _registry[key]
             counted = entry.nbytes if entry.counted else 0
             _allocated[entry.index] -= counted
@@ -250,7 +261,9 @@ def _register(
     entry = _Entry(ref, nbytes, index, counted, guard)
     with _registry_lock:
         old = _registry.get(key)
-        if old is not None and old.counted:
+        if old is not None and not old.counted and not counted and old.ref() is not None:
+            entry.below = old  # (two storages over one mapped memory: a view held across a reload)
+        elif old is not None and old.counted:
             _allocated[old.index] -= old.nbytes
         _registry[key] = entry
         if counted:
@@ -264,6 +277,15 @@ def _wrap_mapped(cpu: torch.Tensor, index: int, guard: Callable[[], None]) -> to
     :mod:`optimshift.testing._sim_vmm`): not counted as an allocation (the mapping is), and every op that reaches
     its memory calls ``guard`` first, which raises where the memory is not mapped, as an illegal address would."""
     return _new_sim_storage_root(cpu.untyped_storage(), index, counted=False, guard=guard)
+
+
+def _guard_of(t: Any) -> Callable[[], None] | None:
+    """The guard of a sim tensor over a reserved range's memory (see :func:`_wrap_mapped`), else None."""
+    if not _is_sim(t):
+        return None
+    # (the storage's data pointer, without making a Python storage object, which torch would keep)
+    entry = _registry.get(t.data_ptr() - t.storage_offset() * t.element_size())
+    return None if entry is None else entry.guard
 
 
 def _count_mapped(index: int, nbytes: int) -> None:

@@ -242,9 +242,9 @@ class CudaDriver:
         # first made the primary context current: torch.cuda initializes it, and this thread may have none.
         """
         index = torch.cuda.current_device() if device.index is None else device.index
-        torch.cuda.init()  # type: ignore[no-untyped-call]  # (unannotated in torch)
         ctx = self._contexts.get(index)
         if ctx is None:
+            self._check("cuInit", self._lib.cuInit(0))
             dev = ctypes.c_int()
             self._check("cuDeviceGet", self._lib.cuDeviceGet(ctypes.byref(dev), index))
             ctx = ctypes.c_void_p()

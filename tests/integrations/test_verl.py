@@ -201,7 +201,7 @@ def test_the_environment_variable_keeps_addresses_through_patched_cycles(sim, ve
     opt = _make("AdamW-foreach")(params)
     step_with_grads(params, opt, seed=0)
     addresses = []
-    for cycle in range(3):
+    for _ in range(3):
         before = _values(opt)
         engine.offload_fsdp_optimizer(opt)
         engine.load_fsdp_optimizer(opt, "sim")

@@ -604,8 +604,11 @@ def _main(args: argparse.Namespace) -> int:
     elif args.case == "rl-loop":
         from ._bench_rl import render_rl_loop, run_rl_loop_case
 
-        keep = {"keep_addresses": "auto"} if args.keep_addresses else {}
-        result = run_rl_loop_case(demo_accelerator(args.device), quick=args.quick, **keep)
+        device = demo_accelerator(args.device)
+        if args.keep_addresses:
+            result = run_rl_loop_case(device, quick=args.quick, keep_addresses="auto")
+        else:
+            result = run_rl_loop_case(device, quick=args.quick)
         text = render_rl_loop
     else:
         result = run_bench(demo_accelerator(args.device), quick=args.quick)

@@ -532,3 +532,28 @@ def test_auto_falls_back_with_one_log_line(sim, driver, caplog):
     optimshift.offload(opt, keep_addresses="auto")
     optimshift.reload(opt)
     assert _where(opt) == kept
+
+
+def test_keeping_addresses_goes_the_one_road(sim, driver, monkeypatch):
+    """A keep_addresses offload and reload are one engine.run (one copy_many) and one engine.commit each: the slots
+    are a destination allocation, the release a step after the copies; no second copy or commit loop."""
+    from optimshift import _engine
+
+    model, opt = _trained(sim)
+    seen: dict[str, int] = {}
+    for module, name in ((_engine, "run"), (_engine, "commit"), (_engine, "copy_many")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen[_name] = seen.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    for op, expected in (
+        (lambda: optimshift.keep_addresses(opt), 2),
+        (lambda: optimshift.offload(opt, keep_addresses=True), 1),
+        (lambda: optimshift.reload(opt), 1),
+    ):
+        seen.clear()
+        op()
+        assert seen == {"run": expected, "commit": expected, "copy_many": expected}, seen

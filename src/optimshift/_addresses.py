@@ -29,13 +29,14 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from . import _alias, _device_streams, _session
+from ._copy import _contiguous_strides, _dense_non_overlapping
 from ._plan import Ident, Plan
 from ._state import tensors
 from ._vmm import Driver, DriverError, DriverOutOfMemory, driver_for, unsupported
@@ -190,23 +191,9 @@ def _slottable(t: torch.Tensor) -> bool:
     )
 
 
-def _dense(t: torch.Tensor) -> tuple[int, ...] | None:
-    """``t``'s strides if they tile exactly ``numel`` elements (a copy keeps them), else None (contiguous)."""
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return None
-        expected *= size
-    return tuple(t.stride())
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(strides))
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides ``t``'s copy has (as the engine's copies keep them: its own where dense, else contiguous)."""
+    return tuple(t.stride()) if _dense_non_overlapping(t) else _contiguous_strides(t.shape)
 
 
 @dataclass
@@ -292,7 +279,7 @@ class Placement:
                 size = t.element_size()
                 typed = flat[: slot.nbytes // size * size].view(t.dtype)
                 view = torch.empty(0, dtype=t.dtype, device=mapped.device)
-                source = typed.as_strided(t.shape, _dense(t) or _contiguous(t.shape), 0)
+                source = typed.as_strided(t.shape, _strides(t), 0)
                 self._dests[id(t)] = view.set_(source)  # type: ignore[call-overload]  # (set_(Tensor): not in the stubs)
                 del typed
             del flat, lease

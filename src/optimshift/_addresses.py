@@ -379,6 +379,7 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
             else:
                 fresh_units.setdefault(unit.device, []).append(unit)
         fresh: list[_Range] = []
+        placement: Placement | None = None
         try:
             for device, new in fresh_units.items():
                 driver = driver_for(device)
@@ -398,7 +399,7 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
             placement._map(name, _device_streams.empty_cache)
             placement._wrap()
         except BaseException:
-            if "placement" in locals():
+            if placement is not None:
                 placement.abandon()
             else:
                 for owner in fresh:
@@ -415,8 +416,9 @@ def release(optimizer: Any, name: str) -> None:
     layout = layout_of(optimizer)
     if layout is None:
         return
+    # (each storage's data pointer, without a Python storage object: torch would keep one, a second user of it)
     inside = {
-        t.untyped_storage().data_ptr()
+        t.data_ptr() - t.storage_offset() * t.element_size()
         for state in list(optimizer.state.values()) + [dict(g) for g in optimizer.param_groups]
         for t in tensors(state)
         if t.device.type not in ("cpu", "meta") and t.layout == torch.strided

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: the CUDA-marked tests, then the benchmark cases, on one GPU, in under 8 minutes, with no network.
+# GPU check: the CUDA-marked tests, the keep_addresses check, then the benchmark cases, on one GPU, in under 8
+# minutes, with no network.
 #
 #   bash benchmarks/gpu_check.sh [DIR]        # from anywhere; PYTHON=/path/to/python to choose the interpreter
 #
@@ -7,7 +8,10 @@
 # runs on an interpreter that already has a CUDA torch in the range pyproject.toml's `dependencies` give
 # (PYTHON, else python3), with pytest for the tests; optimshift itself is imported from this tree's src/
 # (PYTHONPATH), so it need not be installed (or is installed with --no-deps).
-# Writes benchmarks/results/gpu-<stamp>-tests.txt, gpu-<stamp>-<case>.{json,txt} and gpu-<stamp>-summary.txt,
+# Writes benchmarks/results/gpu-<stamp>-tests.txt, gpu-<stamp>-keep-addresses.txt (benchmarks/gpu_keep_addresses.py:
+# CUDA virtual memory mapped, unmapped and mapped again under a captured graph; a reduce-overhead compiled capturable
+# Adam through 10 keep_addresses cycles, no cudagraph recording after the first, and a control that records every
+# cycle), gpu-<stamp>-<case>.{json,txt} and gpu-<stamp>-summary.txt,
 # and copies them into DIR when one is given.
 # Exit status: 0 everything passed; 1 a test or a bench case failed or ran out of its time; 2 no CUDA device;
 # 3 no usable interpreter, a torch outside the supported range, or budgets that do not fit.
@@ -17,12 +21,13 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 COPY_TO="${1:-}"
 
-TESTS_BUDGET=200  # seconds for `pytest -m cuda`
+TESTS_BUDGET=160  # seconds for `pytest -m cuda`
+KEEP_BUDGET=100  # seconds for benchmarks/gpu_keep_addresses.py (two reduce-overhead compilations)
 # The bench cases, one a line: name, budget in seconds, arguments to `python -m optimshift.bench`.
 # The quick run first, so that a full run cut short still leaves figures.
 BENCH_CASES=(
-  "quick 60 --quick"
-  "full 150"
+  "quick 50 --quick"
+  "full 100"
   "verl 30 --case verl"
   "rl-loop 30 --case rl-loop"
 )
@@ -30,7 +35,7 @@ TOTAL_BUDGET=470  # tests + every case, in seconds: the whole check ends within 
 
 say() { echo "gpu_check: $*"; }
 
-total=$TESTS_BUDGET
+total=$((TESTS_BUDGET + KEEP_BUDGET))
 for case in "${BENCH_CASES[@]}"; do
   read -r _ secs _ <<<"$case"
   total=$((total + secs))
@@ -132,6 +137,8 @@ run() {
 
 run tests "$TESTS_BUDGET" "$out/gpu-$stamp-tests.txt" \
   "$PY" -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors tests
+run keep-addresses "$KEEP_BUDGET" "$out/gpu-$stamp-keep-addresses.txt" \
+  "$PY" "$ROOT/benchmarks/gpu_keep_addresses.py"
 for case in "${BENCH_CASES[@]}"; do
   read -r name secs args <<<"$case"
   # shellcheck disable=SC2086  # args are words on purpose

@@ -11,7 +11,7 @@ from . import _quiet_torch  # noqa: F401  (first: imports torch without its NumP
 from ._offload import PendingTransfer
 from ._streaming import DEFAULT_CHUNK_BYTES, Streamed, is_streamed, stream, streamed, unstream
 from ._version import __version__ as __version__
-from .api import check, is_offloaded, move, offload, offloaded, placement, rebind, reload, wait
+from .api import check, is_offloaded, keep_addresses, move, offload, offloaded, placement, rebind, reload, wait
 from .checkpoint import CheckpointError, UnsafeCheckpointError, load, load_state_dict, save
 from .policy import Policy, register_policy, unregister_policy
 from .pool import HostPool, host_pool
@@ -33,6 +33,7 @@ __all__ = [
     "offload",
     "reload",
     "offloaded",
+    "keep_addresses",
     "is_offloaded",
     "wait",
     "stream",

@@ -126,11 +126,17 @@ class Record:
     grads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
     token: Any = None  # the serial of the cached offload plan's build that made this record (what a reload undoes)
+    keep_addresses: frozenset[torch.device] = frozenset()  # devices whose reload puts the state back at its addresses
 
     def extended(self) -> Record:
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded)."""
         return Record(
-            dict(self.devices), dict(self.param_devices), list(self.buffers), dict(self.grads), list(self.hooks)
+            dict(self.devices),
+            dict(self.param_devices),
+            list(self.buffers),
+            dict(self.grads),
+            list(self.hooks),
+            keep_addresses=self.keep_addresses,
         )
 
     @property

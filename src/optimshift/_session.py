@@ -39,6 +39,7 @@ class Session:
     # a move back puts them on the device side again, as a fresh optimizer given them there would hold them
     group_sides: dict[Ident, torch.device] = field(default_factory=dict)
     plans: dict[Hashable, list[Any]] = field(default_factory=dict)  # operation key -> its _plan_cache.Cached
+    addresses: Any = None  # _addresses.Layout: its state's reserved ranges and slots, once it keeps addresses
 
 
 _sessions: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()

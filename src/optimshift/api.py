@@ -8,11 +8,12 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal, TypeVar, overload
 
 import torch
 
-from . import _device_streams, _engine, _mode, _offload, _plan_cache, _session
+from . import _addresses, _device_streams, _engine, _mode, _offload, _plan_cache, _session
 from . import policy as _policy
 from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
@@ -44,7 +45,18 @@ from ._plan import (
 from ._state import group_device, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
-__all__ = ["move", "offload", "reload", "offloaded", "check", "placement", "rebind", "is_offloaded", "wait"]
+__all__ = [
+    "move",
+    "offload",
+    "reload",
+    "offloaded",
+    "keep_addresses",
+    "check",
+    "placement",
+    "rebind",
+    "is_offloaded",
+    "wait",
+]
 
 Opt = TypeVar("Opt", bound=torch.optim.Optimizer)
 
@@ -129,6 +141,7 @@ def _transfer(
     eager: bool = False,
     sides: bool = False,
     rewrite: Callable[[], None] | None = None,
+    place: Callable[[Plan], _addresses.Placement | None] | None = None,
 ) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
@@ -137,13 +150,23 @@ def _transfer(
     params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
     :func:`optimshift._plan_cache.plan_for`). ``sides``: remember where group tensors taken to the host came from
     (a move: see :func:`_remember_sides`). ``rewrite``: the structural change the commit makes with the
-    adoptions (see :func:`optimshift._engine.commit`)."""
+    adoptions (see :func:`optimshift._engine.commit`). ``place``: the destinations of the plan's copies, when they
+    are not allocated as usual (a keep_addresses reload's slots: :func:`optimshift._addresses.stage`), kept if the
+    commit goes through and given back if anything fails."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
-    copies = _engine.run(plan, options, extra=extra)
-    group_moves = _group_moves(plan) if sides else ()
-    hows = _engine.commit(optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite)
+    placement = None if place is None else place(plan)  # (raises with nothing changed, nothing mapped)
+    try:
+        copies = _engine.run(plan, options if placement is None else replace(options, into=placement.into), extra=extra)
+        group_moves = _group_moves(plan) if sides else ()
+        hows = _engine.commit(optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite)
+    except BaseException:
+        if placement is not None:
+            placement.abandon()
+        raise
+    if placement is not None:
+        placement.keep()
     _remember_sides(optimizer, group_moves)
     if cached is not None and cached.kept:  # (a marker keeps nothing per tensor)
         cached.hows = hows
@@ -190,9 +213,26 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         sides=True,
     )
     _give_grads_back(grads, copies)
+    del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
+    _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there
     remember_pending(optimizer, pending)
     return optimizer
+
+
+def _release_when_done(optimizer: Any, pending: PendingTransfer) -> None:
+    """Once ``pending``'s copies are complete, unmap the memory of the optimizer's reserved ranges that no state
+    uses any more (:func:`optimshift._addresses.release`); nothing for an optimizer that never kept addresses."""
+    if _addresses.layout_of(optimizer) is None:
+        return
+    ref, name = weakref.ref(optimizer), optimizer_name(optimizer)  # (weak: the callback waits in its session)
+
+    def release() -> None:
+        alive = ref()
+        if alive is not None:
+            _addresses.release(alive, name)
+
+    pending.add_done_callback(release)
 
 
 def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
@@ -240,6 +280,7 @@ def offload(
     non_blocking: Literal[False] = False,
     include: Iterable[str] = (),
     empty_cache: bool = False,
+    keep_addresses: bool | Literal["auto"] = False,
 ) -> Opt: ...
 
 
@@ -251,6 +292,7 @@ def offload(
     non_blocking: Literal[True],
     include: Iterable[str] = (),
     empty_cache: bool = False,
+    keep_addresses: bool | Literal["auto"] = False,
 ) -> PendingTransfer: ...
 
 
@@ -262,6 +304,7 @@ def offload(
     non_blocking: bool = False,
     include: Iterable[str] = (),
     empty_cache: bool = False,
+    keep_addresses: bool | Literal["auto"] = False,
 ) -> Opt | PendingTransfer:
     """Move all state to host memory and remember where each tensor was, for :func:`reload`.
 
@@ -274,6 +317,12 @@ def offload(
     optimshift; :func:`reload` gives each param that object back. ``non_blocking=True`` returns a
     :class:`PendingTransfer` at once (copies run on a side stream; ``wait()`` before reading the host copies);
     otherwise the optimizer. Offloading an offloaded optimizer only moves what was added since.
+
+    ``keep_addresses=True``: :func:`reload` puts every state tensor back at the same ``data_ptr()`` (a CUDA graph
+    that captured the step stays valid), in a range reserved on its device whose memory is unmapped while
+    offloaded (CUDA virtual memory management; the first such reload lays the state out there, so addresses change
+    once: :func:`keep_addresses` does it beforehand). Raises ValueError, before anything changes, on a device that
+    cannot; ``"auto"``: keeps them where the device can, else offloads as usual (one log line).
     """
     check_optimizer(optimizer)
     _mode.refuse(optimizer, "offload")
@@ -289,10 +338,12 @@ def offload(
             f"offload needs an optimizer it can remember weakly (hashable, weak-referenceable); "
             f"{type(optimizer).__name__} is not: pass the torch.optim.Optimizer it wraps"
         ) from None
+    keep = _addresses.keeping(optimizer, keep_addresses, optimizer_name(optimizer))
     end_pending(optimizer)
     host = torch.device("cpu")
     previous = record_of(optimizer)
     record = previous.extended() if previous is not None else Record()
+    record.keep_addresses = record.keep_addresses | keep
     grads = []
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
@@ -328,7 +379,9 @@ def offload(
         p.grad = None  # (first: the param no longer holds it, so it can be swapped)
         record.grads[where] = (p, kept(grad, copies.new[id(grad)]))  # the same object, on the host
     record.buffers.extend(copies.batch.held)
+    del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     _offload.set_record(optimizer, record)
+    _release_when_done(optimizer, pending)  # once the host copies landed: unmap what kept addresses
     remember_pending(optimizer, pending)
     if empty_cache:
         _device_streams.empty_cache()
@@ -390,7 +443,9 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     keeps it, offloaded or not (as :func:`move` puts it): one call that brings the state to a device, as RL
     frameworks' move-to-device functions expect.
 
-    Entries of a param that moved while offloaded go where a fresh optimizer keeps them for its new device.
+    Entries of a param that moved while offloaded go where a fresh optimizer keeps them for its new device. State
+    offloaded with ``keep_addresses`` comes back at the addresses it had (see :func:`offload`); with ``device`` it
+    leaves its reserved range (allocated as usual there, the range's memory released).
     ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the
     optimizer's next ``step()`` waits for them on the device, so a reload issued before the forward pass
     overlaps with it (offloaded grads, read before ``step()``, are waited for at once).
@@ -411,6 +466,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     # (cached only when the offload's plan was kept, the sign of a loop: its next build would bump the serial)
     cacheable = record.token is not None and record.token[1] and not _policy.has_registered_policy(optimizer)
     key = ("reload", record.token[0]) if cacheable else None
+    keep, name = record.keep_addresses, optimizer_name(optimizer)
     copies, pending, _ = _transfer(
         optimizer,
         back,
@@ -420,6 +476,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         cache_key=key,
         grads=bool(grads),
         eager=cacheable,
+        place=(lambda plan: _addresses.stage(optimizer, plan, keep, name)) if keep else None,
     )
     _give_grads_back(grads, copies)
     if grads:
@@ -430,16 +487,39 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
 
 
 @contextlib.contextmanager
-def offloaded(optimizer: Opt, *, pin_memory: bool | None = None, include: Iterable[str] = ()) -> Iterator[Opt]:
-    """Offload on enter, reload on exit (also when the body raises). A no-op if it is already offloaded."""
+def offloaded(
+    optimizer: Opt,
+    *,
+    pin_memory: bool | None = None,
+    include: Iterable[str] = (),
+    keep_addresses: bool | Literal["auto"] = False,
+) -> Iterator[Opt]:
+    """Offload on enter, reload on exit (also when the body raises). A no-op if it is already offloaded.
+    ``keep_addresses``: as :func:`offload`'s."""
     already = is_offloaded(optimizer)
     if not already:
-        offload(optimizer, pin_memory=pin_memory, include=include)
+        offload(optimizer, pin_memory=pin_memory, include=include, keep_addresses=keep_addresses)
     try:
         yield optimizer
     finally:
         if not already:
             reload(optimizer)
+
+
+def keep_addresses(optimizer: Opt) -> Opt:
+    """Lay the state out at addresses it keeps from now on (as the first ``offload(keep_addresses=True)`` and
+    reload do; raises ValueError, before anything changes, where a device cannot): call it before capturing a CUDA
+    graph of the step, so that no graph ever re-records. An offload and reload, each on the one road; for an
+    offloaded optimizer, marks it so that its reload lays the state out."""
+    if is_offloaded(optimizer):
+        with exclusive(unwrap(optimizer)):
+            record = record_of(optimizer)
+            if record is not None:
+                record.keep_addresses |= _addresses.keeping(optimizer, True, optimizer_name(optimizer))
+        return optimizer
+    offload(optimizer, keep_addresses=True)
+    reload(optimizer)
+    return optimizer
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:

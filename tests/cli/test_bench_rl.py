@@ -32,3 +32,25 @@ def test_bench_takes_case_rl_loop(capsys, monkeypatch, sim):
     monkeypatch.setattr(case, "render_rl_loop", lambda result: f"rendered {result['called']}")
     assert bench.main(["--case", "rl-loop", "--quick", "--device", "sim"]) == 0
     assert capsys.readouterr().out.strip() == "rendered ('sim:0', True)"
+
+
+def test_the_rl_loop_case_keeps_addresses_when_asked(sim):
+    result = run_rl_loop_case(sim, quick=True, keep_addresses=True)
+    warm = result["rows"][1:]
+    assert all(r["addresses_kept"] == result["state_tensors"] for r in warm)
+    assert result["goals"]["addresses kept after the first cycle"]
+    assert all(r["freed_bytes"] >= result["state_bytes"] for r in warm), "the mapped state is released"
+    assert "addresses kept" in render_rl_loop(result)
+    plain = run_rl_loop_case(sim, quick=True)
+    assert "addresses kept after the first cycle" not in plain["goals"]
+
+
+def test_bench_takes_keep_addresses(capsys, monkeypatch, sim):
+    import optimshift.cli._bench_rl as case
+
+    monkeypatch.setattr(
+        case, "run_rl_loop_case", lambda device, quick, keep_addresses: {"called": (str(device), keep_addresses)}
+    )
+    monkeypatch.setattr(case, "render_rl_loop", lambda result: f"rendered {result['called']}")
+    assert bench.main(["--case", "rl-loop", "--keep-addresses", "--device", "sim"]) == 0
+    assert capsys.readouterr().out.strip() == "rendered ('sim:0', 'auto')"

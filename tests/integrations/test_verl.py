@@ -189,6 +189,31 @@ def test_patched_cycles_keep_objects_values_placement_and_pool(sim, verl_patch, 
     assert optimshift.host_pool.stats().allocations == allocations, "new host buffers after the first cycle"
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "OPTIMSHIFT_VERL_KEEP_ADDRESSES=1"])
+def test_the_environment_variable_keeps_addresses_through_patched_cycles(sim, verl_patch, monkeypatch, keep):
+    if keep:
+        monkeypatch.setenv("OPTIMSHIFT_VERL_KEEP_ADDRESSES", "1")
+    else:
+        monkeypatch.delenv("OPTIMSHIFT_VERL_KEEP_ADDRESSES", raising=False)
+    verl_patch(True)
+    model = _model(sim)
+    params = list(model.parameters())
+    opt = _make("AdamW-foreach")(params)
+    step_with_grads(params, opt, seed=0)
+    addresses = []
+    for _ in range(3):
+        before = _values(opt)
+        engine.offload_fsdp_optimizer(opt)
+        engine.load_fsdp_optimizer(opt, "sim")
+        optimshift.wait(opt)
+        assert _bitwise(_values(opt), before)
+        addresses.append([v.data_ptr() for st in opt.state.values() for v in st.values() if v.device == sim])
+    if keep:  # (the first reload lays the state out at the addresses it keeps)
+        assert addresses[1] == addresses[2]
+    # off by default: no state kept at fixed addresses (host malloc may hand back the same addresses anyway)
+    assert (optimshift._addresses.layout_of(opt) is not None) == keep
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_a_step_after_a_cycle_syncs_as_a_fresh_optimizer_and_the_shipped_functions_do_not(sim, verl_patch, config):
     """Both ways on the same training: the shipped functions put `step` on the device (2 host syncs per param per

@@ -584,6 +584,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="all: the measurements above; verl: verl's optimizer offload/load, shipped vs patched; rl-loop: an RL "
         "pipeline's offload/reload loop around a compiled step",
     )
+    parser.add_argument(
+        "--keep-addresses",
+        action="store_true",
+        help="rl-loop: offload with keep_addresses='auto' (the state back at the same device addresses)",
+    )
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -596,7 +601,11 @@ def _main(args: argparse.Namespace) -> int:
     elif args.case == "rl-loop":
         from ._bench_rl import render_rl_loop, run_rl_loop_case
 
-        result = run_rl_loop_case(demo_accelerator(args.device), quick=args.quick)
+        device = demo_accelerator(args.device)
+        if args.keep_addresses:
+            result = run_rl_loop_case(device, quick=args.quick, keep_addresses="auto")
+        else:
+            result = run_rl_loop_case(device, quick=args.quick)
         text = render_rl_loop
     else:
         result = run_bench(demo_accelerator(args.device), quick=args.quick)

@@ -8,7 +8,8 @@ stepping ``lr`` every step. Per cycle, once warmed up:
   tensors (``swap_tensors``/``set_data`` of ``v.to(host)`` and back), timed in the same process;
 - host syncs per step (goal 0), recompiles of the compiled step (goal 0), new host allocations of the pool
   (goal 0), the device memory freed while offloaded (goal: all the state's bytes), and how many state tensors
-  kept their object across the cycle (all, where set_data or a swap applies).
+  kept their object across the cycle (all, where set_data or a swap applies), and their address
+  (``--keep-addresses``: all after the first cycle, where the device keeps addresses).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from .. import _addresses
 from .._adopt import decide_all
 from ..api import offload, reload
 from ..pool import host_pool
@@ -29,10 +31,10 @@ from ._accelerator import SIMULATED_TIMES, simulated
 __all__ = ["run_rl_loop_case", "render_rl_loop"]
 
 
-def _device_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
+def _device_bytes(device: torch.device, opt: torch.optim.Optimizer) -> int | None:
+    if device.type == "cuda":  # (state kept at fixed addresses is mapped outside the caching allocator)
         torch.cuda.synchronize(device)
-        return int(torch.cuda.memory_allocated(device))
+        return int(torch.cuda.memory_allocated(device)) + _addresses.mapped_bytes(opt)
     try:
         from ..testing import simulated_memory_allocated
 
@@ -57,7 +59,10 @@ def _bare_cycle(opt: torch.optim.Optimizer, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_rl_loop_case(device: torch.device, *, quick: bool = False) -> dict[str, Any]:
+def run_rl_loop_case(
+    device: torch.device, *, quick: bool = False, keep_addresses: bool | Literal["auto"] = False
+) -> dict[str, Any]:
+    """The loop; ``keep_addresses``: as ``offload``'s (state back at the same addresses each cycle)."""
     cycles = 4 if quick else 10
     layers = 4 if quick else 16
     width = 64 if quick else 256
@@ -89,13 +94,14 @@ def run_rl_loop_case(device: torch.device, *, quick: bool = False) -> dict[str, 
         allocations = host_pool.stats().allocations
         compiled = compiles[0]
         objects = [id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        addresses = [v.data_ptr() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         gc.collect()
-        before = _device_bytes(device)
+        before = _device_bytes(device, opt)
         t0 = time.perf_counter()
-        offload(opt, non_blocking=True).wait()
+        offload(opt, non_blocking=True, keep_addresses=keep_addresses).wait()
         t1 = time.perf_counter()
         gc.collect()
-        freed = None if before is None else before - (_device_bytes(device) or 0)
+        freed = None if before is None else before - (_device_bytes(device, opt) or 0)
         generation = torch.empty(max(state_bytes // 4, 1), device=device)  # stands in for rollouts
         del generation
         t2 = time.perf_counter()
@@ -103,6 +109,8 @@ def run_rl_loop_case(device: torch.device, *, quick: bool = False) -> dict[str, 
         t3 = time.perf_counter()
         now = [id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         kept = sum(a == b for a, b in zip(objects, now))
+        ptrs = [v.data_ptr() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        same_addresses = sum(a == b for a, b in zip(addresses, ptrs))
         with count_syncs() as syncs:
             train_step()
         rows.append(
@@ -114,6 +122,7 @@ def run_rl_loop_case(device: torch.device, *, quick: bool = False) -> dict[str, 
                 "new_host_allocations": host_pool.stats().allocations - allocations,
                 "freed_bytes": freed,
                 "objects_kept": kept,
+                "addresses_kept": same_addresses,
             }
         )
     # the least work, on the same optimizer (its state where it is now), timed after the loop
@@ -123,13 +132,15 @@ def run_rl_loop_case(device: torch.device, *, quick: bool = False) -> dict[str, 
         _bare_cycle(opt, device)
         bare.append(time.perf_counter() - t0)
     warm = rows[1:] or rows
+    tensors = sum(1 for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
     os_s = statistics.median(r["optimshift_s"] for r in warm)
     bare_s = statistics.median(bare)
     return {
         "device": str(device),
         "torch": torch.__version__,
         "cycles": cycles,
-        "state_tensors": sum(1 for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)),
+        "state_tensors": tensors,
+        "keep_addresses": keep_addresses,
         "state_bytes": state_bytes,
         "rows": rows,
         "optimshift_ms": os_s * 1e3,
@@ -142,6 +153,11 @@ def run_rl_loop_case(device: torch.device, *, quick: bool = False) -> dict[str, 
             "all state bytes freed while offloaded": all(
                 r["freed_bytes"] is not None and r["freed_bytes"] >= state_bytes for r in warm
             ),
+            **(
+                {"addresses kept after the first cycle": all(r["addresses_kept"] == tensors for r in warm)}
+                if keep_addresses
+                else {}
+            ),
         },
     }
 
@@ -150,13 +166,14 @@ def render_rl_loop(result: dict[str, Any]) -> str:
     lines = [
         f"rl-loop on {result['device']} (torch {result['torch']}): {result['cycles']} cycles, "
         f"{result['state_tensors']} state tensors, {result['state_bytes'] / 2**20:.1f} MiB of device state",
-        "cycle  offload+reload ms  syncs/step  recompiles  new host allocs  freed MiB  objects kept",
+        "cycle  offload+reload ms  syncs/step  recompiles  new host allocs  freed MiB  objects kept  addresses kept",
     ]
     for r in result["rows"]:
         freed = "-" if r["freed_bytes"] is None else f"{r['freed_bytes'] / 2**20:.1f}"
         lines.append(
             f"{r['cycle']:>5}  {r['optimshift_s'] * 1e3:>17.2f}  {r['syncs_per_step']:>10}  {r['recompiles']:>10}  "
-            f"{r['new_host_allocations']:>15}  {freed:>9}  {r['objects_kept']:>5}/{result['state_tensors']}"
+            f"{r['new_host_allocations']:>15}  {freed:>9}  {r['objects_kept']:>5}/{result['state_tensors']}  "
+            f"{r['addresses_kept']:>7}/{result['state_tensors']}"
         )
     lines.append(
         f"offload+reload (non-blocking, waited for) {result['optimshift_ms']:.2f} ms against a bare per-tensor "

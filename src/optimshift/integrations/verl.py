@@ -31,6 +31,10 @@ a verl module that binds them under another name is patched too; a verl function
 offload or load but is not one of these (a version's new engine) is reported with a warning at ``patch()`` and
 listed by :func:`unknown_functions`. Megatron's ``offload_megatron_optimizer``/``load_megatron_optimizer`` move
 Megatron's own optimizer buffers and leave ``step`` alone: they are not patched.
+
+``OPTIMSHIFT_VERL_KEEP_ADDRESSES=1`` (read at each offload; off by default until a GPU has run it with verl):
+offloads keep device addresses where the device can (``keep_addresses="auto"``), so a CUDA-graphed step survives
+the offload/reload of every iteration (:func:`optimshift.offload`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
 import re
 import sys
 import warnings
@@ -133,7 +138,13 @@ def _offload(optimizer: Any) -> None:
     # device work, ordered after the copies (the freed tensors are record_stream'ed to the copy stream, so the
     # allocator reuses them only once the copies are done). Host reads (verl checkpoints with the state
     # offloaded: state_dict(), load_state_dict()) wait for them: optimshift's in-flight guards (_offload.py).
-    api.offload(optimizer, non_blocking=True)
+    api.offload(optimizer, non_blocking=True, keep_addresses="auto" if keep_addresses() else False)
+
+
+def keep_addresses() -> bool:
+    """Whether the patched offloads keep device addresses: ``OPTIMSHIFT_VERL_KEEP_ADDRESSES`` set to 1 (or true,
+    yes, on)."""
+    return os.environ.get("OPTIMSHIFT_VERL_KEEP_ADDRESSES", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _load(optimizer: Any, device_id: Any) -> None:

@@ -55,6 +55,7 @@ non-blocking offload and reload are tested this way: its engine reaches these st
 ``optimshift._device_streams``, the same interface it uses for CUDA and other accelerators.
 """
 
+from optimshift.testing import _sim_vmm as _sim_vmm  # (registers the simulator's virtual memory driver)
 from optimshift.testing._sim_streams import StreamRaceError, deferred_streams
 from optimshift.testing._sim_streams import memory_cached as simulated_memory_cached
 from optimshift.testing.simulated import (

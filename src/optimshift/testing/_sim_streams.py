@@ -812,6 +812,15 @@ def _enqueue(
     accesses = _check(key, reads, writes, what)
     seq = _issue(key)
     _record(key, seq, accesses, what)
+    guards = [g for g in map(_sim._guard_of, reads + writes) if g is not None]
+    if guards:  # memory of a reserved range: it must still be mapped when the queued work runs
+        unguarded = run
+
+        def run() -> None:
+            for guard in guards:
+                guard()
+            unguarded()
+
     _stream(key).queue.append(_Item(seq, run, [], what, host))
     return seq
 

@@ -160,8 +160,10 @@ def simulated_memory_allocated(index: int = 0) -> int:
     """Bytes of live backing storage on simulated device ``sim:index``.
 
     Counts every storage allocated on that device (parameters, optimizer state, temporaries)
-    until the last tensor using it is freed. Freed storages are subtracted as soon as
-    CPython frees them; call ``gc.collect()`` first if reference cycles may hold tensors.
+    until the last tensor using it is freed, and the mapped bytes of reserved ranges (state kept at
+    fixed addresses, ``offload(keep_addresses=True)``) while they are mapped, not their tensors.
+    Freed storages are subtracted as soon as CPython frees them; call ``gc.collect()`` first if
+    reference cycles may hold tensors.
     Returns 0 if the backend was never set up.
     """
     if isinstance(index, bool) or not isinstance(index, int):
@@ -186,12 +188,22 @@ def simulated_memory_allocated(index: int = 0) -> int:
 
 
 class _Entry:
-    __slots__ = ("ref", "nbytes", "index")
+    __slots__ = ("ref", "nbytes", "index", "counted", "guard", "below")
 
-    def __init__(self, ref: weakref.ref[torch.UntypedStorage], nbytes: int, index: int) -> None:
+    def __init__(
+        self,
+        ref: weakref.ref[torch.UntypedStorage],
+        nbytes: int,
+        index: int,
+        counted: bool = True,
+        guard: Callable[[], None] | None = None,
+    ) -> None:
         self.ref = ref
         self.nbytes = nbytes
         self.index = index
+        self.counted = counted  # counted in simulated_memory_allocated (mapped ranges count their mappings)
+        self.guard = guard  # raises if the memory is not mapped now (a storage over a reserved range)
+        self.below: _Entry | None = None  # another storage over the same mapped memory, still alive
 
 
 class _State:
@@ -219,14 +231,26 @@ _allocated = _state.allocated
 def _unregister(key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
     with _registry_lock:
         entry = _registry.get(key)
+        if entry is not None and entry.ref is not ref:  # (a storage over mapped memory that another covers)
+            while entry.below is not None and entry.below.ref is not ref:
+                entry = entry.below
+            if entry.below is not None:
+                entry.below = entry.below.below
+            return
         if entry is not None and entry.ref is ref:
+            if entry.below is not None:  # another storage over the same mapped memory takes its place
+                _registry[key] = entry.below
+                return
             del _registry[key]
-            _allocated[entry.index] -= entry.nbytes
+            counted = entry.nbytes if entry.counted else 0
+            _allocated[entry.index] -= counted
             if _deferred is not None:
-                _deferred.on_free(key, entry.nbytes)
+                _deferred.on_free(key, counted)
 
 
-def _register(storage: torch.UntypedStorage, index: int) -> None:
+def _register(
+    storage: torch.UntypedStorage, index: int, counted: bool = True, guard: Callable[[], None] | None = None
+) -> None:
     key = storage.data_ptr()
     nbytes = storage.nbytes()
 
@@ -234,15 +258,40 @@ def _register(storage: torch.UntypedStorage, index: int) -> None:
         _unregister(key, ref)
 
     ref = weakref.ref(storage, gone)
-    entry = _Entry(ref, nbytes, index)
+    entry = _Entry(ref, nbytes, index, counted, guard)
     with _registry_lock:
         old = _registry.get(key)
-        if old is not None:
+        if old is not None and not old.counted and not counted and old.ref() is not None:
+            entry.below = old  # (two storages over one mapped memory: a view held across a reload)
+        elif old is not None and old.counted:
             _allocated[old.index] -= old.nbytes
         _registry[key] = entry
-        _allocated[index] += nbytes
+        if counted:
+            _allocated[index] += nbytes
     if _deferred is not None:
-        _deferred.on_alloc(key, index, nbytes)
+        _deferred.on_alloc(key, index, nbytes if counted else 0)
+
+
+def _wrap_mapped(cpu: torch.Tensor, index: int, guard: Callable[[], None]) -> torch.Tensor:
+    """A flat uint8 ``sim:index`` tensor over ``cpu``'s memory (mapped pages of a reserved host range: see
+    :mod:`optimshift.testing._sim_vmm`): not counted as an allocation (the mapping is), and every op that reaches
+    its memory calls ``guard`` first, which raises where the memory is not mapped, as an illegal address would."""
+    return _new_sim_storage_root(cpu.untyped_storage(), index, counted=False, guard=guard)
+
+
+def _guard_of(t: Any) -> Callable[[], None] | None:
+    """The guard of a sim tensor over a reserved range's memory (see :func:`_wrap_mapped`), else None."""
+    if not _is_sim(t):
+        return None
+    # (the storage's data pointer, without making a Python storage object, which torch would keep)
+    entry = _registry.get(t.data_ptr() - t.storage_offset() * t.element_size())
+    return None if entry is None else entry.guard
+
+
+def _count_mapped(index: int, nbytes: int) -> None:
+    """``nbytes`` of a reserved range were mapped (negative: unmapped) on ``sim:index``."""
+    with _registry_lock:
+        _allocated[index] += nbytes
 
 
 def _lookup(key: int) -> torch.UntypedStorage | None:
@@ -290,7 +339,9 @@ _capsule_get_pointer.restype = ctypes.c_void_p
 _capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-def _new_sim_storage_root(storage: torch.UntypedStorage, index: int) -> torch.Tensor:
+def _new_sim_storage_root(
+    storage: torch.UntypedStorage, index: int, *, counted: bool = True, guard: Callable[[], None] | None = None
+) -> torch.Tensor:
     """Return a flat uint8 sim tensor covering all of ``storage`` (a CPU storage).
 
     PyTorch exports a flat byte view of the CPU storage as a legacy DLPack capsule whose
@@ -312,7 +363,7 @@ def _new_sim_storage_root(storage: torch.UntypedStorage, index: int) -> torch.Te
             f"{SIM_DEVICE_TYPE}:{index}; this PyTorch does not map kDLExtDev to PrivateUse1"
         )
     if storage.nbytes() > 0:
-        _register(storage, index)
+        _register(storage, index, counted, guard)
     return root
 
 
@@ -346,9 +397,12 @@ def _backing(t: torch.Tensor) -> torch.Tensor:
     if st.nbytes() == 0:
         storage = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]  # unannotated in torch
     else:
-        storage = _lookup(st.data_ptr())
+        entry = _registry.get(st.data_ptr())
+        storage = None if entry is None else entry.ref()
         if storage is None:  # pragma: no cover - would be a bug in this module
             raise RuntimeError(f"simulated accelerator: {t.device} tensor has no backing storage")
+        if entry is not None and entry.guard is not None:
+            entry.guard()  # (memory of a reserved range: raises where it is not mapped)
     cpu = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
     if t.is_conj():
         cpu = torch._conj(cpu)
@@ -637,7 +691,7 @@ def _sync_metadata(sim: torch.Tensor, cpu: torch.Tensor) -> None:
         old_key = st_sim.data_ptr()
         with _registry_lock:
             entry = _registry.pop(old_key, None)
-            if entry is not None:
+            if entry is not None and entry.counted:
                 _allocated[entry.index] -= entry.nbytes
         st_sim = _new_sim_storage_root(st_cpu, sim.device.index).untyped_storage()
     _on_cpu_kernel(

@@ -1,0 +1,559 @@
+"""offload(keep_addresses=True) and reload on the simulated accelerator, through the public API: the state comes
+back as the same objects at the same data_ptr(), bitwise, its memory unmapped while offloaded; every driver call
+failing in turn; views held outside the optimizer; two devices; non-blocking cycles under strict schedules.
+
+The simulator's driver (optimshift.testing._sim_vmm) is the same interface the CUDA driver implements: a reserved
+host range whose pages are released and mapped again, where an access to unmapped memory raises.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import warnings
+
+import pytest
+import torch
+
+import optimshift
+from _matrix import Model, bitwise_equal, snapshot, train
+from _schedules import SCHEDULES, drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
+from optimshift import _addresses, _copy, _device_streams, _vmm
+from optimshift._state import leaves
+from optimshift.testing import deferred_streams, simulated_memory_allocated
+from optimshift.testing._sim_vmm import FaultyDriver, SimDriver
+
+SHAPES = [(3, 2), (4,), (2, 5), (1,)]
+CONFIGS = [
+    pytest.param(torch.optim.Adam, {"foreach": True}, id="Adam-foreach"),
+    pytest.param(torch.optim.AdamW, {"fused": True}, id="AdamW-fused"),
+    pytest.param(torch.optim.Adam, {"capturable": True, "foreach": True}, id="Adam-capturable"),
+    pytest.param(torch.optim.SGD, {"momentum": 0.9, "foreach": False}, id="SGD-momentum"),
+]
+
+
+@pytest.fixture
+def driver(sim) -> SimDriver:
+    d = _vmm.driver_for(sim)
+    assert isinstance(d, SimDriver)
+    return d
+
+
+def _trained(device, cls=torch.optim.Adam, kwargs=None, shapes=SHAPES, steps=2):
+    model = Model(shapes).to(device)
+    opt = cls(list(model.parameters()), **({"foreach": True} if kwargs is None else kwargs))
+    train(model, opt, range(steps))
+    return model, opt
+
+
+def _where(opt):
+    """{(param index, path): (id, data_ptr, device)} of every state tensor on an accelerator."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {
+        (i, path): (id(t), t.data_ptr(), t.device)
+        for i, p in enumerate(params)
+        for path, t in leaves(opt.state.get(p, {}))
+        if t.device.type != "cpu"
+    }
+
+
+def _device_state_bytes(opt):
+    return sum(
+        t.numel() * t.element_size() for st in opt.state.values() for _, t in leaves(st) if t.device.type != "cpu"
+    )
+
+
+def _state_values(opt):
+    return [snapshot(dict(st)) for st in opt.state.values()]
+
+
+@pytest.mark.parametrize("cls, kwargs", CONFIGS)
+def test_ten_cycles_keep_objects_and_addresses_bitwise(sim, driver, cls, kwargs):
+    ref_model, ref = _trained(sim, cls, kwargs)
+    model, opt = _trained(sim, cls, kwargs)
+    first = None
+    for cycle in range(10):
+        optimshift.offload(opt, keep_addresses=True)
+        assert driver.mapped(0) == 0 or cycle == 0  # (the first offload leaves allocator memory)
+        optimshift.reload(opt)
+        now = _where(opt)
+        if first is None:
+            first = now  # the first reload lays the state out in a reserved range: addresses change once
+        assert now == first, f"cycle {cycle}: an object or an address changed"
+        train(model, opt, range(2 + cycle, 3 + cycle))
+        train(ref_model, ref, range(2 + cycle, 3 + cycle))
+        assert _where(opt) == first  # the step writes in place
+    assert bitwise_equal(_state_values(opt), _state_values(ref))
+    assert all(bitwise_equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert [f for f in optimshift.check(opt).findings if f.severity != "info"] == []
+
+
+def test_the_state_memory_is_released_while_offloaded(sim, driver):
+    model, opt = _trained(sim, shapes=[(64, 64), (64,), (32, 48)])
+    optimshift.keep_addresses(opt)
+    state = _device_state_bytes(opt)
+    on = simulated_memory_allocated(0)
+    before = _where(opt)
+    optimshift.offload(opt, keep_addresses=True)
+    off = simulated_memory_allocated(0)
+    assert on - off >= 0.95 * state, (on, off, state)
+    assert driver.mapped(0) == 0
+    optimshift.reload(opt)
+    assert _where(opt) == before and simulated_memory_allocated(0) == on
+
+
+def test_without_keep_addresses_addresses_change_and_a_kept_range_is_released(sim, driver):
+    """The control: today's offload gives new addresses; one without keep_addresses of state kept in a range
+    takes it out of the range (and unmaps it)."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    kept = _where(opt)
+    optimshift.offload(opt)  # (not keeping: the reload allocates as usual)
+    assert driver.mapped(0) == 0
+    optimshift.reload(opt)
+    assert {k: v[1] for k, v in _where(opt).items()} != {k: v[1] for k, v in kept.items()}
+    assert {k: v[0] for k, v in _where(opt).items()} == {k: v[0] for k, v in kept.items()}  # objects kept
+
+
+def test_keep_addresses_before_the_first_capture_fixes_them_for_good(sim, driver):
+    model, opt = _trained(sim)
+    values = _state_values(opt)
+    assert optimshift.keep_addresses(opt) is opt
+    fixed = _where(opt)
+    assert bitwise_equal(_state_values(opt), values)
+    for _ in range(3):
+        with optimshift.offloaded(opt, keep_addresses=True):
+            assert driver.mapped(0) == 0
+        assert _where(opt) == fixed
+    assert bitwise_equal(_state_values(opt), values)
+
+
+def test_an_access_to_unmapped_memory_raises_and_reads_right_after_reload(sim, driver):
+    """What a graph captured by hand does: it reads the recorded address. Offloaded, that faults; reloaded, it
+    reads the state."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    t = next(iter(opt.state.values()))["exp_avg"]
+    address, nbytes, expected = t.data_ptr(), t.numel() * t.element_size(), t.cpu().view(torch.uint8).clone()
+    assert torch.equal(driver.read(sim, address, nbytes), expected.reshape(-1))
+    optimshift.offload(opt, keep_addresses=True)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        driver.read(sim, address, nbytes)
+    optimshift.reload(opt)
+    assert torch.equal(driver.read(sim, address, nbytes), expected.reshape(-1))
+
+
+def test_tensors_sharing_a_storage_share_a_slot(sim, driver):
+    model, opt = _trained(sim, torch.optim.SGD, {"momentum": 0.9, "foreach": False})
+    for p in model.parameters():
+        n = p.numel()
+        flat = torch.arange(2 * n, dtype=torch.float32, device=sim)
+        opt.state[p].update(flat=flat, a=flat[:n].view_as(p), b=flat[n:].view_as(p))
+    values = _state_values(opt)
+    first = None
+    for _ in range(3):
+        optimshift.offload(opt, keep_addresses=True)
+        optimshift.reload(opt)
+        first = first or _where(opt)
+        assert _where(opt) == first
+        for st in opt.state.values():
+            base = st["flat"].untyped_storage().data_ptr()
+            assert st["a"].untyped_storage().data_ptr() == base == st["b"].untyped_storage().data_ptr()
+            assert st["a"].data_ptr() == st["flat"].data_ptr()
+            st["flat"].add_(0)  # an update through one shows through the others: one storage
+    assert bitwise_equal(_state_values(opt), values)
+    st = next(iter(opt.state.values()))
+    st["flat"].add_(1)
+    assert torch.equal(st["a"].cpu().reshape(-1), st["flat"][: st["a"].numel()].cpu())
+
+
+def test_state_created_later_joins_at_the_next_reload(sim, driver):
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    old = _where(opt)
+    extra = torch.nn.Parameter(torch.randn(7, device=sim))
+    opt.add_param_group({"params": [extra]})
+    extra.grad = torch.ones_like(extra)
+    opt.step()  # its state: allocated as usual
+    optimshift.offload(opt, keep_addresses=True)
+    optimshift.reload(opt)
+    joined = _where(opt)
+    assert {k: v for k, v in joined.items() if k in old} == old  # the older state kept its addresses
+    assert len(joined) > len(old)
+    optimshift.offload(opt, keep_addresses=True)
+    optimshift.reload(opt)
+    assert _where(opt) == joined
+
+
+def test_views_held_outside_the_optimizer_stay_mapped_with_a_warning(sim, driver):
+    model, opt = _trained(sim, shapes=[(64, 1024), (64, 1024), (64, 1024)])  # several blocks of 128 KiB
+    optimshift.keep_addresses(opt)
+    before = _where(opt)
+    state = _device_state_bytes(opt)
+    exp_avg = next(iter(opt.state.values()))["exp_avg"]
+    # a tensor over its memory kept by the caller (through the storage: a view's autograd base would make the
+    # simulator replace exp_avg's object, which only a swap keeps here; on CUDA set_data keeps it either way)
+    held = torch.empty(0, device=sim).set_(exp_avg.untyped_storage(), 0, (2, 1024), (1024, 1))
+    del exp_avg
+    expected = held.cpu()
+    with pytest.warns(UserWarning, match="still viewed by tensors outside the optimizer"):
+        optimshift.offload(opt, keep_addresses=True)
+    assert torch.equal(held.cpu(), expected)  # still readable: its memory was not unmapped under it
+    assert 0 < driver.mapped(0) <= 64 * 1024 * 4 + 2 * 128 * 1024  # its slot's blocks only
+    assert driver.mapped(0) < 0.5 * state
+    optimshift.reload(opt)
+    assert _where(opt) == before
+    assert held.data_ptr() == next(iter(opt.state.values()))["exp_avg"].data_ptr()
+    del held
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimshift.offload(opt, keep_addresses=True)
+    assert driver.mapped(0) == 0
+    optimshift.reload(opt)
+    assert _where(opt) == before
+
+
+def test_two_devices_each_keep_their_own_range(sim, driver):
+    sim1 = torch.device(sim.type, 1)
+    model = Model(SHAPES)
+    model.parts[0].to(sim), model.parts[1].to(sim), model.parts[2].to(sim1), model.parts[3].to(sim1)
+    opt = torch.optim.Adam(list(model.parameters()), foreach=False)
+    train(model, opt, range(2))
+    values = _state_values(opt)
+    optimshift.keep_addresses(opt)
+    kept = _where(opt)
+    assert {v[2] for v in kept.values()} == {sim, sim1}
+    layout = _addresses.layout_of(opt)
+    assert layout is not None and {r.mapped.device for r in layout.ranges} == {sim, sim1}
+    for (_, _), (_, ptr, device) in kept.items():  # each tensor in a range of its own device
+        assert any(
+            r.mapped.device == device and r.mapped.address <= ptr < r.mapped.address + r.mapped.size
+            for r in layout.ranges
+        )
+    for _ in range(3):
+        optimshift.offload(opt, keep_addresses=True)
+        assert driver.mapped(0) == 0 and driver.mapped(1) == 0
+        optimshift.reload(opt)
+        assert _where(opt) == kept and driver.mapped(0) > 0 and driver.mapped(1) > 0
+    assert bitwise_equal(_state_values(opt), values)
+
+
+def test_a_move_elsewhere_leaves_the_range_and_frees_it(sim, driver):
+    sim1 = torch.device(sim.type, 1)
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    assert driver.mapped(0) > 0
+    values = _state_values(opt)
+    model.to(sim1)
+    optimshift.move(opt)  # each param's state follows it
+    assert driver.mapped(0) == 0
+    assert bitwise_equal(_state_values(opt), values)
+    optimshift.offload(opt, keep_addresses=True)
+    optimshift.reload(opt, device=sim)  # reload(device=) allocates as usual there
+    assert driver.mapped(0) == 0 and driver.mapped(1) == 0
+
+
+def test_a_collected_optimizer_frees_its_ranges(sim, driver):
+    reserved, mapped = driver.reserved(), driver.mapped(0)
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    assert driver.reserved() > reserved
+    del model, opt
+    gc.collect()
+    assert driver.reserved() == reserved and driver.mapped(0) == mapped
+
+
+def test_state_dict_and_save_while_offloaded(sim, driver, tmp_path):
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    kept, values = _where(opt), _state_values(opt)
+    optimshift.offload(opt, keep_addresses=True)
+    sd = opt.state_dict()
+    assert bitwise_equal([dict(v) for v in sd["state"].values()], values)
+    sd = {"state": {k: snapshot(dict(v)) for k, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
+    optimshift.save(opt, tmp_path / "opt.pt")
+    loaded = optimshift.load(tmp_path / "opt.pt")
+    saved = loaded["state"] if "state" in loaded else loaded["optimizer"]["state"]
+    assert bitwise_equal([dict(v) for v in saved.values()], values)
+    optimshift.reload(opt)
+    assert _where(opt) == kept
+    # a load into the live state: written in place where a live tensor fits (CUDA), else copied and adopted (a
+    # host checkpoint; every sim storage, which its DLPack import holds twice): either way the next cycle puts
+    # the state back at its addresses
+    train(model, opt, range(2, 3))
+    optimshift.load_state_dict(opt, sd)
+    assert bitwise_equal(_state_values(opt), values)
+    optimshift.offload(opt, keep_addresses=True)
+    optimshift.reload(opt)
+    assert _where(opt) == kept and bitwise_equal(_state_values(opt), values)
+
+
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+def test_non_blocking_cycles_under_deferred_streams(sim, driver, seed, progress):
+    ref_model, ref = _trained(sim)
+    for c in range(3):
+        optimshift.offload(ref)
+        optimshift.reload(ref)
+        train(ref_model, ref, range(2 + c, 3 + c))
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    kept = _where(opt)
+    with deferred_streams(seed=seed, progress=progress), warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no slot looks held from outside once the copies are done)
+        for c in range(3):
+            handle = optimshift.offload(opt, non_blocking=True, keep_addresses=True)
+            if progress == 0.0:
+                assert not handle.done(), "the offload is in flight"
+                assert driver.mapped(0) > 0, "unmapped under copies still in flight"
+            handle.wait()
+            assert driver.mapped(0) == 0
+            optimshift.reload(opt, non_blocking=True)
+            train(model, opt, range(2 + c, 3 + c))  # step() waits for the reload on the device
+            assert _where(opt) == kept
+    assert bitwise_equal(_state_values(opt), _state_values(ref))
+
+
+@pytest.mark.parametrize("mutated", [False, True], ids=["after-the-copies", "at-once"])
+def test_the_release_waits_for_the_copies_in_flight(sim, driver, monkeypatch, mutated):
+    """On CUDA a tensor over mapped memory dies as soon as the commit drops it (record_stream does not hold memory
+    the caching allocator does not own), while its device-to-host copy may still be queued; the simulator's queue
+    holds the tensors, so here every slot is made to look free at once, as on CUDA. Released once the copies are
+    done, nothing faults; released right after the commit (the mutation), the queued copies read unmapped memory."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    values = _state_values(opt)
+    monkeypatch.setattr(_addresses._Slot, "live", lambda self: False)
+    if mutated:
+        monkeypatch.setattr(optimshift.api, "_release_when_done", lambda o, pending: _addresses.release(o, "opt"))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            with deferred_streams(seed=0, progress=0.0):
+                optimshift.offload(opt, non_blocking=True, keep_addresses=True).wait()
+        return
+    with deferred_streams(seed=0, progress=0.0):
+        handle = optimshift.offload(opt, non_blocking=True, keep_addresses=True)
+        assert driver.mapped(0) > 0
+        handle.wait()
+    assert driver.mapped(0) == 0 and bitwise_equal(_state_values(opt), values)
+
+
+# -- failure ----------------------------------------------------------------------------------------------
+
+
+def _cycle_steps(opt):
+    return [
+        lambda: optimshift.offload(opt, keep_addresses=True),
+        lambda: optimshift.reload(opt),
+        lambda: optimshift.offload(opt, keep_addresses=True),
+        lambda: optimshift.reload(opt),
+    ]
+
+
+def _calls_of_a_cycle(sim, driver):
+    counting = FaultyDriver(driver)
+    with _vmm.use_driver(sim.type, counting):
+        model, opt = _trained(sim)
+        for step in _cycle_steps(opt):
+            step()
+        steps = len(counting.calls)
+        del model, opt, step
+        gc.collect()  # (the range's finalizer: its calls too)
+    return list(counting.calls), steps
+
+
+def _free_leaked(driver, before):
+    """Give back what a failed finalizer left to the process's exit (the driver is shared by the whole session)."""
+    for address in set(driver._ranges) - before:
+        r = driver._ranges[address]
+        for a, (n, handle, _) in list(driver._mappings.items()):
+            if address <= a < address + r.size:
+                driver.unmap(r_device(driver, r), a, n)
+                driver.release(r_device(driver, r), handle)
+        driver.free_reserved(r_device(driver, r), address, r.size)
+
+
+def r_device(driver, r):
+    return torch.device("sim", r.index)
+
+
+def test_every_driver_call_failing_in_turn_leaves_the_state_safe(sim, driver, caplog):
+    calls, steps = _calls_of_a_cycle(sim, driver)
+    assert {"reserve", "create", "map", "set_access", "wrap", "unmap", "release", "free_reserved"} <= set(calls)
+    for k, call in enumerate(calls):
+        reserved, created, base = driver.reserved(), list(driver.created), driver.mapped(0)
+        ranges = set(driver._ranges)
+        caplog.clear()
+        faulty = FaultyDriver(driver, fail_at=k)
+        with _vmm.use_driver(sim.type, faulty):
+            model, opt = _trained(sim)
+            values = _state_values(opt)
+            for step in _cycle_steps(opt):
+                offloaded = optimshift.is_offloaded(opt)
+                try:
+                    step()
+                except _vmm.DriverError:
+                    # a failed reload: still offloaded, on the host, nothing left mapped or reserved by it
+                    assert faulty.failed == [call] and offloaded and optimshift.is_offloaded(opt)
+                    assert driver.mapped(0) == base, f"fault at {call} (call {k}): memory left mapped"
+                    assert bitwise_equal(_state_values(opt), values)
+                    step()  # the same reload again, with no fault: it goes through
+            during = k < steps  # (else the fault is among the finalizer's calls, below)
+            if during:
+                assert faulty.failed == [call], (k, call, faulty.failed)
+                if call in ("unmap", "release"):  # an offload's release: warned, the state safe on the host
+                    assert "could not unmap" in caplog.text
+            else:
+                faulty.fail_at = None  # (not in the clean cycle below: in the finalizer, once it runs)
+            assert bitwise_equal(_state_values(opt), values), f"fault at {call} (call {k})"
+            kept = _where(opt)
+            optimshift.offload(opt, keep_addresses=True)  # a clean cycle: everything released, addresses kept
+            assert driver.mapped(0) == base, f"fault at {call} (call {k}): memory left mapped"
+            optimshift.reload(opt)
+            assert _where(opt) == kept
+            if not during:
+                faulty.fail_at = len(faulty.calls) + k - steps
+        del model, opt, step
+        gc.collect()
+        assert faulty.failed == [call]
+        if not during:  # the range's finalizer failed: it says so, and leaves the range to the process's exit
+            assert "could not free a reserved range" in caplog.text
+            _free_leaked(driver, ranges)
+            continue
+        assert driver.reserved() == reserved, f"fault at {call} (call {k}): a range left reserved"
+        if call != "release":  # (a failed release leaves its handle to the driver's exit: the fake keeps it)
+            assert driver.created == created, f"fault at {call} (call {k}): physical memory left"
+
+
+def test_out_of_memory_while_mapping_retries_once_after_emptying_the_cache(sim, driver, monkeypatch):
+    emptied = []
+    monkeypatch.setattr(_device_streams, "empty_cache", lambda: emptied.append(1))
+    faulty = FaultyDriver(driver, oom=True)  # (a range keeps the driver it was reserved with)
+    with _vmm.use_driver(sim.type, faulty):
+        model, opt = _trained(sim)
+        values = _state_values(opt)
+        optimshift.offload(opt, keep_addresses=True)
+        # once (a first reload calls granularity, reserve, then create): the retry after empty_cache maps it
+        faulty.fail_at = len(faulty.calls) + 2
+        optimshift.reload(opt)
+        assert faulty.failed == ["create"] and emptied == [1]
+        kept = _where(opt)
+        assert bitwise_equal(_state_values(opt), values)
+        optimshift.offload(opt, keep_addresses=True)
+        # twice in a row: an out-of-memory error, nothing changed, nothing mapped
+        faulty.fail_at, faulty.times = len(faulty.calls), 2
+        with pytest.raises(torch.OutOfMemoryError, match="also after emptying the cache; the state is still"):
+            optimshift.reload(opt)
+        assert faulty.failed == ["create", "create", "create"]
+        assert emptied == [1, 1] and optimshift.is_offloaded(opt) and driver.mapped(0) == 0
+        assert bitwise_equal(_state_values(opt), values)
+        optimshift.reload(opt)
+        assert _where(opt) == kept
+
+
+def test_out_of_physical_memory_raises_with_the_state_on_the_host(sim, driver, monkeypatch):
+    model, opt = _trained(sim, shapes=[(64, 64)])
+    values = _state_values(opt)
+    optimshift.offload(opt, keep_addresses=True)
+    small = SimDriver(capacity=4096)  # less than the state needs
+    with _vmm.use_driver(sim.type, small):
+        with pytest.raises(torch.OutOfMemoryError):
+            optimshift.reload(opt)
+        assert small.mapped(0) == 0 and small.reserved() == 0 and small.created == [0, 0]
+    assert optimshift.is_offloaded(opt) and bitwise_equal(_state_values(opt), values)
+    optimshift.reload(opt)
+
+
+def test_a_copy_failing_after_the_mapping_gives_it_back(sim, driver, monkeypatch):
+    model, opt = _trained(sim)
+    values = _state_values(opt)
+    optimshift.offload(opt, keep_addresses=True)
+    reserved = driver.reserved()
+    real, seen = _copy._copy_into, []
+
+    def failing(src, out, side):
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("injected copy failure")
+        return real(src, out, side)
+
+    monkeypatch.setattr(_copy, "_copy_into", failing)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        optimshift.reload(opt)
+    monkeypatch.setattr(_copy, "_copy_into", real)
+    gc.collect()
+    assert optimshift.is_offloaded(opt) and driver.mapped(0) == 0 and driver.reserved() == reserved
+    assert bitwise_equal(_state_values(opt), values)
+    optimshift.reload(opt)
+    assert bitwise_equal(_state_values(opt), values)
+
+
+# -- where it cannot ----------------------------------------------------------------------------------------
+
+
+class _Refusing:
+    """A driver for a device without virtual memory management."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def unsupported(self, device):
+        return "no virtual memory management here"
+
+    def __getattr__(self, name):
+        raise AssertionError(f"{name} called on a device that cannot keep addresses")
+
+
+def test_true_on_a_device_without_support_raises_before_anything_changes(sim, driver):
+    model, opt = _trained(sim)
+    before, values = _where(opt), _state_values(opt)
+    with _vmm.use_driver(sim.type, _Refusing(driver)):
+        with pytest.raises(ValueError, match="sim:0 cannot keep addresses .no virtual memory management here."):
+            optimshift.offload(opt, keep_addresses=True)
+        with pytest.raises(ValueError, match="cannot keep addresses"):
+            optimshift.keep_addresses(opt)
+    assert not optimshift.is_offloaded(opt) and _where(opt) == before
+    assert bitwise_equal(_state_values(opt), values)
+    with pytest.raises(ValueError, match="keep_addresses must be True, False or 'auto'"):
+        optimshift.offload(opt, keep_addresses="yes")  # type: ignore[call-overload]
+    assert not optimshift.is_offloaded(opt)
+
+
+def test_auto_falls_back_with_one_log_line(sim, driver, caplog):
+    model, opt = _trained(sim)
+    values = _state_values(opt)
+    with _vmm.use_driver(sim.type, _Refusing(driver)), caplog.at_level(logging.INFO, logger="optimshift"):
+        optimshift.offload(opt, keep_addresses="auto")
+        optimshift.reload(opt)
+    lines = [r.getMessage() for r in caplog.records if "keep_addresses='auto'" in r.getMessage()]
+    assert len(lines) == 1 and "no virtual memory management here" in lines[0]
+    assert _addresses.layout_of(opt) is None and bitwise_equal(_state_values(opt), values)
+    optimshift.offload(opt, keep_addresses="auto")  # where it can: it keeps them
+    optimshift.reload(opt)
+    kept = _where(opt)
+    optimshift.offload(opt, keep_addresses="auto")
+    optimshift.reload(opt)
+    assert _where(opt) == kept
+
+
+def test_keeping_addresses_goes_the_one_road(sim, driver, monkeypatch):
+    """A keep_addresses offload and reload are one engine.run (one copy_many) and one engine.commit each: the slots
+    are a destination allocation, the release a step after the copies; no second copy or commit loop."""
+    from optimshift import _engine
+
+    model, opt = _trained(sim)
+    seen: dict[str, int] = {}
+    for module, name in ((_engine, "run"), (_engine, "commit"), (_engine, "copy_many")):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen[_name] = seen.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    for op, expected in (
+        (lambda: optimshift.keep_addresses(opt), 2),
+        (lambda: optimshift.offload(opt, keep_addresses=True), 1),
+        (lambda: optimshift.reload(opt), 1),
+    ):
+        seen.clear()
+        op()
+        assert seen == {"run": expected, "commit": expected, "copy_many": expected}, seen

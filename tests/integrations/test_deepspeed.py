@@ -352,8 +352,10 @@ def _engine_values(engine) -> dict:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize(
+    "stage, config",
+    [(2, c) for c in CONFIGS] + [(1, "AdamW-foreach")],  # (ZeRO-1: the same offload code)
+)
 def test_engine_cycles_match_a_run_that_never_offloaded_and_reuse_the_pool(process_group, ds_patch, stage, config):
     """3 offload_states/reload_states cycles and a step after each, shipped and patched, against the same training
     never offloaded: bitwise the same. Patched, the fp32 partitions and bf16 flat params go to pool buffers
@@ -486,3 +488,27 @@ def test_zero_offload_and_zero_3_are_left_to_deepspeed_with_one_line(process_gro
     assert len(lines) == 2, lines
     assert "ZeRO-Offload" in lines[0] and "DeepSpeedZeroOptimizer_Stage3" in lines[1]
     assert "persistent" in lines[1]
+
+
+def test_include_moves_only_what_it_names(process_group, ds_patch):
+    """offload_states(include=...) as OpenRLHF and others pass it: only the named states move, each its own way
+    (the optimizer state through optimshift, the fp32 partitions into pool buffers), and a second offload of the
+    rest completes it."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+    ds_patch(True)
+    engine = _engine(2, "AdamW-foreach")
+    zero = engine.optimizer
+    _train(engine, 0)
+    engine.offload_states(include=[S.optim_states])
+    assert optimshift.is_offloaded(zero.optimizer) and not hasattr(zero, "hp_params_pin_buffers")
+    assert zero.offloaded_states == {S.optim_states}
+    engine.offload_states(include=[S.hp_params])
+    pooled = optimshift.host_pool.in_use_storages()
+    assert all(t.untyped_storage().data_ptr() in pooled for t in zero.single_partition_of_fp32_groups)
+    assert zero.offloaded_states == {S.optim_states, S.hp_params}
+    engine.reload_states()
+    assert not optimshift.is_offloaded(zero.optimizer) and not zero.offloaded_states
+    pooled = optimshift.host_pool.in_use_storages()
+    assert not any(t.untyped_storage().data_ptr() in pooled for t in zero.single_partition_of_fp32_groups)
+    _train(engine, 1)

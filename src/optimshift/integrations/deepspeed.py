@@ -295,7 +295,6 @@ def _make_offload_states(original: Callable[..., None]) -> Callable[..., None]:
         if why is not None:
             _leave_alone(self, why)
             return _left_to_deepspeed(original, self, **args)
-        api.wait(self.optimizer)  # nothing reads state a transfer in flight still writes
         held = _held(self)
         if pin_memory:
             offloaded = {getattr(s, "name", str(s)) for s in getattr(self, "offloaded_states", ())}
@@ -325,6 +324,10 @@ def _make_reload_states(original: Callable[..., None]) -> Callable[..., None]:
         _own_on_host(self, _held(self))
         try:
             original(self, non_blocking=non_blocking)
+        except BaseException:
+            if later:
+                states.add(optim)  # still offloaded: DeepSpeed's record says so again
+            raise
         finally:
             _give_back(self, _held(self))
         if later:
@@ -341,8 +344,14 @@ def _make_state_dict(original: Callable[..., dict[str, Any]]) -> Callable[..., d
         inner = getattr(self, "optimizer", None)
         if inner is not None and _why_not_inner(inner) is None:
             api.wait(inner)  # DeepSpeed reads the inner state directly (elastic checkpoints)
+        held = _held(self)
+        if held.buffers:
+            from deepspeed.accelerator import get_accelerator
+
+            # DeepSpeed's non-blocking offload may still be copying into the buffers: the host reads them below
+            get_accelerator().synchronize()
         result = original(self)
-        if not _held(self).buffers:
+        if not held.buffers:
             return result
         # Partitions offloaded into pool buffers: each saved tensor gets its own bytes (torch.save writes a
         # view's whole storage: a pool buffer holds more than the tensor).

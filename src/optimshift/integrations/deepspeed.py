@@ -52,12 +52,10 @@ import torch
 
 from .. import api
 from .._device_streams import host_pinning
-from .._devices import resolve
-from .._offload import record_of
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
 from ..pool import host_pool
-from ._common import Patch, Swap, module_items, placeable, streamed
+from ._common import Patch, Swap, module_items, placeable, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -72,34 +70,19 @@ _within = threading.local()  # .left: inside a ZeRO optimizer's call left to Dee
 
 # What this patch relies on in each DeepSpeed function: its parameters, and the names its code reads (the
 # buffer attributes it hands over, the functions it calls). A DeepSpeed whose function differs is left alone.
+_HANDED_OVER = frozenset(
+    {"hp_params_pin_buffers", "lp_params_pin_buffers", "single_partition_of_fp32_groups", "bit16_groups_flat"}
+)
 _KNOWN: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "offload_optimizer_states": (("optimizer", "device", "pin_memory", "non_blocking"), frozenset({"state"})),
     "reload_optimizer_states": (("optimizer", "device", "non_blocking"), frozenset({"state"})),
     "DeepSpeedZeroOptimizer.offload_states": (
         ("self", "include", "device", "pin_memory", "non_blocking"),
-        frozenset(
-            {
-                "hp_params_pin_buffers",
-                "lp_params_pin_buffers",
-                "single_partition_of_fp32_groups",
-                "bit16_groups_flat",
-                "offloaded_states",
-                "offload_optimizer_states",
-            }
-        ),
+        _HANDED_OVER | {"offloaded_states", "offload_optimizer_states"},
     ),
     "DeepSpeedZeroOptimizer.reload_states": (
         ("self", "non_blocking"),
-        frozenset(
-            {
-                "hp_params_pin_buffers",
-                "lp_params_pin_buffers",
-                "single_partition_of_fp32_groups",
-                "bit16_groups_flat",
-                "offloaded_states",
-                "reload_optimizer_states",
-            }
-        ),
+        _HANDED_OVER | {"offloaded_states", "reload_optimizer_states"},
     ),
     "DeepSpeedZeroOptimizer.state_dict": (("self",), frozenset({"single_partition_of_fp32_groups"})),
 }
@@ -187,16 +170,8 @@ def _make_offload_optimizer_states(original: Callable[..., None]) -> Callable[..
 
 
 def _reload(optimizer: Any, device: Any, non_blocking: bool) -> None:
-    if not optimizer.state:
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
-    target = resolve(device, what="DeepSpeed's device", tensors=params)
-    record = record_of(optimizer)
-    recorded = {d for d in record.devices.values() if d.type != "cpu"} if record is not None else set()
-    if recorded == {target}:
-        api.reload(optimizer, non_blocking=non_blocking)  # type: ignore[call-overload]  # back where it was
-    else:  # the partitions came back elsewhere, or the state was never offloaded by optimshift
-        api.reload(optimizer, target, non_blocking=non_blocking)  # type: ignore[call-overload]
+    if optimizer.state:
+        reload_to(optimizer, device, what="DeepSpeed's device", non_blocking=non_blocking)
 
 
 def _make_reload_optimizer_states(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:

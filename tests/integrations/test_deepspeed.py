@@ -235,7 +235,8 @@ def test_shipped_and_patched_optimizer_state_cycles_on_the_simulated_accelerator
         assert all(torch.equal(a, b.detach().cpu()) for a, b in zip(final, reference_params))
 
 
-def test_no_state_yet_nothing_happens_and_a_cpu_adam_is_left_to_deepspeed(sim, ds_patch, caplog):
+def test_no_state_yet_nothing_happens_and_a_cpu_adam_is_left_to_deepspeed(sim, ds_patch, caplog, monkeypatch):
+    monkeypatch.setattr(osd, "_logged", set())  # (each reason is logged once per process)
     ds_patch(True)
     params = _sim_params(sim)
     opt = _make("AdamW-foreach")(params)
@@ -451,11 +452,12 @@ def test_a_checkpoint_taken_while_offloaded_resumes_to_the_same_training(process
     assert _bitwise(_engine_values(resumed), _engine_values(engine))
 
 
-def test_zero_offload_and_zero_3_are_left_to_deepspeed_with_one_line(process_group, ds_patch, caplog):
+def test_zero_offload_and_zero_3_are_left_to_deepspeed_with_one_line(process_group, ds_patch, caplog, monkeypatch):
     """ZeRO-Offload (the optimizer on the host, a DeepSpeedCPUAdam: its op does not build here, so a real ZeRO-2
     engine with the flag set and its optimizer's class so named stands in, for the offload) and ZeRO-3 (its own
     offload keeps a persistent buffer and leaves `step` alone) go DeepSpeed's own way: its buffers, none of the
-    pool's; one log line per optimizer says why."""
+    pool's; one log line per kind says why."""
+    monkeypatch.setattr(osd, "_logged", set())  # (each reason is logged once per process)
     ds_patch(True)
     engine = _engine(2, "AdamW-foreach")
     _train(engine, 0)
@@ -511,4 +513,28 @@ def test_include_moves_only_what_it_names(process_group, ds_patch):
     assert not optimshift.is_offloaded(zero.optimizer) and not zero.offloaded_states
     pooled = optimshift.host_pool.in_use_storages()
     assert not any(t.untyped_storage().data_ptr() in pooled for t in zero.single_partition_of_fp32_groups)
+    _train(engine, 1)
+
+
+def test_partitions_are_copied_out_of_the_pool_only_for_a_reload_onto_the_host(process_group, ds_patch):
+    """On DeepSpeed's CPU accelerator its reload (``.to("cpu")``) moves nothing, so the partitions are copied out
+    of their pool buffers first; onto an accelerator its ``.to(device)`` is the copy, and nothing is copied on the
+    host (a host allocation per cycle on a GPU, which the engine tests here cannot see)."""
+    ds_patch(True)
+    engine = _engine(2, "AdamW-foreach")
+    zero = engine.optimizer
+    _train(engine, 0)
+    engine.offload_states()
+    held = osd._held(zero)
+    pooled = optimshift.host_pool.in_use_storages()
+
+    def in_pool() -> list[bool]:
+        return [t.untyped_storage().data_ptr() in pooled for t in zero.single_partition_of_fp32_groups]
+
+    assert all(in_pool())
+    osd._own_on_host(zero, held, "cuda:0")
+    assert all(in_pool()), "copied on the host for a reload onto a device"
+    osd._own_on_host(zero, held, "cpu")
+    assert not any(in_pool())
+    engine.reload_states()
     _train(engine, 1)

@@ -96,11 +96,10 @@ _BUFFERS = {"hp_params": ("hp_params_pin_buffers", "single_partition_of_fp32_gro
 
 @dataclass
 class _Held:
-    """The pool buffers a ZeRO-1/2 optimizer's offloaded partitions live in (per kind), and whether the line
-    saying it is left alone was logged."""
+    """The pool buffers a ZeRO-1/2 optimizer's offloaded partitions live in, per kind (an attribute of the
+    DeepSpeed optimizer, beside the buffer lists DeepSpeed keeps there itself)."""
 
     buffers: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    logged: bool = False
 
 
 def _held(zero: Any) -> _Held:
@@ -111,15 +110,18 @@ def _held(zero: Any) -> _Held:
     return held
 
 
+_logged: set[tuple[str, str]] = set()  # (class name, reason): each logged once per process; no object held
+
+
 def _leave_alone(owner: Any, why: str) -> None:
-    """One INFO line per optimizer that optimshift leaves to DeepSpeed, with the reason (none for the inner
-    optimizer of a ZeRO optimizer whose own line says it)."""
+    """One INFO line per kind of optimizer that optimshift leaves to DeepSpeed, with the reason (none for the
+    inner optimizer of a ZeRO optimizer whose own line says it)."""
     if getattr(_within, "left", False):
         return
-    held = _held(owner)
-    if not held.logged:
-        held.logged = True
-        _log.info("optimshift.integrations.deepspeed: %s left as DeepSpeed made it: %s", type(owner).__name__, why)
+    key = (type(owner).__name__, why)
+    if key not in _logged:
+        _logged.add(key)
+        _log.info("optimshift.integrations.deepspeed: %s left as DeepSpeed made it: %s", key[0], why)
 
 
 def _why_not_inner(optimizer: Any) -> str | None:
@@ -227,10 +229,13 @@ def _hand_over(zero: Any, kind: str, held: _Held) -> None:
     setattr(zero, attribute, views)
 
 
-def _own_on_host(zero: Any, held: _Held) -> None:
-    """Where DeepSpeed reloads onto the host itself (its CPU accelerator: ``.to("cpu")`` moves nothing), copy
-    each partition out of its pool buffer first, as a reload onto a device does, so that the buffer can go
-    back to the pool (before DeepSpeed links the partitions and params again)."""
+def _own_on_host(zero: Any, held: _Held, target: str) -> None:
+    """Where DeepSpeed reloads onto the host itself (``target``, its CPU accelerator's device: ``.to("cpu")``
+    moves nothing), copy each partition out of its pool buffer first, as a reload onto a device does, so that
+    the buffer can go back to the pool (before DeepSpeed links the partitions and params again). Onto an
+    accelerator nothing is copied here: DeepSpeed's ``.to(device)`` is that copy."""
+    if torch.device(target).type != "cpu":
+        return
     for kind, raws in held.buffers.items():
         pooled = {raw.untyped_storage().data_ptr() for raw in raws}
         for t in getattr(zero, _BUFFERS[kind][1]):
@@ -296,7 +301,10 @@ def _make_reload_states(original: Callable[..., None]) -> Callable[..., None]:
             # DeepSpeed synchronizes the device at the end of a non-blocking reload (its host buffers go then);
             # the optimizer state is reloaded after that, left in flight: the step waits for it on the device.
             states.discard(optim)
-        _own_on_host(self, _held(self))
+        from deepspeed.accelerator import get_accelerator
+
+        target = get_accelerator().current_device_name()  # where DeepSpeed's reload puts everything
+        _own_on_host(self, _held(self), target)
         try:
             original(self, non_blocking=non_blocking)
         except BaseException:
@@ -306,9 +314,7 @@ def _make_reload_states(original: Callable[..., None]) -> Callable[..., None]:
         finally:
             _give_back(self, _held(self))
         if later:
-            from deepspeed.accelerator import get_accelerator
-
-            _reload(self.optimizer, get_accelerator().current_device_name(), non_blocking=True)
+            _reload(self.optimizer, target, non_blocking=True)
 
     return reload_states
 

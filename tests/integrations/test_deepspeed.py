@@ -309,7 +309,9 @@ def process_group(tmp_path_factory):
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    os.environ.setdefault("LOCAL_RANK", "0")
+    local_rank = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"  # DeepSpeed's engine asks for it (launchers set it); taken away afterwards:
+    # Accelerate and Transformers read a set LOCAL_RANK as a distributed launch
     # The simulated accelerator (set up by the tests above) switches module conversions to swap_tensors, which
     # refuses a param the client optimizer holds weakly; DeepSpeed's engine (its bf16 cast, its checkpoint load)
     # is used with torch's default, .data.
@@ -317,6 +319,10 @@ def process_group(tmp_path_factory):
     torch.__future__.set_swap_module_params_on_conversion(False)
     yield
     torch.__future__.set_swap_module_params_on_conversion(swapping)
+    if local_rank is None:
+        os.environ.pop("LOCAL_RANK", None)
+    else:
+        os.environ["LOCAL_RANK"] = local_rank
     comm.build_shm_op = saved
     if owned:
         dist.destroy_process_group()

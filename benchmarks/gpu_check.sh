@@ -27,9 +27,10 @@ KEEP_BUDGET=100  # seconds for benchmarks/gpu_keep_addresses.py (two reduce-over
 # The quick run first, so that a full run cut short still leaves figures.
 BENCH_CASES=(
   "quick 50 --quick"
-  "full 100"
-  "verl 30 --case verl"
-  "rl-loop 30 --case rl-loop"
+  "full 85"
+  "verl 25 --case verl"
+  "rl-loop 25 --case rl-loop"
+  "deepspeed 25 --case deepspeed"  # one line and status 0 where deepspeed is not installed
 )
 TOTAL_BUDGET=470  # tests + every case, in seconds: the whole check ends within 8 minutes
 

@@ -15,7 +15,15 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 # What `import optimshift` must not import: DCP (seconds to import) and every framework an integration wraps.
-HEAVY = ("torch.distributed.checkpoint", "lightning", "pytorch_lightning", "accelerate", "transformers", "verl")
+HEAVY = (
+    "torch.distributed.checkpoint",
+    "lightning",
+    "pytorch_lightning",
+    "accelerate",
+    "transformers",
+    "verl",
+    "deepspeed",
+)
 
 
 def _run(code: str) -> dict:

@@ -14,6 +14,7 @@ HEAVY = (
     "pytorch_optimizer",
     "transformers",
     "verl",
+    "deepspeed",
     "ray",
     "tensordict",
 )
@@ -64,6 +65,19 @@ def test_the_verl_module_without_verl_patches_nothing_and_patch_says_what_to_ins
     patched, message = out.stdout.splitlines()
     assert patched == "False"
     assert "pip install 'optimshift[verl]'" in message
+
+
+def test_the_deepspeed_module_without_deepspeed_patches_nothing_and_patch_says_what_to_install():
+    code = (
+        "import sys\nsys.modules['deepspeed'] = None\n"
+        "import optimshift.integrations.deepspeed as osd\nprint(osd.is_patched())\n"
+        "try:\n    osd.patch()\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    patched, message = out.stdout.splitlines()
+    assert patched == "False"
+    assert "pip install 'optimshift[deepspeed]'" in message
 
 
 def test_third_party_register_warns_without_its_library():

@@ -55,7 +55,8 @@ baselines run in the same process, because shared machines are noisy:
 - the per-tensor cost of move against a bare .to() loop.
 
 --case verl measures verl's optimizer offload/load as shipped against optimshift's replacements instead
-(needs verl: pip install "optimshift[verl]").
+(needs verl: pip install "optimshift[verl]"); --case deepspeed does the same for DeepSpeed ZeRO-1/2's
+offload_states/reload_states (needs deepspeed: pip install "optimshift[deepspeed]").
 """
 
 
@@ -579,10 +580,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="device to measure (default: cuda:0, else the simulated one)")
     parser.add_argument(
         "--case",
-        choices=("all", "verl", "rl-loop"),
+        choices=("all", "verl", "deepspeed", "rl-loop"),
         default="all",
-        help="all: the measurements above; verl: verl's optimizer offload/load, shipped vs patched; rl-loop: an RL "
-        "pipeline's offload/reload loop around a compiled step",
+        help="all: the measurements above; verl: verl's optimizer offload/load, shipped vs patched; deepspeed: "
+        "DeepSpeed ZeRO-1/2's optimizer-state offload/reload and fp32 partition buffers, shipped vs patched; "
+        "rl-loop: an RL pipeline's offload/reload loop around a compiled step",
     )
     parser.add_argument(
         "--keep-addresses",
@@ -598,6 +600,19 @@ def _main(args: argparse.Namespace) -> int:
 
         result = run_verl_case(demo_accelerator(args.device), quick=args.quick)
         text = render_verl
+    elif args.case == "deepspeed":
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:  # (a GPU check's interpreter may not have it)
+            print(
+                "optimshift bench --case deepspeed: skipped, deepspeed is not installed "
+                "(pip install 'optimshift[deepspeed]')"
+            )
+            return 0
+        from ._bench_deepspeed import render_deepspeed, run_deepspeed_case
+
+        result = run_deepspeed_case(demo_accelerator(args.device), quick=args.quick)
+        text = render_deepspeed
     elif args.case == "rl-loop":
         from ._bench_rl import render_rl_loop, run_rl_loop_case
 

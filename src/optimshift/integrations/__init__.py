@@ -1,7 +1,7 @@
 """Optional integrations: make training frameworks place optimizer state the way a fresh optimizer would.
 
 Each submodule is opt-in and imports its framework only when you import it; importing :mod:`optimshift` or
-this package never imports Lightning, Accelerate, verl or any optimizer library.
+this package never imports Lightning, Accelerate, verl, DeepSpeed or any optimizer library.
 
 - :mod:`optimshift.integrations.lightning`: ``patch()`` makes Lightning's ``Trainer`` and ``Fabric`` move
   optimizer state with optimshift (strategy setup, checkpoint restore, teardown);
@@ -11,6 +11,9 @@ this package never imports Lightning, Accelerate, verl or any optimizer library.
 - :mod:`optimshift.integrations.verl`: importing it (``VERL_USE_EXTERNAL_MODULES=optimshift.integrations.verl``
   does so in every verl process) makes verl's optimizer offload/load (``optimizer_offload=True``) keep ``step``
   on the host, every tensor object, and one persistent host pool.
+- :mod:`optimshift.integrations.deepspeed`: importing it makes DeepSpeed's ZeRO-1/2 ``offload_states``/
+  ``reload_states`` keep ``step`` on the host, every state tensor object, and reuse pooled host buffers for the
+  optimizer state and the fp32 partitions.
 - :mod:`optimshift.integrations.third_party`: ``register()`` installs the placement policies that third-party
   optimizer libraries need (``pytorch_optimizer``), and documents the classes no policy can fix.
 

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 
 from .. import _mode, api
+from .._devices import resolve
+from .._offload import record_of
 
-__all__ = ["placeable", "follow_params", "to_host", "Swap", "Patch", "module_items", "streamed"]
+__all__ = ["placeable", "follow_params", "to_host", "reload_to", "Swap", "Patch", "module_items", "streamed"]
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -63,6 +65,20 @@ def to_host(optimizer: Any) -> None:
     optimizer's state is on the host already)."""
     if not streamed(optimizer):
         api.move(optimizer, torch.device("cpu"))
+
+
+def reload_to(optimizer: Any, device: Any, *, what: str, non_blocking: bool) -> None:
+    """A framework's "load the optimizer state onto ``device``" (an int, a string, a ``torch.device``; ``what``
+    names it in an error): back exactly where :func:`optimshift.offload` took it from when that is ``device``,
+    else where a fresh optimizer on ``device`` keeps it (state never offloaded by optimshift included)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+    target = resolve(device, what=what, tensors=params)
+    record = record_of(optimizer)
+    recorded = {d for d in record.devices.values() if d.type != "cpu"} if record is not None else set()
+    if recorded == {target}:
+        api.reload(optimizer, non_blocking=non_blocking)  # type: ignore[call-overload]
+    else:
+        api.reload(optimizer, target, non_blocking=non_blocking)  # type: ignore[call-overload]
 
 
 # --- the one patching idiom ------------------------------------------------------------------------------

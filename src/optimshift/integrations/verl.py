@@ -54,10 +54,8 @@ from typing import Any
 import torch
 
 from .. import api
-from .._devices import resolve
-from .._offload import record_of
 from .._plan import check_optimizer
-from ._common import Patch, Swap, module_items, streamed
+from ._common import Patch, Swap, module_items, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -150,16 +148,9 @@ def keep_addresses() -> bool:
 def _load(optimizer: Any, device_id: Any) -> None:
     if not optimizer.state or streamed(optimizer):
         return
-    params = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
-    target = resolve(device_id, what="verl's device_id", tensors=params)
-    record = record_of(optimizer)
-    recorded = {d for d in record.devices.values() if d.type != "cpu"} if record is not None else set()
     # NOTE: non-blocking. verl's next use of the state is optimizer.step(), after the forward and backward
     # passes the copies overlap with; the step pre-hook makes the step wait for them on the device.
-    if recorded == {target}:
-        api.reload(optimizer, non_blocking=True)  # back exactly where it was
-    else:  # another device than the one it came from, or state never offloaded by optimshift
-        api.reload(optimizer, target, non_blocking=True)
+    reload_to(optimizer, device_id, what="verl's device_id", non_blocking=True)
 
 
 def _make_offload(original: Callable[[Any], None], multi: bool) -> Callable[[Any], None]:

@@ -1,0 +1,506 @@
+"""DeepSpeed: ZeRO-1/2 ``offload_states``/``reload_states`` by the rule, on optimshift's host pool.
+
+One line, in every process that builds a DeepSpeed engine (an RL trainer's actor and critic workers)::
+
+    import optimshift.integrations.deepspeed   # patches at once when deepspeed is importable
+
+(``patch()``/``unpatch()`` do it by hand). Importing :mod:`optimshift` alone never imports DeepSpeed.
+
+What it changes, in ``deepspeed.runtime.zero.stage_1_and_2`` (what ``engine.offload_states()`` and
+``engine.reload_states()`` call, as OpenRLHF's ``offload_deepspeed_states``/``reload_deepspeed_states`` do around
+every generation phase):
+
+- **optimizer state** (``optim_states``): DeepSpeed's ``offload_optimizer_states`` pins a fresh host buffer per
+  tensor on every offload and replaces every entry; ``reload_optimizer_states`` puts every tensor on the device,
+  ``step`` included, so a torch ``AdamW`` client optimizer (what the Hugging Face Trainer hands DeepSpeed when
+  its config has no ``optimizer`` section) reads a device ``step`` with a host sync per param per step ever
+  after. Patched, both are :func:`optimshift.offload`/:func:`optimshift.reload` of the inner torch optimizer:
+  ``step`` where a fresh optimizer keeps it, every tensor the same object, the bytes in the persistent host pool
+  (pinned on CUDA), ``non_blocking=True`` overlapping with optimshift's in-flight guards (a reload is left in
+  flight for the forward and backward to overlap: the step waits for it on the device);
+- **fp32 master partitions and bf16/fp16 flat params** (``hp_params``, ``lp_params``, with ``pin_memory=True``,
+  DeepSpeed's default): DeepSpeed pins new host buffers for them on every cycle (its reload deletes
+  ``hp_params_pin_buffers``/``lp_params_pin_buffers``). Patched, it is handed pool buffers instead and its own
+  code copies into them and swaps ``.data`` as it always does (its links between partitions and params stay
+  its own); each buffer goes back to the pool at the reload. A steady offload/reload cycle allocates no host
+  memory. ``engine.save_checkpoint`` while offloaded writes each tensor's own bytes, never a pool buffer's;
+- ``lp_grads`` and ``pin_memory=False`` stay DeepSpeed's own (pageable ``.to()``: nothing is pinned).
+
+Left as DeepSpeed made it, with one log line each: ZeRO-Offload (``offload_optimizer`` on the host: a
+``DeepSpeedCPUAdam`` whose state lives on the host), an inner optimizer whose state is not one dict of tensors
+per param, a streamed one (:func:`optimshift.stream`), and ZeRO-3 (its ``offload_adam_states`` already keeps a
+persistent buffer and leaves ``step`` alone). A DeepSpeed whose functions are not the ones this patch knows
+(another signature, or code that no longer reads the buffers it hands over) is left unpatched with a warning
+naming them (:func:`unknown_functions`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import api
+from .._device_streams import host_pinning
+from .._plan import check_optimizer
+from .._state import leaves, rebuild
+from ..pool import host_pool
+from ._common import Patch, Swap, module_items, placeable, reload_to, streamed
+
+__all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
+
+_FUNCTIONS = "deepspeed.runtime.zero.offload_states"
+_STAGE_1_AND_2 = "deepspeed.runtime.zero.stage_1_and_2"
+_STAGE_3 = "deepspeed.runtime.zero.stage3"
+_NAMES_ONLY = ("__name__", "__qualname__", "__doc__")
+
+_log = logging.getLogger("optimshift")
+_patch = Patch(rebound=True)
+_within = threading.local()  # .left: inside a ZeRO optimizer's call left to DeepSpeed (its line is logged)
+
+# What this patch relies on in each DeepSpeed function: its parameters, and the names its code reads (the
+# buffer attributes it hands over, the functions it calls). A DeepSpeed whose function differs is left alone.
+_HANDED_OVER = frozenset(
+    {"hp_params_pin_buffers", "lp_params_pin_buffers", "single_partition_of_fp32_groups", "bit16_groups_flat"}
+)
+_KNOWN: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "offload_optimizer_states": (("optimizer", "device", "pin_memory", "non_blocking"), frozenset({"state"})),
+    "reload_optimizer_states": (("optimizer", "device", "non_blocking"), frozenset({"state"})),
+    "DeepSpeedZeroOptimizer.offload_states": (
+        ("self", "include", "device", "pin_memory", "non_blocking"),
+        _HANDED_OVER | {"offloaded_states", "offload_optimizer_states"},
+    ),
+    "DeepSpeedZeroOptimizer.reload_states": (
+        ("self", "non_blocking"),
+        _HANDED_OVER | {"offloaded_states", "reload_optimizer_states"},
+    ),
+    "DeepSpeedZeroOptimizer.state_dict": (("self",), frozenset({"single_partition_of_fp32_groups"})),
+}
+# The buffers DeepSpeed's offload_states creates when they are missing, and the tensors they mirror.
+_BUFFERS = {"hp_params": ("hp_params_pin_buffers", "single_partition_of_fp32_groups"),
+            "lp_params": ("lp_params_pin_buffers", "bit16_groups_flat")}  # fmt: skip
+
+
+# --- what optimshift keeps on a DeepSpeed optimizer -----------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    """The pool buffers a ZeRO-1/2 optimizer's offloaded partitions live in, per kind (an attribute of the
+    DeepSpeed optimizer, beside the buffer lists DeepSpeed keeps there itself)."""
+
+    buffers: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
+def _held(zero: Any) -> _Held:
+    held = zero.__dict__.get("_optimshift")
+    if not isinstance(held, _Held):
+        held = _Held()
+        zero._optimshift = held
+    return held
+
+
+_logged: set[tuple[str, str]] = set()  # (class name, reason): each logged once per process; no object held
+
+
+def _leave_alone(owner: Any, why: str) -> None:
+    """One INFO line per kind of optimizer that optimshift leaves to DeepSpeed, with the reason (none for the
+    inner optimizer of a ZeRO optimizer whose own line says it)."""
+    if getattr(_within, "left", False):
+        return
+    key = (type(owner).__name__, why)
+    if key not in _logged:
+        _logged.add(key)
+        _log.info("optimshift.integrations.deepspeed: %s left as DeepSpeed made it: %s", key[0], why)
+
+
+def _why_not_inner(optimizer: Any) -> str | None:
+    """Why optimshift does not place this (inner, torch) optimizer's state, or None when it does."""
+    if type(optimizer).__name__ == "DeepSpeedCPUAdam":
+        return "a DeepSpeedCPUAdam keeps its state on the host (ZeRO-Offload)"
+    try:
+        check_optimizer(optimizer)
+    except TypeError:
+        return "its optimizer is not a torch optimizer optimshift can place"
+    if not placeable(optimizer):
+        return "its optimizer's state is not one dict of tensors per param"
+    if streamed(optimizer):
+        return "its optimizer is streamed (optimshift.stream): the state stays on the host"
+    return None
+
+
+def _why_not_zero(zero: Any) -> str | None:
+    """Why a ZeRO-1/2 optimizer's offload is left to DeepSpeed, or None."""
+    if getattr(zero, "cpu_offload", False):
+        return "ZeRO-Offload (offload_optimizer on the host): its state and fp32 partitions live on the host"
+    return _why_not_inner(getattr(zero, "optimizer", None))
+
+
+# --- the replacements: optimizer state ------------------------------------------------------------------------
+
+
+def _make_offload_optimizer_states(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @torch.no_grad()
+    def offload_optimizer_states(
+        optimizer: Any, device: Any, pin_memory: bool = False, non_blocking: bool = False
+    ) -> None:
+        why = "left" if getattr(_within, "left", False) else _why_not_inner(optimizer)
+        if why is not None or str(device) != "cpu":
+            if why is not None:
+                _leave_alone(optimizer, why)  # (silent within a left-alone ZeRO call)
+            original(optimizer, device, pin_memory=pin_memory, non_blocking=non_blocking)
+            return
+        if optimizer.state:
+            api.offload(optimizer, pin_memory=pin_memory, non_blocking=non_blocking)  # type: ignore[call-overload]
+
+    offload_optimizer_states.__doc__ = (
+        "optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor to the host pool, "
+        "the same objects, where it was recorded for the reload."
+    )
+    return offload_optimizer_states
+
+
+def _reload(optimizer: Any, device: Any, non_blocking: bool) -> None:
+    if optimizer.state:
+        reload_to(optimizer, device, what="DeepSpeed's device", non_blocking=non_blocking)
+
+
+def _make_reload_optimizer_states(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @torch.no_grad()
+    def reload_optimizer_states(optimizer: Any, device: Any, non_blocking: bool = False) -> list[Any]:
+        why = "left" if getattr(_within, "left", False) else _why_not_inner(optimizer)
+        if why is not None:
+            _leave_alone(optimizer, why)
+            return original(optimizer, device, non_blocking=non_blocking)
+        _reload(optimizer, device, non_blocking)
+        return []  # no host buffer to keep alive: the pool holds them until the copies are done
+
+    reload_optimizer_states.__doc__ = (
+        "optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor back where it was, "
+        "the same objects; a non-fused Adam's step stays on the host."
+    )
+    return reload_optimizer_states
+
+
+# --- the replacements: the ZeRO-1/2 optimizer's methods -------------------------------------------------------
+
+
+def _pooled_like(tensor: torch.Tensor, pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool buffer and a host tensor shaped like ``tensor`` at its start (what DeepSpeed's ``pin_empty_like``
+    gives, from the pool)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    raw = host_pool.acquire(nbytes, pinned=pinned)
+    return raw, raw[:nbytes].view(tensor.dtype).view(tensor.shape)
+
+
+def _hand_over(zero: Any, kind: str, held: _Held) -> None:
+    """Give DeepSpeed's offload pool buffers for one kind of partition (it creates its own when they are
+    missing: then it pins new ones)."""
+    attribute, sources = _BUFFERS[kind]
+    if hasattr(zero, attribute) or kind in held.buffers:
+        return
+    tensors = list(getattr(zero, sources))
+    if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors):
+        return  # DeepSpeed's own buffers
+    pin_type = host_pinning()
+    raws, views = [], []
+    try:
+        for t in tensors:
+            raw, view = _pooled_like(t, pinned=pin_type is not None and t.device.type == pin_type)
+            raws.append(raw)
+            views.append(view)
+    except BaseException:
+        for raw in raws:
+            host_pool.release(raw)
+        raise
+    held.buffers[kind] = raws
+    setattr(zero, attribute, views)
+
+
+def _own_on_host(zero: Any, held: _Held, target: str) -> None:
+    """Where DeepSpeed reloads onto the host itself (``target``, its CPU accelerator's device: ``.to("cpu")``
+    moves nothing), copy each partition out of its pool buffer first, as a reload onto a device does, so that
+    the buffer can go back to the pool (before DeepSpeed links the partitions and params again). Onto an
+    accelerator nothing is copied here: DeepSpeed's ``.to(device)`` is that copy."""
+    if torch.device(target).type != "cpu":
+        return
+    for kind, raws in held.buffers.items():
+        pooled = {raw.untyped_storage().data_ptr() for raw in raws}
+        for t in getattr(zero, _BUFFERS[kind][1]):
+            if t.device.type == "cpu" and t.untyped_storage().data_ptr() in pooled:
+                t.data = t.data.clone()
+
+
+def _give_back(zero: Any, held: _Held) -> None:
+    """Return the pool buffers of every kind DeepSpeed reloaded (its reload waited for the copies reading them)."""
+    offloaded = {getattr(s, "name", str(s)) for s in getattr(zero, "offloaded_states", ())}
+    for kind in [k for k in held.buffers if k not in offloaded]:
+        attribute = _BUFFERS[kind][0]
+        if hasattr(zero, attribute):
+            continue  # still DeepSpeed's to use
+        for raw in held.buffers.pop(kind):
+            host_pool.release(raw)
+
+
+def _left_to_deepspeed(original: Callable[..., None], zero: Any, **kwargs: Any) -> None:
+    """DeepSpeed's own method, its optimizer-state functions included (as shipped, for this call)."""
+    _within.left = True  # (per thread: the functions below it see it)
+    try:
+        original(zero, **kwargs)
+    finally:
+        _within.left = False
+
+
+def _make_offload_states(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    def offload_states(
+        self: Any, include: Any = None, device: Any = None, pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        args: dict[str, Any] = {"include": include, "pin_memory": pin_memory, "non_blocking": non_blocking}
+        if device is not None:
+            args["device"] = device
+        why = _why_not_zero(self)
+        if why is not None:
+            _leave_alone(self, why)
+            return _left_to_deepspeed(original, self, **args)
+        held = _held(self)
+        if pin_memory:
+            offloaded = {getattr(s, "name", str(s)) for s in getattr(self, "offloaded_states", ())}
+            wanted = None if include is None else {getattr(s, "name", str(s)) for s in include}
+            for kind in _BUFFERS:
+                if kind not in offloaded and (wanted is None or kind in wanted):
+                    _hand_over(self, kind, held)
+        return original(self, **args)
+
+    return offload_states
+
+
+def _make_reload_states(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    def reload_states(self: Any, non_blocking: bool = False) -> None:
+        why = _why_not_zero(self)
+        if why is not None:
+            _leave_alone(self, why)
+            return _left_to_deepspeed(original, self, non_blocking=non_blocking)
+        states: set[Any] = getattr(self, "offloaded_states", set())
+        optim = next((s for s in states if getattr(s, "name", None) == "optim_states"), None)
+        later = non_blocking and optim is not None
+        if later:
+            # DeepSpeed synchronizes the device at the end of a non-blocking reload (its host buffers go then);
+            # the optimizer state is reloaded after that, left in flight: the step waits for it on the device.
+            states.discard(optim)
+        from deepspeed.accelerator import get_accelerator
+
+        target = get_accelerator().current_device_name()  # where DeepSpeed's reload puts everything
+        _own_on_host(self, _held(self), target)
+        try:
+            original(self, non_blocking=non_blocking)
+        except BaseException:
+            if later:
+                states.add(optim)  # still offloaded: DeepSpeed's record says so again
+            raise
+        finally:
+            _give_back(self, _held(self))
+        if later:
+            _reload(self.optimizer, target, non_blocking=True)
+
+    return reload_states
+
+
+def _make_state_dict(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    def state_dict(self: Any) -> dict[str, Any]:
+        inner = getattr(self, "optimizer", None)
+        if inner is not None and _why_not_inner(inner) is None:
+            api.wait(inner)  # DeepSpeed reads the inner state directly (elastic checkpoints)
+        held = _held(self)
+        if held.buffers:
+            from deepspeed.accelerator import get_accelerator
+
+            # DeepSpeed's non-blocking offload may still be copying into the buffers: the host reads them below
+            get_accelerator().synchronize()
+        result = original(self)
+        if not held.buffers:
+            return result
+        # Partitions offloaded into pool buffers: each saved tensor gets its own bytes (torch.save writes a
+        # view's whole storage: a pool buffer holds more than the tensor).
+        pooled = host_pool.in_use_storages()
+        inside = [t for _, t in leaves(result) if t.untyped_storage().data_ptr() in pooled]
+        if not inside:
+            return result
+        setters: list[Callable[[], None]] = []
+        new = rebuild(result, {id(t): t.clone() for t in inside}, setters, {})
+        for setter in setters:  # the containers are the ones state_dict() just built
+            setter()
+        return new  # type: ignore[no-any-return]
+
+    return state_dict
+
+
+def _make_left_alone(original: Callable[..., None], why: str) -> Callable[..., None]:
+    @functools.wraps(original, assigned=_NAMES_ONLY)
+    def offload_states(self: Any, *args: Any, **kwargs: Any) -> None:
+        _leave_alone(self, why)
+        return original(self, *args, **kwargs)
+
+    return offload_states
+
+
+# --- finding and swapping -------------------------------------------------------------------------------------
+
+
+def _differs(name: str, function: Any) -> str | None:
+    """How ``function`` differs from the DeepSpeed function this patch knows by ``name``, or None."""
+    parameters, reads = _KNOWN[name]
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return "not a Python function"
+    try:
+        found = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return "no signature"
+    if found != parameters:
+        return f"parameters {found}, not {parameters}"
+    missing = sorted(reads - set(code.co_names))
+    return f"no longer reads {', '.join(missing)}" if missing else None
+
+
+def _modules() -> tuple[Any, Any, Any | None]:
+    try:
+        functions = importlib.import_module(_FUNCTIONS)
+        stage12 = importlib.import_module(_STAGE_1_AND_2)
+    except ImportError as e:
+        raise ImportError(
+            f"optimshift.integrations.deepspeed.patch() needs deepspeed: pip install 'optimshift[deepspeed]' ({e})"
+        ) from e
+    try:
+        stage3 = importlib.import_module(_STAGE_3)
+    except ImportError:
+        stage3 = None
+    return functions, stage12, stage3
+
+
+_unknown: list[str] = []
+
+
+def _plan_swaps() -> list[Swap]:
+    functions, stage12, stage3 = _modules()
+    unknown: list[str] = []
+    swaps: list[Swap] = []
+    replacements: dict[int, tuple[Any, Any]] = {}
+    makers: dict[str, Callable[[Any], Any]] = {
+        "offload_optimizer_states": _make_offload_optimizer_states,
+        "reload_optimizer_states": _make_reload_optimizer_states,
+    }
+    ok = True
+    for name in makers:
+        original = functions.__dict__.get(name)
+        why = _differs(name, original) if original is not None else "missing"
+        if why is not None:
+            unknown.append(f"{_FUNCTIONS}.{name} ({why})")
+            ok = False
+    if ok:
+        for name, make in makers.items():
+            original = functions.__dict__[name]
+            replacements[id(original)] = (original, make(original))
+        # Every DeepSpeed module holding them by name (stage_1_and_2 imports both), the defining one first.
+        deepspeed_modules = [m for n, m in list(sys.modules.items()) if n.split(".")[0] == "deepspeed" and m]
+        for module in [functions] + [m for m in deepspeed_modules if m is not functions]:
+            for attr, value in module_items(module):
+                pair = replacements.get(id(value))
+                if pair is not None and pair[0] is value:
+                    swaps.append(Swap(module, attr, value, pair[1]))
+    zero = stage12.DeepSpeedZeroOptimizer
+    methods: dict[str, Callable[[Any], Any]] = {
+        "offload_states": _make_offload_states,
+        "reload_states": _make_reload_states,
+        "state_dict": _make_state_dict,
+    }
+    differing = []
+    for name in methods:
+        original = zero.__dict__.get(name)
+        why = _differs(f"DeepSpeedZeroOptimizer.{name}", original) if original is not None else "missing"
+        if why is not None:
+            differing.append(f"{_STAGE_1_AND_2}.DeepSpeedZeroOptimizer.{name} ({why})")
+    if differing:
+        unknown.extend(differing)
+    else:
+        for name, make in methods.items():
+            original = zero.__dict__[name]
+            swaps.append(Swap(zero, name, original, make(original)))
+    if stage3 is not None:
+        cls = getattr(stage3, "DeepSpeedZeroOptimizer_Stage3", None)
+        original = cls.__dict__.get("offload_states") if cls is not None else None
+        if callable(original):
+            why = "ZeRO-3's offload_adam_states keeps a persistent host buffer and leaves step alone"
+            swaps.append(Swap(cls, "offload_states", original, _make_left_alone(original, why)))
+    _unknown[:] = unknown
+    return swaps
+
+
+def unknown_functions() -> list[str]:
+    """The DeepSpeed functions this patch would replace but left alone at the last :func:`patch`, because they
+    differ from the ones it knows (``module.name (how)``)."""
+    return list(_unknown)
+
+
+def patched_functions() -> list[str]:
+    """``module.name`` of every DeepSpeed function or method that :func:`patch` replaced (empty when not
+    patched)."""
+    out = []
+    for s in _patch.swaps:
+        owner = s.owner.__name__ if inspect.ismodule(s.owner) else f"{s.owner.__module__}.{s.owner.__qualname__}"
+        out.append(f"{owner}.{s.name}")
+    return sorted(out)
+
+
+def patch() -> None:
+    """Make DeepSpeed's ZeRO-1/2 ``offload_states``/``reload_states`` go through optimshift (see the module doc).
+
+    Calling it again is a no-op; :func:`unpatch` undoes it. Raises ImportError without deepspeed; warns about
+    functions of this DeepSpeed that differ from the ones it knows, and leaves those alone.
+    """
+    if _patch.applied:
+        return
+    _patch.apply(_plan_swaps)
+    if _unknown:
+        warnings.warn(
+            f"optimshift.integrations.deepspeed: this deepspeed's {'; '.join(_unknown)} differ from the functions "
+            f"optimshift knows; left as DeepSpeed made them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def unpatch() -> None:
+    """Restore DeepSpeed's own functions and methods. A no-op when not patched."""
+    _patch.undo()
+
+
+def is_patched() -> bool:
+    """Whether :func:`patch` is in effect."""
+    return _patch.applied
+
+
+def _deepspeed_importable() -> bool:
+    try:
+        return importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# Importing this module is the way in: patch at once when deepspeed is there.
+if _deepspeed_importable():
+    patch()

@@ -34,3 +34,16 @@ def test_bench_takes_case_verl(capsys, monkeypatch, sim):
     assert capsys.readouterr().out.strip() == "rendered ('sim:0', True)"
     with pytest.raises(SystemExit):
         bench.main(["--case", "nothing"])
+
+
+def test_bench_case_verl_skips_in_one_line_without_verl(capsys, monkeypatch, sim):
+    """A GPU check's interpreter may have no verl: the case says so in one line and succeeds, as deepspeed's."""
+    import importlib.util
+
+    from optimshift.cli import _bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "verl" else real(name, *a))
+    assert _bench.main(["--case", "verl", "--quick", "--device", "sim"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "skipped, verl is not installed" in out[0], out

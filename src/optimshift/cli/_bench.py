@@ -593,22 +593,26 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The cases that measure a framework's own functions, and the package each needs (a GPU check's interpreter may not
+# have it: then the case says so in one line and succeeds).
+_FRAMEWORK_CASES = {"verl": ("verl", "verl"), "deepspeed": ("deepspeed", "optimshift[deepspeed]")}
+
+
 def _main(args: argparse.Namespace) -> int:
     text: Callable[[dict[str, Any]], str] = render
+    if args.case in _FRAMEWORK_CASES:
+        import importlib.util
+
+        package, install = _FRAMEWORK_CASES[args.case]
+        if importlib.util.find_spec(package) is None:
+            print(f"optimshift bench --case {args.case}: skipped, {package} is not installed (pip install '{install}')")
+            return 0
     if args.case == "verl":
         from ._bench_verl import render_verl, run_verl_case
 
         result = run_verl_case(demo_accelerator(args.device), quick=args.quick)
         text = render_verl
     elif args.case == "deepspeed":
-        import importlib.util
-
-        if importlib.util.find_spec("deepspeed") is None:  # (a GPU check's interpreter may not have it)
-            print(
-                "optimshift bench --case deepspeed: skipped, deepspeed is not installed "
-                "(pip install 'optimshift[deepspeed]')"
-            )
-            return 0
         from ._bench_deepspeed import render_deepspeed, run_deepspeed_case
 
         result = run_deepspeed_case(demo_accelerator(args.device), quick=args.quick)

@@ -14,7 +14,7 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
-from optimshift import _device_streams, _streaming
+from optimshift import _device_streams, _engine, _streaming
 from optimshift.testing import simulated_memory_allocated
 
 
@@ -44,18 +44,24 @@ def _assert_same(model, opt, ref_model, ref):
 
 def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, monkeypatch):
     # Synchronous copies (a device without streams), the device's allocated bytes sampled at every copy the step
-    # queues: windows are allocated before their copies; a chunk's state is resident from its load to its
-    # write-back.
+    # queues (its loads and write-backs, and the engine's copies of the state a first step made into its chunks):
+    # windows are allocated before their copies; a chunk's state is resident from its load to its write-back.
     monkeypatch.setitem(_device_streams._chosen, sim.type, None)
     samples = []
-    queue = _streaming._queue
+    queue, copy_into = _streaming._queue, _engine.copy_into
 
     def sampling(side, dsts, srcs, **kwargs):
         assert side is None, "no streams: each copy is complete when it returns"
         samples.append(simulated_memory_allocated(0))
         queue(side, dsts, srcs, **kwargs)
 
+    def sampling_into(pairs, side=None):
+        assert side is None, "no streams: each copy is complete when it returns"
+        samples.append(simulated_memory_allocated(0))
+        return copy_into(pairs, side=side)
+
     monkeypatch.setattr(_streaming, "_queue", sampling)
+    monkeypatch.setattr(_engine, "copy_into", sampling_into)
     small, big = (64,), (64, 64)  # AdamW state: 512 bytes per small param, 32 KiB per big one
     shapes = [small] * 20 + [big, big] + [small] * 20
     chunk = 2048  # four small params per chunk; each big param is a chunk of its own, larger than a chunk

@@ -37,6 +37,7 @@ __all__ = [
     "BLOCKING",
     "Side",
     "copy_many",
+    "copy_into",
     "copy_tensor",
     "CHUNK_BYTES",
     "SOLO_BYTES",
@@ -56,13 +57,16 @@ class Options:
     ``non_blocking``: copies may run on after the call (on a side stream where the device has streams);
     ``pin_memory``: host buffers are pinned where the accelerator pins host memory; ``keep_host_views``: host
     copies stay views into pool buffers (offloaded state) instead of tensors of their own; ``pool``: the host
-    buffer pool (None: :data:`optimshift.pool.host_pool`).
+    buffer pool (None: :data:`optimshift.pool.host_pool`); ``lane``: which side stream of the device a
+    non-blocking transfer queues on (:meth:`optimshift._device_streams.Streams.side`: the streamed step's
+    layout queues on its own lane, so its step's loads are ordered after it).
     """
 
     non_blocking: bool = False
     pin_memory: bool = False
     keep_host_views: bool = False
     pool: HostPool | None = None
+    lane: str = "engine"
 
 
 BLOCKING = Options()
@@ -330,6 +334,36 @@ def copy_many(
         assert local is not None
         copies[i] = wrap_local(dtensor, local)
     return batch
+
+
+def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, side: Side | None = None) -> set[torch.device]:
+    """Copy each ``(source, destination)`` into the destination the caller allocated (same dtype, shape and
+    strides: a streamed chunk's pooled host view), one foreach copy per pair of devices; on ``side`` when given
+    (after the current stream's work so far, every device tensor recorded for it: :class:`Side`). Returns the
+    accelerators involved: the caller synchronizes them or waits for the side stream's event before the host
+    reads a destination. On an exception those are synchronized first (a queued copy may still write one)."""
+    by_devices: dict[tuple[torch.device, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for src, dst in pairs:
+        srcs, dsts = by_devices.setdefault((src.device, dst.device), ([], []))
+        srcs.append(src.detach() if src.requires_grad else src)
+        dsts.append(dst)
+    devices: set[torch.device] = set()
+    try:
+        for (source, target), (srcs, dsts) in by_devices.items():
+            if source.type in _HOSTS and target.type in _HOSTS:
+                torch._foreach_copy_(dsts, srcs)
+                continue
+            devices.update(d for d in (source, target) if d.type not in _HOSTS)
+            # (into pinned memory, or on a side stream, the copy is queued; the caller waits once for all)
+            queued = side is not None or in_pinned_memory(dsts[0]) or in_pinned_memory(srcs[0])
+            with _issue(side):
+                torch._foreach_copy_(dsts, srcs, non_blocking=queued)
+            if side is not None:
+                side.uses(*srcs, *dsts)  # (a source adopted away is freed before the side stream has read it)
+    except BaseException:
+        synchronize(devices | {d for pair in by_devices for d in pair if d.type not in _HOSTS})
+        raise
+    return devices
 
 
 def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[list[int]]:

@@ -388,7 +388,7 @@ def test_the_set_data_path_keeps_the_sharing_and_the_objects():
     ids = [id(t) for t in olds]
     old_storage, new_storage = flat.untyped_storage().data_ptr(), news[0].untyped_storage().data_ptr()
     layout_before = [(t.storage_offset(), t.shape, t.stride()) for t in olds]
-    replaced, apply = engine.adopt_all(list(zip(olds, news)))
+    replaced, apply, _ = engine.adoptions(list(zip(olds, news)))
     assert replaced == []
     apply()
     assert [id(t) for t in olds] == ids

@@ -42,7 +42,6 @@ __all__ = [
     "run",
     "copy_items",
     "commit",
-    "adopt_all",
     "adoptions",
     "lend",
     "no_gc",
@@ -223,16 +222,20 @@ def run(
         # NOTE: no side stream (several devices, a device without streams, fake tensors): the blocking path,
         # synchronized at the end. A copy between two devices left queued would be ordered after neither
         # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
-        queued = _copy_into(into_pairs, placed, optimizer_name) if into_pairs else set()
+        queued: set[torch.device] = set()
         try:
+            if into_pairs:
+                queued = _copy_into(into_pairs, placed, optimizer_name)
             batch = copy_items(
                 items,
                 replace(options, non_blocking=False) if options.non_blocking else options,
                 describe=describe,
                 together=together,
             )
-        finally:
-            synchronize(queued)  # (on an error too: a queued copy writes the caller's destinations)
+        except BaseException:  # (a queued copy writes the caller's destinations: done before they are freed)
+            synchronize(queued or {d for t, dst in into_pairs for d in (t.device, dst.device) if d.type != "cpu"})
+            raise
+        synchronize(queued)
         event = None
     else:
         batch, event = _run_on_side_stream(
@@ -362,29 +365,18 @@ def _run_on_side_stream(
     # (every copy waits for the current stream, where the last step wrote and where every device tensor the
     # side stream touches is allocated, and records those tensors for the side one: see _copy.Side)
     on = Side(streams, side, streams.current(device))
-    if placed:
-        _copy_into([(tr[2], dst) for tr, dst in placed], placed, name, on)
     try:
+        if placed:
+            _copy_into([(tr[2], dst) for tr, dst in placed], placed, name, on)
         batch = copy_items(items, options, describe=describe, side=on, together=together)
     except BaseException:
         if placed:
-            synchronize([device])  # (a queued copy writes the caller's destinations)
+            synchronize([device])  # (a queued copy writes the caller's destinations: done before they are freed)
         raise
     event = streams.new_event(device)
     streams.record(event, side)
     batch.complete(host_pool if options.pool is None else options.pool, event)
     return batch, event
-
-
-def adopt_all(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    protect: frozenset[int] | set[int] = frozenset(),
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], dict[str, int]]]:
-    """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
-    object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
-    and returns how many tensors went each way. See :func:`adoptions`."""
-    replaced, apply, _ = adoptions(pairs, protect)
-    return replaced, apply
 
 
 def adoptions(
@@ -480,7 +472,7 @@ def commit(
     """Install the copies in ``optimizer``: each tensor adopts its copy's contents and stays the same object;
     where that is impossible, the copy takes its place in the state, param groups and containers.
     Everything is decided and prepared first, then applied; ``copies.mechanisms`` counts how many tensors went
-    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adopt_all`). ``rewrite``: a change
+    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adoptions`). ``rewrite``: a change
     of the optimizer's own structure that is part of the operation (a rebind's new params), made once every
     decision is, right before they are applied; it must not fail."""
     protect = outside_owned(optimizer)

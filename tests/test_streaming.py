@@ -55,10 +55,10 @@ def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, monkeypatch
         samples.append(simulated_memory_allocated(0))
         queue(side, dsts, srcs, **kwargs)
 
-    def sampling_into(pairs, side=None):
+    def sampling_into(pairs, side=None, **kwargs):
         assert side is None, "no streams: each copy is complete when it returns"
         samples.append(simulated_memory_allocated(0))
-        return copy_into(pairs, side=side)
+        return copy_into(pairs, side=side, **kwargs)
 
     monkeypatch.setattr(_streaming, "_queue", sampling)
     monkeypatch.setattr(_engine, "copy_into", sampling_into)
@@ -650,9 +650,9 @@ def test_a_tensor_two_entries_hold_is_refused_by_the_engines_sharing_rule(sim):
 
 @pytest.mark.parametrize("where", ["buffer", "copies", "commit"])
 def test_a_failure_half_way_in_the_layout_leaves_the_state_as_it_was(sim, monkeypatch, where):
-    """An OOM taking the third chunk's host buffer, an error once every copy into the chunks is queued, or in the
-    commit's decisions: stream() raises, every entry is where it was, the same object with the same values, and
-    every chunk buffer is back in the pool; the optimizer steps on as before."""
+    """An OOM taking the third chunk's host buffer, an error in the engine's copies once every copy into the
+    chunks is queued, or in the commit's decisions: stream() raises, every entry is where it was, the same object
+    with the same values, and every chunk buffer is back in the pool; the optimizer steps on as before."""
     from optimshift import _chunks
 
     runs = []
@@ -676,13 +676,11 @@ def test_a_failure_half_way_in_the_layout_leaves_the_state_as_it_was(sim, monkey
 
         monkeypatch.setattr(_chunks, "new_chunk", failing)
     elif where == "copies":
-        real_into = _engine.copy_into
 
-        def failing_into(pairs, side=None):
-            real_into(pairs, side=side)  # every chunk's host views are written (or queued), nothing is committed
-            raise RuntimeError("injected: after the copies")
+        def failing_copies(*args, **kwargs):  # (the engine's own copies, queued after those into the chunks)
+            raise RuntimeError("injected: in the engine's copies, after those into the chunks")
 
-        monkeypatch.setattr(_engine, "copy_into", failing_into)
+        monkeypatch.setattr(_engine, "copy_items", failing_copies)
     else:
 
         def failing_adoptions(*args, **kwargs):
@@ -708,12 +706,12 @@ def _careless_layout(monkeypatch, name):
         return
     real = _engine.copy_into
 
-    def careless(pairs, side=None):
+    def careless(pairs, side=None, **kwargs):
         if side is not None:
             side = copy.copy(side)
             side.streams = copy.copy(side.streams)
             setattr(side.streams, name, lambda *args: None)
-        return real(pairs, side=side)
+        return real(pairs, side=side, **kwargs)
 
     monkeypatch.setattr(_engine, "copy_into", careless)
 
@@ -750,3 +748,21 @@ def test_the_state_a_first_step_makes_is_laid_out_without_a_host_wait(sim, monke
                 synchronize(index)  # (what was queued when the race was found runs, or raises, here)
             except StreamRaceError:
                 pass
+
+
+def test_a_grad_kept_as_state_stays_the_params(sim):
+    """The layout commits through the engine, which never changes a param's grad in place: a state entry that is
+    the grad (a third-party optimizer keeping it) gets its host copy in its place, and the param keeps its grad
+    on the device. (On the simulator no mechanism keeps a tensor another holds anyway; where ``set_data`` applies,
+    streaming's own commit moved the grad itself: ``tests/test_stream_cuda.py``.)"""
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model), foreach=False)
+    train(model, opt, range(1))
+    p = _params(model)[0]
+    grad = p.grad
+    values = grad.detach().cpu().clone()
+    opt.state[p]["kept_grad"] = grad
+    optimshift.stream(opt, chunk_bytes=256)
+    assert p.grad is grad and grad.device == sim and bitwise_equal(grad.cpu(), values)
+    kept = opt.state[p]["kept_grad"]
+    assert kept is not grad and kept.device.type == "cpu" and bitwise_equal(kept, values)

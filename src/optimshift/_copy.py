@@ -336,32 +336,41 @@ def copy_many(
     return batch
 
 
-def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, side: Side | None = None) -> set[torch.device]:
+def copy_into(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    side: Side | None = None,
+    describe: Callable[[int], str] | None = None,
+) -> set[torch.device]:
     """Copy each ``(source, destination)`` into the destination the caller allocated (same dtype, shape and
     strides: a streamed chunk's pooled host view), one foreach copy per pair of devices; on ``side`` when given
     (after the current stream's work so far, every device tensor recorded for it: :class:`Side`). Returns the
-    accelerators involved: the caller synchronizes them or waits for the side stream's event before the host
-    reads a destination. On an exception those are synchronized first (a queued copy may still write one)."""
-    by_devices: dict[tuple[torch.device, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for src, dst in pairs:
-        srcs, dsts = by_devices.setdefault((src.device, dst.device), ([], []))
-        srcs.append(src.detach() if src.requires_grad else src)
-        dsts.append(dst)
-    devices: set[torch.device] = set()
+    accelerators involved: the caller synchronizes them, or waits for the side stream's event, before the host
+    reads a destination. On an exception those are synchronized first (a queued copy may still write one), and
+    ``describe(i)`` names the first pair of the copy that failed."""
+    by_devices: dict[tuple[torch.device, torch.device], list[int]] = {}
+    for i, (src, dst) in enumerate(pairs):
+        by_devices.setdefault((src.device, dst.device), []).append(i)
+    devices = {d for pair in by_devices for d in pair if d.type not in _HOSTS}
+    current = 0
     try:
-        for (source, target), (srcs, dsts) in by_devices.items():
+        for (source, target), indices in by_devices.items():
+            current = indices[0]
+            srcs = [pairs[i][0].detach() for i in indices]
+            dsts = [pairs[i][1] for i in indices]
             if source.type in _HOSTS and target.type in _HOSTS:
                 torch._foreach_copy_(dsts, srcs)
                 continue
-            devices.update(d for d in (source, target) if d.type not in _HOSTS)
-            # (into pinned memory, or on a side stream, the copy is queued; the caller waits once for all)
+            # (into or from pinned memory, or on a side stream, queued: the caller waits once for all)
             queued = side is not None or in_pinned_memory(dsts[0]) or in_pinned_memory(srcs[0])
             with _issue(side):
                 torch._foreach_copy_(dsts, srcs, non_blocking=queued)
             if side is not None:
                 side.uses(*srcs, *dsts)  # (a source adopted away is freed before the side stream has read it)
-    except BaseException:
-        synchronize(devices | {d for pair in by_devices for d in pair if d.type not in _HOSTS})
+    except BaseException as error:
+        synchronize(devices)
+        if describe is not None:
+            add_note(error, f"optimshift: while copying {describe(current)} into its place; nothing was changed")
         raise
     return devices
 

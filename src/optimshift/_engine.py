@@ -1,7 +1,8 @@
 """Execute a plan: copy every tensor that must move, synchronize once, then commit, keeping every object.
 
-The one data path of every operation (move, offload, reload, rebind, load_state_dict):
-:func:`run` copies (grouped by :mod:`optimshift._copy`), :func:`commit` installs the copies.
+The one data path of every operation (move, offload, reload, rebind, load_state_dict, the stream layout):
+:func:`run` copies (grouped by :mod:`optimshift._copy`), :func:`commit` installs the copies; :func:`lend` gives a
+streamed step's window to the state for a while by the same decisions.
 
 All or nothing: every copy is made before any state entry changes. An exception while copying (an OOM on the
 900th tensor) drops the copies made so far and leaves the optimizer exactly as it was. The commit first
@@ -209,6 +210,9 @@ def run(
     optimizer_name = type(plan.optimizer).__name__
     into_pairs = [(tr[2], dst) for tr, dst in placed]
 
+    def placed_site(i: int) -> str:
+        return f"{optimizer_name} {placed[i][0].site}"
+
     def describe(i: int) -> str:
         if i >= n_plan:
             return f"{optimizer_name} a param's .grad"
@@ -222,24 +226,20 @@ def run(
         # NOTE: no side stream (several devices, a device without streams, fake tensors): the blocking path,
         # synchronized at the end. A copy between two devices left queued would be ordered after neither
         # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
-        queued: set[torch.device] = set()
+        queued = copy_into(into_pairs, describe=placed_site) if into_pairs else set()
         try:
-            if into_pairs:
-                queued = _copy_into(into_pairs, placed, optimizer_name)
             batch = copy_items(
                 items,
                 replace(options, non_blocking=False) if options.non_blocking else options,
                 describe=describe,
                 together=together,
             )
-        except BaseException:  # (a queued copy writes the caller's destinations: done before they are freed)
-            synchronize(queued or {d for t, dst in into_pairs for d in (t.device, dst.device) if d.type != "cpu"})
-            raise
-        synchronize(queued)
+        finally:
+            synchronize(queued)  # (on an error too: a queued copy writes the caller's destinations)
         event = None
     else:
         batch, event = _run_on_side_stream(
-            items, device, options, describe=describe, together=together, placed=placed, name=optimizer_name
+            items, device, options, describe=describe, together=together, into=into_pairs, placed_site=placed_site
         )
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None] + into_pairs
     # (what a reader of a transfer in flight waits for)
@@ -255,6 +255,7 @@ def _placed(plan: Plan, into: Sequence[torch.Tensor | None]) -> tuple[Plan, list
     rest: list[Transfer] = []
     placed: list[tuple[Transfer, torch.Tensor]] = []
     where: dict[int, tuple[Transfer, torch.Tensor]] = {}
+    twice: tuple[Transfer, Transfer] | None
     for tr, dst in zip(plan.transfers, into):
         if dst is None:
             rest.append(tr)
@@ -264,38 +265,17 @@ def _placed(plan: Plan, into: Sequence[torch.Tensor | None]) -> tuple[Plan, list
             where[id(tr[2])] = (tr, dst)
             placed.append((tr, dst))
         elif prior[1] is not dst:
-            _refuse_two_places(plan, prior[0], tr)
-    if plan.repeats and where:
-        for tr in rest:
-            if id(tr[2]) in where:
-                _refuse_two_places(plan, where[id(tr[2])][0], tr)
-    return replace(plan, transfers=rest), placed
-
-
-def _refuse_two_places(plan: Plan, a: Transfer, b: Transfer) -> None:
-    raise ValueError(
-        f"{type(plan.optimizer).__name__}: one tensor is shared by {a.site} and {b.site}, which are each given a "
-        f"place of their own: it cannot be in both, and an update through one would no longer show through the "
-        f"other. Give one of them its own tensor (.clone()); nothing was changed"
-    )
-
-
-def _copy_into(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    placed: Sequence[tuple[Transfer, torch.Tensor]],
-    name: str,
-    side: Side | None = None,
-) -> set[torch.device]:
-    """:func:`optimshift._copy.copy_into`, with a note naming the optimizer and the first entry on an error."""
-    try:
-        return copy_into(pairs, side=side)
-    except Exception as e:
-        add_note(
-            e,
-            f"optimshift: while copying {name}'s {placed[0][0].site} and the rest of {len(placed)} entries into "
-            f"their places; the optimizer was left unchanged",
+            twice = (prior[0], tr)
+            break
+    else:
+        twice = next(((where[id(tr[2])][0], tr) for tr in rest if id(tr[2]) in where), None) if plan.repeats else None
+    if twice is not None:
+        raise ValueError(
+            f"{type(plan.optimizer).__name__}: one tensor is shared by {twice[0].site} and {twice[1].site}, which are "
+            f"each given a place of their own: it cannot be in both, and an update through one would no longer "
+            f"show through the other. Give one of them its own tensor (.clone()); nothing was changed"
         )
-        raise
+    return replace(plan, transfers=rest), placed
 
 
 def _shared_storages(
@@ -356,8 +336,8 @@ def _run_on_side_stream(
     *,
     describe: Callable[[int], str],
     together: Sequence[tuple[list[int], torch.device]],
-    placed: Sequence[tuple[Transfer, torch.Tensor]] = (),
-    name: str = "",
+    into: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    placed_site: Callable[[int], str] | None = None,
 ) -> tuple[Batch, Any]:
     streams = _device_streams.of(device)
     assert streams is not None  # (_single_stream_device checked)
@@ -365,13 +345,11 @@ def _run_on_side_stream(
     # (every copy waits for the current stream, where the last step wrote and where every device tensor the
     # side stream touches is allocated, and records those tensors for the side one: see _copy.Side)
     on = Side(streams, side, streams.current(device))
+    queued = copy_into(into, side=on, describe=placed_site) if into else set()
     try:
-        if placed:
-            _copy_into([(tr[2], dst) for tr, dst in placed], placed, name, on)
         batch = copy_items(items, options, describe=describe, side=on, together=together)
     except BaseException:
-        if placed:
-            synchronize([device])  # (a queued copy writes the caller's destinations: done before they are freed)
+        synchronize(queued)  # (a queued copy writes the caller's destinations: done before they are freed)
         raise
     event = streams.new_event(device)
     streams.record(event, side)

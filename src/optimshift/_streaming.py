@@ -21,9 +21,11 @@ step, around all chunks (the class's step is called undecorated, inside one hook
 called once; LR schedulers, ``GradScaler`` (also its fused ``grad_scale``/``found_inf`` path), gradient
 clipping and ``zero_grad`` see the real groups. Every state tensor stays the same Python object across chunks
 and steps: it takes its device window's contents for its chunk and its host buffer's back afterwards
-(:mod:`optimshift._adopt`). ``state_dict()`` returns compact host copies of the streamed tensors (no pool
-bytes around them: :func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict``
-loads straight into host state (no device memory on resume).
+(:func:`optimshift._engine.lend`). The state is laid out as every operation moves state: a plan placed by the
+session's ``Placer``, the engine's copies into the chunks' host views, the engine's commit. ``state_dict()``
+returns compact host copies of the streamed tensors (no pool bytes around them:
+:func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict`` loads straight into
+host state (no device memory on resume).
 
 The copies go through the engine's stream layer (:mod:`optimshift._device_streams`, with
 :class:`optimshift._copy.Side`'s rules), on a side stream of their own per device (the lane): the loads wait

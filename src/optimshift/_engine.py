@@ -179,8 +179,9 @@ def run(
     caching allocator never reuses it early. Nothing in the optimizer changes here.
 
     ``into``: one destination per transfer of the plan, allocated by the caller (a streamed chunk's pooled host
-    view), or None (the engine makes the copy): a tensor given one is copied into it wherever it is, by the
-    same streams, events and ``record_stream`` rules, and commits to it.
+    view), or None (the engine makes the copy): a tensor given one is copied into it wherever it is (the
+    destination is its place, whatever its target), by the same streams, events and ``record_stream`` rules,
+    and commits to it.
     """
     items: list[tuple[torch.Tensor, torch.device]]
     names: list[Any] | None = None  # what each item is, for errors (built when one is raised)

@@ -71,7 +71,6 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 """64 MiB: one copy of this size runs at close to the link's bandwidth (PCIe or NVLink-C2C), and the first load
 and last write-back that cannot overlap a compute cost about a millisecond each."""
 
-_HOST = torch.device("cpu")
 _HOSTS = ("cpu", "meta")
 
 _log = logging.getLogger("optimshift")
@@ -218,7 +217,8 @@ class Streamed:
                 kept.append(tr)
                 continue
             p = cast(torch.Tensor, tr[3])
-            self._refuse(tr, state[p])
+            if len(path) > 1 or type(tr[2]) is not torch.Tensor or (self.device is not None and tr[4] != self.device):
+                self._refuse(tr, state[p])
             entries = by_param.get(id(p))
             if entries is None:
                 entries = by_param[id(p)] = []
@@ -230,12 +230,13 @@ class Streamed:
         self._examined.update(id(p) for _, p in members if id(p) not in by_param)
         chunks: list[Chunk] = []
         try:
+            # (each streamed entry is copied into its host view: its place, whatever its target says)
             transfers, into = list(kept), cast("list[torch.Tensor | None]", [None] * len(kept))
             for items in buckets.values():
                 for part in layout.partition(items, self.chunk_bytes):
                     chunks.append(chunk := layout.new_chunk(part, self.chunk_bytes))
-                    for tr in (tr for p in chunk.params for tr in by_param[id(p)]):
-                        transfers.append(Transfer((tr[0], tr[1], tr[2], tr[3], _HOST, "stream")))
+                    for p in chunk.params:
+                        transfers.extend(by_param[id(p)])
                     into.extend(e.host for e in chunk.entries)
             with async_copies(not wait):  # (the host does not wait for them here)
                 copies = _engine.run(replace(plan, transfers=transfers), _LAYOUT, into=into)
@@ -260,7 +261,7 @@ class Streamed:
                     self._examined.discard(id(p))
 
     def _refuse(self, tr: Transfer, st: ParamState) -> None:
-        """An entry that belongs on an accelerator and cannot be streamed: raised before anything changes."""
+        """Why an entry that belongs on an accelerator cannot be streamed: raised before anything changes."""
         opt = self.optimizer
         key, value = tr[0][2][0][1], tr[2]
         where = f"{optimizer_name(opt)}: {tr.site.param_label}: state {key!r}"

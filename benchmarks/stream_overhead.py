@@ -17,6 +17,10 @@ Python, so the extra time here is an upper bound on optimshift's own Python work
 microseconds and overlap the compute.
 
     .venv/bin/python benchmarks/stream_overhead.py [--params 2000] [--per-chunk 50] [--reps 7] [--sim-streams]
+        [--cpu-time]
+
+``--cpu-time``: each step timed in this process's CPU time (``time.process_time``), not wall time: on a machine
+other work shares, the ratios then move far less from run to run.
 
 Not a test: timings depend on the machine and its load. Record results in benchmarks/results/.
 """
@@ -65,7 +69,7 @@ def _chunked(opt: torch.optim.Optimizer, per_chunk: int):
     return step
 
 
-def run(n_params: int, per_chunk: int, reps: int) -> dict:
+def run(n_params: int, per_chunk: int, reps: int, clock=time.perf_counter) -> dict:
     sim = simulated_accelerator()
     _, ordinary = _optimizer(n_params, sim)
     _, cut = _optimizer(n_params, sim)
@@ -87,9 +91,9 @@ def run(n_params: int, per_chunk: int, reps: int) -> dict:
     for _ in range(reps):
         for name, step in zip(times, steps):
             gc.collect()
-            t0 = time.perf_counter()
+            t0 = clock()
             step()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     tensors = 2 * n_params
     base = med["ordinary"]
@@ -118,16 +122,17 @@ def main() -> None:
         action="store_true",
         help="copy on the simulator's deferred, race-checked streams instead of synchronously",
     )
+    parser.add_argument("--cpu-time", action="store_true", help="time each step in this process's CPU time")
     args = parser.parse_args()
     if not args.sim_streams:
         sim = simulated_accelerator()  # (registers its streams with _device_streams first)
         _device_streams._chosen[sim.type] = None  # no streams: each copy is complete when it returns
-    r = run(args.params, args.per_chunk, args.reps)
+    r = run(args.params, args.per_chunk, args.reps, time.process_time if args.cpu_time else time.perf_counter)
     copies = "the simulator's streams" if args.sim_streams else "synchronous copies"
     print(
         f"torch {torch.__version__}, python {platform.python_version()}, simulated accelerator ({copies}); AdamW "
         f"(foreach) over {r['params']} params of 16 floats ({r['state_tensors']} streamed state tensors), median "
-        f"of {r['reps']}"
+        f"of {r['reps']}" + (", CPU time" if args.cpu_time else "")
     )
     for k, v in r["median_ms"].items():
         print(f"  {k:<38} {v:8.1f} ms")

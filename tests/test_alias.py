@@ -425,7 +425,7 @@ def test_the_set_data_path_keeps_the_sharing_and_the_objects():
     ids = [id(t) for t in olds]
     old_storage, new_storage = flat.untyped_storage().data_ptr(), news[0].untyped_storage().data_ptr()
     layout_before = [(t.storage_offset(), t.shape, t.stride()) for t in olds]
-    replaced, apply = engine.adopt_all(list(zip(olds, news)))
+    replaced, apply, _ = engine.adoptions(list(zip(olds, news)))
     assert replaced == []
     apply()
     assert [id(t) for t in olds] == ids
@@ -457,8 +457,9 @@ def test_on_cuda_offload_to_pinned_memory_and_back_keeps_the_views():
 
 
 def test_stream_refuses_entries_that_share_a_storage(sim):
-    """Streaming gives each entry its own place in a chunk: entries that share a storage are refused, before
-    anything changes."""
+    """Streaming gives each entry its own place in a chunk: entries that share a storage are refused by the engine's
+    sharing rule (the one for every operation: ``engine.run`` with destinations of their own), before anything
+    changes."""
     model = Model([(4,), (2,)]).to(sim)
     opt = torch.optim.Adam(model.parameters(), foreach=False)
     _train(model, opt, range(1))
@@ -473,7 +474,7 @@ def test_stream_refuses_entries_that_share_a_storage(sim):
     with pytest.raises(ValueError) as info:
         optimshift.stream(opt)
     message = str(info.value)
-    assert "group 0, param 0, state 'exp_avg'" in message and "group 0, param 0, state 'flat'" in message
-    assert "share one storage" in message, message
+    assert "group 0, param 0, state['exp_avg']" in message and "group 0, param 0, state['flat']" in message
+    assert "share one storage" in message and "place of their own" in message, message
     assert layout(opt) == before[0] and tensor_ids(opt) == before[2]
     _train(model, opt, range(1, 2))  # still the ordinary step

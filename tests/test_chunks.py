@@ -31,14 +31,14 @@ def test_new_chunk_places_each_tensor_aligned_apart_with_its_layout():
     st = {"m": permuted, "n": torch.randn(7, dtype=torch.float64), "step": torch.tensor(3.0)}
     part = [(group, torch.zeros(5, 3), st, list(st.items())), _item(group, (2, 2), torch.bfloat16)]
     in_use = host_pool.stats().in_use
-    chunk, fills = _chunks.new_chunk(part, 1 << 20)
+    chunk = _chunks.new_chunk(part, 1 << 20)
     assert host_pool.stats().in_use == in_use + 1, "the chunk's buffer comes from the host pool"
     try:
         assert [e.offset for e in chunk.entries] == [0, 64, 128, 192, 256] and chunk.nbytes == 320
         assert not chunk.oversized and chunk.params == [part[0][1], part[1][1]]
         assert chunk.counts == [(part[0][1], 3), (part[1][1], 2)]
-        for (host, source), e in zip(fills, chunk.entries):
-            assert host is e.host and source is e.obj
+        for e in chunk.entries:  # (each host view: the destination the engine copies its tensor into)
+            host, source = e.host, e.obj
             assert (host.dtype, host.shape, host.stride()) == (source.dtype, source.shape, source.stride())
             assert host.untyped_storage().data_ptr() == chunk.buffer.untyped_storage().data_ptr()
             host.copy_(source)

@@ -225,3 +225,61 @@ def test_dtensor_state_copied_one_by_one_stays_dtensor(tmp_path):
     for op, entries in steps:
         assert entries["empty"] == ("DTensor", devices[op], (1, 3), True, []), op
         assert entries["transposed"] == ("DTensor", devices[op], (4, 3), True, [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]), op
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_run_copies_into_the_callers_destinations_and_commit_installs_them(sim, non_blocking):
+    """``engine.run(into=...)``: each transfer given a destination (a streamed chunk's host view) is copied into
+    it wherever the tensor is, the others as usual; the commit gives each object its destination's contents."""
+    from optimshift import _engine
+    from optimshift._plan import build_plan
+
+    model, opt = _adam_on(sim, n=3, foreach=False)
+    ids = [id(t) for st in opt.state.values() for t in st.values()]
+    values = [t.detach().cpu().clone() for st in opt.state.values() for t in st.values()]
+    host = torch.device("cpu")
+    plan = build_plan(opt, lambda ident, param, group, key, tensor: (host, "test"))
+    into = [torch.empty_like(tr.tensor, device=host) if tr.tensor.dim() else None for tr in plan.transfers]
+    places = [None if dst is None else dst.untyped_storage().data_ptr() for dst in into]
+    options = batch_mod.Options(non_blocking=non_blocking, lane="stream")
+    copies = _engine.run(plan, options, into=into)
+    if copies.event is not None:
+        copies.event.synchronize()
+    given = [id(d) for d in into if d is not None]
+    assert [id(c) for _, c in copies.pairs][-len(given) :] == given, "the destinations are the copies"
+    _engine.commit(opt, copies)
+    tensors = [t for st in opt.state.values() for t in st.values()]
+    assert [id(t) for t in tensors] == ids and all(t.device == host for t in tensors)
+    assert all(bitwise_equal(t, v) for t, v in zip(tensors, values))
+    by_tensor = {id(tr.tensor): place for tr, place in zip(plan.transfers, places)}
+    for t in tensors:
+        if by_tensor[id(t)] is not None:
+            assert t.untyped_storage().data_ptr() == by_tensor[id(t)], "the object holds its destination's bytes"
+
+
+def test_lend_gives_each_object_its_window_and_back(sim):
+    """``engine.lend``: one adoption in (the commit's decisions and loop), one back; where no mechanism keeps
+    the object (a weakly referenced tensor on the simulator needs a swap), the window view stands in at its
+    site and the object is put back there."""
+    import weakref
+
+    from optimshift import _engine
+
+    homes = [torch.arange(4.0), torch.arange(4.0, 8.0)]
+    # (the objects hold their host views' bytes, as laid-out entries do)
+    objs = [torch.empty(0).set_(h.untyped_storage(), h.storage_offset(), h.shape, h.stride()) for h in homes]
+    held = weakref.ref(objs[1])  # noqa: F841  # (a weak reference: no swap for this one)
+    window = torch.zeros(8, device=sim)
+    views = [window[:4], window[4:]]
+    state = {"a": objs[0], "b": objs[1]}
+    back = _engine.lend(list(zip(objs, views)), homes, [(state, "a"), (state, "b")])
+    assert state["a"] is objs[0] and objs[0].device == sim, "swapped in: the object holds its window view"
+    assert state["b"] is views[1], "no mechanism keeps it: the window view stands in at its site"
+    state["a"].add_(1)
+    state["b"].add_(2)
+    back()
+    assert state == {"a": objs[0], "b": objs[1]} and objs[0].device.type == "cpu" and objs[1].device.type == "cpu"
+    assert torch.equal(window.cpu(), torch.tensor([1.0, 1, 1, 1, 2, 2, 2, 2])), "the step wrote the window"
+    assert torch.equal(objs[0], torch.arange(4.0)) and torch.equal(objs[1], torch.arange(4.0, 8.0)), (
+        "back home: the host views, which the write-back fills"
+    )

@@ -1,14 +1,17 @@
 """Every public operation goes the one road (issue 27, item 8): spies on the engine show which of its functions
 each operation calls.
 
-- ``move``, ``offload``, ``reload``, ``rebind``, ``unstream`` and verl's patched functions: the plan's
-  ``engine.run`` (copy) and ``engine.commit`` (adopt, all or nothing);
-- every operation, ``load_state_dict`` and ``stream`` included: the commit's one uninterrupted section
+- ``move``, ``offload``, ``reload``, ``rebind``, ``stream``, ``unstream``, the layout of the state a streamed
+  step made, and verl's patched functions: the plan's ``engine.run`` (copy) and ``engine.commit`` (adopt, all or
+  nothing);
+- a streamed step: one ``engine.lend`` per chunk (its window in and out), no copy or commit of its own once the
+  state is laid out;
+- every operation, ``load_state_dict`` included: the commit's one uninterrupted section
   (``engine.uninterrupted``), where an interrupt waits for the commit to end.
 
-``load_state_dict`` and ``stream`` still stage their copies and adoptions themselves (through
-``engine.copy_items`` and ``engine.adoptions``/``adopt_all``); ARCHITECTURE.md names the tests that make their
-placement agree with the plan's (``tests/test_roads.py``, ``tests/checkpoint/test_uniform.py``).
+``load_state_dict`` still stages its copies and adoptions itself (through ``engine.copy_each`` and
+``engine.adoptions``); ARCHITECTURE.md names the tests that make its placement agree with the plan's
+(``tests/test_roads.py``, ``tests/checkpoint/test_uniform.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ O = torch.optim
 @pytest.fixture
 def calls(monkeypatch):
     seen: collections.Counter[str] = collections.Counter()
-    for name in ("run", "commit", "uninterrupted"):
-        real = getattr(engine, name)
+    for name in ("run", "commit", "uninterrupted", "lend", "copy_items", "adoptions"):
+        real = getattr(engine, name, None)
+        if real is None:  # (an engine without it: what it does not have, nothing calls)
+            continue
 
         def spy(*args, _real=real, _name=name, **kwargs):
             seen[_name] += 1
@@ -83,8 +88,8 @@ def _ops(sim, tmp_path):
     }
 
 
-PLANNED = ("move", "offload", "reload", "rebind", "unstream")
-ALL = PLANNED + ("load_state_dict", "stream")
+PLANNED = ("move", "offload", "reload", "rebind", "stream", "unstream")
+ALL = PLANNED + ("load_state_dict",)
 
 
 @pytest.mark.parametrize("op", ALL)
@@ -95,6 +100,27 @@ def test_every_operation_commits_through_the_engine(sim, tmp_path, calls, op):
     if op in PLANNED:
         assert calls["run"] >= 1 and calls["commit"] >= 1, f"{op} does not go plan -> engine.run -> engine.commit"
     assert calls["uninterrupted"] >= 1, f"{op} commits outside the engine's commit section"
+
+
+def test_a_streamed_step_swaps_each_chunk_in_and_out_through_the_engine(sim, calls):
+    """Its first step makes the state on the device and lays it out as ``stream`` does (one ``engine.run`` and one
+    ``engine.commit`` per part of the params); every step lends each chunk its window once (``engine.lend``: in,
+    and back), and nothing else copies or adopts."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(3)]
+    opt = O.Adam(params, foreach=False)
+    handle = optimshift.stream(opt, chunk_bytes=128)  # (no state yet: nothing to lay out)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.full_like(p, 0.5 + step)
+        calls.clear()
+        opt.step()
+        if step == 0:  # (the state the step made, laid out in parts of about chunk_bytes)
+            assert calls["run"] == calls["commit"] >= 1 and calls["lend"] == 0, calls
+        else:
+            assert handle.chunks == 3 and calls["lend"] == 3, calls
+            assert calls["run"] == calls["commit"] == 0, calls
+        # (the engine's copies only inside run, its adoptions only inside lend and commit)
+        assert calls["copy_items"] == calls["run"] and calls["adoptions"] == calls["lend"] + calls["commit"], calls
 
 
 def test_verls_patched_functions_go_the_one_road(sim, calls):

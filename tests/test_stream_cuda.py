@@ -13,7 +13,7 @@ import torch
 
 import optimshift
 from _matrix import CASES, Model, bitwise_equal, grad_for, state_layout, train
-from optimshift import _streaming
+from optimshift import _engine, _streaming
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda", 0)
@@ -66,7 +66,16 @@ def test_slowed_copy_stream_still_gives_the_ordinary_steps(kwargs, monkeypatch):
             torch.cuda._sleep(2_000_000)
         queue(side, dsts, srcs, **kw)
 
+    into = _engine.copy_into
+
+    def slow_into(pairs, side=None, **kw):  # the layout's copies of the first step's state (the engine's), slowed
+        if side is not None:
+            with side.streams.use(side.stream):
+                torch.cuda._sleep(2_000_000)
+        return into(pairs, side=side, **kw)
+
     monkeypatch.setattr(_streaming, "_queue", slow)
+    monkeypatch.setattr(_engine, "copy_into", slow_into)
     (model, opt), (ref_model, ref) = _pair(torch.optim.AdamW, kwargs, [(256, 256)] * 6 + [(256,)] * 6)
     optimshift.stream(opt, chunk_bytes=256 * 256 * 4 * 2)  # one matrix's state per chunk
     train(model, opt, range(5))
@@ -160,3 +169,19 @@ def test_sparse_adam_streamed_on_cuda():
     st, ref_st = opt.state[emb.weight], ref.state[ref_emb.weight]
     assert type(st["step"]) is int and st["exp_avg"].device.type == "cpu"
     assert bitwise_equal(emb.weight, ref_emb.weight) and bitwise_equal(dict(st), dict(ref_st))
+
+
+def test_a_grad_kept_as_state_stays_on_the_device():
+    """Where ``set_data`` applies (CPU <-> CUDA), the layout's commit (the engine's) still never changes a param's
+    grad in place: the entry that is the grad gets its host copy in its place (streaming's own commit gave the
+    grad object the host view, and the model's grad left the device)."""
+    model = Model([(4, 3), (3,)]).to(CUDA)
+    opt = torch.optim.Adam(list(model.parameters()), foreach=False)
+    train(model, opt, range(1))
+    p = next(iter(model.parameters()))
+    grad = p.grad
+    opt.state[p]["kept_grad"] = grad
+    optimshift.stream(opt, chunk_bytes=256)
+    assert p.grad is grad and grad.device == CUDA
+    kept = opt.state[p]["kept_grad"]
+    assert kept is not grad and kept.device.type == "cpu" and bitwise_equal(kept, grad.cpu())

@@ -14,7 +14,7 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
-from optimshift import _device_streams, _streaming
+from optimshift import _device_streams, _engine, _streaming
 from optimshift.testing import simulated_memory_allocated
 
 
@@ -44,18 +44,24 @@ def _assert_same(model, opt, ref_model, ref):
 
 def test_peak_device_state_is_two_chunks_plus_the_largest_param(sim, monkeypatch):
     # Synchronous copies (a device without streams), the device's allocated bytes sampled at every copy the step
-    # queues: windows are allocated before their copies; a chunk's state is resident from its load to its
-    # write-back.
+    # queues (its loads and write-backs, and the engine's copies of the state a first step made into its chunks):
+    # windows are allocated before their copies; a chunk's state is resident from its load to its write-back.
     monkeypatch.setitem(_device_streams._chosen, sim.type, None)
     samples = []
-    queue = _streaming._queue
+    queue, copy_into = _streaming._queue, _engine.copy_into
 
     def sampling(side, dsts, srcs, **kwargs):
         assert side is None, "no streams: each copy is complete when it returns"
         samples.append(simulated_memory_allocated(0))
         queue(side, dsts, srcs, **kwargs)
 
+    def sampling_into(pairs, side=None, **kwargs):
+        assert side is None, "no streams: each copy is complete when it returns"
+        samples.append(simulated_memory_allocated(0))
+        return copy_into(pairs, side=side, **kwargs)
+
     monkeypatch.setattr(_streaming, "_queue", sampling)
+    monkeypatch.setattr(_engine, "copy_into", sampling_into)
     small, big = (64,), (64, 64)  # AdamW state: 512 bytes per small param, 32 KiB per big one
     shapes = [small] * 20 + [big, big] + [small] * 20
     chunk = 2048  # four small params per chunk; each big param is a chunk of its own, larger than a chunk
@@ -522,11 +528,17 @@ def test_a_missing_wait_is_caught(sim, monkeypatch, name, error):
     _without(monkeypatch, name)
     with pytest.raises(StreamRaceError if error == "StreamRaceError" else AssertionError):
         _scheduled_run(sim, 0, 0.0)
+    _drain()
+
+
+def _drain():
+    """What was queued when a race was found runs, or raises, here (not in the next test)."""
+    from optimshift.testing import StreamRaceError
     from optimshift.testing._sim_streams import synchronize
 
     for index in range(2):
         try:
-            synchronize(index)  # (what was queued when the race was found runs, or raises, here)
+            synchronize(index)
         except StreamRaceError:
             pass
 
@@ -551,3 +563,206 @@ def test_optimshift_wait_waits_for_a_streamed_steps_write_backs(sim):
     optimshift.wait(opt)
     for p, q in zip(params, twin_params):
         assert bitwise_equal(dict(opt.state[p]), dict(twin.state[q]))
+
+
+# --- the layout: plan, the engine's copies into the chunks, its commit ----------------------------------------
+
+
+def _snapshot(opt):
+    """Where each entry is, its object and its values (a clone of each): what must not change on a refusal."""
+    return state_layout(opt), tensor_ids(opt), _values(opt, clone=True)
+
+
+def _values(opt, clone=False):
+    """Each entry's values on the host (a tensor's, or each tensor's in a list), by (param index, key)."""
+
+    def host(v):
+        return v.detach().cpu().clone() if clone else v.detach().cpu()
+
+    return {
+        (i, k): [host(t) for t in v] if isinstance(v, list) else host(v)
+        for i, st in enumerate(opt.state.values())
+        for k, v in st.items()
+    }
+
+
+def _unchanged(opt, before):
+    layout, ids, values = before
+    assert state_layout(opt) == layout and tensor_ids(opt) == ids
+    now = _values(opt)
+    assert now.keys() == values.keys() and all(bitwise_equal(now[k], values[k]) for k in values)
+    assert not optimshift.is_streamed(opt) and "step" not in opt.__dict__
+
+
+class _Placed(torch.optim.Adam):
+    """Adam whose registered policy puts ``exp_avg`` on a second device."""
+
+
+@pytest.mark.parametrize("bad", ["nested", "parameter", "another device"])
+def test_state_that_cannot_stream_is_refused_naming_the_entry_before_anything_changes(sim, bad):
+    """The plan places each entry (the session's Placer); what streaming cannot lay out is refused over the plan,
+    before a buffer is taken or a copy made, naming the optimizer, the param and the key."""
+    cls = _Placed if bad == "another device" else torch.optim.Adam
+    if bad == "another device":
+        other = torch.device(sim.type, 1)
+        optimshift.register_policy(
+            _Placed, lambda key, value, param, group, device: other if key == "exp_avg" else None, separable=True
+        )
+    try:
+        model = Model([(4, 3), (3,)]).to(sim)
+        opt = cls(_params(model), foreach=False)
+        train(model, opt, range(1))
+        p = _params(model)[1]
+        if bad == "nested":
+            opt.state[p]["history"] = [torch.zeros(3, device=sim)]
+        elif bad == "parameter":
+            opt.state[p]["frozen"] = torch.nn.Parameter(torch.zeros(3, device=sim))
+        before = _snapshot(opt)
+        gc.collect()
+        in_use = optimshift.host_pool.stats().in_use
+        with pytest.raises(ValueError) as info:
+            optimshift.stream(opt, chunk_bytes=64, device=sim)
+        message = str(info.value)
+        expected = {
+            "nested": "group 0, param 1: state 'history' holds a tensor inside a list that belongs on sim:0",
+            "parameter": "group 0, param 1: state 'frozen' is a Parameter; streaming lays out plain tensors only",
+            "another device": "group 0, param 0: state 'exp_avg' belongs on sim:1, but stream(device=sim:0)",
+        }[bad]
+        assert message.startswith(f"{cls.__name__}: ") and expected in message, message
+        _unchanged(opt, before)
+        assert optimshift.host_pool.stats().in_use == in_use, "no chunk buffer kept"
+    finally:
+        optimshift.unregister_policy(_Placed)
+
+
+def test_a_tensor_two_entries_hold_is_refused_by_the_engines_sharing_rule(sim):
+    """Two entries holding one tensor would each get a place of their own in a chunk: the engine's rule for
+    entries given places of their own refuses it (streaming keeps no sharing check), before anything changes."""
+    model = Model([(4, 3), (4, 3)]).to(sim)
+    opt = torch.optim.Adam(_params(model), foreach=False)
+    train(model, opt, range(1))
+    p0, p1 = _params(model)
+    opt.state[p1]["exp_avg"] = opt.state[p0]["exp_avg"]
+    before = _snapshot(opt)
+    with pytest.raises(ValueError) as info:
+        optimshift.stream(opt, chunk_bytes=64)
+    message = str(info.value)
+    assert "one tensor is shared by group 0, param 0, state['exp_avg'] and group 0, param 1, state['exp_avg']" in (
+        message
+    )
+    assert "each given a place of their own" in message and "nothing was changed" in message, message
+    _unchanged(opt, before)
+
+
+@pytest.mark.parametrize("where", ["buffer", "copies", "commit"])
+def test_a_failure_half_way_in_the_layout_leaves_the_state_as_it_was(sim, monkeypatch, where):
+    """An OOM taking the third chunk's host buffer, an error in the engine's copies once every copy into the
+    chunks is queued, or in the commit's decisions: stream() raises, every entry is where it was, the same object
+    with the same values, and every chunk buffer is back in the pool; the optimizer steps on as before."""
+    from optimshift import _chunks
+
+    runs = []
+    for _ in range(2):  # (one to stream, a reference)
+        model = Model([(4, 3), (3,), (2, 3), (5,)]).to(sim)
+        opt = torch.optim.Adam(_params(model), foreach=True)
+        train(model, opt, range(2))
+        runs.append((model, opt))
+    (model, opt), (ref_model, ref) = runs
+    before = _snapshot(opt)
+    gc.collect()
+    in_use = optimshift.host_pool.stats().in_use
+    if where == "buffer":
+        real, made = _chunks.new_chunk, []
+
+        def failing(part, chunk_bytes):
+            if len(made) == 2:
+                raise RuntimeError("injected: out of pinned memory")
+            made.append(1)
+            return real(part, chunk_bytes)
+
+        monkeypatch.setattr(_chunks, "new_chunk", failing)
+    elif where == "copies":
+
+        def failing_copies(*args, **kwargs):  # (the engine's own copies, queued after those into the chunks)
+            raise RuntimeError("injected: in the engine's copies, after those into the chunks")
+
+        monkeypatch.setattr(_engine, "copy_items", failing_copies)
+    else:
+
+        def failing_adoptions(*args, **kwargs):
+            raise RuntimeError("injected: deciding the commit")
+
+        monkeypatch.setattr(_engine, "adoptions", failing_adoptions)
+    with pytest.raises(RuntimeError, match="injected"):
+        optimshift.stream(opt, chunk_bytes=128)
+    monkeypatch.undo()
+    _unchanged(opt, before)
+    gc.collect()
+    assert optimshift.host_pool.stats().in_use == in_use, "every chunk buffer back in the pool"
+    train(model, opt, range(2, 3))
+    train(ref_model, ref, range(2, 3))
+    _assert_same(model, opt, ref_model, ref)
+
+
+def _careless_layout(monkeypatch, name):
+    """The layout's copies (the engine's, into the chunks' host views) with one ordering taken away: their
+    ``record_stream`` or their wait for the current stream, or queued on the engine's lane, not the step's."""
+    if name == "lane":
+        monkeypatch.setattr(_streaming, "_LAYOUT", optimshift._copy.Options(non_blocking=True, lane="engine"))
+        return
+    real = _engine.copy_into
+
+    def careless(pairs, side=None, **kwargs):
+        if side is not None:
+            side = copy.copy(side)
+            side.streams = copy.copy(side.streams)
+            setattr(side.streams, name, lambda *args: None)
+        return real(pairs, side=side, **kwargs)
+
+    monkeypatch.setattr(_engine, "copy_into", careless)
+
+
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+@pytest.mark.parametrize("broken", [None, "record_stream", "wait_stream", "lane"])
+def test_the_state_a_first_step_makes_is_laid_out_without_a_host_wait(sim, monkeypatch, seed, progress, broken):
+    """Streamed before any step, the first step makes the state on the device and lays it out in its chunks
+    through the engine, non-blocking on the step's lane: no host wait (a write-back event is pending), and the
+    next step's loads come after those copies. Without the layout's ``record_stream`` (the state it reads is
+    adopted away and freed), its wait for the step that wrote the state, or on another lane than the loads', the
+    race detector raises."""
+    from optimshift.testing import StreamRaceError, deferred_streams
+
+    if broken is not None:
+        _careless_layout(monkeypatch, broken)
+    try:
+        with deferred_streams(seed=seed, progress=progress):
+            (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,), (16, 16)], sim, torch.optim.Adam)
+            handle = optimshift.stream(opt, chunk_bytes=128)
+            train(model, opt, range(1))
+            assert handle._pending and handle.chunks == 5, "laid out on the lane, the host did not wait"
+            train(model, opt, range(1, 3))
+            train(ref_model, ref, range(3))
+            assert bitwise_equal(opt.state_dict()["state"], ref.state_dict()["state"])
+            _assert_same(model, opt, ref_model, ref)
+        assert broken is None, f"without {broken} the race detector should have raised"
+    except StreamRaceError:
+        assert broken is not None
+        _drain()
+
+
+def test_a_grad_kept_as_state_stays_the_params(sim):
+    """The layout commits through the engine, which never changes a param's grad in place: a state entry that is
+    the grad (a third-party optimizer keeping it) gets its host copy in its place, and the param keeps its grad
+    on the device. (On the simulator no mechanism keeps a tensor another holds anyway; where ``set_data`` applies,
+    streaming's own commit moved the grad itself: ``tests/test_stream_cuda.py``.)"""
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model), foreach=False)
+    train(model, opt, range(1))
+    p = _params(model)[0]
+    grad = p.grad
+    values = grad.detach().cpu().clone()
+    opt.state[p]["kept_grad"] = grad
+    optimshift.stream(opt, chunk_bytes=256)
+    assert p.grad is grad and grad.device == sim and bitwise_equal(grad.cpu(), values)
+    kept = opt.state[p]["kept_grad"]
+    assert kept is not grad and kept.device.type == "cpu" and bitwise_equal(kept, values)

@@ -28,12 +28,12 @@ from __future__ import annotations
 import copyreg
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["Mechanism", "mechanism", "decide_all", "still_valid", "adopt", "lend", "kept", "keeps_object_across_host"]
+__all__ = ["Mechanism", "mechanism", "decide_all", "still_valid", "adopt", "kept", "keeps_object_across_host"]
 
 Mechanism = Literal["data", "swap", "replace"]
 
@@ -163,23 +163,3 @@ def adopt(old: torch.Tensor, new: torch.Tensor, how: Mechanism) -> None:
             torch.utils.swap_tensors(old, new)  # type: ignore[no-untyped-call]  # unannotated in torch
     else:  # pragma: no cover - a caller bug
         raise ValueError(f"adopt: cannot adopt by {how!r}")
-
-
-def lend(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hows: Sequence[Mechanism], homes: Sequence[torch.Tensor]
-) -> Callable[[], None]:
-    """Each ``old`` takes its ``new``'s contents for a while, by its ``how`` (a ``"replace"`` is the caller's:
-    ``new`` stands in ``old``'s place), and the function returned gives each its own back (``homes``: what each
-    holds now, given back by ``set_data``): the in and out of a streamed step's device window."""
-    for (old, new), how in zip(pairs, hows):
-        if how != "replace":
-            adopt(old, new, how)
-
-    def back() -> None:
-        for (old, new), how, home in zip(pairs, hows, homes):
-            if how == "data":
-                old.data = home
-            elif how == "swap":
-                adopt(old, new, "swap")  # (a swap is its own inverse)
-
-    return back

@@ -110,9 +110,9 @@ def partition(items: list[Item], chunk_bytes: int) -> Iterator[list[Item]]:
         yield part
 
 
-def new_chunk(part: list[Item], chunk_bytes: int) -> tuple[Chunk, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A chunk for ``part`` with a host buffer from the pool, each entry given its host view; and the
-    (host view, state tensor) pairs to fill it with. Nothing in the state changes here."""
+def new_chunk(part: list[Item], chunk_bytes: int) -> Chunk:
+    """A chunk for ``part`` with a host buffer from the pool, each entry given its host view (the destination
+    the engine copies its tensor into: ``engine.run(into=...)``). Nothing in the state changes here."""
     group, device = part[0][0], part[0][1].device
     entries: list[Entry] = []
     offset = 0
@@ -125,10 +125,9 @@ def new_chunk(part: list[Item], chunk_bytes: int) -> tuple[Chunk, list[tuple[tor
     params = [p for _, p, _, _ in part]
     oversized = len(part) == 1 and offset > chunk_bytes
     chunk = Chunk(group, device, params, entries, offset, buffer, counts, oversized)
-    hosts = views(buffer, entries)
-    for e, host in zip(entries, hosts):
+    for e, host in zip(entries, views(buffer, entries)):
         e.host = host
-    return chunk, [(host, e.obj) for e, host in zip(entries, hosts)]
+    return chunk
 
 
 def release(chunks: Sequence[Chunk]) -> None:

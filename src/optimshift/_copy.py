@@ -38,6 +38,7 @@ __all__ = [
     "BLOCKING",
     "Side",
     "copy_many",
+    "copy_into",
     "copy_tensor",
     "CHUNK_BYTES",
     "SOLO_BYTES",
@@ -59,7 +60,9 @@ class Options:
     copies stay views into pool buffers (offloaded state) instead of tensors of their own; ``pool``: the host
     buffer pool (None: :data:`optimshift.pool.host_pool`); ``into``: where a tensor's copy is written, when the
     destination is allocated by the caller (``into(t)``: an empty tensor of ``t``'s dtype and shape on the target,
-    or None: allocated here; a keep_addresses reload's slots, :mod:`optimshift._addresses`).
+    or None: allocated here; a keep_addresses reload's slots, :mod:`optimshift._addresses`); ``lane``: which side
+    stream of the device a non-blocking transfer queues on (:meth:`optimshift._device_streams.Streams.side`: the
+    streamed step's layout queues on its own lane, so its step's loads are ordered after it).
     """
 
     non_blocking: bool = False
@@ -67,6 +70,7 @@ class Options:
     keep_host_views: bool = False
     pool: HostPool | None = None
     into: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    lane: str = "engine"
 
 
 BLOCKING = Options()
@@ -377,6 +381,45 @@ def copy_many(
         assert local is not None
         copies[i] = wrap_local(dtensor, local)
     return batch
+
+
+def copy_into(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    side: Side | None = None,
+    describe: Callable[[int], str] | None = None,
+) -> set[torch.device]:
+    """Copy each ``(source, destination)`` into the destination the caller allocated (same dtype, shape and
+    strides: a streamed chunk's pooled host view), one foreach copy per pair of devices; on ``side`` when given
+    (after the current stream's work so far, every device tensor recorded for it: :class:`Side`). Returns the
+    accelerators involved: the caller synchronizes them, or waits for the side stream's event, before the host
+    reads a destination. On an exception those are synchronized first (a queued copy may still write one), and
+    ``describe(i)`` names the first pair of the copy that failed."""
+    by_devices: dict[tuple[torch.device, torch.device], list[int]] = {}
+    for i, (src, dst) in enumerate(pairs):
+        by_devices.setdefault((src.device, dst.device), []).append(i)
+    devices = {d for pair in by_devices for d in pair if d.type not in _HOSTS}
+    current = 0
+    try:
+        for (source, target), indices in by_devices.items():
+            current = indices[0]
+            srcs = [pairs[i][0].detach() for i in indices]
+            dsts = [pairs[i][1] for i in indices]
+            if source.type in _HOSTS and target.type in _HOSTS:
+                torch._foreach_copy_(dsts, srcs)
+                continue
+            # (into or from pinned memory, or on a side stream, queued: the caller waits once for all)
+            queued = side is not None or in_pinned_memory(dsts[0]) or in_pinned_memory(srcs[0])
+            with _issue(side):
+                torch._foreach_copy_(dsts, srcs, non_blocking=queued)
+            if side is not None:
+                side.uses(*srcs, *dsts)  # (a source adopted away is freed before the side stream has read it)
+    except BaseException as error:
+        synchronize(devices)
+        if describe is not None:
+            add_note(error, f"optimshift: while copying {describe(current)} into its place; nothing was changed")
+        raise
+    return devices
 
 
 def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[list[int]]:

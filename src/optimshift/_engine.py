@@ -1,7 +1,8 @@
 """Execute a plan: copy every tensor that must move, synchronize once, then commit, keeping every object.
 
-The one data path of every operation (move, offload, reload, rebind, load_state_dict):
-:func:`run` copies (grouped by :mod:`optimshift._copy`), :func:`commit` installs the copies.
+The one data path of every operation (move, offload, reload, rebind, load_state_dict, the stream layout):
+:func:`run` copies (grouped by :mod:`optimshift._copy`), :func:`commit` installs the copies; :func:`lend` gives a
+streamed step's window to the state for a while by the same decisions.
 
 All or nothing: every copy is made before any state entry changes. An exception while copying (an OOM on the
 900th tensor) drops the copies made so far and leaves the optimizer exactly as it was. The commit first
@@ -28,12 +29,12 @@ import torch
 
 from . import _alias, _device_streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
-from ._copy import BLOCKING, Batch, Options, Side, copy_many, copy_tensor
+from ._copy import BLOCKING, Batch, Options, Side, copy_into, copy_many, copy_tensor
 from ._device_streams import synchronize
 from ._devices import _fake_mode_active
 from ._dtypes import dtype_name
 from ._errors import add_note
-from ._plan import Plan
+from ._plan import Plan, Transfer
 from ._state import GROUP_SKIP, Setter, rebuild
 from .pool import host_pool
 
@@ -43,8 +44,8 @@ __all__ = [
     "run",
     "copy_items",
     "commit",
-    "adopt_all",
     "adoptions",
+    "lend",
     "no_gc",
     "uninterrupted",
     "operation",
@@ -55,7 +56,8 @@ __all__ = [
 @dataclass
 class Copies:
     """What :func:`run` made: ``new[id(t)]`` is the copy of input tensor ``t``; ``pairs`` lists
-    ``(t, copy)`` for the plan's tensors (what :func:`commit` installs), in plan order, each tensor once.
+    ``(t, copy)`` for the plan's tensors (what :func:`commit` installs), in plan order, each tensor once, then
+    ``(t, destination)`` for those copied into a destination the caller gave (``run(into=...)``).
 
     ``event``/``device``: set when the copies may still be running on a side stream (non-blocking on a device
     with streams, see :mod:`optimshift._device_streams`);
@@ -235,6 +237,7 @@ def run(
     options: Options = BLOCKING,
     *,
     extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
+    into: Sequence[torch.Tensor | None] | None = None,
 ) -> Copies:
     """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (e.g. grads), grouped.
 
@@ -242,9 +245,17 @@ def run(
     accelerator with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
     back to the pool with their event, and device memory they read is protected with ``record_stream`` so the
     caching allocator never reuses it early. Nothing in the optimizer changes here.
+
+    ``into``: one destination per transfer of the plan, allocated by the caller (a streamed chunk's pooled host
+    view), or None (the engine makes the copy): a tensor given one is copied into it wherever it is (the
+    destination is its place, whatever its target), by the same streams, events and ``record_stream`` rules,
+    and commits to it.
     """
     items: list[tuple[torch.Tensor, torch.device]]
     names: list[Any] | None = None  # what each item is, for errors (built when one is raised)
+    placed: list[tuple[Transfer, torch.Tensor]] = []  # (transfer, its destination), each tensor once
+    if into is not None:
+        plan, placed = _placed(plan, into)
     if plan.repeats:
         items, names = [], []
         seen: set[int] = set()
@@ -264,8 +275,12 @@ def run(
                 seen.add(id(t))
                 items.append((t, target))
     # (nothing moves: nothing can stop sharing, nor be copied as a storage)
-    together = _shared_storages(plan, extra, items) if items else []
+    together = _shared_storages(plan, extra, items, placed) if items or placed else []
     optimizer_name = type(plan.optimizer).__name__
+    into_pairs = [(tr[2], dst) for tr, dst in placed]
+
+    def placed_site(i: int) -> str:
+        return f"{optimizer_name} {placed[i][0].site}"
 
     def describe(i: int) -> str:
         if i >= n_plan:
@@ -274,43 +289,98 @@ def run(
         return f"{optimizer_name} {plans[i].site}"
 
     # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)
-    device = _single_stream_device(items) if options.non_blocking and not _fake_mode_active() else None
+    every = items + [(t, dst.device) for t, dst in into_pairs] if into_pairs else items
+    device = _single_stream_device(every) if options.non_blocking and not _fake_mode_active() else None
     if device is None:
         # NOTE: no side stream (several devices, a device without streams, fake tensors): the blocking path,
         # synchronized at the end. A copy between two devices left queued would be ordered after neither
         # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
-        batch = copy_items(
-            items,
-            replace(options, non_blocking=False) if options.non_blocking else options,
-            describe=describe,
-            together=together,
-        )
+        queued = copy_into(into_pairs, describe=placed_site) if into_pairs else set()
+        try:
+            batch = copy_items(
+                items,
+                replace(options, non_blocking=False) if options.non_blocking else options,
+                describe=describe,
+                together=together,
+            )
+        finally:
+            synchronize(queued)  # (on an error too: a queued copy writes the caller's destinations)
         event = None
     else:
-        batch, event = _run_on_side_stream(items, device, options, describe=describe, together=together)
-    pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None]
-    to_host = event is not None and any(target.type == "cpu" for _, target in items)  # (what a reader waits for)
+        batch, event = _run_on_side_stream(
+            items, device, options, describe=describe, together=together, into=into_pairs, placed_site=placed_site
+        )
+    pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None] + into_pairs
+    # (what a reader of a transfer in flight waits for)
+    to_host = event is not None and any(target.type == "cpu" for _, target in every)
     return Copies(items, pairs, batch, event, device if event is not None else None, to_host)
 
 
+def _placed(plan: Plan, into: Sequence[torch.Tensor | None]) -> tuple[Plan, list[tuple[Transfer, torch.Tensor]]]:
+    """``plan`` without the transfers ``into`` gives a destination, and those transfers with it, each tensor once.
+    ValueError, before anything is copied, for one tensor held by several entries that are given places of
+    their own (or a place and the engine's copy): it cannot be in both, and an update through one entry would
+    no longer show through the other."""
+    rest: list[Transfer] = []
+    placed: list[tuple[Transfer, torch.Tensor]] = []
+    where: dict[int, tuple[Transfer, torch.Tensor]] = {}
+    twice: tuple[Transfer, Transfer] | None
+    for tr, dst in zip(plan.transfers, into):
+        if dst is None:
+            rest.append(tr)
+            continue
+        prior = where.get(id(tr[2]))
+        if prior is None:
+            where[id(tr[2])] = (tr, dst)
+            placed.append((tr, dst))
+        elif prior[1] is not dst:
+            twice = (prior[0], tr)
+            break
+    else:
+        twice = next(((where[id(tr[2])][0], tr) for tr in rest if id(tr[2]) in where), None) if plan.repeats else None
+    if twice is not None:
+        raise ValueError(
+            f"{type(plan.optimizer).__name__}: one tensor is shared by {twice[0].site} and {twice[1].site}, which are "
+            f"each given a place of their own: it cannot be in both, and an update through one would no longer "
+            f"show through the other. Give one of them its own tensor (.clone()); nothing was changed"
+        )
+    return replace(plan, transfers=rest), placed
+
+
 def _shared_storages(
-    plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device]], items: Sequence[tuple[torch.Tensor, torch.device]]
+    plan: Plan,
+    extra: Sequence[tuple[torch.Tensor, torch.device]],
+    items: Sequence[tuple[torch.Tensor, torch.device]],
+    placed: Sequence[tuple[Transfer, torch.Tensor]] = (),
 ) -> list[tuple[list[int], torch.device]]:
     """The groups of ``items`` to copy as one storage (:func:`optimshift._alias.shared`, asked once for the
     whole plan), with their target. ValueError, before anything is copied, when tensors that share a storage
-    belong on different devices: copied apart, an update through one would no longer show through the other."""
+    belong on different devices, or are copied into places the caller gave (``placed``, each its own): copied
+    apart, an update through one would no longer show through the other."""
     transfers = plan.transfers
-    tensors = [tr[2] for tr in transfers] + [t for t, _ in extra]
+    tensors = [tr[2] for tr in transfers] + [t for t, _ in extra] + [tr[2] for tr, _ in placed]
     groups = _alias.shared(tensors)
     if not groups:
         return []
+    first_placed = len(transfers) + len(extra)
+
+    def where(i: int) -> str:
+        if i < len(transfers):
+            return str(transfers[i].site)
+        return "a param's .grad" if i < first_placed else str(placed[i - first_placed][0].site)
+
+    for group in groups:
+        if any(i >= first_placed for i in group):
+            a, b = group[:2]
+            raise ValueError(
+                f"{type(plan.optimizer).__name__}: {where(a)} and {where(b)} share one storage, but are each copied "
+                f"into a place of their own (a streamed chunk keeps each entry apart): an update through one would "
+                f"no longer show through the other. Give one of them its own storage (.clone()); nothing was "
+                f"changed"
+            )
     targets = [tr[4] for tr in transfers] + [d for _, d in extra]
     split = _alias.split_targets(tensors, targets, groups)
     if split is not None:
-
-        def where(i: int) -> str:
-            return str(transfers[i].site) if i < len(transfers) else "a param's .grad"
-
         a, b = split
         raise ValueError(
             f"{type(plan.optimizer).__name__}: {where(a)} and {where(b)} share one storage, but belong on "
@@ -335,30 +405,25 @@ def _run_on_side_stream(
     *,
     describe: Callable[[int], str],
     together: Sequence[tuple[list[int], torch.device]],
+    into: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    placed_site: Callable[[int], str] | None = None,
 ) -> tuple[Batch, Any]:
     streams = _device_streams.of(device)
     assert streams is not None  # (_single_stream_device checked)
-    side = streams.side(device)
+    side = streams.side(device, options.lane)
     # (every copy waits for the current stream, where the last step wrote and where every device tensor the
     # side stream touches is allocated, and records those tensors for the side one: see _copy.Side)
-    batch = copy_items(
-        items, options, describe=describe, side=Side(streams, side, streams.current(device)), together=together
-    )
+    on = Side(streams, side, streams.current(device))
+    queued = copy_into(into, side=on, describe=placed_site) if into else set()
+    try:
+        batch = copy_items(items, options, describe=describe, side=on, together=together)
+    except BaseException:
+        synchronize(queued)  # (a queued copy writes the caller's destinations: done before they are freed)
+        raise
     event = streams.new_event(device)
     streams.record(event, side)
     batch.complete(host_pool if options.pool is None else options.pool, event)
     return batch, event
-
-
-def adopt_all(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    protect: frozenset[int] | set[int] = frozenset(),
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], dict[str, int]]]:
-    """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
-    object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
-    and returns how many tensors went each way. See :func:`adoptions`."""
-    replaced, apply, _ = adoptions(pairs, protect)
-    return replaced, apply
 
 
 def adoptions(
@@ -397,20 +462,51 @@ def adoptions(
             hows = ["replace" if id(old) in protect else how for (old, _), how in zip(unique, hows)]
     replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
 
-    plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
-
     def apply() -> dict[str, int]:
-        for (old, new), how in zip(unique, hows):
-            if how == "data":
-                old.data = new  # (inline: this loop runs once per tensor)
-            elif how == "swap":
-                if type(old) is plain and type(new) is plain and not old.__dict__ and not new.__dict__:
-                    swap_impl(old, new)  # adopt()'s plain-tensor case, inline
-                else:
-                    adopt(old, new, how)
+        _apply(unique, hows)
         return {"data": hows.count("data"), "swap": hows.count("swap"), "replace": len(replaced)}
 
     return replaced, apply, hows
+
+
+def _apply(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hows: Sequence[Mechanism]) -> None:
+    """The one adoption loop: each ``old`` takes its ``new``'s contents by its decision (a ``"replace"`` is the
+    caller's: it puts ``new`` in ``old``'s place). Cannot fail once decided."""
+    plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
+    for (old, new), how in zip(pairs, hows):
+        if how == "data":
+            old.data = new  # (inline: this loop runs once per tensor)
+        elif how == "swap":
+            if type(old) is plain and type(new) is plain and not old.__dict__ and not new.__dict__:
+                swap_impl(old, new)  # adopt()'s plain-tensor case, inline
+            else:
+                adopt(old, new, how)
+
+
+def lend(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    homes: Sequence[torch.Tensor],
+    sites: Sequence[tuple[Any, Any]],
+) -> Callable[[], None]:
+    """For a while (a streamed step's device window): each ``old`` takes its ``new``'s contents, decided as a
+    commit decides (:func:`adoptions`) and applied by the same loop; where no mechanism keeps the object,
+    ``new`` stands in its place at its site (``(mapping, key)``). The function returned undoes it by the same
+    decisions: ``old`` takes back its ``home`` (what it held) by ``set_data``, or swaps back (a swap is its own
+    inverse), or returns to its site where its stand-in still is. Each ``old`` once, never its own ``new``."""
+    _, apply, hows = adoptions(pairs, distinct=True)
+    apply()
+    stand_ins = [(site, old, new) for (old, new), how, site in zip(pairs, hows, sites) if how == "replace"]
+    for (mapping, key), _, new in stand_ins:
+        mapping[key] = new
+    returns = [(pair[0], home) if how == "data" else pair for pair, home, how in zip(pairs, homes, hows)]
+
+    def back() -> None:
+        _apply(returns, hows)
+        for (mapping, key), old, new in stand_ins:
+            if mapping.get(key) is new:
+                mapping[key] = old
+
+    return back
 
 
 def commit(
@@ -423,7 +519,7 @@ def commit(
     """Install the copies in ``optimizer``: each tensor adopts its copy's contents and stays the same object;
     where that is impossible, the copy takes its place in the state, param groups and containers.
     Everything is decided and prepared first, then applied; ``copies.mechanisms`` counts how many tensors went
-    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adopt_all`). ``rewrite``: a change
+    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adoptions`). ``rewrite``: a change
     of the optimizer's own structure that is part of the operation (a rebind's new params), made once every
     decision is, right before they are applied; it must not fail."""
     protect = outside_owned(optimizer)

@@ -21,9 +21,11 @@ step, around all chunks (the class's step is called undecorated, inside one hook
 called once; LR schedulers, ``GradScaler`` (also its fused ``grad_scale``/``found_inf`` path), gradient
 clipping and ``zero_grad`` see the real groups. Every state tensor stays the same Python object across chunks
 and steps: it takes its device window's contents for its chunk and its host buffer's back afterwards
-(:mod:`optimshift._adopt`). ``state_dict()`` returns compact host copies of the streamed tensors (no pool
-bytes around them: :func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict``
-loads straight into host state (no device memory on resume).
+(:func:`optimshift._engine.lend`). The state is laid out as every operation moves state: a plan placed by the
+session's ``Placer``, the engine's copies into the chunks' host views, the engine's commit. ``state_dict()``
+returns compact host copies of the streamed tensors (no pool bytes around them:
+:func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict`` loads straight into
+host state (no device memory on resume).
 
 The copies go through the engine's stream layer (:mod:`optimshift._device_streams`, with
 :class:`optimshift._copy.Side`'s rules), on a side stream of their own per device (the lane): the loads wait
@@ -42,22 +44,21 @@ import time
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar, cast
 
 import torch
 
-from . import _alias, _device_streams, _engine, _mode
 from . import _chunks as layout
+from . import _device_streams, _engine, _mode
 from . import policy as _policy
-from ._adopt import Mechanism, decide_all, lend
 from ._chunks import Chunk, Group, Item, ParamState
-from ._copy import Side
+from ._copy import Options, Side
 from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import with_article
 from ._offload import compact_state_dict, end_pending, record_of
-from ._plan import Ident, check_optimizer, optimizer_name, policy_target
-from ._state import _ATOMS, leaves
+from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
 from .syncs import async_copies
@@ -70,14 +71,13 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 """64 MiB: one copy of this size runs at close to the link's bandwidth (PCIe or NVLink-C2C), and the first load
 and last write-back that cannot overlap a compute cost about a millisecond each."""
 
-_HOST = torch.device("cpu")
 _HOSTS = ("cpu", "meta")
 
 _log = logging.getLogger("optimshift")
 
-# NOTE: policy_target never reads the ident (its rules depend on the param, group, key and tensor only).
-_NO_IDENT = cast(Ident, ())
-
+# The layout's copies: queued on the streamed step's own lane (its loads come after them in order), waited for by
+# the host unless a step made the state (Streamed._lay_out's ``wait``).
+_LAYOUT = Options(non_blocking=True, lane="stream")
 
 _MISSING = object()
 
@@ -195,112 +195,88 @@ class Streamed:
         return [(g, p) for g in self.optimizer.param_groups for p in g["params"] if wanted is None or id(p) in wanted]
 
     def _lay_out(self, members: Sequence[tuple[Group, torch.Tensor]], *, wait: bool = True) -> None:
-        """Put the state of ``members`` where streaming keeps it: each tensor that belongs on an accelerator into
-        a new chunk's host buffer (the object adopts its place there), each one that belongs on the host onto
-        the host. All copies are made before any object changes; an error leaves the state as it was."""
+        """Put the state of ``members`` where streaming keeps it, as every operation does (plan, copy, commit):
+        the plan places each entry (the session's ``Placer``); one that belongs on an accelerator is copied into
+        its place in a new chunk's host buffer (``engine.run(into=...)``, on this device's lane), one that belongs
+        on the host onto the host; ``engine.commit`` installs them, all or nothing. ``wait``: the host waits for
+        the copies here (else the next step's loads, on the same lane, are ordered after them)."""
         opt = self.optimizer
-        name = optimizer_name(opt)
-        target = policy_target(opt, None)
+        state = opt.state
+        held = {p: state[p] for _, p in members if state.get(p)}
+        plan = build_plan(opt, policy_target(opt, None), state=held)
+        kept: list[Transfer] = []  # entries that belong on the host (the engine copies those not there)
+        by_param: dict[int, list[Transfer]] = {}  # id(param) -> its entries that belong on an accelerator
         buckets: dict[tuple[int, torch.device], list[Item]] = {}
-        host_moves: list[tuple[ParamState, Any, torch.Tensor]] = []
-        for group, p in members:
-            st = opt.state.get(p)
-            if not st:
-                self._examined.add(id(p))
+        for tr in plan.transfers:
+            gi, pi, path = tr[0]
+            if pi is None:  # (a group's tensors stay where they are)
                 continue
-            streamed: list[tuple[Any, torch.Tensor]] = []
-            for key, value in st.items():
-                if isinstance(value, torch.Tensor):
-                    device = target(_NO_IDENT, p, group, key, value)[0]
-                    if device.type in _HOSTS:
-                        if value.device != device:
-                            host_moves.append((st, key, value))
-                    elif self.device is not None and device != self.device:
-                        raise ValueError(
-                            f"{name}: {_where(opt, p)}: state {key!r} belongs on {device}, but "
-                            f"stream(device={self.device}) streams through {self.device} only"
-                        )
-                    elif type(value) is not torch.Tensor:
-                        raise ValueError(
-                            f"{name}: {_where(opt, p)}: state {key!r} is {with_article(type(value).__name__)}; "
-                            f"streaming lays out plain tensors only (sharded DTensor state is not "
-                            f"streamed). Keep this optimizer's state on the device (optimshift.move)."
-                        )
-                    else:
-                        streamed.append((key, value))
-                elif not isinstance(value, _ATOMS):
-                    for _path, t in leaves(value):
-                        if target(_NO_IDENT, p, group, key, t)[0].type not in _HOSTS:
-                            raise ValueError(
-                                f"{name}: {_where(opt, p)}: state {key!r} holds a tensor inside a "
-                                f"{type(value).__name__} that belongs on {p.device}; streaming moves top-level state "
-                                f"tensors only. Keep this optimizer's state on the device (optimshift.move)."
-                            )
-            if streamed:
-                buckets.setdefault((id(group), p.device), []).append((group, p, st, streamed))
-            else:
-                self._examined.add(id(p))
+            if tr[4].type in _HOSTS:
+                kept.append(tr)
+                continue
+            p = cast(torch.Tensor, tr[3])
+            if len(path) > 1 or type(tr[2]) is not torch.Tensor or (self.device is not None and tr[4] != self.device):
+                self._refuse(tr, state[p])
+            entries = by_param.get(id(p))
+            if entries is None:
+                entries = by_param[id(p)] = []
+                group = opt.param_groups[gi]
+                buckets.setdefault((id(group), p.device), []).append((group, p, state[p], []))
+            entries.append(tr)
+        for item in (item for items in buckets.values() for item in items):
+            item[3].extend((tr[0][2][0][1], tr[2]) for tr in by_param[id(item[1])])
+        self._examined.update(id(p) for _, p in members if id(p) not in by_param)
         chunks: list[Chunk] = []
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host view, source)
         try:
+            # (each streamed entry is copied into its host view: its place, whatever its target says)
+            transfers, into = list(kept), cast("list[torch.Tensor | None]", [None] * len(kept))
             for items in buckets.values():
                 for part in layout.partition(items, self.chunk_bytes):
-                    chunk, fills = layout.new_chunk(part, self.chunk_bytes)
-                    chunks.append(chunk)
-                    pairs.extend(fills)
-            moved = _engine.copy_items([(t, _HOST) for _, _, t in host_moves]).copies if host_moves else []
-            lanes = self._fill(pairs)
+                    chunks.append(chunk := layout.new_chunk(part, self.chunk_bytes))
+                    for p in chunk.params:
+                        transfers.extend(by_param[id(p)])
+                    into.extend(e.host for e in chunk.entries)
+            with async_copies(not wait):  # (the host does not wait for them here)
+                copies = _engine.run(replace(plan, transfers=transfers), _LAYOUT, into=into)
+            if copies.event is not None:
+                if wait:
+                    copies.event.synchronize()
+                else:
+                    self._pending[cast(torch.device, copies.device)] = copies.event
         except BaseException:
             layout.release(chunks)
             raise
-        for device, side in lanes.items():
-            if wait:
-                _recorded(side, device).synchronize()
-            else:
-                self._pending[device] = _recorded(side, device)
-        # Every copy exists: now the objects take their new places (cannot fail).
-        # (every entry of a new chunk has its host view: new_chunk set it; copy_items copied every input)
-        adoptions = [(e.obj, cast(torch.Tensor, e.host)) for c in chunks for e in c.entries]
-        adoptions += [(t, cast(torch.Tensor, new)) for (_, _, t), new in zip(host_moves, moved)]
-        replaced, apply = _engine.adopt_all(adoptions)
-        with _engine.uninterrupted():  # (the commit runs to its end)
-            apply()
-            instead = {id(old): new for old, new in replaced}
-            for st, key, t in host_moves:
-                if id(t) in instead:
-                    st[key] = instead[id(t)]
+        with _engine.operation():  # (an interrupt the commit holds waits for the chunks to be recorded too)
+            hows = _engine.commit(opt, copies)
+            instead = {id(old): new for (old, new), how in zip(copies.pairs, hows) if how == "replace"}
             for c in chunks:
-                for e in c.entries:
-                    new = instead.get(id(e.obj))
-                    if new is not None:  # no mechanism keeps this object: its host view takes its place
-                        e.state[e.key] = e.obj = new
                 for e, host in zip(c.entries, layout.views(c.buffer, c.entries)):
-                    e.host = host  # (after a swap, the view made for the fill holds the old contents)
+                    e.obj = instead.get(id(e.obj), e.obj)  # (no mechanism kept it: its host view took its place)
+                    e.host = host  # (after a swap, the view made for the copy holds the old contents)
                 self._chunks[id(c)] = c
                 for p in c.params:
                     self._chunk_of[id(p)] = c
                     self._examined.discard(id(p))
 
-    def _fill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[torch.device, Side]:
-        """Copy each source into its host view: host sources at once, device sources on their device's lane
-        (after the work queued on the current stream, e.g. the step that made them). Returns the lanes that
-        hold copies still to wait for."""
-        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for view, source in pairs:
-            dsts, srcs = by_device.setdefault(source.device, ([], []))
-            dsts.append(view)
-            srcs.append(source.detach())
-        lanes = {}
-        for device, (dsts, srcs) in by_device.items():
-            if device.type in _HOSTS:
-                torch._foreach_copy_(dsts, srcs)
-                continue
-            side = _lane(device)
-            _queue(side, dsts, srcs)
-            if side is not None:
-                side.uses(*srcs)  # the source may be freed (adopted away) before the lane has read it
-                lanes[device] = side
-        return lanes
+    def _refuse(self, tr: Transfer, st: ParamState) -> None:
+        """Why an entry that belongs on an accelerator cannot be streamed: raised before anything changes."""
+        opt = self.optimizer
+        key, value = tr[0][2][0][1], tr[2]
+        where = f"{optimizer_name(opt)}: {tr.site.param_label}: state {key!r}"
+        if self.device is not None and tr[4] != self.device:
+            raise ValueError(
+                f"{where} belongs on {tr[4]}, but stream(device={self.device}) streams through {self.device} only"
+            )
+        if len(tr[0][2]) > 1:
+            raise ValueError(
+                f"{where} holds a tensor inside a {type(st[key]).__name__} that belongs on {tr[4]}; streaming "
+                f"moves top-level state tensors only. Keep this optimizer's state on the device (optimshift.move)."
+            )
+        if type(value) is not torch.Tensor:
+            raise ValueError(
+                f"{where} is {with_article(type(value).__name__)}; streaming lays out plain tensors only (sharded "
+                f"DTensor state is not streamed). Keep this optimizer's state on the device (optimshift.move)."
+            )
 
     def _forget(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
@@ -491,40 +467,33 @@ class Streamed:
     ) -> Any:
         """Step one chunk with its state in ``window``, then queue its write-back."""
         entries = c.entries
-        views = layout.views(window, entries)
-        pairs = [(e.obj, v) for e, v in zip(entries, views)]
-        hows = decide_all(pairs)
-        back = lend(pairs, hows, [cast(torch.Tensor, e.host) for e in entries])  # (a laid-out entry has its view)
-        for e, v, how in zip(entries, views, hows):
-            if how == "replace":  # only on a Python backend for a weakly referenced tensor: the view stands in
-                e.state[e.key] = v
-        changed = False
+        # One adoption in, one back (the engine's): each object takes its window view (a view stands in where
+        # no mechanism keeps the object: a Python backend's weakly referenced tensor), then its host view again.
+        back = _engine.lend(
+            [(e.obj, v) for e, v in zip(entries, layout.views(window, entries))],
+            [cast(torch.Tensor, e.host) for e in entries],  # (a laid-out entry has its view)
+            [(e.state, e.key) for e in entries],
+        )
         try:
             out = self._compute(c.group, c.params, rest, kwargs)
-            changed = self._changed(c, views, hows)
         finally:
             back()
-            for e, v, how in zip(entries, views, hows):
-                if how == "replace" and e.state.get(e.key) is v:
-                    e.state[e.key] = e.obj
             _queue(side, [c.buffer[: c.nbytes]], [window[: c.nbytes]])  # the write-back, after the compute
-        if changed:
+        if self._changed(c):
             # The step added, dropped or replaced a state tensor of this chunk: lay its params out again.
             if side is not None:
                 _recorded(side, c.device).synchronize()
             self._relay([c])
         return out
 
-    def _changed(self, c: Chunk, views: list[torch.Tensor], hows: list[Mechanism]) -> bool:
+    def _changed(self, c: Chunk) -> bool:
+        """Whether the step added, dropped or replaced a state tensor of this chunk (asked once it is back)."""
         state = self.optimizer.state
         for p, count in c.counts:
             st = state.get(p)
             if st is None or sum(isinstance(v, torch.Tensor) for v in st.values()) != count:
                 return True
-        for e, v, how in zip(c.entries, views, hows):
-            if e.state.get(e.key) is not (v if how == "replace" else e.obj):
-                return True
-        return False
+        return any(e.state.get(e.key) is not e.obj for e in c.entries)
 
     # -- entering and leaving ----------------------------------------------------------------------------------
 
@@ -570,16 +539,6 @@ class Streamed:
                 else:
                     opt.__dict__[attr] = previous
             # else: replaced by someone since; our step then falls through to the plain step (see _install)
-
-
-def _where(opt: Any, p: torch.Tensor) -> str:
-    for gi, group in enumerate(opt.param_groups):
-        for pi, q in enumerate(group["params"]):
-            if q is p:
-                names = group.get("param_names")
-                label = f"group {gi}, param {pi}"
-                return f"{label} ({names[pi]})" if names and pi < len(names) else label
-    return "a param in no group"
 
 
 def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch.device | None:
@@ -644,30 +603,6 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
     for gi, pi, p in params:
         if p.device.type == "meta":
             raise ValueError(f"{name}: stream: group {gi}, param {pi} is on the meta device (no values)")
-    seen: dict[int, str] = {}
-    for gi, pi, p in params:
-        for key, value in optimizer.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor):
-                where = f"group {gi}, param {pi}, state {key!r}"
-                if id(value) in seen:
-                    raise ValueError(
-                        f"{name}: stream: one tensor is shared by {seen[id(value)]} and {where}; "
-                        f"streaming gives each entry its own place"
-                    )
-                seen[id(value)] = where
-    entries = [
-        (f"group {gi}, param {pi}, state {key!r}", value)
-        for gi, pi, p in params
-        for key, value in optimizer.state.get(p, {}).items()
-        if isinstance(value, torch.Tensor)
-    ]
-    groups = _alias.shared([value for _, value in entries])
-    if groups:  # (a flat buffer and views of it: each entry would get its own place, and stop sharing)
-        a, b = groups[0][:2]
-        raise ValueError(
-            f"{name}: stream: {entries[a][0]} and {entries[b][0]} share one storage; streaming gives each entry "
-            f"its own place, so an update through one would no longer show through the other"
-        )
     return target
 
 

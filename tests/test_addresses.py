@@ -18,7 +18,7 @@ import torch
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, train
 from _schedules import SCHEDULES, drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
-from optimshift import _addresses, _copy, _device_streams, _vmm
+from optimshift import _addresses, _device_streams, _engine, _vmm
 from optimshift._state import leaves
 from optimshift.testing import deferred_streams, simulated_memory_allocated
 from optimshift.testing._sim_vmm import FaultyDriver, SimDriver
@@ -467,18 +467,16 @@ def test_a_copy_failing_after_the_mapping_gives_it_back(sim, driver, monkeypatch
     values = _state_values(opt)
     optimshift.offload(opt, keep_addresses=True)
     reserved = driver.reserved()
-    real, seen = _copy._copy_into, []
+    real = _engine.copy_into
 
-    def failing(src, out, side):
-        seen.append(1)
-        if len(seen) == 3:
-            raise RuntimeError("injected copy failure")
-        return real(src, out, side)
+    def failing(pairs, **kwargs):  # (two slots written, then the copy fails)
+        real(pairs[:2], **kwargs)
+        raise RuntimeError("injected copy failure")
 
-    monkeypatch.setattr(_copy, "_copy_into", failing)
+    monkeypatch.setattr(_engine, "copy_into", failing)
     with pytest.raises(RuntimeError, match="injected copy failure"):
         optimshift.reload(opt)
-    monkeypatch.setattr(_copy, "_copy_into", real)
+    monkeypatch.setattr(_engine, "copy_into", real)
     gc.collect()
     assert optimshift.is_offloaded(opt) and driver.mapped(0) == 0 and driver.reserved() == reserved
     assert bitwise_equal(_state_values(opt), values)

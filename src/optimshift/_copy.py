@@ -17,7 +17,6 @@ the engine (:mod:`optimshift._engine`) decides what to copy and commits the copi
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -58,18 +57,16 @@ class Options:
     ``non_blocking``: copies may run on after the call (on a side stream where the device has streams);
     ``pin_memory``: host buffers are pinned where the accelerator pins host memory; ``keep_host_views``: host
     copies stay views into pool buffers (offloaded state) instead of tensors of their own; ``pool``: the host
-    buffer pool (None: :data:`optimshift.pool.host_pool`); ``into``: where a tensor's copy is written, when the
-    destination is allocated by the caller (``into(t)``: an empty tensor of ``t``'s dtype and shape on the target,
-    or None: allocated here; a keep_addresses reload's slots, :mod:`optimshift._addresses`); ``lane``: which side
-    stream of the device a non-blocking transfer queues on (:meth:`optimshift._device_streams.Streams.side`: the
-    streamed step's layout queues on its own lane, so its step's loads are ordered after it).
+    buffer pool (None: :data:`optimshift.pool.host_pool`); ``lane``: which side stream of the device a
+    non-blocking transfer queues on (:meth:`optimshift._device_streams.Streams.side`: the streamed step's layout
+    queues on its own lane, so its step's loads are ordered after it). Destinations a caller allocated (a streamed
+    chunk's host views, a keep_addresses reload's slots) are :func:`optimshift._engine.run`'s ``into``.
     """
 
     non_blocking: bool = False
     pin_memory: bool = False
     keep_host_views: bool = False
     pool: HostPool | None = None
-    into: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     lane: str = "engine"
 
 
@@ -148,37 +145,6 @@ def copy_tensor(
     if side is not None:
         side.uses(t, new)
     return like_source(t, new)
-
-
-def _copy_into(src: torch.Tensor, out: torch.Tensor, side: Side | None) -> torch.Tensor:
-    """``src``'s values written into ``out``, a destination the caller allocated (``Options.into``): queued (on
-    ``side``'s stream if given; completed by the caller's synchronize or event)."""
-    if side is not None:
-        side.uses(out)
-    with _issue(side):
-        out.copy_(src, non_blocking=True)
-    return out
-
-
-def _copy_to(src: torch.Tensor, _: torch.device, *, out: torch.Tensor, side: Side | None) -> torch.Tensor:
-    """:func:`_copy_into` as ``_alias.copy_storage``'s ``copy(src, target)``."""
-    return _copy_into(src, out, side)
-
-
-def _storage_into(
-    into: Callable[[torch.Tensor], torch.Tensor | None], members: Sequence[torch.Tensor]
-) -> torch.Tensor | None:
-    """The flat bytes that a storage shared by ``members`` is copied into, when the caller gave every member a
-    destination over one storage of its own (``Options.into``); else None (the storage is allocated here)."""
-    dests = [into(t) for t in members]
-    first = dests[0]
-    if first is None or any(
-        d is None or d.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for d in dests
-    ):
-        return None
-    nbytes = members[0].untyped_storage().nbytes()
-    flat = torch.empty(0, dtype=torch.uint8, device=first.device)
-    return flat.set_(first.untyped_storage(), 0, (nbytes,), (1,))
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -271,20 +237,15 @@ def copy_many(
     wrapped: dict[int, Any] = {}  # index -> the DTensor whose local shard was copied there
     plain = torch.Tensor
     inline = side is None and not pin_memory
-    into = options.into
     try:
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
         for indices, target in (_alias.together(items) if together is None else together) if group else ():
             current = indices[0]
             batch.devices.update(d for d in (items[current][0].device, target) if d.type not in _HOSTS)
-            members = [items[i][0] for i in indices]
-            dest = None if into is None else _storage_into(into, members)
             news = _alias.copy_storage(
-                members,
+                [items[i][0] for i in indices],
                 target,
-                (lambda src, dst: copy_tensor(src, dst, non_blocking, pin_memory, side))
-                if dest is None
-                else functools.partial(_copy_to, out=dest, side=side),
+                lambda src, dst: copy_tensor(src, dst, non_blocking, pin_memory, side),
             )
             for i, new in zip(indices, news):
                 copies[i] = new
@@ -294,13 +255,6 @@ def copy_many(
         for i, (t, target) in enumerate(items):
             if done and i in done:
                 continue
-            if into is not None:
-                out = into(t)
-                if out is not None:  # (a destination the caller allocated: one copy into it)
-                    current = i
-                    batch.devices.update(d for d in (t.device, target) if d.type not in _HOSTS)
-                    copies[i] = _copy_into(t, out, side)
-                    continue
             original = t
             if type(t) is not plain and group and is_dtensor(t) and not t.requires_grad:
                 # NOTE: FSDP2/TP state: the local shard goes through the grouped, pooled copies as a plain

@@ -370,7 +370,7 @@ def _shared_storages(
         return "a param's .grad" if i < first_placed else str(placed[i - first_placed][0].site)
 
     for group in groups:
-        if any(i >= first_placed for i in group):
+        if any(i >= first_placed for i in group) and not _placed_together(group, first_placed, placed):
             a, b = group[:2]
             raise ValueError(
                 f"{type(plan.optimizer).__name__}: {where(a)} and {where(b)} share one storage, but are each copied "
@@ -378,6 +378,9 @@ def _shared_storages(
                 f"no longer show through the other. Give one of them its own storage (.clone()); nothing was "
                 f"changed"
             )
+    groups = [group for group in groups if all(i < first_placed for i in group)]  # (the rest: placed together)
+    if not groups:
+        return []
     targets = [tr[4] for tr in transfers] + [d for _, d in extra]
     split = _alias.split_targets(tensors, targets, groups)
     if split is not None:
@@ -396,6 +399,21 @@ def _shared_storages(
         if at[0] is not None:
             together.append((cast(list[int], at), targets[group[0]]))
     return together
+
+
+def _placed_together(group: Sequence[int], first_placed: int, placed: Sequence[tuple[Transfer, torch.Tensor]]) -> bool:
+    """Whether the caller placed every member of a storage group (indices from ``first_placed`` on) into one
+    storage of its own, each at its member's offset (a keep_addresses slot): copied view by view, they keep
+    sharing it."""
+    if any(i < first_placed for i in group):
+        return False
+    members = [placed[i - first_placed] for i in group]
+
+    def base(t: torch.Tensor) -> int:  # (its storage's address, without making a Python storage object)
+        return int(t.data_ptr() - t.storage_offset() * t.element_size())
+
+    storage = base(members[0][1])
+    return all(base(dst) == storage and dst.storage_offset() == tr[2].storage_offset() for tr, dst in members)
 
 
 def _run_on_side_stream(

@@ -8,7 +8,6 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, Literal, TypeVar, overload
 
 import torch
@@ -158,7 +157,8 @@ def _transfer(
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     placement = None if place is None else place(plan)  # (raises with nothing changed, nothing mapped)
     try:
-        copies = _engine.run(plan, options if placement is None else replace(options, into=placement.into), extra=extra)
+        into = None if placement is None else [placement.into(tr[2]) for tr in plan.transfers]
+        copies = _engine.run(plan, options, extra=extra, into=into)
         group_moves = _group_moves(plan) if sides else ()
         hows = _engine.commit(optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite)
     except BaseException:

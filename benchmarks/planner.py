@@ -76,7 +76,8 @@ def _move_to_meta(opt: torch.optim.Optimizer) -> None:
         key = optimshift.api._move_key(opt, meta)
     else:  # (an older optimshift on PYTHONPATH, for a before/after run: move()'s key as it built it)
         key = ("move", meta, frozenset(optimshift._session.get(opt).group_sides.items()))
-    optimshift.api._transfer(opt, optimshift._plan.policy_target(opt, meta), what="move", cache_key=key)
+    plan = getattr(optimshift, "_plan", None) or optimshift.plan  # (an older optimshift named it plan)
+    optimshift.api._transfer(opt, plan.policy_target(opt, meta), what="move", cache_key=key)
 
 
 def move_first_call(n_tensors: int, reps: int) -> dict[str, float]:

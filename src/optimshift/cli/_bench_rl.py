@@ -175,6 +175,11 @@ def render_rl_loop(result: dict[str, Any]) -> str:
             f"{r['new_host_allocations']:>15}  {freed:>9}  {r['objects_kept']:>5}/{result['state_tensors']}  "
             f"{r['addresses_kept']:>7}/{result['state_tensors']}"
         )
+    if not result.get("keep_addresses"):
+        lines.append(
+            "(addresses kept: without --keep-addresses only where the caching allocator happened to hand the same "
+            "memory back; a step captured in a CUDA graph needs every one)"
+        )
     lines.append(
         f"offload+reload (non-blocking, waited for) {result['optimshift_ms']:.2f} ms against a bare per-tensor "
         f"identity-keeping loop {result['bare_ms']:.2f} ms: {result['overhead_vs_bare']:.2f}x"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import threading
 import types
@@ -150,3 +151,11 @@ class Patch:
                         if bound is not None and bound.replacement is value:
                             setattr(module, name, bound.original)
             self._swaps.clear()
+
+
+def importable(package: str) -> bool:
+    """Whether ``package`` can be imported here (found, not imported): a patch module patches on import only then."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False

@@ -55,7 +55,7 @@ from .._device_streams import host_pinning
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
 from ..pool import host_pool
-from ._common import Patch, Swap, module_items, placeable, reload_to, streamed
+from ._common import Patch, Swap, importable, module_items, placeable, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -494,13 +494,6 @@ def is_patched() -> bool:
     return _patch.applied
 
 
-def _deepspeed_importable() -> bool:
-    try:
-        return importlib.util.find_spec("deepspeed") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 # Importing this module is the way in: patch at once when deepspeed is there.
-if _deepspeed_importable():
+if importable("deepspeed"):
     patch()

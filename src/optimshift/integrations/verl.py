@@ -55,7 +55,7 @@ import torch
 
 from .. import api
 from .._plan import check_optimizer
-from ._common import Patch, Swap, module_items, reload_to, streamed
+from ._common import Patch, Swap, importable, module_items, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -291,13 +291,6 @@ def is_patched() -> bool:
     return _patch.applied
 
 
-def _verl_importable() -> bool:
-    try:
-        return importlib.util.find_spec("verl") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 # Importing this module is the way in (VERL_USE_EXTERNAL_MODULES): patch at once when verl is there.
-if _verl_importable():
+if importable("verl"):
     patch()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .._devices import resolve
+from ..report import format_table
 
 
 def demo_accelerator(name: str | None = None) -> torch.device:
@@ -32,3 +35,27 @@ def simulated(device: str | torch.device) -> bool:
     from ..testing.simulated import SIM_DEVICE_TYPE
 
     return str(device).split(":", 1)[0] == SIM_DEVICE_TYPE
+
+
+def shipped_vs_patched(result: dict[str, Any], first_column: str, shipped: str) -> list[str]:
+    """A framework case's table of each method's cycle and counts, and the line comparing the framework's shipped
+    functions with optimshift's patched ones (``bench --case verl``, ``--case deepspeed``)."""
+    rows = [
+        [
+            name,
+            f"{m['cycle_s'] * 1e3:.1f}",
+            str(m["syncs_per_step_after"]),
+            str(m["host_allocations_per_cycle"]),
+            f"{m['objects_kept'] * 100:.0f}%",
+        ]
+        for name, m in result["methods"].items()
+    ]
+    theirs, ours = result["methods"][shipped], result["methods"]["optimshift (patched)"]
+    speed = result["cycle_speedup"]
+    return [
+        format_table([first_column, "cycle ms", "syncs/step after", "host allocations/cycle", "objects kept"], rows),
+        f"patched vs shipped: a cycle {speed:.2f}x {'faster' if speed >= 1 else 'slower'} "
+        f"({ours['cycle_s'] * 1e3:.1f} ms vs {theirs['cycle_s'] * 1e3:.1f} ms); host syncs per step "
+        f"{theirs['syncs_per_step_after']} -> {ours['syncs_per_step_after']}; host allocations per cycle "
+        f"{theirs['host_allocations_per_cycle']} -> {ours['host_allocations_per_cycle']}",
+    ]

@@ -22,6 +22,7 @@ import torch
 from ..api import move
 from ..pool import host_pool
 from ..report import format_table
+from ._accelerator import shipped_vs_patched
 from ._bench_verl import _HostAllocations, _ids, _method, _set_grads, _sync
 
 __all__ = ["run_deepspeed_case", "render_deepspeed"]
@@ -155,27 +156,7 @@ def render_deepspeed(result: dict[str, Any]) -> str:
         f"{result['state_bytes'] / 1e6:.1f} MB of device state; ZeRO-1/2's offload_optimizer_states(opt, 'cpu', "
         f"pin_memory=True), reload_optimizer_states(opt, {result['device']!r})",
     ]
-    rows = [
-        [
-            name,
-            f"{m['cycle_s'] * 1e3:.1f}",
-            str(m["syncs_per_step_after"]),
-            str(m["host_allocations_per_cycle"]),
-            f"{m['objects_kept'] * 100:.0f}%",
-        ]
-        for name, m in result["methods"].items()
-    ]
-    lines.append(
-        format_table(["optim_states", "cycle ms", "syncs/step after", "host allocations/cycle", "objects kept"], rows)
-    )
-    theirs, ours = result["methods"]["DeepSpeed (shipped)"], result["methods"]["optimshift (patched)"]
-    speed = result["cycle_speedup"]
-    lines.append(
-        f"patched vs shipped: a cycle {speed:.2f}x {'faster' if speed >= 1 else 'slower'} "
-        f"({ours['cycle_s'] * 1e3:.1f} ms vs {theirs['cycle_s'] * 1e3:.1f} ms); host syncs per step "
-        f"{theirs['syncs_per_step_after']} -> {ours['syncs_per_step_after']}; host allocations per cycle "
-        f"{theirs['host_allocations_per_cycle']} -> {ours['host_allocations_per_cycle']}"
-    )
+    lines += shipped_vs_patched(result, "optim_states", "DeepSpeed (shipped)")
     partition = result["partition"]
     if partition:
         rows = [

@@ -23,8 +23,8 @@ import torch
 
 from ..api import move, offload, reload
 from ..pool import host_pool
-from ..report import format_table
 from ..syncs import count_syncs
+from ._accelerator import shipped_vs_patched
 
 __all__ = ["run_verl_case", "render_verl"]
 
@@ -203,27 +203,7 @@ def render_verl(result: dict[str, Any]) -> str:
         f"{result['state_bytes'] / 1e6:.1f} MB of device state; offload_fsdp_optimizer(opt), "
         f"load_fsdp_optimizer(opt, {result['device_id']!r})",
     ]
-    rows = [
-        [
-            name,
-            f"{m['cycle_s'] * 1e3:.1f}",
-            str(m["syncs_per_step_after"]),
-            str(m["host_allocations_per_cycle"]),
-            f"{m['objects_kept'] * 100:.0f}%",
-        ]
-        for name, m in result["methods"].items()
-    ]
-    lines.append(
-        format_table(["functions", "cycle ms", "syncs/step after", "host allocations/cycle", "objects kept"], rows)
-    )
-    theirs, ours = result["methods"]["verl (shipped)"], result["methods"]["optimshift (patched)"]
-    speed = result["cycle_speedup"]
-    lines.append(
-        f"patched vs shipped: a cycle {speed:.2f}x {'faster' if speed >= 1 else 'slower'} "
-        f"({ours['cycle_s'] * 1e3:.1f} ms vs {theirs['cycle_s'] * 1e3:.1f} ms); host syncs per step "
-        f"{theirs['syncs_per_step_after']} -> {ours['syncs_per_step_after']}; host allocations per cycle "
-        f"{theirs['host_allocations_per_cycle']} -> {ours['host_allocations_per_cycle']}"
-    )
+    lines += shipped_vs_patched(result, "functions", "verl (shipped)")
     if not result["device"].startswith("cuda"):
         lines.append(
             "(not a GPU: every simulated op runs through Python on host copies, and the patched functions' "

@@ -213,6 +213,7 @@ def copy_many(
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
     together: Sequence[tuple[list[int], torch.device]] | None = None,
+    alike: bool = False,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
 
@@ -221,7 +222,9 @@ def copy_many(
     Tensors that share a storage nothing else uses are copied as that storage (:mod:`optimshift._alias`;
     ``together``: those groups, when the caller has them already). What cannot be grouped is copied by
     :func:`copy_tensor`. ``describe(i)`` names input ``i`` in the note added to an exception (an OOM says which
-    entry it hit). ``side``: the copies are queued on that stream (:class:`Side`).
+    entry it hit). ``side``: the copies are queued on that stream (:class:`Side`). ``alike``: the caller checked
+    that the items are one column (plain, dense, contiguous tensors not requiring grad, no two on one storage, of
+    one source device and dtype, all bound for one target): how they are copied is decided once, on the first.
 
     On an exception nothing is returned: every device involved is synchronized first (copies already queued
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
@@ -238,8 +241,30 @@ def copy_many(
     plain = torch.Tensor
     inline = side is None and not pin_memory
     try:
+        items_left: Sequence[tuple[torch.Tensor, torch.device]] = items
+        if alike and items:  # (one column: how it is copied is decided on its first tensor)
+            items_left = ()
+            first, target = items[0]
+            pair = (first.device, target)
+            kind = kinds[pair] = (
+                group
+                and (pair[0].type == "cpu") != (target.type == "cpu")
+                and "meta" not in (pair[0].type, target.type),
+                pins_host_for(target),
+            )
+            if kind[0] and _coalescible(first):
+                groups[(pair[0], target, first.dtype)] = list(range(len(items)))
+            else:
+                for current, (t, _) in enumerate(items):  # (as the plain tensors below, one by one)
+                    if not inline:
+                        copies[current] = copy_tensor(t, target, non_blocking, pin_memory, side)
+                    elif non_blocking or (kind[1] and in_pinned_memory(t)):
+                        copies[current] = t.to(target, non_blocking=True)
+                    else:
+                        copies[current] = t.to(target)
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
-        for indices, target in (_alias.together(items) if together is None else together) if group else ():
+        together_ = () if alike else (_alias.together(items) if together is None else together)
+        for indices, target in together_ if group else ():
             current = indices[0]
             batch.devices.update(d for d in (items[current][0].device, target) if d.type not in _HOSTS)
             news = _alias.copy_storage(
@@ -252,7 +277,7 @@ def copy_many(
             done.update(indices)
         # what the grouped copies read: DTensors' local shards in their place (a list of its own once one is)
         work: Sequence[tuple[torch.Tensor, torch.device]] = items
-        for i, (t, target) in enumerate(items):
+        for i, (t, target) in enumerate(items_left):
             if done and i in done:
                 continue
             original = t

@@ -16,9 +16,11 @@ does not (see :mod:`optimshift._adopt`), the copy takes the old object's place i
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import gc
+import itertools
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -41,6 +43,7 @@ from .pool import host_pool
 __all__ = [
     "Copies",
     "copy_each",
+    "copy_columns",
     "run",
     "copy_items",
     "commit",
@@ -85,16 +88,18 @@ def copy_items(
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
     together: Sequence[tuple[list[int], torch.device]] | None = None,
+    alike: bool = False,
 ) -> Batch:
     """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
 
     Host memory that state will point at is always written before this returns, except for a non-blocking
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
     ``side``: the copies are queued on that stream; the caller records its event and completes the batch.
-    ``together``: the groups to copy as one storage, when the caller has them (see :func:`copy_many`).
+    ``together``: the groups to copy as one storage, when the caller has them; ``alike``: the items are one
+    column (see :func:`copy_many`).
     """
     pool = host_pool if options.pool is None else options.pool
-    batch = copy_many(items, options, pool=pool, describe=describe, side=side, together=together)
+    batch = copy_many(items, options, pool=pool, describe=describe, side=side, together=together, alike=alike)
     if (
         batch.after_sync
         or not options.non_blocking
@@ -163,6 +168,48 @@ def copy_each(
         for i, copy in zip(moving, batch.copies):
             out[i] = copy
     return cast("list[torch.Tensor]", out)
+
+
+def copy_columns(
+    columns: Sequence[tuple[Sequence[torch.Tensor], torch.device]],
+    what: str,
+    site: Callable[[int, int], str],
+) -> list[list[torch.Tensor]]:
+    """:func:`copy_each` of columns the caller checked alike (the uniform load's: in each column plain, dense,
+    contiguous tensors not requiring grad, of one device and one dtype, all bound for one device, uncast; no two
+    tensors of any column on one storage): a clone each where a column stays, every column that moves in one
+    grouped batch per (source, target, dtype) (:func:`copy_items`), then one synchronize each. ``site(j, n)``
+    names tensor ``n`` of column ``j`` in an error's note, which says that nothing changed."""
+    out: list[list[torch.Tensor]] = []
+    moving: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
+    for j, (tensors, device) in enumerate(columns):
+        first = tensors[0] if tensors else None
+        if first is not None and first.device != device:
+            moving.setdefault((first.device, device, first.dtype), []).append(j)
+            out.append([])
+            continue
+        done: list[torch.Tensor] = []
+        append = done.append
+        try:
+            for t in tensors:
+                append(t.clone())  # (the same place: keeps the strides, and is the cheapest copy)
+        except Exception as e:
+            add_note(e, f"{what}: while copying {site(j, len(done))} to {device}; the optimizer is unchanged")
+            raise
+        out.append(done)
+    for (_, device, _), js in moving.items():  # (each batch one column for copy_many: one target, one dtype)
+        starts = list(itertools.accumulate((len(columns[j][0]) for j in js), initial=0))
+
+        def describe(n: int, js: list[int] = js, starts: list[int] = starts) -> str:
+            at = bisect.bisect_right(starts, n) - 1
+            return f"{what}: {site(js[at], n - starts[at])}"
+
+        tensors = list(itertools.chain.from_iterable(columns[j][0] for j in js))
+        batch = copy_items(list(zip(tensors, itertools.repeat(device))), describe=describe, together=(), alike=True)
+        copies = cast("list[torch.Tensor]", batch.copies)
+        for j, start, stop in zip(js, starts, starts[1:]):
+            out[j] = copies[start:stop]
+    return out
 
 
 def _copy_storages(

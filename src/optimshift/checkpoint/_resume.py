@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -136,7 +136,7 @@ def load_state_dict(
             name,
             new_state,
             new_groups,
-            made=staged.made_ids(),
+            made=staged.made_ids if staged.made_any() else None,
             shared=staged.shared_ids(),
             in_place=staged.in_place,
         )
@@ -242,7 +242,7 @@ def _install(
     state: defaultdict[Any, Any],
     groups: list[dict[str, Any]],
     *,
-    made: AbstractSet[int] = frozenset(),
+    made: Callable[[], AbstractSet[int]] | None = None,
     shared: AbstractSet[int] = frozenset(),
     in_place: Mapping[torch.device, Sequence[tuple[torch.Tensor, torch.Tensor]]] = MappingProxyType({}),
 ) -> None:
@@ -251,21 +251,21 @@ def _install(
 
     Then every tensor the optimizer already held at the same place (param and key, or group and key) adopts
     the loaded copy's contents and stays the same object (see :mod:`optimshift._adopt`), so a resume into an
-    optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted (``made``),
+    optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted (``made()``:
+    their ids, asked only where a live tensor sits where the load installs something; None: none was made),
     and only those installed in one place (``shared``: the others): with ``copy=False`` the caller's own tensors
     are installed as they are. ``in_place``: by device, (live tensor, checkpoint tensor) pairs the staging installed as
     the live tensor itself, which takes the values here (no copy made, no adoption: same object, same storage).
     """
     before = dict(optimizer.__dict__)
+    # (the live tensors at the places the load fills, when there are any: a fresh optimizer's groups hold none)
     # (only copies made here are adopted: when every entry was installed as it is or taken in place, none is)
-    live = (
-        [
-            (holder, {k: v for k, v in holder.items() if isinstance(v, torch.Tensor)}, fresh)
-            for holder, fresh in _same_places(optimizer, state, groups)
-        ]
-        if made
-        else []
-    )
+    live = [
+        (holder, tensors, fresh)
+        for holder, fresh in (_same_places(optimizer, state, groups) if made is not None else ())
+        if (tensors := {k: v for k, v in holder.items() if isinstance(v, torch.Tensor)})
+    ]
+    made_ids = made() if made is not None and live else frozenset()
     # (the commit, from __setstate__ on: an interrupt is held until the operation ends, _engine.uninterrupted; an
     # error __setstate__ raises puts the optimizer back)
     with _engine.uninterrupted():
@@ -283,7 +283,7 @@ def _install(
         # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when
         # the __setstate__ above might have failed. What follows cannot fail.
         _engine.write_in_place(in_place)
-        _adopt_copies(optimizer, live, made, shared)
+        _adopt_copies(optimizer, live, made_ids, shared)
 
 
 def _adopt_copies(

@@ -249,6 +249,10 @@ class Staging:
                 f"checkpoint)"
             )
 
+    def made_any(self) -> bool:
+        """Whether this staging made any copy (else :meth:`made_ids` is empty)."""
+        return bool(self._made or self.cloned)
+
     def made_ids(self) -> set[int]:
         """The ids of the copies this staging made (never the caller's own tensors)."""
         return {id(t) for t in self._made.values()}.union(map(id, self.cloned))

@@ -14,16 +14,14 @@ plan's target function), same copies: a clone each, a live tensor that fits taki
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, repeat
-from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
 
 from .. import _alias, _engine
 from .._dtypes import Rejection
-from .._errors import add_note
 from .._plan import policy_target
 from .._probe import StateSpec
 from .._state import group_tensors
@@ -73,28 +71,46 @@ except (ImportError, AttributeError):  # pragma: no cover - every supported torc
 _DEFAULT_EXCLUDED = repr(torch._C._dispatch_tls_local_exclude_set())
 
 
+class _Layout:
+    """The rows whose entries are copied alike, column by column: every kind (of any group) with the same keys in
+    the same order, each entry of one dtype on one device bound for one device. ``got``: its rows' checkpoint
+    tensors, row by row (column ``j`` is ``got[j::len(order)]``); ``olds``: the live tensor at each entry (None
+    where none; only into existing state)."""
+
+    __slots__ = ("order", "devices", "moves", "got", "olds")
+
+    def __init__(self, order: tuple[Any, ...], devices: list[torch.device], moves: list[bool]) -> None:
+        self.order, self.devices, self.moves = order, devices, moves
+        self.got: list[torch.Tensor] = []
+        self.olds: list[Any] = []
+
+    def site(self, st: Staging, rows: list[_Row], n: int) -> str:
+        """Entry ``n`` of ``got``, in words (for an error; ``rows``: every layout's)."""
+        return self.column_site(st, rows, n % len(self.order), n // len(self.order))
+
+    def column_site(self, st: Staging, rows: list[_Row], j: int, n: int) -> str:
+        """Row ``n``'s entry of column ``j``, in words (for an error; ``rows``: every layout's)."""
+        row = [row for row in rows if row[2] is self][n]
+        return st.site_words(row[3], row[4], self.order[j])
+
+
+# (param, its saved state, its layout, group, index)
+_Row = tuple[torch.Tensor, Mapping[Any, Any], _Layout, int, int]
+
+
 class _Kind:
     """One kind of entry row: the checkpoint state of a param of one shape, dtype and device in one group, as its
     first param holds it. ``order``: its keys in their order (every row of the kind holds them in it: each entry
-    is checked against its own key's); ``refs``/``sizes``/``strides``: per entry, the tensor every other row's
-    entry must match (its sizes and strides given apart: the shaped entries have the param's, the scalars none);
-    ``devices``: where each entry goes; ``moves``: whether that is another device than the one it is on (a host
-    checkpoint onto an accelerator: the entry is copied there with the others, in one engine batch)."""
+    is checked against its own key's); ``check``: every other row's entries against the first's, in one C call
+    (``TensorGuards``: the shaped entries have the param's sizes and strides, the scalars none); ``layout``: how
+    its entries are copied."""
 
-    __slots__ = ("order", "keys", "refs", "sizes", "strides", "devices", "moves")
+    __slots__ = ("order", "keys", "check", "layout")
 
     def __init__(
-        self,
-        order: tuple[Any, ...],
-        keys: frozenset[Any],
-        refs: list[torch.Tensor],
-        sizes: list[list[int]],
-        strides: list[list[int]],
-        devices: list[torch.device],
-        moves: list[bool],
+        self, order: tuple[Any, ...], keys: frozenset[Any], check: Callable[..., bool], layout: _Layout
     ) -> None:
-        self.order, self.keys = order, keys
-        self.refs, self.sizes, self.strides, self.devices, self.moves = refs, sizes, strides, devices, moves
+        self.order, self.keys, self.check, self.layout = order, keys, check, layout
 
 
 def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -120,10 +136,9 @@ def build_uniform(
     lives = st.copy and bool(st.opt.state) and st.torch_setstate
     # (by id: a tensor's hash is a Python call)
     live_get = {id(p): live for p, live in st.opt.state.items()}.get if lives else None
-    got: list[torch.Tensor] = []  # every checkpoint tensor, row by row
-    olds: list[Any] = []  # the live tensor at each entry (lives)
-    rows: list[tuple[torch.Tensor, Mapping[Any, Any], int, int]] = []  # (param, its saved state, group, index)
-    row_kinds: list[_Kind] = []
+    alike = lives  # (every live entry of the kind of its checkpoint tensor, so far)
+    rows: list[_Row] = []
+    layouts: dict[tuple[Any, ...], _Layout] = {}
     for gi, (lg, sg, ng) in enumerate(zip(st.opt.param_groups, saved_groups, new_groups)):
         kinds: dict[tuple[Any, ...], _Kind | None] = {}
         for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
@@ -137,101 +152,113 @@ def build_uniform(
             kind_key = (p.shape, p.dtype, p.device)
             kind = kinds.get(kind_key)
             if kind is None:
-                kind = kinds[kind_key] = _kind(st, target, gi, pi, ng, p, saved)
+                kind = kinds[kind_key] = _kind(st, target, gi, pi, ng, p, saved, layouts)
                 if kind is None:
                     return None
             # NOTE: in the kind's order, not merely the same keys: the guard compares entry by entry, and each entry
             # must meet its own key's reference (a moment of another dtype under another key is no such entry).
             if tuple(saved) != kind.order:
                 return None
-            got.extend(saved.values())
-            row_kinds.append(kind)
+            values = saved.values()
+            try:
+                if not kind.check(*values):
+                    return None
+            except Exception:  # (an entry that is no tensor)
+                return None
+            layout = kind.layout
+            layout.got.extend(values)
+            rows.append((p, saved, layout, gi, pi))
             if lives:
                 live = live_get(id(p))  # type: ignore[misc]  # (lives: a getter)
                 if not live:
-                    olds.extend([None] * len(saved))  # (no live state: copies)
+                    layout.olds.extend([None] * len(saved))  # (no live state: copies)
+                    alike = False
                 elif live.keys() == kind.keys:
-                    olds.extend(map(live.__getitem__, saved))  # (by key: the same order as the checkpoint's)
+                    olds = list(map(live.__getitem__, saved))  # (by key: the same order as the checkpoint's)
+                    layout.olds.extend(olds)
+                    if alike:
+                        try:
+                            alike = kind.check(*olds)
+                        except Exception:  # (a live entry that is no tensor)
+                            alike = False
                 else:
                     return None  # (live entries under other keys: the general path pairs them key by key)
-            rows.append((p, saved, gi, pi))
-
-    def entries(field: str) -> list[Any]:  # (each row's kind's, entry by entry, in C)
-        return list(chain.from_iterable(map(attrgetter(field), row_kinds)))
-
-    refs, sizes, strides, devices = entries("refs"), entries("sizes"), entries("strides"), entries("devices")
-    try:
-        guard = TensorGuards(*refs, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
-        matches = guard.check(*got)
-    except Exception:  # (a torch whose TensorGuards takes other arguments: the general path)
-        return None
-    if not matches:
-        return None
+    every = list(layouts.values())
+    got = every[0].got if len(every) == 1 else list(chain.from_iterable(layout.got for layout in every))
     # (one tensor in two places, or tensors on one storage: the general path keeps them shared; every entry is a
     # plain dense tensor now, see _kind)
     if not _alias.own_storages(got):
         return None
     new_state: defaultdict[Any, Any] = defaultdict(dict)
     if not st.copy:  # the checkpoint's own tensors, installed as they are
-        for p, saved, _, _ in rows:
+        for p, saved, _, _, _ in rows:
             new_state[p] = dict(saved)
         return new_state
-    moves = entries("moves")
-    installed = _in_place(st, guard, got, olds, devices, moves) if lives and olds else None
-    done = _copies(
-        st,
-        got,
-        devices,
-        moves,
-        installed,
-        olds,
-        st.what,
-        lambda n: _site_at(st, rows, n),
-    )
-    it = iter(done)
-    for p, saved, _, _ in rows:
-        new_state[p] = dict(zip(saved, it))  # (zip stops at the last key: exactly this param's entries)
+    its: dict[int, Iterator[tuple[torch.Tensor, ...]]] = {}
+    if lives and rows:
+        for layout, done in zip(every, _into_existing(st, every, got, alike, rows)):
+            its[id(layout)] = zip(*[iter(done)] * len(layout.order))  # (its rows, one tuple each)
+    else:  # a fresh optimizer, the common resume: every entry copied, column by column
+        columns = [
+            (layout.got[j :: len(layout.order)], layout.devices[j])
+            for layout in every
+            for j in range(len(layout.order))
+        ]
+        at = [(layout, j) for layout in every for j in range(len(layout.order))]
+        made = _engine.copy_columns(columns, st.what, lambda c, n: at[c][0].column_site(st, rows, at[c][1], n))
+        st.cloned.extend(chain.from_iterable(made))
+        start = 0
+        for layout in every:
+            width = len(layout.order)
+            its[id(layout)] = zip(*made[start : start + width])
+            start += width
+    for p, _, layout, _, _ in rows:
+        new_state[p] = dict(zip(layout.order, next(its[id(layout)])))
     return new_state
 
 
-def _copies(
-    st: Staging,
-    got: list[torch.Tensor],
-    devices: list[torch.device],
-    moves: list[bool],
-    installed: list[torch.Tensor | None] | None,
-    olds: list[Any],
-    what: str,
-    site: Callable[[int], str],
-) -> list[torch.Tensor]:
-    """Each entry's new tensor: the live one where it takes the values in place (``installed``), else a copy on
-    its device: a clone each for a fresh optimizer's load where nothing moves (the common resume), else the
-    engine's (:func:`optimshift._engine.copy_each`, as the general path's). An error (an OOM on the 900th tensor)
-    says which entry (``site(n)``); nothing was installed yet."""
-    if installed is olds:  # (every live tensor taking the values)
-        return olds
-    cloned = st.cloned
-    if installed is None and not any(moves):  # (a fresh optimizer, the checkpoint where it belongs: the common)
-        done: list[torch.Tensor] = []
-        append = done.append
-        try:
-            for t in got:
-                append(t.clone())  # (keeps the strides, and is the cheapest copy)
-        except Exception as e:  # (the note copy_each adds, for the same error on the general path)
-            n = len(done)
-            add_note(e, f"{what}: while copying {site(n)} to {devices[n]}; the optimizer is unchanged")
-            raise
-        cloned.extend(done)
-        return done
-    at = [i for i, old in enumerate(installed or repeat(None, len(got))) if old is None]
-    made = _engine.copy_each(
-        [(got[i], devices[i], got[i].dtype) for i in at], what, lambda n: site(at[n]), own_storages=True
-    )
-    cloned.extend(made)
-    slots: list[Any] = list(got if installed is None else installed)  # (a live tensor in its slot, or a copy below)
-    for i, new in zip(at, made):
-        slots[i] = new
-    return slots
+def _into_existing(
+    st: Staging, every: list[_Layout], got: list[torch.Tensor], alike: bool, rows: list[_Row]
+) -> list[list[Any]]:
+    """Each layout's new tensors into existing state: the live one where it takes the values in place
+    (:func:`_in_place`), else a copy on its device made by :func:`optimshift._engine.copy_each` (as the general
+    path's), which the install adopts into the live tensor. An error (an OOM on the 900th tensor) says which
+    entry; nothing was installed yet."""
+    olds = every[0].olds if len(every) == 1 else list(chain.from_iterable(layout.olds for layout in every))
+    live = olds if alike else [t for t in olds if isinstance(t, torch.Tensor)]
+    ids = set(map(id, live))
+    if len(ids) != len(live):
+        return _copied(st, every, [None] * len(every), rows)  # (a live tensor in two places: it must stop being shared)
+    protect = st.not_in_place([])  # (the params, their grads, the live groups' tensors; the checkpoint's: got_ids)
+    got_ids = set(map(id, got))
+    clear = ids.isdisjoint(got_ids) and ids.isdisjoint(protect)
+    if not clear:
+        protect |= got_ids
+    return _copied(st, every, [_in_place(st, layout, alike, clear, protect) for layout in every], rows)
+
+
+def _copied(st: Staging, every: list[_Layout], installed: list[list[Any] | None], rows: list[_Row]) -> list[list[Any]]:
+    """Per layout, its entries: the live tensor in its slot where ``installed`` has one, else a copy."""
+    out = []
+    for layout, slots in zip(every, installed):
+        if slots is layout.olds:  # (every live tensor taking the values)
+            out.append(slots)
+            continue
+        got, width = layout.got, len(layout.order)
+        at = [i for i, old in enumerate(slots or repeat(None, len(got))) if old is None]
+        devices = layout.devices
+        made = _engine.copy_each(
+            [(got[i], devices[i % width], got[i].dtype) for i in at],
+            st.what,
+            lambda n, at=at, layout=layout: layout.site(st, rows, at[n]),  # type: ignore[misc]
+            own_storages=True,
+        )
+        st.cloned.extend(made)
+        filled: list[Any] = list(got if slots is None else slots)  # (a live tensor in its slot, or a copy below)
+        for i, new in zip(at, made):
+            filled[i] = new
+        out.append(filled)
+    return out
 
 
 def _kind(
@@ -242,16 +269,21 @@ def _kind(
     group: Mapping[str, Any],
     p: torch.Tensor,
     saved: Mapping[Any, Any],
+    layouts: dict[tuple[Any, ...], _Layout],
 ) -> _Kind | None:
     """The kind of ``p``'s row, checked in Python as the general path checks each entry, or None if any entry is
     not the common one (a plain, dense, contiguous tensor right under its key, staying where it is, not
-    requiring grad) or a check fails (the general path raises, naming it)."""
+    requiring grad) or a check fails (the general path raises, naming it). Its layout is found in (or added to)
+    ``layouts``."""
     spec = st.spec(gi, group, p.dim())
     if spec.keys != saved.keys() or spec.tensors != spec.keys or spec.shaped | spec.scalars != spec.tensors:
         return None
     pshape = list(p.shape)
     contiguous = _contiguous_strides(pshape)
-    kind = _Kind(tuple(saved), frozenset(saved), [], [], [], [], [])
+    refs: list[torch.Tensor] = []
+    sizes: list[list[int]] = []
+    strides: list[list[int]] = []
+    devices: list[torch.device] = []
     dtypes: list[tuple[Any, torch.dtype]] = []
     for key, value in saved.items():
         if type(value) is not torch.Tensor or value.requires_grad or value.layout != torch.strided:
@@ -261,68 +293,68 @@ def _kind(
         if key in spec.scalars:
             if value.dim() != 0 or value.dtype in NOT_REAL:
                 return None
-            kind.sizes.append([])
-            kind.strides.append([])
+            sizes.append([])
+            strides.append([])
         else:  # shaped: the param's shape, contiguous
             if list(value.shape) != pshape or list(value.stride()) != contiguous:
                 return None
             if key in spec.floating and not (value.is_floating_point() or value.is_complex()):
                 return None
-            kind.sizes.append(pshape)
-            kind.strides.append(contiguous)
+            sizes.append(pshape)
+            strides.append(contiguous)
         device = target((gi, pi, (("key", key),)), p, group, key, value)[0]
         if value.is_meta and device.type != "meta":
             return None  # (no values to copy: the general path says so)
-        kind.refs.append(value)
-        kind.devices.append(device)
-        kind.moves.append(value.device != device)
+        refs.append(value)
+        devices.append(device)
         dtypes.append((key, value.dtype))
     if st.rejected(group, p, gi, tuple(dtypes)):
         return None
-    return kind
+    try:
+        guard = TensorGuards(*refs, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+    except Exception:  # (a torch whose TensorGuards takes other arguments: the general path)
+        return None
+    order = tuple(saved)
+    sources = tuple((t.device, t.dtype) for t in refs)
+    layout_key = (order, sources, tuple(devices))
+    layout = layouts.get(layout_key)
+    if layout is None:
+        layout = layouts[layout_key] = _Layout(order, devices, [t.device != d for t, d in zip(refs, devices)])
+    return _Kind(order, frozenset(saved), guard.check, layout)
 
 
 def _in_place(
-    st: Staging,
-    guard: Any,
-    got: list[torch.Tensor],
-    olds: list[Any],
-    devices: list[torch.device],
-    moves: list[bool],
+    st: Staging, layout: _Layout, alike: bool, clear: bool, protect: set[int]
 ) -> list[torch.Tensor | None] | None:
-    """Per entry, the live tensor that takes the checkpoint's values in place (recorded in ``st.in_place``), or
-    None (a clone is installed, and ``_resume._install`` adopts it into the live tensor); None if none does.
-    The general path's rule (``Staging._live_states``, :func:`fits_in_place`): distinct live tensors, none of
-    them a param, grad, group tensor or checkpoint tensor (``got``), each of the checkpoint tensor's kind
-    (``guard``: one C call), all that uses its storage, and the checkpoint's tensor already where it belongs (one
-    that ``moves`` is copied there with the others and the copy adopted, as the general path does)."""
-    try:
-        alike = guard.check(*olds)
-    except Exception:  # (a live entry that is no tensor, or none)
-        alike = False
-    live = olds if alike else [t for t in olds if isinstance(t, torch.Tensor)]
-    ids = set(map(id, live))
-    if len(ids) != len(live):
-        return None  # (a live tensor in two places: it must stop being shared)
-    protect = st.not_in_place([])  # (the params, their grads, the live groups' tensors; the checkpoint's: got_ids)
-    got_ids = set(map(id, got))
-    clear = ids.isdisjoint(got_ids) and ids.isdisjoint(protect)
-    if not clear:
-        protect |= got_ids
-    if alike and clear and not any(moves) and _alias.sole_users(olds) and devices.count(devices[0]) == len(devices):
+    """Per entry of ``layout``, the live tensor that takes the checkpoint's values in place (recorded in
+    ``st.in_place``), or None (a copy is installed, and ``_resume._install`` adopts it into the live tensor);
+    None if none does. The general path's rule (``Staging._live_states``, :func:`fits_in_place`): distinct live
+    tensors (the caller checked), none of them a param, grad, group tensor or checkpoint tensor (``clear``: none
+    at all; else ``protect``), each of the checkpoint tensor's kind (``alike``: every one, checked in C), all that
+    uses its storage, and the checkpoint's tensor already where it belongs (one that moves is copied there with
+    the others and the copy adopted, as the general path does)."""
+    olds, got, width = layout.olds, layout.got, len(layout.order)
+    devices = layout.devices
+    if alike and clear and not any(layout.moves) and len(set(devices)) == 1 and _alias.sole_users(olds):
         st.in_place[devices[0]].extend(zip(olds, got))  # (the common case: every one, on one device)
         return olds
     sole = _alias.sole_user
     out: list[torch.Tensor | None] = []
     append = out.append
     pairs = st.in_place
-    for old, new, device, move in zip(olds, got, devices, moves):
-        if not move and (clear or id(old) not in protect) and (sole(old) if alike else fits_in_place(old, new, device)):
+    moves = layout.moves
+    for i, (old, new) in enumerate(zip(olds, got)):
+        device = devices[i % width]
+        if (
+            not moves[i % width]
+            and (clear or id(old) not in protect)
+            and (sole(old) if alike else fits_in_place(old, new, device))
+        ):
             pairs[device].append((old, new))
             append(old)
         else:
             append(None)
-    return out
+    return out if any(t is not None for t in out) else None
 
 
 def fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) -> bool:
@@ -353,12 +385,3 @@ def _contiguous_strides(shape: list[int]) -> list[int]:
         strides.append(step)
         step *= max(n, 1)
     return strides[::-1]
-
-
-def _site_at(st: Staging, rows: list[tuple[torch.Tensor, Mapping[Any, Any], int, int]], n: int) -> str:
-    """Entry ``n`` of the rows, in words (for an error)."""
-    for _, saved, gi, pi in rows:
-        if n < len(saved):
-            return st.site_words(gi, pi, list(saved)[n])
-        n -= len(saved)
-    return "?"  # pragma: no cover - n is always an entry

@@ -246,19 +246,19 @@ def copy_many(
             items_left = ()
             first, target = items[0]
             pair = (first.device, target)
-            kind = kinds[pair] = (
+            how = kinds[pair] = (
                 group
                 and (pair[0].type == "cpu") != (target.type == "cpu")
                 and "meta" not in (pair[0].type, target.type),
                 pins_host_for(target),
             )
-            if kind[0] and _coalescible(first):
+            if how[0] and _coalescible(first):
                 groups[(pair[0], target, first.dtype)] = list(range(len(items)))
             else:
                 for current, (t, _) in enumerate(items):  # (as the plain tensors below, one by one)
                     if not inline:
                         copies[current] = copy_tensor(t, target, non_blocking, pin_memory, side)
-                    elif non_blocking or (kind[1] and in_pinned_memory(t)):
+                    elif non_blocking or (how[1] and in_pinned_memory(t)):
                         copies[current] = t.to(target, non_blocking=True)
                     else:
                         copies[current] = t.to(target)

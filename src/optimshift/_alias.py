@@ -134,7 +134,7 @@ def own_storages(tensors: Sequence[torch.Tensor]) -> bool:
 
 def sole_users(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether each of ``tensors`` (plain tensors) is all that uses its storage (see :func:`sole_user`)."""
-    return all(n == 1 for n in map(_use_count, map(_address, tensors)))
+    return max(map(_use_count, map(_address, tensors)), default=1) == 1  # (a count is at least 1)
 
 
 def together(items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[tuple[list[int], torch.device]]:

@@ -668,14 +668,18 @@ def write_in_place(pairs_by_device: Mapping[torch.device, Sequence[tuple[torch.T
     a per-tensor copy allocates nothing and cannot fail. The foreach copy may refuse or allocate where per-tensor
     copies do not (a dtype a device's foreach kernel lacks, such as uint32 on CUDA; a conjugate or negative view,
     which torch resolves into a temporary first): then every pair of that device is copied one by one (writing
-    the same values again)."""
+    the same values again). On the host under inference mode: torch's CPU foreach copy is a per-tensor ``copy_``
+    each, which then skips the autograd layers (no live tensor here requires grad or is an inference tensor, and
+    in-place writes still bump their version counters)."""
     with uninterrupted(), torch.no_grad():
-        for pairs in pairs_by_device.values():
-            try:
-                torch._foreach_copy_([old for old, _ in pairs], [new for _, new in pairs])
-            except Exception:
-                for old, new in pairs:
-                    old.copy_(new)
+        for device, pairs in pairs_by_device.items():
+            olds, news = zip(*pairs) if pairs else ((), ())
+            with torch.inference_mode() if device.type == "cpu" else contextlib.nullcontext():
+                try:
+                    torch._foreach_copy_(list(olds), list(news))
+                except Exception:
+                    for old, new in pairs:
+                        old.copy_(new)
 
 
 def outside_owned(optimizer: Any) -> set[int]:

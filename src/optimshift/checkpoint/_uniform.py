@@ -102,15 +102,21 @@ class _Kind:
     """One kind of entry row: the checkpoint state of a param of one shape, dtype and device in one group, as its
     first param holds it. ``order``: its keys in their order (every row of the kind holds them in it: each entry
     is checked against its own key's); ``check``: every other row's entries against the first's, in one C call
-    (``TensorGuards``: the shaped entries have the param's sizes and strides, the scalars none); ``layout``: how
-    its entries are copied."""
+    (``TensorGuards``: the shaped entries have the param's sizes and strides, the scalars none); ``both``: the
+    same for a row's entries followed by its live tensors (into existing state); ``layout``: how its entries are
+    copied."""
 
-    __slots__ = ("order", "keys", "check", "layout")
+    __slots__ = ("order", "keys", "check", "both", "layout")
 
     def __init__(
-        self, order: tuple[Any, ...], keys: frozenset[Any], check: Callable[..., bool], layout: _Layout
+        self,
+        order: tuple[Any, ...],
+        keys: frozenset[Any],
+        check: Callable[..., bool],
+        both: Callable[..., bool],
+        layout: _Layout,
     ) -> None:
-        self.order, self.keys, self.check, self.layout = order, keys, check, layout
+        self.order, self.keys, self.check, self.both, self.layout = order, keys, check, both, layout
 
 
 def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -160,29 +166,34 @@ def build_uniform(
             if tuple(saved) != kind.order:
                 return None
             values = saved.values()
-            try:
-                if not kind.check(*values):
-                    return None
-            except Exception:  # (an entry that is no tensor)
-                return None
+            checked = False  # (values against the kind, with the live tensors of the row)
             layout = kind.layout
-            layout.got.extend(values)
-            rows.append((p, saved, layout, gi, pi))
             if lives:
                 live = live_get(id(p))  # type: ignore[misc]  # (lives: a getter)
+                olds: Any
                 if not live:
-                    layout.olds.extend([None] * len(saved))  # (no live state: copies)
+                    olds = [None] * len(saved)  # (no live state: copies)
                     alike = False
+                elif tuple(live) == kind.order:
+                    olds = live.values()
                 elif live.keys() == kind.keys:
                     olds = list(map(live.__getitem__, saved))  # (by key: the same order as the checkpoint's)
-                    layout.olds.extend(olds)
-                    if alike:
-                        try:
-                            alike = kind.check(*olds)
-                        except Exception:  # (a live entry that is no tensor)
-                            alike = False
                 else:
                     return None  # (live entries under other keys: the general path pairs them key by key)
+                if alike:
+                    try:
+                        checked = alike = kind.both(*values, *olds)
+                    except Exception:  # (a live entry that is no tensor)
+                        alike = False
+                layout.olds.extend(olds)
+            if not checked:
+                try:
+                    if not kind.check(*values):
+                        return None
+                except Exception:  # (an entry that is no tensor)
+                    return None
+            layout.got.extend(values)
+            rows.append((p, saved, layout, gi, pi))
     every = list(layouts.values())
     got = every[0].got if len(every) == 1 else list(chain.from_iterable(layout.got for layout in every))
     # (one tensor in two places, or tensors on one storage: the general path keeps them shared; every entry is a
@@ -229,11 +240,11 @@ def _into_existing(
     ids = set(map(id, live))
     if len(ids) != len(live):
         return _copied(st, every, [None] * len(every), rows)  # (a live tensor in two places: it must stop being shared)
-    protect = st.not_in_place([])  # (the params, their grads, the live groups' tensors; the checkpoint's: got_ids)
-    got_ids = set(map(id, got))
-    clear = ids.isdisjoint(got_ids) and ids.isdisjoint(protect)
+    protect = st.not_in_place([])  # (the params, their grads, the live groups' tensors; the checkpoint's: below)
+    ids.update(map(id, got))  # (no two checkpoint tensors are one: own_storages)
+    clear = len(ids) == len(live) + len(got) and ids.isdisjoint(protect)  # (no live tensor is one, nor protected)
     if not clear:
-        protect |= got_ids
+        protect.update(map(id, got))
     return _copied(st, every, [_in_place(st, layout, alike, clear, protect) for layout in every], rows)
 
 
@@ -312,6 +323,7 @@ def _kind(
         return None
     try:
         guard = TensorGuards(*refs, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+        both = TensorGuards(*refs, *refs, dynamic_dims_sizes=sizes * 2, dynamic_dims_strides=strides * 2)
     except Exception:  # (a torch whose TensorGuards takes other arguments: the general path)
         return None
     order = tuple(saved)
@@ -320,7 +332,7 @@ def _kind(
     layout = layouts.get(layout_key)
     if layout is None:
         layout = layouts[layout_key] = _Layout(order, devices, [t.device != d for t, d in zip(refs, devices)])
-    return _Kind(order, frozenset(saved), guard.check, layout)
+    return _Kind(order, frozenset(saved), guard.check, both.check, layout)
 
 
 def _in_place(

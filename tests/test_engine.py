@@ -283,3 +283,20 @@ def test_lend_gives_each_object_its_window_and_back(sim):
     assert torch.equal(objs[0], torch.arange(4.0)) and torch.equal(objs[1], torch.arange(4.0, 8.0)), (
         "back home: the host views, which the write-back fills"
     )
+
+
+def test_in_place_writes_on_the_host_bump_versions_and_leave_normal_tensors():
+    """``write_in_place`` copies host pairs under inference mode (cheaper dispatch): the live tensors stay normal
+    tensors, take the values, and their version counters move (autograd still sees the write)."""
+    from optimshift import _engine
+
+    olds = [torch.zeros(3), torch.zeros(()), torch.zeros(2, 2)]
+    news = [torch.arange(3.0), torch.tensor(7.0), torch.ones(2, 2)]
+    versions = [t._version for t in olds]
+    _engine.write_in_place({torch.device("cpu"): list(zip(olds, news))})
+    assert all(torch.equal(a, b) for a, b in zip(olds, news))
+    assert not any(t.is_inference() for t in olds)
+    assert all(t._version > v for t, v in zip(olds, versions))
+    w = torch.ones(3, requires_grad=True)
+    (w * olds[0]).sum().backward()  # (usable by autograd afterwards)
+    assert torch.equal(w.grad, news[0])

@@ -559,3 +559,70 @@ def test_a_host_checkpoint_into_live_device_state_writes_in_place_only_what_stay
         ] * 3
     assert taken == [True, False]
     assert written[0] == written[1] == [("cpu", "cpu")] * 3
+
+
+def _mixed(device="cpu", steps=K, capturable=False):
+    """An Adam over two groups, the second amsgrad (and, on an accelerator, capturable: its ``step`` on the
+    device), trained: two layouts (two key sets; two places for ``step``)."""
+    model = Model([(4, 3), (3,), (2, 3), (3,)])
+    model.to(device)
+    ps = [h.weight for h in model.parts]
+    second = {"params": ps[2:], "amsgrad": True, "capturable": capturable}
+    opt = O.Adam([{"params": ps[:2]}, second], foreach=False)
+    train(model, opt, range(steps))
+    return model, opt
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+@pytest.mark.parametrize("where", ["cpu", "sim"])
+def test_entries_of_several_layouts_load_as_the_general_path_loads_them(monkeypatch, taken, sim, where, into):
+    """Kinds whose entries differ in keys or places are copied in layouts of their own (the moving columns of one
+    source, dtype and target in one batch), then put back row by row in the checkpoint's order: a host checkpoint
+    on the host and onto an accelerator, fresh and into existing state."""
+    device = sim if where == "sim" else "cpu"
+    capturable = where == "sim"
+    _, source = _mixed(steps=K + 1)
+    sd = source.state_dict()
+
+    def make():
+        if into == "fresh":
+            model, _ = _mixed()
+            model.to(device)
+            ps = [h.weight for h in model.parts]
+            second = {"params": ps[2:], "amsgrad": True, "capturable": capturable}
+            return model, O.Adam([{"params": ps[:2]}, second], foreach=False)
+        return _mixed(device, capturable=capturable)
+
+    got = _both(make, sd, monkeypatch)
+    assert taken[0] is True
+    rows = [{entry[0]: entry[3].type for entry in row} for row in got[0]]
+    assert ["max_exp_avg_sq" in row for row in rows] == [False, False, True, True]
+    steps = ["cpu", "cpu", "sim", "sim"] if capturable else ["cpu"] * 4
+    assert [row["step"] for row in rows] == steps
+
+
+def test_an_oom_on_a_move_names_the_entry_and_changes_nothing(monkeypatch, taken):
+    """A host checkpoint onto ``meta``: the moving columns are copied in one batch (every ``exp_avg``, then every
+    ``exp_avg_sq``); the fourth copy runs out of memory, and the note names param 1's ``exp_avg_sq``."""
+    _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,)], steps=K + 1)
+    sd = source.state_dict()
+    saved = {id(t) for st in sd["state"].values() for t in st.values()}
+    params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(4, 3), (3,)]]
+    opt = O.Adam(params, foreach=False)
+    real, calls = torch.Tensor.to, []
+
+    def to(self, *args, **kwargs):
+        if id(self) in saved:
+            calls.append(1)
+            if len(calls) == 4:
+                raise torch.OutOfMemoryError("out of memory (test)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        optimshift.load_state_dict(opt, sd)
+    assert taken == ["raised"]  # (in the uniform path)
+    assert len(opt.state) == 0
+    (note,) = info.value.__notes__
+    assert "Adam: load_state_dict: group 0, param 1, state key 'exp_avg_sq' ((3,)" in note and "to meta" in note
+    assert note.endswith("the optimizer was left unchanged")

@@ -293,7 +293,7 @@ def test_in_place_writes_on_the_host_bump_versions_and_leave_normal_tensors():
     olds = [torch.zeros(3), torch.zeros(()), torch.zeros(2, 2)]
     news = [torch.arange(3.0), torch.tensor(7.0), torch.ones(2, 2)]
     versions = [t._version for t in olds]
-    _engine.write_in_place({torch.device("cpu"): list(zip(olds, news))})
+    _engine.write_in_place({torch.device("cpu"): (olds, news)})
     assert all(torch.equal(a, b) for a, b in zip(olds, news))
     assert not any(t.is_inference() for t in olds)
     assert all(t._version > v for t, v in zip(olds, versions))

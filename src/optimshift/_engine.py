@@ -662,8 +662,11 @@ def uninterrupted() -> Iterator[None]:
             previous(*caught[0])
 
 
-def write_in_place(pairs_by_device: Mapping[torch.device, Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    """Each live tensor takes its source's values (``old.copy_(new)``), one foreach copy per device, as part of a
+def write_in_place(
+    pairs_by_device: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+) -> None:
+    """Each live tensor takes its source's values (``old.copy_(new)``; by device, the live tensors and their
+    sources, pair by pair), one foreach copy per device, as part of a
     commit (uninterrupted). The caller chose pairs of one dtype, shape and strides, each ``old`` on its device:
     a per-tensor copy allocates nothing and cannot fail. The foreach copy may refuse or allocate where per-tensor
     copies do not (a dtype a device's foreach kernel lacks, such as uint32 on CUDA; a conjugate or negative view,
@@ -672,13 +675,12 @@ def write_in_place(pairs_by_device: Mapping[torch.device, Sequence[tuple[torch.T
     each, which then skips the autograd layers (no live tensor here requires grad or is an inference tensor, and
     in-place writes still bump their version counters)."""
     with uninterrupted(), torch.no_grad():
-        for device, pairs in pairs_by_device.items():
-            olds, news = zip(*pairs) if pairs else ((), ())
+        for device, (olds, news) in pairs_by_device.items():
             with torch.inference_mode() if device.type == "cpu" else contextlib.nullcontext():
                 try:
                     torch._foreach_copy_(list(olds), list(news))
                 except Exception:
-                    for old, new in pairs:
+                    for old, new in zip(olds, news):
                         old.copy_(new)
 
 

@@ -540,7 +540,9 @@ def test_a_host_checkpoint_into_live_device_state_writes_in_place_only_what_stay
     real = engine.write_in_place
 
     def spy(pairs):
-        written.append(sorted((str(old.device), str(new.device)) for ps in pairs.values() for old, new in ps))
+        written.append(
+            sorted((str(old.device), str(new.device)) for olds, news in pairs.values() for old, new in zip(olds, news))
+        )
         return real(pairs)
 
     monkeypatch.setattr(engine, "write_in_place", spy)

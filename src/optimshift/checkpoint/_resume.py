@@ -244,7 +244,7 @@ def _install(
     *,
     made: Callable[[], AbstractSet[int]] | None = None,
     shared: AbstractSet[int] = frozenset(),
-    in_place: Mapping[torch.device, Sequence[tuple[torch.Tensor, torch.Tensor]]] = MappingProxyType({}),
+    in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = MappingProxyType({}),
 ) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
     e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
@@ -254,8 +254,9 @@ def _install(
     optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted (``made()``:
     their ids, asked only where a live tensor sits where the load installs something; None: none was made),
     and only those installed in one place (``shared``: the others): with ``copy=False`` the caller's own tensors
-    are installed as they are. ``in_place``: by device, (live tensor, checkpoint tensor) pairs the staging installed as
-    the live tensor itself, which takes the values here (no copy made, no adoption: same object, same storage).
+    are installed as they are. ``in_place``: by device, (live tensors, checkpoint tensors), pair by pair, that the
+    staging installed as the live tensor itself, which takes the values here (no copy made, no adoption: same
+    object, same storage).
     """
     before = dict(optimizer.__dict__)
     # (the live tensors at the places the load fills, when there are any: a fresh optimizer's groups hold none)

@@ -100,8 +100,11 @@ class Staging:
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
         self._dtype_checks: dict[_DtypeKey, list[Rejection]] = {}
         # (live tensor, checkpoint tensor): the live tensor is installed as it is and takes the values in place
-        # once the class's __setstate__ accepted the new state (see in_place), by device (one batched copy each)
-        self.in_place: defaultdict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        # once the class's __setstate__ accepted the new state (see in_place), by device (one batched copy each):
+        # (live tensors, checkpoint tensors), pair by pair
+        self.in_place: defaultdict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
+            lambda: ([], [])
+        )
         self.cloned: list[torch.Tensor] = []  # copies made with no ticket (see build), each installed once
         self._specs: dict[tuple[int, int], StateSpec] = {}  # (group, param rank) -> what a step keeps
 
@@ -450,7 +453,9 @@ class Staging:
                     live = lives.get((tgi, tpi)) if lives else None
                     old = live.get(key) if live else None
                     if old is not None and id(old) not in protect and fits(old, tensor, device):
-                        in_place[device].append((old, tensor))
+                        olds, news = in_place[device]
+                        olds.append(old)
+                        news.append(tensor)
                         tensor = old
                     else:
                         tensor = self._clone(tensor, tr)

@@ -42,7 +42,7 @@ class Staging(Protocol):
     torch_setstate: bool
     wide: list[Any]
     cloned: list[torch.Tensor]
-    in_place: defaultdict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]]
+    in_place: defaultdict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]]
 
     @property
     def what(self) -> str: ...
@@ -75,14 +75,17 @@ class _Layout:
     """The rows whose entries are copied alike, column by column: every kind (of any group) with the same keys in
     the same order, each entry of one dtype on one device bound for one device. ``got``: its rows' checkpoint
     tensors, row by row (column ``j`` is ``got[j::len(order)]``); ``olds``: the live tensor at each entry (None
-    where none; only into existing state)."""
+    where none; only into existing state); ``verbatim``: every row's live state holds its tensors under the
+    checkpoint's keys in the checkpoint's order (so a row whose live tensors all take the values in place is a
+    copy of its live dict)."""
 
-    __slots__ = ("order", "devices", "moves", "got", "olds")
+    __slots__ = ("order", "devices", "moves", "got", "olds", "verbatim")
 
     def __init__(self, order: tuple[Any, ...], devices: list[torch.device], moves: list[bool]) -> None:
         self.order, self.devices, self.moves = order, devices, moves
         self.got: list[torch.Tensor] = []
         self.olds: list[Any] = []
+        self.verbatim = True
 
     def site(self, st: Staging, rows: list[_Row], n: int) -> str:
         """Entry ``n`` of ``got``, in words (for an error; ``rows``: every layout's)."""
@@ -173,11 +176,12 @@ def build_uniform(
                 olds: Any
                 if not live:
                     olds = [None] * len(saved)  # (no live state: copies)
-                    alike = False
+                    alike = layout.verbatim = False
                 elif tuple(live) == kind.order:
                     olds = live.values()
                 elif live.keys() == kind.keys:
                     olds = list(map(live.__getitem__, saved))  # (by key: the same order as the checkpoint's)
+                    layout.verbatim = False
                 else:
                     return None  # (live entries under other keys: the general path pairs them key by key)
                 if alike:
@@ -205,10 +209,11 @@ def build_uniform(
         for p, saved, _, _, _ in rows:
             new_state[p] = dict(saved)
         return new_state
-    its: dict[int, Iterator[tuple[torch.Tensor, ...]]] = {}
+    its: dict[int, Iterator[tuple[torch.Tensor, ...]] | None] = {}  # (None: each row a copy of its live dict)
     if lives and rows:
         for layout, done in zip(every, _into_existing(st, every, got, alike, rows)):
-            its[id(layout)] = zip(*[iter(done)] * len(layout.order))  # (its rows, one tuple each)
+            verbatim = done is layout.olds and layout.verbatim
+            its[id(layout)] = None if verbatim else zip(*[iter(done)] * len(layout.order))  # (a tuple a row)
     else:  # a fresh optimizer, the common resume: every entry copied, column by column
         columns = [
             (layout.got[j :: len(layout.order)], layout.devices[j])
@@ -224,7 +229,8 @@ def build_uniform(
             its[id(layout)] = zip(*made[start : start + width])
             start += width
     for p, _, layout, _, _ in rows:
-        new_state[p] = dict(zip(layout.order, next(its[id(layout)])))
+        it = its[id(layout)]
+        new_state[p] = dict(live_get(id(p))) if it is None else dict(zip(layout.order, next(it)))  # type: ignore[misc, arg-type]
     return new_state
 
 
@@ -348,7 +354,9 @@ def _in_place(
     olds, got, width = layout.olds, layout.got, len(layout.order)
     devices = layout.devices
     if alike and clear and not any(layout.moves) and len(set(devices)) == 1 and _alias.sole_users(olds):
-        st.in_place[devices[0]].extend(zip(olds, got))  # (the common case: every one, on one device)
+        into, news = st.in_place[devices[0]]  # (the common case: every one, on one device)
+        into.extend(olds)
+        news.extend(got)
         return olds
     sole = _alias.sole_user
     out: list[torch.Tensor | None] = []
@@ -362,7 +370,9 @@ def _in_place(
             and (clear or id(old) not in protect)
             and (sole(old) if alike else fits_in_place(old, new, device))
         ):
-            pairs[device].append((old, new))
+            into, news = pairs[device]
+            into.append(old)
+            news.append(new)
             append(old)
         else:
             append(None)

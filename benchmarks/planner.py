@@ -14,6 +14,7 @@
 - the floors: the least any implementation of each does, against the same baselines (see :func:`floors`).
 
     .venv/bin/python benchmarks/planner.py [--tensors 50000] [--cycle-tensors 10000] [--params 16000] [--reps 5]
+                                           [--only move|cycle|load|floors ...]
 
 Not a test: timings depend on the machine and its load. Record results in benchmarks/results/.
 """
@@ -285,41 +286,50 @@ def main() -> None:
     parser.add_argument("--cycle-tensors", type=int, default=10_000, help="(sim and fake ops run in Python: slower)")
     parser.add_argument("--params", type=int, default=16_000)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--only", nargs="+", choices=_PARTS, default=list(_PARTS), help="the rows to run (default: all of them)"
+    )
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}, reps {args.reps}")
-    r = move_first_call(args.tensors, args.reps)
-    print(
-        f"move host->meta, first call, {r['tensors']} tensors: {r['us_per_tensor']:.2f} us/tensor against "
-        f"{r['bare_us']:.2f} (bare swap_tensors loop): {r['ratio']:.2f}x (goal <= 1.5x)"
-    )
-    r = move_repeated_fake(args.cycle_tensors, args.reps)
-    print(
-        f"move fake cpu<->cuda:0, repeated (cached plans), {r['tensors']} tensors: {r['us_per_tensor']:.2f} us/tensor "
-        f"against {r['bare_us']:.2f}: {r['ratio']:.2f}x (goal <= 1.2x)"
-    )
-    for where in ("sim", "fake"):
+    if "move" in args.only:
+        r = move_first_call(args.tensors, args.reps)
+        print(
+            f"move host->meta, first call, {r['tensors']} tensors: {r['us_per_tensor']:.2f} us/tensor against "
+            f"{r['bare_us']:.2f} (bare swap_tensors loop): {r['ratio']:.2f}x (goal <= 1.5x)"
+        )
+        r = move_repeated_fake(args.cycle_tensors, args.reps)
+        print(
+            f"move fake cpu<->cuda:0, repeated (cached plans), {r['tensors']} tensors: {r['us_per_tensor']:.2f} "
+            f"us/tensor against {r['bare_us']:.2f}: {r['ratio']:.2f}x (goal <= 1.2x)"
+        )
+    for where in ("sim", "fake") if "cycle" in args.only else ():
         r = cycle(args.cycle_tensors, args.reps, where)
         print(
             f"offload+reload cycle on {where}, cached plans, {r['tensors']} tensors: {r['us_per_tensor']:.2f} "
             f"us/tensor against {r['bare_us']:.2f} (bare per-tensor swap loop): {r['ratio']:.2f}x (goal <= 1.5x)"
         )
-    r = load(args.params, args.reps)
-    print(
-        f"load_state_dict copy=True, {r['params']} params: into a fresh optimizer {r['fresh_vs_clone']:.2f}x a bare "
-        f"clone loop; into existing state {r['existing_vs_copy']:.2f}x a bare copy_ loop (goal <= 1.5x each); "
-        "medians: fresh %.0f ms, clone loop %.0f ms, existing %.0f ms, copy_ loop %.0f ms" % r["ms"]
-    )
-    for where in ("meta", "sim"):
+    if "load" in args.only:
+        r = load(args.params, args.reps)
+        print(
+            f"load_state_dict copy=True, {r['params']} params: into a fresh optimizer {r['fresh_vs_clone']:.2f}x a "
+            f"bare clone loop; into existing state {r['existing_vs_copy']:.2f}x a bare copy_ loop (goal <= 1.5x "
+            "each); medians: fresh %.0f ms, clone loop %.0f ms, existing %.0f ms, copy_ loop %.0f ms" % r["ms"]
+        )
+    for where in ("meta", "sim") if "load" in args.only else ():
         r = load_onto(args.params, args.reps, where)
         print(
             f"load_state_dict of a host checkpoint, {r['params']} params, into a fresh optimizer on {where}: "
             f"{r['ratio']:.2f}x a bare .to({where}) loop (goal <= 1.5x); medians %.0f ms against %.0f ms" % r["ms"]
         )
-    f = floors(args.tensors, args.params, args.reps)
-    print(
-        f"floors (the least any implementation does, same baselines): move {f['move']:.2f}x; load into a fresh "
-        f"optimizer {f['fresh']:.2f}x; load into existing state {f['existing']:.2f}x"
-    )
+    if "floors" in args.only:
+        f = floors(args.tensors, args.params, args.reps)
+        print(
+            f"floors (the least any implementation does, same baselines): move {f['move']:.2f}x; load into a fresh "
+            f"optimizer {f['fresh']:.2f}x; load into existing state {f['existing']:.2f}x"
+        )
+
+
+_PARTS = ("move", "cycle", "load", "floors")  # (--only: the rows of each part)
 
 
 if __name__ == "__main__":

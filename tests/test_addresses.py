@@ -253,6 +253,20 @@ def test_a_move_elsewhere_leaves_the_range_and_frees_it(sim, driver):
     assert driver.mapped(0) == 0 and driver.mapped(1) == 0
 
 
+def test_streaming_state_kept_at_fixed_addresses_frees_its_range(sim, driver):
+    """``stream()`` lays the state out on the host: the memory its reserved range held is unmapped then, as after
+    a move (it stayed mapped until the next offload or move). Unstreamed, it is allocated as usual, bitwise."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    assert driver.mapped(0) > 0
+    values = _state_values(opt)
+    optimshift.stream(opt)
+    assert driver.mapped(0) == 0
+    optimshift.unstream(opt)
+    assert bitwise_equal(_state_values(opt), values)
+    assert all(t.device == sim for st in opt.state.values() for k, t in st.items() if k != "step")
+
+
 def test_a_collected_optimizer_frees_its_ranges(sim, driver):
     reserved, mapped = driver.reserved(), driver.mapped(0)
     model, opt = _trained(sim)

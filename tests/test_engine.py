@@ -286,14 +286,14 @@ def test_lend_gives_each_object_its_window_and_back(sim):
 
 
 def test_in_place_writes_on_the_host_bump_versions_and_leave_normal_tensors():
-    """``write_in_place`` copies host pairs under inference mode (cheaper dispatch): the live tensors stay normal
-    tensors, take the values, and their version counters move (autograd still sees the write)."""
+    """``_write_in_place`` (a load's commit) copies host pairs under inference mode (cheaper dispatch): the live
+    tensors stay normal tensors, take the values, and their version counters move (autograd sees the write)."""
     from optimshift import _engine
 
     olds = [torch.zeros(3), torch.zeros(()), torch.zeros(2, 2)]
     news = [torch.arange(3.0), torch.tensor(7.0), torch.ones(2, 2)]
     versions = [t._version for t in olds]
-    _engine.write_in_place({torch.device("cpu"): (olds, news)})
+    _engine._write_in_place({torch.device("cpu"): (olds, news)})
     assert all(torch.equal(a, b) for a, b in zip(olds, news))
     assert not any(t.is_inference() for t in olds)
     assert all(t._version > v for t, v in zip(olds, versions))

@@ -9,9 +9,9 @@ each operation calls.
 - every operation, ``load_state_dict`` included: the commit's one uninterrupted section
   (``engine.uninterrupted``), where an interrupt waits for the commit to end.
 
-``load_state_dict`` still stages its copies and adoptions itself (through ``engine.copy_each`` and
-``engine.adoptions``); ARCHITECTURE.md names the tests that make its placement agree with the plan's
-(``tests/test_roads.py``, ``tests/checkpoint/test_uniform.py``).
+``load_state_dict`` makes its copies through ``engine.copy_each`` (not ``engine.run``: see ARCHITECTURE.md, which
+names the tests that make its placement agree with the plan's, ``tests/test_roads.py`` and
+``tests/checkpoint/test_uniform.py``), and installs them through ``engine.commit`` as every operation does.
 """
 
 from __future__ import annotations
@@ -99,7 +99,11 @@ def test_every_operation_commits_through_the_engine(sim, tmp_path, calls, op):
     _ops(sim, tmp_path)[op](opt, params)
     if op in PLANNED:
         assert calls["run"] >= 1 and calls["commit"] >= 1, f"{op} does not go plan -> engine.run -> engine.commit"
+    else:  # (the load: its new dicts, in-place writes and adoptions are one engine.commit)
+        assert calls["commit"] == 1, f"{op} installs its state outside engine.commit: {calls}"
     assert calls["uninterrupted"] >= 1, f"{op} commits outside the engine's commit section"
+    # (adoptions are decided only inside the engine's commit and lend)
+    assert calls["adoptions"] == calls["commit"] + calls["lend"], calls
 
 
 def test_a_streamed_step_swaps_each_chunk_in_and_out_through_the_engine(sim, calls):

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from ._devices import _fake_mode_active
-from ._dtensor import is_dtensor
+from ._dtensor import is_dtensor, wrap_local
+from ._state import like_source
 
 __all__ = ["shared", "split_targets", "together", "copy_storage", "sole_user"]
 
@@ -183,16 +183,7 @@ def copy_storage(
 
 
 def _like(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """``view`` dressed as ``t`` was: a DTensor around it (same mesh, placements, global shape), a Parameter,
-    ``requires_grad``."""
-    if is_dtensor(t):
-        # NOTE: DTensor's own constructor, not ``from_local``: that moves the shard to the mesh's device type
-        # and would undo an offload to the host (see _dtensor.copy_dtensor). (A DTensor that other DTensors in
-        # state are views of cannot be swapped, torch's swap_tensors counts them: it is replaced, still sharing.)
-        cls: Any = type(t)
-        return cls(view, t._spec, requires_grad=t.requires_grad)  # type: ignore[no-any-return]
-    if t.requires_grad:
-        view.requires_grad_(True)
-    if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(view, requires_grad=t.requires_grad)
-    return view
+    """``view`` dressed as ``t`` was: a DTensor around it (:func:`optimshift._dtensor.wrap_local`), a Parameter,
+    ``requires_grad`` (:func:`optimshift._state.like_source`). (A DTensor that other DTensors in state are views of
+    cannot be swapped, torch's swap_tensors counts them: it is replaced, still sharing.)"""
+    return like_source(t, wrap_local(t, view) if is_dtensor(t) else view)

@@ -26,7 +26,7 @@ import torch
 from . import _alias
 from ._device_streams import Streams, in_pinned_memory, pins_copy, pins_host_for, synchronize
 from ._devices import _fake_mode_active
-from ._dtensor import copy_dtensor, is_dtensor, local_tensor, wrap_local
+from ._dtensor import is_dtensor, local_tensor, wrap_local
 from ._errors import add_note
 from ._state import like_source
 from .pool import HostPool
@@ -124,8 +124,9 @@ def copy_tensor(
         if non_blocking or (pins_host_for(device) and in_pinned_memory(t)):
             return t.to(device, non_blocking=True)
         return t.to(device)  # (keyword arguments alone double the cost of a small .to())
-    if is_dtensor(t):  # FSDP2/TP state: the local shard moves; mesh, placements and global shape stay
-        return copy_dtensor(t, device, non_blocking=non_blocking, pin_memory=pin_memory, side=side)
+    if is_dtensor(t):  # FSDP2/TP state: the local shard moves by the same rules; mesh, placements, shape stay
+        local = copy_tensor(t._local_tensor, device, non_blocking, pin_memory, side)
+        return like_source(t, wrap_local(t, local.detach()))
     pin = pins_copy(t, device, pin_memory)
     src = t.detach() if t.requires_grad or pin else t
     if pin or (side is not None and device.type not in _HOSTS):  # allocated here, filled on the copy's stream

@@ -52,7 +52,6 @@ __all__ = [
     "no_gc",
     "uninterrupted",
     "operation",
-    "write_in_place",
 ]
 
 
@@ -74,6 +73,9 @@ class Copies:
     device: torch.device | None = None
     to_host: bool = False  # some copies write host memory (what a reader of a pending transfer must wait for)
     mechanisms: dict[str, int] = field(default_factory=dict)  # filled by commit: how many tensors each way
+    # (a load's: by device, (live tensors, sources), pair by pair, of one dtype, shape and strides, that the commit
+    # writes in place, no copy made: see commit)
+    in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = field(default_factory=dict)
 
     @functools.cached_property
     def new(self) -> dict[int, torch.Tensor]:
@@ -580,22 +582,38 @@ def commit(
     hint: list[Mechanism] | None = None,
     *,
     rewrite: Callable[[], None] | None = None,
+    installed: Sequence[Sequence[tuple[Any, Any]]] | None = None,
 ) -> list[Mechanism]:
     """Install the copies in ``optimizer``: each tensor adopts its copy's contents and stays the same object;
     where that is impossible, the copy takes its place in the state, param groups and containers.
     Everything is decided and prepared first, then applied; ``copies.mechanisms`` counts how many tensors went
-    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adoptions`). ``rewrite``: a change
-    of the optimizer's own structure that is part of the operation (a rebind's new params), made once every
-    decision is, right before they are applied; it must not fail."""
-    protect = outside_owned(optimizer)
+    each way. Returns the decisions (``hint``: an earlier commit's, see :func:`adoptions`).
+
+    ``rewrite``: a change of the optimizer's own structure that is part of the operation (a rebind's new params,
+    a load's new dicts), made once every decision is, right before they are applied; it may raise only having
+    left the optimizer as it was (nothing else is applied then). ``installed``: for each pair, the places
+    ``(mapping, key)`` where ``rewrite`` installs the copy itself (a load's new dicts): the old object takes them
+    back once it holds its copy's contents, and a copy no mechanism can give an old object stays there.
+    ``copies.in_place``: live tensors that take their sources' values in place, after the rewrite.
+    """
+    protect: frozenset[int] | set[int] = outside_owned(optimizer) if copies.pairs else frozenset()
     replaced, apply, hows = adoptions(copies.pairs, protect=protect, hint=hint, distinct=True)
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
-    if replaced:
+    if installed is not None:  # (the old objects back where the rewrite put their copies)
+        assignments = [
+            (mapping, key, old)
+            for (old, _), how, places in zip(copies.pairs, hows, installed)
+            if how != "replace"
+            for mapping, key in places
+        ]
+    elif replaced:
         _prepare_replacements(optimizer, {id(old): new for old, new in replaced}, assignments, setters)
     with uninterrupted():
         if rewrite is not None:
             rewrite()
+        if copies.in_place:
+            _write_in_place(copies.in_place)
         counts = apply()
         for mapping, key, value in assignments:
             mapping[key] = value
@@ -662,19 +680,19 @@ def uninterrupted() -> Iterator[None]:
             previous(*caught[0])
 
 
-def write_in_place(
+def _write_in_place(
     pairs_by_device: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
 ) -> None:
     """Each live tensor takes its source's values (``old.copy_(new)``; by device, the live tensors and their
-    sources, pair by pair), one foreach copy per device, as part of a
-    commit (uninterrupted). The caller chose pairs of one dtype, shape and strides, each ``old`` on its device:
-    a per-tensor copy allocates nothing and cannot fail. The foreach copy may refuse or allocate where per-tensor
+    sources, pair by pair), one foreach copy per device, as part of a commit (:func:`commit`'s
+    ``copies.in_place``). The caller chose pairs of one dtype, shape and strides, each ``old`` on its device: a
+    per-tensor copy allocates nothing and cannot fail. The foreach copy may refuse or allocate where per-tensor
     copies do not (a dtype a device's foreach kernel lacks, such as uint32 on CUDA; a conjugate or negative view,
     which torch resolves into a temporary first): then every pair of that device is copied one by one (writing
     the same values again). On the host under inference mode: torch's CPU foreach copy is a per-tensor ``copy_``
     each, which then skips the autograd layers (no live tensor here requires grad or is an inference tensor, and
     in-place writes still bump their version counters)."""
-    with uninterrupted(), torch.no_grad():
+    with torch.no_grad():
         for device, (olds, news) in pairs_by_device.items():
             with torch.inference_mode() if device.type == "cpu" else contextlib.nullcontext():
                 try:

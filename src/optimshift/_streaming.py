@@ -49,8 +49,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from . import _addresses, _device_streams, _engine, _mode
 from . import _chunks as layout
-from . import _device_streams, _engine, _mode
 from . import policy as _policy
 from ._chunks import Chunk, Group, Item, ParamState
 from ._copy import Options, Side
@@ -630,6 +630,9 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     with _engine.operation():  # (a Ctrl-C the layout's commit holds waits for the mode to be in place)
         with _engine.no_gc():
             mode._lay_out(mode._members(None))
+        # (state that sat at fixed addresses is on the host now, its copies complete: its range's memory is freed,
+        # as after a move)
+        _addresses.release(optimizer, optimizer_name(optimizer))
         mode._install(optimizer)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(

@@ -537,7 +537,7 @@ def test_a_host_checkpoint_into_live_device_state_writes_in_place_only_what_stay
     _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,), (2, 3)], steps=K + 1)
     sd = source.state_dict()
     written = []
-    real = engine.write_in_place
+    real = engine._write_in_place
 
     def spy(pairs):
         written.append(
@@ -545,7 +545,7 @@ def test_a_host_checkpoint_into_live_device_state_writes_in_place_only_what_stay
         )
         return real(pairs)
 
-    monkeypatch.setattr(engine, "write_in_place", spy)
+    monkeypatch.setattr(engine, "_write_in_place", spy)
     for uniform in (True, False):
         params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(4, 3), (3,), (2, 3)]]
         live = O.Adam(params, foreach=False)

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _engine, _mode
+from .._copy import Batch
 from .._devices import DeviceLike, resolve
 from .._errors import with_article
 from .._offload import exclusive, pending_of, prepare_discard
@@ -247,7 +248,8 @@ def _install(
     in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = MappingProxyType({}),
 ) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
-    e.g. Adam turning a float ``step`` into a tensor). If a fix-up raises, the optimizer is put back.
+    e.g. Adam turning a float ``step`` into a tensor), through the engine's commit: if a fix-up raises, the
+    optimizer is put back and nothing else is applied.
 
     Then every tensor the optimizer already held at the same place (param and key, or group and key) adopts
     the loaded copy's contents and stays the same object (see :mod:`optimshift._adopt`), so a resume into an
@@ -255,21 +257,14 @@ def _install(
     their ids, asked only where a live tensor sits where the load installs something; None: none was made),
     and only those installed in one place (``shared``: the others): with ``copy=False`` the caller's own tensors
     are installed as they are. ``in_place``: by device, (live tensors, checkpoint tensors), pair by pair, that the
-    staging installed as the live tensor itself, which takes the values here (no copy made, no adoption: same
-    object, same storage).
+    staging installed as the live tensor itself, which takes the values in the commit (no copy made, no adoption:
+    same object, same storage), once nothing can refuse the state.
     """
     before = dict(optimizer.__dict__)
-    # (the live tensors at the places the load fills, when there are any: a fresh optimizer's groups hold none)
     # (only copies made here are adopted: when every entry was installed as it is or taken in place, none is)
-    live = [
-        (holder, tensors, fresh)
-        for holder, fresh in (_same_places(optimizer, state, groups) if made is not None else ())
-        if (tensors := {k: v for k, v in holder.items() if isinstance(v, torch.Tensor)})
-    ]
-    made_ids = made() if made is not None and live else frozenset()
-    # (the commit, from __setstate__ on: an interrupt is held until the operation ends, _engine.uninterrupted; an
-    # error __setstate__ raises puts the optimizer back)
-    with _engine.uninterrupted():
+    pairs, places = _adoptable(optimizer, state, groups, made, shared) if made is not None else ([], [])
+
+    def set_state() -> None:
         try:
             optimizer.__setstate__({"state": state, "param_groups": groups})
         except BaseException as e:  # (an interrupt too: the optimizer is put back, and the interrupt goes on)
@@ -281,52 +276,52 @@ def _install(
                 f"{name}: load_state_dict: {type(optimizer).__name__}.__setstate__ rejected the loaded state "
                 f"({type(e).__name__}: {e}); the optimizer is unchanged"
             ) from e
-        # NOTE: only now, once nothing can refuse the state: the live tensors still held their old values when
-        # the __setstate__ above might have failed. What follows cannot fail.
-        _engine.write_in_place(in_place)
-        _adopt_copies(optimizer, live, made_ids, shared)
+
+    copies = _engine.Copies([], pairs, Batch([]), in_place=in_place)
+    _engine.commit(optimizer, copies, rewrite=set_state, installed=places)
 
 
-def _adopt_copies(
+def _adoptable(
     optimizer: torch.optim.Optimizer,
-    live: list[tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]]],
-    made: AbstractSet[int],
+    state: Mapping[Any, Any],
+    groups: list[dict[str, Any]],
+    made: Callable[[], AbstractSet[int]],
     shared: AbstractSet[int],
-) -> None:
-    """Every tensor the optimizer held at a place the load fills with a copy made here adopts the copy's contents
-    (see :func:`_install`)."""
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[dict[Any, Any], Any]]]]:
+    """(old tensor, the copy made here that the load installs at its place), each old tensor once, with the
+    places ``(new holder, key)`` it takes back (see :func:`_install`; ``made()`` is asked once a live tensor is
+    found at such a place: a fresh optimizer's groups hold none)."""
     places: list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
     append, plain = places.append, torch.Tensor
-    for _, old_tensors, fresh in live:
+    ids: AbstractSet[int] | None = None
+    for holder, fresh in _same_places(optimizer, state, groups):
         get = fresh.get
-        for key, old in old_tensors.items():
+        for key, old in holder.items():
+            if not isinstance(old, plain):
+                continue
             new = get(key)
-            if (type(new) is plain or isinstance(new, torch.Tensor)) and new is not old and id(new) in made:
-                append((fresh, key, old, new))
+            if (type(new) is plain or isinstance(new, plain)) and new is not old:
+                if ids is None:
+                    ids = made()
+                if id(new) in ids:
+                    append((fresh, key, old, new))
     # A copy installed in two places (LBFGS's state['t'] is its group's lr), at the top level or inside a
     # container, stays one shared object: adopting it into one old tensor would split the sharing.
     if shared:
         places = [place for place in places if id(place[3]) not in shared]
-    # NOTE: each old tensor once is the common case, found by one set over ids; the pairs are then distinct.
+    # NOTE: each old tensor once is the common case, found by one set over ids.
     olds = [id(place[2]) for place in places]
-    distinct = len(set(olds)) == len(olds)
-    if not distinct:
-        # An old tensor that sat in two places now given two different copies keeps neither: each place gets
-        # its own copy (the checkpoint's values), as PyTorch installs them.
-        by_old: dict[int, set[int]] = {}
-        for _, _, old, new in places:
-            by_old.setdefault(id(old), set()).add(id(new))
-        places = [place for place in places if len(by_old[id(place[2])]) == 1]
-    if not places:
-        return
-    cannot, apply, _ = _engine.adoptions(
-        [(old, new) for _, _, old, new in places], protect=_engine.outside_owned(optimizer), distinct=distinct
-    )
-    stay_new = {id(old) for old, _ in cannot}  # no mechanism for this pair: the copy stays installed
-    apply()
-    for fresh, key, old, _ in places:
-        if id(old) not in stay_new:
-            fresh[key] = old
+    if len(set(olds)) == len(olds):
+        return [(old, new) for _, _, old, new in places], [[(fresh, key)] for fresh, key, _, _ in places]
+    # An old tensor that sat in two places now given two different copies keeps neither: each place gets its own
+    # copy (the checkpoint's values), as PyTorch installs them; one given one copy in both takes both back.
+    by_old: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[dict[Any, Any], Any]]]] = {}
+    copies_of: dict[int, set[int]] = {}
+    for fresh, key, old, new in places:
+        copies_of.setdefault(id(old), set()).add(id(new))
+        by_old.setdefault(id(old), (old, new, []))[2].append((fresh, key))
+    kept = [entry for i, entry in by_old.items() if len(copies_of[i]) == 1]
+    return [(old, new) for old, new, _ in kept], [at for _, _, at in kept]
 
 
 def _same_places(

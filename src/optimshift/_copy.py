@@ -225,7 +225,8 @@ def copy_many(
     :func:`copy_tensor`. ``describe(i)`` names input ``i`` in the note added to an exception (an OOM says which
     entry it hit). ``side``: the copies are queued on that stream (:class:`Side`). ``alike``: the caller checked
     that the items are one column (plain, dense, contiguous tensors not requiring grad, no two on one storage, of
-    one source device and dtype, all bound for one target): how they are copied is decided once, on the first.
+    one source device and dtype, all bound for one target, all empty or none): how they are copied is decided
+    once, on the first.
 
     On an exception nothing is returned: every device involved is synchronized first (copies already queued
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.

@@ -628,3 +628,21 @@ def test_an_oom_on_a_move_names_the_entry_and_changes_nothing(monkeypatch, taken
     (note,) = info.value.__notes__
     assert "Adam: load_state_dict: group 0, param 1, state key 'exp_avg_sq' ((3,)" in note and "to meta" in note
     assert note.endswith("the optimizer was left unchanged")
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+def test_an_empty_param_beside_others_onto_a_device_loads_as_the_general_path_loads_it(monkeypatch, taken, sim, into):
+    """A param with no elements (a zero-width layer) among others: its entries are a layout of their own (a
+    column of one batch is all empty or none), copied to the device as the general path copies them."""
+    shapes = [(4, 3), (0, 3), (3,)]
+    _, source = _trained(O.Adam, {"foreach": False}, shapes, steps=K + 1)
+    sd = source.state_dict()
+
+    def make():
+        if into == "fresh":
+            model = Model(shapes).to(sim)
+            return model, O.Adam([h.weight for h in model.parts], foreach=False)
+        return _trained(O.Adam, {"foreach": False}, shapes, device=sim)
+
+    _both(make, sd, monkeypatch)
+    assert taken[0] is True

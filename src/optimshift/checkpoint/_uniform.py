@@ -73,11 +73,11 @@ _DEFAULT_EXCLUDED = repr(torch._C._dispatch_tls_local_exclude_set())
 
 class _Layout:
     """The rows whose entries are copied alike, column by column: every kind (of any group) with the same keys in
-    the same order, each entry of one dtype on one device bound for one device. ``got``: its rows' checkpoint
-    tensors, row by row (column ``j`` is ``got[j::len(order)]``); ``olds``: the live tensor at each entry (None
-    where none; only into existing state); ``verbatim``: every row's live state holds its tensors under the
-    checkpoint's keys in the checkpoint's order (so a row whose live tensors all take the values in place is a
-    copy of its live dict)."""
+    the same order, each entry of one dtype on one device bound for one device, the params all empty or none.
+    ``got``: its rows' checkpoint tensors, row by row (column ``j`` is ``got[j::len(order)]``); ``olds``: the
+    live tensor at each entry (None where none; only into existing state); ``verbatim``: every row's live state
+    holds its tensors under the checkpoint's keys in the checkpoint's order (so a row whose live tensors all take
+    the values in place is a copy of its live dict)."""
 
     __slots__ = ("order", "devices", "moves", "got", "olds", "verbatim")
 
@@ -334,7 +334,7 @@ def _kind(
         return None
     order = tuple(saved)
     sources = tuple((t.device, t.dtype) for t in refs)
-    layout_key = (order, sources, tuple(devices))
+    layout_key = (order, sources, tuple(devices), 0 in pshape)  # (a column's tensors all empty, or none)
     layout = layouts.get(layout_key)
     if layout is None:
         layout = layouts[layout_key] = _Layout(order, devices, [t.device != d for t, d in zip(refs, devices)])

@@ -117,11 +117,7 @@ def test_patch_swaps_the_functions_where_zero_reads_them_and_unpatch_restores(ds
         "deepspeed.runtime.zero.stage_1_and_2.reload_optimizer_states",
         "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.offload_states",
         "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.reload_states",
-        "deepspeed.runtime.zero.stage_1_and_2.unpin_offloaded_optimizer_states",
-        "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer._unpin_offload_buffers",
     } <= set(osd.patched_functions())
-    unpin = ds_functions.__dict__["unpin_offloaded_optimizer_states"]
-    assert unpin.__module__ == "optimshift.integrations.deepspeed"
     assert osd.is_patched() and osd.unknown_functions() == []
     ds_patch(True)  # again: a no-op
     ds_patch(False)
@@ -129,8 +125,6 @@ def test_patch_swaps_the_functions_where_zero_reads_them_and_unpatch_restores(ds
     assert zero12.reload_optimizer_states is ds_functions.reload_optimizer_states is SHIPPED["reload"]
     for name in ("offload_states", "reload_states", "state_dict"):
         assert zero12.DeepSpeedZeroOptimizer.__dict__[name] is SHIPPED[name]
-    assert zero12.unpin_offloaded_optimizer_states is ds_functions.unpin_offloaded_optimizer_states is not unpin
-    assert zero12.unpin_offloaded_optimizer_states.__module__ == "deepspeed.runtime.zero.offload_states"
     assert not osd.is_patched() and osd.patched_functions() == []
 
 
@@ -548,61 +542,5 @@ def test_partitions_are_copied_out_of_the_pool_only_for_a_reload_onto_the_host(p
     assert all(in_pool()), "copied on the host for a reload onto a device"
     osd._own_on_host(zero, held, "cpu")
     assert not any(in_pool())
-    engine.reload_states()
-    _train(engine, 1)
-
-
-def _native_unpins(monkeypatch) -> list[int]:
-    """DeepSpeed's native pinned-memory backend (``DS_PIN_MEMORY_BACKEND=native``, where ``unpin_memory`` frees
-    the memory) stood in for by a recorder of the storages it is asked to unpin; every host tensor counts as
-    pinned (this CPU-only torch pins nothing)."""
-    import deepspeed.utils.pin_memory as ds_pin
-    from deepspeed.accelerator import get_accelerator
-
-    unpinned: list[int] = []
-    recorder = types.SimpleNamespace(unpin=lambda t: unpinned.append(t.untyped_storage().data_ptr()))
-    monkeypatch.setattr(ds_pin, "get_active_native_pinned_memory", lambda: recorder)
-    monkeypatch.setattr(get_accelerator(), "is_pinned", lambda t: True)
-    return unpinned
-
-
-def test_destroy_never_unpins_optimizer_state_offloaded_into_the_pool(sim, ds_patch, monkeypatch):
-    """``destroy()`` unpins the optimizer state offloading pinned (``unpin_offloaded_optimizer_states``): never
-    state optimshift offloaded into the host pool, memory DeepSpeed never allocated (shipped, DeepSpeed's own
-    pinned copies are unpinned, as before)."""
-    for patched in (False, True):
-        ds_patch(patched)
-        params = _sim_params(sim)
-        opt = _make("AdamW-foreach")(params)
-        step_with_grads(params, opt, seed=0)
-        zero12.offload_optimizer_states(opt, "cpu", pin_memory=True, non_blocking=False)
-        moments = {t.untyped_storage().data_ptr() for st in opt.state.values() for k, t in st.items() if k != "step"}
-        pooled = optimshift.host_pool.in_use_storages()
-        with monkeypatch.context() as m:
-            unpinned = _native_unpins(m)
-            zero12.unpin_offloaded_optimizer_states(opt)
-        if patched:
-            assert moments <= pooled and not set(unpinned) & pooled, "DeepSpeed unpinned memory the pool owns"
-        else:
-            assert moments <= set(unpinned), "the shipped function no longer unpins its own copies"
-        zero12.reload_optimizer_states(opt, "sim", non_blocking=False)
-
-
-def test_destroy_while_offloaded_never_unpins_the_pools_partition_buffers(process_group, ds_patch, monkeypatch):
-    """``destroy()`` ends by unpinning the partition buffers offloading pinned (``_unpin_offload_buffers``): never
-    the pool buffers optimshift handed DeepSpeed; they stay DeepSpeed's view until its reload gives them back."""
-    ds_patch(True)
-    engine = _engine(2, "AdamW-foreach")
-    zero = engine.optimizer
-    _train(engine, 0)
-    engine.offload_states()
-    pooled = optimshift.host_pool.in_use_storages()
-    held = {t.untyped_storage().data_ptr() for t in zero.single_partition_of_fp32_groups}
-    assert held <= pooled
-    with monkeypatch.context() as m:
-        unpinned = _native_unpins(m)
-        zero._unpin_offload_buffers()  # (what destroy() ends with)
-    assert unpinned is not None and not set(unpinned) & pooled, "DeepSpeed unpinned memory the pool owns"
-    assert hasattr(zero, "hp_params_pin_buffers")
     engine.reload_states()
     _train(engine, 1)

@@ -85,12 +85,7 @@ _KNOWN: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
         _HANDED_OVER | {"offloaded_states", "reload_optimizer_states"},
     ),
     "DeepSpeedZeroOptimizer.state_dict": (("self",), frozenset({"single_partition_of_fp32_groups"})),
-    # (what destroy() calls: under DS_PIN_MEMORY_BACKEND=native, unpin_memory frees what DeepSpeed pinned itself)
-    "unpin_offloaded_optimizer_states": (("optimizer",), frozenset({"state", "unpin_memory"})),
-    "DeepSpeedZeroOptimizer._unpin_offload_buffers": (("self",), frozenset({"unpin_memory"})),
 }
-# Functions this patch swaps only where this DeepSpeed has them (newer ones: an older DeepSpeed never unpins).
-_OPTIONAL = frozenset({"unpin_offloaded_optimizer_states", "_unpin_offload_buffers"})
 # The buffers DeepSpeed's offload_states creates when they are missing, and the tensors they mirror.
 _BUFFERS = {"hp_params": ("hp_params_pin_buffers", "single_partition_of_fp32_groups"),
             "lp_params": ("lp_params_pin_buffers", "bit16_groups_flat")}  # fmt: skip
@@ -354,48 +349,6 @@ def _make_state_dict(original: Callable[..., dict[str, Any]]) -> Callable[..., d
     return state_dict
 
 
-# --- the replacements: DeepSpeed's unpinning at destroy() ------------------------------------------------------
-
-
-def _make_unpin_offloaded_optimizer_states(original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
-    def unpin_offloaded_optimizer_states(optimizer: Any) -> None:
-        """DeepSpeed's, but never for state in the host pool's buffers (what optimshift offloaded): unpinning
-        them (DS_PIN_MEMORY_BACKEND=native) would free memory DeepSpeed never allocated."""
-        if _why_not_inner(optimizer) is not None:
-            return original(optimizer)
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = get_accelerator()
-        pooled = host_pool.in_use_storages()
-        for state in optimizer.state.values():
-            for t in state.values():
-                if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                    continue
-                if t.untyped_storage().data_ptr() not in pooled and accelerator.is_pinned(t):
-                    accelerator.unpin_memory(t)
-        return None
-
-    return unpin_offloaded_optimizer_states
-
-
-def _make_unpin_offload_buffers(original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
-    def _unpin_offload_buffers(self: Any) -> None:
-        """DeepSpeed's, without the partition buffers the pool handed it (see above); they stay the pool's."""
-        hidden = {
-            attribute: self.__dict__.pop(attribute)
-            for attribute in (_BUFFERS[kind][0] for kind in _held(self).buffers)
-            if attribute in self.__dict__
-        }
-        try:
-            original(self)
-        finally:
-            self.__dict__.update(hidden)
-
-    return _unpin_offload_buffers
-
-
 def _make_left_alone(original: Callable[..., None], why: str) -> Callable[..., None]:
     @functools.wraps(original, assigned=_NAMES_ONLY)
     def offload_states(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -450,21 +403,14 @@ def _plan_swaps() -> list[Swap]:
     makers: dict[str, Callable[[Any], Any]] = {
         "offload_optimizer_states": _make_offload_optimizer_states,
         "reload_optimizer_states": _make_reload_optimizer_states,
-        "unpin_offloaded_optimizer_states": _make_unpin_offloaded_optimizer_states,
     }
     ok = True
-    for name in list(makers):
+    for name in makers:
         original = functions.__dict__.get(name)
-        if original is None and name in _OPTIONAL:
-            del makers[name]
-            continue
         why = _differs(name, original) if original is not None else "missing"
         if why is not None:
             unknown.append(f"{_FUNCTIONS}.{name} ({why})")
-            if name in _OPTIONAL:  # (left as DeepSpeed made it; the rest is patched)
-                del makers[name]
-            else:
-                ok = False
+            ok = False
     if ok:
         for name, make in makers.items():
             original = functions.__dict__[name]
@@ -481,21 +427,13 @@ def _plan_swaps() -> list[Swap]:
         "offload_states": _make_offload_states,
         "reload_states": _make_reload_states,
         "state_dict": _make_state_dict,
-        "_unpin_offload_buffers": _make_unpin_offload_buffers,
     }
     differing = []
-    for name in list(methods):
+    for name in methods:
         original = zero.__dict__.get(name)
-        if original is None and name in _OPTIONAL:
-            del methods[name]
-            continue
         why = _differs(f"DeepSpeedZeroOptimizer.{name}", original) if original is not None else "missing"
         if why is not None:
-            if name in _OPTIONAL:  # (left as DeepSpeed made it; the rest is patched)
-                unknown.append(f"{_STAGE_1_AND_2}.DeepSpeedZeroOptimizer.{name} ({why})")
-                del methods[name]
-            else:
-                differing.append(f"{_STAGE_1_AND_2}.DeepSpeedZeroOptimizer.{name} ({why})")
+            differing.append(f"{_STAGE_1_AND_2}.DeepSpeedZeroOptimizer.{name} ({why})")
     if differing:
         unknown.extend(differing)
     else:

@@ -267,6 +267,23 @@ def test_streaming_state_kept_at_fixed_addresses_frees_its_range(sim, driver):
     assert all(t.device == sim for st in opt.state.values() for k, t in st.items() if k != "step")
 
 
+def test_streaming_with_a_view_held_outside_warns_once_streamed(sim, driver):
+    """A slot a view outside keeps alive stays mapped, with the release's warning: raised as an error (``-W
+    error``), it comes once the optimizer is streamed, never between the layout and the mode (found by review:
+    the state was on the host and the optimizer not streamed)."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    outside = next(iter(opt.state.values()))["exp_avg"][:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="still viewed"):
+            optimshift.stream(opt)
+    assert optimshift.is_streamed(opt)
+    assert driver.mapped(0) > 0  # (the viewed slot's blocks)
+    optimshift.unstream(opt)
+    del outside
+
+
 def test_a_collected_optimizer_frees_its_ranges(sim, driver):
     reserved, mapped = driver.reserved(), driver.mapped(0)
     model, opt = _trained(sim)

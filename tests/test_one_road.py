@@ -201,3 +201,35 @@ def test_an_operation_leaves_the_sigint_handler_as_it_found_it(sim):
     optimshift.stream(opt)
     optimshift.unstream(opt)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("uniform", [False])
+def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
+    """Every tensor a load into a fresh optimizer installs is a copy the engine made (``engine.copy_each``, one
+    call), the common entry copied where it is included: the general staging's own inline clones are gone."""
+    from optimshift.checkpoint import _uniform
+
+    made: list[int] = []
+    real = engine.copy_each
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        made.extend(map(id, out))
+        return out
+
+    monkeypatch.setattr(engine, "copy_each", spy)
+    if not uniform:
+        monkeypatch.setattr(_uniform, "TensorGuards", None)
+    _, source = _trained(sim)
+    saved = source.state_dict()
+    for on_host in (False, True):  # (the checkpoint where it belongs: copied where it is; on the host: moved)
+        sd = {
+            "state": {i: {k: v.cpu() if on_host else v for k, v in st.items()} for i, st in saved["state"].items()},
+            "param_groups": saved["param_groups"],
+        }
+        made.clear()
+        fresh = O.Adam([torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)], foreach=False)
+        optimshift.load_state_dict(fresh, sd)
+        assert {t.device.type for st in fresh.state.values() for k, t in st.items() if k != "step"} == {sim.type}
+        installed = [id(t) for st in fresh.state.values() for t in st.values()]
+        assert installed and set(installed) <= set(made), "a load installed a copy the engine did not make"

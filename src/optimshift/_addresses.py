@@ -410,9 +410,9 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
 
 def release(optimizer: Any, name: str) -> None:
     """Unmap every block of the optimizer's ranges that no slot in use touches (after an offload's host copies
-    landed, or a move took the state elsewhere). A slot still in use that the optimizer's state does not sit in is
-    held from outside (a view kept by the caller): it stays mapped, with a warning. A driver error leaves a block
-    mapped (warned; the next release tries again): the state itself is safe on the host already."""
+    landed, or a move or ``stream()`` took the state elsewhere). A slot still in use that the optimizer's state
+    does not sit in is held from outside (a view kept by the caller): it stays mapped, with a warning. A driver
+    error leaves a block mapped (warned; the next release tries again): the state itself is safe on the host."""
     layout = layout_of(optimizer)
     if layout is None:
         return

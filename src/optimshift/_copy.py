@@ -125,7 +125,10 @@ def copy_tensor(
             return t.to(device, non_blocking=True)
         return t.to(device)  # (keyword arguments alone double the cost of a small .to())
     if is_dtensor(t):  # FSDP2/TP state: the local shard moves by the same rules; mesh, placements, shape stay
-        local = copy_tensor(t._local_tensor, device, non_blocking, pin_memory, side)
+        shard = t._local_tensor
+        local = copy_tensor(shard, device, non_blocking, pin_memory, side)
+        if local is shard:  # (.to() of a shard already there is the shard itself: a copy is never the original)
+            local = shard.clone()
         return like_source(t, wrap_local(t, local.detach()))
     pin = pins_copy(t, device, pin_memory)
     src = t.detach() if t.requires_grad or pin else t

@@ -593,25 +593,36 @@ def commit(
     a load's new dicts), made once every decision is, right before they are applied; it may raise only having
     left the optimizer as it was (nothing else is applied then). ``installed``: for each pair, the places
     ``(mapping, key)`` where ``rewrite`` installs the copy itself (a load's new dicts): the old object takes them
-    back once it holds its copy's contents, and a copy no mechanism can give an old object stays there.
+    back once it holds its copy's contents, and a copy no mechanism can give an old object stays there, as does
+    whatever the rewrite put in a copy's place (decided once it ran).
     ``copies.in_place``: live tensors that take their sources' values in place, after the rewrite.
     """
     protect: frozenset[int] | set[int] = outside_owned(optimizer) if copies.pairs else frozenset()
-    replaced, apply, hows = adoptions(copies.pairs, protect=protect, hint=hint, distinct=True)
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
-    if installed is not None:  # (the old objects back where the rewrite put their copies)
-        assignments = [
-            (mapping, key, old)
-            for (old, _), how, places in zip(copies.pairs, hows, installed)
-            if how != "replace"
-            for mapping, key in places
-        ]
-    elif replaced:
-        _prepare_replacements(optimizer, {id(old): new for old, new in replaced}, assignments, setters)
+    if installed is None:
+        replaced, apply, hows = adoptions(copies.pairs, protect=protect, hint=hint, distinct=True)
+        if replaced:
+            _prepare_replacements(optimizer, {id(old): new for old, new in replaced}, assignments, setters)
     with uninterrupted():
         if rewrite is not None:
             rewrite()
+        if installed is not None:
+            # (decided once the rewrite ran, pure: a pair whose copy a class's fix-up replaced somewhere, e.g. a
+            # __setstate__ that recasts an entry, is left as the fix-up made it; the rest take their places back)
+            at = [
+                i
+                for i, places in enumerate(installed)
+                if all(mapping.get(key) is copies.pairs[i][1] for mapping, key in places)
+            ]
+            pairs = [copies.pairs[i] for i in at]
+            _, apply, hows = adoptions(pairs, protect=protect, hint=hint, distinct=True)
+            assignments = [
+                (mapping, key, old)
+                for (old, _), how, i in zip(pairs, hows, at)
+                if how != "replace"
+                for mapping, key in installed[i]
+            ]
         if copies.in_place:
             _write_in_place(copies.in_place)
         counts = apply()

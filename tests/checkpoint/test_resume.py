@@ -146,3 +146,83 @@ def test_resume(sim, tmp_path, cls, kwargs, shapes, direction):
         reference = source
     for a, b in zip(model.parameters(), reference.parameters()):
         assert bitwise_equal(a, b), "params after the resume diverged from the reference run"
+
+
+_DTENSOR_SAME_DEVICE_LOAD = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import optimshift
+mesh = init_device_mesh("cpu", (1,))
+p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+opt = torch.optim.Adam([p])
+p.grad = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+opt.step()
+sd = opt.state_dict()
+saved = sd["state"][0]["exp_avg"].to_local().clone()
+fresh = torch.optim.Adam([p])
+optimshift.load_state_dict(fresh, sd)
+st = fresh.state[p]
+base = lambda t: t.to_local().untyped_storage().data_ptr()
+shared = base(st["exp_avg"]) == base(sd["state"][0]["exp_avg"])
+fresh.step()
+print(repr((type(st["exp_avg"]).__name__, shared, torch.equal(sd["state"][0]["exp_avg"].to_local(), saved))))
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_checkpoint_loaded_where_it_is_is_copied(tmp_path):
+    """DTensor state loaded onto the device its shards are on is a copy (``copy=True``: the optimizer never
+    shares a tensor with the state dict), so a step leaves the checkpoint as it was. (Found by review: the one
+    copy of a tensor, taking the shard's fast path, gave the shard itself where it already was.) A fake process
+    group in a subprocess: no collective runs."""
+    import ast
+    import subprocess
+    import sys
+
+    script = tmp_path / "dtensor_same_device_load.py"
+    script.write_text(_DTENSOR_SAME_DEVICE_LOAD)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kind, shared, unchanged = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert kind == "DTensor" and not shared and unchanged
+
+
+class _Fixing(torch.optim.Adam):
+    """A class whose ``__setstate__`` fix-up replaces a tensor entry (a recast, a rescale)."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for s in self.state.values():
+            if "exp_avg" in s:
+                s["exp_avg"] = s["exp_avg"] * 2
+
+
+def test_a_setstate_fix_up_that_replaces_an_entry_is_kept_as_torch_keeps_it():
+    """Into existing state whose live tensor cannot take the values in place (a view outside shares its
+    storage), the load adopts its copy into the live tensor only where ``__setstate__`` left the copy: a fix-up
+    that replaced the entry keeps its value, as in torch. (Found by review: the commit put the old object back
+    with the checkpoint's values, undoing the fix-up.)"""
+
+    def trained():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5))
+        opt = _Fixing([p])
+        p.grad = torch.randn(5)
+        opt.step()
+        return p, opt
+
+    _, source = trained()
+    sd = source.state_dict()
+    checkpoint = sd["state"][0]["exp_avg"].clone()
+    q, reference = trained()
+    reference.load_state_dict(sd)
+    r, live = trained()
+    view = live.state[r]["exp_avg"][:]  # (shares the live tensor's storage: no write in place)
+    optimshift.load_state_dict(live, sd)
+    assert torch.equal(reference.state[q]["exp_avg"], checkpoint * 2)
+    assert torch.equal(live.state[r]["exp_avg"], checkpoint * 2)
+    assert torch.equal(live.state[r]["exp_avg_sq"], sd["state"][0]["exp_avg_sq"])
+    del view

@@ -3,7 +3,7 @@ made of copies, before anything changes.
 
 The new state is placed by the planner every operation uses: :func:`optimshift._plan.build_plan` over the state
 and groups about to be installed, with :func:`optimshift._plan.policy_target` (and the plan's rule for a state
-entry that holds its group's own tensor). Every copy is made (:func:`optimshift._engine.copy_items`, grouped)
+entry that holds its group's own tensor). Every copy is made in one call (:func:`optimshift._engine.copy_each`)
 before :func:`optimshift.checkpoint._resume` installs anything, so an error leaves the optimizer as it was.
 
 The common checkpoint (every param's state what its class's step creates, each entry a plain dense tensor that
@@ -23,7 +23,7 @@ import torch
 from .. import _alias, _engine
 from .. import policy as _policy
 from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
-from .._errors import add_note, with_article
+from .._errors import with_article
 from .._plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
 from .._probe import NO_SPEC, StateSpec, expected_state
 from .._state import (
@@ -278,18 +278,23 @@ class Staging:
     def _got(self, wanted: _Wanted) -> torch.Tensor:
         return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
 
-    def _resolve(self) -> None:
-        """Make every copy asked for, through the engine (:func:`optimshift._engine.copy_each`: tensors that share
-        a storage as that storage, host<->device moves as one grouped batch, then one synchronize; copies where a
-        tensor is and casts one by one)."""
+    def _resolve(self, lone: list[tuple[MutableMapping[Any, Any], Any, torch.Tensor, Transfer]]) -> None:
+        """Make every copy asked for, in one call to the engine (:func:`optimshift._engine.copy_each`: tensors that
+        share a storage as that storage, host<->device moves as one grouped batch, then one synchronize; copies
+        where a tensor is and casts one by one): each ticket's, and each ``lone`` entry's (a copy where it is,
+        installed at ``holder[key]``, see :meth:`build`)."""
         wanted = list(self._wanted.items())
+        n = len(wanted)
         copies = _engine.copy_each(
-            [(t, ticket[1], ticket[2]) for ticket, (t, _) in wanted],
+            [(t, ticket[1], ticket[2]) for ticket, (t, _) in wanted] + [(t, t.device, t.dtype) for _, _, t, _ in lone],
             self.what,
-            lambda i: self._site(_site_of(wanted[i][1][1])),
+            lambda i: self._site(_site_of(wanted[i][1][1] if i < n else lone[i - n][3])),
         )
         for (ticket, _), new in zip(wanted, copies):
             self._made[ticket] = new
+        for (holder, key, _, _), new in zip(lone, copies[n:]):
+            holder[key] = new
+        self.cloned.extend(copies[n:])
 
     def _live_states(
         self, pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, Any]]
@@ -321,17 +326,6 @@ class Staging:
             protect.update(id(t) for _, t in group_tensors(group))
         protect.update(map(id, sources))
         return protect
-
-    def _clone(self, tensor: torch.Tensor, tr: Transfer) -> torch.Tensor:
-        """A copy of ``tensor`` where it is, as it is (the common copy of a load)."""
-        try:
-            return tensor.clone()  # (keeps the strides, and is the cheapest copy)
-        except Exception as e:  # an OOM on the 900th tensor: say which one; nothing was installed yet
-            add_note(
-                e,
-                f"{self.what}: while copying {self._site(_site_of(tr))} to {tensor.device}; the optimizer is unchanged",
-            )
-            raise
 
     # -- the whole state --------------------------------------------------------------------------------------
 
@@ -417,22 +411,20 @@ class Staging:
         }
         holders.update({(gi, None): group for gi, group in enumerate(new_groups)})
         holders[(OPTIMIZER_WIDE, None)] = new_state
-        cast, always_copy, uses, wanted_by, made = self.cast, self.copy, self._uses, self._wanted, self._made
+        cast, always_copy, uses, wanted_by = self.cast, self.copy, self._uses, self._wanted
         strided, plain = torch.strided, torch.Tensor
-        # NOTE: when no two of the checkpoint's tensors share a storage (the common case, one C call per tensor),
-        # a same-place copy is made right here, where its entry is placed; else every copy waits for _resolve,
-        # which copies tensors sharing a storage as that storage (a subset of these shares one only if they do).
+        # (whether no two of the checkpoint's tensors share a storage: the common case, one C call per tensor)
         sources = [tr[2] for tr in plan.transfers]
-        direct = not _alias.shared(sources)
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is a ticket
         # NOTE: the common entry, a plain dense tensor right under its key in a param's state, staying where it
-        # is in its own dtype, with no tensor shared and no storage shared, needs no ticket: it is its own copy
-        # (or the live tensor taking its values, or, with copy=False, itself), made right here. (Only such an
-        # entry can take its values in place.)
-        lone = direct and not plan.repeats
+        # is in its own dtype, with no tensor shared and no storage shared, needs no ticket: its copy where it is
+        # is made with the others in _resolve (or the live tensor takes its values, or, with copy=False, it is
+        # installed itself). (Only such an entry can take its values in place.)
+        lone = not plan.repeats and not _alias.shared(sources)
         lives = self._live_states(pending) if lone else {}
         protect = self.not_in_place(sources) if lives else set()
-        in_place, fits, cloned = self.in_place, fits_in_place, self.cloned
+        in_place, fits = self.in_place, fits_in_place
+        lone_copies: list[tuple[MutableMapping[Any, Any], Any, torch.Tensor, Transfer]] = []  # (copied in _resolve)
         inside: dict[tuple[int, int | None, Any], dict[int, _Wanted]] = {}  # the tensors in holder[key], by id
         for tr in plan.transfers:
             (tgi, tpi, path), tensor, param, device = tr[0], tr[2], tr[3], tr[4]
@@ -458,9 +450,8 @@ class Staging:
                         news.append(tensor)
                         tensor = old
                     else:
-                        tensor = self._clone(tensor, tr)
-                        cloned.append(tensor)
-                holders[(tgi, tpi)][key] = tensor
+                        lone_copies.append((holders[(tgi, tpi)], key, tensor, tr))
+                holders[(tgi, tpi)][key] = tensor  # (its copy replaces it in _resolve)
                 continue
             nested = None
             if len(path) > 1:
@@ -493,25 +484,11 @@ class Staging:
                 wanted = tensor
             else:
                 wanted = (id(tensor), device, dtype)
-                copy = made.get(wanted) if direct else None
-                if copy is not None:  # (made here for another place: the checkpoint shares this tensor)
-                    uses[wanted] = uses.get(wanted, 1) + 1  # (a copy made here counts one place until then)
-                    wanted = copy
-                elif wanted not in wanted_by:
+                if wanted not in wanted_by:
                     if tensor.is_meta and device.type != "meta":
                         raise self.fail(f"{self._site(_site_of(tr))}: a meta tensor has no values to load")
-                    if (
-                        direct
-                        and type(tensor) is plain
-                        and not tensor.requires_grad  # (else the general copy, in _resolve)
-                        and tensor.dtype == dtype
-                        and tensor.device == device
-                    ):
-                        copy = made[wanted] = self._clone(tensor, tr)
-                        wanted = copy
-                    if type(wanted) is tuple:
-                        wanted_by[wanted] = (tensor, tr)
-                        uses[wanted] = 1
+                    wanted_by[wanted] = (tensor, tr)
+                    uses[wanted] = 1
                 else:
                     uses[wanted] += 1  # a copy: count the places it is installed in
             if nested is None:
@@ -521,9 +498,9 @@ class Staging:
                     top.append((holder, key))
             else:
                 nested[id(tensor)] = wanted
-        self._resolve()
+        self._resolve(lone_copies)
         for holder, key in top:  # (tickets: their copies)
-            holder[key] = made[holder[key]]
+            holder[key] = self._made[holder[key]]
         for (tgi, tpi, key), nested in inside.items():
             holder = holders[(tgi, tpi)]
             holder[key] = self._fill_nested(holder[key], nested)

@@ -382,22 +382,28 @@ def test_an_inference_checkpoint_into_inference_state_takes_the_general_path(mon
     assert not any(entry[7] for row in got[0] for entry in row)  # (no live tensor written in place)
 
 
-def test_an_oom_on_a_copy_names_the_entry_and_changes_nothing(monkeypatch, taken):
-    sd = _adam_sd()
-    sd["param_groups"][0]["lr"] = 0.5
+def _out_of_memory_at(monkeypatch, method, sd, n):
+    """``torch.Tensor.<method>`` runs out of memory on its ``n``-th call on one of ``sd``'s state tensors (the
+    load's copies of them)."""
     saved = {id(t) for st in sd["state"].values() for t in st.values()}
-    model = Model([(3, 3), (3,), (3,)])
-    opt = O.Adam([h.weight for h in model.parts], foreach=False)
-    real, calls = torch.Tensor.clone, []
+    real, calls = getattr(torch.Tensor, method), []
 
-    def clone(self, *args, **kwargs):
-        if id(self) in saved:  # (the load's copies of the checkpoint's tensors: the fifth runs out of memory)
+    def failing(self, *args, **kwargs):
+        if id(self) in saved:
             calls.append(1)
-            if len(calls) == 5:
+            if len(calls) == n:
                 raise torch.OutOfMemoryError("out of memory (test)")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    monkeypatch.setattr(torch.Tensor, method, failing)
+
+
+def test_an_oom_on_a_copy_names_the_entry_and_changes_nothing(monkeypatch, taken):
+    sd = _adam_sd()
+    sd["param_groups"][0]["lr"] = 0.5
+    model = Model([(3, 3), (3,), (3,)])
+    opt = O.Adam([h.weight for h in model.parts], foreach=False)
+    _out_of_memory_at(monkeypatch, "clone", sd, 5)
     with pytest.raises(torch.OutOfMemoryError) as info:
         optimshift.load_state_dict(opt, sd)
     assert taken == ["raised"]  # (in the uniform path)
@@ -608,19 +614,9 @@ def test_an_oom_on_a_move_names_the_entry_and_changes_nothing(monkeypatch, taken
     ``exp_avg_sq``); the fourth copy runs out of memory, and the note names param 1's ``exp_avg_sq``."""
     _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,)], steps=K + 1)
     sd = source.state_dict()
-    saved = {id(t) for st in sd["state"].values() for t in st.values()}
     params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(4, 3), (3,)]]
     opt = O.Adam(params, foreach=False)
-    real, calls = torch.Tensor.to, []
-
-    def to(self, *args, **kwargs):
-        if id(self) in saved:
-            calls.append(1)
-            if len(calls) == 4:
-                raise torch.OutOfMemoryError("out of memory (test)")
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", to)
+    _out_of_memory_at(monkeypatch, "to", sd, 4)
     with pytest.raises(torch.OutOfMemoryError) as info:
         optimshift.load_state_dict(opt, sd)
     assert taken == ["raised"]  # (in the uniform path)

@@ -203,21 +203,30 @@ def test_an_operation_leaves_the_sigint_handler_as_it_found_it(sim):
     assert signal.getsignal(signal.SIGINT) is before
 
 
-@pytest.mark.parametrize("uniform", [False])
+@pytest.mark.parametrize("uniform", [False, True])
 def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
     """Every tensor a load into a fresh optimizer installs is a copy the engine made (``engine.copy_each``, one
-    call), the common entry copied where it is included: the general staging's own inline clones are gone."""
+    call, or its column copies, engine.copy_columns), the common entry copied where it is included, on the uniform
+    path and the general one: neither has inline clones of its own."""
     from optimshift.checkpoint import _uniform
 
     made: list[int] = []
-    real = engine.copy_each
+    real_each, real_columns = engine.copy_each, engine.copy_columns
 
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
+    def each(*args, **kwargs):
+        out = real_each(*args, **kwargs)
         made.extend(map(id, out))
         return out
 
-    monkeypatch.setattr(engine, "copy_each", spy)
+    def columns(*args, **kwargs):
+        columns.calls += 1  # type: ignore[attr-defined]
+        out = real_columns(*args, **kwargs)
+        made.extend(id(t) for column in out for t in column)
+        return out
+
+    monkeypatch.setattr(engine, "copy_each", each)
+    columns.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(engine, "copy_columns", columns)
     if not uniform:
         monkeypatch.setattr(_uniform, "TensorGuards", None)
     _, source = _trained(sim)
@@ -228,8 +237,10 @@ def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
             "param_groups": saved["param_groups"],
         }
         made.clear()
+        columns.calls = 0  # type: ignore[attr-defined]
         fresh = O.Adam([torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)], foreach=False)
         optimshift.load_state_dict(fresh, sd)
         assert {t.device.type for st in fresh.state.values() for k, t in st.items() if k != "step"} == {sim.type}
+        assert (columns.calls > 0) == uniform, "the load did not take the path this case names"
         installed = [id(t) for st in fresh.state.values() for t in st.values()]
         assert installed and set(installed) <= set(made), "a load installed a copy the engine did not make"

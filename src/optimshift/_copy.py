@@ -209,6 +209,14 @@ def _coalescible(t: torch.Tensor) -> bool:
     )
 
 
+def _pair_kind(pair: tuple[torch.device, torch.device], group: bool) -> tuple[bool, bool]:
+    """How copies from ``pair[0]`` to ``pair[1]`` go: (whether they may be staged through flat pool buffers: host
+    <-> accelerator, data to stage; whether a pinned source may be copied asynchronously)."""
+    source, target = pair
+    grouped = group and (source.type == "cpu") != (target.type == "cpu") and "meta" not in (source.type, target.type)
+    return grouped, pins_host_for(target)
+
+
 def copy_many(
     items: Sequence[tuple[torch.Tensor, torch.device]],
     options: Options,
@@ -251,12 +259,7 @@ def copy_many(
             items_left = ()
             first, target = items[0]
             pair = (first.device, target)
-            how = kinds[pair] = (
-                group
-                and (pair[0].type == "cpu") != (target.type == "cpu")
-                and "meta" not in (pair[0].type, target.type),
-                pins_host_for(target),
-            )
+            how = kinds[pair] = _pair_kind(pair, group)
             if how[0] and _coalescible(first):
                 groups[(pair[0], target, first.dtype)] = list(range(len(items)))
             else:
@@ -294,12 +297,7 @@ def copy_many(
             pair = (source, target)
             kind = kinds.get(pair)
             if kind is None:
-                kind = kinds[pair] = (
-                    group
-                    and (source.type == "cpu") != (target.type == "cpu")
-                    and "meta" not in (source.type, target.type),
-                    pins_host_for(target),
-                )
+                kind = kinds[pair] = _pair_kind(pair, group)
             if kind[0] and _coalescible(t):
                 groups.setdefault((source, target, t.dtype), []).append(i)
                 if t is not original:

@@ -180,14 +180,15 @@ def copy_columns(
     """:func:`copy_each` of columns the caller checked alike (the uniform load's: in each column plain, dense,
     contiguous tensors not requiring grad, of one device and one dtype, all bound for one device, uncast; no two
     tensors of any column on one storage): a clone each where a column stays, every column that moves in one
-    grouped batch per (source, target, dtype) (:func:`copy_items`), then one synchronize each. ``site(j, n)``
-    names tensor ``n`` of column ``j`` in an error's note, which says that nothing changed."""
+    grouped batch per (source, target, dtype, empty or not) (:func:`copy_items`), then one synchronize each.
+    ``site(j, n)`` names tensor ``n`` of column ``j`` in an error's note, which says that nothing changed."""
     out: list[list[torch.Tensor]] = []
-    moving: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
+    # (source, target, dtype, empty): a batch copy_many copies alike holds empty tensors only or none
+    moving: dict[tuple[torch.device, torch.device, torch.dtype, bool], list[int]] = {}
     for j, (tensors, device) in enumerate(columns):
         first = tensors[0] if tensors else None
         if first is not None and first.device != device:
-            moving.setdefault((first.device, device, first.dtype), []).append(j)
+            moving.setdefault((first.device, device, first.dtype, first.numel() == 0), []).append(j)
             out.append([])
             continue
         done: list[torch.Tensor] = []
@@ -199,7 +200,7 @@ def copy_columns(
             add_note(e, f"{what}: while copying {site(j, len(done))} to {device}; the optimizer is unchanged")
             raise
         out.append(done)
-    for (_, device, _), js in moving.items():  # (each batch one column for copy_many: one target, one dtype)
+    for (_, device, _, _), js in moving.items():  # (each batch one column for copy_many: one target, one dtype)
         starts = list(itertools.accumulate((len(columns[j][0]) for j in js), initial=0))
 
         def describe(n: int, js: list[int] = js, starts: list[int] = starts) -> str:

@@ -174,6 +174,50 @@ def test_options_load_as_the_general_path_loads_them(monkeypatch, taken, how):
     assert all(installed_as_saved) is (how == "copy=False")
 
 
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+def test_copy_false_onto_an_accelerator_moves_what_belongs_there_as_the_general_path(monkeypatch, taken, sim, into):
+    """``copy=False`` installs the checkpoint's own tensors only where they belong: a host checkpoint onto the
+    simulator has its moments moved there, as the general path (and torch) does. (Found by review: the uniform
+    path installed them on the host, and the next step failed on mixed devices.)"""
+    shapes = [(4, 3), (3,)]
+    _, source = _trained(O.Adam, {"foreach": False}, shapes, steps=K + 1)
+
+    def make():
+        if into == "fresh":
+            model = Model(shapes).to(sim)
+            return model, O.Adam([h.weight for h in model.parts], foreach=False)
+        return _trained(O.Adam, {"foreach": False}, shapes, device=sim)
+
+    got = _both(make, source.state_dict(), monkeypatch, copy=False)
+    devices = {(entry[0], entry[3].type) for row in got[0] for entry in row}
+    assert devices == {("step", "cpu"), ("exp_avg", sim.type), ("exp_avg_sq", sim.type)}
+
+
+def test_every_batch_copied_alike_is_all_empty_or_none(monkeypatch, sim):
+    """The uniform load's moving columns go to ``copy_many(alike=True)`` in batches that are all empty tensors or
+    none (what ``alike`` promises): an empty param beside others, first or not, onto the simulator. (Found by
+    review: a batch keyed by devices and dtype alone mixed the empty param's columns with the others', and an
+    empty first tensor sent the whole batch one tensor at a time.)"""
+    from optimshift import _copy
+
+    batches: list[list[bool]] = []
+    real = _copy.copy_many
+
+    def spy(items, *args, **kwargs):
+        if kwargs.get("alike"):
+            batches.append([t.numel() == 0 for t, _ in items])
+        return real(items, *args, **kwargs)
+
+    monkeypatch.setattr(_copy, "copy_many", spy)
+    monkeypatch.setattr("optimshift._engine.copy_many", spy)
+    for shapes in ([(0, 3), (4, 3), (3,)], [(4, 3), (0, 3), (3,)]):
+        _, source = _trained(O.Adam, {"foreach": False}, shapes, steps=K + 1)
+        model = Model(shapes).to(sim)
+        batches.clear()
+        optimshift.load_state_dict(O.Adam([h.weight for h in model.parts], foreach=False), source.state_dict())
+        assert batches and all(len(set(batch)) == 1 for batch in batches), batches
+
+
 def test_existing_state_takes_the_values_in_place(monkeypatch, taken):
     """Same objects, same storage, the checkpoint's bits, nothing shared with it."""
     _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,)], steps=K + 1)

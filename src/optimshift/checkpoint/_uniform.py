@@ -205,7 +205,9 @@ def build_uniform(
     if not _alias.own_storages(got):
         return None
     new_state: defaultdict[Any, Any] = defaultdict(dict)
-    if not st.copy:  # the checkpoint's own tensors, installed as they are
+    if not st.copy:  # the checkpoint's own tensors, installed as they are: only where each belongs
+        if any(any(layout.moves) for layout in every):
+            return None  # (moved by the general path, which copies only what must move)
         for p, saved, _, _, _ in rows:
             new_state[p] = dict(saved)
         return new_state

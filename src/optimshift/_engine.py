@@ -159,7 +159,7 @@ def copy_each(
                 new = copy_tensor(t, device)
                 out[i] = new if new.dtype == dtype else new.to(dtype)
     except Exception as e:
-        add_note(e, f"{what}: while copying {site(i)} to {items[i][1]}; the optimizer is unchanged")
+        _note_copy(e, what, site(i), items[i][1])
         raise
     if moving:  # (copy_many's note names the entry an error hit)
         batch = copy_items(
@@ -170,6 +170,12 @@ def copy_each(
         for i, copy in zip(moving, batch.copies):
             out[i] = copy
     return cast("list[torch.Tensor]", out)
+
+
+def _note_copy(error: BaseException, what: str, where: str, device: torch.device) -> None:
+    """The note a load's failed copy (an OOM on the 900th tensor) gets: the operation, the entry, its device, and
+    that nothing was installed yet."""
+    add_note(error, f"{what}: while copying {where} to {device}; the optimizer is unchanged")
 
 
 def copy_columns(
@@ -197,7 +203,7 @@ def copy_columns(
             for t in tensors:
                 append(t.clone())  # (the same place: keeps the strides, and is the cheapest copy)
         except Exception as e:
-            add_note(e, f"{what}: while copying {site(j, len(done))} to {device}; the optimizer is unchanged")
+            _note_copy(e, what, site(j, len(done)), device)
             raise
         out.append(done)
     for (_, device, _, _), js in moving.items():  # (each batch one column for copy_many: one target, one dtype)
@@ -250,7 +256,7 @@ def _copy_storages(
         try:
             copies = _alias.copy_storage([items[j][0] for j in at], device, functools.partial(_copied, to), dtype=to)
         except Exception as e:  # an OOM: nothing was installed yet
-            add_note(e, f"{what}: while copying {site(at[0])} to {device}; the optimizer is unchanged")
+            _note_copy(e, what, site(at[0]), device)
             raise
         for j, c in zip(at, copies):
             out[j] = c

@@ -209,7 +209,11 @@ def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
     - load into existing state: per param, its keys against the live ones, and per tensor its dtype, shape and
       device against the live tensor's (the least a load that refuses a mismatched checkpoint asks), then one
       ``copy_`` each;
-    - load into a fresh optimizer: the same checks against the param, then one ``clone`` each.
+    - load into a fresh optimizer: the same checks against the param, then one ``clone`` each;
+    - a correct load into existing state: that check and copy, after proving that no checkpoint tensor shares a
+      storage with another or with a live tensor, and that each live tensor is all that uses its storage;
+    - a correct load of a host checkpoint onto meta: a clone of each ``step`` (copy=True: nothing shared with the
+      state dict), ``.to`` of the others, a storage identity per checkpoint tensor, the class's ``__setstate__``.
     """
     n = n_tensors // 2
     swap_impl = torch._C._swap_tensor_impl
@@ -263,13 +267,49 @@ def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
             out.append({k: v.clone() for k, v in sv.items()})
         return out
 
-    t: dict[str, list[float]] = {name: [] for name in ("copy", "checked_copy", "clone", "checked_clone")}
+    # What a correct load must do on top (issue 27's "correct" floors): copy=True never shares a tensor with the
+    # state dict (the step that stays on the host is cloned), tensors of the checkpoint that share a storage stay
+    # sharing (so which do is known: a storage identity per tensor), a live tensor takes the values in place only
+    # where nothing else uses it or is it (a storage identity and use count per live tensor), and the class's
+    # __setstate__ runs, as in PyTorch.
+    address, use_count = torch._C._storage_address, torch._C._storage_Use_Count
+    flat_saved = [v for sv in saved for v in sv.values()]
+    flat_live = [v for st in live for v in st.values()]
+    owner = torch.optim.Adam(params, foreach=False)
+
+    def safe_copy() -> None:
+        got = set(map(address, flat_saved))
+        olds = list(map(address, flat_live))
+        if len(got) != len(flat_saved) or not got.isdisjoint(olds) or max(map(use_count, olds)) != 1:
+            raise ValueError("shared")
+        checked_copy()
+
+    onto = [torch.nn.Parameter(torch.zeros(16, device=meta)) for _ in range(n_params)]
+
+    def bare_to() -> dict[Any, Any]:  # (load_onto's baseline)
+        return {
+            p: {k: v.to(meta) if isinstance(v, torch.Tensor) and k != "step" else v for k, v in sv.items()}
+            for p, sv in zip(onto, saved)
+        }
+
+    def least_onto() -> None:
+        if len(set(map(address, flat_saved))) != len(flat_saved):
+            raise ValueError("shared")
+        state = {p: {k: v.clone() if k == "step" else v.to(meta) for k, v in sv.items()} for p, sv in zip(onto, saved)}
+        owner.__setstate__({"state": state, "param_groups": owner.param_groups})
+
+    t: dict[str, list[float]] = {
+        name: [] for name in ("copy", "checked_copy", "safe_copy", "clone", "checked_clone", "to", "least_onto")
+    }
     for _ in range(reps):
         for name, fn in (
             ("copy", bare_copy),
             ("checked_copy", checked_copy),
+            ("safe_copy", safe_copy),
             ("clone", bare_clone),
             ("checked_clone", checked_clone),
+            ("to", bare_to),
+            ("least_onto", least_onto),
         ):
             gc.collect()
             t[name].append(_timed(fn))
@@ -277,6 +317,8 @@ def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
         "move": move,
         "existing": _median_ratio(t["checked_copy"], t["copy"])[2],
         "fresh": _median_ratio(t["checked_clone"], t["clone"])[2],
+        "existing_correct": _median_ratio(t["safe_copy"], t["copy"])[2],
+        "onto_correct": _median_ratio(t["least_onto"], t["to"])[2],
     }
 
 
@@ -326,6 +368,11 @@ def main() -> None:
         print(
             f"floors (the least any implementation does, same baselines): move {f['move']:.2f}x; load into a fresh "
             f"optimizer {f['fresh']:.2f}x; load into existing state {f['existing']:.2f}x"
+        )
+        print(
+            "floors of a correct load (copy=True clones the step, shared storages known, in-place writes only into "
+            f"tensors nothing else uses, __setstate__ run): into existing state {f['existing_correct']:.2f}x the "
+            f"copy_ loop; a host checkpoint onto meta {f['onto_correct']:.2f}x the .to(meta) loop"
         )
 
 

@@ -17,8 +17,10 @@ the engine (:mod:`optimshift._engine`) decides what to copy and commits the copi
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, cast
 
 import torch
@@ -217,6 +219,9 @@ def _pair_kind(pair: tuple[torch.device, torch.device], group: bool) -> tuple[bo
     return grouped, pins_host_for(target)
 
 
+_first = itemgetter(0)
+
+
 def copy_many(
     items: Sequence[tuple[torch.Tensor, torch.device]],
     options: Options,
@@ -262,6 +267,13 @@ def copy_many(
             how = kinds[pair] = _pair_kind(pair, group)
             if how[0] and _coalescible(first):
                 groups[(pair[0], target, first.dtype)] = list(range(len(items)))
+            elif inline and not non_blocking and not how[1]:  # (a plain .to each, in one pass in C)
+                made: list[torch.Tensor] = []
+                try:
+                    made.extend(map(plain.to, map(_first, items), itertools.repeat(target)))
+                finally:
+                    current = len(made)  # (the one that failed, if one did)
+                copies[:] = made
             else:
                 for current, (t, _) in enumerate(items):  # (as the plain tensors below, one by one)
                     if not inline:

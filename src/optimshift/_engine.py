@@ -198,10 +198,8 @@ def copy_columns(
             out.append([])
             continue
         done: list[torch.Tensor] = []
-        append = done.append
-        try:
-            for t in tensors:
-                append(t.clone())  # (the same place: keeps the strides, and is the cheapest copy)
+        try:  # (the same place: a clone each, which keeps the strides and is the cheapest copy; in one pass in C)
+            done.extend(map(torch.Tensor.clone, tensors))
         except Exception as e:
             _note_copy(e, what, site(j, len(done)), device)
             raise

@@ -340,6 +340,45 @@ def test_anything_else_takes_the_general_path(monkeypatch, taken, what, into):
         assert group["extra"]["more"][0][0] is not sd["param_groups"][0]["extra"]["more"][0][0]
 
 
+def _lanes(monkeypatch):
+    """Whether each uniform load's (first) group was checked at once (``_whole_group``) or left to the loop."""
+    calls: list[bool] = []
+    real = _uniform._whole_group
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(_uniform, "_whole_group", spy)
+    return calls
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+@pytest.mark.parametrize("what", ["one kind", "another shape last", "a param without state", "another key order"])
+def test_a_group_of_one_kind_is_checked_at_once_else_row_by_row(monkeypatch, taken, what, into):
+    """Every param of its group of one kind, each with state of that kind (keys in the kind's order): the group's
+    rows are checked at once; anything else row by row (which sends a row in another key order to the general
+    path); all load as the general path loads."""
+    shapes = [(4,)] * 5 + [(2,) if what == "another shape last" else (4,)]
+    lanes = _lanes(monkeypatch)
+
+    def make():
+        model, opt = _trained(O.Adam, {"foreach": False}, shapes)
+        if into == "fresh":
+            opt.state.clear()
+        return model, opt
+
+    sd = _trained(O.Adam, {"foreach": False}, shapes, steps=K + 1)[1].state_dict()
+    if what == "a param without state":
+        del sd["state"][5]
+    elif what == "another key order":
+        sd["state"][5] = {k: sd["state"][5][k] for k in ("exp_avg", "step", "exp_avg_sq")}
+    _both(make, sd, monkeypatch)
+    assert taken[0] is (what != "another key order")  # (a row in another order than its kind's: the general path)
+    assert lanes[0] is (what == "one kind")
+
+
 def test_a_param_without_state_is_uniform(monkeypatch, taken):
     """A param a lazy class never stepped has no state: it is skipped, as the general path skips it."""
     _both(
@@ -369,14 +408,18 @@ def test_under_inference_mode_the_general_path_loads(monkeypatch, taken):
         "another key order",
     ],
 )
-def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, live):
+@pytest.mark.parametrize("shapes", [((3, 3), (3,), (3,)), ((3,), (3,), (3,))], ids=["two kinds", "one kind"])
+def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, live, shapes):
     """The live tensors of a uniform checkpoint are judged one by one as the general path judges them: those that
-    cannot be written in place get a copy, adopted into the live object."""
-    sd = _adam_sd()
+    cannot be written in place get a copy, adopted into the live object. (Params of one kind: the group's rows are
+    checked at once, :func:`_uniform._whole_group`, which leaves live state under another key order, or not of its
+    kind, to the loop row by row.)"""
+    sd = _adam_sd(shapes)
     keep = []
+    lanes = _lanes(monkeypatch)
 
     def make():
-        model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
+        model, opt = _trained(O.Adam, {"foreach": False}, list(shapes))
         p0, p1, _ = (h.weight for h in model.parts)
         if live == "an inference tensor":
             with torch.inference_mode():
@@ -398,6 +441,15 @@ def test_live_tensors_that_cannot_take_values_in_place(monkeypatch, taken, live)
 
     got = _both(make, sd, monkeypatch)
     assert taken[0] is True
+    # (one kind: at once, but where the live state is not the checkpoint's keys in order, or an entry is no
+    # tensor, or not of its kind, or one tensor is there twice, which TensorGuards refuses; two kinds: never)
+    at_once = shapes[0] == (3,) and live not in (
+        "another key order",
+        "a float step",
+        "an inference tensor",
+        "one tensor twice",
+    )
+    assert lanes[0] is at_once
     written = [entry[7] for row in got[0] for entry in row]
     if live == "another key order":
         assert all(written)

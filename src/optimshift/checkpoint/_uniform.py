@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import chain, repeat
+from itertools import chain, repeat, starmap
+from operator import itemgetter
 from typing import Any, Protocol
 
 import torch
@@ -99,6 +100,7 @@ class _Layout:
 
 # (param, its saved state, its layout, group, index)
 _Row = tuple[torch.Tensor, Mapping[Any, Any], _Layout, int, int]
+_param_of = itemgetter(0)
 
 
 class _Kind:
@@ -109,7 +111,7 @@ class _Kind:
     same for a row's entries followed by its live tensors (into existing state); ``layout``: how its entries are
     copied."""
 
-    __slots__ = ("order", "keys", "check", "both", "layout")
+    __slots__ = ("order", "keys", "check", "both", "param", "layout")
 
     def __init__(
         self,
@@ -117,9 +119,11 @@ class _Kind:
         keys: frozenset[Any],
         check: Callable[..., bool],
         both: Callable[..., bool],
+        param: Callable[[torch.Tensor], bool] | None,
         layout: _Layout,
     ) -> None:
         self.order, self.keys, self.check, self.both, self.layout = order, keys, check, both, layout
+        self.param = param
 
 
 def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -150,6 +154,8 @@ def build_uniform(
     layouts: dict[tuple[Any, ...], _Layout] = {}
     for gi, (lg, sg, ng) in enumerate(zip(st.opt.param_groups, saved_groups, new_groups)):
         kinds: dict[tuple[Any, ...], _Kind | None] = {}
+        if _whole_group(st, target, gi, lg["params"], sg["params"], ng, states, kinds, layouts, rows, live_get, alike):
+            continue
         for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
             saved = states.get(sid)
             if saved is None:
@@ -230,10 +236,71 @@ def build_uniform(
             width = len(layout.order)
             its[id(layout)] = zip(*made[start : start + width])
             start += width
+    if len(every) == 1 and its[id(every[0])] is not None:  # (one layout, copied: every row's dict in one pass in C)
+        order = every[0].order
+        new_state.update(zip(map(_param_of, rows), map(dict, map(zip, repeat(order), its[id(every[0])]))))  # type: ignore[arg-type]
+        return new_state
     for p, _, layout, _, _ in rows:
         it = its[id(layout)]
         new_state[p] = dict(live_get(id(p))) if it is None else dict(zip(layout.order, next(it)))  # type: ignore[misc, arg-type]
     return new_state
+
+
+def _whole_group(
+    st: Staging,
+    target: Placer,
+    gi: int,
+    params: Sequence[torch.Tensor],
+    ids: Sequence[Any],
+    group: Mapping[str, Any],
+    states: Mapping[Any, Any],
+    kinds: dict[tuple[Any, ...], _Kind | None],
+    layouts: dict[tuple[Any, ...], _Layout],
+    rows: list[_Row],
+    live_get: Callable[[int], Any] | None,
+    alike: bool,
+) -> bool:
+    """Add group ``gi``'s rows at once where every param is of its first param's kind and has state of that kind
+    (and, into existing state, live state holding the same keys in the same order, each entry of its kind when
+    ``alike``): the checks of :func:`build_uniform`'s loop, one C call a row and no Python one. False (nothing
+    added) leaves the group to that loop: params of several kinds, one without state, anything it decides."""
+    if not params:
+        return False
+    saved: list[Any] = list(map(states.get, ids))
+    if set(map(type, saved)) != {dict}:  # (None: a param without state)
+        return False
+    p = params[0]
+    kind_key = (p.shape, p.dtype, p.device)
+    kind = kinds.get(kind_key)
+    if kind is None:
+        kind = kinds[kind_key] = _kind(st, target, gi, 0, group, p, saved[0], layouts)
+    if kind is None or kind.param is None:
+        return False
+    order, check_param = kind.order, kind.param
+    olds: list[Any] | None = None
+    try:
+        if not (all(map(order.__eq__, map(tuple, saved))) and all(map(check_param, params))):
+            return False
+        values = list(map(dict.values, saved))
+        if live_get is not None:
+            lives = list(map(live_get, map(id, params)))
+            if None in lives or not all(map(order.__eq__, map(tuple, lives))):
+                return False
+            olds = list(map(dict.values, lives))
+        if not (
+            all(starmap(kind.both, map(chain, values, olds)))
+            if olds is not None and alike
+            else all(starmap(kind.check, values))
+        ):
+            return False
+    except Exception:  # (an entry that is no tensor)
+        return False
+    layout = kind.layout
+    layout.got.extend(chain.from_iterable(values))
+    if olds is not None:
+        layout.olds.extend(chain.from_iterable(olds))
+    rows.extend(zip(params, saved, repeat(layout), repeat(gi), range(len(params))))
+    return True
 
 
 def _into_existing(
@@ -334,13 +401,17 @@ def _kind(
         both = TensorGuards(*refs, *refs, dynamic_dims_sizes=sizes * 2, dynamic_dims_strides=strides * 2)
     except Exception:  # (a torch whose TensorGuards takes other arguments: the general path)
         return None
+    try:  # (another param of this kind: the same class, dtype, device, sizes and strides as ``p``)
+        param = TensorGuards(p, dynamic_dims_sizes=[pshape], dynamic_dims_strides=[list(p.stride())]).check
+    except Exception:  # (a param TensorGuards cannot check: its group's rows go one by one)
+        param = None
     order = tuple(saved)
     sources = tuple((t.device, t.dtype) for t in refs)
     layout_key = (order, sources, tuple(devices), 0 in pshape)  # (a column's tensors all empty, or none)
     layout = layouts.get(layout_key)
     if layout is None:
         layout = layouts[layout_key] = _Layout(order, devices, [t.device != d for t, d in zip(refs, devices)])
-    return _Kind(order, frozenset(saved), guard.check, both.check, layout)
+    return _Kind(order, frozenset(saved), guard.check, both.check, param, layout)
 
 
 def _in_place(

@@ -517,6 +517,27 @@ def test_a_copied_optimizer_state_dict_loads_uniformly_into_its_twin(monkeypatch
     assert taken[0] is True
 
 
+@pytest.mark.parametrize("shapes", [[(4,)] * 4, [(4, 3), (3,), (3,)]], ids=["one kind", "two kinds"])
+def test_its_own_state_dict_loads_into_it_as_the_general_path_loads_it(monkeypatch, taken, shapes):
+    """``load_state_dict(opt, opt.state_dict())``: every live tensor is the checkpoint's own, so none takes the
+    values in place (the state dict would keep holding it): each gets a copy, adopted into the live object."""
+    outcomes = []
+    for uniform in (True, False):
+        _, opt = _trained(O.Adam, {"foreach": False}, shapes)
+        sd = opt.state_dict()
+        before = _live(opt)
+        with monkeypatch.context() as m:
+            if not uniform:
+                m.setattr(_uniform, "TensorGuards", None)
+            optimshift.load_state_dict(opt, sd)
+        outcomes.append(_facts(opt, before, sd))
+    assert taken == [True, False]  # (the uniform load, then the general one)
+    assert _same(outcomes[0], outcomes[1])
+    kept = [entry[6:] for row in outcomes[0][0] for entry in row]
+    # (the live object, which the state dict holds too, as torch's state_dict() does, on a new storage)
+    assert kept and all(k == (True, False, True) for k in kept)
+
+
 _SHAPES = [(4, 3), (3,), (3,), (3,), (2, 2), (3,)]
 
 

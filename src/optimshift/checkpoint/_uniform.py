@@ -236,9 +236,12 @@ def build_uniform(
             width = len(layout.order)
             its[id(layout)] = zip(*made[start : start + width])
             start += width
-    if len(every) == 1 and its[id(every[0])] is not None:  # (one layout, copied: every row's dict in one pass in C)
-        order = every[0].order
-        new_state.update(zip(map(_param_of, rows), map(dict, map(zip, repeat(order), its[id(every[0])]))))  # type: ignore[arg-type]
+    if len(every) == 1:  # (one layout: every row's dict in one pass in C)
+        it, params = its[id(every[0])], list(map(_param_of, rows))
+        if it is None:
+            new_state.update(zip(params, map(dict, map(live_get, map(id, params)))))  # type: ignore[arg-type]
+        else:
+            new_state.update(zip(params, map(dict, map(zip, repeat(every[0].order), it))))
         return new_state
     for p, _, layout, _, _ in rows:
         it = its[id(layout)]
@@ -287,11 +290,9 @@ def _whole_group(
             if None in lives or not all(map(order.__eq__, map(tuple, lives))):
                 return False
             olds = list(map(dict.values, lives))
-        if not (
-            all(starmap(kind.both, map(chain, values, olds)))
-            if olds is not None and alike
-            else all(starmap(kind.check, values))
-        ):
+        # (the live tensors against the same references, apart: a live tensor that is the checkpoint's own is
+        # found by the in-place rule, see _into_existing)
+        if not (all(starmap(kind.check, values)) and (olds is None or not alike or all(starmap(kind.check, olds)))):
             return False
     except Exception:  # (an entry that is no tensor)
         return False

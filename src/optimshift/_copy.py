@@ -271,8 +271,9 @@ def copy_many(
                 made: list[torch.Tensor] = []
                 try:
                     made.extend(map(plain.to, map(_first, items), itertools.repeat(target)))
-                finally:
-                    current = len(made)  # (the one that failed, if one did)
+                except BaseException:
+                    current = len(made)  # (the one that failed)
+                    raise
                 copies[:] = made
             else:
                 for current, (t, _) in enumerate(items):  # (as the plain tensors below, one by one)

@@ -379,6 +379,56 @@ def test_a_group_of_one_kind_is_checked_at_once_else_row_by_row(monkeypatch, tak
     assert lanes[0] is (what == "one kind")
 
 
+@pytest.mark.parametrize("into", ["fresh", "existing state"])
+@pytest.mark.parametrize("other", ["shape", "dtype"])
+def test_a_param_of_another_kind_under_rows_of_the_first_kind_fails_as_the_general_path_fails(
+    monkeypatch, taken, into, other
+):
+    """Every checkpoint row of the group's first kind, but the last param of another shape or dtype: the group is
+    not checked at once (its param guard), and the load fails as the general path fails, naming param 5."""
+    lanes = _lanes(monkeypatch)
+
+    def make():
+        model, opt = _trained(O.Adam, {"foreach": False}, [(4,)] * 5 + [(2,) if other == "shape" else (4,)])
+        if other == "dtype":
+            last = opt.param_groups[0]["params"][-1]
+            opt.state.pop(last, None)
+            last.data = last.data.double()
+        if into == "fresh":
+            opt.state.clear()
+        return model, opt
+
+    sd = _trained(O.Adam, {"foreach": False}, [(4,)] * 6, steps=K + 1)[1].state_dict()
+    got = _both(make, sd, monkeypatch)
+    assert lanes[0] is False
+    assert got[0] is ValueError and "param 5" in got[1]
+
+
+@pytest.mark.parametrize("groups", ["one group", "two groups"])
+def test_rows_of_no_entries_load_as_the_general_path_loads_them(monkeypatch, taken, groups):
+    """A checkpoint row ``{}`` (left by an access to ``opt.state[p]``; torch installs it as it is): the general
+    path loads it. (The uniform path installed no state for such params, or stopped with a bare StopIteration
+    beside another layout.)"""
+
+    def make(steps=K):
+        model = Model([(4,)] * 4)
+        ps = [h.weight for h in model.parts]
+        if groups == "one group":
+            opt = O.SGD(ps, lr=0.1, foreach=False)
+        else:
+            opt = O.SGD([{"params": ps[:2], "momentum": 0.9}, {"params": ps[2:]}], lr=0.1, foreach=False)
+        train(model, opt, range(steps))
+        return model, opt
+
+    sd = make(K + 1)[1].state_dict()
+    sd["state"].update({i: {} for i in range(4 if groups == "one group" else 2, 4)})
+    if groups == "one group":
+        sd["state"].update({i: {} for i in range(4)})
+    got = _both(make, sd, monkeypatch)
+    assert taken[0] is False
+    assert [row for row in got[0][2 if groups == "two groups" else 0 :]] == [[]] * (2 if groups == "two groups" else 4)
+
+
 def test_a_param_without_state_is_uniform(monkeypatch, taken):
     """A param a lazy class never stepped has no state: it is skipped, as the general path skips it."""
     _both(
@@ -522,6 +572,7 @@ def test_its_own_state_dict_loads_into_it_as_the_general_path_loads_it(monkeypat
     """``load_state_dict(opt, opt.state_dict())``: every live tensor is the checkpoint's own, so none takes the
     values in place (the state dict would keep holding it): each gets a copy, adopted into the live object."""
     outcomes = []
+    lanes = _lanes(monkeypatch)
     for uniform in (True, False):
         _, opt = _trained(O.Adam, {"foreach": False}, shapes)
         sd = opt.state_dict()
@@ -532,6 +583,7 @@ def test_its_own_state_dict_loads_into_it_as_the_general_path_loads_it(monkeypat
             optimshift.load_state_dict(opt, sd)
         outcomes.append(_facts(opt, before, sd))
     assert taken == [True, False]  # (the uniform load, then the general one)
+    assert lanes == [len(set(shapes)) == 1]  # (one kind: at once, its live tensors checked apart from the sd's)
     assert _same(outcomes[0], outcomes[1])
     kept = [entry[6:] for row in outcomes[0][0] for entry in row]
     # (the live object, which the state dict holds too, as torch's state_dict() does, on a new storage)

@@ -287,7 +287,7 @@ def _whole_group(
         values = list(map(dict.values, saved))
         if live_get is not None:
             lives = list(map(live_get, map(id, params)))
-            if None in lives or not all(map(order.__eq__, map(tuple, lives))):
+            if not all(map(order.__eq__, map(tuple, lives))):  # (None, no live state: raises, below)
                 return False
             olds = list(map(dict.values, lives))
         # (the live tensors against the same references, apart: a live tensor that is the checkpoint's own is
@@ -363,6 +363,8 @@ def _kind(
     requiring grad) or a check fails (the general path raises, naming it). Its layout is found in (or added to)
     ``layouts``."""
     spec = st.spec(gi, group, p.dim())
+    if not saved:  # (a row of no entries, which an access to opt.state[p] leaves: a layout of no columns has no rows)
+        return None
     if spec.keys != saved.keys() or spec.tensors != spec.keys or spec.shaped | spec.scalars != spec.tensors:
         return None
     pshape = list(p.shape)

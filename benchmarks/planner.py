@@ -176,12 +176,22 @@ def load(n_params: int, reps: int) -> dict[str, float]:
     }
 
 
-def load_onto(n_params: int, reps: int, where: str) -> dict[str, float]:
+_MIXED = ((16,), (4, 4), (8,), (2, 8))  # (a real model's params are of several shapes: kinds one after another)
+
+
+def load_onto(n_params: int, reps: int, where: str, mixed: bool = False) -> dict[str, float]:
     """A host checkpoint into a fresh optimizer whose params are on ``where`` (the common resume), against a bare
-    ``state[p] = {k: v.to(device)}`` loop (issue 27)."""
+    ``state[p] = {k: v.to(device)}`` loop (issue 27); ``mixed``: params of four shapes in turn."""
     device = torch.device("meta") if where == "meta" else simulated_accelerator()
-    sd = _adam(n_params, "cpu", numel=16).state_dict()
-    params = [torch.nn.Parameter(torch.zeros(16, device=device)) for _ in range(n_params)]
+    shapes = _MIXED if mixed else ((16,),)
+    source = [torch.nn.Parameter(torch.zeros(shapes[i % len(shapes)])) for i in range(n_params)]
+    opt = torch.optim.Adam(source, foreach=False)
+    for p in source:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    del opt, source
+    params = [torch.nn.Parameter(torch.zeros(shapes[i % len(shapes)], device=device)) for i in range(n_params)]
 
     def bare_to() -> dict[Any, Any]:
         return {
@@ -357,11 +367,12 @@ def main() -> None:
             f"bare clone loop; into existing state {r['existing_vs_copy']:.2f}x a bare copy_ loop (goal <= 1.5x "
             "each); medians: fresh %.0f ms, clone loop %.0f ms, existing %.0f ms, copy_ loop %.0f ms" % r["ms"]
         )
-    for where in ("meta", "sim") if "load" in args.only else ():
-        r = load_onto(args.params, args.reps, where)
+    for where, mixed in (("meta", False), ("sim", False), ("meta", True)) if "load" in args.only else ():
+        r = load_onto(args.params, args.reps, where, mixed)
         print(
-            f"load_state_dict of a host checkpoint, {r['params']} params, into a fresh optimizer on {where}: "
-            f"{r['ratio']:.2f}x a bare .to({where}) loop (goal <= 1.5x); medians %.0f ms against %.0f ms" % r["ms"]
+            f"load_state_dict of a host checkpoint, {r['params']} params{' of 4 shapes in turn' if mixed else ''}, "
+            f"into a fresh optimizer on {where}: {r['ratio']:.2f}x a bare .to({where}) loop (goal <= 1.5x); "
+            "medians %.0f ms against %.0f ms" % r["ms"]
         )
     if "floors" in args.only:
         f = floors(args.tensors, args.params, args.reps)

@@ -25,6 +25,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any, cast
 
 import torch
@@ -718,12 +719,20 @@ def _write_in_place(
                         old.copy_(new)
 
 
+_grad_of = attrgetter("grad")
+
+
 def outside_owned(optimizer: Any) -> set[int]:
     """ids of the optimizer's params and their grads: a state entry that *is* one of them (a frozen param kept
     as state) must be replaced, never changed in place, or the model would move with the state."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     owned = set(map(id, params))
-    owned.update(id(p.grad) for p in params if isinstance(p, torch.Tensor) and p.grad is not None)
+    try:
+        grads = list(map(_grad_of, params))  # (in one pass in C: every param a tensor, as torch.optim requires)
+    except AttributeError:
+        grads = [p.grad for p in params if isinstance(p, torch.Tensor)]
+    owned.update(map(id, grads))
+    owned.discard(id(None))  # (a param without a grad)
     return owned
 
 

@@ -148,7 +148,7 @@ def build_uniform(
     target = policy_target(st.opt, st.device, remembered=False)
     lives = st.copy and bool(st.opt.state) and st.torch_setstate
     # (by id: a tensor's hash is a Python call)
-    live_get = {id(p): live for p, live in st.opt.state.items()}.get if lives else None
+    live_get = dict(zip(map(id, st.opt.state), st.opt.state.values())).get if lives else None
     alike = lives  # (every live entry of the kind of its checkpoint tensor, so far)
     rows: list[_Row] = []
     layouts: dict[tuple[Any, ...], _Layout] = {}

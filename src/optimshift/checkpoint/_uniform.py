@@ -108,8 +108,9 @@ class _Kind:
     first param holds it. ``order``: its keys in their order (every row of the kind holds them in it: each entry
     is checked against its own key's); ``check``: every other row's entries against the first's, in one C call
     (``TensorGuards``: the shaped entries have the param's sizes and strides, the scalars none); ``both``: the
-    same for a row's entries followed by its live tensors (into existing state); ``layout``: how its entries are
-    copied."""
+    same for a row's entries followed by its live tensors (into existing state); ``param``: another param against
+    the first (class, dtype, device, sizes, strides; None where TensorGuards cannot check it), for a group checked
+    at once (:func:`_whole_group`); ``layout``: how its entries are copied."""
 
     __slots__ = ("order", "keys", "check", "both", "param", "layout")
 
@@ -122,8 +123,8 @@ class _Kind:
         param: Callable[[torch.Tensor], bool] | None,
         layout: _Layout,
     ) -> None:
-        self.order, self.keys, self.check, self.both, self.layout = order, keys, check, both, layout
-        self.param = param
+        self.order, self.keys, self.check, self.both, self.param = order, keys, check, both, param
+        self.layout = layout
 
 
 def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -287,7 +288,7 @@ def _whole_group(
         values = list(map(dict.values, saved))
         if live_get is not None:
             lives = list(map(live_get, map(id, params)))
-            if not all(map(order.__eq__, map(tuple, lives))):  # (None, no live state: raises, below)
+            if not all(map(order.__eq__, map(tuple, lives))):  # (None, no live state: tuple() raises, caught below)
                 return False
             olds = list(map(dict.values, lives))
         # (the live tensors against the same references, apart: a live tensor that is the checkpoint's own is
@@ -362,9 +363,9 @@ def _kind(
     not the common one (a plain, dense, contiguous tensor right under its key, staying where it is, not
     requiring grad) or a check fails (the general path raises, naming it). Its layout is found in (or added to)
     ``layouts``."""
-    spec = st.spec(gi, group, p.dim())
     if not saved:  # (a row of no entries, which an access to opt.state[p] leaves: a layout of no columns has no rows)
         return None
+    spec = st.spec(gi, group, p.dim())
     if spec.keys != saved.keys() or spec.tensors != spec.keys or spec.shaped | spec.scalars != spec.tensors:
         return None
     pshape = list(p.shape)

@@ -24,3 +24,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on its test (``item.rep_call``...): a fixture's teardown asks whether the test passed."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

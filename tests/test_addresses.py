@@ -34,26 +34,33 @@ CONFIGS = [
 
 class _FromHere:
     """The simulator's driver (one per process), its mapped bytes counted from the test's start: what an earlier
-    test that failed left mapped (its optimizer kept alive by the traceback pytest holds) is not this test's, and
-    each test still sees its own leaks (every one ends asserting what it left mapped)."""
+    test that failed left mapped (its optimizer kept alive by the traceback pytest holds) is not this test's.
+    Everything else is the driver's."""
 
     def __init__(self, driver: SimDriver) -> None:
         self._driver = driver
         self._base = {device: driver.mapped(device) for device in (0, 1)}
 
     def mapped(self, device: int = 0) -> int:
-        return self._driver.mapped(device) - self._base[device]
+        return self._driver.mapped(device) - self._base.get(device, 0)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._driver, name)
 
 
 @pytest.fixture
-def driver(sim) -> SimDriver:
+def driver(sim, request):
+    """The simulator's driver (:class:`_FromHere`). A test that passed must leave nothing mapped once its objects
+    are gone: checked after it, so that a leak is its own error, whatever runs next."""
     d = _vmm.driver_for(sim)
     assert isinstance(d, SimDriver)
     gc.collect()  # (an earlier test's optimizers, gone but for cycles)
-    return _FromHere(d)  # type: ignore[return-value]  # (a SimDriver in all but mapped())
+    here = _FromHere(d)
+    yield here
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.passed:
+        gc.collect()
+        assert [here.mapped(0), here.mapped(1)] == [0, 0], "the test left device memory mapped"
 
 
 def _trained(device, cls=torch.optim.Adam, kwargs=None, shapes=SHAPES, steps=2):

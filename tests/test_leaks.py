@@ -102,3 +102,27 @@ def test_the_probe_and_load_caches_keep_no_tensor_of_the_user(sim, tmp_path):
     refs += [weakref.ref(t) for st in sd["state"].values() for t in st.values() if isinstance(t, torch.Tensor)]
     del lr, params, adam, custom_params, custom, opt, ps, p, sd
     assert not _alive(refs), "a cache keeps an object of the user's"
+
+
+def test_a_streamed_optimizer_dropped_frees_its_host_buffers_without_the_collector(sim):
+    """``stream()`` installs ``step`` and ``load_state_dict`` on the optimizer; were they methods bound to it, the
+    optimizer would sit in a reference cycle and its host buffers (pinned memory on a GPU) stay in use until the
+    collector ran. Dropped while streamed, it goes at once, and so do its buffers."""
+    from optimshift.pool import host_pool
+
+    params, opt = _trained(sim)
+    gc.collect()
+    before = host_pool.stats().in_use
+    optimshift.stream(opt)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert host_pool.stats().in_use > before  # (the state is in the pool's buffers)
+    ref = weakref.ref(opt)
+    gc.disable()
+    try:
+        del opt
+        assert ref() is None, "a streamed optimizer outlives its last reference (a reference cycle)"
+        assert host_pool.stats().in_use == before
+    finally:
+        gc.enable()

@@ -370,7 +370,9 @@ def test_refusals_name_the_reason_and_change_nothing(sim):
     class Quiet(torch.optim.Adam):  # a subclass that keeps Adam's step is Adam
         pass
 
-    optimshift.unstream(optimshift.stream(Quiet(_params(model))).optimizer)
+    quiet = Quiet(_params(model))  # (the handle refers to it weakly: it is the caller's)
+    assert optimshift.stream(quiet).optimizer is quiet
+    optimshift.unstream(quiet)
 
     opt = torch.optim.Adam(_params(model), foreach=False)
     train(model, opt, range(1))

@@ -41,9 +41,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import types
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar, cast
 
@@ -137,7 +136,6 @@ class Streamed:
         self._pending: dict[torch.device, Any] = {}  # device -> event after its last queued write-back
         self._stale = False  # a load replaced the state and laying it out failed: retried at the next step
         self._saved: dict[str, Any] = {}
-        self._installed: dict[str, Callable[..., Any]] = {}
         self._handles: list[Any] = []
         self._active = False
 
@@ -507,18 +505,27 @@ class Streamed:
             return streamed._step(args, kwargs)
 
         hooked = torch.optim.Optimizer.profile_hook_step(step)  # torch's wrapper: the step hooks fire once
-        # NOTE: an LR scheduler wraps optimizer.step to record that it ran (_opt_called), unless the step says
-        # it is wrapped already. Ours records it itself, and so is never wrapped: unstream() can restore
-        # exactly what was there before.
-        hooked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
-        def load(self_: Any, state_dict: Any) -> None:
-            _load_state_dict(self_, state_dict, flags="checkpoint", cast="param")  # torch's choices, into host state
+        # NOTE: installed as plain functions that find the optimizer through the mode's weak reference, as an LR
+        # scheduler's step wrapper does: a method bound to the optimizer, in its own __dict__, would be a
+        # reference cycle, and a dropped streamed optimizer would hold its host buffers until the collector ran.
+        # Nothing here refers to them back (unstream() knows them by their mark), so no cycle forms that way.
+        def streamed_step(*args: Any, **kwargs: Any) -> Any:
+            return hooked(streamed.optimizer, *args, **kwargs)
 
-        self._installed = {"step": hooked, "load_state_dict": load}
-        for attr, fn in self._installed.items():
+        def streamed_load_state_dict(state_dict: Any) -> None:
+            # torch's choices, into host state
+            _load_state_dict(streamed.optimizer, state_dict, flags="checkpoint", cast="param")
+
+        # An LR scheduler wraps optimizer.step to record that it ran (_opt_called), unless the step says it is
+        # wrapped already. Ours records it itself, and so is never wrapped: unstream() can restore exactly what
+        # was there before.
+        streamed_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        installed: dict[str, Any] = {"step": streamed_step, "load_state_dict": streamed_load_state_dict}
+        for attr, fn in installed.items():
+            fn._optimshift_streamed = self
             self._saved[attr] = opt.__dict__.get(attr, _MISSING)
-            setattr(opt, attr, types.MethodType(fn, opt))
+            setattr(opt, attr, fn)
         self._handles = [
             opt.register_state_dict_pre_hook(lambda _opt: self.wait()),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
@@ -532,8 +539,7 @@ class Streamed:
             handle.remove()
         self._handles = []
         for attr, previous in self._saved.items():
-            current = opt.__dict__.get(attr)
-            if getattr(current, "__func__", None) is self._installed[attr]:
+            if getattr(opt.__dict__.get(attr), "_optimshift_streamed", None) is self:
                 if previous is _MISSING:
                     del opt.__dict__[attr]
                 else:

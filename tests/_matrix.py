@@ -82,6 +82,22 @@ class Holder(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(shape, generator=g))
 
 
+class Delegating:
+    """A wrapper that delegates to the optimizer it holds, as Accelerate's and Lightning's do (its own object,
+    the inner optimizer's param_groups and state)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+
 class Model(torch.nn.Module):
     """One sub-module per param, so that a test can move some of them (params split over devices)."""
 

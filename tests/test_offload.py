@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import optimshift
-from _matrix import CASES, Model, bitwise_equal, snapshot, state_layout, tensor_ids, train
+from _matrix import CASES, Delegating, Model, bitwise_equal, snapshot, state_layout, tensor_ids, train
 
 
 def _all_on_host(opt):
@@ -148,3 +148,25 @@ def test_offloaded_frees_simulated_device_memory(sim):
         assert with_state - simulated_memory_allocated(0) == 2 * 64 * 64 * 4  # exp_avg, exp_avg_sq
     gc.collect()
     assert simulated_memory_allocated(0) == with_state
+
+
+def test_operations_on_a_wrapper_are_the_wrapped_optimizers(sim):
+    # Before: offload(wrapper) kept its record on the wrapper, so is_offloaded(inner) was False and reload(inner)
+    # was a no-op that left the state on the host.
+    model = Model([(4, 3), (3,)]).to(sim)
+    inner = torch.optim.Adam(list(model.parameters()))
+    train(model, inner, range(1))
+    layout, ids = state_layout(inner), tensor_ids(inner)
+    wrapper = Delegating(inner)
+    assert optimshift.offload(wrapper) is wrapper  # what a call is given back is what it was given
+    assert optimshift.is_offloaded(inner) and optimshift.is_offloaded(wrapper)
+    assert _all_on_host(inner)
+    assert optimshift.reload(inner) is inner
+    assert state_layout(inner) == layout and tensor_ids(inner) == ids and not optimshift.is_offloaded(wrapper)
+    optimshift.offload(inner)
+    assert optimshift.reload(wrapper) is wrapper and state_layout(inner) == layout and tensor_ids(inner) == ids
+    assert optimshift.check(wrapper).ok and len(optimshift.placement(wrapper)) == len(optimshift.placement(inner))
+    optimshift.offload(wrapper)
+    assert optimshift.keep_addresses(wrapper) is wrapper
+    optimshift.reload(wrapper)
+    assert state_layout(inner) == layout and tensor_ids(inner) == ids

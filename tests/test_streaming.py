@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import optimshift
-from _matrix import Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
+from _matrix import Delegating, Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
 from optimshift import _device_streams, _engine, _streaming
 from optimshift.testing import simulated_memory_allocated
 
@@ -768,3 +768,83 @@ def test_a_grad_kept_as_state_stays_the_params(sim):
     assert p.grad is grad and grad.device == sim and bitwise_equal(grad.cpu(), values)
     kept = opt.state[p]["kept_grad"]
     assert kept is not grad and kept.device.type == "cpu" and bitwise_equal(kept, values)
+
+
+def test_a_step_kept_from_before_stream_is_refused_and_steps_nothing(sim):
+    # A bound step saved before stream() (Accelerate keeps one under a GradScaler) is the class's own step: run
+    # while streamed, it would step the host state in place of the streamed step. Before: it ran over host state and
+    # stopped on torch's device mismatch ("sim:0 and cpu"), after a foreach step had counted its host `step`s.
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model), foreach=True)
+    kept = opt.step
+    optimshift.stream(opt)
+    train(model, opt, range(1))  # the streamed step runs (its hooks fire once: the refusal lets it through)
+    _streaming._mode_of(opt).wait()
+    params = [p.detach().clone() for p in _params(model)]
+    values = {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(opt.state.values())}
+    ids = tensor_ids(opt)
+    for i, p in enumerate(_params(model)):
+        p.grad = grad_for(1, i, p.shape).to(sim)
+    with pytest.raises(RuntimeError, match=r"Adam is streamed .* kept from before stream\(\).*nothing was stepped"):
+        kept()
+    assert tensor_ids(opt) == ids
+    assert all(bitwise_equal(a, b) for a, b in zip(_params(model), params))
+    assert all(bitwise_equal(dict(st), values[i]) for i, st in enumerate(opt.state.values()))
+    opt.step()  # the streamed step still runs
+    optimshift.unstream(opt)
+    kept()  # unstreamed: the kept step is the optimizer's own again
+
+
+def test_streaming_a_wrapper_streams_the_optimizer_it_wraps(sim):
+    # Before: stream(wrapper) refused it as not an Optimizer, and is_streamed(wrapper) was False for a streamed one.
+    (model, opt), (ref_model, ref) = _pair([(4, 3), (3,)], sim)
+    wrapper = Delegating(opt)
+    handle = optimshift.stream(wrapper)
+    assert handle.optimizer is opt and optimshift.is_streamed(opt) and optimshift.is_streamed(wrapper)
+    train(model, opt, range(2))
+    train(ref_model, ref, range(2))
+    assert optimshift.unstream(wrapper) is wrapper and not optimshift.is_streamed(opt)
+    assert "step" not in opt.__dict__
+    _assert_same(model, opt, ref_model, ref)
+    with optimshift.streamed(wrapper) as handle:
+        assert handle.optimizer is opt
+    assert not optimshift.is_streamed(opt)
+
+
+def test_a_compiled_step_runs_the_streamed_step_as_it_is(sim):
+    # torch.compile of the streamed step (directly, or of a function that calls it) runs it eagerly, chunk by chunk,
+    # as the ordinary streamed step. Before: dynamo traced into its copies and events and failed (compiling the
+    # disabled step itself compiled the function it wraps); compiled before stream(), the class's step is refused.
+    torch._dynamo.reset()
+    (model, opt), (ref_model, ref) = _pair([(4, 3), (3,)], sim, foreach=True)
+    (model2, opt2), _ = _pair([(4, 3), (3,)], sim, foreach=True)
+    optimshift.stream(opt, chunk_bytes=64)
+    optimshift.stream(opt2, chunk_bytes=64)
+    direct = torch.compile(opt.step, backend="eager")
+
+    @torch.compile(backend="eager")
+    def calls_it():
+        opt2.step()
+
+    for step in range(2):
+        for m in (model, model2, ref_model):
+            for i, p in enumerate(_params(m)):
+                p.grad = grad_for(step, i, p.shape).to(sim)
+        direct()
+        calls_it()
+        ref.step()
+    _assert_same(model, opt, ref_model, ref)
+    _assert_same(model2, opt2, ref_model, ref)
+    assert optimshift.check(opt).ok and optimshift.check(opt2).ok
+
+    model3, opt3 = _pair([(3,)], sim)[0]
+    kept = torch.compile(opt3.step, backend="eager")
+    optimshift.stream(opt3)
+    train(model3, opt3, range(1))
+    before = tensor_ids(opt3)
+    for i, p in enumerate(_params(model3)):
+        p.grad = grad_for(1, i, p.shape).to(sim)
+    with pytest.raises(RuntimeError, match="kept from before stream"):
+        kept()
+    assert tensor_ids(opt3) == before
+    torch._dynamo.reset()

@@ -58,6 +58,7 @@ from ._dtensor import tensor_bytes
 from ._errors import with_article
 from ._offload import compact_state_dict, end_pending, record_of
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target
+from ._state import unwrap
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
 from .syncs import async_copies
@@ -138,6 +139,7 @@ class Streamed:
         self._saved: dict[str, Any] = {}
         self._handles: list[Any] = []
         self._active = False
+        self._stepping = False  # (inside the streamed step: the step pre-hook lets the class's step run)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -506,12 +508,24 @@ class Streamed:
 
         hooked = torch.optim.Optimizer.profile_hook_step(step)  # torch's wrapper: the step hooks fire once
 
+        def run(*args: Any, **kwargs: Any) -> Any:
+            streamed._stepping = True
+            try:
+                return hooked(streamed.optimizer, *args, **kwargs)
+            finally:
+                streamed._stepping = False
+
+        # NOTE: torch.compile never traces the streamed step (its copies, events and adoptions): the call below
+        # is a graph break and runs as it is. The installed step stays a plain function, since torch.compile of
+        # a disabled function itself compiles the function it wraps (dynamo's innermost_fn).
+        eager = torch.compiler.disable(run)  # type: ignore[no-untyped-call]
+
         # NOTE: installed as plain functions that find the optimizer through the mode's weak reference, as an LR
         # scheduler's step wrapper does: a method bound to the optimizer, in its own __dict__, would be a
         # reference cycle, and a dropped streamed optimizer would hold its host buffers until the collector ran.
         # Nothing here refers to them back (unstream() knows them by their mark), so no cycle forms that way.
         def streamed_step(*args: Any, **kwargs: Any) -> Any:
-            return hooked(streamed.optimizer, *args, **kwargs)
+            return eager(*args, **kwargs)
 
         def streamed_load_state_dict(state_dict: Any) -> None:
             # torch's choices, into host state
@@ -527,11 +541,25 @@ class Streamed:
             self._saved[attr] = opt.__dict__.get(attr, _MISSING)
             setattr(opt, attr, fn)
         self._handles = [
+            opt.register_step_pre_hook(self._refuse_bypass),
             opt.register_state_dict_pre_hook(lambda _opt: self.wait()),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
         self._active = True
         _mode.enter(opt, self)
+
+    def _refuse_bypass(self, opt: Any, args: Any, kwargs: Any) -> None:
+        """A step pre-hook: the class's own step, called while streamed by anything but the streamed step (a
+        bound ``opt.step`` kept from before :func:`stream`, as Accelerate's GradScaler path keeps one), would run
+        over host state; refused before it changes anything."""
+        if not self._stepping:
+            raise RuntimeError(
+                f"{optimizer_name(opt)} is streamed (optimshift.stream), but its step() was called through a step "
+                f"kept from before stream() (a bound optimizer.step saved by a wrapper, such as Accelerate's with "
+                f"a GradScaler, or a torch.compile of it): that step would run over state held on the host. Call "
+                f"stream() before wrapping or compiling the step, or keep the state on the device; nothing was "
+                f"stepped"
+            )
 
     def _uninstall(self, opt: Any) -> None:
         self._active = False
@@ -629,6 +657,7 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     changes: another class, an offloaded or already streamed optimizer, no param on an accelerator.
     Returns a :class:`Streamed` handle; :func:`unstream` ends it.
     """
+    optimizer = unwrap(optimizer)  # (a wrapper delegating to an optimizer: that optimizer is streamed)
     end_pending(optimizer)  # a transfer still in flight: its copies write the state laid out here
     target = _check(optimizer, chunk_bytes, device)
     start = time.perf_counter()
@@ -652,7 +681,7 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
 
 
 def _mode_of(optimizer: Any) -> Streamed | None:
-    mode = _mode.mode_of(optimizer)
+    mode = _mode.mode_of(unwrap(optimizer))
     return mode if isinstance(mode, Streamed) else None
 
 
@@ -669,14 +698,15 @@ def unstream(optimizer: Opt) -> Opt:
     if mode is None:
         return optimizer
     mode.wait()
+    inner = mode.optimizer
     with _engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
-        _mode.leave(optimizer)
+        _mode.leave(inner)
         try:
-            move(optimizer)
+            move(inner)
         except BaseException:
-            _mode.enter(optimizer, mode)
+            _mode.enter(inner, mode)
             raise
-        mode._uninstall(optimizer)
+        mode._uninstall(inner)
         chunks = list(mode._chunks.values())
         mode._forget(chunks)
         layout.release(chunks)

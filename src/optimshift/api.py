@@ -65,17 +65,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _one_at_a_time(fn: F) -> F:
-    """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`), whether they are
-    given the optimizer or a wrapper delegating to it (the lock is the wrapped optimizer's, as in
-    ``load_state_dict``), with the cyclic collector paused (:func:`optimshift._engine.no_gc`)."""
+    """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`), with the cyclic
+    collector paused (:func:`optimshift._engine.no_gc`). Given a wrapper delegating to an optimizer
+    (Accelerate's, Lightning's: :func:`optimshift._state.unwrap`), the operation is the wrapped optimizer's (its
+    records, hooks and lock, as in ``load_state_dict``); what it returns for it is the wrapper."""
 
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = unwrap(optimizer)
         # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
         # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
         # while they were alive would cost ~0.5 us per tensor, a third of a bare move).
-        with exclusive(unwrap(optimizer)), _engine.no_gc(), _engine.operation():
-            return fn(optimizer, *args, **kwargs)
+        with exclusive(inner), _engine.no_gc(), _engine.operation():
+            out = fn(inner, *args, **kwargs)
+        return optimizer if out is inner else out
 
     return wrapper  # type: ignore[return-value]
 
@@ -402,7 +405,7 @@ def wait(optimizer: Any) -> None:
 
 def is_offloaded(optimizer: Any) -> bool:
     """Whether :func:`offload` moved this optimizer's state to the host and it was not reloaded since."""
-    return record_of(optimizer) is not None
+    return record_of(unwrap(optimizer)) is not None
 
 
 def _reload_target(optimizer: Any, record: Record) -> TargetFn:
@@ -512,10 +515,11 @@ def keep_addresses(optimizer: Opt) -> Opt:
     graph of the step, so that no graph ever re-records. An offload and reload, each on the one road; for an
     offloaded optimizer, marks it so that its reload lays the state out."""
     if is_offloaded(optimizer):
-        with exclusive(unwrap(optimizer)):
-            record = record_of(optimizer)
+        inner = unwrap(optimizer)
+        with exclusive(inner):
+            record = record_of(inner)
             if record is not None:
-                record.keep_addresses |= _addresses.keeping(optimizer, True, optimizer_name(optimizer))
+                record.keep_addresses |= _addresses.keeping(inner, True, optimizer_name(inner))
         return optimizer
     offload(optimizer, keep_addresses=True)
     reload(optimizer)
@@ -527,8 +531,8 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
 
     DTensor state: ``shape`` is global, ``device`` and ``bytes`` are this rank's shard (see :class:`PlacementRow`).
     """
-    check_optimizer(optimizer)
-    pending_of(unwrap(optimizer)).order_before_use()
+    optimizer = check_optimizer(unwrap(optimizer))  # (a wrapper: the optimizer it delegates to)
+    pending_of(optimizer).order_before_use()
     rows = []
     for transfer in build_plan(optimizer, lambda ident, param, group, key, tensor: (tensor.device, "")).transfers:
         t = transfer.tensor
@@ -551,8 +555,8 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     For a streamed optimizer (:func:`optimshift.stream`), state that belongs on an accelerator is expected on the
     host, where it lives between steps; an offloaded one (:func:`offload`) is judged by where :func:`reload` puts
     its state back, in one finding that says so (:func:`placement` lists where each tensor is now)."""
-    check_optimizer(optimizer)
-    pending_of(unwrap(optimizer)).order_before_use()
+    optimizer = check_optimizer(unwrap(optimizer))  # (a wrapper: the optimizer it delegates to)
+    pending_of(optimizer).order_before_use()
     name = optimizer_name(optimizer)
     target: TargetFn = policy_target(optimizer, None)
     streamed_mode = _mode.mode_of(optimizer) is not None

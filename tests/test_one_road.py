@@ -2,8 +2,8 @@
 each operation calls.
 
 - ``move``, ``offload``, ``reload``, ``rebind``, ``stream``, ``unstream``, the layout of the state a streamed
-  step made, and verl's patched functions: the plan's ``engine.run`` (copy) and ``engine.commit`` (adopt, all or
-  nothing);
+  step made, and the framework patches (verl's, DeepSpeed's and Lightning's patched functions, Accelerate's
+  patched optimizer): the plan's ``engine.run`` (copy) and ``engine.commit`` (adopt, all or nothing);
 - a streamed step: one ``engine.lend`` per chunk (its window in and out), no copy or commit of its own once the
   state is laid out;
 - every operation, ``load_state_dict`` included: the commit's one uninterrupted section
@@ -144,6 +144,67 @@ def test_verls_patched_functions_go_the_one_road(sim, calls):
         assert calls["run"] == 2 and calls["commit"] == 2
     finally:
         osv.unpatch()
+
+
+def test_lightnings_patched_helper_goes_the_one_road(sim, calls):
+    pytest.importorskip("lightning")
+    import optimshift.integrations.lightning as osl
+
+    osl.patch()
+    try:
+        from lightning.pytorch.strategies import strategy  # (where the patch swapped Lightning's helper)
+
+        params, opt = _trained(sim)
+        calls.clear()
+        strategy._optimizer_to_device(opt, torch.device("cpu"))  # (a teardown)
+        assert calls["run"] == 1 and calls["commit"] == 1
+        strategy._optimizer_to_device(opt, sim)  # (a setup: the state follows its params)
+        assert calls["run"] == 2 and calls["commit"] == 2
+    finally:
+        osl.unpatch()
+
+
+def test_accelerates_patched_optimizer_goes_the_one_road(sim, calls):
+    pytest.importorskip("accelerate")
+    import optimshift.integrations.accelerate as osa
+    from optimshift.testing.accelerate import on_device
+
+    osa.patch()
+    try:
+        with on_device(sim):
+            from accelerate import Accelerator
+
+            accelerator = Accelerator()
+            params, opt = _trained(sim)
+            calls.clear()
+            prepared = accelerator.prepare_optimizer(opt)  # (its existing state placed)
+            assert calls["run"] == 1 and calls["commit"] == 1
+            _, other = _trained(sim)
+            prepared.load_state_dict(other.state_dict())  # (a resume: optimshift's load)
+            assert calls["run"] == 1 and calls["commit"] == 2 and calls["uninterrupted"] == 2
+    finally:
+        osa.unpatch()
+
+
+def test_deepspeeds_patched_functions_go_the_one_road(sim, calls):
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (read when deepspeed is first imported, as its tests do)
+    pytest.importorskip("deepspeed")
+    import optimshift.integrations.deepspeed as osd
+
+    osd.patch()
+    try:
+        from deepspeed.runtime.zero import stage_1_and_2 as zero12  # (the names ZeRO-1/2 calls them by)
+
+        params, opt = _trained(sim)
+        calls.clear()
+        zero12.offload_optimizer_states(opt, "cpu", pin_memory=True, non_blocking=False)
+        assert calls["run"] == 1 and calls["commit"] == 1
+        zero12.reload_optimizer_states(opt, sim, non_blocking=False)
+        assert calls["run"] == 2 and calls["commit"] == 2
+    finally:
+        osd.unpatch()
 
 
 def _interrupt_in_the_commit(monkeypatch):

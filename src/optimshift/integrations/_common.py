@@ -15,6 +15,7 @@ import torch
 from .. import _mode, api
 from .._devices import resolve
 from .._offload import record_of
+from .._state import unwrap
 
 __all__ = ["placeable", "follow_params", "to_host", "reload_to", "Swap", "Patch", "module_items", "streamed"]
 
@@ -47,11 +48,9 @@ def placeable(optimizer: Any) -> bool:
 
 
 def streamed(optimizer: Any) -> bool:
-    """Whether ``optimizer`` (or the optimizer a wrapper holds) is streamed: its state stays where
-    :func:`optimshift.stream` keeps it, whatever a framework asks."""
-    return any(
-        _mode.mode_of(o) is not None for o in (optimizer, getattr(optimizer, "optimizer", None)) if o is not None
-    )
+    """Whether ``optimizer`` (or the optimizer a wrapper holds, :func:`optimshift._state.unwrap`) is streamed: its
+    state stays where :func:`optimshift.stream` keeps it, whatever a framework asks."""
+    return _mode.mode_of(unwrap(optimizer)) is not None
 
 
 def follow_params(optimizer: Any) -> None:

@@ -170,3 +170,25 @@ def test_operations_on_a_wrapper_are_the_wrapped_optimizers(sim):
     assert optimshift.keep_addresses(wrapper) is wrapper
     optimshift.reload(wrapper)
     assert state_layout(inner) == layout and tensor_ids(inner) == ids
+
+    # The frameworks' reload (verl's, DeepSpeed's: integrations._common.reload_to) of a wrapper offloaded with its
+    # addresses kept is the exact reload: the same addresses (a reload to a device would leave the range).
+    from optimshift.integrations import _common
+
+    addresses = {id(v): v.data_ptr() for st in inner.state.values() for v in st.values() if v.device == sim}
+    optimshift.offload(wrapper, keep_addresses=True)
+    _common.reload_to(wrapper, sim, what="device", non_blocking=False)
+    assert not optimshift.is_offloaded(inner) and state_layout(inner) == layout and tensor_ids(inner) == ids
+    assert {id(v): v.data_ptr() for st in inner.state.values() for v in st.values() if v.device == sim} == addresses
+
+    # and the rest of the public operations
+    optimshift.move(wrapper, "cpu")
+    assert _all_on_host(inner) and tensor_ids(inner) == ids
+    assert optimshift.move(wrapper, sim) is wrapper and state_layout(inner) == layout
+    with optimshift.offloaded(wrapper):
+        assert optimshift.is_offloaded(inner) and _all_on_host(inner)
+    optimshift.wait(wrapper)
+    assert state_layout(inner) == layout and tensor_ids(inner) == ids
+    fresh = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    assert optimshift.rebind(wrapper, fresh) is wrapper
+    assert [p for g in inner.param_groups for p in g["params"]] == fresh and tensor_ids(inner) == ids

@@ -774,25 +774,72 @@ def test_a_step_kept_from_before_stream_is_refused_and_steps_nothing(sim):
     # A bound step saved before stream() (Accelerate keeps one under a GradScaler) is the class's own step: run
     # while streamed, it would step the host state in place of the streamed step. Before: it ran over host state and
     # stopped on torch's device mismatch ("sim:0 and cpu"), after a foreach step had counted its host `step`s.
+    # A pre-hook registered before stream() (one that changes the grads) runs only once the step may run.
     model = Model([(4, 3), (3,)]).to(sim)
     opt = torch.optim.Adam(_params(model), foreach=True)
+    fired = []
+
+    def halve_grads(optimizer, args, kwargs):
+        fired.append(1)
+        for p in _params(model):
+            p.grad.mul_(0.5)
+
+    opt.register_step_pre_hook(halve_grads)
     kept = opt.step
     optimshift.stream(opt)
-    train(model, opt, range(1))  # the streamed step runs (its hooks fire once: the refusal lets it through)
+    train(model, opt, range(1))  # the streamed step runs, its hooks once
+    assert len(fired) == 1
     _streaming._mode_of(opt).wait()
     params = [p.detach().clone() for p in _params(model)]
     values = {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(opt.state.values())}
     ids = tensor_ids(opt)
     for i, p in enumerate(_params(model)):
         p.grad = grad_for(1, i, p.shape).to(sim)
+    grads = [p.grad.clone() for p in _params(model)]
     with pytest.raises(RuntimeError, match=r"Adam is streamed .* kept from before stream\(\).*nothing was stepped"):
         kept()
+    assert len(fired) == 1 and all(bitwise_equal(p.grad, g) for p, g in zip(_params(model), grads))
     assert tensor_ids(opt) == ids
     assert all(bitwise_equal(a, b) for a, b in zip(_params(model), params))
     assert all(bitwise_equal(dict(st), values[i]) for i, st in enumerate(opt.state.values()))
     opt.step()  # the streamed step still runs
+    assert len(fired) == 2
     optimshift.unstream(opt)
     kept()  # unstreamed: the kept step is the optimizer's own again
+    assert len(fired) == 3
+
+
+def test_a_kept_step_in_another_thread_is_refused_while_one_thread_steps(sim):
+    # Inside the streamed step of one thread (its closure), a kept step called by another thread is still refused.
+    import threading
+
+    model = Model([(3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model))
+    kept = opt.step
+    optimshift.stream(opt)
+    train(model, opt, range(1))
+    inside, release, outcome = threading.Event(), threading.Event(), []
+
+    def closure():
+        inside.set()
+        release.wait(30)
+        return None
+
+    def other():
+        inside.wait(30)
+        try:
+            kept()
+            outcome.append("ran")
+        except RuntimeError as e:
+            outcome.append(str(e))
+        finally:
+            release.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    opt.step(closure)
+    thread.join(30)
+    assert len(outcome) == 1 and "kept from before stream()" in outcome[0], outcome
 
 
 def test_streaming_a_wrapper_streams_the_optimizer_it_wraps(sim):
@@ -814,37 +861,47 @@ def test_streaming_a_wrapper_streams_the_optimizer_it_wraps(sim):
 def test_a_compiled_step_runs_the_streamed_step_as_it_is(sim):
     # torch.compile of the streamed step (directly, or of a function that calls it) runs it eagerly, chunk by chunk,
     # as the ordinary streamed step. Before: dynamo traced into its copies and events and failed (compiling the
-    # disabled step itself compiled the function it wraps); compiled before stream(), the class's step is refused.
+    # disabled step itself compiled the function it wraps); compiled (and run) before stream(), the class's step is
+    # refused.
     torch._dynamo.reset()
-    (model, opt), (ref_model, ref) = _pair([(4, 3), (3,)], sim, foreach=True)
-    (model2, opt2), _ = _pair([(4, 3), (3,)], sim, foreach=True)
-    optimshift.stream(opt, chunk_bytes=64)
-    optimshift.stream(opt2, chunk_bytes=64)
-    direct = torch.compile(opt.step, backend="eager")
+    try:
+        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,)], sim, foreach=True)
+        (model2, opt2), _ = _pair([(4, 3), (3,)], sim, foreach=True)
+        optimshift.stream(opt, chunk_bytes=64)
+        optimshift.stream(opt2, chunk_bytes=64)
+        direct = torch.compile(opt.step, backend="eager")
 
-    @torch.compile(backend="eager")
-    def calls_it():
-        opt2.step()
+        @torch.compile(backend="eager")
+        def calls_it():
+            opt2.step()
 
-    for step in range(2):
-        for m in (model, model2, ref_model):
-            for i, p in enumerate(_params(m)):
-                p.grad = grad_for(step, i, p.shape).to(sim)
-        direct()
-        calls_it()
-        ref.step()
-    _assert_same(model, opt, ref_model, ref)
-    _assert_same(model2, opt2, ref_model, ref)
-    assert optimshift.check(opt).ok and optimshift.check(opt2).ok
+        for step in range(2):
+            for m in (model, model2, ref_model):
+                for i, p in enumerate(_params(m)):
+                    p.grad = grad_for(step, i, p.shape).to(sim)
+            direct()
+            calls_it()
+            ref.step()
+        _assert_same(model, opt, ref_model, ref)
+        _assert_same(model2, opt2, ref_model, ref)
+        assert optimshift.check(opt).ok and optimshift.check(opt2).ok
 
-    model3, opt3 = _pair([(3,)], sim)[0]
-    kept = torch.compile(opt3.step, backend="eager")
-    optimshift.stream(opt3)
-    train(model3, opt3, range(1))
-    before = tensor_ids(opt3)
-    for i, p in enumerate(_params(model3)):
-        p.grad = grad_for(1, i, p.shape).to(sim)
-    with pytest.raises(RuntimeError, match="kept from before stream"):
-        kept()
-    assert tensor_ids(opt3) == before
-    torch._dynamo.reset()
+        model3, opt3 = _pair([(3,)], sim)[0]
+        kept = torch.compile(opt3.step, backend="eager")
+        for i, p in enumerate(_params(model3)):
+            p.grad = grad_for(0, i, p.shape).to(sim)
+        kept()  # (compiled and run on the device state, as a loop does before it is streamed)
+        optimshift.stream(opt3)
+        _streaming._mode_of(opt3).wait()
+        before = tensor_ids(opt3)
+        values = {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(opt3.state.values())}
+        params = [p.detach().clone() for p in _params(model3)]
+        for i, p in enumerate(_params(model3)):
+            p.grad = grad_for(1, i, p.shape).to(sim)
+        with pytest.raises(RuntimeError, match="kept from before stream"):
+            kept()
+        assert tensor_ids(opt3) == before
+        assert all(bitwise_equal(dict(st), values[i]) for i, st in enumerate(opt3.state.values()))
+        assert all(bitwise_equal(a, b) for a, b in zip(_params(model3), params))
+    finally:
+        torch._dynamo.reset()  # (the compiled frames hold the optimizers)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -139,7 +140,7 @@ class Streamed:
         self._saved: dict[str, Any] = {}
         self._handles: list[Any] = []
         self._active = False
-        self._stepping = False  # (inside the streamed step: the step pre-hook lets the class's step run)
+        self._stepping = threading.local()  # (.on: this thread is inside the streamed step: see _refuse_bypass)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -509,11 +510,12 @@ class Streamed:
         hooked = torch.optim.Optimizer.profile_hook_step(step)  # torch's wrapper: the step hooks fire once
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            streamed._stepping = True
+            stepping = streamed._stepping
             try:
+                stepping.on = True
                 return hooked(streamed.optimizer, *args, **kwargs)
             finally:
-                streamed._stepping = False
+                stepping.on = False
 
         # NOTE: torch.compile never traces the streamed step (its copies, events and adoptions): the call below
         # is a graph break and runs as it is. The installed step stays a plain function, since torch.compile of
@@ -540,8 +542,10 @@ class Streamed:
             fn._optimshift_streamed = self
             self._saved[attr] = opt.__dict__.get(attr, _MISSING)
             setattr(opt, attr, fn)
+        refuse = opt.register_step_pre_hook(self._refuse_bypass)
+        opt._optimizer_step_pre_hooks.move_to_end(refuse.id, last=False)  # (before the hooks registered earlier)
         self._handles = [
-            opt.register_step_pre_hook(self._refuse_bypass),
+            refuse,
             opt.register_state_dict_pre_hook(lambda _opt: self.wait()),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
@@ -549,10 +553,11 @@ class Streamed:
         _mode.enter(opt, self)
 
     def _refuse_bypass(self, opt: Any, args: Any, kwargs: Any) -> None:
-        """A step pre-hook: the class's own step, called while streamed by anything but the streamed step (a
-        bound ``opt.step`` kept from before :func:`stream`, as Accelerate's GradScaler path keeps one), would run
-        over host state; refused before it changes anything."""
-        if not self._stepping:
+        """A step pre-hook, the optimizer's first: the class's own step, called while streamed by anything but the
+        streamed step in this thread (a bound ``opt.step`` kept from before :func:`stream`, as Accelerate's
+        GradScaler path keeps one), would run over host state; refused before the step or the optimizer's other
+        hooks run (torch's global step pre-hooks run before any optimizer's own)."""
+        if not getattr(self._stepping, "on", False):
             raise RuntimeError(
                 f"{optimizer_name(opt)} is streamed (optimshift.stream), but its step() was called through a step "
                 f"kept from before stream() (a bound optimizer.step saved by a wrapper, such as Accelerate's with "

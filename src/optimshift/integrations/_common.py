@@ -73,7 +73,7 @@ def reload_to(optimizer: Any, device: Any, *, what: str, non_blocking: bool) -> 
     else where a fresh optimizer on ``device`` keeps it (state never offloaded by optimshift included)."""
     params = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
     target = resolve(device, what=what, tensors=params)
-    record = record_of(optimizer)
+    record = record_of(unwrap(optimizer))  # (a wrapper's offload is its optimizer's)
     recorded = {d for d in record.devices.values() if d.type != "cpu"} if record is not None else set()
     if recorded == {target}:
         api.reload(optimizer, non_blocking=non_blocking)  # type: ignore[call-overload]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import optimshift
-from _matrix import Model, bitwise_equal, state_layout, train
+from _matrix import Model, bitwise_equal, state_layout, tensor_ids, train
 from optimshift import _copy as batch_mod
 from optimshift.pool import host_pool
 
@@ -79,20 +79,35 @@ def test_grads_follow_params_that_moved_while_offloaded(sim):
         assert p.grad.device == sim1 and bitwise_equal(p.grad, g)
 
 
-def test_reload_refuses_to_overwrite_a_grad_set_while_offloaded(sim):
+@pytest.mark.parametrize("back", ["reload", "move", "load_state_dict"])
+def test_every_way_back_refuses_to_overwrite_a_grad_set_while_offloaded(sim, back):
+    # One rule for every way back (_offload.grads_back). Before: load_state_dict kept the new grad and dropped
+    # the offloaded one without a word.
     model, opt = _adam(sim, foreach=False)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
+    sd = opt.state_dict()
     optimshift.offload(opt, include=("grads",))
     first = next(iter(model.parameters()))
     first.grad = torch.full_like(first, 7.0)
     layout = {row.key: row.device for row in optimshift.placement(opt)}
+    ids = tensor_ids(opt)
+
+    def go_back():
+        if back == "reload":
+            optimshift.reload(opt)
+        elif back == "move":
+            optimshift.move(opt)
+        else:
+            optimshift.load_state_dict(opt, sd)
+
     with pytest.raises(ValueError, match=r"Adam: group 0, param 0 got a new \.grad while its offloaded grad"):
-        optimshift.reload(opt)
+        go_back()
     assert {row.key: row.device for row in optimshift.placement(opt)} == layout and optimshift.is_offloaded(opt)
+    assert tensor_ids(opt) == ids and torch.equal(first.grad.cpu(), torch.full((3, 2), 7.0))
     first.grad = None
-    optimshift.reload(opt)
-    assert torch.equal(first.grad.cpu(), torch.ones(3, 2))
+    go_back()
+    assert torch.equal(first.grad.cpu(), torch.ones(3, 2)) and first.grad.device == sim
 
 
 def test_move_with_offloaded_grads_gives_them_back(sim):

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from . import _device_streams, _session
+from . import _device_streams, _engine, _session
 from ._adopt import kept
 from ._dtensor import local_tensor
-from ._plan import Ident
+from ._plan import Ident, optimizer_name
 from ._state import leaves
 from .pool import host_pool
 
@@ -41,6 +41,7 @@ __all__ = [
     "remember_pending",
     "forget",
     "prepare_discard",
+    "grads_back",
     "pending_of",
     "compact_state_dict",
 ]
@@ -332,21 +333,52 @@ def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
         host_pool.release(buf, event)
 
 
+def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(param, host grad) pairs that go back to their params (every way back: a reload, a move, a load), checked
+    before any copy: a grad goes to its param's current device and must match the param, and a grad set while
+    offloaded is never overwritten, nor dropped."""
+    if record is None:
+        return []
+    name = optimizer_name(optimizer)
+    out = []
+    for (gi, pi), (p, host_grad) in record.grads.items():
+        if p.grad is not None:
+            raise ValueError(
+                f"{name}: group {gi}, param {pi} got a new .grad while its offloaded grad was held; giving it back "
+                f"would overwrite one of them. Set param.grad = None to keep the offloaded one, or del it first."
+            )
+        if host_grad.shape != p.shape or host_grad.dtype != p.dtype:
+            raise ValueError(
+                f"{name}: group {gi}, param {pi} is now {p.dtype}{tuple(p.shape)}, its offloaded grad "
+                f"{host_grad.dtype}{tuple(host_grad.shape)}: it cannot be given back"
+            )
+        out.append((p, host_grad))
+    return out
+
+
 def prepare_discard(optimizer: Any) -> Callable[[], None]:
     """For a load that replaces the optimizer's state: finish any transfer in flight and copy offloaded grads
-    back to their params' devices now (this may raise; nothing has changed then); the returned function, called
-    once the new state is installed, hands the grads back and forgets the old record and its buffers."""
+    back to their params' devices now, by :func:`grads_back`'s rule and the engine's copies (this may raise;
+    nothing has changed then); the returned function, called once the new state is installed, hands the grads
+    back and forgets the old record and its buffers."""
     end_pending(optimizer)
     record = record_of(optimizer)
     if record is None:
         session = _session.of(optimizer)
         return (lambda: None) if session is None else session.group_sides.clear
-    held = [(p, host_grad) for p, host_grad in record.grads.values() if p.grad is None]
-    back = [(p, host_grad.to(p.device)) for p, host_grad in held]
+    held = grads_back(optimizer, record)  # (refused as a reload refuses them, before anything changes)
+    moving = [i for i, (p, host_grad) in enumerate(held) if host_grad.device != p.device]
+    copies = _engine.copy_each(
+        [(held[i][1], held[i][0].device, held[i][1].dtype) for i in moving],
+        f"{optimizer_name(optimizer)}: load_state_dict",
+        lambda n: "an offloaded .grad",
+    )
+    back = dict(zip(moving, copies))
 
     def finish() -> None:
-        for (p, host_grad), (_, grad) in zip(held, back):
-            p.grad = host_grad if grad is host_grad else kept(host_grad, grad)  # the same object, on p's device
+        for i, (p, host_grad) in enumerate(held):
+            copy = back.get(i)  # (None: it is where its param is already)
+            p.grad = host_grad if copy is None else kept(host_grad, copy)  # the same object, on p's device
         forget(optimizer)
         session = _session.of(optimizer)
         if session is not None:  # the loaded groups placed their own tensors

@@ -26,6 +26,7 @@ from ._offload import (
     end_pending,
     exclusive,
     forget,
+    grads_back,
     pending_of,
     record_of,
     remember_pending,
@@ -100,28 +101,6 @@ def _group_moved(record: Record, gi: int, group: Mapping[str, Any]) -> bool:
         for pi, p in enumerate(group["params"])
         if isinstance(p, torch.Tensor)
     )
-
-
-def _grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(param, host grad) pairs that go back to their params, checked before any copy: a grad goes to its
-    param's current device and must match the param, and a grad set while offloaded is never overwritten."""
-    if record is None:
-        return []
-    name = optimizer_name(optimizer)
-    out = []
-    for (gi, pi), (p, host_grad) in record.grads.items():
-        if p.grad is not None:
-            raise ValueError(
-                f"{name}: group {gi}, param {pi} got a new .grad while its offloaded grad was held; reloading "
-                f"would overwrite one of them. Set param.grad = None to keep the offloaded one, or del it first."
-            )
-        if host_grad.shape != p.shape or host_grad.dtype != p.dtype:
-            raise ValueError(
-                f"{name}: group {gi}, param {pi} is now {p.dtype}{tuple(p.shape)}, its offloaded grad "
-                f"{host_grad.dtype}{tuple(host_grad.shape)}: it cannot be given back"
-            )
-        out.append((p, host_grad))
-    return out
 
 
 def _give_grads_back(grads: Sequence[tuple[torch.Tensor, torch.Tensor]], copies: _engine.Copies) -> None:
@@ -204,7 +183,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     _mode.refuse(optimizer, "move")
     target = _resolve(device, optimizer)
     end_pending(optimizer)
-    grads = _grads_back(optimizer, record_of(optimizer))
+    grads = grads_back(optimizer, record_of(optimizer))
     key = None if grads else _move_key(optimizer, target)
     copies, pending, _ = _transfer(
         optimizer,
@@ -463,7 +442,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         return _offload.pending_of(optimizer) if non_blocking else optimizer
     if record is None:
         return PendingTransfer() if non_blocking else optimizer
-    grads = _grads_back(optimizer, record)
+    grads = grads_back(optimizer, record)
     back = _reload_target(optimizer, record)
 
     # (cached only when the offload's plan was kept, the sign of a loop: its next build would bump the serial)

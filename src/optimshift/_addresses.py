@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from . import _alias, _device_streams, _session
-from ._copy import _contiguous_strides, _dense_non_overlapping
+from ._copy import copy_strides
 from ._plan import Ident, Plan
 from ._state import tensors
 from ._vmm import Driver, DriverError, DriverOutOfMemory, driver_for, unsupported
@@ -191,11 +191,6 @@ def _slottable(t: torch.Tensor) -> bool:
     )
 
 
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides ``t``'s copy has (as the engine's copies keep them: its own where dense, else contiguous)."""
-    return tuple(t.stride()) if _dense_non_overlapping(t) else _contiguous_strides(t.shape)
-
-
 @dataclass
 class _Unit:
     """What one slot holds in a reload: a tensor, or tensors sharing one storage (``shared``)."""
@@ -279,7 +274,7 @@ class Placement:
                 size = t.element_size()
                 typed = flat[: slot.nbytes // size * size].view(t.dtype)
                 view = torch.empty(0, dtype=t.dtype, device=mapped.device)
-                source = typed.as_strided(t.shape, _strides(t), 0)
+                source = typed.as_strided(t.shape, copy_strides(t), 0)
                 self._dests[id(t)] = view.set_(source)  # type: ignore[call-overload]  # (set_(Tensor): not in the stubs)
                 del typed
             del flat, lease

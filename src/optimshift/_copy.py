@@ -39,6 +39,8 @@ __all__ = [
     "BLOCKING",
     "Side",
     "copy_many",
+    "copy_strides",
+    "contiguous_strides",
     "copy_into",
     "copy_tensor",
     "CHUNK_BYTES",
@@ -135,10 +137,9 @@ def copy_tensor(
     pin = pins_copy(t, device, pin_memory)
     src = t.detach() if t.requires_grad or pin else t
     if pin or (side is not None and device.type not in _HOSTS):  # allocated here, filled on the copy's stream
-        shape_like = _dense_non_overlapping(t)
         new = torch.empty_strided(
             t.shape,
-            t.stride() if shape_like else _contiguous_strides(t.shape),
+            copy_strides(t),
             dtype=t.dtype,
             device=device,
             pin_memory=pin,
@@ -153,7 +154,12 @@ def copy_tensor(
     return like_source(t, new)
 
 
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+def copy_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides ``t``'s copy has (as a copy keeps them: its own where dense, else contiguous)."""
+    return tuple(t.stride()) if _dense_non_overlapping(t) else contiguous_strides(t.shape)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, running = [], 1
     for size in reversed(shape):
         strides.append(running)

@@ -94,7 +94,6 @@ _FAKE_DEVICE = torch.device("cuda", 0)
 CACHE_SIZE = 1024
 MAX_READS = 10_000
 """At most this many host reads in one probe step: past it the step is stopped (an error the probe catches)."""
-_KNOWN_FLAGS = ("fused", "capturable", "foreach", "differentiable")
 
 GroupPath = tuple[Any, int | None]
 """A tensor a group holds: ``(key, None)`` for ``group[key]``, ``(key, i)`` for ``group[key][i]``."""
@@ -172,7 +171,7 @@ def probe_key(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: 
     """What can change what a throwaway step of ``cls`` with ``group``'s hyperparameters over a param of rank
     ``ndim`` observes (see the module docstring): the class, every group entry but the params by kind, the known
     implementation flags also as booleans (``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
-    flags = tuple(bool(group.get(flag)) for flag in _KNOWN_FLAGS)
+    flags = tuple(bool(group.get(flag)) for flag in IMPLEMENTATION_FLAGS)
     return (cls, group_kinds(group), flags, min(ndim, 2))
 
 

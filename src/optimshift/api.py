@@ -18,7 +18,7 @@ from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
-from ._dtypes import dtype_findings
+from ._dtypes import dtype_findings, dtype_name
 from ._errors import with_article
 from ._offload import (
     PendingTransfer,
@@ -520,7 +520,7 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
                 transfer.site.param_label,
                 transfer.site.key_label,
                 str(t.device),
-                str(t.dtype).replace("torch.", ""),
+                dtype_name(t.dtype),
                 tuple(t.shape),
                 tensor_bytes(t),
                 **row_fields(t),
@@ -564,7 +564,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
                 site.param_label,
                 site.key_label,
                 str(at),
-                str(t.dtype).replace("torch.", ""),
+                dtype_name(t.dtype),
                 str(tr.target),
                 f"after reload(): {why}" if offloaded else why,
                 site.group,

@@ -257,27 +257,21 @@ def decide(
     # Non-scalar tensors always live with their param (every torch.optim class, and the only sane default).
     if value.dim() != 0:
         return Decision(device, "rule")
+    # A class torch.optim does not define is learned as torch's are, from a throwaway step of its own (a fake
+    # cuda:0 param, the group's hyperparameters by kind), where it can be built that way.
     torch_base = builtin_base(cls)
+    observed = probe(torch_base or cls, group, param.dim())
+    probed = None if observed is None else observed.state
+    if probed is not None and key in probed:
+        return Decision(device if probed[key] else HOST, "probe")
     if torch_base is not None:
-        base = torch_base
-        observed = probe(base, group, param.dim())
-        probed = None if observed is None else observed.state
-        if probed is not None and key in probed:
-            return Decision(device if probed[key] else HOST, "probe")
-        tabled = _table_rule(base, group, key, value)
+        tabled = _table_rule(torch_base, group, key, value)
         if tabled is not None:
             return Decision(device if tabled else HOST, "table")
         if probed is not None:
             # The probe ran and this class keeps no such scalar after a step: follow the param, as
             # torch.optim does for every tensor it does not deliberately host.
             return Decision(device, "rule")
-    else:
-        # A class torch.optim does not define is learned as torch's are, from a throwaway step of its own (a
-        # fake cuda:0 param, the group's hyperparameters by kind), where it can be built that way.
-        observed = probe(cls, group, param.dim())
-        probed = None if observed is None else observed.state
-        if probed is not None and key in probed:
-            return Decision(device if probed[key] else HOST, "probe")
     _warn_guessed(cls, group, param.dim(), key)
     if key == "step":
         return Decision(device if _default_scalar_on_device(group) else HOST, "default")
@@ -430,12 +424,3 @@ class Placer:
 def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a policy registered for this optimizer's class (or a base class) decides its entries."""
     return any(base in _registry for base in type(optimizer).__mro__)
-
-
-def rule_source(optimizer: torch.optim.Optimizer) -> str:
-    """How this optimizer's rules are known: ``registered``, ``torch.optim`` or ``default`` (neither: its 0-dim
-    state is probed where the class can be built from a param, else guessed; see :func:`decide`)."""
-    for base in type(optimizer).__mro__:
-        if base in _registry:
-            return "registered"
-    return "torch.optim" if builtin_base(type(optimizer)) is not None else "default"

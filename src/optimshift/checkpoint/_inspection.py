@@ -17,6 +17,7 @@ import torch
 
 from .. import policy as _policy
 from .._dtensor import tensor_bytes
+from .._dtypes import dtype_name
 from .._state import tensors as all_tensors
 from ..report import sync_cost
 from . import _files as ckpt
@@ -34,7 +35,7 @@ def jsonable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             return value.item()
-        return {"tensor": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+        return {"tensor": list(value.shape), "dtype": dtype_name(value.dtype)}
     if isinstance(value, (list, tuple, Mapping)) and depth >= _SHOWN_DEPTH:
         return f"<{type(value).__name__} nested deeper than {_SHOWN_DEPTH} levels>"
     if isinstance(value, (list, tuple)):
@@ -251,7 +252,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
                 row["kinds"][type(value).__name__] += 1
             for t in ts:
                 row["saved_on"][ckpt.saved_location(t, locations)] += 1
-                row["dtypes"][str(t.dtype).replace("torch.", "")] += 1
+                row["dtypes"][dtype_name(t.dtype)] += 1
                 row["bytes"] += tensor_bytes(t)
     for row in table.values():
         row["saved_on"], row["dtypes"], row["kinds"] = dict(row["saved_on"]), dict(row["dtypes"]), dict(row["kinds"])

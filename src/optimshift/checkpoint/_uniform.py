@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import _alias, _engine
+from .._copy import contiguous_strides
 from .._dtypes import Rejection
 from .._plan import policy_target
 from .._probe import StateSpec
@@ -369,7 +370,7 @@ def _kind(
     if spec.keys != saved.keys() or spec.tensors != spec.keys or spec.shaped | spec.scalars != spec.tensors:
         return None
     pshape = list(p.shape)
-    contiguous = _contiguous_strides(pshape)
+    contiguous = list(contiguous_strides(pshape))
     refs: list[torch.Tensor] = []
     sizes: list[list[int]] = []
     strides: list[list[int]] = []
@@ -476,11 +477,3 @@ def fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) ->
         and not old.is_inference()
         and _alias.sole_user(old)
     )
-
-
-def _contiguous_strides(shape: list[int]) -> list[int]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return strides[::-1]

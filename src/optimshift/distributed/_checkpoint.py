@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._devices import DeviceLike, resolve
+from .._dtypes import dtype_name
 from .._errors import with_article
 from .._plan import check_optimizer, optimizer_name
 from .._probe import quiet_global_step_hooks
@@ -320,7 +321,7 @@ def describe_dcp(path: PathLike) -> dict[str, Any]:
             dtype = meta.properties.dtype
             nbytes = math.prod(meta.size) * dtype.itemsize
             entry.update(
-                kind="tensor", shape=list(meta.size), dtype=_dtype_name(dtype), bytes=nbytes, chunks=len(meta.chunks)
+                kind="tensor", shape=list(meta.size), dtype=dtype_name(dtype), bytes=nbytes, chunks=len(meta.chunks)
             )
             section["tensors"] += 1
             section["bytes"] += nbytes
@@ -487,10 +488,6 @@ def _read_metadata(target: Path) -> Metadata:
         raise ValueError(f"{target}: cannot read the checkpoint's metadata: {e}") from e
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in value)
 
@@ -627,8 +624,8 @@ def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
         problems.append(f"{label}: shape {_shape(meta.size)} in the checkpoint, {_shape(value.shape)} here")
     if value.dtype != meta.properties.dtype:
         problems.append(
-            f"{label}: dtype {_dtype_name(meta.properties.dtype)} in the checkpoint, "
-            f"{_dtype_name(value.dtype)} here (load never casts)"
+            f"{label}: dtype {dtype_name(meta.properties.dtype)} in the checkpoint, "
+            f"{dtype_name(value.dtype)} here (load never casts)"
         )
     return problems
 

@@ -125,6 +125,16 @@ class Patch:
         with self._lock:
             return list(self._swaps)
 
+    def names(self) -> list[str]:
+        """``module.name`` (or ``module.Class.name``) of every attribute replaced, sorted (empty when not applied)."""
+
+        def owner(s: Swap) -> str:
+            if isinstance(s.owner, types.ModuleType):
+                return s.owner.__name__
+            return f"{s.owner.__module__}.{s.owner.__qualname__}"
+
+        return sorted(f"{owner(s)}.{s.name}" for s in self.swaps)
+
     def apply(self, plan: Callable[[], list[Swap]]) -> None:
         with self._lock:
             if self._swaps:

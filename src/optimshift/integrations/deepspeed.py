@@ -459,11 +459,7 @@ def unknown_functions() -> list[str]:
 def patched_functions() -> list[str]:
     """``module.name`` of every DeepSpeed function or method that :func:`patch` replaced (empty when not
     patched)."""
-    out = []
-    for s in _patch.swaps:
-        owner = s.owner.__name__ if inspect.ismodule(s.owner) else f"{s.owner.__module__}.{s.owner.__qualname__}"
-        out.append(f"{owner}.{s.name}")
-    return sorted(out)
+    return _patch.names()
 
 
 def patch() -> None:

@@ -260,7 +260,7 @@ def unknown_functions() -> list[str]:
 
 def patched_functions() -> list[str]:
     """``module.name`` of every verl function that :func:`patch` replaced (empty when not patched)."""
-    return sorted(f"{s.owner.__name__}.{s.name}" for s in _patch.swaps)
+    return _patch.names()
 
 
 def patch() -> None:

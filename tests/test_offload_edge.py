@@ -110,6 +110,35 @@ def test_every_way_back_refuses_to_overwrite_a_grad_set_while_offloaded(sim, bac
     assert torch.equal(first.grad.cpu(), torch.ones(3, 2)) and first.grad.device == sim
 
 
+@pytest.mark.parametrize("back", ["reload", "move", "load_state_dict"])
+def test_offloaded_grads_of_a_dtype_the_param_allows_go_back(sim, back):
+    # fp32 grads of bf16 params (param.grad_dtype, torch >= 2.9): every way back gives them back. Before the
+    # shared rule, reload and move refused them (the grad's dtype against the param's), and a load did since it.
+    model = Model([(3, 2)] * 2).to(sim).to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters())
+    if not hasattr(next(iter(model.parameters())), "grad_dtype"):
+        pytest.skip("no grad_dtype in this torch")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    for p in model.parameters():
+        p.grad = None
+        p.grad_dtype = torch.float32  # (an fp32 grad, as one accumulated for a mixed-precision step)
+        p.grad = torch.ones(p.shape, device=sim)
+    grads = [p.grad for p in model.parameters()]
+    optimshift.offload(opt, include=("grads",))
+    if back == "reload":
+        optimshift.reload(opt)
+    elif back == "move":
+        optimshift.move(opt)
+    else:
+        optimshift.load_state_dict(opt, sd)
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is g and g.device == sim and g.dtype == torch.float32 and torch.equal(g.cpu(), torch.ones(3, 2))
+    assert not optimshift.is_offloaded(opt) and optimshift.check(opt).ok
+
+
 def test_move_with_offloaded_grads_gives_them_back(sim):
     model, opt = _adam(sim, foreach=False)
     for p in model.parameters():

@@ -347,13 +347,25 @@ def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor
                 f"{name}: group {gi}, param {pi} got a new .grad while its offloaded grad was held; giving it back "
                 f"would overwrite one of them. Set param.grad = None to keep the offloaded one, or del it first."
             )
-        if host_grad.shape != p.shape or host_grad.dtype != p.dtype:
+        allowed = _grad_dtype(p)
+        if host_grad.shape != p.shape or (allowed is not None and host_grad.dtype != allowed):
             raise ValueError(
-                f"{name}: group {gi}, param {pi} is now {p.dtype}{tuple(p.shape)}, its offloaded grad "
-                f"{host_grad.dtype}{tuple(host_grad.shape)}: it cannot be given back"
+                f"{name}: group {gi}, param {pi} is now {p.dtype}{tuple(p.shape)} (grads of "
+                f"{'any dtype' if allowed is None else allowed}), its offloaded grad "
+                f"{host_grad.dtype}{tuple(host_grad.shape)}: it cannot be given back. Give the param back its "
+                f"shape and dtype (or a grad_dtype that allows the grad's), then reload"
             )
         out.append((p, host_grad))
     return out
+
+
+def _grad_dtype(p: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``p.grad`` may have (torch's ``grad_dtype``: the param's own by default, None: any)."""
+    try:
+        allowed: torch.dtype | None = p.grad_dtype  # (torch >= 2.9; a leaf's only)
+    except (AttributeError, RuntimeError):
+        return p.dtype
+    return allowed
 
 
 def prepare_discard(optimizer: Any) -> Callable[[], None]:

@@ -128,10 +128,11 @@ def load_state_dict(
     # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
     # collections would cost more than the copies)
     with _engine.operation(), exclusive(receiver), _engine.no_gc():
-        new_state, new_groups = staged.build()
-        # The loaded state supersedes any offload record: offloaded grads are copied back first (an OOM there
-        # leaves everything as it was), handed back only once the state is installed.
+        # The loaded state supersedes any offload record: offloaded grads are copied back first, before the state
+        # is staged (a grad that cannot go back, or an OOM there, leaves everything as it was), handed back only
+        # once the state is installed.
         finish = [prepare_discard(obj) for obj in dict.fromkeys((receiver, optimizer))]
+        new_state, new_groups = staged.build()
         _install(
             receiver,
             name,

@@ -79,6 +79,7 @@ __all__ = [
     "entry_dtypes",
     "group_tensor_paths",
     "quiet_global_step_hooks",
+    "throwaway",
     "clear_cache",
 ]
 
@@ -100,6 +101,19 @@ GroupPath = tuple[Any, int | None]
 ProbeKey = tuple[type[torch.optim.Optimizer], tuple[tuple[str, Any], ...], tuple[bool, ...], int]
 """What :func:`probe_key` returns: the class, the group's entries (by kind), its implementation flags, the
 param rank."""
+
+
+@contextlib.contextmanager
+def throwaway(*, host: bool = True) -> Iterator[None]:
+    """Where a throwaway optimizer is built and stepped (the probes', the load's checks'): outside the caller's
+    tensor modes (a FakeTensorMode), its warnings silenced, the user's global step hooks not fired, its tensors
+    made on the host (``host``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    place = torch.device("cpu") if host else contextlib.nullcontext()
+    with _disable_current_modes(), warnings.catch_warnings(), place, quiet_global_step_hooks():
+        warnings.simplefilter("ignore")
+        yield
 
 
 @contextlib.contextmanager
@@ -435,12 +449,10 @@ def _run(
     """One probe step (``on_device``: the group tensor put on the device, the others on the host); ``costs``: then
     measure what each host scalar the step made costs on the device (:func:`_costs`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _disable_current_modes
 
     kwargs = built_kwargs(cls, group)
     shape = (2,) * ndim
-    with _disable_current_modes(), warnings.catch_warnings(), quiet_global_step_hooks(), torch.inference_mode():
-        warnings.simplefilter("ignore")
+    with throwaway(host=False), torch.inference_mode():
         with FakeTensorMode(allow_non_fake_inputs=True):
             param = torch.nn.Parameter(torch.zeros(shape, device=_FAKE_DEVICE), requires_grad=False)
             param.grad = torch.zeros(shape, device=_FAKE_DEVICE)
@@ -599,10 +611,7 @@ def expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], n
 
 
 def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]) -> StateSpec:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
-        warnings.simplefilter("ignore")
+    with throwaway():
         params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
         for p in params:
             p.grad = torch.full(p.shape, 0.25)
@@ -781,16 +790,7 @@ def _try(
     dtypes: Mapping[str, torch.dtype],
 ) -> tuple[Rejection, ...] | None:
     """The rejections, ``()`` if a step takes these dtypes, ``None`` if the trial cannot run."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with (
-        _disable_current_modes(),
-        warnings.catch_warnings(),
-        torch.device("cpu"),
-        quiet_global_step_hooks(),
-        torch.no_grad(),
-    ):
-        warnings.simplefilter("ignore")
+    with throwaway(), torch.no_grad():
         keys = frozenset(dtypes)
         try:
             trial = _filled(cls, group, dtype, ndim, keys)
@@ -857,10 +857,7 @@ def step_needs(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], key: 
 
 def _steps_without(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], key: str, sparse: bool) -> bool | None:
     """True if two steps without ``key`` raise ``KeyError(key)``, False if they run, None if they fail otherwise."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"), quiet_global_step_hooks():
-        warnings.simplefilter("ignore")
+    with throwaway():
         param = torch.nn.Parameter(torch.full((2, 3), 0.5))  # 2-D: Muon takes only those
 
         def closure() -> torch.Tensor:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import inspect
 import numbers
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .._errors import with_article
-from .._probe import StateSpec, signature_defaults, step_needs
+from .._probe import StateSpec, signature_defaults, step_needs, throwaway
 from .._state import GROUP_SKIP, IMPLEMENTATION_FLAGS
 
 __all__ = ["check_group", "check_entries", "keys_shown", "fresh_group", "torch_cast", "NOT_REAL"]
@@ -128,11 +127,8 @@ def fresh_group(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | None:
             def add_param_group(self, param_group: dict[str, Any]) -> None:
                 self.param_groups.append({**self.defaults, **param_group})
 
-        from torch.utils._python_dispatch import _disable_current_modes
-
         try:
-            with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"):
-                warnings.simplefilter("ignore")
+            with throwaway():
                 opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 3))])  # pyright: ignore[reportCallIssue]  # (the run-time base takes params alone)
             _fresh_groups[cls] = {k: v for k, v in opt.param_groups[0].items() if k not in GROUP_SKIP}
         except Exception:
@@ -171,10 +167,7 @@ def _group_keys(
     found = _group_keys_cache.get((cls, base))
     if found is not None:
         return found
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), warnings.catch_warnings(), torch.device("cpu"):
-        warnings.simplefilter("ignore")
+    with throwaway():
         recorded = fresh_group(base)
         defaults = dict(_hyper_defaults(base) if recorded is None else recorded)
         fresh = frozenset(defaults)

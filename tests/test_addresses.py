@@ -139,6 +139,26 @@ def test_without_keep_addresses_addresses_change_and_a_kept_range_is_released(si
     assert {k: v[0] for k, v in _where(opt).items()} == {k: v[0] for k, v in kept.items()}  # objects kept
 
 
+def test_a_load_that_takes_the_state_out_of_its_range_releases_it(sim, driver):
+    """A load whose copies the live tensors adopt (on the simulator a live tensor never takes values in place: its
+    storage has a second user) leaves the slots, as a move does: their memory is unmapped, not held beside the
+    loaded state. Before: the range stayed mapped until the next move or offload (the state's memory twice)."""
+    model, opt = _trained(sim, shapes=[(64, 64), (64,), (32, 48)])
+    host = {"state": {i: {k: v.cpu() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}}
+    host["param_groups"] = opt.state_dict()["param_groups"]
+    values = _state_values(opt)
+    on = simulated_memory_allocated(0)
+    optimshift.keep_addresses(opt)
+    assert driver.mapped(0) > 0
+    objects = {k: v[0] for k, v in _where(opt).items()}
+    optimshift.load_state_dict(opt, host)
+    gc.collect()
+    assert driver.mapped(0) == 0 and simulated_memory_allocated(0) <= on
+    assert {k: v[0] for k, v in _where(opt).items()} == objects and bitwise_equal(_state_values(opt), values)
+    optimshift.keep_addresses(opt)  # (laid out in the range again)
+    assert driver.mapped(0) > 0
+
+
 def test_keep_addresses_before_the_first_capture_fixes_them_for_good(sim, driver):
     model, opt = _trained(sim)
     values = _state_values(opt)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _engine, _mode
+from .. import _addresses, _engine, _mode
 from .._copy import Batch
 from .._devices import DeviceLike, resolve
 from .._errors import with_article
@@ -146,6 +146,10 @@ def load_state_dict(
             mode.after_load()
         for done in finish:  # (in the operation: a Ctrl-C held by the commit waits for these too)
             done()
+        # State kept at fixed addresses (keep_addresses) that the load did not write in place left its slots, as
+        # after a move: their memory is released (the copies an adoption left holding it go first).
+        del staged, new_state, new_groups
+        _addresses.release(receiver, name)
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
         hook(receiver)
     return optimizer

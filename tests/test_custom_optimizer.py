@@ -164,26 +164,3 @@ def test_an_unbuildable_custom_class_falls_back_and_says_why(sim, caplog):
     report = optimshift.check(opt)
     (info,) = [f for f in report.findings if f.severity == "info"]
     assert "could not build Needy" in info.why and "num_data" in info.why and "register_policy" in info.why
-
-
-def test_a_policy_that_places_state_on_meta_is_refused_before_anything_changes(sim):
-    # Before: move() sent every entry to meta (its values gone), though move(opt, "meta") is refused.
-    class OnMeta(torch.optim.Adam):
-        pass
-
-    optimshift.register_policy(OnMeta, lambda key, value, param, group, device: torch.device("meta"))
-    try:
-        p = torch.nn.Parameter(torch.ones(3, device=sim))
-        opt = OnMeta([p])
-        p.grad = torch.ones(3, device=sim)
-        opt.step()
-        before = {k: (v.device, v.cpu()) for k, v in opt.state[p].items()}
-        try:
-            optimshift.move(opt)
-        except ValueError as e:
-            assert "OnMeta: the policy registered for OnMeta placed state" in str(e) and "meta" in str(e)
-        else:
-            raise AssertionError("moved state to meta")
-        assert all(v.device == before[k][0] and torch.equal(v.cpu(), before[k][1]) for k, v in opt.state[p].items())
-    finally:
-        optimshift.unregister_policy(OnMeta)

@@ -250,11 +250,6 @@ def decide(
             if answer is not None:
                 if not isinstance(answer, torch.device):
                     answer = torch.device(answer)
-                if answer.type == "meta" and value.device.type != "meta":  # (resolve's refusal of a user's meta)
-                    raise ValueError(
-                        f"{cls.__name__}: the policy registered for {base.__name__} placed state {key!r} on meta, "
-                        f"which holds no data: the entry would lose every value; nothing was changed"
-                    )
                 return Decision(answer, "registered")
             break
     if param is None:

@@ -8,6 +8,7 @@ host range whose pages are released and mapped again, where an access to unmappe
 
 from __future__ import annotations
 
+import copy as copy_module
 import gc
 import logging
 import warnings
@@ -157,6 +158,32 @@ def test_a_load_that_takes_the_state_out_of_its_range_releases_it(sim, driver):
     assert {k: v[0] for k, v in _where(opt).items()} == objects and bitwise_equal(_state_values(opt), values)
     optimshift.keep_addresses(opt)  # (laid out in the range again)
     assert driver.mapped(0) > 0
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_load_unmaps_the_slots_it_left_only_after_the_queued_work(sim, driver, monkeypatch, copy):
+    """A checkpoint already on the device is loaded without a host wait, and the last step's work may still use
+    the slots the load leaves: the device is synchronized before they are unmapped (unmapping does not wait)."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    sd = copy_module.deepcopy(opt.state_dict())  # (on the device)
+    order = []
+    real_sync, real_unmap = _device_streams.synchronize, SimDriver.unmap
+
+    def sync(devices):
+        devices = list(devices)
+        if any(d.type == sim.type for d in devices):
+            order.append("synchronize")
+        return real_sync(devices)
+
+    def unmap(self, *args, **kwargs):
+        order.append("unmap")
+        return real_unmap(self, *args, **kwargs)
+
+    monkeypatch.setattr(_device_streams, "synchronize", sync)
+    monkeypatch.setattr(SimDriver, "unmap", unmap)
+    optimshift.load_state_dict(opt, sd, copy=copy)
+    assert "unmap" in order and "synchronize" in order[: order.index("unmap")], order
 
 
 def test_keep_addresses_before_the_first_capture_fixes_them_for_good(sim, driver):

@@ -403,11 +403,13 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
     return placement
 
 
-def release(optimizer: Any, name: str) -> None:
+def release(optimizer: Any, name: str, *, queued: bool = False) -> None:
     """Unmap every block of the optimizer's ranges that no slot in use touches (after an offload's host copies
     landed, or a move or ``stream()`` took the state elsewhere). A slot still in use that the optimizer's state
     does not sit in is held from outside (a view kept by the caller): it stays mapped, with a warning. A driver
-    error leaves a block mapped (warned; the next release tries again): the state itself is safe on the host."""
+    error leaves a block mapped (warned; the next release tries again): the state itself is safe on the host.
+    ``queued``: work queued on the devices may still use a block (the caller's copies did not wait for it, as a
+    load's copies on the device do not): they are synchronized before anything is unmapped."""
     layout = layout_of(optimizer)
     if layout is None:
         return
@@ -420,6 +422,7 @@ def release(optimizer: Any, name: str) -> None:
     }
     foreign, foreign_bytes = 0, 0
     with layout.lock:
+        unmap: list[tuple[_Range, int]] = []
         for owner in layout.ranges:
             keep: set[int] = set()
             for slot in owner.slots:
@@ -428,17 +431,18 @@ def release(optimizer: Any, name: str) -> None:
                     if owner.mapped.address + slot.offset not in inside:
                         foreign += 1
                         foreign_bytes += slot.nbytes
-            for i, handle in enumerate(owner.mapped.handles):
-                if handle is not None and i not in keep:
-                    try:
-                        owner.mapped.unmap(i)
-                    except DriverError as e:
-                        _log.warning(
-                            "optimshift: %s: could not unmap %s memory (%s); it stays mapped",
-                            name,
-                            owner.mapped.device,
-                            str(e),
-                        )
+            unmap.extend((owner, i) for i, h in enumerate(owner.mapped.handles) if h is not None and i not in keep)
+        if unmap and queued:
+            # NOTE: unmapping does not wait for queued work that still uses a block (torch's expandable segments
+            # synchronize before they unmap too)
+            _device_streams.synchronize({owner.mapped.device for owner, _ in unmap})
+        for owner, i in unmap:
+            try:
+                owner.mapped.unmap(i)
+            except DriverError as e:
+                _log.warning(
+                    "optimshift: %s: could not unmap %s memory (%s); it stays mapped", name, owner.mapped.device, str(e)
+                )
     if foreign:
         warnings.warn(
             f"{name}: {foreign} slot{'s' if foreign != 1 else ''} of state ({foreign_bytes} bytes) kept at fixed "

@@ -147,9 +147,10 @@ def load_state_dict(
         for done in finish:  # (in the operation: a Ctrl-C held by the commit waits for these too)
             done()
         # State kept at fixed addresses (keep_addresses) that the load did not write in place left its slots, as
-        # after a move: their memory is released (the copies an adoption left holding it go first).
+        # after a move: their memory is released (the copies an adoption left holding it go first), once the
+        # work queued on the device (the last step, the load's own copies there) no longer uses it.
         del staged, new_state, new_groups
-        _addresses.release(receiver, name)
+        _addresses.release(receiver, name, queued=True)
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
         hook(receiver)
     return optimizer

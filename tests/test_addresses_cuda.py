@@ -73,3 +73,21 @@ def test_a_view_held_outside_stays_mapped_on_a_gpu():
         warnings.simplefilter("error")
         optimshift.offload(opt, keep_addresses=True)
     optimshift.reload(opt)
+
+
+def test_a_load_writes_kept_state_in_place_on_a_gpu():
+    """On CUDA a kept slot's tensor is all that uses its storage, so a load of a host checkpoint writes the values
+    in place: same objects, same addresses, the range still mapped (the simulator never takes this road)."""
+    model, opt = _opt()
+    optimshift.keep_addresses(opt)
+    kept = _where(opt)
+    host = {"state": {i: {k: v.cpu() + 1 for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}}
+    host["param_groups"] = opt.state_dict()["param_groups"]
+    mapped = optimshift._addresses.mapped_bytes(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimshift.load_state_dict(opt, host)
+    torch.cuda.synchronize()
+    assert _where(opt) == kept and optimshift._addresses.mapped_bytes(opt) == mapped > 0
+    for i, st in enumerate(opt.state.values()):
+        assert all(torch.equal(v.cpu(), host["state"][i][k]) for k, v in st.items())

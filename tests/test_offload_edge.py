@@ -233,3 +233,42 @@ def test_offloaded_grads_keep_their_objects(sim, back):
     for p, g, v in zip(model.parameters(), grads, values):
         assert p.grad is g and g.device == sim and bitwise_equal(g, v)
     train(model, opt, range(1))  # the step runs on them
+
+
+def test_torchs_own_load_ends_the_offload_as_optimshifts_does(sim):
+    # Before: torch's load put new state on the device but left the offload record: check() said offloaded,
+    # step() refused, and the offloaded grads stayed held until a reload.
+    model, opt = _adam(sim, foreach=False)
+    ref_model, ref = _adam(sim, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    grads = [p.grad for p in model.parameters()]
+    sd = ref.state_dict()
+    optimshift.offload(opt, include=("grads",))
+    opt.load_state_dict(sd)
+    assert not optimshift.is_offloaded(opt) and optimshift.check(opt).ok
+    assert state_layout(opt) == state_layout(ref)
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is g and g.device == sim and torch.equal(g.cpu(), torch.full((3, 2), 0.5))
+    opt.step()  # (no refusal: not offloaded)
+    optimshift.offload(opt)  # the next operations run as usual (the old record's hooks are gone)
+    optimshift.reload(opt)
+    assert optimshift.check(opt).ok
+
+
+def test_torchs_own_load_that_cannot_give_a_grad_back_changes_nothing(sim):
+    model, opt = _adam(sim, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sd = opt.state_dict()
+    optimshift.offload(opt, include=("grads",))
+    first = next(iter(model.parameters()))
+    first.grad = torch.full_like(first, 7.0)
+    layout, ids = {row.key: row.device for row in optimshift.placement(opt)}, tensor_ids(opt)
+    with pytest.raises(ValueError, match=r"got a new \.grad while its offloaded grad"):
+        opt.load_state_dict(sd)
+    assert optimshift.is_offloaded(opt) and tensor_ids(opt) == ids
+    assert {row.key: row.device for row in optimshift.placement(opt)} == layout
+    first.grad = None
+    optimshift.reload(opt)
+    assert torch.equal(first.grad.cpu(), torch.ones(3, 2))

@@ -23,7 +23,7 @@ from ..api import move
 from ..pool import host_pool
 from ..report import format_table
 from ._accelerator import shipped_vs_patched
-from ._bench_verl import _HostAllocations, _ids, _method, _set_grads, _sync
+from ._bench_verl import _HostAllocations, _method, _set_grads, _state_tensors, _sync
 
 __all__ = ["run_deepspeed_case", "render_deepspeed"]
 
@@ -106,7 +106,7 @@ def run_deepspeed_case(
         opt = torch.optim.AdamW(params, foreach=True)
         _set_grads(opt)
         opt.step()
-        tensors = len(_ids(opt))
+        tensors = len(_state_tensors(opt))
         numel = sum(p.numel() for p in params)
         state_bytes = sum(
             v.numel() * v.element_size()

@@ -78,8 +78,8 @@ def _sync(device: torch.device) -> None:
         torch.get_device_module(device).synchronize(device.index or 0)
 
 
-def _ids(opt: torch.optim.Optimizer) -> list[int]:
-    return [id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 def _set_grads(opt: torch.optim.Optimizer) -> None:
@@ -103,12 +103,13 @@ def _method(
         _sync(device)
 
     cycle()  # warm-up: pools, streams, caches
-    objects = _ids(opt)
+    objects = _state_tensors(opt)  # (the objects themselves: a replaced one's id may be reused by its successor)
     before = host_pool.stats().allocations
     counter = _HostAllocations()
     with counter.mode:
         cycle()
-    kept = sum(a == b for a, b in zip(objects, _ids(opt))) / max(len(objects), 1)
+    kept = sum(a is b for a, b in zip(objects, _state_tensors(opt))) / max(len(objects), 1)
+    del objects
     times = []
     for _ in range(reps):
         gc.collect()
@@ -158,7 +159,7 @@ def run_verl_case(
         opt = torch.optim.AdamW(params, foreach=True)
         _set_grads(opt)
         opt.step()
-        tensors = len(_ids(opt))
+        tensors = len(_state_tensors(opt))
         state_bytes = sum(
             v.numel() * v.element_size()
             for st in opt.state.values()

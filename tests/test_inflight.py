@@ -144,25 +144,6 @@ def test_load_state_dict_during_an_offload_is_not_overwritten_by_it(sim, seed, p
 
 
 @pytest.mark.parametrize("seed, progress", SCHEDULES)
-def test_torchs_own_load_during_an_offload_of_grads_gives_them_back(sim, seed, progress):
-    """torch's load ends the offload (its hooks): the grads the offload is still copying to the host go back to
-    their params once those copies landed, the same objects with their values."""
-    with deferred_streams(seed=seed, progress=progress):
-        _, other = _trained(sim)
-        loaded = other.state_dict()
-        model, opt = _trained(sim)
-        for i, p in enumerate(model.parameters()):
-            p.grad = torch.full(p.shape, float(i + 1), device=sim)
-        grads = [p.grad for p in model.parameters()]
-        optimshift.offload(opt, include=("grads",), non_blocking=True)
-        opt.load_state_dict(loaded)
-        torch.sim.synchronize(0)
-        assert not optimshift.is_offloaded(opt) and _same(opt, _values(other))
-        for i, (p, g) in enumerate(zip(model.parameters(), grads)):
-            assert p.grad is g and g.device == sim and torch.equal(g.cpu(), torch.full(p.shape, float(i + 1)))
-
-
-@pytest.mark.parametrize("seed, progress", SCHEDULES)
 def test_offload_during_a_reload_waits_on_the_device(sim, seed, progress):
     """offload right after a non-blocking reload: ordered on the device (the next user is the copies), bitwise."""
     with deferred_streams(seed=seed, progress=progress):

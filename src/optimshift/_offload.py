@@ -41,7 +41,6 @@ __all__ = [
     "remember_pending",
     "forget",
     "prepare_discard",
-    "SUPERSEDING_HOOKS",
     "grads_back",
     "pending_of",
     "compact_state_dict",
@@ -128,7 +127,6 @@ class Record:
     grads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
     token: Any = None  # the serial of the cached offload plan's build that made this record (what a reload undoes)
-    superseded: Callable[[], None] | None = None  # torch's own load under way: what its post-hook finishes
     keep_addresses: frozenset[torch.device] = frozenset()  # devices whose reload puts the state back at its addresses
 
     def extended(self) -> Record:
@@ -182,9 +180,8 @@ def set_record(optimizer: Any, record: Record) -> None:
 
 
 def _install_hooks(optimizer: Any) -> list[Any]:
-    """While offloaded: ``step()`` refuses at once (before any counter moves), ``state_dict()`` returns compact
-    copies of the host tensors instead of views into shared pool buffers, and torch's own ``load_state_dict()``,
-    which replaces the offloaded state, ends the offload as optimshift's load does (:func:`_supersede`)."""
+    """While offloaded: ``step()`` refuses at once (before any counter moves), and ``state_dict()`` returns
+    compact copies of the host tensors instead of views into shared pool buffers."""
     handles = []
     register_pre = getattr(optimizer, "register_step_pre_hook", None)
     if register_pre is not None:
@@ -192,58 +189,7 @@ def _install_hooks(optimizer: Any) -> list[Any]:
     register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
     if register_sd is not None:
         handles.append(register_sd(compact_state_dict))
-    register_load = getattr(optimizer, "register_load_state_dict_pre_hook", None)
-    register_loaded = getattr(optimizer, "register_load_state_dict_post_hook", None)
-    if register_load is not None and register_loaded is not None:
-        handles.append(register_load(_supersede))
-        handles.append(register_loaded(_superseded))
     return handles
-
-
-def _supersede(optimizer: Any, state_dict: Any) -> None:
-    """The ``load_state_dict()`` pre-hook while offloaded: torch's load is about to replace the offloaded state.
-    The offloaded grads are checked and copied back now (:func:`grads_back`: a refusal or an OOM here leaves
-    everything as it was, torch's load not begun), handed back by the post-hook once the load went through."""
-    record = record_of(optimizer)
-    if record is None:
-        return
-    pending_of(optimizer).order_before_use()  # (a non-blocking offload may still be writing the host grads)
-    record.superseded = _grads_given_back(optimizer, record)
-
-
-def _superseded(optimizer: Any) -> None:
-    """The ``load_state_dict()`` post-hook while offloaded: torch installed new state, on the params' devices;
-    the offloaded grads go back and the offload record is dropped (its hooks, which torch is iterating, are
-    removed by the next operation: :func:`end_pending`)."""
-    record = record_of(optimizer)
-    if record is None or record.superseded is None:
-        return
-    record.superseded()
-    forget(optimizer, defer_hooks=True)
-
-
-SUPERSEDING_HOOKS = (_supersede, _superseded)
-"""The hooks that end an offload under torch's own load: optimshift's load ends it itself and skips them."""
-
-
-def _grads_given_back(optimizer: Any, record: Record) -> Callable[[], None]:
-    """Check ``record``'s offloaded grads and copy each to its param's device now (through the engine; this may
-    raise, having changed nothing); the function returned hands them back, the same objects."""
-    held = grads_back(optimizer, record)
-    moving = [i for i, (p, host_grad) in enumerate(held) if host_grad.device != p.device]
-    copies = _engine.copy_each(
-        [(held[i][1], held[i][0].device, held[i][1].dtype) for i in moving],
-        f"{optimizer_name(optimizer)}: load_state_dict",
-        lambda n: "an offloaded .grad",
-    )
-    back = dict(zip(moving, copies))
-
-    def give_back() -> None:
-        for i, (p, host_grad) in enumerate(held):
-            copy = back.get(i)  # (None: it is where its param is already)
-            p.grad = host_grad if copy is None else kept(host_grad, copy)  # the same object, on p's device
-
-    return give_back
 
 
 def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -318,8 +264,6 @@ def end_pending(optimizer: Any) -> None:
     with _lock:
         pending, session.pending = session.pending, None
         handles, session.guards = session.guards, []
-        handles += session.stale
-        session.stale = []
     for handle in handles:
         handle.remove()
     if pending is not None:
@@ -372,23 +316,18 @@ def _wait_before_use(optimizer: Any, *_: Any) -> None:
     pending_of(optimizer).order_before_use()
 
 
-def forget(optimizer: Any, pending: PendingTransfer | None = None, *, defer_hooks: bool = False) -> None:
+def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
     """Drop the offload record and give its host buffers back to the pool, to be reused once the copies that
-    read them (``pending``) are done and nothing looks into them any more (the pool checks both).
-    ``defer_hooks``: called from one of the record's hooks, while torch iterates them (a hook cannot remove
-    itself then): they are removed by the next operation (:func:`end_pending`), doing nothing meanwhile."""
+    read them (``pending``) are done and nothing looks into them any more (the pool checks both)."""
     session = _session.of(optimizer)
     if session is None:
         return
     with _lock:
         record, session.record = session.record, None
-        if record is not None and defer_hooks:
-            session.stale.extend(record.hooks)  # (removed by the next operation: end_pending)
     if record is None:
         return
-    if not defer_hooks:
-        for handle in record.hooks:
-            handle.remove()
+    for handle in record.hooks:
+        handle.remove()
     event = pending.event if pending is not None else None
     for buf in record.buffers:
         host_pool.release(buf, event)
@@ -439,10 +378,19 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
     if record is None:
         session = _session.of(optimizer)
         return (lambda: None) if session is None else session.group_sides.clear
-    give_back = _grads_given_back(optimizer, record)  # (refused as a reload refuses them, before anything changes)
+    held = grads_back(optimizer, record)  # (refused as a reload refuses them, before anything changes)
+    moving = [i for i, (p, host_grad) in enumerate(held) if host_grad.device != p.device]
+    copies = _engine.copy_each(
+        [(held[i][1], held[i][0].device, held[i][1].dtype) for i in moving],
+        f"{optimizer_name(optimizer)}: load_state_dict",
+        lambda n: "an offloaded .grad",
+    )
+    back = dict(zip(moving, copies))
 
     def finish() -> None:
-        give_back()
+        for i, (p, host_grad) in enumerate(held):
+            copy = back.get(i)  # (None: it is where its param is already)
+            p.grad = host_grad if copy is None else kept(host_grad, copy)  # the same object, on p's device
         forget(optimizer)
         session = _session.of(optimizer)
         if session is not None:  # the loaded groups placed their own tensors

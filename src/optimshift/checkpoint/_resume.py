@@ -25,7 +25,7 @@ from .. import _addresses, _engine, _mode
 from .._copy import Batch
 from .._devices import DeviceLike, resolve
 from .._errors import with_article
-from .._offload import SUPERSEDING_HOOKS, exclusive, pending_of, prepare_discard
+from .._offload import exclusive, pending_of, prepare_discard
 from .._plan import optimizer_name
 from .._state import IMPLEMENTATION_FLAGS, unwrap
 from . import _files
@@ -120,8 +120,6 @@ def load_state_dict(
     # As PyTorch: a shallow copy goes through the pre-hooks, which may return a replacement.
     sd = dict(sd)
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_pre_hooks", {}).values()):
-        if hook in SUPERSEDING_HOOKS:  # (an offload this load ends itself: prepare_discard)
-            continue
         result = hook(receiver, sd)
         if result is not None:
             sd = result
@@ -154,8 +152,7 @@ def load_state_dict(
         del staged, new_state, new_groups
         _addresses.release(receiver, name, queued=True)
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
-        if hook not in SUPERSEDING_HOOKS:
-            hook(receiver)
+        hook(receiver)
     return optimizer
 
 

@@ -15,7 +15,7 @@
 - the floors: the least any implementation of each does, against the same baselines (see :func:`floors`).
 
     .venv/bin/python benchmarks/planner.py [--tensors 50000] [--cycle-tensors 10000] [--params 16000] [--reps 5]
-                                           [--only move|cycle|load|floors ...]
+                                           [--only move|cycle|load|floors ...] [--fresh]
 
 Not a test: timings depend on the machine and its load. Record results in benchmarks/results/.
 """
@@ -26,6 +26,8 @@ import argparse
 import gc
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -366,35 +368,34 @@ def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tensors", type=int, default=50_000)
-    parser.add_argument("--cycle-tensors", type=int, default=10_000, help="(sim and fake ops run in Python: slower)")
-    parser.add_argument("--params", type=int, default=16_000)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument(
-        "--only", nargs="+", choices=_PARTS, default=list(_PARTS), help="the rows to run (default: all of them)"
-    )
-    args = parser.parse_args()
-    print(f"torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}, reps {args.reps}")
-    if "move" in args.only:
+def _rows(args: argparse.Namespace) -> list[tuple[str, str, Callable[[], None]]]:
+    """(name, part, print the row) for every row, in order."""
+
+    def move_first() -> None:
         r = move_first_call(args.tensors, args.reps)
         print(
             f"move host->meta, first call, {r['tensors']} tensors: {r['us_per_tensor']:.2f} us/tensor against "
             f"{r['bare_us']:.2f} (bare swap_tensors loop): {r['ratio']:.2f}x (goal <= 1.5x)"
         )
+
+    def move_repeated() -> None:
         r = move_repeated_fake(args.cycle_tensors, args.reps)
         print(
             f"move fake cpu<->cuda:0, repeated (cached plans), {r['tensors']} tensors: {r['us_per_tensor']:.2f} "
             f"us/tensor against {r['bare_us']:.2f}: {r['ratio']:.2f}x (goal <= 1.2x)"
         )
-    for where in ("sim", "fake") if "cycle" in args.only else ():
-        r = cycle(args.cycle_tensors, args.reps, where)
-        print(
-            f"offload+reload cycle on {where}, cached plans, {r['tensors']} tensors: {r['us_per_tensor']:.2f} "
-            f"us/tensor against {r['bare_us']:.2f} (bare per-tensor swap loop): {r['ratio']:.2f}x (goal <= 1.5x)"
-        )
-    if "load" in args.only:
+
+    def cycle_on(where: str) -> Callable[[], None]:
+        def row() -> None:
+            r = cycle(args.cycle_tensors, args.reps, where)
+            print(
+                f"offload+reload cycle on {where}, cached plans, {r['tensors']} tensors: {r['us_per_tensor']:.2f} "
+                f"us/tensor against {r['bare_us']:.2f} (bare per-tensor swap loop): {r['ratio']:.2f}x (goal <= 1.5x)"
+            )
+
+        return row
+
+    def load_row() -> None:
         r = load(args.params, args.reps)
         print(
             f"load_state_dict copy=True, {r['params']} params: into a fresh optimizer {r['fresh_vs_clone']:.2f}x a "
@@ -402,15 +403,20 @@ def main() -> None:
             f"{r['existing_vs_checked']:.2f}x the least validating in-place load (goal <= 1.5x); medians: fresh "
             "%.0f ms, clone loop %.0f ms, existing %.0f ms, copy_ loop %.0f ms, validating copy_ loop %.0f ms" % r["ms"]
         )
-    for where, mixed in (("meta", False), ("sim", False), ("meta", True)) if "load" in args.only else ():
-        r = load_onto(args.params, args.reps, where, mixed)
-        print(
-            f"load_state_dict of a host checkpoint, {r['params']} params{' of 4 shapes in turn' if mixed else ''}, "
-            f"into a fresh optimizer on {where}: {r['ratio']:.2f}x a bare .to({where}) loop of the entries that move "
-            f"(goal <= 1.5x), {r['every_ratio']:.2f}x the issue's loop of every entry; medians %.0f ms against %.0f "
-            "ms and %.0f ms" % r["ms"]
-        )
-    if "floors" in args.only:
+
+    def onto(where: str, mixed: bool) -> Callable[[], None]:
+        def row() -> None:
+            r = load_onto(args.params, args.reps, where, mixed)
+            print(
+                f"load_state_dict of a host checkpoint, {r['params']} params{' of 4 shapes in turn' if mixed else ''}, "
+                f"into a fresh optimizer on {where}: {r['ratio']:.2f}x a bare .to({where}) loop of the entries that "
+                f"move (goal <= 1.5x), {r['every_ratio']:.2f}x the issue's loop of every entry; medians %.0f ms "
+                "against %.0f ms and %.0f ms" % r["ms"]
+            )
+
+        return row
+
+    def floors_row() -> None:
         f = floors(args.tensors, args.params, args.reps)
         print(
             f"floors (the least any implementation does, same baselines): move {f['move']:.2f}x; load into a fresh "
@@ -421,6 +427,54 @@ def main() -> None:
             f"tensors nothing else uses, __setstate__ run): into existing state {f['existing_correct']:.2f}x the "
             f"copy_ loop; a host checkpoint onto meta {f['onto_correct']:.2f}x the .to(meta) loop"
         )
+
+    return [
+        ("move-first", "move", move_first),
+        ("move-repeated", "move", move_repeated),
+        ("cycle-sim", "cycle", cycle_on("sim")),
+        ("cycle-fake", "cycle", cycle_on("fake")),
+        ("load", "load", load_row),
+        ("onto-meta", "load", onto("meta", False)),
+        ("onto-sim", "load", onto("sim", False)),
+        ("onto-meta-mixed", "load", onto("meta", True)),
+        ("floors", "floors", floors_row),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensors", type=int, default=50_000)
+    parser.add_argument("--cycle-tensors", type=int, default=10_000, help="(sim and fake ops run in Python: slower)")
+    parser.add_argument("--params", type=int, default=16_000)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--only", nargs="+", choices=_PARTS, default=list(_PARTS), help="the rows to run (default: all of them)"
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="each row in a process of its own (a row's ratio depends on what ran before it in the process)",
+    )
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # (--fresh: the one row this process runs)
+    args = parser.parse_args()
+    rows = _rows(args)
+    if args.row is not None:
+        next(fn for name, _, fn in rows if name == args.row)()
+        return
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}, reps {args.reps}"
+        + (", each row in a fresh process" if args.fresh else "")
+    )
+    for name, part, fn in rows:
+        if part not in args.only:
+            continue
+        if not args.fresh:
+            fn()
+            continue
+        sys.stdout.flush()
+        sizes = ["--tensors", str(args.tensors), "--cycle-tensors", str(args.cycle_tensors)]
+        sizes += ["--params", str(args.params), "--reps", str(args.reps)]
+        subprocess.run([sys.executable, __file__, "--row", name, *sizes], check=True)
 
 
 _PARTS = ("move", "cycle", "load", "floors")  # (--only: the rows of each part)

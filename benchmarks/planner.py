@@ -60,6 +60,20 @@ def _bare_move(opt: torch.optim.Optimizer, device: torch.device | str) -> None:
                 swap(v, v.to(device))
 
 
+def _checked_copy(live: list[Any], saved: list[Any]) -> None:
+    """Issue 27's baseline for a load into existing state, the least validating in-place load: keys equal;
+    dtype, shape and device equal; ``copy_``."""
+    for st, sv in zip(live, saved):
+        if st.keys() != sv.keys():
+            raise ValueError("keys")
+        for k, v in st.items():
+            w = sv[k]
+            if v.dtype != w.dtype or v.shape != w.shape or v.device != w.device:
+                raise ValueError(k)
+        for k, v in st.items():
+            v.copy_(sv[k])
+
+
 def _median_ratio(a: list[float], b: list[float]) -> tuple[float, float, float]:
     ma, mb = statistics.median(a), statistics.median(b)
     return ma, mb, ma / mb
@@ -157,18 +171,10 @@ def load(n_params: int, reps: int) -> dict[str, float]:
             for k, v in st.items():
                 v.copy_(saved[k])
 
+    saved_states = list(sd["state"].values())
+
     def checked_copy() -> None:
-        """Issue 27's baseline: the least validating in-place load (keys equal; dtype, shape and device equal;
-        ``copy_``)."""
-        for st, saved in zip(live, sd["state"].values()):
-            if st.keys() != saved.keys():
-                raise ValueError("keys")
-            for k, v in st.items():
-                w = saved[k]
-                if v.dtype != w.dtype or v.shape != w.shape or v.device != w.device:
-                    raise ValueError(k)
-            for k, v in st.items():
-                v.copy_(saved[k])
+        _checked_copy(live, saved_states)
 
     t_clone, t_fresh, t_copy, t_checked, t_existing = [], [], [], [], []
     for _ in range(reps):
@@ -291,15 +297,7 @@ def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
                 v.copy_(sv[k])
 
     def checked_copy() -> None:
-        for st, sv in zip(live, saved):
-            if st.keys() != sv.keys():
-                raise ValueError("keys")
-            for k, v in st.items():
-                w = sv[k]
-                if v.dtype != w.dtype or v.shape != w.shape or v.device != w.device:
-                    raise ValueError(k)
-            for k, v in st.items():
-                v.copy_(sv[k])
+        _checked_copy(live, saved)
 
     def bare_clone() -> list[dict[str, torch.Tensor]]:
         return [{k: v.clone() for k, v in sv.items()} for sv in saved]

@@ -79,6 +79,16 @@ def test_grads_follow_params_that_moved_while_offloaded(sim):
         assert p.grad.device == sim1 and bitwise_equal(p.grad, g)
 
 
+def _go_back(opt, back, sd):
+    """The ways an offloaded optimizer's state and grads come back."""
+    if back == "reload":
+        optimshift.reload(opt)
+    elif back == "move":
+        optimshift.move(opt)
+    else:
+        optimshift.load_state_dict(opt, sd)
+
+
 @pytest.mark.parametrize("back", ["reload", "move", "load_state_dict"])
 def test_every_way_back_refuses_to_overwrite_a_grad_set_while_offloaded(sim, back):
     # One rule for every way back (_offload.grads_back). Before: load_state_dict kept the new grad and dropped
@@ -92,21 +102,12 @@ def test_every_way_back_refuses_to_overwrite_a_grad_set_while_offloaded(sim, bac
     first.grad = torch.full_like(first, 7.0)
     layout = {row.key: row.device for row in optimshift.placement(opt)}
     ids = tensor_ids(opt)
-
-    def go_back():
-        if back == "reload":
-            optimshift.reload(opt)
-        elif back == "move":
-            optimshift.move(opt)
-        else:
-            optimshift.load_state_dict(opt, sd)
-
     with pytest.raises(ValueError, match=r"Adam: group 0, param 0 got a new \.grad while its offloaded grad"):
-        go_back()
+        _go_back(opt, back, sd)
     assert {row.key: row.device for row in optimshift.placement(opt)} == layout and optimshift.is_offloaded(opt)
     assert tensor_ids(opt) == ids and torch.equal(first.grad.cpu(), torch.full((3, 2), 7.0))
     first.grad = None
-    go_back()
+    _go_back(opt, back, sd)
     assert torch.equal(first.grad.cpu(), torch.ones(3, 2)) and first.grad.device == sim
 
 
@@ -128,12 +129,7 @@ def test_offloaded_grads_of_a_dtype_the_param_allows_go_back(sim, back):
         p.grad = torch.ones(p.shape, device=sim)
     grads = [p.grad for p in model.parameters()]
     optimshift.offload(opt, include=("grads",))
-    if back == "reload":
-        optimshift.reload(opt)
-    elif back == "move":
-        optimshift.move(opt)
-    else:
-        optimshift.load_state_dict(opt, sd)
+    _go_back(opt, back, sd)
     for p, g in zip(model.parameters(), grads):
         assert p.grad is g and g.device == sim and g.dtype == torch.float32 and torch.equal(g.cpu(), torch.ones(3, 2))
     assert not optimshift.is_offloaded(opt) and optimshift.check(opt).ok

@@ -229,3 +229,48 @@ def test_offloaded_grads_keep_their_objects(sim, back):
     for p, g, v in zip(model.parameters(), grads, values):
         assert p.grad is g and g.device == sim and bitwise_equal(g, v)
     train(model, opt, range(1))  # the step runs on them
+
+
+def _failing_to(monkeypatch, victim):
+    """``victim.to(...)`` (the copy of one grad) runs out of memory."""
+    real = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if self is victim:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+@pytest.mark.parametrize("way", ["offload", "reload", "move", "load_state_dict"])
+def test_a_failed_grad_copy_names_the_param_and_changes_nothing(sim, monkeypatch, way):
+    """A grad's copy that fails names the param it belongs to (group and index), on every way a grad moves."""
+    model, opt = _adam(sim, foreach=False)
+    params = list(model.parameters())
+    for p in params:  # (a transposed grad is copied on its own, by .to: not staged with the others)
+        p.grad = torch.ones(tuple(reversed(p.shape)), device=sim).t()
+    victim = params[2].grad
+    if way != "offload":
+        optimshift.offload(opt, include=("grads",))
+        victim = optimshift._offload.record_of(opt).grads[(0, 2)][1]
+    if way == "move":
+        optimshift.reload(opt, sim)  # (take the grads back by another way first: the move below is the test)
+        optimshift.offload(opt, include=("grads",))
+        victim = optimshift._offload.record_of(opt).grads[(0, 2)][1]
+    sd = opt.state_dict()
+    layout = state_layout(opt)
+    _failing_to(monkeypatch, victim)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        if way == "offload":
+            optimshift.offload(opt, include=("grads",))
+        elif way == "reload":
+            optimshift.reload(opt)
+        elif way == "move":
+            optimshift.move(opt, sim)
+        else:
+            optimshift.load_state_dict(opt, sd)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "group 0, param 2" in notes and ".grad" in notes, notes
+    assert state_layout(opt) == layout
+    assert optimshift.is_offloaded(opt) == (way != "offload")

@@ -291,10 +291,11 @@ def run(
     plan: Plan,
     options: Options = BLOCKING,
     *,
-    extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
+    extra: Sequence[tuple[torch.Tensor, torch.device, str]] = (),
     into: Sequence[torch.Tensor | None] | None = None,
 ) -> Copies:
-    """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (e.g. grads), grouped.
+    """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (grads: each with its target and
+    what it is, for errors), grouped.
 
     With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._device_streams`: CUDA, any
     accelerator with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
@@ -323,12 +324,14 @@ def run(
     else:  # (each tensor once: the common case, without the set, one comprehension)
         items = [(tr[2], tr[4]) for tr in plan.transfers if tr[2].device != tr[4]]
     n_plan = len(items)
+    extra_names: list[str] = []  # (what each of the extra items copied is)
     if extra:
         seen = {id(t) for t, _ in items}
-        for t, target in extra:
+        for t, target, what in extra:
             if t.device != target and id(t) not in seen:
                 seen.add(id(t))
                 items.append((t, target))
+                extra_names.append(what)
     # (nothing moves: nothing can stop sharing, nor be copied as a storage)
     together = _shared_storages(plan, extra, items, placed) if items or placed else []
     optimizer_name = type(plan.optimizer).__name__
@@ -339,7 +342,7 @@ def run(
 
     def describe(i: int) -> str:
         if i >= n_plan:
-            return f"{optimizer_name} a param's .grad"
+            return f"{optimizer_name} {extra_names[i - n_plan]}"
         plans = names if names is not None else [tr for tr in plan.transfers if tr[2].device != tr[4]]
         return f"{optimizer_name} {plans[i].site}"
 
@@ -404,7 +407,7 @@ def _placed(plan: Plan, into: Sequence[torch.Tensor | None]) -> tuple[Plan, list
 
 def _shared_storages(
     plan: Plan,
-    extra: Sequence[tuple[torch.Tensor, torch.device]],
+    extra: Sequence[tuple[torch.Tensor, torch.device, str]],
     items: Sequence[tuple[torch.Tensor, torch.device]],
     placed: Sequence[tuple[Transfer, torch.Tensor]] = (),
 ) -> list[tuple[list[int], torch.device]]:
@@ -413,7 +416,7 @@ def _shared_storages(
     belong on different devices, or are copied into places the caller gave (``placed``, each its own): copied
     apart, an update through one would no longer show through the other."""
     transfers = plan.transfers
-    tensors = [tr[2] for tr in transfers] + [t for t, _ in extra] + [tr[2] for tr, _ in placed]
+    tensors = [tr[2] for tr in transfers] + [e[0] for e in extra] + [tr[2] for tr, _ in placed]
     groups = _alias.shared(tensors)
     if not groups:
         return []
@@ -422,7 +425,7 @@ def _shared_storages(
     def where(i: int) -> str:
         if i < len(transfers):
             return str(transfers[i].site)
-        return "a param's .grad" if i < first_placed else str(placed[i - first_placed][0].site)
+        return extra[i - len(transfers)][2] if i < first_placed else str(placed[i - first_placed][0].site)
 
     for group in groups:
         if any(i >= first_placed for i in group) and not _placed_together(group, first_placed, placed):
@@ -436,7 +439,7 @@ def _shared_storages(
     groups = [group for group in groups if all(i < first_placed for i in group)]  # (the rest: placed together)
     if not groups:
         return []
-    targets = [tr[4] for tr in transfers] + [d for _, d in extra]
+    targets = [tr[4] for tr in transfers] + [e[1] for e in extra]
     split = _alias.split_targets(tensors, targets, groups)
     if split is not None:
         a, b = split

@@ -28,7 +28,7 @@ from . import _device_streams, _engine, _session
 from ._adopt import kept
 from ._dtensor import local_tensor
 from ._plan import Ident, optimizer_name
-from ._state import leaves
+from ._state import leaves, param_label
 from .pool import host_pool
 
 __all__ = [
@@ -333,10 +333,10 @@ def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
         host_pool.release(buf, event)
 
 
-def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(param, host grad) pairs that go back to their params (every way back: a reload, a move, a load), checked
-    before any copy: a grad goes to its param's current device and must match the param, and a grad set while
-    offloaded is never overwritten, nor dropped."""
+def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """(param, host grad, what it is, for errors) for each grad that goes back to its param (every way back: a
+    reload, a move, a load), checked before any copy: a grad goes to its param's current device and must match
+    the param, and a grad set while offloaded is never overwritten, nor dropped."""
     if record is None:
         return []
     name = optimizer_name(optimizer)
@@ -355,7 +355,7 @@ def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor
                 f"{host_grad.dtype}{tuple(host_grad.shape)}: it cannot be given back. Give the param back its "
                 f"shape and dtype (or a grad_dtype that allows the grad's), then reload"
             )
-        out.append((p, host_grad))
+        out.append((p, host_grad, f"the offloaded .grad of {param_label(gi, pi)}"))
     return out
 
 
@@ -379,16 +379,16 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
         session = _session.of(optimizer)
         return (lambda: None) if session is None else session.group_sides.clear
     held = grads_back(optimizer, record)  # (refused as a reload refuses them, before anything changes)
-    moving = [i for i, (p, host_grad) in enumerate(held) if host_grad.device != p.device]
+    moving = [i for i, (p, host_grad, _) in enumerate(held) if host_grad.device != p.device]
     copies = _engine.copy_each(
         [(held[i][1], held[i][0].device, held[i][1].dtype) for i in moving],
         f"{optimizer_name(optimizer)}: load_state_dict",
-        lambda n: "an offloaded .grad",
+        lambda n: held[moving[n]][2],
     )
     back = dict(zip(moving, copies))
 
     def finish() -> None:
-        for i, (p, host_grad) in enumerate(held):
+        for i, (p, host_grad, _) in enumerate(held):
             copy = back.get(i)  # (None: it is where its param is already)
             p.grad = host_grad if copy is None else kept(host_grad, copy)  # the same object, on p's device
         forget(optimizer)

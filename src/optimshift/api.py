@@ -42,7 +42,7 @@ from ._plan import (
     optimizer_name,
     policy_target,
 )
-from ._state import group_device, unwrap
+from ._state import group_device, param_label, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [
@@ -103,9 +103,9 @@ def _group_moved(record: Record, gi: int, group: Mapping[str, Any]) -> bool:
     )
 
 
-def _give_grads_back(grads: Sequence[tuple[torch.Tensor, torch.Tensor]], copies: _engine.Copies) -> None:
+def _give_grads_back(grads: Sequence[tuple[torch.Tensor, torch.Tensor, str]], copies: _engine.Copies) -> None:
     """Each offloaded grad back on its param: the same object, holding its copy on the param's device."""
-    for p, host_grad in grads:
+    for p, host_grad, _ in grads:
         copy = copies.new.get(id(host_grad))  # (None: it is where its param is already)
         p.grad = host_grad if copy is None else kept(host_grad, copy)
 
@@ -116,7 +116,7 @@ def _transfer(
     *,
     what: str,
     options: Options = BLOCKING,
-    extra: Sequence[tuple[torch.Tensor, torch.device]] = (),
+    extra: Sequence[tuple[torch.Tensor, torch.device, str]] = (),
     cache_key: Hashable | None = None,
     grads: bool = False,
     eager: bool = False,
@@ -190,7 +190,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         policy_target(optimizer, target),
         what="move",
         options=Options(non_blocking=non_blocking),
-        extra=[(g, p.device) for p, g in grads],
+        extra=[(g, p.device, what) for p, g, what in grads],
         cache_key=key,
         sides=True,
     )
@@ -346,7 +346,7 @@ def offload(
         to_host,
         what="offload",
         options=Options(non_blocking=non_blocking, pin_memory=pin_memory is not False, keep_host_views=True),
-        extra=[(p.grad, host) for _, p in grads],
+        extra=[(p.grad, host, f"the .grad of {param_label(*where)}") for where, p in grads],
         cache_key=key,
         grads="grads" in include,
     )
@@ -454,7 +454,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         back,
         what="reload",
         options=Options(non_blocking=non_blocking),
-        extra=[(g, p.device) for p, g in grads],
+        extra=[(g, p.device, what) for p, g, what in grads],
         cache_key=key,
         grads=bool(grads),
         eager=cacheable,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import optimshift
@@ -164,3 +165,51 @@ def test_an_unbuildable_custom_class_falls_back_and_says_why(sim, caplog):
     report = optimshift.check(opt)
     (info,) = [f for f in report.findings if f.severity == "info"]
     assert "could not build Needy" in info.why and "num_data" in info.why and "register_policy" in info.why
+
+
+class _OnMeta(torch.optim.Adam):
+    pass
+
+
+@pytest.fixture
+def on_meta():
+    """A class whose registered policy puts every entry on meta."""
+    optimshift.register_policy(_OnMeta, lambda key, value, param, group, device: torch.device("meta"))
+    yield _OnMeta
+    optimshift.unregister_policy(_OnMeta)
+
+
+@pytest.mark.parametrize("way", ["move", "load_state_dict", "reload"])
+def test_a_policy_that_puts_values_on_meta_is_refused_before_anything_changes(sim, on_meta, way):
+    # Before: move() and the others sent every entry to meta, its values gone (move(opt, "meta") is refused).
+    params = [torch.nn.Parameter(torch.ones(3, device=sim)) for _ in range(2)]
+    opt = on_meta([{"params": params[:1]}, {"params": params[1:]}])
+    for p in params:
+        p.grad = torch.ones(3, device=sim)
+    opt.step()
+    sd = opt.state_dict()
+    if way == "reload":
+        optimshift.offload(opt)
+    before = {(i, k): (v, v.device, v.cpu()) for i, p in enumerate(params) for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError) as info:
+        if way == "move":
+            optimshift.move(opt)
+        elif way == "load_state_dict":
+            optimshift.load_state_dict(opt, sd)
+        else:
+            optimshift.reload(opt, sim)
+    assert "the policy registered for _OnMeta placed state key" in str(info.value)
+    assert "of group 0, param 0 on meta" in str(info.value) and "nothing was changed" in str(info.value)
+    after = {(i, k): v for i, p in enumerate(params) for k, v in opt.state[p].items()}
+    assert after.keys() == before.keys()
+    for at, (v, device, values) in before.items():
+        assert after[at] is v and v.device == device and torch.equal(v.cpu(), values)
+
+
+def test_a_policy_may_put_state_on_meta_where_the_params_are(on_meta):
+    """Deferred init: params on meta, the policy's meta answer loses nothing (there are no values)."""
+    params = [torch.nn.Parameter(torch.ones(3, device="meta"))]
+    opt = on_meta(params)
+    opt.state[params[0]] = {"exp_avg": torch.zeros(3, device="meta"), "step": torch.tensor(1.0)}
+    optimshift.move(opt)
+    assert opt.state[params[0]]["step"].device.type == "meta"

@@ -33,7 +33,7 @@ from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     torch_defined,
     unprobed,
 )
-from ._state import group_device
+from ._state import group_device, param_label
 
 __all__ = [
     "Policy",
@@ -250,6 +250,8 @@ def decide(
             if answer is not None:
                 if not isinstance(answer, torch.device):
                     answer = torch.device(answer)
+                if answer.type == "meta" and "meta" not in (device.type, value.device.type, _device_type(param)):
+                    _refuse_meta(optimizer, base, group, param, key, device)
                 return Decision(answer, "registered")
             break
     if param is None:
@@ -419,6 +421,42 @@ class Placer:
         """Where ``tensor`` belongs with its param (or, for a group entry, the group's params) on ``device``."""
         decision = decide(self.optimizer, group, param, key, tensor, device, side=side)
         return decision.device, decision.source
+
+
+def _device_type(param: torch.Tensor | None) -> str | None:
+    return None if param is None else param.device.type
+
+
+def _refuse_meta(
+    optimizer: torch.optim.Optimizer,
+    base: type,
+    group: Mapping[str, Any],
+    param: torch.Tensor | None,
+    key: str,
+    device: torch.device,
+) -> None:
+    """A registered policy put an entry that holds values on meta, for a param that is not there (no deferred
+    init, no ``inspect`` stand-in): every value would be lost. Raised while planning, before anything changes."""
+    # (found by the param: a load's group is a new dict over the same params)
+    held = param if param is not None else next(iter(group.get("params", ())), None)
+    at = next(
+        (
+            (gi, pi)
+            for gi, g in enumerate(getattr(optimizer, "param_groups", ()))
+            for pi, p in enumerate(g["params"])
+            if p is held
+        ),
+        None,
+    )
+    if param is None:
+        what = f"group entry {key!r}" + ("" if at is None else f" of group {at[0]}")
+    else:
+        what = f"state key {key!r}" + ("" if at is None else f" of {param_label(*at)}")
+    raise ValueError(
+        f"{type(optimizer).__name__}: the policy registered for {base.__name__} placed {what} on meta, with the "
+        f"param on {device}: meta holds no values, so every one of them would be lost. Have the policy "
+        f"return the param's device (or None for the default rule); nothing was changed"
+    )
 
 
 def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:

@@ -310,3 +310,24 @@ def test_allow_global(tmp_path, capsys):
     rc, out, err = _run(capsys, "inspect", str(path), "--allow-global", f"{__name__}.Config")
     assert rc == 0, err
     assert "optimizer 1 of 1: ['optimizer']" in out and "not rebuilt" not in out
+
+
+def test_inspect_asks_a_policy_that_follows_its_param_about_stand_ins_on_meta(tmp_path, capsys):
+    """``inspect`` asks a registered policy about stand-in params on meta: a policy that follows its param
+    answers meta there, which is no loss of values (``move`` and the load refuse that answer for real params)."""
+    path = tmp_path / "gpu.ckpt"
+    save_tagged(_lightning(trained(O.Adam)), path)
+    asked = []
+
+    def follow(key, value, param, group, device):
+        asked.append(param.device.type)
+        return param.device
+
+    optimshift.register_policy(O.Adam, follow)
+    try:
+        rc, out, err = _run(capsys, "inspect", str(path))
+    finally:
+        optimshift.unregister_policy(O.Adam)
+    assert rc == 0, err
+    assert asked and set(asked) == {"meta"}
+    assert "`step` saved on cuda:0" in out  # (what the fresh optimizer keeps: on meta, the policy's answer)

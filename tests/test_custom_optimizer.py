@@ -198,8 +198,9 @@ def test_a_policy_that_puts_values_on_meta_is_refused_before_anything_changes(si
             optimshift.load_state_dict(opt, sd)
         else:
             optimshift.reload(opt, sim)
-    assert "the policy registered for _OnMeta placed state key" in str(info.value)
-    assert "of group 0, param 0 on meta" in str(info.value) and "nothing was changed" in str(info.value)
+    message = str(info.value)
+    assert "the policy registered for _OnMeta placed group 0, param 0, state['step'] on meta" in message, message
+    assert f"for params bound for {sim}" in message and "nothing was changed" in message
     after = {(i, k): v for i, p in enumerate(params) for k, v in opt.state[p].items()}
     assert after.keys() == before.keys()
     for at, (v, device, values) in before.items():
@@ -213,3 +214,36 @@ def test_a_policy_may_put_state_on_meta_where_the_params_are(on_meta):
     opt.state[params[0]] = {"exp_avg": torch.zeros(3, device="meta"), "step": torch.tensor(1.0)}
     optimshift.move(opt)
     assert opt.state[params[0]]["step"].device.type == "meta"
+
+
+def test_a_policy_is_refused_meta_for_real_state_of_params_on_meta_bound_elsewhere(on_meta):
+    """Params on meta (deferred init) with real state, moved to the host: the built-in rule puts the state there;
+    the policy's meta would lose it. The message names the param by its name."""
+    model = torch.nn.Linear(3, 1, bias=False, device="meta")
+    opt = on_meta(model.named_parameters())
+    (p,) = model.parameters()
+    opt.state[p] = {"exp_avg": torch.ones(1, 3), "step": torch.tensor(1.0)}
+    with pytest.raises(ValueError) as info:
+        optimshift.move(opt, "cpu")
+    assert "placed group 0, param 0 (weight), state['exp_avg'] on meta, for params bound for cpu" in str(info.value)
+    assert all(v.device.type == "cpu" for v in opt.state[p].values())
+
+
+def test_a_streamed_first_step_refused_after_it_ran_says_so(sim):
+    """The streamed step lays out the state a first step makes once that step ran: a refusal there (a policy's
+    meta) says that the step ran, not that nothing changed."""
+    optimshift.register_policy(_OnMeta, lambda key, value, param, group, device: torch.device("meta"), separable=True)
+    try:
+        model = torch.nn.Linear(3, 2).to(sim)
+        opt = _OnMeta(model.parameters())
+        optimshift.stream(opt)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        before = model.weight.detach().cpu().clone()
+        with pytest.raises(ValueError) as info:
+            opt.step()
+        assert not torch.equal(model.weight.detach().cpu(), before)  # (the step ran)
+        (note,) = info.value.__notes__
+        assert "_OnMeta.step() has just made: that step ran (its params were updated)" in note
+    finally:
+        optimshift.unregister_policy(_OnMeta)

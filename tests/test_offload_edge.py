@@ -245,9 +245,11 @@ def _failing_to(monkeypatch, victim):
 
 @pytest.mark.parametrize("way", ["offload", "reload", "move", "load_state_dict"])
 def test_a_failed_grad_copy_names_the_param_and_changes_nothing(sim, monkeypatch, way):
-    """A grad's copy that fails names the param it belongs to (group and index), on every way a grad moves."""
-    model, opt = _adam(sim, foreach=False)
-    params = list(model.parameters())
+    """A grad's copy that fails names the param it belongs to (group, index and name), on every way a grad moves."""
+    model = Model([(3, 2)] * 3).to(sim)
+    names, params = zip(*model.named_parameters())
+    opt = torch.optim.Adam(model.named_parameters(), foreach=False)
+    train(model, opt, range(1))
     for p in params:  # (a transposed grad is copied on its own, by .to: not staged with the others)
         p.grad = torch.ones(tuple(reversed(p.shape)), device=sim).t()
     victim = params[2].grad
@@ -271,6 +273,6 @@ def test_a_failed_grad_copy_names_the_param_and_changes_nothing(sim, monkeypatch
         else:
             optimshift.load_state_dict(opt, sd)
     notes = " ".join(getattr(info.value, "__notes__", []))
-    assert "group 0, param 2" in notes and ".grad" in notes, notes
+    assert f".grad of group 0, param 2 ({names[2]})" in notes, notes
     assert state_layout(opt) == layout
     assert optimshift.is_offloaded(opt) == (way != "offload")

@@ -28,7 +28,7 @@ from . import _device_streams, _engine, _session
 from ._adopt import kept
 from ._dtensor import local_tensor
 from ._plan import Ident, optimizer_name
-from ._state import leaves, param_label
+from ._state import label_in, leaves
 from .pool import host_pool
 
 __all__ = [
@@ -355,7 +355,7 @@ def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor
                 f"{host_grad.dtype}{tuple(host_grad.shape)}: it cannot be given back. Give the param back its "
                 f"shape and dtype (or a grad_dtype that allows the grad's), then reload"
             )
-        out.append((p, host_grad, f"the offloaded .grad of {param_label(gi, pi)}"))
+        out.append((p, host_grad, f"the offloaded .grad of {label_in(optimizer, gi, pi)}"))
     return out
 
 

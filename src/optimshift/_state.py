@@ -327,3 +327,10 @@ def param_label(group: int, index: int, name: Any = None) -> str:
     reports name a param everywhere."""
     label = f"group {group}, param {index}"
     return label if name is None or name == "" else f"{label} ({name})"
+
+
+def label_in(optimizer: Any, group: int, index: int) -> str:
+    """:func:`param_label` of param ``index`` of ``optimizer``'s group ``group``, with the name the group gives it."""
+    groups = optimizer.param_groups
+    names = groups[group].get("param_names") if group < len(groups) else None
+    return param_label(group, index, param_name(index, names))

@@ -56,7 +56,7 @@ from ._chunks import Chunk, Group, Item, ParamState
 from ._copy import Options, Side
 from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
-from ._errors import with_article
+from ._errors import add_note, with_article
 from ._offload import compact_state_dict, end_pending, record_of
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target
 from ._state import unwrap
@@ -397,7 +397,16 @@ class Streamed:
                         else:
                             self._examined.add(id(q))
                     if made:
-                        self._lay_out(made, wait=False)
+                        try:
+                            self._lay_out(made, wait=False)
+                        except BaseException as error:  # (refused after the class's own step made the state)
+                            add_note(
+                                error,
+                                f"optimshift: raised laying out the state {optimizer_name(opt)}.step() has just "
+                                f"made: that step ran (its params were updated), and its new state stays where the "
+                                f"step made it, on the device",
+                            )
+                            raise
                 part, size = [], 0
             if p is not None:
                 part.append(p)

@@ -42,7 +42,7 @@ from ._plan import (
     optimizer_name,
     policy_target,
 )
-from ._state import group_device, param_label, unwrap
+from ._state import group_device, label_in, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [
@@ -346,7 +346,7 @@ def offload(
         to_host,
         what="offload",
         options=Options(non_blocking=non_blocking, pin_memory=pin_memory is not False, keep_host_views=True),
-        extra=[(p.grad, host, f"the .grad of {param_label(*where)}") for where, p in grads],
+        extra=[(p.grad, host, f"the .grad of {label_in(optimizer, *where)}") for where, p in grads],
         cache_key=key,
         grads="grads" in include,
     )

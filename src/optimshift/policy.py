@@ -33,7 +33,7 @@ from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     torch_defined,
     unprobed,
 )
-from ._state import group_device, param_label
+from ._state import group_device, param_label, param_name
 
 __all__ = [
     "Policy",
@@ -238,10 +238,12 @@ def decide(
     device: torch.device,
     *,
     side: torch.device | None = None,
+    values: bool = True,
 ) -> Decision:
     """Where ``value`` (state ``key`` of ``param``, or group entry ``key`` when ``param`` is None) belongs
     when the param is on ``device``. ``side``: for a group entry that optimshift took to the host, where it was
-    given (a group tensor stays on its side: see ``_group_entry``)."""
+    given (a group tensor stays on its side: see ``_group_entry``). ``values=False``: asked about stand-ins whose
+    values go nowhere (``inspect``'s), where a registered policy may answer meta."""
     cls = type(optimizer)
     for base in cls.__mro__:
         policy = _registry.get(base)
@@ -250,7 +252,7 @@ def decide(
             if answer is not None:
                 if not isinstance(answer, torch.device):
                     answer = torch.device(answer)
-                if answer.type == "meta" and "meta" not in (device.type, value.device.type, _device_type(param)):
+                if values and answer.type == "meta" and device.type != "meta" and value.device.type != "meta":
                     _refuse_meta(optimizer, base, group, param, key, device)
                 return Decision(answer, "registered")
             break
@@ -364,15 +366,18 @@ class Placer:
     decided by their identity in the group: never memoized.
     """
 
-    __slots__ = ("optimizer", "device", "sides", "memo")
+    __slots__ = ("optimizer", "device", "sides", "memo", "values")
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         device: torch.device | None = None,
         sides: Mapping[Any, torch.device] | None = None,
+        *,
+        values: bool = True,
     ) -> None:
         self.optimizer, self.device, self.sides = optimizer, device, {} if sides is None else sides
+        self.values = values  # (False: asked about stand-ins, see decide)
         self.memo: dict[Any, tuple[torch.device, str]] | None = None if has_registered_policy(optimizer) else {}
 
     def __call__(
@@ -419,12 +424,8 @@ class Placer:
         side: torch.device | None = None,
     ) -> tuple[torch.device, str]:
         """Where ``tensor`` belongs with its param (or, for a group entry, the group's params) on ``device``."""
-        decision = decide(self.optimizer, group, param, key, tensor, device, side=side)
+        decision = decide(self.optimizer, group, param, key, tensor, device, side=side, values=self.values)
         return decision.device, decision.source
-
-
-def _device_type(param: torch.Tensor | None) -> str | None:
-    return None if param is None else param.device.type
 
 
 def _refuse_meta(
@@ -435,13 +436,14 @@ def _refuse_meta(
     key: str,
     device: torch.device,
 ) -> None:
-    """A registered policy put an entry that holds values on meta, for a param that is not there (no deferred
-    init, no ``inspect`` stand-in): every value would be lost. Raised while planning, before anything changes."""
+    """A registered policy put an entry that holds values on meta, with its param bound elsewhere (the built-in
+    rule puts state on meta only with its param): every value would be lost. Raised while planning, before
+    anything changes."""
     # (found by the param: a load's group is a new dict over the same params)
     held = param if param is not None else next(iter(group.get("params", ())), None)
     at = next(
         (
-            (gi, pi)
+            (gi, pi, param_name(pi, g.get("param_names")))
             for gi, g in enumerate(getattr(optimizer, "param_groups", ()))
             for pi, p in enumerate(g["params"])
             if p is held
@@ -449,13 +451,13 @@ def _refuse_meta(
         None,
     )
     if param is None:
-        what = f"group entry {key!r}" + ("" if at is None else f" of group {at[0]}")
+        what = ("a param group" if at is None else f"group {at[0]}") + f"[{key!r}]"
     else:
-        what = f"state key {key!r}" + ("" if at is None else f" of {param_label(*at)}")
+        what = ("a param" if at is None else param_label(*at)) + f", state[{key!r}]"
     raise ValueError(
-        f"{type(optimizer).__name__}: the policy registered for {base.__name__} placed {what} on meta, with the "
-        f"param on {device}: meta holds no values, so every one of them would be lost. Have the policy "
-        f"return the param's device (or None for the default rule); nothing was changed"
+        f"{type(optimizer).__name__}: the policy registered for {base.__name__} placed {what} on meta, for "
+        f"params bound for {device}: meta holds no values, so every one of them would be lost. Have the policy "
+        f"return the device it is given (or None for the default rule); nothing was changed"
     )
 
 

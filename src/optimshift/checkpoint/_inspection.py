@@ -404,7 +404,7 @@ def _fresh_device(
         return device
     placer = placers.get((id(holder), device))
     if placer is None:
-        placer = placers[(id(holder), device)] = _policy.Placer(holder, device)
+        placer = placers[(id(holder), device)] = _policy.Placer(holder, device, values=False)  # (stand-ins)
     return placer((gi, 0, (("key", key),)), param, group, key, value)[0]
 
 

@@ -141,9 +141,9 @@ def test_without_keep_addresses_addresses_change_and_a_kept_range_is_released(si
 
 
 def test_a_load_that_takes_the_state_out_of_its_range_releases_it(sim, driver):
-    """A load whose copies the live tensors adopt (on the simulator a live tensor never takes values in place: its
-    storage has a second user) leaves the slots, as a move does: their memory is unmapped, not held beside the
-    loaded state. Before: the range stayed mapped until the next move or offload (the state's memory twice)."""
+    """A load whose copies the live tensors adopt (a host checkpoint: its entries are copied to the device and the
+    copies adopted) leaves the slots, as a move does: their memory is unmapped, not held beside the loaded state.
+    Before: the range stayed mapped until the next move or offload (the state's memory twice)."""
     model, opt = _trained(sim, shapes=[(64, 64), (64,), (32, 48)])
     host = {"state": {i: {k: v.cpu() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}}
     host["param_groups"] = opt.state_dict()["param_groups"]
@@ -160,10 +160,11 @@ def test_a_load_that_takes_the_state_out_of_its_range_releases_it(sim, driver):
     assert driver.mapped(0) > 0
 
 
-@pytest.mark.parametrize("copy", [True, False])
-def test_a_load_unmaps_the_slots_it_left_only_after_the_queued_work(sim, driver, monkeypatch, copy):
+def test_a_load_unmaps_the_slots_it_left_only_after_the_queued_work(sim, driver, monkeypatch):
     """A checkpoint already on the device is loaded without a host wait, and the last step's work may still use
-    the slots the load leaves: the device is synchronized before they are unmapped (unmapping does not wait)."""
+    the slots the load leaves: the device is synchronized before they are unmapped (unmapping does not wait).
+    (``copy=False``: the load installs the checkpoint's own tensors; with a copy, the live tensors take the values
+    in place and leave nothing: the test below.)"""
     model, opt = _trained(sim)
     optimshift.keep_addresses(opt)
     sd = copy_module.deepcopy(opt.state_dict())  # (on the device)
@@ -182,8 +183,24 @@ def test_a_load_unmaps_the_slots_it_left_only_after_the_queued_work(sim, driver,
 
     monkeypatch.setattr(_device_streams, "synchronize", sync)
     monkeypatch.setattr(SimDriver, "unmap", unmap)
-    optimshift.load_state_dict(opt, sd, copy=copy)
+    optimshift.load_state_dict(opt, sd, copy=False)
     assert "unmap" in order and "synchronize" in order[: order.index("unmap")], order
+
+
+def test_a_load_of_a_device_checkpoint_writes_kept_state_in_place(sim, driver):
+    """Into state kept at fixed addresses, a checkpoint on the device is written in place: the same objects at the
+    same addresses, the range still mapped, nothing allocated. Before, on the simulator a live tensor never took
+    values in place (the Python storage object the simulator makes counted as a second user of its storage)."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    kept, mapped = _where(opt), driver.mapped(0)
+    sd = {"state": {i: {k: v.clone() + 1 for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}}
+    sd["param_groups"] = opt.state_dict()["param_groups"]
+    values = [snapshot(dict(st)) for st in sd["state"].values()]
+    on = simulated_memory_allocated(0)
+    optimshift.load_state_dict(opt, sd)
+    assert _where(opt) == kept and driver.mapped(0) == mapped > 0
+    assert simulated_memory_allocated(0) == on and bitwise_equal(_state_values(opt), values)
 
 
 def test_keep_addresses_before_the_first_capture_fixes_them_for_good(sim, driver):
@@ -379,9 +396,9 @@ def test_state_dict_and_save_while_offloaded(sim, driver, tmp_path):
     assert bitwise_equal([dict(v) for v in saved.values()], values)
     optimshift.reload(opt)
     assert _where(opt) == kept
-    # a load into the live state: written in place where a live tensor fits (CUDA), else copied and adopted (a
-    # host checkpoint; every sim storage, which its DLPack import holds twice): either way the next cycle puts
-    # the state back at its addresses
+    # a load into the live state: written in place where a live tensor fits, else copied and adopted (a host
+    # checkpoint; a slot's storage, which its DLPack import holds twice): either way the next cycle puts the
+    # state back at its addresses
     train(model, opt, range(2, 3))
     optimshift.load_state_dict(opt, sd)
     assert bitwise_equal(_state_values(opt), values)

@@ -76,18 +76,20 @@ def test_a_view_held_outside_stays_mapped_on_a_gpu():
 
 
 def test_a_load_writes_kept_state_in_place_on_a_gpu():
-    """On CUDA a kept slot's tensor is all that uses its storage, so a load of a host checkpoint writes the values
-    in place: same objects, same addresses, the range still mapped (the simulator never takes this road)."""
+    """A kept slot's tensor is all that uses its storage, so a load of a checkpoint on the device writes the values
+    in place: same objects, same addresses, the range still mapped (``tests/test_addresses.py`` has the same test
+    on the simulator). A host checkpoint's entries are copied to the device and the copies adopted instead."""
     model, opt = _opt()
     optimshift.keep_addresses(opt)
     kept = _where(opt)
-    host = {"state": {i: {k: v.cpu() + 1 for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}}
-    host["param_groups"] = opt.state_dict()["param_groups"]
+    sd = opt.state_dict()
+    on_device = {"state": {i: {k: v.clone() + 1 for k, v in st.items()} for i, st in sd["state"].items()}}
+    on_device["param_groups"] = sd["param_groups"]
     mapped = optimshift._addresses.mapped_bytes(opt)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        optimshift.load_state_dict(opt, host)
+        optimshift.load_state_dict(opt, on_device)
     torch.cuda.synchronize()
     assert _where(opt) == kept and optimshift._addresses.mapped_bytes(opt) == mapped > 0
     for i, st in enumerate(opt.state.values()):
-        assert all(torch.equal(v.cpu(), host["state"][i][k]) for k, v in st.items())
+        assert all(torch.equal(v, on_device["state"][i][k]) for k, v in st.items())

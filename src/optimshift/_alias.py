@@ -14,6 +14,7 @@ own copy and the param stays where it is (the rule for params and grads kept in 
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -121,9 +122,35 @@ def split_targets(
 
 def sole_user(t: torch.Tensor) -> bool:
     """Whether ``t`` (a plain tensor) is all that uses its storage: no view of it, no tensor on the same storage,
-    no Python storage object of it (which a caller may read or write through), so writing into it in place
-    changes nothing else."""
-    return _use_count(_address(t)) == 1
+    no Python storage object of it that anyone holds (a caller may read or write through one), so writing into
+    it in place changes nothing else."""
+    count = _use_count(_address(t))
+    return count == 1 or (count == 2 and _only_kept_storage_object(t))
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """The Python references to ``t``'s storage object, counted from here (made if there was none)."""
+    storage = t.untyped_storage()
+    return sys.getrefcount(storage)
+
+
+def _unheld_refs() -> int:
+    """What :func:`_storage_refs` counts for a storage object nobody holds: torch keeps one alive, once made,
+    for as long as its storage lives (measured here: the count differs across Python and torch versions)."""
+    t = torch.empty(1)
+    _storage_refs(t)
+    return _storage_refs(t)
+
+
+_UNHELD = _unheld_refs()
+
+
+def _only_kept_storage_object(t: torch.Tensor) -> bool:
+    """Whether the second use of ``t``'s storage is its Python storage object, and nobody holds that: torch made
+    it (``torch.save`` and ``deepcopy`` of a tensor do) and keeps it alive with the storage, so it uses the storage
+    for good. (Where there was none, asking makes one: then the count is 3, another tensor uses the storage.)"""
+    refs = _storage_refs(t)
+    return refs == _UNHELD and _use_count(_address(t)) == 2
 
 
 def own_storages(tensors: Sequence[torch.Tensor]) -> bool:
@@ -134,7 +161,10 @@ def own_storages(tensors: Sequence[torch.Tensor]) -> bool:
 
 def sole_users(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether each of ``tensors`` (plain tensors) is all that uses its storage (see :func:`sole_user`)."""
-    return max(map(_use_count, map(_address, tensors)), default=1) == 1  # (a count is at least 1)
+    counts = list(map(_use_count, map(_address, tensors)))
+    if max(counts, default=1) == 1:  # (a count is at least 1: the common case, in one pass in C)
+        return True
+    return all(n == 1 or (n == 2 and _only_kept_storage_object(t)) for n, t in zip(counts, tensors))
 
 
 def together(items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[tuple[list[int], torch.device]]:

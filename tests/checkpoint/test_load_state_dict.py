@@ -8,6 +8,7 @@ import collections
 import contextlib
 import copy
 import functools
+import io
 
 import pytest
 import torch
@@ -387,6 +388,40 @@ def test_existing_state_takes_the_values_in_place():
     assert all(bitwise_equal(t, s) and t.data_ptr() != s.data_ptr() for t, s in zip(now, saved))
     train(model, opt, range(K + 1, K + 2))
     assert optimshift.check(opt).ok
+
+
+@pytest.mark.parametrize("made_by", ["torch.save", "copy.deepcopy"])
+def test_state_saved_before_still_takes_the_values_in_place(made_by):
+    """``torch.save`` (and ``deepcopy``) of the live state makes each tensor's Python storage object, which torch
+    keeps alive with the storage and which nobody holds: the live tensors still take the values in place. Before,
+    that object counted as a second user of the storage, and every load after a checkpoint was saved allocated
+    the whole state again (twice the state's memory on the device) and adopted the copies."""
+    model, opt, sd = _two_trained_adams()
+    if made_by == "torch.save":
+        torch.save(opt.state_dict(), io.BytesIO())
+    else:
+        copy.deepcopy(opt.state_dict())
+    live = [(t, t.data_ptr()) for st in opt.state.values() for t in st.values()]
+    optimshift.load_state_dict(opt, sd)
+    now = [t for st in opt.state.values() for t in st.values()]
+    assert all(t is old and t.data_ptr() == ptr for t, (old, ptr) in zip(now, live))
+    saved = [t for st in sd["state"].values() for t in st.values()]
+    assert all(bitwise_equal(t, s) for t, s in zip(now, saved))
+
+
+def test_a_storage_object_someone_holds_keeps_its_tensor_from_being_written_in_place():
+    """A user who holds a live tensor's storage object reads through it: that tensor takes a copy instead (the
+    adoption), and the storage object keeps the old values; the others are written in place."""
+    model, opt, sd = _two_trained_adams()
+    first = opt.state[opt.param_groups[0]["params"][0]]["exp_avg"]
+    other = opt.state[opt.param_groups[0]["params"][1]]["exp_avg"]
+    held, before = first.untyped_storage(), first.clone()
+    ptrs = first.data_ptr(), other.data_ptr()
+    optimshift.load_state_dict(opt, sd)
+    assert opt.state[opt.param_groups[0]["params"][0]]["exp_avg"] is first and first.data_ptr() != ptrs[0]
+    assert other.data_ptr() == ptrs[1]
+    assert bitwise_equal(torch.tensor([], dtype=first.dtype).set_(held).view_as(before), before)
+    assert bitwise_equal(first, sd["state"][0]["exp_avg"])
 
 
 def _adams_of_two_dtypes(device, steps):

@@ -397,8 +397,7 @@ def test_state_dict_and_save_while_offloaded(sim, driver, tmp_path):
     optimshift.reload(opt)
     assert _where(opt) == kept
     # a load into the live state: written in place where a live tensor fits, else copied and adopted (a host
-    # checkpoint; a slot's storage, which its DLPack import holds twice): either way the next cycle puts the
-    # state back at its addresses
+    # checkpoint): either way the next cycle puts the state back at its addresses
     train(model, opt, range(2, 3))
     optimshift.load_state_dict(opt, sd)
     assert bitwise_equal(_state_values(opt), values)

@@ -235,7 +235,7 @@ def test_a_streamed_first_step_refused_after_it_ran_says_so(sim):
     optimshift.register_policy(_OnMeta, lambda key, value, param, group, device: torch.device("meta"), separable=True)
     try:
         model = torch.nn.Linear(3, 2).to(sim)
-        opt = _OnMeta(model.parameters())
+        opt = _OnMeta(model.named_parameters())
         optimshift.stream(opt)
         for p in model.parameters():
             p.grad = torch.ones_like(p)
@@ -244,6 +244,7 @@ def test_a_streamed_first_step_refused_after_it_ran_says_so(sim):
             opt.step()
         assert not torch.equal(model.weight.detach().cpu(), before)  # (the step ran)
         (note,) = info.value.__notes__
-        assert "_OnMeta.step() has just made: that step ran (its params were updated)" in note
+        assert "_OnMeta.step() has just made for group 0, param 0 (weight); group 0, param 1 (bias)" in note, note
+        assert "those params were stepped (updated)" in note
     finally:
         optimshift.unregister_policy(_OnMeta)

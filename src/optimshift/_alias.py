@@ -134,23 +134,32 @@ def _storage_refs(t: torch.Tensor) -> int:
     return sys.getrefcount(storage)
 
 
-def _unheld_refs() -> int:
-    """What :func:`_storage_refs` counts for a storage object nobody holds: torch keeps one alive, once made,
-    for as long as its storage lives (measured here: the count differs across Python and torch versions)."""
+def _kept_object_counts() -> bool:
+    """Whether this torch keeps a storage's Python object, once made, for as long as the storage lives, and counts
+    it as a use of the storage (torch >= 2.10: ``torch.save`` and ``deepcopy`` of a tensor leave one). An older
+    torch counts it only while something holds it: there a count of 2 is always a second tensor."""
     t = torch.empty(1)
+    before = _use_count(_address(t))
     _storage_refs(t)
-    return _storage_refs(t)
+    return _use_count(_address(t)) == before + 1
 
 
-_UNHELD = _unheld_refs()
+_KEPT_OBJECT_COUNTS = _kept_object_counts()
+_PROBE = torch.empty(1)  # (a storage object nobody holds, to count against: see _only_kept_storage_object)
+_storage_refs(_PROBE)
 
 
 def _only_kept_storage_object(t: torch.Tensor) -> bool:
     """Whether the second use of ``t``'s storage is its Python storage object, and nobody holds that: torch made
     it (``torch.save`` and ``deepcopy`` of a tensor do) and keeps it alive with the storage, so it uses the storage
-    for good. (Where there was none, asking makes one: then the count is 3, another tensor uses the storage.)"""
+    for good. (Where there was none, asking makes one: then the count is 3, another tensor uses the storage.) Its
+    references are counted against those of a storage object nobody holds, counted the same way at the same
+    time (a tracer that holds frames' locals counts one more in both). Never on a torch that does not count a kept
+    object as a use (:func:`_kept_object_counts`)."""
+    if not _KEPT_OBJECT_COUNTS:
+        return False
     refs = _storage_refs(t)
-    return refs == _UNHELD and _use_count(_address(t)) == 2
+    return refs == _storage_refs(_PROBE) and _use_count(_address(t)) == 2
 
 
 def own_storages(tensors: Sequence[torch.Tensor]) -> bool:

@@ -59,7 +59,7 @@ from ._dtensor import tensor_bytes
 from ._errors import add_note, with_article
 from ._offload import compact_state_dict, end_pending, record_of
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target
-from ._state import unwrap
+from ._state import label_in, unwrap
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
 from .syncs import async_copies
@@ -400,18 +400,26 @@ class Streamed:
                         try:
                             self._lay_out(made, wait=False)
                         except BaseException as error:  # (refused after the class's own step made the state)
-                            add_note(
-                                error,
-                                f"optimshift: raised laying out the state {optimizer_name(opt)}.step() has just "
-                                f"made: that step ran (its params were updated), and its new state stays where the "
-                                f"step made it, on the device",
-                            )
+                            add_note(error, self._stepped_note(made))
                             raise
                 part, size = [], 0
             if p is not None:
                 part.append(p)
                 size += n
         return out
+
+    def _stepped_note(self, made: Sequence[tuple[Group, torch.Tensor]]) -> str:
+        """What a refusal to lay out the state a first step has just made must add (its message may say that
+        nothing changed: true of the layout, not of the step): which params that step updated."""
+        opt = self.optimizer
+        at = {id(p): (gi, pi) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
+        labels = [label_in(opt, *at[id(p)]) for _, p in made if id(p) in at]
+        shown = "; ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
+        return (
+            f"optimshift: raised laying out the state {optimizer_name(opt)}.step() has just made for {shown}: "
+            f"those params were stepped (updated), and their new state stays where the step made it, on the "
+            f"device; the params after them were not stepped"
+        )
 
     def _pipeline(self, chunks: list[Chunk], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         n = len(chunks)

@@ -276,3 +276,57 @@ def test_a_failed_grad_copy_names_the_param_and_changes_nothing(sim, monkeypatch
     assert f".grad of group 0, param 2 ({names[2]})" in notes, notes
     assert state_layout(opt) == layout
     assert optimshift.is_offloaded(opt) == (way != "offload")
+
+
+def _sgd_run(sim, offload, set_to_none, steps=3):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(sim)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.ones(3, 4, device=sim)
+    grads = []
+    for _ in range(steps):
+        model(x).sum().backward()
+        opt.step()
+        grads = [p.grad for p in model.parameters()]
+        if offload:
+            with optimshift.offloaded(opt, include=("grads",)):
+                opt.zero_grad(set_to_none=set_to_none)
+        else:
+            opt.zero_grad(set_to_none=set_to_none)
+    return model, opt, grads
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_while_grads_are_offloaded_clears_them(sim, set_to_none):
+    """``opt.zero_grad()`` while the grads are offloaded clears them as it clears grads on the params: dropped
+    (``set_to_none``), or zeroed, the same objects. Before, it found every ``.grad`` None and did nothing, and the
+    reload gave the old grads back: the next backward added onto them (the weights drifted from a reference)."""
+    ref_model, _, _ = _sgd_run(sim, False, set_to_none)
+    model, opt, grads = _sgd_run(sim, True, set_to_none)
+    assert bitwise_equal(model.weight, ref_model.weight) and bitwise_equal(model.bias, ref_model.bias)
+    for p, ref, held in zip(model.parameters(), ref_model.parameters(), grads):
+        if set_to_none:
+            assert p.grad is None and ref.grad is None
+        else:
+            assert p.grad is held and bitwise_equal(p.grad, ref.grad) and not p.grad.any()
+    assert "zero_grad" not in opt.__dict__  # (taken away with the offload)
+
+
+def test_zero_grad_while_offloaded_calls_the_one_the_optimizer_had(sim):
+    """An instance's own ``zero_grad`` (a wrapper's patch) is still called while grads are offloaded, and is back in
+    place after the reload."""
+    model, opt = _adam(sim)
+    calls = []
+
+    def own(set_to_none=True):
+        calls.append(set_to_none)
+        return torch.optim.Adam.zero_grad(opt, set_to_none)
+
+    opt.zero_grad = own
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimshift.offload(opt, include=("grads",))
+    opt.zero_grad(False)
+    optimshift.reload(opt)
+    assert calls == [False] and opt.zero_grad is own
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,8 @@ def set_record(optimizer: Any, record: Record) -> None:
         raise TypeError(f"{type(optimizer).__name__} cannot be weakly referenced: its offload cannot be remembered")
     if not record.hooks:
         record.hooks.extend(_install_hooks(optimizer))
+    if record.grads and hasattr(optimizer, "__dict__") and not any(isinstance(h, _ZeroGrad) for h in record.hooks):
+        record.hooks.append(_ZeroGrad(optimizer))
     with _lock:
         session.record = record
 
@@ -190,6 +193,52 @@ def _install_hooks(optimizer: Any) -> list[Any]:
     if register_sd is not None:
         handles.append(register_sd(compact_state_dict))
     return handles
+
+
+_MISSING = object()
+
+
+class _ZeroGrad:
+    """While grads are offloaded (``p.grad`` is None), ``optimizer.zero_grad()`` clears them too, as it would have
+    cleared them on the params: ``set_to_none`` drops them (the reload gives none back), else they are zeroed on
+    the host. An instance attribute in front of the class's ``zero_grad`` (``model.zero_grad()`` cannot see them);
+    ``remove()``, with the record's hooks, takes it away."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.ref = weakref.ref(optimizer)
+        self.previous = optimizer.__dict__.get("zero_grad", _MISSING)
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            return self(*args, **kwargs)
+
+        self.installed = zero_grad
+        optimizer.__dict__["zero_grad"] = zero_grad
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = self.ref()
+        if optimizer is None:
+            return None
+        set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+        with exclusive(optimizer):
+            record = record_of(optimizer)
+            if record is not None and record.grads:
+                pending_of(optimizer).order_before_use(host=True)  # (an offload in flight still writes them)
+                if set_to_none:
+                    record.grads.clear()
+                else:
+                    with torch.no_grad():
+                        for _, host_grad in record.grads.values():
+                            host_grad.zero_()
+        zero = self.previous if self.previous is not _MISSING else type(optimizer).zero_grad.__get__(optimizer)
+        return zero(*args, **kwargs)
+
+    def remove(self) -> None:
+        optimizer = self.ref()
+        if optimizer is not None and optimizer.__dict__.get("zero_grad") is self.installed:
+            if self.previous is _MISSING:
+                del optimizer.__dict__["zero_grad"]
+            else:
+                optimizer.__dict__["zero_grad"] = self.previous
 
 
 def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -569,7 +569,8 @@ class StateSpec:
     ``keys``: every key; ``shaped``: tensors with their param's shape; ``scalars``: 0-dim tensors (``step``,
     ``mu_product``); ``tensors``: every tensor key; ``floating``: non-scalar tensors in floating point;
     ``bounded``: other tensors never larger than their param (Adafactor's ``row_var``); ``eager``: the class
-    creates every param's state when it is built (Adagrad), so a param without state cannot step."""
+    creates every param's state when it is built and a param without state cannot step (Adagrad up to torch
+    2.11; from 2.12 its step creates a missing state, as a param added by ``add_param_group`` needs)."""
 
     keys: frozenset[str] = frozenset()
     shaped: frozenset[str] = frozenset()
@@ -616,7 +617,7 @@ def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list
         for p in params:
             p.grad = torch.full(p.shape, 0.25)
         opt = cls(params, **kwargs)
-        eager = all(opt.state.get(p) for p in params)
+        eager = all(opt.state.get(p) for p in params) and not _steps_without_state(cls, kwargs, shapes)
         try:
             # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
             opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
@@ -643,6 +644,22 @@ def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list
             bounded=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.numel() <= p.numel()),
             eager=eager,
         )
+
+
+def _steps_without_state(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]
+) -> bool:
+    """Whether a param whose state is missing still steps (the class creates it there: a lazy class)."""
+    params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
+    for p in params:
+        p.grad = torch.full(p.shape, 0.25)
+    opt = cls(params, **kwargs)
+    opt.state.pop(params[0], None)
+    try:
+        opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
+    except Exception:
+        return False
+    return bool(opt.state.get(params[0]))
 
 
 # --- which state dtypes a step refuses: a host trial -------------------------------------------------------------

@@ -203,7 +203,22 @@ def test_a_subclass_that_steps_like_its_torch_class_is_checked_like_it():
     )
 
 
-def test_eager_classes_need_every_params_state():
+@pytest.fixture
+def steps_without_state(monkeypatch):
+    """Set whether a param without state can step (Adagrad's step creates a missing state from torch 2.12 on,
+    not before), as the probe finds it; the probe's cache cleared around."""
+    from optimshift import _probe
+
+    def set_to(value):
+        monkeypatch.setattr(_probe, "_steps_without_state", lambda *args: value)
+        _probe.clear_cache()
+
+    yield set_to
+    _probe.clear_cache()
+
+
+def test_eager_classes_need_every_params_state_where_a_param_without_one_cannot_step(steps_without_state):
+    steps_without_state(False)  # (torch <= 2.11)
     sd = _trained(O.Adagrad).state_dict()
     del sd["state"][1]
     _refused(
@@ -213,6 +228,24 @@ def test_eager_classes_need_every_params_state():
         r"group 0, param 1: the checkpoint has no state for it, but Adagrad creates every param's state when it "
         r"is built \('step', 'sum'\)",
     )
+
+
+def test_a_param_added_by_add_param_group_loads_without_state_where_its_step_creates_one(steps_without_state):
+    """A param ``add_param_group`` added has no state until it steps; where the class's step creates a missing
+    state (Adagrad from torch 2.12), a checkpoint without it is complete, as torch's own load takes it. Before, the
+    load refused it as incomplete: a resume through optimshift failed where ``opt.load_state_dict`` worked."""
+    steps_without_state(True)
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    opt = O.Adagrad(a.parameters())
+    a(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    opt.add_param_group({"params": list(b.parameters())})
+    sd = opt.state_dict()
+    fresh = O.Adagrad(a.parameters())
+    fresh.add_param_group({"params": list(b.parameters())})
+    optimshift.load_state_dict(fresh, sd)
+    assert [bool(fresh.state.get(p)) for p in [*a.parameters(), *b.parameters()]] == [True, True, False, False]
+    assert bitwise_equal(fresh.state[a.weight]["sum"], opt.state[a.weight]["sum"])
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,7 @@
 """check() and placement(): findings name where, what, why, and the host syncs each costs (re-measured here)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -196,6 +198,20 @@ def test_check_of_an_offloaded_optimizer_says_so_in_one_finding(sim, flags, move
     assert finding.severity == "info" and f"offloaded by optimshift.offload: {moved} state tensors" in finding.why
     assert "optimshift.reload(optimizer) before step()" in finding.why
     assert len(report.rows) == 9 and {row.device for row in optimshift.placement(opt)} == {"cpu"}
+    optimshift.reload(opt)
+    assert optimshift.check(opt).findings == []
+
+
+def test_check_of_an_offloaded_optimizer_whose_state_torch_replaced_says_none_is_on_the_host(sim):
+    """After torch's own ``load_state_dict`` of device state while offloaded, the record is still open (the step
+    refuses until reload()), but nothing is in host memory: the finding no longer counts the device tensors as
+    host ones."""
+    opt = _trained_on(sim, fused=True)
+    sd = copy.deepcopy(opt.state_dict())
+    optimshift.offload(opt)
+    opt.load_state_dict(sd)
+    (finding,) = optimshift.check(opt).findings
+    assert "no state is in host memory any more" in finding.why and "optimshift.reload(optimizer)" in finding.why
     optimshift.reload(opt)
     assert optimshift.check(opt).findings == []
 

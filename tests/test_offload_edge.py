@@ -255,11 +255,11 @@ def test_a_failed_grad_copy_names_the_param_and_changes_nothing(sim, monkeypatch
     victim = params[2].grad
     if way != "offload":
         optimshift.offload(opt, include=("grads",))
-        victim = optimshift._offload.record_of(opt).grads[(0, 2)][1]
+        victim = optimshift._offload.record_of(opt).grads[id(params[2])][1]
     if way == "move":
         optimshift.reload(opt, sim)  # (take the grads back by another way first: the move below is the test)
         optimshift.offload(opt, include=("grads",))
-        victim = optimshift._offload.record_of(opt).grads[(0, 2)][1]
+        victim = optimshift._offload.record_of(opt).grads[id(params[2])][1]
     sd = opt.state_dict()
     layout = state_layout(opt)
     _failing_to(monkeypatch, victim)
@@ -330,3 +330,41 @@ def test_zero_grad_while_offloaded_calls_the_one_the_optimizer_had(sim):
     optimshift.reload(opt)
     assert calls == [False] and opt.zero_grad is own
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("first", [{}, {"capturable": True}], ids=["plain-first", "capturable-first"])
+def test_a_group_removed_while_offloaded_gives_no_other_group_its_devices(sim, first):
+    """The offload record names each site by its group's and param's positions: a group removed while offloaded
+    shifts them, and the reload gave the remaining group's ``step`` the removed group's device (a fused group's
+    ``step`` on the host: its step raised; a plain one's on the device: a host sync per step)."""
+    a, b = torch.nn.Linear(3, 3).to(sim), torch.nn.Linear(3, 3).to(sim)
+    second = {"fused": True} if not first else {}
+    opt = torch.optim.AdamW([{"params": list(a.parameters()), **first}, {"params": list(b.parameters()), **second}])
+    (a(torch.ones(2, 3, device=sim)).sum() + b(torch.ones(2, 3, device=sim)).sum()).backward()
+    opt.step()
+    where = {k: v.device for k, v in opt.state[b.weight].items()}
+    optimshift.offload(opt)
+    opt.param_groups.pop(0)
+    for p in a.parameters():
+        del opt.state[p]
+    optimshift.reload(opt)
+    assert {k: v.device for k, v in opt.state[b.weight].items()} == where
+    assert optimshift.check(opt).ok
+    b(torch.ones(2, 3, device=sim)).sum().backward()
+    opt.step()
+
+
+def test_offloaded_grads_go_back_to_params_whose_group_moved_or_left(sim):
+    """Offloaded grads are kept by their param, not its position: after a group is removed while offloaded, each
+    grad goes back to its own param, the removed group's too (nothing is lost)."""
+    a, b = torch.nn.Linear(3, 3).to(sim), torch.nn.Linear(3, 3).to(sim)
+    opt = torch.optim.SGD([{"params": list(a.parameters())}, {"params": list(b.parameters())}], lr=0.1)
+    for p in [*a.parameters(), *b.parameters()]:
+        p.grad = torch.full_like(p, float(p.numel()))
+    held = {id(p): (p.grad, p.grad.clone()) for p in [*a.parameters(), *b.parameters()]}
+    optimshift.offload(opt, include=("grads",))
+    opt.param_groups.pop(0)
+    optimshift.reload(opt)
+    for p in [*a.parameters(), *b.parameters()]:
+        grad, values = held[id(p)]
+        assert p.grad is grad and p.grad.device == sim and bitwise_equal(p.grad, values)

@@ -117,18 +117,28 @@ class PendingTransfer:
         return f"PendingTransfer(device={self.device}, done={self.done()})"
 
 
+Layout = tuple[tuple[int, tuple[int, ...]], ...]  # (id(group), the ids of its params) per group
+
+
+def layout_of(optimizer: Any) -> Layout:
+    """Which group and which params sit at each position: what the positions a record's sites name stand for."""
+    return tuple((id(g), tuple(map(id, g["params"]))) for g in optimizer.param_groups)
+
+
 @dataclass
 class Record:
-    """Where each tensor was (by site ident), where each param was (by group and index), the pool buffers
-    the host copies live in, and the grads offload took (``{(group, index): (param, host grad)}``)."""
+    """Where each tensor was (by site ident: group and param positions, as ``layout`` had them), where each param
+    was (by ``id(param)``), the pool buffers the host copies live in, and the grads offload took (``{id(param):
+    (param, host grad)}``)."""
 
     devices: dict[Ident, torch.device] = field(default_factory=dict)
-    param_devices: dict[tuple[int, int], torch.device] = field(default_factory=dict)
+    param_devices: dict[int, torch.device] = field(default_factory=dict)
     buffers: list[torch.Tensor] = field(default_factory=list)
-    grads: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
     token: Any = None  # the serial of the cached offload plan's build that made this record (what a reload undoes)
     keep_addresses: frozenset[torch.device] = frozenset()  # devices whose reload puts the state back at its addresses
+    layout: Layout | None = None  # what the positions in ``devices`` stand for (see rekey)
 
     def extended(self) -> Record:
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded)."""
@@ -139,7 +149,29 @@ class Record:
             dict(self.grads),
             list(self.hooks),
             keep_addresses=self.keep_addresses,
+            layout=self.layout,
         )
+
+    def rekey(self, optimizer: Any) -> None:
+        """Name each recorded site by the positions its group and param have now: groups removed, inserted or
+        reordered while offloaded (``param_groups.pop(0)``) would otherwise give one param's recorded device to
+        another. Sites of params or groups no longer there are dropped (their state left with them)."""
+        now = layout_of(optimizer)
+        if self.layout is None or self.layout == now:
+            self.layout = now
+            return
+        group_at = {gid: gi for gi, (gid, _) in enumerate(now)}
+        param_at = {pid: (gi, pi) for gi, (_, pids) in enumerate(now) for pi, pid in enumerate(pids)}
+        devices: dict[Ident, torch.device] = {}
+        for (gi, pi, path), device in self.devices.items():
+            if gi < 0 or gi >= len(self.layout):  # (the optimizer-wide entries: they go with the first group)
+                devices[(gi, pi, path)] = device
+                continue
+            gid, pids = self.layout[gi]
+            at = group_at.get(gid) if pi is None else param_at.get(pids[pi]) if pi < len(pids) else None
+            if at is not None:
+                devices[(at, None, path) if pi is None else (*at, path)] = device  # type: ignore[misc]
+        self.devices, self.layout = devices, now
 
     @property
     def moved_any(self) -> bool:
@@ -165,8 +197,12 @@ def exclusive(optimizer: Any) -> Iterator[None]:
 
 
 def record_of(optimizer: Any) -> Record | None:
+    """The optimizer's offload record, its sites named by today's positions (:meth:`Record.rekey`)."""
     session = _session.of(optimizer)  # (an optimizer that cannot have one, a wrapper, was never offloaded)
-    return None if session is None else session.record
+    record = None if session is None else session.record
+    if record is not None:
+        record.rekey(optimizer)
+    return record
 
 
 def set_record(optimizer: Any, record: Record) -> None:
@@ -389,22 +425,25 @@ def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor
     if record is None:
         return []
     name = optimizer_name(optimizer)
+    at = {id(p): (gi, pi) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])}
     out = []
-    for (gi, pi), (p, host_grad) in record.grads.items():
+    for p, host_grad in record.grads.values():
+        where = at.get(id(p))  # (None: a param taken out of the optimizer while offloaded still gets its grad)
+        label = "a param no longer in the optimizer" if where is None else label_in(optimizer, *where)
         if p.grad is not None:
             raise ValueError(
-                f"{name}: group {gi}, param {pi} got a new .grad while its offloaded grad was held; giving it back "
-                f"would overwrite one of them. Set param.grad = None to keep the offloaded one, or del it first."
+                f"{name}: {label} got a new .grad while its offloaded grad was held; giving it back would "
+                f"overwrite one of them. Set param.grad = None to keep the offloaded one, or del it first."
             )
         allowed = _grad_dtype(p)
         if host_grad.shape != p.shape or (allowed is not None and host_grad.dtype != allowed):
             raise ValueError(
-                f"{name}: group {gi}, param {pi} is now {p.dtype}{tuple(p.shape)} (grads of "
+                f"{name}: {label} is now {p.dtype}{tuple(p.shape)} (grads of "
                 f"{'any dtype' if allowed is None else allowed}), its offloaded grad "
                 f"{host_grad.dtype}{tuple(host_grad.shape)}: it cannot be given back. Give the param back its "
                 f"shape and dtype (or a grad_dtype that allows the grad's), then reload"
             )
-        out.append((p, host_grad, f"the offloaded .grad of {label_in(optimizer, gi, pi)}"))
+        out.append((p, host_grad, f"the offloaded .grad of {label}"))
     return out
 
 

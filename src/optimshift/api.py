@@ -94,12 +94,10 @@ def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") ->
     return resolve(device, what=what, tensors=_all_tensors(optimizer))
 
 
-def _group_moved(record: Record, gi: int, group: Mapping[str, Any]) -> bool:
-    """Whether a param of group ``gi`` is on another device than when the offload recorded it."""
+def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
+    """Whether a param of ``group`` is on another device than when the offload recorded it."""
     return any(
-        record.param_devices.get((gi, pi), p.device) != p.device
-        for pi, p in enumerate(group["params"])
-        if isinstance(p, torch.Tensor)
+        record.param_devices.get(id(p), p.device) != p.device for p in group["params"] if isinstance(p, torch.Tensor)
     )
 
 
@@ -324,12 +322,12 @@ def offload(
     end_pending(optimizer)
     host = torch.device("cpu")
     previous = record_of(optimizer)
-    record = previous.extended() if previous is not None else Record()
+    record = previous.extended() if previous is not None else Record(layout=_offload.layout_of(optimizer))
     record.keep_addresses = record.keep_addresses | keep
     grads = []
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
-            record.param_devices.setdefault((gi, pi), p.device)
+            record.param_devices.setdefault(id(p), p.device)
             if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
                 grads.append(((gi, pi), p))
 
@@ -355,11 +353,11 @@ def offload(
             record.devices.update(cached.sources)
         # (this build of the offload plan, which a cached reload undoes, and whether it is kept)
         record.token = (cached.serial, cached.kept)
-    for where, p in grads:  # only now: every copy exists
+    for _, p in grads:  # only now: every copy exists
         grad = p.grad
         assert grad is not None  # (grads lists only params with one)
         p.grad = None  # (first: the param no longer holds it, so it can be swapped)
-        record.grads[where] = (p, kept(grad, copies.new[id(grad)]))  # the same object, on the host
+        record.grads[id(p)] = (p, kept(grad, copies.new[id(grad)]))  # the same object, on the host
     record.buffers.extend(copies.batch.held)
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     _offload.set_record(optimizer, record)
@@ -395,11 +393,11 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
         was = record.devices.get(ident)
-        if param is None and was is not None and _group_moved(record, ident[0], group):
+        if param is None and was is not None and _group_moved(record, group):
             # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
             # the params' new device, on the side they were given on
             return by_policy.at(None, group, key, tensor, group_device(group, tensor), side=was)
-        if param is not None and record.param_devices.get((ident[0], ident[1] or 0)) != param.device:
+        if param is not None and record.param_devices.get(id(param)) != param.device:
             was = None  # the param moved while its state was away: place the state for where it is now
         if was is not None:
             return was, "recorded"
@@ -546,8 +544,11 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     record = None if streamed_mode else record_of(optimizer)
     offloaded = record is not None and record.moved_any
     back: dict[Ident, torch.device] = {}  # offloaded: where reload() puts each tensor
+    hosted = 0  # offloaded: the tensors in host memory that reload() takes elsewhere
     if record is not None and offloaded:
-        back = {tr.ident: tr.target for tr in build_plan(optimizer, _reload_target(optimizer, record)).transfers}
+        for tr in build_plan(optimizer, _reload_target(optimizer, record)).transfers:
+            back[tr.ident] = tr.target
+            hosted += tr.tensor.device.type == "cpu" and tr.target.type != "cpu"
     guessed: dict[str, None] = {}  # why the default rule was used, each reason once, in order
     for tr in plan.transfers:
         if tr.source == "default" and tr.param is not None:
@@ -573,7 +574,6 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             )
         )
     if offloaded:
-        hosted = sum(1 for device in back.values() if device.type != "cpu")
         grads = len(record.grads) if record is not None else 0
         report.findings.insert(
             0,
@@ -584,10 +584,16 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
                 "cpu",
                 "-",
                 "-",
-                f"offloaded by optimshift.offload: {hosted} state tensor{'s' if hosted != 1 else ''}"
-                f"{f' and {grads} grad' + ('s' if grads != 1 else '') if grads else ''} in host memory on purpose; "
-                f"call optimshift.reload(optimizer) before step() (which refuses until then). The other findings, "
-                f"if any, are where reload() puts an entry; placement() lists where each tensor is now.",
+                (
+                    f"offloaded by optimshift.offload: {hosted} state tensor{'s' if hosted != 1 else ''}"
+                    f"{f' and {grads} grad' + ('s' if grads != 1 else '') if grads else ''} in host memory on "
+                    f"purpose"
+                    if hosted or grads
+                    else "offloaded by optimshift.offload, but no state is in host memory any more (something "
+                    "replaced it, such as optimizer.load_state_dict)"
+                )
+                + "; call optimshift.reload(optimizer) before step() (which refuses until then). The other "
+                "findings, if any, are where reload() puts an entry; placement() lists where each tensor is now.",
             ),
         )
     report.findings.extend(dtype_findings(optimizer))  # entries whose dtype the next step() would refuse

@@ -1,5 +1,10 @@
 """Offload/reload edge cases: shared pool memory, grads, params that moved, failures part-way."""
 
+import gc
+import inspect
+import types
+import weakref
+
 import pytest
 import torch
 
@@ -368,3 +373,53 @@ def test_offloaded_grads_go_back_to_params_whose_group_moved_or_left(sim):
     for p in [*a.parameters(), *b.parameters()]:
         grad, values = held[id(p)]
         assert p.grad is grad and p.grad.device == sim and bitwise_equal(p.grad, values)
+
+
+def test_zero_grad_while_offloaded_keeps_its_signature_and_default(sim):
+    """Accelerate reads ``inspect.signature(optimizer.zero_grad)`` for ``set_to_none``: the front shows the one it
+    stands before; and a class whose ``zero_grad`` defaults to ``set_to_none=False`` zeroes the offloaded grads."""
+
+    class Zeroing(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = False) -> None:
+            super().zero_grad(set_to_none)
+
+    model = torch.nn.Linear(3, 2).to(sim)
+    opt = Zeroing(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = inspect.signature(opt.zero_grad)
+    optimshift.offload(opt, include=("grads",))
+    assert inspect.signature(opt.zero_grad) == before
+    opt.zero_grad()
+    optimshift.reload(opt)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_an_offloaded_optimizer_with_its_own_zero_grad_is_freed_when_dropped(sim):
+    """The front holds the optimizer's own bound ``zero_grad`` (apex's pattern), which holds the optimizer: the
+    session must not hold the front, or a dropped offloaded optimizer (and its pool buffers) is never freed."""
+    model, opt = _adam(sim)
+    opt.zero_grad = types.MethodType(lambda self, set_to_none=True: None, opt)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimshift.offload(opt, include=("grads",))
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_group_out_for_a_while_when_its_record_is_read_still_comes_back_offloaded(sim):
+    """A group taken out and put back while offloaded, the record read meanwhile (``is_offloaded``, ``check``):
+    nothing recorded is dropped, the step still refuses, and the reload puts everything back."""
+    model, opt = _adam(sim, n=2)
+    where = {k: v.device for st in opt.state.values() for k, v in st.items()}
+    optimshift.offload(opt)
+    group = opt.param_groups.pop(0)
+    assert optimshift.is_offloaded(opt)
+    opt.param_groups.append(group)
+    assert optimshift.check(opt).ok
+    with pytest.raises(RuntimeError, match="offloaded"):
+        opt.step()
+    optimshift.reload(opt)
+    assert {k: v.device for st in opt.state.values() for k, v in st.items()} == where

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -138,28 +139,31 @@ class Record:
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
     token: Any = None  # the serial of the cached offload plan's build that made this record (what a reload undoes)
     keep_addresses: frozenset[torch.device] = frozenset()  # devices whose reload puts the state back at its addresses
-    layout: Layout | None = None  # what the positions in ``devices`` stand for (see rekey)
+    layout: Layout = ()  # what the positions in ``devices`` stand for (see sites)
+    took: bool = False  # an offload took something off an accelerator (see moved_any)
 
-    def extended(self) -> Record:
-        """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded)."""
+    def extended(self, optimizer: Any) -> Record:
+        """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded), its sites
+        named by today's positions."""
         return Record(
-            dict(self.devices),
+            self.sites(optimizer),
             dict(self.param_devices),
             list(self.buffers),
             dict(self.grads),
             list(self.hooks),
             keep_addresses=self.keep_addresses,
-            layout=self.layout,
+            layout=layout_of(optimizer),
+            took=self.took,
         )
 
-    def rekey(self, optimizer: Any) -> None:
-        """Name each recorded site by the positions its group and param have now: groups removed, inserted or
-        reordered while offloaded (``param_groups.pop(0)``) would otherwise give one param's recorded device to
-        another. Sites of params or groups no longer there are dropped (their state left with them)."""
+    def sites(self, optimizer: Any) -> dict[Ident, torch.device]:
+        """``devices`` with each site named by the positions its group and param have now (the record itself
+        unchanged): groups removed, inserted or reordered while offloaded (``param_groups.pop(0)``) would otherwise
+        give one param's recorded device to another. A site whose group or param is not there now is left out
+        (and found again if it comes back)."""
         now = layout_of(optimizer)
-        if self.layout is None or self.layout == now:
-            self.layout = now
-            return
+        if self.layout == now:
+            return self.devices
         group_at = {gid: gi for gi, (gid, _) in enumerate(now)}
         param_at = {pid: (gi, pi) for gi, (_, pids) in enumerate(now) for pi, pid in enumerate(pids)}
         devices: dict[Ident, torch.device] = {}
@@ -168,15 +172,20 @@ class Record:
                 devices[(gi, pi, path)] = device
                 continue
             gid, pids = self.layout[gi]
-            at = group_at.get(gid) if pi is None else param_at.get(pids[pi]) if pi < len(pids) else None
-            if at is not None:
-                devices[(at, None, path) if pi is None else (*at, path)] = device  # type: ignore[misc]
-        self.devices, self.layout = devices, now
+            if pi is None:
+                at = group_at.get(gid)
+                if at is not None:
+                    devices[(at, None, path)] = device
+            elif pi < len(pids):
+                where = param_at.get(pids[pi])
+                if where is not None:
+                    devices[(where[0], where[1], path)] = device
+        return devices
 
     @property
     def moved_any(self) -> bool:
         """Whether offload took anything off an accelerator (else the state sits where it belongs)."""
-        return any(d.type != "cpu" for d in self.devices.values()) or bool(self.grads)
+        return self.took or bool(self.grads)
 
 
 # (records, transfers in flight, their hooks and the operation lock are the optimizer's _session.Session)
@@ -197,12 +206,8 @@ def exclusive(optimizer: Any) -> Iterator[None]:
 
 
 def record_of(optimizer: Any) -> Record | None:
-    """The optimizer's offload record, its sites named by today's positions (:meth:`Record.rekey`)."""
     session = _session.of(optimizer)  # (an optimizer that cannot have one, a wrapper, was never offloaded)
-    record = None if session is None else session.record
-    if record is not None:
-        record.rekey(optimizer)
-    return record
+    return None if session is None else session.record
 
 
 def set_record(optimizer: Any, record: Record) -> None:
@@ -237,44 +242,75 @@ _MISSING = object()
 class _ZeroGrad:
     """While grads are offloaded (``p.grad`` is None), ``optimizer.zero_grad()`` clears them too, as it would have
     cleared them on the params: ``set_to_none`` drops them (the reload gives none back), else they are zeroed on
-    the host. An instance attribute in front of the class's ``zero_grad`` (``model.zero_grad()`` cannot see them);
-    ``remove()``, with the record's hooks, takes it away."""
+    the host. A front (:class:`_ZeroGradFront`) in the optimizer's ``__dict__``, before the class's ``zero_grad``
+    (``model.zero_grad()``, or a wrapper calling the class's on itself, cannot see them); ``remove()``, with the
+    record's hooks, takes it away. Held by the session, it holds the optimizer and its front only weakly."""
 
     def __init__(self, optimizer: Any) -> None:
         self.ref = weakref.ref(optimizer)
-        self.previous = optimizer.__dict__.get("zero_grad", _MISSING)
+        front = _ZeroGradFront(self.ref, optimizer.__dict__.get("zero_grad", _MISSING))
+        self.front = weakref.ref(front)  # (the optimizer holds it; it may hold the optimizer: a bound method)
+        optimizer.__dict__["zero_grad"] = front
 
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            return self(*args, **kwargs)
+    def remove(self) -> None:
+        optimizer, front = self.ref(), self.front()
+        if optimizer is not None and front is not None and optimizer.__dict__.get("zero_grad") is front:
+            if front.previous is _MISSING:
+                del optimizer.__dict__["zero_grad"]
+            else:
+                optimizer.__dict__["zero_grad"] = front.previous
 
-        self.installed = zero_grad
-        optimizer.__dict__["zero_grad"] = zero_grad
+
+class _ZeroGradFront:
+    """``optimizer.zero_grad`` while grads are offloaded: clears the offloaded grads of the optimizer's params
+    (``set_to_none`` as the ``zero_grad`` it stands in front of reads it, with its default), then calls that one.
+    Its signature is that one's (Accelerate reads it); a copy or pickle of it is the class's ``zero_grad``."""
+
+    __slots__ = ("ref", "previous", "__weakref__")
+
+    def __init__(self, ref: weakref.ref[Any], previous: Any) -> None:
+        self.ref, self.previous = ref, previous
+
+    def _zero(self, optimizer: Any) -> Any:
+        return self.previous if self.previous is not _MISSING else _class_zero_grad(optimizer)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        optimizer = self.ref()
+        return inspect.Signature() if optimizer is None else inspect.signature(self._zero(optimizer))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         optimizer = self.ref()
         if optimizer is None:
             return None
-        set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+        zero = self._zero(optimizer)
+        try:
+            bound = inspect.signature(zero).bind(*args, **kwargs)
+            bound.apply_defaults()
+            set_to_none = bool(bound.arguments.get("set_to_none", True))
+        except (TypeError, ValueError):  # (no signature to read, or arguments it refuses: it raises below)
+            set_to_none = True
         with exclusive(optimizer):
             record = record_of(optimizer)
-            if record is not None and record.grads:
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]} if record is not None else set()
+            mine = [key for key in record.grads if key in held] if record is not None else []
+            if record is not None and mine:
                 pending_of(optimizer).order_before_use(host=True)  # (an offload in flight still writes them)
-                if set_to_none:
-                    record.grads.clear()
-                else:
-                    with torch.no_grad():
-                        for _, host_grad in record.grads.values():
-                            host_grad.zero_()
-        zero = self.previous if self.previous is not _MISSING else type(optimizer).zero_grad.__get__(optimizer)
+                with torch.no_grad():
+                    for key in mine:
+                        if set_to_none:
+                            del record.grads[key]
+                        else:
+                            record.grads[key][1].zero_()
         return zero(*args, **kwargs)
 
-    def remove(self) -> None:
-        optimizer = self.ref()
-        if optimizer is not None and optimizer.__dict__.get("zero_grad") is self.installed:
-            if self.previous is _MISSING:
-                del optimizer.__dict__["zero_grad"]
-            else:
-                optimizer.__dict__["zero_grad"] = self.previous
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_class_zero_grad, (self.ref(),))
+
+
+def _class_zero_grad(optimizer: Any) -> Any:
+    """The class's own ``zero_grad``, bound to ``optimizer`` (what a copy of a front stands for)."""
+    return type(optimizer).zero_grad.__get__(optimizer)
 
 
 def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:

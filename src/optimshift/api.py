@@ -322,7 +322,7 @@ def offload(
     end_pending(optimizer)
     host = torch.device("cpu")
     previous = record_of(optimizer)
-    record = previous.extended() if previous is not None else Record(layout=_offload.layout_of(optimizer))
+    record = previous.extended(optimizer) if previous is not None else Record(layout=_offload.layout_of(optimizer))
     record.keep_addresses = record.keep_addresses | keep
     grads = []
     for gi, group in enumerate(optimizer.param_groups):
@@ -358,6 +358,7 @@ def offload(
         assert grad is not None  # (grads lists only params with one)
         p.grad = None  # (first: the param no longer holds it, so it can be swapped)
         record.grads[id(p)] = (p, kept(grad, copies.new[id(grad)]))  # the same object, on the host
+    record.took = record.took or any(d.type != "cpu" for d in record.devices.values())
     record.buffers.extend(copies.batch.held)
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     _offload.set_record(optimizer, record)
@@ -388,11 +389,12 @@ def is_offloaded(optimizer: Any) -> bool:
 def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
     by_policy = policy_target(optimizer, None)
+    sites = record.sites(optimizer)  # (named by today's positions)
 
     def back(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
-        was = record.devices.get(ident)
+        was = sites.get(ident)
         if param is None and was is not None and _group_moved(record, group):
             # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
             # the params' new device, on the side they were given on

@@ -423,3 +423,37 @@ def test_a_group_out_for_a_while_when_its_record_is_read_still_comes_back_offloa
         opt.step()
     optimshift.reload(opt)
     assert {k: v.device for st in opt.state.values() for k, v in st.items()} == where
+
+
+def test_a_second_offload_that_fails_leaves_the_record_as_it_was(sim, monkeypatch):
+    """A second offload (of an offloaded optimizer, a group added meanwhile) that fails part-way leaves the
+    record as it was: its sites were the live record's own dict, which the failed plan had already written to."""
+    model, opt = _adam(sim, n=1)
+    optimshift.offload(opt)
+    extra = torch.nn.Parameter(torch.ones(2, device=sim))
+    opt.add_param_group({"params": [extra], "lr": torch.tensor(0.01, device=sim)})
+    optimshift.offload(opt)
+    record = optimshift._offload.record_of(opt)
+    before = dict(record.devices)
+    opt.param_groups[1]["extra"] = torch.zeros(1, device=sim)  # (a group tensor the next offload records)
+    extra.grad = torch.ones(4, device=sim)[::2]  # (strided: copied on its own, by .to)
+    _failing_to(monkeypatch, extra.grad)
+    with pytest.raises(torch.OutOfMemoryError):
+        optimshift.offload(opt, include=("grads",))
+    assert optimshift._offload.record_of(opt) is record and record.devices == before
+
+
+def test_a_group_dict_given_other_params_while_offloaded_is_not_given_its_old_devices(sim):
+    """A group is the same one by its dict and its params (a dict's id alone is reused by a new dict once the old
+    one is freed): a group dict whose params and lr were replaced while offloaded keeps its new host lr."""
+    a, b = torch.nn.Parameter(torch.ones(2, device=sim)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([{"params": [a], "lr": torch.tensor(0.01, device=sim)}, {"params": [b]}], foreach=False)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    optimshift.offload(opt)
+    del opt.state[a]
+    group = opt.param_groups[0]
+    group["params"], group["lr"] = [torch.nn.Parameter(torch.ones(2))], torch.tensor(0.01)
+    optimshift.reload(opt)
+    assert opt.param_groups[0]["lr"].device.type == "cpu" and optimshift.check(opt).ok

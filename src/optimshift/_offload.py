@@ -146,7 +146,7 @@ class Record:
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded), its sites
         named by today's positions."""
         return Record(
-            self.sites(optimizer),
+            dict(self.sites(optimizer)),  # (a copy: a failed offload leaves this record as it was)
             dict(self.param_devices),
             list(self.buffers),
             dict(self.grads),
@@ -160,20 +160,20 @@ class Record:
         """``devices`` with each site named by the positions its group and param have now (the record itself
         unchanged): groups removed, inserted or reordered while offloaded (``param_groups.pop(0)``) would otherwise
         give one param's recorded device to another. A site whose group or param is not there now is left out
-        (and found again if it comes back)."""
+        (found again if it comes back before another offload). A group is the same one by its dict and its params."""
         now = layout_of(optimizer)
         if self.layout == now:
             return self.devices
-        group_at = {gid: gi for gi, (gid, _) in enumerate(now)}
+        group_at = {group: gi for gi, group in enumerate(now)}  # (a reused id(dict) alone would match a new group)
         param_at = {pid: (gi, pi) for gi, (_, pids) in enumerate(now) for pi, pid in enumerate(pids)}
         devices: dict[Ident, torch.device] = {}
         for (gi, pi, path), device in self.devices.items():
             if gi < 0 or gi >= len(self.layout):  # (the optimizer-wide entries: they go with the first group)
                 devices[(gi, pi, path)] = device
                 continue
-            gid, pids = self.layout[gi]
+            pids = self.layout[gi][1]
             if pi is None:
-                at = group_at.get(gid)
+                at = group_at.get(self.layout[gi])
                 if at is not None:
                     devices[(at, None, path)] = device
             elif pi < len(pids):

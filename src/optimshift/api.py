@@ -355,7 +355,8 @@ def offload(
         record.token = (cached.serial, cached.kept)
     for _, p in grads:  # only now: every copy exists
         grad = p.grad
-        assert grad is not None  # (grads lists only params with one)
+        if grad is None or id(grad) not in copies.new:  # (zeroed or replaced meanwhile, from another thread)
+            continue
         p.grad = None  # (first: the param no longer holds it, so it can be swapped)
         record.grads[id(p)] = (p, kept(grad, copies.new[id(grad)]))  # the same object, on the host
     record.took = record.took or any(d.type != "cpu" for d in record.devices.values())

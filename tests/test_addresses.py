@@ -140,6 +140,20 @@ def test_without_keep_addresses_addresses_change_and_a_kept_range_is_released(si
     assert {k: v[0] for k, v in _where(opt).items()} == {k: v[0] for k, v in kept.items()}  # objects kept
 
 
+@pytest.mark.parametrize("to", ["sim:1", "cpu"])
+def test_a_rebind_that_takes_the_state_out_of_its_range_releases_it(sim, driver, to):
+    """``rebind`` onto params on another device takes the state out of its range, as a move does: the range's
+    memory is unmapped. Before, it stayed mapped (the state's memory on the old device) until the next offload."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    assert driver.mapped(0) > 0
+    values = _state_values(opt)
+    moved = copy_module.deepcopy(model).to(torch.device(to))
+    optimshift.rebind(opt, moved.parameters())
+    gc.collect()
+    assert driver.mapped(0) == 0 and bitwise_equal(_state_values(opt), values)
+
+
 def test_a_load_that_takes_the_state_out_of_its_range_releases_it(sim, driver):
     """A load whose copies the live tensors adopt (a host checkpoint: its entries are copied to the device and the
     copies adopted) leaves the slots, as a move does: their memory is unmapped, not held beside the loaded state.

@@ -94,6 +94,17 @@ def test_rebind_repoints_groups_and_state():
     opt.step()  # still a working optimizer
 
 
+def test_rebind_with_named_params_renames_the_params_of_groups_that_name_theirs():
+    """``rebind(opt, model.named_parameters())`` after the model was wrapped (its names changed): the groups'
+    ``param_names`` follow (they kept the old names, which later checkpoints and messages used)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.named_parameters())
+    wrapped = torch.nn.Sequential(model)
+    optimshift.rebind(opt, wrapped.named_parameters())
+    assert opt.param_groups[0]["param_names"] == ["0.0.weight", "0.0.bias"]
+    assert opt.param_groups[0]["params"] == list(wrapped.parameters())
+
+
 def test_shared_tensor_stays_shared(sim):
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)

@@ -682,16 +682,19 @@ def _explain(
 
 
 @_one_at_a_time
-def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
+def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
-    place their state by the policy for the new params' devices. All or nothing."""
+    place their state by the policy for the new params' devices. All or nothing. ``(name, param)`` pairs
+    (``model.named_parameters()``) also rename the params of groups that name theirs."""
     check_optimizer(optimizer)
     _mode.refuse(optimizer, "rebind")
     name = optimizer_name(optimizer)
     end_pending(optimizer)
     if is_offloaded(optimizer):
         raise ValueError(f"{name}: rebind while offloaded would lose where the state was; reload() it first")
-    new = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+    given = list(params)
+    named = bool(given) and all(isinstance(p, tuple) and len(p) == 2 for p in given)  # (model.named_parameters())
+    new = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in given]
     old = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     if len(new) != len(old):
         raise ValueError(f"{name}: rebind got {len(new)} params, the optimizer holds {len(old)}")
@@ -725,6 +728,11 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
         states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
         for (gi, pi, _), q in zip(old, new):
             optimizer.param_groups[gi]["params"][pi] = q
+        if named:  # (the groups that name their params take the new names)
+            for (gi, pi, _), (param_name, _) in zip(old, given):
+                names = optimizer.param_groups[gi].get("param_names")
+                if isinstance(names, list) and pi < len(names):
+                    names[pi] = param_name
         for (_, _, p), q in zip(old, new):
             if id(p) in states and p is not q:
                 del optimizer.state[p]
@@ -733,5 +741,7 @@ def rebind(optimizer: Opt, params: Iterable[torch.Tensor]) -> Opt:
                 optimizer.state[q] = states[id(p)]
 
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
-    _transfer(optimizer, target, what="rebind", rewrite=rewrite)
+    copies, pending, _ = _transfer(optimizer, target, what="rebind", rewrite=rewrite)
+    del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
+    _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there, as a move's
     return optimizer

@@ -331,3 +331,31 @@ def test_inspect_asks_a_policy_that_follows_its_param_about_stand_ins_on_meta(tm
     assert rc == 0, err
     assert asked and set(asked) == {"meta"}
     assert "`step` saved on cuda:0" in out  # (what the fresh optimizer keeps: on meta, the policy's answer)
+
+
+def _flipped(tmp_path):
+    """A torch.save file of an optimizer with one bit of a tensor's bytes flipped after it was written: every size
+    and the pickle intact, the record's CRC-32 no longer matching."""
+    import struct
+    import zipfile
+
+    path = tmp_path / "flipped.pt"
+    torch.save(trained(O.Adam).state_dict(), path)
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename and i.file_size >= 8)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
+    raw[info.header_offset + 30 + name_len + extra_len + 3] ^= 0x40
+    path.write_bytes(bytes(raw))
+    return path, info.filename
+
+
+def test_inspect_and_convert_refuse_a_file_whose_bytes_fail_their_checksum(tmp_path, capsys):
+    """A bit flipped in a tensor's record: torch's reader takes it (a value changes), so did inspect ("findings:
+    none") and convert, which wrote the damage out under new, valid checksums. Both now fail naming the record."""
+    path, record = _flipped(tmp_path)
+    rc, out, err = _run(capsys, "inspect", str(path))
+    assert rc == 1 and f"record {record} fails its CRC-32 check" in err, (out, err)
+    rc, out, err = _run(capsys, "convert", str(path), str(tmp_path / "out.pt"))
+    assert rc == 1 and f"record {record} fails its CRC-32 check" in err, (out, err)
+    assert not (tmp_path / "out.pt").exists()

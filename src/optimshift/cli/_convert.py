@@ -183,6 +183,7 @@ def run_convert(args: argparse.Namespace) -> int:
     except Exception as e:
         return fail(f"cannot put {src}'s tensors on {device}: {first_line(str(e))}", e)
     try:
+        ckpt.verify_checksums(src)
         with allowed(args.allow_global), warnings_only_on_success():
             obj = ckpt.load(src, map_location=device, mmap=device.type == "cpu")
     except (ckpt.CheckpointError, OSError, ValueError) as e:

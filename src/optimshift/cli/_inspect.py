@@ -158,6 +158,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         return _inspect_folder(path, as_json=as_json)
     try:
         fmt = ckpt._sniff(path)
+        ckpt.verify_checksums(path)
         with allowed(args.allow_global), warnings_only_on_success():
             obj, locations, opaque = ckpt._load_recording(path, opaque=True)
     except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:

@@ -101,6 +101,45 @@ def test_save_errors(tmp_path):
 # --- the files users have ---------------------------------------------------------------------------------------
 
 
+def test_a_full_disk_names_the_file_and_the_cause_and_leaves_the_old_file(tmp_path, monkeypatch):
+    """torch's zip writer reports a failed write (a full disk's ENOSPC) as its own RuntimeError ("unexpected pos
+    ..."), the OSError only in its context: save raises that OSError, naming the file, and the old file stays."""
+    import errno
+
+    path = tmp_path / "opt.pt"
+    optimshift.save({"a": torch.ones(3)}, path)
+    before = path.read_bytes()
+    real_fdopen = os.fdopen
+
+    class Full:
+        """The temporary file on a disk that fills up after its first bytes."""
+
+        def __init__(self, raw):
+            self.raw, self.written = raw, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 1024:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.raw.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.raw.__exit__(*exc)
+
+    monkeypatch.setattr(os, "fdopen", lambda *args, **kwargs: Full(real_fdopen(*args, **kwargs)))
+    with pytest.raises(OSError) as info:
+        optimshift.save({"a": torch.ones(1 << 16)}, path)
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC and f"save: cannot write {path}: No space left on device" in str(info.value)
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["opt.pt"]
+
+
 def test_recognised_layouts(tmp_path):
     a, b = _adam().state_dict(), _adam().state_dict()
     layouts = {

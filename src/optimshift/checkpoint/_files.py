@@ -268,6 +268,13 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
                     f"save: {target}: the object is nested too deeply to pickle (more than "
                     f"{sys.getrecursionlimit()} levels); nothing was written"
                 ) from None
+            except RuntimeError as e:  # (torch's zip writer reports a failed write as its own error)
+                cause = _os_error_in(e)
+                if cause is None:
+                    raise
+                raise type(cause)(
+                    cause.errno, f"save: cannot write {target}: {cause.strerror}; the old file, if any, is intact"
+                ) from e
             raw.flush()
             os.fsync(raw.fileno())
             os.replace(tmp, target)
@@ -280,6 +287,18 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
     finally:
         _atomic.release_temp(tmp)
     _atomic.fsync_dir(folder)
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The ``OSError`` (a full disk's ``ENOSPC``) that ``error`` was raised while handling, if any."""
+    seen: set[int] = set()
+    at: BaseException | None = error
+    while at is not None and id(at) not in seen:
+        if isinstance(at, OSError) and at.errno is not None:
+            return at
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return None
 
 
 class _Counting(io.RawIOBase):

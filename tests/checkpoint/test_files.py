@@ -101,7 +101,8 @@ def test_save_errors(tmp_path):
 # --- the files users have ---------------------------------------------------------------------------------------
 
 
-def test_a_full_disk_names_the_file_and_the_cause_and_leaves_the_old_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fails", ["a write", "the last flush"])
+def test_a_full_disk_names_the_file_and_the_cause_and_leaves_the_old_file(tmp_path, monkeypatch, fails):
     """torch's zip writer reports a failed write (a full disk's ENOSPC) as its own RuntimeError ("unexpected pos
     ..."), the OSError only in its context: save raises that OSError, naming the file, and the old file stays."""
     import errno
@@ -119,9 +120,14 @@ def test_a_full_disk_names_the_file_and_the_cause_and_leaves_the_old_file(tmp_pa
 
         def write(self, data):
             self.written += len(data)
-            if self.written > 1024:
+            if fails == "a write" and self.written > 1024:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.raw.write(data)
+
+        def flush(self):  # (the file's last bytes: its own flush fails where its writes were buffered)
+            if fails == "the last flush":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.raw.flush()
 
         def __getattr__(self, name):
             return getattr(self.raw, name)

@@ -359,3 +359,16 @@ def test_inspect_and_convert_refuse_a_file_whose_bytes_fail_their_checksum(tmp_p
     rc, out, err = _run(capsys, "convert", str(path), str(tmp_path / "out.pt"))
     assert rc == 1 and f"record {record} fails its CRC-32 check" in err, (out, err)
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_inspect_takes_a_file_written_without_checksums(tmp_path, capsys):
+    """``torch.serialization.set_crc32_options(False)`` writes a CRC-32 of 0 for every record: no checksum to
+    check, not a corrupt file (torch reads it)."""
+    path = tmp_path / "nocrc.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(trained(O.Adam).state_dict(), path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    rc, out, err = _run(capsys, "inspect", str(path))
+    assert rc == 0 and "corrupt" not in err, (out, err)

@@ -258,7 +258,8 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
         except FileNotFoundError:
             pass
-        with os.fdopen(fd, "wb") as raw:  # closing it releases the lock, after the rename
+        raw = os.fdopen(fd, "wb")  # (closed after the rename: closing it releases the lock)
+        try:
             # (torch.save writes to any binary file; its stubs ask for a typing.IO, which io.RawIOBase is not)
             sink: IO[bytes] = raw if progress is None else _Counting(raw, progress)  # type: ignore[assignment]
             try:
@@ -268,16 +269,24 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
                     f"save: {target}: the object is nested too deeply to pickle (more than "
                     f"{sys.getrecursionlimit()} levels); nothing was written"
                 ) from None
-            except RuntimeError as e:  # (torch's zip writer reports a failed write as its own error)
-                cause = _os_error_in(e)
-                if cause is None:
+            except OSError as e:  # (the file's own last write: a full disk's ENOSPC)
+                raise _write_error(target, e) from e
+            except RuntimeError as e:  # (torch's zip writer reports a failed write as an error of its own)
+                cause = e.__context__
+                if not (isinstance(cause, OSError) and cause.errno is not None and "inline_container" in str(e)):
                     raise
-                raise type(cause)(
-                    cause.errno, f"save: cannot write {target}: {cause.strerror}; the old file, if any, is intact"
-                ) from e
-            raw.flush()
-            os.fsync(raw.fileno())
+                raise _write_error(target, cause) from e
+            try:
+                raw.flush()
+                os.fsync(raw.fileno())
+            except OSError as e:
+                raise _write_error(target, e) from e
             os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):  # (a failed write fails the close's flush again: ours says it)
+                raw.close()
+            raise
+        raw.close()
     except BaseException:
         try:
             os.unlink(tmp)
@@ -289,16 +298,9 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
     _atomic.fsync_dir(folder)
 
 
-def _os_error_in(error: BaseException) -> OSError | None:
-    """The ``OSError`` (a full disk's ``ENOSPC``) that ``error`` was raised while handling, if any."""
-    seen: set[int] = set()
-    at: BaseException | None = error
-    while at is not None and id(at) not in seen:
-        if isinstance(at, OSError) and at.errno is not None:
-            return at
-        seen.add(id(at))
-        at = at.__cause__ or at.__context__
-    return None
+def _write_error(target: str, cause: OSError) -> OSError:
+    """A failed write of ``target`` (a full disk's ENOSPC), said with the file's name (torch's writer names none)."""
+    return OSError(cause.errno, f"save: cannot write {target}: {cause.strerror}; the old file, if any, is intact")
 
 
 class _Counting(io.RawIOBase):

@@ -636,3 +636,30 @@ def test_restore_keeps_fp32_state_and_strings_when_patched(sim, lightning_patch,
         assert torch.equal(state["momentum_buffer"].cpu(), torch.full((2, 3), 0.1))
     else:
         assert state["momentum_buffer"].dtype == torch.bfloat16 and state["note"] != "warm"
+
+
+def test_a_reload_of_the_patched_integration_keeps_its_patch():
+    """``importlib.reload`` of the integration while Lightning is patched: the reloaded module knows the patch in
+    effect (it reported Lightning unpatched, patched it twice over, and its ``unpatch()`` could not restore
+    Lightning's own helper). In a process of its own: a reload redefines the module's classes for everyone."""
+    import subprocess
+    import sys
+
+    script = """
+import importlib
+import lightning.fabric.utilities.optimizer as helpers
+import optimshift.integrations.lightning as osl
+osl.unpatch()
+original = helpers._optimizer_to_device
+osl.patch()
+patched = helpers._optimizer_to_device
+importlib.reload(osl)
+osl.patch()
+again = helpers._optimizer_to_device is patched
+known = osl.is_patched()
+osl.unpatch()
+print(known, again, helpers._optimizer_to_device is original, osl.is_patched())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True", "False"], done.stdout

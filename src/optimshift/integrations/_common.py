@@ -162,6 +162,19 @@ class Patch:
             self._swaps.clear()
 
 
+_patches: dict[str, Patch] = {}  # (by integration module: its Patch outlives an importlib.reload of the module)
+
+
+def patch_of(module: str, *, rebound: bool = False) -> Patch:
+    """The one :class:`Patch` of integration ``module``: a reload of that module (``importlib.reload``) finds the
+    one in effect, instead of a new one that knows nothing of it (which reported the framework unpatched,
+    patched it twice over, and could then not restore its original functions)."""
+    found = _patches.get(module)
+    if found is None:
+        found = _patches[module] = Patch(rebound=rebound)
+    return found
+
+
 def importable(package: str) -> bool:
     """Whether ``package`` can be imported here (found, not imported): a patch module patches on import only then."""
     try:

@@ -32,11 +32,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import api
-from ._common import Patch, Swap, follow_params, placeable
+from ._common import Swap, follow_params, patch_of, placeable
 
 __all__ = ["patch", "unpatch", "is_patched"]
 
-_patch = Patch()
+_patch = patch_of(__name__)
 
 
 def _on_xla(wrapper: Any) -> bool:

@@ -55,7 +55,7 @@ from .._device_streams import host_pinning
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
 from ..pool import host_pool
-from ._common import Patch, Swap, importable, module_items, placeable, reload_to, streamed
+from ._common import Swap, importable, module_items, patch_of, placeable, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -65,7 +65,7 @@ _STAGE_3 = "deepspeed.runtime.zero.stage3"
 _NAMES_ONLY = ("__name__", "__qualname__", "__doc__")
 
 _log = logging.getLogger("optimshift")
-_patch = Patch(rebound=True)
+_patch = patch_of(__name__, rebound=True)
 _within = threading.local()  # .left: inside a ZeRO optimizer's call left to DeepSpeed (its line is logged)
 
 # What this patch relies on in each DeepSpeed function: its parameters, and the names its code reads (the

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .. import api
-from ._common import Patch, Swap, follow_params, module_items, placeable, streamed, to_host
+from ._common import Swap, follow_params, module_items, patch_of, placeable, streamed, to_host
 
 if TYPE_CHECKING:
     from lightning.fabric.wrappers import _FabricOptimizer
@@ -66,7 +66,7 @@ _FABRIC_METHODS = ("setup", "setup_optimizers", "load", "load_raw")
 _TRAINERS = {"lightning.fabric": "lightning.pytorch", "lightning_fabric": "pytorch_lightning"}  # fabric -> Trainer
 
 
-_patch = Patch(rebound=True)
+_patch = patch_of(__name__, rebound=True)
 
 
 def _installed_fabric_packages() -> list[str]:

@@ -55,7 +55,7 @@ import torch
 
 from .. import api
 from .._plan import check_optimizer
-from ._common import Patch, Swap, importable, module_items, reload_to, streamed
+from ._common import Swap, importable, module_items, patch_of, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -81,7 +81,7 @@ _LEFT_ALONE = {
 _LOOKALIKE = re.compile(r"^_?(offload|load)_\w*optimizers?$")
 _NAMES_ONLY = ("__name__", "__qualname__")
 
-_patch = Patch(rebound=True)
+_patch = patch_of(__name__, rebound=True)
 
 
 # --- keeping verl's start-up noise out of our output --------------------------------------------------------

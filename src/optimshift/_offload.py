@@ -30,7 +30,7 @@ from . import _device_streams, _engine, _session
 from ._adopt import kept
 from ._dtensor import local_tensor
 from ._plan import Ident, optimizer_name
-from ._state import label_in, leaves
+from ._state import label_in, leaves, param_positions
 from .pool import host_pool
 
 __all__ = [
@@ -118,17 +118,17 @@ class PendingTransfer:
         return f"PendingTransfer(device={self.device}, done={self.done()})"
 
 
-Layout = tuple[tuple[int, tuple[int, ...]], ...]  # (id(group), the ids of its params) per group
+Positions = tuple[tuple[int, tuple[int, ...]], ...]  # (id(group), the ids of its params) per group
 
 
-def layout_of(optimizer: Any) -> Layout:
+def positions_of(optimizer: Any) -> Positions:
     """Which group and which params sit at each position: what the positions a record's sites name stand for."""
     return tuple((id(g), tuple(map(id, g["params"]))) for g in optimizer.param_groups)
 
 
 @dataclass
 class Record:
-    """Where each tensor was (by site ident: group and param positions, as ``layout`` had them), where each param
+    """Where each tensor was (by site ident: group and param positions, as ``positions`` had them), where each param
     was (by ``id(param)``), the pool buffers the host copies live in, and the grads offload took (``{id(param):
     (param, host grad)}``)."""
 
@@ -139,7 +139,7 @@ class Record:
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
     token: Any = None  # the serial of the cached offload plan's build that made this record (what a reload undoes)
     keep_addresses: frozenset[torch.device] = frozenset()  # devices whose reload puts the state back at its addresses
-    layout: Layout = ()  # what the positions in ``devices`` stand for (see sites)
+    positions: Positions = ()  # what the positions in ``devices`` stand for (see sites)
     took: bool = False  # an offload took something off an accelerator (see moved_any)
 
     def extended(self, optimizer: Any) -> Record:
@@ -152,7 +152,7 @@ class Record:
             dict(self.grads),
             list(self.hooks),
             keep_addresses=self.keep_addresses,
-            layout=layout_of(optimizer),
+            positions=positions_of(optimizer),
             took=self.took,
         )
 
@@ -161,19 +161,19 @@ class Record:
         unchanged): groups removed, inserted or reordered while offloaded (``param_groups.pop(0)``) would otherwise
         give one param's recorded device to another. A site whose group or param is not there now is left out
         (found again if it comes back before another offload). A group is the same one by its dict and its params."""
-        now = layout_of(optimizer)
-        if self.layout == now:
+        now = positions_of(optimizer)
+        if self.positions == now:
             return self.devices
         group_at = {group: gi for gi, group in enumerate(now)}  # (a reused id(dict) alone would match a new group)
         param_at = {pid: (gi, pi) for gi, (_, pids) in enumerate(now) for pi, pid in enumerate(pids)}
         devices: dict[Ident, torch.device] = {}
         for (gi, pi, path), device in self.devices.items():
-            if gi < 0 or gi >= len(self.layout):  # (the optimizer-wide entries: they go with the first group)
+            if gi < 0 or gi >= len(self.positions):  # (the optimizer-wide entries: they go with the first group)
                 devices[(gi, pi, path)] = device
                 continue
-            pids = self.layout[gi][1]
+            pids = self.positions[gi][1]
             if pi is None:
-                at = group_at.get(self.layout[gi])
+                at = group_at.get(self.positions[gi])
                 if at is not None:
                     devices[(at, None, path)] = device
             elif pi < len(pids):
@@ -461,7 +461,7 @@ def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor
     if record is None:
         return []
     name = optimizer_name(optimizer)
-    at = {id(p): (gi, pi) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])}
+    at = param_positions(optimizer)
     out = []
     for p, host_grad in record.grads.values():
         where = at.get(id(p))  # (None: a param taken out of the optimizer while offloaded still gets its grad)

@@ -329,6 +329,11 @@ def param_label(group: int, index: int, name: Any = None) -> str:
     return label if name is None or name == "" else f"{label} ({name})"
 
 
+def param_positions(optimizer: Any) -> dict[int, tuple[int, int]]:
+    """``id(param) -> (group, index)`` of every param the optimizer's groups hold now."""
+    return {id(p): (gi, pi) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])}
+
+
 def label_in(optimizer: Any, group: int, index: int) -> str:
     """:func:`param_label` of param ``index`` of ``optimizer``'s group ``group``, with the name the group gives it."""
     groups = optimizer.param_groups

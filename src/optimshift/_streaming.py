@@ -59,7 +59,7 @@ from ._dtensor import tensor_bytes
 from ._errors import add_note, with_article
 from ._offload import compact_state_dict, end_pending, record_of
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target
-from ._state import label_in, unwrap
+from ._state import label_in, param_positions, unwrap
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
 from .syncs import async_copies
@@ -412,7 +412,7 @@ class Streamed:
         """What a refusal to lay out the state a first step has just made must add (its message may say that
         nothing changed: true of the layout, not of the step): which params that step updated."""
         opt = self.optimizer
-        at = {id(p): (gi, pi) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])}
+        at = param_positions(opt)
         labels = [label_in(opt, *at[id(p)]) for _, p in made if id(p) in at]
         shown = "; ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
         return (

@@ -322,7 +322,10 @@ def offload(
     end_pending(optimizer)
     host = torch.device("cpu")
     previous = record_of(optimizer)
-    record = previous.extended(optimizer) if previous is not None else Record(layout=_offload.layout_of(optimizer))
+    if previous is not None:
+        record = previous.extended(optimizer)
+    else:
+        record = Record(positions=_offload.positions_of(optimizer))
     record.keep_addresses = record.keep_addresses | keep
     grads = []
     for gi, group in enumerate(optimizer.param_groups):

@@ -33,7 +33,7 @@ from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     torch_defined,
     unprobed,
 )
-from ._state import group_device, param_label, param_name
+from ._state import group_device, param_label, param_name, param_positions
 
 __all__ = [
     "Policy",
@@ -439,17 +439,10 @@ def _refuse_meta(
     """A registered policy put an entry that holds values on meta, with its param bound elsewhere (the built-in
     rule puts state on meta only with its param): every value would be lost. Raised while planning, before
     anything changes."""
-    # (found by the param: a load's group is a new dict over the same params)
+    # (found by the param: a load's group is a new dict over the same params; inspect's stand-in has no groups)
     held = param if param is not None else next(iter(group.get("params", ())), None)
-    at = next(
-        (
-            (gi, pi, param_name(pi, g.get("param_names")))
-            for gi, g in enumerate(getattr(optimizer, "param_groups", ()))
-            for pi, p in enumerate(g["params"])
-            if p is held
-        ),
-        None,
-    )
+    where = param_positions(optimizer).get(id(held)) if hasattr(optimizer, "param_groups") else None
+    at = None if where is None else (*where, param_name(where[1], optimizer.param_groups[where[0]].get("param_names")))
     if param is None:
         what = ("a param group" if at is None else f"group {at[0]}") + f"[{key!r}]"
     else:

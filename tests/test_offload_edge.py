@@ -10,8 +10,10 @@ import torch
 
 import optimshift
 from _matrix import Model, bitwise_equal, state_layout, tensor_ids, train
+from _schedules import SCHEDULES, drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
 from optimshift import _copy as batch_mod
 from optimshift.pool import host_pool
+from optimshift.testing import deferred_streams
 
 
 def _adam(sim, n=3, **kw):
@@ -457,3 +459,23 @@ def test_a_group_dict_given_other_params_while_offloaded_is_not_given_its_old_de
     group["params"], group["lr"] = [torch.nn.Parameter(torch.ones(2))], torch.tensor(0.01)
     optimshift.reload(opt)
     assert opt.param_groups[0]["lr"].device.type == "cpu" and optimshift.check(opt).ok
+
+
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_while_a_non_blocking_offload_of_grads_is_in_flight(sim, seed, progress, set_to_none):
+    """``zero_grad()`` right after a non-blocking offload of the grads: the host grads are the destinations of
+    copies still queued, so the front waits for them before it zeroes (or drops) them."""
+    model = torch.nn.Linear(16, 8).to(sim)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with deferred_streams(seed=seed, progress=progress):
+        optimshift.offload(opt, include=("grads",), non_blocking=True)
+        opt.zero_grad(set_to_none=set_to_none)
+        optimshift.reload(opt)
+        grads = [None if p.grad is None else p.grad.cpu() for p in model.parameters()]
+    if set_to_none:
+        assert grads == [None, None]
+    else:
+        assert all(g is not None and not g.any() for g in grads)

@@ -154,19 +154,41 @@ def test_a_rebind_that_takes_the_state_out_of_its_range_releases_it(sim, driver,
     assert driver.mapped(0) == 0 and bitwise_equal(_state_values(opt), values)
 
 
-def test_a_load_that_takes_the_state_out_of_its_range_releases_it(sim, driver):
-    """A load whose copies the live tensors adopt (a host checkpoint: its entries are copied to the device and the
-    copies adopted) leaves the slots, as a move does: their memory is unmapped, not held beside the loaded state.
-    Before: the range stayed mapped until the next move or offload (the state's memory twice)."""
+def test_a_host_checkpoint_is_written_into_kept_state_in_place(sim, driver):
+    """A host checkpoint loaded into state kept at fixed addresses is written into the slots: same objects, same
+    addresses, the range still mapped, nothing else allocated on the device. Before, its entries were copied to
+    the device and the copies adopted: the state left its slots (new addresses for a CUDA graph) and was, during
+    the load, twice on the device."""
     model, opt = _trained(sim, shapes=[(64, 64), (64,), (32, 48)])
-    host = {"state": {i: {k: v.cpu() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}}
-    host["param_groups"] = opt.state_dict()["param_groups"]
+    _, other = _trained(sim, shapes=[(64, 64), (64,), (32, 48)], steps=3)
+    host = {"state": {i: {k: v.cpu() for k, v in st.items()} for i, st in other.state_dict()["state"].items()}}
+    host["param_groups"] = other.state_dict()["param_groups"]
+    optimshift.keep_addresses(opt)
+    kept, mapped, on = _where(opt), driver.mapped(0), simulated_memory_allocated(0)
+    optimshift.load_state_dict(opt, host)
+    assert _where(opt) == kept and driver.mapped(0) == mapped > 0 and simulated_memory_allocated(0) == on
+    assert bitwise_equal(_state_values(opt), _state_values(other))
+
+
+def test_a_load_that_takes_the_state_out_of_its_range_releases_it(sim, driver):
+    """A load whose copies the live tensors adopt (a checkpoint of another dtype, cast to the param's: each entry
+    is cast on the device and the cast adopted) leaves the slots, as a move does: their memory is unmapped, not
+    held beside the loaded state. Before: the range stayed mapped until the next move or offload (the state's
+    memory twice)."""
+    model, opt = _trained(sim, shapes=[(64, 64), (64,), (32, 48)])
+    sd = opt.state_dict()
+    host = {
+        "state": {
+            i: {k: v.cpu() if k == "step" else v.cpu().double() for k, v in st.items()} for i, st in sd["state"].items()
+        }
+    }
+    host["param_groups"] = sd["param_groups"]
     values = _state_values(opt)
     on = simulated_memory_allocated(0)
     optimshift.keep_addresses(opt)
     assert driver.mapped(0) > 0
     objects = {k: v[0] for k, v in _where(opt).items()}
-    optimshift.load_state_dict(opt, host)
+    optimshift.load_state_dict(opt, host, cast="param")
     gc.collect()
     assert driver.mapped(0) == 0 and simulated_memory_allocated(0) <= on
     assert {k: v[0] for k, v in _where(opt).items()} == objects and bitwise_equal(_state_values(opt), values)

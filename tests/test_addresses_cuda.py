@@ -75,15 +75,21 @@ def test_a_view_held_outside_stays_mapped_on_a_gpu():
     optimshift.reload(opt)
 
 
-def test_a_load_writes_kept_state_in_place_on_a_gpu():
-    """A kept slot's tensor is all that uses its storage, so a load of a checkpoint on the device writes the values
-    in place: same objects, same addresses, the range still mapped (``tests/test_addresses.py`` has the same test
-    on the simulator). A host checkpoint's entries are copied to the device and the copies adopted instead."""
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_a_load_writes_kept_state_in_place_on_a_gpu(where):
+    """A kept slot's tensor is all that uses its storage, so a load writes the values in place, from a checkpoint
+    on the device or on the host (staged in pinned memory): same objects, same addresses, the range still mapped
+    (``tests/test_addresses.py`` has the same tests on the simulator)."""
     model, opt = _opt()
     optimshift.keep_addresses(opt)
     kept = _where(opt)
     sd = opt.state_dict()
-    on_device = {"state": {i: {k: v.clone() + 1 for k, v in st.items()} for i, st in sd["state"].items()}}
+    on_device = {
+        "state": {
+            i: {k: (v.clone() + 1).cpu() if where == "host" else v.clone() + 1 for k, v in st.items()}
+            for i, st in sd["state"].items()
+        }
+    }
     on_device["param_groups"] = sd["param_groups"]
     mapped = optimshift._addresses.mapped_bytes(opt)
     with warnings.catch_warnings():
@@ -92,4 +98,4 @@ def test_a_load_writes_kept_state_in_place_on_a_gpu():
     torch.cuda.synchronize()
     assert _where(opt) == kept and optimshift._addresses.mapped_bytes(opt) == mapped > 0
     for i, st in enumerate(opt.state.values()):
-        assert all(torch.equal(v, on_device["state"][i][k]) for k, v in st.items())
+        assert all(torch.equal(v.cpu(), on_device["state"][i][k].cpu()) for k, v in st.items())

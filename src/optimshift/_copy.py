@@ -44,6 +44,7 @@ __all__ = [
     "copy_into",
     "copy_tensor",
     "CHUNK_BYTES",
+    "pinned_sources",
     "SOLO_BYTES",
 ]
 
@@ -421,6 +422,43 @@ def copy_into(
             add_note(error, f"optimshift: while copying {describe(current)} into its place; nothing was changed")
         raise
     return devices
+
+
+def pinned_sources(
+    sources: Sequence[torch.Tensor], device: torch.device, pool: HostPool
+) -> tuple[Sequence[torch.Tensor], list[torch.Tensor]]:
+    """Each of ``sources`` that is a host tensor bound for ``device`` as a view of a pinned pool buffer holding its
+    values (chunked by dtype, as the grouped copies are), so the copies from them can be queued and waited for
+    once; and those buffers, which go back to the pool once the copies completed. ``sources`` as they are where
+    the host is not pinned for ``device``."""
+    if not pins_host_for(device):
+        return sources, []
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(sources):
+        if t.device.type == "cpu" and _coalescible(t) and not in_pinned_memory(t):
+            by_dtype.setdefault(t.dtype, []).append(i)
+    if not by_dtype:
+        return sources, []
+    out = list(sources)
+    buffers: list[torch.Tensor] = []
+    items = [(t, device) for t in sources]
+    try:
+        for dtype, indices in by_dtype.items():
+            for chunk in _chunks(indices, items):
+                tensors = [sources[i] for i in chunk]
+                numels = [t.numel() for t in tensors]
+                nbytes = sum(numels) * tensors[0].element_size()
+                buf = pool.acquire(nbytes, pinned=True)
+                buffers.append(buf)  # (at once: a failing cat must not leak it)
+                flat = buf[:nbytes].view(dtype)
+                torch.cat([_flat(t) for t in tensors], out=flat)
+                for i, view in zip(chunk, _shaped(flat.split(numels), tensors)):  # type: ignore[no-untyped-call]
+                    out[i] = view
+    except BaseException:
+        for buf in buffers:
+            pool.release(buf)
+        raise
+    return out, buffers
 
 
 def _chunks(indices: list[int], items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[list[int]]:

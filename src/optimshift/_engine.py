@@ -32,8 +32,8 @@ import torch
 
 from . import _alias, _device_streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
-from ._copy import BLOCKING, Batch, Options, Side, copy_into, copy_many, copy_tensor
-from ._device_streams import synchronize
+from ._copy import _HOSTS, BLOCKING, Batch, Options, Side, copy_into, copy_many, copy_tensor, pinned_sources
+from ._device_streams import in_pinned_memory, synchronize
 from ._devices import _fake_mode_active
 from ._dtypes import dtype_name
 from ._errors import add_note
@@ -607,6 +607,24 @@ def commit(
     ``copies.in_place``: live tensors that take their sources' values in place, after the rewrite.
     """
     protect: frozenset[int] | set[int] = outside_owned(optimizer) if copies.pairs else frozenset()
+    # (sources on the host bound for an accelerator, staged in pinned memory first: may fail, nothing changed yet)
+    in_place, staging = _pinned_in_place(copies.in_place) if copies.in_place else (copies.in_place, [])
+    try:
+        return _commit(optimizer, copies, hint, rewrite, installed, protect, in_place)
+    finally:
+        for buf in staging:  # (the copies from them completed: _write_in_place synchronized)
+            host_pool.release(buf)
+
+
+def _commit(
+    optimizer: Any,
+    copies: Copies,
+    hint: list[Mechanism] | None,
+    rewrite: Callable[[], None] | None,
+    installed: Sequence[Sequence[tuple[Any, Any]]] | None,
+    protect: frozenset[int] | set[int],
+    in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+) -> list[Mechanism]:
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
     if installed is None:
@@ -632,8 +650,8 @@ def commit(
                 if how != "replace"
                 for mapping, key in installed[i]
             ]
-        if copies.in_place:
-            _write_in_place(copies.in_place)
+        if in_place:
+            _write_in_place(in_place)
         counts = apply()
         for mapping, key, value in assignments:
             mapping[key] = value
@@ -712,14 +730,41 @@ def _write_in_place(
     the same values again). On the host under inference mode: torch's CPU foreach copy is a per-tensor ``copy_``
     each, which then skips the autograd layers (no live tensor here requires grad or is an inference tensor, and
     in-place writes still bump their version counters)."""
+    queued: set[torch.device] = set()
     with torch.no_grad():
         for device, (olds, news) in pairs_by_device.items():
-            with torch.inference_mode() if device.type == "cpu" else contextlib.nullcontext():
+            # (a source elsewhere: a host checkpoint into state on an accelerator, from pinned memory where it can be)
+            across = any(new.device != device for new in news)
+            pinned = across and any(map(in_pinned_memory, news))
+            if across and device.type not in _HOSTS:
+                queued.add(device)
+            with torch.inference_mode() if device.type == "cpu" and not across else contextlib.nullcontext():
                 try:
-                    torch._foreach_copy_(list(olds), list(news))
+                    torch._foreach_copy_(list(olds), list(news), non_blocking=pinned)
                 except Exception:
                     for old, new in zip(olds, news):
-                        old.copy_(new)
+                        old.copy_(new, non_blocking=pinned)
+    synchronize(queued)  # (before the pinned sources go back to the pool, and the load returns)
+
+
+def _pinned_in_place(
+    pairs_by_device: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+) -> tuple[dict[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]], list[torch.Tensor]]:
+    """``pairs_by_device`` with each host source bound for an accelerator as a view of a pinned pool buffer
+    (:func:`optimshift._copy.pinned_sources`), so :func:`_write_in_place` queues those copies and waits once; and
+    the buffers, for the pool once it has."""
+    out: dict[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = {}
+    buffers: list[torch.Tensor] = []
+    try:
+        for device, (olds, news) in pairs_by_device.items():
+            staged, held = pinned_sources(news, device, host_pool)
+            buffers.extend(held)
+            out[device] = (olds, staged)
+    except BaseException:
+        for buf in buffers:
+            host_pool.release(buf)
+        raise
+    return out, buffers
 
 
 _grad_of = attrgetter("grad")

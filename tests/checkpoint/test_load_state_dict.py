@@ -1021,3 +1021,48 @@ def test_an_interrupt_during_the_in_place_copies_waits_for_the_load_to_finish(mo
     assert {id(t) for st in live.state.values() for t in st.values()} == before  # in place: the same objects
     for p, q in zip(source.param_groups[0]["params"], params):
         assert all(torch.equal(live.state[q][k], source.state[p][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def _host_copy(sd):
+    return {"state": _host(sd["state"]), "param_groups": copy.deepcopy(sd["param_groups"])}
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "general"])
+@pytest.mark.parametrize("seed", [None, 0, 1, 2])
+def test_a_host_checkpoint_is_written_into_live_device_state_in_place(sim, monkeypatch, uniform, seed):
+    """Resuming from a host checkpoint into state that lives on an accelerator writes the values into the live
+    tensors: same objects, same storages (a CUDA graph's addresses stay valid), and no second copy of the state
+    on the device. Before, each entry was copied to the device and the copy adopted: the state's memory twice on
+    the device during the load, and new addresses after it. Under every ``deferred_streams`` schedule (``None``:
+    none), the values are there when the load returns, and the optimizer then steps as the checkpoint's."""
+    from optimshift.testing import deferred_streams, simulated_memory_allocated
+
+    if not uniform:
+        monkeypatch.setattr(optimshift.checkpoint._staging, "build_uniform", lambda *a: None)
+    shapes = [(64, 64), (64, 64), (64,)]
+    model, opt = _trained(O.Adam, {"foreach": False}, shapes, device=sim)
+    other_model, other = _trained(O.Adam, {"foreach": False}, shapes, device=sim, steps=K + 1)
+    host = _host_copy(other.state_dict())
+    live = [(t, t.data_ptr(), t.device) for st in opt.state.values() for t in st.values()]
+    assert {d.type for _, _, d in live} == {"cpu", sim.type}  # (Adam's step on the host, the moments on sim)
+    at_commit = []
+    real = optimshift._engine.commit
+
+    def commit(*args, **kwargs):  # (every copy is made by then: the load's peak)
+        at_commit.append(simulated_memory_allocated(0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optimshift._engine, "commit", commit)
+    with deferred_streams(seed, progress=0.0) if seed is not None else contextlib.nullcontext():
+        before = simulated_memory_allocated(0)
+        optimshift.load_state_dict(opt, host)
+        now = [t for st in opt.state.values() for t in st.values()]
+        assert all(t is old and t.data_ptr() == ptr for t, (old, ptr, _) in zip(now, live))
+        assert at_commit and max(at_commit) <= before and simulated_memory_allocated(0) <= before
+        assert bitwise_equal(_state(opt), _state(other))
+    other_model.load_state_dict(model.state_dict())
+    for o in (opt, other):
+        for p in o.param_groups[0]["params"]:
+            p.grad = torch.full_like(p, 0.5)
+        o.step()
+    assert bitwise_equal(_state(opt), _state(other))

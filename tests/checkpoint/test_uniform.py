@@ -702,11 +702,12 @@ def test_a_host_checkpoint_onto_meta_loads_uniformly(taken):
     ] * 2
 
 
-def test_a_host_checkpoint_into_live_device_state_writes_in_place_only_what_stays(monkeypatch, taken):
+def test_a_host_checkpoint_into_live_device_state_is_written_in_place_by_both_paths(monkeypatch, taken):
     """Into existing state on an accelerator (``meta`` here: its live tensors are nobody else's, as on CUDA), the
-    uniform path writes in place only the entries already where they belong (the host ``step``) and copies the
-    rest there, adopting the copies, as the general path does; it used to write the device moments in place from
-    the host checkpoint, one pageable copy each (found by review)."""
+    uniform path and the general one both write every entry in place: the host ``step`` from the host, the device
+    moments from the host checkpoint (staged in pinned memory where the host is pinned for the device: see
+    ``tests/test_copy.py``). The uniform path once did this alone, one pageable copy each, while the general path
+    copied the moments to the device and adopted the copies (the state's memory twice on the device)."""
     from optimshift import _engine as engine
 
     _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,), (2, 3)], steps=K + 1)
@@ -735,7 +736,7 @@ def test_a_host_checkpoint_into_live_device_state_writes_in_place_only_what_stay
             {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
         ] * 3
     assert taken == [True, False]
-    assert written[0] == written[1] == [("cpu", "cpu")] * 3
+    assert written[0] == written[1] == [("cpu", "cpu")] * 3 + [("meta", "cpu")] * 6
 
 
 def _mixed(device="cpu", steps=K, capturable=False):

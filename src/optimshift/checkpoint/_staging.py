@@ -434,25 +434,28 @@ class Staging:
                 and tpi is not None
                 and len(path) == 1
                 and type(tensor) is plain
-                and tensor.device == device
                 and not tensor.requires_grad
                 and tensor.layout == strided
                 and tensor.is_contiguous()  # (so not overexpanded)
                 and (not owned or id(tensor) not in owned)
                 and (cast is None or self._cast_dtype(new_groups[tgi], param, key, tensor) == tensor.dtype)
             ):
-                if always_copy:
-                    live = lives.get((tgi, tpi)) if lives else None
-                    old = live.get(key) if live else None
-                    if old is not None and id(old) not in protect and fits(old, tensor, device):
-                        olds, news = in_place[device]
-                        olds.append(old)
-                        news.append(tensor)
-                        tensor = old
-                    else:
+                # NOTE: a live tensor that fits takes the values wherever the checkpoint's tensor is (a host
+                # checkpoint into state on an accelerator too); else one that stays is copied where it is (in
+                # _resolve), or installed itself with copy=False, and one that moves takes the ticket path below.
+                live = lives.get((tgi, tpi)) if lives and always_copy else None
+                old = live.get(key) if live else None
+                if old is not None and id(old) not in protect and fits(old, tensor, device):
+                    olds, news = in_place[device]
+                    olds.append(old)
+                    news.append(tensor)
+                    holders[(tgi, tpi)][key] = old
+                    continue
+                if tensor.device == device:
+                    if always_copy:
                         lone_copies.append((holders[(tgi, tpi)], key, tensor, tr))
-                holders[(tgi, tpi)][key] = tensor  # (its copy replaces it in _resolve)
-                continue
+                    holders[(tgi, tpi)][key] = tensor  # (its copy replaces it in _resolve)
+                    continue
             nested = None
             if len(path) > 1:
                 nested = inside.setdefault((tgi, tpi, key), {})

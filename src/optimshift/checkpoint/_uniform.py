@@ -427,8 +427,8 @@ def _in_place(
     None if none does. The general path's rule (``Staging._live_states``, :func:`fits_in_place`): distinct live
     tensors (the caller checked), none of them a param, grad, group tensor or checkpoint tensor (``clear``: none
     at all; else ``protect``), each of the checkpoint tensor's kind (``alike``: every one, checked in C), all that
-    uses its storage, and the checkpoint's tensor already where it belongs (one that moves is copied there with
-    the others and the copy adopted, as the general path does)."""
+    uses its storage, and the live tensor where the entry belongs (the checkpoint's may be elsewhere: a host
+    checkpoint into state on an accelerator is written into it there)."""
     olds, got, width = layout.olds, layout.got, len(layout.order)
     devices = layout.devices
     if alike and clear and not any(layout.moves) and len(set(devices)) == 1 and _alias.sole_users(olds):
@@ -443,10 +443,8 @@ def _in_place(
     moves = layout.moves
     for i, (old, new) in enumerate(zip(olds, got)):
         device = devices[i % width]
-        if (
-            not moves[i % width]
-            and (clear or id(old) not in protect)
-            and (sole(old) if alike else fits_in_place(old, new, device))
+        if (clear or id(old) not in protect) and (
+            (not moves[i % width] and sole(old)) if alike else fits_in_place(old, new, device)
         ):
             into, news = pairs[device]
             into.append(old)
@@ -459,8 +457,8 @@ def _in_place(
 
 def fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) -> bool:
     """Whether live tensor ``old`` can take checkpoint tensor ``new``'s values by ``old.copy_(new)`` and end up
-    exactly as a clone of ``new`` adopted into it would be: both plain and dense with the same shape and strides
-    (``new``, on ``device``, is plain, dense and contiguous: the caller checked), on one device, of one dtype;
+    exactly as a copy of ``new`` on ``device`` adopted into it would be: both plain and dense with the same shape
+    and strides (``new`` is plain, dense and contiguous: the caller checked), of one dtype, ``old`` on ``device``;
     ``old`` nobody's but the optimizer's (no grad, not an inference tensor, all that uses its storage) and not
     ``new`` itself (the caller's state dict would keep holding it). The caller also keeps out live tensors that
     are params, grads, group tensors or the checkpoint's own."""
@@ -469,8 +467,8 @@ def fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) ->
         and old is not new
         and old.layout == torch.strided  # (before stride(), which a sparse tensor refuses)
         and old.dtype == new.dtype
-        and old.device == device
-        and new.device == device  # (the general path writes in place only what is already where it belongs)
+        and old.device == device  # (``new`` may be elsewhere: a host checkpoint into state on an accelerator)
+        and not new.is_meta  # (no values to copy)
         and old.shape == new.shape
         and old.stride() == new.stride()  # (so contiguous as ``new``; alike where a size-1 dimension's is free)
         and not old.requires_grad

@@ -1,0 +1,114 @@
+"""``optimshift._copy``'s staging of host sources in pinned memory, for copies written into live tensors (a host
+checkpoint loaded into state on an accelerator). The CPU machines have no pinned memory: a pool that hands out
+plain host buffers stands in for the pinned one, and ``pins_host_for`` is told the simulator pins (on a GPU,
+``benchmarks/gpu_check.sh`` runs ``tests/test_addresses_cuda.py``'s host-checkpoint load)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optimshift
+from optimshift import _copy, _engine
+from optimshift.pool import HostPool
+
+
+class _Pool(HostPool):
+    """A pool that records what it hands out and gets back (every buffer host memory, as pinned would be)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: dict[int, torch.Tensor] = {}
+        self.asked: list[bool] = []
+
+    def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        self.asked.append(pinned)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.out[id(buf)] = buf
+        return buf
+
+    def release(self, buf: torch.Tensor, event=None) -> None:
+        del self.out[id(buf)]
+
+
+@pytest.fixture
+def pinning(sim, monkeypatch):
+    """The host is pinned for the simulator, as it is for CUDA."""
+    monkeypatch.setattr(_copy, "pins_host_for", lambda device: device.type == sim.type)
+    return sim
+
+
+def test_sources_are_staged_by_dtype_as_views_of_pool_buffers(pinning):
+    sources = [torch.randn(3, 4), torch.arange(5, dtype=torch.int64), torch.randn(7), torch.randn(0), torch.tensor(2.0)]
+    sources.append(torch.randn(4, 4).t())  # (not contiguous: copied from where it is)
+    pool = _Pool()
+    staged, buffers = _copy.pinned_sources(sources, pinning, pool)
+    assert len(buffers) == 2 and all(pool.asked) and set(map(id, buffers)) == set(pool.out)  # (float32, int64)
+    for src, view in zip(sources, staged):
+        assert view.shape == src.shape and view.dtype == src.dtype and torch.equal(view, src)
+    stays = {3, 5}  # (the empty one and the transposed one are not staged)
+    assert all(staged[i] is sources[i] for i in stays)
+    bases = {b.data_ptr() for b in buffers}
+    assert all(
+        any(b <= staged[i].data_ptr() < b + buf.numel() for b, buf in zip(bases, buffers))
+        for i in range(len(sources))
+        if i not in stays
+    )
+
+
+def test_nothing_is_staged_where_the_host_is_not_pinned_for_the_device(sim):
+    sources = [torch.randn(3)]
+    staged, buffers = _copy.pinned_sources(sources, sim, _Pool())
+    assert staged is sources and buffers == []
+
+
+def test_a_failure_while_staging_gives_every_buffer_back(pinning, monkeypatch):
+    pool = _Pool()
+    calls = []
+    real = torch.cat
+
+    def cat(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", cat)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _copy.pinned_sources([torch.randn(3), torch.arange(3)], pinning, pool)
+    assert pool.out == {}
+
+
+def test_a_host_checkpoint_into_device_state_is_written_from_pinned_staging(pinning, monkeypatch):
+    """The load's in-place writes from the host read the staged copies, and every buffer is back in the pool once
+    the load returned, the values the checkpoint's."""
+    from _matrix import Model, bitwise_equal, train
+
+    pool = _Pool()
+    monkeypatch.setattr(_engine, "host_pool", pool)
+    read = []
+    real = _engine._write_in_place
+
+    def spy(pairs):
+        read.extend(new for _, news in pairs.values() for new in news)
+        return real(pairs)
+
+    monkeypatch.setattr(_engine, "_write_in_place", spy)
+    models = [Model([(8, 4), (4,)]).to(pinning) for _ in range(2)]
+    opts = [torch.optim.Adam(m.parameters(), foreach=False) for m in models]
+    for i, (m, o) in enumerate(zip(models, opts)):
+        train(m, o, range(2 + i))
+    sd = opts[1].state_dict()
+    host = {"state": {i: {k: v.cpu() for k, v in st.items()} for i, st in sd["state"].items()}}
+    host["param_groups"] = sd["param_groups"]
+    live = [t for st in opts[0].state.values() for t in st.values()]
+    optimshift.load_state_dict(opts[0], host)
+    assert [t for st in opts[0].state.values() for t in st.values()] == live
+    assert pool.asked and pool.out == {}  # (staged, and all given back)
+    moments = [t for t in read if t.dim() > 0]
+    checkpoint = {id(t) for st in host["state"].values() for t in st.values()}
+    assert len(moments) == 4 and not any(id(t) in checkpoint for t in moments)  # (read from the staging)
+    assert bitwise_equal(
+        [{k: v.cpu() for k, v in st.items()} for st in opts[0].state.values()],
+        [{k: v.cpu() for k, v in st.items()} for st in opts[1].state.values()],
+    )

@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming what is wrong, raised before anything changes."""
 
+import copy
+
 import pytest
 import torch
 
@@ -103,6 +105,18 @@ def test_rebind_with_named_params_renames_the_params_of_groups_that_name_theirs(
     optimshift.rebind(opt, wrapped.named_parameters())
     assert opt.param_groups[0]["param_names"] == ["0.0.weight", "0.0.bias"]
     assert opt.param_groups[0]["params"] == list(wrapped.parameters())
+
+
+def test_rebind_refuses_names_for_some_params_and_none_for_others():
+    """Pairs for some params and bare params for others: before, every name was dropped silently (the groups kept
+    the old names). Refused, naming a param given each way, with the optimizer unchanged."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam([{"params": [model[0].weight]}, {"params": [model[0].bias]}])
+    wrapped = torch.nn.Sequential(copy.deepcopy(model))
+    weight, bias = wrapped.named_parameters()
+    with pytest.raises(TypeError, match=r"Adam: rebind .*group 1, param 0.*group 0, param 0.*one way"):
+        optimshift.rebind(opt, [weight[1], bias])
+    assert opt.param_groups[0]["params"][0] is model[0].weight and opt.param_groups[1]["params"][0] is model[0].bias
 
 
 def test_shared_tensor_stays_shared(sim):

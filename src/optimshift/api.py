@@ -684,6 +684,15 @@ def _explain(
     return "warning", f"a fresh {name} keeps it on {expected}", None
 
 
+def _position(optimizer: Any, n: int) -> str:
+    """Param ``n`` of the optimizer, counted across its groups in order, as ``group g, param i``."""
+    for gi, group in enumerate(optimizer.param_groups):
+        if n < len(group["params"]):
+            return f"group {gi}, param {n}"
+        n -= len(group["params"])
+    return f"param {n} past the last group"
+
+
 @_one_at_a_time
 def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
@@ -696,8 +705,15 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     if is_offloaded(optimizer):
         raise ValueError(f"{name}: rebind while offloaded would lose where the state was; reload() it first")
     given = list(params)
-    named = bool(given) and all(isinstance(p, tuple) and len(p) == 2 for p in given)  # (model.named_parameters())
-    new = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in given]
+    pairs = [isinstance(p, tuple) and len(p) == 2 for p in given]  # (model.named_parameters())
+    named = bool(given) and all(pairs)
+    if any(pairs) and not named:
+        raise TypeError(
+            f"{name}: rebind got (name, param) pairs for some params (group and index: "
+            f"{_position(optimizer, pairs.index(True))}) and bare params for others "
+            f"({_position(optimizer, pairs.index(False))}): give all of them one way, so that no name is dropped"
+        )
+    new = [p[1] if named else p for p in given]
     old = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     if len(new) != len(old):
         raise ValueError(f"{name}: rebind got {len(new)} params, the optimizer holds {len(old)}")

@@ -12,30 +12,40 @@ import optimshift
 from optimshift import _copy, _engine
 from optimshift.pool import HostPool
 
+_PINNED: set[int] = set()  # ids of the buffers the test pools hand out as pinned
+
 
 class _Pool(HostPool):
-    """A pool that records what it hands out and gets back (every buffer host memory, as pinned would be)."""
+    """A pool that records what it hands out and gets back: host buffers, taken for pinned ones (``pinned``:
+    how many it hands out so before it runs out, as at its pinned limit: pageable memory then)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: int | None = None) -> None:
         super().__init__()
         self.out: dict[int, torch.Tensor] = {}
         self.asked: list[bool] = []
+        self.pinned = pinned
 
     def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
         self.asked.append(pinned)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         self.out[id(buf)] = buf
+        if pinned and (self.pinned is None or self.pinned > 0):
+            _PINNED.add(id(buf))
+            self.pinned = None if self.pinned is None else self.pinned - 1
         return buf
 
     def release(self, buf: torch.Tensor, event=None) -> None:
         del self.out[id(buf)]
+        _PINNED.discard(id(buf))
 
 
 @pytest.fixture
 def pinning(sim, monkeypatch):
-    """The host is pinned for the simulator, as it is for CUDA."""
+    """The host is pinned for the simulator, as it is for CUDA, and the test pools' pinned buffers are pinned."""
     monkeypatch.setattr(_copy, "pins_host_for", lambda device: device.type == sim.type)
-    return sim
+    monkeypatch.setattr(_copy, "in_pinned_memory", lambda t: id(t) in _PINNED)
+    yield sim
+    _PINNED.clear()
 
 
 def test_sources_are_staged_by_dtype_as_views_of_pool_buffers(pinning):
@@ -54,6 +64,29 @@ def test_sources_are_staged_by_dtype_as_views_of_pool_buffers(pinning):
         for i in range(len(sources))
         if i not in stays
     )
+
+
+def test_large_tensors_are_copied_from_where_they_are(pinning):
+    """A tensor of SOLO_BYTES or more is copied directly (bound by bandwidth, as the grouped copies make it): no
+    copy of it on the host beside the checkpoint's."""
+    big = torch.zeros(_copy.SOLO_BYTES // 4)
+    small = torch.randn(5)
+    pool = _Pool()
+    staged, buffers = _copy.pinned_sources([big, small], pinning, pool)
+    assert staged[0] is big and staged[1] is not small and torch.equal(staged[1], small)
+    assert len(buffers) == 1 and buffers[0].numel() < _copy.SOLO_BYTES
+
+
+def test_staging_stops_once_the_pool_hands_out_pageable_memory(pinning):
+    """Past the pool's pinned limit (or where pinning fails) it hands out pageable buffers: staging there would
+    copy the values once more on the host for nothing, so the rest is copied from where it is and that buffer
+    goes back at once."""
+    sources = [torch.randn(3), torch.arange(3), torch.randn(2, dtype=torch.float64)]
+    pool = _Pool(pinned=1)
+    staged, buffers = _copy.pinned_sources(sources, pinning, pool)
+    assert len(buffers) == 1 and set(pool.out) == {id(buffers[0])}
+    assert sum(s is not t for s, t in zip(staged, sources)) == 1
+    assert all(torch.equal(s, t) for s, t in zip(staged, sources))
 
 
 def test_nothing_is_staged_where_the_host_is_not_pinned_for_the_device(sim):

@@ -427,15 +427,23 @@ def copy_into(
 def pinned_sources(
     sources: Sequence[torch.Tensor], device: torch.device, pool: HostPool
 ) -> tuple[Sequence[torch.Tensor], list[torch.Tensor]]:
-    """Each of ``sources`` that is a host tensor bound for ``device`` as a view of a pinned pool buffer holding its
-    values (chunked by dtype, as the grouped copies are), so the copies from them can be queued and waited for
-    once; and those buffers, which go back to the pool once the copies completed. ``sources`` as they are where
-    the host is not pinned for ``device``."""
+    """Each of ``sources`` that is a small host tensor bound for ``device`` as a view of a pinned pool buffer
+    holding its values (chunked by dtype, as the grouped copies stage them), so the copies from them can be
+    queued and waited for once; and those buffers, which go back to the pool once the copies completed.
+    ``sources`` as they are where the host is not pinned for ``device``; a tensor of ``SOLO_BYTES`` or more (a
+    copy bound by bandwidth, which the grouped copies make directly too) is copied from where it is, as is
+    everything once the pool hands out pageable memory (its pinned limit reached: staging would only copy the
+    values once more on the host)."""
     if not pins_host_for(device):
         return sources, []
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(sources):
-        if t.device.type == "cpu" and _coalescible(t) and not in_pinned_memory(t):
+        if (
+            t.device.type == "cpu"
+            and _coalescible(t)
+            and t.numel() * t.element_size() < SOLO_BYTES
+            and not in_pinned_memory(t)
+        ):
             by_dtype.setdefault(t.dtype, []).append(i)
     if not by_dtype:
         return sources, []
@@ -449,6 +457,9 @@ def pinned_sources(
                 numels = [t.numel() for t in tensors]
                 nbytes = sum(numels) * tensors[0].element_size()
                 buf = pool.acquire(nbytes, pinned=True)
+                if not in_pinned_memory(buf):
+                    pool.release(buf)
+                    return out, buffers  # (the rest from where it is)
                 buffers.append(buf)  # (at once: a failing cat must not leak it)
                 flat = buf[:nbytes].view(dtype)
                 torch.cat([_flat(t) for t in tensors], out=flat)

@@ -731,20 +731,23 @@ def _write_in_place(
     each, which then skips the autograd layers (no live tensor here requires grad or is an inference tensor, and
     in-place writes still bump their version counters)."""
     queued: set[torch.device] = set()
-    with torch.no_grad():
-        for device, (olds, news) in pairs_by_device.items():
-            # (a source elsewhere: a host checkpoint into state on an accelerator, from pinned memory where it can be)
-            across = any(new.device != device for new in news)
-            pinned = across and any(map(in_pinned_memory, news))
-            if across and device.type not in _HOSTS:
-                queued.add(device)
-            with torch.inference_mode() if device.type == "cpu" and not across else contextlib.nullcontext():
-                try:
-                    torch._foreach_copy_(list(olds), list(news), non_blocking=pinned)
-                except Exception:
-                    for old, new in zip(olds, news):
-                        old.copy_(new, non_blocking=pinned)
-    synchronize(queued)  # (before the pinned sources go back to the pool, and the load returns)
+    try:
+        with torch.no_grad():
+            for device, (olds, news) in pairs_by_device.items():
+                # (a source elsewhere: a host checkpoint into state on an accelerator, queued from pinned memory
+                # where it is staged there; a copy into host memory is never queued)
+                across = any(new.device != device for new in news)
+                queue = across and device.type not in _HOSTS and any(map(in_pinned_memory, news))
+                if across and device.type not in _HOSTS:
+                    queued.add(device)
+                with torch.inference_mode() if device.type == "cpu" and not across else contextlib.nullcontext():
+                    try:
+                        torch._foreach_copy_(list(olds), list(news), non_blocking=queue)
+                    except Exception:
+                        for old, new in zip(olds, news):
+                            old.copy_(new, non_blocking=queue)
+    finally:
+        synchronize(queued)  # (before the pinned sources go back to the pool, and the load returns)
 
 
 def _pinned_in_place(

@@ -1066,3 +1066,34 @@ def test_a_host_checkpoint_is_written_into_live_device_state_in_place(sim, monke
             p.grad = torch.full_like(p, 0.5)
         o.step()
     assert bitwise_equal(_state(opt), _state(other))
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "general"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_device_checkpoint_written_into_host_state_is_there_when_the_load_returns(sim, monkeypatch, uniform, seed):
+    """A checkpoint on the accelerator loaded into state on the host is written in place there; the copies into
+    host memory are never queued, even beside a source in pinned memory (the checkpoint's host ``step``, taken
+    for pinned here), on a side stream under every ``deferred_streams`` schedule. A first version queued them
+    then and returned before they ran (found by review)."""
+    from optimshift.testing import deferred_streams
+
+    if not uniform:
+        monkeypatch.setattr(optimshift.checkpoint._staging, "build_uniform", lambda *a: None)
+    shapes = [(64, 64), (64,)]
+    _, opt = _trained(O.Adam, {"foreach": False}, shapes)
+    _, other = _trained(O.Adam, {"foreach": False}, shapes, device=sim, steps=K + 1)
+    sd = other.state_dict()
+    sd = {
+        "state": {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()},
+        "param_groups": sd["param_groups"],
+    }
+    steps = {id(st["step"]) for st in sd["state"].values()}
+    monkeypatch.setattr(optimshift._engine, "in_pinned_memory", lambda t: id(t) in steps)
+    live = [(t, t.data_ptr()) for st in opt.state.values() for t in st.values()]
+    backend = getattr(torch, sim.type)
+    backend.synchronize()  # (the checkpoint's clones, made on the default stream, done before the side stream reads)
+    with deferred_streams(seed, progress=0.0):
+        with backend.stream(backend.Stream(sim)):
+            optimshift.load_state_dict(opt, sd)
+        assert [(t, t.data_ptr()) for st in opt.state.values() for t in st.values()] == live
+        assert bitwise_equal(_state(opt), _state(other))

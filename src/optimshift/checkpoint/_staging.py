@@ -416,10 +416,10 @@ class Staging:
         # (whether no two of the checkpoint's tensors share a storage: the common case, one C call per tensor)
         sources = [tr[2] for tr in plan.transfers]
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is a ticket
-        # NOTE: the common entry, a plain dense tensor right under its key in a param's state, staying where it
-        # is in its own dtype, with no tensor shared and no storage shared, needs no ticket: its copy where it is
-        # is made with the others in _resolve (or the live tensor takes its values, or, with copy=False, it is
-        # installed itself). (Only such an entry can take its values in place.)
+        # NOTE: the common entry, a plain dense tensor right under its key in a param's state, in its own dtype,
+        # with no tensor shared and no storage shared, needs no ticket where a live tensor takes its values
+        # (wherever it is), or where it stays: its copy there is made with the others in _resolve (or, with
+        # copy=False, it is installed itself). (Only such an entry can take its values in place.)
         lone = not plan.repeats and not _alias.shared(sources)
         lives = self._live_states(pending) if lone else {}
         protect = self.not_in_place(sources) if lives else set()

@@ -905,3 +905,27 @@ def test_a_compiled_step_runs_the_streamed_step_as_it_is(sim):
         assert all(bitwise_equal(a, b) for a, b in zip(_params(model3), params))
     finally:
         torch._dynamo.reset()  # (the compiled frames hold the optimizers)
+
+
+@pytest.mark.parametrize("reset", ["clear", "del"])
+def test_state_built_anew_while_streamed_goes_back_to_the_host(sim, reset):
+    """``opt.state.clear()`` (the usual optimizer reset) or ``del opt.state[p]`` while streamed: the next step
+    builds that state anew on the device, and it goes back to the host with the rest, as streamed state lives.
+    Before, the chunks still held the old dicts, whose tensors had not changed, so the new state stayed on the
+    device for good (the streaming's memory saving lost, ``check()`` not OK); values were right."""
+    shapes = [(64, 64)] * 4
+    (model, opt), (ref_model, ref) = _pair(shapes, sim)
+    optimshift.stream(opt, chunk_bytes=40_000)
+    train(model, opt, range(2))
+    train(ref_model, ref, range(2))
+    for o in (opt, ref):
+        if reset == "clear":
+            o.state.clear()
+        else:
+            del o.state[o.param_groups[0]["params"][1]]
+    train(model, opt, range(2, 4))
+    train(ref_model, ref, range(2, 4))
+    _streaming._mode_of(opt).wait()
+    assert [st[k].device.type for st in opt.state.values() for k in st] == ["cpu"] * 12
+    assert optimshift.check(opt).ok
+    _assert_same(model, opt, ref_model, ref)

@@ -87,7 +87,7 @@ class Chunk:
         entries: list[Entry],
         nbytes: int,
         buffer: torch.Tensor,
-        counts: list[tuple[torch.Tensor, int]],
+        counts: list[tuple[torch.Tensor, dict[Any, Any], int]],
         oversized: bool,
     ) -> None:
         self.group, self.device, self.params, self.entries = group, device, params, entries
@@ -121,7 +121,7 @@ def new_chunk(part: list[Item], chunk_bytes: int) -> Chunk:
             entries.append(Entry(st, key, t, offset))
             offset += _aligned(entries[-1].nbytes)
     buffer = host_pool.acquire(max(offset, 1), pinned=pins_host_for(device))
-    counts = [(p, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
+    counts = [(p, st, sum(isinstance(v, torch.Tensor) for v in st.values())) for _, p, st, _ in part]
     params = [p for _, p, _, _ in part]
     oversized = len(part) == 1 and offset > chunk_bytes
     chunk = Chunk(group, device, params, entries, offset, buffer, counts, oversized)

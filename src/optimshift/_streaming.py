@@ -505,11 +505,12 @@ class Streamed:
         return out
 
     def _changed(self, c: Chunk) -> bool:
-        """Whether the step added, dropped or replaced a state tensor of this chunk (asked once it is back)."""
+        """Whether the step added, dropped or replaced a state tensor of this chunk (asked once it is back), or
+        the state of one of its params is another dict now (``opt.state.clear()``: the step built it anew)."""
         state = self.optimizer.state
-        for p, count in c.counts:
+        for p, laid, count in c.counts:
             st = state.get(p)
-            if st is None or sum(isinstance(v, torch.Tensor) for v in st.values()) != count:
+            if st is not laid or sum(isinstance(v, torch.Tensor) for v in st.values()) != count:
                 return True
         return any(e.state.get(e.key) is not e.obj for e in c.entries)
 

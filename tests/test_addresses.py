@@ -616,6 +616,31 @@ def test_out_of_physical_memory_raises_with_the_state_on_the_host(sim, driver, m
     optimshift.reload(opt)
 
 
+@pytest.mark.parametrize("failure", ["out of memory", "driver error"])
+def test_keep_addresses_that_cannot_lay_the_state_out_leaves_it_where_it_was(sim, driver, failure):
+    """``keep_addresses(opt)`` is an offload and a reload into the range: when the range cannot be mapped (out of
+    device memory, or the driver fails), the state is reloaded as usual, and the error says so. Before, the
+    optimizer was left offloaded (``step()`` refused) by a call that never asked for an offload, and the error said
+    that nothing was changed (found by a new-user hunt)."""
+    model, opt = _trained(sim, shapes=[(64, 64)])
+    values, objects = _state_values(opt), {k: v[0] for k, v in _where(opt).items()}
+    if failure == "out of memory":
+        failing, raised, said = SimDriver(capacity=4096), torch.OutOfMemoryError, "could not lay the state out"
+    else:
+        failing, raised, said = FaultyDriver(driver, fail_at=1), _vmm.DriverError, "reserve"  # (granularity first)
+    with _vmm.use_driver(sim.type, failing):
+        with pytest.raises(raised, match=said) as caught:
+            optimshift.keep_addresses(opt)
+    text = str(caught.value) + "".join(getattr(caught.value, "__notes__", []))
+    assert "reloaded where it was, allocated as usual" in text
+    assert not optimshift.is_offloaded(opt) and {k: v[0] for k, v in _where(opt).items()} == objects
+    assert all(v[2] == sim for v in _where(opt).values()) and len(_where(opt)) == 2
+    assert bitwise_equal(_state_values(opt), values) and optimshift.check(opt).ok
+    assert driver.mapped(0) == 0
+    optimshift.keep_addresses(opt)  # (and it can still be laid out, once the memory is there)
+    assert driver.mapped(0) > 0 and {k: v[0] for k, v in _where(opt).items()} == objects
+
+
 def test_a_copy_failing_after_the_mapping_gives_it_back(sim, driver, monkeypatch):
     model, opt = _trained(sim)
     values = _state_values(opt)

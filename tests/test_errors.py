@@ -119,6 +119,30 @@ def test_rebind_refuses_names_for_some_params_and_none_for_others():
     assert opt.param_groups[0]["params"][0] is model[0].weight and opt.param_groups[1]["params"][0] is model[0].bias
 
 
+def test_rebind_given_the_module_says_to_give_its_params():
+    """``rebind(opt, model)``: iterating a module yields its children, which were counted as params ("rebind got 2
+    params, the optimizer holds 4"); now a TypeError that says what to pass, with nothing changed."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(
+        TypeError, match=r"Adam: rebind takes the new params \(model.parameters\(\)\), got a Sequential"
+    ):
+        optimshift.rebind(opt, copy.deepcopy(model))
+    assert opt.param_groups[0]["params"] == list(model.parameters())
+
+
+def test_offload_takes_one_include_name_as_a_string(sim):
+    """``include="grads"`` is the one name, not its letters (it was refused: "got ['g', 'r', 'a', 'd', 's']")."""
+    model = torch.nn.Linear(3, 2).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3, device=sim)).sum().backward()
+    opt.step()
+    optimshift.offload(opt, include="grads")
+    assert all(p.grad is None for p in model.parameters())
+    optimshift.reload(opt)
+    assert all(p.grad is not None and p.grad.device == sim for p in model.parameters())
+
+
 def test_shared_tensor_stays_shared(sim):
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)

@@ -19,7 +19,7 @@ from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
 from ._dtypes import dtype_findings, dtype_name
-from ._errors import with_article
+from ._errors import add_note, with_article
 from ._offload import (
     PendingTransfer,
     Record,
@@ -306,7 +306,7 @@ def offload(
     """
     check_optimizer(optimizer)
     _mode.refuse(optimizer, "offload")
-    include = tuple(include)
+    include = (include,) if isinstance(include, str) else tuple(include)  # (include="grads": one name, not letters)
     unknown = [i for i in include if i not in _INCLUDE]
     if unknown:
         raise ValueError(f"{optimizer_name(optimizer)}: offload include= may contain {_INCLUDE}, got {unknown}")
@@ -505,8 +505,39 @@ def keep_addresses(optimizer: Opt) -> Opt:
                 record.keep_addresses |= _addresses.keeping(inner, True, optimizer_name(inner))
         return optimizer
     offload(optimizer, keep_addresses=True)
-    reload(optimizer)
+    try:
+        reload(optimizer)
+    except Exception as error:  # (mapping the range ran out of memory, a driver failed): back as it was
+        if not _reload_as_usual(optimizer, error):
+            raise
+        done = "it was reloaded where it was, allocated as usual (at other addresses), and nothing else changed"
+        if type(error) is torch.OutOfMemoryError:  # (the common case: said in the error itself)
+            raise torch.OutOfMemoryError(
+                f"{optimizer_name(unwrap(optimizer))}: keep_addresses could not lay the state out at kept addresses "
+                f"(out of device memory: the error above); {done}"
+            ) from error
+        add_note(error, f"optimshift: keep_addresses could not lay the state out at kept addresses; {done}")
+        raise
     return optimizer
+
+
+def _reload_as_usual(optimizer: Any, error: Exception) -> bool:
+    """``keep_addresses(opt)`` could not lay the state out (its reload raised ``error``, which says the state is
+    still offloaded): reload it as before, allocated as usual; False, said on ``error``, if that fails too."""
+    record = record_of(unwrap(optimizer))
+    if record is None:
+        return False
+    record.keep_addresses = frozenset()
+    try:
+        reload(optimizer)
+    except Exception as again:
+        add_note(
+            error,
+            f"optimshift: keep_addresses: reloading the state as usual failed too ({type(again).__name__}: "
+            f"{again}): it is still offloaded on the host; call optimshift.reload(optimizer)",
+        )
+        return False
+    return True
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
@@ -704,6 +735,8 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     end_pending(optimizer)
     if is_offloaded(optimizer):
         raise ValueError(f"{name}: rebind while offloaded would lose where the state was; reload() it first")
+    if isinstance(params, torch.nn.Module):  # (iterating a module yields its children, not its params)
+        raise TypeError(f"{name}: rebind takes the new params (model.parameters()), got a {type(params).__name__}")
     given = list(params)
     pairs = [isinstance(p, tuple) and len(p) == 2 for p in given]  # (model.named_parameters())
     named = bool(given) and all(pairs)

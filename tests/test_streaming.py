@@ -929,3 +929,18 @@ def test_state_built_anew_while_streamed_goes_back_to_the_host(sim, reset):
     assert [st[k].device.type for st in opt.state.values() for k in st] == ["cpu"] * 12
     assert optimshift.check(opt).ok
     _assert_same(model, opt, ref_model, ref)
+
+
+def test_a_copy_of_a_streamed_optimizer_is_an_ordinary_one_that_move_places(sim):
+    """What the README says of ``copy.deepcopy`` of a streamed optimizer: an ordinary optimizer (not streamed) with
+    the state on the host, which ``check()`` reports and ``move`` puts where a fresh one keeps it; it then steps."""
+    (model, opt), _ = _pair([(8, 4), (4,)], sim)
+    optimshift.stream(opt)
+    train(model, opt, range(2))
+    twin = copy.deepcopy(opt)
+    assert not optimshift.is_streamed(twin) and not optimshift.check(twin).ok
+    optimshift.move(twin)
+    assert optimshift.check(twin).ok
+    for p in twin.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    twin.step()

@@ -641,6 +641,52 @@ def test_keep_addresses_that_cannot_lay_the_state_out_leaves_it_where_it_was(sim
     assert driver.mapped(0) > 0 and {k: v[0] for k, v in _where(opt).items()} == objects
 
 
+def test_keep_addresses_that_cannot_lay_new_state_out_keeps_the_addresses_it_had(sim, driver):
+    """State kept at addresses already (a graph may be captured over them), then a new group: ``keep_addresses(opt)``
+    cannot map the new state's range. It must not reload everything as usual (the kept state would lose its
+    addresses under the graph): the state stays offloaded, the error says so, and the reload once the memory is
+    there puts the kept state back at its addresses (found by review of the fallback's first version)."""
+    model, opt = _trained(sim, shapes=[(64, 64)])
+    optimshift.keep_addresses(opt)
+    kept = _where(opt)
+    extra = torch.nn.Parameter(torch.randn(64, 64, device=sim))
+    opt.add_param_group({"params": [extra]})
+    extra.grad = torch.randn_like(extra)
+    opt.step()
+    values = _state_values(opt)
+    with _vmm.use_driver(sim.type, FaultyDriver(driver, fail_at=0, times=100)):
+        with pytest.raises(_vmm.DriverError) as caught:
+            optimshift.keep_addresses(opt)
+    assert "it stays offloaded, so that the state kept at addresses keeps them" in "".join(caught.value.__notes__)
+    assert optimshift.is_offloaded(opt) and bitwise_equal(_state_values(opt), values)
+    optimshift.reload(opt)
+    assert {k: v for k, v in _where(opt).items() if k in kept} == kept and len(_where(opt)) == 4
+    assert bitwise_equal(_state_values(opt), values)
+
+
+def test_keep_addresses_whose_plain_reload_fails_too_stays_offloaded_to_be_laid_out(sim, driver, monkeypatch):
+    """Mapping fails and so does the reload as usual: the state stays offloaded with both errors said, and the
+    record still asks for the layout, so the next reload lays it out."""
+    model, opt = _trained(sim, shapes=[(64, 64)])
+    values = _state_values(opt)
+    real = _engine.run
+    calls = []
+
+    def failing(*args, **kwargs):  # (the first reload's copies fail, and the second's; later ones run)
+        calls.append(1)
+        if 2 <= len(calls) <= 3:
+            raise RuntimeError("injected copy failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_engine, "run", failing)
+    with pytest.raises(RuntimeError, match="injected copy failure") as caught:
+        optimshift.keep_addresses(opt)
+    assert "failed too" in "".join(caught.value.__notes__)
+    assert optimshift.is_offloaded(opt) and bitwise_equal(_state_values(opt), values)
+    optimshift.reload(opt)
+    assert driver.mapped(0) > 0 and bitwise_equal(_state_values(opt), values)
+
+
 def test_a_copy_failing_after_the_mapping_gives_it_back(sim, driver, monkeypatch):
     model, opt = _trained(sim)
     values = _state_values(opt)

@@ -25,8 +25,10 @@ class _Pool(HostPool):
         self.asked: list[bool] = []
         self.pinned = pinned
 
-    def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+    def acquire(self, nbytes: int, *, pinned: bool, pageable: bool = True) -> torch.Tensor | None:
         self.asked.append(pinned)
+        if pinned and not pageable and self.pinned == 0:
+            return None
         buf = torch.empty(nbytes, dtype=torch.uint8)
         self.out[id(buf)] = buf
         if pinned and (self.pinned is None or self.pinned > 0):
@@ -77,10 +79,9 @@ def test_large_tensors_are_copied_from_where_they_are(pinning):
     assert len(buffers) == 1 and buffers[0].numel() < _copy.SOLO_BYTES
 
 
-def test_staging_stops_once_the_pool_hands_out_pageable_memory(pinning):
-    """Past the pool's pinned limit (or where pinning fails) it hands out pageable buffers: staging there would
-    copy the values once more on the host for nothing, so the rest is copied from where it is and that buffer
-    goes back at once."""
+def test_staging_stops_once_the_pool_has_no_pinned_memory_to_give(pinning):
+    """Past the pool's pinned limit (or where pinning fails) staging would copy the values once more on the host
+    for nothing: the rest is copied from where it is, and no pageable buffer is taken for it."""
     sources = [torch.randn(3), torch.arange(3), torch.randn(2, dtype=torch.float64)]
     pool = _Pool(pinned=1)
     staged, buffers = _copy.pinned_sources(sources, pinning, pool)

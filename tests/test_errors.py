@@ -131,6 +131,15 @@ def test_rebind_given_the_module_says_to_give_its_params():
     assert opt.param_groups[0]["params"] == list(model.parameters())
 
 
+def test_rebind_takes_a_parameter_list():
+    """A ParameterList yields its params: it is taken as they are (the module refusal above must not catch it)."""
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))])
+    opt = torch.optim.Adam(params)
+    new = copy.deepcopy(params)
+    optimshift.rebind(opt, new)
+    assert opt.param_groups[0]["params"] == list(new)
+
+
 def test_offload_takes_one_include_name_as_a_string(sim):
     """``include="grads"`` is the one name, not its letters (it was refused: "got ['g', 'r', 'a', 'd', 's']")."""
     model = torch.nn.Linear(3, 2).to(sim)

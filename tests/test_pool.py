@@ -437,3 +437,15 @@ def test_on_cuda_round_trips_past_the_limit_are_bitwise(global_pool, monkeypatch
 
     _assert_bitwise(_cycles(cuda, cls, kwargs, non_blocking=non_blocking, offloaded=offloaded), ref)
     assert kinds == [{True, False}] * 2
+
+
+def test_a_pinned_request_may_ask_for_nothing_rather_than_pageable_memory():
+    """``acquire(pinned=True, pageable=False)`` past the pinned limit: None, and no pageable buffer taken (one
+    the caller would give back at once, left idle in the pool)."""
+    pool = HostPool()
+    pool.pinned_limit = 0
+    assert pool.acquire(1024, pinned=True, pageable=False) is None
+    stats = pool.stats()
+    assert stats.allocations == 0 and stats.pageable_bytes == 0 and stats.over_limit == 1
+    buf = pool.acquire(1024, pinned=True)  # (the default: pageable memory then)
+    assert buf is not None and pool.stats().pageable_bytes > 0

@@ -944,3 +944,23 @@ def test_a_copy_of_a_streamed_optimizer_is_an_ordinary_one_that_move_places(sim)
     for p in twin.param_groups[0]["params"]:
         p.grad = torch.ones_like(p)
     twin.step()
+
+
+def test_a_state_dict_set_from_outside_while_streamed_is_laid_out_before_the_step(sim):
+    """``opt.state[p] = {...}`` between streamed steps (host tensors, as a manual edit or a partial restore leaves):
+    laid out before the step reads it, so the step runs and matches a reference given the same state. Before, the
+    chunk still held the old dict, and the step failed half-way ("Expected all tensors to be on the same device"),
+    after the earlier chunks had stepped (found by review)."""
+    shapes = [(64, 64)] * 4
+    (model, opt), (ref_model, ref) = _pair(shapes, sim)
+    optimshift.stream(opt, chunk_bytes=40_000)
+    train(model, opt, range(2))
+    train(ref_model, ref, range(2))
+    _streaming._mode_of(opt).wait()
+    p, q = opt.param_groups[0]["params"][2], ref.param_groups[0]["params"][2]
+    opt.state[p] = {k: v.clone() for k, v in opt.state[p].items()}  # (on the host, where streamed state lives)
+    ref.state[q] = {k: v.clone() for k, v in ref.state[q].items()}
+    train(model, opt, range(2, 4))
+    train(ref_model, ref, range(2, 4))
+    _assert_same(model, opt, ref_model, ref)
+    assert optimshift.check(opt).ok

@@ -74,10 +74,11 @@ def views(flat: torch.Tensor, entries: Sequence[Entry]) -> list[torch.Tensor]:
 
 class Chunk:
     """Params of one group on one device whose streamed state shares one host buffer (and, in a step, one
-    window). ``counts``: how many tensors each param's state held when laid out (a step that adds or drops one
-    makes the chunk laid out again). ``oversized``: one param whose state is larger than ``chunk_bytes``."""
+    window). ``counts``: each param with the state dict laid out and how many tensors it held (a step that adds
+    or drops one, or another dict in its place, makes the chunk laid out again); ``laid``: that dict by id(param).
+    ``oversized``: one param whose state is larger than ``chunk_bytes``."""
 
-    __slots__ = ("group", "device", "params", "entries", "nbytes", "buffer", "counts", "oversized")
+    __slots__ = ("group", "device", "params", "entries", "nbytes", "buffer", "counts", "laid", "oversized")
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class Chunk:
     ) -> None:
         self.group, self.device, self.params, self.entries = group, device, params, entries
         self.nbytes, self.buffer, self.counts, self.oversized = nbytes, buffer, counts, oversized
+        self.laid = {id(p): st for p, st, _ in counts}
 
 
 def partition(items: list[Item], chunk_bytes: int) -> Iterator[list[Item]]:

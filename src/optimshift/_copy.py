@@ -456,9 +456,8 @@ def pinned_sources(
                 tensors = [sources[i] for i in chunk]
                 numels = [t.numel() for t in tensors]
                 nbytes = sum(numels) * tensors[0].element_size()
-                buf = pool.acquire(nbytes, pinned=True)
-                if not in_pinned_memory(buf):
-                    pool.release(buf)
+                buf = pool.acquire(nbytes, pinned=True, pageable=False)
+                if buf is None:
                     return out, buffers  # (the rest from where it is)
                 buffers.append(buf)  # (at once: a failing cat must not leak it)
                 flat = buf[:nbytes].view(dtype)

@@ -348,7 +348,8 @@ class Streamed:
                         if id(p) not in examined and state.get(p):
                             unlaid.append((group, p))  # state set from outside (a manual edit): place it first
                         rest.append(p)
-                elif c.group is not group or p.device != c.device:
+                elif c.group is not group or p.device != c.device or state.get(p) is not c.laid[id(p)]:
+                    # (or its state is another dict, set from outside: laid out before the step reads it)
                     if id(c) not in seen:
                         seen.add(id(c))
                         moved.append(c)
@@ -358,8 +359,8 @@ class Streamed:
             if rest:
                 plain.append((group, rest))
         if moved or unlaid:
-            # Params moved (model.to) or changed groups since their state was laid out: lay it out for where
-            # they are now, then schedule again.
+            # Params moved (model.to), changed groups or were given another state dict since their state was
+            # laid out: lay it out for where they are now, then schedule again.
             self.wait()
             self._relay(moved, unlaid)
             return self._schedule(opt)

@@ -496,8 +496,9 @@ def keep_addresses(optimizer: Opt) -> Opt:
     """Lay the state out at addresses it keeps from now on (as the first ``offload(keep_addresses=True)`` and
     reload do; raises ValueError, before anything changes, where a device cannot): call it before capturing a CUDA
     graph of the step, so that no graph ever re-records. An offload and reload, each on the one road (where the
-    reload cannot map the range, the state is reloaded as usual and the error says so); for an offloaded
-    optimizer, marks it so that its reload lays the state out."""
+    reload cannot map the range, the state is reloaded as usual and the error says so, unless some of it was kept
+    at addresses already: it then stays offloaded, keeping them); for an offloaded optimizer, marks it so that its
+    reload lays the state out."""
     if is_offloaded(optimizer):
         inner = unwrap(optimizer)
         with exclusive(inner):
@@ -505,10 +506,19 @@ def keep_addresses(optimizer: Opt) -> Opt:
             if record is not None:
                 record.keep_addresses |= _addresses.keeping(inner, True, optimizer_name(inner))
         return optimizer
+    kept = _addresses.mapped_bytes(unwrap(optimizer)) > 0  # (some state at kept addresses: a graph may use them)
     offload(optimizer, keep_addresses=True)
     try:
         reload(optimizer)
     except Exception as error:  # (mapping the range ran out of memory, a driver failed): back as it was
+        if kept:
+            add_note(
+                error,
+                "optimshift: keep_addresses offloaded the state to lay it out again; it stays offloaded, so that the "
+                "state kept at addresses keeps them (a captured graph's): free device memory, then "
+                "optimshift.reload(optimizer) lays it out",
+            )
+            raise
         if not _reload_as_usual(optimizer, error):
             raise
         done = "it was reloaded where it was, allocated as usual (at other addresses), and nothing else changed"
@@ -517,7 +527,7 @@ def keep_addresses(optimizer: Opt) -> Opt:
                 f"{optimizer_name(unwrap(optimizer))}: keep_addresses could not lay the state out at kept addresses "
                 f"(out of device memory: the error above); {done}"
             ) from error
-        add_note(error, f"optimshift: keep_addresses could not lay the state out at kept addresses; {done}")
+        add_note(error, f"optimshift: keep_addresses could not lay the state out at kept addresses; then {done}")
         raise
     return optimizer
 
@@ -528,10 +538,11 @@ def _reload_as_usual(optimizer: Any, error: Exception) -> bool:
     record = record_of(unwrap(optimizer))
     if record is None:
         return False
-    record.keep_addresses = frozenset()
+    keep, record.keep_addresses = record.keep_addresses, frozenset()
     try:
         reload(optimizer)
     except Exception as again:
+        record.keep_addresses = keep  # (its reload, when the memory is there, lays it out as asked)
         add_note(
             error,
             f"optimshift: keep_addresses: reloading the state as usual failed too ({type(again).__name__}: "
@@ -736,7 +747,8 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     end_pending(optimizer)
     if is_offloaded(optimizer):
         raise ValueError(f"{name}: rebind while offloaded would lose where the state was; reload() it first")
-    if isinstance(params, torch.nn.Module):  # (iterating a module yields its children, not its params)
+    if isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList):
+        # (iterating a module yields its children, not its params; a ParameterList yields its params)
         raise TypeError(f"{name}: rebind takes the new params (model.parameters()), got a {type(params).__name__}")
     given = list(params)
     pairs = [isinstance(p, tuple) and len(p) == 2 for p in given]  # (model.named_parameters())

@@ -25,7 +25,7 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -119,15 +119,25 @@ class HostPool:
             evicted = [] if limit is None else self._evict(self._held[True] - limit, partial=True)
         _free(evicted)
 
-    def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+    @overload
+    def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor: ...
+    @overload
+    def acquire(self, nbytes: int, *, pinned: bool, pageable: Literal[True]) -> torch.Tensor: ...
+    @overload
+    def acquire(self, nbytes: int, *, pinned: bool, pageable: bool) -> torch.Tensor | None: ...
+
+    def acquire(self, nbytes: int, *, pinned: bool, pageable: bool = True) -> torch.Tensor | None:
         """A uint8 host tensor of at least ``nbytes`` (the smallest idle one that fits, else a new one).
         ``pinned``: pinned memory, unless that would take the pool past ``pinned_limit`` or pinning fails;
-        then pageable memory (one WARNING, counted in :meth:`stats`)."""
+        then pageable memory (one WARNING, counted in :meth:`stats`), or None with ``pageable=False`` (a caller
+        for whom only pinned memory helps)."""
         size = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
         if pinned:
             buf = self._acquire_pinned(size)
             if buf is not None:
                 return buf
+            if not pageable:
+                return None
         with self._lock:
             found, event = self._take_idle(size, pinned=False)
         if found is None:

@@ -285,12 +285,8 @@ class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]  # a b
         super().__init__()
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise TypeError(f"OffloadOptimizerDuringEval: pin_memory must be a bool or None, got {pin_memory!r}")
-        if isinstance(include, str):
-            raise TypeError(
-                f"OffloadOptimizerDuringEval: include must be a sequence such as ('grads',), got {include!r}"
-            )
         self.pin_memory = pin_memory
-        self.include = tuple(include)
+        self.include = (include,) if isinstance(include, str) else tuple(include)  # (as offload takes it)
         self._offloaded: list[Any] = []
 
     def _offload(self, trainer: Any) -> None:

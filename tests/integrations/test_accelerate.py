@@ -260,3 +260,50 @@ def test_load_state_dict_keeps_dtypes_and_strings_when_patched(sim, accelerator_
         assert state["momentum_buffer"].dtype == torch.float32
     else:
         assert state["momentum_buffer"].dtype == torch.bfloat16 and state["note"] != "warm"
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_load_state_dict_casts_where_the_step_would_refuse_the_saved_dtype(
+    sim, accelerator_on, accelerate_patch, patched
+):
+    """An fp32 Adam checkpoint resumed with bf16 params: PyTorch's load casts it and the resume runs unpatched. The
+    patch's load keeps dtypes only where the step takes them: here it casts as PyTorch does (it refused the resume,
+    a cast Accelerate's caller cannot ask for; found by a new-user hunt)."""
+    accelerate_patch(patched)
+    source = torch.nn.Linear(3, 2)
+    saved = torch.optim.Adam(source.parameters(), foreach=False)
+    step_with_grads(list(source.parameters()), saved, seed=0)
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    _, prepared = accelerator_on(sim).prepare(model, opt)
+    prepared.load_state_dict(saved.state_dict())
+    weight = next(iter(model.parameters()))
+    assert opt.state[weight]["exp_avg"].dtype == torch.bfloat16 and opt.state[weight]["exp_avg"].device == sim
+    weight.grad = torch.ones_like(weight)
+    opt.step()
+
+
+class _OwnLoad(torch.optim.AdamW):
+    """A class with its own load_state_dict (as bitsandbytes' 8-bit optimizers have)."""
+
+    calls = 0
+
+    def load_state_dict(self, state_dict):
+        type(self).calls += 1
+        super().load_state_dict(state_dict)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_load_state_dict_of_a_class_with_its_own_load_is_accelerates(sim, accelerator_on, accelerate_patch, patched):
+    """optimshift's load refuses a class that overrides load_state_dict (it cannot know what that does); the patch
+    hands such a class to Accelerate's own load, which calls the override, as unpatched. It raised TypeError (found
+    by a new-user hunt)."""
+    accelerate_patch(patched)
+    model = _model().to(sim)
+    opt = _OwnLoad(model.parameters())
+    _, prepared = accelerator_on(sim).prepare(model, opt)
+    step_with_grads(list(model.parameters()), opt, seed=0)
+    before = snapshot(opt)
+    _OwnLoad.calls = 0
+    prepared.load_state_dict(opt.state_dict())
+    assert _OwnLoad.calls == 1 and bitwise_same(snapshot(opt), before)

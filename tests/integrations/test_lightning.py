@@ -637,6 +637,30 @@ def test_restore_keeps_fp32_state_and_strings_when_patched(sim, lightning_patch,
         assert state["momentum_buffer"].dtype == torch.bfloat16 and state["note"] != "warm"
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_restore_casts_where_the_step_would_refuse_the_saved_dtype(sim, lightning_patch, patched):
+    """An fp32 Adam checkpoint restored into bf16 params (``Trainer(precision="bf16-true")``): PyTorch's load
+    casts it and the resume runs unpatched; patched, the load keeps dtypes only where the step takes them, and
+    casts as PyTorch does here (it refused the resume: a ``cast`` Lightning's caller cannot pass; found by a
+    new-user hunt)."""
+    lightning_patch(patched)
+    source = torch.nn.Parameter(torch.zeros(2, 3))
+    saved_opt = torch.optim.Adam([source], foreach=False)
+    source.grad = torch.ones_like(source)
+    saved_opt.step()
+    params = [torch.nn.Parameter(torch.zeros(2, 3, device=sim, dtype=torch.bfloat16))]
+    opt = torch.optim.Adam(params, foreach=False)
+    strategy = lightning_strategy(sim)
+    strategy.optimizers = [opt]
+    strategy.load_optimizer_state_dict({"optimizer_states": [saved_opt.state_dict()]})
+    state = opt.state[params[0]]
+    assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg"].device == sim
+    if patched:
+        assert optimshift.check(opt).ok
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+
+
 def test_a_reload_of_the_patched_integration_keeps_its_patch():
     """``importlib.reload`` of the integration while Lightning is patched: the reloaded module knows the patch in
     effect (it reported Lightning unpatched, patched it twice over, and its ``unpatch()`` could not restore

@@ -29,7 +29,7 @@ from .._offload import exclusive, pending_of, prepare_discard
 from .._plan import optimizer_name
 from .._state import IMPLEMENTATION_FLAGS, unwrap
 from . import _files
-from ._staging import Staging
+from ._staging import CastNeeded, Staging
 
 __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
@@ -169,6 +169,16 @@ def _override_name(cls: type) -> str | None:
             fn = getattr(fn, "__func__", fn)
             return f"{getattr(fn, '__module__', base.__module__)}.{getattr(fn, '__qualname__', base.__qualname__)}"
     return None
+
+
+def load_as_torch_would(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
+    """A framework's resume through :func:`load_state_dict`, where the framework called torch's: the
+    checkpoint's dtypes kept, or, where the step would refuse one (an fp32 checkpoint resumed with bf16 params),
+    PyTorch's cast to the params' dtype, as the resume does unpatched (the framework passes no ``cast``)."""
+    try:
+        load_state_dict(optimizer, state_dict)
+    except CastNeeded:
+        load_state_dict(optimizer, state_dict, cast="param")
 
 
 def can_load(optimizer: Any) -> bool:

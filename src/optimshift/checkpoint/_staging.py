@@ -44,7 +44,13 @@ from . import _files
 from ._checks import check_entries, check_group, keys_shown, torch_cast
 from ._uniform import build_uniform, fits_in_place
 
-__all__ = ["Staging"]
+__all__ = ["Staging", "CastNeeded"]
+
+
+class CastNeeded(ValueError):
+    """A load keeping the checkpoint's dtypes (``cast=None``) would leave state the optimizer's step refuses;
+    ``cast='param'`` (PyTorch's cast) loads it."""
+
 
 _Site = tuple[int, int | None, Any, Path]  # (group, param index or None for a group entry, key, path inside)
 _Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): one copy each
@@ -558,7 +564,8 @@ class Staging:
                 f"{self._site((gi, pi, r.key, ()))}: the checkpoint holds it as {n(r.dtype)}{others}, and a step of "
                 f"{self.name} over {n(p.dtype)} params rejects that ({r.error.splitlines()[0]}); a fresh "
                 f"{self.name} keeps it as {n(r.fresh)}. Load with cast='param' to cast the state to the params' "
-                f"dtype as PyTorch does; the optimizer is unchanged"
+                f"dtype as PyTorch does; the optimizer is unchanged",
+                CastNeeded,
             )
 
     def rejected(

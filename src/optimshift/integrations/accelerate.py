@@ -75,12 +75,17 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
 def _make_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def load_state_dict(self: Any, state_dict: Any) -> None:
-        if getattr(self, "device_placement", False) and not _on_xla(self) and placeable(self.optimizer):
-            # optimshift's load: no cast of fp32 state to the params' dtype, strings and namedtuples intact,
-            # linear time, and every entry placed for the params and the live flags.
-            from ..checkpoint._resume import load_state_dict as optimshift_load_state_dict
+        from ..checkpoint._resume import can_load, load_as_torch_would
 
-            optimshift_load_state_dict(self.optimizer, state_dict)
+        if (
+            getattr(self, "device_placement", False)
+            and not _on_xla(self)
+            and placeable(self.optimizer)
+            and can_load(self.optimizer)  # (a class with its own load_state_dict, bitsandbytes': Accelerate's)
+        ):
+            # optimshift's load: no cast of fp32 state to the params' dtype where the step takes it, strings and
+            # namedtuples intact, linear time, and every entry placed for the params and the live flags.
+            load_as_torch_would(self.optimizer, state_dict)
             return
         original(self, state_dict)
 

@@ -227,16 +227,17 @@ def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[.
     @functools.wraps(original, assigned=_NAMES_ONLY)
     def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
         """optimshift's restore for ``fit(ckpt_path=...)``: each optimizer is loaded with
-        :func:`optimshift.load_state_dict` (no cast of fp32 state to the params' dtype, strings intact, linear
-        time, every entry placed for its param and the live flags); Lightning's own code for the rest."""
-        from ..checkpoint._resume import can_load, load_state_dict
+        :func:`optimshift.load_state_dict` (no cast of fp32 state to the params' dtype where the step takes it, else
+        PyTorch's cast as unpatched; strings intact, linear time, every entry placed for its param and the live
+        flags); Lightning's own code for the rest."""
+        from ..checkpoint._resume import can_load, load_as_torch_would
 
         optimizers = list(self.optimizers)
         if not all(placeable(o) and can_load(o) for o in optimizers):
             original(self, checkpoint)
             return
         for optimizer, opt_state in zip(optimizers, checkpoint["optimizer_states"]):
-            load_state_dict(optimizer, opt_state)
+            load_as_torch_would(optimizer, opt_state)
 
     return load_optimizer_state_dict
 

@@ -140,6 +140,42 @@ def test_inspect_and_convert_accelerate_folder(tmp_path, capsys):
     assert adam["exp_avg"].dtype == torch.bfloat16 and adam["step"].dtype == torch.float32
 
 
+def test_convert_folder_in_place_changes_no_file_unless_every_one_converts(tmp_path, capsys):
+    """In place, with the second optimizer file corrupt: exit 1, and the first is as it was (it used to be
+    rewritten already, leaving a folder of two dtypes); no temporary is left beside the folder."""
+    src = _accelerate_folder(tmp_path / "state")
+    (src / "optimizer_1.bin").write_bytes(b"not a checkpoint")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    rc, out, err = _run(capsys, "convert", src, src, "--dtype", "bfloat16")
+    assert rc == 1 and "optimizer_1.bin" in err
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["state"]
+
+
+def test_convert_folder_into_a_folder_that_cannot_be_made_says_so_in_one_line(tmp_path, capsys):
+    """OUT under a parent that does not exist: one line and exit 1 (a traceback before)."""
+    src = _trainer_folder(tmp_path)
+    rc, out, err = _run(capsys, "convert", src, tmp_path / "missing" / "out")
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "missing" in err and "Traceback" not in err
+
+
+def test_folder_inspect_and_convert_answer_in_json_when_asked(tmp_path, capsys):
+    """``--json`` on a folder: convert prints one object (each file's summary where it now is, and what was copied
+    beside them), and a failure of inspect or convert is a JSON error on stdout; both printed text before."""
+    src = _accelerate_folder(tmp_path / "state")
+    rc, out, err = _run(capsys, "convert", src, tmp_path / "out", "--json")
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["wrote"] == str(tmp_path / "out") and info["copied"] == 2
+    assert [f["wrote"] for f in info["files"]] == [
+        str(tmp_path / "out" / n) for n in ("optimizer.bin", "optimizer_1.bin")
+    ]
+    (src / "optimizer_1.bin").write_bytes(b"not a checkpoint")
+    for argv in (("inspect", src, "--json"), ("convert", src, tmp_path / "again", "--json")):
+        rc, out, err = _run(capsys, *argv)
+        assert rc == 1 and "optimizer_1.bin" in json.loads(out)["error"]["message"] and err == ""
+
+
 def test_convert_folder_refuses_a_used_target(tmp_path, capsys):
     src = _trainer_folder(tmp_path)
     taken = tmp_path / "taken"

@@ -239,65 +239,87 @@ def run_convert(args: argparse.Namespace) -> int:
 def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -> int:
     """``convert`` of a Trainer or Accelerate folder: its optimizer files are rewritten, the rest copied as is.
 
-    OUT the folder itself rewrites the optimizer files in place (each atomically). Otherwise OUT must not exist
-    (or be an empty folder): the copy is built in a hidden folder beside it and renamed into place at the end,
-    so OUT never holds half a checkpoint (a framework would resume from a folder that lacks its optimizer file
-    without a word).
+    Every optimizer file is converted into a hidden folder beside the target first. OUT the folder itself: only
+    once every file converted does each replace its original (each atomically), so a failure on one leaves all
+    as they were. Otherwise OUT must not exist (or be an empty folder): the copy is completed in the hidden
+    folder and renamed into place at the end, so OUT never holds half a checkpoint (a framework would resume
+    from a folder that lacks its optimizer file without a word).
     """
+
+    as_json = args.json
 
     def convert(src: str, dst: str) -> int:
         return run_convert(
             argparse.Namespace(
-                input=src, output=dst, device=args.device, dtype=args.dtype, allow_global=args.allow_global, json=False
+                input=src,
+                output=dst,
+                device=args.device,
+                dtype=args.dtype,
+                allow_global=args.allow_global,
+                json=as_json,
             )
         )
 
     if not folder.optimizer_files:
-        return failure("convert", f"{folder.path} is a {folder.label} without an optimizer file: nothing to convert")
+        return failure(
+            "convert",
+            f"{folder.path} is a {folder.label} without an optimizer file: nothing to convert",
+            as_json=as_json,
+        )
     dst = args.output
-    if os.path.exists(dst) and os.path.samefile(dst, folder.path):
-        for name in folder.optimizer_files:
-            path = os.path.join(folder.path, name)
-            if convert(path, path):
-                return 1
-        return 0
-    if os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
+    in_place = os.path.exists(dst) and os.path.samefile(dst, folder.path)
+    if not in_place and os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
         return failure(
             "convert",
             f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its optimizer files in place",
+            as_json=as_json,
         )
     target = os.path.abspath(dst)
     parent = os.path.dirname(target)
     pattern = temp_pattern(target)
-    sweep_folders(parent, lambda name: pattern.fullmatch(name) is not None)  # what crashed converts left
     tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
-    lock = make_folder(tmp)  # (locked while this convert writes: a concurrent one's sweep leaves it alone)
+    lock = None
     try:
+        sweep_folders(parent, lambda name: pattern.fullmatch(name) is not None)  # what crashed converts left
+        lock = make_folder(tmp)  # (locked while this convert writes: a concurrent one's sweep leaves it alone)
         written = io.StringIO()
         for name in folder.optimizer_files:
             with contextlib.redirect_stdout(written):
                 failed = convert(os.path.join(folder.path, name), os.path.join(tmp, name))
             if failed:
+                sys.stdout.write(written.getvalue().splitlines(keepends=True)[-1] if as_json else "")  # (its error)
                 return 1
-        for name, role in folder.files.items():
-            if role == "optimizer":
-                continue
-            source = os.path.join(folder.path, name)
-            if os.path.isdir(source):
-                shutil.copytree(source, os.path.join(tmp, name), symlinks=True)
-            else:
-                shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
-        os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
-        fsync_dir(parent)
+        if in_place:  # (every file converted: each replaces its original)
+            for name in folder.optimizer_files:
+                os.replace(os.path.join(tmp, name), os.path.join(folder.path, name))
+            fsync_dir(folder.path)
+        else:
+            for name, role in folder.files.items():
+                if role == "optimizer":
+                    continue
+                source = os.path.join(folder.path, name)
+                if os.path.isdir(source):
+                    shutil.copytree(source, os.path.join(tmp, name), symlinks=True)
+                else:
+                    shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
+            os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
+            fsync_dir(parent)
     except OSError as e:
-        return failure("convert", f"cannot write {dst}: {e}")
+        return failure("convert", f"cannot write {dst}: {e}", as_json=as_json, error=e)
     finally:
         if lock is not None:
             os.close(lock)
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    copied = 0 if in_place else len(folder.files) - len(folder.optimizer_files)
+    if as_json:  # (one object: each file's summary, where it is now, and what was copied beside them)
+        files = [json.loads(line) for line in written.getvalue().splitlines()]
+        for entry in files:
+            entry["wrote"] = os.path.join(dst, os.path.relpath(entry["wrote"], tmp))
+        print(json.dumps({"wrote": dst, "files": files, "copied": copied}))
+        return 0
     # NOTE: each file's summary names the hidden folder it was written to; report where it is now.
     sys.stdout.write(written.getvalue().replace(tmp, os.path.normpath(dst)))
-    copied = len(folder.files) - len(folder.optimizer_files)
-    print(f"copied {copied} other entr{'y' if copied == 1 else 'ies'} of {folder.path} unchanged into {dst}")
+    if not in_place:
+        print(f"copied {copied} other entr{'y' if copied == 1 else 'ies'} of {folder.path} unchanged into {dst}")
     return 0

@@ -250,7 +250,7 @@ def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
             with allowed(args.allow_global):
                 obj, locations, opaque = ckpt._load_recording(file, opaque=True)
         except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
-            return failure("inspect", str(e))
+            return failure("inspect", str(e), as_json=args.json, error=e)
         desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt, opaque=opaque)
         if folder.kind == "hf_trainer":
             for o in desc["optimizers"]:

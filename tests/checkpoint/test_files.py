@@ -4,6 +4,7 @@ temporaries they leave: test_stray_temps.py.)"""
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import stat
@@ -60,6 +61,34 @@ def test_save_wraps_optimizers_inside_a_dict(tmp_path):
     assert found.where == "['optimizer']" and found.class_name == "torch.optim.adam.Adam"
     target = _adam()
     optimshift.load_state_dict(target, loaded)  # the whole checkpoint: its one optimizer state is used
+    assert bitwise_equal(target.state_dict()["state"], opt.state_dict()["state"])
+
+
+_Run = collections.namedtuple("_Run", "optimizer epoch")
+
+
+@pytest.mark.parametrize("holder", ["OrderedDict", "namedtuple", "deep"])
+def test_save_wraps_optimizers_in_dict_and_tuple_subclasses_and_deep_nesting(tmp_path, holder):
+    """An optimizer inside an ``OrderedDict``, a namedtuple, or five levels down is saved as its state dict too, its
+    container's class kept. Before, only exact dicts, lists and tuples four levels deep were looked into: the
+    whole Optimizer object was pickled (the params with it, and an offloaded one's pool buffers), and the file
+    then refused to load."""
+    opt = _adam()
+    pair = _Run
+    obj = {
+        "OrderedDict": lambda: collections.OrderedDict(optimizer=opt, epoch=3),
+        "namedtuple": lambda: {"run": pair(opt, 3)},
+        "deep": lambda: {"a": [{"b": ({"c": {"optimizer": opt}},)}]},
+    }[holder]()
+    optimshift.save(obj, tmp_path / "ck.pt")
+    with torch.serialization.safe_globals([pair]):  # (a namedtuple's class is a global: allowed by name)
+        loaded = optimshift.load(tmp_path / "ck.pt")
+    (found,) = find_optimizer_states(loaded)
+    assert found.class_name == "torch.optim.adam.Adam"
+    if holder == "OrderedDict":
+        assert type(loaded) is collections.OrderedDict and list(loaded) == ["optimizer", "epoch"]
+    target = _adam()
+    optimshift.load_state_dict(target, loaded)
     assert bitwise_equal(target.state_dict()["state"], opt.state_dict()["state"])
 
 

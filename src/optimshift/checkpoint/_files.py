@@ -13,6 +13,7 @@ optimizer would keep it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import io
@@ -28,7 +29,7 @@ from typing import IO, Any, Union
 
 import torch
 
-from .._state import unwrap
+from .._state import MAX_DEPTH, unwrap
 from . import _atomic, _records, _untrusted
 
 __all__ = [
@@ -124,7 +125,7 @@ def _meta_class(sd: Mapping[str, Any]) -> str | None:
     return None
 
 
-def find_optimizer_states(obj: Any, *, max_depth: int = 4) -> list[FoundOptimizer]:
+def find_optimizer_states(obj: Any, *, max_depth: int = MAX_DEPTH) -> list[FoundOptimizer]:
     """Every optimizer state dict inside ``obj`` (a loaded checkpoint), in a stable order.
 
     Recognises a bare ``state_dict()``, Lightning's ``optimizer_states`` list, dicts that keep one under
@@ -210,18 +211,31 @@ def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
 
 
 def _prepare(obj: Any, depth: int = 0) -> Any:
-    """``obj`` with every optimizer in it (at the top or inside plain dicts, lists and tuples) replaced by its
-    recorded state dict; containers are rebuilt only where something changed."""
+    """``obj`` with every optimizer in it (at the top or inside dicts, lists and tuples, their subclasses too:
+    an ``OrderedDict``, a namedtuple) replaced by its recorded state dict; containers are rebuilt only where
+    something changed, as copies of their own class."""
     if _wrapped_optimizer(obj) is not None and hasattr(obj, "state_dict"):
         return _optimizer_payload(obj)
-    if depth >= 4:
+    if depth >= MAX_DEPTH:  # (deeper than any checkpoint nests, or a container that holds itself)
         return obj
-    if type(obj) is dict:
+    if isinstance(obj, dict):
         new = {k: _prepare(v, depth + 1) for k, v in obj.items()}
-        return new if any(new[k] is not obj[k] for k in obj) else obj
-    if type(obj) in (list, tuple):
+        if all(new[k] is obj[k] for k in obj):
+            return obj
+        if type(obj) is dict:
+            return new
+        out = copy.copy(obj)  # (an OrderedDict, a defaultdict: its class, order and factory kept)
+        out.update(new)
+        return out
+    if isinstance(obj, (list, tuple)):
         items = [_prepare(v, depth + 1) for v in obj]
-        return type(obj)(items) if any(a is not b for a, b in zip(items, obj)) else obj
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        if isinstance(obj, tuple):
+            return obj._make(items) if hasattr(obj, "_make") else type(obj)(items)  # (a namedtuple: _make)
+        out = copy.copy(obj)
+        out[:] = items  # (its class kept)
+        return out
     return obj
 
 

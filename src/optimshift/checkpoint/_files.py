@@ -224,18 +224,18 @@ def _prepare(obj: Any, depth: int = 0) -> Any:
             return obj
         if type(obj) is dict:
             return new
-        out = copy.copy(obj)  # (an OrderedDict, a defaultdict: its class, order and factory kept)
-        out.update(new)
-        return out
+        mapping = copy.copy(obj)  # (an OrderedDict, a defaultdict: its class, order and factory kept)
+        mapping.update(new)
+        return mapping
     if isinstance(obj, (list, tuple)):
         items = [_prepare(v, depth + 1) for v in obj]
         if all(a is b for a, b in zip(items, obj)):
             return obj
         if isinstance(obj, tuple):
             return obj._make(items) if hasattr(obj, "_make") else type(obj)(items)  # (a namedtuple: _make)
-        out = copy.copy(obj)
-        out[:] = items  # (its class kept)
-        return out
+        listed = copy.copy(obj)
+        listed[:] = items  # (its class kept)
+        return listed
     return obj
 
 

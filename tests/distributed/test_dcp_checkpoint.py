@@ -204,6 +204,26 @@ def test_a_never_stepped_optimizer_round_trips_without_state(tmp_path):
     assert state_differences(full_state(trained, trained_opt), full_state(model, opt)) == []
 
 
+@pytest.mark.parametrize("lr", [0.25, torch.tensor(0.25)], ids=["float", "tensor"])
+def test_a_never_stepped_optimizer_whose_step_dcp_cannot_run_keeps_its_lr(tmp_path, lr):
+    """DCP builds a never-stepped optimizer's state by a step with every lr set to zero; LBFGS's needs a closure,
+    so that step raises: the save fails (as DCP's own does), and the lr is the optimizer's own again, the same
+    object (it was left at zero). No step hook of the optimizer fires (its own ones did; the global ones were
+    quiet already)."""
+    model = build_model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=lr)
+    fired = []
+    opt.register_step_pre_hook(lambda *a: fired.append("pre"))
+    opt.register_step_post_hook(lambda *a: fired.append("post"))
+    with pytest.raises(TypeError) as caught:
+        save(tmp_path / "lbfgs", model, opt)
+    assert "LBFGS never stepped" in "".join(caught.value.__notes__)
+    assert opt.param_groups[0]["lr"] is lr and fired == [] and len(opt.state) == 0
+    assert all(p.grad is None for p in model.parameters())
+    opt.step(lambda: sum((p * p).sum() for p in model.parameters()))
+    assert fired == ["pre", "post"]  # (its hooks are back)
+
+
 def test_describe_dcp_reads_metadata_without_a_process_group(job_train, dist_dir):
     job_train.value(0)
     assert not dist.is_initialized()

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .._devices import DeviceLike, resolve
 from .._dtypes import dtype_name
-from .._errors import with_article
+from .._errors import add_note, with_article
 from .._plan import check_optimizer, optimizer_name
 from .._probe import quiet_global_step_hooks
 from ..api import move, wait
@@ -118,7 +118,7 @@ def save(
             tmp.parent.mkdir(parents=True, exist_ok=True)
             lock = make_folder(tmp)
         wait(optimizer)  # a non-blocking offload/reload still in flight: the writers read its bytes on the host
-        with quiet_global_step_hooks():  # DCP steps a stateless optimizer once (zero lr) to create its state
+        with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
             model_sd, optim_sd = get_state_dict(model, optimizer)
         if not had_state:
             optimizer.state.clear()
@@ -248,7 +248,7 @@ def load(
     model_sd: Any = None
     optim_sd: Any = None
     try:
-        with quiet_global_step_hooks():  # DCP steps a stateless optimizer once (zero lr) to create its state
+        with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
             model_sd, optim_sd = get_state_dict(model, optimizer)
         problems, stateless = _compare_state(optim_sd, layout, model)
         _raise_mismatch(problems, layout, model, optimizer)
@@ -346,6 +346,43 @@ def describe_dcp(path: PathLike) -> dict[str, Any]:
 
 
 # --- ranks ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _initializing(optimizer: Any) -> Iterator[None]:
+    """Around DCP's ``get_state_dict``, which steps an optimizer without state once with every ``lr`` set to
+    zero: no step hook fires (the global ones, nor the optimizer's own: counters, LR loggers), and each group's
+    ``lr`` is its own again afterwards, also where that step raised (LBFGS needs a closure, SparseAdam refuses
+    dense grads), which left it at zero."""
+    stateless = not optimizer.state
+    lrs = [(group, group["lr"]) for group in optimizer.param_groups if "lr" in group]
+    own = [
+        (table, dict(table))
+        for table in (
+            getattr(optimizer, "_optimizer_step_pre_hooks", None),
+            getattr(optimizer, "_optimizer_step_post_hooks", None),
+        )
+        if table
+    ]
+    for table, _ in own:
+        table.clear()
+    try:
+        with quiet_global_step_hooks():
+            yield
+    except Exception as error:
+        if stateless:
+            add_note(
+                error,
+                f"optimshift: {optimizer_name(optimizer)} never stepped; DCP builds its state by stepping it once "
+                f"with lr 0 and no closure, which its step refused: save it after its first step",
+            )
+        raise
+    finally:
+        for table, hooks in own:
+            table.clear()
+            table.update(hooks)
+        for group, lr in lrs:
+            group["lr"] = lr
 
 
 def _rank_world() -> tuple[int, int]:

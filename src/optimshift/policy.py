@@ -122,6 +122,11 @@ def register_policy(optimizer_class: type, policy: Policy, *, separable: bool = 
         _generation[0] += 1
 
 
+def registered_policy(optimizer_class: type) -> Policy | None:
+    """The policy registered for exactly ``optimizer_class`` (not a base class's), or None."""
+    return _registry.get(optimizer_class)
+
+
 def unregister_policy(optimizer_class: type) -> None:
     """Remove a policy registered with :func:`register_policy` (a no-op if there is none)."""
     with _lock:

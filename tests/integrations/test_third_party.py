@@ -270,3 +270,28 @@ def test_register_is_idempotent_and_unregister_restores():
     third_party.unregister()
     assert not policy.has_registered_policy(AliG.__new__(AliG)) and policy.builtin_base(AliG) is None
     third_party.register()
+
+
+def test_register_keeps_a_policy_the_user_registered_and_unregister_leaves_it():
+    """A user's own policy for MADGRAD (here declaring it separable, so that it may be streamed): ``register()``
+    leaves it in place and does not claim the class, and ``unregister()`` does not remove it. Before, register()
+    replaced it (separable lost) and unregister() then removed it (found by a new-user hunt)."""
+    from pytorch_optimizer.optimizer.alig import AliG
+    from pytorch_optimizer.optimizer.madgrad import MADGRAD
+
+    from optimshift import policy
+
+    third_party.unregister()
+
+    def mine(key, value, param, group, device):
+        return None
+
+    policy.register_policy(MADGRAD, mine, separable=True)
+    try:
+        assert third_party.register() == [AliG]
+        assert policy.registered_policy(MADGRAD) is mine and policy.separable(MADGRAD) == (True, "registered")
+        third_party.unregister()
+        assert policy.registered_policy(MADGRAD) is mine and policy.registered_policy(AliG) is None
+    finally:
+        policy.unregister_policy(MADGRAD)
+        third_party.register()

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..policy import Policy, register_policy, unregister_policy
+from ..policy import Policy, register_policy, registered_policy, unregister_policy
 
 __all__ = ["register", "unregister", "POLICIES"]
 
@@ -74,7 +74,7 @@ POLICIES: Mapping[str, Policy] = {
 }
 
 _lock = threading.Lock()
-_registered: list[type] = []
+_registered: dict[type, Policy] = {}  # what register() installed, each class's policy
 
 
 def _load(spec: str) -> type | None:
@@ -92,8 +92,8 @@ def _load(spec: str) -> type | None:
 def register() -> list[type]:
     """Register every policy of :data:`POLICIES` whose library is installed; return the classes registered.
 
-    Idempotent. Warns (``UserWarning``) when none of the libraries is installed, since then nothing is
-    registered. A library that is installed but no longer defines a listed class raises RuntimeError.
+    Idempotent; a class the user registered a policy for keeps theirs (not returned). Warns (``UserWarning``) when
+    none of the libraries is installed, since then nothing is registered. A library that is installed but no longer defines a listed class raises RuntimeError.
     """
     with _lock:
         classes = []
@@ -101,10 +101,11 @@ def register() -> list[type]:
             cls = _load(spec)
             if cls is None:
                 continue
+            if registered_policy(cls) not in (None, policy):
+                continue  # (the user's own policy for it: kept)
             register_policy(cls, policy)
             classes.append(cls)
-            if cls not in _registered:
-                _registered.append(cls)
+            _registered[cls] = policy
     if not classes:
         libraries = sorted({spec.partition(":")[0].split(".")[0] for spec in POLICIES})
         warnings.warn(
@@ -117,7 +118,10 @@ def register() -> list[type]:
 
 
 def unregister() -> None:
-    """Remove the policies :func:`register` installed. A no-op if none are."""
+    """Remove the policies :func:`register` installed (one the user registered since is theirs: kept). A no-op if
+    none are."""
     with _lock:
         while _registered:
-            unregister_policy(_registered.pop())
+            cls, policy = _registered.popitem()
+            if registered_policy(cls) is policy:
+                unregister_policy(cls)

@@ -93,7 +93,8 @@ def register() -> list[type]:
     """Register every policy of :data:`POLICIES` whose library is installed; return the classes registered.
 
     Idempotent; a class the user registered a policy for keeps theirs (not returned). Warns (``UserWarning``) when
-    none of the libraries is installed, since then nothing is registered. A library that is installed but no longer defines a listed class raises RuntimeError.
+    none of the libraries is installed, since then nothing is registered. A library that is installed but no
+    longer defines a listed class raises RuntimeError.
     """
     with _lock:
         classes = []

@@ -93,3 +93,39 @@ def test_bench_streamed_case(sim):
     text = bench.render({**result, "device": "xpu:0", "device_name": "another accelerator"})
     (goals,) = [line for line in text.splitlines() if line.startswith("goals:")]
     assert "1.2 x link" in goals and "CPU AdamW" in goals and "not a GPU" in text  # (the case's own note)
+
+
+def _bench_stub(monkeypatch, runs):
+    """``bench`` with its run replaced by a recorded, instant one (what --out does is what is tested)."""
+
+    def run(device, quick=False):
+        runs.append(1)
+        return {"case": "stub", "value": 1}
+
+    monkeypatch.setattr(bench, "run_bench", run)
+    monkeypatch.setattr(bench, "render", lambda result: f"stub {result['value']}")
+
+
+@pytest.mark.parametrize("where", ["a directory", "a missing folder"])
+def test_bench_out_that_cannot_be_written_fails_before_the_run(tmp_path, capsys, monkeypatch, where):
+    """``--out`` is checked before the run (minutes), in one line: before, the run went first and its results
+    were lost in a traceback."""
+    runs = []
+    _bench_stub(monkeypatch, runs)
+    out = tmp_path if where == "a directory" else tmp_path / "missing" / "r.json"
+    rc = cli.main(["bench", "--device", "cpu", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and runs == [] and len(err.strip().splitlines()) == 1 and str(out) in err
+
+
+def test_bench_out_is_written_atomically_and_leaves_other_files_alone(tmp_path, capsys, monkeypatch):
+    """The results go through a hidden temporary of their own: a file named like the old fixed temporary
+    (``OUT.tmp``, which a run used to overwrite and delete) is left alone, and nothing else is left behind."""
+    _bench_stub(monkeypatch, [])
+    out = tmp_path / "res.json"
+    (tmp_path / "res.json.tmp").write_text("mine")
+    assert cli.main(["bench", "--device", "cpu", "--out", str(out)]) == 0
+    assert "stub 1" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == {"case": "stub", "value": 1}
+    assert (tmp_path / "res.json.tmp").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["res.json", "res.json.tmp"]

@@ -36,6 +36,7 @@ from ..pool import host_pool
 from ..report import format_table
 from ..syncs import count_syncs
 from ._accelerator import SIMULATED_TIMES, demo_accelerator, simulated
+from ._common import failure
 from ._help import HelpFormatter, run_command
 from ._shapes import transformer_shapes
 
@@ -598,7 +599,43 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 _FRAMEWORK_CASES = {"verl": ("verl", "verl"), "deepspeed": ("deepspeed", "optimshift[deepspeed]")}
 
 
+def _out_problem(out: str) -> str | None:
+    """Why ``--out`` cannot be written, asked before the run (a run can take minutes), or None."""
+    import os
+
+    target = os.path.abspath(out)
+    if os.path.isdir(target):
+        return f"--out {out} is a directory; give a file path"
+    if not os.path.isdir(os.path.dirname(target)):
+        return f"--out {out}: folder {os.path.dirname(target)} does not exist"
+    if not os.access(os.path.dirname(target), os.W_OK):
+        return f"--out {out}: folder {os.path.dirname(target)} is not writable"
+    return None
+
+
+def _write_out(out: str, result: dict[str, Any]) -> None:
+    """``result`` as JSON at ``out``, atomically: through a hidden temporary of its own (removed on failure)."""
+    import os
+
+    from ..checkpoint import _atomic
+
+    target = os.path.abspath(out)
+    _atomic.sweep(target)
+    fd, tmp = _atomic.create_temp(target)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, target)
+    except BaseException:
+        _atomic._unlink(tmp)
+        raise
+    finally:
+        _atomic.release_temp(tmp)
+
+
 def _main(args: argparse.Namespace) -> int:
+    if args.out and (problem := _out_problem(args.out)):
+        return failure("bench", problem, as_json=args.json)
     text: Callable[[dict[str, Any]], str] = render
     if args.case in _FRAMEWORK_CASES:
         import importlib.util
@@ -628,14 +665,12 @@ def _main(args: argparse.Namespace) -> int:
         text = render_rl_loop
     else:
         result = run_bench(demo_accelerator(args.device), quick=args.quick)
+    print(json.dumps(result, indent=2) if args.json else text(result))  # (first: a failed write loses nothing)
     if args.out:
-        import os
-
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.out)
-    print(json.dumps(result, indent=2) if args.json else text(result))
+        try:
+            _write_out(args.out, result)
+        except OSError as e:
+            return failure("bench", f"cannot write --out {args.out}: {e}", as_json=args.json, error=e)
     return 0
 
 

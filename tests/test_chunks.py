@@ -36,7 +36,9 @@ def test_new_chunk_places_each_tensor_aligned_apart_with_its_layout():
     try:
         assert [e.offset for e in chunk.entries] == [0, 64, 128, 192, 256] and chunk.nbytes == 320
         assert not chunk.oversized and chunk.params == [part[0][1], part[1][1]]
-        assert chunk.counts == [(part[0][1], 3), (part[1][1], 2)]
+        assert [(p, n) for p, _, n in chunk.counts] == [(part[0][1], 3), (part[1][1], 2)]
+        assert [laid for _, laid, _ in chunk.counts] == [part[0][2], part[1][2]]  # (the dicts laid out)
+        assert all(laid is item[2] for (_, laid, _), item in zip(chunk.counts, part))
         for e in chunk.entries:  # (each host view: the destination the engine copies its tensor into)
             host, source = e.host, e.obj
             assert (host.dtype, host.shape, host.stride()) == (source.dtype, source.shape, source.stride())

@@ -5,6 +5,7 @@ temporaries they leave: test_stray_temps.py.)"""
 from __future__ import annotations
 
 import collections
+import importlib
 import os
 import pickle
 import stat
@@ -281,3 +282,21 @@ def test_truncated_and_foreign_files(tmp_path):
         optimshift.load(tmp_path / "nope.pt")
     with pytest.raises(IsADirectoryError, match="is a directory"):
         optimshift.load(tmp_path)
+
+
+def test_a_class_weights_only_meets_as_an_objects_class_is_named_to_allow(tmp_path):
+    """numpy scalars: once the globals their pickle names are allowed, torch's refusal is of a class it met as an
+    object's class (``numpy.dtypes.Float64DType``), not by name. It is named to allow, as a refused global: the
+    file was called corrupt before (found by a new-user hunt)."""
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "np.pt"
+    torch.save({"optimizer": _adam().state_dict(), "best": np.float64(0.5)}, path)
+    with pytest.raises(UnsafeCheckpointError) as first:
+        optimshift.load(path)
+    named = str(first.value).split("safe_globals([")[1].split("])")[0].split(", ")
+    allowed = [getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in named]
+    with torch.serialization.safe_globals(allowed), pytest.raises(UnsafeCheckpointError, match=r"Float64DType"):
+        optimshift.load(path)
+    dtype_class = type(np.dtype(np.float64))
+    with torch.serialization.safe_globals([*allowed, dtype_class]):
+        assert optimshift.load(path)["best"] == 0.5

@@ -382,7 +382,9 @@ def _sniff(path: str) -> str:
 
 
 # A global the weights-only unpickler refused, as its messages name it (builtins lose their module there).
-_GLOBAL_RE = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
+# (the second: a class torch builds only when allowed, met as an object's class rather than by a GLOBAL opcode,
+# as numpy's dtype classes are: "Can only build Tensor, ... but got <class 'numpy.dtypes.Float64DType'>")
+_GLOBAL_RE = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)|but got <class '([\w.]+)'>")
 _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 # Globals that run code or commands, reach the filesystem or the network, or call arbitrary functions: what a
@@ -660,7 +662,7 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     found = _untrusted.scan(p, kind)
     refused = _untrusted.refused(found)
     reason = _weights_only_reason(e) if isinstance(e, pickle.UnpicklingError) else ""
-    named = [_normalize_global(n) for n in _GLOBAL_RE.findall(reason)]
+    named = [_normalize_global(a or b) for a, b in _GLOBAL_RE.findall(reason)]
     if named or refused:
         return _unsafe(p, named, refused)
     if kind == "pickle":

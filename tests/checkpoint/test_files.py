@@ -300,3 +300,22 @@ def test_a_class_weights_only_meets_as_an_objects_class_is_named_to_allow(tmp_pa
     dtype_class = type(np.dtype(np.float64))
     with torch.serialization.safe_globals([*allowed, dtype_class]):
         assert optimshift.load(path)["best"] == 0.5
+
+
+def test_a_file_name_as_long_as_the_filesystem_takes_saves_and_converts(tmp_path, capsys):
+    """A 250-byte name, which torch.save writes: the temporary's name (18 bytes longer) was too long for the
+    filesystem, so optimshift.save and convert failed (ENAMETOOLONG; found by a new-user hunt). A long name's
+    temporaries are named after its start and a digest; the next save sweeps what a crashed one left."""
+    from optimshift.checkpoint import _atomic
+    from optimshift.cli import main
+
+    path = tmp_path / ("o" * 247 + ".pt")
+    opt = _adam()
+    optimshift.save(opt, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    stray = _atomic.temp_name(str(path))
+    open(stray, "wb").close()  # (what a killed save leaves: no process holds its lock)
+    assert _atomic.temp_pattern(str(path)).fullmatch(os.path.basename(stray))
+    assert main(["convert", str(path), str(path)]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert bitwise_equal(optimshift.load(path)["state"], opt.state_dict()["state"])

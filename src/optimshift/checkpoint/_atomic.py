@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -42,6 +43,7 @@ __all__ = [
     "release_temp",
     "sweep",
     "temp_pattern",
+    "temp_name",
     "fsync_dir",
     "lock_folder",
     "make_folder",
@@ -59,9 +61,28 @@ _live: set[str] = set()  # temporaries this process is writing right now
 _live_lock = threading.Lock()
 
 
+_NAME_MAX = 255  # bytes in one file name (Linux, macOS; NTFS counts 255 characters)
+
+
+def _stem(target: str) -> str:
+    """What ``target``'s temporaries are named after: its name, or for a name too long to take the temporary's
+    18 more bytes, its start and a digest of the whole (unique to it, the same in every process)."""
+    name = os.path.basename(target)
+    if len(f".{name}.{'0' * _TOKEN_HEX}.tmp".encode()) <= _NAME_MAX:
+        return name
+    digest = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    start = name.encode("utf-8", "surrogateescape")[: _NAME_MAX - 64].decode("utf-8", "ignore")
+    return f"{start}~{digest}"
+
+
 def temp_pattern(target: str) -> re.Pattern[str]:
     """The names of ``target``'s temporaries (and of no other destination's: the token is exactly 12 hex)."""
-    return re.compile(rf"\.{re.escape(os.path.basename(target))}\.[0-9a-f]{{{_TOKEN_HEX}}}\.tmp")
+    return re.compile(rf"\.{re.escape(_stem(target))}\.[0-9a-f]{{{_TOKEN_HEX}}}\.tmp")
+
+
+def temp_name(target: str) -> str:
+    """A new path for a temporary of ``target`` (a file or a folder), in its folder: hidden, named after it."""
+    return os.path.join(os.path.dirname(target), f".{_stem(target)}.{secrets.token_hex(_TOKEN_HEX // 2)}.tmp")
 
 
 def create_temp(target: str) -> tuple[int, str]:
@@ -69,9 +90,8 @@ def create_temp(target: str) -> tuple[int, str]:
 
     Mode 0o666 lets the umask decide the permissions, as for any new file. Hand it to :func:`release_temp`
     once it is renamed or removed."""
-    folder = os.path.dirname(target)
     for _ in range(100):
-        path = os.path.join(folder, f".{os.path.basename(target)}.{secrets.token_hex(_TOKEN_HEX // 2)}.tmp")
+        path = temp_name(target)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o666)
         if fcntl is None:
             break

@@ -9,7 +9,6 @@ import copy
 import io
 import json
 import os
-import secrets
 import shutil
 import sys
 from collections import Counter
@@ -20,7 +19,7 @@ import torch
 from .._dtensor import tensor_bytes
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
-from ..checkpoint._atomic import fsync_dir, make_folder, sweep_folders, temp_pattern
+from ..checkpoint._atomic import fsync_dir, make_folder, sweep_folders, temp_name, temp_pattern
 from ..checkpoint._folders import TrainingFolder, training_folder
 from ._common import (
     Progress,
@@ -277,7 +276,7 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     target = os.path.abspath(dst)
     parent = os.path.dirname(target)
     pattern = temp_pattern(target)
-    tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(6)}.tmp")
+    tmp = temp_name(target)
     lock = None
     try:
         sweep_folders(parent, lambda name: pattern.fullmatch(name) is not None)  # what crashed converts left

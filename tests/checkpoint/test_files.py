@@ -319,3 +319,23 @@ def test_a_file_name_as_long_as_the_filesystem_takes_saves_and_converts(tmp_path
     assert main(["convert", str(path), str(path)]) == 0, capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
     assert bitwise_equal(optimshift.load(path)["state"], opt.state_dict()["state"])
+
+
+def test_save_names_the_folder_it_cannot_write_in_and_takes_bytes_paths(tmp_path, monkeypatch):
+    """A read-only folder: the error names the folder (it named the hidden temporary); a path under a file says the
+    file is not a folder (it said the folder did not exist); a bytes path is a path, as open() takes it (a
+    TypeError from a regular expression). Found by a new-user hunt."""
+    opt = _adam()
+    optimshift.save(opt, os.fsencode(tmp_path / "b.pt"))
+    assert bitwise_equal(optimshift.load(tmp_path / "b.pt")["state"], opt.state_dict()["state"])
+    with pytest.raises(NotADirectoryError, match=r"b\.pt is a file, not a folder"):
+        optimshift.save(opt, tmp_path / "b.pt" / "x.pt")
+    from optimshift.checkpoint import _atomic
+
+    def refused(target):  # (what creating the temporary in a read-only folder raises; root may write anywhere)
+        raise PermissionError(13, "Permission denied", _atomic.temp_name(target))
+
+    monkeypatch.setattr(_atomic, "create_temp", refused)
+    with pytest.raises(PermissionError, match=rf"cannot write in folder {tmp_path}") as caught:
+        optimshift.save(opt, tmp_path / "o.pt")
+    assert ".tmp" not in str(caught.value)

@@ -250,7 +250,7 @@ def save(obj: Any, path: PathLike) -> None:
 
 def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = None) -> None:
     # Through a symlink (Lightning's save_last="link"), replace the file it points at, not the link.
-    target = os.path.realpath(os.path.abspath(os.fspath(path)))
+    target = os.path.realpath(os.path.abspath(os.fsdecode(path)))  # (a bytes path too, as open() takes)
     folder = os.path.dirname(target)
     if os.path.isdir(target):
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")
@@ -261,12 +261,19 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             f"make it writable to replace it"
         )
     if not os.path.isdir(folder):
+        if os.path.exists(folder):
+            raise NotADirectoryError(f"save: {folder} is a file, not a folder to save {os.path.basename(target)} in")
         raise FileNotFoundError(f"save: folder {folder} does not exist")
     payload = _prepare(obj)
     # A hidden, locked temporary in the same folder (same filesystem, so the rename is atomic); first remove
     # the temporaries that killed saves to this destination left behind.
     _atomic.sweep(target)
-    fd, tmp = _atomic.create_temp(target)
+    try:
+        fd, tmp = _atomic.create_temp(target)
+    except PermissionError as e:  # (named after the hidden temporary: say which folder cannot be written)
+        raise PermissionError(
+            e.errno, f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically)"
+        ) from None
     try:
         try:  # replacing a file: keep its permissions (a 0600 checkpoint stays private)
             os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))

@@ -224,6 +224,21 @@ def test_a_never_stepped_optimizer_whose_step_dcp_cannot_run_keeps_its_lr(tmp_pa
     assert fired == ["pre", "post"]  # (its hooks are back)
 
 
+def test_dcp_initializing_step_still_meets_optimshifts_own_hooks(tmp_path, sim):
+    """The user's step hooks are quiet during DCP's initializing step, optimshift's are not: a never-stepped
+    optimizer whose grads are offloaded refuses that step, and the grads come back (a first version silenced
+    every hook of the optimizer: the step ran, DCP's zero_grad dropped the offloaded grads; found by review)."""
+    model = torch.nn.Linear(3, 2).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3, device=sim)).sum().backward()
+    grads = [p.grad.cpu() for p in model.parameters()]
+    optimshift.offload(opt, include=("grads",))
+    with pytest.raises(RuntimeError, match="offloaded"):
+        save(tmp_path / "ck", model, opt)
+    optimshift.reload(opt)
+    assert all(torch.equal(p.grad.cpu(), g) for p, g in zip(model.parameters(), grads))
+
+
 def test_describe_dcp_reads_metadata_without_a_process_group(job_train, dist_dir):
     job_train.value(0)
     assert not dist.is_initialized()

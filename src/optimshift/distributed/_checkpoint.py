@@ -356,6 +356,8 @@ def _initializing(optimizer: Any) -> Iterator[None]:
     dense grads), which left it at zero."""
     stateless = not optimizer.state
     lrs = [(group, group["lr"]) for group in optimizer.param_groups if "lr" in group]
+    # (the user's hooks only: optimshift's own, which refuse a step over offloaded or streamed state and order
+    # it after a transfer in flight, stay)
     own = [
         (table, dict(table))
         for table in (
@@ -364,8 +366,10 @@ def _initializing(optimizer: Any) -> Iterator[None]:
         )
         if table
     ]
-    for table, _ in own:
-        table.clear()
+    for table, hooks in own:
+        for key, hook in hooks.items():
+            if not _optimshifts(hook):
+                del table[key]
     try:
         with quiet_global_step_hooks():
             yield
@@ -378,11 +382,19 @@ def _initializing(optimizer: Any) -> Iterator[None]:
             )
         raise
     finally:
-        for table, hooks in own:
+        for table, hooks in own:  # (in their order, then any registered meanwhile)
+            added = {key: hook for key, hook in table.items() if key not in hooks}
             table.clear()
             table.update(hooks)
+            table.update(added)
         for group, lr in lrs:
             group["lr"] = lr
+
+
+def _optimshifts(hook: Any) -> bool:
+    """Whether a step hook is one optimshift put on the optimizer (a function or bound method of its own)."""
+    module = getattr(getattr(hook, "__func__", hook), "__module__", None) or ""
+    return module == "optimshift" or module.startswith("optimshift.")
 
 
 def _rank_world() -> tuple[int, int]:

@@ -339,3 +339,63 @@ def test_save_names_the_folder_it_cannot_write_in_and_takes_bytes_paths(tmp_path
     with pytest.raises(PermissionError, match=rf"cannot write in folder {tmp_path}") as caught:
         optimshift.save(opt, tmp_path / "o.pt")
     assert ".tmp" not in str(caught.value)
+
+
+def test_a_container_held_in_many_places_is_walked_once(tmp_path, monkeypatch):
+    """Lists that each hold the one before twice (16 levels: 65,536 paths to the innermost, a few hundred bytes in
+    a file): saving and finding the optimizer state walk each container once (both walked every path, so 40
+    levels never finished; found by review), and a container held in two places stays one object."""
+    from optimshift.checkpoint import _files
+
+    calls = []
+    real = _files.is_optimizer_state_dict
+    monkeypatch.setattr(_files, "is_optimizer_state_dict", lambda value: calls.append(1) or real(value))
+    opt = _adam()
+    x: list = [opt]
+    for _ in range(16):
+        x = [x, x]
+    optimshift.save({"a": x}, tmp_path / "ck.pt")
+    loaded = optimshift.load(tmp_path / "ck.pt")
+    calls.clear()
+    (found,) = find_optimizer_states(loaded)
+    assert len(calls) < 100 and found.class_name == "torch.optim.adam.Adam"
+    inner = loaded["a"]
+    for _ in range(16):
+        assert inner[0] is inner[1]
+        inner = inner[0]
+
+
+def test_a_container_holding_itself_and_an_optimizer_is_refused_before_anything_is_written(tmp_path):
+    """Its copy, with the optimizer's state dict in place, cannot hold itself: refused, naming it (the copy held
+    the original, live optimizer and all, so the file refused to load). Without an optimizer in it, saved."""
+    opt = _adam()
+    looped = {"optimizer": opt}
+    looped["self"] = looped
+    with pytest.raises(ValueError, match="a dict in the object holds itself"):
+        optimshift.save(looped, tmp_path / "ck.pt")
+    assert list(tmp_path.iterdir()) == []
+    plain: dict = {"epoch": 1}
+    plain["self"] = plain
+    optimshift.save({"optimizer": opt, "run": plain}, tmp_path / "ck.pt")
+    loaded = optimshift.load(tmp_path / "ck.pt")
+    assert loaded["run"]["self"] is loaded["run"]
+
+
+def test_an_optimizer_in_a_container_that_cannot_be_rebuilt_is_refused_by_name(tmp_path):
+    """A tuple subclass whose constructor takes other arguments, a dict subclass whose copy is itself: refused,
+    naming the class, before anything is written (a raw TypeError, or the user's own dict changed in place)."""
+
+    class Pair(tuple):
+        def __new__(cls, a, b):
+            return super().__new__(cls, (a, b))
+
+    class Same(dict):
+        def __copy__(self):
+            return self
+
+    opt = _adam()
+    for holder, name in ((Pair(opt, 1), "Pair"), (Same(optimizer=opt), "Same")):
+        with pytest.raises(ValueError, match=rf"inside a {name} is saved as its state dict"):
+            optimshift.save({"run": holder}, tmp_path / "ck.pt")
+        assert list(tmp_path.iterdir()) == []
+    assert holder["optimizer"] is opt

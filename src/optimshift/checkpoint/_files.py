@@ -132,8 +132,12 @@ def find_optimizer_states(obj: Any, *, max_depth: int = MAX_DEPTH) -> list[Found
     ``optimizer``/``optim``/``optimizer_state_dict`` or any other key, and :func:`save`'s own files.
     """
     found: list[FoundOptimizer] = []
+    seen: set[int] = set()  # (containers walked: one held in many places, or holding itself, once)
 
     def walk(value: Any, where: str, depth: int, lightning: bool) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
         if is_optimizer_state_dict(value):
             cls = _meta_class(value)
             if cls is not None:
@@ -210,33 +214,76 @@ def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
     }
 
 
-def _prepare(obj: Any, depth: int = 0) -> Any:
+def _prepare(obj: Any) -> Any:
     """``obj`` with every optimizer in it (at the top or inside dicts, lists and tuples, their subclasses too:
     an ``OrderedDict``, a namedtuple) replaced by its recorded state dict; containers are rebuilt only where
-    something changed, as copies of their own class."""
-    if _wrapped_optimizer(obj) is not None and hasattr(obj, "state_dict"):
-        return _optimizer_payload(obj)
-    if depth >= MAX_DEPTH:  # (deeper than any checkpoint nests, or a container that holds itself)
-        return obj
-    if isinstance(obj, dict):
-        new = {k: _prepare(v, depth + 1) for k, v in obj.items()}
-        if all(new[k] is obj[k] for k in obj):
-            return obj
-        if type(obj) is dict:
-            return new
-        mapping = copy.copy(obj)  # (an OrderedDict, a defaultdict: its class, order and factory kept)
-        mapping.update(new)
-        return mapping
-    if isinstance(obj, (list, tuple)):
-        items = [_prepare(v, depth + 1) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
-            return obj
-        if isinstance(obj, tuple):
-            return obj._make(items) if hasattr(obj, "_make") else type(obj)(items)  # (a namedtuple: _make)
-        listed = copy.copy(obj)
-        listed[:] = items  # (its class kept)
+    something changed, as copies of their own class. A container held in several places is rebuilt once (and
+    stays one object); ValueError, before anything is written, for one that holds itself and an optimizer (its
+    copy cannot be made), or whose class cannot be rebuilt."""
+    done: dict[int, Any] = {}  # id(container) -> what it becomes (itself where nothing changed)
+    open_: set[int] = set()  # containers being rebuilt: met again inside themselves, a cycle
+    cyclic: list[Any] = []
+
+    def rebuilt(value: Any, depth: int) -> Any:
+        if _wrapped_optimizer(value) is not None and hasattr(value, "state_dict"):
+            return _optimizer_payload(value)
+        if not isinstance(value, (dict, list, tuple)) or depth >= MAX_DEPTH:
+            return value
+        key = id(value)
+        if key in done:
+            return done[key]
+        if key in open_:
+            cyclic.append(value)
+            return value
+        open_.add(key)
+        try:
+            out = _rebuild(
+                value, [rebuilt(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+            )
+        finally:
+            open_.discard(key)
+        done[key] = out
+        return out
+
+    out = rebuilt(obj, 0)
+    if cyclic and any(done.get(id(c)) is not c for c in cyclic):
+        raise ValueError(
+            f"save: a {type(cyclic[0]).__name__} in the object holds itself, and an optimizer inside it is saved as "
+            f"its state dict: a copy of it cannot hold itself. Save a structure without the cycle; nothing was "
+            f"written"
+        )
+    return out
+
+
+def _rebuild(container: Any, values: list[Any]) -> Any:
+    """``container`` with ``values`` in its items' places (itself where none changed), of its own class."""
+    old = list(container.values()) if isinstance(container, dict) else list(container)
+    if all(a is b for a, b in zip(values, old)):
+        return container
+    try:
+        if isinstance(container, dict):
+            if type(container) is dict:
+                return dict(zip(container, values))
+            mapping = copy.copy(container)  # (an OrderedDict, a defaultdict: its class, order and factory kept)
+            if mapping is container:
+                raise TypeError("its copy is itself")
+            mapping.update(zip(container, values))
+            return mapping
+        if type(container) in (list, tuple):
+            return type(container)(values)
+        if isinstance(container, tuple):  # (a namedtuple: _make)
+            return container._make(values) if hasattr(container, "_make") else type(container)(values)
+        listed = copy.copy(container)
+        if listed is container:
+            raise TypeError("its copy is itself")
+        listed[:] = values  # (its class kept)
         return listed
-    return obj
+    except Exception as e:  # noqa: BLE001  (a class of the user's: whatever its constructor raises)
+        raise ValueError(
+            f"save: an optimizer inside a {type(container).__name__} is saved as its state dict, but a "
+            f"{type(container).__name__} with it in place cannot be made ({type(e).__name__}: {e}); hold the "
+            f"optimizer in a dict, list or tuple. Nothing was written"
+        ) from e
 
 
 def save(obj: Any, path: PathLike) -> None:

@@ -1097,3 +1097,21 @@ def test_a_device_checkpoint_written_into_host_state_is_there_when_the_load_retu
             optimshift.load_state_dict(opt, sd)
         assert [(t, t.data_ptr()) for st in opt.state.values() for t in st.values()] == live
         assert bitwise_equal(_state(opt), _state(other))
+
+
+def test_a_resume_that_casts_as_torch_would_runs_the_pre_hooks_once():
+    """A framework's resume (``load_as_torch_would``) of an fp32 checkpoint into bf16 params casts as PyTorch does;
+    its load_state_dict pre-hooks run once, as PyTorch's (a first version loaded twice, running them twice: a hook
+    that scales the state scaled it twice; found by review)."""
+    from optimshift.checkpoint._resume import load_as_torch_would
+
+    _, source = _trained(O.Adam, {"foreach": False}, [(3, 3)])
+    sd = source.state_dict()
+    params = [torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.bfloat16))]
+    opt = O.Adam(params, foreach=False)
+    ran = []
+    opt.register_load_state_dict_pre_hook(lambda o, state: ran.append(1))
+    load_as_torch_would(opt, sd)
+    assert ran == [1] and opt.state[params[0]]["exp_avg"].dtype == torch.bfloat16
+    with pytest.raises(optimshift.checkpoint._staging.CastNeeded):  # (the plain load refuses, as documented)
+        optimshift.load_state_dict(O.Adam(params, foreach=False), sd)

@@ -86,6 +86,21 @@ def load_state_dict(
     ``initial_accumulator_value``, SparseAdam's ``maximize``); both are read from the installed torch.
     Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run as in PyTorch.
     """
+    return _load(optimizer, state_dict, device=device, flags=flags, copy=copy, cast=cast)
+
+
+def _load(
+    optimizer: Opt,
+    state_dict: Mapping[str, Any],
+    *,
+    device: DeviceLike | None = None,
+    flags: str = "live",
+    copy: bool = True,
+    cast: str | None = None,
+    as_torch: bool = False,
+) -> Opt:
+    """:func:`load_state_dict`; ``as_torch``: where keeping a saved dtype would leave state the step refuses
+    (:class:`CastNeeded`), PyTorch's cast instead, decided after the pre-hooks ran once."""
     receiver = _receiver(optimizer)
     name = optimizer_name(receiver)
     if flags not in _FLAG_MODES:
@@ -132,7 +147,13 @@ def load_state_dict(
         # is staged (a grad that cannot go back, or an OOM there, leaves everything as it was), handed back only
         # once the state is installed.
         finish = [prepare_discard(obj) for obj in dict.fromkeys((receiver, optimizer))]
-        new_state, new_groups = staged.build()
+        try:
+            new_state, new_groups = staged.build()
+        except CastNeeded:
+            if not as_torch or cast is not None:
+                raise
+            staged = Staging(receiver, name, sd, flags=flags, cast="param", copy=copy, device=target, source=source)
+            new_state, new_groups = staged.build()
         _install(
             receiver,
             name,
@@ -175,10 +196,7 @@ def load_as_torch_would(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
     """A framework's resume through :func:`load_state_dict`, where the framework called torch's: the
     checkpoint's dtypes kept, or, where the step would refuse one (an fp32 checkpoint resumed with bf16 params),
     PyTorch's cast to the params' dtype, as the resume does unpatched (the framework passes no ``cast``)."""
-    try:
-        load_state_dict(optimizer, state_dict)
-    except CastNeeded:
-        load_state_dict(optimizer, state_dict, cast="param")
+    _load(optimizer, state_dict, as_torch=True)
 
 
 def can_load(optimizer: Any) -> bool:

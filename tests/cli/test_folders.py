@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -150,6 +151,33 @@ def test_convert_folder_in_place_changes_no_file_unless_every_one_converts(tmp_p
     assert rc == 1 and "optimizer_1.bin" in err
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     assert sorted(os.listdir(tmp_path)) == ["state"]
+
+
+def test_convert_folder_in_place_through_links_keeps_them_and_refuses_a_read_only_file(tmp_path, capsys):
+    """In place through a link to the folder (OUT elsewhere, maybe on another filesystem: the temporaries go beside
+    the files, not beside OUT's path), with ``optimizer.pt`` itself a link: the file it points at is rewritten,
+    the links stay, and nothing is left anywhere. A read-only optimizer file is refused before anything changes,
+    as save refuses it (a first version replaced it, writable, and replaced links by files; found by review)."""
+    folder = _trainer_folder(tmp_path)
+    real = tmp_path / "store" / "optimizer.pt"
+    real.parent.mkdir()
+    os.replace(folder / "optimizer.pt", real)
+    (folder / "optimizer.pt").symlink_to(real)
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "elsewhere" / "ck"
+    link.symlink_to(folder)
+    real.chmod(0o444)
+    before = real.read_bytes()
+    rc, out, err = _run(capsys, "convert", link, link)
+    assert rc == 1 and "read-only" in err and real.read_bytes() == before
+    real.chmod(0o640)
+    rc, out, err = _run(capsys, "convert", link, link)
+    assert rc == 0, err
+    assert (folder / "optimizer.pt").is_symlink() and stat.S_IMODE(real.stat().st_mode) == 0o640
+    torch.load(real, weights_only=True)  # (rewritten for the host: it opens now)
+    assert out.startswith(f"wrote {link / 'optimizer.pt'}: ")
+    for where in (folder, real.parent, link.parent, tmp_path):
+        assert not [p for p in os.listdir(where) if p.endswith(".tmp")]
 
 
 def test_convert_folder_into_a_folder_that_cannot_be_made_says_so_in_one_line(tmp_path, capsys):

@@ -10,8 +10,10 @@ import io
 import json
 import os
 import shutil
+import stat
 import sys
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ import torch
 from .._dtensor import tensor_bytes
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
-from ..checkpoint._atomic import fsync_dir, make_folder, sweep_folders, temp_name, temp_pattern
+from ..checkpoint._atomic import fsync_dir, make_folder, sweep, sweep_folders, temp_name, temp_pattern
 from ..checkpoint._folders import TrainingFolder, training_folder
 from ._common import (
     Progress,
@@ -266,8 +268,9 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
             as_json=as_json,
         )
     dst = args.output
-    in_place = os.path.exists(dst) and os.path.samefile(dst, folder.path)
-    if not in_place and os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
+    if os.path.exists(dst) and os.path.samefile(dst, folder.path):
+        return _convert_in_place(folder, dst, convert, as_json)
+    if os.path.exists(dst) and not (os.path.isdir(dst) and not os.listdir(dst)):
         return failure(
             "convert",
             f"{dst} exists: give a new folder, or {folder.path} itself to rewrite its optimizer files in place",
@@ -288,21 +291,16 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
             if failed:
                 sys.stdout.write(written.getvalue().splitlines(keepends=True)[-1] if as_json else "")  # (its error)
                 return 1
-        if in_place:  # (every file converted: each replaces its original)
-            for name in folder.optimizer_files:
-                os.replace(os.path.join(tmp, name), os.path.join(folder.path, name))
-            fsync_dir(folder.path)
-        else:
-            for name, role in folder.files.items():
-                if role == "optimizer":
-                    continue
-                source = os.path.join(folder.path, name)
-                if os.path.isdir(source):
-                    shutil.copytree(source, os.path.join(tmp, name), symlinks=True)
-                else:
-                    shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
-            os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
-            fsync_dir(parent)
+        for name, role in folder.files.items():
+            if role == "optimizer":
+                continue
+            source = os.path.join(folder.path, name)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(tmp, name), symlinks=True)
+            else:
+                shutil.copy2(source, os.path.join(tmp, name), follow_symlinks=False)
+        os.replace(tmp, target)  # an empty OUT folder is replaced too (POSIX)
+        fsync_dir(parent)
     except OSError as e:
         return failure("convert", f"cannot write {dst}: {e}", as_json=as_json, error=e)
     finally:
@@ -310,15 +308,64 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
             os.close(lock)
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-    copied = 0 if in_place else len(folder.files) - len(folder.optimizer_files)
-    if as_json:  # (one object: each file's summary, where it is now, and what was copied beside them)
-        files = [json.loads(line) for line in written.getvalue().splitlines()]
-        for entry in files:
-            entry["wrote"] = os.path.join(dst, os.path.relpath(entry["wrote"], tmp))
-        print(json.dumps({"wrote": dst, "files": files, "copied": copied}))
-        return 0
-    # NOTE: each file's summary names the hidden folder it was written to; report where it is now.
-    sys.stdout.write(written.getvalue().replace(tmp, os.path.normpath(dst)))
-    if not in_place:
+    copied = len(folder.files) - len(folder.optimizer_files)
+    _report(written, {os.path.join(tmp, n): os.path.join(dst, n) for n in folder.optimizer_files}, dst, copied, as_json)
+    if not as_json:
         print(f"copied {copied} other entr{'y' if copied == 1 else 'ies'} of {folder.path} unchanged into {dst}")
     return 0
+
+
+def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[[str, str], int], as_json: bool) -> int:
+    """Each optimizer file of ``folder`` converted to a hidden temporary beside the file it replaces (through a
+    link, the file it points at: the same folder, so the same filesystem), and only once every one converted,
+    each renamed over its original with its permissions (a failure on one leaves all as they were). A
+    read-only file is refused first, as ``save`` refuses to replace one."""
+    names = folder.optimizer_files
+    reals = [os.path.realpath(os.path.join(folder.path, name)) for name in names]
+    for real in reals:
+        mode = os.stat(real).st_mode
+        if not mode & 0o222:
+            return failure(
+                "convert",
+                f"{real} is read-only (mode {stat.S_IMODE(mode):o}); make it writable to rewrite it in place",
+                as_json=as_json,
+            )
+    temps: list[str] = []
+    written = io.StringIO()
+    try:
+        for name, real in zip(names, reals):
+            sweep(real)  # (what crashed saves and converts of it left)
+            temps.append(temp_name(real))
+            with contextlib.redirect_stdout(written):
+                failed = convert(os.path.join(folder.path, name), temps[-1])
+            if failed:
+                sys.stdout.write(written.getvalue().splitlines(keepends=True)[-1] if as_json else "")  # (its error)
+                return 1
+        for real, tmp in zip(reals, temps):  # (every file converted: each replaces its original)
+            os.chmod(tmp, stat.S_IMODE(os.stat(real).st_mode))
+            os.replace(tmp, real)
+        for parent in dict.fromkeys(os.path.dirname(real) for real in reals):
+            fsync_dir(parent)
+    except OSError as e:
+        return failure("convert", f"cannot write {dst}: {e}", as_json=as_json, error=e)
+    finally:
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    _report(written, {tmp: os.path.join(dst, name) for tmp, name in zip(temps, names)}, dst, 0, as_json)
+    return 0
+
+
+def _report(written: io.StringIO, shown: dict[str, str], dst: str, copied: int, as_json: bool) -> None:
+    """Each file's summary (written to a temporary: ``shown`` maps it to where the file is now), as text or, with
+    ``--json``, one object with what was copied beside them."""
+    if as_json:
+        files = [json.loads(line) for line in written.getvalue().splitlines()]
+        for entry in files:
+            entry["wrote"] = shown.get(entry["wrote"], entry["wrote"])
+        print(json.dumps({"wrote": dst, "files": files, "copied": copied}))
+        return
+    text = written.getvalue()
+    for tmp, path in shown.items():
+        text = text.replace(tmp, os.path.normpath(path))
+    sys.stdout.write(text)

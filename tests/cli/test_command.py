@@ -129,3 +129,24 @@ def test_bench_out_is_written_atomically_and_leaves_other_files_alone(tmp_path, 
     assert json.loads(out.read_text()) == {"case": "stub", "value": 1}
     assert (tmp_path / "res.json.tmp").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res.json", "res.json.tmp"]
+
+
+def test_bench_out_through_a_link_writes_the_file_it_points_at_and_json_is_one_document(tmp_path, capsys, monkeypatch):
+    """``--out`` a link: the file it points at is written and the link stays (it was replaced by a file); with
+    ``--json``, a write that fails leaves one JSON document on stdout, the error (the results came first, then
+    the error: two documents)."""
+    _bench_stub(monkeypatch, [])
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert cli.main(["bench", "--device", "cpu", "--out", str(link), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"case": "stub", "value": 1}
+    assert link.is_symlink() and json.loads(real.read_text()) == {"case": "stub", "value": 1}
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "_write_out", full)
+    assert cli.main(["bench", "--device", "cpu", "--out", str(link), "--json"]) == 1
+    assert "No space left" in json.loads(capsys.readouterr().out)["error"]["message"]

@@ -603,7 +603,7 @@ def _out_problem(out: str) -> str | None:
     """Why ``--out`` cannot be written, asked before the run (a run can take minutes), or None."""
     import os
 
-    target = os.path.abspath(out)
+    target = os.path.realpath(os.path.abspath(out))
     if os.path.isdir(target):
         return f"--out {out} is a directory; give a file path"
     if not os.path.isdir(os.path.dirname(target)):
@@ -619,13 +619,16 @@ def _write_out(out: str, result: dict[str, Any]) -> None:
 
     from ..checkpoint import _atomic
 
-    target = os.path.abspath(out)
+    target = os.path.realpath(os.path.abspath(out))  # (through a link: the file it points at, as save does)
     _atomic.sweep(target)
     fd, tmp = _atomic.create_temp(target)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w") as f:  # (closed after the rename: closing it releases the temporary's lock)
             json.dump(result, f, indent=2)
-        os.replace(tmp, target)
+            f.flush()
+            os.fsync(f.fileno())
+            os.replace(tmp, target)
+        _atomic.fsync_dir(os.path.dirname(target))
     except BaseException:
         _atomic._unlink(tmp)
         raise
@@ -665,12 +668,15 @@ def _main(args: argparse.Namespace) -> int:
         text = render_rl_loop
     else:
         result = run_bench(demo_accelerator(args.device), quick=args.quick)
-    print(json.dumps(result, indent=2) if args.json else text(result))  # (first: a failed write loses nothing)
+    if not args.json:
+        print(text(result))  # (first: a failed write loses nothing)
     if args.out:
         try:
             _write_out(args.out, result)
-        except OSError as e:
+        except OSError as e:  # (--json: the error is the one document on stdout)
             return failure("bench", f"cannot write --out {args.out}: {e}", as_json=args.json, error=e)
+    if args.json:
+        print(json.dumps(result, indent=2))
     return 0
 
 

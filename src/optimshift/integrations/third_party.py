@@ -102,8 +102,8 @@ def register() -> list[type]:
             cls = _load(spec)
             if cls is None:
                 continue
-            if registered_policy(cls) not in (None, policy):
-                continue  # (the user's own policy for it: kept)
+            if registered_policy(cls) is not None and _registered.get(cls) is not registered_policy(cls):
+                continue  # (the user's own registration of it, even of this very policy: kept as they made it)
             register_policy(cls, policy)
             classes.append(cls)
             _registered[cls] = policy

@@ -736,11 +736,13 @@ def _write_in_place(
             for device, (olds, news) in pairs_by_device.items():
                 # (a source elsewhere: a host checkpoint into state on an accelerator, queued from pinned memory
                 # where it is staged there; a copy into host memory is never queued)
-                across = any(new.device != device for new in news)
-                queue = across and device.type not in _HOSTS and any(map(in_pinned_memory, news))
-                if across and device.type not in _HOSTS:
+                # (into host memory a copy is never queued, and none needs a synchronize: not asked, one C call
+                # per tensor saved on the common load into host state)
+                across = device.type not in _HOSTS and any(new.device != device for new in news)
+                queue = across and any(map(in_pinned_memory, news))
+                if across:
                     queued.add(device)
-                with torch.inference_mode() if device.type == "cpu" and not across else contextlib.nullcontext():
+                with torch.inference_mode() if device.type == "cpu" else contextlib.nullcontext():
                     try:
                         torch._foreach_copy_(list(olds), list(news), non_blocking=queue)
                     except Exception:

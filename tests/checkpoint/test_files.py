@@ -399,3 +399,47 @@ def test_an_optimizer_in_a_container_that_cannot_be_rebuilt_is_refused_by_name(t
             optimshift.save({"run": holder}, tmp_path / "ck.pt")
         assert list(tmp_path.iterdir()) == []
     assert holder["optimizer"] is opt
+
+
+def test_a_corrupt_pickle_whose_message_names_a_class_is_corrupt_not_unsafe(tmp_path):
+    """torch's refusal "Can only append to lists, but got <class 'dict'>" (a damaged pickle) is no class to allow:
+    the file is corrupt. The rule that names a class met as an object's class reads only torch's refusal of a
+    class not allowed (a first version read any "but got <class ...>"; found by review)."""
+    from _crafted import pickled_zip
+
+    path = pickled_zip(tmp_path, "bad.pt", b"\\x80\\x02}K\\x01a.")
+    with pytest.raises(CheckpointError, match="is corrupt") as caught:
+        optimshift.load(path)
+    assert not isinstance(caught.value, UnsafeCheckpointError)
+
+
+def test_a_name_that_is_not_utf8_saves(tmp_path):
+    """A name from a Latin-1 folder listing (bytes, or str with surrogates, as os.fsdecode gives): measured for its
+    temporary as the filesystem sees it (it raised UnicodeEncodeError before anything was written; found by
+    review)."""
+    opt = _adam()
+    name = os.fsdecode(b"\\xe9t\\xe9.pt")
+    optimshift.save(opt, os.path.join(tmp_path, name))
+    optimshift.save(opt, os.path.join(os.fsencode(tmp_path), b"\\xff.pt"))
+    assert sorted(os.listdir(os.fsencode(tmp_path))) == [b"\\xe9t\\xe9.pt", b"\\xff.pt"]
+    assert bitwise_equal(optimshift.load(os.path.join(tmp_path, name))["state"], opt.state_dict()["state"])
+
+
+def test_one_optimizer_held_twice_is_saved_once_and_a_dict_met_deep_first_is_still_found(tmp_path):
+    """The same optimizer in two places: one state dict in the file, held in both (two before: a load of the file
+    refused, "holds 2 optimizer states"). A state dict met first past the walk's depth is still found by a
+    shallower path (it was marked seen unwalked; found by review)."""
+    opt = _adam()
+    optimshift.save({"optimizer": opt, "history": [opt]}, tmp_path / "ck.pt")
+    loaded = optimshift.load(tmp_path / "ck.pt")
+    assert loaded["history"][0] is loaded["optimizer"]
+    target = _adam()
+    optimshift.load_state_dict(target, tmp_path / "ck.pt")
+    assert bitwise_equal(target.state_dict()["state"], opt.state_dict()["state"])
+    sd = opt.state_dict()
+    inner = [sd]
+    deep = inner
+    for _ in range(63):
+        deep = [deep]
+    (found,) = find_optimizer_states({"a": deep, "b": inner})
+    assert found.where == "['b'][0]"

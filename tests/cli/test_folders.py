@@ -180,6 +180,21 @@ def test_convert_folder_in_place_through_links_keeps_them_and_refuses_a_read_onl
         assert not [p for p in os.listdir(where) if p.endswith(".tmp")]
 
 
+def test_convert_folder_in_place_converts_a_file_two_names_link_to_once(tmp_path, capsys):
+    """Two optimizer files that are one file (a link to the other): converted once (the second name's sweep
+    removed the first's finished temporary, and the convert failed; found by review). A broken link: one line."""
+    folder = _trainer_folder(tmp_path)
+    (folder / "optimizer_1.pt").symlink_to(folder / "optimizer.pt")
+    rc, out, err = _run(capsys, "convert", folder, folder)
+    assert rc == 0, err
+    assert len(out.splitlines()) == 1 and (folder / "optimizer_1.pt").is_symlink()
+    torch.load(folder / "optimizer.pt", weights_only=True)
+    (folder / "optimizer_1.pt").unlink()
+    (folder / "optimizer_1.pt").symlink_to(tmp_path / "gone.pt")
+    rc, out, err = _run(capsys, "convert", folder, folder)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "optimizer_1.pt" in err
+
+
 def test_convert_folder_into_a_folder_that_cannot_be_made_says_so_in_one_line(tmp_path, capsys):
     """OUT under a parent that does not exist: one line and exit 1 (a traceback before)."""
     src = _trainer_folder(tmp_path)

@@ -68,7 +68,7 @@ def _stem(target: str) -> str:
     """What ``target``'s temporaries are named after: its name, or for a name too long to take the temporary's
     18 more bytes, its start and a digest of the whole (unique to it, the same in every process)."""
     name = os.path.basename(target)
-    if len(f".{name}.{'0' * _TOKEN_HEX}.tmp".encode()) <= _NAME_MAX:
+    if len(f".{name}.{'0' * _TOKEN_HEX}.tmp".encode("utf-8", "surrogateescape")) <= _NAME_MAX:  # (as os.fsencode)
         return name
     digest = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     start = name.encode("utf-8", "surrogateescape")[: _NAME_MAX - 64].decode("utf-8", "ignore")

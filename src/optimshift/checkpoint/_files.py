@@ -137,8 +137,8 @@ def find_optimizer_states(obj: Any, *, max_depth: int = MAX_DEPTH) -> list[Found
     def walk(value: Any, where: str, depth: int, lightning: bool) -> None:
         if id(value) in seen:
             return
-        seen.add(id(value))
         if is_optimizer_state_dict(value):
+            seen.add(id(value))
             cls = _meta_class(value)
             if cls is not None:
                 kind = "optimshift"
@@ -149,7 +149,8 @@ def find_optimizer_states(obj: Any, *, max_depth: int = MAX_DEPTH) -> list[Found
             found.append(FoundOptimizer(where, kind, value, cls))
             return
         if depth >= max_depth or isinstance(value, torch.Tensor):
-            return
+            return  # (not marked seen: a shallower path may still walk into it)
+        seen.add(id(value))
         if isinstance(value, Mapping):
             for key, child in value.items():
                 if isinstance(child, (Mapping, list, tuple)):
@@ -226,7 +227,9 @@ def _prepare(obj: Any) -> Any:
 
     def rebuilt(value: Any, depth: int) -> Any:
         if _wrapped_optimizer(value) is not None and hasattr(value, "state_dict"):
-            return _optimizer_payload(value)
+            if id(value) not in done:  # (one optimizer held in two places: one state dict, held in both)
+                done[id(value)] = _optimizer_payload(value)
+            return done[id(value)]
         if not isinstance(value, (dict, list, tuple)) or depth >= MAX_DEPTH:
             return value
         key = id(value)
@@ -438,7 +441,9 @@ def _sniff(path: str) -> str:
 # A global the weights-only unpickler refused, as its messages name it (builtins lose their module there).
 # (the second: a class torch builds only when allowed, met as an object's class rather than by a GLOBAL opcode,
 # as numpy's dtype classes are: "Can only build Tensor, ... but got <class 'numpy.dtypes.Float64DType'>")
-_GLOBAL_RE = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)|but got <class '([\w.]+)'>")
+_GLOBAL_RE = re.compile(
+    r"GLOBAL (\S+) (?:was not an allowed global|whose module)|add_safe_globals`?,? but got <class '([\w.]+)'>"
+)
 _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 # Globals that run code or commands, reach the filesystem or the network, or call arbitrary functions: what a

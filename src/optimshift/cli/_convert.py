@@ -320,10 +320,14 @@ def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[[str, 
     link, the file it points at: the same folder, so the same filesystem), and only once every one converted,
     each renamed over its original with its permissions (a failure on one leaves all as they were). A
     read-only file is refused first, as ``save`` refuses to replace one."""
-    names = folder.optimizer_files
-    reals = [os.path.realpath(os.path.join(folder.path, name)) for name in names]
-    for real in reals:
-        mode = os.stat(real).st_mode
+    # (each real file once: two names linked to one file are one file to convert)
+    at = {os.path.realpath(os.path.join(folder.path, name)): name for name in reversed(folder.optimizer_files)}
+    reals, names = list(reversed(at)), list(reversed(at.values()))
+    for real, name in zip(reals, names):
+        try:
+            mode = os.stat(real).st_mode
+        except OSError as e:
+            return failure("convert", f"cannot read {os.path.join(folder.path, name)}: {e}", as_json=as_json, error=e)
         if not mode & 0o222:
             return failure(
                 "convert",

@@ -479,3 +479,59 @@ def test_zero_grad_while_a_non_blocking_offload_of_grads_is_in_flight(sim, seed,
         assert grads == [None, None]
     else:
         assert all(g is not None and not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("how", ["reload to a device", "move"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grads_given_back_by_a_non_blocking_move_are_ordered_before_they_are_read(sim, how, seed):
+    """``reload(opt, device, non_blocking=True)`` and ``move(opt, non_blocking=True)`` give offloaded grads back on
+    a side stream: the current stream waits for them at once, as after a plain reload (grads are read before
+    step(): clipping). Under the strictest schedule a clip right after raised StreamRaceError (found by a
+    new-user hunt)."""
+    from optimshift.testing import deferred_streams
+
+    model = torch.nn.Linear(4, 4).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with deferred_streams(seed, progress=0.0):
+        optimshift.offload(opt, include=("grads",))
+        if how == "move":
+            optimshift.move(opt, non_blocking=True)
+        else:
+            optimshift.reload(opt, sim, non_blocking=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert all(p.grad.device == sim for p in model.parameters())
+
+
+def test_a_second_offload_of_grads_refuses_a_grad_set_while_one_is_held(sim):
+    """A grad set while the param's offloaded grad is held, then offload(include=("grads",)) again: refused, as a
+    reload refuses it, before anything changes (the held grad was dropped silently; found by a new-user hunt)."""
+    model = torch.nn.Linear(4, 4).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    optimshift.offload(opt, include=("grads",))
+    model.weight.grad = torch.full_like(model.weight, 0.25)
+    with pytest.raises(ValueError, match=r"group 0, param 0.*got a new \.grad while its offloaded grad was held"):
+        optimshift.offload(opt, include=("grads",))
+    model.weight.grad = None
+    optimshift.reload(opt)
+    assert all(torch.equal(p.grad.cpu(), torch.ones_like(p).cpu()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("call", ["move", "offload", "reload"])
+def test_flags_that_are_not_bools_are_refused_by_name(sim, call):
+    """``non_blocking=1`` reached torch's copy_ ("argument 'non_blocking' must be bool, not int", naming neither
+    the optimizer nor the call); ``pin_memory="no"`` was taken as True. Refused, before anything changes."""
+    model = torch.nn.Linear(2, 2).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    fn = getattr(optimshift, call)
+    with pytest.raises(TypeError, match=rf"Adam: {call}: non_blocking must be a bool, got 1"):
+        fn(opt, non_blocking=1)
+    if call == "offload":
+        with pytest.raises(TypeError, match=r"pin_memory must be a bool or None, got 'no'"):
+            optimshift.offload(opt, pin_memory="no")
+    assert not optimshift.is_offloaded(opt)

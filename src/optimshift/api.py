@@ -88,6 +88,17 @@ def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
 
 
+def _check_flags(optimizer: Any, what: str, **flags: Any) -> None:
+    """TypeError, naming the optimizer and the call, for a flag that is not a bool (``pin_memory`` may be None):
+    torch's own error for ``non_blocking=1`` named neither, and ``pin_memory="no"`` read as True."""
+    for flag, value in flags.items():
+        if not isinstance(value, bool) and not (value is None and flag == "pin_memory"):
+            raise TypeError(
+                f"{optimizer_name(optimizer)}: {what}: {flag} must be a bool"
+                f"{' or None' if flag == 'pin_memory' else ''}, got {value!r}"
+            )
+
+
 def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") -> torch.device | None:
     if device is None:
         return None
@@ -178,6 +189,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     change. All or nothing.
     """
     check_optimizer(optimizer)
+    _check_flags(optimizer, "move", non_blocking=non_blocking)
     _mode.refuse(optimizer, "move")
     target = _resolve(device, optimizer)
     end_pending(optimizer)
@@ -193,6 +205,8 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         sides=True,
     )
     _give_grads_back(grads, copies)
+    if grads:
+        pending.order_before_use()  # grads are read before step() (clipping, scaling), as after a reload
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there
@@ -305,6 +319,7 @@ def offload(
     cannot; ``"auto"``: keeps them where the device can, else offloads as usual (one log line).
     """
     check_optimizer(optimizer)
+    _check_flags(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
     _mode.refuse(optimizer, "offload")
     include = (include,) if isinstance(include, str) else tuple(include)  # (include="grads": one name, not letters)
     unknown = [i for i in include if i not in _INCLUDE]
@@ -331,6 +346,12 @@ def offload(
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             record.param_devices.setdefault(id(p), p.device)
+            if "grads" in include and p.grad is not None and id(p) in record.grads:
+                raise ValueError(
+                    f"{optimizer_name(optimizer)}: {label_in(optimizer, gi, pi)} got a new .grad while its "
+                    f"offloaded grad was held; offloading it too would drop one of them. Set param.grad = None to "
+                    f"keep the offloaded one, or reload first; nothing was changed"
+                )
             if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
                 grads.append(((gi, pi), p))
 
@@ -437,6 +458,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     overlaps with it (offloaded grads, read before ``step()``, are waited for at once).
     """
     check_optimizer(optimizer)
+    _check_flags(optimizer, "reload", non_blocking=non_blocking)
     _mode.refuse(optimizer, "reload")
     target = _resolve(device, optimizer)
     end_pending(optimizer)

@@ -226,63 +226,14 @@ def set_record(optimizer: Any, record: Record) -> None:
 def _install_hooks(optimizer: Any) -> list[Any]:
     """While offloaded: ``step()`` refuses at once (before any counter moves), and ``state_dict()`` returns
     compact copies of the host tensors instead of views into shared pool buffers."""
-    slots = [
-        hook_slot(optimizer, "refuse step", "register_step_pre_hook", _refuse_step),
-        hook_slot(optimizer, "compact state_dict", "register_state_dict_post_hook", compact_state_dict),
-    ]
-    return [slot for slot in slots if slot is not None]
-
-
-def _idle(*_: Any) -> None:
-    """A hook slot's function while it guards nothing."""
-    return None
-
-
-class HookSlot:
-    """One hook optimshift keeps on an optimizer: registered the first time it is needed, then switched between
-    its function and :func:`_idle` by assigning its entry in the hook table, never adding or deleting one.
-
-    # NOTE: torch iterates a hook table while it calls the hooks, and adding or deleting an entry there raises (a
-    # reload run from a step pre-hook, which drops the offload's refusal and may add the wait for its copies).
-    # A compiled step also guards on how many step pre-hooks there are: switching keeps that number, so an
-    # offload/reload loop recompiles it at most once, when the slots first appear.
-    """
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def table(self) -> Any:
-        """The hook table holding this slot's entry, or None if it is gone (the table, or the entry removed)."""
-        table = self.handle.hooks_dict_ref()
-        return table if table is not None and self.handle.id in table else None
-
-    def on(self, fn: Callable[..., Any]) -> None:
-        table = self.table()
-        if table is not None:
-            table[self.handle.id] = fn
-
-    def remove(self) -> None:
-        """Guard nothing (the entry stays, idle)."""
-        self.on(_idle)
-
-
-def hook_slot(optimizer: Any, role: str, register: str, fn: Callable[..., Any]) -> HookSlot | None:
-    """The optimizer's slot for ``role`` (registered with its method ``register`` the first time, or again if
-    someone removed it), now running ``fn``; None for an optimizer without that method or a session."""
-    session = _session.get(optimizer)
-    method = getattr(optimizer, register, None)
-    if session is None or method is None:
-        return None
-    with _lock:
-        slot = session.hooks.get(role)
-    if slot is None or slot.table() is None:
-        slot = HookSlot(method(_idle))
-        with _lock:
-            session.hooks[role] = slot
-    slot.on(fn)
-    return slot
+    handles = []
+    register_pre = getattr(optimizer, "register_step_pre_hook", None)
+    if register_pre is not None:
+        handles.append(register_pre(_refuse_step))
+    register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
+    if register_sd is not None:
+        handles.append(register_sd(compact_state_dict))
+    return handles
 
 
 _MISSING = object()
@@ -452,13 +403,17 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
     """Keep a transfer still in flight, and make the optimizer's next ``step()``, ``state_dict()`` and
     ``load_state_dict()`` wait for it first (see :meth:`PendingTransfer.order_before_use`).
 
-    # NOTE: one pre-hook of each kind per optimizer (a :class:`HookSlot`), which waits for whatever is pending when
-    # it runs. Once they have waited they do nothing until the next optimshift operation on this optimizer idles
-    # them (``end_pending``).
+    # NOTE: one pre-hook of each kind per optimizer, which waits for whatever is pending when it runs. They
+    # cannot remove themselves: torch iterates its hook dict while calling the hooks, and deleting from it
+    # there raises as soon as another hook follows. Once they have waited they do nothing until the next
+    # optimshift operation on this optimizer removes them (``end_pending``).
     """
     if pending.done():
         return
-    registers = ("register_step_pre_hook", "register_state_dict_pre_hook", "register_load_state_dict_pre_hook")
+    registers = [
+        getattr(optimizer, name, None)
+        for name in ("register_step_pre_hook", "register_state_dict_pre_hook", "register_load_state_dict_pre_hook")
+    ]
     session = _session.get(optimizer)
     if session is None:  # an optimizer that cannot be weakly referenced: nothing can remember it, wait now
         pending.wait()
@@ -468,13 +423,13 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         hooked = bool(session.guards)
     if hooked:
         return
-    if any(getattr(optimizer, register, None) is None for register in registers):  # not a torch.optim.Optimizer
+    if any(register is None for register in registers):  # not a torch.optim.Optimizer: nothing can guard it
         end_pending(optimizer)
         pending.wait()
         return
-    slots = [hook_slot(optimizer, f"wait ({register})", register, _wait_before_use) for register in registers]
+    handles = [register(_wait_before_use) for register in registers if register is not None]
     with _lock:
-        session.guards = [slot for slot in slots if slot is not None]
+        session.guards = handles
 
 
 def _wait_before_use(optimizer: Any, *_: Any) -> None:

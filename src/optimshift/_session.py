@@ -34,7 +34,6 @@ class Session:
     record: Any = None  # _offload.Record while offloaded
     pending: Any = None  # _offload.PendingTransfer while a non-blocking transfer may be in flight
     guards: list[Any] = field(default_factory=list)  # handles of the pre-hooks that wait for ``pending``
-    hooks: dict[str, Any] = field(default_factory=dict)  # _offload.HookSlot by role: registered once, switched
     mode: weakref.ref[Any] | None = None  # its _mode.Mode (weak: the optimizer keeps its mode alive)
     # group tensors (tensor lr, betas) a move took to the host from an accelerator: where they came from, so that
     # a move back puts them on the device side again, as a fresh optimizer given them there would hold them

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 import optimshift
@@ -46,3 +47,22 @@ def test_trace_names_the_line_outside_torch_and_the_line_inside_it(sim):
     assert site.startswith(os.path.join("tests", "test_syncs.py") + ":") and "test_trace" in site and n == 2
     ((origin, _),) = syncs.by_origin.items()
     assert origin.startswith("torch/optim/"), origin
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_a_non_blocking_offload_is_no_host_sync(sim, non_blocking):
+    """A non-blocking offload's device-to-host copies run on a side stream and the host reads them only once their
+    event completed: ``async_copies``, not a sync (it was counted as ``copy_to_host``; found by a new-user hunt).
+    The blocking one waits: a sync."""
+    model = torch.nn.Linear(64, 64).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with optimshift.count_syncs() as counted:
+        optimshift.offload(opt, non_blocking=non_blocking)
+    if non_blocking:
+        assert counted.total == 0 and counted.async_copies > 0
+    else:
+        assert counted.by_op["copy_to_host"] > 0 and counted.async_copies == 0
+    optimshift.reload(opt)

@@ -40,6 +40,7 @@ from ._errors import add_note
 from ._plan import Plan, Transfer
 from ._state import GROUP_SKIP, Setter, rebuild
 from .pool import host_pool
+from .syncs import async_copies
 
 __all__ = [
     "Copies",
@@ -492,7 +493,10 @@ def _run_on_side_stream(
     on = Side(streams, side, streams.current(device))
     queued = copy_into(into, side=on, describe=placed_site) if into else set()
     try:
-        batch = copy_items(items, options, describe=describe, side=on, together=together)
+        # (an offload's host views are read once its event completed: the host does not wait for these copies
+        # here, and optimshift.count_syncs lists them apart from syncs)
+        with async_copies(options.keep_host_views):
+            batch = copy_items(items, options, describe=describe, side=on, together=together)
     except BaseException:
         synchronize(queued)  # (a queued copy writes the caller's destinations: done before they are freed)
         raise

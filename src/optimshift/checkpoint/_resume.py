@@ -86,21 +86,14 @@ def load_state_dict(
     ``initial_accumulator_value``, SparseAdam's ``maximize``); both are read from the installed torch.
     Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run as in PyTorch.
     """
-    return _load(optimizer, state_dict, device=device, flags=flags, copy=copy, cast=cast)
+    return _load(optimizer, state_dict, device, flags, copy, cast, as_torch=False)
 
 
 def _load(
-    optimizer: Opt,
-    state_dict: Mapping[str, Any],
-    *,
-    device: DeviceLike | None = None,
-    flags: str = "live",
-    copy: bool = True,
-    cast: str | None = None,
-    as_torch: bool = False,
+    optimizer: Opt, state_dict: Mapping[str, Any], device: Any, flags: str, copy: bool, cast: Any, *, as_torch: bool
 ) -> Opt:
-    """:func:`load_state_dict`; ``as_torch``: where keeping a saved dtype would leave state the step refuses
-    (:class:`CastNeeded`), PyTorch's cast instead, decided after the pre-hooks ran once."""
+    """:func:`load_state_dict` (its options as it takes them); ``as_torch``: where keeping a saved dtype would leave
+    state the step refuses (:class:`CastNeeded`), PyTorch's cast instead, decided after the pre-hooks ran once."""
     receiver = _receiver(optimizer)
     name = optimizer_name(receiver)
     if flags not in _FLAG_MODES:
@@ -196,7 +189,7 @@ def load_as_torch_would(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
     """A framework's resume through :func:`load_state_dict`, where the framework called torch's: the
     checkpoint's dtypes kept, or, where the step would refuse one (an fp32 checkpoint resumed with bf16 params),
     PyTorch's cast to the params' dtype, as the resume does unpatched (the framework passes no ``cast``)."""
-    _load(optimizer, state_dict, as_torch=True)
+    _load(optimizer, state_dict, None, "live", True, None, as_torch=True)  # (load_state_dict's defaults)
 
 
 def can_load(optimizer: Any) -> bool:

@@ -18,6 +18,7 @@ Python overhead), every figure against baselines run in the same process, becaus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -630,7 +631,8 @@ def _write_out(out: str, result: dict[str, Any]) -> None:
             os.replace(tmp, target)
         _atomic.fsync_dir(os.path.dirname(target))
     except BaseException:
-        _atomic._unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     finally:
         _atomic.release_temp(tmp)

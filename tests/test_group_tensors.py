@@ -301,3 +301,34 @@ def test_a_host_lr_stays_on_the_host(sim):
     optimshift.offload(opt)
     optimshift.reload(opt, sim)
     assert opt.param_groups[0]["lr"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_an_offloaded_device_lr_is_judged_where_reload_puts_it(sim, cls, kwargs):
+    """check() of an offloaded optimizer judges a group tensor from the side reload() puts it on: no finding
+    before, during or after (it warned that the host lr it waits on belonged there)."""
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    assert not optimshift.check(opt).findings
+    optimshift.offload(opt)
+    assert opt.param_groups[0]["lr"].device.type == "cpu"
+    assert [f.severity for f in optimshift.check(opt).findings] == ["info"]  # (only: offloaded on purpose)
+    optimshift.reload(opt)
+    assert opt.param_groups[0]["lr"].device == sim and not optimshift.check(opt).findings
+
+
+@pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_a_group_added_while_offloaded_sharing_the_lr_comes_back_with_it(sim, cls, kwargs):
+    """torch's add_param_group fills a new group's lr from the defaults: the very tensor group 0 holds. Added
+    while offloaded, reload() put group 0's where it was and the new group's by where it waited (the host), and
+    refused the one tensor for two devices: the optimizer stayed offloaded, step() refused."""
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    extra = torch.nn.Parameter(torch.randn(3, device=sim))
+    optimshift.offload(opt)
+    opt.add_param_group({"params": [extra]})
+    assert opt.param_groups[1]["lr"] is opt.param_groups[0]["lr"]
+    assert [f.severity for f in optimshift.check(opt).findings] == ["info"]
+    optimshift.reload(opt)
+    assert opt.param_groups[1]["lr"] is opt.param_groups[0]["lr"]
+    assert opt.param_groups[0]["lr"].device == _fresh_lr_device(sim, cls, kwargs)
+    assert not optimshift.check(opt).findings
+    _step(opt, [*params, extra], 2)

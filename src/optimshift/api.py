@@ -42,7 +42,7 @@ from ._plan import (
     optimizer_name,
     policy_target,
 )
-from ._state import group_device, label_in, unwrap
+from ._state import group_device, group_tensors, label_in, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [
@@ -415,11 +415,20 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
     by_policy = policy_target(optimizer, None)
     sites = record.sites(optimizer)  # (named by today's positions)
+    # a group tensor at a site the record does not know (a group added while offloaded) that is one the record
+    # knows elsewhere (torch's add_param_group fills a new group from the defaults: the same tensor lr) goes
+    # where that one goes: it is one tensor
+    known = {
+        id(t): sites[where]
+        for gi, group in enumerate(optimizer.param_groups)
+        for path, t in group_tensors(group)
+        if (where := (gi, None, path)) in sites
+    }
 
     def back(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
-        was = sites.get(ident)
+        was = sites.get(ident) if param is not None else sites.get(ident, known.get(id(tensor)))
         if param is None and was is not None and _group_moved(record, group):
             # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
             # the params' new device, on the side they were given on
@@ -610,7 +619,6 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     streamed_mode = _mode.mode_of(optimizer) is not None
     if streamed_mode:
         target = _mode.hosted(target)
-    plan = build_plan(optimizer, target)
     report = Report(name, rows=placement(optimizer))
     record = None if streamed_mode else record_of(optimizer)
     offloaded = record is not None and record.moved_any
@@ -620,6 +628,10 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         for tr in build_plan(optimizer, _reload_target(optimizer, record)).transfers:
             back[tr.ident] = tr.target
             hosted += tr.tensor.device.type == "cpu" and tr.target.type != "cpu"
+        # a group tensor is judged from the side reload() puts it on, not from the host it waits on
+        sides = {ident: d for ident, d in back.items() if ident[1] is None and d.type != "cpu"}
+        target = _policy.Placer(optimizer, None, {**_session.of(optimizer).group_sides, **sides})
+    plan = build_plan(optimizer, target)
     guessed: dict[str, None] = {}  # why the default rule was used, each reason once, in order
     for tr in plan.transfers:
         if tr.source == "default" and tr.param is not None:

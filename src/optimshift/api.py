@@ -630,7 +630,8 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             hosted += tr.tensor.device.type == "cpu" and tr.target.type != "cpu"
         # a group tensor is judged from the side reload() puts it on, not from the host it waits on
         sides = {ident: d for ident, d in back.items() if ident[1] is None and d.type != "cpu"}
-        target = _policy.Placer(optimizer, None, {**_session.of(optimizer).group_sides, **sides})
+        session = _session.of(optimizer)
+        target = _policy.Placer(optimizer, None, {**(session.group_sides if session else {}), **sides})
     plan = build_plan(optimizer, target)
     guessed: dict[str, None] = {}  # why the default rule was used, each reason once, in order
     for tr in plan.transfers:

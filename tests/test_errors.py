@@ -81,6 +81,23 @@ def test_rebind_checks_count_and_shapes_first():
     assert [p for p in opt.param_groups[0]["params"]] == params
 
 
+def test_rebind_refuses_a_non_leaf_param_and_a_dtype_its_state_does_not_fit():
+    """A non-leaf tensor never gets a .grad (torch refuses to build an optimizer over one), and fp32 state under a
+    bf16 param failed the next step: both were accepted, with nothing said."""
+    params, opt = _adam()
+    before = _snapshot(opt)
+    leaf = torch.nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="group 0, param 1 is not a leaf tensor"):
+        optimshift.rebind(opt, [params[0], leaf * 2, params[2]])
+    bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
+    with pytest.raises(ValueError, match=r"group 0, param 0 is float32, the new param bfloat16: .*cast=\"param\""):
+        optimshift.rebind(opt, bf16)
+    assert _snapshot(opt) == before and opt.param_groups[0]["params"] == params
+    fresh = torch.optim.Adam(params)  # (no state yet: a param of another dtype takes nothing it could not fit)
+    optimshift.rebind(fresh, bf16)
+    assert fresh.param_groups[0]["params"] == bf16
+
+
 def test_rebind_repoints_groups_and_state():
     params, opt = _adam()
     new = [torch.nn.Parameter(p.detach().clone()) for p in params]

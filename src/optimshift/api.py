@@ -809,6 +809,15 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
             raise ValueError(
                 f"{name}: rebind: group {gi}, param {pi} has shape {tuple(p.shape)}, the new param {tuple(q.shape)}"
             )
+        if not q.is_leaf:  # (torch's own refusal, where the optimizer is built: no .grad would ever be filled)
+            raise ValueError(f"{name}: rebind: the new param for group {gi}, param {pi} is not a leaf tensor")
+        if q.dtype != p.dtype and optimizer.state.get(p):
+            raise ValueError(
+                f"{name}: rebind: group {gi}, param {pi} is {dtype_name(p.dtype)}, the new param "
+                f"{dtype_name(q.dtype)}: its state, kept for {dtype_name(p.dtype)}, would not fit the step. Load it "
+                f"with the new dtype instead (optimshift.load_state_dict(optimizer, state_dict, cast=\"param\") on "
+                f"an optimizer over the new params); nothing was changed"
+            )
         if id(q) in seen:
             raise ValueError(f"{name}: rebind: the new param for group {gi}, param {pi} is given twice")
         seen.add(id(q))

@@ -815,7 +815,7 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
             raise ValueError(
                 f"{name}: rebind: group {gi}, param {pi} is {dtype_name(p.dtype)}, the new param "
                 f"{dtype_name(q.dtype)}: its state, kept for {dtype_name(p.dtype)}, would not fit the step. Load it "
-                f"with the new dtype instead (optimshift.load_state_dict(optimizer, state_dict, cast=\"param\") on "
+                f'with the new dtype instead (optimshift.load_state_dict(optimizer, state_dict, cast="param") on '
                 f"an optimizer over the new params); nothing was changed"
             )
         if id(q) in seen:

@@ -32,6 +32,25 @@ def test_counts_items_copies_and_data_dependent_ops(sim):
     assert y.device == sim
 
 
+def test_boolean_mask_indexing_counts_as_the_nonzero_it_runs(sim):
+    """``x[mask]`` and ``x[mask] = v`` take the mask's nonzero positions (a host sync on CUDA, like
+    ``masked_select``); only the outer op reaches a dispatch mode, and it was not counted. Integer and slice
+    indexing, and ``torch.where``, read nothing on the host."""
+    x = torch.randn(10).to(sim)
+    mask = x > 0
+    with optimshift.count_syncs() as syncs:
+        x[mask]
+        x[mask] = 0.0
+        x[mask.to(torch.uint8).bool()] += 1
+    assert syncs.by_op == {"index": 2, "index_put_": 2}  # (x[m] += 1: a read and a write)
+    with optimshift.count_syncs() as syncs:
+        x[torch.tensor([1, 2]).to(sim)] = 1.0
+        x[torch.tensor([1, 2]).to(sim)]
+        x[1:3]
+        torch.where(mask, x, 0.0)
+    assert syncs.total == 0
+
+
 def test_trace_names_the_line_outside_torch_and_the_line_inside_it(sim):
     params = [torch.nn.Parameter(torch.randn(3, device=sim)) for _ in range(2)]
     opt = torch.optim.Adam(params, foreach=False)

@@ -2,7 +2,8 @@
 
 A host sync is an operation that makes the CPU wait for an accelerator: reading a device scalar
 (``.item()``, ``float(t)``, ``if t:`` — all ``aten._local_scalar_dense``), copying a device tensor to the
-host, or an op whose output size depends on device data (``nonzero``, ``masked_select``, ``unique``…).
+host, or an op whose output size depends on device data (``nonzero``, ``masked_select``, ``unique``…, and
+indexing by a boolean mask: ``x[mask]``, ``x[mask] = v``).
 :func:`count_syncs` sees them through a ``TorchDispatchMode``, so it works the same on CUDA, on the simulated
 accelerator and on any other backend, and reports zero for CPU-only work. With ``trace=True`` it also names the
 line of your code (the first frame outside torch) that caused each one.
@@ -12,7 +13,8 @@ they go non-blocking into pinned memory, and the host does not wait for them) ar
 ``SyncCount.async_copies``, not as syncs.
 
 Limits: explicit waits that do not go through the dispatcher (``torch.cuda.synchronize()``, event waits) are
-not counted, and code under ``torch.compile`` is counted as the ops its graph runs eagerly.
+not counted, code under ``torch.compile`` is counted as the ops its graph runs eagerly, and printing a device
+tensor (``repr``: torch formats it with dispatch modes off) is not counted.
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ _DATA_DEPENDENT = {
     "bincount",
     "repeat_interleave",
 }
+# Indexing ops that take a boolean mask by its nonzero positions (an output or write of data-dependent size).
+_MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+def _holds_mask(indices: Any) -> bool:
+    return isinstance(indices, (list, tuple)) and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+    )
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
 # torch's own wrappers between an op and the code that called it: never the interesting line.
@@ -147,6 +159,8 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
                     self._copy_to_host(src.device)
         elif name in _DATA_DEPENDENT and _is_device(first):
             self._record(name, first.device)
+        elif name in _MASK_INDEXED and _is_device(first) and len(args) >= 2 and _holds_mask(args[1]):
+            self._record(name, first.device)  # (x[mask], x[mask] = v: a nonzero of the mask inside)
         return func(*args, **kwargs)
 
 

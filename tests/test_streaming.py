@@ -439,6 +439,34 @@ def test_params_that_move_and_groups_added_while_streamed(sim):
     assert state_layout(opt) == state_layout(ref)
 
 
+def test_stream_places_group_tensors_as_a_move_does(sim):
+    """A tensor lr given on the device, which Adam(foreach=False) reads on the host each step: stream() left it
+    there (a host sync per streamed step, and check() said so right after stream()); move() puts it on the host.
+    Now stream() places a group's tensors by the same plan, the same objects, and a group added while streamed
+    has its own placed at its first step's layout."""
+    lr = torch.tensor(0.01, device=sim)
+    p = torch.nn.Parameter(torch.randn(4, device=sim))
+    opt = torch.optim.Adam([{"params": [p], "lr": lr}], foreach=False)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    optimshift.stream(opt, chunk_bytes=16)
+    assert opt.param_groups[0]["lr"] is lr and lr.device.type == "cpu"
+    assert not optimshift.check(opt).findings
+    with optimshift.count_syncs() as syncs:
+        opt.step()
+    assert syncs.total == 0
+    q = torch.nn.Parameter(torch.randn(4, device=sim))
+    betas = (torch.tensor(0.9, device=sim), torch.tensor(0.99, device=sim))
+    opt.add_param_group({"params": [q], "lr": torch.tensor(0.02, device=sim), "betas": betas})
+    q.grad = torch.ones_like(q)
+    opt.step()  # (its first step makes its state, which is laid out after it, with the group's tensors)
+    assert [t.device.type for t in (opt.param_groups[1]["lr"], *betas)] == ["cpu"] * 3
+    assert opt.param_groups[1]["betas"][0] is betas[0]
+    with optimshift.count_syncs() as syncs:
+        opt.step()
+    assert syncs.total == 0 and not optimshift.check(opt).findings
+
+
 # --- the copy-stream protocol under the simulator's deferred, race-checked streams -------------------------------
 #
 # The streamed step's copy stream is a simulated stream (through optimshift._device_streams): its copies are queued and

@@ -199,20 +199,19 @@ class Streamed:
         """Put the state of ``members`` where streaming keeps it, as every operation does (plan, copy, commit):
         the plan places each entry (the session's ``Placer``); one that belongs on an accelerator is copied into
         its place in a new chunk's host buffer (``engine.run(into=...)``, on this device's lane), one that belongs
-        on the host onto the host; ``engine.commit`` installs them, all or nothing. ``wait``: the host waits for
-        the copies here (else the next step's loads, on the same lane, are ordered after them)."""
+        on the host onto the host, a group's tensors where the plan places them (as a move does);
+        ``engine.commit`` installs them, all or nothing. ``wait``: the host waits for the copies here (else the
+        next step's loads, on the same lane, are ordered after them)."""
         opt = self.optimizer
         state = opt.state
         held = {p: state[p] for _, p in members if state.get(p)}
         plan = build_plan(opt, policy_target(opt, None), state=held)
-        kept: list[Transfer] = []  # entries that belong on the host (the engine copies those not there)
+        kept: list[Transfer] = []  # bound for the host, and group tensors (the engine copies those not there)
         by_param: dict[int, list[Transfer]] = {}  # id(param) -> its entries that belong on an accelerator
         buckets: dict[tuple[int, torch.device], list[Item]] = {}
         for tr in plan.transfers:
             gi, pi, path = tr[0]
-            if pi is None:  # (a group's tensors stay where they are)
-                continue
-            if tr[4].type in _HOSTS:
+            if pi is None or tr[4].type in _HOSTS:  # (a group's tensors go where the plan places them, as a move's)
                 kept.append(tr)
                 continue
             p = cast(torch.Tensor, tr[3])

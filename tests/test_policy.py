@@ -307,3 +307,24 @@ def test_a_subclass_inheriting_adamws_step_is_separable_whoever_was_built_first(
     assert getattr(MyAdamW.__dict__["step"], "hooked", False) and "step" not in O.AdamW.__dict__
     assert policy.same_step(MyAdamW, O.AdamW)
     assert policy.separable(MyAdamW) == (True, "torch.optim")
+
+
+def test_fused_sgd_over_a_0_dim_param_has_a_known_rule(sim, caplog):
+    """A probe of fused SGD cannot run (aten._fused_sgd_ has no fake kernel): over a 0-dim param its 0-dim
+    momentum_buffer fell to the default rule, and check() said no rule was known for a torch.optim class. The
+    table's entry is what a probe of the unfused class observes."""
+    p = torch.nn.Parameter(torch.zeros(()))
+    group = torch.optim.SGD([p], lr=0.1, momentum=0.9).param_groups[0]
+    observed = _probe.probe(torch.optim.SGD, group, 0)
+    assert observed is not None and observed.state == {"momentum_buffer": True}
+    assert policy._table_rule(torch.optim.SGD, group, "momentum_buffer", torch.zeros(())) is True
+    p = torch.nn.Parameter(torch.randn((), device=sim))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    with caplog.at_level("WARNING", logger="optimshift"):
+        assert not optimshift.check(opt).findings
+    assert "no placement rule" not in caplog.text
+    optimshift.move(opt, "cpu")
+    optimshift.move(opt, sim)
+    assert opt.state[p]["momentum_buffer"].device == sim

@@ -204,6 +204,8 @@ _TABLE: dict[str, dict[str, tuple[str, ...]]] = {
     "ASGD": {"step": _ALWAYS, "eta": _ALWAYS, "mu": _ALWAYS},
     "Adafactor": {"step": ()},
     "LBFGS": {"t": _EITHER},
+    # (a clone of the grad; a probe of fused=True cannot run: aten._fused_sgd_ has no fake kernel)
+    "SGD": {"momentum_buffer": _ALWAYS},
 }
 
 

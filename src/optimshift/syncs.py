@@ -50,10 +50,30 @@ _DATA_DEPENDENT = {
 _MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}
 
 
-def _holds_mask(indices: Any) -> bool:
-    return isinstance(indices, (list, tuple)) and any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+def _takes_nonzero(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an indexing op takes a boolean mask's positions. ATen writes one host scalar through one mask on
+    the tensor's device as ``masked_fill_`` instead (``x[mask] = 0``, as torch's Rprop does: no sync).
+
+    # NOTE: one value through one mask is taken for that case on any device: for a CUDA tensor, Python makes
+    # ``x[mask] = 0``'s value on the host, for any other device (the simulator's) on that device, where the
+    # dispatcher cannot tell it from a device scalar given on purpose (a sync on CUDA, not counted)."""
+    indices = args[1] if isinstance(args[1], (list, tuple)) else ()
+    masks = [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+    if not masks:
+        return False
+    if name == "index":
+        return True
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    filled = (
+        not accumulate
+        and isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and len(masks) == 1
+        and all(i is None or i is masks[0] for i in indices)
+        and masks[0].device == args[0].device
     )
+    return not filled
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -159,7 +179,7 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
                     self._copy_to_host(src.device)
         elif name in _DATA_DEPENDENT and _is_device(first):
             self._record(name, first.device)
-        elif name in _MASK_INDEXED and _is_device(first) and len(args) >= 2 and _holds_mask(args[1]):
+        elif name in _MASK_INDEXED and _is_device(first) and len(args) >= 2 and _takes_nonzero(name, args, kwargs):
             self._record(name, first.device)  # (x[mask], x[mask] = v: a nonzero of the mask inside)
         return func(*args, **kwargs)
 

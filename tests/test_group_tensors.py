@@ -332,3 +332,22 @@ def test_a_group_added_while_offloaded_sharing_the_lr_comes_back_with_it(sim, cl
     assert opt.param_groups[0]["lr"].device == _fresh_lr_device(sim, cls, kwargs)
     assert not optimshift.check(opt).findings
     _step(opt, [*params, extra], 2)
+
+
+@pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_a_shared_lr_follows_its_groups_params_that_moved_while_offloaded(sim, cls, kwargs):
+    """The same, with group 0's params moved while offloaded: the one lr goes where group 0's goes (its params'
+    new device), for the new group too (it went to its recorded device: two places for one tensor)."""
+    sim1 = torch.device(sim.type, 1)
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    optimshift.offload(opt)
+    for p in params:
+        p.data = p.data.to(sim1)
+    extra = torch.nn.Parameter(torch.randn(3, device=sim1))
+    opt.add_param_group({"params": [extra]})
+    assert [f.severity for f in optimshift.check(opt).findings] == ["info"]
+    optimshift.reload(opt)
+    assert opt.param_groups[1]["lr"] is opt.param_groups[0]["lr"]
+    assert opt.param_groups[0]["lr"].device == _fresh_lr_device(sim1, cls, kwargs) == sim1
+    assert not optimshift.check(opt).findings
+    _step(opt, [*params, extra], 2)

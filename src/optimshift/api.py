@@ -417,9 +417,9 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     sites = record.sites(optimizer)  # (named by today's positions)
     # a group tensor at a site the record does not know (a group added while offloaded) that is one the record
     # knows elsewhere (torch's add_param_group fills a new group from the defaults: the same tensor lr) goes
-    # where that one goes: it is one tensor
+    # where that one goes, as that site's: it is one tensor
     known = {
-        id(t): sites[where]
+        id(t): (where, group)
         for gi, group in enumerate(optimizer.param_groups)
         for path, t in group_tensors(group)
         if (where := (gi, None, path)) in sites
@@ -428,7 +428,10 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     def back(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
-        was = sites.get(ident) if param is not None else sites.get(ident, known.get(id(tensor)))
+        if param is None and ident not in sites and id(tensor) in known:
+            ident, group = known[id(tensor)]
+            key = ident[2][0][1]
+        was = sites.get(ident)
         if param is None and was is not None and _group_moved(record, group):
             # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
             # the params' new device, on the side they were given on

@@ -82,20 +82,35 @@ def test_rebind_checks_count_and_shapes_first():
 
 
 def test_rebind_refuses_a_non_leaf_param_and_a_dtype_its_state_does_not_fit():
-    """A non-leaf tensor never gets a .grad (torch refuses to build an optimizer over one), and fp32 state under a
-    bf16 param failed the next step: both were accepted, with nothing said."""
+    """A non-leaf tensor never gets a .grad (torch refuses to add one to an optimizer, unless it retains its grad
+    or the optimizer is differentiable), and fp32 Adam moments under a bf16 param failed the next step: both were
+    accepted, with nothing said. A dtype the step takes (SGD's fp32 momentum under bf16 params) is rebound."""
     params, opt = _adam()
     before = _snapshot(opt)
     leaf = torch.nn.Parameter(torch.zeros(4, 3))
-    with pytest.raises(ValueError, match="group 0, param 1 is not a leaf tensor"):
+    with pytest.raises(ValueError, match="group 0, param 1 is a non-leaf tensor"):
         optimshift.rebind(opt, [params[0], leaf * 2, params[2]])
     bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
-    with pytest.raises(ValueError, match=r"group 0, param 0 is float32, the new param bfloat16: .*cast=\"param\""):
+    with pytest.raises(ValueError, match=r"param 0 is bfloat16, and a step rejects its state 'exp_avg' in float32"):
         optimshift.rebind(opt, bf16)
     assert _snapshot(opt) == before and opt.param_groups[0]["params"] == params
-    fresh = torch.optim.Adam(params)  # (no state yet: a param of another dtype takes nothing it could not fit)
+    fresh = torch.optim.Adam(params)  # (no state yet: nothing to refuse)
     optimshift.rebind(fresh, bf16)
     assert fresh.param_groups[0]["params"] == bf16
+    sgd_params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    sgd = torch.optim.SGD(sgd_params, lr=0.1, momentum=0.9)
+    for p in sgd_params:
+        p.grad = torch.randn_like(p)
+    sgd.step()
+    sgd_bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in sgd_params]
+    optimshift.rebind(sgd, sgd_bf16)  # (its step takes fp32 momentum with bf16 params)
+    for p in sgd_bf16:
+        p.grad = torch.randn_like(p)
+    sgd.step()
+    kept = torch.randn(4, 3, requires_grad=True) * 2
+    kept.retain_grad()
+    optimshift.rebind(sgd, [kept, sgd_params[1]])
+    assert sgd.param_groups[0]["params"][0] is kept
 
 
 def test_rebind_repoints_groups_and_state():

@@ -18,7 +18,7 @@ from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
-from ._dtypes import dtype_findings, dtype_name
+from ._dtypes import dtype_findings, dtype_name, entry_dtypes, rejected_dtypes
 from ._errors import add_note, with_article
 from ._offload import (
     PendingTransfer,
@@ -765,6 +765,26 @@ def _explain(
     return "warning", f"a fresh {name} keeps it on {expected}", None
 
 
+def _refuse_dtypes(optimizer: Any, gi: int, pi: int, old: torch.Tensor, new: torch.Tensor) -> None:
+    """ValueError where the step of a torch.optim class refuses ``old``'s state under ``new``, a param of another
+    dtype (fp32 Adam moments under bf16 params; SGD's fp32 momentum is taken), as check() would find after."""
+    state, base = optimizer.state.get(old), _policy.builtin_base(type(optimizer))
+    if not isinstance(state, Mapping) or not state or base is None:
+        return
+    group = optimizer.param_groups[gi]
+    own = {id(t) for _, t in group_tensors(group)}
+    rejected = rejected_dtypes(base, group, new, entry_dtypes(state, own))
+    if rejected:
+        r = rejected[0]
+        raise ValueError(
+            f"{optimizer_name(optimizer)}: rebind: the new param for group {gi}, param {pi} is "
+            f"{dtype_name(new.dtype)}, and a step rejects its state {r.key!r} in {dtype_name(r.dtype)} with it "
+            f"({r.error.splitlines()[0]}); a fresh {base.__name__} keeps it as {dtype_name(r.fresh)}. Load the state "
+            f"with optimshift.load_state_dict(..., cast='param') on an optimizer over the new params; nothing was "
+            f"changed"
+        )
+
+
 def _position(optimizer: Any, n: int) -> str:
     """Param ``n`` of the optimizer, counted across its groups in order, as ``group g, param i``."""
     for gi, group in enumerate(optimizer.param_groups):
@@ -812,15 +832,11 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
             raise ValueError(
                 f"{name}: rebind: group {gi}, param {pi} has shape {tuple(p.shape)}, the new param {tuple(q.shape)}"
             )
-        if not q.is_leaf:  # (torch's own refusal, where the optimizer is built: no .grad would ever be filled)
-            raise ValueError(f"{name}: rebind: the new param for group {gi}, param {pi} is not a leaf tensor")
-        if q.dtype != p.dtype and optimizer.state.get(p):
-            raise ValueError(
-                f"{name}: rebind: group {gi}, param {pi} is {dtype_name(p.dtype)}, the new param "
-                f"{dtype_name(q.dtype)}: its state, kept for {dtype_name(p.dtype)}, would not fit the step. Load it "
-                f'with the new dtype instead (optimshift.load_state_dict(optimizer, state_dict, cast="param") on '
-                f"an optimizer over the new params); nothing was changed"
-            )
+        if not (q.is_leaf or q.retains_grad) and not getattr(optimizer, "defaults", {}).get("differentiable"):
+            # (torch's own refusal where a group is added: its .grad would never be filled)
+            raise ValueError(f"{name}: rebind: the new param for group {gi}, param {pi} is a non-leaf tensor")
+        if q.dtype != p.dtype:
+            _refuse_dtypes(optimizer, gi, pi, p, q)
         if id(q) in seen:
             raise ValueError(f"{name}: rebind: the new param for group {gi}, param {pi} is given twice")
         seen.add(id(q))

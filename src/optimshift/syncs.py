@@ -59,7 +59,7 @@ def _takes_nonzero(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     # dispatcher cannot tell it from a device scalar given on purpose (a sync on CUDA, not counted)."""
     indices = args[1] if isinstance(args[1], (list, tuple)) else ()
     masks = [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
-    if not masks:
+    if not any(map(_is_device, masks)):  # (a mask on the host: its positions are read there)
         return False
     if name == "index":
         return True

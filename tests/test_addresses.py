@@ -309,6 +309,24 @@ def test_state_created_later_joins_at_the_next_reload(sim, driver):
     assert _where(opt) == joined
 
 
+def test_a_group_added_while_offloaded_sharing_the_lr_keeps_its_address(sim, driver):
+    """torch's add_param_group fills a new group's lr from the defaults: the kept lr tensor, now at a site the
+    layout did not know. It took a new slot (a new address under a captured graph); it keeps its own."""
+    params = [torch.nn.Parameter(torch.randn(64, 64, device=sim)), torch.nn.Parameter(torch.randn(64, device=sim))]
+    opt = torch.optim.Adam(params, lr=torch.tensor(0.01, device=sim), capturable=True, foreach=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    optimshift.keep_addresses(opt)
+    lr = opt.param_groups[0]["lr"]
+    kept, at = _where(opt), lr.data_ptr()
+    optimshift.offload(opt, keep_addresses=True)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, device=sim))]})
+    optimshift.reload(opt)
+    assert opt.param_groups[1]["lr"] is lr and lr.device == sim and lr.data_ptr() == at
+    assert _where(opt) == kept
+
+
 def test_views_held_outside_the_optimizer_stay_mapped_with_a_warning(sim, driver):
     model, opt = _trained(sim, shapes=[(64, 1024), (64, 1024), (64, 1024)])  # several blocks of 128 KiB
     optimshift.keep_addresses(opt)

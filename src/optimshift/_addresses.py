@@ -360,11 +360,13 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
         claimed: set[int] = set()
         fresh_units: dict[torch.device, list[_Unit]] = {}
         for unit in units:
-            places = {id(layout.places[i][1]) if i in layout.places else None for i in unit.idents}
-            place = layout.places.get(unit.idents[0])
+            # (a site the layout does not know yet, where a kept tensor is held too, takes that tensor's slot: a
+            # group added while offloaded sharing the lr)
+            known = [layout.places[i] for i in unit.idents if i in layout.places]
+            place = known[0] if known else None
             if (
                 place is not None
-                and len(places) == 1
+                and len({id(p[1]) for p in known}) == 1
                 and id(place[1]) not in claimed
                 and place[1].nbytes >= unit.nbytes
                 and place[0].mapped.device == unit.device

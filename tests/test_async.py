@@ -6,6 +6,7 @@ runs under several seeds, bitwise against the blocking path; the mutation tests 
 engine's device interface away and show that the matching scenario fails.
 """
 
+import copy
 import gc
 
 import pytest
@@ -178,6 +179,41 @@ def test_the_step_pre_hook_is_one_per_optimizer_and_goes_with_the_next_operation
         hooks = [h for h in opt._optimizer_step_pre_hooks.values() if h is not _refuse_step]
         assert len(hooks) == before + 1  # the user's hook alone
         optimshift.reload(opt)
+
+
+@pytest.mark.parametrize("seed, progress", [(0, 0.0), (1, 0.3), (2, 0.7)])
+def test_a_users_pre_hooks_registered_first_read_finished_state(sim, seed, progress):
+    """A user's step, state_dict and load_state_dict pre-hooks registered before a non-blocking reload or
+    offload: torch ran them before optimshift's wait (appended after them), so they read state still being
+    copied (a race on a reload, NaN from an offload's host buffers), and one registered before offload() ran
+    before its refusal of step(). Each of optimshift's hooks now goes first."""
+    model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+    seen: list[str] = []
+
+    def read(name):
+        def hook(optimizer, *args):
+            total = sum(float(st["exp_avg"].sum()) for st in optimizer.state.values())
+            seen.append(name if total == total else f"{name}: NaN")  # (NaN: a host buffer not written yet)
+
+        return hook
+
+    opt.register_step_pre_hook(read("step"))
+    opt.register_state_dict_pre_hook(read("state_dict"))
+    opt.register_load_state_dict_pre_hook(read("load_state_dict"))
+    saved = copy.deepcopy(opt.state_dict())
+    seen.clear()
+    with deferred_streams(seed=seed, progress=progress):
+        optimshift.offload(opt, non_blocking=True)
+        opt.state_dict()
+        with pytest.raises(RuntimeError, match="offloaded"):
+            opt.step()
+        optimshift.reload(opt, non_blocking=True)
+        train(model, opt, range(2, 3))
+        optimshift.offload(opt, non_blocking=True)
+        opt.load_state_dict(saved)
+        optimshift.reload(opt, non_blocking=True)
+        opt.state_dict()
+    assert seen == ["state_dict", "step", "load_state_dict", "state_dict"]
 
 
 def test_without_streams_a_non_blocking_transfer_is_synchronous(sim, monkeypatch):

@@ -229,11 +229,20 @@ def _install_hooks(optimizer: Any) -> list[Any]:
     handles = []
     register_pre = getattr(optimizer, "register_step_pre_hook", None)
     if register_pre is not None:
-        handles.append(register_pre(_refuse_step))
+        handles.append(registered_first(register_pre(_refuse_step)))
     register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
     if register_sd is not None:
         handles.append(register_sd(compact_state_dict))
     return handles
+
+
+def registered_first(handle: Any) -> Any:
+    """A hook just registered (its ``handle``), moved before the hooks registered earlier: a user's pre-hook must
+    not run before optimshift's refusal, or read state before optimshift's wait for a transfer in flight."""
+    hooks = handle.hooks_dict_ref()
+    if hooks is not None:
+        hooks.move_to_end(handle.id, last=False)
+    return handle
 
 
 _MISSING = object()
@@ -427,7 +436,7 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         end_pending(optimizer)
         pending.wait()
         return
-    handles = [register(_wait_before_use) for register in registers if register is not None]
+    handles = [registered_first(register(_wait_before_use)) for register in registers if register is not None]
     with _lock:
         session.guards = handles
 

@@ -57,7 +57,7 @@ from ._copy import Options, Side
 from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import add_note, with_article
-from ._offload import compact_state_dict, end_pending, record_of
+from ._offload import compact_state_dict, end_pending, record_of, registered_first
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target
 from ._state import label_in, param_positions, unwrap
 from .api import move
@@ -560,11 +560,9 @@ class Streamed:
             fn._optimshift_streamed = self
             self._saved[attr] = opt.__dict__.get(attr, _MISSING)
             setattr(opt, attr, fn)
-        refuse = opt.register_step_pre_hook(self._refuse_bypass)
-        opt._optimizer_step_pre_hooks.move_to_end(refuse.id, last=False)  # (before the hooks registered earlier)
         self._handles = [
-            refuse,
-            opt.register_state_dict_pre_hook(lambda _opt: self.wait()),
+            registered_first(opt.register_step_pre_hook(self._refuse_bypass)),
+            registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.wait())),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
         self._active = True

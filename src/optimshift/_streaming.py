@@ -48,6 +48,7 @@ from dataclasses import replace
 from typing import Any, TypeVar, cast
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 from . import _addresses, _device_streams, _engine, _mode
 from . import _chunks as layout
@@ -562,6 +563,7 @@ class Streamed:
             setattr(opt, attr, fn)
         self._handles = [
             registered_first(opt.register_step_pre_hook(self._refuse_bypass)),
+            registered_first(opt.register_step_post_hook(self._before_readers)),
             registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.wait())),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
@@ -573,6 +575,8 @@ class Streamed:
         streamed step in this thread (a bound ``opt.step`` kept from before :func:`stream`, as Accelerate's
         GradScaler path keeps one), would run over host state; refused before the step or the optimizer's other
         hooks run (torch's global step pre-hooks run before any optimizer's own)."""
+        if len(opt._optimizer_step_pre_hooks) > 1:
+            self.wait()  # (a user's pre-hook reads the state the last step's write-backs still write)
         if not getattr(self._stepping, "on", False):
             raise RuntimeError(
                 f"{optimizer_name(opt)} is streamed (optimshift.stream), but its step() was called through a step "
@@ -581,6 +585,12 @@ class Streamed:
                 f"stream() before wrapping or compiling the step, or keep the state on the device; nothing was "
                 f"stepped"
             )
+
+    def _before_readers(self, opt: Any, args: Any, kwargs: Any) -> None:
+        """A step post-hook, the optimizer's first: where other post-hooks follow (the user's, global ones), they
+        read the state this step's write-backs still write; the host waits for them first."""
+        if len(opt._optimizer_step_post_hooks) > 1 or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None):
+            self.wait()
 
     def _uninstall(self, opt: Any) -> None:
         self._active = False

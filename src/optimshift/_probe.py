@@ -597,9 +597,12 @@ def _host_kwargs(
 
 def expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> StateSpec:
     """Run ``cls`` for one step on two small host params of rank ``ndim`` (1, or 2 for anything higher) and
-    describe the state both got. Empty (nothing is checked) when the probe cannot run, or for 0-dim params."""
-    if ndim == 0:
-        return NO_SPEC
+    describe the state both got. Empty (nothing is checked) when the probe cannot run.
+
+    NOTE: a 0-dim param is asked about as a 1-dim one: its state has the same entries (torch.optim tells its
+    buffers from its scalars only by rank > 1, Adafactor's factored moments), each buffer of its param's shape;
+    probed at rank 0, every entry would be 0-dim, the buffers indistinguishable from ``step``."""
+    ndim = max(ndim, 1)
 
     def spec() -> StateSpec:
         try:

@@ -475,6 +475,30 @@ def test_a_users_step_hooks_see_and_keep_the_state_of_a_streamed_step(sim, seed,
     assert bitwise_equal([dict(st) for st in opt.state.values()], [dict(st) for st in ref.state.values()])
 
 
+@pytest.mark.parametrize("what", ["stream", "unstream"])
+def test_stream_and_unstream_from_a_step_post_hook_followed_by_another(sim, what):
+    """torch iterates the step post-hooks while calling them: stream()/unstream() from one of them must not add
+    or remove a post-hook (a review found that a wait registered as a post-hook made this raise "OrderedDict
+    mutated during iteration", after the step ran, and the hook after it never ran)."""
+    params = [torch.nn.Parameter(torch.randn(8, device=sim)) for _ in range(2)]
+    opt = torch.optim.Adam(params, foreach=True)
+    if what == "unstream":
+        optimshift.stream(opt, chunk_bytes=64)
+    done: list[int] = []
+
+    def switch(o, args, kwargs):
+        if not done:
+            getattr(optimshift, what)(o)
+            done.append(1)
+
+    opt.register_step_post_hook(switch)
+    opt.register_step_post_hook(lambda o, a, k: done.append(2))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert done == [1, 2] and optimshift.is_streamed(opt) == (what == "stream")
+
+
 def test_stream_places_group_tensors_as_a_move_does(sim):
     """A tensor lr given on the device, which Adam(foreach=False) reads on the host each step: stream() left it
     there (a host sync per streamed step, and check() said so right after stream()); move() puts it on the host.

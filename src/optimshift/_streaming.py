@@ -33,7 +33,8 @@ for the previous occupant's write-back of their window (same lane, in order), a 
 for its load, its write-back waits for its compute. After ``step()`` returns, the last
 write-backs may still be running on CUDA: ``state_dict()``, ``load_state_dict()``, every optimshift function,
 :func:`unstream` and :meth:`Streamed.wait` wait for them; the next step orders its loads after them on the
-device. So a streamed step adds no host sync.
+device. So a streamed step adds no host sync (but a wait before the user's step hooks, where there are any:
+they read the state).
 """
 
 from __future__ import annotations
@@ -328,6 +329,8 @@ class Streamed:
         except BaseException:
             self.wait()  # copies queued so far complete; the state is consistent with what was stepped
             raise
+        if opt._optimizer_step_post_hooks or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None):
+            self.wait()  # (torch runs the step's post-hooks next: they read the state the write-backs write)
         return loss if closure is not None else out
 
     def _schedule(self, opt: Any) -> tuple[list[Chunk], list[tuple[Group, list[torch.Tensor]]]]:
@@ -563,7 +566,6 @@ class Streamed:
             setattr(opt, attr, fn)
         self._handles = [
             registered_first(opt.register_step_pre_hook(self._refuse_bypass)),
-            registered_first(opt.register_step_post_hook(self._before_readers)),
             registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.wait())),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
@@ -585,12 +587,6 @@ class Streamed:
                 f"stream() before wrapping or compiling the step, or keep the state on the device; nothing was "
                 f"stepped"
             )
-
-    def _before_readers(self, opt: Any, args: Any, kwargs: Any) -> None:
-        """A step post-hook, the optimizer's first: where other post-hooks follow (the user's, global ones), they
-        read the state this step's write-backs still write; the host waits for them first."""
-        if len(opt._optimizer_step_post_hooks) > 1 or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None):
-            self.wait()
 
     def _uninstall(self, opt: Any) -> None:
         self._active = False

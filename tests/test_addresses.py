@@ -327,6 +327,27 @@ def test_a_group_added_while_offloaded_sharing_the_lr_keeps_its_address(sim, dri
     assert _where(opt) == kept
 
 
+def test_a_tensor_kept_at_all_its_sites_keeps_its_slot_before_one_known_at_some(sim, driver):
+    """Groups 0 and 1 share the kept lr L; while offloaded group 0 takes a new lr T, shared by a group added
+    then. T sits at one of L's sites and at one the layout does not know: L, known at every site it is held,
+    keeps its slot (T, claiming first, took it: L, still group 1's lr, moved under a captured graph)."""
+    lr = torch.tensor(0.01, device=sim)
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.randn(16, device=sim))], lr=lr, capturable=True, foreach=True)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(16, device=sim))]})
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.ones_like(p)
+    opt.step()
+    optimshift.keep_addresses(opt)
+    at = lr.data_ptr()
+    optimshift.offload(opt, keep_addresses=True)
+    other = torch.tensor(0.02)
+    opt.param_groups[0]["lr"] = other
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(16, device=sim))], "lr": other})
+    optimshift.reload(opt)
+    assert opt.param_groups[1]["lr"] is lr and lr.data_ptr() == at and other.data_ptr() != at
+
+
 def test_views_held_outside_the_optimizer_stay_mapped_with_a_warning(sim, driver):
     model, opt = _trained(sim, shapes=[(64, 1024), (64, 1024), (64, 1024)])  # several blocks of 128 KiB
     optimshift.keep_addresses(opt)

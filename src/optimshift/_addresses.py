@@ -359,9 +359,9 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
     with layout.lock:
         claimed: set[int] = set()
         fresh_units: dict[torch.device, list[_Unit]] = {}
-        for unit in units:
-            # (a site the layout does not know yet, where a kept tensor is held too, takes that tensor's slot: a
-            # group added while offloaded sharing the lr)
+        # (units the layout knows at every site claim their slots first: one it knows at some sites only, a
+        # group added while offloaded sharing the lr, takes that tensor's slot if no better claimant did)
+        for unit in sorted(units, key=lambda u: not all(i in layout.places for i in u.idents)):
             known = [layout.places[i] for i in unit.idents if i in layout.places]
             place = known[0] if known else None
             if (

@@ -113,6 +113,33 @@ def test_rebind_refuses_a_non_leaf_param_and_a_dtype_its_state_does_not_fit():
     assert sgd.param_groups[0]["params"][0] is kept
 
 
+def test_rebind_to_another_dtype_of_a_complex_param_or_a_class_with_its_own_step():
+    """A host trial judges floating-point params only: a complex64 param's state under a complex128 param is
+    refused (the next step failed). A class with a step of its own may keep any dtypes: as load_state_dict and
+    check(), rebind does not judge it by its torch base's step."""
+    params = [torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]
+    opt = torch.optim.Adam(params, foreach=False)
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    wider = [torch.nn.Parameter(params[0].detach().to(torch.complex128))]
+    with pytest.raises(ValueError, match=r"complex128, and its state 'exp_avg' was kept for the old param's complex64"):
+        optimshift.rebind(opt, wider)
+    assert opt.param_groups[0]["params"] == params
+
+    class OwnStep(torch.optim.Adam):
+        def step(self, closure=None):  # (its own: it may keep fp32 moments for bf16 params)
+            return super().step(closure)
+
+    params, _ = _adam()
+    own = OwnStep(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    own.step()
+    bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
+    optimshift.rebind(own, bf16)
+    assert own.param_groups[0]["params"] == bf16
+
+
 def test_rebind_repoints_groups_and_state():
     params, opt = _adam()
     new = [torch.nn.Parameter(p.detach().clone()) for p in params]

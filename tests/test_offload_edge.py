@@ -535,3 +535,28 @@ def test_flags_that_are_not_bools_are_refused_by_name(sim, call):
         with pytest.raises(TypeError, match=r"pin_memory must be a bool or None, got 'no'"):
             optimshift.offload(opt, pin_memory="no")
     assert not optimshift.is_offloaded(opt)
+
+
+@pytest.mark.parametrize("flag", ["capturable", "fused"])
+def test_flags_switched_on_while_offloaded_place_the_step_as_a_fresh_optimizer(sim, flag):
+    """capturable (or fused) switched on while offloaded: the reload put step back on the host where it was, and
+    the next step() raised (the kernel wants it on the device). It goes where a fresh optimizer with those flags
+    keeps it; a param whose state was all on the host gets it back there, as it was."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)), torch.nn.Parameter(torch.randn(3, device=sim))]
+    opt = torch.optim.Adam(params, lr=0.01, foreach=False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    host_side = opt.state[params[1]]
+    for t in host_side.values():  # (this param's state kept on the host: it stays there)
+        torch.utils.swap_tensors(t, t.detach().cpu())
+    optimshift.offload(opt)
+    opt.param_groups[0][flag] = True
+    opt.param_groups[0]["foreach"] = None if flag == "fused" else False
+    optimshift.reload(opt)
+    assert opt.state[params[0]]["step"].device == sim and opt.state[params[0]]["exp_avg"].device == sim
+    assert {t.device.type for t in host_side.values()} == {"cpu"}
+    assert [f.param for f in optimshift.check(opt).findings] == ["group 0, param 1"] * 3
+    optimshift.move(opt)  # (the host-side state placed by the rule too)
+    assert not optimshift.check(opt).findings
+    opt.step()

@@ -25,20 +25,28 @@ from ._state import group_tensors, leaves
 if TYPE_CHECKING:
     from .report import Finding
 
-__all__ = ["Rejection", "rejected_dtypes", "entry_dtypes", "dtype_findings", "dtype_name"]
+__all__ = ["Rejection", "rejected_dtypes", "entry_dtypes", "dtype_findings", "dtype_name", "stepping_base"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def stepping_base(optimizer: Any) -> type[torch.optim.Optimizer] | None:
+    """The torch.optim class whose step ``optimizer`` steps with (its own, or one it inherits unchanged): what a
+    host trial of dtypes may stand for; None for a class with a step of its own (it may keep any dtypes)."""
+    from .policy import builtin_base, same_step
+
+    base = builtin_base(type(optimizer))
+    return base if base is not None and same_step(type(optimizer), base) else None
+
+
 def dtype_findings(optimizer: Any) -> list[Finding]:
     """:func:`optimshift.check`'s findings for state entries whose dtype the next step would refuse."""
     from ._plan import Site
-    from .policy import builtin_base
     from .report import Finding
 
-    base = builtin_base(type(optimizer))
+    base = stepping_base(optimizer)
     if base is None:
         return []
     name = type(optimizer).__name__

@@ -8,7 +8,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 
@@ -18,7 +18,7 @@ from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
-from ._dtypes import dtype_findings, dtype_name, entry_dtypes, rejected_dtypes
+from ._dtypes import dtype_findings, dtype_name, entry_dtypes, rejected_dtypes, stepping_base
 from ._errors import add_note, with_article
 from ._offload import (
     PendingTransfer,
@@ -425,9 +425,28 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
         if (where := (gi, None, path)) in sites
     }
 
+    placers: dict[torch.device, _policy.Placer] = {}
+    bound: dict[tuple[int, int], torch.device] | None = None  # (group, index) -> the accelerator its state was on
+
+    def state_device(gi: int, pi: int) -> torch.device | None:
+        nonlocal bound
+        if bound is None:  # (asked once a plan is built: a cached one asks nothing)
+            bound = {}
+            for (g, i, _), device in sites.items():
+                if i is not None and device.type != "cpu":
+                    bound.setdefault((g, i), device)
+        return bound.get((gi, pi))
+
     def back(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
+        if param is not None and record.param_devices.get(id(param)) == param.device:
+            device = state_device(ident[0], cast(int, ident[1]))
+            if device is not None:
+                # NOTE: where a fresh optimizer keeps it with the param's state on that accelerator, by the group's
+                # flags as they are now (capturable or fused switched on while offloaded: its step goes there too)
+                placer = placers.get(device) or placers.setdefault(device, policy_target(optimizer, device))
+                return placer(ident, param, group, key, tensor)
         if param is None and ident not in sites and id(tensor) in known:
             ident, group = known[id(tensor)]
             key = ident[2][0][1]
@@ -462,7 +481,9 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     keeps it, offloaded or not (as :func:`move` puts it): one call that brings the state to a device, as RL
     frameworks' move-to-device functions expect.
 
-    Entries of a param that moved while offloaded go where a fresh optimizer keeps them for its new device. State
+    Each entry goes where a fresh optimizer keeps it with its param's state on the device it was on, by the
+    group's flags as they are now; entries of a param that moved while offloaded, where a fresh optimizer keeps
+    them for its new device. State
     offloaded with ``keep_addresses`` comes back at the addresses it had (see :func:`offload`); with ``device`` it
     leaves its reserved range (allocated as usual there, the range's memory released).
     ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the
@@ -768,12 +789,21 @@ def _explain(
 def _refuse_dtypes(optimizer: Any, gi: int, pi: int, old: torch.Tensor, new: torch.Tensor) -> None:
     """ValueError where the step of a torch.optim class refuses ``old``'s state under ``new``, a param of another
     dtype (fp32 Adam moments under bf16 params; SGD's fp32 momentum is taken), as check() would find after."""
-    state, base = optimizer.state.get(old), _policy.builtin_base(type(optimizer))
+    state, base = optimizer.state.get(old), stepping_base(optimizer)
     if not isinstance(state, Mapping) or not state or base is None:
         return
     group = optimizer.param_groups[gi]
-    own = {id(t) for _, t in group_tensors(group)}
-    rejected = rejected_dtypes(base, group, new, entry_dtypes(state, own))
+    dtypes = entry_dtypes(state, {id(t) for _, t in group_tensors(group)})
+    if not new.is_floating_point() and old.dtype in dtypes.values():
+        # (a host trial judges floating-point params only: a complex param's state in its old dtype is refused)
+        key = next(k for k, d in dtypes.items() if d == old.dtype)
+        raise ValueError(
+            f"{optimizer_name(optimizer)}: rebind: the new param for group {gi}, param {pi} is "
+            f"{dtype_name(new.dtype)}, and its state {key!r} was kept for the old param's {dtype_name(old.dtype)}. "
+            f"Load the state with optimshift.load_state_dict(..., cast='param') on an optimizer over the new "
+            f"params; nothing was changed"
+        )
+    rejected = rejected_dtypes(base, group, new, dtypes)
     if rejected:
         r = rejected[0]
         raise ValueError(

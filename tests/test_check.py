@@ -216,15 +216,21 @@ def test_check_of_an_offloaded_optimizer_whose_state_torch_replaced_says_none_is
     assert optimshift.check(opt).findings == []
 
 
-def test_check_of_an_offloaded_optimizer_reports_what_reload_leaves_misplaced(sim):
-    """An entry misplaced before the offload is reloaded where it was: check() still reports it, as it will be."""
+def test_check_of_an_offloaded_optimizer_judges_where_reload_puts_each_entry(sim):
+    """An entry misplaced before the offload (torch's own load_state_dict with map_location=device leaves step on
+    the device) is reloaded where a fresh optimizer keeps it: check() of the offloaded optimizer says so, with
+    no finding for it, and the reloaded step costs no host sync (it was reloaded where it was: 2 per step)."""
     opt = _trained_on(sim, n=2, foreach=True)
     for st in opt.state.values():
-        st["step"] = st["step"].to(sim)  # what torch's own load_state_dict leaves after map_location=device
+        st["step"] = st["step"].to(sim)
     before = [(f.param, f.key, f.device, f.syncs_per_step) for f in optimshift.check(opt).findings]
     assert before == [(f"group 0, param {i}", "step", str(sim), 2) for i in range(2)]
     optimshift.offload(opt, include=("grads",))
     report = optimshift.check(opt)
-    assert [(f.param, f.key, f.device, f.syncs_per_step) for f in report.findings[1:]] == before
-    assert all(f.why.startswith("after reload(): ") for f in report.findings[1:])
-    assert "6 state tensors and 2 grads in host memory" in report.findings[0].why and not report.ok
+    assert [f.severity for f in report.findings] == ["info"]
+    assert "4 state tensors and 2 grads in host memory" in report.findings[0].why
+    optimshift.reload(opt)
+    assert not optimshift.check(opt).findings
+    with optimshift.count_syncs() as syncs:
+        opt.step()
+    assert syncs.total == 0

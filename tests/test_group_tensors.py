@@ -170,6 +170,21 @@ def test_lbfgs_load_state_dict_keeps_the_shared_lr(sim):
     assert optimshift.check(new).ok
 
 
+def test_lbfgs_load_into_its_own_state_keeps_the_shared_lr_object(sim):
+    """A rollback into live LBFGS state: its lr (state['t'], the same tensor) took a new object (a copy installed
+    in two places was never adopted); the old one takes it back in both places, still one tensor."""
+    params, opt = _lbfgs(sim)
+    for _ in range(2):
+        _lbfgs_step(opt, params)
+    saved = copy.deepcopy(opt.state_dict())
+    lr = opt.param_groups[0]["lr"]
+    for _ in range(2):
+        _lbfgs_step(opt, params)
+    optimshift.load_state_dict(opt, saved)
+    assert opt.param_groups[0]["lr"] is lr and opt.state[params[0]]["t"] is lr
+    assert torch.equal(lr, saved["param_groups"][0]["lr"]) and optimshift.check(opt).ok
+
+
 def test_state_entries_sharing_a_tensor_across_devices_are_still_refused(sim):
     """Only a group's own tensor decides for the state entries holding it; two state entries that belong on
     different devices cannot share one tensor."""

@@ -153,7 +153,7 @@ def _load(
             new_state,
             new_groups,
             made=staged.made_ids if staged.made_any() else None,
-            shared=staged.shared_ids(),
+            shared=staged.shared_uses(),
             in_place=staged.in_place,
         )
         if mode is not None:
@@ -271,7 +271,7 @@ def _install(
     groups: list[dict[str, Any]],
     *,
     made: Callable[[], AbstractSet[int]] | None = None,
-    shared: AbstractSet[int] = frozenset(),
+    shared: Mapping[int, int] = MappingProxyType({}),
     in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = MappingProxyType({}),
 ) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
@@ -282,7 +282,8 @@ def _install(
     the loaded copy's contents and stays the same object (see :mod:`optimshift._adopt`), so a resume into an
     optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted (``made()``:
     their ids, asked only where a live tensor sits where the load installs something; None: none was made),
-    and only those installed in one place (``shared``: the others): with ``copy=False`` the caller's own tensors
+    and a copy installed in several places (``shared``: how many) only where one old tensor held all of them (LBFGS's
+    ``t``, its group's ``lr``): with ``copy=False`` the caller's own tensors
     are installed as they are. ``in_place``: by device, (live tensors, checkpoint tensors), pair by pair, that the
     staging installed as the live tensor itself, which takes the values in the commit (no copy made, no adoption:
     same object, same storage), once nothing can refuse the state.
@@ -313,7 +314,7 @@ def _adoptable(
     state: Mapping[Any, Any],
     groups: list[dict[str, Any]],
     made: Callable[[], AbstractSet[int]],
-    shared: AbstractSet[int],
+    shared: Mapping[int, int],
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[dict[Any, Any], Any]]]]:
     """(old tensor, the copy made here that the load installs at its place), each old tensor once, with the
     places ``(new holder, key)`` it takes back (see :func:`_install`; ``made()`` is asked once a live tensor is
@@ -332,10 +333,19 @@ def _adoptable(
                     ids = made()
                 if id(new) in ids:
                     append((fresh, key, old, new))
-    # A copy installed in two places (LBFGS's state['t'] is its group's lr), at the top level or inside a
-    # container, stays one shared object: adopting it into one old tensor would split the sharing.
+    # A copy installed in two places (LBFGS's state['t'] is its group's lr) stays one shared object: an old tensor
+    # takes it back only where it held every one of its places (one inside a container, or none, would split it).
     if shared:
-        places = [place for place in places if id(place[3]) not in shared]
+        at: dict[int, list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]]] = {}
+        for place in places:
+            if id(place[3]) in shared:
+                at.setdefault(id(place[3]), []).append(place)
+        split = {
+            copy
+            for copy, found in at.items()
+            if len(found) != shared[copy] or len({id(place[2]) for place in found}) != 1
+        }
+        places = [place for place in places if id(place[3]) not in split]
     # NOTE: each old tensor once is the common case, found by one set over ids.
     olds = [id(place[2]) for place in places]
     if len(set(olds)) == len(olds):

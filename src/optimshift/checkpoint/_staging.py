@@ -266,10 +266,10 @@ class Staging:
         """The ids of the copies this staging made (never the caller's own tensors)."""
         return {id(t) for t in self._made.values()}.union(map(id, self.cloned))
 
-    def shared_ids(self) -> set[int]:
-        """The ids of the copies installed in more than one place (a tensor the checkpoint shares: LBFGS's
-        ``state['t']`` is its group's ``lr``), which must stay one object."""
-        return {id(self._made[ticket]) for ticket, n in self._uses.items() if n > 1}
+    def shared_uses(self) -> dict[int, int]:
+        """id -> how many places, of each copy installed in more than one place (a tensor the checkpoint shares:
+        LBFGS's ``state['t']`` is its group's ``lr``), which must stay one object."""
+        return {id(self._made[ticket]): n for ticket, n in self._uses.items() if n > 1}
 
     def _plan(self, groups: list[dict[str, Any]], state: Mapping[Any, Any]) -> Plan:
         """The plan of the state about to be installed: where :func:`optimshift._plan.policy_target` puts each

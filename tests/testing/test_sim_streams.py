@@ -327,3 +327,42 @@ def test_the_documented_recipe_catches_a_missing_wait(dev):
         with pytest.raises(StreamRaceError):
             with deferred_streams(seed=seed, progress=0.3):
                 prefetch(torch.arange(4.0), dev, wait=False) * 2
+
+
+def test_threads_offloading_their_own_optimizers_are_each_tracked(sim):
+    """While one thread ran queued work, the simulator's 'inside queued work' flag was one for the process: the
+    other threads' ops skipped the stream bookkeeping and ran eagerly (record_stream failed on the CPU backend,
+    copies escaped the race checks, values changed). The flag is per thread."""
+    import threading
+
+    import optimshift
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(64, 64).to(sim) for _ in range(4)]
+    opts = [torch.optim.Adam(m.parameters(), foreach=True) for m in models]
+    for m, o in zip(models, opts):
+        m(torch.randn(4, 64, device=sim)).sum().backward()
+        o.step()
+    before = [[(id(v), v.cpu().clone()) for st in o.state.values() for v in st.values()] for o in opts]
+    errors: list[BaseException] = []
+
+    def cycles(opt):
+        try:
+            for c in range(60):
+                optimshift.offload(opt, non_blocking=c % 2 == 0, include=("grads",))
+                optimshift.reload(opt, non_blocking=c % 2 == 1)
+                optimshift.wait(opt)
+        except BaseException as e:  # (reported below, in the test's thread)
+            errors.append(e)
+
+    with deferred_streams(seed=0, progress=0.5):  # (queued work run at random points: threads overlap it often)
+        threads = [threading.Thread(target=cycles, args=(o,)) for o in opts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+    for o, was in zip(opts, before):
+        now = [v for st in o.state.values() for v in st.values()]
+        assert [i for i, _ in was] == list(map(id, now))
+        assert all(torch.equal(a, b.cpu()) for (_, a), b in zip(was, now))

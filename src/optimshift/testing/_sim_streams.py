@@ -145,8 +145,18 @@ class _State:
         self.violations: list[str] = []
         self.rng = random.Random(0)
         self.progress = 0.25
-        self.running = False  # inside queued work: no progress, no checks re-entered
         self.settled: bool | None = True  # see _settled (None: to be computed)
+
+
+    @property
+    def running(self) -> bool:
+        """Whether this thread is inside queued work (no progress, no checks re-entered). Per thread: another
+        thread's ops, meanwhile, are recorded and checked as ever (they wait for the lock)."""
+        return getattr(self.local, "running", False)
+
+    @running.setter
+    def running(self, value: bool) -> None:
+        self.local.running = value
 
 
 _state = _State()

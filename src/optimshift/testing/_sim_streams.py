@@ -147,7 +147,6 @@ class _State:
         self.progress = 0.25
         self.settled: bool | None = True  # see _settled (None: to be computed)
 
-
     @property
     def running(self) -> bool:
         """Whether this thread is inside queued work (no progress, no checks re-entered). Per thread: another

@@ -126,18 +126,36 @@ def test_rebind_to_another_dtype_of_a_complex_param_or_a_class_with_its_own_step
         optimshift.rebind(opt, wider)
     assert opt.param_groups[0]["params"] == params
 
-    class OwnStep(torch.optim.Adam):
-        def step(self, closure=None):  # (its own: it may keep fp32 moments for bf16 params)
+    class Fp32Moments(torch.optim.Adam):
+        @torch.no_grad()
+        def step(self, closure=None):  # (its own: fp32 moments for params of any dtype)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    st = self.state[p]
+                    if not st:
+                        st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    st["exp_avg"].mul_(0.9).add_(p.grad.float(), alpha=0.1)
+                    p.add_(st["exp_avg"].to(p.dtype), alpha=-group["lr"])
+
+    class Wrapping(torch.optim.Adam):
+        def step(self, closure=None):  # (Adam's step, wrapped: judged by a trial of this class)
             return super().step(closure)
 
-    params, _ = _adam()
-    own = OwnStep(params)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    own.step()
-    bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
-    optimshift.rebind(own, bf16)
-    assert own.param_groups[0]["params"] == bf16
+    for cls, taken in ((Fp32Moments, True), (Wrapping, False)):
+        params, _ = _adam()
+        opt = cls(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
+        if not taken:
+            with pytest.raises(ValueError, match="a step rejects its state 'exp_avg' in float32"):
+                optimshift.rebind(opt, bf16)
+            continue
+        optimshift.rebind(opt, bf16)
+        for p in bf16:
+            p.grad = torch.randn_like(p)
+        opt.step()
 
 
 def test_rebind_repoints_groups_and_state():

@@ -33,12 +33,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def stepping_base(optimizer: Any) -> type[torch.optim.Optimizer] | None:
-    """The torch.optim class whose step ``optimizer`` steps with (its own, or one it inherits unchanged): what a
-    host trial of dtypes may stand for; None for a class with a step of its own (it may keep any dtypes)."""
+    """The class a host trial of dtypes steps for ``optimizer``: its torch.optim base where it steps with the
+    base's step (one trial for every such subclass), else its own class (a step of its own, wrapping the base's
+    or not: where it cannot be built from the group, the trial rejects nothing); None outside torch.optim."""
     from .policy import builtin_base, same_step
 
-    base = builtin_base(type(optimizer))
-    return base if base is not None and same_step(type(optimizer), base) else None
+    cls = type(optimizer)
+    base = builtin_base(cls)
+    return None if base is None else base if same_step(cls, base) else cls
 
 
 def dtype_findings(optimizer: Any) -> list[Finding]:

@@ -134,6 +134,7 @@ class Record:
 
     devices: dict[Ident, torch.device] = field(default_factory=dict)
     param_devices: dict[int, torch.device] = field(default_factory=dict)
+    param_flags: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # its group's implementation flags
     buffers: list[torch.Tensor] = field(default_factory=list)
     grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)  # handles of the hooks installed while offloaded
@@ -148,6 +149,7 @@ class Record:
         return Record(
             dict(self.sites(optimizer)),  # (a copy: a failed offload leaves this record as it was)
             dict(self.param_devices),
+            dict(self.param_flags),
             list(self.buffers),
             dict(self.grads),
             list(self.hooks),

@@ -42,7 +42,7 @@ from ._plan import (
     optimizer_name,
     policy_target,
 )
-from ._state import group_device, group_tensors, label_in, unwrap
+from ._state import IMPLEMENTATION_FLAGS, group_device, group_tensors, label_in, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [
@@ -103,6 +103,11 @@ def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") ->
     if device is None:
         return None
     return resolve(device, what=what, tensors=_all_tensors(optimizer))
+
+
+def _flags(group: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A group's implementation flags (which decide where a step keeps its scalars)."""
+    return tuple(group.get(flag) for flag in IMPLEMENTATION_FLAGS)
 
 
 def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
@@ -346,6 +351,7 @@ def offload(
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             record.param_devices.setdefault(id(p), p.device)
+            record.param_flags.setdefault(id(p), _flags(group))
             if "grads" in include and p.grad is not None and id(p) in record.grads:
                 raise ValueError(
                     f"{optimizer_name(optimizer)}: {label_in(optimizer, gi, pi)} got a new .grad while its "
@@ -426,27 +432,33 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     }
 
     placers: dict[torch.device, _policy.Placer] = {}
-    bound: dict[tuple[int, int], torch.device] | None = None  # (group, index) -> the accelerator its state was on
+    bound: dict[tuple[int, int], set[torch.device]] | None = None  # (group, index) -> where its state was
 
-    def state_device(gi: int, pi: int) -> torch.device | None:
+    def state_device(gi: int, pi: int, param: torch.Tensor) -> torch.device | None:
+        """The accelerator a param's state was on: its own device where an entry was there, else the one its
+        entries were on (a move to another device); None where they were all on the host."""
         nonlocal bound
         if bound is None:  # (asked once a plan is built: a cached one asks nothing)
             bound = {}
             for (g, i, _), device in sites.items():
                 if i is not None and device.type != "cpu":
-                    bound.setdefault((g, i), device)
-        return bound.get((gi, pi))
+                    bound.setdefault((g, i), set()).add(device)
+        found = bound.get((gi, pi), set())
+        return param.device if param.device in found else min(found, key=str, default=None)
 
     def back(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
-        if param is not None and record.param_devices.get(id(param)) == param.device:
-            device = state_device(ident[0], cast(int, ident[1]))
-            if device is not None:
-                # NOTE: where a fresh optimizer keeps it with the param's state on that accelerator, by the group's
-                # flags as they are now (capturable or fused switched on while offloaded: its step goes there too)
-                placer = placers.get(device) or placers.setdefault(device, policy_target(optimizer, device))
-                return placer(ident, param, group, key, tensor)
+        if (
+            param is not None
+            and record.param_devices.get(id(param)) == param.device
+            and record.param_flags.get(id(param), _flags(group)) != _flags(group)
+            and (device := state_device(ident[0], cast(int, ident[1]), param)) is not None
+        ):
+            # NOTE: the group's flags changed while offloaded (capturable or fused switched on): each entry goes
+            # where a fresh optimizer with these flags keeps it, the param's state on the accelerator it was on
+            placer = placers.get(device) or placers.setdefault(device, policy_target(optimizer, device))
+            return placer(ident, param, group, key, tensor)
         if param is None and ident not in sites and id(tensor) in known:
             ident, group = known[id(tensor)]
             key = ident[2][0][1]
@@ -481,9 +493,9 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     keeps it, offloaded or not (as :func:`move` puts it): one call that brings the state to a device, as RL
     frameworks' move-to-device functions expect.
 
-    Each entry goes where a fresh optimizer keeps it with its param's state on the device it was on, by the
-    group's flags as they are now; entries of a param that moved while offloaded, where a fresh optimizer keeps
-    them for its new device. State
+    Where a group's implementation flags changed while offloaded (``capturable`` switched on), its entries go
+    where a fresh optimizer with those flags keeps them, on the device their state was on; entries of a param
+    that moved while offloaded, where a fresh optimizer keeps them for its new device. State
     offloaded with ``keep_addresses`` comes back at the addresses it had (see :func:`offload`); with ``device`` it
     leaves its reserved range (allocated as usual there, the range's memory released).
     ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the

@@ -128,6 +128,23 @@ def test_save_errors(tmp_path):
         optimshift.save({}, tmp_path)
 
 
+def test_save_refuses_a_path_that_is_not_a_file_and_leaves_it_alone(tmp_path):
+    """A FIFO, a device node (/dev/null, /dev/full, where a script sends its output): the atomic rename replaced
+    it with a regular file (a new-user hunt, run as root, destroyed the container's /dev/full)."""
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(FileExistsError, match="pipe is a FIFO, not a file"):
+        optimshift.save({}, fifo)
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    with pytest.raises(FileExistsError, match="is a FIFO, not a file"):
+        optimshift.save({}, link)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "pipe"]
+
+
 # --- the files users have ---------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """The `optimshift` command: demo and bench (on small sizes), and help texts."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -106,13 +107,16 @@ def _bench_stub(monkeypatch, runs):
     monkeypatch.setattr(bench, "render", lambda result: f"stub {result['value']}")
 
 
-@pytest.mark.parametrize("where", ["a directory", "a missing folder"])
+@pytest.mark.parametrize("where", ["a directory", "a missing folder", "a FIFO"])
 def test_bench_out_that_cannot_be_written_fails_before_the_run(tmp_path, capsys, monkeypatch, where):
     """``--out`` is checked before the run (minutes), in one line: before, the run went first and its results
-    were lost in a traceback."""
+    were lost in a traceback. A FIFO (or a device node) is not replaced by the results' file."""
     runs = []
     _bench_stub(monkeypatch, runs)
     out = tmp_path if where == "a directory" else tmp_path / "missing" / "r.json"
+    if where == "a FIFO":
+        out = tmp_path / "pipe"
+        os.mkfifo(out)
     rc = cli.main(["bench", "--device", "cpu", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 1 and runs == [] and len(err.strip().splitlines()) == 1 and str(out) in err

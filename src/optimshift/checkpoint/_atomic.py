@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - Windows
 
 __all__ = [
     "create_temp",
+    "not_a_file",
     "release_temp",
     "sweep",
     "temp_pattern",
@@ -73,6 +74,25 @@ def _stem(target: str) -> str:
     digest = hashlib.sha1(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     start = name.encode("utf-8", "surrogateescape")[: _NAME_MAX - 64].decode("utf-8", "ignore")
     return f"{start}~{digest}"
+
+
+def not_a_file(target: str) -> str | None:
+    """What ``target`` is where it exists and is neither a regular file nor a folder (``"a FIFO"``, ``"a
+    character device"``, ``"a socket"``): an atomic write renames a new file over its path, which would delete
+    it (``/dev/null`` replaced by a checkpoint). None otherwise."""
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        return None
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return None
 
 
 def temp_pattern(target: str) -> re.Pattern[str]:

@@ -304,6 +304,8 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
     folder = os.path.dirname(target)
     if os.path.isdir(target):
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")
+    if (kind := _atomic.not_a_file(target)) is not None:
+        raise FileExistsError(f"save: {target} is {kind}, not a file: saving would replace it; give a file path")
     if os.path.exists(target) and not os.stat(target).st_mode & 0o222:
         # A file with no write bit was made read-only on purpose; a rename would silently replace it anyway.
         raise PermissionError(

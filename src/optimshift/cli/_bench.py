@@ -604,9 +604,13 @@ def _out_problem(out: str) -> str | None:
     """Why ``--out`` cannot be written, asked before the run (a run can take minutes), or None."""
     import os
 
+    from ..checkpoint import _atomic
+
     target = os.path.realpath(os.path.abspath(out))
     if os.path.isdir(target):
         return f"--out {out} is a directory; give a file path"
+    if (kind := _atomic.not_a_file(target)) is not None:
+        return f"--out {out} is {kind}, not a file: writing would replace it; give a file path"
     if not os.path.isdir(os.path.dirname(target)):
         return f"--out {out}: folder {os.path.dirname(target)} does not exist"
     if not os.access(os.path.dirname(target), os.W_OK):

@@ -117,9 +117,22 @@ def test_bench_out_that_cannot_be_written_fails_before_the_run(tmp_path, capsys,
     if where == "a FIFO":
         out = tmp_path / "pipe"
         os.mkfifo(out)
-    rc = cli.main(["bench", "--device", "cpu", "--out", str(out)])
+    rc = cli.main(["bench", "--device", "sim", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 1 and runs == [] and len(err.strip().splitlines()) == 1 and str(out) in err
+
+
+@pytest.mark.parametrize("device", ["cuda:7", "sim:5", "nonsense", "cpu", "meta"])
+def test_bench_on_a_device_it_cannot_use_fails_in_one_line(capsys, monkeypatch, device):
+    """A device this machine lacks (or torch does not know) printed a traceback; cpu ran and died dividing by
+    zero. One line (one JSON document with --json), before the run."""
+    runs = []
+    _bench_stub(monkeypatch, runs)
+    assert cli.main(["bench", "--device", device]) == 1
+    err = capsys.readouterr().err
+    assert runs == [] and len(err.strip().splitlines()) == 1 and f"--device {device}" in err
+    assert cli.main(["bench", "--device", device, "--json"]) == 1
+    assert f"--device {device}" in json.loads(capsys.readouterr().out)["error"]["message"]
 
 
 def test_bench_out_is_written_atomically_and_leaves_other_files_alone(tmp_path, capsys, monkeypatch):
@@ -128,7 +141,7 @@ def test_bench_out_is_written_atomically_and_leaves_other_files_alone(tmp_path, 
     _bench_stub(monkeypatch, [])
     out = tmp_path / "res.json"
     (tmp_path / "res.json.tmp").write_text("mine")
-    assert cli.main(["bench", "--device", "cpu", "--out", str(out)]) == 0
+    assert cli.main(["bench", "--device", "sim", "--out", str(out)]) == 0
     assert "stub 1" in capsys.readouterr().out
     assert json.loads(out.read_text()) == {"case": "stub", "value": 1}
     assert (tmp_path / "res.json.tmp").read_text() == "mine"
@@ -144,7 +157,7 @@ def test_bench_out_through_a_link_writes_the_file_it_points_at_and_json_is_one_d
     real.write_text("{}")
     link = tmp_path / "link.json"
     link.symlink_to(real)
-    assert cli.main(["bench", "--device", "cpu", "--out", str(link), "--json"]) == 0
+    assert cli.main(["bench", "--device", "sim", "--out", str(link), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"case": "stub", "value": 1}
     assert link.is_symlink() and json.loads(real.read_text()) == {"case": "stub", "value": 1}
 
@@ -152,5 +165,5 @@ def test_bench_out_through_a_link_writes_the_file_it_points_at_and_json_is_one_d
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(bench, "_write_out", full)
-    assert cli.main(["bench", "--device", "cpu", "--out", str(link), "--json"]) == 1
+    assert cli.main(["bench", "--device", "sim", "--out", str(link), "--json"]) == 1
     assert "No space left" in json.loads(capsys.readouterr().out)["error"]["message"]

@@ -645,6 +645,17 @@ def _write_out(out: str, result: dict[str, Any]) -> None:
 def _main(args: argparse.Namespace) -> int:
     if args.out and (problem := _out_problem(args.out)):
         return failure("bench", problem, as_json=args.json)
+    try:
+        device = demo_accelerator(args.device)
+    except (ValueError, TypeError) as e:  # (a device this machine lacks, a name torch does not know)
+        return failure("bench", f"--device {args.device}: {e}", as_json=args.json, error=e)
+    if device.type in ("cpu", "meta"):
+        return failure(
+            "bench",
+            f"--device {args.device}: bench measures moving optimizer state between the host and an accelerator; "
+            f"give one (cuda, or sim: the simulated one)",
+            as_json=args.json,
+        )
     text: Callable[[dict[str, Any]], str] = render
     if args.case in _FRAMEWORK_CASES:
         import importlib.util
@@ -656,24 +667,23 @@ def _main(args: argparse.Namespace) -> int:
     if args.case == "verl":
         from ._bench_verl import render_verl, run_verl_case
 
-        result = run_verl_case(demo_accelerator(args.device), quick=args.quick)
+        result = run_verl_case(device, quick=args.quick)
         text = render_verl
     elif args.case == "deepspeed":
         from ._bench_deepspeed import render_deepspeed, run_deepspeed_case
 
-        result = run_deepspeed_case(demo_accelerator(args.device), quick=args.quick)
+        result = run_deepspeed_case(device, quick=args.quick)
         text = render_deepspeed
     elif args.case == "rl-loop":
         from ._bench_rl import render_rl_loop, run_rl_loop_case
 
-        device = demo_accelerator(args.device)
         if args.keep_addresses:
             result = run_rl_loop_case(device, quick=args.quick, keep_addresses="auto")
         else:
             result = run_rl_loop_case(device, quick=args.quick)
         text = render_rl_loop
     else:
-        result = run_bench(demo_accelerator(args.device), quick=args.quick)
+        result = run_bench(device, quick=args.quick)
     if not args.json:
         print(text(result))  # (first: a failed write loses nothing)
     if args.out:

@@ -873,7 +873,7 @@ def _opaque_class(name: str) -> type[Opaque]:
 
 def _load_recording(
     path: PathLike, *, mmap: bool = True, opaque: bool = False
-) -> tuple[Any, dict[int, str], list[str]]:
+) -> tuple[Any, Mapping[int, str], list[str]]:
     """Load onto the host and also return where each storage was saved (``{storage data_ptr: "cuda:0"}``) and
     the globals built as :class:`Opaque` objects.
 
@@ -892,16 +892,53 @@ def _load_recording(
 
     stood_in: list[str] = []
     allow: Any = getattr(torch.serialization, "safe_globals", None)  # (torch >= 2.5)
+    where: Any = keep
     while True:
         try:
             with allow([_opaque_class(n) for n in stood_in]) if stood_in else contextlib.nullcontext():
-                return load(path, map_location=keep, mmap=mmap), locations, stood_in
+                loaded = load(path, map_location=where, mmap=mmap)
+            if isinstance(where, _Tags):  # (every storage saved where the file's one tag says, if it has one)
+                return loaded, where.everywhere(), stood_in
+            return loaded, locations, stood_in
+        except (RuntimeError, CheckpointError) as e:  # (load names the RuntimeError: "... corrupt (RuntimeError: ...")
+            if where is not keep or "Callable map_location not supported" not in str(e):
+                raise
+            # NOTE: a tensor subclass rebuilt as a wrapper (a DTensor: FSDP2's per-rank files) takes no callable
+            # map_location in torch; a dict's is asked the tags alone, without their storages
+            where = _Tags()
         except UnsafeCheckpointError as e:
             more = [n for n in e.globals if n not in stood_in]
             if not (opaque and allow is not None and more) or any(runs_code(n) for n in e.globals):
                 raise
             stood_in.extend(more)  # (each retry stands in for more names, of the finitely many the file has)
             locations.clear()
+
+
+class _Tags(dict[Any, str]):
+    """A ``map_location`` torch asks as a dict: every location tag it is asked about maps to the host, and is
+    kept. Where the file has one tag, each storage was saved there (:meth:`everywhere`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> str:
+        self.seen.add(str(key))
+        return "cpu"
+
+    def everywhere(self) -> Mapping[int, str]:
+        return _Everywhere(next(iter(self.seen))) if len(self.seen) == 1 else {}
+
+
+class _Everywhere(dict[int, str]):
+    """A table of where each storage was saved that says one place for every storage."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def get(self, key: Any, default: Any = None) -> str:
+        return self.tag
 
 
 def saved_location(t: torch.Tensor, locations: Mapping[int, str]) -> str:

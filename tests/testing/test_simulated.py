@@ -731,3 +731,19 @@ def test_temporaries_are_freed_without_a_gc_pass(sim0):
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_simulated_memory_allocated_takes_the_device_as_torch_cuda_memory_allocated_does(sim):
+    """An index, ``torch.device("sim", i)`` or ``"sim:i"`` (a device raised TypeError); another device type is
+    refused by name."""
+    from optimshift.testing import simulated_memory_allocated
+
+    x = torch.zeros(1024, device=torch.device(sim.type, 1))
+    by_index = simulated_memory_allocated(1)
+    assert by_index >= x.numel() * 4
+    assert (
+        simulated_memory_allocated(torch.device(sim.type, 1)) == by_index == simulated_memory_allocated(f"{sim.type}:1")
+    )
+    assert simulated_memory_allocated(torch.device(sim.type)) == simulated_memory_allocated(0)
+    with pytest.raises(ValueError, match="cpu is not a simulated device"):
+        simulated_memory_allocated(torch.device("cpu"))

@@ -156,8 +156,9 @@ def simulated_accelerator(index: int = 0) -> torch.device:
     return torch.device(SIM_DEVICE_TYPE, index)
 
 
-def simulated_memory_allocated(index: int = 0) -> int:
-    """Bytes of live backing storage on simulated device ``sim:index``.
+def simulated_memory_allocated(index: int | str | torch.device = 0) -> int:
+    """Bytes of live backing storage on simulated device ``sim:index`` (an index, or the device, as
+    ``torch.cuda.memory_allocated`` takes).
 
     Counts every storage allocated on that device (parameters, optimizer state, temporaries)
     until the last tensor using it is freed, and the mapped bytes of reserved ranges (state kept at
@@ -166,8 +167,13 @@ def simulated_memory_allocated(index: int = 0) -> int:
     reference cycles may hold tensors.
     Returns 0 if the backend was never set up.
     """
+    if isinstance(index, (str, torch.device)):
+        device = torch.device(index)
+        if device.type != SIM_DEVICE_TYPE:
+            raise ValueError(f"simulated_memory_allocated: {device} is not a simulated device ({SIM_DEVICE_TYPE})")
+        index = 0 if device.index is None else device.index
     if isinstance(index, bool) or not isinstance(index, int):
-        raise TypeError(f"device index must be an int, got {index!r}")
+        raise TypeError(f"device index must be an int or a {SIM_DEVICE_TYPE} device, got {index!r}")
     if not 0 <= index < _NUM_DEVICES:
         raise ValueError(f"simulated accelerator index {index} out of range (0..{_NUM_DEVICES - 1})")
     with _registry_lock:

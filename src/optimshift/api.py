@@ -349,9 +349,10 @@ def offload(
     record.keep_addresses = record.keep_addresses | keep
     grads = []
     for gi, group in enumerate(optimizer.param_groups):
+        flags = _flags(group)
         for pi, p in enumerate(group["params"]):
             record.param_devices.setdefault(id(p), p.device)
-            record.param_flags.setdefault(id(p), _flags(group))
+            record.param_flags.setdefault(id(p), flags)
             if "grads" in include and p.grad is not None and id(p) in record.grads:
                 raise ValueError(
                     f"{optimizer_name(optimizer)}: {label_in(optimizer, gi, pi)} got a new .grad while its "

@@ -900,18 +900,20 @@ def _load_recording(
             if isinstance(where, _Tags):  # (every storage saved where the file's one tag says, if it has one)
                 return loaded, where.everywhere(), stood_in
             return loaded, locations, stood_in
-        except (RuntimeError, CheckpointError) as e:  # (load names the RuntimeError: "... corrupt (RuntimeError: ...")
-            if where is not keep or "Callable map_location not supported" not in str(e):
-                raise
-            # NOTE: a tensor subclass rebuilt as a wrapper (a DTensor: FSDP2's per-rank files) takes no callable
-            # map_location in torch; a dict's is asked the tags alone, without their storages
-            where = _Tags()
         except UnsafeCheckpointError as e:
             more = [n for n in e.globals if n not in stood_in]
             if not (opaque and allow is not None and more) or any(runs_code(n) for n in e.globals):
                 raise
             stood_in.extend(more)  # (each retry stands in for more names, of the finitely many the file has)
             locations.clear()
+            if isinstance(where, _Tags):
+                where = _Tags()
+        except (RuntimeError, CheckpointError) as e:  # (load names the RuntimeError: "... corrupt (RuntimeError: ...")
+            if where is not keep or "Callable map_location not supported" not in str(e):
+                raise
+            # NOTE: a tensor subclass rebuilt as a wrapper (a DTensor: FSDP2's per-rank files) takes no callable
+            # map_location in torch; a dict's is asked the tags alone, without their storages
+            where = _Tags()
 
 
 class _Tags(dict[Any, str]):

@@ -29,6 +29,7 @@ from typing import IO, Any, Union
 
 import torch
 
+from .._dtensor import local_tensor
 from .._state import MAX_DEPTH, unwrap
 from . import _atomic, _records, _untrusted
 
@@ -918,7 +919,8 @@ def _load_recording(
 
 class _Tags(dict[Any, str]):
     """A ``map_location`` torch asks as a dict: every location tag it is asked about maps to the host, and is
-    kept. Where the file has one tag, each storage was saved there (:meth:`everywhere`)."""
+    kept, without the storage it is asked for. Where the file has one tag, each storage was saved there; where it
+    has several, each was saved on "one of" them (:meth:`everywhere`: a tag no device parses from)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -929,7 +931,7 @@ class _Tags(dict[Any, str]):
         return "cpu"
 
     def everywhere(self) -> Mapping[int, str]:
-        return _Everywhere(next(iter(self.seen))) if len(self.seen) == 1 else {}
+        return _Everywhere(next(iter(self.seen)) if len(self.seen) == 1 else "one of " + ", ".join(sorted(self.seen)))
 
 
 class _Everywhere(dict[int, str]):
@@ -946,7 +948,7 @@ class _Everywhere(dict[int, str]):
 def saved_location(t: torch.Tensor, locations: Mapping[int, str]) -> str:
     """Where ``t`` was saved (its storage's location tag), given :func:`_load_recording`'s table."""
     try:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = local_tensor(t).untyped_storage().data_ptr()  # (a DTensor's: its local shard's)
     except Exception:
         return str(t.device)
     return locations.get(ptr, str(t.device))

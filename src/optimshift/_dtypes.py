@@ -33,14 +33,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def stepping_base(optimizer: Any) -> type[torch.optim.Optimizer] | None:
-    """The class a host trial of dtypes steps for ``optimizer``: its torch.optim base where it steps with the
-    base's step (one trial for every such subclass), else its own class (a step of its own, wrapping the base's
-    or not: where it cannot be built from the group, the trial rejects nothing); None outside torch.optim."""
+    """The torch.optim class a host trial of dtypes steps for ``optimizer``: its base, where it steps with the
+    base's step; None for a class with a step of its own (what it keeps is its own; the trial never builds a
+    user's class: its ``__init__`` and step may log, draw random numbers or join a collective), as a load's
+    checks (:mod:`optimshift.checkpoint._staging`) judge only such a class."""
     from .policy import builtin_base, same_step
 
     cls = type(optimizer)
     base = builtin_base(cls)
-    return None if base is None else base if same_step(cls, base) else cls
+    return base if base is not None and same_step(cls, base) else None
 
 
 def dtype_findings(optimizer: Any) -> list[Finding]:

@@ -745,5 +745,11 @@ def test_simulated_memory_allocated_takes_the_device_as_torch_cuda_memory_alloca
         simulated_memory_allocated(torch.device(sim.type, 1)) == by_index == simulated_memory_allocated(f"{sim.type}:1")
     )
     assert simulated_memory_allocated(torch.device(sim.type)) == simulated_memory_allocated(0)
+    backend = getattr(torch, sim.type)
+    backend.set_device(1)
+    try:
+        assert simulated_memory_allocated(sim.type) == by_index  # (no index: the current device)
+    finally:
+        backend.set_device(0)
     with pytest.raises(ValueError, match="cpu is not a simulated device"):
         simulated_memory_allocated(torch.device("cpu"))

@@ -168,10 +168,14 @@ def simulated_memory_allocated(index: int | str | torch.device = 0) -> int:
     Returns 0 if the backend was never set up.
     """
     if isinstance(index, (str, torch.device)):
-        device = torch.device(index)
+        try:
+            device = torch.device(index)
+        except RuntimeError as e:
+            raise ValueError(f"simulated_memory_allocated: {index!r} is not a device") from e
         if device.type != SIM_DEVICE_TYPE:
             raise ValueError(f"simulated_memory_allocated: {device} is not a simulated device ({SIM_DEVICE_TYPE})")
-        index = 0 if device.index is None else device.index
+        # (no index: the current device, as torch's own)
+        index = getattr(torch, SIM_DEVICE_TYPE).current_device() if device.index is None else device.index
     if isinstance(index, bool) or not isinstance(index, int):
         raise TypeError(f"device index must be an int or a {SIM_DEVICE_TYPE} device, got {index!r}")
     if not 0 <= index < _NUM_DEVICES:

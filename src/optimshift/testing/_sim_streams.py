@@ -519,7 +519,11 @@ def empty_cache() -> None:
 
 
 def _process_frees() -> None:
-    freed, _state.freed[:] = list(_state.freed), []
+    # (the first n taken, then deleted: a free another thread appends meanwhile lands after them and is kept for
+    # the next call; copying the list and then clearing it lost one appended between the two)
+    n = len(_state.freed)
+    freed = _state.freed[:n]
+    del _state.freed[:n]
     host = _state.host_known
     for mem in freed:
         _state.watched.pop(mem, None)

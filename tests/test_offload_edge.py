@@ -560,3 +560,18 @@ def test_flags_switched_on_while_offloaded_place_the_step_as_a_fresh_optimizer(s
     optimshift.move(opt)  # (the host-side state placed by the rule too)
     assert not optimshift.check(opt).findings
     opt.step()
+
+
+def test_an_optimizer_whose_hooks_cannot_be_registered_is_refused_before_anything_moves(sim):
+    """A class that never ran Optimizer.__init__ has no hook dicts (pytorch_optimizer's ScheduleFreeWrapper):
+    offload() registered its guards after the copies were committed, so it raised with the state on the host,
+    not offloaded, and reload() left it there. Now refused first, the step pre-hook it did register removed."""
+    model, opt = _adam(sim)
+    del opt._optimizer_state_dict_post_hooks  # (what such a class lacks)
+    ids, pre_hooks = tensor_ids(opt), len(opt._optimizer_step_pre_hooks)
+    with pytest.raises(TypeError, match="cannot be registered .*nothing was changed"):
+        optimshift.offload(opt)
+    assert tensor_ids(opt) == ids and not optimshift.is_offloaded(opt)
+    assert {t.device for st in opt.state.values() for k, t in st.items() if k != "step"} == {sim}
+    assert len(opt._optimizer_step_pre_hooks) == pre_hooks
+    train(model, opt, range(1, 2))

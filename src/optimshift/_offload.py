@@ -39,6 +39,7 @@ __all__ = [
     "exclusive",
     "record_of",
     "set_record",
+    "guard",
     "end_pending",
     "remember_pending",
     "forget",
@@ -212,13 +213,24 @@ def record_of(optimizer: Any) -> Record | None:
     return None if session is None else session.record
 
 
+def guard(optimizer: Any, record: Record) -> list[Any]:
+    """Before an offload copies anything: whether its record can be kept, and, the first time, the hooks that guard
+    offloaded state, installed (a registration that fails, an object without torch's hook dicts, raises with
+    nothing changed). Returns the handles installed now, for the caller to remove if the offload fails."""
+    name = type(optimizer).__name__
+    if _session.get(optimizer) is None:
+        raise TypeError(f"{name} cannot be weakly referenced: its offload cannot be remembered; nothing was changed")
+    if record.hooks:
+        return []
+    handles = _install_hooks(optimizer)
+    record.hooks.extend(handles)
+    return handles
+
+
 def set_record(optimizer: Any, record: Record) -> None:
-    """Keep ``record`` for ``optimizer`` and, the first time, install the hooks that guard offloaded state."""
+    """Keep ``record`` for ``optimizer`` (:func:`guard` installed its hooks)."""
     session = _session.get(optimizer)
-    if session is None:
-        raise TypeError(f"{type(optimizer).__name__} cannot be weakly referenced: its offload cannot be remembered")
-    if not record.hooks:
-        record.hooks.extend(_install_hooks(optimizer))
+    assert session is not None  # (guard checked)
     if record.grads and hasattr(optimizer, "__dict__") and not any(isinstance(h, _ZeroGrad) for h in record.hooks):
         record.hooks.append(_ZeroGrad(optimizer))
     with _lock:
@@ -228,13 +240,21 @@ def set_record(optimizer: Any, record: Record) -> None:
 def _install_hooks(optimizer: Any) -> list[Any]:
     """While offloaded: ``step()`` refuses at once (before any counter moves), and ``state_dict()`` returns
     compact copies of the host tensors instead of views into shared pool buffers."""
-    handles = []
-    register_pre = getattr(optimizer, "register_step_pre_hook", None)
-    if register_pre is not None:
-        handles.append(registered_first(register_pre(_refuse_step)))
-    register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
-    if register_sd is not None:
-        handles.append(register_sd(compact_state_dict))
+    handles: list[Any] = []
+    try:
+        register_pre = getattr(optimizer, "register_step_pre_hook", None)
+        if register_pre is not None:
+            handles.append(registered_first(register_pre(_refuse_step)))
+        register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
+        if register_sd is not None:
+            handles.append(register_sd(compact_state_dict))
+    except Exception as e:  # (a class that never ran Optimizer.__init__ has no hook dicts)
+        for handle in handles:
+            handle.remove()
+        raise TypeError(
+            f"{type(optimizer).__name__}: the hooks that guard its offloaded state cannot be registered "
+            f"({type(e).__name__}: {e}); nothing was changed"
+        ) from e
     return handles
 
 

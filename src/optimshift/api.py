@@ -370,15 +370,21 @@ def offload(
 
     # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)
     key = ("offload", "grads" in include) if previous is None else None
-    copies, pending, cached = _transfer(
-        optimizer,
-        to_host,
-        what="offload",
-        options=Options(non_blocking=non_blocking, pin_memory=pin_memory is not False, keep_host_views=True),
-        extra=[(p.grad, host, f"the .grad of {label_in(optimizer, *where)}") for where, p in grads],
-        cache_key=key,
-        grads="grads" in include,
-    )
+    installed = _offload.guard(optimizer, record)  # (before anything is copied: it may refuse)
+    try:
+        copies, pending, cached = _transfer(
+            optimizer,
+            to_host,
+            what="offload",
+            options=Options(non_blocking=non_blocking, pin_memory=pin_memory is not False, keep_host_views=True),
+            extra=[(p.grad, host, f"the .grad of {label_in(optimizer, *where)}") for where, p in grads],
+            cache_key=key,
+            grads="grads" in include,
+        )
+    except BaseException:
+        for handle in installed:
+            handle.remove()
+        raise
     if cached is not None:
         if cached.hits:  # (to_host() was not called: the plan knows where every tensor was)
             record.devices.update(cached.sources)

@@ -267,3 +267,44 @@ def test_check_of_an_offloaded_optimizer_reports_what_reload_leaves_misplaced(si
     assert [(f.param, f.key, f.device, f.syncs_per_step) for f in report.findings[1:]] == before
     assert all(f.why.startswith("after reload(): ") for f in report.findings[1:])
     assert "6 state tensors and 2 grads in host memory" in report.findings[0].why and not report.ok
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """A Lookahead-style wrapper: the inner optimizer's param groups, a state of its own (the slow weights)."""
+
+    def __init__(self, inner):
+        self.optimizer = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+        self.param_groups = inner.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.optimizer.step()
+        for g in self.param_groups:
+            for p in g["params"]:
+                slow = self.state[p].setdefault("slow", p.detach().clone())
+                slow.add_(p - slow, alpha=0.5)
+                p.copy_(slow)
+
+
+def test_a_wrapper_holding_an_optimizer_with_a_state_of_its_own(sim):
+    """Lookahead keeps its inner optimizer's state apart: a move of the wrapper moved its slow weights only, and
+    check() said it was fine while the inner state stayed behind (the next step mixed devices). check() reports
+    the inner optimizer's entries, named by its attribute; an operation warns that it does not reach them; the
+    inner optimizer moved too, all is well."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim))]
+    opt = _Lookahead(O.AdamW(params, foreach=False))
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    optimshift.move(opt.optimizer, "cpu")  # (the inner state on the host, as a resume on the host leaves it)
+    with pytest.warns(RuntimeWarning, match=r"holds another optimizer \(optimizer: AdamW\) .* optimshift\.move on it"):
+        optimshift.move(opt)
+    report = optimshift.check(opt)
+    assert not report.ok
+    assert {(f.param, f.key) for f in report.findings} == {
+        ("optimizer: group 0, param 0", "exp_avg"),
+        ("optimizer: group 0, param 0", "exp_avg_sq"),
+    }
+    optimshift.move(opt.optimizer)
+    assert optimshift.check(opt).ok
+    opt.step()

@@ -307,6 +307,18 @@ def unwrap(optimizer: Any) -> Any:
     return optimizer
 
 
+def inner_optimizers(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:
+    """(attribute, optimizer) of each optimizer ``optimizer`` holds with a state of its own (Lookahead's
+    ``.optimizer``, ZeroRedundancyOptimizer's ``.optim``, timm's ``._base_optimizer``): its state is not walked
+    through the wrapper's (a delegating wrapper, which shares it, is :func:`unwrap`'s)."""
+    own = getattr(optimizer, "state", None)
+    return [
+        (name, value)
+        for name, value in (vars(optimizer).items() if hasattr(optimizer, "__dict__") else ())
+        if isinstance(value, torch.optim.Optimizer) and value is not optimizer and value.state is not own
+    ]
+
+
 def group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
     """The device of a group's params (the first one's), for tensors kept in the group itself."""
     for p in group.get("params", ()):

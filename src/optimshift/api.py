@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
+import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, cast, overload
@@ -42,7 +45,7 @@ from ._plan import (
     optimizer_name,
     policy_target,
 )
-from ._state import IMPLEMENTATION_FLAGS, group_device, group_tensors, label_in, unwrap
+from ._state import IMPLEMENTATION_FLAGS, group_device, group_tensors, inner_optimizers, label_in, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [
@@ -74,6 +77,14 @@ def _one_at_a_time(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         inner = unwrap(optimizer)
+        for attr, held in inner_optimizers(inner):
+            warnings.warn(
+                f"optimshift.{fn.__name__}: {optimizer_name(inner)} holds another optimizer ({attr}: "
+                f"{optimizer_name(held)}) with a state of its own, which this call does not reach: call "
+                f"optimshift.{fn.__name__} on it too (check() reports its entries)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
         # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
         # while they were alive would cost ~0.5 us per tensor, a third of a bare move).
@@ -757,7 +768,19 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
                 f"these objects (values and placement stay right; a compiled step recompiles once).",
             )
         )
+    checking = _checking.__dict__.setdefault("ids", set())  # (optimizers holding each other: each checked once)
+    checking.add(id(optimizer))
+    try:
+        for attr, held in inner_optimizers(optimizer):  # (a wrapper's inner optimizer: its entries, named so)
+            if id(held) not in checking:
+                found = check(held).findings
+                report.findings.extend(dataclasses.replace(f, param=f"{attr}: {f.param}") for f in found)
+    finally:
+        checking.discard(id(optimizer))
     return report
+
+
+_checking = threading.local()
 
 
 def _explain(

@@ -246,41 +246,6 @@ def test_entries_that_share_a_storage_but_belong_on_two_devices_are_refused(sim)
     assert_views_of_the_flat_buffer(opt, *before)  # nothing changed
 
 
-@pytest.mark.parametrize("way", ["move", "offload"])
-def test_views_of_a_dropped_flat_buffer_keep_sharing(sim, way):
-    """Entries cut from a flat buffer the optimizer does not keep (each a view of it, and a transpose of one): the
-    buffer, held only by their views, counted as a user outside them, and each was copied apart; an update
-    through one no longer showed through the other. Copied as one storage, they share it after."""
-    p = torch.nn.Parameter(torch.randn(4, 3, device=sim))
-    opt = torch.optim.SGD([p], lr=0.1)
-    flat = torch.arange(24.0, device=sim)
-    st = opt.state[p]
-    st["m"] = flat[:12].view(4, 3)
-    st["mt"] = st["m"].t()
-    st["n"] = flat[12:].view(4, 3)
-    del flat
-    ids = tensor_ids(opt)
-    if way == "move":
-        optimshift.move(opt, "cpu")
-    else:
-        optimshift.offload(opt)
-        optimshift.reload(opt)
-    assert tensor_ids(opt) == ids
-    storages = {t.untyped_storage().data_ptr() for t in st.values()}
-    assert len(storages) == 1
-    st["m"].add_(1)
-    assert torch.equal(st["mt"].t().cpu(), torch.arange(12.0).view(4, 3) + 1)
-    for outside in ("a view of it kept outside", "a buffer larger than the entries"):
-        base = torch.arange(8.0 if outside.startswith("a view") else 1024.0)
-        held = base[:2]  # noqa: F841  (a user of the storage outside the state)
-        if outside.startswith("a buffer"):
-            del held
-        st2 = opt.state[p] = {"a": base[:4], "b": base[4:8]}
-        del base
-        optimshift.move(opt, sim)  # (copied apart, as before: the entries' own bytes)
-        assert st2["a"].untyped_storage().data_ptr() != st2["b"].untyped_storage().data_ptr(), outside
-
-
 def test_entries_that_view_a_param_get_their_own_copies_as_before(sim):
     """A storage a param also uses is not the optimizer's to copy whole: its entries are copied one by one (their
     own bytes, not the param's) and the param stays where it is (the rule for params kept in state)."""

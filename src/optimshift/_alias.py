@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -102,27 +101,10 @@ def _whole(key: int, members: list[torch.Tensor]) -> bool:
     storage = first.untyped_storage()  # (held while counting: one Python storage object, see below)
     # NOTE: a storage's use count is one per TensorImpl on it, plus one for its Python storage object (which
     # torch keeps alive with the storage once created; `storage` above makes sure there is one). Anything more
-    # is a user outside ``members``: a param, a grad, a pool buffer, a base kept outside the optimizer; but not the
-    # base the members are views of where only they hold it (a flat buffer the state was cut from, then dropped).
-    uses = _use_count(key) - (1 if _only_their_base(locals_, storage.nbytes()) else 0)
-    if uses != len(locals_) + 1 or storage.nbytes() == 0:
+    # is a user outside ``members``: a param, a grad, a pool buffer, a base kept outside the optimizer.
+    if _use_count(key) != len(locals_) + 1 or storage.nbytes() == 0:
         return False
     return not any(t.is_conj() or t.is_neg() or t.device != first.device for t in locals_)
-
-
-def _only_their_base(members: list[torch.Tensor], nbytes: int) -> bool:
-    """Whether the members' views are all of one base, not a member, that nothing but those views holds (its
-    TensorImpl used by itself and them alone: no param, no other view, no autograd graph), whose storage is no
-    larger than the members' bytes together (copied whole, it copies theirs, not a large buffer's)."""
-    bases = {id(t._base): t._base for t in members if t._base is not None}
-    if len(bases) != 1 or nbytes > sum(t.numel() * t.element_size() for t in members):
-        return False
-    base = next(iter(bases.values()))
-    views = sum(t._base is base for t in members)
-    return all(t is not base for t in members) and _tensor_uses(base) == 1 + views
-
-
-_tensor_uses: Any = torch.Tensor._use_count  # type: ignore[attr-defined]  # (missing from torch's stubs)
 
 
 def split_targets(

@@ -272,3 +272,19 @@ def test_single_bit_flips_of_a_real_checkpoint(tmp_path):
     print(f"bit-flip corpus: {total} cases over {len(positions)} bytes: {dict(counts)}", file=sys.stderr)
     assert not unexpected, "\n".join(unexpected[:20])
     assert counts["loaded"] and counts["CheckpointError"] and total == 8 * len(positions)
+
+
+def test_a_deque_in_the_state_is_named_not_called_corrupt(tmp_path):
+    """optimshift.save writes a deque kept in state (it keeps its type); weights-only loading cannot rebuild one
+    (it appends only to lists), and load called the sound file corrupt."""
+    import collections
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    opt.state[p]["history"] = collections.deque([torch.ones(2)], maxlen=4)
+    path = tmp_path / "opt.pt"
+    optimshift.save(opt, path)
+    with torch.serialization.safe_globals([collections.deque]):
+        with pytest.raises(optimshift.CheckpointError, match=r"holds a collections\.deque .* cannot rebuild") as caught:
+            optimshift.load(path)
+    assert "corrupt" not in str(caught.value)

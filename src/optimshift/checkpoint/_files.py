@@ -732,6 +732,14 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     if isinstance(e, pickle.UnpicklingError):
         if "must be imported to load" in reason:
             return CheckpointError(f"{p} cannot be loaded yet: {reason}; nothing was executed")
+        appended = re.search(r"Can only append to lists, but got <class '([\w.]+)'>", reason)
+        if appended:  # (a deque: weights-only loading rebuilds a container by appending to lists only)
+            return CheckpointError(
+                f"{p} holds a {appended.group(1)} (saved in the optimizer's state), which weights-only loading cannot "
+                f"rebuild: it appends only to lists. The file is sound; nothing was executed. Keep a list in "
+                f"the state instead (list(d), and a deque again after the load), or, only for a file you fully "
+                f"trust, torch.load(path, weights_only=False)"
+            )
         operand = re.search(r"Unsupported operand (\d+)", reason)
         opcode = _OPCODE_NAMES.get(int(operand.group(1))) if operand else None
         if opcode is not None and (found.protocol or 0) >= 4:  # a valid opcode of a protocol torch cannot read

@@ -732,8 +732,10 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     if isinstance(e, pickle.UnpicklingError):
         if "must be imported to load" in reason:
             return CheckpointError(f"{p} cannot be loaded yet: {reason}; nothing was executed")
-        appended = re.search(r"Can only append to lists, but got <class '([\w.]+)'>", reason)
-        if appended:  # (a deque: weights-only loading rebuilds a container by appending to lists only)
+        # (a deque, a class of a module: weights-only loading rebuilds a container by appending to lists only; a
+        # builtin named there, a dict, is a damaged pickle)
+        appended = re.search(r"Can only append to lists, but got <class '(\w+(?:\.\w+)+)'>", reason)
+        if appended:
             return CheckpointError(
                 f"{p} holds a {appended.group(1)} (saved in the optimizer's state), which weights-only loading cannot "
                 f"rebuild: it appends only to lists. The file is sound; nothing was executed. Keep a list in "

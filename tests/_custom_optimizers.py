@@ -42,3 +42,17 @@ class Placed(torch.optim.Optimizer):
                     state["count"] = torch.zeros((), device=p.device) if on_device else torch.zeros(())
                 state["count"] += 1
                 p.add_(p.grad, alpha=-group["lr"])
+
+
+class Fp32Moments(torch.optim.Adam):
+    """An Adam subclass with a step of its own that keeps float32 moments for params of any dtype."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                st["exp_avg"].mul_(0.9).add_(p.grad.float(), alpha=0.1)
+                p.add_(st["exp_avg"].to(p.dtype), alpha=-group["lr"])

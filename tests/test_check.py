@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import optimshift
+from _custom_optimizers import Fp32Moments
 from optimshift.report import SYNC_COST
 
 O = torch.optim
@@ -119,17 +120,6 @@ def test_check_does_not_judge_a_subclass_with_a_step_of_its_own_by_its_base(sim)
 
     class Inheriting(O.Adam):
         pass
-
-    class Fp32Moments(O.Adam):
-        @torch.no_grad()
-        def step(self, closure=None):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    st = self.state[p]
-                    if not st:
-                        st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    st["exp_avg"].mul_(0.9).add_(p.grad.float(), alpha=0.1)
-                    p.add_(st["exp_avg"].to(p.dtype), alpha=-group["lr"])
 
     built: list[object] = []
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import optimshift
+from _custom_optimizers import Fp32Moments
 
 
 def _adam(n=3):
@@ -125,17 +126,6 @@ def test_rebind_to_another_dtype_of_a_complex_param_or_a_class_with_its_own_step
     with pytest.raises(ValueError, match=r"complex128, and its state 'exp_avg' was kept for the old param's complex64"):
         optimshift.rebind(opt, wider)
     assert opt.param_groups[0]["params"] == params
-
-    class Fp32Moments(torch.optim.Adam):
-        @torch.no_grad()
-        def step(self, closure=None):  # (its own: fp32 moments for params of any dtype)
-            for group in self.param_groups:
-                for p in group["params"]:
-                    st = self.state[p]
-                    if not st:
-                        st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    st["exp_avg"].mul_(0.9).add_(p.grad.float(), alpha=0.1)
-                    p.add_(st["exp_avg"].to(p.dtype), alpha=-group["lr"])
 
     class Inheriting(torch.optim.Adam):
         pass  # (Adam's step: judged as Adam)

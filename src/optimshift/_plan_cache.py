@@ -38,7 +38,7 @@ from ._adopt import Mechanism
 from ._devices import _fake_mode_active
 from ._plan import Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
 from ._probe import group_kinds
-from ._state import GROUP_SKIP, IMPLEMENTATION_FLAGS, group_tensors, leaves
+from ._state import GROUP_SKIP, group_flags, group_tensors, leaves
 
 __all__ = ["Cached", "plan_for"]
 
@@ -119,7 +119,7 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
                 id(group),
                 tuple(map(id, params)),
                 param_devices,
-                tuple(group.get(flag) for flag in IMPLEMENTATION_FLAGS),
+                group_flags(group),
                 group_kinds(group),  # (a probed placement depends on the group's entries by kind)
                 _hyper_tensors(group),
                 tuple(p.grad is not None and p.grad.device for p in params) if grads else (),

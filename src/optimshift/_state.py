@@ -286,6 +286,11 @@ IMPLEMENTATION_FLAGS = ("fused", "capturable", "foreach", "differentiable")
 """Group entries that choose *how* a step is computed, not *what* it computes (and where scalars live)."""
 
 
+def group_flags(group: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A group's :data:`IMPLEMENTATION_FLAGS`, in that order (what a cached plan and an offload record compare)."""
+    return tuple(group.get(flag) for flag in IMPLEMENTATION_FLAGS)
+
+
 def unwrap(optimizer: Any) -> Any:
     """The ``torch.optim.Optimizer`` a delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
     ``LightningOptimizer``) wraps, unwrapped as far as they nest; ``optimizer`` itself otherwise.

@@ -45,7 +45,7 @@ from ._plan import (
     optimizer_name,
     policy_target,
 )
-from ._state import IMPLEMENTATION_FLAGS, group_device, group_tensors, inner_optimizers, label_in, unwrap
+from ._state import group_device, group_flags, group_tensors, inner_optimizers, label_in, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [
@@ -114,11 +114,6 @@ def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") ->
     if device is None:
         return None
     return resolve(device, what=what, tensors=_all_tensors(optimizer))
-
-
-def _flags(group: Mapping[str, Any]) -> tuple[Any, ...]:
-    """A group's implementation flags (which decide where a step keeps its scalars)."""
-    return tuple(group.get(flag) for flag in IMPLEMENTATION_FLAGS)
 
 
 def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
@@ -360,7 +355,7 @@ def offload(
     record.keep_addresses = record.keep_addresses | keep
     grads = []
     for gi, group in enumerate(optimizer.param_groups):
-        flags = _flags(group)
+        flags = group_flags(group)
         for pi, p in enumerate(group["params"]):
             record.param_devices.setdefault(id(p), p.device)
             record.param_flags.setdefault(id(p), flags)
@@ -470,7 +465,7 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
         if (
             param is not None
             and record.param_devices.get(id(param)) == param.device
-            and record.param_flags.get(id(param), _flags(group)) != _flags(group)
+            and record.param_flags.get(id(param), group_flags(group)) != group_flags(group)
             and (device := state_device(ident[0], cast(int, ident[1]), param)) is not None
         ):
             # NOTE: the group's flags changed while offloaded (capturable or fused switched on): each entry goes

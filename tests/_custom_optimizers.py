@@ -56,3 +56,19 @@ class Fp32Moments(torch.optim.Adam):
                     st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 st["exp_avg"].mul_(0.9).add_(p.grad.float(), alpha=0.1)
                 p.add_(st["exp_avg"].to(p.dtype), alpha=-group["lr"])
+
+
+class CountedSGD(torch.optim.SGD):
+    """SGD with a step of its own: a 0-dim host counter per param, read with ``.item()``, then SGD's own step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "count" not in state:
+                    state["count"] = torch.zeros(())  # on the host, as a fresh optimizer keeps it
+                state["count"] += 1
+                group.setdefault("seen", 0.0)
+                group["seen"] = max(group["seen"], state["count"].item())  # a host sync per param on a device
+        return super().step(closure)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import optimshift
-from _custom_optimizers import Counter, Placed
+from _custom_optimizers import CountedSGD, Counter, Placed
 from optimshift import _probe, policy
 
 
@@ -57,6 +57,32 @@ def test_move_keeps_a_custom_host_counter_where_a_fresh_optimizer_does(sim):
     assert moved.total == fresh_syncs.total == 0
     report = optimshift.check(opt)
     assert report.ok and report.findings == []  # probed: no guess to report
+
+
+def test_a_torch_subclass_with_a_step_of_its_own_is_placed_by_its_own_probe(sim):
+    """A torch.optim subclass whose own step keeps a 0-dim host counter and reads it with ``.item()`` (then runs
+    SGD's step) was placed by SGD's probe: a move put the counter on the device (a sync per param per step) and
+    check() called a fresh optimizer's host counter misplaced. Its own probe decides, SGD's entries stay SGD's,
+    and check() prices the counter on the device with what the probe counted."""
+    net, opt = _trained(CountedSGD, "cpu", groups=lambda ps: [{"params": ps, "lr": 0.1, "momentum": 0.9}])
+    net.to(sim)
+    optimshift.move(opt, sim)
+    fresh_net, fresh = _trained(CountedSGD, sim, groups=lambda ps: [{"params": ps, "lr": 0.1, "momentum": 0.9}])
+    assert _layout(opt) == _layout(fresh)
+    assert {k: str(v.device) for k, v in opt.state[net.ps[0]].items()} == {"count": "cpu", "momentum_buffer": str(sim)}
+    with optimshift.count_syncs() as moved:
+        _step(net, opt)
+    with optimshift.count_syncs() as fresh_syncs:
+        _step(fresh_net, fresh)
+    assert moved.total == fresh_syncs.total == 0
+    assert optimshift.check(fresh).findings == [] and optimshift.check(opt).findings == []
+    for p in net.ps:
+        opt.state[p]["count"] = opt.state[p]["count"].to(sim)  # by hand: what the base's probe decided
+    report = optimshift.check(opt)
+    assert [(f.severity, f.key, f.expected) for f in report.findings] == [("warning", "count", "cpu")] * 2
+    with optimshift.count_syncs() as syncs:
+        _step(net, opt)
+    assert syncs.total == 2 and report.syncs_per_step == syncs.total  # the probe's count, per param per step
 
 
 def test_check_reports_a_custom_counter_on_the_device_with_its_sync_cost(sim):

@@ -293,6 +293,30 @@ def test_step_of_takes_off_torchs_hook_wrapper_and_nothing_else():
     assert not policy.same_step(Over, Base) and policy.step_of(Over) is Over.__dict__["step"]
 
 
+def test_a_subclass_whose_own_step_cannot_be_probed_is_placed_by_its_base():
+    """A subclass with a step of its own that its probe cannot build (a required argument) falls back to its
+    base's probe: Adam's host ``step`` stays on the host, capturable's goes to the device."""
+
+    class Needy(O.Adam):
+        def __init__(self, params, model, **kwargs):
+            super().__init__(params, **kwargs)
+
+        def step(self, closure=None):
+            return super().step(closure)
+
+    for flags, where in (({}, "cpu"), ({"capturable": True}, "cuda")):
+        p = torch.nn.Parameter(torch.zeros(3))
+        opt = Needy([p], None)
+        p.grad = torch.ones(3)
+        opt.step()
+        opt.param_groups[0].update(flags)  # (a capturable step cannot run on the host)
+        assert policy.probed_by(Needy, opt.param_groups[0], 1)[0] is O.Adam
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            q = torch.nn.Parameter(p.detach().to(CUDA0))
+            optimshift.rebind(opt, [q])
+            assert opt.state[q]["step"].device.type == where and opt.state[q]["exp_avg"].device == CUDA0
+
+
 def test_a_subclass_inheriting_adamws_step_is_separable_whoever_was_built_first(monkeypatch):
     """AdamW has no step of its own (it inherits Adam's): a subclass built before any Adam gets torch's hook
     wrapper of Adam's step on itself, and still steps with AdamW's step."""

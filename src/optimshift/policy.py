@@ -28,6 +28,7 @@ import torch
 from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     HOST_READ,
     NEEDS_DEVICE,
+    Observed,
     probe,
     quiet_global_step_hooks,
     torch_defined,
@@ -271,7 +272,7 @@ def decide(
     # A class torch.optim does not define is learned as torch's are, from a throwaway step of its own (a fake
     # cuda:0 param, the group's hyperparameters by kind), where it can be built that way.
     torch_base = builtin_base(cls)
-    observed = probe(torch_base or cls, group, param.dim())
+    observed = probed_by(cls, group, param.dim())[1]
     probed = None if observed is None else observed.state
     if probed is not None and key in probed:
         return Decision(device if probed[key] else HOST, "probe")
@@ -289,14 +290,26 @@ def decide(
     return Decision(device, "default")
 
 
+def probed_by(cls: type, group: Mapping[str, Any], ndim: int) -> tuple[type, Observed | None]:
+    """The class whose throwaway step says where ``cls``'s entries go, and what it observed: ``cls`` itself,
+    unless it steps with its torch.optim base's own step (then the base, by the same rule as torch's classes)
+    or its own cannot be built or run from a group's hyperparameters (then the base; what it keeps of its own
+    is guessed). A step of its own may keep and read scalars of its own, or read a group tensor on the host."""
+    base = builtin_base(cls)
+    if base is None or not same_step(cls, base):
+        observed = probe(cls, group, ndim)
+        if observed is not None or base is None:
+            return cls, observed
+    return base, probe(base, group, ndim)
+
+
 def why_guessed(cls: type, group: Mapping[str, Any], ndim: int, key: str) -> str:
     """Why :func:`decide` used the default rule for 0-dim state ``key`` of a rank-``ndim`` param in ``group``
     (the probe could not build or run the class, or its step made no such entry)."""
-    probed_cls = builtin_base(cls) or cls
+    probed_cls, observed = probed_by(cls, group, ndim)
     failed = unprobed(probed_cls, group, ndim)
     if failed is not None:
         return failed
-    observed = probe(probed_cls, group, ndim)
     if observed is None or observed.state is None:
         error = None if observed is None else observed.error
         return f"a probe step of {probed_cls.__name__} made no state" + (f" ({error})" if error else "")
@@ -336,7 +349,7 @@ def _group_entry(
     if value.numel() != 1:
         return Decision(device, "rule")
     params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
-    observed = probe(base, group, params[0].dim() if params else 1)
+    observed = probed_by(cls, group, params[0].dim() if params else 1)[1]
     verdict = None if observed is None else observed.group.get(_group_path(group, key, value))
     if verdict == HOST_READ:
         return Decision(HOST, "probe")  # the step reads it on the host: on the device each read is a sync

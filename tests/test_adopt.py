@@ -61,3 +61,27 @@ def test_check_says_which_tensors_would_lose_their_object(sim):
     (finding,) = [f for f in optimshift.check(opt).findings if "weakly referenced" in f.why]
     assert finding.severity == "info" and finding.key == "exp_avg" and "1 state tensor on sim" in finding.why
     assert ref() is st["exp_avg"] and optimshift.check(opt).ok  # info only: nothing is misplaced
+
+
+def test_an_entry_cut_from_a_dropped_buffer_lets_the_buffer_go():
+    """A live entry that is a view of a buffer nothing else holds (cut from it, the buffer dropped) took a load's
+    copy by ``set_data``, which keeps the view's ``_base``: the whole old buffer stayed alive (on CUDA, device
+    memory an offload never freed). It is swapped instead: the same object, viewing nothing."""
+    import gc
+    import weakref
+
+    import optimshift
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.randn(4, 3)
+    opt.step()
+    flat = torch.zeros(1 << 16)
+    entry = opt.state[p]["momentum_buffer"] = flat[:12].view(4, 3)
+    gone = weakref.ref(flat)
+    del flat
+    saved = {"state": {0: {"momentum_buffer": torch.ones(4, 3)}}, "param_groups": opt.state_dict()["param_groups"]}
+    optimshift.load_state_dict(opt, saved)
+    gc.collect()
+    assert opt.state[p]["momentum_buffer"] is entry and torch.equal(entry, torch.ones(4, 3))
+    assert entry._base is None and gone() is None

@@ -411,8 +411,9 @@ def test_dtensor_state_shares_its_local_shards_storage(tmp_path):
 
 
 def test_the_set_data_path_keeps_the_sharing_and_the_objects():
-    """CPU <-> CUDA copies are adopted by set_data (no swap): the old objects take views of the new storage.
-    Shown host to host, where set_data applies too (the path a CUDA move takes)."""
+    """CPU <-> CUDA copies are adopted by set_data (a view by a swap: set_data would keep its ``_base``, the old
+    storage): the old objects take views of the new storage. Shown host to host, where set_data applies too (the
+    path a CUDA move takes)."""
     from optimshift import _alias
     from optimshift import _engine as engine
     from optimshift._adopt import mechanism
@@ -421,7 +422,7 @@ def test_the_set_data_path_keeps_the_sharing_and_the_objects():
     olds = [flat, flat[:6].view(2, 3), flat[:6].view(2, 3).t(), flat[6:]]
     (group,) = _alias.shared(olds)
     news = _alias.copy_storage([olds[i] for i in group], torch.device("cpu"), lambda src, d: src.clone())
-    assert mechanism(olds[1], news[1]) == "data"
+    assert [mechanism(o, n) for o, n in zip(olds, news)] == ["data", "swap", "swap", "swap"]
     ids = [id(t) for t in olds]
     old_storage, new_storage = flat.untyped_storage().data_ptr(), news[0].untyped_storage().data_ptr()
     layout_before = [(t.storage_offset(), t.shape, t.stride()) for t in olds]
@@ -431,6 +432,7 @@ def test_the_set_data_path_keeps_the_sharing_and_the_objects():
     assert [id(t) for t in olds] == ids
     assert {t.untyped_storage().data_ptr() for t in olds} == {new_storage} != {old_storage}
     assert [(t.storage_offset(), t.shape, t.stride()) for t in olds] == layout_before
+    assert all(t._base is None for t in olds)
     olds[0].add_(1)
     assert torch.equal(olds[2], torch.arange(1.0, 7.0).view(2, 3).t()) and torch.equal(olds[3], torch.arange(7.0, 13.0))
 
@@ -478,3 +480,82 @@ def test_stream_refuses_entries_that_share_a_storage(sim):
     assert "share one storage" in message and "place of their own" in message, message
     assert layout(opt) == before[0] and tensor_ids(opt) == before[2]
     _train(model, opt, range(1, 2))  # still the ordinary step
+
+
+def _cut_state(device, base_held):
+    """SGD state cut from a flat buffer the optimizer does not keep: ``m``, its transpose ``mt`` (the same bytes),
+    and ``n``, the buffer's other half; the buffer dropped, or held outside (a module's buffer)."""
+    p = torch.nn.Parameter(torch.randn(4, 3, device=device))
+    opt = torch.optim.SGD([p], lr=0.1)
+    flat = torch.arange(24.0, device=device)
+    st = opt.state[p]
+    st["m"] = flat[:12].view(4, 3)
+    st["mt"] = st["m"].t()
+    st["n"] = flat[12:].view(4, 3)
+    return opt, st, (flat if base_held else None)
+
+
+def _ways(opt, sim, way):
+    if way == "move":
+        optimshift.move(opt, "cpu")
+        optimshift.move(opt, sim)
+    elif way == "offload":
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+    else:
+        optimshift.offload(opt, keep_addresses=True)
+        optimshift.reload(opt)
+
+
+@pytest.mark.parametrize("way", ["move", "offload", "keep_addresses"])
+@pytest.mark.parametrize("base_held", [False, True])
+def test_entries_that_overlap_keep_sharing_whoever_else_holds_their_storage(sim, way, base_held):
+    """Entries whose bytes overlap (a view of a flat buffer and its transpose) on a storage something else uses too
+    (the buffer, dropped but still every view's ``_base``, or held outside): each was copied apart, and an update
+    through one stopped showing through the other (a silent divergence). They are copied together, as the span
+    of bytes they cover; an entry that overlaps none gets its own copy, and a base held outside stays as it was."""
+    opt, st, base = _cut_state(sim, base_held)
+    ids, values = tensor_ids(opt), {k: v.cpu().clone() for k, v in st.items()}
+    _ways(opt, sim, way)
+    assert tensor_ids(opt) == ids and all(torch.equal(st[k].cpu(), v) for k, v in values.items())
+    assert st["m"].untyped_storage().data_ptr() == st["mt"].untyped_storage().data_ptr()
+    assert st["m"].untyped_storage().nbytes() == 12 * 4, "the span the two cover, not the buffer"
+    st["m"].add_(1)
+    assert torch.equal(st["mt"].t().cpu(), values["m"] + 1)
+    assert torch.equal(st["n"].cpu(), values["n"])
+    if base is not None:
+        assert base.device == sim and torch.equal(base.cpu(), torch.arange(24.0)), "the base held outside is its own"
+
+
+def test_a_storage_only_state_uses_is_copied_as_the_span_its_entries_cover(sim):
+    """A storage nothing else uses is copied as the bytes its entries cover, not its tail nobody reads."""
+    p = torch.nn.Parameter(torch.randn(4, device=sim))
+    opt = torch.optim.SGD([p], lr=0.1)
+    flat = torch.arange(1024.0, device=sim)
+    opt.state[p].update(a=flat[2:6], b=flat[4:10])
+    del flat
+    with _CrossDeviceBytes() as copied:
+        optimshift.offload(opt)
+    assert copied.total == 8 * 4
+    optimshift.reload(opt)
+    a, b = opt.state[p]["a"], opt.state[p]["b"]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and b.storage_offset() == 2
+    assert torch.equal(b.cpu(), torch.arange(4.0, 10.0))
+
+
+def test_stream_refuses_entries_that_overlap_on_a_storage_something_else_uses(sim):
+    """Streaming keeps each entry apart: overlapping entries whose storage something else uses (their dropped base)
+    went through, each its own window, and an update through one no longer showed through the other. Refused
+    by the engine's sharing rule, before anything changes."""
+    model = Model([(4, 3)]).to(sim)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, range(1))
+    (p,) = model.parameters()
+    flat = torch.zeros(24, device=sim)
+    opt.state[p]["extra"] = flat[:12].view(4, 3)
+    opt.state[p]["extra_t"] = opt.state[p]["extra"].t()
+    del flat
+    ids = tensor_ids(opt)
+    with pytest.raises(ValueError, match="share one storage"):
+        optimshift.stream(opt)
+    assert tensor_ids(opt) == ids

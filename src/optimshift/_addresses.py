@@ -262,9 +262,10 @@ class Placement:
             if unit.shared:
                 # (a shared storage gets its Python storage object from the copy anyway: see _alias.copy_storage)
                 storage = flat.untyped_storage()
+                first = _alias.span(unit.members)[0]
                 for t in unit.members:
                     view = torch.empty(0, dtype=t.dtype, device=mapped.device)
-                    self._dests[id(t)] = view.set_(storage, t.storage_offset(), t.shape, t.stride())
+                    self._dests[id(t)] = view.set_(storage, _alias.offset_in(t, first), t.shape, t.stride())
                 del storage
             else:
                 # NOTE: no Python storage object for a tensor's own slot (torch keeps one for the storage's
@@ -349,7 +350,7 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
                 [ident for t in members for ident in idents[id(t)]],
                 members,
                 found[group[0]][1],
-                members[0].untyped_storage().nbytes(),
+                _alias.span(members)[1],
                 True,
             )
         )

@@ -9,7 +9,8 @@ installed torch allows for the pair:
 - ``"data"``: ``old.data = new`` (``set_data``), the classic ``param.data = param.data.cuda()``: cheap, keeps
   compiled graphs. Needs the same kind of TensorImpl on both sides (CPU <-> CUDA yes; CPU <-> a Python
   PrivateUse1 backend or meta no) and a plain tensor class (a subclass may keep its device in Python
-  attributes, as ``FakeTensor`` does, which ``set_data`` would not update).
+  attributes, as ``FakeTensor`` does, which ``set_data`` would not update). Not for a view where a swap works:
+  ``set_data`` keeps its ``_base``, and so the old storage, alive.
 - ``"swap"``: ``torch.utils.swap_tensors(old, new)``: exchanges the two objects' C++ tensors, classes,
   ``__dict__`` and slots. Works between any devices, but not on a tensor anyone holds a weak reference to
   (dynamo does, once it has traced a step over it) or whose C++ tensor something else also holds (a view of
@@ -71,7 +72,10 @@ def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mecha
             # module's (a frozen param kept as state): changing it in place would move the model with the state
             append("replace")
         elif data:
-            append("data")
+            # NOTE: set_data keeps a view's ``_base``, and with it the old storage (a flat buffer the optimizer
+            # dropped stays alive through the entries cut from it: device memory an offload never frees); a swap
+            # gives the object the copy's TensorImpl, which views nothing.
+            append("swap" if old._is_view() and _swappable(old, new) else "data")
         elif (
             kind[0] is plain
             and kind[1] is plain

@@ -5,11 +5,13 @@ An optimizer that keeps a flat buffer and per-param views of it (``state[p]["vie
 needs ``flat.add_()`` to show through the views. Copied tensor by tensor, each would get its own storage and
 the step would silently update a buffer no view reads any more.
 
-Only a storage that nothing but the tensors being copied uses is copied whole. One that something else also
-uses (a param or its grad, a host pool buffer that offloaded state lives in, a tensor kept outside the
-optimizer) leaves each tensor to the engine's own copy, as before: a state entry that views a param gets its
-own copy and the param stays where it is (the rule for params and grads kept in state, see
-:func:`optimshift._engine.outside_owned`).
+Tensors on a storage that nothing but the tensors being copied uses are copied together. On one that something
+else also uses (a param or its grad, a host pool buffer that offloaded state lives in, a base kept outside the
+optimizer, or a base no longer held but by the views' ``_base``, which no count can tell apart), only tensors whose
+bytes overlap (a view and its transpose) are: each other one gets its own copy, and the other user stays where
+it is (a state entry that views a param: the rule for params and grads kept in state, see
+:func:`optimshift._engine.outside_owned`). Either way a group is copied as the span of its storage it covers
+(:func:`span`), never bytes no member reads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ._devices import _fake_mode_active
 from ._dtensor import is_dtensor, wrap_local
 from ._state import like_source
 
-__all__ = ["shared", "split_targets", "together", "copy_storage", "sole_user"]
+__all__ = ["shared", "split_targets", "together", "copy_storage", "sole_user", "span"]
 
 _address: Callable[[torch.Tensor], int] = getattr(
     torch._C, "_storage_address", lambda t: int(t.untyped_storage()._cdata)
@@ -82,14 +84,19 @@ def shared(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     groups = []
     for k, found in members.items():
         indices = list(found.values())
-        if len(indices) > 1 and _whole(k, [tensors[i] for i in indices]):
+        if len(indices) < 2:
+            continue
+        whole = _whole(k, [tensors[i] for i in indices])
+        if whole:
             groups.append(indices)
+        elif whole is not None:
+            groups.extend(_overlapping(indices, tensors))
     return groups
 
 
-def _whole(key: int, members: list[torch.Tensor]) -> bool:
-    """Whether ``members`` can be copied as their storage: they are all that uses it, and each can be rebuilt
-    as a view of a copy of it.
+def _whole(key: int, members: list[torch.Tensor]) -> bool | None:
+    """Whether ``members`` are all that uses their storage; None where they cannot be rebuilt as views of a copy
+    of it at all (each is then copied on its own).
 
     # NOTE: a meta storage has no bytes and a zero-byte storage has nothing to share: both are copied one by
     # one. A conjugate or negative view keeps its bit outside the storage, which a rebuilt view would lose.
@@ -97,14 +104,59 @@ def _whole(key: int, members: list[torch.Tensor]) -> bool:
     locals_ = [_local(t) for t in members]
     first = locals_[0]
     if first.is_meta:
-        return False
+        return None
     storage = first.untyped_storage()  # (held while counting: one Python storage object, see below)
+    if storage.nbytes() == 0 or any(t.is_conj() or t.is_neg() or t.device != first.device for t in locals_):
+        return None
     # NOTE: a storage's use count is one per TensorImpl on it, plus one for its Python storage object (which
     # torch keeps alive with the storage once created; `storage` above makes sure there is one). Anything more
-    # is a user outside ``members``: a param, a grad, a pool buffer, a base kept outside the optimizer.
-    if _use_count(key) != len(locals_) + 1 or storage.nbytes() == 0:
-        return False
-    return not any(t.is_conj() or t.is_neg() or t.device != first.device for t in locals_)
+    # is a user outside ``members``: a param, a grad, a pool buffer, a base (held or not).
+    return _use_count(key) == len(locals_) + 1
+
+
+def _bytes(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``t`` (a local tensor) reads: ``[start, end)``, empty for no element."""
+    size = t.element_size()
+    start = int(t.storage_offset()) * size
+    if t.numel() == 0:
+        return start, start
+    return start, start + (1 + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))) * size
+
+
+def _overlapping(indices: list[int], tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The members of one storage (``indices`` into ``tensors``) in groups of two or more whose bytes overlap
+    (chained: a group's spans cover one interval); the rest are left out."""
+    spans = sorted((_bytes(_local(tensors[i])), i) for i in indices)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    end = -1
+    for (start, stop), i in spans:
+        if start < end:
+            current.append(i)
+        else:
+            if len(current) > 1:
+                groups.append(current)
+            current = [i]
+        end = max(end, stop)
+    if len(current) > 1:
+        groups.append(current)
+    return [sorted(g) for g in groups]
+
+
+def span(members: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """``(first, count)``: the bytes of their storage that ``members`` (one group of :func:`shared`) cover, the
+    first one a multiple of every member's element size (each keeps a whole storage offset in a copy)."""
+    locals_ = [_local(t) for t in members]
+    bounds = [_bytes(t) for t in locals_]
+    align = max(t.element_size() for t in locals_)
+    first = min(b[0] for b in bounds) // align * align
+    return first, max(b[1] for b in bounds) - first
+
+
+def offset_in(t: torch.Tensor, first: int) -> int:
+    """``t``'s storage offset in a copy of its storage's bytes from ``first`` on (see :func:`span`)."""
+    local = _local(t)
+    return int(local.storage_offset()) - first // local.element_size()
 
 
 def split_targets(
@@ -193,7 +245,8 @@ def copy_storage(
 ) -> list[torch.Tensor]:
     """Copies of ``members`` (one group of :func:`shared`) on ``target``, views of one copy of their storage.
 
-    ``copy(src, target)`` copies the storage's bytes (a flat uint8 tensor over all of it) to ``target``: the
+    ``copy(src, target)`` copies the storage's bytes (a flat uint8 tensor over the :func:`span` the members
+    cover) to ``target``: the
     caller's copy, with its streams, pinning and allocation rules. With ``dtype`` (a cast; every member has
     one dtype) ``src`` is the storage's elements and ``copy`` returns them cast to ``dtype``. Each copy keeps
     its member's dtype (or ``dtype``), size, stride and storage offset, ``requires_grad`` and class.
@@ -201,13 +254,16 @@ def copy_storage(
     locals_ = [_local(t) for t in members]
     first = locals_[0]
     storage = first.untyped_storage()
+    start, nbytes = span(members)
     if dtype is None:
-        src = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+        src = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (nbytes,), (1,))
     else:
         if any(t.dtype != first.dtype for t in locals_):  # pragma: no cover - a caller bug
             raise ValueError("copy_storage: a cast needs members of one dtype")
-        count = storage.nbytes() // first.element_size()
-        src = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, 0, (count,), (1,))
+        size = first.element_size()
+        src = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+            storage, start // size, (nbytes // size,), (1,)
+        )
     if target == first.device and dtype is None:
         new_bytes = src.clone()  # (a copy to the same device: ``copy`` may hand the tensor itself back)
     else:
@@ -216,7 +272,7 @@ def copy_storage(
     out = []
     for t, local in zip(members, locals_):
         view = torch.empty(0, dtype=local.dtype if dtype is None else dtype, device=new_bytes.device)
-        view.set_(new_storage, local.storage_offset(), local.size(), local.stride())
+        view.set_(new_storage, offset_in(local, start), local.size(), local.stride())
         out.append(_like(t, view))
     return out
 

@@ -471,8 +471,8 @@ def _placed_together(group: Sequence[int], first_placed: int, placed: Sequence[t
     def base(t: torch.Tensor) -> int:  # (its storage's address, without making a Python storage object)
         return int(t.data_ptr() - t.storage_offset() * t.element_size())
 
-    storage = base(members[0][1])
-    return all(base(dst) == storage and dst.storage_offset() == tr[2].storage_offset() for tr, dst in members)
+    storage, first = base(members[0][1]), _alias.span([tr[2] for tr, _ in members])[0]
+    return all(base(dst) == storage and dst.storage_offset() == _alias.offset_in(tr[2], first) for tr, dst in members)
 
 
 def _run_on_side_stream(

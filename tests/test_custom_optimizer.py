@@ -274,3 +274,33 @@ def test_a_streamed_first_step_refused_after_it_ran_says_so(sim):
         assert "those params were stepped (updated)" in note
     finally:
         optimshift.unregister_policy(_OnMeta)
+
+
+class _Indexless(torch.optim.Adam):
+    pass
+
+
+@pytest.mark.parametrize("answer", ["sim", "sim:1", "nonsense"])
+def test_a_policy_answer_without_an_index_names_the_params_device(sim, answer):
+    """A policy answering ``'sim'`` for state on ``sim:0``: check() called every entry misplaced (expected ``sim``,
+    which no tensor is on) and every move copied them again. The index is the param's; an explicit one is kept,
+    and an answer that is no device is refused, naming the class, before anything changes."""
+    optimshift.register_policy(_Indexless, lambda key, value, param, group, device: answer if key == "step" else None)
+    try:
+        p = torch.nn.Parameter(torch.ones(3, device=sim))
+        opt = _Indexless([p], capturable=True)
+        p.grad = torch.ones(3, device=sim)
+        opt.step()
+        step = opt.state[p]["step"]
+        if answer == "nonsense":
+            with pytest.raises(ValueError, match="_Indexless's registered policy returned"):
+                optimshift.move(opt)
+            assert opt.state[p]["step"] is step and step.device == sim
+            return
+        expected = sim if answer == "sim" else torch.device(sim.type, 1)
+        assert [f.expected for f in optimshift.check(opt).findings] == ([] if answer == "sim" else [str(expected)])
+        optimshift.move(opt)
+        assert opt.state[p]["step"] is step and step.device == expected
+        assert optimshift.check(opt).ok and not optimshift.check(opt).findings
+    finally:
+        optimshift.unregister_policy(_Indexless)

@@ -305,6 +305,25 @@ def test_a_device_lr_moved_to_the_host_and_back_is_on_the_device_again(sim, cls,
     _step(opt, params, 2)
 
 
+@pytest.mark.parametrize("cls, kwargs", FOLLOW[:1], ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_a_rebind_after_a_move_to_the_host_puts_a_device_lr_back_as_a_move_does(sim, cls, kwargs):
+    """A device lr a move took to the host: a move back put it on the device again, a rebind to the params there
+    left it on the host (it asked the policy without the side the session remembers), and check() called it an
+    error. Both ask the Placer the same way now; a rebind to the host remembers the side, as a move does."""
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    lr = opt.param_groups[0]["lr"]
+    optimshift.move(opt, "cpu")
+    assert lr.device.type == "cpu"
+    optimshift.rebind(opt, params)
+    assert opt.param_groups[0]["lr"] is lr and lr.device == sim and not optimshift.check(opt).findings
+    host = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+    optimshift.rebind(opt, host)  # (the rebind takes it to the host: the side is remembered)
+    assert lr.device.type == "cpu"
+    optimshift.rebind(opt, params)
+    assert lr.device == sim and not optimshift.check(opt).findings
+    _step(opt, params, 2)
+
+
 def test_a_host_lr_stays_on_the_host(sim):
     """The side is remembered, not invented: an lr given on the host stays there through the same moves."""
     params = _params(sim)

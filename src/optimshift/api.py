@@ -916,7 +916,7 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
         if param is not None:
             return by_policy(ident, mapping[id(param)], group, key, tensor)
         firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params
-        return by_policy.at(None, group, key, tensor, firsts[0].device if firsts else tensor.device)
+        return by_policy.group_entry(ident, group, key, tensor, firsts[0].device if firsts else tensor.device)
 
     def rewrite() -> None:
         """The new params in the groups, their state re-keyed (dict and list operations: they cannot fail)."""
@@ -936,7 +936,7 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
                 optimizer.state[q] = states[id(p)]
 
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
-    copies, pending, _ = _transfer(optimizer, target, what="rebind", rewrite=rewrite)
+    copies, pending, _ = _transfer(optimizer, target, what="rebind", sides=True, rewrite=rewrite)
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there, as a move's
     return optimizer

@@ -25,6 +25,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from ._devices import resolve
 from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     HOST_READ,
     NEEDS_DEVICE,
@@ -258,8 +259,8 @@ def decide(
         if policy is not None:
             answer = policy(key, value, param, group, device)
             if answer is not None:
-                if not isinstance(answer, torch.device):
-                    answer = torch.device(answer)
+                if not isinstance(answer, torch.device) or answer.index is None:
+                    answer = _answered(base, answer, device)
                 if values and answer.type == "meta" and device.type != "meta" and value.device.type != "meta":
                     _refuse_meta(optimizer, base, group, param, key, device)
                 return Decision(answer, "registered")
@@ -334,6 +335,19 @@ def _warn_guessed(cls: type, group: Mapping[str, Any], ndim: int, key: str) -> N
     )
 
 
+def _answered(cls: type, answer: Any, device: torch.device) -> torch.device:
+    """A policy's answer as a checked device, its index made explicit: an accelerator of the param's type names
+    the param's device, as ``'cuda'`` names the current one for a tensor (``'sim'`` for a param on ``sim:0`` is
+    ``sim:0``, never a device that differs from it only by a missing index)."""
+    try:
+        parsed = torch.device(answer) if isinstance(answer, str) else answer
+    except RuntimeError:  # (resolve says why)
+        parsed = answer
+    if isinstance(parsed, torch.device) and parsed.index is None and parsed.type in (device.type, "meta"):
+        return device if parsed.type == device.type else parsed
+    return resolve(parsed, what=f"the device {cls.__name__}'s registered policy returned")
+
+
 def _group_entry(
     cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor, device: torch.device, side: torch.device
 ) -> Decision:
@@ -404,10 +418,16 @@ class Placer:
         self, ident: Any, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
         if param is None:
-            device = self.device
-            side = self.sides.get(ident) if tensor.is_cpu else None
-            return self.at(param, group, key, tensor, group_device(group, tensor) if device is None else device, side)
+            return self.group_entry(ident, group, key, tensor, self.device)
         return self.entry(self.holder(param, group), param, group, key, tensor)
+
+    def group_entry(
+        self, ident: Any, group: Mapping[str, Any], key: str, tensor: torch.Tensor, device: torch.device | None
+    ) -> tuple[torch.device, str]:
+        """Where the group's tensor ``key`` goes with the group's params on ``device`` (``None``: where they are),
+        from the side the session remembers for a tensor a move took to the host."""
+        side = self.sides.get(ident) if tensor.is_cpu else None
+        return self.at(None, group, key, tensor, group_device(group, tensor) if device is None else device, side)
 
     def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int, torch.device] | None:
         """The part of the memo key that all of ``param``'s entries share (None: no memo), for a caller that

@@ -819,3 +819,37 @@ def test_keeping_addresses_goes_the_one_road(sim, driver, monkeypatch):
         seen.clear()
         op()
         assert seen == {"run": expected, "commit": expected, "copy_many": expected}, seen
+
+
+def test_a_param_viewing_a_slot_is_a_view_outside_and_warned_of(sim, driver):
+    """The release counted the params as the optimizer's own tensors (it walked each group whole): a slot a param
+    views stayed mapped without the warning a view held anywhere else gets."""
+    model, opt = _trained(sim, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    optimshift.keep_addresses(opt)
+    q = opt.param_groups[0]["params"][1]
+    buf = opt.state[q]["momentum_buffer"]
+    with torch.no_grad():
+        q.data = torch.empty(0, device=sim).set_(buf.untyped_storage(), buf.storage_offset(), buf.shape, buf.stride())
+    with pytest.warns(UserWarning, match="1 slot of state .* still viewed"):
+        optimshift.offload(opt, keep_addresses=True)
+    with torch.no_grad():
+        q.data = q.data.clone()
+    optimshift.reload(opt)
+
+
+def test_an_empty_view_of_a_shared_storage_reloads_at_kept_addresses_as_a_plain_reload_does(sim, driver):
+    """A flat buffer and an empty view of it (``flat[0:0]``): the keep_addresses reload left the empty view out of
+    the storage's slot (an empty tensor gets no slot of its own) and the engine refused the pair as entries copied
+    into places of their own, where a plain reload keeps them sharing."""
+    model, opt = _trained(sim, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    p = opt.param_groups[0]["params"][0]
+    flat = torch.arange(8.0, device=sim)
+    opt.state[p].update(flat=flat, head=flat[0:0])
+    del flat
+    ids = {k: id(v) for k, v in opt.state[p].items()}
+    optimshift.offload(opt, keep_addresses=True)
+    optimshift.reload(opt)
+    st = opt.state[p]
+    assert {k: id(v) for k, v in st.items()} == ids and st["flat"].device == st["head"].device == sim
+    assert st["flat"].untyped_storage().data_ptr() == st["head"].untyped_storage().data_ptr()
+    assert torch.equal(st["flat"].cpu(), torch.arange(8.0))

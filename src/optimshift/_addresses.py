@@ -38,7 +38,7 @@ import torch
 from . import _alias, _device_streams, _session
 from ._copy import copy_strides
 from ._plan import Ident, Plan
-from ._state import tensors
+from ._state import group_tensors, tensors
 from ._vmm import Driver, DriverError, DriverOutOfMemory, driver_for, unsupported
 
 __all__ = ["Layout", "Placement", "keeping", "stage", "release", "layout_of", "devices_of", "mapped_bytes"]
@@ -181,12 +181,12 @@ def keeping(optimizer: Any, keep: bool | str, name: str) -> frozenset[torch.devi
 
 
 def _slottable(t: torch.Tensor) -> bool:
-    """Whether ``t`` can be given a slot (plain, dense bytes of its own kind); others reload as before."""
+    """Whether ``t`` can be given a slot, or a place in its storage's (plain, dense bytes of its own kind); others
+    reload as before."""
     return (
         type(t) is torch.Tensor
         and t.layout == torch.strided
         and not t.requires_grad
-        and t.numel() > 0
         and not (t.is_conj() or t.is_neg())
     )
 
@@ -330,21 +330,20 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
     found: list[tuple[torch.Tensor, torch.device]] = []
     for tr in plan.transfers:
         t, target = tr[2], tr[4]
-        if target in keep and t.device.type == "cpu" and _slottable(t):
+        if target in keep and t.device.type == "cpu":
             if id(t) not in idents:
                 idents[id(t)] = []
                 found.append((t, target))
             idents[id(t)].append(tr[0])
-    if not found:
-        return None
-    layout = session.addresses
-    if layout is None:
-        layout = session.addresses = Layout()
     units: list[_Unit] = []
     grouped: set[int] = set()
+    # (tensors that share a storage are grouped among all the plan brings here, as the engine groups them: a
+    # group with a member that cannot be placed reloads as before, whole)
     for group in _alias.shared([t for t, _ in found]):
         members = [found[i][0] for i in group]
         grouped.update(group)
+        if not all(map(_slottable, members)) or not _alias.span(members)[1]:
+            continue
         units.append(
             _Unit(
                 [ident for t in members for ident in idents[id(t)]],
@@ -355,8 +354,13 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
             )
         )
     for i, (t, target) in enumerate(found):
-        if i not in grouped:
+        if i not in grouped and _slottable(t) and t.numel():
             units.append(_Unit(list(idents[id(t)]), [t], target, t.numel() * t.element_size(), False))
+    if not units:
+        return None
+    layout = session.addresses
+    if layout is None:
+        layout = session.addresses = Layout()
     with layout.lock:
         claimed: set[int] = set()
         fresh_units: dict[torch.device, list[_Unit]] = {}
@@ -417,10 +421,11 @@ def release(optimizer: Any, name: str, *, queued: bool = False) -> None:
     if layout is None:
         return
     # (each storage's data pointer, without a Python storage object: torch would keep one, a second user of it)
+    held = [t for state in list(optimizer.state.values()) for t in tensors(state)]
+    held += [t for g in optimizer.param_groups for _, t in group_tensors(g)]  # (not the params: outside)
     inside = {
         t.data_ptr() - t.storage_offset() * t.element_size()
-        for state in list(optimizer.state.values()) + [dict(g) for g in optimizer.param_groups]
-        for t in tensors(state)
+        for t in held
         if t.device.type not in ("cpu", "meta") and t.layout == torch.strided
     }
     foreign, foreign_bytes = 0, 0

@@ -36,6 +36,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_SET = frozenset(_PLAIN)
 
 
+def storage_of(t: torch.Tensor) -> int:
+    """The identity of a plain tensor's storage (an empty one's too), without making a Python storage object."""
+    return _address(t)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor that holds the storage: a DTensor's local shard (its own object, not a ``to_local()`` view,
     which would hold the storage once more), else ``t``."""

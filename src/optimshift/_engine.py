@@ -467,12 +467,11 @@ def _placed_together(group: Sequence[int], first_placed: int, placed: Sequence[t
     if any(i < first_placed for i in group):
         return False
     members = [placed[i - first_placed] for i in group]
-
-    def base(t: torch.Tensor) -> int:  # (its storage's address, without making a Python storage object)
-        return int(t.data_ptr() - t.storage_offset() * t.element_size())
-
-    storage, first = base(members[0][1]), _alias.span([tr[2] for tr, _ in members])[0]
-    return all(base(dst) == storage and dst.storage_offset() == _alias.offset_in(tr[2], first) for tr, dst in members)
+    storage, first = _alias.storage_of(members[0][1]), _alias.span([tr[2] for tr, _ in members])[0]
+    return all(
+        _alias.storage_of(dst) == storage and dst.storage_offset() == _alias.offset_in(tr[2], first)
+        for tr, dst in members
+    )
 
 
 def _run_on_side_stream(

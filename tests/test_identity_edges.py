@@ -4,6 +4,7 @@ tensors, and group tensors in a state_dict taken while offloaded (found in revie
 import copy
 import io
 
+import pytest
 import torch
 
 import optimshift
@@ -95,3 +96,41 @@ def test_a_state_dict_taken_while_offloaded_has_compact_group_tensors(sim):
     buf = io.BytesIO()
     torch.save(sd, buf)
     optimshift.reload(opt)
+
+
+def _roads(opt, model, sim, road, saved):
+    """Every road, under the caller's modes."""
+    if road == "offload":
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+    elif road == "move":
+        optimshift.move(opt, "cpu")
+        optimshift.move(opt, sim)
+    elif road == "rebind":
+        optimshift.rebind(opt, list(model.parameters()))
+    elif road == "load_state_dict":
+        optimshift.load_state_dict(opt, saved)
+    else:
+        optimshift.stream(opt)
+        optimshift.unstream(opt)
+
+
+
+@pytest.mark.parametrize("road", ["offload", "move", "rebind", "load_state_dict", "stream"])
+def test_an_operation_under_inference_mode_leaves_no_inference_tensor(sim, road):
+    """Offloading during generation, under ``torch.inference_mode()`` (an RL loop's eval): every copy was an
+    inference tensor, which the state took (swapped in, or put in its place), and the next step outside inference
+    mode raised ("Inplace update to inference tensor outside InferenceMode"). Copies are made outside it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3, device=sim)).sum().backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    ids = [id(t) for st in opt.state.values() for t in st.values()]
+    with torch.inference_mode():
+        _roads(opt, model, sim, road, saved)
+    assert [id(t) for st in opt.state.values() for t in st.values()] == ids
+    assert not any(t.is_inference() for st in opt.state.values() for t in st.values())
+    model(torch.randn(4, 3, device=sim)).sum().backward()
+    opt.step()

@@ -674,14 +674,17 @@ def operation() -> Iterator[None]:
     """The span of one operation (``api``'s, a load, ``stream``/``unstream``): a Ctrl-C that a commit section
     (:func:`uninterrupted`) holds is handed to its handler at the operation's end, once the operation's own
     records (the offload record, the transfer in flight, grads given back, a mode) are in place too, not at the
-    commit's. Nested operations join the outermost."""
+    commit's. Nested operations join the outermost. Never under the caller's inference mode: a copy made there
+    would be an inference tensor, which the next step outside it may not update in place."""
     if _operations or threading.current_thread() is not threading.main_thread():
-        yield
+        with torch.inference_mode(False):
+            yield
         return
     frame: list[Any] = [None, []]
     _operations.append(frame)
     try:
-        yield
+        with torch.inference_mode(False):
+            yield
     finally:
         _operations.pop()
         previous, caught = frame

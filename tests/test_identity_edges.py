@@ -115,7 +115,6 @@ def _roads(opt, model, sim, road, saved):
         optimshift.unstream(opt)
 
 
-
 @pytest.mark.parametrize("road", ["offload", "move", "rebind", "load_state_dict", "stream"])
 def test_an_operation_under_inference_mode_leaves_no_inference_tensor(sim, road):
     """Offloading during generation, under ``torch.inference_mode()`` (an RL loop's eval): every copy was an

@@ -298,3 +298,17 @@ def test_a_wrapper_holding_an_optimizer_with_a_state_of_its_own(sim):
     optimshift.move(opt.optimizer)
     assert optimshift.check(opt).ok
     opt.step()
+
+
+def test_a_dtype_finding_names_a_param_as_every_other_finding_does():
+    """A group whose ``param_names`` holds None for a param: check()'s dtype finding called it
+    ``group 0, param 0 (None)`` where every other finding and placement() say ``group 0, param 0``."""
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.named_parameters())
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["param_names"][0] = None
+    p = opt.param_groups[0]["params"][0]
+    opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].double()  # a dtype the step refuses
+    (finding,) = [f for f in optimshift.check(opt).findings if f.key == "exp_avg"]
+    assert finding.param == "group 0, param 0" == optimshift.placement(opt)[0].param

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._probe import Rejection, entry_dtypes, rejected_dtypes
-from ._state import group_tensors, leaves
+from ._state import group_tensors, label_in, leaves
 
 if TYPE_CHECKING:
     from .report import Finding
@@ -46,7 +46,6 @@ def stepping_base(optimizer: Any) -> type[torch.optim.Optimizer] | None:
 
 def dtype_findings(optimizer: Any) -> list[Finding]:
     """:func:`optimshift.check`'s findings for state entries whose dtype the next step would refuse."""
-    from ._plan import Site
     from .report import Finding
 
     base = stepping_base(optimizer)
@@ -56,7 +55,6 @@ def dtype_findings(optimizer: Any) -> list[Finding]:
     findings: list[Finding] = []
     for gi, group in enumerate(optimizer.param_groups):
         own = {id(t) for _, t in group_tensors(group)}
-        names = group.get("param_names")
         memo: dict[tuple[torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
         for pi, p in enumerate(group["params"]):
             state = optimizer.state.get(p)
@@ -66,9 +64,7 @@ def dtype_findings(optimizer: Any) -> list[Finding]:
             memo_key = (p.dtype, p.dim(), tuple(sorted((str(k), str(d)) for k, d in dtypes.items())))
             if memo_key not in memo:
                 memo[memo_key] = rejected_dtypes(base, group, p, dtypes)
-            label = Site(
-                gi, pi, "", (), str(names[pi]) if isinstance(names, (list, tuple)) and pi < len(names) else None
-            ).param_label
+            label = label_in(optimizer, gi, pi)
             for r in memo[memo_key]:
                 t = next(t for _, t in leaves(state[r.key]) if id(t) not in own)
                 findings.append(

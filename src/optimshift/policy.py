@@ -35,7 +35,7 @@ from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     torch_defined,
     unprobed,
 )
-from ._state import group_device, param_label, param_name, param_positions
+from ._state import group_device, label_in, param_positions
 
 __all__ = [
     "Policy",
@@ -482,11 +482,10 @@ def _refuse_meta(
     # (found by the param: a load's group is a new dict over the same params; inspect's stand-in has no groups)
     held = param if param is not None else next(iter(group.get("params", ())), None)
     where = param_positions(optimizer).get(id(held)) if hasattr(optimizer, "param_groups") else None
-    at = None if where is None else (*where, param_name(where[1], optimizer.param_groups[where[0]].get("param_names")))
     if param is None:
-        what = ("a param group" if at is None else f"group {at[0]}") + f"[{key!r}]"
+        what = ("a param group" if where is None else f"group {where[0]}") + f"[{key!r}]"
     else:
-        what = ("a param" if at is None else param_label(*at)) + f", state[{key!r}]"
+        what = ("a param" if where is None else label_in(optimizer, *where)) + f", state[{key!r}]"
     raise ValueError(
         f"{type(optimizer).__name__}: the policy registered for {base.__name__} placed {what} on meta, for "
         f"params bound for {device}: meta holds no values, so every one of them would be lost. Have the policy "

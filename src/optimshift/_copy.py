@@ -61,17 +61,16 @@ class Options:
 
     ``non_blocking``: copies may run on after the call (on a side stream where the device has streams);
     ``pin_memory``: host buffers are pinned where the accelerator pins host memory; ``keep_host_views``: host
-    copies stay views into pool buffers (offloaded state) instead of tensors of their own; ``pool``: the host
-    buffer pool (None: :data:`optimshift.pool.host_pool`); ``lane``: which side stream of the device a
-    non-blocking transfer queues on (:meth:`optimshift._device_streams.Streams.side`: the streamed step's layout
-    queues on its own lane, so its step's loads are ordered after it). Destinations a caller allocated (a streamed
-    chunk's host views, a keep_addresses reload's slots) are :func:`optimshift._engine.run`'s ``into``.
+    copies stay views into pool buffers (offloaded state) instead of tensors of their own; ``lane``: which side
+    stream of the device a non-blocking transfer queues on (:meth:`optimshift._device_streams.Streams.side`: the
+    streamed step's layout queues on its own lane, so its step's loads are ordered after it). Destinations a
+    caller allocated (a streamed chunk's host views, a keep_addresses reload's slots) are
+    :func:`optimshift._engine.run`'s ``into``.
     """
 
     non_blocking: bool = False
     pin_memory: bool = False
     keep_host_views: bool = False
-    pool: HostPool | None = None
     lane: str = "engine"
 
 

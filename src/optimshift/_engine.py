@@ -102,7 +102,7 @@ def copy_items(
     ``together``: the groups to copy as one storage, when the caller has them; ``alike``: the items are one
     column (see :func:`copy_many`).
     """
-    pool = host_pool if options.pool is None else options.pool
+    pool = host_pool
     batch = copy_many(items, options, pool=pool, describe=describe, side=side, together=together, alike=alike)
     if (
         batch.after_sync
@@ -501,7 +501,7 @@ def _run_on_side_stream(
         raise
     event = streams.new_event(device)
     streams.record(event, side)
-    batch.complete(host_pool if options.pool is None else options.pool, event)
+    batch.complete(host_pool, event)
     return batch, event
 
 

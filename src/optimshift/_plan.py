@@ -109,10 +109,6 @@ class Transfer(tuple[Ident, str | None, torch.Tensor, torch.Tensor | None, torch
         group, index, path = self[0]
         return Site(group, index, path[0][1], path, self[1])
 
-    @property
-    def moves(self) -> bool:
-        return self[2].device != self[4]
-
 
 _new_transfer = tuple.__new__
 

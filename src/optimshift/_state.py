@@ -135,14 +135,6 @@ def holds_tensor(value: Any) -> bool:
     return next(leaves(value), None) is not None
 
 
-def is_plain(value: Any) -> bool:
-    """Whether ``value`` is a Python scalar, string or None, or a list/tuple of only those (a hyperparameter a
-    constructor can take as it is)."""
-    if isinstance(value, (list, tuple)):
-        return not too_deep(value) and all(is_plain(v) for v in value)
-    return isinstance(value, (int, float, bool, str, type(None))) and not isinstance(value, torch.Tensor)
-
-
 MAX_DEPTH = 64
 """Containers nested deeper than this are refused where state is loaded or rewritten: copying them is
 recursive, and no optimizer nests state more than a few levels (a hostile or broken file can nest thousands)."""

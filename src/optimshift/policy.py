@@ -88,10 +88,6 @@ class Decision:
     device: torch.device
     source: str
 
-    @property
-    def guessed(self) -> bool:
-        return self.source == "default"
-
 
 _registry: dict[type, Policy] = {}
 _separable: dict[type, bool] = {}

@@ -126,3 +126,39 @@ def test_a_streamed_optimizer_dropped_frees_its_host_buffers_without_the_collect
         assert host_pool.stats().in_use == before
     finally:
         gc.enable()
+
+
+def _classes_of_a_run():
+    """Optimizer classes a function defines (a notebook cell, a test, a sweep's factory): a torch subclass with a
+    step of its own, a third-party class, and a plain subclass; each used by every road that asks the caches."""
+
+    class Own(O.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class Third(Counter):
+        pass
+
+    class Plain(O.Adam):
+        pass
+
+    return Own, Third, Plain
+
+
+def test_the_caches_let_go_of_a_class_defined_at_run_time(sim, tmp_path, caplog):
+    """The probe cache, its signatures, the load's checks and the guessed-class warnings held every class they were
+    asked about, and so its module globals and closures (a notebook's model), for the life of the process."""
+    refs = []
+    for cls in _classes_of_a_run():
+        params = [Parameter(torch.randn(4, 3, device=sim))]
+        opt = cls(params, lr=0.1)
+        params[0].grad = torch.ones_like(params[0])
+        opt.step()
+        optimshift.check(opt)
+        _cycles(opt, sim)
+        optimshift.save(opt, tmp_path / "opt.pt")
+        optimshift.load_state_dict(opt, optimshift.load(tmp_path / "opt.pt"))
+        refs.append(weakref.ref(cls))
+        del opt, params
+    del cls
+    assert not _alive(refs), "a cache keeps a class defined at run time"

@@ -53,6 +53,7 @@ import math
 import numbers
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
@@ -98,9 +99,10 @@ MAX_READS = 10_000
 
 GroupPath = tuple[Any, int | None]
 """A tensor a group holds: ``(key, None)`` for ``group[key]``, ``(key, i)`` for ``group[key][i]``."""
-ProbeKey = tuple[type[torch.optim.Optimizer], tuple[tuple[str, Any], ...], tuple[bool, ...], int]
-"""What :func:`probe_key` returns: the class, the group's entries (by kind), its implementation flags, the
-param rank."""
+ProbeKey = tuple["weakref.ref[type]", tuple[tuple[str, Any], ...], tuple[bool, ...], int]
+"""What :func:`probe_key` returns: the class (weakly: a class defined at run time goes with its last instance, as
+the cache's entries for it are only ever found through it), the group's entries (by kind), its implementation
+flags, the param rank."""
 
 
 @contextlib.contextmanager
@@ -186,7 +188,7 @@ def probe_key(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: 
     ``ndim`` observes (see the module docstring): the class, every group entry but the params by kind, the known
     implementation flags also as booleans (``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
     flags = tuple(bool(group.get(flag)) for flag in IMPLEMENTATION_FLAGS)
-    return (cls, group_kinds(group), flags, min(ndim, 2))
+    return (weakref.ref(cls), group_kinds(group), flags, min(ndim, 2))
 
 
 def group_kinds(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -198,7 +200,7 @@ def group_kinds(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 # --- what the throwaway optimizer is built with ------------------------------------------------------------
 
 
-_signatures: dict[type, Mapping[str, Any]] = {}  # (one entry per class: bounded by the classes there are)
+_signatures: weakref.WeakKeyDictionary[type, Mapping[str, Any]] = weakref.WeakKeyDictionary()  # (one per class)
 
 
 def signature_defaults(cls: type[torch.optim.Optimizer]) -> Mapping[str, Any]:

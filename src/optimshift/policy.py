@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -313,7 +314,7 @@ def why_guessed(cls: type, group: Mapping[str, Any], ndim: int, key: str) -> str
     return f"a probe step of {probed_cls.__name__} made no 0-dim {key!r}"
 
 
-_guessed: set[type] = set()
+_guessed: weakref.WeakSet[type] = weakref.WeakSet()  # (weakly: a class defined at run time may go)
 
 
 def _warn_guessed(cls: type, group: Mapping[str, Any], ndim: int, key: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -109,7 +110,7 @@ def _hyper_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
         return {}
 
 
-_fresh_groups: dict[type, dict[str, Any] | None] = {}
+_fresh_groups: weakref.WeakKeyDictionary[type, dict[str, Any] | None] = weakref.WeakKeyDictionary()
 
 
 def fresh_group(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | None:
@@ -154,7 +155,10 @@ def torch_cast(
     return (param[0] if param[0].is_floating_point else value[0]), param[1]
 
 
-_group_keys_cache: dict[tuple[type, type], tuple[frozenset[str], frozenset[str]]] = {}
+# (by class, weakly: a class defined at run time goes with its last instance; then by its torch base)
+_group_keys_cache: weakref.WeakKeyDictionary[type, dict[type, tuple[frozenset[str], frozenset[str]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _group_keys(
@@ -164,7 +168,7 @@ def _group_keys(
     them), read from the installed torch: a fresh optimizer's ``defaults``, and ``__setstate__`` (what a load
     runs, as PyTorch's does) on a bare group. NOTE: PyTorch's classes ``setdefault`` each key their older
     releases did not save (``foreach``, ``maximize``, ``fused``...), so those checkpoints still load."""
-    found = _group_keys_cache.get((cls, base))
+    found = _group_keys_cache.get(cls, {}).get(base)
     if found is not None:
         return found
     with throwaway():
@@ -187,7 +191,7 @@ def _group_keys(
                 break
             filled = frozenset(k for k in bare.param_groups[0] if k in fresh and k not in given)
             break
-    found = _group_keys_cache[(cls, base)] = (fresh, filled)
+    found = _group_keys_cache.setdefault(cls, {})[base] = (fresh, filled)
     return found
 
 

@@ -437,13 +437,21 @@ def test_a_param_without_state_is_uniform(monkeypatch, taken):
     assert taken[0] is True
 
 
-def test_under_inference_mode_the_general_path_loads(monkeypatch, taken):
-    """Inference mode hides the dispatch keys that tell inference tensors apart: not uniform."""
+def test_under_the_callers_inference_mode_the_load_runs_outside_it(monkeypatch, taken):
+    """Inference mode hides the dispatch keys that tell inference tensors apart; a load runs outside the caller's
+    (``engine.operation``), so it is uniform there too, and nothing it installs is an inference tensor. A
+    checkpoint made of inference tensors is not uniform (the general path clones them)."""
     sd = _adam_sd()
     model, opt = _trained(O.Adam, {"foreach": False}, [(3, 3), (3,), (3,)])
     with torch.inference_mode():
         optimshift.load_state_dict(opt, sd)
-    assert taken == [False]
+    assert taken == [True]
+    assert not any(t.is_inference() for st in opt.state.values() for t in st.values())
+    with torch.inference_mode():
+        made_there = {k: {n: t.clone() for n, t in st.items()} for k, st in sd["state"].items()}
+    optimshift.load_state_dict(opt, {"state": made_there, "param_groups": sd["param_groups"]})
+    assert taken == [True, False]
+    assert not any(t.is_inference() for st in opt.state.values() for t in st.values())
 
 
 @pytest.mark.parametrize(

@@ -197,6 +197,27 @@ def test_a_buffer_that_dies_in_use_stops_counting(pinning):
     assert (p.stats().pinned_bytes, p.stats().pageable_bytes, p.stats().in_use) == (0, 0, 0)
 
 
+def test_a_buffer_that_dies_while_the_pool_is_locked_does_not_deadlock(pinning):
+    """A buffer's finalizer runs wherever the collector does: inside a section holding the pool's lock (the
+    allocation of ``in_use_storages``' list, in the ``state_dict()`` post-hook of an offloaded optimizer, freeing
+    another one caught in a cycle) it waited for that lock forever. The death is accounted by the lock's next
+    holder. (A pool of its own: on the old code the thread below holds its lock for good.)"""
+    import threading
+
+    p = HostPool()
+    p.pinned_limit = None
+    held = [p.acquire(1, pinned=False)]
+
+    def die_under_the_lock():
+        with p._lock:
+            held.clear()  # the buffer's last reference: its finalizer runs here, the lock held
+
+    t = threading.Thread(target=die_under_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the finalizer waited for the lock its own thread holds"
+    assert (p.stats().pageable_bytes, p.stats().in_use) == (0, 0)
+
 def test_release_idle_gives_pinned_memory_back_to_the_os(pinning, monkeypatch):
     """PyTorch's caching host allocator keeps freed pinned blocks for the process: the pool empties its cache
     once it freed pinned buffers (and not for pageable ones alone)."""

@@ -19,11 +19,13 @@ buffers, then gets pageable memory (slower copies, the same bytes), as does a re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -79,6 +81,8 @@ class HostPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # ids of buffers that died while the lock was held (see _drop), accounted by the next holder of the lock
+        self._died: list[int] = []
         self._idle: list[tuple[torch.Tensor, bool, Any | None]] = []  # (buffer, pinned, event to wait for)
         # per buffer id: (pinned, storage use count when it has no views, bytes); dropped when the buffer dies
         self._meta: dict[int, tuple[bool, int | None, int]] = {}
@@ -101,7 +105,7 @@ class HostPool:
         limit = self._limit
         if isinstance(limit, _Default):
             limit = _limit_from_environment()  # (a bad value raises, naming the variable, every time it is read)
-            with self._lock:
+            with self._locked():
                 if isinstance(self._limit, _Default):
                     self._limit = limit
         return limit
@@ -112,7 +116,7 @@ class HostPool:
             raise TypeError(f"host_pool.pinned_limit must be a number of bytes or None, not {limit!r}")
         if limit is not None and limit < 0:
             raise ValueError(f"host_pool.pinned_limit must be at least 0 bytes (None: no limit), not {limit}")
-        with self._lock:
+        with self._locked():
             self._limit = limit
             self._warned_limit = False
             # Idle pinned buffers above a lowered limit are freed now, not at the next request.
@@ -138,7 +142,7 @@ class HostPool:
                 return buf
             if not pageable:
                 return None
-        with self._lock:
+        with self._locked():
             found, event = self._take_idle(size, pinned=False)
         if found is None:
             found = self._new(size, pinned=False)
@@ -155,7 +159,7 @@ class HostPool:
         limit = self.pinned_limit
         evicted: list[tuple[torch.Tensor, bool, Any | None]] = []
         over = warn = False
-        with self._lock:
+        with self._locked():
             found, event = self._take_idle(size, pinned=True)
             if found is None:
                 if limit is not None and self._held[True] + size > limit:
@@ -186,7 +190,7 @@ class HostPool:
         try:
             buf = self._new(size, pinned=True, reserved=True)
         except RuntimeError as error:  # (cudaHostAlloc out of memory, no pinned allocator): pageable instead
-            with self._lock:
+            with self._locked():
                 self._held[True] -= size
                 self._pin_failures += 1
                 warn, self._warned_failure = not self._warned_failure, True
@@ -202,7 +206,7 @@ class HostPool:
                 )
             return None
         except BaseException:
-            with self._lock:
+            with self._locked():
                 self._held[True] -= size
             raise
         return self._hand_out(buf, None)
@@ -250,7 +254,7 @@ class HostPool:
 
     def _new(self, size: int, *, pinned: bool, reserved: bool = False) -> torch.Tensor:
         buf = _allocate(size, pinned)
-        with self._lock:
+        with self._locked():
             self._allocations += 1
             self._meta[id(buf)] = (pinned, _uses(buf), size)
             if not reserved:
@@ -261,15 +265,34 @@ class HostPool:
     def _hand_out(self, buf: torch.Tensor, event: Any | None) -> torch.Tensor:
         if event is not None:
             event.synchronize()  # a copy still reading this buffer must finish before it is overwritten
-        with self._lock:
+        with self._locked():
             self._in_use[id(buf)] = weakref.ref(buf)
         return buf
 
-    def _drop(self, key: int) -> None:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The pool's lock, with the buffers that died meanwhile accounted first."""
         with self._lock:
+            self._account_died()
+            yield
+
+    def _account_died(self) -> None:
+        while self._died:
+            key = self._died.pop()
             pinned, _, size = self._meta.pop(key, (False, None, 0))
             if self._in_use.pop(key, None) is not None:  # died in use (an offloaded optimizer collected)
                 self._held[pinned] -= size
+
+    def _drop(self, key: int) -> None:
+        # NOTE: a buffer's finalizer runs wherever the collector does, also inside a section that holds the
+        # lock (an allocation there); waiting for the lock would deadlock that thread. The death is recorded
+        # (a list append: atomic) and accounted now if the lock is free, else by its next holder.
+        self._died.append(key)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._account_died()
+            finally:
+                self._lock.release()
 
     def _viewed(self, buf: torch.Tensor) -> bool:
         """Whether a tensor other than ``buf`` itself still uses its memory."""
@@ -279,13 +302,13 @@ class HostPool:
 
     def release(self, buf: torch.Tensor, event: Any | None = None) -> None:
         """Give ``buf`` back; with ``event``, it is reused only after that event completes."""
-        with self._lock:
+        with self._locked():
             if self._in_use.pop(id(buf), None) is not None:
                 self._idle.append((buf, self._meta[id(buf)][0], event))
 
     def release_idle(self) -> int:
         """Free every idle buffer (pinned memory goes back to the OS); returns the bytes freed."""
-        with self._lock:
+        with self._locked():
             idle, self._idle = self._idle, []
             for buf, pinned, _ in idle:
                 self._held[pinned] -= buf.numel()
@@ -296,13 +319,13 @@ class HostPool:
     def in_use_storages(self) -> set[int]:
         """The storage addresses (``untyped_storage().data_ptr()``) of the buffers handed out and not given back:
         what offloaded and streamed state are views into."""
-        with self._lock:
+        with self._locked():
             refs = list(self._in_use.values())
         return {b.untyped_storage().data_ptr() for b in (ref() for ref in refs) if b is not None}
 
     def stats(self) -> PoolStats:
         limit = self.pinned_limit
-        with self._lock:
+        with self._locked():
             return PoolStats(
                 self._allocations,
                 self._reuses,

@@ -218,6 +218,7 @@ def test_a_buffer_that_dies_while_the_pool_is_locked_does_not_deadlock(pinning):
     assert not t.is_alive(), "the finalizer waited for the lock its own thread holds"
     assert (p.stats().pageable_bytes, p.stats().in_use) == (0, 0)
 
+
 def test_release_idle_gives_pinned_memory_back_to_the_os(pinning, monkeypatch):
     """PyTorch's caching host allocator keeps freed pinned blocks for the process: the pool empties its cache
     once it freed pinned buffers (and not for pageable ones alone)."""

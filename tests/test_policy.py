@@ -317,6 +317,68 @@ def test_a_subclass_whose_own_step_cannot_be_probed_is_placed_by_its_base():
             assert opt.state[q]["step"].device.type == where and opt.state[q]["exp_avg"].device == CUDA0
 
 
+@pytest.mark.parametrize("flags", [{"capturable": True}, {"fused": True}, {}])
+def test_a_subclass_passing_its_keywords_on_is_probed_with_its_groups_flags(flags):
+    """A subclass with a step of its own and ``__init__(self, params, **kwargs)``: its probe was built with none of
+    the group's keywords (only names in its own signature were passed), so a capturable or fused group was probed
+    as neither and ``step`` put on the host, where the next step raised. Its bases' keywords are passed on too."""
+
+    class Forwarding(O.Adam):
+        def __init__(self, params, **kwargs):
+            super().__init__(params, **kwargs)
+
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = Forwarding([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    opt.param_groups[0].update(flags)
+    cls, observed = policy.probed_by(Forwarding, opt.param_groups[0], 1)
+    assert cls is Forwarding and observed is not None and observed.state == {"step": bool(flags)}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.nn.Parameter(p.detach().to(CUDA0))
+        optimshift.rebind(opt, [q])
+        assert opt.state[q]["step"].device.type == ("cuda" if flags else "cpu")
+
+
+def test_a_subclass_whose_own_step_makes_no_state_is_placed_by_its_base():
+    """A subclass whose step fails on the probe's fake param before making any state (a collective with no process
+    group): its probe ran, so its base's was never asked, and a tensor lr the base's step reads on the host was
+    left on the device (a sync per step)."""
+
+    class Reducing(O.Adam):
+        def step(self, closure=None):
+            raise RuntimeError("Default process group has not been initialized")
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    group = Reducing([p], lr=torch.tensor(0.01), foreach=False).param_groups[0]
+    cls, observed = policy.probed_by(Reducing, group, 1)
+    assert cls is O.Adam and observed is not None and observed.group == {("lr", None): _probe.HOST_READ}
+
+
+def test_probing_a_users_step_leaves_the_random_generators_as_they_were():
+    """A throwaway of a user's class runs its ``__init__`` and step (on fake tensors): one that draws random numbers
+    (noise on its updates) moved the user's Python and host torch generators on every probe."""
+    import random
+
+    class Noisy(O.Adam):
+        def step(self, closure=None):
+            random.gauss(0, 1)
+            torch.rand(1)
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = Noisy([p], lr=0.5, betas=(0.5, 0.5))  # (a group of its own kinds: a probe not cached yet)
+    random.seed(7)
+    torch.manual_seed(7)
+    assert policy.probed_by(Noisy, opt.param_groups[0], 1)[0] is Noisy
+    after = (random.random(), torch.rand(1))
+    random.seed(7)
+    torch.manual_seed(7)
+    assert after == (random.random(), torch.rand(1))
+
 def test_a_subclass_inheriting_adamws_step_is_separable_whoever_was_built_first(monkeypatch):
     """AdamW has no step of its own (it inherits Adam's): a subclass built before any Adam gets torch's hook
     wrapper of Adam's step on itself, and still steps with AdamW's step."""

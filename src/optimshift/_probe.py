@@ -113,9 +113,28 @@ def throwaway(*, host: bool = True) -> Iterator[None]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     place = torch.device("cpu") if host else contextlib.nullcontext()
-    with _disable_current_modes(), warnings.catch_warnings(), place, quiet_global_step_hooks():
+    with _disable_current_modes(), warnings.catch_warnings(), place, quiet_global_step_hooks(), _same_random():
         warnings.simplefilter("ignore")
         yield
+
+
+@contextlib.contextmanager
+def _same_random() -> Iterator[None]:
+    """The random generators a throwaway's ``__init__`` and step may draw from (a third-party class's, a user's
+    subclass's: noise, dropout of updates), as they were before it: Python's, torch's on the host, NumPy's."""
+    import random
+    import sys
+
+    python, host = random.getstate(), torch.random.get_rng_state()
+    numpy = sys.modules.get("numpy")
+    saved = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        torch.random.set_rng_state(host)
+        if numpy is not None and saved is not None:
+            numpy.random.set_state(saved)
 
 
 @contextlib.contextmanager
@@ -205,11 +224,25 @@ _signatures: weakref.WeakKeyDictionary[type, Mapping[str, Any]] = weakref.WeakKe
 
 def signature_defaults(cls: type[torch.optim.Optimizer]) -> Mapping[str, Any]:
     """``cls.__init__``'s parameters other than ``self`` and ``params``, with their defaults (``inspect``'s
-    ``Parameter.empty`` where there is none). Raises ``TypeError``/``ValueError`` where it has no signature."""
+    ``Parameter.empty`` where there is none); where it passes ``**kwargs`` on (a subclass's ``__init__(self,
+    params, **kwargs)``), its bases' too. Raises ``TypeError``/``ValueError`` where it has no signature."""
     found = _signatures.get(cls)
     if found is None:
-        params = inspect.signature(cls.__init__).parameters
-        found = _signatures[cls] = {name: p.default for name, p in params.items() if name not in ("self", "params")}
+        found = {}
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            params = inspect.signature(init).parameters
+            passed_on = False
+            for name, p in params.items():
+                if p.kind is inspect.Parameter.VAR_KEYWORD:
+                    passed_on = True
+                elif name not in ("self", "params") and p.kind is not inspect.Parameter.VAR_POSITIONAL:
+                    found.setdefault(name, p.default)
+            if not passed_on or klass is torch.optim.Optimizer:
+                break
+        _signatures[cls] = found
     return found
 
 
@@ -463,6 +496,9 @@ def _run(
             except Exception as e:
                 raise _Unbuilt(_error(e)) from None
             live = opt.param_groups[0]
+            for flag in IMPLEMENTATION_FLAGS if not torch_defined(cls) else ():
+                if bool(live.get(flag)) != bool(group.get(flag)):  # (a flag its constructor does not take)
+                    raise _Unbuilt(f"built, it has {flag}={live.get(flag)!r}, the group {group.get(flag)!r}")
             for key, index in paths:  # the group's own tensors, on the host (one of them on the device)
                 like = group[key] if index is None else group[key][index]
                 t = torch.zeros(

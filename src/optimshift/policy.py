@@ -291,12 +291,13 @@ def decide(
 def probed_by(cls: type, group: Mapping[str, Any], ndim: int) -> tuple[type, Observed | None]:
     """The class whose throwaway step says where ``cls``'s entries go, and what it observed: ``cls`` itself,
     unless it steps with its torch.optim base's own step (then the base, by the same rule as torch's classes)
-    or its own cannot be built or run from a group's hyperparameters (then the base; what it keeps of its own
-    is guessed). A step of its own may keep and read scalars of its own, or read a group tensor on the host."""
+    or its own cannot be built from a group's hyperparameters or its step makes no state there (then the base;
+    what it keeps of its own is guessed). A step of its own may keep and read scalars of its own, or read a group
+    tensor on the host."""
     base = builtin_base(cls)
     if base is None or not same_step(cls, base):
         observed = probe(cls, group, ndim)
-        if observed is not None or base is None:
+        if base is None or observed is not None and observed.state is not None:
             return cls, observed
     return base, probe(base, group, ndim)
 

@@ -379,6 +379,7 @@ def test_probing_a_users_step_leaves_the_random_generators_as_they_were():
     torch.manual_seed(7)
     assert after == (random.random(), torch.rand(1))
 
+
 def test_a_subclass_inheriting_adamws_step_is_separable_whoever_was_built_first(monkeypatch):
     """AdamW has no step of its own (it inherits Adam's): a subclass built before any Adam gets torch's hook
     wrapper of Adam's step on itself, and still steps with AdamW's step."""

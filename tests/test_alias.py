@@ -528,7 +528,8 @@ def test_entries_that_overlap_keep_sharing_whoever_else_holds_their_storage(sim,
 
 
 def test_a_storage_only_state_uses_is_copied_as_the_span_its_entries_cover(sim):
-    """A storage nothing else uses is copied as the bytes its entries cover, not its tail nobody reads."""
+    """A storage nothing else uses is copied as the bytes its entries cover (from the 256-byte boundary below the
+    first: each keeps its alignment), not its tail nobody reads."""
     p = torch.nn.Parameter(torch.randn(4, device=sim))
     opt = torch.optim.SGD([p], lr=0.1)
     flat = torch.arange(1024.0, device=sim)
@@ -536,10 +537,10 @@ def test_a_storage_only_state_uses_is_copied_as_the_span_its_entries_cover(sim):
     del flat
     with _CrossDeviceBytes() as copied:
         optimshift.offload(opt)
-    assert copied.total == 8 * 4
+    assert copied.total == 10 * 4  # (elements 0 to 10: a starts 8 bytes past a 256-byte boundary)
     optimshift.reload(opt)
     a, b = opt.state[p]["a"], opt.state[p]["b"]
-    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and b.storage_offset() == 2
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and b.storage_offset() == 4
     assert torch.equal(b.cpu(), torch.arange(4.0, 10.0))
 
 
@@ -559,3 +560,43 @@ def test_stream_refuses_entries_that_overlap_on_a_storage_something_else_uses(si
     with pytest.raises(ValueError, match="share one storage"):
         optimshift.stream(opt)
     assert tensor_ids(opt) == ids
+
+
+@pytest.mark.parametrize("way", ["move", "offload"])
+def test_entries_whose_intervals_interleave_but_share_no_byte_are_copied_apart(sim, way):
+    """Two columns of a dropped matrix (each strided over the whole buffer) and moments packed by ``unbind(-1)``:
+    their byte intervals overlap, no byte is shared. Grouped by interval they were copied as the whole buffer (16
+    MiB held for 16 KiB of state) and stream() refused them; grouped by shared bytes, each is its own. An empty
+    view shares nothing either."""
+    p = torch.nn.Parameter(torch.randn(2048, device=sim))
+    opt = torch.optim.SGD([p], lr=0.1)
+    big = torch.zeros(2048, 2048, device=sim)
+    st = opt.state[p]
+    st["c0"], st["c1"] = big[:, 0], big[:, 1]
+    st["m"], st["v"] = torch.zeros(2048, 2, device=sim).unbind(-1)
+    st["empty"] = st["c0"][5:5]
+    del big
+    if way == "move":
+        optimshift.move(opt, "cpu")
+    else:
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+    assert {k: v.untyped_storage().nbytes() for k, v in st.items() if k != "empty"} == {
+        k: 2048 * 4 for k in ("c0", "c1", "m", "v")
+    }
+    assert len({v.untyped_storage().data_ptr() for k, v in st.items() if k != "empty"}) == 4
+
+
+def test_a_view_with_attributes_of_its_own_keeps_them():
+    """A view adopts its copy by a swap (set_data would keep its ``_base``), but not one with attributes of its own,
+    which a swap hands to the copy (a tag a framework put on it)."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.randn(4)
+    opt.step()
+    entry = opt.state[p]["momentum_buffer"] = torch.zeros(8)[:4]
+    entry.tag = "bucket-0"
+    optimshift.load_state_dict(
+        opt, {"state": {0: {"momentum_buffer": torch.ones(4)}}, "param_groups": opt.state_dict()["param_groups"]}
+    )
+    assert opt.state[p]["momentum_buffer"] is entry and entry.tag == "bucket-0" and torch.equal(entry, torch.ones(4))

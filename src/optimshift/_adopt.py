@@ -74,8 +74,9 @@ def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mecha
         elif data:
             # NOTE: set_data keeps a view's ``_base``, and with it the old storage (a flat buffer the optimizer
             # dropped stays alive through the entries cut from it: device memory an offload never frees); a swap
-            # gives the object the copy's TensorImpl, which views nothing.
-            append("swap" if old._is_view() and _swappable(old, new) else "data")
+            # gives the object the copy's TensorImpl, which views nothing (not where the object has attributes of
+            # its own, which a swap would hand to the copy).
+            append("swap" if old._is_view() and not old.__dict__ and _swappable(old, new) else "data")
         elif (
             kind[0] is plain
             and kind[1] is plain

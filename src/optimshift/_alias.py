@@ -16,6 +16,7 @@ it is (a state entry that views a param: the rule for params and grads kept in s
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ _address: Callable[[torch.Tensor], int] = getattr(
 _use_count: Callable[[int], int] = torch._C._storage_Use_Count
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_SET = frozenset(_PLAIN)
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def storage_of(t: torch.Tensor) -> int:
@@ -91,32 +93,29 @@ def shared(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
         indices = list(found.values())
         if len(indices) < 2:
             continue
-        whole = _whole(k, [tensors[i] for i in indices])
-        if whole:
-            groups.append(indices)
-        elif whole is not None:
-            groups.extend(_overlapping(indices, tensors))
+        first = _local(tensors[indices[0]])
+        if first.is_meta:
+            continue  # (no bytes to share)
+        storage = first.untyped_storage()  # (held while counting: one Python storage object, see below)
+        if storage.nbytes() == 0:
+            continue
+        # NOTE: a storage's use count is one per TensorImpl on it, plus one for its Python storage object (which
+        # torch keeps alive with the storage once created; `storage` above makes sure there is one). Anything
+        # more is a user outside the members: a param, a grad, a pool buffer, a base (held or not).
+        whole = _use_count(k) == len(indices) + 1
+        del storage
+        for group in [indices] if whole else _overlapping(indices, tensors):
+            if _rebuildable([tensors[i] for i in group]):
+                groups.append(group)
     return groups
 
 
-def _whole(key: int, members: list[torch.Tensor]) -> bool | None:
-    """Whether ``members`` are all that uses their storage; None where they cannot be rebuilt as views of a copy
-    of it at all (each is then copied on its own).
-
-    # NOTE: a meta storage has no bytes and a zero-byte storage has nothing to share: both are copied one by
-    # one. A conjugate or negative view keeps its bit outside the storage, which a rebuilt view would lose.
-    """
+def _rebuildable(members: list[torch.Tensor]) -> bool:
+    """Whether each of ``members`` can be rebuilt as a view of a copy of their storage: on one device, no
+    conjugate or negative view (its bit is kept outside the storage, which a rebuilt view would lose)."""
     locals_ = [_local(t) for t in members]
-    first = locals_[0]
-    if first.is_meta:
-        return None
-    storage = first.untyped_storage()  # (held while counting: one Python storage object, see below)
-    if storage.nbytes() == 0 or any(t.is_conj() or t.is_neg() or t.device != first.device for t in locals_):
-        return None
-    # NOTE: a storage's use count is one per TensorImpl on it, plus one for its Python storage object (which
-    # torch keeps alive with the storage once created; `storage` above makes sure there is one). Anything more
-    # is a user outside ``members``: a param, a grad, a pool buffer, a base (held or not).
-    return _use_count(key) == len(locals_) + 1
+    device = locals_[0].device
+    return not any(t.is_conj() or t.is_neg() or t.device != device for t in locals_)
 
 
 def _bytes(t: torch.Tensor) -> tuple[int, int]:
@@ -129,32 +128,104 @@ def _bytes(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _overlapping(indices: list[int], tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """The members of one storage (``indices`` into ``tensors``) in groups of two or more whose bytes overlap
-    (chained: a group's spans cover one interval); the rest are left out."""
-    spans = sorted((_bytes(_local(tensors[i])), i) for i in indices)
-    groups: list[list[int]] = []
-    current: list[int] = []
-    end = -1
-    for (start, stop), i in spans:
-        if start < end:
-            current.append(i)
+    """The members of one storage (``indices`` into ``tensors``) in groups of two or more that share bytes
+    (chained); the rest (an empty tensor among them) are left out.
+
+    A few C calls per member, and one sort in C, where none share (the offloaded state in a pool buffer: many
+    disjoint views); Python only for members whose intervals overlap."""
+    members = [tensors[i] for i in indices]
+    locals_ = members if set(map(type, members)) <= _PLAIN_SET else list(map(_local, members))
+    # (byte positions from data pointers: one C call for where each starts, one for its bytes if contiguous)
+    starts = torch.tensor(list(map(torch.Tensor.data_ptr, locals_)), dtype=torch.int64)
+    lengths = torch.tensor(list(map(_NBYTES, locals_)), dtype=torch.int64)
+    contiguous = list(map(torch.Tensor.is_contiguous, locals_))
+    if not all(contiguous):
+        for k in (k for k, c in enumerate(contiguous) if not c):
+            lengths[k] = (lambda b: b[1] - b[0])(_bytes(locals_[k])) if locals_[k].numel() else 0
+    ends = starts + lengths
+    present = torch.nonzero(lengths > 0).view(-1)  # (an empty tensor shares no byte)
+    at = starts[present]
+    order = present if bool((at[1:] >= at[:-1]).all()) else present[torch.argsort(at)]  # (views in order: sorted)
+    reach = torch.cummax(ends[order], 0).values
+    joins = starts[order][1:] < reach[:-1]  # (each member whose interval starts inside the ones before it)
+    if not bool(joins.any()):
+        return []
+    components: list[list[int]] = []
+    for k, joined in zip(order.tolist(), [False, *joins.tolist()]):
+        if joined:
+            components[-1].append(k)
         else:
-            if len(current) > 1:
-                groups.append(current)
-            current = [i]
-        end = max(end, stop)
-    if len(current) > 1:
-        groups.append(current)
-    return [sorted(g) for g in groups]
+            components.append([k])
+    groups: list[list[int]] = []
+    for component in components:
+        if len(component) < 2:
+            continue
+        # (dense members read every byte of their interval: chained intervals share bytes; others are checked)
+        parts = [component] if all(_dense(locals_[k]) for k in component) else _sharing(component, locals_)
+        groups.extend(sorted(indices[k] for k in part) for part in parts if len(part) > 1)
+    return groups
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` reads every element of its byte interval (contiguous in some order of its dimensions)."""
+    start, end = _bytes(t)
+    return end - start == t.numel() * t.element_size()
+
+
+_EXACT_LIMIT = 1 << 24
+"""At most this many elements compared one by one (two non-dense members); past it they count as sharing."""
+
+
+def _sharing(component: list[int], locals_: list[torch.Tensor]) -> list[list[int]]:
+    """``component`` (members whose intervals chain) split into the groups that share bytes, element by element."""
+    parent = {k: k for k in component}
+
+    def root(k: int) -> int:
+        while parent[k] != k:
+            k = parent[k]
+        return k
+
+    for x, a in enumerate(component):
+        for b in component[x + 1 :]:
+            if root(a) != root(b) and _share_bytes(locals_[a], locals_[b]):
+                parent[root(b)] = root(a)
+    parts: dict[int, list[int]] = {}
+    for k in component:
+        parts.setdefault(root(k), []).append(k)
+    return list(parts.values())
+
+
+def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _bytes(a), _bytes(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if _dense(a) and _dense(b):
+        return True
+    if a.element_size() != b.element_size() or a.numel() + b.numel() > _EXACT_LIMIT:
+        return True  # (counted as sharing: copied together, never apart)
+    return bool(torch.isin(_elements(a), _elements(b)).any())
+
+
+def _elements(t: torch.Tensor) -> torch.Tensor:
+    """The storage offsets of ``t``'s elements (on the host)."""
+    out = torch.full((1,) * t.dim(), int(t.storage_offset()), dtype=torch.int64)
+    for dim, (n, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[dim] = int(n)
+        out = out + torch.arange(int(n), dtype=torch.int64).mul_(stride).view(shape)
+    return out.reshape(-1)
+
+
+_ALIGN = 256
+"""A copied span starts at a multiple of this many bytes of its storage: each member keeps its alignment (what
+vectorized kernels and compiled code check) in an allocation aligned as well."""
 
 
 def span(members: Sequence[torch.Tensor]) -> tuple[int, int]:
     """``(first, count)``: the bytes of their storage that ``members`` (one group of :func:`shared`) cover, the
-    first one a multiple of every member's element size (each keeps a whole storage offset in a copy)."""
-    locals_ = [_local(t) for t in members]
-    bounds = [_bytes(t) for t in locals_]
-    align = max(t.element_size() for t in locals_)
-    first = min(b[0] for b in bounds) // align * align
+    first one a multiple of :data:`_ALIGN` (each keeps a whole storage offset in a copy, and its alignment)."""
+    bounds = [_bytes(_local(t)) for t in members]
+    first = min(b[0] for b in bounds) // _ALIGN * _ALIGN
     return first, max(b[1] for b in bounds) - first
 
 

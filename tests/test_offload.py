@@ -192,3 +192,69 @@ def test_operations_on_a_wrapper_are_the_wrapped_optimizers(sim):
     fresh = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     assert optimshift.rebind(wrapper, fresh) is wrapper
     assert [p for g in inner.param_groups for p in g["params"]] == fresh and tensor_ids(inner) == ids
+
+
+class _Base:
+    """schedulefree's ``ScheduleFreeWrapper``: a plain object holding the optimizer as ``.base`` and sharing its
+    param_groups and state (not a torch.optim.Optimizer: no hooks of its own)."""
+
+    def __init__(self, optimizer):
+        self.base = optimizer
+        self.param_groups, self.state = optimizer.param_groups, optimizer.state
+
+
+class _Sam(torch.optim.Optimizer):
+    """SAM's shape: an Optimizer over the params that builds its base optimizer as ``.base_optimizer`` and shares
+    its param_groups and state."""
+
+    def __init__(self, params, base_cls, **kwargs):
+        super().__init__(params, {})
+        self.base_optimizer = base_cls(self.param_groups, **kwargs)
+        self.param_groups, self.state = self.base_optimizer.param_groups, self.base_optimizer.state
+
+    def step(self, closure=None):
+        return self.base_optimizer.step(closure)
+
+
+def test_a_wrapper_holding_its_optimizer_under_another_name_is_unwrapped(sim):
+    """Only ``.optimizer`` was followed: schedulefree's wrapper (``.base``) was offloaded with no hook (nothing
+    guarded a state_dict() taken meanwhile: it viewed pool buffers a later offload overwrote), and SAM's
+    (``.base_optimizer``) was placed by a guess (NAdam's host mu_product went to the device: syncs each step)."""
+    for make in (lambda ps: _Base(torch.optim.NAdam(ps)), lambda ps: _Sam(ps, torch.optim.NAdam)):
+        model = Model([(4, 3), (3,)]).to(sim)
+        wrapper = make(list(model.parameters()))
+        inner = optimshift._state.unwrap(wrapper)
+        assert isinstance(inner, torch.optim.NAdam) and inner is not wrapper
+        train(model, inner, range(1))
+        fresh = state_layout(inner)
+        optimshift.move(wrapper, "cpu")
+        optimshift.offload(wrapper)
+        assert optimshift.is_offloaded(inner)
+        saved = inner.state_dict()  # (the inner optimizer's hooks: compact copies, not pool views)
+        assert all(
+            t.untyped_storage().nbytes() == t.nbytes for st in saved["state"].values() for t in st.values()
+        )
+        optimshift.reload(wrapper, sim)
+        assert state_layout(inner) == fresh
+
+
+class _Tracked(torch.optim.Optimizer):
+    """TRAC's shape: a delegating wrapper with state of its own keyed by params, which its load_state_dict
+    translates back from indices."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.defaults, self.param_groups, self.state = optimizer.defaults, optimizer.param_groups, optimizer.state
+
+    def load_state_dict(self, state_dict):
+        return self.optimizer.load_state_dict(state_dict)
+
+
+def test_a_wrapper_with_a_load_of_its_own_is_refused_by_optimshifts_load(sim):
+    """optimshift.load_state_dict unwrapped first and asked only the inner class whether it overrides the load: a
+    wrapper's own load (TRAC's re-keying of its state) was skipped, and the next step raised KeyError."""
+    model = Model([(4, 3)]).to(sim)
+    opt = _Tracked(torch.optim.Adam(model.parameters()))
+    train(model, opt.optimizer, range(1))
+    with pytest.raises(TypeError, match="_Tracked wraps Adam and overrides load_state_dict"):
+        optimshift.load_state_dict(opt, opt.optimizer.state_dict())

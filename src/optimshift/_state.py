@@ -285,23 +285,33 @@ def group_flags(group: Mapping[str, Any]) -> tuple[Any, ...]:
 
 def unwrap(optimizer: Any) -> Any:
     """The ``torch.optim.Optimizer`` a delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
-    ``LightningOptimizer``) wraps, unwrapped as far as they nest; ``optimizer`` itself otherwise.
+    ``LightningOptimizer``, schedulefree's ``ScheduleFreeWrapper``, SAM's) wraps, unwrapped as far as they nest;
+    ``optimizer`` itself otherwise."""
+    return wrapping(optimizer)[-1]
+
+
+def wrapping(optimizer: Any) -> list[Any]:
+    """``optimizer`` and each optimizer it delegates to, outermost first: a wrapper delegates to an optimizer it
+    holds (as ``.optimizer``, ``.base``, ``.base_optimizer``, any attribute) that shares its ``param_groups`` and
+    ``state``, so the state it reports is that optimizer's.
 
     # NOTE: Lightning's LightningOptimizer is also an instance of the optimizer class it wraps (a dynamic
     # subclass), so "is an Optimizer" does not end the search: sharing param_groups and state does.
     """
+    layers = [optimizer]
     for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if (
-            isinstance(inner, torch.optim.Optimizer)
-            and inner is not optimizer
-            and getattr(optimizer, "param_groups", None) is inner.param_groups
-            and getattr(optimizer, "state", None) is inner.state
-        ):
-            optimizer = inner
-            continue
-        break
-    return optimizer
+        groups, state = getattr(optimizer, "param_groups", None), getattr(optimizer, "state", None)
+        held = getattr(optimizer, "optimizer", None)
+        candidates = [held] if isinstance(held, torch.optim.Optimizer) else []
+        candidates += [v for v in getattr(optimizer, "__dict__", {}).values() if isinstance(v, torch.optim.Optimizer)]
+        inner = next(
+            (c for c in candidates if c is not optimizer and c.param_groups is groups and c.state is state), None
+        )
+        if inner is None:
+            break
+        optimizer = inner
+        layers.append(inner)
+    return layers
 
 
 def inner_optimizers(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:

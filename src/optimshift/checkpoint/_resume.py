@@ -27,7 +27,7 @@ from .._devices import DeviceLike, resolve
 from .._errors import with_article
 from .._offload import exclusive, pending_of, prepare_discard
 from .._plan import optimizer_name
-from .._state import IMPLEMENTATION_FLAGS, unwrap
+from .._state import IMPLEMENTATION_FLAGS, wrapping
 from . import _files
 from ._staging import CastNeeded, Staging
 
@@ -47,6 +47,11 @@ _EQUIVALENT_OVERRIDES = frozenset(
         "pytorch_optimizer.base.optimizer.BaseOptimizer.load_state_dict",
     }
 )
+
+
+# Wrappers whose load_state_dict hands the state dict on to the optimizer they wrap, unchanged (Accelerate's: on
+# XLA it also moves it to the device, which the load's placement does).
+_DELEGATING_OVERRIDES = frozenset({"accelerate.optimizer.AcceleratedOptimizer.load_state_dict"})
 
 
 def load_state_dict(
@@ -205,7 +210,17 @@ def can_load(optimizer: Any) -> bool:
 def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` whose state is loaded: ``optimizer`` itself, or the optimizer that a
     delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) wraps."""
-    optimizer = unwrap(optimizer)
+    *wrappers, optimizer = wrapping(optimizer)
+    for wrapper in wrappers:  # (a wrapper's own load, TRAC's: what it adds would be skipped)
+        override = _override_name(type(wrapper)) if isinstance(wrapper, torch.optim.Optimizer) else None
+        if override is not None and override not in _EQUIVALENT_OVERRIDES | _DELEGATING_OVERRIDES:
+            name = type(wrapper).__name__
+            raise TypeError(
+                f"{name}: load_state_dict: {name} wraps {type(optimizer).__name__} and overrides load_state_dict "
+                f"({override}); optimshift.load_state_dict reproduces torch.optim.Optimizer.load_state_dict and "
+                f"would skip that logic. Call optimizer.load_state_dict(state_dict), then optimshift.move(optimizer) "
+                f"to place the state."
+            )
     if isinstance(optimizer, torch.optim.Optimizer):
         override = _override_name(type(optimizer))
         if override is None or override in _EQUIVALENT_OVERRIDES:

@@ -231,9 +231,7 @@ def test_a_wrapper_holding_its_optimizer_under_another_name_is_unwrapped(sim):
         optimshift.offload(wrapper)
         assert optimshift.is_offloaded(inner)
         saved = inner.state_dict()  # (the inner optimizer's hooks: compact copies, not pool views)
-        assert all(
-            t.untyped_storage().nbytes() == t.nbytes for st in saved["state"].values() for t in st.values()
-        )
+        assert all(t.untyped_storage().nbytes() == t.nbytes for st in saved["state"].values() for t in st.values())
         optimshift.reload(wrapper, sim)
         assert state_layout(inner) == fresh
 

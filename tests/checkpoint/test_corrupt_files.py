@@ -274,14 +274,16 @@ def test_single_bit_flips_of_a_real_checkpoint(tmp_path):
     assert counts["loaded"] and counts["CheckpointError"] and total == 8 * len(positions)
 
 
-def test_a_deque_in_the_state_is_named_not_called_corrupt(tmp_path):
+@pytest.mark.parametrize("items", [1, 3])
+def test_a_deque_in_the_state_is_named_not_called_corrupt(tmp_path, items):
     """optimshift.save writes a deque kept in state (it keeps its type); weights-only loading cannot rebuild one
-    (it appends only to lists), and load called the sound file corrupt."""
+    (it appends only to lists), and load called the sound file corrupt; with two or more items (AdaShift's grads)
+    the pickle extends instead of appending, which it still called corrupt."""
     import collections
 
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=0.1)
-    opt.state[p]["history"] = collections.deque([torch.ones(2)], maxlen=4)
+    opt.state[p]["history"] = collections.deque([torch.ones(2)] * items, maxlen=4)
     path = tmp_path / "opt.pt"
     optimshift.save(opt, path)
     with torch.serialization.safe_globals([collections.deque]):

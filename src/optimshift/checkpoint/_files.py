@@ -734,7 +734,7 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
             return CheckpointError(f"{p} cannot be loaded yet: {reason}; nothing was executed")
         # (a deque, a class of a module: weights-only loading rebuilds a container by appending to lists only; a
         # builtin named there, a dict, is a damaged pickle)
-        appended = re.search(r"Can only append to lists, but got <class '(\w+(?:\.\w+)+)'>", reason)
+        appended = re.search(r"Can only (?:append to|extend) lists, but got <class '(\w+(?:\.\w+)+)'>", reason)
         if appended:
             return CheckpointError(
                 f"{p} holds a {appended.group(1)} (saved in the optimizer's state), which weights-only loading cannot "

@@ -124,3 +124,27 @@ def test_the_faulty_driver_fails_the_call_it_is_told(sim, drv):
     oom = FaultyDriver(drv, fail_at=0, oom=True)
     with pytest.raises(_vmm.DriverOutOfMemory):
         oom.create(sim, PAGE)
+
+
+def test_a_range_freed_by_a_collection_inside_the_drivers_lock_does_not_deadlock(sim, drv):
+    """A collection that starts while the driver holds its lock (an allocation in ``check``, which every access to
+    kept memory goes through) may finalize another optimizer's range: its unmap, release and free waited for that
+    lock forever (a keep_addresses test on the simulator hung). From inside a section they are made on leaving it;
+    from a thread holding the lock directly, at once."""
+    import threading
+
+    address, handle = _mapped(drv, sim, PAGE)
+
+    def freed_under_the_lock():
+        with drv._lock:
+            _unmapped(drv, sim, address, PAGE, handle)
+
+    t = threading.Thread(target=freed_under_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the driver waited for the lock its own thread holds"
+    other, other_handle = _mapped(drv, sim, PAGE)
+    with drv._held():  # (what a finalizer run inside check() does)
+        _unmapped(drv, sim, other, PAGE, other_handle)
+        assert drv.reserved() == 1, "deferred until the section ends"
+    assert drv.reserved() == 0 and drv.mapped(0) == 0

@@ -19,9 +19,11 @@ Importing :mod:`optimshift.testing` registers :class:`SimDriver` for ``"sim"`` d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -57,12 +59,42 @@ class SimDriver:
 
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity  # physical bytes per device (None: unbounded)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._inside = threading.local()  # .depth: how many sections this thread is in
+        self._deferred: list[tuple[Any, tuple[Any, ...]]] = []  # calls made from inside a section (see _held)
         self._ranges: dict[int, _Reserved] = {}  # address -> reservation
         self._handles: dict[int, tuple[int, int]] = {}  # handle -> (device index, size)
         self._mappings: dict[int, tuple[int, int, bool]] = {}  # address -> (size, handle, accessible)
         self._next = 1
         self.created = [0, 0]  # physical bytes held per device
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """The driver's lock. NOTE: a collection inside a section (an allocation there) may run a finalizer that
+        unmaps and releases a range (``_addresses``'s, of an optimizer freed in a cycle): that call is deferred
+        until this thread leaves its outermost section, never made against the structures being read."""
+        with self._lock:
+            self._inside.depth = getattr(self._inside, "depth", 0) + 1
+            try:
+                yield
+            finally:
+                self._inside.depth -= 1
+        if self._inside.depth or getattr(self._inside, "draining", False):
+            return
+        self._inside.draining = True  # (the deferred calls' own sections leave the rest to this loop)
+        try:
+            while self._deferred:
+                fn, args = self._deferred.pop(0)
+                fn(*args)
+        finally:
+            self._inside.draining = False
+
+    def _deferring(self, fn: Any, *args: Any) -> bool:
+        """Whether ``fn(*args)`` was called from inside a section, and so deferred (see :meth:`_held`)."""
+        if getattr(self._inside, "depth", 0):
+            self._deferred.append((fn, args))
+            return True
+        return False
 
     @staticmethod
     def _index(device: torch.device) -> int:
@@ -85,7 +117,7 @@ class SimDriver:
         view = ctypes.c_char.from_buffer(mm)
         address = ctypes.addressof(view)
         del view  # (an export would keep the mmap from closing)
-        with self._lock:
+        with self._held():
             self._ranges[address] = _Reserved(mm, address, size, index)
         return address
 
@@ -97,7 +129,9 @@ class SimDriver:
 
     def free_reserved(self, device: torch.device, address: int, size: int) -> None:
         self._index(device)
-        with self._lock:
+        if self._deferring(self.free_reserved, device, address, size):
+            return
+        with self._held():
             r = self._ranges.get(address)
             if r is None or r.size != size:
                 raise _vmm.DriverError("free_reserved", 1, f"no reservation of {size} bytes at {address:#x}")
@@ -110,7 +144,7 @@ class SimDriver:
         index = self._index(device)
         if size <= 0 or size % _PAGE:
             raise _vmm.DriverError("create", 1, f"size {size} is not a positive multiple of {_PAGE}")
-        with self._lock:
+        with self._held():
             if self.capacity is not None and self.created[index] + size > self.capacity:
                 raise _vmm.DriverOutOfMemory("create", 2, "out of memory")
             handle = self._next
@@ -121,7 +155,7 @@ class SimDriver:
 
     def map(self, device: torch.device, address: int, size: int, handle: int) -> None:
         index = self._index(device)
-        with self._lock:
+        with self._held():
             r = self._reserved(address, size)
             if r.index != index or (address - r.address) % _PAGE:
                 raise _vmm.DriverError("map", 1, "a mapping on another device's range, or unaligned")
@@ -137,7 +171,7 @@ class SimDriver:
 
     def set_access(self, device: torch.device, address: int, size: int) -> None:
         self._index(device)
-        with self._lock:
+        with self._held():
             found = self._mappings.get(address)
             if found is None or found[0] != size:
                 raise _vmm.DriverError("set_access", 1, f"no mapping of {size} bytes at {address:#x}")
@@ -145,7 +179,9 @@ class SimDriver:
 
     def unmap(self, device: torch.device, address: int, size: int) -> None:
         index = self._index(device)
-        with self._lock:
+        if self._deferring(self.unmap, device, address, size):
+            return
+        with self._held():
             found = self._mappings.get(address)
             if found is None or found[0] != size:
                 raise _vmm.DriverError("unmap", 1, f"no mapping of {size} bytes at {address:#x}")
@@ -156,7 +192,9 @@ class SimDriver:
 
     def release(self, device: torch.device, handle: int) -> None:
         self._index(device)
-        with self._lock:
+        if self._deferring(self.release, device, handle):
+            return
+        with self._held():
             found = self._handles.get(handle)
             if found is None:
                 raise _vmm.DriverError("release", 1, f"no handle {handle}")
@@ -169,7 +207,7 @@ class SimDriver:
         """Raise unless all of ``[address, address + nbytes)`` is mapped and accessible: every access to a range
         goes through here (an op's input or output), as the device's page tables would check it."""
         end, at = address + nbytes, address
-        with self._lock:
+        with self._held():
             spans = sorted((a, a + n, ok) for a, (n, _, ok) in self._mappings.items() if a < end and address < a + n)
         for lo, hi, ok in spans:
             if lo > at or not ok:
@@ -195,7 +233,7 @@ class SimDriver:
 
     def mapped(self, index: int = 0) -> int:
         """Bytes mapped on ``sim:index`` now."""
-        with self._lock:
+        with self._held():
             ranges = [r for r in self._ranges.values() if r.index == index]
             return sum(
                 n for a, (n, _, _) in self._mappings.items() if any(r.address <= a < r.address + r.size for r in ranges)
@@ -203,7 +241,7 @@ class SimDriver:
 
     def reserved(self) -> int:
         """Reservations alive now (all devices)."""
-        with self._lock:
+        with self._held():
             return len(self._ranges)
 
 

@@ -280,7 +280,7 @@ class _Indexless(torch.optim.Adam):
     pass
 
 
-@pytest.mark.parametrize("answer", ["sim", "sim:1", "nonsense"])
+@pytest.mark.parametrize("answer", ["sim", "sim:1", "nonsense", "cpu:0"])
 def test_a_policy_answer_without_an_index_names_the_params_device(sim, answer):
     """A policy answering ``'sim'`` for state on ``sim:0``: check() called every entry misplaced (expected ``sim``,
     which no tensor is on) and every move copied them again. The index is the param's; an explicit one is kept,
@@ -297,7 +297,7 @@ def test_a_policy_answer_without_an_index_names_the_params_device(sim, answer):
                 optimshift.move(opt)
             assert opt.state[p]["step"] is step and step.device == sim
             return
-        expected = sim if answer == "sim" else torch.device(sim.type, 1)
+        expected = {"sim": sim, "sim:1": torch.device(sim.type, 1), "cpu:0": torch.device("cpu")}[answer]
         assert [f.expected for f in optimshift.check(opt).findings] == ([] if answer == "sim" else [str(expected)])
         optimshift.move(opt)
         assert opt.state[p]["step"] is step and step.device == expected

@@ -256,3 +256,42 @@ def test_a_wrapper_with_a_load_of_its_own_is_refused_by_optimshifts_load(sim):
     train(model, opt.optimizer, range(1))
     with pytest.raises(TypeError, match="_Tracked wraps Adam and overrides load_state_dict"):
         optimshift.load_state_dict(opt, opt.optimizer.state_dict())
+
+
+class _Backref(torch.optim.Optimizer):
+    """A delegating wrapper whose inner optimizer refers back to it (``opt.wrapper = self``)."""
+
+    def __init__(self, optimizer):
+        self.optimizer, optimizer.wrapper = optimizer, self
+        self.defaults, self.param_groups, self.state = optimizer.defaults, optimizer.param_groups, optimizer.state
+
+
+def test_a_wrapper_its_optimizer_refers_back_to_is_unwrapped_once(sim):
+    """The wrapper search went back and forth between the two (each shares the other's groups and state) and ended
+    on the wrapper: offload() was refused (no hooks) and reload() did nothing."""
+    model = Model([(4, 3)]).to(sim)
+    inner = torch.optim.Adam(model.parameters())
+    train(model, inner, range(1))
+    wrapper = _Backref(inner)
+    assert optimshift._state.wrapping(wrapper) == [wrapper, inner]
+    optimshift.offload(wrapper)
+    assert optimshift.is_offloaded(inner)
+    optimshift.reload(wrapper)
+    assert not optimshift.is_offloaded(inner) and state_layout(inner) == state_layout(inner)
+
+
+def test_a_file_saved_from_a_wrapper_loads_into_it(sim, tmp_path):
+    """A file an older optimshift saved from a SAM-shaped wrapper records the wrapper's class; since the wrapper is
+    unwrapped, the load compared it with the inner optimizer's and refused it ("load it into a _Sam": it was)."""
+    model = Model([(4, 3)]).to(sim)
+    opt = _Sam(list(model.parameters()), torch.optim.Adam)
+    train(model, opt.base_optimizer, range(1))
+    path = tmp_path / "opt.pt"
+    optimshift.save(opt, path)
+    saved = torch.load(path, weights_only=True)
+    meta = next(k for k in saved if k not in ("state", "param_groups"))
+    saved[meta]["class"] = _Sam.__qualname__  # (what the older save recorded)
+    saved[meta]["module"] = _Sam.__module__
+    optimshift.load_state_dict(opt, saved)
+    with pytest.raises(ValueError, match="saved from"):
+        optimshift.load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1), saved)

@@ -358,28 +358,6 @@ def test_a_subclass_whose_own_step_makes_no_state_is_placed_by_its_base():
     assert cls is O.Adam and observed is not None and observed.group == {("lr", None): _probe.HOST_READ}
 
 
-def test_probing_a_users_step_leaves_the_random_generators_as_they_were():
-    """A throwaway of a user's class runs its ``__init__`` and step (on fake tensors): one that draws random numbers
-    (noise on its updates) moved the user's Python and host torch generators on every probe."""
-    import random
-
-    class Noisy(O.Adam):
-        def step(self, closure=None):
-            random.gauss(0, 1)
-            torch.rand(1)
-            return super().step(closure)
-
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = Noisy([p], lr=0.5, betas=(0.5, 0.5))  # (a group of its own kinds: a probe not cached yet)
-    random.seed(7)
-    torch.manual_seed(7)
-    assert policy.probed_by(Noisy, opt.param_groups[0], 1)[0] is Noisy
-    after = (random.random(), torch.rand(1))
-    random.seed(7)
-    torch.manual_seed(7)
-    assert after == (random.random(), torch.rand(1))
-
-
 def test_a_subclass_inheriting_adamws_step_is_separable_whoever_was_built_first(monkeypatch):
     """AdamW has no step of its own (it inherits Adam's): a subclass built before any Adam gets torch's hook
     wrapper of Adam's step on itself, and still steps with AdamW's step."""
@@ -415,3 +393,26 @@ def test_fused_sgd_over_a_0_dim_param_has_a_known_rule(sim, caplog):
     optimshift.move(opt, "cpu")
     optimshift.move(opt, sim)
     assert opt.state[p]["momentum_buffer"].device == sim
+
+
+def test_a_policy_answer_naming_a_fake_device_is_taken_outside_the_fake_mode():
+    """A policy answering ``str(device)`` for fake cuda:0 params used outside their FakeTensorMode: the answer was
+    checked as a device of this machine (none has CUDA) and every move was refused."""
+
+    class Answered(O.Adam):
+        pass
+
+    optimshift.register_policy(
+        Answered, lambda key, value, param, group, device: str(device) if key == "step" else None
+    )
+    try:
+        mode = FakeTensorMode()
+        with mode:
+            p = torch.nn.Parameter(torch.ones(3, device=CUDA0))
+            opt = Answered([p], capturable=True)
+            p.grad = torch.ones(3, device=CUDA0)
+            opt.step()
+        optimshift.move(opt)
+        assert opt.state[p]["step"].device == CUDA0
+    finally:
+        optimshift.unregister_policy(Answered)

@@ -74,9 +74,9 @@ def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mecha
         elif data:
             # NOTE: set_data keeps a view's ``_base``, and with it the old storage (a flat buffer the optimizer
             # dropped stays alive through the entries cut from it: device memory an offload never frees); a swap
-            # gives the object the copy's TensorImpl, which views nothing (not where the object has attributes of
-            # its own, which a swap would hand to the copy).
-            append("swap" if old._is_view() and not old.__dict__ and _swappable(old, new) else "data")
+            # gives the object the copy's TensorImpl, which views nothing (a plain tensor's: its Python
+            # attributes stay its own, see adopt).
+            append("swap" if old._is_view() and type(old) is plain and _swappable(old, new) else "data")
         elif (
             kind[0] is plain
             and kind[1] is plain
@@ -162,8 +162,9 @@ def adopt(old: torch.Tensor, new: torch.Tensor, how: Mechanism) -> None:
     if how == "data":
         old.data = new
     elif how == "swap":
-        if type(old) is torch.Tensor and type(new) is torch.Tensor and not old.__dict__ and not new.__dict__:
-            torch._C._swap_tensor_impl(old, new)  # what swap_tensors does for plain tensors, without its overhead
+        if type(old) is torch.Tensor and type(new) is torch.Tensor:
+            # (the C++ tensors only: swap_tensors would also hand the object's Python attributes to the copy)
+            torch._C._swap_tensor_impl(old, new)
         else:
             torch.utils.swap_tensors(old, new)  # type: ignore[no-untyped-call]  # unannotated in torch
     else:  # pragma: no cover - a caller bug

@@ -173,11 +173,21 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 _EXACT_LIMIT = 1 << 24
-"""At most this many elements compared one by one (two non-dense members); past it they count as sharing."""
+"""At most this many elements compared one by one (the members of one component); past it they count as sharing."""
 
 
 def _sharing(component: list[int], locals_: list[torch.Tensor]) -> list[list[int]]:
-    """``component`` (members whose intervals chain) split into the groups that share bytes, element by element."""
+    """``component`` (members whose intervals chain) split into the groups that share bytes, element by element:
+    every member's elements tagged and sorted once (members of several element sizes, or more than
+    :data:`_EXACT_LIMIT` elements, count as sharing)."""
+    members = [locals_[k] for k in component]
+    if len({t.element_size() for t in members}) > 1 or sum(t.numel() for t in members) > _EXACT_LIMIT:
+        return [component]
+    offsets = torch.cat([_elements(t) for t in members])
+    owners = torch.cat([torch.full((t.numel(),), k, dtype=torch.int64) for k, t in zip(component, members)])
+    offsets, order = torch.sort(offsets, stable=True)
+    owners = owners[order]
+    same = (offsets[1:] == offsets[:-1]) & (owners[1:] != owners[:-1])
     parent = {k: k for k in component}
 
     def root(k: int) -> int:
@@ -185,25 +195,12 @@ def _sharing(component: list[int], locals_: list[torch.Tensor]) -> list[list[int
             k = parent[k]
         return k
 
-    for x, a in enumerate(component):
-        for b in component[x + 1 :]:
-            if root(a) != root(b) and _share_bytes(locals_[a], locals_[b]):
-                parent[root(b)] = root(a)
+    for a, b in set(zip(owners[:-1][same].tolist(), owners[1:][same].tolist())):
+        parent[root(b)] = root(a)
     parts: dict[int, list[int]] = {}
     for k in component:
         parts.setdefault(root(k), []).append(k)
     return list(parts.values())
-
-
-def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    (a0, a1), (b0, b1) = _bytes(a), _bytes(b)
-    if a1 <= b0 or b1 <= a0:
-        return False
-    if _dense(a) and _dense(b):
-        return True
-    if a.element_size() != b.element_size() or a.numel() + b.numel() > _EXACT_LIMIT:
-        return True  # (counted as sharing: copied together, never apart)
-    return bool(torch.isin(_elements(a), _elements(b)).any())
 
 
 def _elements(t: torch.Tensor) -> torch.Tensor:

@@ -556,7 +556,7 @@ def _apply(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hows: Sequence[Me
         if how == "data":
             old.data = new  # (inline: this loop runs once per tensor)
         elif how == "swap":
-            if type(old) is plain and type(new) is plain and not old.__dict__ and not new.__dict__:
+            if type(old) is plain and type(new) is plain:
                 swap_impl(old, new)  # adopt()'s plain-tensor case, inline
             else:
                 adopt(old, new, how)

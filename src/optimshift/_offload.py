@@ -361,6 +361,11 @@ def compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, 
     # optimizers'); torch.save writes a view's whole storage, so a checkpoint taken then would hold their bytes.
     # The live per-param dicts are shared with the returned state_dict: build new ones, never mutate them.
     """
+    with torch.inference_mode(False):  # (copies made under the caller's inference mode would be inference tensors)
+        return _compact(state_dict)
+
+
+def _compact(state_dict: dict[str, Any]) -> dict[str, Any]:
     compact: dict[int, torch.Tensor] = {}
     # (only views into pool buffers: tensors that share a storage of their own keep sharing it, see _alias)
     pooled = host_pool.in_use_storages()

@@ -38,10 +38,12 @@ A value that is neither a number, a string, a dtype or device, an enum nor a tup
 callable, any other object) is never handed over: the constructor's default stands in for it, so the throwaway
 shares nothing mutable with the user's groups (a third-party class may keep anything there).
 
-A third-party class is probed the same way (its ``__init__``'s keyword defaults, the group's values by kind);
-its step is user code, run only as a torch class's is: on fake tensors, under ``inference_mode``, every
-exception caught, with a bound on the host reads it makes (:data:`MAX_READS`: a loop until a value converges
-would never end on stand-ins).
+A third-party class, or a torch.optim subclass with a step of its own, is probed the same way (its ``__init__``'s
+keyword defaults, its bases' where it passes ``**kwargs`` on, the group's values by kind); its step is user code,
+run only as a torch class's is: on fake tensors, under ``inference_mode``, every exception caught, with a bound on
+the host reads it makes (:data:`MAX_READS`: a loop until a value converges would never end on stand-ins). What it
+draws from the global random generators is drawn (they are not put back: another thread's draws meanwhile would
+be drawn again).
 """
 
 from __future__ import annotations
@@ -113,28 +115,9 @@ def throwaway(*, host: bool = True) -> Iterator[None]:
     from torch.utils._python_dispatch import _disable_current_modes
 
     place = torch.device("cpu") if host else contextlib.nullcontext()
-    with _disable_current_modes(), warnings.catch_warnings(), place, quiet_global_step_hooks(), _same_random():
+    with _disable_current_modes(), warnings.catch_warnings(), place, quiet_global_step_hooks():
         warnings.simplefilter("ignore")
         yield
-
-
-@contextlib.contextmanager
-def _same_random() -> Iterator[None]:
-    """The random generators a throwaway's ``__init__`` and step may draw from (a third-party class's, a user's
-    subclass's: noise, dropout of updates), as they were before it: Python's, torch's on the host, NumPy's."""
-    import random
-    import sys
-
-    python, host = random.getstate(), torch.random.get_rng_state()
-    numpy = sys.modules.get("numpy")
-    saved = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        torch.random.set_rng_state(host)
-        if numpy is not None and saved is not None:
-            numpy.random.set_state(saved)
 
 
 @contextlib.contextmanager

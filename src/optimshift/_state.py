@@ -304,8 +304,19 @@ def wrapping(optimizer: Any) -> list[Any]:
         held = getattr(optimizer, "optimizer", None)
         candidates = [held] if isinstance(held, torch.optim.Optimizer) else []
         candidates += [v for v in getattr(optimizer, "__dict__", {}).values() if isinstance(v, torch.optim.Optimizer)]
+        # (an optimizer that refers back to its wrapper shares its groups and state too: the way back is taken
+        # only from an object that is no optimizer of its own, one that never ran Optimizer.__init__)
+        own = "_optimizer_step_pre_hooks" in getattr(optimizer, "__dict__", {})
         inner = next(
-            (c for c in candidates if c is not optimizer and c.param_groups is groups and c.state is state), None
+            (
+                c
+                for c in candidates
+                if c.param_groups is groups
+                and c.state is state
+                and not any(c is layer for layer in layers)
+                and not (own and any(v is optimizer for v in vars(c).values()))
+            ),
+            None,
         )
         if inner is None:
             break

@@ -256,8 +256,8 @@ def decide(
         if policy is not None:
             answer = policy(key, value, param, group, device)
             if answer is not None:
-                if not isinstance(answer, torch.device) or answer.index is None:
-                    answer = _answered(base, answer, device)
+                if not isinstance(answer, torch.device) or answer.index is None or answer.type == "cpu":
+                    answer = _answered(base, answer, device, value)
                 if values and answer.type == "meta" and device.type != "meta" and value.device.type != "meta":
                     _refuse_meta(optimizer, base, group, param, key, device)
                 return Decision(answer, "registered")
@@ -333,17 +333,17 @@ def _warn_guessed(cls: type, group: Mapping[str, Any], ndim: int, key: str) -> N
     )
 
 
-def _answered(cls: type, answer: Any, device: torch.device) -> torch.device:
+def _answered(cls: type, answer: Any, device: torch.device, value: torch.Tensor) -> torch.device:
     """A policy's answer as a checked device, its index made explicit: an accelerator of the param's type names
     the param's device, as ``'cuda'`` names the current one for a tensor (``'sim'`` for a param on ``sim:0`` is
-    ``sim:0``, never a device that differs from it only by a missing index)."""
+    ``sim:0``, never a device that differs from it only by a missing index); any host device is the host."""
     try:
         parsed = torch.device(answer) if isinstance(answer, str) else answer
     except RuntimeError:  # (resolve says why)
         parsed = answer
     if isinstance(parsed, torch.device) and parsed.index is None and parsed.type in (device.type, "meta"):
         return device if parsed.type == device.type else parsed
-    return resolve(parsed, what=f"the device {cls.__name__}'s registered policy returned")
+    return resolve(parsed, what=f"the device {cls.__name__}'s registered policy returned", tensors=(value,))
 
 
 def _group_entry(

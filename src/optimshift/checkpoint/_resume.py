@@ -126,7 +126,7 @@ def _load(
     label = f"{name}: load_state_dict: {source}" if source else f"{name}: load_state_dict"
     sd, recorded = _extract(state_dict, label)
     if recorded is not None:
-        _check_class(receiver, recorded, label)
+        _check_class(optimizer, receiver, recorded, label)
 
     # A transfer still in flight writes the live state that the load reads and replaces: order after it first.
     pending_of(receiver).order_before_use()
@@ -237,13 +237,15 @@ def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     )
 
 
-def _check_class(optimizer: Any, recorded: Mapping[str, Any], label: str) -> None:
+def _check_class(given: Any, optimizer: Any, recorded: Mapping[str, Any], label: str) -> None:
+    """The class the file recorded is the receiving ``optimizer``'s, or a wrapper's it was ``given`` through (a
+    file saved from a wrapper an older optimshift did not unwrap)."""
     qualname = recorded.get("class")
     module = recorded.get("module", "")
     if not isinstance(qualname, str):
         return
     cls = type(optimizer)
-    if cls.__qualname__ == qualname:
+    if any(type(layer).__qualname__ == qualname for layer in wrapping(given)):
         return
     saved = f"{module}.{qualname}" if module else qualname
     raise ValueError(

@@ -16,6 +16,7 @@ it is (a state entry that views a param: the rule for params and grads kept in s
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 from collections import Counter
@@ -131,27 +132,31 @@ def _overlapping(indices: list[int], tensors: Sequence[torch.Tensor]) -> list[li
     """The members of one storage (``indices`` into ``tensors``) in groups of two or more that share bytes
     (chained); the rest (an empty tensor among them) are left out.
 
-    A few C calls per member, and one sort in C, where none share (the offloaded state in a pool buffer: many
-    disjoint views); Python only for members whose intervals overlap."""
+    A few C calls per member where none share (the offloaded state in a pool buffer: many disjoint views, in
+    order), and no tensor made (a steady offload/reload allocates no host memory); Python only for members whose
+    intervals overlap."""
     members = [tensors[i] for i in indices]
     locals_ = members if set(map(type, members)) <= _PLAIN_SET else list(map(_local, members))
     # (byte positions from data pointers: one C call for where each starts, one for its bytes if contiguous)
-    starts = torch.tensor(list(map(torch.Tensor.data_ptr, locals_)), dtype=torch.int64)
-    lengths = torch.tensor(list(map(_NBYTES, locals_)), dtype=torch.int64)
-    contiguous = list(map(torch.Tensor.is_contiguous, locals_))
-    if not all(contiguous):
-        for k in (k for k, c in enumerate(contiguous) if not c):
-            lengths[k] = (lambda b: b[1] - b[0])(_bytes(locals_[k])) if locals_[k].numel() else 0
-    ends = starts + lengths
-    present = torch.nonzero(lengths > 0).view(-1)  # (an empty tensor shares no byte)
-    at = starts[present]
-    order = present if bool((at[1:] >= at[:-1]).all()) else present[torch.argsort(at)]  # (views in order: sorted)
-    reach = torch.cummax(ends[order], 0).values
-    joins = starts[order][1:] < reach[:-1]  # (each member whose interval starts inside the ones before it)
-    if not bool(joins.any()):
+    starts = list(map(torch.Tensor.data_ptr, locals_))
+    lengths = list(map(_NBYTES, locals_))
+    for k, contiguous in enumerate(map(torch.Tensor.is_contiguous, locals_)):
+        if not contiguous:
+            start, end = _bytes(locals_[k])
+            lengths[k] = end - start
+    ends = list(map(operator.add, starts, lengths))
+    order = [k for k, n in enumerate(lengths) if n]  # (an empty tensor shares no byte)
+    at = [starts[k] for k in order]
+    if not all(map(operator.le, at, at[1:])):  # (views cut in order: sorted already)
+        order.sort(key=starts.__getitem__)
+        at = [starts[k] for k in order]
+    reach = list(itertools.accumulate((ends[k] for k in order), max))
+    # (each member whose interval starts inside the ones before it joins them)
+    joins = list(map(operator.lt, at[1:], reach[:-1]))
+    if not any(joins):
         return []
     components: list[list[int]] = []
-    for k, joined in zip(order.tolist(), [False, *joins.tolist()]):
+    for k, joined in zip(order, [False, *joins]):
         if joined:
             components[-1].append(k)
         else:

@@ -72,3 +72,50 @@ class CountedSGD(torch.optim.SGD):
                 group.setdefault("seen", 0.0)
                 group["seen"] = max(group["seen"], state["count"].item())  # a host sync per param on a device
         return super().step(closure)
+
+
+class WideCounter(torch.optim.Optimizer):
+    """MADGRAD's shape: an optimizer-wide counter ``state["k"]`` (one element, on the host from ``__init__``) read
+    with ``.item()`` each step."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+        self.state["k"] = torch.tensor([0])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        k = self.state["k"]
+        k += 1
+        scale = 1.0 / k.item()  # on the device: one host sync per step
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+class WideScale(torch.optim.Optimizer):
+    """TRAC's shape: an optimizer-wide one-element tensor ``state["s"]`` made on the params' device, used on it."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        if "s" not in self.state:
+            self.state["s"] = torch.ones(1, device=params[0].device)
+        self.state["s"].mul_(0.5)
+        for p in params:
+            p.sub_(p.grad * self.state["s"])  # (a one-element host tensor here mixes devices)
+
+
+class ScaledByLr(torch.optim.Optimizer):
+    """A third-party class that takes a tensor ``lr`` and uses it as a tensor on the params' device."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(p.grad * group["lr"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import optimshift
-from _custom_optimizers import CountedSGD, Counter, Placed
+from _custom_optimizers import CountedSGD, Counter, Placed, ScaledByLr, WideCounter, WideScale
 from optimshift import _probe, policy
 
 
@@ -304,3 +304,53 @@ def test_a_policy_answer_without_an_index_names_the_params_device(sim, answer):
         assert optimshift.check(opt).ok and not optimshift.check(opt).findings
     finally:
         optimshift.unregister_policy(_Indexless)
+
+
+def _wide(opt):
+    return {k: str(v.device) for k, v in opt.state.items() if isinstance(k, str)}
+
+
+@pytest.mark.parametrize("cls", [WideCounter, WideScale], ids=lambda c: c.__name__)
+def test_optimizer_wide_entries_are_placed_where_a_fresh_optimizer_keeps_them(sim, cls):
+    """A one-element tensor under a plain state key was placed by the group-tensor rule (it stayed where it was): a
+    TRAC-shaped ``s`` trained on the host stayed there after a move and the next step mixed devices, and check()
+    said OK. Placed where a fresh optimizer keeps it (its probe), else with the params; a MADGRAD-shaped host
+    counter stays on the host."""
+    net, opt = _trained(cls, "cpu")
+    net.to(sim)
+    optimshift.move(opt, sim)
+    fresh_net, fresh = _trained(cls, sim)
+    expected = {"k": "cpu"} if cls is WideCounter else {"s": str(sim)}
+    assert _wide(opt) == _wide(fresh) == expected
+    assert optimshift.check(opt).ok and optimshift.check(fresh).ok
+    with optimshift.count_syncs() as syncs:
+        _step(net, opt)  # no device mix
+    assert syncs.total == 0
+
+
+def test_a_third_party_device_lr_stays_where_it_was_given(sim):
+    """A tensor lr given on the device to a class torch.optim does not define went to the host on any move (and a
+    load): the rule for unknown kernels put a 0-dim group tensor on the host. It stays on its side unless the
+    class's probe sees its step read it on the host, as for torch's classes."""
+    params = [torch.nn.Parameter(torch.ones(3, device=sim))]
+    opt = ScaledByLr(params, lr=torch.tensor(0.1, device=sim))
+    params[0].grad = torch.ones(3, device=sim)
+    opt.step()
+    lr = opt.param_groups[0]["lr"]
+    optimshift.move(opt)
+    assert opt.param_groups[0]["lr"] is lr and lr.device == sim and optimshift.check(opt).ok
+    host = ScaledByLr([torch.nn.Parameter(torch.ones(3, device=sim))], lr=torch.tensor(0.1))
+    optimshift.move(host)
+    assert host.param_groups[0]["lr"].device.type == "cpu"
+
+
+def test_optimizer_wide_entries_a_wrapper_added_follow_the_params(sim):
+    """TRAC keeps ``state["trac"]`` beside the Adam state it wraps: entries no probe of Adam sees. Its one-element
+    ``s`` and a 0-dim one stayed on the host after a move (the group-tensor rule), the next step mixed devices, and
+    check() said OK. They follow the params, as every optimizer-wide tensor no probe places."""
+    net, opt = _trained(torch.optim.Adam, "cpu")
+    opt.state["trac"] = {"s": torch.zeros(1), "v": torch.zeros(6), "z": torch.zeros(())}
+    net.to(sim)
+    optimshift.move(opt, sim)
+    assert {k: str(v.device) for k, v in opt.state["trac"].items()} == {k: str(sim) for k in ("s", "v", "z")}
+    assert optimshift.check(opt).ok

@@ -16,7 +16,7 @@ import torch
 from . import _session
 from . import policy as _policy
 from ._errors import with_article
-from ._state import GROUP_SKIP, Path, format_path, leaves, param_label
+from ._state import GROUP_SKIP, OPTIMIZER_WIDE, Path, format_path, leaves, param_label
 
 __all__ = [
     "Site",
@@ -138,9 +138,6 @@ def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Opti
     raise TypeError(
         f"{what} must be a torch.optim.Optimizer (with param_groups and state), got {type(optimizer).__name__}"
     )
-
-
-OPTIMIZER_WIDE = -1  # the "group" of optimizer.state entries under plain (non-param) keys
 
 
 def iter_holders(

@@ -65,7 +65,7 @@ from typing import Any, TypeVar
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._state import GROUP_SKIP, IMPLEMENTATION_FLAGS, Setter, group_tensors, holds_tensor, leaves, rebuild
+from ._state import GROUP_SKIP, IMPLEMENTATION_FLAGS, Path, Setter, group_tensors, holds_tensor, leaves, rebuild
 
 __all__ = [
     "Observed",
@@ -329,12 +329,14 @@ class Observed:
     the host or refuses there (absent: it works alike wherever the tensor is). ``error``: what the step raised,
     if it did (the state it made before that is what was read). ``reads``, for a class torch.optim does not
     define: {0-dim state key the step keeps on the host: the device reads a later step makes more with that
-    entry on the device}, for the one param, where the later steps could run."""
+    entry on the device}, for the one param, where the later steps could run. ``wide``: {path of a tensor of
+    one element the optimizer keeps under a plain state key (MADGRAD's ``k``): on the param's device}."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
     error: str | None = None
     reads: Mapping[str, int] = field(default_factory=dict)
+    wide: Mapping[Path, bool] = field(default_factory=dict)
 
 
 def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
@@ -438,6 +440,7 @@ class _Run:
     reads: int
     error: str | None
     costs: dict[str, int] = field(default_factory=dict)
+    wide: dict[Path, bool] = field(default_factory=dict)
 
 
 class _Unbuilt(Exception):
@@ -508,7 +511,14 @@ def _run(
                 if isinstance(value, torch.Tensor) and value.dim() == 0
             }
             measured = _costs(opt, state, found) if costs and error is None else {}
-    return _Run(found if state else None, reads.on_device, error, measured)
+            wide = {
+                path: t.device.type != "cpu"
+                for key, value in opt.state.items()
+                if not isinstance(key, torch.Tensor)
+                for path, t in leaves(value, (("key", key),))
+                if t.numel() == 1
+            }
+    return _Run(found if state else None, reads.on_device, error, measured, wide)
 
 
 def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str, bool]) -> dict[str, int]:
@@ -548,7 +558,7 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
         elif baseline.error is not None and alone.error is None:
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
-    return Observed(baseline.state, verdicts, baseline.error, baseline.costs)
+    return Observed(baseline.state, verdicts, baseline.error, baseline.costs, baseline.wide)
 
 
 def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | str:

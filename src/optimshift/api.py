@@ -35,7 +35,6 @@ from ._offload import (
     remember_pending,
 )
 from ._plan import (
-    OPTIMIZER_WIDE,
     Ident,
     Plan,
     Site,
@@ -45,7 +44,7 @@ from ._plan import (
     optimizer_name,
     policy_target,
 )
-from ._state import group_device, group_flags, group_tensors, inner_optimizers, label_in, unwrap
+from ._state import OPTIMIZER_WIDE, group_device, group_flags, group_tensors, inner_optimizers, label_in, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [

@@ -36,7 +36,7 @@ from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     torch_defined,
     unprobed,
 )
-from ._state import group_device, label_in, param_positions
+from ._state import OPTIMIZER_WIDE, Path, group_device, label_in, param_positions
 
 __all__ = [
     "Policy",
@@ -245,11 +245,13 @@ def decide(
     *,
     side: torch.device | None = None,
     values: bool = True,
+    wide: Path | None = None,
 ) -> Decision:
     """Where ``value`` (state ``key`` of ``param``, or group entry ``key`` when ``param`` is None) belongs
     when the param is on ``device``. ``side``: for a group entry that optimshift took to the host, where it was
     given (a group tensor stays on its side: see ``_group_entry``). ``values=False``: asked about stand-ins whose
-    values go nowhere (``inspect``'s), where a registered policy may answer meta."""
+    values go nowhere (``inspect``'s), where a registered policy may answer meta. ``wide``: the path of an entry the
+    optimizer keeps under a plain state key (``param`` None, ``group`` its first group)."""
     cls = type(optimizer)
     for base in cls.__mro__:
         policy = _registry.get(base)
@@ -262,6 +264,8 @@ def decide(
                     _refuse_meta(optimizer, base, group, param, key, device)
                 return Decision(answer, "registered")
             break
+    if wide is not None:
+        return _wide_entry(cls, group, wide, value, device)
     if param is None:
         return _group_entry(cls, group, key, value, device, value.device if side is None else side)
     # Non-scalar tensors always live with their param (every torch.optim class, and the only sane default).
@@ -351,14 +355,8 @@ def _group_entry(
 ) -> Decision:
     """Where a tensor kept in a param group (a tensor ``lr``, tensor ``betas``) belongs; ``side``: where it was
     given (its device, unless optimshift took it to the host)."""
-    base = builtin_base(cls)
-    if base is None:
-        # Unknown kernels: a 0-dim one on the host, where reading it costs no sync, unless they run on the
-        # device; anything bigger (D-Adaptation's running sums) with the params.
-        if value.dim() != 0:
-            return Decision(device, "rule")
-        return Decision(device if _default_scalar_on_device(group) else HOST, "rule")
-    if value.numel() != 1:
+    if value.numel() != 1 or builtin_base(cls) is None and value.dim() != 0:
+        # (D-Adaptation's running sums, made anew on the params' device by its step: with the params)
         return Decision(device, "rule")
     params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
     observed = probed_by(cls, group, params[0].dim() if params else 1)[1]
@@ -372,6 +370,19 @@ def _group_entry(
     # works alike either way, the tensor stays on its side: on the host, or with the params on their device
     # (also after a move to the host and back, or a reload after the params moved: ``side`` remembers).
     return Decision(HOST if side.type == "cpu" else device, "rule" if observed is None else "probe")
+
+
+def _wide_entry(cls: type, group: Mapping[str, Any], path: Path, value: torch.Tensor, device: torch.device) -> Decision:
+    """Where a tensor the optimizer keeps under a plain state key belongs: where a fresh one keeps it after a step
+    (its probe: MADGRAD's host counter ``k``), else with the params (TRAC's ``s``, which the class it wraps never
+    made)."""
+    if value.numel() == 1:
+        params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
+        observed = probed_by(cls, group, params[0].dim() if params else 1)[1]
+        seen = None if observed is None else observed.wide.get(path)
+        if seen is not None:
+            return Decision(device if seen else HOST, "probe")
+    return Decision(device, "rule")
 
 
 def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tuple[str, int | None]:
@@ -416,6 +427,10 @@ class Placer:
         self, ident: Any, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
         if param is None:
+            if ident[0] == OPTIMIZER_WIDE:
+                device = group_device(group, tensor) if self.device is None else self.device
+                decision = decide(self.optimizer, group, None, key, tensor, device, values=self.values, wide=ident[2])
+                return decision.device, decision.source
             return self.group_entry(ident, group, key, tensor, self.device)
         return self.entry(self.holder(param, group), param, group, key, tensor)
 

@@ -24,12 +24,13 @@ from .. import _alias, _engine
 from .. import policy as _policy
 from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
 from .._errors import with_article
-from .._plan import OPTIMIZER_WIDE, Plan, Transfer, build_plan, policy_target
+from .._plan import Plan, Transfer, build_plan, policy_target
 from .._probe import NO_SPEC, StateSpec, expected_state
 from .._state import (
     _ATOMS,
     IMPLEMENTATION_FLAGS,
     MAX_DEPTH,
+    OPTIMIZER_WIDE,
     Path,
     Setter,
     format_path,

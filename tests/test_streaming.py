@@ -1052,3 +1052,23 @@ def test_a_state_dict_set_from_outside_while_streamed_is_laid_out_before_the_ste
     train(ref_model, ref, range(2, 4))
     _assert_same(model, opt, ref_model, ref)
     assert optimshift.check(opt).ok
+
+
+def test_a_load_while_streamed_puts_a_device_lr_where_stream_lays_it_out(sim):
+    """A load into a streamed optimizer placed everything on the host, its groups' tensors too: a device lr (a
+    capturable step's) stayed on the host after unstream(), where a load alone, or a stream/unstream round trip,
+    keeps it on the device. The state loads into host memory, the groups' tensors where stream() puts them."""
+    import copy
+
+    p = torch.nn.Parameter(torch.ones(4, device=sim))
+    opt = torch.optim.Adam([p], lr=torch.tensor(0.01, device=sim), capturable=True)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    optimshift.stream(opt)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"].device == sim and opt.state[p]["exp_avg"].device.type == "cpu"
+    optimshift.unstream(opt)
+    assert opt.param_groups[0]["lr"].device == sim and opt.state[p]["exp_avg"].device == sim
+    assert optimshift.check(opt).ok and not optimshift.check(opt).findings
+    opt.step()

@@ -137,7 +137,10 @@ def _load(
         if result is not None:
             sd = result
 
-    staged = Staging(receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target, source=source)
+    streamed = mode is not None
+    staged = Staging(
+        receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target, source=source, streamed=streamed
+    )
     # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
     # collections would cost more than the copies)
     with _engine.operation(), exclusive(receiver), _engine.no_gc():
@@ -150,7 +153,17 @@ def _load(
         except CastNeeded:
             if not as_torch or cast is not None:
                 raise
-            staged = Staging(receiver, name, sd, flags=flags, cast="param", copy=copy, device=target, source=source)
+            staged = Staging(
+                receiver,
+                name,
+                sd,
+                flags=flags,
+                cast="param",
+                copy=copy,
+                device=target,
+                source=source,
+                streamed=streamed,
+            )
             new_state, new_groups = staged.build()
         _install(
             receiver,

@@ -24,7 +24,7 @@ from .. import _alias, _engine
 from .. import policy as _policy
 from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
 from .._errors import with_article
-from .._plan import Plan, Transfer, build_plan, policy_target
+from .._plan import Plan, TargetFn, Transfer, build_plan, policy_target
 from .._probe import NO_SPEC, StateSpec, expected_state
 from .._state import (
     _ATOMS,
@@ -85,8 +85,10 @@ class Staging:
         copy: bool,
         device: torch.device | None,
         source: str | None = None,
+        streamed: bool = False,
     ) -> None:
         self.opt, self.name, self.sd, self.source = optimizer, name, sd, source
+        self.streamed = streamed  # (its state on the host, its groups' tensors where a move puts them)
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
         self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
         self.base = _policy.builtin_base(type(optimizer))
@@ -276,7 +278,18 @@ class Staging:
         """The plan of the state about to be installed: where :func:`optimshift._plan.policy_target` puts each
         tensor for the live optimizer's class, with the loaded groups' hyperparameters and the live flags."""
         # (remembered=False: where a move took the old group tensors from says nothing of the loaded ones)
-        target = policy_target(self.opt, self.device, remembered=False)
+        target: TargetFn = policy_target(self.opt, self.device, remembered=False)
+        if self.streamed:  # (the state on the host, where a streamed optimizer keeps it; its groups' as stream() lays
+            # them out: where a move puts them)
+            state_target, groups_target = target, policy_target(self.opt, None, remembered=False)
+
+            def target(
+                ident: Any, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
+            ) -> tuple[torch.device, str]:
+                if param is None and ident[0] != OPTIMIZER_WIDE:
+                    return groups_target(ident, param, group, key, tensor)
+                return state_target(ident, param, group, key, tensor)
+
         try:
             return build_plan(self.opt, target, groups=groups, state=state)
         except ValueError as e:  # a tensor the checkpoint shares between entries that belong on two devices

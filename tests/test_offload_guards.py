@@ -133,3 +133,96 @@ def test_a_wrapper_and_its_optimizer_share_one_lock(sim, monkeypatch):
     monkeypatch.setattr(api, "exclusive", lambda o: keys.append(o) or real(o))
     optimshift.move(Wrapper(opt))
     assert keys == [opt]
+
+
+def _interrupt_after(monkeypatch, owner, name, calls=1):
+    """A real SIGINT right after ``owner.name`` returns for the ``calls``-th time (a Ctrl-C landing there)."""
+    import os
+    import signal
+
+    real, count = getattr(owner, name), [0]
+
+    def wrapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        count[0] += 1
+        if count[0] == calls:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+def test_a_ctrl_c_inside_keep_addresses_is_held_until_the_state_is_back(sim, monkeypatch):
+    """keep_addresses(opt) is an offload and a reload: a Ctrl-C between them left the optimizer offloaded (its
+    rollback caught Exception only) and the next step refused. It is one operation now: the interrupt comes once
+    the state is laid out."""
+    from optimshift import _addresses
+
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    train(model, opt, range(1))
+    layout = state_layout(opt)
+    _interrupt_after(monkeypatch, _addresses, "stage")
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.keep_addresses(opt)
+    assert not optimshift.is_offloaded(opt) and state_layout(opt) == layout
+    train(model, opt, range(1, 2))
+
+
+def test_a_ctrl_c_inside_a_streamed_step_is_held_until_its_chunks_are_written_back(sim, monkeypatch):
+    """A Ctrl-C between a chunk's step and its write-back kept the chunk's old moments (the params moved, the
+    moments did not: a silent divergence), or left an entry on its device window. It comes once the step is done,
+    its state as a step without it leaves it."""
+    from optimshift import _engine
+
+    def trained():
+        model = Model([(4, 3), (3,), (2, 2)]).to(sim)
+        opt = torch.optim.Adam(model.parameters(), foreach=False)
+        train(model, opt, range(1))
+        return model, opt
+
+    ref_model, ref = trained()
+    train(ref_model, ref, range(1, 2))
+    model, opt = trained()
+    optimshift.stream(opt, chunk_bytes=64)
+    _interrupt_after(monkeypatch, _engine, "_apply", calls=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, opt, range(1, 2))
+    monkeypatch.undo()
+    optimshift.unstream(opt)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert bitwise_equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert bitwise_equal(opt.state[p][key], ref.state[q][key]), key
+
+
+def test_stream_refuses_an_optimizer_it_cannot_remember_before_changing_it(sim):
+    """stream() of an optimizer class that defines __eq__ (unhashable) moved the state to the host and installed
+    its step, then failed: half streamed, and unstream() could not undo it."""
+
+    class Comparable(torch.optim.Adam):
+        def __eq__(self, other):
+            return self is other
+
+    model = Model([(4, 3)]).to(sim)
+    opt = Comparable(model.parameters())
+    train(model, opt, range(1))
+    layout = state_layout(opt)
+    with pytest.raises(TypeError, match="stream needs an optimizer it can remember weakly"):
+        optimshift.stream(opt)
+    assert state_layout(opt) == layout and "step" not in opt.__dict__
+
+
+def test_a_zero_grad_that_raises_keeps_the_offloaded_grads(sim):
+    """With grads offloaded, opt.zero_grad(set_to_None=False) (a typo) raised as torch's does, but had already
+    dropped the offloaded grads: the reload gave none back."""
+    model = Model([(4, 3)]).to(sim)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, opt, range(1))
+    (p,) = model.parameters()
+    grad = p.grad.clone()
+    optimshift.offload(opt, include=("grads",))
+    with pytest.raises(TypeError):
+        opt.zero_grad(set_to_None=False)
+    optimshift.reload(opt)
+    assert p.grad is not None and bitwise_equal(p.grad, grad)

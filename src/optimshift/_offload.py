@@ -248,9 +248,11 @@ def _install_hooks(optimizer: Any) -> list[Any]:
         register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
         if register_sd is not None:
             handles.append(register_sd(compact_state_dict))
-    except Exception as e:  # (a class that never ran Optimizer.__init__ has no hook dicts)
+    except BaseException as e:  # (a class that never ran Optimizer.__init__ has no hook dicts; a Ctrl-C)
         for handle in handles:
             handle.remove()
+        if not isinstance(e, Exception):
+            raise
         raise TypeError(
             f"{type(optimizer).__name__}: the hooks that guard its offloaded state cannot be registered "
             f"({type(e).__name__}: {e}); nothing was changed"
@@ -321,6 +323,7 @@ class _ZeroGradFront:
             set_to_none = bool(bound.arguments.get("set_to_none", True))
         except (TypeError, ValueError):  # (no signature to read, or arguments it refuses: it raises below)
             set_to_none = True
+        result = zero(*args, **kwargs)  # (first: where it raises, a bad argument, the offloaded grads are kept)
         with exclusive(optimizer):
             record = record_of(optimizer)
             held = {id(p) for g in optimizer.param_groups for p in g["params"]} if record is not None else set()
@@ -333,7 +336,7 @@ class _ZeroGradFront:
                             del record.grads[key]
                         else:
                             record.grads[key][1].zero_()
-        return zero(*args, **kwargs)
+        return result
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_class_zero_grad, (self.ref(),))

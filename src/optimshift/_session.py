@@ -46,6 +46,19 @@ _sessions: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
+def rememberable(optimizer: Any, what: str) -> None:
+    """TypeError, naming ``what`` (the operation), unless a session can be kept for ``optimizer`` (weakly keyed:
+    hashable and weak-referenceable)."""
+    try:
+        weakref.ref(optimizer)
+        hash(optimizer)
+    except TypeError:
+        raise TypeError(
+            f"{what} needs an optimizer it can remember weakly (hashable, weak-referenceable); "
+            f"{type(optimizer).__name__} is not: pass the torch.optim.Optimizer it wraps"
+        ) from None
+
+
 def of(optimizer: Any) -> Session | None:
     """``optimizer``'s session if it has one (None also for an optimizer that cannot have one)."""
     try:

@@ -51,7 +51,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-from . import _addresses, _device_streams, _engine, _mode
+from . import _addresses, _device_streams, _engine, _mode, _session
 from . import _chunks as layout
 from . import policy as _policy
 from ._chunks import Chunk, Group, Item, ParamState
@@ -535,7 +535,10 @@ class Streamed:
             stepping = streamed._stepping
             try:
                 stepping.on = True
-                return hooked(streamed.optimizer, *args, **kwargs)
+                # (a Ctrl-C is held until the step's chunks are all written back: one that landed between a
+                # chunk's step and its write-back lost that chunk's moments, or left an entry on its window)
+                with _engine.operation(), _engine.uninterrupted():
+                    return hooked(streamed.optimizer, *args, **kwargs)
             finally:
                 stepping.on = False
 
@@ -610,6 +613,7 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
             f"stream: {type(optimizer).__name__} is not a torch.optim.Optimizer; pass the optimizer it "
             f"wraps (e.g. its .optimizer)"
         )
+    _session.rememberable(optimizer, "stream")
     name = optimizer_name(optimizer)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(

@@ -335,14 +335,7 @@ def offload(
     unknown = [i for i in include if i not in _INCLUDE]
     if unknown:
         raise ValueError(f"{optimizer_name(optimizer)}: offload include= may contain {_INCLUDE}, got {unknown}")
-    try:
-        weakref.ref(optimizer)
-        hash(optimizer)
-    except TypeError:
-        raise TypeError(
-            f"offload needs an optimizer it can remember weakly (hashable, weak-referenceable); "
-            f"{type(optimizer).__name__} is not: pass the torch.optim.Optimizer it wraps"
-        ) from None
+    _session.rememberable(optimizer, "offload")
     keep = _addresses.keeping(optimizer, keep_addresses, optimizer_name(optimizer))
     end_pending(optimizer)
     host = torch.device("cpu")
@@ -586,6 +579,13 @@ def keep_addresses(optimizer: Opt) -> Opt:
                 record.keep_addresses |= _addresses.keeping(inner, True, optimizer_name(inner))
         return optimizer
     kept = _addresses.mapped_bytes(unwrap(optimizer)) > 0  # (some state at kept addresses: a graph may use them)
+    # (one operation: a Ctrl-C between the offload and the reload is held until the reload is in place)
+    with _engine.operation(), _engine.uninterrupted():
+        _lay_out(optimizer, kept)
+    return optimizer
+
+
+def _lay_out(optimizer: Any, kept: bool) -> None:
     offload(optimizer, keep_addresses=True)
     try:
         reload(optimizer)
@@ -608,7 +608,6 @@ def keep_addresses(optimizer: Opt) -> Opt:
             ) from error
         add_note(error, f"optimshift: keep_addresses could not lay the state out at kept addresses; then {done}")
         raise
-    return optimizer
 
 
 def _reload_as_usual(optimizer: Any, error: Exception) -> bool:

@@ -290,3 +290,21 @@ def test_a_deque_in_the_state_is_named_not_called_corrupt(tmp_path, items):
         with pytest.raises(optimshift.CheckpointError, match=r"holds a collections\.deque .* cannot rebuild") as caught:
             optimshift.load(path)
     assert "corrupt" not in str(caught.value)
+
+
+def test_running_out_of_memory_while_loading_is_not_called_corrupt(tmp_path, monkeypatch):
+    """torch's out of memory on the host is a RuntimeError, which load called a truncated or corrupt file: a user
+    could throw away a sound checkpoint. It is raised as it is, naming the file."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    path = tmp_path / "opt.pt"
+    optimshift.save(opt, path)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1073741824 bytes")
+
+    monkeypatch.setattr(torch, "load", out_of_memory)
+    with pytest.raises(RuntimeError, match="can't allocate memory") as caught:
+        optimshift.load(path)
+    assert not isinstance(caught.value, optimshift.CheckpointError)
+    assert "out of memory while loading" in "".join(getattr(caught.value, "__notes__", []))

@@ -30,6 +30,7 @@ from typing import IO, Any, Union
 import torch
 
 from .._dtensor import local_tensor
+from .._errors import add_note
 from .._state import MAX_DEPTH, unwrap
 from . import _atomic, _records, _untrusted
 
@@ -761,6 +762,11 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
         return CheckpointError(f"{p} is corrupt: its pickle cannot be read ({reason}); nothing was executed")
     if isinstance(e, RecursionError):
         return CheckpointError(f"{p} is corrupt or hostile: its objects are nested too deeply to load")
+    if isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and re.search(r"can't allocate memory|out of memory", str(e))
+    ):  # (torch's own: the memory ran out, the file was not judged)
+        add_note(e, f"optimshift: out of memory while loading {p} (the file itself may be sound)")
+        return e
     if isinstance(e, MemoryError):
         return CheckpointError(
             f"{p} asks for more memory than this machine has while loading (MemoryError): "

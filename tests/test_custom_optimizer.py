@@ -348,9 +348,13 @@ def test_optimizer_wide_entries_a_wrapper_added_follow_the_params(sim):
     """TRAC keeps ``state["trac"]`` beside the Adam state it wraps: entries no probe of Adam sees. Its one-element
     ``s`` and a 0-dim one stayed on the host after a move (the group-tensor rule), the next step mixed devices, and
     check() said OK. They follow the params, as every optimizer-wide tensor no probe places."""
-    net, opt = _trained(torch.optim.Adam, "cpu")
-    opt.state["trac"] = {"s": torch.zeros(1), "v": torch.zeros(6), "z": torch.zeros(())}
-    net.to(sim)
-    optimshift.move(opt, sim)
-    assert {k: str(v.device) for k, v in opt.state["trac"].items()} == {k: str(sim) for k in ("s", "v", "z")}
-    assert optimshift.check(opt).ok
+    for way in ("move", "rebind"):
+        net, opt = _trained(torch.optim.Adam, "cpu")
+        opt.state["trac"] = {"s": torch.zeros(1), "v": torch.zeros(6), "z": torch.zeros(())}
+        if way == "move":
+            net.to(sim)
+            optimshift.move(opt, sim)
+        else:  # (rebind asked the group-tensor rule for them: they stayed on the host, check() then said so)
+            optimshift.rebind(opt, [torch.nn.Parameter(p.detach().to(sim)) for p in net.ps])
+        assert {k: str(v.device) for k, v in opt.state["trac"].items()} == {k: str(sim) for k in ("s", "v", "z")}
+        assert optimshift.check(opt).ok

@@ -1072,3 +1072,27 @@ def test_a_load_while_streamed_puts_a_device_lr_where_stream_lays_it_out(sim):
     assert opt.param_groups[0]["lr"].device == sim and opt.state[p]["exp_avg"].device == sim
     assert optimshift.check(opt).ok and not optimshift.check(opt).findings
     opt.step()
+
+
+def test_a_load_while_streamed_puts_optimizer_wide_entries_where_stream_lays_them_out(sim):
+    """A one-element tensor under a plain state key (TRAC's shape), made with the params: stream() keeps it on the
+    device, a load while streamed put it on the host and the next step mixed devices."""
+    import copy
+
+    from _custom_optimizers import WideScale
+
+    optimshift.register_policy(WideScale, lambda *args: None, separable=True)
+    try:
+        p = torch.nn.Parameter(torch.ones(4, device=sim))
+        opt = WideScale([p])
+        p.grad = torch.ones_like(p)
+        opt.step()
+        saved = copy.deepcopy(opt.state_dict())
+        optimshift.stream(opt)
+        assert opt.state["s"].device == sim
+        opt.load_state_dict(saved)
+        assert opt.state["s"].device == sim
+        opt.step()
+        optimshift.unstream(opt)
+    finally:
+        optimshift.unregister_policy(WideScale)

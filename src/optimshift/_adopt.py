@@ -87,7 +87,7 @@ def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mecha
         ) or _swappable(old, new):  # (_swappable's checks for two plain tensors, inlined: once per tensor)
             append("swap")
         else:
-            if views is None and type(old) is torch.Tensor and not old.__dict__:
+            if views is None and type(old) is torch.Tensor:
                 views = Counter(id(o._base) for o, _ in pairs if o._base is not None)
             # NOTE: a flat buffer kept in state with views of it (state[p]["view"] = flat[i:j]): each view holds
             # the base's TensorImpl. When those views are all among the tensors adopting copies here, nothing

@@ -262,9 +262,9 @@ def like_source(source: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
 
 
 GROUP_SKIP = ("params", "param_names")
+"""A param group's entries that are not hyperparameters: its params and their names."""
 OPTIMIZER_WIDE = -1
 """The "group" of ``optimizer.state`` entries under plain (non-param) keys (MADGRAD's ``k``, TRAC's ``trac``)."""
-"""A param group's entries that are not hyperparameters: its params and their names."""
 
 
 def group_tensors(group: Mapping[str, Any]) -> Iterator[tuple[Path, torch.Tensor]]:

@@ -914,7 +914,10 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
         if param is not None:
             return by_policy(ident, mapping[id(param)], group, key, tensor)
         firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params
-        return by_policy.group_entry(ident, group, key, tensor, firsts[0].device if firsts else tensor.device)
+        device = firsts[0].device if firsts else tensor.device
+        if ident[0] == OPTIMIZER_WIDE:
+            return by_policy.wide_entry(ident, group, key, tensor, device)
+        return by_policy.group_entry(ident, group, key, tensor, device)
 
     def rewrite() -> None:
         """The new params in the groups, their state re-keyed (dict and list operations: they cannot fail)."""

@@ -428,11 +428,18 @@ class Placer:
     ) -> tuple[torch.device, str]:
         if param is None:
             if ident[0] == OPTIMIZER_WIDE:
-                device = group_device(group, tensor) if self.device is None else self.device
-                decision = decide(self.optimizer, group, None, key, tensor, device, values=self.values, wide=ident[2])
-                return decision.device, decision.source
+                return self.wide_entry(ident, group, key, tensor, self.device)
             return self.group_entry(ident, group, key, tensor, self.device)
         return self.entry(self.holder(param, group), param, group, key, tensor)
+
+    def wide_entry(
+        self, ident: Any, group: Mapping[str, Any], key: str, tensor: torch.Tensor, device: torch.device | None
+    ) -> tuple[torch.device, str]:
+        """Where an optimizer-wide entry goes with the params on ``device`` (``None``: where its first group's
+        params are)."""
+        device = group_device(group, tensor) if device is None else device
+        decision = decide(self.optimizer, group, None, key, tensor, device, values=self.values, wide=ident[2])
+        return decision.device, decision.source
 
     def group_entry(
         self, ident: Any, group: Mapping[str, Any], key: str, tensor: torch.Tensor, device: torch.device | None

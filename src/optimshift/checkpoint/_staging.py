@@ -286,7 +286,7 @@ class Staging:
             def target(
                 ident: Any, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
             ) -> tuple[torch.device, str]:
-                if param is None and ident[0] != OPTIMIZER_WIDE:
+                if param is None:  # (optimizer-wide entries too, as stream() lays them out)
                     return groups_target(ident, param, group, key, tensor)
                 return state_target(ident, param, group, key, tensor)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 import threading
 from collections.abc import Iterator
@@ -72,22 +73,21 @@ class SimDriver:
     def _held(self) -> Iterator[None]:
         """The driver's lock. NOTE: a collection inside a section (an allocation there) may run a finalizer that
         unmaps and releases a range (``_addresses``'s, of an optimizer freed in a cycle): that call is deferred
-        until this thread leaves its outermost section, never made against the structures being read."""
+        until this thread leaves its outermost section, never made against the structures being read. Deferred
+        calls run as a finalizer's would: one that fails is logged, the rest go on."""
         with self._lock:
             self._inside.depth = getattr(self._inside, "depth", 0) + 1
             try:
                 yield
             finally:
                 self._inside.depth -= 1
-        if self._inside.depth or getattr(self._inside, "draining", False):
-            return
-        self._inside.draining = True  # (the deferred calls' own sections leave the rest to this loop)
-        try:
-            while self._deferred:
-                fn, args = self._deferred.pop(0)
+                outermost = not self._inside.depth
+                batch, self._deferred = (self._deferred, []) if outermost else ([], self._deferred)
+        for fn, args in batch:  # (outside the lock: each takes it again)
+            try:
                 fn(*args)
-        finally:
-            self._inside.draining = False
+            except Exception:
+                logging.getLogger("optimshift").exception("simulated VMM driver: a deferred %s failed", fn.__name__)
 
     def _deferring(self, fn: Any, *args: Any) -> bool:
         """Whether ``fn(*args)`` was called from inside a section, and so deferred (see :meth:`_held`)."""

@@ -226,3 +226,36 @@ def test_a_zero_grad_that_raises_keeps_the_offloaded_grads(sim):
         opt.zero_grad(set_to_None=False)
     optimshift.reload(opt)
     assert p.grad is not None and bitwise_equal(p.grad, grad)
+
+
+def test_a_ctrl_c_in_a_streamed_steps_closure_interrupts_it_at_once(sim):
+    """Holding a Ctrl-C for the whole streamed step held it through the closure too (a forward and backward, or a
+    stuck data fetch): the step ran to its end and updated the params first. Nothing is streamed while the closure
+    runs: it stays interruptible, and nothing is updated."""
+    import os
+    import signal
+    import threading
+    import time
+
+    model = Model([(4, 3)]).to(sim)
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+    train(model, opt, range(1))
+    optimshift.stream(opt)
+    (p,) = model.parameters()
+    before = p.detach().cpu().clone()
+
+    def closure():
+        p.grad = torch.ones_like(p)
+        end = time.monotonic() + 10
+        while time.monotonic() < end:  # (a Python loop: where a signal is delivered)
+            time.sleep(0.01)
+        return torch.zeros(())
+
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step(closure)
+    timer.join()
+    assert time.monotonic() - start < 5 and bitwise_equal(p.detach().cpu(), before)
+    optimshift.unstream(opt)

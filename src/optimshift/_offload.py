@@ -323,13 +323,15 @@ class _ZeroGradFront:
             set_to_none = bool(bound.arguments.get("set_to_none", True))
         except (TypeError, ValueError):  # (no signature to read, or arguments it refuses: it raises below)
             set_to_none = True
-        result = zero(*args, **kwargs)  # (first: where it raises, a bad argument, the offloaded grads are kept)
+        with exclusive(optimizer):
+            if record_of(optimizer) is not None:
+                pending_of(optimizer).order_before_use(host=True)  # (an offload in flight still writes them)
+        result = zero(*args, **kwargs)  # (before any is cleared: where it raises, a bad argument, they are kept)
         with exclusive(optimizer):
             record = record_of(optimizer)
             held = {id(p) for g in optimizer.param_groups for p in g["params"]} if record is not None else set()
             mine = [key for key in record.grads if key in held] if record is not None else []
             if record is not None and mine:
-                pending_of(optimizer).order_before_use(host=True)  # (an offload in flight still writes them)
                 with torch.no_grad():
                     for key in mine:
                         if set_to_none:

@@ -312,6 +312,14 @@ class Streamed:
         if closure is not None:
             with torch.enable_grad():  # as torch.optim's steps call it: once, before any update
                 loss = closure()
+        # (from here a Ctrl-C is held until the chunks are all written back: one that landed between a chunk's step
+        # and its write-back lost that chunk's moments, or left an entry on its window; the closure and the hooks
+        # stay interruptible)
+        with _engine.operation(), _engine.uninterrupted():
+            out = self._chunks_step(opt, rest, kwargs)
+        return loss if closure is not None else out
+
+    def _chunks_step(self, opt: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._stale:
             self.after_load()
             if self._stale:
@@ -331,7 +339,7 @@ class Streamed:
             raise
         if opt._optimizer_step_post_hooks or getattr(_torch_optimizer, "_global_optimizer_post_hooks", None):
             self.wait()  # (torch runs the step's post-hooks next: they read the state the write-backs write)
-        return loss if closure is not None else out
+        return out
 
     def _schedule(self, opt: Any) -> tuple[list[Chunk], list[tuple[Group, list[torch.Tensor]]]]:
         """The chunks to stream this step (those with a param that has a grad, in group order) and, per group,
@@ -535,10 +543,7 @@ class Streamed:
             stepping = streamed._stepping
             try:
                 stepping.on = True
-                # (a Ctrl-C is held until the step's chunks are all written back: one that landed between a
-                # chunk's step and its write-back lost that chunk's moments, or left an entry on its window)
-                with _engine.operation(), _engine.uninterrupted():
-                    return hooked(streamed.optimizer, *args, **kwargs)
+                return hooked(streamed.optimizer, *args, **kwargs)
             finally:
                 stepping.on = False
 

@@ -300,11 +300,16 @@ def test_running_out_of_memory_while_loading_is_not_called_corrupt(tmp_path, mon
     path = tmp_path / "opt.pt"
     optimshift.save(opt, path)
 
+    asked = [16]
+
     def out_of_memory(*args, **kwargs):
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1073741824 bytes")
+        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {asked[0]} bytes")
 
     monkeypatch.setattr(torch, "load", out_of_memory)
     with pytest.raises(RuntimeError, match="can't allocate memory") as caught:
         optimshift.load(path)
     assert not isinstance(caught.value, optimshift.CheckpointError)
     assert "out of memory while loading" in "".join(getattr(caught.value, "__notes__", []))
+    asked[0] = 2**50  # (a storage the file declares larger than itself: the file is damaged)
+    with pytest.raises(optimshift.CheckpointError, match="corrupt"):
+        optimshift.load(path)

@@ -158,3 +158,14 @@ def test_a_deferred_call_that_fails_is_logged_and_the_rest_are_made(sim, drv, ca
         drv.unmap(sim, 12345, PAGE)  # (nothing mapped there: fails when made)
         drv.free_reserved(sim, address, PAGE)
     assert drv.reserved() == 0 and "a deferred unmap failed" in caplog.text
+
+
+def test_calls_deferred_in_a_section_that_raises_are_still_made(sim, drv):
+    """The deferred calls were taken by the outermost section and made after it, but not where it raised: a
+    reservation freed from inside one was never freed."""
+    address = drv.reserve(sim, PAGE)
+    with pytest.raises(_vmm.DriverError):
+        with drv._held():
+            drv.free_reserved(sim, address, PAGE)
+            drv.map(sim, 12345, PAGE, 999)  # (fails: no such range)
+    assert drv.reserved() == 0

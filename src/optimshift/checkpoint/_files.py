@@ -712,6 +712,18 @@ def _guarded_map_location(map_location: Any, p: str) -> Any:
 _OPCODE_NAMES = {ord(op.code): op.name for op in pickletools.opcodes}
 
 
+def _host_out_of_memory(p: str, e: BaseException) -> bool:
+    """Whether ``e`` is torch's host allocator running out of memory for a storage no larger than the file (a
+    storage the file declares larger than itself is a damaged or hostile file: what ``_load_error`` says then)."""
+    found = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", str(e))
+    if not isinstance(e, RuntimeError) or found is None:
+        return False
+    try:
+        return int(found.group(1)) <= os.path.getsize(p)
+    except OSError:
+        return False
+
+
 def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     """What a failed ``torch.load`` of ``p`` (sniffed as ``kind``) raises instead: an UnsafeCheckpointError for a
     pickle that imports a global weights-only loading refuses (named in the refusal, or read from its opcodes:
@@ -762,9 +774,8 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
         return CheckpointError(f"{p} is corrupt: its pickle cannot be read ({reason}); nothing was executed")
     if isinstance(e, RecursionError):
         return CheckpointError(f"{p} is corrupt or hostile: its objects are nested too deeply to load")
-    if isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and re.search(r"can't allocate memory|out of memory", str(e))
-    ):  # (torch's own: the memory ran out, the file was not judged)
+    if isinstance(e, torch.OutOfMemoryError) or _host_out_of_memory(p, e):
+        # (the memory ran out for what the file holds: the file was not judged)
         add_note(e, f"optimshift: out of memory while loading {p} (the file itself may be sound)")
         return e
     if isinstance(e, MemoryError):

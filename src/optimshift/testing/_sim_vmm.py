@@ -75,14 +75,21 @@ class SimDriver:
         unmaps and releases a range (``_addresses``'s, of an optimizer freed in a cycle): that call is deferred
         until this thread leaves its outermost section, never made against the structures being read. Deferred
         calls run as a finalizer's would: one that fails is logged, the rest go on."""
-        with self._lock:
-            self._inside.depth = getattr(self._inside, "depth", 0) + 1
-            try:
-                yield
-            finally:
-                self._inside.depth -= 1
-                outermost = not self._inside.depth
-                batch, self._deferred = (self._deferred, []) if outermost else ([], self._deferred)
+        batch: list[tuple[Any, tuple[Any, ...]]] = []
+        try:
+            with self._lock:
+                self._inside.depth = getattr(self._inside, "depth", 0) + 1
+                try:
+                    yield
+                finally:
+                    self._inside.depth -= 1
+                    if not self._inside.depth:
+                        batch, self._deferred = self._deferred, []
+        finally:
+            self._run(batch)
+
+    @staticmethod
+    def _run(batch: list[tuple[Any, tuple[Any, ...]]]) -> None:
         for fn, args in batch:  # (outside the lock: each takes it again)
             try:
                 fn(*args)

@@ -346,8 +346,9 @@ def test_a_third_party_device_lr_stays_where_it_was_given(sim):
 
 def test_optimizer_wide_entries_a_wrapper_added_follow_the_params(sim):
     """TRAC keeps ``state["trac"]`` beside the Adam state it wraps: entries no probe of Adam sees. Its one-element
-    ``s`` and a 0-dim one stayed on the host after a move (the group-tensor rule), the next step mixed devices, and
-    check() said OK. They follow the params, as every optimizer-wide tensor no probe places."""
+    ``s`` stayed on the host after a move (the group-tensor rule), the next step mixed devices, and check() said
+    OK. It follows the params, as every optimizer-wide tensor no probe places but a 0-dim one (a scalar on the
+    host mixes with device tensors), which stays where it is."""
     for way in ("move", "rebind"):
         net, opt = _trained(torch.optim.Adam, "cpu")
         opt.state["trac"] = {"s": torch.zeros(1), "v": torch.zeros(6), "z": torch.zeros(())}
@@ -356,5 +357,5 @@ def test_optimizer_wide_entries_a_wrapper_added_follow_the_params(sim):
             optimshift.move(opt, sim)
         else:  # (rebind asked the group-tensor rule for them: they stayed on the host, check() then said so)
             optimshift.rebind(opt, [torch.nn.Parameter(p.detach().to(sim)) for p in net.ps])
-        assert {k: str(v.device) for k, v in opt.state["trac"].items()} == {k: str(sim) for k in ("s", "v", "z")}
+        assert {k: str(v.device) for k, v in opt.state["trac"].items()} == {"s": str(sim), "v": str(sim), "z": "cpu"}
         assert optimshift.check(opt).ok

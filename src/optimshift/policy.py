@@ -375,13 +375,16 @@ def _group_entry(
 def _wide_entry(cls: type, group: Mapping[str, Any], path: Path, value: torch.Tensor, device: torch.device) -> Decision:
     """Where a tensor the optimizer keeps under a plain state key belongs: where a fresh one keeps it after a step
     (its probe: MADGRAD's host counter ``k``), else with the params (TRAC's ``s``, which the class it wraps never
-    made)."""
+    made), but a 0-dim one no probe saw stays where it is (on the host it mixes with device tensors as a scalar,
+    and a counter read there costs no sync)."""
     if value.numel() == 1:
         params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
         observed = probed_by(cls, group, params[0].dim() if params else 1)[1]
         seen = None if observed is None else observed.wide.get(path)
         if seen is not None:
             return Decision(device if seen else HOST, "probe")
+        if value.dim() == 0:
+            return Decision(HOST if value.is_cpu else device, "rule")
     return Decision(device, "rule")
 
 

@@ -237,3 +237,28 @@ def test_a_temporary_folder_swept_before_its_lock_is_made_again(tmp_path, monkey
     finally:
         os.close(fd)
     assert _atomic.sweep_folders(tmp_path, lambda name: name.endswith(".tmp")) == 1  # (its writer gone)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock: POSIX")
+def test_a_ctrl_c_while_a_save_locks_its_temporary_leaves_nothing(tmp_path, monkeypatch):
+    """A Ctrl-C landing while save locked its new temporary left the file locked and open: no later save in this
+    process could sweep it (a live writer holds it), one more per interrupt."""
+    import fcntl
+
+    from optimshift.checkpoint import _atomic
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    real = fcntl.flock
+
+    def interrupted(fd, op):
+        real(fd, op)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_atomic.fcntl, "flock", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.save(opt, tmp_path / "opt.pt")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    optimshift.save(opt, tmp_path / "opt.pt")
+    assert os.listdir(tmp_path) == ["opt.pt"]

@@ -127,6 +127,10 @@ def create_temp(target: str) -> tuple[int, str]:
                 os.close(fd)
                 _unlink(path)
                 raise
+        except BaseException:  # (a Ctrl-C: the locked file would stay, never swept while this process lives)
+            os.close(fd)
+            _unlink(path)
+            raise
         os.close(fd)
         _unlink(path)
     else:  # pragma: no cover - a sweep would have to win a hundred races in a row

@@ -37,11 +37,9 @@ def stepping_base(optimizer: Any) -> type[torch.optim.Optimizer] | None:
     base's step; None for a class with a step of its own (what it keeps is its own; the trial never builds a
     user's class: its ``__init__`` and step may log, draw random numbers or join a collective), as a load's
     checks (:mod:`optimshift.checkpoint._staging`) judge only such a class."""
-    from .policy import builtin_base, same_step
+    from .policy import stepping_base as of_class
 
-    cls = type(optimizer)
-    base = builtin_base(cls)
-    return base if base is not None and same_step(cls, base) else None
+    return of_class(type(optimizer))
 
 
 def dtype_findings(optimizer: Any) -> list[Finding]:

@@ -49,6 +49,7 @@ __all__ = [
     "separable",
     "step_of",
     "same_step",
+    "stepping_base",
     "Placer",
     "why_guessed",
 ]
@@ -175,6 +176,14 @@ def step_of(cls: type) -> Callable[..., Any]:
     return step
 
 
+def stepping_base(cls: type) -> type[torch.optim.Optimizer] | None:
+    """The torch.optim class whose own step ``cls`` steps with (its nearest torch.optim base, where ``cls`` does
+    not step otherwise); None for a class with a step of its own, or with no torch.optim base: the one answer to
+    "which step does this class have" that placement, a load's checks, the dtype trials and ``check`` ask."""
+    base = builtin_base(cls)
+    return base if base is not None and same_step(cls, base) else None
+
+
 def same_step(cls: type, base: type) -> bool:
     """Whether ``cls`` steps with ``base``'s step (a subclass that does not override it, or whose override is
     ``base``'s own function)."""
@@ -299,10 +308,11 @@ def probed_by(cls: type, group: Mapping[str, Any], ndim: int) -> tuple[type, Obs
     what it keeps of its own is guessed). A step of its own may keep and read scalars of its own, or read a group
     tensor on the host."""
     base = builtin_base(cls)
-    if base is None or not same_step(cls, base):
+    if stepping_base(cls) is None:
         observed = probe(cls, group, ndim)
         if base is None or observed is not None and observed.state is not None:
             return cls, observed
+    assert base is not None  # (a class with a torch base steps with it, or its own probe made no state)
     return base, probe(base, group, ndim)
 
 

@@ -41,13 +41,13 @@ def sync_cost(
     For a class torch.optim does not define, with the ``group`` and param rank ``ndim`` given and the param on
     an accelerator: what its probe counted (``_probe.Observed.reads``). None where nothing was measured."""
     from ._probe import probe
-    from .policy import builtin_base, same_step
+    from .policy import builtin_base, stepping_base
 
     base = builtin_base(cls) if cls is not None else None
     costs = SYNC_COST.get((base.__name__ if base else name, key))  # (single-tensor, foreach)
     if costs is None:
         # (a subclass with a step of its own: what its probe counted, as for a third-party class)
-        if cls is None or group is None or not on_device or (base is not None and same_step(cls, base)):
+        if cls is None or group is None or not on_device or (base is not None and stepping_base(cls) is not None):
             return None
         observed = probe(cls, group, ndim)
         return None if observed is None else observed.reads.get(key)

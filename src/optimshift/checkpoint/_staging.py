@@ -94,7 +94,7 @@ class Staging:
         self.base = _policy.builtin_base(type(optimizer))
         # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
         # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
-        self.strict = self.base is not None and _policy.same_step(type(optimizer), self.base)
+        self.strict = _policy.stepping_base(type(optimizer)) is not None
         # Whether the __setstate__ a load calls is the torch.optim class's own (not a subclass's, not one set on the
         # instance or patched into the class): it fixes up non-tensor entries only, so live tensors may take the
         # loaded values after it.

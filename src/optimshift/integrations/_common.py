@@ -139,10 +139,11 @@ class Patch:
         with self._lock:
             if self._swaps:
                 return
-            swaps = plan()
-            for swap in swaps:
+            # NOTE: each swap is recorded before it is made: an error or a Ctrl-C between two leaves the ones
+            # made undoable (undo restores only an attribute that still holds our replacement).
+            for swap in plan():
+                self._swaps.append(swap)
                 setattr(swap.owner, swap.name, swap.replacement)
-            self._swaps.extend(swaps)
 
     def undo(self) -> None:
         with self._lock:

@@ -38,7 +38,7 @@ from ._devices import _fake_mode_active
 from ._dtypes import dtype_name
 from ._errors import add_note
 from ._plan import Plan, Transfer
-from ._state import GROUP_SKIP, Setter, rebuild
+from ._state import GROUP_SKIP, OPTIMIZER_WIDE, Setter, rebuild
 from .pool import host_pool
 from .syncs import async_copies
 
@@ -73,7 +73,7 @@ class Copies:
     batch: Batch
     event: Any | None = None
     device: torch.device | None = None
-    to_host: bool = False  # some copies write host memory (what a reader of a pending transfer must wait for)
+    to_host: bool = False  # some copies in flight write host memory (what a reader of a pending transfer waits for)
     mechanisms: dict[str, int] = field(default_factory=dict)  # filled by commit: how many tensors each way
     # (a load's: by device, (live tensors, sources), pair by pair, of one dtype, shape and strides, that the commit
     # writes in place, no copy made: see commit)
@@ -311,6 +311,7 @@ def run(
     items: list[tuple[torch.Tensor, torch.device]]
     names: list[Any] | None = None  # what each item is, for errors (built when one is raised)
     placed: list[tuple[Transfer, torch.Tensor]] = []  # (transfer, its destination), each tensor once
+    hyperparameters = _moving_group_tensors(plan) if options.non_blocking else set()
     if into is not None:
         plan, placed = _placed(plan, into)
     if plan.repeats:
@@ -354,25 +355,50 @@ def run(
         # NOTE: no side stream (several devices, a device without streams, fake tensors): the blocking path,
         # synchronized at the end. A copy between two devices left queued would be ordered after neither
         # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
-        queued = copy_into(into_pairs, describe=placed_site) if into_pairs else set()
-        try:
-            batch = copy_items(
-                items,
-                replace(options, non_blocking=False) if options.non_blocking else options,
-                describe=describe,
-                together=together,
-            )
-        finally:
-            synchronize(queued)  # (on an error too: a queued copy writes the caller's destinations)
-        event = None
+        batch = _copy_here(items, options, describe=describe, together=together, into=into_pairs, where=placed_site)
+        event, to_host = None, False
     else:
-        batch, event = _run_on_side_stream(
-            items, device, options, describe=describe, together=together, into=into_pairs, placed_site=placed_site
+        batch, event, to_host = _run_on_side_stream(
+            items,
+            device,
+            options,
+            describe=describe,
+            together=together,
+            into=into_pairs,
+            placed_site=placed_site,
+            now=_split(items, n_plan, together, into_pairs, hyperparameters) if hyperparameters else ([], []),
         )
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None] + into_pairs
-    # (what a reader of a transfer in flight waits for)
-    to_host = event is not None and any(target.type == "cpu" for _, target in every)
     return Copies(items, pairs, batch, event, device if event is not None else None, to_host)
+
+
+def _copy_here(
+    items: Sequence[tuple[torch.Tensor, torch.device]],
+    options: Options,
+    *,
+    describe: Callable[[int], str],
+    together: Sequence[tuple[list[int], torch.device]],
+    into: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    where: Callable[[int], str] | None = None,
+    wait: bool = True,
+) -> Batch:
+    """The copies of ``items`` (and into each destination of ``into``) on the current stream: complete when this
+    returns (the host synchronized), or, without ``wait``, queued on the current stream (a non-blocking
+    transfer's param-group tensors bound for an accelerator: whatever runs there next comes after them)."""
+    queued = copy_into(into, describe=where) if into else set()
+    try:
+        batch = copy_items(
+            items,
+            replace(options, non_blocking=False) if wait and options.non_blocking else options,
+            describe=describe,
+            together=together,
+        )
+    except BaseException:
+        synchronize(queued)  # (a queued copy writes the caller's destinations)
+        raise
+    if wait:
+        synchronize(queued)
+    return batch
 
 
 def _placed(plan: Plan, into: Sequence[torch.Tensor | None]) -> tuple[Plan, list[tuple[Transfer, torch.Tensor]]]:
@@ -474,6 +500,47 @@ def _placed_together(group: Sequence[int], first_placed: int, placed: Sequence[t
     )
 
 
+def _moving_group_tensors(plan: Plan) -> set[int]:
+    """ids of the tensors ``plan``'s param groups hold among their hyperparameters (a tensor ``lr``, tensor
+    ``betas``) that it moves: what code outside the optimizer reads and writes from the host with no wait for a
+    transfer (an LR scheduler's ``sched.step()``, between a non-blocking reload and ``opt.step()``).
+
+    # NOTE: build_plan lists the groups' entries after every param's (then the optimizer-wide ones): walked from
+    # the end, as api._group_moves walks them, without a pass over every entry."""
+    out: set[int] = set()
+    for tr in reversed(plan.transfers):
+        ident = tr[0]
+        if ident[1] is not None:
+            break
+        if ident[0] != OPTIMIZER_WIDE and tr[2].device != tr[4]:
+            out.add(id(tr[2]))
+    return out
+
+
+def _split(
+    items: Sequence[tuple[torch.Tensor, torch.device]],
+    n_plan: int,
+    together: Sequence[tuple[list[int], torch.device]],
+    into: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    now: set[int],
+) -> tuple[list[int], list[int]]:
+    """The indices of the plan's ``items`` (the first ``n_plan``) whose tensor is in ``now``, with every other
+    member of a storage they share (copied as one), and those of ``into``'s pairs. Found from the end: the
+    plan's group tensors come after its params' state (one a group shares with a state entry, LBFGS's tensor
+    lr, sits with that entry: the walk then goes on until every one is found)."""
+    at: set[int] = set()
+    for i in range(n_plan - 1, -1, -1):
+        if id(items[i][0]) in now:
+            at.add(i)
+            if len(at) == len(now):
+                break
+    for members, _ in together:
+        if not at.isdisjoint(members):
+            at.update(members)
+    into_at = [j for j, (t, _) in enumerate(into) if id(t) in now] if len(at) < len(now) else []
+    return sorted(at), into_at
+
+
 def _run_on_side_stream(
     items: Sequence[tuple[torch.Tensor, torch.device]],
     device: torch.device,
@@ -483,26 +550,87 @@ def _run_on_side_stream(
     together: Sequence[tuple[list[int], torch.device]],
     into: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     placed_site: Callable[[int], str] | None = None,
-) -> tuple[Batch, Any]:
+    now: tuple[list[int], list[int]] = ([], []),
+) -> tuple[Batch, Any, bool]:
+    """The copies on a side stream, one event after them; returns the batch, the event and whether a copy still
+    in flight writes host memory (what a reader of a transfer in flight waits for: see ``Copies.to_host``).
+
+    ``now``: the indices of the items and of ``into``'s pairs copied before this returns, on the current stream,
+    by the blocking path's function (:func:`_copy_here`): a param group's tensors, which code outside the
+    optimizer touches from the host with no wait (an LR scheduler). Where one lands in host memory (an offload)
+    the host waits for those copies; else whatever runs on the current stream next comes after them. The event
+    comes after them too (the side stream waits for the current one before it is recorded): every copy is
+    complete once it is."""
     streams = _device_streams.of(device)
     assert streams is not None  # (_single_stream_device checked)
     side = streams.side(device, options.lane)
+    at, into_at = now
+    rest: list[int] = []
+    first: Batch | None = None
+    waited = True
+    if at or into_at:
+        ahead, ahead_into = [items[i] for i in at], [into[j] for j in into_at]
+        index = {i: n for n, i in enumerate(at)}
+        # (into host memory: the host waits for them; onto the device: ordered on the current stream)
+        waited = any(target.type == "cpu" for _, target in ahead) or any(
+            dst.device.type == "cpu" for _, dst in ahead_into
+        )
+        first = _copy_here(
+            ahead,
+            options,
+            describe=functools.partial(_at, describe, at),
+            together=[([index[i] for i in members], target) for members, target in together if members[0] in index],
+            into=ahead_into,
+            where=None if placed_site is None else functools.partial(_at, placed_site, into_at),
+            wait=waited,
+        )
+        rest = [i for i in range(len(items)) if i not in index]
+        skip = set(into_at)
+        into_rest = [j for j in range(len(into)) if j not in skip]
+        later = {i: n for n, i in enumerate(rest)}
+        items = [items[i] for i in rest]
+        together = [([later[i] for i in members], target) for members, target in together if members[0] in later]
+        into = [into[j] for j in into_rest]
+        describe = functools.partial(_at, describe, rest)
+        placed_site = None if placed_site is None else functools.partial(_at, placed_site, into_rest)
     # (every copy waits for the current stream, where the last step wrote and where every device tensor the
     # side stream touches is allocated, and records those tensors for the side one: see _copy.Side)
     on = Side(streams, side, streams.current(device))
-    queued = copy_into(into, side=on, describe=placed_site) if into else set()
     try:
-        # (an offload's host views are read once its event completed: the host does not wait for these copies
-        # here, and optimshift.count_syncs lists them apart from syncs)
-        with async_copies(options.keep_host_views):
-            batch = copy_items(items, options, describe=describe, side=on, together=together)
+        queued = copy_into(into, side=on, describe=placed_site) if into else set()
+        try:
+            # (an offload's host views are read once its event completed: the host does not wait for these
+            # copies here, and optimshift.count_syncs lists them apart from syncs)
+            with async_copies(options.keep_host_views):
+                batch = copy_items(items, options, describe=describe, side=on, together=together)
+        except BaseException:
+            synchronize(queued)  # (a queued copy writes the caller's destinations: done before they are freed)
+            raise
+        event = streams.new_event(device)
+        if not waited:
+            streams.wait_stream(side, on.current)  # (the event comes after the current stream's copies too)
+        streams.record(event, side)
     except BaseException:
-        synchronize(queued)  # (a queued copy writes the caller's destinations: done before they are freed)
+        if first is not None:  # (its copies are complete, or queued on the current stream; nothing installed)
+            synchronize({device})
+            for buf in first.held:
+                host_pool.release(buf)
         raise
-    event = streams.new_event(device)
-    streams.record(event, side)
     batch.complete(host_pool, event)
-    return batch, event
+    to_host = any(target.type == "cpu" for _, target in items) or any(dst.device.type == "cpu" for _, dst in into)
+    if first is None:
+        return batch, event, to_host
+    copies: list[torch.Tensor | None] = [None] * (len(at) + len(rest))
+    for i, c in zip(at, first.copies):
+        copies[i] = c
+    for i, c in zip(rest, batch.copies):
+        copies[i] = c
+    return Batch(copies, held=first.held + batch.held, devices=first.devices | batch.devices), event, to_host
+
+
+def _at(name: Callable[[int], str], indices: Sequence[int], n: int) -> str:
+    """``name`` of the original index of a part's ``n``-th item."""
+    return name(indices[n])
 
 
 def adoptions(

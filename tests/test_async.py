@@ -420,3 +420,52 @@ def test_the_reload_leaves_no_memory_cached_for_the_side_stream(sim):
         assert set(cached) <= {0}, f"memory kept for a side stream: {cached}"
         assert cached.get(0, 0) >= state_bytes, "the offloaded state's device memory, reusable by the next step"
         optimshift.reload(opt)
+
+
+@pytest.mark.parametrize("seed, progress", [(0, 0.0), (1, 0.3), (2, 0.7)])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_the_whole_optimizer_waits_for_the_copies_in_flight(sim, seed, progress, how):
+    """copy.deepcopy, pickle and torch.save of the optimizer read its state through __getstate__, which no hook
+    reaches: right after a non-blocking offload they copied host buffers not written yet (NaN on the simulator),
+    after a non-blocking reload they raced the copies. They now wait first, as state_dict() does."""
+    import io
+
+    def copied(opt):
+        if how == "deepcopy":
+            return copy.deepcopy(opt)
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+    expected = [snapshot(dict(st)) for st in opt.state.values()]
+    with deferred_streams(seed=seed, progress=progress):
+        optimshift.offload(opt, non_blocking=True)
+        offloaded = copied(opt)
+        optimshift.reload(opt, non_blocking=True)
+        reloaded = copied(opt)
+    assert "__getstate__" not in offloaded.__dict__ and "__getstate__" not in reloaded.__dict__
+    for other in (offloaded, reloaded):
+        got = [snapshot(dict(st)) for st in other.state.values()]
+        assert all(bitwise_equal(a, b) for a, b in zip(got, expected))
+    optimshift.reload(opt)
+    assert "__getstate__" not in opt.__dict__  # (taken away with the transfer's hooks)
+
+
+@pytest.mark.parametrize("seed, progress", [(0, 0.0), (1, 0.3)])
+def test_a_copy_of_a_streamed_optimizer_waits_for_its_write_backs(sim, seed, progress):
+    """Right after a streamed step its write-backs to the host are still queued: a deepcopy of the optimizer
+    copied host chunks not written yet (NaN on the simulator)."""
+    model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+    ref_model, ref = _trained(sim, torch.optim.Adam, {"foreach": True})
+    train(ref_model, ref, range(2, 3))
+    expected = [snapshot(dict(st)) for st in ref.state.values()]
+    with deferred_streams(seed=seed, progress=progress):
+        optimshift.stream(opt)
+        train(model, opt, range(2, 3))
+        other = copy.deepcopy(opt)
+        optimshift.unstream(opt)
+    got = [snapshot(dict(st)) for st in other.state.values()]
+    assert all(bitwise_equal(a, b) for a, b in zip(got, expected))
+    assert "__getstate__" not in opt.__dict__

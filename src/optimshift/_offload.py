@@ -272,26 +272,63 @@ def registered_first(handle: Any) -> Any:
 _MISSING = object()
 
 
-class _ZeroGrad:
-    """While grads are offloaded (``p.grad`` is None), ``optimizer.zero_grad()`` clears them too, as it would have
-    cleared them on the params: ``set_to_none`` drops them (the reload gives none back), else they are zeroed on
-    the host. A front (:class:`_ZeroGradFront`) in the optimizer's ``__dict__``, before the class's ``zero_grad``
-    (``model.zero_grad()``, or a wrapper calling the class's on itself, cannot see them); ``remove()``, with the
-    record's hooks, takes it away. Held by the session, it holds the optimizer and its front only weakly."""
+class _Front:
+    """A front in the optimizer's ``__dict__``, found before the class's method of that name, for a while;
+    ``remove()`` (with the hooks it goes with) takes it away and puts back what was there. Held by the session, it
+    holds the optimizer and its front only weakly (the optimizer holds the front)."""
 
-    def __init__(self, optimizer: Any) -> None:
-        self.ref = weakref.ref(optimizer)
-        front = _ZeroGradFront(self.ref, optimizer.__dict__.get("zero_grad", _MISSING))
-        self.front = weakref.ref(front)  # (the optimizer holds it; it may hold the optimizer: a bound method)
-        optimizer.__dict__["zero_grad"] = front
+    def __init__(self, optimizer: Any, name: str, front: Any) -> None:
+        self.ref, self.name = weakref.ref(optimizer), name
+        self.front = weakref.ref(front)
+        optimizer.__dict__[name] = front
 
     def remove(self) -> None:
         optimizer, front = self.ref(), self.front()
-        if optimizer is not None and front is not None and optimizer.__dict__.get("zero_grad") is front:
+        if optimizer is not None and front is not None and optimizer.__dict__.get(self.name) is front:
             if front.previous is _MISSING:
-                del optimizer.__dict__["zero_grad"]
+                del optimizer.__dict__[self.name]
             else:
-                optimizer.__dict__["zero_grad"] = front.previous
+                optimizer.__dict__[self.name] = front.previous
+
+
+class _ZeroGrad(_Front):
+    """While grads are offloaded (``p.grad`` is None), ``optimizer.zero_grad()`` clears them too, as it would have
+    cleared them on the params: ``set_to_none`` drops them (the reload gives none back), else they are zeroed on
+    the host (:class:`_ZeroGradFront`: ``model.zero_grad()``, or a wrapper calling the class's on itself, cannot
+    see them)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        ref = weakref.ref(optimizer)
+        super().__init__(optimizer, "zero_grad", _ZeroGradFront(ref, optimizer.__dict__.get("zero_grad", _MISSING)))
+
+
+def copy_guard(optimizer: Any, wait: Callable[[Any], None]) -> _Front | None:
+    """While copies in flight still write the state (a non-blocking transfer, a streamed step's write-backs):
+    ``copy.deepcopy``, pickle and ``torch.save`` of the whole optimizer (which read it through ``__getstate__``, no
+    hook) ``wait(optimizer)`` first, as ``state_dict()`` does. None for an object without a ``__dict__``."""
+    if not isinstance(getattr(optimizer, "__dict__", None), dict):
+        return None
+    previous = optimizer.__dict__.get("__getstate__", _MISSING)
+    return _Front(optimizer, "__getstate__", _GetStateFront(weakref.ref(optimizer), wait, previous))
+
+
+class _GetStateFront:
+    """``optimizer.__getstate__`` while copies in flight write its state: waits, then the one it stands before."""
+
+    __slots__ = ("ref", "wait", "previous", "__weakref__")
+
+    def __init__(self, ref: weakref.ref[Any], wait: Callable[[Any], None], previous: Any) -> None:
+        self.ref, self.wait, self.previous = ref, wait, previous
+
+    def __call__(self) -> Any:
+        optimizer = self.ref()
+        if optimizer is None:  # (only the optimizer's own attribute lookup reaches it)
+            return {}
+        self.wait(optimizer)
+        state = self.previous() if self.previous is not _MISSING else type(optimizer).__getstate__(optimizer)
+        if isinstance(state, dict) and state.get("__getstate__") is self:  # (a class that pickles its __dict__)
+            state = {k: v for k, v in state.items() if k != "__getstate__"}
+        return state
 
 
 class _ZeroGradFront:
@@ -469,6 +506,9 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         pending.wait()
         return
     handles = [registered_first(register(_wait_before_use)) for register in registers if register is not None]
+    guard = copy_guard(optimizer, _wait_before_use)
+    if guard is not None:
+        handles.append(guard)
     with _lock:
         session.guards = handles
 

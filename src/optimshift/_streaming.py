@@ -59,7 +59,7 @@ from ._copy import Options, Side
 from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import add_note, with_article
-from ._offload import compact_state_dict, end_pending, record_of, registered_first
+from ._offload import compact_state_dict, copy_guard, end_pending, record_of, registered_first
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target
 from ._state import label_in, param_positions, unwrap
 from .api import move
@@ -577,6 +577,9 @@ class Streamed:
             registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.wait())),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
+        guard = copy_guard(opt, lambda _opt: self.wait())  # (a deepcopy or pickle of it: after the write-backs)
+        if guard is not None:
+            self._handles.append(guard)
         self._active = True
         _mode.enter(opt, self)
 

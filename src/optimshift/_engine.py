@@ -35,8 +35,7 @@ from ._adopt import Mechanism, adopt, decide_all, still_valid
 from ._copy import _HOSTS, BLOCKING, Batch, Options, Side, copy_into, copy_many, copy_tensor, pinned_sources
 from ._device_streams import in_pinned_memory, synchronize
 from ._devices import _fake_mode_active
-from ._dtypes import dtype_name
-from ._errors import add_note
+from ._errors import add_note, dtype_name
 from ._plan import Plan, Transfer
 from ._state import GROUP_SKIP, OPTIMIZER_WIDE, Setter, rebuild
 from .pool import host_pool

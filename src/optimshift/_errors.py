@@ -1,7 +1,12 @@
 """Context on errors that pass through optimshift: which entry a failing copy hit, and that nothing changed; the
-article a name takes in a message."""
+article a name takes in a message; a dtype's name in one."""
 
 from __future__ import annotations
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.float32`` as ``float32``."""
+    return str(dtype).replace("torch.", "")
 
 
 def add_note(error: BaseException, note: str) -> None:

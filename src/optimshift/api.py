@@ -21,8 +21,7 @@ from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
 from ._devices import DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
-from ._dtypes import dtype_findings, dtype_name, entry_dtypes, rejected_dtypes, stepping_base
-from ._errors import add_note, with_article
+from ._errors import add_note, dtype_name, with_article
 from ._offload import (
     PendingTransfer,
     Record,
@@ -44,7 +43,8 @@ from ._plan import (
     optimizer_name,
     policy_target,
 )
-from ._state import OPTIMIZER_WIDE, group_device, group_flags, group_tensors, inner_optimizers, label_in, unwrap
+from ._probe import Rejection, entry_dtypes, rejected_dtypes
+from ._state import OPTIMIZER_WIDE, group_device, group_flags, group_tensors, inner_optimizers, label_in, leaves, unwrap
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [
@@ -727,7 +727,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
                 "findings, if any, are where reload() puts an entry; placement() lists where each tensor is now.",
             ),
         )
-    report.findings.extend(dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
+    report.findings.extend(_dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
         report.findings.append(
             Finding(
@@ -821,10 +821,50 @@ def _explain(
     return "warning", f"a fresh {name} keeps it on {expected}", None
 
 
+def _dtype_findings(optimizer: Any) -> list[Finding]:
+    """:func:`check`'s findings for state entries whose dtype the next step would refuse (a host trial of the
+    class's torch.optim base: :func:`optimshift._probe.rejected_dtypes`; never a user's own step)."""
+    base = _policy.stepping_base(type(optimizer))
+    if base is None:
+        return []
+    name = type(optimizer).__name__
+    findings: list[Finding] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        own = {id(t) for _, t in group_tensors(group)}
+        memo: dict[tuple[torch.dtype, int, tuple[tuple[str, str], ...]], list[Rejection]] = {}
+        for pi, p in enumerate(group["params"]):
+            state = optimizer.state.get(p)
+            if not isinstance(p, torch.Tensor) or not isinstance(state, Mapping):
+                continue
+            dtypes = entry_dtypes(state, own)
+            memo_key = (p.dtype, p.dim(), tuple(sorted((str(k), str(d)) for k, d in dtypes.items())))
+            if memo_key not in memo:
+                memo[memo_key] = rejected_dtypes(base, group, p, dtypes)
+            label = label_in(optimizer, gi, pi)
+            for r in memo[memo_key]:
+                t = next(t for _, t in leaves(state[r.key]) if id(t) not in own)
+                findings.append(
+                    Finding(
+                        "error",
+                        label,
+                        str(r.key),
+                        str(t.device),
+                        dtype_name(r.dtype),
+                        dtype_name(r.fresh),
+                        f"step() rejects {dtype_name(r.dtype)} here with {dtype_name(p.dtype)} params "
+                        f"({r.error.splitlines()[0]}); a fresh {name} keeps it as {dtype_name(r.fresh)}: cast it, or "
+                        f"load the checkpoint with optimshift.load_state_dict(..., cast='param')",
+                        gi,
+                        pi,
+                    )
+                )
+    return findings
+
+
 def _refuse_dtypes(optimizer: Any, gi: int, pi: int, old: torch.Tensor, new: torch.Tensor) -> None:
     """ValueError where the step of a torch.optim class refuses ``old``'s state under ``new``, a param of another
     dtype (fp32 Adam moments under bf16 params; SGD's fp32 momentum is taken), as check() would find after."""
-    state, base = optimizer.state.get(old), stepping_base(optimizer)
+    state, base = optimizer.state.get(old), _policy.stepping_base(type(optimizer))
     if not isinstance(state, Mapping) or not state or base is None:
         return
     group = optimizer.param_groups[gi]

@@ -17,7 +17,7 @@ import torch
 
 from .. import policy as _policy
 from .._dtensor import tensor_bytes
-from .._dtypes import dtype_name
+from .._errors import dtype_name
 from .._state import tensors as all_tensors
 from ..report import sync_cost
 from . import _files as ckpt

@@ -22,10 +22,9 @@ import torch
 
 from .. import _alias, _engine
 from .. import policy as _policy
-from .._dtypes import Rejection, dtype_name, entry_dtypes, rejected_dtypes
-from .._errors import with_article
+from .._errors import dtype_name, with_article
 from .._plan import Plan, TargetFn, Transfer, build_plan, policy_target
-from .._probe import NO_SPEC, StateSpec, expected_state
+from .._probe import NO_SPEC, Rejection, StateSpec, entry_dtypes, expected_state, rejected_dtypes
 from .._state import (
     _ATOMS,
     IMPLEMENTATION_FLAGS,

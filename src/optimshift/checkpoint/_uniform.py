@@ -23,9 +23,8 @@ import torch
 
 from .. import _alias, _engine
 from .._copy import contiguous_strides
-from .._dtypes import Rejection
 from .._plan import policy_target
-from .._probe import StateSpec
+from .._probe import Rejection, StateSpec
 from .._state import group_tensors
 from ..policy import Placer, has_registered_policy
 from ._checks import NOT_REAL

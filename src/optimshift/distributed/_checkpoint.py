@@ -51,8 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .._devices import DeviceLike, resolve
-from .._dtypes import dtype_name
-from .._errors import add_note, with_article
+from .._errors import add_note, dtype_name, with_article
 from .._plan import check_optimizer, optimizer_name
 from .._probe import quiet_global_step_hooks
 from ..api import move, wait

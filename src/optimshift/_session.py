@@ -2,8 +2,9 @@
 
 A session holds the optimizer's offload record, the transfer still in flight and the hook handles that guard
 it, the lock that runs one operation at a time, its mode (streamed), where its group tensors sat before a
-move took them to the host, and its cached plans (:mod:`optimshift._plan_cache`). Every module that remembers
-something about an optimizer keeps it here.
+move took them to the host, its cached plans (:mod:`optimshift._plan_cache`), its kept-address layout, and
+the pool buffers a ZeRO optimizer's offloaded partitions live in (:mod:`optimshift.integrations.deepspeed`).
+Every module that remembers something about an optimizer keeps it here.
 
 # NOTE: sessions live beside their optimizers (one weak-keyed table), never on them, so that optimshift adds no
 # attribute to a user's object and an optimizer that is garbage-collected takes its session with it. An
@@ -40,6 +41,7 @@ class Session:
     group_sides: dict[Ident, torch.device] = field(default_factory=dict)
     plans: dict[Hashable, list[Any]] = field(default_factory=dict)  # operation key -> its _plan_cache.Cached
     addresses: Any = None  # _addresses.Layout: its state's reserved ranges and slots, once it keeps addresses
+    pooled: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # a ZeRO-1/2 optimizer's pool buffers, by kind
 
 
 _sessions: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()

@@ -45,12 +45,11 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .. import api
+from .. import _session, api
 from .._device_streams import host_pinning
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
@@ -94,20 +93,11 @@ _BUFFERS = {"hp_params": ("hp_params_pin_buffers", "single_partition_of_fp32_gro
 # --- what optimshift keeps on a DeepSpeed optimizer -----------------------------------------------------------
 
 
-@dataclass
-class _Held:
-    """The pool buffers a ZeRO-1/2 optimizer's offloaded partitions live in, per kind (an attribute of the
-    DeepSpeed optimizer, beside the buffer lists DeepSpeed keeps there itself)."""
-
-    buffers: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-
-
-def _held(zero: Any) -> _Held:
-    held = zero.__dict__.get("_optimshift")
-    if not isinstance(held, _Held):
-        held = _Held()
-        zero._optimshift = held
-    return held
+def _held(zero: Any) -> dict[str, list[torch.Tensor]]:
+    """The pool buffers a ZeRO-1/2 optimizer's offloaded partitions live in, per kind (kept in its session); empty
+    for one that cannot have a session, to which none is handed (DeepSpeed pins its own)."""
+    session = _session.get(zero)
+    return {} if session is None else session.pooled
 
 
 _logged: set[tuple[str, str]] = set()  # (class name, reason): each logged once per process; no object held
@@ -205,11 +195,11 @@ def _pooled_like(tensor: torch.Tensor, pinned: bool) -> tuple[torch.Tensor, torc
     return raw, raw[:nbytes].view(tensor.dtype).view(tensor.shape)
 
 
-def _hand_over(zero: Any, kind: str, held: _Held) -> None:
+def _hand_over(zero: Any, kind: str, held: dict[str, list[torch.Tensor]]) -> None:
     """Give DeepSpeed's offload pool buffers for one kind of partition (it creates its own when they are
     missing: then it pins new ones)."""
     attribute, sources = _BUFFERS[kind]
-    if hasattr(zero, attribute) or kind in held.buffers:
+    if hasattr(zero, attribute) or kind in held:
         return
     tensors = list(getattr(zero, sources))
     if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors):
@@ -225,32 +215,32 @@ def _hand_over(zero: Any, kind: str, held: _Held) -> None:
         for raw in raws:
             host_pool.release(raw)
         raise
-    held.buffers[kind] = raws
+    held[kind] = raws
     setattr(zero, attribute, views)
 
 
-def _own_on_host(zero: Any, held: _Held, target: str) -> None:
+def _own_on_host(zero: Any, held: dict[str, list[torch.Tensor]], target: str) -> None:
     """Where DeepSpeed reloads onto the host itself (``target``, its CPU accelerator's device: ``.to("cpu")``
     moves nothing), copy each partition out of its pool buffer first, as a reload onto a device does, so that
     the buffer can go back to the pool (before DeepSpeed links the partitions and params again). Onto an
     accelerator nothing is copied here: DeepSpeed's ``.to(device)`` is that copy."""
     if torch.device(target).type != "cpu":
         return
-    for kind, raws in held.buffers.items():
+    for kind, raws in held.items():
         pooled = {raw.untyped_storage().data_ptr() for raw in raws}
         for t in getattr(zero, _BUFFERS[kind][1]):
             if t.device.type == "cpu" and t.untyped_storage().data_ptr() in pooled:
                 t.data = t.data.clone()
 
 
-def _give_back(zero: Any, held: _Held) -> None:
+def _give_back(zero: Any, held: dict[str, list[torch.Tensor]]) -> None:
     """Return the pool buffers of every kind DeepSpeed reloaded (its reload waited for the copies reading them)."""
     offloaded = {getattr(s, "name", str(s)) for s in getattr(zero, "offloaded_states", ())}
-    for kind in [k for k in held.buffers if k not in offloaded]:
+    for kind in [k for k in held if k not in offloaded]:
         attribute = _BUFFERS[kind][0]
         if hasattr(zero, attribute):
             continue  # still DeepSpeed's to use
-        for raw in held.buffers.pop(kind):
+        for raw in held.pop(kind):
             host_pool.release(raw)
 
 
@@ -276,7 +266,7 @@ def _make_offload_states(original: Callable[..., None]) -> Callable[..., None]:
             _leave_alone(self, why)
             return _left_to_deepspeed(original, self, **args)
         held = _held(self)
-        if pin_memory:
+        if pin_memory and _session.of(self) is not None:
             offloaded = {getattr(s, "name", str(s)) for s in getattr(self, "offloaded_states", ())}
             wanted = None if include is None else {getattr(s, "name", str(s)) for s in include}
             for kind in _BUFFERS:
@@ -326,13 +316,13 @@ def _make_state_dict(original: Callable[..., dict[str, Any]]) -> Callable[..., d
         if inner is not None and _why_not_inner(inner) is None:
             api.wait(inner)  # DeepSpeed reads the inner state directly (elastic checkpoints)
         held = _held(self)
-        if held.buffers:
+        if held:
             from deepspeed.accelerator import get_accelerator
 
             # DeepSpeed's non-blocking offload may still be copying into the buffers: the host reads them below
             get_accelerator().synchronize()
         result = original(self)
-        if not held.buffers:
+        if not held:
             return result
         # Partitions offloaded into pool buffers: each saved tensor gets its own bytes (torch.save writes a
         # view's whole storage: a pool buffer holds more than the tensor).

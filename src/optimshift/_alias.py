@@ -28,7 +28,7 @@ from ._devices import _fake_mode_active
 from ._dtensor import is_dtensor, wrap_local
 from ._state import like_source
 
-__all__ = ["shared", "split_targets", "together", "copy_storage", "sole_user", "span"]
+__all__ = ["shared", "split_targets", "copy_storage", "sole_user", "span"]
 
 _address: Callable[[torch.Tensor], int] = getattr(
     torch._C, "_storage_address", lambda t: int(t.untyped_storage()._cdata)
@@ -304,14 +304,6 @@ def sole_users(tensors: Sequence[torch.Tensor]) -> bool:
     if max(counts, default=1) == 1:  # (a count is at least 1: the common case, in one pass in C)
         return True
     return all(n == 1 or (n == 2 and _only_kept_storage_object(t)) for n, t in zip(counts, tensors))
-
-
-def together(items: Sequence[tuple[torch.Tensor, torch.device]]) -> list[tuple[list[int], torch.device]]:
-    """The groups of :func:`shared` among ``items`` whose members all go to one device, with that device.
-    (Members bound for different devices cannot keep sharing: the engine refuses them before copying, see
-    :func:`split_targets`; any other caller gets them copied one by one.)"""
-    groups = shared([t for t, _ in items])
-    return [(g, items[g[0]][1]) for g in groups if all(items[i][1] == items[g[0]][1] for i in g)]
 
 
 def copy_storage(

@@ -235,15 +235,15 @@ def copy_many(
     pool: HostPool,
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
-    together: Sequence[tuple[list[int], torch.device]] | None = None,
+    together: Sequence[tuple[list[int], torch.device]] = (),
     alike: bool = False,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
 
     ``keep_host_views``: host results are views into pool buffers listed in ``Batch.held`` (offload);
     otherwise they are separate tensors and every staging buffer goes back to the pool.
-    Tensors that share a storage nothing else uses are copied as that storage (:mod:`optimshift._alias`;
-    ``together``: those groups, when the caller has them already). What cannot be grouped is copied by
+    ``together``: groups of items that share a storage, each copied as that storage (:mod:`optimshift._alias`),
+    bound for the device given. What cannot be grouped is copied by
     :func:`copy_tensor`. ``describe(i)`` names input ``i`` in the note added to an exception (an OOM says which
     entry it hit). ``side``: the copies are queued on that stream (:class:`Side`). ``alike``: the caller checked
     that the items are one column (plain, dense, contiguous tensors not requiring grad, no two on one storage, of
@@ -290,8 +290,7 @@ def copy_many(
                     else:
                         copies[current] = t.to(target)
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
-        together_ = () if alike else (_alias.together(items) if together is None else together)
-        for indices, target in together_ if group else ():
+        for indices, target in together if group else ():
             current = indices[0]
             batch.devices.update(d for d in (items[current][0].device, target) if d.type not in _HOSTS)
             news = _alias.copy_storage(

@@ -90,7 +90,7 @@ def copy_items(
     *,
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
-    together: Sequence[tuple[list[int], torch.device]] | None = None,
+    together: Sequence[tuple[list[int], torch.device]] = (),
     alike: bool = False,
 ) -> Batch:
     """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
@@ -98,8 +98,8 @@ def copy_items(
     Host memory that state will point at is always written before this returns, except for a non-blocking
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
     ``side``: the copies are queued on that stream; the caller records its event and completes the batch.
-    ``together``: the groups to copy as one storage, when the caller has them; ``alike``: the items are one
-    column (see :func:`copy_many`).
+    ``together``: the groups to copy as one storage (:func:`run`'s); ``alike``: the items are one column (see
+    :func:`copy_many`).
     """
     pool = host_pool
     batch = copy_many(items, options, pool=pool, describe=describe, side=side, together=together, alike=alike)
@@ -166,8 +166,7 @@ def copy_each(
         batch = copy_items(
             [(items[i][0], items[i][1]) for i in moving],
             describe=lambda n: f"{what}: {site(moving[n])}",
-            together=() if own_storages else None,  # (no two share a storage: nothing to group as one)
-        )
+        )  # (every storage shared was copied whole by _copy_storages)
         for i, copy in zip(moving, batch.copies):
             out[i] = copy
     return cast("list[torch.Tensor]", out)
@@ -213,7 +212,7 @@ def copy_columns(
             return f"{what}: {site(js[at], n - starts[at])}"
 
         tensors = list(itertools.chain.from_iterable(columns[j][0] for j in js))
-        batch = copy_items(list(zip(tensors, itertools.repeat(device))), describe=describe, together=(), alike=True)
+        batch = copy_items(list(zip(tensors, itertools.repeat(device))), describe=describe, alike=True)
         copies = cast("list[torch.Tensor]", batch.copies)
         for j, start, stop in zip(js, starts, starts[1:]):
             out[j] = copies[start:stop]

@@ -282,13 +282,7 @@ def copy_many(
                     raise
                 copies[:] = made
             else:
-                for current, (t, _) in enumerate(items):  # (as the plain tensors below, one by one)
-                    if not inline:
-                        copies[current] = copy_tensor(t, target, non_blocking, pin_memory, side)
-                    elif non_blocking or (how[1] and in_pinned_memory(t)):
-                        copies[current] = t.to(target, non_blocking=True)
-                    else:
-                        copies[current] = t.to(target)
+                items_left = items  # (one by one, below)
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
         for indices, target in together if group else ():
             current = indices[0]

@@ -185,7 +185,7 @@ def test_a_ctrl_c_inside_a_streamed_step_is_held_until_its_chunks_are_written_ba
     train(ref_model, ref, range(1, 2))
     model, opt = trained()
     optimshift.stream(opt, chunk_bytes=64)
-    _interrupt_after(monkeypatch, _engine, "_apply", calls=2)
+    _interrupt_after(monkeypatch, _engine, "adopt", calls=2)
     with pytest.raises(KeyboardInterrupt):
         train(model, opt, range(1, 2))
     monkeypatch.undo()

@@ -21,7 +21,7 @@ installed torch allows for the pair:
   :func:`optimshift.check` explains and the docs list).
 
 Choosing is pure (:func:`mechanism`), so the engine decides for every tensor before it changes any, and
-applying a chosen mechanism (:func:`adopt`) cannot fail.
+applying the chosen mechanisms (:func:`adopt`) cannot fail.
 """
 
 from __future__ import annotations
@@ -152,20 +152,21 @@ def kept(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     how = mechanism(old, new)
     if how == "replace":
         return new
-    adopt(old, new, how)
+    adopt([(old, new)], [how])
     return old
 
 
-def adopt(old: torch.Tensor, new: torch.Tensor, how: Mechanism) -> None:
-    """Give ``old`` the contents of ``new`` by ``how`` (never ``"replace"``: that is the caller's job).
-    ``new`` must not be used afterwards (after a swap it holds ``old``'s former contents)."""
-    if how == "data":
-        old.data = new
-    elif how == "swap":
-        if type(old) is torch.Tensor and type(new) is torch.Tensor:
-            # (the C++ tensors only: swap_tensors would also hand the object's Python attributes to the copy)
-            torch._C._swap_tensor_impl(old, new)
-        else:
-            torch.utils.swap_tensors(old, new)  # type: ignore[no-untyped-call]  # unannotated in torch
-    else:  # pragma: no cover - a caller bug
-        raise ValueError(f"adopt: cannot adopt by {how!r}")
+def adopt(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hows: Sequence[Mechanism]) -> None:
+    """The one adoption loop: each ``old`` takes its ``new``'s contents by its decision (a ``"replace"`` is the
+    caller's: it puts ``new`` in ``old``'s place). Cannot fail once decided. A ``new`` must not be used
+    afterwards (after a swap it holds its ``old``'s former contents)."""
+    plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
+    for (old, new), how in zip(pairs, hows):
+        if how == "data":
+            old.data = new  # (inline: this loop runs once per tensor)
+        elif how == "swap":
+            if type(old) is plain and type(new) is plain:
+                # (the C++ tensors only: swap_tensors would also hand the object's Python attributes to the copy)
+                swap_impl(old, new)
+            else:
+                torch.utils.swap_tensors(old, new)  # type: ignore[no-untyped-call]  # unannotated in torch

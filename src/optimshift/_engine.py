@@ -668,24 +668,10 @@ def adoptions(
     replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
 
     def apply() -> dict[str, int]:
-        _apply(unique, hows)
+        adopt(unique, hows)
         return {"data": hows.count("data"), "swap": hows.count("swap"), "replace": len(replaced)}
 
     return replaced, apply, hows
-
-
-def _apply(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hows: Sequence[Mechanism]) -> None:
-    """The one adoption loop: each ``old`` takes its ``new``'s contents by its decision (a ``"replace"`` is the
-    caller's: it puts ``new`` in ``old``'s place). Cannot fail once decided."""
-    plain, swap_impl = torch.Tensor, torch._C._swap_tensor_impl
-    for (old, new), how in zip(pairs, hows):
-        if how == "data":
-            old.data = new  # (inline: this loop runs once per tensor)
-        elif how == "swap":
-            if type(old) is plain and type(new) is plain:
-                swap_impl(old, new)  # adopt()'s plain-tensor case, inline
-            else:
-                adopt(old, new, how)
 
 
 def lend(
@@ -706,7 +692,7 @@ def lend(
     returns = [(pair[0], home) if how == "data" else pair for pair, home, how in zip(pairs, homes, hows)]
 
     def back() -> None:
-        _apply(returns, hows)
+        adopt(returns, hows)
         for (mapping, key), old, new in stand_ins:
             if mapping.get(key) is new:
                 mapping[key] = old

@@ -1,5 +1,7 @@
 """The placement rules: derived from the installed torch, checked against fresh optimizers on fake cuda:0."""
 
+import copy
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -416,3 +418,59 @@ def test_a_policy_answer_naming_a_fake_device_is_taken_outside_the_fake_mode():
         assert opt.state[p]["step"].device == CUDA0
     finally:
         optimshift.unregister_policy(Answered)
+
+
+@pytest.mark.parametrize("kw", [{}, {"foreach": False}, {"capturable": True}])
+def test_a_one_element_step_is_placed_as_a_fresh_optimizer_keeps_its_step(sim, kw):
+    """A checkpoint's ``step`` of shape (1,): torch's load keeps it on the host (a fresh Adam's is a host scalar),
+    where each read is no sync. It followed its param to the device (4 host syncs a step), and check() called
+    the host copy an error ("step() fails mixing devices")."""
+    model = torch.nn.Linear(3, 3).to(sim)
+    opt = O.Adam(model.parameters(), **kw)
+    model(torch.randn(2, 3, device=sim)).sum().backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for st in saved["state"].values():
+        st["step"] = st["step"].reshape(1)
+    fresh = O.Adam(model.parameters(), **kw)
+    optimshift.load_state_dict(fresh, saved)
+    where = sim if kw.get("capturable") else torch.device("cpu")
+    for road in ("load", "move"):
+        if road == "move":
+            optimshift.move(fresh, "cpu")
+            optimshift.move(fresh, sim)
+        assert [st["step"].device for st in fresh.state.values()] == [where, where], road
+        assert optimshift.check(fresh).ok, road
+    model(torch.randn(2, 3, device=sim)).sum().backward()
+    with optimshift.count_syncs() as syncs:
+        fresh.step()
+    assert syncs.total == 0
+
+
+def test_an_error_in_a_registered_policy_names_the_entry_and_an_answer_is_checked(sim):
+    """A policy that raises, or answers a device this machine has not, is named with the entry it was placing
+    (a bare KeyError, or torch's "Invalid device" from the copy, named nothing), and nothing changes."""
+
+    class Mine(O.SGD):
+        pass
+
+    p = torch.nn.Parameter(torch.randn(3, device=sim))
+    opt = Mine([p], lr=0.1, momentum=0.9)
+    p.grad = torch.randn(3, device=sim)
+    opt.step()
+    buffer = opt.state[p]["momentum_buffer"]
+
+    def boom(key, value, param, group, device):
+        raise KeyError("boom")
+
+    try:
+        optimshift.register_policy(Mine, boom)
+        with pytest.raises(KeyError) as raised:
+            optimshift.move(opt, "cpu")
+        assert "group 0, param 0, state['momentum_buffer']" in "\n".join(raised.value.__notes__)
+        optimshift.register_policy(Mine, lambda *a: torch.device("sim:5"))
+        with pytest.raises(ValueError, match="Mine's registered policy returned sim:5 is not available"):
+            optimshift.move(opt, "cpu")
+    finally:
+        optimshift.unregister_policy(Mine)
+    assert opt.state[p]["momentum_buffer"] is buffer and buffer.device == sim

@@ -27,6 +27,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from ._devices import resolve
+from ._errors import add_note
 from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     HOST_READ,
     NEEDS_DEVICE,
@@ -265,10 +266,18 @@ def decide(
     for base in cls.__mro__:
         policy = _registry.get(base)
         if policy is not None:
-            answer = policy(key, value, param, group, device)
-            if answer is not None:
-                if not isinstance(answer, torch.device) or answer.index is None or answer.type == "cpu":
+            try:
+                answer = policy(key, value, param, group, device)
+                if answer is not None:
                     answer = _answered(base, answer, device, value)
+            except Exception as e:  # (nothing changed yet: every operation plans before it copies)
+                add_note(
+                    e,
+                    f"{cls.__name__}: while the policy registered for {base.__name__} placed "
+                    f"{_entry_label(optimizer, group, param, key)}; nothing was changed",
+                )
+                raise
+            if answer is not None:
                 if values and answer.type == "meta" and device.type != "meta" and value.device.type != "meta":
                     _refuse_meta(optimizer, base, group, param, key, device)
                 return Decision(answer, "registered")
@@ -277,8 +286,11 @@ def decide(
         return _wide_entry(cls, group, wide, value, device)
     if param is None:
         return _group_entry(cls, group, key, value, device, value.device if side is None else side)
-    # Non-scalar tensors always live with their param (every torch.optim class, and the only sane default).
-    if value.dim() != 0:
+    # Tensors of several elements always live with their param (every torch.optim class, and the only sane
+    # default); one of one element only where no probe or table keeps the entry as a scalar (a checkpoint's
+    # step of shape (1,): on the host, as torch keeps it, each read is no sync).
+    scalar = value.dim() == 0
+    if not scalar and value.numel() != 1:
         return Decision(device, "rule")
     # A class torch.optim does not define is learned as torch's are, from a throwaway step of its own (a fake
     # cuda:0 param, the group's hyperparameters by kind), where it can be built that way.
@@ -295,6 +307,8 @@ def decide(
             # The probe ran and this class keeps no such scalar after a step: follow the param, as
             # torch.optim does for every tensor it does not deliberately host.
             return Decision(device, "rule")
+    if not scalar:
+        return Decision(device, "rule")
     _warn_guessed(cls, group, param.dim(), key)
     if key == "step":
         return Decision(device if _default_scalar_on_device(group) else HOST, "default")
@@ -417,9 +431,9 @@ class Placer:
     session's memory; a load brings its own and passes none).
 
     NOTE: the memo key is what :func:`decide` reads of a param's entry when no policy is registered (the group,
-    for the length of one operation; the key; the param's rank and device; whether the tensor is 0-dim and on
-    the host); a registered policy may read anything, so then every entry is decided. Group entries are few and
-    decided by their identity in the group: never memoized.
+    for the length of one operation; the key; the param's rank and device; whether the tensor is 0-dim, of one
+    element, and on the host); a registered policy may read anything, so then every entry is decided. Group
+    entries are few and decided by their identity in the group: never memoized.
     """
 
     __slots__ = ("optimizer", "device", "sides", "memo", "values")
@@ -480,7 +494,7 @@ class Placer:
         """Entry ``key`` of ``param``'s state, ``holder`` being :meth:`holder`'s answer for the param."""
         if holder is None:
             return self.at(param, group, key, tensor, param.device if self.device is None else self.device)
-        memo_key = (holder, key, tensor.dim() == 0, tensor.is_cpu)
+        memo_key = (holder, key, tensor.dim() == 0, tensor.numel() == 1, tensor.is_cpu)
         memo = self.memo
         hit = memo.get(memo_key)  # type: ignore[union-attr]  # (holder: a memo)
         if hit is None:
@@ -501,6 +515,18 @@ class Placer:
         return decision.device, decision.source
 
 
+def _entry_label(
+    optimizer: torch.optim.Optimizer, group: Mapping[str, Any], param: torch.Tensor | None, key: str
+) -> str:
+    """The entry :func:`decide` was asked about, as errors name it (group and index, or the param's name)."""
+    # (found by the param: a load's group is a new dict over the same params; inspect's stand-in has no groups)
+    held = param if param is not None else next(iter(group.get("params", ())), None)
+    where = param_positions(optimizer).get(id(held)) if hasattr(optimizer, "param_groups") else None
+    if param is None:
+        return ("a param group" if where is None else f"group {where[0]}") + f"[{key!r}]"
+    return ("a param" if where is None else label_in(optimizer, *where)) + f", state[{key!r}]"
+
+
 def _refuse_meta(
     optimizer: torch.optim.Optimizer,
     base: type,
@@ -512,15 +538,9 @@ def _refuse_meta(
     """A registered policy put an entry that holds values on meta, with its param bound elsewhere (the built-in
     rule puts state on meta only with its param): every value would be lost. Raised while planning, before
     anything changes."""
-    # (found by the param: a load's group is a new dict over the same params; inspect's stand-in has no groups)
-    held = param if param is not None else next(iter(group.get("params", ())), None)
-    where = param_positions(optimizer).get(id(held)) if hasattr(optimizer, "param_groups") else None
-    if param is None:
-        what = ("a param group" if where is None else f"group {where[0]}") + f"[{key!r}]"
-    else:
-        what = ("a param" if where is None else label_in(optimizer, *where)) + f", state[{key!r}]"
     raise ValueError(
-        f"{type(optimizer).__name__}: the policy registered for {base.__name__} placed {what} on meta, for "
+        f"{type(optimizer).__name__}: the policy registered for {base.__name__} placed "
+        f"{_entry_label(optimizer, group, param, key)} on meta, for "
         f"params bound for {device}: meta holds no values, so every one of them would be lost. Have the policy "
         f"return the device it is given (or None for the default rule); nothing was changed"
     )

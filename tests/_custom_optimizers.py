@@ -119,3 +119,25 @@ class ScaledByLr(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 p.sub_(p.grad * group["lr"])
+
+
+class Averaged(torch.optim.SGD):
+    """SGD that keeps a running average of each param in optimizer-wide mappings keyed by the params, made at its
+    first step and looked up by param after: a flat ``state["ema"] = {param: tensor}``, and TRAC's shape
+    (``state["_trac"]``: plain keys and param keys in one dict, ``{param: {"ref": tensor}}``)."""
+
+    def __init__(self, params, lr=0.1, kind=dict, **flags):
+        super().__init__(params, lr=lr, momentum=0.9, **flags)
+        self.kind = kind
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        if "ema" not in self.state:
+            self.state["ema"] = self.kind((p, p.detach().clone()) for p in params)
+            self.state["_trac"] = {"s": torch.zeros(1, device=params[0].device)}
+            self.state["_trac"].update((p, {"ref": p.detach().clone()}) for p in params)
+        for p in params:
+            self.state["ema"][p].lerp_(p, 0.1)  # (a KeyError for a param the mapping does not know)
+            self.state["_trac"]["s"].add_((p - self.state["_trac"][p]["ref"]).sum())
+        return super().step(closure)

@@ -4,13 +4,18 @@ check() reports a scalar that costs syncs a fresh optimizer does not have, with 
 
 from __future__ import annotations
 
+import gc
 import logging
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import MutableMapping
 
 import pytest
 import torch
 
 import optimshift
-from _custom_optimizers import CountedSGD, Counter, Placed, ScaledByLr, WideCounter, WideScale
+from _custom_optimizers import Averaged, CountedSGD, Counter, Placed, ScaledByLr, WideCounter, WideScale
 from optimshift import _probe, policy
 
 
@@ -359,3 +364,115 @@ def test_optimizer_wide_entries_a_wrapper_added_follow_the_params(sim):
             optimshift.rebind(opt, [torch.nn.Parameter(p.detach().to(sim)) for p in net.ps])
         assert {k: str(v.device) for k, v in opt.state["trac"].items()} == {"s": str(sim), "v": str(sim), "z": "cpu"}
         assert optimshift.check(opt).ok
+
+
+class _ParamDict(dict):
+    pass
+
+
+class _Ordered(OrderedDict):
+    pass
+
+
+@pytest.mark.parametrize("kind", [dict, OrderedDict, _ParamDict, _Ordered], ids=lambda k: k.__name__)
+def test_rebind_re_keys_mappings_keyed_by_the_params_in_optimizer_wide_state(sim, kind):
+    """TRAC keeps ``state["_trac"][param]``: a mapping keyed by the params inside an optimizer-wide entry. rebind
+    re-keyed ``optimizer.state`` only, so those kept the old params: the next step looked the new ones up and
+    failed (KeyError), and the old params stayed alive. Each such mapping is re-keyed, in order, with the same
+    values (moved as placed, the same objects), in the same commit."""
+    net, opt = _trained(lambda ps: Averaged(ps, kind=kind), "cpu")
+    ema = opt.state["ema"]
+    values = [ema[p] for p in net.ps]
+    refs = [opt.state["_trac"][p]["ref"] for p in net.ps]
+    new = [torch.nn.Parameter(p.detach().to(sim)) for p in net.ps]
+    optimshift.rebind(opt, new)
+    assert opt.state["ema"] is ema and type(ema) is kind
+    assert [id(k) for k in ema] == [id(q) for q in new]
+    assert all(ema[q] is v and v.device == sim for q, v in zip(new, values))
+    assert [k if isinstance(k, str) else id(k) for k in opt.state["_trac"]] == ["s"] + [id(q) for q in new]
+    assert all(opt.state["_trac"][q]["ref"] is r and r.device == sim for q, r in zip(new, refs))
+    net.ps = torch.nn.ParameterList(new)
+    _step(net, opt)  # looks every new param up
+
+
+def test_rebind_re_keys_a_mapping_whose_values_the_commit_replaced(sim):
+    """A value the commit cannot keep as its object (weakly referenced, moving between the host and the simulator,
+    which needs a swap) is replaced in its mapping under the key it had: the mapping is re-keyed after that, so the
+    replacement lands under the new param (before, the old key would have come back beside the new one)."""
+    net, opt = _trained(Averaged, "cpu")
+    watched = [weakref.ref(v) for v in opt.state["ema"].values()]  # (blocks the swap: the copy takes its place)
+    new = [torch.nn.Parameter(p.detach().to(sim)) for p in net.ps]
+    optimshift.rebind(opt, new)
+    ema = opt.state["ema"]
+    assert [id(k) for k in ema] == [id(q) for q in new]
+    assert all(v.device == sim and v is not w() for v, w in zip(ema.values(), watched))
+    net.ps = torch.nn.ParameterList(new)
+    _step(net, opt)
+
+
+@pytest.mark.parametrize("how", ["immutable", "own mapping", "both keys"])
+def test_rebind_refuses_a_mapping_keyed_by_the_params_it_cannot_re_key(sim, how):
+    """A mapping keyed by the params that rebind cannot rename in place without risking a failure part-way (an
+    immutable one, a mapping class of its own), or one that already holds a new param beside the old one it
+    would become: refused, naming it, before anything changed (the old keys would have stayed)."""
+    net, opt = _trained(Averaged, "cpu")
+    new = [torch.nn.Parameter(p.detach().to(sim)) for p in net.ps]
+    entries = {p: torch.zeros(1) for p in net.ps}
+    if how == "both keys":
+        entries[new[1]] = torch.ones(1)
+    opt.state["extra"] = {"immutable": types.MappingProxyType, "own mapping": OwnMapping, "both keys": dict}[how](
+        entries
+    )
+    before = {k: dict(v) if isinstance(k, torch.Tensor) else v for k, v in opt.state.items()}
+    error, reason = {
+        "immutable": (TypeError, "is an immutable mappingproxy"),
+        "own mapping": (TypeError, "is an OwnMapping"),
+        "both keys": (ValueError, "holds entries under both an old param and the new param"),
+    }[how]
+    with pytest.raises(
+        error, match=rf"Averaged: rebind: optimizer.state\['extra'\] is keyed by the params and {reason}"
+    ):
+        optimshift.rebind(opt, new)
+    assert opt.param_groups[0]["params"] == list(net.ps)
+    assert list(opt.state) == list(before) and all(opt.state[k] is v or opt.state[k] == v for k, v in before.items())
+    assert [id(k) for k in opt.state["ema"]] == [id(p) for p in net.ps]
+    assert all(t.device.type == "cpu" for t in optimshift._state.tensors(dict(opt.state)))
+
+
+class OwnMapping(MutableMapping):
+    def __init__(self, items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __setitem__(self, key, value):
+        self._items[key] = value
+
+    def __delitem__(self, key):
+        del self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+def test_rebind_re_keys_trac(sim, tmp_path):
+    """TRAC itself (``trac_optimizer.start_trac``: ``state["_trac"][param]["ref"]``, looked up each step): a step
+    after a rebind failed with a KeyError on the new param."""
+    trac = pytest.importorskip("trac_optimizer")
+    net = Net(((3,), (2, 2)), "cpu")
+    opt = trac.start_trac(str(tmp_path / "trac.log"), torch.optim.Adam)(list(net.ps), lr=0.01)
+    for _ in range(2):
+        _step(net, opt)
+    new = [torch.nn.Parameter(p.detach().clone()) for p in net.ps]
+    refs = [opt.state["_trac"][p]["ref"] for p in net.ps]
+    old = [weakref.ref(p) for p in net.ps]
+    optimshift.rebind(opt, new)
+    assert all(opt.state["_trac"][q]["ref"] is r for q, r in zip(new, refs))
+    net.ps = torch.nn.ParameterList(new)
+    _step(net, opt)
+    gc.collect()
+    assert not [r for r in old if r() is not None], "the old params are still held"

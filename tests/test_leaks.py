@@ -13,7 +13,7 @@ import weakref
 import torch
 
 import optimshift
-from _custom_optimizers import Counter
+from _custom_optimizers import Averaged, Counter
 
 O = torch.optim
 Parameter = torch.nn.Parameter
@@ -52,6 +52,32 @@ def test_cached_plans_let_go_of_params_a_rebind_replaced(sim):
     optimshift.offload(opt)  # and the cache still answers for the new params
     optimshift.reload(opt)
     assert all(st["exp_avg"].device == sim for st in opt.state.values())
+
+
+def test_cached_plans_of_state_keyed_by_the_params_let_go_of_the_params_a_rebind_replaced(sim):
+    """State keyed by the params inside an optimizer-wide entry (TRAC's ``state["_trac"][param]``) names its sites
+    through the params: the cached plans and the kept addresses' layout kept those paths, params and all, and the
+    rebind left the old params as the mappings' keys, so they outlived it. Re-keyed, and kept by id in the caches:
+    freed; the cache still answers for the new params."""
+    params = [Parameter(torch.randn(4, 3, device=sim)) for _ in range(3)]
+    opt = Averaged(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    _cycles(opt, sim)
+    for _ in range(2):  # (the kept addresses' layout names each site too)
+        optimshift.offload(opt, keep_addresses=True)
+        optimshift.reload(opt)
+    refs = [weakref.ref(p) for p in params] + [weakref.ref(p.grad) for p in params]
+    new = [Parameter(p.detach().clone()) for p in params]
+    optimshift.rebind(opt, new)
+    del params, p
+    assert not _alive(refs), "the state or a cached plan keeps the old params (or their grads) alive"
+    for _ in range(3):
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+    assert [id(k) for k in opt.state["ema"]] == [id(q) for q in new]
+    assert all(opt.state["_trac"][q]["ref"].device == sim for q in new)
 
 
 def test_cached_plans_let_go_of_state_the_optimizer_dropped(sim, tmp_path):

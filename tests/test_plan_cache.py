@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import optimshift
-from _custom_optimizers import Placed
+from _custom_optimizers import Averaged, Placed
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
 from optimshift import _device_streams, _plan, _plan_cache, _session
 
@@ -328,6 +328,32 @@ def test_a_cached_plan_pins_no_tensor_the_state_let_go(sim):
         assert before - simulated_memory_allocated(0) == state_bytes, cycle
         optimshift.reload(opt)
         _placed_like_fresh(opt)
+
+
+def test_a_plan_whose_sites_are_named_by_params_is_reused_and_holds_none(sim, builds):
+    """Sites under a mapping keyed by the params (TRAC's ``state["_trac"][param]["ref"]``): the plan is reused as any
+    other, and keeps each param key by its id (it held the params, which outlived the optimizer's use of them);
+    each use names the sites by today's params, as the offload record a reload builds from needs them."""
+    model, opt = _trained(sim, Averaged)
+    first = next(iter(model.parameters()))
+    host_ref = opt.state["_trac"][first]["ref"].cpu()  # (kept on the host by the user: a reload puts it back there)
+    opt.state["_trac"][first]["ref"] = host_ref
+    _cycle(opt)
+    _cycle(opt)
+    assert builds[0] == 4
+    optimshift.offload(opt)  # a hit: its record of where each site was comes from the cached plan
+    session = _session.of(opt)
+    cached = [c for key, kept in session.plans.items() if key[0] == "offload" for c in kept]
+    assert cached and cached[0].hits == 1
+    held = {id(p) for p in model.parameters()}
+    assert not [k for c in cached for ident, *_ in c.template for _, k in ident[2] if id(k) in held]
+    assert not [k for c in cached for k in c.sources if any(isinstance(s[1], torch.Tensor) for s in k[2])]
+    for key in [k for k in session.plans if k[0] == "reload"]:
+        del session.plans[key]  # (the reload builds its plan from the offload's record)
+    optimshift.reload(opt)
+    assert builds[0] == 5
+    assert opt.state["_trac"][first]["ref"] is host_ref and host_ref.device.type == "cpu"
+    assert all(opt.state["_trac"][p]["ref"].device == sim for p in list(model.parameters())[1:])
 
 
 @pytest.mark.parametrize("what", ["fake mode", "streams"])

@@ -38,7 +38,7 @@ import torch
 from . import _alias, _device_streams, _session
 from ._copy import copy_strides
 from ._plan import Ident, Plan
-from ._state import group_tensors, tensors
+from ._state import group_tensors, tensors, untensored
 from ._vmm import Driver, DriverError, DriverOutOfMemory, driver_for, unsupported
 
 __all__ = ["Layout", "Placement", "keeping", "stage", "release", "layout_of", "devices_of", "mapped_bytes"]
@@ -334,7 +334,8 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
             if id(t) not in idents:
                 idents[id(t)] = []
                 found.append((t, target))
-            idents[id(t)].append(tr[0])
+            ident = tr[0]  # (a site under a param key by the param's id: the layout holds no param)
+            idents[id(t)].append((ident[0], ident[1], untensored(ident[2])))
     units: list[_Unit] = []
     grouped: set[int] = set()
     # (tensors that share a storage are grouped among all the plan brings here, as the engine groups them: a

@@ -707,6 +707,7 @@ def commit(
     *,
     rewrite: Callable[[], None] | None = None,
     installed: Sequence[Sequence[tuple[Any, Any]]] | None = None,
+    finish: Sequence[Setter] = (),
 ) -> list[Mechanism]:
     """Install the copies in ``optimizer``: each tensor adopts its copy's contents and stays the same object;
     where that is impossible, the copy takes its place in the state, param groups and containers.
@@ -720,12 +721,15 @@ def commit(
     back once it holds its copy's contents, and a copy no mechanism can give an old object stays there, as does
     whatever the rewrite put in a copy's place (decided once it ran).
     ``copies.in_place``: live tensors that take their sources' values in place, after the rewrite.
+    ``finish``: in-place updates the caller prepared (they cannot fail), applied last, after the copies that
+    replace a tensor took its place: those places were found in the structure as it was (a rebind's mappings
+    keyed by params, :func:`optimshift._state.rekey`, are renamed once they hold their replacements).
     """
     protect: frozenset[int] | set[int] = outside_owned(optimizer) if copies.pairs else frozenset()
     # (sources on the host bound for an accelerator, staged in pinned memory first: may fail, nothing changed yet)
     in_place, staging = _pinned_in_place(copies.in_place) if copies.in_place else (copies.in_place, [])
     try:
-        return _commit(optimizer, copies, hint, rewrite, installed, protect, in_place)
+        return _commit(optimizer, copies, hint, rewrite, installed, protect, in_place, finish)
     finally:
         for buf in staging:  # (the copies from them completed: _write_in_place synchronized)
             host_pool.release(buf)
@@ -739,6 +743,7 @@ def _commit(
     installed: Sequence[Sequence[tuple[Any, Any]]] | None,
     protect: frozenset[int] | set[int],
     in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+    finish: Sequence[Setter],
 ) -> list[Mechanism]:
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
@@ -771,6 +776,8 @@ def _commit(
         for mapping, key, value in assignments:
             mapping[key] = value
         for apply_one in setters:
+            apply_one()
+        for apply_one in finish:
             apply_one()
     copies.mechanisms = counts
     return hows

@@ -38,7 +38,7 @@ from ._adopt import Mechanism
 from ._devices import _fake_mode_active
 from ._plan import Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
 from ._probe import group_kinds
-from ._state import GROUP_SKIP, group_flags, group_tensors, leaves
+from ._state import GROUP_SKIP, Path, by_id, group_flags, group_tensors, leaves, untensored
 
 __all__ = ["Cached", "plan_for"]
 
@@ -66,6 +66,9 @@ class Cached:
     ids: list[int] = field(default_factory=list)  # per transfer: id() of its tensor when the plan was last used
     sources: dict[Ident, torch.device] = field(default_factory=dict)  # per site: its tensor's device
     repeats: bool = True  # Plan.repeats: the same ids at the same sites give the same answer
+    # per transfer whose path goes through a mapping keyed by a tensor (TRAC's state["_trac"][param]): its index.
+    # Its path is kept with each such key by id (_state.untensored: no param held here), its ident taken from the walk.
+    named: frozenset[int] = frozenset()
     hows: list[Mechanism] | None = None  # the commit's adoption decisions, in its order (read on a hit only)
     hits: int = 0
     # NOTE: a new number at each (re)build: what a plan of another operation that depends on this one (the
@@ -83,16 +86,32 @@ class Cached:
         keys: list[Any] = []
         metas: list[tuple[Any, ...]] = []
         sources: dict[Ident, torch.device] = {}
-        for tr in plan.transfers:
+        template: list[tuple[Ident, str | None, torch.device, str]] = []
+        named: list[int] = []
+        for i, tr in enumerate(plan.transfers):
             ident, tensor = tr[0], tr[2]
-            path = ident[2]
+            path = untensored(ident[2])
+            if path is not ident[2]:
+                named.append(i)
+                ident = (ident[0], ident[1], path)
             keys.append(path[0][1] if len(path) == 1 else path)
             metas.append(_meta(tensor))
             sources.setdefault(ident, tensor.device)
-        self.keys, self.metas, self.sources = keys, metas, sources
-        self.template = [(tr[0], tr[1], tr[4], tr[5]) for tr in plan.transfers]
+            template.append((ident, tr[1], tr[4], tr[5]))
+        self.keys, self.metas, self.sources, self.template = keys, metas, sources, template
+        self.named = frozenset(named)
         self.ids = [id(tr[2]) for tr in plan.transfers]
         self.repeats, self.hows, self.serial = plan.repeats, None, next(_serials)
+
+    def sources_of(self, plan: Plan) -> dict[Ident, torch.device]:
+        """Each site's device (``sources``) as ``plan``, this entry's plan for this call, names the sites."""
+        if not self.named:
+            return self.sources
+        assert self.template is not None  # (named: kept)
+        out = {ident: d for ident, d in self.sources.items() if not by_id(ident[2])}
+        for i in sorted(self.named):  # (the device it had when kept: the meta each use checks)
+            out.setdefault(plan.transfers[i][0], self.sources[self.template[i][0]])
+        return out
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
@@ -130,10 +149,13 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
     return tuple(parts)
 
 
-def _current(optimizer: Any, cached: Cached) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+def _current(
+    optimizer: Any, cached: Cached, live: dict[int, Path]
+) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
     """The state's tensors, each with its param, in plan order if every site still holds the tensor the plan
-    was last used with (by id), unchanged (the walk of build_plan, with no decision); else None."""
-    ids, keys, metas = cached.ids, cached.keys, cached.metas
+    was last used with (by id), unchanged (the walk of build_plan, with no decision); else None. ``live``: filled
+    with the path of each site named through a tensor key (``Cached.named``), by its index."""
+    ids, keys, metas, named = cached.ids, cached.keys, cached.metas, cached.named
     n = len(ids)
     out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     append = out.append
@@ -149,7 +171,13 @@ def _current(optimizer: Any, cached: Cached) -> list[tuple[torch.Tensor, torch.T
                 i += 1
                 continue
             for path, tensor in leaves(value, (("key", key),)):
-                if i >= n or ids[i] != id(tensor) or keys[i] != path or _meta(tensor) != metas[i]:
+                if i >= n or ids[i] != id(tensor) or _meta(tensor) != metas[i]:
+                    return None
+                if i in named:
+                    if keys[i] != untensored(path):
+                        return None
+                    live[i] = path
+                elif keys[i] != path:
                     return None
                 append((tensor, param))
                 i += 1
@@ -179,7 +207,8 @@ def plan_for(
                 cached.keep(plan)
                 plans[key] = plans.pop(key)  # (the most recently used key is evicted last)
                 return plan, cached
-            tensors = _current(optimizer, cached)
+            live: dict[int, Path] = {}
+            tensors = _current(optimizer, cached, live)
             if tensors is not None:
                 cached.hits += 1
                 plans[key] = plans.pop(key)
@@ -188,6 +217,9 @@ def plan_for(
                     new(Transfer, (ident, name, t, param, device, source))
                     for (ident, name, device, source), (t, param) in zip(cached.template, tensors)
                 ]
+                for i, path in live.items():  # (sites named through a param: the param of today's walk)
+                    tr = transfers[i]
+                    transfers[i] = new(Transfer, ((tr[0][0], tr[0][1], path), *tr[1:]))
                 return Plan(optimizer, transfers, cached.repeats), cached
             kept.remove(cached)  # the same layout with other state: this one is stale
             break

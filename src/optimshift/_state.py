@@ -4,7 +4,8 @@ State values may be tensors, Python scalars, strings, ``None``, or containers of
 namedtuples, ``collections.deque``, sets, dataclasses (frozen ones too) and plain objects holding tensors in
 attributes (a projector object in a third-party optimizer's state). :func:`leaves` lists the tensors with the
 path to each; :func:`rebuild` computes, without mutating anything, what must be assigned where so that each
-tensor is replaced; applying those assignments cannot fail.
+tensor is replaced; applying those assignments cannot fail. :func:`keyed_by` finds the mappings keyed by given
+objects (params), :func:`rekey` renames their keys in place (a rebind's new params).
 
 Mutable containers and objects keep their identity (they are updated in place at commit time); immutable
 ones (tuples, namedtuples, frozen dataclasses, frozensets) are rebuilt with the same type.
@@ -16,11 +17,13 @@ import copy
 import dataclasses
 import enum
 import types
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from ._errors import with_article
 
 Step = tuple[str, Any]  # ("key", k) | ("index", i) | ("attr", name) | ("elem", i)
 Path = tuple[Step, ...]  # a tuple of steps
@@ -122,6 +125,27 @@ def leaves(value: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
                 steps.pop()
 
 
+@dataclasses.dataclass(frozen=True)
+class ById:
+    """A tensor key in a path that is kept (a mapping keyed by params: TRAC's ``state["_trac"][param]``), by its
+    id: what keeps the path holds no param."""
+
+    id: int
+
+
+def untensored(path: Path) -> Path:
+    """``path`` with each tensor key as a :class:`ById` (``path`` itself where it has none): how a cache keys a
+    site it keeps beyond the operation (a cached plan, a kept address)."""
+    if not any(isinstance(step[1], torch.Tensor) for step in path):
+        return path
+    return tuple((kind, ById(id(k))) if isinstance(k, torch.Tensor) else (kind, k) for kind, k in path)
+
+
+def by_id(path: Path) -> bool:
+    """Whether ``path`` names a site through a key kept by id (:func:`untensored`)."""
+    return any(isinstance(step[1], ById) for step in path)
+
+
 def tensors(value: Any) -> list[torch.Tensor]:
     """The distinct tensors inside ``value`` (each object once), in :func:`leaves` order."""
     out: dict[int, torch.Tensor] = {}
@@ -217,6 +241,65 @@ def _rebuild_container(
     for (_, name), nv in changed:
         setters.append(_attr_setter(value, name, nv))
     return value
+
+
+def keyed_by(
+    roots: Iterable[tuple[Path, Any]], ids: Container[int], seen: set[int] | None = None
+) -> Iterator[tuple[Path, Any]]:
+    """Every mapping inside each root value (the root too) with a key whose ``id`` is in ``ids`` (TRAC's
+    ``state["_trac"][param]``, a ``{param: tensor}`` under a plain state key), with its path, in :func:`leaves`
+    order; iterative, each container once across the roots (``seen``: ids of containers to skip, shared). Keys are
+    not walked into, tensors are leaves."""
+    seen = set() if seen is None else seen
+    for path, value in roots:
+        if isinstance(value, (torch.Tensor,) + _ATOMS) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        # (a stack of (path, container); paths are built per container, not per tensor: containers are few)
+        stack: list[tuple[Path, Any]] = [(path, value)]
+        while stack:
+            where, container = stack.pop()
+            if isinstance(container, Mapping) and any(id(k) in ids for k in container):
+                yield where, container
+            children = [
+                (where + (step,), child)
+                for step, child in _children(container)
+                if not isinstance(child, (torch.Tensor,) + _ATOMS) and id(child) not in seen
+            ]
+            seen.update(id(child) for _, child in children)
+            stack.extend(reversed(children))
+
+
+REKEYABLE = (dict, OrderedDict, defaultdict)
+"""The mappings :func:`rekey` renames keys of in place, by their own ``clear`` and ``update`` (which cannot fail
+part-way: a tensor hashes by its id); a subclass of one that overrides none of the operations it uses too."""
+_REKEY_OPS = ("__setitem__", "__delitem__", "clear", "update")
+
+
+def rekey(mapping: Any, renames: Mapping[int, Any]) -> Setter:
+    """The in-place update that gives ``mapping`` each key ``renames`` names (by ``id``) under its new key, in the
+    same order, values untouched. Mutates nothing now; the update reads the mapping's contents when applied (after
+    a commit's replacements, decided under the old keys), and cannot fail. TypeError for a mapping that cannot be
+    rewritten so (an immutable one, or one whose own ``__setitem__``/``update``/``clear`` may refuse part-way);
+    ValueError where two keys would become one (a key already under the name another is renamed to)."""
+    kind = type(mapping)
+    plain = any(
+        isinstance(mapping, base) and all(getattr(kind, op) is getattr(base, op) for op in _REKEY_OPS)
+        for base in REKEYABLE
+    )
+    if not plain:
+        immutable = not hasattr(mapping, "__setitem__")
+        raise TypeError(f"is {f'an immutable {kind.__name__}' if immutable else with_article(kind.__name__)}")
+    named = [renames.get(id(k), k) for k in mapping]
+    if len({id(k) for k in named}) != len(named):
+        raise ValueError("holds entries under both an old param and the new param it is renamed to")
+
+    def apply() -> None:
+        items = [(renames.get(id(k), k), v) for k, v in list(mapping.items())]
+        mapping.clear()
+        mapping.update(items)
+
+    return apply
 
 
 def _item_setter(container: Any, key: Any, new: Any) -> Setter:

@@ -44,7 +44,21 @@ from ._plan import (
     policy_target,
 )
 from ._probe import Rejection, entry_dtypes, rejected_dtypes
-from ._state import OPTIMIZER_WIDE, group_device, group_flags, group_tensors, inner_optimizers, label_in, leaves, unwrap
+from ._state import (
+    GROUP_SKIP,
+    OPTIMIZER_WIDE,
+    Setter,
+    format_path,
+    group_device,
+    group_flags,
+    group_tensors,
+    inner_optimizers,
+    keyed_by,
+    label_in,
+    leaves,
+    rekey,
+    unwrap,
+)
 from .report import Finding, PlacementRow, Report, sync_cost
 
 __all__ = [
@@ -141,8 +155,9 @@ def _transfer(
     eager: bool = False,
     sides: bool = False,
     rewrite: Callable[[], None] | None = None,
+    finish: Sequence[Setter] = (),
     place: Callable[[Plan], _addresses.Placement | None] | None = None,
-) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None]:
+) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None, Plan]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
     ``cache_key``: the plan (and its adoption decisions) is kept in the optimizer's session under this key and
@@ -150,9 +165,10 @@ def _transfer(
     params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
     :func:`optimshift._plan_cache.plan_for`). ``sides``: remember where group tensors taken to the host came from
     (a move: see :func:`_remember_sides`). ``rewrite``: the structural change the commit makes with the
-    adoptions (see :func:`optimshift._engine.commit`). ``place``: the destinations of the plan's copies, when they
-    are not allocated as usual (a keep_addresses reload's slots: :func:`optimshift._addresses.stage`), kept if the
-    commit goes through and given back if anything fails."""
+    adoptions, and ``finish`` the updates it makes last (see :func:`optimshift._engine.commit`). ``place``: the
+    destinations of the plan's copies, when they are not allocated as usual (a keep_addresses reload's slots:
+    :func:`optimshift._addresses.stage`), kept if the commit goes through and given back if anything fails. Also
+    returns the plan."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
@@ -161,7 +177,9 @@ def _transfer(
         into = None if placement is None else [placement.into(tr[2]) for tr in plan.transfers]
         copies = _engine.run(plan, options, extra=extra, into=into)
         group_moves = _group_moves(plan) if sides else ()
-        hows = _engine.commit(optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite)
+        hows = _engine.commit(
+            optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite, finish=finish
+        )
     except BaseException:
         if placement is not None:
             placement.abandon()
@@ -187,7 +205,7 @@ def _transfer(
             copies.mechanisms.get("replace", 0),
             " (non-blocking: still in flight)" if copies.event is not None else "",
         )
-    return copies, PendingTransfer(copies.event, copies.device, to_host=copies.to_host), cached
+    return copies, PendingTransfer(copies.event, copies.device, to_host=copies.to_host), cached, plan
 
 
 @_one_at_a_time
@@ -205,7 +223,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     end_pending(optimizer)
     grads = grads_back(optimizer, record_of(optimizer))
     key = None if grads else _move_key(optimizer, target)
-    copies, pending, _ = _transfer(
+    copies, pending, _, _ = _transfer(
         optimizer,
         policy_target(optimizer, target),
         what="move",
@@ -370,7 +388,7 @@ def offload(
     key = ("offload", "grads" in include) if previous is None else None
     installed = _offload.guard(optimizer, record)  # (before anything is copied: it may refuse)
     try:
-        copies, pending, cached = _transfer(
+        copies, pending, cached, plan = _transfer(
             optimizer,
             to_host,
             what="offload",
@@ -385,7 +403,7 @@ def offload(
         raise
     if cached is not None:
         if cached.hits:  # (to_host() was not called: the plan knows where every tensor was)
-            record.devices.update(cached.sources)
+            record.devices.update(cached.sources_of(plan))
         # (this build of the offload plan, which a cached reload undoes, and whether it is kept)
         record.token = (cached.serial, cached.kept)
     for _, p in grads:  # only now: every copy exists
@@ -525,7 +543,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     cacheable = record.token is not None and record.token[1] and not _policy.has_registered_policy(optimizer)
     key = ("reload", record.token[0]) if cacheable else None
     keep, name = record.keep_addresses, optimizer_name(optimizer)
-    copies, pending, _ = _transfer(
+    copies, pending, _, _ = _transfer(
         optimizer,
         back,
         what="reload",
@@ -899,6 +917,50 @@ def _position(optimizer: Any, n: int) -> str:
     return f"param {n} past the last group"
 
 
+def _rekeys(optimizer: Any, renames: Mapping[int, torch.Tensor]) -> list[Setter]:
+    """The updates that key each mapping the optimizer's state and groups hold by an old param (TRAC's
+    ``state["_trac"][param]``, a ``{param: tensor}`` under a plain state key) by its new one (``renames``: by the
+    old param's id), found before anything changes: a stale key would miss the next step's lookup and keep the old
+    param alive. ``optimizer.state`` itself is re-keyed by the rebind's rewrite. TypeError/ValueError naming the
+    mapping where one cannot be rewritten so."""
+    if not renames:
+        return []
+    state = optimizer.state
+    positions = {
+        id(p): label_in(optimizer, gi, pi)
+        for gi, g in enumerate(optimizer.param_groups)
+        for pi, p in enumerate(g["params"])
+    }
+    roots: list[tuple[str, Any]] = [
+        (f"the state of {positions[id(k)]}" if id(k) in positions else "state", v)
+        if isinstance(k, torch.Tensor)
+        else (f"optimizer.state[{k!r}]", v)
+        for k, v in state.items()
+    ]
+    roots += [
+        (f"param_groups[{gi}][{k!r}]", v)
+        for gi, group in enumerate(optimizer.param_groups)
+        for k, v in group.items()
+        if k not in GROUP_SKIP
+    ]
+    seen = {id(state), id(optimizer.param_groups)}  # (the rewrite renames the state's own keys)
+    out = []
+    for label, value in roots:
+        for path, found in keyed_by([((), value)], renames, seen):
+            try:
+                out.append(rekey(found, renames))
+            except (TypeError, ValueError) as e:
+                where = "".join(
+                    f"[{positions.get(id(k), 'a param')}]" if isinstance(k, torch.Tensor) else format_path(((kind, k),))
+                    for kind, k in path
+                )
+                raise type(e)(
+                    f"{optimizer_name(optimizer)}: rebind: {label}{where} is keyed by the params and {e}: it cannot "
+                    f"be re-keyed to the new params, and the old ones would stay there; nothing was changed"
+                ) from None
+    return out
+
+
 @_one_at_a_time
 def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
@@ -946,6 +1008,7 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
             raise ValueError(f"{name}: rebind: the new param for group {gi}, param {pi} is given twice")
         seen.add(id(q))
     mapping = {id(p): q for (_, _, p), q in zip(old, new)}
+    finish = _rekeys(optimizer, {id(p): q for (_, _, p), q in zip(old, new) if p is not q})
     by_policy = policy_target(optimizer, None)
 
     def target(
@@ -977,7 +1040,7 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
                 optimizer.state[q] = states[id(p)]
 
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
-    copies, pending, _ = _transfer(optimizer, target, what="rebind", sides=True, rewrite=rewrite)
+    copies, pending, _, _ = _transfer(optimizer, target, what="rebind", sides=True, rewrite=rewrite, finish=finish)
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there, as a move's
     return optimizer

@@ -317,3 +317,89 @@ def test_probe_observes_which_group_tensors_a_step_reads_on_the_host(cls, kwargs
     observed = _probe.probe(cls, _group(cls, **tensors, **kwargs), 2)
     assert observed is not None
     assert {path for path, verdict in observed.group.items() if verdict == _probe.HOST_READ} == host_read
+
+
+def _flaky(where):
+    """A third-party class (Counter: a 0-dim host counter) whose probe fails, building it or in its step, with each
+    error put in the list returned, once each, then works."""
+    from _custom_optimizers import Counter
+
+    pending: list[BaseException] = []
+
+    class Flaky(Counter):
+        def __init__(self, params, lr=0.1, momentum=0.9):
+            if where == "build" and pending:
+                raise pending.pop()
+            super().__init__(params, lr, momentum)
+
+        def step(self, closure=None):
+            if where == "step" and pending:
+                raise pending.pop()
+            return super().step(closure)
+
+    return Flaky, pending
+
+
+_PASSING = [
+    MemoryError(),
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
+    RecursionError("maximum recursion depth exceeded"),
+    KeyboardInterrupt(),
+]
+
+
+@pytest.mark.parametrize("error", _PASSING, ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("where", ["build", "step"])
+def test_a_probe_that_fails_for_a_reason_not_the_class_s_is_not_remembered(where, error):
+    """Out of memory, a stack too deep, an interrupt: the probe cached any failure as the class's answer ("could not
+    build", or a step that raised and made no state), so one unlucky moment left the class placed by guesses for the
+    rest of the process. Out of memory and an interrupt propagate; a RecursionError is answered as not probed, this
+    time only; nothing is cached: the next ask probes."""
+    from optimshift import _probe
+
+    cls, pending = _flaky(where)
+    group = {"params": [], "lr": 0.1, "momentum": 0.9}
+    pending.append(error)
+    if isinstance(error, RecursionError):
+        assert "RecursionError" in (_probe.unprobed(cls, group, 1) or "")
+    else:
+        with pytest.raises(type(error)):
+            _probe.probe(cls, group, 1)
+    assert not pending
+    observed = _probe.probe(cls, group, 1)
+    assert observed is not None and observed.error is None and observed.state == {"count": False}
+
+
+def test_an_error_of_the_class_s_own_is_remembered():
+    """A step that raises on the probe's inputs raises again on them: its error is the class's answer, cached (the
+    next ask runs no step)."""
+    from optimshift import _probe
+
+    cls, pending = _flaky("step")
+    group = {"params": [], "lr": 0.1, "momentum": 0.9}
+    pending.append(ValueError("this class needs a closure"))
+    assert _probe.probe(cls, group, 1).error == "ValueError: this class needs a closure"
+    assert _probe.probe(cls, group, 1).error == "ValueError: this class needs a closure"  # (not stepped again)
+
+
+def test_a_move_that_met_out_of_memory_in_the_probe_changes_nothing_and_the_next_one_is_probed(sim):
+    """The probe's out of memory stops the move that asked, before anything changed (it was taken as the class's
+    answer: a step that raised and made no state, cached, and the class placed by guesses from then on); the next
+    move asks the probe again and keeps the class's host counter where a fresh optimizer keeps it."""
+    cls, pending = _flaky("step")
+    params = [torch.nn.Parameter(torch.ones(3, device=sim)), torch.nn.Parameter(torch.ones(2, 2, device=sim))]
+    opt = cls(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = {id(t): t.device for p in params for t in opt.state[p].values()}
+    pending.append(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        optimshift.move(opt, "cpu")
+    assert {id(t): t.device for p in params for t in opt.state[p].values()} == before
+    optimshift.move(opt, "cpu")
+    optimshift.move(opt, sim)
+    assert {id(t): t.device for p in params for t in opt.state[p].values()} == before
+    assert all(opt.state[p]["count"].device.type == "cpu" for p in params)
+    report = optimshift.check(opt)
+    assert report.ok and report.findings == []

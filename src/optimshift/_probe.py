@@ -22,7 +22,8 @@ a group's hyperparameters (see below), stepped and read. Nothing here touches th
   changes the dtypes it found: what the step after a load and the ones after it do).
 - :func:`step_needs`: two host steps without one group key say whether a step reads it.
 
-One cache serves them all (least recently used out first, :data:`CACHE_SIZE` entries), keyed by
+One cache serves them all (least recently used out first, :data:`CACHE_SIZE` entries; a failure that says nothing
+of the class, :data:`TRANSIENT`, is never kept), keyed by
 :func:`probe_key`: the class, its implementation flags, the param rank, and each group entry by what can change
 what a step does with it, never a float's value. A bool, int, string or None counts by value; a float by its
 class against 0 and 1 (negative, zero, between, one, above, infinite, NaN), which is all torch.optim branches on
@@ -40,7 +41,8 @@ shares nothing mutable with the user's groups (a third-party class may keep anyt
 
 A third-party class, or a torch.optim subclass with a step of its own, is probed the same way (its ``__init__``'s
 keyword defaults, its bases' where it passes ``**kwargs`` on, the group's values by kind); its step is user code,
-run only as a torch class's is: on fake tensors, under ``inference_mode``, every exception caught, with a bound on
+run only as a torch class's is: on fake tensors, under ``inference_mode``, every exception of the class's caught
+(not out of memory, a RecursionError or an interrupt, which say nothing of it: :data:`TRANSIENT`), with a bound on
 the host reads it makes (:data:`MAX_READS`: a loop until a value converges would never end on stand-ins). What it
 draws from the global random generators is drawn (they are not put back: another thread's draws meanwhile would
 be drawn again).
@@ -84,6 +86,7 @@ __all__ = [
     "quiet_global_step_hooks",
     "throwaway",
     "clear_cache",
+    "TRANSIENT",
 ]
 
 HOST_READ, NEEDS_DEVICE = "host", "device"  # verdicts on a group tensor; absent: the step does not care
@@ -297,15 +300,29 @@ _cache: OrderedDict[Hashable, Any] = OrderedDict()
 _lock = threading.Lock()
 _MISSING = object()
 
+TRANSIENT: tuple[type[BaseException], ...] = (MemoryError, torch.cuda.OutOfMemoryError, RecursionError)
+"""Errors a throwaway step or build may raise that say nothing of the class: the process short of memory (host or
+device), the stack too deep (where the probe was asked, or in the class itself: it cannot be told). Never taken
+as the class's answer, never cached: out of memory propagates (the operation that asked stops before changing
+anything, as its own copies would), a RecursionError answers as an error of the class would, for that ask only
+(:func:`_cached`). An interrupt (``KeyboardInterrupt``, any ``BaseException`` that is not an ``Exception``) is
+never caught: it propagates, nothing cached. Any other error is the class's (a ``TypeError`` building it, what its
+step raises on the probe's inputs): the same inputs raise it again, and it is cached."""
 
-def _cached(key: Hashable, compute: Callable[[], _T]) -> _T:
-    """``compute()``, once per ``key`` while it stays among the :data:`CACHE_SIZE` most recently used."""
+
+def _cached(key: Hashable, compute: Callable[[], _T], unknown: Callable[[BaseException], _T]) -> _T:
+    """``compute()``, once per ``key`` while it stays among the :data:`CACHE_SIZE` most recently used. Nothing is
+    kept where it raises (:data:`TRANSIENT`: the next ask computes again); a RecursionError is answered by
+    ``unknown(error)`` (what ``compute`` answers for an error of the class), other errors propagate."""
     with _lock:
         found = _cache.get(key, _MISSING)
         if found is not _MISSING:
             _cache.move_to_end(key)
             return found  # type: ignore[no-any-return]
-    result = compute()
+    try:
+        result = compute()
+    except RecursionError as e:
+        return unknown(e)
     with _lock:
         _cache[key] = result
         while len(_cache) > CACHE_SIZE:
@@ -403,6 +420,8 @@ class _Reads(TorchFunctionMode):
             kwargs2 = {k: (_stand_in(v) if k in named else v) for k, v in kwargs.items()}
             try:
                 result = func(*args2, **kwargs2)
+            except TRANSIENT:  # (says nothing of the class: never its answer)
+                raise
             except Exception:
                 raise first from None
             for i in scalars:
@@ -479,6 +498,8 @@ def _run(
             param.grad = torch.zeros(shape, device=_FAKE_DEVICE)
             try:
                 opt = cls([param], **kwargs)
+            except TRANSIENT:  # (says nothing of the class: never its answer)
+                raise
             except Exception as e:
                 raise _Unbuilt(_error(e)) from None
             live = opt.param_groups[0]
@@ -500,6 +521,8 @@ def _run(
             reads = _Reads()
             try:
                 _fake_step(opt, reads)
+            except TRANSIENT:  # (says nothing of the class: never its answer)
+                raise
             except Exception as e:
                 # Fake tensors cannot launch every kernel (a CPU-only build has no fused CUDA kernels), but
                 # the state was created before that point, which is all that is read of it.
@@ -528,6 +551,8 @@ def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str
     compare alike. A key whose step fails is left out (its cost is not known)."""
     try:
         baseline = _fake_step(opt, _Reads())
+    except TRANSIENT:  # (says nothing of the class: never its answer)
+        raise
     except Exception:
         return {}
     out: dict[str, int] = {}
@@ -536,6 +561,8 @@ def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str
         state[key] = torch.zeros((), dtype=held.dtype, device=_FAKE_DEVICE)
         try:
             out[key] = max(_fake_step(opt, _Reads()) - baseline, 0)
+        except TRANSIENT:  # (says nothing of the class: never its answer)
+            raise
         except Exception:
             pass
         finally:
@@ -569,10 +596,15 @@ def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim:
             return _observe(cls, group, min(ndim, 2))
         except _Unbuilt as e:
             return f"the probe could not build {cls.__name__} from a param and its group's hyperparameters ({e})"
+        except TRANSIENT:  # (says nothing of the class: never its answer)
+            raise
         except Exception as e:
-            return f"the probe could not run {cls.__name__} ({_error(e)})"
+            return could_not_run(e)
 
-    return _cached(("placement", probe_key(cls, group, ndim)), observe)
+    def could_not_run(e: BaseException) -> str:
+        return f"the probe could not run {cls.__name__} ({_error(e)})"
+
+    return _cached(("placement", probe_key(cls, group, ndim)), observe, could_not_run)
 
 
 def probe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | None:
@@ -639,10 +671,12 @@ def expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], n
         try:
             shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
             return _spec(cls, _host_kwargs(cls, group), shapes)
+        except TRANSIENT:  # (says nothing of the class: never its answer)
+            raise
         except Exception:
             return NO_SPEC
 
-    return _cached(("spec", probe_key(cls, group, ndim)), spec)
+    return _cached(("spec", probe_key(cls, group, ndim)), spec, lambda _: NO_SPEC)
 
 
 def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]) -> StateSpec:
@@ -655,6 +689,8 @@ def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list
         try:
             # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
             opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
+        except TRANSIENT:  # (says nothing of the class: never its answer)
+            raise
         except Exception:
             pass  # the state was created before whatever failed; it is all we read
         states = [opt.state.get(p, {}) for p in params]
@@ -691,6 +727,8 @@ def _steps_without_state(
     opt.state.pop(params[0], None)
     try:
         opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
+    except TRANSIENT:  # (says nothing of the class: never its answer)
+        raise
     except Exception:
         return False
     return bool(opt.state.get(params[0]))
@@ -828,6 +866,8 @@ def _refusal(trial: _Trial, dtypes: Mapping[str, torch.dtype]) -> str | None:
             before, held = held, trial.held_dtypes()
             if held == before:
                 return None
+    except TRANSIENT:  # (says nothing of the class: never its answer)
+        raise
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
@@ -845,6 +885,8 @@ def _try(
         keys = frozenset(dtypes)
         try:
             trial = _filled(cls, group, dtype, ndim, keys)
+        except TRANSIENT:  # (says nothing of the class: never its answer)
+            raise
         except Exception:
             return None
         fresh = trial.fresh_dtypes()
@@ -875,10 +917,12 @@ def rejected_dtypes(
     def trial() -> tuple[Rejection, ...] | None:
         try:
             return _try(cls, group, param.dtype, min(param.dim(), 2), dtypes)
+        except TRANSIENT:  # (says nothing of the class: never its answer)
+            raise
         except Exception:
             return None
 
-    found = _cached(("dtypes", probe_key(cls, group, param.dim()), param.dtype, asked), trial)
+    found = _cached(("dtypes", probe_key(cls, group, param.dim()), param.dtype, asked), trial, lambda _: None)
     return list(found or ())
 
 
@@ -897,13 +941,15 @@ def step_needs(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], key: 
     def needs() -> bool:
         try:
             kwargs = _host_kwargs(cls, without, (key,))
+        except TRANSIENT:  # (says nothing of the class: never its answer)
+            raise
         except Exception:
             return True
         # (a class that takes only sparse grads refuses dense ones: SparseAdam)
         tried = [_steps_without(cls, kwargs, key, sparse) for sparse in (False, True)]
         return next((t for t in tried if t is not None), True)
 
-    return _cached(("needs", probe_key(cls, without, 2), key), needs)
+    return _cached(("needs", probe_key(cls, without, 2), key), needs, lambda _: True)
 
 
 def _steps_without(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], key: str, sparse: bool) -> bool | None:
@@ -926,6 +972,8 @@ def _steps_without(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], key
                     opt.step(closure)  # type: ignore[arg-type]  # (torch's stubs type the loss as a float)
         except KeyError as e:
             return True if e.args == (key,) else None
+        except TRANSIENT:  # (says nothing of the class: never its answer)
+            raise
         except Exception:
             return None
     return False

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._errors import with_article
-from .._probe import StateSpec, signature_defaults, step_needs, throwaway
+from .._probe import TRANSIENT, StateSpec, signature_defaults, step_needs, throwaway
 from .._state import GROUP_SKIP, IMPLEMENTATION_FLAGS
 
 __all__ = ["check_group", "check_entries", "keys_shown", "fresh_group", "torch_cast", "NOT_REAL"]
@@ -132,6 +132,8 @@ def fresh_group(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | None:
             with throwaway():
                 opt = _Recorder([torch.nn.Parameter(torch.zeros(2, 3))])  # pyright: ignore[reportCallIssue]  # (the run-time base takes params alone)
             _fresh_groups[cls] = {k: v for k, v in opt.param_groups[0].items() if k not in GROUP_SKIP}
+        except TRANSIENT:  # (says nothing of the class: never its answer, never kept)
+            raise
         except Exception:
             _fresh_groups[cls] = None
     return _fresh_groups[cls]
@@ -187,6 +189,8 @@ def _group_keys(
                     break
                 group[missing] = defaults[missing]
                 continue
+            except TRANSIENT:  # (says nothing of the class: never its answer, never kept)
+                raise
             except Exception:
                 break
             filled = frozenset(k for k in bare.param_groups[0] if k in fresh and k not in given)

@@ -49,3 +49,29 @@ def test_an_errors_type_name_takes_the_article_its_sound_takes(sim):
     del opt.state[params[1]]
     with pytest.raises(TypeError, match=r"param 1 is an int, not a tensor"):
         optimshift.rebind(opt, [torch.nn.Parameter(params[0].detach().clone()), 3])
+
+
+@pytest.mark.parametrize("road", ["move", "offload", "check", "stream", "save"])
+def test_state_for_a_param_in_no_group_is_refused_by_every_road_before_anything_changes(sim, road, tmp_path):
+    """An entry for a param no group lists can be placed nowhere and saved by no state_dict(): every operation
+    refuses it, naming it, before anything changes (stream() took it, then unstream() refused it and the optimizer
+    stayed streamed; save raised torch's bare KeyError of an id)."""
+    model = torch.nn.Linear(3, 3).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3, device=sim)).sum().backward()
+    opt.step()
+    stray = torch.nn.Parameter(torch.zeros(3))
+    opt.state[stray] = {"exp_avg": torch.zeros(3)}
+    before = {id(t): t.device for st in opt.state.values() for t in st.values()}
+    call = {
+        "move": lambda: optimshift.move(opt, "cpu"),
+        "offload": lambda: optimshift.offload(opt),
+        "check": lambda: optimshift.check(opt),
+        "stream": lambda: optimshift.stream(opt),
+        "save": lambda: optimshift.save({"optimizer": opt}, tmp_path / "ckpt.pt"),
+    }[road]
+    with pytest.raises(ValueError, match=r"Adam: state holds an entry \(keys \['exp_avg'\]\) for a param of shape"):
+        call()
+    assert {id(t): t.device for st in opt.state.values() for t in st.values()} == before
+    assert not optimshift.is_streamed(opt) and not optimshift.is_offloaded(opt)
+    assert list(tmp_path.iterdir()) == []

@@ -153,33 +153,11 @@ def iter_holders(
 
     ``groups``/``state``: walk these in place of the optimizer's own (a load plans the state it will install).
 
-    Raises ValueError if the state holds a param that no group holds (it could never be placed).
+    Raises ValueError if the state holds a param that no group holds (see :func:`states_by_id`).
     """
     name = optimizer_name(optimizer)
     param_groups = optimizer.param_groups if groups is None else groups
-    # NOTE: dict and set operations over ids first, one pass each in C; the loops that name the culprit run
-    # only when one of them finds something wrong (this runs once per operation over every param).
-    located = {id(p): None for group in param_groups for p in group["params"]}
-    if len(located) != sum(len(group["params"]) for group in param_groups):
-        _refuse_listed_twice(name, param_groups)
-    entries_of = optimizer.state if state is None else state
-    by_id: dict[int, Any] = {id(p): entries for p, entries in entries_of.items()}  # (a tensor's hash is a Python call)
-    wide: dict[Any, Any] = {}
-    if len(by_id) != len(entries_of) or not by_id.keys() <= located.keys():
-        by_id = {}
-        for p, entries in entries_of.items():
-            if not isinstance(p, torch.Tensor):
-                wide[p] = entries  # an optimizer-wide entry under a plain key
-            elif id(p) not in located:
-                shape = tuple(p.shape)
-                keys = list(entries) if isinstance(entries, Mapping) else []
-                raise ValueError(
-                    f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
-                    f"group; it cannot be placed. Remove it (del optimizer.state[param]) or add the param to a "
-                    f"group."
-                )
-            else:
-                by_id[id(p)] = entries
+    by_id, wide = states_by_id(optimizer, groups, state)
     get = by_id.get
     for gi, group in enumerate(param_groups):
         names = group.get("param_names")
@@ -201,6 +179,42 @@ def iter_holders(
         yield gi, None, None, group, group, None
     if wide and param_groups:
         yield OPTIMIZER_WIDE, None, None, param_groups[0], wide, None
+
+
+def states_by_id(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]] | None = None,
+    state: Mapping[Any, Any] | None = None,
+) -> tuple[dict[int, Any], dict[Any, Any]]:
+    """Each param's state by the param's id, and the optimizer-wide entries (under plain keys). ValueError for a
+    param listed twice, or state for a param that no group holds: nothing can place it, and torch's
+    ``state_dict()`` cannot name it (every operation asks this before it changes anything)."""
+    name = optimizer_name(optimizer)
+    param_groups = optimizer.param_groups if groups is None else groups
+    # NOTE: dict and set operations over ids first, one pass each in C; the loops that name the culprit run
+    # only when one of them finds something wrong (this runs once per operation over every param).
+    located = {id(p): None for group in param_groups for p in group["params"]}
+    if len(located) != sum(len(group["params"]) for group in param_groups):
+        _refuse_listed_twice(name, param_groups)
+    entries_of = optimizer.state if state is None else state
+    by_id: dict[int, Any] = {id(p): entries for p, entries in entries_of.items()}  # (a tensor's hash is a Python call)
+    wide: dict[Any, Any] = {}
+    if len(by_id) != len(entries_of) or not by_id.keys() <= located.keys():
+        by_id = {}
+        for p, entries in entries_of.items():
+            if not isinstance(p, torch.Tensor):
+                wide[p] = entries  # an optimizer-wide entry under a plain key
+            elif id(p) not in located:
+                shape = tuple(p.shape)
+                keys = list(entries) if isinstance(entries, Mapping) else []
+                raise ValueError(
+                    f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
+                    f"group: nothing can place it, and state_dict() cannot name it. Remove it "
+                    f"(del optimizer.state[param]) or add the param to a group; nothing was changed"
+                )
+            else:
+                by_id[id(p)] = entries
+    return by_id, wide
 
 
 def _refuse_listed_twice(name: str, param_groups: list[dict[str, Any]]) -> None:

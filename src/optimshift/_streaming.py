@@ -60,7 +60,7 @@ from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import add_note, with_article
 from ._offload import compact_state_dict, copy_guard, end_pending, record_of, registered_first
-from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target
+from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target, states_by_id
 from ._state import label_in, param_positions, unwrap
 from .api import move
 from .checkpoint import load_state_dict as _load_state_dict
@@ -622,6 +622,7 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
             f"wraps (e.g. its .optimizer)"
         )
     _session.rememberable(optimizer, "stream")
+    states_by_id(optimizer)  # (state for a param in no group: unstream() could place it nowhere)
     name = optimizer_name(optimizer)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(

@@ -583,11 +583,12 @@ def offloaded(
 
 
 def keep_addresses(optimizer: Opt) -> Opt:
-    """Lay the state out at addresses it keeps from now on (as the first ``offload(keep_addresses=True)`` and
-    reload do; raises ValueError, before anything changes, where a device cannot): call it before capturing a CUDA
-    graph of the step, so that no graph ever re-records. An offload and reload, each on the one road (where the
-    reload cannot map the range, the state is reloaded as usual and the error says so, unless some of it was kept
-    at addresses already: it then stays offloaded, keeping them); for an offloaded optimizer, marks it so that its
+    """Lay the state out at addresses every later ``offload(keep_addresses=True)`` and reload keep (as the first
+    such offload and reload do; a plain ``offload``, a ``move`` or ``reload(opt, device)`` takes it out of them;
+    raises ValueError, before anything changes, where a device cannot): call it before capturing a CUDA graph of
+    the step, so that no graph ever re-records. An offload and reload, each on the one road (where the reload
+    cannot map the range, the state is reloaded as usual and the error says so, unless some of it was kept at
+    addresses already: it then stays offloaded, keeping them); for an offloaded optimizer, marks it so that its
     reload lays the state out."""
     if is_offloaded(optimizer):
         inner = unwrap(optimizer)

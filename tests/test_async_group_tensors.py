@@ -154,3 +154,47 @@ def test_lbfgs_device_lr_shared_with_its_state_is_complete_after_a_non_blocking_
         ref = run(False)
         params = run(True)
         assert all(bitwise_equal(p, q) for p, q in zip(params, ref))
+
+
+class _Buffered(torch.optim.Optimizer):
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if not st:
+                    st["buf"] = torch.zeros_like(p)
+                st["buf"].add_(p.grad)
+                p.sub_(st["buf"] * g["lr"])
+
+
+@pytest.mark.parametrize("seed, progress", [(0, 0.0), (1, 0.05)])
+def test_a_slotted_lr_is_complete_when_another_group_tensor_shares_a_storage_with_state(sim, seed, progress):
+    """A group tensor sharing a storage with a state entry (copied as one, with no slot) pulled its storage-mate
+    into the copies made first, their count reached the group tensors', and the slotted lr of a keep_addresses
+    reload was left on the side stream: the scheduler's write raced its copy."""
+
+    def built():
+        p = torch.nn.Parameter(torch.ones(4, device=sim))
+        opt = _Buffered([p], lr=torch.tensor(0.5, device=sim))
+        p.grad = torch.ones_like(p)
+        opt.step()
+        base = torch.zeros(2, device=sim)  # (Parameters: no slot of their own)
+        opt.param_groups[0]["aux"] = torch.nn.Parameter(base[0:1], requires_grad=False)
+        opt.state[p]["tail"] = torch.nn.Parameter(base[1:2], requires_grad=False)
+        return opt
+
+    first = built()  # (the class probed and the device's addresses set up first: each orders the streams)
+    optimshift.offload(first, keep_addresses=True)
+    optimshift.reload(first)
+    opt = built()
+    with deferred_streams(seed=seed, progress=progress):
+        optimshift.offload(opt, keep_addresses=True)
+        optimshift.reload(opt, non_blocking=True)
+        lr = opt.param_groups[0]["lr"]
+        lr.mul_(0.5)  # what a scheduler does, right after the reload returned
+        torch.sim.synchronize(0)
+        assert lr.item() == 0.25

@@ -532,10 +532,11 @@ def _split(
             at.add(i)
             if len(at) == len(now):
                 break
+    found = len(at)  # (the rest are given places of their own: into's)
     for members, _ in together:
         if not at.isdisjoint(members):
             at.update(members)
-    into_at = [j for j, (t, _) in enumerate(into) if id(t) in now] if len(at) < len(now) else []
+    into_at = [j for j, (t, _) in enumerate(into) if id(t) in now] if found < len(now) else []
     return sorted(at), into_at
 
 

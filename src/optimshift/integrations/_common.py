@@ -139,11 +139,15 @@ class Patch:
         with self._lock:
             if self._swaps:
                 return
-            # NOTE: each swap is recorded before it is made: an error or a Ctrl-C between two leaves the ones
-            # made undoable (undo restores only an attribute that still holds our replacement).
-            for swap in plan():
-                self._swaps.append(swap)
-                setattr(swap.owner, swap.name, swap.replacement)
+            # NOTE: each swap is recorded before it is made, and an error or a Ctrl-C between two undoes the
+            # ones made (undo restores only an attribute that still holds our replacement): all or nothing.
+            try:
+                for swap in plan():
+                    self._swaps.append(swap)
+                    setattr(swap.owner, swap.name, swap.replacement)
+            except BaseException:
+                self.undo()
+                raise
 
     def undo(self) -> None:
         with self._lock:

@@ -57,6 +57,8 @@ from ._state import (
     label_in,
     leaves,
     rekey,
+    renamed,
+    untensored,
     unwrap,
 )
 from .report import Finding, PlacementRow, Report, sync_cost
@@ -285,10 +287,11 @@ def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, t
     if session is None:
         return
     for ident, was, now in moves:
+        site = (ident[0], ident[1], untensored(ident[2]))  # (a key that is a param, by its id: held by no session)
         if now.type == "cpu" and was.type not in ("cpu", "meta"):
-            session.group_sides[ident] = was
+            session.group_sides[site] = was
         elif now.type != "cpu":
-            session.group_sides.pop(ident, None)
+            session.group_sides.pop(site, None)
 
 
 _INCLUDE = ("grads",)
@@ -695,7 +698,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             back[tr.ident] = tr.target
             hosted += tr.tensor.device.type == "cpu" and tr.target.type != "cpu"
         # a group tensor is judged from the side reload() puts it on, not from the host it waits on
-        sides = {ident: d for ident, d in back.items() if ident[1] is None and d.type != "cpu"}
+        sides = {(i[0], i[1], untensored(i[2])): d for i, d in back.items() if i[1] is None and d.type != "cpu"}
         session = _session.of(optimizer)
         target = _policy.Placer(optimizer, None, {**(session.group_sides if session else {}), **sides})
     plan = build_plan(optimizer, target)
@@ -1043,5 +1046,8 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
     copies, pending, _, _ = _transfer(optimizer, target, what="rebind", sides=True, rewrite=rewrite, finish=finish)
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
+    session = _session.of(optimizer)
+    if session is not None and session.group_sides:  # (a group tensor under a param key: by the new param's id)
+        session.group_sides = {(g, i, renamed(path, mapping)): d for (g, i, path), d in session.group_sides.items()}
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there, as a move's
     return optimizer

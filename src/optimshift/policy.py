@@ -37,7 +37,7 @@ from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     torch_defined,
     unprobed,
 )
-from ._state import OPTIMIZER_WIDE, Path, group_device, label_in, param_positions
+from ._state import OPTIMIZER_WIDE, Path, group_device, label_in, param_positions, untensored
 
 __all__ = [
     "Policy",
@@ -473,7 +473,7 @@ class Placer:
     ) -> tuple[torch.device, str]:
         """Where the group's tensor ``key`` goes with the group's params on ``device`` (``None``: where they are),
         from the side the session remembers for a tensor a move took to the host."""
-        side = self.sides.get(ident) if tensor.is_cpu else None
+        side = self.sides.get((ident[0], ident[1], untensored(ident[2]))) if tensor.is_cpu and self.sides else None
         return self.at(None, group, key, tensor, group_device(group, tensor) if device is None else device, side)
 
     def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int, torch.device] | None:

@@ -264,6 +264,38 @@ def test_state_dict_tensors_own_their_bytes_streamed_as_offloaded(sim, mode):
     )
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("mode", ["stream", "offload"])
+def test_a_copy_of_the_whole_optimizer_holds_only_its_own_bytes_streamed_as_offloaded(sim, mode, how):
+    """copy.deepcopy, pickle and torch.save of the optimizer read its state through __getstate__, which the
+    state_dict() post-hook does not reach: each view into a pool buffer took the whole buffer with it, another
+    optimizer's old bytes included (into a file). They now get the copies state_dict() gives."""
+    other = Model([(40, 30)]).to(sim)  # (a larger optimizer's state, offloaded first: its bytes stay in the pool)
+    big = torch.optim.Adam(_params(other), foreach=False)
+    train(other, big, range(1))
+    optimshift.offload(big)
+    optimshift.reload(big)
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model), foreach=False)
+    train(model, opt, range(2))
+    expected = {n: {k: v.cpu() for k, v in st.items()} for n, st in enumerate(opt.state.values())}
+    optimshift.stream(opt, chunk_bytes=256) if mode == "stream" else optimshift.offload(opt)
+    if how == "deepcopy":
+        copied = copy.deepcopy(opt)
+    else:
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert isinstance(copied.state, type(opt.state)) and "__getstate__" not in copied.__dict__
+    for n, st in enumerate(copied.state.values()):
+        for k, t in st.items():
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"{mode}: {k} holds other bytes"
+            assert bitwise_equal(t.cpu(), expected[n][k])
+    optimshift.unstream(opt) if mode == "stream" else optimshift.reload(opt)
+    assert "__getstate__" not in opt.__dict__
+
+
 # --- objects, modes, refusals ---------------------------------------------------------------------------------
 
 

@@ -20,7 +20,8 @@ import copy
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +249,9 @@ def _install_hooks(optimizer: Any) -> list[Any]:
         register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
         if register_sd is not None:
             handles.append(register_sd(compact_state_dict))
+        front = copy_guard(optimizer, None, compact=True)  # (a deepcopy or pickle of it: the same copies)
+        if front is not None:
+            handles.append(front)
     except BaseException as e:  # (a class that never ran Optimizer.__init__ has no hook dicts; a Ctrl-C)
         for handle in handles:
             handle.remove()
@@ -302,32 +306,43 @@ class _ZeroGrad(_Front):
         super().__init__(optimizer, "zero_grad", _ZeroGradFront(ref, optimizer.__dict__.get("zero_grad", _MISSING)))
 
 
-def copy_guard(optimizer: Any, wait: Callable[[Any], None]) -> _Front | None:
-    """While copies in flight still write the state (a non-blocking transfer, a streamed step's write-backs):
-    ``copy.deepcopy``, pickle and ``torch.save`` of the whole optimizer (which read it through ``__getstate__``, no
-    hook) ``wait(optimizer)`` first, as ``state_dict()`` does. None for an object without a ``__dict__``."""
+def copy_guard(optimizer: Any, wait: Callable[[Any], None] | None, *, compact: bool = False) -> _Front | None:
+    """``copy.deepcopy``, pickle and ``torch.save`` of the whole optimizer read its state through
+    ``__getstate__``, which no hook reaches: a front there, while copies in flight still write the state (a
+    non-blocking transfer, a streamed step's write-backs), that calls ``wait(optimizer)`` first, as
+    ``state_dict()`` waits; ``compact``: while the state is a view into pool buffers (offloaded, streamed), that
+    hands out copies owning exactly their bytes, as ``state_dict()`` does (:func:`compact_state_dict`: a view's
+    whole storage, other optimizers' old bytes included, went into the file). None for an object without a
+    ``__dict__``."""
     if not isinstance(getattr(optimizer, "__dict__", None), dict):
         return None
     previous = optimizer.__dict__.get("__getstate__", _MISSING)
-    return _Front(optimizer, "__getstate__", _GetStateFront(weakref.ref(optimizer), wait, previous))
+    return _Front(optimizer, "__getstate__", _GetStateFront(weakref.ref(optimizer), wait, compact, previous))
 
 
 class _GetStateFront:
-    """``optimizer.__getstate__`` while copies in flight write its state: waits, then the one it stands before."""
+    """``optimizer.__getstate__`` while copies in flight write its state or it sits in pool buffers: waits, or
+    compacts, the one it stands before's answer (see :func:`copy_guard`)."""
 
-    __slots__ = ("ref", "wait", "previous", "__weakref__")
+    __slots__ = ("ref", "wait", "compact", "previous", "__weakref__")
 
-    def __init__(self, ref: weakref.ref[Any], wait: Callable[[Any], None], previous: Any) -> None:
-        self.ref, self.wait, self.previous = ref, wait, previous
+    def __init__(self, ref: weakref.ref[Any], wait: Callable[[Any], None] | None, compact: bool, previous: Any) -> None:
+        self.ref, self.wait, self.compact, self.previous = ref, wait, compact, previous
 
     def __call__(self) -> Any:
         optimizer = self.ref()
         if optimizer is None:  # (only the optimizer's own attribute lookup reaches it)
             return {}
-        self.wait(optimizer)
+        if self.wait is not None:
+            self.wait(optimizer)
         state = self.previous() if self.previous is not _MISSING else type(optimizer).__getstate__(optimizer)
         if isinstance(state, dict) and state.get("__getstate__") is self:  # (a class that pickles its __dict__)
             state = {k: v for k, v in state.items() if k != "__getstate__"}
+        if self.compact and isinstance(state, dict) and isinstance(state.get("state"), Mapping):
+            live = state["state"]
+            state = compact_state_dict(optimizer, state)
+            if isinstance(live, defaultdict) and not isinstance(state["state"], defaultdict):
+                state["state"] = defaultdict(live.default_factory, state["state"])  # (torch's: missing keys default)
         return state
 
 

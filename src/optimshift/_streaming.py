@@ -577,7 +577,8 @@ class Streamed:
             registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.wait())),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
-        guard = copy_guard(opt, lambda _opt: self.wait())  # (a deepcopy or pickle of it: after the write-backs)
+        # (a deepcopy or pickle of it: after the write-backs, of copies owning their bytes, as its state_dict())
+        guard = copy_guard(opt, lambda _opt: self.wait(), compact=True)
         if guard is not None:
             self._handles.append(guard)
         self._active = True

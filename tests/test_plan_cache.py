@@ -275,6 +275,35 @@ def test_a_float_hyperparameter_change_rebuilds_nothing(sim, builds):
     assert _rebuilt_after(sim, builds, change) == 0
 
 
+def test_a_group_mapping_keyed_by_the_params_is_keyed_by_their_kind_not_their_values(sim, builds):
+    """A hyperparameter mapping keyed by the params (``group["masks"][param]``): the layout keyed each key by its
+    str(), which prints the param's values (a host sync per param on a device) and changed with every step, so no
+    cached plan was ever reused."""
+
+    def change(model, opt):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # (what a step does to the keys' values)
+
+    def masked(model, opt):
+        opt.param_groups[0]["masks"] = {p: torch.ones(p.shape, device=sim) for p in opt.param_groups[0]["params"]}
+
+    model, opt = _trained(sim)
+    masked(model, opt)
+    for _ in range(2):
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+    with optimshift.count_syncs() as steady:  # (a blocking offload's own wait, its plans cached)
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+    before = builds[0]
+    change(model, opt)
+    with optimshift.count_syncs() as syncs:
+        optimshift.offload(opt)
+        optimshift.reload(opt)
+    assert builds[0] == before and syncs.total == steady.total
+
+
 def test_grads_present_matter_when_grads_are_offloaded(sim, builds):
     model, opt = _trained(sim)
     for _ in range(3):

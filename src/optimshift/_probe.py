@@ -184,7 +184,11 @@ def _key_of(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return (type(value).__name__,) + tuple(_key_of(v) for v in value)
     if isinstance(value, Mapping):
-        return ("dict",) + tuple(sorted((str(k), _key_of(v)) for k, v in value.items()))
+        # (a key that is a tensor, a param: by its kind, as a value is; its str() would print its values, a host
+        # sync per param on a device, and change with every step)
+        return ("dict",) + tuple(
+            sorted((str(_key_of(k)) if isinstance(k, torch.Tensor) else str(k), _key_of(v)) for k, v in value.items())
+        )
     return (type(value).__qualname__, repr(value))
 
 

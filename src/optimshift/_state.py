@@ -18,7 +18,8 @@ import dataclasses
 import enum
 import types
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -252,14 +253,22 @@ def _rebuild_container(
 
 
 def keyed_by(
-    roots: Iterable[tuple[Path, Any]], ids: Container[int], seen: set[int] | None = None
+    roots: Iterable[tuple[Path, Any]], ids: Mapping[int, Any] | AbstractSet[int], seen: set[int] | None = None
 ) -> Iterator[tuple[Path, Any]]:
     """Every mapping inside each root value (the root too) with a key whose ``id`` is in ``ids`` (TRAC's
     ``state["_trac"][param]``, a ``{param: tensor}`` under a plain state key), with its path, in :func:`leaves`
     order; iterative, each container once across the roots (``seen``: ids of containers to skip, shared). Keys are
     not walked into, tensors are leaves."""
     seen = set() if seen is None else seen
+    keys = ids.keys() if isinstance(ids, Mapping) else ids
+    tensor = torch.Tensor
+    only_tensors = {tensor}
     for path, value in roots:
+        if type(value) is dict and set(map(type, value.values())) <= only_tensors:
+            # (a param's state of plain tensors, the common case, at once: this runs over every param's state)
+            if not keys.isdisjoint(map(id, value)):
+                yield path, value
+            continue
         if isinstance(value, (torch.Tensor,) + _ATOMS) or id(value) in seen:
             continue
         seen.add(id(value))
@@ -267,8 +276,11 @@ def keyed_by(
         stack: list[tuple[Path, Any]] = [(path, value)]
         while stack:
             where, container = stack.pop()
-            if isinstance(container, Mapping) and any(id(k) in ids for k in container):
-                yield where, container
+            if isinstance(container, Mapping):
+                if not keys.isdisjoint(map(id, container)):  # (in C: this runs over every param's state)
+                    yield where, container
+                if type(container) is dict and set(map(type, container.values())) <= only_tensors:
+                    continue  # (nothing inside to walk)
             children = [
                 (where + (step,), child)
                 for step, child in _children(container)

@@ -47,6 +47,7 @@ from ._probe import Rejection, entry_dtypes, rejected_dtypes
 from ._state import (
     GROUP_SKIP,
     OPTIMIZER_WIDE,
+    Path,
     Setter,
     format_path,
     group_device,
@@ -56,6 +57,7 @@ from ._state import (
     keyed_by,
     label_in,
     leaves,
+    param_positions,
     rekey,
     renamed,
     untensored,
@@ -930,38 +932,36 @@ def _rekeys(optimizer: Any, renames: Mapping[int, torch.Tensor]) -> list[Setter]
     if not renames:
         return []
     state = optimizer.state
-    positions = {
-        id(p): label_in(optimizer, gi, pi)
-        for gi, g in enumerate(optimizer.param_groups)
-        for pi, p in enumerate(g["params"])
-    }
-    roots: list[tuple[str, Any]] = [
-        (f"the state of {positions[id(k)]}" if id(k) in positions else "state", v)
-        if isinstance(k, torch.Tensor)
-        else (f"optimizer.state[{k!r}]", v)
-        for k, v in state.items()
-    ]
+    # (roots by (where, key); labelled only for an error: this runs over every param's state)
+    roots: list[tuple[Path, Any]] = [((("state", k),), v) for k, v in state.items()]
     roots += [
-        (f"param_groups[{gi}][{k!r}]", v)
+        ((("group", gi), ("key", k)), v)
         for gi, group in enumerate(optimizer.param_groups)
         for k, v in group.items()
         if k not in GROUP_SKIP
     ]
     seen = {id(state), id(optimizer.param_groups)}  # (the rewrite renames the state's own keys)
     out = []
-    for label, value in roots:
-        for path, found in keyed_by([((), value)], renames, seen):
-            try:
-                out.append(rekey(found, renames))
-            except (TypeError, ValueError) as e:
-                where = "".join(
-                    f"[{positions.get(id(k), 'a param')}]" if isinstance(k, torch.Tensor) else format_path(((kind, k),))
-                    for kind, k in path
-                )
-                raise type(e)(
-                    f"{optimizer_name(optimizer)}: rebind: {label}{where} is keyed by the params and {e}: it cannot "
-                    f"be re-keyed to the new params, and the old ones would stay there; nothing was changed"
-                ) from None
+    for path, found in keyed_by(roots, renames, seen):
+        try:
+            out.append(rekey(found, renames))
+        except (TypeError, ValueError) as e:
+            positions = {i: label_in(optimizer, gi, pi) for i, (gi, pi) in param_positions(optimizer).items()}
+            (kind, root), rest = path[0], path[1:]
+            if kind == "group":
+                label, rest = f"param_groups[{root}][{rest[0][1]!r}]", rest[1:]
+            elif isinstance(root, torch.Tensor):
+                label = f"the state of {positions.get(id(root), 'a param')}"
+            else:
+                label = f"optimizer.state[{root!r}]"
+            where = "".join(
+                f"[{positions.get(id(k), 'a param')}]" if isinstance(k, torch.Tensor) else format_path(((kind, k),))
+                for kind, k in rest
+            )
+            raise type(e)(
+                f"{optimizer_name(optimizer)}: rebind: {label}{where} is keyed by the params and {e}: it cannot "
+                f"be re-keyed to the new params, and the old ones would stay there; nothing was changed"
+            ) from None
     return out
 
 

@@ -334,6 +334,25 @@ def load_continue(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         lambda: save(workdir / "ck_never", other, sgd, extra={"fine": 1} if rank == 0 else ["not", "a", "mapping"])
     )
     res["ck_never_exists"] = any(p.name.startswith("ck_never") for p in workdir.iterdir())
+    # a read error on one rank while the checks read the checkpoint (DCP's CheckpointException, a BaseException:
+    # it skipped the exchange of errors, and the other rank waited until the group timed out)
+    import torch.distributed.checkpoint as dcp
+
+    read_data = dcp.FileSystemReader.read_data
+    reads = [0]
+
+    def failing_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reads[0] += 1
+        if rank == 1 and reads[0] == 1:
+            raise OSError("EIO on rank 1")
+        return read_data(self, *args, **kwargs)
+
+    dcp.FileSystemReader.read_data = failing_once  # type: ignore[method-assign]
+    try:
+        fresh = shard(build_model(), mesh)
+        res["one_rank_read"] = _error_of(lambda: load(workdir / "ck2", fresh, build_optimizer(fresh)))
+    finally:
+        dcp.FileSystemReader.read_data = read_data  # type: ignore[method-assign]
     dist.barrier()  # the group is still in step after all these errors
 
     return res

@@ -308,6 +308,8 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(job_load):
             assert "failed on another rank" in load_error and "(on rank 1 of 2)" in load_error
             assert "failed on another rank" in save_error
         assert not res["ck_never_exists"]
+        read_error = res["one_rank_read"]
+        assert read_error.startswith("RuntimeError: ") and "EIO on rank 1" in read_error, read_error
 
 
 def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(job_kill, dist_dir):
@@ -475,3 +477,141 @@ def test_commit_without_an_atomic_exchange(tmp_path, monkeypatch):
     assert describe_dcp(target)["path"].endswith("ck.optimshift-old")
     model = build_model()
     assert load(target, model, build_optimizer(model)) == {"n": 2}
+
+
+# --- what the hunt of stop 43 found ------------------------------------------------------------------------
+
+
+def test_a_scheduler_built_before_the_load_keeps_its_keys(tmp_path):
+    """The common resume order: optimizer, LR scheduler, load, against a checkpoint saved without a scheduler.
+    The scheduler's initial_lr, a key only the live groups have, made DCP fail part-way (its raw error, not an
+    Exception) and left a fresh optimizer with DCP's zero-lr first step; it keeps its live value now."""
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt)
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)
+    torch.optim.lr_scheduler.LinearLR(fresh_opt)  # adds initial_lr to every param group
+    initial = [g["initial_lr"] for g in fresh_opt.param_groups]
+    load(tmp_path / "ck", fresh, fresh_opt)
+    assert [g["initial_lr"] for g in fresh_opt.param_groups] == initial
+    saved = full_state(model, opt)
+    got = full_state(fresh, fresh_opt)
+    got["groups"] = [{k: v for k, v in g.items() if k != "initial_lr"} for g in got["groups"]]
+    assert state_differences(got, saved) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_checkpoint_cut_short_is_refused_before_anything_changes(tmp_path, damage):
+    """A shard file missing or cut short: the load wrote part of the model, left a fresh optimizer with DCP's
+    zero-lr first step, and raised DCP's raw error (a BaseException). Its metadata names every file and its bytes:
+    refused first, nothing changed."""
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt)
+    (shard_file,) = (tmp_path / "ck").glob("*.distcp")
+    if damage == "truncated":
+        os.truncate(shard_file, shard_file.stat().st_size // 2)
+    else:
+        shard_file.unlink()
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)
+    before = _state_of(fresh, fresh_opt)
+    with pytest.raises(ValueError, match=rf"is incomplete: it lacks \['{shard_file.name}'\]"):
+        load(tmp_path / "ck", fresh, fresh_opt)
+    assert _unchanged(before, fresh, fresh_opt) and not fresh_opt.state
+
+
+def test_a_read_error_while_loading_is_an_exception_and_leaves_no_first_step(tmp_path, monkeypatch):
+    """DCP's CheckpointException is a BaseException: a user's `except Exception` missed it, and an optimizer
+    that had no state kept DCP's zero-lr first step."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt)
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)
+    read_data = dcp.FileSystemReader.read_data
+    calls = [0]
+
+    def failing_late(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # (the first read is the checks' own: the second is the load itself)
+            raise OSError("EIO")
+        return read_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", failing_late)
+    with pytest.raises(RuntimeError, match="partly loaded"):
+        load(tmp_path / "ck", fresh, fresh_opt)
+    assert not fresh_opt.state
+
+
+def test_a_streamed_optimizer_loads(tmp_path, sim):
+    """The load's last move, which places the state as a fresh optimizer keeps it, refused a streamed optimizer:
+    every load into one failed, after it had loaded ("partly loaded"), and its extra was lost."""
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt, extra={"epoch": 3})
+    fresh = build_model().to(sim)
+    fresh_opt = build_optimizer(fresh)
+    local_step(fresh, fresh_opt, 5, device=sim)
+    optimshift.stream(fresh_opt)
+    assert load(tmp_path / "ck", fresh, fresh_opt) == {"epoch": 3}
+    assert optimshift.is_streamed(fresh_opt)
+    optimshift.unstream(fresh_opt)
+    assert state_differences(full_state(fresh.cpu(), fresh_opt), full_state(model, opt)) == []
+
+
+def test_an_interrupted_save_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A Ctrl-C while the state dicts were built left this save's locked temporary folder (no later save in the
+    process could sweep it) and a never-stepped optimizer with DCP's zero-lr first step."""
+    from optimshift.distributed import _checkpoint
+
+    model = build_model()
+    opt = build_optimizer(model)
+    real = _checkpoint.get_state_dict
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_checkpoint, "get_state_dict", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path / "ck", model, opt)
+    assert list(tmp_path.iterdir()) == [] and not opt.state
+
+
+def test_save_into_an_empty_folder(tmp_path):
+    """A folder made for the checkpoint beforehand (os.makedirs(path, exist_ok=True)) was refused as 'not a
+    checkpoint'; an empty one holds nothing to lose."""
+    model, opt = _trained()
+    target = tmp_path / "step_100"
+    target.mkdir()
+    save(target, model, opt)
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)
+    load(target, fresh, fresh_opt)
+    assert state_differences(full_state(fresh, fresh_opt), full_state(model, opt)) == []
+
+
+def test_two_first_commits_to_one_path_the_last_wins(tmp_path, monkeypatch):
+    """Two saves committing to a path that did not exist: the one that renamed second met the other's folder
+    there (ENOTEMPTY) and failed."""
+    from optimshift.checkpoint import _atomic
+
+    model, opt = _trained()
+    save(tmp_path / "other", model, opt, extra={"n": 1})
+    real = os.path.lexists
+    raced = [False]
+
+    def lexists_then_another_commits(path):
+        found = real(path)
+        if not found and str(path).endswith("/ck") and not raced[0]:
+            raced[0] = True
+            os.rename(tmp_path / "other", tmp_path / "ck")  # (another save's commit, just after the check)
+        return found
+
+    monkeypatch.setattr(_atomic.os.path, "lexists", lexists_then_another_commits)
+    local_step(model, opt, 1)
+    save(tmp_path / "ck", model, opt, extra={"n": 2})
+    monkeypatch.undo()
+    assert raced[0] and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    fresh = build_model()
+    assert load(tmp_path / "ck", fresh, build_optimizer(fresh)) == {"n": 2}

@@ -242,7 +242,9 @@ def test_an_incomplete_temporary_directory_is_not_committed(tmp_path, monkeypatc
         real_note(directory, note)
 
     monkeypatch.setattr(_checkpoint, "_write_note", lose_a_shard)
-    with pytest.raises(RuntimeError, match=r"lacks \['__0_0.distcp'\], which its metadata names; not committing"):
+    with pytest.raises(
+        RuntimeError, match=r"lacks \['__0_0.distcp'\] \(or holds fewer bytes than its metadata names\); not committing"
+    ):
         save(target, model, opt, extra={"n": 2})
     monkeypatch.undo()
     fresh, fresh_opt = _trained()

@@ -261,8 +261,14 @@ def commit_folder(tmp: str | os.PathLike[str], target: str | os.PathLike[str], o
     where the kernel can, else two renames (a crash between them leaves the previous folder at ``old``). Once
     ``target`` holds the new folder nothing raises: removing the previous one is best-effort."""
     if not os.path.lexists(target):
-        os.rename(tmp, target)
-    elif exchange(tmp, target):
+        try:
+            os.rename(tmp, target)
+            fsync_dir(os.path.dirname(os.path.abspath(target)))
+            return
+        except OSError as e:  # (another commit put a folder there since: replaced as below, the last one wins)
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.lexists(target):
+                raise
+    if exchange(tmp, target):
         shutil.rmtree(tmp, ignore_errors=True)  # it now holds the previous folder
     else:
         shutil.rmtree(old, ignore_errors=True)

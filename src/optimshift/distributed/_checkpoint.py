@@ -42,6 +42,7 @@ import torch.distributed as dist
 # NOTE: torch.distributed.checkpoint has no __all__: save, load and FileSystemReader/Writer are re-exported
 # implicitly, which torch's typing does not declare (hence the attr-defined ignores on dcp.* below).
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -54,6 +55,7 @@ from .._devices import DeviceLike, resolve
 from .._errors import add_note, dtype_name, with_article
 from .._plan import check_optimizer, optimizer_name
 from .._probe import quiet_global_step_hooks
+from .._streaming import is_streamed
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
 
@@ -70,6 +72,9 @@ _OLD = ".optimshift-old"
 _EXTRA = "optimshift_extra"
 _FORMAT = 1
 _SHOWN = 8  # differences listed in a mismatch error before "... and N more"
+# NOTE: DCP's own error is a BaseException, not an Exception: caught with the others, or a rank that met it
+# would skip _agree and leave the others waiting in a collective until the process group times out.
+_FAILURES = (Exception, CheckpointException)
 
 
 # --- public API -----------------------------------------------------------------------------------------
@@ -96,7 +101,7 @@ def save(
         if extra is not None:
             blob = _pack_extra(extra)
         _check_replaceable(target)
-    except Exception as e:  # noqa: BLE001 - every error is re-raised on every rank by _agree
+    except _FAILURES as e:  # noqa: BLE001 - every error is re-raised on every rank by _agree
         error = e
     token = _agree(error, "save", path, share=token)
     assert target is not None
@@ -125,11 +130,16 @@ def save(
         state = {"model": model_sd, "optim": optim_sd}
         if rank == 0 and blob is not None:
             state[_EXTRA] = blob
-    except Exception as e:  # noqa: BLE001
-        error = e
+    except BaseException as e:
         if not had_state:
             optimizer.state.clear()  # undo DCP's initialization if it got that far
         _restore_grads(no_grad)
+        if not isinstance(e, _FAILURES):  # (a Ctrl-C: nothing left behind, the folder's lock closed)
+            if lock is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.close(lock)
+            raise
+        error = e
     try:
         try:
             _agree(error, "save", path)
@@ -176,14 +186,14 @@ def save(
             os.close(lock)
 
 
-def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> Exception | None:
+def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> BaseException | None:
     """Rank 0: check that ``tmp`` is this save's complete checkpoint, write the note, commit; then clean up,
     best-effort (the checkpoint is in place by then). Returns the error that kept it from committing."""
     try:
         _write_note(tmp, note)
         _check_complete(tmp, lock)
         commit_folder(tmp, target, _sibling(target, _OLD))
-    except Exception as e:  # noqa: BLE001
+    except _FAILURES as e:  # noqa: BLE001
         shutil.rmtree(tmp, ignore_errors=True)
         return e
     shutil.rmtree(_sibling(target, _OLD), ignore_errors=True)  # a crashed two-rename commit's leftover
@@ -212,7 +222,7 @@ def load(
             where = resolve(device, tensors=[p for g in optimizer.param_groups for p in g["params"]])
         layout = _Layout.read(target)
         _check_owned(model, optimizer)
-    except Exception as e:  # noqa: BLE001
+    except _FAILURES as e:  # noqa: BLE001
         error = e
     _agree(error, "load", path)
     assert target is not None and layout is not None
@@ -233,7 +243,7 @@ def load(
                 "cannot initialize it; call optimizer.zero_grad(set_to_none=True) before load"
             )
         _raise_mismatch(problems, layout, model, optimizer)
-    except Exception as e:  # noqa: BLE001
+    except _FAILURES as e:  # noqa: BLE001
         error = e
     _agree(error, "load", path)
 
@@ -246,19 +256,25 @@ def load(
     no_grad = _params_without_grad(optimizer)
     model_sd: Any = None
     optim_sd: Any = None
+    live = optimizer.param_groups
+    kept: list[dict[str, Any]] = []
     try:
         with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
             model_sd, optim_sd = get_state_dict(model, optimizer)
         problems, stateless = _compare_state(optim_sd, layout, model)
         _raise_mismatch(problems, layout, model, optimizer)
+        # Keys only the live groups have (an LR scheduler built before the load adds initial_lr): DCP would
+        # look for them in the checkpoint and fail part-way; left out of the load, they keep their live values.
+        kept = [{k: group[k] for k in group if k not in layout.groups.get(gi, ())} for gi, group in enumerate(live)]
+        groups = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(optim_sd["param_groups"], kept)]
         if layout.has_state:
             optim_sd = {
                 "state": {n: v for n, v in optim_sd["state"].items() if n not in stateless},
-                "param_groups": optim_sd["param_groups"],
+                "param_groups": groups,
             }
         else:  # saved before the first step: load the param groups, end without state
-            optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
-    except Exception as e:  # noqa: BLE001
+            optim_sd = {"state": {}, "param_groups": groups}
+    except _FAILURES as e:  # noqa: BLE001
         error = e
     try:
         _agree(error, "load", path)
@@ -286,10 +302,15 @@ def load(
         )  # strict: refuses params without saved state
         if not layout.has_state:
             optimizer.state.clear()
-        move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
+        for group, mine in zip(optimizer.param_groups, kept):
+            group.update(mine)
+        if not is_streamed(optimizer):  # (a streamed optimizer's load put its state where streaming keeps it)
+            move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
         return _unpack_extra(state[_EXTRA]) if layout.has_extra else None
-    except Exception as e:
+    except _FAILURES as e:
         _restore_grads(no_grad)
+        if not had_state:
+            optimizer.state.clear()  # (DCP's initialization: no fake first step left behind)
         raise RuntimeError(
             f"optimshift.distributed.load({os.fspath(target)}) failed after it began writing the checkpoint into "
             f"the model and optimizer, which may now be partly loaded (reload them, or load again): "
@@ -420,6 +441,10 @@ def _agree(error: BaseException | None, what: str, path: Any, share: Any = None)
     """
     world = _rank_world()[1]
     if world == 1:
+        if isinstance(error, CheckpointException):  # (not an Exception: a user's `except Exception` missed it)
+            raise RuntimeError(
+                f"optimshift.distributed.{what}({os.fspath(path) if _pathlike(path) else path!r}): {error}"
+            ) from error
         if error is not None:
             raise error
         return share
@@ -509,7 +534,7 @@ def _check_replaceable(target: Path) -> None:
             f"{target} is a symlink; save replaces checkpoint directories atomically and will not "
             f"replace a link: give the path it points to"
         )
-    if target.exists() and not _is_checkpoint(target):
+    if target.exists() and not _is_checkpoint(target) and not (target.is_dir() and not any(target.iterdir())):
         kind = "directory" if target.is_dir() else "file"
         raise FileExistsError(
             f"{target} exists and is a {kind} that is not a torch.distributed.checkpoint "
@@ -532,7 +557,7 @@ def _committed(target: Path) -> Path:
 def _read_metadata(target: Path) -> Metadata:
     try:
         return dcp.FileSystemReader(str(target)).read_metadata()  # type: ignore[attr-defined]
-    except Exception as e:
+    except _FAILURES as e:
         raise ValueError(f"{target}: cannot read the checkpoint's metadata: {e}") from e
 
 
@@ -588,6 +613,12 @@ class _Layout:
             raise ValueError(
                 f"{target} is a DCP checkpoint but not one written by optimshift.distributed.save "
                 f"(no 'model' and 'optim' entries)"
+            )
+        short = _short_files(target, metadata)
+        if short:  # (found before anything is read: a load from it would stop part-way, the model half written)
+            raise ValueError(
+                f"{target} is incomplete: it lacks {_listed(short)}, or holds fewer bytes there than its metadata "
+                f"names (a copy cut short?); nothing was loaded"
             )
         return layout
 
@@ -859,11 +890,28 @@ def _check_complete(tmp: Path, lock: int | None) -> None:
             f"{tmp}, this save's temporary directory, holds no .metadata after the write; "
             f"not committing an incomplete checkpoint"
         )
-    metadata = dcp.FileSystemReader(str(tmp)).read_metadata()  # type: ignore[attr-defined]
-    files = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
-    missing = sorted(f for f in files if isinstance(f, str) and not (tmp / f).is_file())
-    if missing:
+    short = _short_files(tmp, dcp.FileSystemReader(str(tmp)).read_metadata())  # type: ignore[attr-defined]
+    if short:
         raise RuntimeError(
-            f"{tmp}, this save's temporary directory, lacks {_listed(missing)}, which its metadata "
-            f"names; not committing an incomplete checkpoint"
+            f"{tmp}, this save's temporary directory, lacks {_listed(short)} (or holds fewer bytes than its "
+            f"metadata names); not committing an incomplete checkpoint"
         )
+
+
+def _short_files(directory: Path, metadata: Metadata) -> list[str]:
+    """The files ``metadata`` names that ``directory`` lacks, or that hold fewer bytes than it reads from them."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            end = int(getattr(info, "offset", 0) or 0) + int(getattr(info, "length", 0) or 0)
+            ends[name] = max(ends.get(name, 0), end)
+    short = []
+    for name, end in sorted(ends.items()):
+        try:
+            size = (directory / name).stat().st_size if (directory / name).is_file() else -1
+        except OSError:
+            size = -1
+        if size < end:
+            short.append(name)
+    return short

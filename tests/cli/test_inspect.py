@@ -142,6 +142,28 @@ def test_inspect_folder_uses_describe_dcp(tmp_path, capsys, monkeypatch):
     assert rc == 1 and "is a directory" in err and "optimshift.distributed" in err
 
 
+def test_inspect_a_file_of_a_dcp_folder_shows_the_folder_and_an_incomplete_one_fails(tmp_path, capsys):
+    """``inspect ck/.metadata`` (a file optimshift.distributed.save wrote) said its pickle could run code, and a
+    healthy shard file was called corrupt: each is part of the folder, which is what is shown. A folder missing
+    a shard, or with one cut short, exited 0 without a word; load refuses it, and so does inspect."""
+    import os
+
+    from optimshift.distributed import save
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    save(tmp_path / "ck", model, opt)
+    (shard,) = (tmp_path / "ck").glob("*.distcp")
+    for part in (tmp_path / "ck" / ".metadata", shard):
+        rc, out, err = _run(capsys, "inspect", str(part))
+        assert rc == 0 and "(torch.distributed.checkpoint folder)" in out and str(tmp_path / "ck") in out, err
+    os.truncate(shard, shard.stat().st_size // 2)
+    rc, out, err = _run(capsys, "inspect", str(tmp_path / "ck"))
+    assert rc == 1 and f"is incomplete: it lacks {shard.name}" in err, err
+
+
 READS = (
     "pass a torch.save file, a Hugging Face Trainer checkpoint-N folder, an Accelerate save_state folder or a "
     "torch.distributed.checkpoint folder (one with a .metadata file)"

@@ -151,6 +151,10 @@ def _render_findings(findings: list[dict[str, Any]], color: bool, *, none: str) 
 
 def run_inspect(args: argparse.Namespace) -> int:
     path, as_json = args.path, args.json
+    folder_of = os.path.dirname(os.path.abspath(path))
+    dcp_part = os.path.basename(path) == ".metadata" or path.endswith(".distcp")
+    if dcp_part and os.path.isfile(path) and os.path.isfile(os.path.join(folder_of, ".metadata")):
+        path = folder_of  # (a file of a torch.distributed.checkpoint folder: the folder is the checkpoint)
     if os.path.isdir(path):
         folder = training_folder(path)
         if folder is not None:
@@ -207,6 +211,15 @@ def _inspect_folder(path: str, *, as_json: bool) -> int:
         info = describe_dcp(path)
     except Exception as e:
         return failure("inspect", f"{path}: {type(e).__name__}: {e}", as_json=as_json, error=e)
+    if info.get("incomplete"):
+        missing = ", ".join(info["incomplete"])
+        return failure(
+            "inspect",
+            f"{path} is incomplete: it lacks {missing}, or holds fewer bytes there than its metadata names (a copy "
+            f"cut short?); optimshift.distributed.load refuses it",
+            as_json=as_json,
+            error=ValueError(missing),
+        )
     if as_json:
         print(json.dumps(info, indent=2, default=str))
     else:

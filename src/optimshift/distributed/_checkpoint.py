@@ -324,7 +324,8 @@ def describe_dcp(path: PathLike) -> dict[str, Any]:
 
     Keys: ``path``, ``format``, ``entries`` (``key``, ``path``, ``kind`` "tensor"/"object", and for tensors
     global ``shape``, ``dtype``, ``bytes``, ``chunks``), ``sections`` (per top-level key: ``tensors``,
-    ``objects``, ``bytes``), ``tensors``, ``objects``, ``tensor_bytes``, ``files``, ``disk_bytes`` and
+    ``objects``, ``bytes``), ``tensors``, ``objects``, ``tensor_bytes``, ``files``, ``disk_bytes``,
+    ``incomplete`` (the files its metadata names that are missing or cut short: :func:`load` refuses it) and
     ``optimshift`` (the note :func:`save` writes, or None for a checkpoint saved otherwise).
     """
     target = _committed(_as_path(path))
@@ -361,6 +362,7 @@ def describe_dcp(path: PathLike) -> dict[str, Any]:
         "tensor_bytes": sum(e["bytes"] for e in tensors),
         "files": len(files),
         "disk_bytes": sum(f.stat().st_size for f in files),
+        "incomplete": _short_files(target, metadata),
         "optimshift": _read_note(target),
     }
 

@@ -952,11 +952,22 @@ def _prepare_mapping(
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector while a plan runs: it creates many small objects next to many live
-    tensors, and collections triggered by them would cost more than the copies themselves."""
-    enabled = gc.isenabled()
-    gc.disable()
+    tensors, and collections triggered by them would cost more than the copies themselves. The collector is
+    one per process: the first of the operations in flight (in any thread) pauses it, the last one out gives it
+    back as it found it (and never turns on one that someone turned off meanwhile)."""
+    with _paused_lock:
+        if not _paused:
+            _paused.append(gc.isenabled())
+        _paused.append(True)
+        gc.disable()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _paused_lock:
+            _paused.pop()
+            if len(_paused) == 1 and _paused.pop() and not gc.isenabled():
+                gc.enable()
+
+
+_paused_lock = threading.Lock()
+_paused: list[bool] = []  # whether the collector was on when the first operation paused it, then one per operation

@@ -68,6 +68,7 @@ class PendingTransfer:
         self.device = device
         self.to_host = to_host  # its copies write host memory (an offload): host readers must wait on the host
         self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()  # (a handle waited for from several threads: its callbacks run once)
 
     @property
     def event(self) -> Any | None:
@@ -76,26 +77,30 @@ class PendingTransfer:
         return self._event
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
-        if self._event is None:
-            fn()
-        else:
-            self._callbacks.append(fn)
+        with self._lock:
+            if self._event is not None:
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def _finish(self) -> None:
-        self._event = None
-        callbacks, self._callbacks = self._callbacks, []
+        with self._lock:
+            self._event = None
+            callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
 
     def done(self) -> bool:
-        if self._event is not None and self._event.query():
+        event = self._event  # (read once: another thread's wait() may finish it meanwhile)
+        if event is not None and event.query():
             self._finish()
         return self._event is None
 
     def wait(self) -> None:
         """Block the host until the copies are complete."""
-        if self._event is not None:
-            self._event.synchronize()
+        event = self._event
+        if event is not None:
+            event.synchronize()
             self._finish()
 
     def order_before_use(self, *, host: bool = False) -> None:
@@ -107,14 +112,15 @@ class PendingTransfer:
         # NOTE: a device-side wait suffices only for work on the current stream; the engine's side stream
         # waits for the current stream before its copies, so the next transfer is ordered too.
         """
-        if self.done():
+        event = self._event  # (read once: another thread's wait() may finish it meanwhile)
+        if event is None or self.done():
             return  # complete already: the host knows, so everything issued from now on comes after it
         streams = None if self.to_host or host else _device_streams.of(self.device)
         if streams is None:
             self.wait()
         else:
             assert self.device is not None
-            streams.wait_event(streams.current(self.device), self._event)
+            streams.wait_event(streams.current(self.device), event)  # (an event complete by now: no wait)
 
     def __repr__(self) -> str:
         return f"PendingTransfer(device={self.device}, done={self.done()})"

@@ -186,9 +186,8 @@ def _key_of(value: Any) -> Any:
     if isinstance(value, Mapping):
         # (a key that is a tensor, a param: by its kind, as a value is; its str() would print its values, a host
         # sync per param on a device, and change with every step)
-        return ("dict",) + tuple(
-            sorted((str(_key_of(k)) if isinstance(k, torch.Tensor) else str(k), _key_of(v)) for k, v in value.items())
-        )
+        items = [(str(_key_of(k)) if isinstance(k, torch.Tensor) else str(k), _key_of(v)) for k, v in value.items()]
+        return ("dict",) + tuple(sorted(items, key=repr))  # (by repr: keys of one kind tie, and values may not order)
     return (type(value).__qualname__, repr(value))
 
 

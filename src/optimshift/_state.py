@@ -408,7 +408,9 @@ def wrapping(optimizer: Any) -> list[Any]:
         groups, state = getattr(optimizer, "param_groups", None), getattr(optimizer, "state", None)
         held = getattr(optimizer, "optimizer", None)
         candidates = [held] if isinstance(held, torch.optim.Optimizer) else []
-        candidates += [v for v in getattr(optimizer, "__dict__", {}).values() if isinstance(v, torch.optim.Optimizer)]
+        # (a copy first, made in one C call: another thread's operation adds and removes fronts in __dict__)
+        attributes = list(getattr(optimizer, "__dict__", {}).values())
+        candidates += [v for v in attributes if isinstance(v, torch.optim.Optimizer)]
         # (an optimizer that refers back to its wrapper shares its groups and state too: the way back is taken
         # only from an object that is no optimizer of its own, one that never ran Optimizer.__init__)
         own = "_optimizer_step_pre_hooks" in getattr(optimizer, "__dict__", {})
@@ -419,7 +421,7 @@ def wrapping(optimizer: Any) -> list[Any]:
                 if c.param_groups is groups
                 and c.state is state
                 and not any(c is layer for layer in layers)
-                and not (own and any(v is optimizer for v in vars(c).values()))
+                and not (own and any(v is optimizer for v in list(vars(c).values())))
             ),
             None,
         )
@@ -437,7 +439,7 @@ def inner_optimizers(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:
     own = getattr(optimizer, "state", None)
     return [
         (name, value)
-        for name, value in (vars(optimizer).items() if hasattr(optimizer, "__dict__") else ())
+        for name, value in (list(vars(optimizer).items()) if hasattr(optimizer, "__dict__") else [])
         if isinstance(value, torch.optim.Optimizer) and value is not optimizer and value.state is not own
     ]
 

@@ -59,7 +59,7 @@ from ._copy import Options, Side
 from ._devices import DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import add_note, with_article
-from ._offload import compact_state_dict, copy_guard, end_pending, record_of, registered_first
+from ._offload import compact_state_dict, copy_guard, end_pending, exclusive, record_of, registered_first
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target, states_by_id
 from ._state import label_in, param_positions, unwrap
 from .api import move
@@ -699,14 +699,15 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     Returns a :class:`Streamed` handle; :func:`unstream` ends it.
     """
     optimizer = unwrap(optimizer)  # (a wrapper delegating to an optimizer: that optimizer is streamed)
-    end_pending(optimizer)  # a transfer still in flight: its copies write the state laid out here
-    target = _check(optimizer, chunk_bytes, device)
-    start = time.perf_counter()
-    mode = Streamed(optimizer, chunk_bytes, target)
-    with _engine.operation():  # (a Ctrl-C the layout's commit holds waits for the mode to be in place)
-        with _engine.no_gc():
-            mode._lay_out(mode._members(None))
-        mode._install(optimizer)
+    with exclusive(optimizer):  # (one operation at a time: two streams, or a stream and an offload, from threads)
+        end_pending(optimizer)  # a transfer still in flight: its copies write the state laid out here
+        target = _check(optimizer, chunk_bytes, device)
+        start = time.perf_counter()
+        mode = Streamed(optimizer, chunk_bytes, target)
+        with _engine.operation():  # (a Ctrl-C the layout's commit holds waits for the mode to be in place)
+            with _engine.no_gc():
+                mode._lay_out(mode._members(None))
+            mode._install(optimizer)
     # (state that sat at fixed addresses is on the host now, its copies complete, the mode in place: its range's
     # memory is freed, as after a move; a warning raised as an error there leaves a streamed optimizer)
     _addresses.release(optimizer, optimizer_name(optimizer))
@@ -735,22 +736,23 @@ def unstream(optimizer: Opt) -> Opt:
     """End streamed mode: every state entry goes where a fresh optimizer over the params, where they are now,
     keeps it (same objects, values bitwise), ``step``/``load_state_dict`` are the optimizer's own again and the
     host buffers go back to the pool. All or nothing; a no-op for an optimizer that is not streamed."""
-    mode = _mode_of(optimizer)
-    if mode is None:
-        return optimizer
-    mode.wait()
-    inner = mode.optimizer
-    with _engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
-        _mode.leave(inner)
-        try:
-            move(inner)
-        except BaseException:
-            _mode.enter(inner, mode)
-            raise
-        mode._uninstall(inner)
-        chunks = list(mode._chunks.values())
-        mode._forget(chunks)
-        layout.release(chunks)
+    with exclusive(unwrap(optimizer)):  # (one operation at a time, from any thread)
+        mode = _mode_of(optimizer)
+        if mode is None:
+            return optimizer
+        mode.wait()
+        inner = mode.optimizer
+        with _engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
+            _mode.leave(inner)
+            try:
+                move(inner)
+            except BaseException:
+                _mode.enter(inner, mode)
+                raise
+            mode._uninstall(inner)
+            chunks = list(mode._chunks.values())
+            mode._forget(chunks)
+            layout.release(chunks)
     return optimizer
 
 

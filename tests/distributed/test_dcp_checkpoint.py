@@ -310,6 +310,10 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(job_load):
         assert not res["ck_never_exists"]
         read_error = res["one_rank_read"]
         assert read_error.startswith("RuntimeError: ") and "EIO on rank 1" in read_error, read_error
+        kind, message, seconds = res["interrupted_save"]
+        assert kind == ("KeyboardInterrupt" if rank == 0 else "RuntimeError") and seconds < 10, (kind, message)
+        if rank == 1:
+            assert "interrupted (KeyboardInterrupt)" in message and "(on rank 0 of 2)" in message
 
 
 def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(job_kill, dist_dir):
@@ -557,6 +561,27 @@ def test_a_streamed_optimizer_loads(tmp_path, sim):
     assert optimshift.is_streamed(fresh_opt)
     optimshift.unstream(fresh_opt)
     assert state_differences(full_state(fresh.cpu(), fresh_opt), full_state(model, opt)) == []
+
+
+def test_an_interrupted_load_leaves_no_first_step(tmp_path, monkeypatch):
+    """A Ctrl-C while the load builds its state dicts left a never-stepped optimizer with DCP's zero-lr first step
+    (step 1, zero moments: the next step's bias correction silently off)."""
+    from optimshift.distributed import _checkpoint
+
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt)
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)
+    real = _checkpoint.get_state_dict
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_checkpoint, "get_state_dict", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load(tmp_path / "ck", fresh, fresh_opt)
+    assert not fresh_opt.state
 
 
 def test_an_interrupted_save_leaves_nothing_behind(tmp_path, monkeypatch):

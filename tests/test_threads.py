@@ -1,0 +1,109 @@
+"""Operations on one optimizer from several threads (found by a concurrency hunt): each test makes the
+interleaving that broke deterministic, and fails on the code before its fix."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import torch
+
+import optimshift
+from optimshift import _device_streams, _engine, _streaming
+from optimshift.testing import deferred_streams
+
+
+def _adam(sim, n=2):
+    params = [torch.nn.Parameter(torch.randn(64, device=sim)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn(64, device=sim)
+    opt = torch.optim.Adam(params)
+    opt.step()
+    return opt
+
+
+def test_a_handle_finished_by_another_thread_mid_way_orders_nothing_twice(sim, monkeypatch):
+    """order_before_use() (the step and state_dict pre-hooks) checked done(), then read the event again: a
+    wait() in another thread in between left None there (TypeError from wait_event)."""
+    opt = _adam(sim)
+    optimshift.offload(opt)
+    with deferred_streams(seed=0, progress=0.0):
+        handle = optimshift.reload(opt, non_blocking=True)
+        real = _device_streams.of
+
+        def finished_meanwhile(device):
+            handle.wait()  # (what another thread's wait() does at that moment)
+            return real(device)
+
+        monkeypatch.setattr(_device_streams, "of", finished_meanwhile)
+        handle.order_before_use()
+        monkeypatch.undo()
+    assert handle.done()
+
+
+def test_a_front_added_while_an_operation_reads_the_optimizers_attributes(sim):
+    """unwrap() and the inner-optimizer warning iterate the optimizer's __dict__ while checking each value's class
+    (Python code: another thread runs meanwhile), and another thread's offload adds and removes fronts there
+    (zero_grad, __getstate__): RuntimeError, dictionary changed size during iteration."""
+    opt = _adam(sim)
+
+    class Adding:
+        @property
+        def __class__(self):
+            opt.__dict__.setdefault("added_meanwhile", 1)  # (another thread's front)
+            return Adding
+
+    opt.tag = Adding()
+    optimshift.move(opt, "cpu")
+    assert optimshift.is_offloaded(opt) is False and "added_meanwhile" in opt.__dict__
+
+
+def test_stream_and_an_offload_from_two_threads_take_turns(sim, monkeypatch):
+    """stream() took no operation lock: an offload from another thread between its checks and its layout left
+    the optimizer streamed and offloaded at once (step() and reload() both refused it)."""
+    opt = _adam(sim)
+    real = _streaming._check
+    outcome: list[str] = []
+
+    def offload_meanwhile(*args, **kwargs):
+        checked = real(*args, **kwargs)
+
+        def offload():
+            try:
+                optimshift.offload(opt)
+                outcome.append("offloaded")
+            except ValueError as e:
+                outcome.append(str(e))
+
+        other = threading.Thread(target=offload)
+        other.start()
+        other.join(0.5)  # (it waits for the stream: the lock)
+        outcome.append("waited" if other.is_alive() else "ran")
+        threads.append(other)
+        return checked
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(_streaming, "_check", offload_meanwhile)
+    optimshift.stream(opt)
+    threads[0].join(10)
+    assert outcome[0] == "waited" and "is streamed" in outcome[1]
+    assert optimshift.is_streamed(opt) and not optimshift.is_offloaded(opt)
+    optimshift.unstream(opt)
+
+
+def test_the_collector_is_given_back_by_the_last_operation_out(sim):
+    """Each operation paused the collector and gave back what it found: one that began while another ran
+    found it paused, and the first to end turned it on under the other."""
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        first, second = _engine.no_gc(), _engine.no_gc()
+        first.__enter__()
+        second.__enter__()  # (another thread's operation)
+        first.__exit__(None, None, None)
+        assert not gc.isenabled(), "the first out turned the collector on under the other"
+        second.__exit__(None, None, None)
+        assert gc.isenabled()
+    finally:
+        if not was:
+            gc.disable()

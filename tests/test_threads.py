@@ -107,3 +107,34 @@ def test_the_collector_is_given_back_by_the_last_operation_out(sim):
     finally:
         if not was:
             gc.disable()
+
+
+def test_a_state_dict_taken_while_another_thread_offloads_holds_the_values(sim):
+    """state_dict()'s pre-hook waited for the transfer in flight when it began; an offload from another thread
+    after that, before its compaction post-hook, had it copy host buffers not written yet (NaN on the simulator,
+    stale pinned bytes on CUDA): a corrupt checkpoint, though the optimizer itself was fine."""
+    import collections
+
+    opt = _adam(sim, n=1)
+    (p,) = opt.param_groups[0]["params"]
+    expected = opt.state[p]["exp_avg"].cpu().clone()
+    inside, go = threading.Event(), threading.Event()
+
+    class Pausing(collections.defaultdict):  # (pauses state_dict() in thread A after its pre-hooks ran)
+        def items(self):
+            if threading.current_thread().name == "A" and not go.is_set():
+                inside.set()
+                go.wait(5)
+            return super().items()
+
+    opt.state = Pausing(dict, opt.state)
+    out = {}
+    with deferred_streams(seed=0, progress=0.0):
+        taker = threading.Thread(target=lambda: out.setdefault("sd", opt.state_dict()), name="A")
+        taker.start()
+        inside.wait(5)
+        handle = optimshift.offload(opt, non_blocking=True)
+        go.set()
+        taker.join(10)
+        handle.wait()
+    assert torch.equal(out["sd"]["state"][0]["exp_avg"], expected)

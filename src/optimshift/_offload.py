@@ -424,8 +424,12 @@ def compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, 
     # optimizers'); torch.save writes a view's whole storage, so a checkpoint taken then would hold their bytes.
     # The live per-param dicts are shared with the returned state_dict: build new ones, never mutate them.
     """
-    with torch.inference_mode(False):  # (copies made under the caller's inference mode would be inference tensors)
-        return _compact(state_dict)
+    # (an offload from another thread since the state_dict() pre-hook waited: its copies still write host
+    # buffers the copies below read; after it, under its lock, they are waited for)
+    with exclusive(optimizer):
+        pending_of(optimizer).order_before_use(host=True)
+        with torch.inference_mode(False):  # (copies made under the caller's inference mode: inference tensors)
+            return _compact(state_dict)
 
 
 def _compact(state_dict: dict[str, Any]) -> dict[str, Any]:

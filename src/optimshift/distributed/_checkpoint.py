@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .._devices import DeviceLike, resolve
 from .._errors import add_note, dtype_name, with_article
 from .._plan import check_optimizer, optimizer_name
-from .._probe import quiet_global_step_hooks
+from .._probe import quiet_global_step_hooks, step_needs
 from .._streaming import is_streamed
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
@@ -770,7 +770,10 @@ def _compare_groups(optimizer: Any, layout: _Layout, model: torch.nn.Module | No
                 )
     for gi, group in enumerate(live):
         saved = layout.groups.get(gi, set())
-        missing = sorted((defaults or set(group)) - saved - {"params"})
+        # (a key the step does not read, or that __setstate__ fills, as a newer torch's flag an older one did not
+        # save: keeps its live value, as torch's load_state_dict fills it)
+        absent = (defaults or set(group)) - saved - {"params"}
+        missing = sorted(k for k in absent if step_needs(type(optimizer), group, k))
         if missing:
             others = sorted(saved - set(group))
             problems.append(

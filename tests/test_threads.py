@@ -138,3 +138,74 @@ def test_a_state_dict_taken_while_another_thread_offloads_holds_the_values(sim):
         taker.join(10)
         handle.wait()
     assert torch.equal(out["sd"]["state"][0]["exp_avg"], expected)
+
+
+def test_a_state_dict_from_another_thread_waits_for_a_streamed_step(sim):
+    """The streamed step took no lock and cuts the groups down to a chunk while it runs: a state_dict() from
+    another thread meanwhile raised torch's KeyError (a param its groups did not list)."""
+    opt = _adam(sim, n=4)
+    mode = optimshift.stream(opt, chunk_bytes=600)  # (a chunk per param)
+    raw = mode._raw
+    inside, go = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def pausing(optimizer, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # (inside the second chunk's step)
+            inside.set()
+            go.wait(5)
+        return raw(optimizer, *args, **kwargs)
+
+    mode._raw = pausing
+    out: dict[str, object] = {}
+
+    def take():
+        try:
+            out["sd"] = opt.state_dict()
+        except Exception as e:
+            out["error"] = e
+
+    stepper = threading.Thread(target=opt.step)
+    stepper.start()
+    inside.wait(5)
+    taker = threading.Thread(target=take)
+    taker.start()
+    taker.join(0.5)
+    assert taker.is_alive(), "the state_dict() ran in the middle of the streamed step"
+    go.set()
+    stepper.join(10)
+    taker.join(10)
+    assert "error" not in out and len(out["sd"]["state"]) == 4
+    optimshift.unstream(opt)
+
+
+def test_a_streamed_optimizers_write_backs_are_waited_for_by_every_thread(sim):
+    """Streamed.wait() forgot the write-backs' events before it waited for them: a state_dict() in another
+    thread meanwhile found nothing to wait for and copied host chunks not written yet (NaN on the simulator)."""
+    opt = _adam(sim)
+    mode = optimshift.stream(opt, chunk_bytes=512)
+    with deferred_streams(seed=0, progress=0.0):
+        opt.step()
+        inside, go = threading.Event(), threading.Event()
+
+        class Slow:
+            def __init__(self, event):
+                self.event = event
+
+            def synchronize(self):
+                inside.set()
+                go.wait(5)
+                self.event.synchronize()
+
+            def query(self):
+                return self.event.query()
+
+        mode._pending = {d: Slow(e) for d, e in mode._pending.items()}
+        waiter = threading.Thread(target=mode.wait)
+        waiter.start()
+        inside.wait(5)
+        taken = opt.state_dict()  # (its pre-hook waits: the events are still pending)
+        go.set()
+        waiter.join(10)
+    assert not any(bool(torch.isnan(st["exp_avg"]).any()) for st in taken["state"].values())
+    optimshift.unstream(opt)

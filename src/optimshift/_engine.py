@@ -953,8 +953,8 @@ def _prepare_mapping(
 def no_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector while a plan runs: it creates many small objects next to many live
     tensors, and collections triggered by them would cost more than the copies themselves. The collector is
-    one per process: the first of the operations in flight (in any thread) pauses it, the last one out gives it
-    back as it found it (and never turns on one that someone turned off meanwhile)."""
+    one per process: the first of the operations in flight (in any thread) pauses it, and the last one out turns
+    it back on if it was on then (a gc.disable() made meanwhile by other code is not seen)."""
     with _paused_lock:
         if not _paused:
             _paused.append(gc.isenabled())

@@ -170,9 +170,12 @@ class Streamed:
 
     def wait(self) -> None:
         """Block until every queued write-back of streamed state has reached host memory."""
-        pending, self._pending = self._pending, {}
+        pending = dict(self._pending)
         for event in pending.values():
             event.synchronize()
+        for device, event in pending.items():  # (forgotten once waited for: another thread's wait() meanwhile
+            if self._pending.get(device) is event:  # found them still pending, and waited too)
+                del self._pending[device]
 
     def after_load(self) -> None:
         """A load put plain host tensors in the state: lay every param's state out again in pinned chunks."""
@@ -315,7 +318,9 @@ class Streamed:
         # (from here a Ctrl-C is held until the chunks are all written back: one that landed between a chunk's step
         # and its write-back lost that chunk's moments, or left an entry on its window; the closure and the hooks
         # stay interruptible)
-        with _engine.operation(), _engine.uninterrupted():
+        # (under the operation lock: another thread's unstream() or state_dict() would see the groups cut down to
+        # a chunk, or move state a chunk still holds)
+        with exclusive(opt), _engine.operation(), _engine.uninterrupted():
             out = self._chunks_step(opt, rest, kwargs)
         return loss if closure is not None else out
 
@@ -563,11 +568,24 @@ class Streamed:
             # torch's choices, into host state
             _load_state_dict(streamed.optimizer, state_dict, flags="checkpoint", cast="param")
 
+        previous_state_dict = opt.__dict__.get("state_dict", _MISSING)
+
+        def streamed_state_dict() -> Any:
+            optimizer = streamed.optimizer
+            with exclusive(optimizer):  # (not while a streamed step in another thread has the groups cut down)
+                if previous_state_dict is not _MISSING:
+                    return previous_state_dict()
+                return type(optimizer).state_dict(optimizer)
+
         # An LR scheduler wraps optimizer.step to record that it ran (_opt_called), unless the step says it is
         # wrapped already. Ours records it itself, and so is never wrapped: unstream() can restore exactly what
         # was there before.
         streamed_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        installed: dict[str, Any] = {"step": streamed_step, "load_state_dict": streamed_load_state_dict}
+        installed: dict[str, Any] = {
+            "step": streamed_step,
+            "load_state_dict": streamed_load_state_dict,
+            "state_dict": streamed_state_dict,
+        }
         for attr, fn in installed.items():
             fn._optimshift_streamed = self
             self._saved[attr] = opt.__dict__.get(attr, _MISSING)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -354,26 +353,6 @@ def load_continue(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         res["one_rank_read"] = _error_of(lambda: load(workdir / "ck2", fresh, build_optimizer(fresh)))
     finally:
         dcp.FileSystemReader.read_data = read_data  # type: ignore[method-assign]
-    # a Ctrl-C on rank 0 while the save builds its state dicts: rank 1 raises too, at once (it waited in the
-    # exchange of errors until the process group timed out)
-    from optimshift.distributed import _checkpoint
-
-    get_state_dict = _checkpoint.get_state_dict
-
-    def interrupted_on_rank_0(*args: Any, **kwargs: Any) -> Any:
-        out = get_state_dict(*args, **kwargs)
-        if rank == 0:
-            raise KeyboardInterrupt
-        return out
-
-    _checkpoint.get_state_dict = interrupted_on_rank_0
-    try:
-        started = time.monotonic()
-        save(workdir / "ck_interrupted", other, sgd)
-    except BaseException as e:  # noqa: BLE001 - recorded for the test
-        res["interrupted_save"] = (type(e).__name__, str(e), time.monotonic() - started)
-    finally:
-        _checkpoint.get_state_dict = get_state_dict
     dist.barrier()  # the group is still in step after all these errors
 
     return res

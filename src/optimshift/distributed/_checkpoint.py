@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Union
+from typing import TYPE_CHECKING, Any, Union
 
 try:
     import fcntl
@@ -103,8 +103,6 @@ def save(
         _check_replaceable(target)
     except _FAILURES as e:  # noqa: BLE001 - every error is re-raised on every rank by _agree
         error = e
-    except BaseException as e:
-        _raise_interrupted(e, "save", path)
     token = _agree(error, "save", path, share=token)
     assert target is not None
     tmp = _sibling(target, f"{_TMP}-{token}")  # one per save: concurrent saves to one path never share it
@@ -140,7 +138,7 @@ def save(
             if lock is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.close(lock)
-            _raise_interrupted(e, "save", path)
+            raise
         error = e
     try:
         try:
@@ -226,8 +224,6 @@ def load(
         _check_owned(model, optimizer)
     except _FAILURES as e:  # noqa: BLE001
         error = e
-    except BaseException as e:
-        _raise_interrupted(e, "load", path)
     _agree(error, "load", path)
     assert target is not None and layout is not None
 
@@ -249,8 +245,6 @@ def load(
         _raise_mismatch(problems, layout, model, optimizer)
     except _FAILURES as e:  # noqa: BLE001
         error = e
-    except BaseException as e:
-        _raise_interrupted(e, "load", path)
     _agree(error, "load", path)
 
     # phase 3: DCP's state dicts (an optimizer without state is initialized by a zero-lr step; undone below
@@ -282,11 +276,11 @@ def load(
             optim_sd = {"state": {}, "param_groups": groups}
     except _FAILURES as e:  # noqa: BLE001
         error = e
-    except BaseException as e:  # (a Ctrl-C: no zero-lr first step left behind)
+    except BaseException:  # (a Ctrl-C: no zero-lr first step left behind)
         if not had_state:
             optimizer.state.clear()
         _restore_grads(no_grad)
-        _raise_interrupted(e, "load", path)
+        raise
     try:
         _agree(error, "load", path)
     except BaseException:
@@ -445,14 +439,6 @@ def _single_process_quiet(world: int) -> Iterator[None]:
         yield
 
 
-def _raise_interrupted(interrupt: BaseException, what: str, path: Any) -> NoReturn:
-    """An interrupt (a Ctrl-C) on this rank between two exchanges: the other ranks learn of it in the one they
-    wait in, and raise (none waits until the process group times out); then it goes on here."""
-    with contextlib.suppress(BaseException):
-        _agree(RuntimeError(f"interrupted ({type(interrupt).__name__})"), what, path)
-    raise interrupt
-
-
 def _agree(error: BaseException | None, what: str, path: Any, share: Any = None) -> Any:
     """Raise on every rank if any rank failed, with every failing rank's message; else return rank 0's
     ``share`` (a small picklable value) on every rank.
@@ -555,7 +541,12 @@ def _check_replaceable(target: Path) -> None:
             f"{target} is a symlink; save replaces checkpoint directories atomically and will not "
             f"replace a link: give the path it points to"
         )
-    empty = target.is_dir() and not os.path.ismount(target) and not any(target.iterdir())  # (a volume: not ours)
+    if os.path.ismount(target):
+        raise ValueError(
+            f"{target} is a mount point: save replaces a checkpoint folder by a rename, which cannot replace a "
+            f"mounted volume; save into a folder inside it"
+        )
+    empty = target.is_dir() and not any(target.iterdir())
     if target.exists() and not _is_checkpoint(target) and not empty:
         kind = "directory" if target.is_dir() else "file"
         raise FileExistsError(

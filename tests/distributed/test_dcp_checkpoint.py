@@ -664,3 +664,28 @@ def test_a_checkpoint_without_a_flag_newer_torch_adds_loads(tmp_path):
     load(tmp_path / "ck", fresh, fresh_opt)
     assert all(g["decoupled_weight_decay"] is True for g in fresh_opt.param_groups)
     assert [bitwise_equal(a, b) for a, b in zip(fresh.parameters(), model.parameters())] == [True] * 4
+
+
+def test_a_folder_of_something_else_that_appears_meanwhile_is_not_replaced(tmp_path, monkeypatch):
+    """The commit to a path that did not exist met a folder there (the race above): it replaced it whatever it
+    was. A folder that is no checkpoint (a user's) is left as it is, and the save fails, leaving nothing."""
+    from optimshift.checkpoint import _atomic
+
+    model, opt = _trained()
+    real = os.path.lexists
+    raced = [False]
+
+    def lexists_then_a_folder_appears(path):
+        found = real(path)
+        if not found and str(path).endswith("/ck") and not raced[0]:
+            raced[0] = True
+            (tmp_path / "ck").mkdir()
+            (tmp_path / "ck" / "notes.txt").write_text("mine")
+        return found
+
+    monkeypatch.setattr(_atomic.os.path, "lexists", lexists_then_a_folder_appears)
+    with pytest.raises(FileExistsError, match="appeared while this folder was written"):
+        save(tmp_path / "ck", model, opt)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert (tmp_path / "ck" / "notes.txt").read_text() == "mine"

@@ -256,10 +256,16 @@ def sweep_folders(parent: str | os.PathLike[str], is_temp: Callable[[str], bool]
     return removed
 
 
-def commit_folder(tmp: str | os.PathLike[str], target: str | os.PathLike[str], old: str | os.PathLike[str]) -> None:
+def commit_folder(
+    tmp: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    old: str | os.PathLike[str],
+    replaceable: Callable[[str | os.PathLike[str]], bool] = lambda _: True,
+) -> None:
     """Put the complete folder ``tmp`` at ``target``: a rename, or an atomic exchange with a folder already there
     where the kernel can, else two renames (a crash between them leaves the previous folder at ``old``). Once
-    ``target`` holds the new folder nothing raises: removing the previous one is best-effort."""
+    ``target`` holds the new folder nothing raises: removing the previous one is best-effort. ``replaceable``:
+    whether a folder that appeared at ``target`` after the caller checked it may be replaced (another commit's)."""
     if not os.path.lexists(target):
         try:
             os.rename(tmp, target)
@@ -268,6 +274,10 @@ def commit_folder(tmp: str | os.PathLike[str], target: str | os.PathLike[str], o
         except OSError as e:  # (another commit put a folder there since: replaced as below, the last one wins)
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.lexists(target):
                 raise
+            if not replaceable(target):
+                raise FileExistsError(
+                    e.errno, f"{target} appeared while this folder was written, and is not one it may replace", target
+                ) from None
     if exchange(tmp, target):
         shutil.rmtree(tmp, ignore_errors=True)  # it now holds the previous folder
     else:

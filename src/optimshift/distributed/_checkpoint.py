@@ -192,7 +192,7 @@ def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> 
     try:
         _write_note(tmp, note)
         _check_complete(tmp, lock)
-        commit_folder(tmp, target, _sibling(target, _OLD))
+        commit_folder(tmp, target, _sibling(target, _OLD), replaceable=lambda t: _is_checkpoint(Path(t)))
     except _FAILURES as e:  # noqa: BLE001
         shutil.rmtree(tmp, ignore_errors=True)
         return e

@@ -209,3 +209,47 @@ def test_a_streamed_optimizers_write_backs_are_waited_for_by_every_thread(sim):
         waiter.join(10)
     assert not any(bool(torch.isnan(st["exp_avg"]).any()) for st in taken["state"].values())
     optimshift.unstream(opt)
+
+
+def test_offloaded_blocks_in_two_threads_reload_when_the_last_leaves(sim):
+    """The second of two offloaded() blocks found the state offloaded and did nothing; the first, leaving while
+    the second's body still ran, reloaded under it (the body met device state it meant to run without)."""
+    opt = _adam(sim, n=1)
+    (p,) = opt.param_groups[0]["params"]
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def a():
+        with optimshift.offloaded(opt):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with optimshift.offloaded(opt):
+            b_in.set()
+            a_out.wait(5)
+            seen["inside"] = (optimshift.is_offloaded(opt), opt.state[p]["exp_avg"].device.type)
+        seen["after"] = (optimshift.is_offloaded(opt), opt.state[p]["exp_avg"].device.type)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"inside": (True, "cpu"), "after": (False, sim.type)}
+
+
+def test_nested_offloaded_blocks_reload_once_at_the_outer_end(sim):
+    opt = _adam(sim, n=1)
+    with optimshift.offloaded(opt):
+        with optimshift.offloaded(opt):
+            pass
+        assert optimshift.is_offloaded(opt)
+    assert not optimshift.is_offloaded(opt)
+    optimshift.offload(opt)  # (a user's own offload: a block inside it leaves it offloaded)
+    with optimshift.offloaded(opt):
+        pass
+    assert optimshift.is_offloaded(opt)
+    optimshift.reload(opt)

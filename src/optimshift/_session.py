@@ -42,6 +42,7 @@ class Session:
     plans: dict[Hashable, list[Any]] = field(default_factory=dict)  # operation key -> its _plan_cache.Cached
     addresses: Any = None  # _addresses.Layout: its state's reserved ranges and slots, once it keeps addresses
     pooled: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # a ZeRO-1/2 optimizer's pool buffers, by kind
+    offloaded_in: int = 0  # offloaded() blocks (any thread) inside the offload one of them made: the last out reloads
 
 
 _sessions: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()

@@ -575,16 +575,26 @@ def offloaded(
     include: Iterable[str] = (),
     keep_addresses: bool | Literal["auto"] = False,
 ) -> Iterator[Opt]:
-    """Offload on enter, reload on exit (also when the body raises). A no-op if it is already offloaded.
-    ``keep_addresses``: as :func:`offload`'s."""
-    already = is_offloaded(optimizer)
-    if not already:
-        offload(optimizer, pin_memory=pin_memory, include=include, keep_addresses=keep_addresses)
+    """Offload on enter, reload on exit (also when the body raises). A no-op if it is already offloaded (but by
+    another ``offloaded`` block, in any thread: the last of them out reloads). ``keep_addresses``: as
+    :func:`offload`'s."""
+    inner = unwrap(optimizer)
+    session = _session.get(inner)  # (None where it cannot be remembered: offload refuses it)
+    with exclusive(inner):
+        mine = not is_offloaded(optimizer) or (session is not None and session.offloaded_in > 0)
+        if not is_offloaded(optimizer):
+            offload(optimizer, pin_memory=pin_memory, include=include, keep_addresses=keep_addresses)
+        if mine and session is not None:
+            session.offloaded_in += 1
     try:
         yield optimizer
     finally:
-        if not already:
-            reload(optimizer)
+        if mine:
+            with exclusive(inner):
+                if session is not None:
+                    session.offloaded_in -= 1
+                if session is None or session.offloaded_in == 0:
+                    reload(optimizer)
 
 
 def keep_addresses(optimizer: Opt) -> Opt:

@@ -253,3 +253,36 @@ def test_nested_offloaded_blocks_reload_once_at_the_outer_end(sim):
         pass
     assert optimshift.is_offloaded(opt)
     optimshift.reload(opt)
+
+
+def test_streamed_blocks_in_two_threads_unstream_when_the_last_leaves(sim):
+    """As offloaded(): the second streamed() block did nothing, and the first out unstreamed under its body."""
+    opt = _adam(sim, n=1)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def a():
+        with optimshift.streamed(opt):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with optimshift.streamed(opt):
+            b_in.set()
+            a_out.wait(5)
+            seen["inside"] = optimshift.is_streamed(opt)
+        seen["after"] = optimshift.is_streamed(opt)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"inside": True, "after": False}
+    optimshift.stream(opt)  # (a user's own stream: a block inside it leaves it streamed)
+    with optimshift.streamed(opt):
+        pass
+    assert optimshift.is_streamed(opt)
+    optimshift.unstream(opt)

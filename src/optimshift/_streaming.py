@@ -141,6 +141,7 @@ class Streamed:
         self._stale = False  # a load replaced the state and laying it out failed: retried at the next step
         self._saved: dict[str, Any] = {}
         self._handles: list[Any] = []
+        self.blocks = 0  # streamed() blocks (any thread) inside the stream() one of them made: the last out unstreams
         self._active = False
         self._stepping = threading.local()  # (.on: this thread is inside the streamed step: see _refuse_bypass)
 
@@ -779,13 +780,21 @@ def streamed(
     optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: DeviceLike | None = None
 ) -> Iterator[Streamed]:
     """:func:`stream` on enter, :func:`unstream` on exit (also when the body raises); yields the
-    :class:`Streamed` handle. A no-op if it is already streamed (then its handle is yielded)."""
-    mode = _mode_of(optimizer)
-    already = mode is not None
-    if mode is None:
-        mode = stream(optimizer, chunk_bytes=chunk_bytes, device=device)
+    :class:`Streamed` handle. A no-op if it is already streamed (then its handle is yielded), but by another
+    ``streamed`` block, in any thread: the last of them out unstreams."""
+    inner = unwrap(optimizer)
+    with exclusive(inner):
+        mode = _mode_of(optimizer)
+        mine = mode is None or mode.blocks > 0
+        if mode is None:
+            mode = stream(optimizer, chunk_bytes=chunk_bytes, device=device)
+        if mine:
+            mode.blocks += 1
     try:
         yield mode
     finally:
-        if not already:
-            unstream(optimizer)
+        if mine:
+            with exclusive(inner):
+                mode.blocks -= 1
+                if mode.blocks == 0:
+                    unstream(optimizer)

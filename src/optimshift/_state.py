@@ -137,9 +137,10 @@ class ById:
 def untensored(path: Path) -> Path:
     """``path`` with each tensor key as a :class:`ById` (``path`` itself where it has none): how a cache keys a
     site it keeps beyond the operation (a cached plan, a kept address)."""
-    if not any(isinstance(step[1], torch.Tensor) for step in path):
-        return path
-    return tuple((kind, ById(id(k))) if isinstance(k, torch.Tensor) else (kind, k) for kind, k in path)
+    for step in path:  # (a loop, not any() over a generator: a cached plan's keep asks once per tensor)
+        if isinstance(step[1], torch.Tensor):
+            return tuple((kind, ById(id(k))) if isinstance(k, torch.Tensor) else (kind, k) for kind, k in path)
+    return path
 
 
 def renamed(path: Path, ids: Mapping[int, Any]) -> Path:

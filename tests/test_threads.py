@@ -211,33 +211,42 @@ def test_a_streamed_optimizers_write_backs_are_waited_for_by_every_thread(sim):
     optimshift.unstream(opt)
 
 
-def test_offloaded_blocks_in_two_threads_reload_when_the_last_leaves(sim):
-    """The second of two offloaded() blocks found the state offloaded and did nothing; the first, leaving while
-    the second's body still ran, reloaded under it (the body met device state it meant to run without)."""
-    opt = _adam(sim, n=1)
-    (p,) = opt.param_groups[0]["params"]
+def _two_blocks(block, look):
+    """Thread A enters ``block()``, then B does; A leaves while B's body runs. What ``look()`` sees in B's body
+    after A left, and after B left."""
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
     seen: dict[str, object] = {}
 
     def a():
-        with optimshift.offloaded(opt):
+        with block():
             a_in.set()
             b_in.wait(5)
         a_out.set()
 
     def b():
         a_in.wait(5)
-        with optimshift.offloaded(opt):
+        with block():
             b_in.set()
             a_out.wait(5)
-            seen["inside"] = (optimshift.is_offloaded(opt), opt.state[p]["exp_avg"].device.type)
-        seen["after"] = (optimshift.is_offloaded(opt), opt.state[p]["exp_avg"].device.type)
+            seen["inside"] = look()
+        seen["after"] = look()
 
     threads = [threading.Thread(target=a), threading.Thread(target=b)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
+    return seen
+
+
+def test_offloaded_blocks_in_two_threads_reload_when_the_last_leaves(sim):
+    """The second of two offloaded() blocks found the state offloaded and did nothing; the first, leaving while
+    the second's body still ran, reloaded under it (the body met device state it meant to run without)."""
+    opt = _adam(sim, n=1)
+    (p,) = opt.param_groups[0]["params"]
+    seen = _two_blocks(
+        lambda: optimshift.offloaded(opt), lambda: (optimshift.is_offloaded(opt), opt.state[p]["exp_avg"].device.type)
+    )
     assert seen == {"inside": (True, "cpu"), "after": (False, sim.type)}
 
 
@@ -258,28 +267,7 @@ def test_nested_offloaded_blocks_reload_once_at_the_outer_end(sim):
 def test_streamed_blocks_in_two_threads_unstream_when_the_last_leaves(sim):
     """As offloaded(): the second streamed() block did nothing, and the first out unstreamed under its body."""
     opt = _adam(sim, n=1)
-    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
-    seen: dict[str, object] = {}
-
-    def a():
-        with optimshift.streamed(opt):
-            a_in.set()
-            b_in.wait(5)
-        a_out.set()
-
-    def b():
-        a_in.wait(5)
-        with optimshift.streamed(opt):
-            b_in.set()
-            a_out.wait(5)
-            seen["inside"] = optimshift.is_streamed(opt)
-        seen["after"] = optimshift.is_streamed(opt)
-
-    threads = [threading.Thread(target=a), threading.Thread(target=b)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    seen = _two_blocks(lambda: optimshift.streamed(opt), lambda: optimshift.is_streamed(opt))
     assert seen == {"inside": True, "after": False}
     optimshift.stream(opt)  # (a user's own stream: a block inside it leaves it streamed)
     with optimshift.streamed(opt):

@@ -559,15 +559,10 @@ def test_a_streamed_optimizer_loads(tmp_path, sim):
     assert state_differences(full_state(fresh.cpu(), fresh_opt), full_state(model, opt)) == []
 
 
-def test_an_interrupted_load_leaves_no_first_step(tmp_path, monkeypatch):
-    """A Ctrl-C while the load builds its state dicts left a never-stepped optimizer with DCP's zero-lr first step
-    (step 1, zero moments: the next step's bias correction silently off)."""
+def _interrupt_after_the_state_dicts(monkeypatch):
+    """A Ctrl-C right after DCP built the state dicts (its zero-lr first step of a stateless optimizer made)."""
     from optimshift.distributed import _checkpoint
 
-    model, opt = _trained()
-    save(tmp_path / "ck", model, opt)
-    fresh = build_model()
-    fresh_opt = build_optimizer(fresh)
     real = _checkpoint.get_state_dict
 
     def interrupted(*args, **kwargs):
@@ -575,6 +570,35 @@ def test_an_interrupted_load_leaves_no_first_step(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_checkpoint, "get_state_dict", interrupted)
+
+
+def _appears_after_the_check(monkeypatch, target, make):
+    """``make()`` runs once, right after the commit found nothing at ``target`` (another process's commit, or a
+    user's folder, in that window). Returns whether it ran."""
+    from optimshift.checkpoint import _atomic
+
+    real = os.path.lexists
+    ran = [False]
+
+    def lexists_then_it_appears(path):
+        found = real(path)
+        if not found and os.fspath(path) == os.fspath(target) and not ran[0]:
+            ran[0] = True
+            make()
+        return found
+
+    monkeypatch.setattr(_atomic.os.path, "lexists", lexists_then_it_appears)
+    return ran
+
+
+def test_an_interrupted_load_leaves_no_first_step(tmp_path, monkeypatch):
+    """A Ctrl-C while the load builds its state dicts left a never-stepped optimizer with DCP's zero-lr first step
+    (step 1, zero moments: the next step's bias correction silently off)."""
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt)
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)
+    _interrupt_after_the_state_dicts(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         load(tmp_path / "ck", fresh, fresh_opt)
     assert not fresh_opt.state
@@ -583,17 +607,9 @@ def test_an_interrupted_load_leaves_no_first_step(tmp_path, monkeypatch):
 def test_an_interrupted_save_leaves_nothing_behind(tmp_path, monkeypatch):
     """A Ctrl-C while the state dicts were built left this save's locked temporary folder (no later save in the
     process could sweep it) and a never-stepped optimizer with DCP's zero-lr first step."""
-    from optimshift.distributed import _checkpoint
-
     model = build_model()
     opt = build_optimizer(model)
-    real = _checkpoint.get_state_dict
-
-    def interrupted(*args, **kwargs):
-        real(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(_checkpoint, "get_state_dict", interrupted)
+    _interrupt_after_the_state_dicts(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         save(tmp_path / "ck", model, opt)
     assert list(tmp_path.iterdir()) == [] and not opt.state
@@ -627,21 +643,11 @@ def test_save_into_an_empty_folder(tmp_path):
 def test_two_first_commits_to_one_path_the_last_wins(tmp_path, monkeypatch):
     """Two saves committing to a path that did not exist: the one that renamed second met the other's folder
     there (ENOTEMPTY) and failed."""
-    from optimshift.checkpoint import _atomic
-
     model, opt = _trained()
     save(tmp_path / "other", model, opt, extra={"n": 1})
-    real = os.path.lexists
-    raced = [False]
-
-    def lexists_then_another_commits(path):
-        found = real(path)
-        if not found and str(path).endswith("/ck") and not raced[0]:
-            raced[0] = True
-            os.rename(tmp_path / "other", tmp_path / "ck")  # (another save's commit, just after the check)
-        return found
-
-    monkeypatch.setattr(_atomic.os.path, "lexists", lexists_then_another_commits)
+    raced = _appears_after_the_check(
+        monkeypatch, tmp_path / "ck", lambda: os.rename(tmp_path / "other", tmp_path / "ck")
+    )
     local_step(model, opt, 1)
     save(tmp_path / "ck", model, opt, extra={"n": 2})
     monkeypatch.undo()
@@ -669,23 +675,15 @@ def test_a_checkpoint_without_a_flag_newer_torch_adds_loads(tmp_path):
 def test_a_folder_of_something_else_that_appears_meanwhile_is_not_replaced(tmp_path, monkeypatch):
     """The commit to a path that did not exist met a folder there (the race above): it replaced it whatever it
     was. A folder that is no checkpoint (a user's) is left as it is, and the save fails, leaving nothing."""
-    from optimshift.checkpoint import _atomic
-
     model, opt = _trained()
-    real = os.path.lexists
-    raced = [False]
 
-    def lexists_then_a_folder_appears(path):
-        found = real(path)
-        if not found and str(path).endswith("/ck") and not raced[0]:
-            raced[0] = True
-            (tmp_path / "ck").mkdir()
-            (tmp_path / "ck" / "notes.txt").write_text("mine")
-        return found
+    def a_users_folder():
+        (tmp_path / "ck").mkdir()
+        (tmp_path / "ck" / "notes.txt").write_text("mine")
 
-    monkeypatch.setattr(_atomic.os.path, "lexists", lexists_then_a_folder_appears)
+    raced = _appears_after_the_check(monkeypatch, tmp_path / "ck", a_users_folder)
     with pytest.raises(FileExistsError, match="appeared while this folder was written"):
         save(tmp_path / "ck", model, opt)
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert raced[0] and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     assert (tmp_path / "ck" / "notes.txt").read_text() == "mine"

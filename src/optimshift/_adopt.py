@@ -50,22 +50,17 @@ def mechanism(old: torch.Tensor, new: torch.Tensor) -> Mechanism:
 
 
 def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mechanism]:
-    """:func:`mechanism` for each pair; what depends only on the classes and devices is asked once per kind."""
-    # (classes, devices) -> set_data allowed
-    kinds: dict[tuple[type[torch.Tensor], type[torch.Tensor], torch.device, torch.device], bool] = {}
+    """:func:`mechanism` for each pair."""
     out: list[Mechanism] = []
     append = out.append
     views: Counter[int] | None = None  # id(base) -> how many of the olds are views of it (counted when needed)
     plain = torch.Tensor
     getweakrefcount = weakref.getweakrefcount
     use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]  # (missing from torch's stubs)
+    compatible = torch._has_compatible_shallow_copy_type  # (one C call: cheaper than a memo keyed by devices)
     for old, new in pairs:
-        kind = (type(old), type(new), old.device, new.device)
-        data = kinds.get(kind)
-        if data is None:
-            data = kinds[kind] = (
-                kind[0] in _PLAIN and kind[1] in _PLAIN and torch._has_compatible_shallow_copy_type(old, new)
-            )
+        kind = (type(old), type(new))
+        data = kind[0] in _PLAIN and kind[1] in _PLAIN and compatible(old, new)
         # (type() first: Parameter's isinstance goes through a Python-level metaclass check)
         if old.is_inference() or new.is_inference() or (kind[0] is not plain and isinstance(old, _PARAM)):
             # set_data breaks an inference tensor (no version counter to move); a Parameter in state is a

@@ -274,3 +274,44 @@ def test_streamed_blocks_in_two_threads_unstream_when_the_last_leaves(sim):
         pass
     assert optimshift.is_streamed(opt)
     optimshift.unstream(opt)
+
+
+def test_no_operation_of_another_thread_runs_between_keep_addresses_offload_and_reload(monkeypatch):
+    """keep_addresses is one operation: an offload another thread asks for meanwhile waits for it, and runs last
+    (it ran between the two and was undone by keep_addresses' reload: that thread's offload returned, yet the state
+    ended on the device)."""
+    from optimshift import api
+    from optimshift.testing import simulated_accelerator
+
+    sim = simulated_accelerator()
+    model = torch.nn.Linear(4, 4).to(sim)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4, device=sim)).sum().backward()
+    opt.step()
+    real_offload = api.offload
+    other: list[BaseException] = []
+
+    def offload_then_another_thread(optimizer, **kwargs):
+        out = real_offload(optimizer, **kwargs)
+        monkeypatch.setattr(api, "offload", real_offload)
+
+        def offload_there():
+            try:
+                optimshift.offload(opt)
+            except BaseException as error:
+                other.append(error)
+
+        thread = threading.Thread(target=offload_there)
+        thread.start()
+        thread.join(timeout=1.0)  # (it waits for the lock: keep_addresses goes on)
+        threads.append(thread)
+        return out
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(api, "offload", offload_then_another_thread)
+    optimshift.keep_addresses(opt)
+    threads[0].join()
+    assert other == []
+    assert optimshift.is_offloaded(opt), "the other thread's offload ran last: the state is offloaded"
+    assert all(t.is_cpu for st in opt.state.values() for t in st.values())
+    optimshift.reload(opt)

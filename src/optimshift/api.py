@@ -605,17 +605,18 @@ def keep_addresses(optimizer: Opt) -> Opt:
     cannot map the range, the state is reloaded as usual and the error says so, unless some of it was kept at
     addresses already: it then stays offloaded, keeping them); for an offloaded optimizer, marks it so that its
     reload lays the state out."""
-    if is_offloaded(optimizer):
-        inner = unwrap(optimizer)
-        with exclusive(inner):
-            record = record_of(inner)
-            if record is not None:
-                record.keep_addresses |= _addresses.keeping(inner, True, optimizer_name(inner))
-        return optimizer
-    kept = _addresses.mapped_bytes(unwrap(optimizer)) > 0  # (some state at kept addresses: a graph may use them)
-    # (one operation: a Ctrl-C between the offload and the reload is held until the reload is in place)
-    with _engine.operation(), _engine.uninterrupted():
-        _lay_out(optimizer, kept)
+    inner = unwrap(optimizer)
+    _session.get(inner)  # (made now: the lock below is the one its offload and reload take)
+    # (one operation, under one hold of the lock: no other thread's operation runs between the offload and the
+    # reload; a Ctrl-C between them is held until the reload is in place)
+    with exclusive(inner):
+        record = record_of(inner)
+        if record is not None:
+            record.keep_addresses |= _addresses.keeping(inner, True, optimizer_name(inner))
+            return optimizer
+        kept = _addresses.mapped_bytes(inner) > 0  # (some state at kept addresses: a graph may use them)
+        with _engine.operation(), _engine.uninterrupted():
+            _lay_out(optimizer, kept)
     return optimizer
 
 

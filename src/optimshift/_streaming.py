@@ -727,9 +727,10 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
             with _engine.no_gc():
                 mode._lay_out(mode._members(None))
             mode._install(optimizer)
-    # (state that sat at fixed addresses is on the host now, its copies complete, the mode in place: its range's
-    # memory is freed, as after a move; a warning raised as an error there leaves a streamed optimizer)
-    _addresses.release(optimizer, optimizer_name(optimizer))
+        # (state that sat at fixed addresses is on the host now, its copies complete, the mode in place: its
+        # range's memory is freed, as after a move, still under the lock (another thread's reload maps into the
+        # same layout); a warning raised as an error there leaves a streamed optimizer)
+        _addresses.release(optimizer, optimizer_name(optimizer))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "stream %s: %d chunks, %d bytes of state in host memory, in %.2f ms",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -189,3 +190,36 @@ def test_the_import_graph_sees_relative_and_function_level_imports():
 def test_no_import_cycle_among_optimshift_modules():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _architecture_rows() -> list[list[str]]:
+    """The module names in the first cell of each row of ARCHITECTURE.md's table, in order (``x.py``, ``pkg/``)."""
+    text = (SRC.parent / "ARCHITECTURE.md").read_text()
+    return [re.findall(r"`([^`]+)`", m.group(1)) for m in re.finditer(r"^\| (`[^|]*`) \|", text, re.MULTILINE)]
+
+
+def _row_of(module: str, rows: list[list[str]]) -> int | None:
+    parts = module.split(".")[1:]
+    for i, names in enumerate(rows):
+        for name in names:
+            if (name.endswith("/") and parts[:1] == [name[:-1]]) or (len(parts) == 1 and name == parts[0] + ".py"):
+                return i
+    return None
+
+
+def test_every_module_imports_only_modules_above_it_in_the_architecture_table():
+    """ARCHITECTURE.md: data flows down its table, and a module imports only modules above it (or in its row).
+    The package itself and its entry-point shims re-export everything and have no row."""
+    rows = _architecture_rows()
+    shims = {"optimshift", "optimshift.__main__", "optimshift.bench"}
+    graph = import_graph()
+    unlisted = sorted(m for m in graph if m not in shims and _row_of(m, rows) is None)
+    assert unlisted == [], f"modules with no row in ARCHITECTURE.md: {unlisted}"
+    upward = [
+        f"{a} -> {b}"
+        for a, targets in sorted(graph.items())
+        if a not in shims
+        for b in sorted(targets)
+        if b not in shims and _row_of(b, rows) > _row_of(a, rows)  # type: ignore[operator]
+    ]
+    assert upward == [], "imports against the table's order: " + ", ".join(upward)

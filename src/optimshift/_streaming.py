@@ -31,8 +31,9 @@ The copies go through the engine's stream layer (:mod:`optimshift._device_stream
 :class:`optimshift._copy.Side`'s rules), on a side stream of their own per device (the lane): the loads wait
 for the previous occupant's write-back of their window (same lane, in order), a chunk's compute waits
 for its load, its write-back waits for its compute. After ``step()`` returns, the last
-write-backs may still be running on CUDA: ``state_dict()``, ``load_state_dict()``, every optimshift function,
-:func:`unstream` and :meth:`Streamed.wait` wait for them; the next step orders its loads after them on the
+write-backs may still be running on CUDA: ``state_dict()`` (so ``optimshift.save``), ``load_state_dict()``,
+:func:`unstream` and :meth:`Streamed.wait` wait for them (``check()`` and ``placement()`` read no values and
+do not; the other operations refuse a streamed optimizer); the next step orders its loads after them on the
 device. So a streamed step adds no host sync (but a wait before the user's step hooks, where there are any:
 they read the state).
 """
@@ -126,7 +127,7 @@ class Streamed:
 
     ``chunk_bytes`` and ``device`` as given; :attr:`chunks` and :attr:`state_bytes` describe the host layout now;
     :meth:`wait` blocks until the last step's write-backs are in host memory (only needed to read a state
-    tensor directly on CUDA; everything optimshift and torch do with the state waits by itself).
+    tensor directly on CUDA; every read of the state's values by optimshift or torch waits by itself).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunk_bytes: int, device: torch.device | None) -> None:
@@ -712,8 +713,9 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     and ``load_state_dict`` work unchanged; tensor objects are kept.
 
     ``device``: the accelerator to stream through (every param on an accelerator must be on it); ``None``: each
-    param's own device. Every ``torch.optim`` class but LBFGS can be streamed; a third-party class when
-    :func:`optimshift.register_policy` declares it ``separable``. Refused (with the reason) before anything
+    param's own device. Every ``torch.optim`` class but LBFGS can be streamed (not a subclass with a ``step`` of
+    its own: it may read other params); a third-party class when :func:`optimshift.register_policy` declares it
+    ``separable``. Refused (with the reason) before anything
     changes: another class, an offloaded or already streamed optimizer, no param on an accelerator.
     Returns a :class:`Streamed` handle; :func:`unstream` ends it.
     """

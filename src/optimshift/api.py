@@ -666,7 +666,8 @@ def _reload_as_usual(optimizer: Any, error: Exception) -> bool:
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
-    """One row per tensor the optimizer holds (state and param groups): param, key, device, dtype, shape, bytes.
+    """One row per entry holding a tensor (state and param groups; a tensor two entries hold has two rows): param,
+    key, device, dtype, shape, bytes.
 
     DTensor state: ``shape`` is global, ``device`` and ``bytes`` are this rank's shard (see :class:`PlacementRow`).
     """

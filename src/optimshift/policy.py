@@ -66,12 +66,14 @@ class Policy(Protocol):
     - ``key``: the top-level state key (``"step"``, ``"exp_avg"``, …) or, for a tensor kept in a param group,
       the group key (``"lr"``);
     - ``value``: the tensor itself (for containers, each tensor inside is asked about separately);
-    - ``param``: the parameter the state belongs to, or ``None`` for a param-group entry;
+    - ``param``: the parameter the state belongs to, or ``None`` for a param-group entry and for an
+      optimizer-wide one (``optimizer.state["k"]``, asked with the first group);
     - ``group``: the param group dict (read its flags, e.g. ``group.get("fused")``);
     - ``device``: where the param is going (or is, for ``move(opt)`` without a device).
 
-    Return the ``torch.device`` the tensor must live on, or ``None`` to fall back to the built-in rule.
-    It must not mutate anything.
+    Return the device the tensor must live on (a ``torch.device`` or a string), or ``None`` to fall back to the
+    built-in rule; ``meta`` for an entry holding values whose param goes elsewhere is refused (the values would
+    be lost). It must not mutate anything.
     """
 
     def __call__(

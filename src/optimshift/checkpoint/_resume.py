@@ -75,8 +75,9 @@ def load_state_dict(
       ``{"optimizer": ...}``, an :func:`optimshift.save` file); a recorded optimizer class is checked. A path
       is read with :func:`optimshift.load` (errors then name the file too).
 
-    Everything is validated and copied before the optimizer changes: an error names the group, param index and
-    key and leaves the optimizer untouched. Checked: the class, the group count, the params per group, that
+    Everything is validated, and every copy made, before the optimizer changes (live tensors that fit take their
+    values in place within the commit): an error names the group, param index and key and leaves the optimizer
+    untouched. Checked: the class, the group count, the params per group, that
     every key of ``state`` is a saved param id (text keys such as ``"0"``, left by a JSON round trip, are
     refused, not taken for optimizer-wide entries; a torch.optim class keeps no optimizer-wide entries, other
     classes may), no container nested more than 64 levels, no tensor that is an expanded view far larger than

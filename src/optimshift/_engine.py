@@ -37,7 +37,7 @@ from ._device_streams import in_pinned_memory, synchronize
 from ._devices import _fake_mode_active
 from ._errors import add_note, dtype_name
 from ._plan import Plan, Transfer
-from ._state import GROUP_SKIP, OPTIMIZER_WIDE, Setter, rebuild
+from ._state import GROUP_SKIP, Setter, rebuild
 from .pool import host_pool
 from .syncs import async_copies
 
@@ -501,18 +501,8 @@ def _placed_together(group: Sequence[int], first_placed: int, placed: Sequence[t
 def _moving_group_tensors(plan: Plan) -> set[int]:
     """ids of the tensors ``plan``'s param groups hold among their hyperparameters (a tensor ``lr``, tensor
     ``betas``) that it moves: what code outside the optimizer reads and writes from the host with no wait for a
-    transfer (an LR scheduler's ``sched.step()``, between a non-blocking reload and ``opt.step()``).
-
-    # NOTE: build_plan lists the groups' entries after every param's (then the optimizer-wide ones): walked from
-    # the end, as api._group_moves walks them, without a pass over every entry."""
-    out: set[int] = set()
-    for tr in reversed(plan.transfers):
-        ident = tr[0]
-        if ident[1] is not None:
-            break
-        if ident[0] != OPTIMIZER_WIDE and tr[2].device != tr[4]:
-            out.add(id(tr[2]))
-    return out
+    transfer (an LR scheduler's ``sched.step()``, between a non-blocking reload and ``opt.step()``)."""
+    return {id(tr[2]) for tr in plan.group_entries() if tr[2].device != tr[4]}
 
 
 def _split(

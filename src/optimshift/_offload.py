@@ -21,7 +21,7 @@ import inspect
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "forget",
     "prepare_discard",
     "grads_back",
+    "give_grads_back",
     "pending_of",
     "compact_state_dict",
 ]
@@ -598,6 +599,16 @@ def _grad_dtype(p: torch.Tensor) -> torch.dtype | None:
     return allowed
 
 
+def give_grads_back(
+    grads: Sequence[tuple[torch.Tensor, torch.Tensor, str]], copies: Mapping[int, torch.Tensor]
+) -> None:
+    """Each of :func:`grads_back`'s grads back on its param: the same object, holding its copy (``copies``, by the
+    host grad's id; none: it is where its param is already) on the param's device."""
+    for p, host_grad, _ in grads:
+        copy = copies.get(id(host_grad))
+        p.grad = host_grad if copy is None else kept(host_grad, copy)
+
+
 def prepare_discard(optimizer: Any) -> Callable[[], None]:
     """For a load that replaces the optimizer's state: finish any transfer in flight and copy offloaded grads
     back to their params' devices now, by :func:`grads_back`'s rule and the engine's copies (this may raise;
@@ -615,12 +626,10 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
         f"{optimizer_name(optimizer)}: load_state_dict",
         lambda n: held[moving[n]][2],
     )
-    back = dict(zip(moving, copies))
+    back = {id(held[i][1]): copy for i, copy in zip(moving, copies)}
 
     def finish() -> None:
-        for i, (p, host_grad, _) in enumerate(held):
-            copy = back.get(i)  # (None: it is where its param is already)
-            p.grad = host_grad if copy is None else kept(host_grad, copy)  # the same object, on p's device
+        give_grads_back(held, back)
         forget(optimizer)
         session = _session.of(optimizer)
         if session is not None:  # the loaded groups placed their own tensors

@@ -121,6 +121,20 @@ class Plan:
     transfers: list[Transfer] = field(default_factory=list)
     repeats: bool = True
 
+    def group_entries(self) -> list[Transfer]:
+        """The transfers of the param groups' own tensors (a tensor ``lr``), last first.
+
+        # NOTE: build_plan lists them after every param's entries (then the optimizer-wide ones): walked from the
+        # end, without a pass over every entry."""
+        out = []
+        for tr in reversed(self.transfers):
+            ident = tr[0]
+            if ident[1] is not None:
+                break
+            if ident[0] != OPTIMIZER_WIDE:
+                out.append(tr)
+        return out
+
 
 def optimizer_name(optimizer: Any) -> str:
     return type(optimizer).__name__

@@ -28,6 +28,7 @@ from ._offload import (
     end_pending,
     exclusive,
     forget,
+    give_grads_back,
     grads_back,
     pending_of,
     record_of,
@@ -140,13 +141,6 @@ def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
     )
 
 
-def _give_grads_back(grads: Sequence[tuple[torch.Tensor, torch.Tensor, str]], copies: _engine.Copies) -> None:
-    """Each offloaded grad back on its param: the same object, holding its copy on the param's device."""
-    for p, host_grad, _ in grads:
-        copy = copies.new.get(id(host_grad))  # (None: it is where its param is already)
-        p.grad = host_grad if copy is None else kept(host_grad, copy)
-
-
 def _transfer(
     optimizer: Any,
     target: TargetFn,
@@ -236,7 +230,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         cache_key=key,
         sides=True,
     )
-    _give_grads_back(grads, copies)
+    give_grads_back(grads, copies.new)
     if grads:
         pending.order_before_use()  # grads are read before step() (clipping, scaling), as after a reload
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
@@ -271,15 +265,8 @@ def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
 
 
 def _group_moves(plan: Plan) -> list[tuple[Ident, torch.device, torch.device]]:
-    """(site, from, to) of each group tensor in ``plan`` (they follow the param state: walked from the end)."""
-    out = []
-    for tr in reversed(plan.transfers):
-        ident = tr[0]
-        if ident[1] is not None:
-            break
-        if ident[0] != OPTIMIZER_WIDE:
-            out.append((ident, tr[2].device, tr[4]))
-    return out
+    """(site, from, to) of each group tensor in ``plan``."""
+    return [(tr[0], tr[2].device, tr[4]) for tr in plan.group_entries()]
 
 
 def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:
@@ -559,7 +546,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         eager=cacheable,
         place=(lambda plan: _addresses.stage(optimizer, plan, keep, name)) if keep else None,
     )
-    _give_grads_back(grads, copies)
+    give_grads_back(grads, copies.new)
     if grads:
         pending.order_before_use()  # grads are read before step() (clipping, scaling, accumulation)
     forget(optimizer, pending)

@@ -31,7 +31,7 @@ from . import _device_streams, _engine, _session
 from ._adopt import kept
 from ._dtensor import local_tensor
 from ._plan import Ident, optimizer_name
-from ._state import label_in, leaves, param_positions
+from ._state import GROUP_SKIP, label_in, leaves, param_positions
 from .pool import host_pool
 
 __all__ = [
@@ -451,14 +451,14 @@ def _compact(state_dict: dict[str, Any]) -> dict[str, Any]:
 
     states = state_dict.get("state", {})
     groups = state_dict.get("param_groups", [])
-    for value in list(states.values()) + [{k: v for k, v in g.items() if k != "params"} for g in groups]:
+    for value in list(states.values()) + [{k: v for k, v in g.items() if k not in GROUP_SKIP} for g in groups]:
         for _, t in leaves(value):
             own(t)
     if not compact:
         return state_dict
     out = dict(state_dict)
     # (state_dict()'s groups are new dicts, but their values are the live ones: containers are copied)
-    out["param_groups"] = [{k: _compacted(v, compact) if k != "params" else v for k, v in g.items()} for g in groups]
+    out["param_groups"] = [{k: v if k in GROUP_SKIP else _compacted(v, compact) for k, v in g.items()} for g in groups]
     new_states = {}
     for key, value in states.items():
         if isinstance(value, dict):

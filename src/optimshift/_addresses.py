@@ -37,6 +37,7 @@ import torch
 
 from . import _alias, _device_streams, _session
 from ._copy import copy_strides
+from ._devices import HOSTS
 from ._plan import Ident, Plan
 from ._state import group_tensors, tensors, untensored
 from ._vmm import Driver, DriverError, DriverOutOfMemory, driver_for, unsupported
@@ -150,7 +151,7 @@ def devices_of(optimizer: Any) -> list[torch.device]:
     for state in optimizer.state.values():
         for t in tensors(state):
             found[t.device] = None
-    return [d for d in found if d.type not in ("cpu", "meta")]
+    return [d for d in found if d.type not in HOSTS]
 
 
 def keeping(optimizer: Any, keep: bool | str, name: str) -> frozenset[torch.device]:
@@ -427,7 +428,7 @@ def release(optimizer: Any, name: str, *, queued: bool = False) -> None:
     inside = {
         t.data_ptr() - t.storage_offset() * t.element_size()
         for t in held
-        if t.device.type not in ("cpu", "meta") and t.layout == torch.strided
+        if t.device.type not in HOSTS and t.layout == torch.strided
     }
     foreign, foreign_bytes = 0, 0
     with layout.lock:

@@ -27,7 +27,7 @@ import torch
 
 from . import _alias
 from ._device_streams import Streams, in_pinned_memory, pins_copy, pins_host_for, synchronize
-from ._devices import _fake_mode_active
+from ._devices import HOSTS, _fake_mode_active
 from ._dtensor import is_dtensor, local_tensor, wrap_local
 from ._errors import add_note
 from ._state import like_source
@@ -50,9 +50,6 @@ __all__ = [
 
 CHUNK_BYTES = 64 << 20  # staging chunk: bounds the extra device memory a coalesced copy needs
 SOLO_BYTES = 4 << 20  # tensors at least this big are copied on their own (bandwidth-bound already)
-
-
-_HOSTS = ("cpu", "meta")  # devices that never need a synchronize
 
 
 @dataclass(frozen=True)
@@ -107,7 +104,7 @@ class Side:
         """The side stream reads or writes these (device tensors are recorded for it; host ones need nothing)."""
         for t in tensors:
             local = local_tensor(t)
-            if local.device.type not in _HOSTS:
+            if local.device.type not in HOSTS:
                 self.streams.record_stream(local, self.stream)
 
 
@@ -136,7 +133,7 @@ def copy_tensor(
         return like_source(t, wrap_local(t, local.detach()))
     pin = pins_copy(t, device, pin_memory)
     src = t.detach() if t.requires_grad or pin else t
-    if pin or (side is not None and device.type not in _HOSTS):  # allocated here, filled on the copy's stream
+    if pin or (side is not None and device.type not in HOSTS):  # allocated here, filled on the copy's stream
         new = torch.empty_strided(
             t.shape,
             copy_strides(t),
@@ -286,7 +283,7 @@ def copy_many(
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
         for indices, target in together if group else ():
             current = indices[0]
-            batch.devices.update(d for d in (items[current][0].device, target) if d.type not in _HOSTS)
+            batch.devices.update(d for d in (items[current][0].device, target) if d.type not in HOSTS)
             news = _alias.copy_storage(
                 [items[i][0] for i in indices],
                 target,
@@ -326,7 +323,7 @@ def copy_many(
                 copies[i] = t.to(target, non_blocking=True) if fast else t.to(target)
             else:
                 copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
-        batch.devices.update(d for pair in kinds for d in pair if d.type not in _HOSTS)
+        batch.devices.update(d for pair in kinds for d in pair if d.type not in HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))
             for chunk in _chunks(indices, work):
@@ -359,7 +356,7 @@ def copy_many(
         # NOTE: every device the items copied so far touch, not only those copied in groups: a copy queued tensor
         # by tensor (on a side stream too) reads or writes memory that the unwinding frees. (``kinds`` has every
         # pair reached, the failing one included.)
-        synchronize(batch.devices | {d for pair in kinds for d in pair if d.type not in _HOSTS})
+        synchronize(batch.devices | {d for pair in kinds for d in pair if d.type not in HOSTS})
         for buf in batch.held + batch.staging:
             pool.release(buf)
         if describe is not None and items:
@@ -392,14 +389,14 @@ def copy_into(
     by_devices: dict[tuple[torch.device, torch.device], list[int]] = {}
     for i, (src, dst) in enumerate(pairs):
         by_devices.setdefault((src.device, dst.device), []).append(i)
-    devices = {d for pair in by_devices for d in pair if d.type not in _HOSTS}
+    devices = {d for pair in by_devices for d in pair if d.type not in HOSTS}
     current = 0
     try:
         for (source, target), indices in by_devices.items():
             current = indices[0]
             srcs = [pairs[i][0].detach() for i in indices]
             dsts = [pairs[i][1] for i in indices]
-            if source.type in _HOSTS and target.type in _HOSTS:
+            if source.type in HOSTS and target.type in HOSTS:
                 torch._foreach_copy_(dsts, srcs)
                 continue
             # (into or from pinned memory, or on a side stream, queued: the caller waits once for all)

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from ._devices import HOSTS
+
 __all__ = [
     "Streams",
     "of",
@@ -220,7 +222,7 @@ def _cuda_available() -> bool:
 def _candidate(device_type: str) -> Streams | None:
     if device_type in _registered:
         return _ModuleStreams(device_type, _registered[device_type][0])
-    if device_type in ("cpu", "meta"):
+    if device_type in HOSTS:
         return None
     if _generic_api() and _current_accelerator_type() == device_type:
         return _AcceleratorStreams(device_type)
@@ -272,7 +274,7 @@ def synchronize(devices: Iterable[torch.device]) -> None:
     """Block the host until the work queued on each accelerator among ``devices`` has run, one wait per device:
     through its :class:`Streams` where :func:`of` found them, else through its type's torch module (one that is
     not available: fake tensors that only claim the device, nothing to wait for)."""
-    for device in {d for d in devices if d.type not in ("cpu", "meta")}:
+    for device in {d for d in devices if d.type not in HOSTS}:
         streams = _chosen.get(device.type)
         if streams is not None:
             streams.synchronize(device)

@@ -9,6 +9,10 @@ import torch
 
 DeviceLike = torch.device | str | int
 
+HOSTS = ("cpu", "meta")
+"""Device types no accelerator queue serves: nothing to synchronize, no streams (the host; meta, which holds no
+values)."""
+
 
 def _device_module(device_type: str) -> Any:
     try:

@@ -32,9 +32,9 @@ import torch
 
 from . import _alias, _device_streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
-from ._copy import _HOSTS, BLOCKING, Batch, Options, Side, copy_into, copy_many, copy_tensor, pinned_sources
+from ._copy import BLOCKING, Batch, Options, Side, copy_into, copy_many, copy_tensor, pinned_sources
 from ._device_streams import in_pinned_memory, synchronize
-from ._devices import _fake_mode_active
+from ._devices import HOSTS, _fake_mode_active
 from ._errors import add_note, dtype_name
 from ._plan import Plan, Transfer
 from ._state import GROUP_SKIP, Setter, rebuild
@@ -108,7 +108,7 @@ def copy_items(
         or not options.non_blocking
         or (
             not options.keep_host_views
-            and any(target.type == "cpu" and t.device.type not in ("cpu", "meta") for t, target in items)
+            and any(target.type == "cpu" and t.device.type not in HOSTS for t, target in items)
         )
     ):
         synchronize(batch.devices)
@@ -268,7 +268,7 @@ def _copied(dtype: torch.dtype | None, src: torch.Tensor, device: torch.device) 
 def _current_stream_event(devices: Iterable[torch.device]) -> Any | None:
     """An event after the copies queued on the current stream of the (one) device with streams among
     ``devices`` (staging buffers wait for it); None where no device has streams."""
-    for device in sorted({d for d in devices if d.type not in ("cpu", "meta")}, key=str):
+    for device in sorted({d for d in devices if d.type not in HOSTS}, key=str):
         streams = _device_streams.of(device)
         if streams is not None:
             event = streams.new_event(device)
@@ -279,7 +279,7 @@ def _current_stream_event(devices: Iterable[torch.device]) -> Any | None:
 
 def _single_stream_device(items: Sequence[tuple[torch.Tensor, torch.device]]) -> torch.device | None:
     """The one accelerator ``items`` touch, if it has streams (several devices: synchronous copies)."""
-    devices = {d for t, target in items for d in (t.device, target) if d.type not in ("cpu", "meta")}
+    devices = {d for t, target in items for d in (t.device, target) if d.type not in HOSTS}
     if len(devices) != 1:
         return None
     device = devices.pop()
@@ -854,7 +854,7 @@ def _write_in_place(
                 # where it is staged there; a copy into host memory is never queued)
                 # (into host memory a copy is never queued, and none needs a synchronize: not asked, one C call
                 # per tensor saved on the common load into host state)
-                across = device.type not in _HOSTS and any(new.device != device for new in news)
+                across = device.type not in HOSTS and any(new.device != device for new in news)
                 queue = across and any(map(in_pinned_memory, news))
                 if across:
                     queued.add(device)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from . import _session
+from ._devices import HOSTS
 from ._plan import Ident, TargetFn, optimizer_name
 
 __all__ = ["Mode", "mode_of", "enter", "leave", "refuse", "hosted"]
@@ -76,7 +77,7 @@ def hosted(target: TargetFn) -> TargetFn:
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
         device, source = target(ident, param, group, key, tensor)
-        if param is not None and device.type not in ("cpu", "meta"):
+        if param is not None and device.type not in HOSTS:
             return HOST, "streamed"
         return device, source
 

@@ -35,7 +35,7 @@ import torch
 from . import _device_streams, _session
 from . import policy as _policy
 from ._adopt import Mechanism
-from ._devices import _fake_mode_active
+from ._devices import HOSTS, _fake_mode_active
 from ._plan import Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, iter_holders
 from ._probe import group_kinds
 from ._state import GROUP_SKIP, Path, by_id, group_flags, group_tensors, leaves, untensored
@@ -145,7 +145,7 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
             )
         )
     # (known, not probed: a blocking loop never needs streams, and probing creates one)
-    parts.append(tuple(sorted((str(d), _device_streams.known(d)) for d in devices if d.type not in ("cpu", "meta"))))
+    parts.append(tuple(sorted((str(d), _device_streams.known(d)) for d in devices if d.type not in HOSTS)))
     return tuple(parts)
 
 

@@ -57,7 +57,7 @@ from . import _chunks as layout
 from . import policy as _policy
 from ._chunks import Chunk, Group, Item, ParamState
 from ._copy import Options, Side
-from ._devices import DeviceLike, resolve
+from ._devices import HOSTS, DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import add_note, with_article
 from ._offload import compact_state_dict, copy_guard, end_pending, exclusive, record_of, registered_first
@@ -75,7 +75,6 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 """64 MiB: one copy of this size runs at close to the link's bandwidth (PCIe or NVLink-C2C), and the first load
 and last write-back that cannot overlap a compute cost about a millisecond each."""
 
-_HOSTS = ("cpu", "meta")
 
 _log = logging.getLogger("optimshift")
 
@@ -87,7 +86,7 @@ _MISSING = object()
 
 
 def _is_device(t: torch.Tensor) -> bool:
-    return t.device.type not in _HOSTS
+    return t.device.type not in HOSTS
 
 
 # -- copies: the engine's stream layer (_device_streams.Streams, _copy.Side's rules) on a side stream of their own --
@@ -218,7 +217,7 @@ class Streamed:
         buckets: dict[tuple[int, torch.device], list[Item]] = {}
         for tr in plan.transfers:
             gi, pi, path = tr[0]
-            if pi is None or tr[4].type in _HOSTS:  # (a group's tensors go where the plan places them, as a move's)
+            if pi is None or tr[4].type in HOSTS:  # (a group's tensors go where the plan places them, as a move's)
                 kept.append(tr)
                 continue
             p = cast(torch.Tensor, tr[3])
@@ -681,16 +680,16 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
     target = None
     if device is not None:
         target = resolve(device, what="device", tensors=[p for _, _, p in params])
-        if target.type in _HOSTS:
+        if target.type in HOSTS:
             raise ValueError(f"{name}: stream: device must be an accelerator (state streams through it), got {target}")
         for gi, pi, p in params:
-            if p.device.type not in _HOSTS and p.device != target:
+            if p.device.type not in HOSTS and p.device != target:
                 raise ValueError(
                     f"{name}: stream(device={target}): group {gi}, param {pi} is on {p.device}; its "
                     f"state would have to stream through {p.device}. Pass device=None to stream each "
                     f"param's state through its own device."
                 )
-    if not any(p.device.type not in _HOSTS for _, _, p in params):
+    if not any(p.device.type not in HOSTS for _, _, p in params):
         raise ValueError(
             f"{name}: stream: no param is on an accelerator, so there is nothing to stream through; "
             f"move the model first (model.to(device))"

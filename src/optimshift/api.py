@@ -19,7 +19,7 @@ from . import _addresses, _device_streams, _engine, _mode, _offload, _plan_cache
 from . import policy as _policy
 from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
-from ._devices import DeviceLike, resolve
+from ._devices import HOSTS, DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
 from ._errors import add_note, dtype_name, with_article
 from ._offload import (
@@ -197,7 +197,7 @@ def _transfer(
             len(moved),
             sum(tensor_bytes(t) for t in moved),
             (time.perf_counter() - start) * 1e3,
-            0 if copies.event is not None else sum(d.type not in ("cpu", "meta") for d in copies.batch.devices),
+            0 if copies.event is not None else sum(d.type not in HOSTS for d in copies.batch.devices),
             copies.mechanisms.get("data", 0),
             copies.mechanisms.get("swap", 0),
             copies.mechanisms.get("replace", 0),
@@ -277,7 +277,7 @@ def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, t
         return
     for ident, was, now in moves:
         site = (ident[0], ident[1], untensored(ident[2]))  # (a key that is a param, by its id: held by no session)
-        if now.type == "cpu" and was.type not in ("cpu", "meta"):
+        if now.type == "cpu" and was.type not in HOSTS:
             session.group_sides[site] = was
         elif now.type != "cpu":
             session.group_sides.pop(site, None)

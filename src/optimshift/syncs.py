@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._devices import HOSTS
+
 __all__ = ["count_syncs", "SyncCount", "async_copies"]
 
 _aten = torch.ops.aten
@@ -112,7 +114,7 @@ def async_copies(active: bool = True) -> Iterator[None]:
 
 
 def _is_device(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+    return isinstance(t, torch.Tensor) and t.device.type not in HOSTS
 
 
 def _to_host(device: Any) -> bool:

@@ -85,3 +85,39 @@ def test_an_entry_cut_from_a_dropped_buffer_lets_the_buffer_go():
     gc.collect()
     assert opt.state[p]["momentum_buffer"] is entry and torch.equal(entry, torch.ones(4, 3))
     assert entry._base is None and gone() is None
+
+
+def test_a_reused_decision_is_reused_only_where_deciding_again_gives_it(sim):
+    """The two statements of "may this pair be swapped": ``decide_all`` (inlined for plain tensors, and
+    ``_swappable``) and ``still_valid`` (which a cached plan's commit asks of an earlier commit's decisions).
+    Whatever changed since (a weak reference dynamo took, a view someone keeps, a grad requirement), a decision
+    still_valid keeps is the one decide_all makes now."""
+    from optimshift._adopt import decide_all, still_valid
+
+    changes = {
+        "nothing": lambda old, new, keep: None,
+        "weakref to the old": lambda old, new, keep: keep.append(weakref.ref(old)),
+        "weakref to the new": lambda old, new, keep: keep.append(weakref.ref(new)),
+        "a view of the old": lambda old, new, keep: keep.append(old[:1]),
+        "a view of the new": lambda old, new, keep: keep.append(new[:1]),
+        "the new requires grad": lambda old, new, keep: new.requires_grad_(),
+        "the old requires grad": lambda old, new, keep: old.requires_grad_(),
+    }
+    placements = [("cpu", "cpu"), ("cpu", sim), (sim, "cpu"), ("cpu", "meta"), (sim, sim)]
+    changed = 0
+    for name, change in changes.items():
+        for source, target in placements:
+            for view in (False, True):
+                base = torch.zeros(4, device=source)
+                old = base[1:] if view else base
+                if view:
+                    del base  # (a view whose base nothing else holds)
+                new = torch.ones(old.shape, device=target)
+                before = decide_all([(old, new)])
+                keep: list[object] = []
+                change(old, new, keep)
+                now = decide_all([(old, new)])
+                changed += now != before
+                if still_valid([(old, new)], before):
+                    assert now == before, (name, source, target, view, before, now)
+    assert changed, "no change made any decision differ: the test would not see a wrong reuse"

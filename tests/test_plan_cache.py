@@ -488,3 +488,34 @@ def test_a_hyperparameter_the_placement_depends_on_rebuilds_the_cached_plan(sim,
     assert builds[0] > before, "the cached plans were reused for a group whose placement changed"
     assert all(st["count"].device == torch.device(sim) for st in opt.state.values()), "where a fresh one keeps it"
     _placed_like_fresh(opt)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.optim.Adam,
+        lambda: lambda params: torch.optim.Adam(params, lr=torch.tensor(0.01), betas=(0.9, 0.99)),
+        lambda: torch.optim.LBFGS,
+        lambda: lambda params: Averaged(params, lr=0.1),
+        lambda: torch.optim.ASGD,
+    ],
+    ids=["adam", "adam-tensor-lr", "lbfgs", "averaged", "asgd"],
+)
+def test_a_cached_plan_is_the_plan_a_fresh_build_makes(sim, make):
+    """The two walks of an optimizer that must agree: ``build_plan``'s and the cached plan's (``_current``, which
+    takes each site's tensor and param from today's walk by the template). Sites, tensors, params and targets are
+    the same, in the same order, for state in containers, a group tensor shared by state, param-keyed mappings."""
+    model = Model(SHAPES).to(sim)
+    opt = make()(list(model.parameters()))
+    train(model, opt, range(2))
+    target = _plan.policy_target(opt, torch.device("cpu"))
+    key = ("a test's key", "cpu")
+    for _ in range(3):  # a marker, the kept build, then a cached plan
+        plan, cached = _plan_cache.plan_for(opt, target, key)
+    assert cached is not None and cached.hits == 1
+    fresh = _plan.build_plan(opt, target)
+
+    def rows(p):
+        return [(tr.ident, tr.name, id(tr.tensor), id(tr.param), tr.target, tr.source) for tr in p.transfers]
+
+    assert rows(plan) == rows(fresh) and plan.repeats == fresh.repeats

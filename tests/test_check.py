@@ -312,3 +312,31 @@ def test_a_dtype_finding_names_a_param_as_every_other_finding_does():
     opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].double()  # a dtype the step refuses
     (finding,) = [f for f in optimshift.check(opt).findings if f.key == "exp_avg"]
     assert finding.param == "group 0, param 0" == optimshift.placement(opt)[0].param
+
+
+class _ReadsStepAgain(torch.optim.Adam):
+    """An Adam subclass with a step of its own, which reads each ``step`` once more after Adam's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    float(self.state[p]["step"])
+        return out
+
+
+def test_the_sync_cost_of_a_subclass_with_its_own_step_is_its_own(sim):
+    """check() prices a misplaced scalar by the step the class runs: Adam's table for Adam, what the probe counts
+    for a subclass with a step of its own (it read Adam's table: one sync, where this step costs two)."""
+    costs = {}
+    for cls in (torch.optim.Adam, _ReadsStepAgain):
+        p = torch.nn.Parameter(torch.zeros(3, device=sim))
+        opt = cls([p], foreach=False)
+        p.grad = torch.ones(3, device=sim)
+        opt.step()
+        opt.state[p]["step"] = opt.state[p]["step"].to(sim)
+        (finding,) = [f for f in optimshift.check(opt).findings if f.key == "step"]
+        costs[cls] = finding.syncs_per_step
+    assert costs == {torch.optim.Adam: 1, _ReadsStepAgain: 2}

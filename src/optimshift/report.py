@@ -36,18 +36,19 @@ def sync_cost(
     group: Mapping[str, Any] | None = None,
     ndim: int = 1,
 ) -> int | None:
-    """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, for the class (its
-    torch.optim base, else ``name``); ``foreach=None`` is torch's default: foreach for accelerator params.
-    For a class torch.optim does not define, with the ``group`` and param rank ``ndim`` given and the param on
-    an accelerator: what its probe counted (``_probe.Observed.reads``). None where nothing was measured."""
+    """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, for the class (the
+    torch.optim class it steps with, else ``name``); ``foreach=None`` is torch's default: foreach for
+    accelerator params. For a class with a step of its own, with the ``group`` and param rank ``ndim`` given and
+    the param on an accelerator: what its probe counted (``_probe.Observed.reads``). None where nothing was
+    measured."""
     from ._probe import probe
-    from .policy import builtin_base, stepping_base
+    from .policy import stepping_base
 
-    base = builtin_base(cls) if cls is not None else None
+    base = stepping_base(cls) if cls is not None else None  # (a subclass with a step of its own: None)
     costs = SYNC_COST.get((base.__name__ if base else name, key))  # (single-tensor, foreach)
     if costs is None:
-        # (a subclass with a step of its own: what its probe counted, as for a third-party class)
-        if cls is None or group is None or not on_device or (base is not None and stepping_base(cls) is not None):
+        # (a class with a step of its own: what its probe counted, as for a third-party class)
+        if cls is None or group is None or not on_device or base is not None:
             return None
         observed = probe(cls, group, ndim)
         return None if observed is None else observed.reads.get(key)

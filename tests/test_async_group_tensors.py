@@ -198,3 +198,27 @@ def test_a_slotted_lr_is_complete_when_another_group_tensor_shares_a_storage_wit
         lr.mul_(0.5)  # what a scheduler does, right after the reload returned
         torch.sim.synchronize(0)
         assert lr.item() == 0.25
+
+
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+def test_a_reload_of_only_group_tensors_is_complete_for_another_stream_once_its_event_is(sim, seed, progress):
+    """A non-blocking reload that moves a device ``lr`` and no state (an optimizer that never stepped) copies it
+    on the current stream; a step run on another stream waits for the transfer's event only, so the event must
+    come after that copy (the side stream waits for the current one before it is recorded: with no copy of its
+    own, nothing else orders it)."""
+    model = Model(SHAPES).to(sim)
+    opt = torch.optim.Adam(list(model.parameters()), lr=torch.tensor(0.01, device=sim), capturable=True, foreach=True)
+    optimshift.offload(opt)  # (the probe and the streams set up outside the schedule)
+    optimshift.reload(opt)
+    optimshift.offload(opt)
+    assert not opt.state and opt.param_groups[0]["lr"].is_cpu
+    params = [h.weight for h in model.parts]
+    with deferred_streams(seed, progress):
+        loading, stepping = torch.sim.Stream(), torch.sim.Stream()
+        with torch.sim.stream(loading):
+            optimshift.reload(opt, non_blocking=True)
+        with torch.sim.stream(stepping):
+            for i, p in enumerate(params):
+                p.grad = grad_for(0, i, p.shape).to(p.device)
+            opt.step()  # (its pre-hook makes this stream wait for the reload's event)
+    assert opt.param_groups[0]["lr"].device == sim

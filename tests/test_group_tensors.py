@@ -337,6 +337,25 @@ def test_a_host_lr_stays_on_the_host(sim):
     assert opt.param_groups[0]["lr"].device.type == "cpu"
 
 
+@pytest.mark.parametrize("how", ["move", "reload-to"])
+@pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_an_offloaded_device_lr_moved_back_is_on_the_device_again(sim, cls, kwargs, how):
+    """An offload takes a device lr to the host as a move to the host does, and a move (or ``reload(opt, device)``,
+    the RL frameworks' move-to-device) of the offloaded optimizer put everything back but that lr, left on the
+    host (the session remembered the side a move took it from, not an offload's); check() found nothing."""
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    lr = opt.param_groups[0]["lr"]
+    optimshift.offload(opt)
+    assert lr.device.type == "cpu"
+    if how == "move":
+        optimshift.move(opt)
+    else:
+        optimshift.reload(opt, sim)
+    assert opt.param_groups[0]["lr"] is lr and lr.device == _fresh_lr_device(sim, cls, kwargs) == sim
+    assert not optimshift.check(opt).findings
+    _step(opt, params, 2)
+
+
 @pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
 def test_an_offloaded_device_lr_is_judged_where_reload_puts_it(sim, cls, kwargs):
     """check() of an offloaded optimizer judges a group tensor from the side reload() puts it on: no finding

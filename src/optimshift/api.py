@@ -388,6 +388,7 @@ def offload(
             extra=[(p.grad, host, f"the .grad of {label_in(optimizer, *where)}") for where, p in grads],
             cache_key=key,
             grads="grads" in include,
+            sides=True,  # (a device lr taken to the host: a move of the offloaded optimizer puts it back there)
         )
     except BaseException:
         for handle in installed:
@@ -544,6 +545,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         cache_key=key,
         grads=bool(grads),
         eager=cacheable,
+        sides=True,  # (a group tensor back on the device: the side the offload remembered is done with)
         place=(lambda plan: _addresses.stage(optimizer, plan, keep, name)) if keep else None,
     )
     give_grads_back(grads, copies.new)

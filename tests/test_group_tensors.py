@@ -337,6 +337,29 @@ def test_a_host_lr_stays_on_the_host(sim):
     assert opt.param_groups[0]["lr"].device.type == "cpu"
 
 
+@pytest.mark.parametrize("away", ["move", "offload"])
+@pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_a_group_added_on_the_host_sharing_a_device_lr_moves_back_with_it(sim, cls, kwargs, away):
+    """A device lr a move (or an offload) took to the host, then a group added (add_param_group fills it from the
+    defaults: that very tensor), then a move back: group 0's lr went to its remembered side, the new group's (the
+    same tensor, at a site with no side remembered) stayed on the host, and the move refused the one tensor for two
+    devices (ValueError): the state could not be moved back. The one tensor goes to the side remembered for it."""
+    params, opt = _device_lr_optimizer(sim, cls, kwargs)
+    lr = opt.param_groups[0]["lr"]
+    if away == "move":
+        optimshift.move(opt, "cpu")
+    else:
+        optimshift.offload(opt)
+    extra = torch.nn.Parameter(torch.randn(3, device=sim))
+    opt.add_param_group({"params": [extra]})
+    assert opt.param_groups[1]["lr"] is lr and lr.device.type == "cpu"
+    optimshift.move(opt, sim)
+    assert opt.param_groups[1]["lr"] is opt.param_groups[0]["lr"] is lr
+    assert lr.device == _fresh_lr_device(sim, cls, kwargs) == sim
+    assert not optimshift.check(opt).findings
+    _step(opt, [*params, extra], 2)
+
+
 @pytest.mark.parametrize("how", ["move", "reload-to"])
 @pytest.mark.parametrize("cls, kwargs", FOLLOW, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
 def test_an_offloaded_device_lr_moved_back_is_on_the_device_again(sim, cls, kwargs, how):

@@ -37,7 +37,7 @@ from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     torch_defined,
     unprobed,
 )
-from ._state import OPTIMIZER_WIDE, Path, group_device, label_in, param_positions, untensored
+from ._state import OPTIMIZER_WIDE, Path, group_device, group_tensors, label_in, param_positions, untensored
 
 __all__ = [
     "Policy",
@@ -476,7 +476,20 @@ class Placer:
         """Where the group's tensor ``key`` goes with the group's params on ``device`` (``None``: where they are),
         from the side the session remembers for a tensor a move took to the host."""
         side = self.sides.get((ident[0], ident[1], untensored(ident[2]))) if tensor.is_cpu and self.sides else None
+        if side is None and tensor.is_cpu and self.sides:
+            side = self._shared_side(tensor)
         return self.at(None, group, key, tensor, group_device(group, tensor) if device is None else device, side)
+
+    def _shared_side(self, tensor: torch.Tensor) -> torch.device | None:
+        """The side remembered for ``tensor`` at another group's site: one tensor several groups hold (torch's
+        add_param_group fills a group added while it was on the host from the defaults, the same tensor lr)."""
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for path, t in group_tensors(group):
+                if t is tensor:
+                    side = self.sides.get((gi, None, untensored(path)))
+                    if side is not None:
+                        return side
+        return None
 
     def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int, torch.device] | None:
         """The part of the memo key that all of ``param``'s entries share (None: no memo), for a caller that

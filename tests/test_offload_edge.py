@@ -575,3 +575,55 @@ def test_an_optimizer_whose_hooks_cannot_be_registered_is_refused_before_anythin
     assert {t.device for st in opt.state.values() for k, t in st.items() if k != "step"} == {sim}
     assert len(opt._optimizer_step_pre_hooks) == pre_hooks
     train(model, opt, range(1, 2))
+
+
+@pytest.mark.parametrize("change", ["append", "remove"])
+def test_a_group_whose_params_changed_while_offloaded_gets_its_own_lr_back(sim, change):
+    """A group is found again by its dict and its params: a param appended to (or taken from) a group while
+    offloaded made the record lose the group's own tensor ``lr``, which the offload took from the device, and the
+    reload left it on the host (``check()`` found nothing: a group tensor stays on the side it is on). The same
+    dict still holding the very tensor the offload took is the same group."""
+    a, b = torch.nn.Parameter(torch.ones(2, device=sim)), torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = torch.optim.Adam([a, b], lr=torch.tensor(0.01, device=sim), capturable=True)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    lr = opt.param_groups[0]["lr"]
+    optimshift.offload(opt)
+    if change == "append":
+        extra = torch.nn.Parameter(torch.ones(4, device=sim))
+        opt.param_groups[0]["params"].append(extra)
+    else:
+        opt.param_groups[0]["params"].pop()
+        del opt.state[b]
+    optimshift.reload(opt)
+    assert opt.param_groups[0]["lr"] is lr and lr.device == sim
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["in-place", "params-moved"])
+def test_a_group_added_while_offloaded_sharing_the_lr_survives_a_second_offload(sim, moved):
+    """``add_param_group`` fills a new group from the defaults: the same tensor ``lr`` as the first group's. Added
+    while offloaded, that tensor sits on the host, and a second offload recorded the host as where the new group's
+    lr was: the reload then had one tensor bound for the device and the host, and refused (ValueError), leaving the
+    state stranded on the host. The second offload records it where the first took it from."""
+    p = torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = torch.optim.AdamW([p], lr=torch.tensor(0.01, device=sim), capturable=True)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    lr = opt.param_groups[0]["lr"]
+    optimshift.offload(opt)
+    extra = torch.nn.Parameter(torch.ones(2, device=sim))
+    opt.add_param_group({"params": [extra]})
+    assert opt.param_groups[1]["lr"] is lr
+    optimshift.offload(opt)
+    device = torch.device(sim.type, 1) if moved else sim
+    torch.nn.ParameterList([p, extra]).to(device)
+    optimshift.reload(opt)
+    assert not optimshift.is_offloaded(opt)
+    assert opt.param_groups[0]["lr"] is opt.param_groups[1]["lr"] is lr and lr.device == device
+    for q in (p, extra):
+        q.grad = torch.ones_like(q)
+    opt.step()

@@ -370,10 +370,16 @@ def offload(
             if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
                 grads.append(((gi, pi), p))
 
+    sides = policy_target(optimizer, None)
+
     def to_host(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
-        record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
+        if ident not in record.devices:  # (the record is kept only once every copy exists)
+            # (a group tensor already on the host: where the session remembers it was taken from, as a move
+            # back would put it: a group added while offloaded holds the first group's lr, taken from a device)
+            side = sides.side(ident, tensor) if param is None and ident[0] != OPTIMIZER_WIDE else None
+            record.devices[ident] = tensor.device if side is None else side
         return host, "offload"
 
     # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)

@@ -475,14 +475,18 @@ class Placer:
     ) -> tuple[torch.device, str]:
         """Where the group's tensor ``key`` goes with the group's params on ``device`` (``None``: where they are),
         from the side the session remembers for a tensor a move took to the host."""
-        side = self.sides.get((ident[0], ident[1], untensored(ident[2]))) if tensor.is_cpu and self.sides else None
-        if side is None and tensor.is_cpu and self.sides:
-            side = self._shared_side(tensor)
+        side = self.side(ident, tensor)
         return self.at(None, group, key, tensor, group_device(group, tensor) if device is None else device, side)
 
-    def _shared_side(self, tensor: torch.Tensor) -> torch.device | None:
-        """The side remembered for ``tensor`` at another group's site: one tensor several groups hold (torch's
-        add_param_group fills a group added while it was on the host from the defaults, the same tensor lr)."""
+    def side(self, ident: Any, tensor: torch.Tensor) -> torch.device | None:
+        """The accelerator a group tensor now on the host was taken from (by a move or an offload), as the session
+        remembers it: at its site, else at another group's site holding the same tensor (torch's add_param_group
+        fills a group added meanwhile from the defaults: that very tensor lr). None: none remembered."""
+        if not (self.sides and tensor.is_cpu):
+            return None
+        side = self.sides.get((ident[0], ident[1], untensored(ident[2])))
+        if side is not None:
+            return side
         for gi, group in enumerate(self.optimizer.param_groups):
             for path, t in group_tensors(group):
                 if t is tensor:

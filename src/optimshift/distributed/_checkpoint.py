@@ -31,11 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
 import torch
 import torch.distributed as dist
 
@@ -131,9 +126,7 @@ def save(
         if rank == 0 and blob is not None:
             state[_EXTRA] = blob
     except BaseException as e:
-        if not had_state:
-            optimizer.state.clear()  # undo DCP's initialization if it got that far
-        _restore_grads(no_grad)
+        _undo_initializing(optimizer, had_state, no_grad)  # if it got that far
         if not isinstance(e, _FAILURES):  # (a Ctrl-C: nothing left behind, the folder's lock closed)
             if lock is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -143,14 +136,8 @@ def save(
     try:
         try:
             _agree(error, "save", path)
-        except BaseException:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-        # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
-        # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
-        try:
+            # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
+            # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
             with _single_process_quiet(world):
                 dcp.save(  # type: ignore[attr-defined]  # re-exported without being declared
                     state,
@@ -277,16 +264,12 @@ def load(
     except _FAILURES as e:  # noqa: BLE001
         error = e
     except BaseException:  # (a Ctrl-C: no zero-lr first step left behind)
-        if not had_state:
-            optimizer.state.clear()
-        _restore_grads(no_grad)
+        _undo_initializing(optimizer, had_state, no_grad)
         raise
     try:
         _agree(error, "load", path)
     except BaseException:
-        if not had_state:
-            optimizer.state.clear()
-        _restore_grads(no_grad)
+        _undo_initializing(optimizer, had_state, no_grad)
         raise
 
     # phase 4: DCP reads into the live tensors; every check that can fail has run. An error from here on
@@ -313,9 +296,7 @@ def load(
             move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
         return _unpack_extra(state[_EXTRA]) if layout.has_extra else None
     except _FAILURES as e:
-        _restore_grads(no_grad)
-        if not had_state:
-            optimizer.state.clear()  # (DCP's initialization: no fake first step left behind)
+        _undo_initializing(optimizer, had_state, no_grad)  # (no fake first step left behind)
         raise RuntimeError(
             f"optimshift.distributed.load({os.fspath(target)}) failed after it began writing the checkpoint into "
             f"the model and optimizer, which may now be partly loaded (reload them, or load again): "
@@ -449,9 +430,7 @@ def _agree(error: BaseException | None, what: str, path: Any, share: Any = None)
     world = _rank_world()[1]
     if world == 1:
         if isinstance(error, CheckpointException):  # (not an Exception: a user's `except Exception` missed it)
-            raise RuntimeError(
-                f"optimshift.distributed.{what}({os.fspath(path) if _pathlike(path) else path!r}): {error}"
-            ) from error
+            raise RuntimeError(f"{_call(what, path)}: {error}") from error
         if error is not None:
             raise error
         return share
@@ -474,10 +453,7 @@ def _agree(error: BaseException | None, what: str, path: Any, share: Any = None)
     if not (isinstance(kind, type) and issubclass(kind, Exception)):
         kind = RuntimeError
     if error is None:
-        text = (
-            f"optimshift.distributed.{what}({os.fspath(path) if _pathlike(path) else path!r}) failed on "
-            f"another rank: {text}"
-        )
+        text = f"{_call(what, path)} failed on another rank: {text}"
     raise kind(text) from error
 
 
@@ -486,6 +462,10 @@ def _agree(error: BaseException | None, what: str, path: Any, share: Any = None)
 
 def _pathlike(path: Any) -> bool:
     return isinstance(path, (str, os.PathLike))
+
+
+def _call(what: str, path: Any) -> str:
+    return f"optimshift.distributed.{what}({os.fspath(path) if _pathlike(path) else path!r})"
 
 
 def _as_path(path: Any) -> Path:
@@ -681,9 +661,12 @@ def _params_without_grad(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is None]
 
 
-def _restore_grads(params: list[torch.Tensor]) -> None:
-    """Undo DCP's initialization step's zero gradients on params that had none (after a failure)."""
-    for p in params:
+def _undo_initializing(optimizer: Any, had_state: bool, no_grad: list[torch.Tensor]) -> None:
+    """After a failure, undo DCP's initialization step: the state it created, and the zero gradients it gave the
+    params that had none (``no_grad``)."""
+    if not had_state:
+        optimizer.state.clear()
+    for p in no_grad:
         p.grad = None
 
 

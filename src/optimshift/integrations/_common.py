@@ -6,7 +6,7 @@ import importlib.util
 import sys
 import threading
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,11 @@ from .._devices import resolve
 from .._offload import record_of
 from .._state import unwrap
 
-__all__ = ["placeable", "follow_params", "to_host", "reload_to", "Swap", "Patch", "module_items", "streamed"]
+__all__ = ["placeable", "follow_params", "to_host", "reload_to", "Swap", "Patch", "bound_swaps", "streamed"]
+
+# What a replacement takes of the function it replaces: its name (logs and tracebacks read naturally), not its
+# docstring or module.
+NAMES_ONLY = ("__name__", "__qualname__")
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -98,6 +102,22 @@ def module_items(module: Any) -> list[tuple[str, Any]]:
     """A module's global names and values, read from its ``__dict__`` (no ``__getattr__``, no lazy imports)."""
     namespace = getattr(module, "__dict__", None) if isinstance(module, types.ModuleType) else None
     return list(namespace.items()) if isinstance(namespace, dict) else []
+
+
+def bound_swaps(pairs: Iterable[tuple[Any, Any]], first: Sequence[Any], packages: Collection[str]) -> list[Swap]:
+    """A :class:`Swap` for every binding of an original of ``pairs`` (``(original, replacement)``), under any name
+    (``from m import f`` binds it in the importing module): in the modules ``first`` (the defining ones, first, so
+    that modules imported later bind the replacement), then in every other loaded module of the top-level
+    ``packages``. Only theirs: a user's alias of a function is theirs to keep."""
+    replacements = {id(original): (original, replacement) for original, replacement in pairs}
+    rest = [m for n, m in list(sys.modules.items()) if n.split(".")[0] in packages and all(m is not f for f in first)]
+    swaps = []
+    for module in [*first, *rest]:
+        for name, value in module_items(module):
+            pair = replacements.get(id(value))
+            if pair is not None and pair[0] is value:
+                swaps.append(Swap(module, name, value, pair[1]))
+    return swaps
 
 
 class Patch:

@@ -39,10 +39,12 @@ __all__ = ["patch", "unpatch", "is_patched"]
 _patch = patch_of(__name__)
 
 
-def _on_xla(wrapper: Any) -> bool:
+def _on_xla(state: Any) -> bool:
+    """Whether Accelerate's ``state`` (an ``AcceleratorState``) runs on XLA: its own transfer places the state there
+    (``xm.send_cpu_data_to_device``)."""
     from accelerate.utils import DistributedType
 
-    return bool(wrapper.accelerator_state.distributed_type == DistributedType.XLA)
+    return bool(state.distributed_type == DistributedType.XLA)
 
 
 def _make_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -53,16 +55,11 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         optimizer = bound.arguments["optimizer"]
-        if not bound.arguments["device_placement"] or not placeable(optimizer):
+        from accelerate.state import AcceleratorState
+
+        if not bound.arguments["device_placement"] or not placeable(optimizer) or _on_xla(AcceleratorState()):
             api.wait(optimizer)  # Accelerate's own move reads the state: a transfer in flight finishes first
             original(self, *args, **kwargs)
-            return
-        from accelerate.state import AcceleratorState
-        from accelerate.utils import DistributedType
-
-        if AcceleratorState().distributed_type == DistributedType.XLA:
-            api.wait(optimizer)
-            original(self, *args, **kwargs)  # XLA's own transfer (xm.send_cpu_data_to_device)
             return
         bound.arguments["device_placement"] = False  # skip Accelerate's move of the whole state dict
         original(*bound.args, **bound.kwargs)
@@ -79,7 +76,7 @@ def _make_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
 
         if (
             getattr(self, "device_placement", False)
-            and not _on_xla(self)
+            and not _on_xla(self.accelerator_state)
             and placeable(self.optimizer)
             and can_load(self.optimizer)  # (a class with its own load_state_dict, bitsandbytes': Accelerate's)
         ):

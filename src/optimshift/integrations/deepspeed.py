@@ -41,7 +41,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -54,14 +53,14 @@ from .._device_streams import host_pinning
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
 from ..pool import host_pool
-from ._common import Swap, importable, module_items, patch_of, placeable, reload_to, streamed
+from ._common import NAMES_ONLY, Swap, bound_swaps, importable, patch_of, placeable, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
 _FUNCTIONS = "deepspeed.runtime.zero.offload_states"
 _STAGE_1_AND_2 = "deepspeed.runtime.zero.stage_1_and_2"
 _STAGE_3 = "deepspeed.runtime.zero.stage3"
-_NAMES_ONLY = ("__name__", "__qualname__", "__doc__")
+_NAMES_ONLY = (*NAMES_ONLY, "__doc__")
 
 _log = logging.getLogger("optimshift")
 _patch = patch_of(__name__, rebound=True)
@@ -389,7 +388,6 @@ def _plan_swaps() -> list[Swap]:
     functions, stage12, stage3 = _modules()
     unknown: list[str] = []
     swaps: list[Swap] = []
-    replacements: dict[int, tuple[Any, Any]] = {}
     makers: dict[str, Callable[[Any], Any]] = {
         "offload_optimizer_states": _make_offload_optimizer_states,
         "reload_optimizer_states": _make_reload_optimizer_states,
@@ -401,17 +399,9 @@ def _plan_swaps() -> list[Swap]:
         if why is not None:
             unknown.append(f"{_FUNCTIONS}.{name} ({why})")
             ok = False
-    if ok:
-        for name, make in makers.items():
-            original = functions.__dict__[name]
-            replacements[id(original)] = (original, make(original))
-        # Every DeepSpeed module holding them by name (stage_1_and_2 imports both), the defining one first.
-        deepspeed_modules = [m for n, m in list(sys.modules.items()) if n.split(".")[0] == "deepspeed" and m]
-        for module in [functions] + [m for m in deepspeed_modules if m is not functions]:
-            for attr, value in module_items(module):
-                pair = replacements.get(id(value))
-                if pair is not None and pair[0] is value:
-                    swaps.append(Swap(module, attr, value, pair[1]))
+    if ok:  # (in every DeepSpeed module holding them by name: stage_1_and_2 imports both)
+        pairs = [(functions.__dict__[name], make(functions.__dict__[name])) for name, make in makers.items()]
+        swaps += bound_swaps(pairs, [functions], ("deepspeed",))
     zero = stage12.DeepSpeedZeroOptimizer
     methods: dict[str, Callable[[Any], Any]] = {
         "offload_states": _make_offload_states,

@@ -43,14 +43,13 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .. import api
-from ._common import Swap, follow_params, module_items, patch_of, placeable, streamed, to_host
+from ._common import NAMES_ONLY, Swap, bound_swaps, follow_params, importable, patch_of, placeable, streamed, to_host
 
 if TYPE_CHECKING:
     from lightning.fabric.wrappers import _FabricOptimizer
@@ -69,30 +68,14 @@ _TRAINERS = {"lightning.fabric": "lightning.pytorch", "lightning_fabric": "pytor
 _patch = patch_of(__name__, rebound=True)
 
 
-def _installed_fabric_packages() -> list[str]:
-    found = []
-    for top, fabric in _FLAVOURS:
-        try:
-            spec = importlib.util.find_spec(top)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None:
-            found.append(fabric)
-    return found
-
-
 def _is_host(device: Any) -> bool:
     if isinstance(device, (str, torch.device)):
         return torch.device(device).type == "cpu"
     return False  # an int names an accelerator index
 
 
-# Keep the helper's name (Lightning logs and tracebacks read naturally) but our docstring and module.
-_NAMES_ONLY = ("__name__", "__qualname__")
-
-
 def _make_optimizer_to_device(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @functools.wraps(original, assigned=NAMES_ONLY)
     def _optimizer_to_device(optimizer: Any, device: Any) -> None:
         """optimshift's replacement for Lightning's helper (see optimshift.integrations.lightning).
 
@@ -111,7 +94,7 @@ def _make_optimizer_to_device(original: Callable[[Any, Any], None]) -> Callable[
 
 
 def _make_optimizers_to_device(one: Callable[[Any, Any], None], original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @functools.wraps(original, assigned=NAMES_ONLY)
     def _optimizers_to_device(optimizers: Iterable[Any], device: Any) -> None:
         """optimshift's replacement for Lightning's helper: :func:`_optimizer_to_device` on each optimizer."""
         for optimizer in optimizers:
@@ -155,7 +138,7 @@ def _wrap_fabric_load(
 
 
 def _plan_swaps() -> list[Swap]:
-    packages = _installed_fabric_packages()
+    packages = [fabric for top, fabric in _FLAVOURS if importable(top)]
     if not packages:
         raise ImportError(
             "optimshift.integrations.lightning.patch() needs Lightning: pip install 'optimshift[lightning]' "
@@ -175,21 +158,8 @@ def _plan_swaps() -> list[Swap]:
             originals[name] = helper
         one = _make_optimizer_to_device(originals["_optimizer_to_device"])
         many = _make_optimizers_to_device(one, originals["_optimizers_to_device"])
-        replacements = {
-            id(originals["_optimizer_to_device"]): (originals["_optimizer_to_device"], one),
-            id(originals["_optimizers_to_device"]): (originals["_optimizers_to_device"], many),
-        }
-        # Every Lightning module that holds a helper, under any name (``from ... import _optimizer_to_device``
-        # binds it in the importing module): the source first, so that modules imported later get the
-        # replacement. Only Lightning's own modules: a user's alias of the helper is theirs to keep.
-        lightning_modules = [
-            m for name, m in list(sys.modules.items()) if name.split(".")[0] in _LIGHTNING_PACKAGES and m is not source
-        ]
-        for module in [source] + lightning_modules:
-            for name, value in module_items(module):
-                pair = replacements.get(id(value))
-                if pair is not None and pair[0] is value:
-                    swaps.append(Swap(module, name, value, pair[1]))
+        pairs = [(originals["_optimizer_to_device"], one), (originals["_optimizers_to_device"], many)]
+        swaps += bound_swaps(pairs, [source], _LIGHTNING_PACKAGES)  # (every Lightning module holding a helper)
         fabric_cls = importlib.import_module(f"{package}.fabric").Fabric
         fabric_optimizer = importlib.import_module(f"{package}.wrappers")._FabricOptimizer
         for name in _FABRIC_METHODS:
@@ -224,7 +194,7 @@ def _plan_swaps() -> list[Swap]:
 
 
 def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @functools.wraps(original, assigned=NAMES_ONLY)
     def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
         """optimshift's restore for ``fit(ckpt_path=...)``: each optimizer is loaded with
         :func:`optimshift.load_state_dict` (no cast of fp32 state to the params' dtype where the step takes it, else
@@ -306,17 +276,8 @@ class OffloadOptimizerDuringEval(_callback_base()):  # type: ignore[misc]  # a b
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._reload()
 
-    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
-        self._offload(trainer)
-
-    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
-        self._reload()
-
-    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
-        self._offload(trainer)
-
-    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
-        self._reload()
+    on_test_start = on_predict_start = on_validation_start
+    on_test_end = on_predict_end = on_validation_end
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Everything is already on the host: this copies nothing and only forgets the offload record.

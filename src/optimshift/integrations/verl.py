@@ -55,7 +55,7 @@ import torch
 
 from .. import api
 from .._plan import check_optimizer
-from ._common import Swap, importable, module_items, patch_of, reload_to, streamed
+from ._common import NAMES_ONLY, Swap, bound_swaps, importable, module_items, patch_of, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -79,7 +79,6 @@ _LEFT_ALONE = {
     "load_megatron_optimizer": "Megatron's optimizer buffers; step is not moved",
 }
 _LOOKALIKE = re.compile(r"^_?(offload|load)_\w*optimizers?$")
-_NAMES_ONLY = ("__name__", "__qualname__")
 
 _patch = patch_of(__name__, rebound=True)
 
@@ -154,7 +153,7 @@ def _load(optimizer: Any, device_id: Any) -> None:
 
 
 def _make_offload(original: Callable[[Any], None], multi: bool) -> Callable[[Any], None]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @functools.wraps(original, assigned=NAMES_ONLY)
     @torch.no_grad()
     def offload_optimizer(optimizer: Any) -> None:
         """optimshift's replacement for verl's optimizer offload (see optimshift.integrations.verl): every state
@@ -169,7 +168,7 @@ def _make_offload(original: Callable[[Any], None], multi: bool) -> Callable[[Any
 
 
 def _make_load(original: Callable[[Any, Any], None], multi: bool) -> Callable[[Any, Any], None]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @functools.wraps(original, assigned=NAMES_ONLY)
     @torch.no_grad()
     def load_optimizer(optimizer: Any, device_id: Any) -> None:
         """optimshift's replacement for verl's optimizer load (see optimshift.integrations.verl): every state
@@ -215,7 +214,7 @@ def _sources() -> list[tuple[Any, tuple[str, str], bool]]:
 
 
 def _plan_swaps() -> list[Swap]:
-    replacements: dict[int, tuple[Any, Any]] = {}
+    pairs = []
     sources = _sources()
     for module, (offload_name, load_name), multi in sources:
         for name, make in ((offload_name, _make_offload), (load_name, _make_load)):
@@ -225,17 +224,8 @@ def _plan_swaps() -> list[Swap]:
                     f"{module.__name__} has no {name}(): this verl version moves optimizer state differently and "
                     f"optimshift.integrations.verl does not know how to patch it"
                 )
-            replacements[id(original)] = (original, make(original, multi))
-    swaps: list[Swap] = []
-    # The sources first (modules imported later bind the replacement from there), then every other verl module
-    # holding a function under any name. Only verl's own modules: a user's alias of a function is theirs.
-    defining = [m for m, _, _ in sources]
-    for module in defining + [m for m in _verl_modules() if all(m is not d for d in defining)]:
-        for name, value in module_items(module):
-            pair = replacements.get(id(value))
-            if pair is not None and pair[0] is value:
-                swaps.append(Swap(module, name, value, pair[1]))
-    return swaps
+            pairs.append((original, make(original, multi)))
+    return bound_swaps(pairs, [m for m, _, _ in sources], ("verl",))  # (and every other verl module holding one)
 
 
 def unknown_functions() -> list[str]:

@@ -12,6 +12,7 @@ fits takes the loaded values in place (no copy made: its object and storage stay
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -42,11 +43,7 @@ _CAST_MODES = (None, "param")
 # Overrides of ``load_state_dict`` that only post-process what ``Optimizer.load_state_dict`` produced in ways
 # this module already does (keeping non-floating dtypes and container types). Any other override may hold
 # logic we cannot reproduce, so such optimizers are refused with a workaround rather than loaded wrongly.
-_EQUIVALENT_OVERRIDES = frozenset(
-    {
-        "pytorch_optimizer.base.optimizer.BaseOptimizer.load_state_dict",
-    }
-)
+_EQUIVALENT_OVERRIDES = frozenset({"pytorch_optimizer.base.optimizer.BaseOptimizer.load_state_dict"})
 
 
 # Wrappers whose load_state_dict hands the state dict on to the optimizer they wrap, unchanged (Accelerate's: on
@@ -139,9 +136,8 @@ def _load(
             sd = result
 
     streamed = mode is not None
-    staged = Staging(
-        receiver, name, sd, flags=flags, cast=cast, copy=copy, device=target, source=source, streamed=streamed
-    )
+    staging = functools.partial(Staging, receiver, name, sd, flags=flags, copy=copy, device=target, source=source)
+    staged = staging(cast=cast, streamed=streamed)
     # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
     # collections would cost more than the copies)
     with _engine.operation(), exclusive(receiver), _engine.no_gc():
@@ -154,17 +150,7 @@ def _load(
         except CastNeeded:
             if not as_torch or cast is not None:
                 raise
-            staged = Staging(
-                receiver,
-                name,
-                sd,
-                flags=flags,
-                cast="param",
-                copy=copy,
-                device=target,
-                source=source,
-                streamed=streamed,
-            )
+            staged = staging(cast="param", streamed=streamed)
             new_state, new_groups = staged.build()
         _install(
             receiver,
@@ -228,26 +214,25 @@ def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     for wrapper in wrappers:  # (a wrapper's own load, TRAC's: what it adds would be skipped)
         override = _override_name(type(wrapper)) if isinstance(wrapper, torch.optim.Optimizer) else None
         if override is not None and override not in _EQUIVALENT_OVERRIDES | _DELEGATING_OVERRIDES:
-            name = type(wrapper).__name__
-            raise TypeError(
-                f"{name}: load_state_dict: {name} wraps {type(optimizer).__name__} and overrides load_state_dict "
-                f"({override}); optimshift.load_state_dict reproduces torch.optim.Optimizer.load_state_dict and "
-                f"would skip that logic. Call optimizer.load_state_dict(state_dict), then optimshift.move(optimizer) "
-                f"to place the state."
-            )
+            raise _skipped(wrapper, f"wraps {type(optimizer).__name__} and overrides", override)
     if isinstance(optimizer, torch.optim.Optimizer):
         override = _override_name(type(optimizer))
         if override is None or override in _EQUIVALENT_OVERRIDES:
             return optimizer
-    name = type(optimizer).__name__
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"{name}: load_state_dict: {name} overrides load_state_dict ({_override_name(type(optimizer))}); "
-            f"optimshift.load_state_dict reproduces torch.optim.Optimizer.load_state_dict and would skip that "
-            f"logic. Call optimizer.load_state_dict(state_dict), then optimshift.move(optimizer) to place the state."
-        )
+        raise _skipped(optimizer, "overrides", override)
     raise TypeError(
-        f"load_state_dict: optimizer must be a torch.optim.Optimizer (or a wrapper delegating to one), got {name}"
+        f"load_state_dict: optimizer must be a torch.optim.Optimizer (or a wrapper delegating to one), got "
+        f"{type(optimizer).__name__}"
+    )
+
+
+def _skipped(obj: Any, does: str, override: str) -> TypeError:
+    """The refusal of an ``obj`` whose class ``does`` ("overrides") ``load_state_dict`` with logic of its own."""
+    name = type(obj).__name__
+    return TypeError(
+        f"{name}: load_state_dict: {name} {does} load_state_dict ({override}); optimshift.load_state_dict reproduces "
+        f"torch.optim.Optimizer.load_state_dict and would skip that logic. Call optimizer.load_state_dict(state_dict), "
+        f"then optimshift.move(optimizer) to place the state."
     )
 
 
@@ -276,20 +261,19 @@ def _extract(state_dict: Any, label: str) -> tuple[Any, Mapping[str, Any] | None
 
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{label}: state_dict must be a dict (or a path), got {type(state_dict).__name__}")
-    if is_optimizer_state_dict(state_dict):
-        meta = state_dict.get(META_KEY)
-        return state_dict, meta if isinstance(meta, Mapping) else None
-    found = find_optimizer_states(state_dict)
-    if len(found) == 1:
-        meta = found[0].state_dict.get(META_KEY)
-        return found[0].state_dict, meta if isinstance(meta, Mapping) else None
-    if len(found) > 1:
-        where = ", ".join(f.where for f in found)
-        raise ValueError(
-            f"{label}: this checkpoint holds {len(found)} optimizer states ({where}); pass the one "
-            f"for this optimizer, e.g. checkpoint{found[0].where}"
-        )
-    return state_dict, None  # not recognised: the pre-hooks may still turn it into a state dict
+    if not is_optimizer_state_dict(state_dict):
+        found = find_optimizer_states(state_dict)
+        if not found:
+            return state_dict, None  # not recognised: the pre-hooks may still turn it into a state dict
+        if len(found) > 1:
+            where = ", ".join(f.where for f in found)
+            raise ValueError(
+                f"{label}: this checkpoint holds {len(found)} optimizer states ({where}); pass the one "
+                f"for this optimizer, e.g. checkpoint{found[0].where}"
+            )
+        state_dict = found[0].state_dict
+    meta = state_dict.get(META_KEY)
+    return state_dict, meta if isinstance(meta, Mapping) else None
 
 
 # --- installing ----------------------------------------------------------------------------------------------

@@ -140,10 +140,7 @@ def fresh_group(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | None:
 
 
 def torch_cast(
-    key: Any,
-    group: Mapping[str, Any],
-    param: tuple[torch.dtype, torch.device],
-    value: tuple[torch.dtype, torch.device],
+    key: Any, group: Mapping[str, Any], param: tuple[torch.dtype, torch.device], value: tuple[torch.dtype, torch.device]
 ) -> tuple[torch.dtype, torch.device]:
     """The dtype and device PyTorch's ``Optimizer.load_state_dict`` gives a saved state tensor (``value``: its
     dtype and device) of a param (``param``: the same): ``step`` stays as saved unless the group is fused or

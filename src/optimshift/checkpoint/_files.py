@@ -435,12 +435,9 @@ def _sniff(path: str) -> str:
         raise CheckpointError(
             f"{path} is a safetensors file, not a torch.save checkpoint: read it with safetensors.torch.load_file"
         )
-    if head.startswith(b"\x89HDF"):
-        raise CheckpointError(f"{path} is an HDF5 file, not a torch.save checkpoint")
-    if head.startswith(b"\x93NUMPY"):
-        raise CheckpointError(f"{path} is a NumPy .npy file, not a torch.save checkpoint")
-    if head.startswith(b"GGUF"):
-        raise CheckpointError(f"{path} is a GGUF file, not a torch.save checkpoint")
+    for magic, kind in ((b"\x89HDF", "an HDF5 file"), (b"\x93NUMPY", "a NumPy .npy file"), (b"GGUF", "a GGUF file")):
+        if head.startswith(magic):
+            raise CheckpointError(f"{path} is {kind}, not a torch.save checkpoint")
     raise CheckpointError(f"{path} is not a PyTorch checkpoint (it starts with {head[:16]!r})")
 
 
@@ -1001,26 +998,16 @@ def resolve_global(name: str) -> Any:
             f"(its {attr} objects not rebuilt); to load it, call optimshift.load in a script that defines {attr}, "
             f"inside `with torch.serialization.safe_globals([{attr}])`"
         )
-    try:
-        obj: Any = importlib.import_module(module)
-    except ImportError:
-        # A nested class: import the longest importable prefix, then walk attributes.
-        parts = name.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            try:
-                obj = importlib.import_module(".".join(parts[:cut]))
-            except ImportError:
-                continue
-            try:
-                for part in parts[cut:]:
-                    obj = getattr(obj, part)
-            except AttributeError:
-                raise ValueError(
-                    f"--allow-global {name}: {'.'.join(parts[:cut])} has no {name[len('.'.join(parts[:cut])) + 1 :]}"
-                ) from None
-            return obj
-        raise ValueError(f"--allow-global {name}: cannot import {module}") from None
-    try:
-        return getattr(obj, attr)
-    except AttributeError:
-        raise ValueError(f"--allow-global {name}: {module} has no {attr}") from None
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable prefix (a nested class's), then attributes
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[cut:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"--allow-global {name}: {'.'.join(parts[:cut])} has no {'.'.join(parts[cut:])}") from None
+        return obj
+    raise ValueError(f"--allow-global {name}: cannot import {module}")

@@ -124,13 +124,7 @@ def _device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.d
 
 
 def describe(
-    obj: Any,
-    locations: Mapping[int, str],
-    *,
-    path: str = "",
-    size: int = 0,
-    fmt: str = "",
-    opaque: Sequence[str] = (),
+    obj: Any, locations: Mapping[int, str], *, path: str = "", size: int = 0, fmt: str = "", opaque: Sequence[str] = ()
 ) -> dict[str, Any]:
     """What ``inspect`` reports about a loaded checkpoint, as JSON-ready data; ``opaque``: the globals its pickle
     names that were not rebuilt (``checkpoint._files.Opaque`` objects stand for them)."""

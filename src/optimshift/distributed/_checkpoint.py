@@ -687,11 +687,9 @@ def _compare_model(model_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
 
 def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
     if not isinstance(value, torch.Tensor):
-        return (
-            []
-            if not isinstance(meta, TensorStorageMetadata)
-            else [f"{label}: the checkpoint holds a tensor, this side {with_article(type(value).__name__)}"]
-        )
+        if isinstance(meta, TensorStorageMetadata):
+            return [f"{label}: the checkpoint holds a tensor, this side {with_article(type(value).__name__)}"]
+        return []
     if not isinstance(meta, TensorStorageMetadata):
         return [f"{label}: the checkpoint holds a non-tensor object, this side a tensor"]
     problems = []
@@ -728,19 +726,13 @@ def _compare_groups(optimizer: Any, layout: _Layout, model: torch.nn.Module | No
             mine_set, theirs_set = set(mine), set(theirs)
             only_saved = [n for n in theirs if n not in mine_set]
             only_live = [n for n in mine if n not in theirs_set]
-            if only_saved or only_live:
+            parts = [f"{_listed(only_saved)} are in this group only in the checkpoint"] if only_saved else []
+            parts += [f"{_listed(only_live)} are in this group only in the optimizer"] if only_live else []
+            if parts:
                 problems.append(
                     f"param group {gi} holds other params in the checkpoint than in the optimizer "
-                    f"({len(theirs)} there, {len(mine)} here): "
-                    + "; ".join(
-                        part
-                        for part in (
-                            f"{_listed(only_saved)} are in this group only in the checkpoint" if only_saved else "",
-                            f"{_listed(only_live)} are in this group only in the optimizer" if only_live else "",
-                        )
-                        if part
-                    )
-                    + " (build the optimizer's param groups as when it was saved)"
+                    f"({len(theirs)} there, {len(mine)} here): {'; '.join(parts)} (build the optimizer's param groups "
+                    f"as when it was saved)"
                 )
     for gi, group in enumerate(live):
         saved = layout.groups.get(gi, set())

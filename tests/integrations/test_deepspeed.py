@@ -547,3 +547,27 @@ def test_partitions_are_copied_out_of_the_pool_only_for_a_reload_onto_the_host(p
     assert not any(in_pool())
     engine.reload_states()
     _train(engine, 1)
+
+
+def test_engine_offload_and_reload_states_go_the_one_road(process_group, ds_patch, monkeypatch):
+    """Patched, ``engine.offload_states()``/``reload_states()`` (what OpenRLHF's sleep calls) move the inner
+    optimizer's state by one plan, copy and commit each (a spy on optimshift's engine), as every operation does."""
+    from optimshift import _engine as core
+
+    ds_patch(True)
+    engine = _engine(2, "AdamW-foreach")
+    _train(engine, 0)
+    seen: dict[str, int] = {"run": 0, "commit": 0}
+    for name in seen:
+        real = getattr(core, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(core, name, spy)
+    engine.offload_states()
+    assert seen == {"run": 1, "commit": 1}
+    engine.reload_states()
+    assert seen == {"run": 2, "commit": 2}
+    _train(engine, 1)

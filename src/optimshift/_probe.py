@@ -310,13 +310,13 @@ as the class's answer, never cached: out of memory propagates (the operation tha
 anything, as its own copies would), a RecursionError answers as an error of the class would, for that ask only
 (:func:`_cached`). An interrupt (``KeyboardInterrupt``, any ``BaseException`` that is not an ``Exception``) is
 never caught: it propagates, nothing cached. Any other error is the class's (a ``TypeError`` building it, what its
-step raises on the probe's inputs): the same inputs raise it again, and it is cached."""
+step raises on the probe's inputs): the same inputs raise it again, and its answer is cached."""
 
 
-def _cached(key: Hashable, compute: Callable[[], _T], unknown: Callable[[BaseException], _T]) -> _T:
-    """``compute()``, once per ``key`` while it stays among the :data:`CACHE_SIZE` most recently used. Nothing is
-    kept where it raises (:data:`TRANSIENT`: the next ask computes again); a RecursionError is answered by
-    ``unknown(error)`` (what ``compute`` answers for an error of the class), other errors propagate."""
+def _cached(key: Hashable, compute: Callable[[], _T], unknown: Callable[[Exception], _T]) -> _T:
+    """``compute()``, once per ``key`` while it stays among the :data:`CACHE_SIZE` most recently used; where it
+    raises an error of the class, ``unknown(error)`` is the answer. A RecursionError is answered so too, but not
+    kept (:data:`TRANSIENT`: the next ask computes again); the other transient errors propagate."""
     with _lock:
         found = _cache.get(key, _MISSING)
         if found is not _MISSING:
@@ -326,6 +326,10 @@ def _cached(key: Hashable, compute: Callable[[], _T], unknown: Callable[[BaseExc
         result = compute()
     except RecursionError as e:
         return unknown(e)
+    except TRANSIENT:
+        raise
+    except Exception as e:
+        result = unknown(e)
     with _lock:
         _cache[key] = result
         while len(_cache) > CACHE_SIZE:
@@ -594,20 +598,12 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
 def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | str:
     """The cached probe: what it observed, or why it could not run."""
 
-    def observe() -> Observed | str:
-        try:
-            return _observe(cls, group, min(ndim, 2))
-        except _Unbuilt as e:
+    def could_not(e: Exception) -> Observed | str:
+        if isinstance(e, _Unbuilt):
             return f"the probe could not build {cls.__name__} from a param and its group's hyperparameters ({e})"
-        except TRANSIENT:  # (says nothing of the class: never its answer)
-            raise
-        except Exception as e:
-            return could_not_run(e)
-
-    def could_not_run(e: BaseException) -> str:
         return f"the probe could not run {cls.__name__} ({_error(e)})"
 
-    return _cached(("placement", probe_key(cls, group, ndim)), observe, could_not_run)
+    return _cached(("placement", probe_key(cls, group, ndim)), lambda: _observe(cls, group, min(ndim, 2)), could_not)
 
 
 def probe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | None:
@@ -669,17 +665,9 @@ def expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], n
     buffers from its scalars only by rank > 1, Adafactor's factored moments), each buffer of its param's shape;
     probed at rank 0, every entry would be 0-dim, the buffers indistinguishable from ``step``."""
     ndim = max(ndim, 1)
-
-    def spec() -> StateSpec:
-        try:
-            shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
-            return _spec(cls, _host_kwargs(cls, group), shapes)
-        except TRANSIENT:  # (says nothing of the class: never its answer)
-            raise
-        except Exception:
-            return NO_SPEC
-
-    return _cached(("spec", probe_key(cls, group, ndim)), spec, lambda _: NO_SPEC)
+    shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
+    key = ("spec", probe_key(cls, group, ndim))
+    return _cached(key, lambda: _spec(cls, _host_kwargs(cls, group), shapes), lambda _: NO_SPEC)
 
 
 def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]) -> StateSpec:
@@ -916,16 +904,8 @@ def rejected_dtypes(
     if not param.is_floating_point():
         return []
     asked = tuple(sorted((str(k), str(d)) for k, d in dtypes.items()))
-
-    def trial() -> tuple[Rejection, ...] | None:
-        try:
-            return _try(cls, group, param.dtype, min(param.dim(), 2), dtypes)
-        except TRANSIENT:  # (says nothing of the class: never its answer)
-            raise
-        except Exception:
-            return None
-
-    found = _cached(("dtypes", probe_key(cls, group, param.dim()), param.dtype, asked), trial, lambda _: None)
+    key = ("dtypes", probe_key(cls, group, param.dim()), param.dtype, asked)
+    found = _cached(key, lambda: _try(cls, group, param.dtype, min(param.dim(), 2), dtypes), lambda _: None)
     return list(found or ())
 
 
@@ -942,12 +922,7 @@ def step_needs(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], key: 
     without = {k: v for k, v in group.items() if k != key}
 
     def needs() -> bool:
-        try:
-            kwargs = _host_kwargs(cls, without, (key,))
-        except TRANSIENT:  # (says nothing of the class: never its answer)
-            raise
-        except Exception:
-            return True
+        kwargs = _host_kwargs(cls, without, (key,))
         # (a class that takes only sparse grads refuses dense ones: SparseAdam)
         tried = [_steps_without(cls, kwargs, key, sparse) for sparse in (False, True)]
         return next((t for t in tried if t is not None), True)

@@ -61,7 +61,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -460,15 +460,6 @@ def _is_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
-@dataclass
-class _Run:
-    state: dict[str, bool] | None
-    reads: int
-    error: str | None
-    costs: dict[str, int] = field(default_factory=dict)
-    wide: dict[Path, bool] = field(default_factory=dict)
-
-
 class _Unbuilt(Exception):
     """The throwaway optimizer could not be built (its message: why)."""
 
@@ -492,9 +483,10 @@ def _run(
     paths: list[GroupPath],
     on_device: GroupPath | None,
     costs: bool = False,
-) -> _Run:
-    """One probe step (``on_device``: the group tensor put on the device, the others on the host); ``costs``: then
-    measure what each host scalar the step made costs on the device (:func:`_costs`)."""
+) -> tuple[Observed, int]:
+    """One probe step (``on_device``: the group tensor put on the device, the others on the host): what it saw (no
+    verdicts on group tensors yet) and its device reads; ``costs``: then measure what each host scalar the step
+    made costs on the device (:func:`_costs`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     kwargs = built_kwargs(cls, group)
@@ -548,7 +540,7 @@ def _run(
                 for path, t in leaves(value, (("key", key),))
                 if t.numel() == 1
             }
-    return _Run(found if state else None, reads.on_device, error, measured, wide)
+    return Observed(found if state else None, {}, error, measured, wide), reads.on_device
 
 
 def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str, bool]) -> dict[str, int]:
@@ -584,15 +576,15 @@ def torch_defined(cls: type) -> bool:
 
 def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed:
     paths = group_tensor_paths(group)
-    baseline = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
+    baseline, reads = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
     verdicts: dict[GroupPath, str] = {}
     for path in paths:
-        alone = _run(cls, group, ndim, paths, path)
-        if alone.reads > baseline.reads or (alone.error is not None and alone.error != baseline.error):
+        alone, alone_reads = _run(cls, group, ndim, paths, path)
+        if alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
         elif baseline.error is not None and alone.error is None:
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
-    return Observed(baseline.state, verdicts, baseline.error, baseline.costs, baseline.wide)
+    return replace(baseline, group=verdicts)
 
 
 def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | str:
@@ -670,11 +662,16 @@ def expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], n
     return _cached(key, lambda: _spec(cls, _host_kwargs(cls, group), shapes), lambda _: NO_SPEC)
 
 
+def _host_params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
+    for p in params:
+        p.grad = torch.full(p.shape, 0.25)
+    return params
+
+
 def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]) -> StateSpec:
     with throwaway():
-        params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
-        for p in params:
-            p.grad = torch.full(p.shape, 0.25)
+        params = _host_params(shapes)
         opt = cls(params, **kwargs)
         eager = all(opt.state.get(p) for p in params) and not _steps_without_state(cls, kwargs, shapes)
         try:
@@ -711,9 +708,7 @@ def _steps_without_state(
     cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list[tuple[int, ...]]
 ) -> bool:
     """Whether a param whose state is missing still steps (the class creates it there: a lazy class)."""
-    params = [torch.nn.Parameter(torch.full(s, 0.5, dtype=torch.float32)) for s in shapes]
-    for p in params:
-        p.grad = torch.full(p.shape, 0.25)
+    params = _host_params(shapes)
     opt = cls(params, **kwargs)
     opt.state.pop(params[0], None)
     try:

@@ -283,14 +283,16 @@ def registered_first(handle: Any) -> Any:
 _MISSING = object()
 
 
-class _Front:
-    """A front in the optimizer's ``__dict__``, found before the class's method of that name, for a while;
-    ``remove()`` (with the hooks it goes with) takes it away and puts back what was there. Held by the session, it
-    holds the optimizer and its front only weakly (the optimizer holds the front)."""
+class Front:
+    """A front in the optimizer's ``__dict__``, found before the class's method of that name, for a while (what
+    was there is kept as ``front.previous``: :func:`behind`); ``remove()`` (with the hooks it goes with) takes it
+    away and puts back what was there. Held by the session, it holds the optimizer and its front only weakly (the
+    optimizer holds the front)."""
 
     def __init__(self, optimizer: Any, name: str, front: Any) -> None:
         self.ref, self.name = weakref.ref(optimizer), name
         self.front = weakref.ref(front)
+        front.previous = optimizer.__dict__.get(name, _MISSING)
         optimizer.__dict__[name] = front
 
     def remove(self) -> None:
@@ -302,18 +304,23 @@ class _Front:
                 optimizer.__dict__[self.name] = front.previous
 
 
-class _ZeroGrad(_Front):
+def behind(front: Any, optimizer: Any, name: str) -> Any:
+    """What ``front`` (installed by :class:`Front` as ``name``) stands before: the optimizer's own entry it
+    replaced, else the class's method, bound to ``optimizer``."""
+    return front.previous if front.previous is not _MISSING else getattr(type(optimizer), name).__get__(optimizer)
+
+
+class _ZeroGrad(Front):
     """While grads are offloaded (``p.grad`` is None), ``optimizer.zero_grad()`` clears them too, as it would have
     cleared them on the params: ``set_to_none`` drops them (the reload gives none back), else they are zeroed on
     the host (:class:`_ZeroGradFront`: ``model.zero_grad()``, or a wrapper calling the class's on itself, cannot
     see them)."""
 
     def __init__(self, optimizer: Any) -> None:
-        ref = weakref.ref(optimizer)
-        super().__init__(optimizer, "zero_grad", _ZeroGradFront(ref, optimizer.__dict__.get("zero_grad", _MISSING)))
+        super().__init__(optimizer, "zero_grad", _ZeroGradFront(weakref.ref(optimizer)))
 
 
-def copy_guard(optimizer: Any, wait: Callable[[Any], None] | None, *, compact: bool = False) -> _Front | None:
+def copy_guard(optimizer: Any, wait: Callable[[Any], None] | None, *, compact: bool = False) -> Front | None:
     """``copy.deepcopy``, pickle and ``torch.save`` of the whole optimizer read its state through
     ``__getstate__``, which no hook reaches: a front there, while copies in flight still write the state (a
     non-blocking transfer, a streamed step's write-backs), that calls ``wait(optimizer)`` first, as
@@ -323,8 +330,7 @@ def copy_guard(optimizer: Any, wait: Callable[[Any], None] | None, *, compact: b
     ``__dict__``."""
     if not isinstance(getattr(optimizer, "__dict__", None), dict):
         return None
-    previous = optimizer.__dict__.get("__getstate__", _MISSING)
-    return _Front(optimizer, "__getstate__", _GetStateFront(weakref.ref(optimizer), wait, compact, previous))
+    return Front(optimizer, "__getstate__", _GetStateFront(weakref.ref(optimizer), wait, compact))
 
 
 class _GetStateFront:
@@ -333,8 +339,8 @@ class _GetStateFront:
 
     __slots__ = ("ref", "wait", "compact", "previous", "__weakref__")
 
-    def __init__(self, ref: weakref.ref[Any], wait: Callable[[Any], None] | None, compact: bool, previous: Any) -> None:
-        self.ref, self.wait, self.compact, self.previous = ref, wait, compact, previous
+    def __init__(self, ref: weakref.ref[Any], wait: Callable[[Any], None] | None, compact: bool) -> None:
+        self.ref, self.wait, self.compact = ref, wait, compact
 
     def __call__(self) -> Any:
         optimizer = self.ref()
@@ -342,7 +348,7 @@ class _GetStateFront:
             return {}
         if self.wait is not None:
             self.wait(optimizer)
-        state = self.previous() if self.previous is not _MISSING else type(optimizer).__getstate__(optimizer)
+        state = behind(self, optimizer, "__getstate__")()
         if isinstance(state, dict) and state.get("__getstate__") is self:  # (a class that pickles its __dict__)
             state = {k: v for k, v in state.items() if k != "__getstate__"}
         if self.compact and isinstance(state, dict) and isinstance(state.get("state"), Mapping):
@@ -360,22 +366,19 @@ class _ZeroGradFront:
 
     __slots__ = ("ref", "previous", "__weakref__")
 
-    def __init__(self, ref: weakref.ref[Any], previous: Any) -> None:
-        self.ref, self.previous = ref, previous
-
-    def _zero(self, optimizer: Any) -> Any:
-        return self.previous if self.previous is not _MISSING else _class_zero_grad(optimizer)
+    def __init__(self, ref: weakref.ref[Any]) -> None:
+        self.ref = ref
 
     @property
     def __signature__(self) -> inspect.Signature:
         optimizer = self.ref()
-        return inspect.Signature() if optimizer is None else inspect.signature(self._zero(optimizer))
+        return inspect.Signature() if optimizer is None else inspect.signature(behind(self, optimizer, "zero_grad"))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         optimizer = self.ref()
         if optimizer is None:
             return None
-        zero = self._zero(optimizer)
+        zero = behind(self, optimizer, "zero_grad")
         try:
             bound = inspect.signature(zero).bind(*args, **kwargs)
             bound.apply_defaults()
@@ -388,11 +391,10 @@ class _ZeroGradFront:
         result = zero(*args, **kwargs)  # (before any is cleared: where it raises, a bad argument, they are kept)
         with exclusive(optimizer):
             record = record_of(optimizer)
-            held = {id(p) for g in optimizer.param_groups for p in g["params"]} if record is not None else set()
-            mine = [key for key in record.grads if key in held] if record is not None else []
-            if record is not None and mine:
+            if record is not None:
+                held = param_positions(optimizer)
                 with torch.no_grad():
-                    for key in mine:
+                    for key in [key for key in record.grads if key in held]:
                         if set_to_none:
                             del record.grads[key]
                         else:

@@ -52,7 +52,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-from . import _addresses, _device_streams, _engine, _mode, _session
+from . import _addresses, _device_streams, _engine, _mode, _offload, _session
 from . import _chunks as layout
 from . import policy as _policy
 from ._chunks import Chunk, Group, Item, ParamState
@@ -81,8 +81,6 @@ _log = logging.getLogger("optimshift")
 # The layout's copies: queued on the streamed step's own lane (its loads come after them in order), waited for by
 # the host unless a step made the state (Streamed._lay_out's ``wait``).
 _LAYOUT = Options(non_blocking=True, lane="stream")
-
-_MISSING = object()
 
 
 def _is_device(t: torch.Tensor) -> bool:
@@ -139,7 +137,6 @@ class Streamed:
         self._examined: set[int] = set()  # params whose state holds nothing to stream (host-only or none)
         self._pending: dict[torch.device, Any] = {}  # device -> event after its last queued write-back
         self._stale = False  # a load replaced the state and laying it out failed: retried at the next step
-        self._saved: dict[str, Any] = {}
         self._handles: list[Any] = []
         self.blocks = 0  # streamed() blocks (any thread) inside the stream() one of them made: the last out unstreams
         self._active = False
@@ -561,7 +558,8 @@ class Streamed:
         # NOTE: installed as plain functions that find the optimizer through the mode's weak reference, as an LR
         # scheduler's step wrapper does: a method bound to the optimizer, in its own __dict__, would be a
         # reference cycle, and a dropped streamed optimizer would hold its host buffers until the collector ran.
-        # Nothing here refers to them back (unstream() knows them by their mark), so no cycle forms that way.
+        # Nothing here refers to them back (unstream() removes them as fronts, held weakly), so no cycle forms
+        # that way.
         def streamed_step(*args: Any, **kwargs: Any) -> Any:
             return eager(*args, **kwargs)
 
@@ -569,29 +567,22 @@ class Streamed:
             # torch's choices, into host state
             _load_state_dict(streamed.optimizer, state_dict, flags="checkpoint", cast="param")
 
-        previous_state_dict = opt.__dict__.get("state_dict", _MISSING)
-
         def streamed_state_dict() -> Any:
             optimizer = streamed.optimizer
             with exclusive(optimizer):  # (not while a streamed step in another thread has the groups cut down)
-                if previous_state_dict is not _MISSING:
-                    return previous_state_dict()
-                return type(optimizer).state_dict(optimizer)
+                # (through its front, held weakly: a reference to itself would be a cycle)
+                return _offload.behind(front.front(), optimizer, "state_dict")()
+
+        front = _offload.Front(opt, "state_dict", streamed_state_dict)
 
         # An LR scheduler wraps optimizer.step to record that it ran (_opt_called), unless the step says it is
         # wrapped already. Ours records it itself, and so is never wrapped: unstream() can restore exactly what
         # was there before.
         streamed_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        installed: dict[str, Any] = {
-            "step": streamed_step,
-            "load_state_dict": streamed_load_state_dict,
-            "state_dict": streamed_state_dict,
-        }
-        for attr, fn in installed.items():
-            fn._optimshift_streamed = self
-            self._saved[attr] = opt.__dict__.get(attr, _MISSING)
-            setattr(opt, attr, fn)
         self._handles = [
+            _offload.Front(opt, "step", streamed_step),
+            _offload.Front(opt, "load_state_dict", streamed_load_state_dict),
+            front,
             registered_first(opt.register_step_pre_hook(self._refuse_bypass)),
             registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.wait())),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
@@ -623,14 +614,7 @@ class Streamed:
         self._active = False
         for handle in self._handles:
             handle.remove()
-        self._handles = []
-        for attr, previous in self._saved.items():
-            if getattr(opt.__dict__.get(attr), "_optimshift_streamed", None) is self:
-                if previous is _MISSING:
-                    del opt.__dict__[attr]
-                else:
-                    opt.__dict__[attr] = previous
-            # else: replaced by someone since; our step then falls through to the plain step (see _install)
+        self._handles = []  # (what replaced a front since stays: our step then falls through, see _install)
 
 
 def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch.device | None:

@@ -83,10 +83,6 @@ _log = logging.getLogger("optimshift")
 _LAYOUT = Options(non_blocking=True, lane="stream")
 
 
-def _is_device(t: torch.Tensor) -> bool:
-    return t.device.type not in HOSTS
-
-
 # -- copies: the engine's stream layer (_device_streams.Streams, _copy.Side's rules) on a side stream of their own --
 
 
@@ -218,8 +214,7 @@ class Streamed:
                 kept.append(tr)
                 continue
             p = cast(torch.Tensor, tr[3])
-            if len(path) > 1 or type(tr[2]) is not torch.Tensor or (self.device is not None and tr[4] != self.device):
-                self._refuse(tr, state[p])
+            self._refuse(tr, state[p])
             entries = by_param.get(id(p))
             if entries is None:
                 entries = by_param[id(p)] = []
@@ -256,30 +251,34 @@ class Streamed:
                 for e, host in zip(c.entries, layout.views(c.buffer, c.entries)):
                     e.obj = instead.get(id(e.obj), e.obj)  # (no mechanism kept it: its host view took its place)
                     e.host = host  # (after a swap, the view made for the copy holds the old contents)
-                self._chunks[id(c)] = c
-                for p in c.params:
-                    self._chunk_of[id(p)] = c
-                    self._examined.discard(id(p))
+            self._keep(chunks)
 
     def _refuse(self, tr: Transfer, st: ParamState) -> None:
-        """Why an entry that belongs on an accelerator cannot be streamed: raised before anything changes."""
-        opt = self.optimizer
+        """Raises, before anything changes, why an entry that belongs on an accelerator cannot be streamed."""
         key, value = tr[0][2][0][1], tr[2]
-        where = f"{optimizer_name(opt)}: {tr.site.param_label}: state {key!r}"
+        keep = "Keep this optimizer's state on the device (optimshift.move)."
         if self.device is not None and tr[4] != self.device:
-            raise ValueError(
-                f"{where} belongs on {tr[4]}, but stream(device={self.device}) streams through {self.device} only"
+            why = f"belongs on {tr[4]}, but stream(device={self.device}) streams through {self.device} only"
+        elif len(tr[0][2]) > 1:
+            why = (
+                f"holds a tensor inside a {type(st[key]).__name__} that belongs on {tr[4]}; streaming moves "
+                f"top-level state tensors only. {keep}"
             )
-        if len(tr[0][2]) > 1:
-            raise ValueError(
-                f"{where} holds a tensor inside a {type(st[key]).__name__} that belongs on {tr[4]}; streaming "
-                f"moves top-level state tensors only. Keep this optimizer's state on the device (optimshift.move)."
+        elif type(value) is not torch.Tensor:
+            why = (
+                f"is {with_article(type(value).__name__)}; streaming lays out plain tensors only (sharded DTensor "
+                f"state is not streamed). {keep}"
             )
-        if type(value) is not torch.Tensor:
-            raise ValueError(
-                f"{where} is {with_article(type(value).__name__)}; streaming lays out plain tensors only (sharded "
-                f"DTensor state is not streamed). Keep this optimizer's state on the device (optimshift.move)."
-            )
+        else:
+            return
+        raise ValueError(f"{optimizer_name(self.optimizer)}: {tr.site.param_label}: state {key!r} {why}")
+
+    def _keep(self, chunks: Sequence[Chunk]) -> None:
+        for c in chunks:
+            self._chunks[id(c)] = c
+            for p in c.params:
+                self._chunk_of[id(p)] = c
+                self._examined.discard(id(p))
 
     def _forget(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
@@ -295,10 +294,7 @@ class Streamed:
         try:
             self._lay_out(self._members(wanted))
         except BaseException:
-            for c in chunks:  # nothing changed: the old layout stands
-                self._chunks[id(c)] = c
-                for p in c.params:
-                    self._chunk_of[id(p)] = c
+            self._keep(chunks)  # nothing changed: the old layout stands
             raise
         layout.release(chunks)
 
@@ -407,7 +403,8 @@ class Streamed:
                     out = self._compute(group, part, rest, kwargs)
                     made = []
                     for q in part:
-                        if any(isinstance(v, torch.Tensor) and _is_device(v) for v in opt.state.get(q, {}).values()):
+                        held = opt.state.get(q, {}).values()
+                        if any(isinstance(v, torch.Tensor) and v.device.type not in HOSTS for v in held):
                             made.append((group, q))
                         else:
                             self._examined.add(id(q))

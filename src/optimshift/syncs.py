@@ -167,16 +167,9 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
             self._record("item", first.device)
         elif name == "_to_copy" and _is_device(first) and _to_host(kwargs.get("device")):
             self._record("copy_to_host", first.device)
-        elif (
-            name == "copy_"
-            and len(args) >= 2
-            and _is_device(args[1])
-            and isinstance(first, torch.Tensor)
-            and first.device.type == "cpu"
-        ):
-            self._copy_to_host(args[1].device)
-        elif name == "_foreach_copy_" and len(args) >= 2:
-            for dst, src in zip(first or (), args[1] or ()):
+        elif name in ("copy_", "_foreach_copy_") and len(args) >= 2:
+            pairs = zip(first or (), args[1] or ()) if name == "_foreach_copy_" else [(first, args[1])]
+            for dst, src in pairs:
                 if _is_device(src) and isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
                     self._copy_to_host(src.device)
         elif name in _DATA_DEPENDENT and _is_device(first):

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ._devices import HOSTS
+from ._devices import HOSTS, _device_module
 
 __all__ = [
     "Streams",
@@ -187,23 +187,9 @@ def register_backend(device_type: str, module: Any, *, pin_host: bool = False) -
 
 
 def _generic_api() -> bool:
-    acc = getattr(torch, "accelerator", None)
-    return (
-        acc is not None
-        and hasattr(torch, "Stream")
-        and hasattr(torch, "Event")
-        and all(
-            hasattr(acc, name)
-            for name in (
-                "current_accelerator",
-                "current_stream",
-                "set_stream",
-                "synchronize",
-                "current_device_index",
-                "set_device_index",
-            )
-        )
-    )
+    acc = getattr(torch, "accelerator", None)  # (hasattr(None, name): False)
+    needed = "current_accelerator current_stream set_stream synchronize current_device_index set_device_index".split()
+    return hasattr(torch, "Stream") and hasattr(torch, "Event") and all(hasattr(acc, name) for name in needed)
 
 
 def _current_accelerator_type() -> str | None:
@@ -279,10 +265,7 @@ def synchronize(devices: Iterable[torch.device]) -> None:
         if streams is not None:
             streams.synchronize(device)
             continue
-        try:
-            module = torch.get_device_module(device.type)
-        except Exception:
-            module = getattr(torch, device.type, None)
+        module = _device_module(device.type)
         sync = getattr(module, "synchronize", None)
         available = getattr(module, "is_available", lambda: True)
         if sync is not None and available():

@@ -344,17 +344,9 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
     for group in _alias.shared([t for t, _ in found]):
         members = [found[i][0] for i in group]
         grouped.update(group)
-        if not all(map(_slottable, members)) or not _alias.span(members)[1]:
-            continue
-        units.append(
-            _Unit(
-                [ident for t in members for ident in idents[id(t)]],
-                members,
-                found[group[0]][1],
-                _alias.span(members)[1],
-                True,
-            )
-        )
+        nbytes = _alias.span(members)[1] if all(map(_slottable, members)) else 0
+        if nbytes:
+            units.append(_Unit([i for t in members for i in idents[id(t)]], members, found[group[0]][1], nbytes, True))
     for i, (t, target) in enumerate(found):
         if i not in grouped and _slottable(t) and t.numel():
             units.append(_Unit(list(idents[id(t)]), [t], target, t.numel() * t.element_size(), False))

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ._devices import HOSTS, _device_module
+from ._devices import HOSTS, device_module
 
 __all__ = [
     "Streams",
@@ -265,7 +265,7 @@ def synchronize(devices: Iterable[torch.device]) -> None:
         if streams is not None:
             streams.synchronize(device)
             continue
-        module = _device_module(device.type)
+        module = device_module(device.type)
         sync = getattr(module, "synchronize", None)
         available = getattr(module, "is_available", lambda: True)
         if sync is not None and available():

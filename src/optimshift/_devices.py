@@ -14,7 +14,8 @@ HOSTS = ("cpu", "meta")
 values)."""
 
 
-def _device_module(device_type: str) -> Any:
+def device_module(device_type: str) -> Any:
+    """torch's module for a device type (``torch.cuda``, a registered backend's), or None."""
     try:
         return torch.get_device_module(device_type)
     except Exception:
@@ -59,7 +60,7 @@ def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch
     if device.type == "cpu":
         return torch.device("cpu")
     fake = _fake_mode_active(tensors)
-    module = _device_module(device.type)
+    module = device_module(device.type)
     if module is None or not hasattr(module, "device_count"):
         if fake:
             return device if device.index is not None else torch.device(device.type, 0)

@@ -447,3 +447,21 @@ def _has(name: str) -> bool:
         return hasattr(importlib.import_module(module), attr)
     except ImportError:
         return False
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_inspect_json_of_a_non_finite_tensor_hyperparameter_is_valid_json(tmp_path, capsys, value):
+    """A tensor ``lr`` that went NaN (a diverged run) came out as the bare ``NaN`` token, which is no JSON (a
+    Python float did not): now as the text a float of that value gives."""
+    sd = trained(O.Adam).state_dict()
+    sd["param_groups"][0]["lr"] = torch.tensor(value)
+    path = tmp_path / "opt.pt"
+    torch.save(sd, path)
+    rc, out, err = _run(capsys, "inspect", str(path), "--json")
+    assert rc == 0, err
+
+    def refuse(token):
+        raise AssertionError(f"not JSON: {token}")
+
+    (o,) = json.loads(out, parse_constant=refuse)["optimizers"]
+    assert o["groups"][0]["hyperparameters"]["lr"] == str(value)

@@ -465,3 +465,16 @@ def test_inspect_json_of_a_non_finite_tensor_hyperparameter_is_valid_json(tmp_pa
 
     (o,) = json.loads(out, parse_constant=refuse)["optimizers"]
     assert o["groups"][0]["hyperparameters"]["lr"] == str(value)
+
+
+def test_inspect_a_meta_tensor_hyperparameter(tmp_path, capsys):
+    """A 0-dim tensor ``lr`` on ``meta`` (an optimizer built over a model on the meta device) failed the whole
+    description ("please report this": ``.item()`` of a meta tensor); now shown by shape and dtype."""
+    sd = trained(O.Adam).state_dict()
+    sd["param_groups"][0]["lr"] = torch.tensor(0.001, device="meta")
+    path = tmp_path / "opt.pt"
+    torch.save(sd, path)
+    rc, out, err = _run(capsys, "inspect", str(path), "--json")
+    assert rc == 0, err
+    (o,) = json.loads(out)["optimizers"]
+    assert o["groups"][0]["hyperparameters"]["lr"] == {"tensor": [], "dtype": "float32"}

@@ -33,7 +33,7 @@ _SHOWN_DEPTH = 16  # containers nested deeper than this are summarised (a hostil
 
 def jsonable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
+        if value.dim() == 0 and not value.is_meta:  # (a meta tensor has no value to show)
             return jsonable(value.item(), depth)  # (a NaN as a float's: no bare NaN token in --json)
         return {"tensor": list(value.shape), "dtype": dtype_name(value.dtype)}
     if isinstance(value, (list, tuple, Mapping)) and depth >= _SHOWN_DEPTH:

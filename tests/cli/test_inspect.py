@@ -478,3 +478,16 @@ def test_inspect_a_meta_tensor_hyperparameter(tmp_path, capsys):
     assert rc == 0, err
     (o,) = json.loads(out)["optimizers"]
     assert o["groups"][0]["hyperparameters"]["lr"] == {"tensor": [], "dtype": "float32"}
+
+
+def test_inspect_a_param_state_that_is_a_tensor_not_a_dict(tmp_path, capsys):
+    """A param whose saved state is a tensor (a corrupt or hand-edited file) failed the whole description
+    ("please report this": the truth value of a tensor of several elements); now counted as state, and shown."""
+    sd = trained(O.Adam).state_dict()
+    sd["state"][0] = torch.zeros(3)
+    path = tmp_path / "opt.pt"
+    torch.save(sd, path)
+    rc, out, err = _run(capsys, "inspect", str(path), "--json")
+    assert rc == 0, err
+    (o,) = json.loads(out)["optimizers"]
+    assert o["params"] == 3 and o["params_with_state"] == 3

@@ -186,6 +186,11 @@ def _state_of(states: Mapping[Any, Any], sid: Any) -> Any:
     return states.get(sid) if _hashable(sid) else None
 
 
+def _has_state(st: Any) -> bool:
+    """Whether a param's saved state ``st`` holds anything (a corrupt file's may be a tensor: never its truth)."""
+    return st is not None and (bool(st) if isinstance(st, (Mapping, list, tuple)) else True)
+
+
 def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]) -> dict[str, Any]:
     sd = found.state_dict
     groups = list(sd["param_groups"])
@@ -199,7 +204,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         "class": found.class_name,
         "class_guess": guessed,
         "params": n_params,
-        "params_with_state": sum(1 for g in groups for sid in g["params"] if _state_of(states, sid)),
+        "params_with_state": sum(1 for g in groups for sid in g["params"] if _has_state(_state_of(states, sid))),
         "groups": [],
         "state": [],
         "findings": [],

@@ -115,6 +115,17 @@ def test_load_maps_gpu_checkpoints_to_the_host_and_mmaps(tmp_path):
     assert all(t.device.type == "cpu" for st in loaded["state"].values() for t in st.values())
 
 
+@pytest.mark.parametrize("where", ["cpu:1", torch.device("cpu", 1), {"cpu": "cpu:1"}], ids=["str", "device", "dict"])
+def test_a_map_location_torch_cannot_restore_to_is_not_called_a_corrupt_file(tmp_path, where):
+    """``map_location="cpu:1"`` holds tensors (``torch.empty`` takes it) but torch.load restores no storage there:
+    a sound file was called "truncated or corrupt". Now the map_location is named, and the file is not blamed."""
+    torch.save(_adam().state_dict(), tmp_path / "opt.pt")
+    with pytest.raises(RuntimeError, match="map_location .* restore data location") as raised:
+        optimshift.load(tmp_path / "opt.pt", map_location=where)
+    assert not isinstance(raised.value, CheckpointError) and "corrupt" not in str(raised.value)
+    assert optimshift.load(tmp_path / "opt.pt", map_location="meta")["state"][0]["exp_avg"].is_meta  # (still taken)
+
+
 def test_legacy_format_loads_without_mmap(tmp_path):
     sd = _adam().state_dict()
     torch.save(sd, tmp_path / "old.pt", _use_new_zipfile_serialization=False)

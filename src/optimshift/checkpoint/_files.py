@@ -700,6 +700,9 @@ def _guarded_map_location(map_location: Any, p: str) -> Any:
             continue
         try:
             torch.empty(0, device=target)
+            # (and a place torch.load restores storages to: "cpu:1" holds tensors, but torch.load refuses it mid-file)
+            storage = torch.empty(0).untyped_storage()
+            torch.serialization.default_restore_location(storage, str(target))  # type: ignore[no-untyped-call]
         except Exception as e:
             raise RuntimeError(
                 f"load {p}: map_location {target!r} is not a device this machine can hold "

@@ -71,6 +71,20 @@ def test_state_keyed_by_text_is_refused_not_dropped():
     )
 
 
+@pytest.mark.parametrize("cls, kwargs", [(O.Adam, {"foreach": False}), (O.SGD, {"lr": 0.1, "momentum": 0.9})])
+def test_a_param_whose_state_is_none_is_refused_not_dropped(cls, kwargs):
+    """``state[1] = None`` (a hand-edited file): PyTorch's load fails on it (Adam) or installs it (SGD, whose step
+    then fails); it was taken for "no state", and that param's moments silently restarted from zero."""
+    sd = _trained(cls, **kwargs).state_dict()
+    sd["state"][1] = None
+    _refused(
+        _trained(cls, **kwargs),
+        sd,
+        TypeError,
+        rf"{cls.__name__}: load_state_dict: group 0, param 1: its state is None, expected a dict",
+    )
+
+
 def test_a_torch_optim_class_has_no_optimizer_wide_entries():
     sd = _trained(foreach=False).state_dict()
     sd["state"]["k"] = torch.tensor([3])

@@ -194,6 +194,11 @@ class Staging:
                 f"state_dict['state'] has entries for param ids {stray[:5]!r} that no param group lists; "
                 f"they could not be matched to a param"
             )
+        if any(v is None for v in states.values()):  # (PyTorch fails on it: not "no state", a param's state lost)
+            for gi, g in enumerate(groups):
+                for pi, sid in enumerate(g["params"]):
+                    if states.get(sid, ()) is None:
+                        raise self.fail(f"{self._param_label(gi, pi)}: its state is None, expected a dict", TypeError)
         return list(groups), states
 
     def _refuse_listed_twice(self, groups: Any, live: list[dict[str, Any]]) -> None:

@@ -45,7 +45,8 @@ def sync_cost(
     from .policy import stepping_base
 
     base = stepping_base(cls) if cls is not None else None  # (a subclass with a step of its own: None)
-    costs = SYNC_COST.get((base.__name__ if base else name, key))  # (single-tensor, foreach)
+    # (by ``name`` only for a class not at hand, inspect's: a class of its own named "Adam" is not torch's)
+    costs = SYNC_COST.get((base.__name__ if base else name if cls is None else "", key))  # (single-tensor, foreach)
     if costs is None:
         # (a class with a step of its own: what its probe counted, as for a third-party class)
         if cls is None or group is None or not on_device or base is not None:

@@ -427,3 +427,74 @@ def test_a_shared_lr_follows_its_groups_params_that_moved_while_offloaded(sim, c
     assert opt.param_groups[0]["lr"].device == _fresh_lr_device(sim1, cls, kwargs) == sim1
     assert not optimshift.check(opt).findings
     _step(opt, [*params, extra], 2)
+
+
+# --- the sides remembered for group tensors, across offload/reload cycles (the session review's cases) -------
+
+
+def _with_grads(opt):
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.ones_like(p)
+    return opt
+
+
+def test_a_device_lr_the_policy_put_on_the_host_stays_there_across_offload_reload(sim):
+    """Non-capturable Adam reads lr on the host: move(opt) takes a device lr there and remembers where it came
+    from; an offload/reload cycle puts everything back where it was, the lr on the host (it went to the device:
+    a sync per step)."""
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = _with_grads(O.Adam([a], lr=torch.tensor(0.01, device=sim), foreach=False))
+    opt.step()
+    optimshift.move(opt)
+    lr = opt.param_groups[0]["lr"]
+    assert lr.device.type == "cpu" and not optimshift.check(opt).findings
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert lr.device.type == "cpu" and not optimshift.check(opt).findings
+
+
+@pytest.mark.parametrize("params_to_host", [False, True])
+def test_offload_reload_of_an_optimizer_moved_to_the_host_leaves_its_lr_on_the_host(sim, params_to_host):
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = _with_grads(O.Adam([a], lr=torch.tensor(0.01, device=sim), capturable=True, foreach=True))
+    opt.step()
+    lr = opt.param_groups[0]["lr"]
+    if params_to_host:
+        a.grad = None
+        torch.nn.ParameterList([a]).to("cpu")
+    optimshift.move(opt, "cpu")
+    before = [(k, t.device) for k, t in opt.state[a].items()]
+    assert lr.device.type == "cpu" and opt.state[a]["exp_avg"].device.type == "cpu"
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert [(k, t.device) for k, t in opt.state[a].items()] == before
+    assert lr.device.type == "cpu"
+
+
+def _device_and_host_lr(sim):
+    """Group 0: a device lr (capturable Adam keeps it there); group 1: a lr given on the host."""
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    b = torch.nn.Parameter(torch.ones(2, device=sim))
+    groups = [{"params": [a], "lr": torch.tensor(0.01, device=sim)}, {"params": [b], "lr": torch.tensor(0.02)}]
+    opt = _with_grads(O.Adam(groups, capturable=True, foreach=True))
+    opt.step()
+    return a, opt
+
+
+def test_a_side_remembered_for_a_popped_group_is_not_another_groups(sim):
+    """The side an offload remembers for group 0's device lr belongs to that tensor: once the group is popped
+    while offloaded, the group now at index 0 (its lr given on the host) keeps its lr on the host, through
+    check(), a move and an offload/reload cycle."""
+    a, opt = _device_and_host_lr(sim)
+    host_lr = opt.param_groups[1]["lr"]
+    optimshift.offload(opt)
+    opt.param_groups.pop(0)
+    del opt.state[a]
+    optimshift.reload(opt)
+    assert host_lr.device.type == "cpu" and not optimshift.check(opt).findings
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert host_lr.device.type == "cpu"
+    optimshift.move(opt, sim)
+    assert host_lr.device.type == "cpu" and not optimshift.check(opt).findings

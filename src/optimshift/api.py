@@ -270,15 +270,17 @@ def _group_moves(plan: Plan) -> list[tuple[Ident, torch.device, torch.device]]:
 
 
 def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:
-    """Group tensors a move took from an accelerator to the host remember where they were (a move back puts
-    them there again: see ``policy._group_entry``); one placed on an accelerator forgets it."""
+    """Group tensors an operation took from an accelerator to the host remember where they were, with the tensor
+    now at their site (a move back puts it there again: see ``policy.Placer.side``); one placed on an
+    accelerator forgets it."""
     session = _session.get(optimizer)
-    if session is None:
+    if session is None or not moves:
         return
+    held = {(gi, None, path): t for gi, group in enumerate(optimizer.param_groups) for path, t in group_tensors(group)}
     for ident, was, now in moves:
         site = (ident[0], ident[1], untensored(ident[2]))  # (a key that is a param, by its id: held by no session)
-        if now.type == "cpu" and was.type not in HOSTS:
-            session.group_sides[site] = was
+        if now.type == "cpu" and was.type not in HOSTS and ident in held:
+            session.group_sides[site] = (was, id(held[ident]))  # (the object the commit left there)
         elif now.type != "cpu":
             session.group_sides.pop(site, None)
 
@@ -370,16 +372,19 @@ def offload(
             if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
                 grads.append(((gi, pi), p))
 
-    sides = policy_target(optimizer, None)
+    known: dict[int, Ident] | None = None  # (a second offload: the group tensors the record knows, by id)
 
     def to_host(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
+        nonlocal known
         if ident not in record.devices:  # (the record is kept only once every copy exists)
-            # (a group tensor already on the host: where the session remembers it was taken from, as a move
-            # back would put it: a group added while offloaded holds the first group's lr, taken from a device)
-            side = sides.side(ident, tensor) if param is None and ident[0] != OPTIMIZER_WIDE else None
-            record.devices[ident] = tensor.device if side is None else side
+            was = tensor.device
+            if param is None and previous is not None:
+                # (a group added while offloaded holds the first group's lr: one tensor, recorded where it was)
+                known = _known_group_tensors(optimizer, record.devices) if known is None else known
+                was = record.devices[known[id(tensor)]] if id(tensor) in known else was
+            record.devices[ident] = was
         return host, "offload"
 
     # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)
@@ -439,19 +444,23 @@ def is_offloaded(optimizer: Any) -> bool:
     return record_of(unwrap(optimizer)) is not None
 
 
-def _reload_target(optimizer: Any, record: Record) -> TargetFn:
-    """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
-    by_policy = policy_target(optimizer, None)
-    sites = record.sites(optimizer)  # (named by today's positions)
-    # a group tensor at a site the record does not know (a group added while offloaded) that is one the record
-    # knows elsewhere (torch's add_param_group fills a new group from the defaults: the same tensor lr) goes
-    # where that one goes, as that site's: it is one tensor
-    known = {
-        id(t): (where, group)
+def _known_group_tensors(optimizer: Any, sites: Mapping[Ident, torch.device]) -> dict[int, Ident]:
+    """The id of each tensor the param groups hold at a site an offload record knows, with that site: a group
+    tensor at a site the record does not know (a group added while offloaded) that is one of these (torch's
+    add_param_group fills a new group from the defaults: the same tensor lr) goes where that one goes."""
+    return {
+        id(t): where
         for gi, group in enumerate(optimizer.param_groups)
         for path, t in group_tensors(group)
         if (where := (gi, None, path)) in sites
     }
+
+
+def _reload_target(optimizer: Any, record: Record) -> TargetFn:
+    """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
+    by_policy = policy_target(optimizer, None)
+    sites = record.sites(optimizer)  # (named by today's positions)
+    known = _known_group_tensors(optimizer, sites)
 
     placers: dict[torch.device, _policy.Placer] = {}
     bound: dict[tuple[int, int], set[torch.device]] | None = None  # (group, index) -> where its state was
@@ -482,8 +491,8 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             placer = placers.get(device) or placers.setdefault(device, policy_target(optimizer, device))
             return placer(ident, param, group, key, tensor)
         if param is None and ident not in sites and id(tensor) in known:
-            ident, group = known[id(tensor)]
-            key = ident[2][0][1]
+            ident = known[id(tensor)]
+            group, key = optimizer.param_groups[ident[0]], ident[2][0][1]
         was = sites.get(ident)
         if param is None and was is not None and _group_moved(record, group):
             # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
@@ -703,11 +712,16 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     back: dict[Ident, torch.device] = {}  # offloaded: where reload() puts each tensor
     hosted = 0  # offloaded: the tensors in host memory that reload() takes elsewhere
     if record is not None and offloaded:
-        for tr in build_plan(optimizer, _reload_target(optimizer, record)).transfers:
+        reloaded = build_plan(optimizer, _reload_target(optimizer, record)).transfers
+        for tr in reloaded:
             back[tr.ident] = tr.target
             hosted += tr.tensor.device.type == "cpu" and tr.target.type != "cpu"
         # a group tensor is judged from the side reload() puts it on, not from the host it waits on
-        sides = {(i[0], i[1], untensored(i[2])): d for i, d in back.items() if i[1] is None and d.type != "cpu"}
+        sides = {
+            (i[0], i[1], untensored(i[2])): (tr.target, id(tr.tensor))
+            for tr in reloaded
+            if (i := tr.ident)[1] is None and tr.target.type != "cpu"
+        }
         session = _session.of(optimizer)
         target = _policy.Placer(optimizer, None, {**(session.group_sides if session else {}), **sides})
     plan = build_plan(optimizer, target)

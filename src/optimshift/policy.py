@@ -444,7 +444,7 @@ class Placer:
         self,
         optimizer: torch.optim.Optimizer,
         device: torch.device | None = None,
-        sides: Mapping[Any, torch.device] | None = None,
+        sides: Mapping[Any, tuple[torch.device, int]] | None = None,
         *,
         values: bool = True,
     ) -> None:
@@ -480,19 +480,20 @@ class Placer:
 
     def side(self, ident: Any, tensor: torch.Tensor) -> torch.device | None:
         """The accelerator a group tensor now on the host was taken from (by a move or an offload), as the session
-        remembers it: at its site, else at another group's site holding the same tensor (torch's add_param_group
-        fills a group added meanwhile from the defaults: that very tensor lr). None: none remembered."""
+        remembers it for this very tensor: at its site, else at another group's site holding it (torch's
+        add_param_group fills a group added meanwhile from the defaults: that very tensor lr). None: none
+        remembered (a site that holds another tensor now, a group popped meanwhile, has none)."""
         if not (self.sides and tensor.is_cpu):
             return None
         side = self.sides.get((ident[0], ident[1], untensored(ident[2])))
-        if side is not None:
-            return side
+        if side is not None and side[1] == id(tensor):
+            return side[0]
         for gi, group in enumerate(self.optimizer.param_groups):
             for path, t in group_tensors(group):
                 if t is tensor:
                     side = self.sides.get((gi, None, untensored(path)))
-                    if side is not None:
-                        return side
+                    if side is not None and side[1] == id(tensor):
+                        return side[0]
         return None
 
     def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int, torch.device] | None:

@@ -471,3 +471,20 @@ def test_one_optimizer_held_twice_is_saved_once_and_a_dict_met_deep_first_is_sti
         deep = [deep]
     (found,) = find_optimizer_states({"a": deep, "b": inner})
     assert found.where == "['b'][0]"
+
+
+def test_a_checkpoint_that_is_a_list_loads_as_inspect_finds_it(tmp_path):
+    """A file holding ``[state_dict]`` (inspect finds the state at ``[0]``): load_state_dict finds it too (it
+    refused any list: "state_dict must be a dict"), and a list holding none is refused as before."""
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    opt = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    path = tmp_path / "list.pt"
+    torch.save([opt.state_dict()], path)
+    fresh = torch.optim.Adam(params)
+    optimshift.load_state_dict(fresh, path)
+    assert bitwise_equal(fresh.state_dict()["state"], opt.state_dict()["state"])
+    with pytest.raises(TypeError, match="must be a dict"):
+        optimshift.load_state_dict(torch.optim.Adam(params), [1, 2])

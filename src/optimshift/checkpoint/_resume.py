@@ -259,10 +259,11 @@ def _extract(state_dict: Any, label: str) -> tuple[Any, Mapping[str, Any] | None
     class optimshift recorded for it."""
     from ._files import META_KEY, find_optimizer_states, is_optimizer_state_dict
 
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{label}: state_dict must be a dict (or a path), got {type(state_dict).__name__}")
-    if not is_optimizer_state_dict(state_dict):
-        found = find_optimizer_states(state_dict)
+    if not isinstance(state_dict, Mapping) or not is_optimizer_state_dict(state_dict):
+        # (a checkpoint that is a list or tuple is searched too, as inspect searches it)
+        found = find_optimizer_states(state_dict) if isinstance(state_dict, (Mapping, list, tuple)) else []
+        if not found and not isinstance(state_dict, Mapping):
+            raise TypeError(f"{label}: state_dict must be a dict (or a path), got {type(state_dict).__name__}")
         if not found:
             return state_dict, None  # not recognised: the pre-hooks may still turn it into a state dict
         if len(found) > 1:

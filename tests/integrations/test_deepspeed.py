@@ -571,3 +571,30 @@ def test_engine_offload_and_reload_states_go_the_one_road(process_group, ds_patc
     engine.reload_states()
     assert seen == {"run": 2, "commit": 2}
     _train(engine, 1)
+
+
+def test_a_non_blocking_reload_states_whose_state_reload_fails_still_says_offloaded(
+    process_group, ds_patch, monkeypatch
+):
+    """reload_states(non_blocking=True) takes optim_states off DeepSpeed's list before optimshift reloads the
+    state after DeepSpeed's reload: where that reload fails (out of memory), DeepSpeed's record says offloaded
+    again (it said reloaded while the state stayed on the host), and a retry reloads it."""
+    ds_patch(True)
+    engine = _engine(2, "AdamW-foreach")
+    _train(engine, 0)
+    zero = engine.optimizer
+    engine.offload_states()
+    real = osd._reload
+
+    def failing(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room (a test)")
+
+    monkeypatch.setattr(osd, "_reload", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.reload_states(non_blocking=True)
+    assert "optim_states" in {s.name for s in zero.offloaded_states}
+    assert optimshift.is_offloaded(zero.optimizer)
+    monkeypatch.setattr(osd, "_reload", real)
+    engine.reload_states()
+    assert not zero.offloaded_states and not optimshift.is_offloaded(zero.optimizer)
+    _train(engine, 1)

@@ -303,7 +303,11 @@ def _make_reload_states(original: Callable[..., None]) -> Callable[..., None]:
         finally:
             _give_back(self, _held(self))
         if later:
-            _reload(self.optimizer, target, non_blocking=True)
+            try:
+                _reload(self.optimizer, target, non_blocking=True)
+            except BaseException:
+                states.add(optim)  # (still offloaded, as optimshift's record says: a retry reloads it)
+                raise
 
     return reload_states
 

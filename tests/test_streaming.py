@@ -1128,3 +1128,26 @@ def test_a_load_while_streamed_puts_optimizer_wide_entries_where_stream_lays_the
         optimshift.unstream(opt)
     finally:
         optimshift.unregister_policy(WideScale)
+
+
+def test_a_state_dict_pre_hook_registered_with_prepend_sees_the_written_back_state(sim):
+    """A user's ``state_dict`` pre-hook registered with ``prepend=True`` after ``stream()`` ran before optimshift's
+    own pre-hook, the one that waited for the last step's write-backs: it read host state the copies had not
+    written yet (garbage under the strict schedule). ``state_dict()`` now waits before any hook runs."""
+    from optimshift.testing import deferred_streams
+
+    def snap(o):
+        return [t.clone() for st in o.state.values() for t in st.values()]
+
+    with deferred_streams(seed=0, progress=0.0):
+        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (16, 16)], sim, torch.optim.Adam, foreach=True)
+        optimshift.stream(opt, chunk_bytes=128)
+        seen, ref_seen = [], []
+        opt.register_state_dict_pre_hook(lambda o: seen.append(snap(o)), prepend=True)
+        ref.register_state_dict_pre_hook(lambda o: ref_seen.append(snap(o)), prepend=True)
+        train(model, opt, range(2))
+        train(ref_model, ref, range(2))
+        opt.state_dict()
+        ref.state_dict()
+        assert len(seen) == 1 and bitwise_equal(seen, ref_seen)
+        optimshift.unstream(opt)

@@ -567,6 +567,7 @@ class Streamed:
         def streamed_state_dict() -> Any:
             optimizer = streamed.optimizer
             with exclusive(optimizer):  # (not while a streamed step in another thread has the groups cut down)
+                streamed.wait()  # (before any pre-hook: a user's registered with prepend=True runs before ours)
                 # (through its front, held weakly: a reference to itself would be a cycle)
                 return _offload.behind(front.front(), optimizer, "state_dict")()
 

@@ -1151,3 +1151,32 @@ def test_a_state_dict_pre_hook_registered_with_prepend_sees_the_written_back_sta
         ref.state_dict()
         assert len(seen) == 1 and bitwise_equal(seen, ref_seen)
         optimshift.unstream(opt)
+
+
+def test_a_host_param_that_moves_to_the_device_while_streamed_is_picked_up(sim):
+    """A param on the host (its state on the host too, nothing streamed) moved to the device while streamed
+    (``model.to``): its state was never laid out again, as a streamed param's is when it moves, so the next step
+    ran the class's step over a device param with host state ("Expected all tensors to be on the same
+    device"). Its state now goes into a chunk, as stream() would have put it, and the step matches a reference
+    whose state moved with the param."""
+    (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3)], sim, torch.optim.Adam, foreach=False)
+    for m in (model, ref_model):
+        m.parts[1].to("cpu")
+    optimshift.stream(opt, chunk_bytes=128)
+    train(model, opt, range(2))
+    train(ref_model, ref, range(2))
+    for m in (model, ref_model):
+        m.parts[1].to(sim)
+    q = _params(ref_model)[1]
+    ref.state[q] = {k: v if k == "step" else v.to(sim) for k, v in ref.state[q].items()}
+    train(model, opt, range(2, 4))
+    train(ref_model, ref, range(2, 4))
+    _assert_same(model, opt, ref_model, ref)
+    assert {k: v.device.type for k, v in opt.state[_params(model)[1]].items()} == {
+        "step": "cpu",
+        "exp_avg": "cpu",
+        "exp_avg_sq": "cpu",
+    }
+    optimshift.unstream(opt)
+    assert opt.state[_params(model)[1]]["exp_avg"].device == sim
+    assert optimshift.check(opt).ok

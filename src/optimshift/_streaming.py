@@ -130,7 +130,8 @@ class Streamed:
         self._raw = _policy.step_of(type(optimizer))  # (we fire the step hooks: see _install)
         self._chunk_of: dict[int, Chunk] = {}  # id(param) -> its chunk
         self._chunks: dict[int, Chunk] = {}  # id(chunk) -> chunk (in layout order)
-        self._examined: set[int] = set()  # params whose state holds nothing to stream (host-only or none)
+        # params whose state holds nothing to stream (host-only or none): id(param) -> the device it was on then
+        self._examined: dict[int, torch.device] = {}
         self._pending: dict[torch.device, Any] = {}  # device -> event after its last queued write-back
         self._stale = False  # a load replaced the state and laying it out failed: retried at the next step
         self._handles: list[Any] = []
@@ -223,7 +224,7 @@ class Streamed:
             entries.append(tr)
         for item in (item for items in buckets.values() for item in items):
             item[3].extend((tr[0][2][0][1], tr[2]) for tr in by_param[id(item[1])])
-        self._examined.update(id(p) for _, p in members if id(p) not in by_param)
+        self._examined.update((id(p), p.device) for _, p in members if id(p) not in by_param)
         chunks: list[Chunk] = []
         try:
             # (each streamed entry is copied into its host view: its place, whatever its target says)
@@ -278,7 +279,7 @@ class Streamed:
             self._chunks[id(c)] = c
             for p in c.params:
                 self._chunk_of[id(p)] = c
-                self._examined.discard(id(p))
+                self._examined.pop(id(p), None)
 
     def _forget(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
@@ -355,8 +356,10 @@ class Streamed:
                 c = chunk_of.get(id(p))
                 if c is None:
                     if p.grad is not None:
-                        if id(p) not in examined and state.get(p):
-                            unlaid.append((group, p))  # state set from outside (a manual edit): place it first
+                        if examined.get(id(p)) != p.device and state.get(p):
+                            # state set from outside (a manual edit), or a host param's state after the param
+                            # moved (model.to): place it first
+                            unlaid.append((group, p))
                         rest.append(p)
                 elif c.group is not group or p.device != c.device or state.get(p) is not c.laid[id(p)]:
                     # (or its state is another dict, set from outside: laid out before the step reads it)
@@ -407,7 +410,7 @@ class Streamed:
                         if any(isinstance(v, torch.Tensor) and v.device.type not in HOSTS for v in held):
                             made.append((group, q))
                         else:
-                            self._examined.add(id(q))
+                            self._examined[id(q)] = q.device
                     if made:
                         try:
                             self._lay_out(made, wait=False)

@@ -1180,3 +1180,29 @@ def test_a_host_param_that_moves_to_the_device_while_streamed_is_picked_up(sim):
     optimshift.unstream(opt)
     assert opt.state[_params(model)[1]]["exp_avg"].device == sim
     assert optimshift.check(opt).ok
+
+
+@pytest.mark.parametrize("edit", ["removed", "to another group"])
+def test_a_param_taken_out_of_its_chunks_group_is_stepped_as_the_groups_say(sim, edit):
+    """A param taken out of its group while streamed (``group["params"].pop(i)``), or moved to another group:
+    its chunk, found in place through the params before it, was stepped whole, so the param was still updated
+    with the old group's hyperparameters (removed: stepped at all; moved: with the old group's lr, and not with
+    the new one's). A chunk is now stepped only when every param of it is still in its group, where it was laid
+    out; else its params are laid out again first."""
+    (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,)], sim, torch.optim.Adam, foreach=True)
+    for m, o in ((model, opt), (ref_model, ref)):
+        o.param_groups[0]["params"] = _params(m)[:3]
+        o.add_param_group({"params": _params(m)[3:], "lr": 0.1})
+    optimshift.stream(opt, chunk_bytes=1 << 20)  # (one chunk per group)
+    train(model, opt, range(2))
+    train(ref_model, ref, range(2))
+    for o in (opt, ref):
+        p = o.param_groups[0]["params"].pop(1)
+        if edit != "removed":
+            o.param_groups[1]["params"].append(p)
+    train(model, opt, range(2, 4))
+    train(ref_model, ref, range(2, 4))
+    _assert_same(model, opt, ref_model, ref)
+    if edit != "removed":
+        optimshift.unstream(opt)
+        _assert_same(model, opt, ref_model, ref)

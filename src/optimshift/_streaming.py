@@ -344,10 +344,9 @@ class Streamed:
     def _schedule(self, opt: Any) -> tuple[list[Chunk], list[tuple[Group, list[torch.Tensor]]]]:
         """The chunks to stream this step (those with a param that has a grad, in group order) and, per group,
         the params with grads and no chunk (stepped in place; state they create is laid out afterwards)."""
-        active: list[Chunk] = []
-        seen: set[int] = set()
+        found: dict[int, tuple[Chunk, set[int], bool]] = {}  # id(chunk) -> it, ids of its params in place, a grad
+        misplaced: set[int] = set()
         plain: list[tuple[Group, list[torch.Tensor]]] = []
-        moved: list[Chunk] = []
         unlaid: list[tuple[Group, torch.Tensor]] = []
         chunk_of, examined, state = self._chunk_of, self._examined, opt.state
         for group in opt.param_groups:
@@ -361,23 +360,26 @@ class Streamed:
                             # moved (model.to): place it first
                             unlaid.append((group, p))
                         rest.append(p)
-                elif c.group is not group or p.device != c.device or state.get(p) is not c.laid[id(p)]:
+                    continue
+                _, here, grad = found.get(id(c), (c, set(), False))
+                if c.group is not group or p.device != c.device or state.get(p) is not c.laid[id(p)]:
                     # (or its state is another dict, set from outside: laid out before the step reads it)
-                    if id(c) not in seen:
-                        seen.add(id(c))
-                        moved.append(c)
-                elif p.grad is not None and id(c) not in seen:
-                    seen.add(id(c))
-                    active.append(c)
+                    misplaced.add(id(c))
+                else:
+                    here.add(id(p))
+                found[id(c)] = (c, here, grad or p.grad is not None)
             if rest:
                 plain.append((group, rest))
+        # (a chunk is stepped whole: one with a param no longer in its group, where it was laid out, would step
+        # that param with its old group's hyperparameters, or at all)
+        moved = [c for c, here, _ in found.values() if id(c) in misplaced or len(here) != len(c.params)]
         if moved or unlaid:
             # Params moved (model.to), changed groups or were given another state dict since their state was
             # laid out: lay it out for where they are now, then schedule again.
             self.wait()
             self._relay(moved, unlaid)
             return self._schedule(opt)
-        return active, plain
+        return [c for c, _, grad in found.values() if grad], plain
 
     def _compute(self, group: Group, params: list[torch.Tensor], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The optimizer's own step over ``params`` (a part of ``group``), with the real group dict."""

@@ -1206,3 +1206,37 @@ def test_a_param_taken_out_of_its_chunks_group_is_stepped_as_the_groups_say(sim,
     if edit != "removed":
         optimshift.unstream(opt)
         _assert_same(model, opt, ref_model, ref)
+
+
+def test_a_load_whose_layout_failed_is_laid_out_by_the_next_step_which_then_steps(sim, monkeypatch, caplog):
+    """A load while streamed whose layout in host buffers fails (an OOM pinning memory) leaves the loaded state
+    valid and says the next step retries. The retry laid the state out, but the flag saying it was still to do
+    stayed set: that step, and every step after it, raised "could not be laid out ... nothing was stepped" until
+    unstream(). Now the step after the failed layout lays it out and steps, as a reference does."""
+    from optimshift import _chunks
+
+    (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,)], sim, torch.optim.Adam, foreach=True)
+    optimshift.stream(opt, chunk_bytes=128)
+    train(model, opt, range(2))
+    train(ref_model, ref, range(2))
+    saved = copy.deepcopy(ref.state_dict())
+    real, made = _chunks.new_chunk, []
+
+    def failing(part, chunk_bytes):
+        made.append(1)
+        if len(made) == 2:
+            raise RuntimeError("injected: out of pinned memory")
+        return real(part, chunk_bytes)
+
+    monkeypatch.setattr(_chunks, "new_chunk", failing)
+    with caplog.at_level("WARNING", logger="optimshift"):
+        opt.load_state_dict(saved)
+    assert "the next step retries" in caplog.text
+    monkeypatch.undo()
+    ref.load_state_dict(copy.deepcopy(saved))
+    train(model, opt, range(2, 4))
+    train(ref_model, ref, range(2, 4))
+    _assert_same(model, opt, ref_model, ref)
+    assert set(state_layout(opt).values()) == {torch.device("cpu")}
+    optimshift.unstream(opt)
+    _assert_same(model, opt, ref_model, ref)

@@ -179,6 +179,7 @@ class Streamed:
         self._examined.clear()
         try:
             self._lay_out(self._members(None))
+            self._stale = False  # (laid out: a step that retried after a failed layout steps now)
         except Exception as error:  # (an OOM pinning memory) the loaded state is valid; the next step retries
             self._stale = True
             _log.warning(

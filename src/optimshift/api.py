@@ -230,8 +230,8 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         cache_key=key,
         sides=True,
     )
-    give_grads_back(grads, copies.new)
-    if grads:
+    if grads:  # (copies.new, a dict over every copy, is built only when there is a grad to find)
+        give_grads_back(grads, copies.new)
         pending.order_before_use()  # grads are read before step() (clipping, scaling), as after a reload
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     forget(optimizer, pending)  # whatever was offloaded now sits where it was asked to
@@ -563,8 +563,8 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         sides=True,  # (a group tensor back on the device: the side the offload remembered is done with)
         place=(lambda plan: _addresses.stage(optimizer, plan, keep, name)) if keep else None,
     )
-    give_grads_back(grads, copies.new)
-    if grads:
+    if grads:  # (copies.new, a dict over every copy, is built only when there is a grad to find)
+        give_grads_back(grads, copies.new)
         pending.order_before_use()  # grads are read before step() (clipping, scaling, accumulation)
     forget(optimizer, pending)
     remember_pending(optimizer, pending)

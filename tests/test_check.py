@@ -329,9 +329,11 @@ class _ReadsStepAgain(torch.optim.Adam):
 
 def test_the_sync_cost_of_a_subclass_with_its_own_step_is_its_own(sim):
     """check() prices a misplaced scalar by the step the class runs: Adam's table for Adam, what the probe counts
-    for a subclass with a step of its own (it read Adam's table: one sync, where this step costs two)."""
+    for a subclass with a step of its own (it read Adam's table: one sync, where this step costs two), also for a
+    library's own class named "Adam" (not torch Adam's table row of that name)."""
+    named_adam = type("Adam", (_ReadsStepAgain,), {})
     costs = {}
-    for cls in (torch.optim.Adam, _ReadsStepAgain):
+    for cls in (torch.optim.Adam, _ReadsStepAgain, named_adam):
         p = torch.nn.Parameter(torch.zeros(3, device=sim))
         opt = cls([p], foreach=False)
         p.grad = torch.ones(3, device=sim)
@@ -339,16 +341,4 @@ def test_the_sync_cost_of_a_subclass_with_its_own_step_is_its_own(sim):
         opt.state[p]["step"] = opt.state[p]["step"].to(sim)
         (finding,) = [f for f in optimshift.check(opt).findings if f.key == "step"]
         costs[cls] = finding.syncs_per_step
-    assert costs == {torch.optim.Adam: 1, _ReadsStepAgain: 2}
-
-
-def test_a_subclass_named_like_a_torch_class_is_priced_by_its_own_step(sim):
-    """A library's own class named "Adam" with a step of its own: not torch Adam's table row (the review)."""
-    cls = type("Adam", (_ReadsStepAgain,), {})
-    p = torch.nn.Parameter(torch.zeros(3, device=sim))
-    opt = cls([p], foreach=False)
-    p.grad = torch.ones(3, device=sim)
-    opt.step()
-    opt.state[p]["step"] = opt.state[p]["step"].to(sim)
-    (finding,) = [f for f in optimshift.check(opt).findings if f.key == "step"]
-    assert finding.syncs_per_step == 2
+    assert costs == {torch.optim.Adam: 1, _ReadsStepAgain: 2, named_adam: 2}

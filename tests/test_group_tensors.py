@@ -498,3 +498,72 @@ def test_a_side_remembered_for_a_popped_group_is_not_another_groups(sim):
     assert host_lr.device.type == "cpu"
     optimshift.move(opt, sim)
     assert host_lr.device.type == "cpu" and not optimshift.check(opt).findings
+
+
+def _device_lrs(sim, devices):
+    """One group per device in ``devices``, each with a device lr (capturable Adam keeps it there), one step."""
+    params = [torch.nn.Parameter(torch.ones(i + 2, device=d)) for i, d in enumerate(devices)]
+    groups = [
+        {"params": [p], "lr": torch.tensor(0.01 * (i + 1), device=d)} for i, (p, d) in enumerate(zip(params, devices))
+    ]
+    opt = _with_grads(O.Adam(groups, capturable=True, foreach=False))
+    opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("shift", ["pop", "insert"])
+@pytest.mark.parametrize("away", ["move", "offload"])
+def test_a_side_follows_its_tensor_when_groups_shift(sim, away, shift):
+    """A device lr taken to the host, then an earlier group popped (or one inserted before it): the move back
+    puts it on the device it came from, wherever its group sits now (the side was looked up by its old index)."""
+    sim1 = torch.device(sim.type, 1)
+    params, opt = _device_lrs(sim, [sim, sim1] if shift == "pop" else [sim1])
+    b = params[-1]
+    lr_b = opt.param_groups[-1]["lr"]
+    if away == "move":
+        optimshift.move(opt, "cpu")
+        torch.nn.ParameterList([b]).to(sim1)
+    else:
+        optimshift.offload(opt)
+    if shift == "pop":
+        opt.param_groups.pop(0)
+        del opt.state[params[0]]
+    else:
+        c = torch.nn.Parameter(torch.ones(2, device=sim1))
+        opt.param_groups.insert(0, {**opt.param_groups[0], "params": [c], "lr": 0.1})
+    optimshift.move(opt)
+    assert opt.param_groups[-1]["lr"] is lr_b and lr_b.device == sim1
+    assert not optimshift.check(opt).findings
+
+
+def test_a_side_is_forgotten_once_no_group_holds_its_tensor(sim):
+    """The session holds the tensor a side was remembered for (its id names it only while it lives), and lets it
+    go at the next operation once the user replaced it: a lr given on the host then stays there."""
+    import weakref
+
+    from optimshift import _session
+
+    (a,), opt = _device_lrs(sim, [sim])
+    optimshift.move(opt, "cpu")
+    taken = weakref.ref(opt.param_groups[0]["lr"])
+    opt.param_groups[0]["lr"] = torch.tensor(0.02)  # given on the host: a fresh optimizer keeps it there
+    torch.nn.ParameterList([a]).to(sim)
+    optimshift.move(opt)
+    assert opt.param_groups[0]["lr"].device.type == "cpu" and not optimshift.check(opt).findings
+    assert taken() is None and not _session.get(opt).group_sides
+
+
+@pytest.mark.parametrize("back", ["reload", "reload-to", "move"])
+def test_a_host_lr_given_while_offloaded_stays_on_the_host_on_every_way_back(sim, back):
+    """A new lr given on the host while offloaded (the one the offload took is gone): every way back leaves it
+    where it was given (reload() put it on the device the record names for that site)."""
+    (a,), opt = _device_lrs(sim, [sim])
+    optimshift.offload(opt)
+    opt.param_groups[0]["lr"] = torch.tensor(0.005)
+    {
+        "reload": lambda: optimshift.reload(opt),
+        "reload-to": lambda: optimshift.reload(opt, sim),
+        "move": lambda: optimshift.move(opt),
+    }[back]()
+    assert opt.param_groups[0]["lr"].device.type == "cpu" and not optimshift.check(opt).findings
+    assert opt.state[a]["exp_avg"].device == sim

@@ -36,10 +36,10 @@ class Session:
     pending: Any = None  # _offload.PendingTransfer while a non-blocking transfer may be in flight
     guards: list[Any] = field(default_factory=list)  # handles of the pre-hooks that wait for ``pending``
     mode: weakref.ref[Any] | None = None  # its _mode.Mode (weak: the optimizer keeps its mode alive)
-    # group tensors (tensor lr, betas) a move or an offload took to the host from an accelerator: where they came
-    # from (and the id of the tensor taken, which the site must still hold), so that a move back puts them on the
-    # device side again, as a fresh optimizer given them there would hold them
-    group_sides: dict[Ident, tuple[torch.device, int]] = field(default_factory=dict)
+    # group tensors (tensor lr, betas) a move or an offload took to the host from an accelerator, by id: where they
+    # came from, so that a move back puts them on the device side again, as a fresh optimizer given them there would
+    # hold them; and the tensor (its id names it only while it lives; forgotten once no group holds it)
+    group_sides: dict[int, tuple[torch.device, torch.Tensor]] = field(default_factory=dict)
     plans: dict[Hashable, list[Any]] = field(default_factory=dict)  # operation key -> its _plan_cache.Cached
     addresses: Any = None  # _addresses.Layout: its state's reserved ranges and slots, once it keeps addresses
     pooled: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # a ZeRO-1/2 optimizer's pool buffers, by kind

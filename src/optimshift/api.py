@@ -60,8 +60,6 @@ from ._state import (
     leaves,
     param_positions,
     rekey,
-    renamed,
-    untensored,
     unwrap,
 )
 from .report import Finding, PlacementRow, Report, sync_cost
@@ -261,7 +259,7 @@ def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
     session = _session.get(optimizer)
     if session is None or _policy.has_registered_policy(optimizer):
         return None
-    return ("move", target, frozenset(session.group_sides.items()))
+    return ("move", target, frozenset((key, side[0]) for key, side in session.group_sides.items()))
 
 
 def _group_moves(plan: Plan) -> list[tuple[Ident, torch.device, torch.device]]:
@@ -270,19 +268,25 @@ def _group_moves(plan: Plan) -> list[tuple[Ident, torch.device, torch.device]]:
 
 
 def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:
-    """Group tensors an operation took from an accelerator to the host remember where they were, with the tensor
-    now at their site (a move back puts it there again: see ``policy.Placer.side``); one placed on an
-    accelerator forgets it."""
+    """Group tensors an operation took from an accelerator to the host remember where they were (a move back puts
+    them there again: see ``policy.Placer.side``); one placed on an accelerator forgets it, and so does one no
+    group holds any more."""
     session = _session.get(optimizer)
-    if session is None or not moves:
+    if session is None or not (moves or session.group_sides):
         return
-    held = {(gi, None, path): t for gi, group in enumerate(optimizer.param_groups) for path, t in group_tensors(group)}
+    sides = session.group_sides
+    held: dict[Ident, torch.Tensor] = {
+        (gi, None, path): t for gi, group in enumerate(optimizer.param_groups) for path, t in group_tensors(group)
+    }
     for ident, was, now in moves:
-        site = (ident[0], ident[1], untensored(ident[2]))  # (a key that is a param, by its id: held by no session)
-        if now.type == "cpu" and was.type not in HOSTS and ident in held:
-            session.group_sides[site] = (was, id(held[ident]))  # (the object the commit left there)
-        elif now.type != "cpu":
-            session.group_sides.pop(site, None)
+        t = held.get(ident)  # (the object the commit left there)
+        if t is not None and now.type == "cpu" and was.type not in HOSTS:
+            sides[id(t)] = (was, t)
+        elif t is not None and now.type != "cpu":
+            sides.pop(id(t), None)
+    live = {id(t) for t in held.values()}
+    for key in [key for key in sides if key not in live]:
+        del sides[key]
 
 
 _INCLUDE = ("grads",)
@@ -494,6 +498,8 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             ident = known[id(tensor)]
             group, key = optimizer.param_groups[ident[0]], ident[2][0][1]
         was = sites.get(ident)
+        if param is None and was is not None and was.type not in HOSTS and by_policy.side(tensor) is None:
+            was = None  # (another tensor at a group site the offload took one from: given meanwhile, placed so)
         if param is None and was is not None and _group_moved(record, group):
             # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
             # the params' new device, on the side they were given on
@@ -718,9 +724,9 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             hosted += tr.tensor.device.type == "cpu" and tr.target.type != "cpu"
         # a group tensor is judged from the side reload() puts it on, not from the host it waits on
         sides = {
-            (i[0], i[1], untensored(i[2])): (tr.target, id(tr.tensor))
+            id(tr.tensor): (tr.target, tr.tensor)
             for tr in reloaded
-            if (i := tr.ident)[1] is None and tr.target.type != "cpu"
+            if tr.ident[1] is None and tr.ident[0] != OPTIMIZER_WIDE and tr.target.type != "cpu"
         }
         session = _session.of(optimizer)
         target = _policy.Placer(optimizer, None, {**(session.group_sides if session else {}), **sides})
@@ -1067,8 +1073,5 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
     copies, pending, _, _ = _transfer(optimizer, target, what="rebind", sides=True, rewrite=rewrite, finish=finish)
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
-    session = _session.of(optimizer)
-    if session is not None and session.group_sides:  # (a group tensor under a param key: by the new param's id)
-        session.group_sides = {(g, i, renamed(path, mapping)): d for (g, i, path), d in session.group_sides.items()}
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there, as a move's
     return optimizer

@@ -37,7 +37,7 @@ from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     torch_defined,
     unprobed,
 )
-from ._state import OPTIMIZER_WIDE, Path, group_device, group_tensors, label_in, param_positions, untensored
+from ._state import OPTIMIZER_WIDE, Path, group_device, label_in, param_positions
 
 __all__ = [
     "Policy",
@@ -444,7 +444,7 @@ class Placer:
         self,
         optimizer: torch.optim.Optimizer,
         device: torch.device | None = None,
-        sides: Mapping[Any, tuple[torch.device, int]] | None = None,
+        sides: Mapping[int, tuple[torch.device, torch.Tensor]] | None = None,
         *,
         values: bool = True,
     ) -> None:
@@ -475,26 +475,15 @@ class Placer:
     ) -> tuple[torch.device, str]:
         """Where the group's tensor ``key`` goes with the group's params on ``device`` (``None``: where they are),
         from the side the session remembers for a tensor a move took to the host."""
-        side = self.side(ident, tensor)
+        side = self.side(tensor)
         return self.at(None, group, key, tensor, group_device(group, tensor) if device is None else device, side)
 
-    def side(self, ident: Any, tensor: torch.Tensor) -> torch.device | None:
+    def side(self, tensor: torch.Tensor) -> torch.device | None:
         """The accelerator a group tensor now on the host was taken from (by a move or an offload), as the session
-        remembers it for this very tensor: at its site, else at another group's site holding it (torch's
-        add_param_group fills a group added meanwhile from the defaults: that very tensor lr). None: none
-        remembered (a site that holds another tensor now, a group popped meanwhile, has none)."""
-        if not (self.sides and tensor.is_cpu):
-            return None
-        side = self.sides.get((ident[0], ident[1], untensored(ident[2])))
-        if side is not None and side[1] == id(tensor):
-            return side[0]
-        for gi, group in enumerate(self.optimizer.param_groups):
-            for path, t in group_tensors(group):
-                if t is tensor:
-                    side = self.sides.get((gi, None, untensored(path)))
-                    if side is not None and side[1] == id(tensor):
-                        return side[0]
-        return None
+        remembers it for this very tensor, wherever it sits now (a group added meanwhile holding it, groups popped
+        or inserted before it). None: none remembered (a tensor given on the host)."""
+        side = self.sides.get(id(tensor)) if self.sides and tensor.is_cpu else None
+        return None if side is None or side[1] is not tensor else side[0]
 
     def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int, torch.device] | None:
         """The part of the memo key that all of ``param``'s entries share (None: no memo), for a caller that

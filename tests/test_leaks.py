@@ -83,7 +83,7 @@ def test_cached_plans_of_state_keyed_by_the_params_let_go_of_the_params_a_rebind
 def test_the_sides_a_move_remembers_let_go_of_the_params_a_rebind_replaced(sim):
     """A group mapping keyed by the params (``group["masks"][param]``), its tensors taken to the host by a move:
     the session remembered each one's side by its site, the param itself in its path, and so kept the old params
-    alive after a rebind. Kept by id now, renamed by the rebind: freed, and a move back still finds their side."""
+    alive after a rebind. Remembered by the tensor now: freed, and a move back still finds their side."""
     params = [Parameter(torch.ones(3, device=sim)), Parameter(torch.ones(2, device=sim))]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     opt.param_groups[0]["masks"] = {p: torch.ones(p.shape, device=sim) for p in params}

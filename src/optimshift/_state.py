@@ -143,14 +143,6 @@ def untensored(path: Path) -> Path:
     return path
 
 
-def renamed(path: Path, ids: Mapping[int, Any]) -> Path:
-    """An :func:`untensored` ``path`` with each key kept by the id of an object in ``ids`` (by its id) kept by the
-    id of the object it maps to (a rebind's new params)."""
-    if not by_id(path):
-        return path
-    return tuple((kind, ById(id(ids[k.id]))) if isinstance(k, ById) and k.id in ids else (kind, k) for kind, k in path)
-
-
 def by_id(path: Path) -> bool:
     """Whether ``path`` names a site through a key kept by id (:func:`untensored`)."""
     return any(isinstance(step[1], ById) for step in path)

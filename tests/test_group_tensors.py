@@ -567,3 +567,92 @@ def test_a_host_lr_given_while_offloaded_stays_on_the_host_on_every_way_back(sim
     }[back]()
     assert opt.param_groups[0]["lr"].device.type == "cpu" and not optimshift.check(opt).findings
     assert opt.state[a]["exp_avg"].device == sim
+
+
+@pytest.mark.parametrize("back", ["reload", "move"])
+def test_lrs_swapped_between_groups_while_offloaded_go_back_to_their_sides(sim, back):
+    """The offload took group 0's device lr; group 1's was given on the host; the two are swapped while offloaded.
+    Every way back puts the taken one on the device (the offload record keeps it by the tensor, whatever site it
+    sits at: reload() kept it on the host by the record of its new site) and the given one on the host."""
+    a, opt = _device_and_host_lr(sim)
+    optimshift.offload(opt)
+    g0, g1 = opt.param_groups
+    taken, given = g0["lr"], g1["lr"]
+    g0["lr"], g1["lr"] = given, taken
+    getattr(optimshift, back)(opt)
+    assert given.device.type == "cpu" and taken.device == sim and not optimshift.check(opt).findings
+
+
+def test_a_taken_lr_given_to_another_group_while_offloaded_reloads(sim):
+    """Group 1 (its lr given on the host) is given group 0's device lr while offloaded: one tensor for both, which
+    the reload puts where the offload took it from (it refused it as bound for the device and the host, and so did
+    check(); the optimizer stayed offloaded)."""
+    a, opt = _device_and_host_lr(sim)
+    optimshift.offload(opt)
+    opt.param_groups[1]["lr"] = opt.param_groups[0]["lr"]
+    assert optimshift.check(opt) is not None
+    optimshift.reload(opt)
+    assert not optimshift.is_offloaded(opt) and opt.param_groups[1]["lr"].device == sim
+    assert not optimshift.check(opt).findings
+
+
+def test_a_device_lr_given_while_offloaded_stays_on_the_device_on_reload(sim):
+    """The offload took a host lr (its record: the host); a new lr given on the device while offloaded stays
+    there on reload() (it went to the host by its site's record, and check() then called it an error)."""
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = _with_grads(O.Adam([a], lr=torch.tensor(0.01), capturable=True, foreach=False))
+    opt.step()
+    optimshift.offload(opt)
+    opt.param_groups[0]["lr"] = given = torch.tensor(0.005, device=sim)
+    optimshift.reload(opt)
+    assert given.device == sim and not optimshift.check(opt).findings
+
+
+class _Ema(O.SGD):
+    """An optimizer-wide ``state["ema"] = {param: tensor}``, each made on its param's device."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step()
+        params = [p for g in self.param_groups for p in g["params"]]
+        if "ema" not in self.state:
+            self.state["ema"] = {p: p.detach().clone() for p in params}
+        for p in params:
+            self.state["ema"][p].lerp_(p, 0.1)
+
+
+def test_reload_puts_an_optimizer_wide_device_entry_back_where_it_was(sim):
+    """An optimizer-wide entry on the second device is no group tensor: the reload puts it back where it was
+    (a rule for group tensors given while offloaded once took it to the first group's device)."""
+    sim1 = torch.device(sim.type, 1)
+    params = [torch.nn.Parameter(torch.ones(3, device=sim)), torch.nn.Parameter(torch.ones(3, device=sim1))]
+    opt = _with_grads(_Ema(params))
+    opt.step()
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert [t.device for t in opt.state["ema"].values()] == [sim, sim1]
+    opt.step()
+
+
+def test_stream_lets_go_of_a_replaced_lr_whose_side_was_remembered(sim):
+    """A device lr a move took to the host, then replaced by a float: stream() lets the session's hold on it go
+    (it kept it alive through every streamed step, until unstream())."""
+    import gc
+    import weakref
+
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = _with_grads(O.Adam([{"params": [a], "lr": torch.tensor(0.01, device=sim)}], capturable=True))
+    opt.step()
+    optimshift.move(opt, "cpu")
+    taken = weakref.ref(opt.param_groups[0]["lr"])
+    opt.param_groups[0]["lr"] = 0.01
+    torch.nn.ParameterList([a]).to(sim)
+    optimshift.stream(opt)
+    try:
+        gc.collect()
+        assert taken() is None
+    finally:
+        optimshift.unstream(opt)

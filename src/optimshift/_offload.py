@@ -29,9 +29,10 @@ import torch
 
 from . import _device_streams, _engine, _session
 from ._adopt import kept
+from ._devices import HOSTS
 from ._dtensor import local_tensor
 from ._plan import Ident, optimizer_name
-from ._state import GROUP_SKIP, label_in, leaves, param_positions
+from ._state import GROUP_SKIP, group_tensors, label_in, leaves, param_positions
 from .pool import host_pool
 
 __all__ = [
@@ -47,6 +48,8 @@ __all__ = [
     "prepare_discard",
     "grads_back",
     "give_grads_back",
+    "group_tensors_at",
+    "remember_sides",
     "pending_of",
     "compact_state_dict",
 ]
@@ -151,6 +154,9 @@ class Record:
     keep_addresses: frozenset[torch.device] = frozenset()  # devices whose reload puts the state back at its addresses
     positions: Positions = ()  # what the positions in ``devices`` stand for (see sites)
     took: bool = False  # an offload took something off an accelerator (see moved_any)
+    # the group tensors (a tensor lr) an offload took from an accelerator, by id: where from, and the tensor (held
+    # while offloaded: its id names it), so that a reload puts it back there whatever group site holds it now
+    taken: dict[int, tuple[torch.device, torch.Tensor]] = field(default_factory=dict)
 
     def extended(self, optimizer: Any) -> Record:
         """A copy to add to (a second offload of an offloaded optimizer keeps what the first recorded), its sites
@@ -165,6 +171,7 @@ class Record:
             keep_addresses=self.keep_addresses,
             positions=positions_of(optimizer),
             took=self.took,
+            taken=dict(self.taken),
         )
 
     def sites(self, optimizer: Any) -> dict[Ident, torch.device]:
@@ -599,6 +606,30 @@ def _grad_dtype(p: torch.Tensor) -> torch.dtype | None:
     except (AttributeError, RuntimeError):
         return p.dtype
     return allowed
+
+
+def group_tensors_at(optimizer: Any) -> dict[Ident, torch.Tensor]:
+    """Each tensor the param groups hold among their hyperparameters, by its site (a plan's ident)."""
+    return {(gi, None, path): t for gi, group in enumerate(optimizer.param_groups) for path, t in group_tensors(group)}
+
+
+def remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:
+    """Group tensors an operation took from an accelerator to the host (``moves``: site, from, to) remember where
+    they were, by the tensor now at their site (a move back puts it there again: ``policy.Placer.side``); one
+    placed on an accelerator forgets it, and so does one no group holds any more."""
+    session = _session.get(optimizer)
+    if session is None or not (moves or session.group_sides):
+        return
+    sides, held = session.group_sides, group_tensors_at(optimizer)
+    for ident, was, now in moves:
+        t = held.get(ident)  # (the object the commit left there)
+        if t is not None and now.type == "cpu" and was.type not in HOSTS:
+            sides[id(t)] = (was, t)
+        elif t is not None and now.type != "cpu":
+            sides.pop(id(t), None)
+    live = {id(t) for t in held.values()}
+    for key in [key for key in sides if key not in live]:
+        del sides[key]
 
 
 def give_grads_back(

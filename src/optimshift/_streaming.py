@@ -207,6 +207,7 @@ class Streamed:
         state = opt.state
         held = {p: state[p] for _, p in members if state.get(p)}
         plan = build_plan(opt, policy_target(opt, None), state=held)
+        group_moves = [(tr[0], tr[2].device, tr[4]) for tr in plan.group_entries()]  # (before the commit)
         kept: list[Transfer] = []  # bound for the host, and group tensors (the engine copies those not there)
         by_param: dict[int, list[Transfer]] = {}  # id(param) -> its entries that belong on an accelerator
         buckets: dict[tuple[int, torch.device], list[Item]] = {}
@@ -254,6 +255,7 @@ class Streamed:
                     e.obj = instead.get(id(e.obj), e.obj)  # (no mechanism kept it: its host view took its place)
                     e.host = host  # (after a swap, the view made for the copy holds the old contents)
             self._keep(chunks)
+        _offload.remember_sides(opt, group_moves)  # (where a group tensor taken to the host came from, as a move)
 
     def _refuse(self, tr: Transfer, st: ParamState) -> None:
         """Raises, before anything changes, why an entry that belongs on an accelerator cannot be streamed."""

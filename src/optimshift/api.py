@@ -30,9 +30,11 @@ from ._offload import (
     forget,
     give_grads_back,
     grads_back,
+    group_tensors_at,
     pending_of,
     record_of,
     remember_pending,
+    remember_sides,
 )
 from ._plan import (
     Ident,
@@ -160,7 +162,7 @@ def _transfer(
     reused while still valid (:mod:`optimshift._plan_cache`); ``target`` is then not called at all. ``grads``: the
     params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
     :func:`optimshift._plan_cache.plan_for`). ``sides``: remember where group tensors taken to the host came from
-    (a move: see :func:`_remember_sides`). ``rewrite``: the structural change the commit makes with the
+    (:func:`optimshift._offload.remember_sides`). ``rewrite``: the structural change the commit makes with the
     adoptions, and ``finish`` the updates it makes last (see :func:`optimshift._engine.commit`). ``place``: the
     destinations of the plan's copies, when they are not allocated as usual (a keep_addresses reload's slots:
     :func:`optimshift._addresses.stage`), kept if the commit goes through and given back if anything fails. Also
@@ -182,7 +184,7 @@ def _transfer(
         raise
     if placement is not None:
         placement.keep()
-    _remember_sides(optimizer, group_moves)
+    remember_sides(optimizer, group_moves)
     if cached is not None and cached.kept:  # (a marker keeps nothing per tensor)
         cached.hows = hows
     if _log.isEnabledFor(logging.DEBUG):
@@ -265,28 +267,6 @@ def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
 def _group_moves(plan: Plan) -> list[tuple[Ident, torch.device, torch.device]]:
     """(site, from, to) of each group tensor in ``plan``."""
     return [(tr[0], tr[2].device, tr[4]) for tr in plan.group_entries()]
-
-
-def _remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:
-    """Group tensors an operation took from an accelerator to the host remember where they were (a move back puts
-    them there again: see ``policy.Placer.side``); one placed on an accelerator forgets it, and so does one no
-    group holds any more."""
-    session = _session.get(optimizer)
-    if session is None or not (moves or session.group_sides):
-        return
-    sides = session.group_sides
-    held: dict[Ident, torch.Tensor] = {
-        (gi, None, path): t for gi, group in enumerate(optimizer.param_groups) for path, t in group_tensors(group)
-    }
-    for ident, was, now in moves:
-        t = held.get(ident)  # (the object the commit left there)
-        if t is not None and now.type == "cpu" and was.type not in HOSTS:
-            sides[id(t)] = (was, t)
-        elif t is not None and now.type != "cpu":
-            sides.pop(id(t), None)
-    live = {id(t) for t in held.values()}
-    for key in [key for key in sides if key not in live]:
-        del sides[key]
 
 
 _INCLUDE = ("grads",)
@@ -376,19 +356,10 @@ def offload(
             if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
                 grads.append(((gi, pi), p))
 
-    known: dict[int, Ident] | None = None  # (a second offload: the group tensors the record knows, by id)
-
     def to_host(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
-        nonlocal known
-        if ident not in record.devices:  # (the record is kept only once every copy exists)
-            was = tensor.device
-            if param is None and previous is not None:
-                # (a group added while offloaded holds the first group's lr: one tensor, recorded where it was)
-                known = _known_group_tensors(optimizer, record.devices) if known is None else known
-                was = record.devices[known[id(tensor)]] if id(tensor) in known else was
-            record.devices[ident] = was
+        record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
         return host, "offload"
 
     # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)
@@ -420,6 +391,13 @@ def offload(
             continue
         p.grad = None  # (first: the param no longer holds it, so it can be swapped)
         record.grads[id(p)] = (p, kept(grad, copies.new[id(grad)]))  # the same object, on the host
+    group_entries = plan.group_entries()
+    if group_entries:  # the group tensors taken from an accelerator, by the object the commit left at their site
+        held = group_tensors_at(optimizer)
+        for tr in group_entries:
+            was, t = record.devices.get(tr[0]), held.get(tr[0])
+            if was is not None and was.type not in HOSTS and t is not None and t.device.type == "cpu":
+                record.taken[id(t)] = (was, t)
     record.took = record.took or any(d.type != "cpu" for d in record.devices.values())
     record.buffers.extend(copies.batch.held)
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
@@ -448,23 +426,17 @@ def is_offloaded(optimizer: Any) -> bool:
     return record_of(unwrap(optimizer)) is not None
 
 
-def _known_group_tensors(optimizer: Any, sites: Mapping[Ident, torch.device]) -> dict[int, Ident]:
-    """The id of each tensor the param groups hold at a site an offload record knows, with that site: a group
-    tensor at a site the record does not know (a group added while offloaded) that is one of these (torch's
-    add_param_group fills a new group from the defaults: the same tensor lr) goes where that one goes."""
-    return {
-        id(t): where
-        for gi, group in enumerate(optimizer.param_groups)
-        for path, t in group_tensors(group)
-        if (where := (gi, None, path)) in sites
-    }
-
-
 def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
     by_policy = policy_target(optimizer, None)
     sites = record.sites(optimizer)  # (named by today's positions)
-    known = _known_group_tensors(optimizer, sites)
+    # a group tensor the offload took, still at a site it was taken from: judged with that site's group (whose
+    # params may have moved meanwhile), also where another group holds it now (added meanwhile: the same lr)
+    origin = {
+        id(t): optimizer.param_groups[gi]
+        for (gi, _, path), t in group_tensors_at(optimizer).items()
+        if (w := sites.get((gi, None, path))) is not None and w.type not in HOSTS
+    }
 
     placers: dict[torch.device, _policy.Placer] = {}
     bound: dict[tuple[int, int], set[torch.device]] | None = None  # (group, index) -> where its state was
@@ -494,12 +466,17 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             # where a fresh optimizer with these flags keeps it, the param's state on the accelerator it was on
             placer = placers.get(device) or placers.setdefault(device, policy_target(optimizer, device))
             return placer(ident, param, group, key, tensor)
-        if param is None and ident not in sites and id(tensor) in known:
-            ident = known[id(tensor)]
-            group, key = optimizer.param_groups[ident[0]], ident[2][0][1]
         was = sites.get(ident)
-        if param is None and was is not None and was.type not in HOSTS and by_policy.side(tensor) is None:
-            was = None  # (another tensor at a group site the offload took one from: given meanwhile, placed so)
+        if param is None and ident[0] != OPTIMIZER_WIDE:
+            # NOTE: a group tensor goes back where the offload took it from, whatever group site holds it now (one
+            # tensor lr several groups hold: a group added or given it meanwhile); another one on the host stays
+            # where its site was, and one given meanwhile at a site the offload took one from, or on a device, is
+            # placed by the policy, as a move places it
+            taken = record.taken.get(id(tensor))
+            if taken is not None and taken[1] is tensor:
+                was, group = taken[0], origin.get(id(tensor), group)
+            elif not tensor.is_cpu or (was is not None and was.type not in HOSTS):
+                was = None
         if param is None and was is not None and _group_moved(record, group):
             # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
             # the params' new device, on the side they were given on

@@ -240,3 +240,40 @@ def test_shared_tensor_sent_to_two_devices_is_refused(sim):
     ):
         optimshift.move(opt)
     assert opt.state[params[1]]["momentum_buffer"] is shared
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda opt: optimshift.move(opt, "cpu"),
+        optimshift.offload,
+        optimshift.check,
+        optimshift.placement,
+        optimshift.stream,
+    ],
+)
+def test_state_that_is_a_tensor_not_a_dict_is_named(sim, call):
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+    opt = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[params[1]] = torch.zeros(3, device=sim)  # (its truth is ambiguous: torch raises a RuntimeError)
+    kept = opt.state[params[0]]
+    before = {k: (id(v), v.device) for k, v in kept.items()}
+    with pytest.raises(TypeError, match=r"Adam: state of group 0, param 1 is a Tensor, expected a dict"):
+        call(opt)
+    assert not optimshift.is_offloaded(opt) and not optimshift.is_streamed(opt)
+    assert opt.state[params[0]] is kept and {k: (id(v), v.device) for k, v in kept.items()} == before
+
+
+def test_load_state_dict_replaces_live_state_that_is_a_tensor(sim):
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+    opt = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    opt.state[params[1]] = torch.zeros(3, device=sim)
+    optimshift.load_state_dict(opt, sd)  # (as torch's own load does)
+    assert torch.equal(opt.state[params[1]]["exp_avg"].cpu(), sd["state"][1]["exp_avg"].cpu())

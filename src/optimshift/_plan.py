@@ -179,11 +179,12 @@ def iter_holders(
             names = ()
         for pi, p in enumerate(group["params"]):
             held = get(id(p))
-            if not held:
+            if held is None or type(held) is dict and not held:
                 continue
             # NOTE: `pname`, not `name`: that one is the optimizer's, in every error above and below.
             pname = str(names[pi]) if pi < len(names) and names[pi] is not None else None
             if type(held) is not dict and not isinstance(held, Mapping):
+                # (before its truth is asked: a tensor's, of several elements, raises an ambiguous RuntimeError)
                 raise TypeError(
                     f"{name}: state of {param_label(gi, pi, pname)} is {with_article(type(held).__name__)}, "
                     f"expected a dict of its entries (optimizer.state[param] = {{key: value}}); nothing was changed"

@@ -205,7 +205,8 @@ class Streamed:
         next step's loads, on the same lane, are ordered after them)."""
         opt = self.optimizer
         state = opt.state
-        held = {p: state[p] for _, p in members if state.get(p)}
+        # (an entry that is no dict, a tensor, is refused by the plan, naming it: its truth is not asked here)
+        held = {p: state[p] for _, p in members if state.get(p) is not None}
         plan = build_plan(opt, policy_target(opt, None), state=held)
         group_moves = [(tr[0], tr[2].device, tr[4]) for tr in plan.group_entries()]  # (before the commit)
         kept: list[Transfer] = []  # bound for the host, and group tensors (the engine copies those not there)

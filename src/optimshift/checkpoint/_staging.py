@@ -334,7 +334,10 @@ class Staging:
             return {}  # (no live state: a fresh optimizer, the common resume)
         get = self.opt.state.get
         lives: dict[tuple[int, int | None], Mapping[Any, Any]] = {
-            (gi, pi): live for _, p, gi, pi, _ in pending if (live := get(p))
+            # (live state that is no dict, a tensor set by hand, takes nothing in place: the load replaces it)
+            (gi, pi): live
+            for _, p, gi, pi, _ in pending
+            if isinstance(live := get(p), Mapping) and live
         }
         ids = [id(v) for live in lives.values() for v in live.values() if isinstance(v, torch.Tensor)]
         return lives if len(set(ids)) == len(ids) else {}

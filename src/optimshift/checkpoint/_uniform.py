@@ -181,6 +181,8 @@ def build_uniform(
             if lives:
                 live = live_get(id(p))  # type: ignore[misc]  # (lives: a getter)
                 olds: Any
+                if live is not None and not isinstance(live, Mapping):
+                    return None  # (live state that is no dict, a tensor, whose truth is ambiguous: the general path)
                 if not live:
                     olds = [None] * len(saved)  # (no live state: copies)
                     alike = layout.verbatim = False

@@ -277,3 +277,21 @@ def test_load_state_dict_replaces_live_state_that_is_a_tensor(sim):
     opt.state[params[1]] = torch.zeros(3, device=sim)
     optimshift.load_state_dict(opt, sd)  # (as torch's own load does)
     assert torch.equal(opt.state[params[1]]["exp_avg"].cpu(), sd["state"][1]["exp_avg"].cpu())
+
+
+def test_rebind_of_a_group_whose_params_are_a_tuple(sim):
+    a = [torch.nn.Parameter(torch.randn(2, device=sim)) for _ in range(2)]
+    b = [torch.nn.Parameter(torch.randn(3, device=sim)) for _ in range(2)]
+    opt = torch.optim.Adam([{"params": a}, {"params": b}])
+    for p in a + b:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.param_groups[1]["params"] = tuple(b)  # (torch steps it as well)
+    states = [opt.state[p] for p in a + b]
+    new = [torch.nn.Parameter(p.detach().clone()) for p in a + b]
+    optimshift.rebind(opt, new)  # (it raised half-way: group 0 held the new params, the state the old ones)
+    assert list(opt.param_groups[0]["params"]) == new[:2] and opt.param_groups[1]["params"] == tuple(new[2:])
+    assert [opt.state[q] for q in new] == states and len(opt.state) == 4
+    for q in new:
+        q.grad = torch.ones_like(q)
+    opt.step()

@@ -993,6 +993,12 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
             f"({_position(optimizer, pairs.index(False))}): give all of them one way, so that no name is dropped"
         )
     new = [p[1] if named else p for p in given]
+    for gi, g in enumerate(optimizer.param_groups):
+        if not isinstance(g["params"], (list, tuple)):
+            raise TypeError(
+                f"{name}: rebind: group {gi}'s params are {with_article(type(g['params']).__name__)}, not a list "
+                f"(torch's add_param_group makes one); nothing was changed"
+            )
     old = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     if len(new) != len(old):
         raise ValueError(f"{name}: rebind got {len(new)} params, the optimizer holds {len(old)}")
@@ -1033,8 +1039,15 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     def rewrite() -> None:
         """The new params in the groups, their state re-keyed (dict and list operations: they cannot fail)."""
         states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
+        rebuilt: dict[int, list[Any]] = {}  # (a group whose params are a tuple, set by hand: torch steps it too)
         for (gi, pi, _), q in zip(old, new):
-            optimizer.param_groups[gi]["params"][pi] = q
+            held = optimizer.param_groups[gi]["params"]
+            if isinstance(held, list):
+                held[pi] = q
+            else:
+                rebuilt.setdefault(gi, list(held))[pi] = q
+        for gi, params in rebuilt.items():
+            optimizer.param_groups[gi]["params"] = tuple(params)
         if named:  # (the groups that name their params take the new names)
             for (gi, pi, _), (param_name, _) in zip(old, given):
                 names = optimizer.param_groups[gi].get("param_names")

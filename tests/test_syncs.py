@@ -89,3 +89,17 @@ def test_a_non_blocking_offload_is_no_host_sync(sim, non_blocking):
     else:
         assert counted.by_op["copy_to_host"] > 0 and counted.async_copies == 0
     optimshift.reload(opt)
+
+
+def test_the_same_count_syncs_entered_inside_itself_is_refused(sim):
+    x = torch.ones(2, device=sim)
+    counter = optimshift.count_syncs()
+    with counter as syncs:
+        with pytest.raises(RuntimeError, match="already counting"):
+            with counter:  # (it counted each sync of the inner block twice)
+                pass
+        x.sum().item()
+    assert syncs.total == 1
+    with optimshift.count_syncs() as outer, optimshift.count_syncs() as inner:
+        x.sum().item()
+    assert outer.total == inner.total == 1

@@ -219,12 +219,21 @@ class count_syncs:
 
     def __init__(self, *, trace: bool = False) -> None:
         self._count = SyncCount(trace=trace)
+        self._active = False
 
     def __enter__(self) -> SyncCount:
+        if self._active:
+            # (its mode twice on torch's stack counts every sync of the inner block twice)
+            raise RuntimeError(
+                "count_syncs: this block is already counting (the same count_syncs object entered again inside "
+                "it); nest a new count_syncs() instead"
+            )
         self._count.__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
+        self._active = True
         return self._count
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._active = False
         self._count.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]  # unannotated in torch

@@ -295,3 +295,37 @@ def test_rebind_of_a_group_whose_params_are_a_tuple(sim):
     for q in new:
         q.grad = torch.ones_like(q)
     opt.step()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda opt, device: optimshift.move(opt, device),
+        lambda opt, device: optimshift.reload(opt, device),
+        lambda opt, device: optimshift.stream(opt, device=device),
+    ],
+)
+@pytest.mark.parametrize("device", ["cuda:7", "nonsense", 3.5])
+def test_a_bad_device_names_the_optimizer(sim, call, device):
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim))]
+    opt = torch.optim.SGD(params, momentum=0.9)
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    with pytest.raises((TypeError, ValueError), match=r"^SGD: "):
+        call(opt, device)
+    assert opt.state[params[0]]["momentum_buffer"].device == sim and not optimshift.is_streamed(opt)
+
+
+@pytest.mark.parametrize("include", [5, None])
+def test_offload_include_that_is_no_names_is_a_type_error_naming_the_optimizer(sim, include):
+    _, opt = _adam()
+    with pytest.raises(TypeError, match=r"Adam: offload include= must be names such as \('grads',\), got"):
+        optimshift.offload(opt, include=include)
+    assert not optimshift.is_offloaded(opt)
+
+
+@pytest.mark.parametrize("params", [None, 5])
+def test_rebind_given_no_iterable_names_the_optimizer(params):
+    _, opt = _adam()
+    with pytest.raises(TypeError, match=r"Adam: rebind takes the new params \(model.parameters\(\)\), got a"):
+        optimshift.rebind(opt, params)

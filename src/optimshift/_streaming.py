@@ -670,7 +670,7 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
     params = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     target = None
     if device is not None:
-        target = resolve(device, what="device", tensors=[p for _, _, p in params])
+        target = resolve(device, what=f"{name}: stream: device", tensors=[p for _, _, p in params])
         if target.type in HOSTS:
             raise ValueError(f"{name}: stream: device must be an accelerator (state streams through it), got {target}")
         for gi, pi, p in params:

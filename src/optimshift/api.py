@@ -131,7 +131,8 @@ def _check_flags(optimizer: Any, what: str, **flags: Any) -> None:
 def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") -> torch.device | None:
     if device is None:
         return None
-    return resolve(device, what=what, tensors=_all_tensors(optimizer))
+    # (named: "device cuda is not available" alone does not say which call, in a script that moves several)
+    return resolve(device, what=f"{optimizer_name(optimizer)}: {what}", tensors=_all_tensors(optimizer))
 
 
 def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
@@ -327,7 +328,12 @@ def offload(
     check_optimizer(optimizer)
     _check_flags(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
     _mode.refuse(optimizer, "offload")
-    include = (include,) if isinstance(include, str) else tuple(include)  # (include="grads": one name, not letters)
+    try:
+        include = (include,) if isinstance(include, str) else tuple(include)  # (include="grads": one name, not letters)
+    except TypeError:
+        raise TypeError(
+            f"{optimizer_name(optimizer)}: offload include= must be names such as ('grads',), got {include!r}"
+        ) from None
     unknown = [i for i in include if i not in _INCLUDE]
     if unknown:
         raise ValueError(f"{optimizer_name(optimizer)}: offload include= may contain {_INCLUDE}, got {unknown}")
@@ -983,7 +989,12 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     if isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList):
         # (iterating a module yields its children, not its params; a ParameterList yields its params)
         raise TypeError(f"{name}: rebind takes the new params (model.parameters()), got a {type(params).__name__}")
-    given = list(params)
+    try:
+        given = list(params)
+    except TypeError:
+        raise TypeError(
+            f"{name}: rebind takes the new params (model.parameters()), got {with_article(type(params).__name__)}"
+        ) from None
     pairs = [isinstance(p, tuple) and len(p) == 2 for p in given]  # (model.named_parameters())
     named = bool(given) and all(pairs)
     if any(pairs) and not named:

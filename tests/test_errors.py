@@ -329,3 +329,9 @@ def test_rebind_given_no_iterable_names_the_optimizer(params):
     _, opt = _adam()
     with pytest.raises(TypeError, match=r"Adam: rebind takes the new params \(model.parameters\(\)\), got a"):
         optimshift.rebind(opt, params)
+
+
+@pytest.mark.parametrize("fn", [optimshift.wait, optimshift.unstream])
+def test_wait_and_unstream_refuse_what_is_not_an_optimizer(fn):
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        fn(torch.nn.Linear(2, 2))  # (they did nothing, silently)

@@ -748,6 +748,7 @@ def unstream(optimizer: Opt) -> Opt:
     """End streamed mode: every state entry goes where a fresh optimizer over the params, where they are now,
     keeps it (same objects, values bitwise), ``step``/``load_state_dict`` are the optimizer's own again and the
     host buffers go back to the pool. All or nothing; a no-op for an optimizer that is not streamed."""
+    check_optimizer(unwrap(optimizer))  # (unstream(model) ended nothing, silently)
     with exclusive(unwrap(optimizer)):  # (one operation at a time, from any thread)
         mode = _mode_of(optimizer)
         if mode is None:

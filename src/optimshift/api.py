@@ -420,7 +420,7 @@ def wait(optimizer: Any) -> None:
     a streamed optimizer, until its last step's write-backs are in host memory: what code that reads
     ``optimizer.state`` directly must call first (as ``PendingTransfer.wait()`` or the stream handle's
     ``wait()``, for when the handle is not at hand). A no-op when nothing is in flight."""
-    receiver = unwrap(optimizer)
+    receiver = check_optimizer(unwrap(optimizer))  # (wait(model) waited for nothing, silently)
     pending_of(receiver).order_before_use(host=True)
     mode = _mode.mode_of(receiver)
     if mode is not None:

@@ -656,3 +656,44 @@ def test_stream_lets_go_of_a_replaced_lr_whose_side_was_remembered(sim):
         assert taken() is None
     finally:
         optimshift.unstream(opt)
+
+
+def test_a_host_lr_given_at_a_taken_site_stays_on_the_host_after_a_second_offload(sim):
+    """The first offload took group 0's device lr; a lr given on the host at that site meanwhile; a second offload
+    takes nothing from a device there, and the reload leaves the given lr on the host (it was recorded as taken,
+    by the site's first offload)."""
+    a, opt = _device_and_host_lr(sim)
+    optimshift.offload(opt)
+    opt.param_groups[0]["lr"] = given = torch.tensor(0.03)
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert given.device.type == "cpu" and not optimshift.check(opt).findings
+
+
+def test_a_device_lr_given_at_a_host_site_goes_back_after_a_second_offload(sim):
+    """A device lr given meanwhile at a site whose first offload found a host lr: the second offload takes it from
+    the device, and the reload puts it back there (it stayed on the host, which check() called an error)."""
+    a, opt = _device_and_host_lr(sim)
+    optimshift.offload(opt)
+    opt.param_groups[1]["lr"] = given = torch.tensor(0.03, device=sim)
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert given.device == sim and not optimshift.check(opt).findings
+
+
+@pytest.mark.parametrize("moved", [0, 1])
+def test_reload_refuses_a_taken_lr_shared_by_groups_whose_params_moved_apart(sim, moved):
+    """One device lr two groups share (add_param_group), one group's params moved to the second device while
+    offloaded: the reload refuses the one tensor for two devices before anything changes, as move() and check()
+    do (it put the lr with the last group and the next step mixed devices)."""
+    sim1 = torch.device(sim.type, 1)
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    b = torch.nn.Parameter(torch.ones(2, device=sim))
+    opt = O.Adam([a], lr=torch.tensor(0.01, device=sim), capturable=True, foreach=False)
+    opt.add_param_group({"params": [b]})
+    _with_grads(opt).step()
+    optimshift.offload(opt)
+    torch.nn.ParameterList([(a, b)[moved]]).to(sim1)
+    with pytest.raises(ValueError, match="cannot be placed for both"):
+        optimshift.reload(opt)
+    assert optimshift.is_offloaded(opt)

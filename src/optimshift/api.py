@@ -362,10 +362,13 @@ def offload(
             if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
                 grads.append(((gi, pi), p))
 
+    sources: dict[Ident, torch.device] = {}  # (this offload: where each tensor was before it)
+
     def to_host(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
         record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
+        sources[ident] = tensor.device
         return host, "offload"
 
     # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)
@@ -388,7 +391,8 @@ def offload(
         raise
     if cached is not None:
         if cached.hits:  # (to_host() was not called: the plan knows where every tensor was)
-            record.devices.update(cached.sources_of(plan))
+            sources = dict(cached.sources_of(plan))
+            record.devices.update(sources)
         # (this build of the offload plan, which a cached reload undoes, and whether it is kept)
         record.token = (cached.serial, cached.kept)
     for _, p in grads:  # only now: every copy exists
@@ -401,7 +405,7 @@ def offload(
     if group_entries:  # the group tensors taken from an accelerator, by the object the commit left at their site
         held = group_tensors_at(optimizer)
         for tr in group_entries:
-            was, t = record.devices.get(tr[0]), held.get(tr[0])
+            was, t = sources.get(tr[0]), held.get(tr[0])
             if was is not None and was.type not in HOSTS and t is not None and t.device.type == "cpu":
                 record.taken[id(t)] = (was, t)
     record.took = record.took or any(d.type != "cpu" for d in record.devices.values())
@@ -480,7 +484,8 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             # placed by the policy, as a move places it
             taken = record.taken.get(id(tensor))
             if taken is not None and taken[1] is tensor:
-                was, group = taken[0], origin.get(id(tensor), group)
+                own = was is not None and was.type not in HOSTS  # (a site taken from: judged with its own group)
+                was, group = taken[0], group if own else origin.get(id(tensor), group)
             elif not tensor.is_cpu or (was is not None and was.type not in HOSTS):
                 was = None
         if param is None and was is not None and _group_moved(record, group):

@@ -697,3 +697,44 @@ def test_reload_refuses_a_taken_lr_shared_by_groups_whose_params_moved_apart(sim
     with pytest.raises(ValueError, match="cannot be placed for both"):
         optimshift.reload(opt)
     assert optimshift.is_offloaded(opt)
+
+
+@pytest.mark.parametrize("how", ["add_param_group", "given"])
+def test_a_reload_after_a_move_to_the_host_and_a_group_given_its_lr_meanwhile(sim, how):
+    """move(opt, 'cpu') took the device lr to the host; an offload found it there; a group added (the same tensor
+    lr, from the defaults) or given that lr while offloaded: the reload keeps the one tensor on the host with the
+    state (it sent the new site by the remembered side and refused one tensor for two devices), and a move then
+    brings it all to the device."""
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    if how == "given":
+        b = torch.nn.Parameter(torch.ones(2, device=sim))
+        groups = [{"params": [b], "lr": 0.01}, {"params": [a], "lr": torch.tensor(0.02, device=sim)}]
+        opt = _with_grads(O.Adam(groups, capturable=True))
+    else:
+        opt = _with_grads(O.Adam([a], lr=torch.tensor(0.02, device=sim), capturable=True))
+    opt.step()
+    optimshift.move(opt, "cpu")
+    optimshift.offload(opt)
+    if how == "given":
+        opt.param_groups[0]["lr"] = opt.param_groups[1]["lr"]
+    else:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(4, device=sim))]})
+    optimshift.reload(opt)
+    assert not optimshift.is_offloaded(opt) and {g["lr"].device.type for g in opt.param_groups} == {"cpu"}
+    optimshift.move(opt)
+    assert {g["lr"].device for g in opt.param_groups} == {sim} and optimshift.check(opt).ok
+
+
+@pytest.mark.parametrize("back", ["reload", "move"])
+def test_lrs_swapped_between_groups_on_two_devices_go_to_their_groups_devices(sim, back):
+    """Both lrs taken by the offload, swapped between groups whose params are on different devices: each goes to
+    its new group's device, as a fresh optimizer given it there keeps it (reload() put each on the device it was
+    taken from, the other group's, and the next step mixed devices)."""
+    sim1 = torch.device(sim.type, 1)
+    (a, b), opt = _device_lrs(sim, [sim, sim1])
+    optimshift.offload(opt)
+    g0, g1 = opt.param_groups
+    g0["lr"], g1["lr"] = g1["lr"], g0["lr"]
+    getattr(optimshift, back)(opt)
+    assert [g["lr"].device for g in opt.param_groups] == [sim, sim1]
+    _with_grads(opt).step()

@@ -442,11 +442,15 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     sites = record.sites(optimizer)  # (named by today's positions)
     # a group tensor the offload took, still at a site it was taken from: judged with that site's group (whose
     # params may have moved meanwhile), also where another group holds it now (added meanwhile: the same lr)
+    held_now = group_tensors_at(optimizer)
     origin = {
         id(t): optimizer.param_groups[gi]
-        for (gi, _, path), t in group_tensors_at(optimizer).items()
+        for (gi, _, path), t in held_now.items()
         if (w := sites.get((gi, None, path))) is not None and w.type not in HOSTS
     }
+    # a host tensor at a site the record knows as a host site: a group given it meanwhile (add_param_group: the
+    # same tensor lr) keeps it there too
+    on_host = {id(t) for site, t in held_now.items() if (w := sites.get(site)) is not None and w.type in HOSTS}
 
     placers: dict[torch.device, _policy.Placer] = {}
     bound: dict[tuple[int, int], set[torch.device]] | None = None  # (group, index) -> where its state was
@@ -486,6 +490,11 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             if taken is not None and taken[1] is tensor:
                 own = was is not None and was.type not in HOSTS  # (a site taken from: judged with its own group)
                 was, group = taken[0], group if own else origin.get(id(tensor), group)
+                if not _group_moved(record, group) and (there := group_device(group, tensor)) != was:
+                    # (held now by a group on another device, swapped or given meanwhile: its side, there)
+                    return by_policy.at(None, group, key, tensor, there, side=was)
+            elif was is None and tensor.is_cpu and id(tensor) in on_host:
+                was = tensor.device
             elif not tensor.is_cpu or (was is not None and was.type not in HOSTS):
                 was = None
         if param is None and was is not None and _group_moved(record, group):

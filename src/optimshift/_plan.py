@@ -135,6 +135,10 @@ class Plan:
                 out.append(tr)
         return out
 
+    def group_moves(self) -> list[tuple[Ident, torch.device, torch.device]]:
+        """(site, from, to) of each group tensor, asked before the commit (what ``_offload.remember_sides`` takes)."""
+        return [(tr[0], tr[2].device, tr[4]) for tr in self.group_entries()]
+
 
 def optimizer_name(optimizer: Any) -> str:
     return type(optimizer).__name__

@@ -208,7 +208,7 @@ class Streamed:
         # (an entry that is no dict, a tensor, is refused by the plan, naming it: its truth is not asked here)
         held = {p: state[p] for _, p in members if state.get(p) is not None}
         plan = build_plan(opt, policy_target(opt, None), state=held)
-        group_moves = [(tr[0], tr[2].device, tr[4]) for tr in plan.group_entries()]  # (before the commit)
+        group_moves = plan.group_moves()  # (before the commit)
         kept: list[Transfer] = []  # bound for the host, and group tensors (the engine copies those not there)
         by_param: dict[int, list[Transfer]] = {}  # id(param) -> its entries that belong on an accelerator
         buckets: dict[tuple[int, torch.device], list[Item]] = {}

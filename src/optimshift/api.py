@@ -175,7 +175,7 @@ def _transfer(
     try:
         into = None if placement is None else [placement.into(tr[2]) for tr in plan.transfers]
         copies = _engine.run(plan, options, extra=extra, into=into)
-        group_moves = _group_moves(plan) if sides else ()
+        group_moves = plan.group_moves() if sides else ()
         hows = _engine.commit(
             optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite, finish=finish
         )
@@ -263,11 +263,6 @@ def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
     if session is None or _policy.has_registered_policy(optimizer):
         return None
     return ("move", target, frozenset((key, side[0]) for key, side in session.group_sides.items()))
-
-
-def _group_moves(plan: Plan) -> list[tuple[Ident, torch.device, torch.device]]:
-    """(site, from, to) of each group tensor in ``plan``."""
-    return [(tr[0], tr[2].device, tr[4]) for tr in plan.group_entries()]
 
 
 _INCLUDE = ("grads",)

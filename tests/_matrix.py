@@ -122,7 +122,7 @@ def train(model: Model, opt: torch.optim.Optimizer, steps: range) -> None:
             opt.step(closure)
         else:
             for i, p in enumerate(params):
-                p.grad = grad_for(step, i, p.shape).to(p.device)
+                p.grad = grad_for(step, i, p.shape).to(p.device, p.dtype)  # (the param's dtype: a double one)
             opt.step()
 
 

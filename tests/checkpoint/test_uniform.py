@@ -354,22 +354,43 @@ def _lanes(monkeypatch):
     return calls
 
 
+_ROWS = [
+    "another shape last",
+    "kinds in turn",
+    "a double param among them",
+    "a param without state",
+    "another key order",
+]
+
+
 @pytest.mark.parametrize("into", ["fresh", "existing state"])
-@pytest.mark.parametrize("what", ["one kind", "another shape last", "a param without state", "another key order"])
+@pytest.mark.parametrize("what", ["one kind", *_ROWS])
 def test_a_group_of_one_kind_is_checked_at_once_else_row_by_row(monkeypatch, taken, what, into):
     """Every param of its group of one kind, each with state of that kind (keys in the kind's order): the group's
     rows are checked at once; anything else row by row (which sends a row in another key order to the general
-    path); all load as the general path loads."""
+    path); all load as the general path loads (params of several kinds, a real model's shapes in turn, or a double
+    param, whose entries make a layout of their own: each row in its layout's place)."""
     shapes = [(4,)] * 5 + [(2,) if what == "another shape last" else (4,)]
+    if what in ("kinds in turn", "a double param among them"):
+        shapes = [(4,), (2,), (3, 2), (4,), (2,), (3, 2)]
+
+    def trained(steps):
+        model = Model(shapes)
+        if what == "a double param among them":
+            model.parts[2].weight.data = model.parts[2].weight.data.double()
+        opt = O.Adam([h.weight for h in model.parts], foreach=False)
+        train(model, opt, range(steps))
+        return model, opt
+
     lanes = _lanes(monkeypatch)
 
     def make():
-        model, opt = _trained(O.Adam, {"foreach": False}, shapes)
+        model, opt = trained(K)
         if into == "fresh":
             opt.state.clear()
         return model, opt
 
-    sd = _trained(O.Adam, {"foreach": False}, shapes, steps=K + 1)[1].state_dict()
+    sd = trained(K + 1)[1].state_dict()
     if what == "a param without state":
         del sd["state"][5]
     elif what == "another key order":

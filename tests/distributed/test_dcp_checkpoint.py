@@ -544,6 +544,44 @@ def test_a_read_error_while_loading_is_an_exception_and_leaves_no_first_step(tmp
     assert not fresh_opt.state
 
 
+def test_a_write_error_while_saving_is_an_exception_naming_the_path_and_commits_nothing(tmp_path, monkeypatch):
+    """DCP reports a failed write (a full disk) as its CheckpointException, a BaseException naming no file: a
+    user's `except Exception` around the save missed it."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt, extra={"n": 1})
+    local_step(model, opt, 1)
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full)
+    with pytest.raises(RuntimeError, match=r"save\(.*ck'?\) failed while writing .*No space left on device"):
+        save(tmp_path / "ck", model, opt, extra={"n": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    fresh = build_model()
+    assert load(tmp_path / "ck", fresh, build_optimizer(fresh)) == {"n": 1}
+
+
+def test_an_interrupt_while_saving_stays_an_interrupt(tmp_path, monkeypatch):
+    """DCP wraps a Ctrl-C during the write in its CheckpointException: it is raised as the interrupt it was."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _trained()
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path / "ck", model, opt)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_streamed_optimizer_loads(tmp_path, sim):
     """The load's last move, which places the state as a fresh optimizer keeps it, refused a streamed optimizer:
     every load into one failed, after it had loaded ("partly loaded"), and its extra was lost."""

@@ -139,11 +139,14 @@ def save(
             # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
             # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
             with _single_process_quiet(world):
-                dcp.save(  # type: ignore[attr-defined]  # re-exported without being declared
-                    state,
-                    storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),  # type: ignore[attr-defined]
-                    no_dist=world == 1,
-                )
+                try:
+                    dcp.save(  # type: ignore[attr-defined]  # re-exported without being declared
+                        state,
+                        storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),  # type: ignore[attr-defined]
+                        no_dist=world == 1,
+                    )
+                except CheckpointException as e:  # (every rank gets it: DCP gathers the ranks' write results)
+                    raise _write_failure(e, path, rank) from e
         except BaseException:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -171,6 +174,20 @@ def save(
     finally:
         if lock is not None:
             os.close(lock)
+
+
+def _write_failure(error: CheckpointException, path: Any, rank: int) -> BaseException:
+    """What a save raises for DCP's error while writing: a CheckpointException is a BaseException (a user's
+    ``except Exception`` missed a full disk) that names no file; a Ctrl-C on this rank, which DCP wrapped, stays
+    one here."""
+    own = error.failures.get(rank)
+    if own is not None and not isinstance(own[0], Exception):
+        return own[0]
+    causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(error.failures.items()))
+    return RuntimeError(
+        f"{_call('save', path)} failed while writing the checkpoint ({causes}); nothing was committed: "
+        f"{os.fspath(path)} is as it was"
+    )
 
 
 def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> BaseException | None:

@@ -204,6 +204,35 @@ def test_a_full_disk_names_the_file_and_the_cause_and_leaves_the_old_file(tmp_pa
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["opt.pt"]
 
 
+def test_a_ctrl_c_during_a_write_stays_an_interrupt_and_leaves_the_old_file(tmp_path, monkeypatch):
+    """A Ctrl-C that arrives inside a write of the file: torch's zip writer then fails to close it and raised its
+    own RuntimeError ("unexpected pos ..."), the interrupt only in its context, so the Ctrl-C was lost (a
+    training loop's `except Exception` around its checkpoint went on)."""
+    path = tmp_path / "opt.pt"
+    optimshift.save({"a": torch.ones(3)}, path)
+    before = path.read_bytes()
+    real_fdopen = os.fdopen
+
+    class Interrupted:
+        def __init__(self, raw):
+            self.raw, self.written = raw, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 1024:
+                raise KeyboardInterrupt
+            return self.raw.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+    monkeypatch.setattr(os, "fdopen", lambda *args, **kwargs: Interrupted(real_fdopen(*args, **kwargs)))
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.save({"a": torch.ones(1 << 16)}, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["opt.pt"]
+
+
 def test_recognised_layouts(tmp_path):
     a, b = _adam().state_dict(), _adam().state_dict()
     layouts = {

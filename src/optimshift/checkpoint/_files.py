@@ -350,6 +350,12 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
                 raise _write_error(target, e) from e
             except RuntimeError as e:  # (torch's zip writer reports a failed write as an error of its own)
                 cause = e.__context__
+                if (
+                    isinstance(cause, BaseException)
+                    and not isinstance(cause, Exception)
+                    and "inline_container" in str(e)
+                ):
+                    raise cause from None  # (a Ctrl-C inside a write: the writer's close masked it; nothing committed)
                 if not (isinstance(cause, OSError) and cause.errno is not None and "inline_container" in str(e)):
                     raise
                 raise _write_error(target, cause) from e

@@ -184,6 +184,27 @@ def test_load_places_the_state_by_the_checkpoints_flags(tmp_path, sim):
         assert state_differences(full_state(live, live_opt), uninterrupted) == []
 
 
+def test_a_tensor_lr_keeps_its_object(tmp_path, sim):
+    """torch's load_state_dict deep-copies the loaded param groups: a tensor lr on the device (what a captured
+    step reads at its address, and a scheduler writes in place) was a new object after the load, while the state
+    tensors kept theirs (and optimshift.load_state_dict keeps the lr's)."""
+    model = build_model().to(sim)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01, device=sim), fused=True)
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    local_step(model, opt, 1, sim)
+    uninterrupted = full_state(model, opt)
+
+    live = build_model().to(sim)
+    live_opt = torch.optim.AdamW(live.parameters(), lr=torch.tensor(0.5, device=sim), fused=True)
+    lr = live_opt.param_groups[0]["lr"]
+    load(tmp_path / "ck", live, live_opt)
+    assert live_opt.param_groups[0]["lr"] is lr and lr.device == sim and torch.equal(lr.cpu(), torch.tensor(0.01))
+    assert optimshift.check(live_opt).ok
+    local_step(live, live_opt, 1, sim)
+    assert state_differences(full_state(live, live_opt), uninterrupted) == []
+
+
 # --- never stepped, extra, describe -----------------------------------------------------------------------
 
 

@@ -307,8 +307,9 @@ def load(
         )  # strict: refuses params without saved state
         if not layout.has_state:
             optimizer.state.clear()
-        for group, mine in zip(optimizer.param_groups, kept):
+        for group, mine, before in zip(optimizer.param_groups, kept, live):
             group.update(mine)
+            _keep_group_tensors(group, before)
         if not is_streamed(optimizer):  # (a streamed optimizer's load put its state where streaming keeps it)
             move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
         return _unpack_extra(state[_EXTRA]) if layout.has_extra else None
@@ -319,6 +320,26 @@ def load(
             f"the model and optimizer, which may now be partly loaded (reload them, or load again): "
             f"{type(e).__name__}: {e}"
         ) from e
+
+
+def _keep_group_tensors(group: dict[str, Any], before: Mapping[str, Any]) -> None:
+    """torch's ``load_state_dict`` deep-copies the loaded param groups: a tensor hyperparameter (a tensor ``lr``,
+    which a captured step reads at its address and a scheduler writes in place) became a new object. The live one
+    takes the loaded value (DCP read it in place already) and its place back."""
+    for key, old in before.items():
+        new = group.get(key)
+        if (
+            key != "params"
+            and isinstance(old, torch.Tensor)
+            and isinstance(new, torch.Tensor)
+            and new is not old
+            and type(new) is type(old)
+            and new.shape == old.shape
+            and new.dtype == old.dtype
+        ):
+            with torch.no_grad():
+                old.copy_(new)
+            group[key] = old
 
 
 def describe_dcp(path: PathLike) -> dict[str, Any]:

@@ -738,3 +738,38 @@ def test_lrs_swapped_between_groups_on_two_devices_go_to_their_groups_devices(si
     getattr(optimshift, back)(opt)
     assert [g["lr"].device for g in opt.param_groups] == [sim, sim1]
     _with_grads(opt).step()
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["switched-on", "switched-off"])
+def test_a_groups_tensors_go_where_its_flags_switched_while_offloaded_keep_them(sim, capturable):
+    """A device lr, capturable switched while offloaded: the reload places it as a fresh optimizer with the new flag
+    keeps a lr given on the device (non-capturable Adam reads it on the host, capturable on the device), as it
+    places the param's state (it put the lr back where it was, and check() called it misplaced)."""
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = _with_grads(O.Adam([a], lr=torch.tensor(0.01, device=sim), capturable=capturable, foreach=False))
+    opt.step()
+    optimshift.move(opt)  # (non-capturable: the lr to the host, its side remembered)
+    lr = opt.param_groups[0]["lr"]
+    optimshift.offload(opt)
+    opt.param_groups[0]["capturable"] = not capturable
+    optimshift.reload(opt)
+    assert lr.device.type == ("cpu" if capturable else sim.type) and not optimshift.check(opt).findings
+    _with_grads(opt).step()
+    optimshift.move(opt)
+    assert lr.device.type == ("cpu" if capturable else sim.type)
+
+
+def test_a_lr_a_move_took_to_the_host_goes_to_the_device_with_params_brought_back_while_offloaded(sim):
+    """move(opt, 'cpu') with the model took the device lr to the host; the offload found it there; the model came
+    back while offloaded: the reload puts the lr on the device, by the side the session remembers, as move() does
+    (it kept it on the host, by its site's record, and check() called it misplaced)."""
+    a = torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = _with_grads(O.Adam([a], lr=torch.tensor(0.01, device=sim), capturable=True, foreach=False))
+    opt.step()
+    torch.nn.ParameterList([a]).to("cpu")
+    optimshift.move(opt, "cpu")
+    optimshift.offload(opt)
+    torch.nn.ParameterList([a]).to(sim)
+    optimshift.reload(opt)
+    assert opt.param_groups[0]["lr"].device == sim and not optimshift.check(opt).findings
+    _with_grads(opt).step()

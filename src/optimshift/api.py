@@ -136,9 +136,13 @@ def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") ->
 
 
 def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
-    """Whether a param of ``group`` is on another device than when the offload recorded it."""
+    """Whether a param of ``group`` is on another device than when the offload recorded it, or its group's
+    implementation flags changed since (``capturable`` switched: its tensors are placed anew either way)."""
+    flags = group_flags(group)
     return any(
-        record.param_devices.get(id(p), p.device) != p.device for p in group["params"] if isinstance(p, torch.Tensor)
+        record.param_devices.get(id(p), p.device) != p.device or record.param_flags.get(id(p), flags) != flags
+        for p in group["params"]
+        if isinstance(p, torch.Tensor)
     )
 
 
@@ -493,9 +497,11 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             elif not tensor.is_cpu or (was is not None and was.type not in HOSTS):
                 was = None
         if param is None and was is not None and _group_moved(record, group):
-            # the group's params moved while offloaded: its tensors go where a fresh optimizer keeps them for
-            # the params' new device, on the side they were given on
-            return by_policy.at(None, group, key, tensor, group_device(group, tensor), side=was)
+            # the group's params moved (or its flags changed) while offloaded: its tensors go where a fresh optimizer
+            # keeps them for the params' device now, on the side they were given on (for one the offload found on
+            # the host, the side the session remembers from the move that took it there)
+            side = was if was.type not in HOSTS else by_policy.side(tensor) or was
+            return by_policy.at(None, group, key, tensor, group_device(group, tensor), side=side)
         if param is not None and record.param_devices.get(id(param)) != param.device:
             was = None  # the param moved while its state was away: place the state for where it is now
         if was is not None:

@@ -64,11 +64,60 @@ def test_move_to_host_after_offload_keeps_state_out_of_the_pool(sim):
     model_a, a = _adam(sim, foreach=False)
     model_b, b = _adam(sim, foreach=False)
     optimshift.offload(a)
-    optimshift.move(a, "cpu")  # nothing to copy: the state stays in the offload buffers
+    optimshift.move(a, "cpu")  # (the state leaves the offload buffers: copies of its own on the host)
     before = {i: {k: v.clone() for k, v in st.items()} for i, st in enumerate(a.state.values())}
     optimshift.offload(b)  # must not be handed a's buffers
     for i, st in enumerate(a.state.values()):
         assert bitwise_equal(dict(st), before[i])
+
+
+def _owns_its_bytes(t):
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize(
+    "way",
+    [
+        "move(opt, 'cpu')",
+        "model.to('cpu'); move(opt)",
+        "model.to('cpu'); reload(opt)",
+        "half to cpu; non-blocking reload",
+        "load_state_dict",
+    ],
+)
+def test_state_and_grads_an_offload_leaves_on_the_host_own_their_bytes(sim, way):
+    """Every way the offload ends with the state staying on the host gives each entry (and each grad it took) a
+    storage of its own, as a fresh optimizer's, the same objects with the same bits: left as views into the
+    offload's pool buffers they kept them (pinned memory the pool counts as free) and ``torch.save`` wrote each
+    whole buffer, the bytes of whatever it held before (other optimizers' state) included."""
+    host_pool.release_idle()
+    model, opt = _adam(sim, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimshift.offload(opt, include=("grads",))
+    ids = tensor_ids(opt)
+    values = [v.clone() for st in opt.state.values() for v in st.values()]
+    grads = [g.clone() for _, g in optimshift._offload.record_of(opt).grads.values()]
+    if way == "move(opt, 'cpu')":
+        optimshift.move(opt, "cpu")
+    elif way == "load_state_dict":  # (the grads: the loaded state is the checkpoint's copies)
+        model.to("cpu")
+        sd = _adam(sim, foreach=False)[1].state_dict()
+        optimshift.load_state_dict(opt, sd)
+        ids, values = tensor_ids(opt), [v.clone() for st in sd["state"].values() for v in st.values()]
+    elif way == "half to cpu; non-blocking reload":  # (the host copies beside the side stream's)
+        model.parts[0].to("cpu")
+        with deferred_streams(progress=0.0):
+            optimshift.reload(opt, non_blocking=True).wait()
+    else:
+        model.to("cpu")
+        (optimshift.move if "move" in way else optimshift.reload)(opt)
+    assert tensor_ids(opt) == ids
+    assert all(bitwise_equal(a, b) for a, b in zip(values, [v for st in opt.state.values() for v in st.values()]))
+    assert all(_owns_its_bytes(v) for st in opt.state.values() for v in st.values())
+    assert all(_owns_its_bytes(p.grad) and bitwise_equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert way == "move(opt, 'cpu')" or optimshift.check(opt).ok  # (its params stay on sim:0)
+    assert host_pool.stats().in_use == 0
 
 
 def test_grads_follow_params_that_moved_while_offloaded(sim):

@@ -323,6 +323,8 @@ def copy_many(
                 copies[i] = t.to(target, non_blocking=True) if fast else t.to(target)
             else:
                 copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
+            if copies[i] is original:  # (asked where it is: .to() hands the tensor itself back, a copy never is)
+                copies[i] = original.clone()
         batch.devices.update(d for pair in kinds for d in pair if d.type not in HOSTS)
         for (src, dst, dtype), indices in groups.items():
             batch.devices.update((src, dst))

@@ -292,9 +292,11 @@ def run(
     *,
     extra: Sequence[tuple[torch.Tensor, torch.device, str]] = (),
     into: Sequence[torch.Tensor | None] | None = None,
+    own: set[int] | frozenset[int] = frozenset(),
 ) -> Copies:
     """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (grads: each with its target and
-    what it is, for errors), grouped.
+    what it is, for errors), grouped; ``own``: ids of tensors copied where they are (views into pool buffers the
+    operation gives back: :func:`optimshift._offload.left_in_buffers`).
 
     With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._device_streams`: CUDA, any
     accelerator with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
@@ -317,10 +319,12 @@ def run(
         seen: set[int] = set()
         for transfer in plan.transfers:
             t, target = transfer[2], transfer[4]  # (tensor, target: see plan.Transfer)
-            if t.device != target and id(t) not in seen:
+            if (t.device != target or id(t) in own) and id(t) not in seen:
                 seen.add(id(t))
                 items.append((t, target))
                 names.append(transfer)
+    elif own:
+        items = [(tr[2], tr[4]) for tr in plan.transfers if tr[2].device != tr[4] or id(tr[2]) in own]
     else:  # (each tensor once: the common case, without the set, one comprehension)
         items = [(tr[2], tr[4]) for tr in plan.transfers if tr[2].device != tr[4]]
     n_plan = len(items)
@@ -328,7 +332,7 @@ def run(
     if extra:
         seen = {id(t) for t, _ in items}
         for t, target, what in extra:
-            if t.device != target and id(t) not in seen:
+            if (t.device != target or id(t) in own) and id(t) not in seen:
                 seen.add(id(t))
                 items.append((t, target))
                 extra_names.append(what)
@@ -343,7 +347,9 @@ def run(
     def describe(i: int) -> str:
         if i >= n_plan:
             return f"{optimizer_name} {extra_names[i - n_plan]}"
-        plans = names if names is not None else [tr for tr in plan.transfers if tr[2].device != tr[4]]
+        plans = names
+        if plans is None:
+            plans = [tr for tr in plan.transfers if tr[2].device != tr[4] or id(tr[2]) in own]
         return f"{optimizer_name} {plans[i].site}"
 
     # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)

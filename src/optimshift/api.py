@@ -11,6 +11,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from itertools import chain
 from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
@@ -31,6 +32,7 @@ from ._offload import (
     give_grads_back,
     grads_back,
     group_tensors_at,
+    left_in_buffers,
     pending_of,
     record_of,
     remember_pending,
@@ -160,6 +162,7 @@ def _transfer(
     rewrite: Callable[[], None] | None = None,
     finish: Sequence[Setter] = (),
     place: Callable[[Plan], _addresses.Placement | None] | None = None,
+    ends: Record | None = None,
 ) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None, Plan]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
@@ -170,15 +173,18 @@ def _transfer(
     (:func:`optimshift._offload.remember_sides`). ``rewrite``: the structural change the commit makes with the
     adoptions, and ``finish`` the updates it makes last (see :func:`optimshift._engine.commit`). ``place``: the
     destinations of the plan's copies, when they are not allocated as usual (a keep_addresses reload's slots:
-    :func:`optimshift._addresses.stage`), kept if the commit goes through and given back if anything fails. Also
-    returns the plan."""
+    :func:`optimshift._addresses.stage`), kept if the commit goes through and given back if anything fails.
+    ``ends``: the offload record this operation ends (its buffers go back to the pool): whatever stays on the host
+    inside them is copied into storage of its own (:func:`optimshift._offload.left_in_buffers`). Also returns the
+    plan."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     placement = None if place is None else place(plan)  # (raises with nothing changed, nothing mapped)
     try:
         into = None if placement is None else [placement.into(tr[2]) for tr in plan.transfers]
-        copies = _engine.run(plan, options, extra=extra, into=into)
+        own = left_in_buffers(ends, chain(((tr[2], tr[4]) for tr in plan.transfers), ((t, d) for t, d, _ in extra)))
+        copies = _engine.run(plan, options, extra=extra, into=into, own=own)
         group_moves = plan.group_moves() if sides else ()
         hows = _engine.commit(
             optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite, finish=finish
@@ -224,7 +230,8 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     _mode.refuse(optimizer, "move")
     target = _resolve(device, optimizer)
     end_pending(optimizer)
-    grads = grads_back(optimizer, record_of(optimizer))
+    record = record_of(optimizer)
+    grads = grads_back(optimizer, record)
     key = None if grads else _move_key(optimizer, target)
     copies, pending, _, _ = _transfer(
         optimizer,
@@ -234,6 +241,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         extra=[(g, p.device, what) for p, g, what in grads],
         cache_key=key,
         sides=True,
+        ends=record,
     )
     if grads:  # (copies.new, a dict over every copy, is built only when there is a grad to find)
         give_grads_back(grads, copies.new)
@@ -566,6 +574,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         eager=cacheable,
         sides=True,  # (a group tensor back on the device: the side the offload remembered is done with)
         place=(lambda plan: _addresses.stage(optimizer, plan, keep, name)) if keep else None,
+        ends=record,
     )
     if grads:  # (copies.new, a dict over every copy, is built only when there is a grad to find)
         give_grads_back(grads, copies.new)

@@ -75,3 +75,61 @@ def test_state_for_a_param_in_no_group_is_refused_by_every_road_before_anything_
     assert {id(t): t.device for st in opt.state.values() for t in st.values()} == before
     assert not optimshift.is_streamed(opt) and not optimshift.is_offloaded(opt)
     assert list(tmp_path.iterdir()) == []
+
+
+_BROKEN_GROUPS = {
+    "a group without params": (lambda groups: groups[0].pop("params"), r"param group 0 has no 'params'"),
+    "params that are an int": (
+        lambda groups: groups[0].__setitem__("params", 5),
+        r"group 0's params are an int, not a list",
+    ),
+    "params that are a set": (
+        lambda groups: groups[0].__setitem__("params", set(groups[0]["params"])),
+        r"group 0's params are a set, not a list",
+    ),
+    "a param that is not a tensor": (
+        lambda groups: groups[0]["params"].append(3),
+        r"group 0, param 2 is an int, not a tensor",
+    ),
+    "a group that is not a dict": (lambda groups: groups.append(5), r"param group 1 is an int, not a dict"),
+    "groups that are a tuple": (None, r"param_groups is a tuple, not a list"),
+}
+
+
+@pytest.mark.parametrize("broken", list(_BROKEN_GROUPS))
+@pytest.mark.parametrize("road", ["move", "move to its params", "offload", "reload", "check", "save", "rebind"])
+def test_a_broken_param_group_is_refused_by_every_road_naming_the_group_before_anything_changes(
+    sim, road, broken, tmp_path
+):
+    """A param group that is not a dict holding a list of tensors (as torch's add_param_group makes it): every
+    operation names the optimizer and the group (and the param), and changes nothing (a raw KeyError of 'params',
+    a TypeError or an AttributeError of an int came from deep inside, the offload's after it began its record)."""
+    model = torch.nn.Linear(3, 2).to(sim)
+    opt = O.Adam(model.parameters())
+    model(torch.randn(2, 3, device=sim)).sum().backward()
+    opt.step()
+    if road == "reload":
+        optimshift.offload(opt)
+    ids, values = tensor_ids(opt), snapshot(dict(opt.state))
+    kept = opt.param_groups
+    groups = [dict(g) for g in kept]
+    groups[0]["params"] = list(groups[0]["params"])
+    breaking, message = _BROKEN_GROUPS[broken]
+    if breaking is not None:
+        breaking(groups)
+    opt.param_groups = groups if breaking is not None else tuple(groups)
+    call = {
+        "move": lambda: optimshift.move(opt, "cpu"),
+        "move to its params": lambda: optimshift.move(opt),
+        "offload": lambda: optimshift.offload(opt, include=("grads",)),
+        "reload": lambda: optimshift.reload(opt),
+        "check": lambda: optimshift.check(opt),
+        "save": lambda: optimshift.save({"optimizer": opt}, tmp_path / "ckpt.pt"),
+        "rebind": lambda: optimshift.rebind(opt, [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]),
+    }[road]
+    with pytest.raises(TypeError, match=rf"^Adam: {message}.*; nothing was changed$"):
+        call()
+    opt.param_groups = kept  # (to compare: tensor_ids walks the groups)
+    assert tensor_ids(opt) == ids and bitwise_equal(dict(opt.state), values)
+    assert optimshift.is_offloaded(opt) == (road == "reload") and all(p.grad is not None for p in model.parameters())
+    assert list(tmp_path.iterdir()) == []

@@ -16,7 +16,7 @@ import torch
 from . import _session
 from . import policy as _policy
 from ._errors import with_article
-from ._state import GROUP_SKIP, OPTIMIZER_WIDE, Path, format_path, leaves, param_label
+from ._state import GROUP_SKIP, OPTIMIZER_WIDE, Path, format_path, label_in, leaves, param_label
 
 __all__ = [
     "Site",
@@ -145,17 +145,50 @@ def optimizer_name(optimizer: Any) -> str:
 
 
 def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Optimizer:
-    """TypeError unless ``optimizer`` looks like a torch optimizer (param_groups and state)."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    groups = getattr(optimizer, "param_groups", None)
-    state = getattr(optimizer, "state", None)
-    if isinstance(groups, list) and isinstance(state, Mapping):
+    """TypeError unless ``optimizer`` looks like a torch optimizer (param_groups and state) whose param groups
+    are as torch's ``add_param_group`` makes them (:func:`_check_groups`): what every operation asks first."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        groups = getattr(optimizer, "param_groups", None)
+        state = getattr(optimizer, "state", None)
+        if not (isinstance(groups, list) and isinstance(state, Mapping)):
+            raise TypeError(
+                f"{what} must be a torch.optim.Optimizer (with param_groups and state), got {type(optimizer).__name__}"
+            )
         # duck-typed (e.g. a wrapper exposing the inner optimizer's groups and state)
-        return cast(torch.optim.Optimizer, optimizer)
-    raise TypeError(
-        f"{what} must be a torch.optim.Optimizer (with param_groups and state), got {type(optimizer).__name__}"
-    )
+    _check_groups(optimizer)
+    return cast(torch.optim.Optimizer, optimizer)
+
+
+def _check_groups(optimizer: Any) -> None:
+    """TypeError, naming the optimizer and the group (and the param), for param groups that are not a list of
+    dicts each holding its params as a list or tuple of tensors: every operation walks them (a raw KeyError,
+    AttributeError or TypeError from deep inside, the offload's after its record was begun)."""
+    name = optimizer_name(optimizer)
+    groups = optimizer.param_groups
+    if not isinstance(groups, list):
+        raise TypeError(
+            f"{name}: param_groups is {with_article(type(groups).__name__)}, not a list; nothing was changed"
+        )
+    for gi, group in enumerate(groups):
+        params = group.get("params") if isinstance(group, dict) else None
+        if isinstance(params, (list, tuple)):
+            # (their classes first, one pass in C: the param is looked for only when one is not a tensor)
+            if all(issubclass(kind, torch.Tensor) for kind in set(map(type, params))):
+                continue
+            pi = next(i for i, p in enumerate(params) if not isinstance(p, torch.Tensor))
+            raise TypeError(
+                f"{name}: {label_in(optimizer, gi, pi)} is {with_article(type(params[pi]).__name__)}, not a tensor; "
+                f"nothing was changed"
+            )
+        if not isinstance(group, dict):
+            wrong = f"param group {gi} is {with_article(type(group).__name__)}, not a dict"
+        elif "params" not in group:
+            wrong = f"param group {gi} has no 'params'"
+        else:
+            wrong = f"group {gi}'s params are {with_article(type(params).__name__)}, not a list"
+        raise TypeError(
+            f"{name}: {wrong} (torch's add_param_group makes a dict holding a list of the params); nothing was changed"
+        )
 
 
 def iter_holders(

@@ -1028,12 +1028,6 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
             f"({_position(optimizer, pairs.index(False))}): give all of them one way, so that no name is dropped"
         )
     new = [p[1] if named else p for p in given]
-    for gi, g in enumerate(optimizer.param_groups):
-        if not isinstance(g["params"], (list, tuple)):
-            raise TypeError(
-                f"{name}: rebind: group {gi}'s params are {with_article(type(g['params']).__name__)}, not a list "
-                f"(torch's add_param_group makes one); nothing was changed"
-            )
     old = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     if len(new) != len(old):
         raise ValueError(f"{name}: rebind got {len(new)} params, the optimizer holds {len(old)}")

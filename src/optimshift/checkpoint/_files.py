@@ -31,7 +31,7 @@ import torch
 
 from .._dtensor import local_tensor
 from .._errors import add_note
-from .._plan import states_by_id
+from .._plan import check_optimizer, states_by_id
 from .._state import MAX_DEPTH, unwrap
 from . import _atomic, _records, _untrusted
 
@@ -208,6 +208,7 @@ def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
     inner = _wrapped_optimizer(optimizer)
     if inner is None:
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_optimizer(inner)  # (param groups torch's state_dict() walks)
     states_by_id(inner)  # (state for a param in no group: torch's state_dict() raises a bare KeyError of an id)
     sd = optimizer.state_dict()
     cls = type(inner)

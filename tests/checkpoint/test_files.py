@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import io
 import os
 import pickle
 import stat
@@ -21,6 +22,7 @@ from optimshift.checkpoint._files import (
     CheckpointError,
     UnsafeCheckpointError,
     find_optimizer_states,
+    verify_checksums,
 )
 
 O = torch.optim
@@ -137,6 +139,23 @@ def test_save_errors(tmp_path):
         optimshift.save({}, tmp_path / "missing" / "f.pt")
     with pytest.raises(IsADirectoryError, match="is a directory"):
         optimshift.save({}, tmp_path)
+
+
+def test_save_load_and_verify_checksums_name_what_a_path_must_be(tmp_path):
+    """None, an int or a file object for the path raised os.fsdecode's bare "expected str, bytes or os.PathLike
+    object" from inside, which named no call."""
+    torch.save({}, tmp_path / "f.pt")
+    for bad, got in [(None, "None"), (5, "an int"), (io.BytesIO(), "a BytesIO")]:
+        for name, call in [
+            ("save", lambda: optimshift.save({}, bad)),
+            ("load", lambda: optimshift.load(bad)),
+            ("verify_checksums", lambda: verify_checksums(bad)),
+        ]:
+            expected = rf"^{name}: path must be a file path \(a str or os.PathLike\), got {got}$"
+            with pytest.raises(TypeError, match=expected):
+                call()
+    assert optimshift.load(os.fsencode(tmp_path / "f.pt")) == {}  # (a bytes path, as open() takes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.pt"]
 
 
 def test_save_refuses_a_path_that_is_not_a_file_and_leaves_it_alone(tmp_path):

@@ -30,7 +30,7 @@ from typing import IO, Any, Union
 import torch
 
 from .._dtensor import local_tensor
-from .._errors import add_note
+from .._errors import add_note, with_article
 from .._plan import check_optimizer, states_by_id
 from .._state import MAX_DEPTH, unwrap
 from . import _atomic, _records, _untrusted
@@ -298,14 +298,27 @@ def save(obj: Any, path: PathLike) -> None:
     """Write ``obj`` with ``torch.save`` atomically: a crash at any moment leaves the old file or the new one.
 
     Optimizers in ``obj`` are saved as their ``state_dict()`` plus their class name (checked on load);
-    tensors are written where they are (no move). The file opens with plain ``torch.load`` too.
+    tensors are written where they are (no move). The file opens with plain ``torch.load`` too. ``path``: a file
+    path (a str or ``os.PathLike``; not a file object, since the new file is renamed over it).
     """
     _save(obj, path)
 
 
+def _path(path: Any, what: str) -> str:
+    """``path`` as a str (a bytes path too, as ``open()`` takes); TypeError naming ``what`` for anything else (a
+    file object: a save is atomic by a rename in the file's folder, and a load maps the file)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"{what}: path must be a file path (a str or os.PathLike), got "
+            f"{'None' if path is None else with_article(type(path).__name__)}"
+        )
+    return os.fsdecode(path)
+
+
 def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = None) -> None:
+    given = _path(path, "save")
     # Through a symlink (Lightning's save_last="link"), replace the file it points at, not the link.
-    target = os.path.realpath(os.path.abspath(os.fsdecode(path)))  # (a bytes path too, as open() takes)
+    target = os.path.realpath(os.path.abspath(given))
     folder = os.path.dirname(target)
     if os.path.isdir(target):
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")
@@ -810,7 +823,7 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
     (empty, truncated, corrupt, another format, objects that replace their own methods);
     ``FileNotFoundError``/``PermissionError``/``IsADirectoryError`` for a path that cannot be opened.
     """
-    p = os.fspath(path)
+    p = _path(path, "load")
     kind = _sniff(p)
     use_mmap = mmap and kind == "zip"
     where = _guarded_map_location(map_location, p)
@@ -842,7 +855,7 @@ def verify_checksums(path: PathLike) -> None:
     flipped on disk or in transit: torch's reader and :func:`load` take it, values changed). Reads every byte;
     ``inspect`` and ``convert`` ask before anything else (a converted file would carry the damage under new,
     valid checksums). Other formats: nothing to check here."""
-    p = os.fspath(path)
+    p = _path(path, "verify_checksums")
     if _sniff(p) != "zip":
         return
     try:

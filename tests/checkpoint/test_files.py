@@ -158,6 +158,15 @@ def test_save_load_and_verify_checksums_name_what_a_path_must_be(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.pt"]
 
 
+def test_save_to_a_path_ending_in_a_separator_writes_nothing(tmp_path):
+    """``folder/new.pt/`` names a folder: the resolved path dropped the separator, and a file ``new.pt`` was
+    written."""
+    for given in [f"{tmp_path / 'new.pt'}{os.sep}", f"{tmp_path}{os.sep}"]:
+        with pytest.raises(IsADirectoryError, match=r"ends in a separator, which names a folder; give a file path"):
+            optimshift.save({"a": torch.ones(2)}, given)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_refuses_a_path_that_is_not_a_file_and_leaves_it_alone(tmp_path):
     """A FIFO, a device node (/dev/null, /dev/full, where a script sends its output): the atomic rename replaced
     it with a regular file (a new-user hunt, run as root, destroyed the container's /dev/full)."""

@@ -317,6 +317,9 @@ def _path(path: Any, what: str) -> str:
 
 def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = None) -> None:
     given = _path(path, "save")
+    if given.endswith(os.sep) or os.altsep is not None and given.endswith(os.altsep):
+        # (the resolved path drops the separator: a file of that name was written where a folder was named)
+        raise IsADirectoryError(f"save: {given} ends in a separator, which names a folder; give a file path")
     # Through a symlink (Lightning's save_last="link"), replace the file it points at, not the link.
     target = os.path.realpath(os.path.abspath(given))
     folder = os.path.dirname(target)

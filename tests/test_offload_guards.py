@@ -117,6 +117,46 @@ def test_meta_is_refused(sim, device):
         optimshift.reload(opt, device)
 
 
+def _to_meta(params):
+    """``model.to("meta")`` keeping the param objects (as under ``set_swap_module_params_on_conversion``)."""
+    for p in params:
+        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty_like(p, device="meta")))
+
+
+@pytest.mark.parametrize("road", ["move", "reload", "rebind", "move, an offloaded grad"])
+def test_state_that_would_follow_its_param_to_meta_is_refused_as_a_move_there_is(sim, road):
+    """``model.to("meta")`` and then ``move(opt)`` (or a reload, or a rebind onto meta params): the state followed
+    its params to meta and every value was lost, where ``move(opt, "meta")`` is refused. Refused the same way,
+    naming the entry; nothing changes."""
+    model, opt = _adam(sim)
+    params = list(model.parameters())
+    if road == "move, an offloaded grad":
+        opt = torch.optim.Adam(params)  # (no state: the grad is all that would be lost)
+        optimshift.offload(opt, include=("grads",))
+    elif road == "reload":
+        optimshift.offload(opt)
+    layout, values = state_layout(opt), snapshot([dict(st) for st in opt.state.values()])
+    new = [torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in params]
+    if road != "rebind":
+        _to_meta(params)
+    with pytest.raises(ValueError) as raised:
+        if road == "rebind":
+            optimshift.rebind(opt, new)
+        elif road == "reload":
+            optimshift.reload(opt)
+        else:
+            optimshift.move(opt)
+    message = str(raised.value)
+    entry = "group 0, param 0, state['exp_avg']"
+    if road.endswith("grad"):
+        entry = "the offloaded .grad of group 0, param 0 (on cpu)"
+    assert message.startswith(f"Adam: {road.split(',')[0]}: {entry}"), message
+    assert "follows its param, whose device meta holds no data: optimizer state moved there would lose" in message
+    assert state_layout(opt) == layout and bitwise_equal([dict(st) for st in opt.state.values()], values)
+    assert optimshift.is_offloaded(opt) == (road != "move" and road != "rebind")
+    assert opt.param_groups[0]["params"] == params
+
+
 def test_a_wrapper_and_its_optimizer_share_one_lock(sim, monkeypatch):
     """move() given a delegating wrapper (Lightning's, Accelerate's) locks the optimizer it wraps, as
     load_state_dict does, so the two never interleave."""

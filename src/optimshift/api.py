@@ -148,6 +148,21 @@ def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
     )
 
 
+def _refuse_meta(
+    optimizer: Any, plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device, str]], what: str
+) -> None:
+    """``resolve``'s refusal of meta (it holds no data), for a tensor of ``plan`` (or a grad of ``extra``) that
+    would follow its param there (``model.to("meta")`` before ``move(opt)``): every value would be lost."""
+    lost = [(str(tr.site), tr[2]) for tr in plan.transfers if tr[4].type == "meta" and tr[2].device.type != "meta"]
+    lost += [(label, t) for t, device, label in extra if device.type == "meta" and t.device.type != "meta"]
+    if lost:
+        site, tensor = lost[0]
+        resolve(
+            torch.device("meta"),
+            what=f"{optimizer_name(optimizer)}: {what}: {site} (on {tensor.device}) follows its param, whose device",
+        )
+
+
 def _transfer(
     optimizer: Any,
     target: TargetFn,
@@ -163,6 +178,7 @@ def _transfer(
     finish: Sequence[Setter] = (),
     place: Callable[[Plan], _addresses.Placement | None] | None = None,
     ends: Record | None = None,
+    follows: bool = False,
 ) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None, Plan]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
 
@@ -175,11 +191,15 @@ def _transfer(
     destinations of the plan's copies, when they are not allocated as usual (a keep_addresses reload's slots:
     :func:`optimshift._addresses.stage`), kept if the commit goes through and given back if anything fails.
     ``ends``: the offload record this operation ends (its buffers go back to the pool): whatever stays on the host
-    inside them is copied into storage of its own (:func:`optimshift._offload.left_in_buffers`). Also returns the
+    inside them is copied into storage of its own (:func:`optimshift._offload.left_in_buffers`).
+    ``follows``: the targets are the params' own devices (a move without a device, a reload, a rebind): a tensor
+    holding values that would follow its param to meta is refused, as ``move(opt, "meta")`` is. Also returns the
     plan."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
+    if follows:
+        _refuse_meta(optimizer, plan, extra, what)
     placement = None if place is None else place(plan)  # (raises with nothing changed, nothing mapped)
     try:
         into = None if placement is None else [placement.into(tr[2]) for tr in plan.transfers]
@@ -242,6 +262,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         cache_key=key,
         sides=True,
         ends=record,
+        follows=target is None,
     )
     if grads:  # (copies.new, a dict over every copy, is built only when there is a grad to find)
         give_grads_back(grads, copies.new)
@@ -575,6 +596,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         sides=True,  # (a group tensor back on the device: the side the offload remembered is done with)
         place=(lambda plan: _addresses.stage(optimizer, plan, keep, name)) if keep else None,
         ends=record,
+        follows=True,
     )
     if grads:  # (copies.new, a dict over every copy, is built only when there is a grad to find)
         give_grads_back(grads, copies.new)
@@ -1090,7 +1112,9 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
                 optimizer.state[q] = states[id(p)]
 
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
-    copies, pending, _, _ = _transfer(optimizer, target, what="rebind", sides=True, rewrite=rewrite, finish=finish)
+    copies, pending, _, _ = _transfer(
+        optimizer, target, what="rebind", sides=True, rewrite=rewrite, finish=finish, follows=True
+    )
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there, as a move's
     return optimizer

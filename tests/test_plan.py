@@ -133,3 +133,20 @@ def test_a_broken_param_group_is_refused_by_every_road_naming_the_group_before_a
     assert tensor_ids(opt) == ids and bitwise_equal(dict(opt.state), values)
     assert optimshift.is_offloaded(opt) == (road == "reload") and all(p.grad is not None for p in model.parameters())
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("road", ["move", "offload", "check", "placement", "wait"])
+@pytest.mark.parametrize("attribute", ["state", "param_groups"])
+def test_an_optimizer_whose_state_or_groups_are_gone_is_named(road, attribute):
+    """A torch optimizer whose ``state`` is None (or whose ``param_groups`` was deleted) raised a raw
+    AttributeError from inside (check_optimizer asked a duck-typed one only)."""
+    opt, params = _adam(False)
+    held = getattr(opt, attribute)
+    if attribute == "state":
+        opt.state = None
+    else:
+        del opt.param_groups
+    with pytest.raises(TypeError, match=rf"^Adam: {attribute} is None, not a (dict|list); nothing was changed$"):
+        getattr(optimshift, road)(opt)
+    setattr(opt, attribute, held)
+    optimshift.check(opt)

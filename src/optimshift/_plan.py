@@ -145,30 +145,32 @@ def optimizer_name(optimizer: Any) -> str:
 
 
 def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Optimizer:
-    """TypeError unless ``optimizer`` looks like a torch optimizer (param_groups and state) whose param groups
-    are as torch's ``add_param_group`` makes them (:func:`_check_groups`): what every operation asks first."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        groups = getattr(optimizer, "param_groups", None)
-        state = getattr(optimizer, "state", None)
-        if not (isinstance(groups, list) and isinstance(state, Mapping)):
-            raise TypeError(
-                f"{what} must be a torch.optim.Optimizer (with param_groups and state), got {type(optimizer).__name__}"
-            )
-        # duck-typed (e.g. a wrapper exposing the inner optimizer's groups and state)
-    _check_groups(optimizer)
+    """TypeError unless ``optimizer`` looks like a torch optimizer (param_groups and state) whose state is a
+    mapping and whose param groups are as torch's ``add_param_group`` makes them (:func:`_check_groups`): what
+    every operation asks first."""
+    groups = getattr(optimizer, "param_groups", None)
+    state = getattr(optimizer, "state", None)
+    if not isinstance(optimizer, torch.optim.Optimizer) and not (
+        isinstance(groups, list) and isinstance(state, Mapping)
+    ):
+        # (duck-typed: e.g. a wrapper exposing the inner optimizer's groups and state)
+        raise TypeError(
+            f"{what} must be a torch.optim.Optimizer (with param_groups and state), got {type(optimizer).__name__}"
+        )
+    _check_groups(optimizer, groups, state)
     return cast(torch.optim.Optimizer, optimizer)
 
 
-def _check_groups(optimizer: Any) -> None:
+def _check_groups(optimizer: Any, groups: Any, state: Any) -> None:
     """TypeError, naming the optimizer and the group (and the param), for param groups that are not a list of
-    dicts each holding its params as a list or tuple of tensors: every operation walks them (a raw KeyError,
-    AttributeError or TypeError from deep inside, the offload's after its record was begun)."""
+    dicts each holding its params as a list or tuple of tensors, or a state that is not a mapping: every operation
+    walks them (a raw KeyError, AttributeError or TypeError from deep inside, the offload's after its record was
+    begun)."""
     name = optimizer_name(optimizer)
-    groups = optimizer.param_groups
-    if not isinstance(groups, list):
-        raise TypeError(
-            f"{name}: param_groups is {with_article(type(groups).__name__)}, not a list; nothing was changed"
-        )
+    for attribute, value, kind, expected in [("param_groups", groups, list, "list"), ("state", state, Mapping, "dict")]:
+        if not isinstance(value, kind):
+            got = "None" if value is None else with_article(type(value).__name__)
+            raise TypeError(f"{name}: {attribute} is {got}, not a {expected}; nothing was changed")
     for gi, group in enumerate(groups):
         params = group.get("params") if isinstance(group, dict) else None
         if isinstance(params, (list, tuple)):

@@ -1115,3 +1115,23 @@ def test_a_resume_that_casts_as_torch_would_runs_the_pre_hooks_once():
     assert ran == [1] and opt.state[params[0]]["exp_avg"].dtype == torch.bfloat16
     with pytest.raises(optimshift.checkpoint._staging.CastNeeded):  # (the plain load refuses, as documented)
         optimshift.load_state_dict(O.Adam(params, foreach=False), sd)
+
+
+def test_a_load_into_a_broken_optimizer_or_with_a_bad_device_names_the_optimizer_first():
+    """A live param group without "params" raised a raw KeyError from inside the load (every other operation names
+    the group: ``check_optimizer``), a live state that is not a dict an AttributeError, and ``device=5.0`` a
+    TypeError that named no optimizer and no call; nothing changes."""
+    opt = _adam()
+    sd = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy([dict(st) for st in opt.state.values()])
+    with pytest.raises(TypeError, match=r"^Adam: load_state_dict: device must be a torch.device, .*got 5.0$"):
+        optimshift.load_state_dict(opt, sd, device=5.0)
+    state, group = opt.state, opt.param_groups[0]
+    opt.param_groups[0] = {k: v for k, v in group.items() if k != "params"}
+    with pytest.raises(TypeError, match=r"^Adam: param group 0 has no 'params' .*; nothing was changed$"):
+        optimshift.load_state_dict(opt, sd)
+    opt.param_groups[0], opt.state = group, None
+    with pytest.raises(TypeError, match=r"^Adam: state is None, not a dict; nothing was changed$"):
+        optimshift.load_state_dict(opt, sd)
+    opt.state = state
+    assert bitwise_equal([dict(st) for st in opt.state.values()], before)

@@ -27,7 +27,7 @@ from .._copy import Batch
 from .._devices import DeviceLike, resolve
 from .._errors import with_article
 from .._offload import exclusive, pending_of, prepare_discard
-from .._plan import optimizer_name
+from .._plan import check_optimizer, optimizer_name
 from .._state import IMPLEMENTATION_FLAGS, wrapping
 from . import _files
 from ._staging import CastNeeded, Staging
@@ -97,7 +97,7 @@ def _load(
 ) -> Opt:
     """:func:`load_state_dict` (its options as it takes them); ``as_torch``: where keeping a saved dtype would leave
     state the step refuses (:class:`CastNeeded`), PyTorch's cast instead, decided after the pre-hooks ran once."""
-    receiver = _receiver(optimizer)
+    receiver = check_optimizer(_receiver(optimizer))
     name = optimizer_name(receiver)
     if flags not in _FLAG_MODES:
         raise ValueError(f"{name}: load_state_dict: flags must be 'live' or 'checkpoint', got {flags!r}")
@@ -106,7 +106,7 @@ def _load(
     if not isinstance(copy, bool):
         raise TypeError(f"{name}: load_state_dict: copy must be a bool, got {copy!r}")
     params = [p for g in receiver.param_groups for p in g["params"]]
-    target = None if device is None else resolve(device, what="device", tensors=params)
+    target = None if device is None else resolve(device, what=f"{name}: load_state_dict: device", tensors=params)
     mode = _mode.mode_of(receiver)
     if mode is not None:  # streamed: the state loads into host memory, where it lives between steps
         if target is not None and target.type != "cpu":

@@ -13,6 +13,9 @@ HOSTS = ("cpu", "meta")
 """Device types no accelerator queue serves: nothing to synchronize, no streams (the host; meta, which holds no
 values)."""
 
+HOST = torch.device("cpu")
+"""The host, as :func:`resolve` makes it (``"cpu:0"`` too): where a fresh optimizer keeps host state."""
+
 
 def device_module(device_type: str) -> Any:
     """torch's module for a device type (``torch.cuda``, a registered backend's), or None."""

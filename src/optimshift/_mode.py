@@ -17,12 +17,10 @@ from typing import Any, Protocol
 import torch
 
 from . import _session
-from ._devices import HOSTS
+from ._devices import HOST, HOSTS
 from ._plan import Ident, TargetFn, optimizer_name
 
 __all__ = ["Mode", "mode_of", "enter", "leave", "refuse", "hosted"]
-
-HOST = torch.device("cpu")
 
 
 class Mode(Protocol):

@@ -21,7 +21,7 @@ import inspect
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +30,9 @@ import torch
 from . import _device_streams, _engine, _session
 from ._adopt import kept
 from ._alias import storage_of
-from ._devices import HOSTS
+from ._devices import HOST, HOSTS
 from ._dtensor import local_tensor
-from ._plan import Ident, optimizer_name
+from ._plan import Ident, Transfer, optimizer_name
 from ._state import GROUP_SKIP, group_tensors, label_in, leaves, param_positions
 from .pool import host_pool
 
@@ -633,19 +633,32 @@ def remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, to
         del sides[key]
 
 
-def left_in_buffers(record: Record | None, pairs: Iterable[tuple[torch.Tensor, torch.device]]) -> set[int]:
-    """ids of the tensors among ``pairs`` (tensor, target) that stay on the host as views into ``record``'s pool
-    buffers: an operation that ends the offload gives each a storage of its own, as a fresh optimizer's host state
-    has (a view kept its buffer, pinned, which the pool counted as free, and ``torch.save`` wrote the whole
-    buffer, whatever bytes it held before included)."""
+def left_in_buffers(
+    record: Record | None, transfers: Sequence[Transfer], extra: Sequence[tuple[torch.Tensor, torch.device, str]] = ()
+) -> set[int]:
+    """ids of the tensors of ``transfers`` and ``extra`` (tensor, target, what) that stay on the host as views into
+    ``record``'s pool buffers: an operation that ends the offload gives each a storage of its own, as a fresh
+    optimizer's host state has (a view kept its buffer, pinned, which the pool counted as free, and ``torch.save``
+    wrote the whole buffer, whatever bytes it held before included)."""
     if record is None or not record.buffers:
         return set()
     pooled = {storage_of(buf) for buf in record.buffers}
-    return {
-        id(t)
-        for t, target in pairs
-        if target.type == "cpu" and t.device.type == "cpu" and storage_of(local_tensor(t)) in pooled
-    }
+    # (every reload asks, over every transfer: those bound for the host, a device compare each (resolve() makes every
+    # host device this one), their storages in one pass in C)
+    host = [tr[2] for tr in transfers if tr[4] == HOST] + [t for t, target, _ in extra if target == HOST]
+    keys: list[int | None]
+    try:
+        keys = list(map(storage_of, host))
+    except Exception:  # (a DTensor, a tensor without a storage: asked one by one)
+        keys = [_storage_or_none(t) for t in host]
+    return {id(t) for t, key in zip(host, keys) if key in pooled}
+
+
+def _storage_or_none(t: torch.Tensor) -> int | None:
+    try:
+        return storage_of(local_tensor(t))
+    except Exception:  # (no storage: a sparse or nested tensor)
+        return None
 
 
 def give_grads_back(
@@ -669,7 +682,7 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
         session = _session.of(optimizer)
         return (lambda: None) if session is None else session.group_sides.clear
     held = grads_back(optimizer, record)  # (refused as a reload refuses them, before anything changes)
-    own = left_in_buffers(record, ((host_grad, p.device) for p, host_grad, _ in held))
+    own = left_in_buffers(record, (), [(host_grad, p.device, what) for p, host_grad, what in held])
     moving = [i for i, (p, host_grad, _) in enumerate(held) if host_grad.device != p.device or id(host_grad) in own]
     copies = _engine.copy_each(
         [(held[i][1], held[i][0].device, held[i][1].dtype) for i in moving],

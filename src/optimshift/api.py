@@ -11,7 +11,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from itertools import chain
+from operator import itemgetter
 from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
@@ -148,11 +148,17 @@ def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
     )
 
 
+_target_of = itemgetter(4)  # (a Transfer's)
+
+
 def _refuse_meta(
     optimizer: Any, plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device, str]], what: str
 ) -> None:
     """``resolve``'s refusal of meta (it holds no data), for a tensor of ``plan`` (or a grad of ``extra``) that
     would follow its param there (``model.to("meta")`` before ``move(opt)``): every value would be lost."""
+    targets = set(map(_target_of, plan.transfers)) | {device for _, device, _ in extra}
+    if all(device.type != "meta" for device in targets):
+        return  # (nothing bound for meta: the distinct targets in one pass in C, the common case)
     lost = [(str(tr.site), tr[2]) for tr in plan.transfers if tr[4].type == "meta" and tr[2].device.type != "meta"]
     lost += [(label, t) for t, device, label in extra if device.type == "meta" and t.device.type != "meta"]
     if lost:
@@ -203,7 +209,7 @@ def _transfer(
     placement = None if place is None else place(plan)  # (raises with nothing changed, nothing mapped)
     try:
         into = None if placement is None else [placement.into(tr[2]) for tr in plan.transfers]
-        own = left_in_buffers(ends, chain(((tr[2], tr[4]) for tr in plan.transfers), ((t, d) for t, d, _ in extra)))
+        own = left_in_buffers(ends, plan.transfers, extra)
         copies = _engine.run(plan, options, extra=extra, into=into, own=own)
         group_moves = plan.group_moves() if sides else ()
         hows = _engine.commit(

@@ -26,7 +26,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ._devices import resolve
+from ._devices import HOST, resolve
 from ._errors import add_note
 from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     HOST_READ,
@@ -54,8 +54,6 @@ __all__ = [
     "Placer",
     "why_guessed",
 ]
-
-HOST = torch.device("cpu")
 
 
 class Policy(Protocol):

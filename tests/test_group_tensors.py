@@ -89,6 +89,44 @@ def test_a_group_tensor_the_step_reads_on_the_host_goes_there(sim):
     assert optimshift.check(opt).ok
 
 
+# torch's default implementation (foreach=None) over accelerator params is the foreach step, whose reads of a device
+# lr are on the device: none costs a sync. The probe's fake param took the single-tensor path there (torch picks
+# foreach by the params' type, and a FakeTensor is neither Tensor nor Parameter), which reads lr on the host.
+DEFAULT_FOREACH_KEEPS_A_DEVICE_LR = [
+    (O.Adagrad, {}),
+    (O.Adadelta, {"capturable": True}),
+    (O.RMSprop, {"capturable": True}),
+]
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs", DEFAULT_FOREACH_KEEPS_A_DEVICE_LR, ids=lambda v: getattr(v, "__name__", None) or "-".join(v)
+)
+def test_a_device_lr_torch_s_default_step_reads_on_the_device_stays_there(sim, cls, kwargs):
+    """check() called such a device lr misplaced (a sync per read, it said, where a step costs none) and move()
+    took it to the host, away from where a fresh optimizer given it keeps it (a CUDA-graph user's choice)."""
+    params = _params(sim)
+    lr = torch.tensor(0.01, device=sim)
+    opt = cls(params, lr=lr, **kwargs)
+    assert opt.param_groups[0]["foreach"] is None
+    assert _step(opt, params, 0) == _step(opt, params, 1) == 0
+    assert not optimshift.check(opt).findings
+    optimshift.move(opt)
+    assert opt.param_groups[0]["lr"] is lr and lr.device == sim
+    assert _step(opt, params, 2) == 0
+
+
+def test_a_device_lr_torch_s_default_step_reads_on_the_host_is_still_reported(sim):
+    """SGD's foreach step reads lr on the host too (one sync per step): still found, still moved to the host."""
+    params = _params(sim)
+    opt = O.SGD(params, lr=torch.tensor(0.01, device=sim))
+    assert _step(opt, params, 0) == 1
+    assert [(f.key, f.expected) for f in optimshift.check(opt).findings] == [("lr", "cpu")]
+    optimshift.move(opt)
+    assert opt.param_groups[0]["lr"].device.type == "cpu"
+    assert _step(opt, params, 1) == 0
+
+
 def test_fused_host_lr_stays_on_the_host_and_steps_without_syncs(sim):
     host = _params(torch.device("cpu"))
     opt = O.Adam(host, lr=torch.tensor(0.01), fused=True)

@@ -476,6 +476,43 @@ def _fake_step(opt: torch.optim.Optimizer, reads: _Reads) -> int:
     return reads.on_device
 
 
+_foreach_lock = threading.Lock()
+_foreach_holders = 0  # probe steps running with the fake param counted as torch's default foreach takes it
+_foreach_added = False  # whether FakeTensor was added to torch's list by the probe (and so is taken out by it)
+
+
+@contextlib.contextmanager
+def _fake_param_takes_default_foreach() -> Iterator[None]:
+    """A group's ``foreach=None`` (torch's default) runs as it does over a real param on the probe's device.
+    torch picks its default implementation (``_default_to_fused_or_foreach``) by the params' type, a plain Tensor
+    or Parameter only: over the probe's fake param (a ``FakeTensor``) it ran the single-tensor step, where a real
+    param on an accelerator runs the foreach one, which reads a group tensor elsewhere (Adagrad's foreach step
+    reads a device ``lr`` on the device, its single-tensor step with ``.item()``). While a probe step runs, the
+    ``FakeTensor`` type counts as a plain one there (only fake tensors are affected; taken out after the last)."""
+    global _foreach_holders, _foreach_added
+    import torch.optim.optimizer as _optimizer
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    types = getattr(_optimizer, "_foreach_supported_types", None)
+    if not isinstance(types, list):  # (a torch without the list: its default as it is)
+        yield
+        return
+    with _foreach_lock:
+        if _foreach_holders == 0 and FakeTensor not in types:
+            types.append(FakeTensor)
+            _foreach_added = True
+        _foreach_holders += 1
+    try:
+        yield
+    finally:
+        with _foreach_lock:
+            _foreach_holders -= 1
+            if _foreach_holders == 0 and _foreach_added:
+                _foreach_added = False
+                if FakeTensor in types:
+                    types.remove(FakeTensor)
+
+
 def _run(
     cls: type[torch.optim.Optimizer],
     group: Mapping[str, Any],
@@ -491,7 +528,7 @@ def _run(
 
     kwargs = built_kwargs(cls, group)
     shape = (2,) * ndim
-    with throwaway(host=False), torch.inference_mode():
+    with throwaway(host=False), torch.inference_mode(), _fake_param_takes_default_foreach():
         with FakeTensorMode(allow_non_fake_inputs=True):
             param = torch.nn.Parameter(torch.zeros(shape, device=_FAKE_DEVICE), requires_grad=False)
             param.grad = torch.zeros(shape, device=_FAKE_DEVICE)

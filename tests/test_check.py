@@ -7,29 +7,64 @@ import torch
 
 import optimshift
 from _custom_optimizers import Fp32Moments
-from optimshift.report import SYNC_COST
+from optimshift.report import DIFFERENTIABLE_SYNC_COST, SYNC_COST
 
 O = torch.optim
+
+
+def _misplaced_cost(sim, name, key, params, **kwargs):
+    """check()'s figure for ``key`` of every param moved to the device, and the syncs a step makes more with
+    them there than with them on the host (a step's own syncs, Adafactor's norms, are not the entry's)."""
+    cls = getattr(O, name)
+    opt = cls(params, **kwargs)
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with optimshift.count_syncs() as syncs:
+            opt.step()
+        return syncs.total
+
+    step()
+    on_the_host = step()
+    for st in opt.state.values():
+        st[key] = st[key].to(sim)
+    report = optimshift.check(opt)
+    assert not report.ok and {f.key for f in report.findings} == {key}
+    return report.syncs_per_step, step() - on_the_host
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
 @pytest.mark.parametrize("name, key", sorted(SYNC_COST))
 def test_sync_cost_table_matches_this_torch(sim, name, key, foreach):
-    """Each figure check() reports is what this torch really costs: measured with count_syncs on the sim."""
-    cls = getattr(O, name)
+    """Each figure check() reports is what this torch really costs: measured with count_syncs on the sim. The
+    syncs the misplaced entries cause, not the step's: Adafactor's step reads two norms per param on the host
+    wherever its ``step`` is, and its row said 3 and 5 where the entry costs 1 and 3."""
     params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(4)]
-    opt = cls(params, foreach=foreach)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    for st in opt.state.values():
-        st[key] = st[key].to(sim)
-    report = optimshift.check(opt)
-    assert not report.ok and {f.key for f in report.findings} == {key}
-    with optimshift.count_syncs() as syncs:
-        opt.step()
-    assert syncs.total == len(params) * SYNC_COST[(name, key)][int(foreach)]
-    assert report.syncs_per_step == syncs.total
+    reported, caused = _misplaced_cost(sim, name, key, params, foreach=foreach)
+    assert caused == len(params) * SYNC_COST[(name, key)][int(foreach)] == reported
+
+
+@pytest.mark.parametrize("name, key", sorted(k for k in SYNC_COST if k[0] != "Adafactor"))
+def test_sync_cost_under_differentiable_matches_this_torch(sim, name, key):
+    """differentiable=True runs a single-tensor step of its own, which keeps Adam's ``step`` and NAdam's
+    ``mu_product`` as tensors: check() said 1 and 2 syncs per param where a step makes none."""
+    params = [torch.randn(3, 2, device=sim, requires_grad=True).clone() for _ in range(4)]
+    reported, caused = _misplaced_cost(sim, name, key, params, differentiable=True)
+    assert caused == len(params) * DIFFERENTIABLE_SYNC_COST.get((name, key), SYNC_COST[(name, key)][0]) == reported
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [("Adafactor", {}), ("Adam", {"lr": torch.tensor(0.01)}), ("AdamW", {"lr": torch.tensor(0.01)}), ("NAdam", {})],
+    ids=["Adafactor", "Adam-tensor-lr", "AdamW-tensor-lr", "NAdam"],
+)
+def test_sync_cost_under_torch_s_default_implementation_is_the_one_it_runs(sim, name, kwargs):
+    """foreach=None on accelerator params: torch runs foreach, but the single-tensor step for Adafactor and for
+    Adam/AdamW given a tensor lr without capturable; check() priced all of them as foreach."""
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(4)]
+    reported, caused = _misplaced_cost(sim, name, "step", params, **kwargs)
+    assert reported == caused
 
 
 def test_report_table_and_placement_rows(sim):

@@ -887,6 +887,7 @@ def _explain(
                 on_device,
                 None if held_by is None else group,
                 1 if held_by is None else held_by.dim(),
+                hyper=group,
             )
             if len(site.path) == 1
             else None

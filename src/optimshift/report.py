@@ -6,12 +6,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Finding", "Report", "PlacementRow", "format_table", "SYNC_COST", "sync_cost"]
+import torch
+
+__all__ = [
+    "Finding",
+    "Report",
+    "PlacementRow",
+    "format_table",
+    "SYNC_COST",
+    "DIFFERENTIABLE_SYNC_COST",
+    "sync_cost",
+    "runs_foreach",
+]
 
 # Host syncs per param per step caused by one 0-dim state tensor that this torch reads on the host being kept
-# on an accelerator instead, as (single-tensor implementation, foreach implementation). Measured on the
-# simulated accelerator with torch 2.13; tests/test_check.py re-measures every entry, so a torch that changes
-# them fails the suite instead of reporting stale figures.
+# on an accelerator instead, as (single-tensor implementation, foreach implementation): the syncs a step makes
+# more than with the entry on the host (Adafactor reads each param's norm on the host wherever its step is).
+# Measured on the simulated accelerator with torch 2.13; tests/test_check.py re-measures every entry, so a torch
+# that changes them fails the suite instead of reporting stale figures.
 SYNC_COST: dict[tuple[str, str], tuple[int, int]] = {
     ("Adam", "step"): (1, 2),
     ("AdamW", "step"): (1, 2),
@@ -23,8 +35,29 @@ SYNC_COST: dict[tuple[str, str], tuple[int, int]] = {
     ("RAdam", "step"): (1, 5),
     ("RMSprop", "step"): (0, 0),
     ("Rprop", "step"): (0, 0),
-    ("Adafactor", "step"): (3, 5),
+    ("Adafactor", "step"): (1, 3),
 }
+
+# The entries whose cost under ``differentiable=True`` (a single-tensor step that keeps them as tensors) differs
+# from the single-tensor one; re-measured with the others by tests/test_check.py.
+DIFFERENTIABLE_SYNC_COST: dict[tuple[str, str], int] = {
+    ("Adam", "step"): 0,
+    ("AdamW", "step"): 0,
+    ("NAdam", "mu_product"): 0,
+}
+
+
+def runs_foreach(name: str, foreach: bool | None, on_device: bool, hyper: Mapping[str, Any] | None = None) -> bool:
+    """Whether a step of torch.optim class ``name`` runs its foreach implementation: ``foreach`` as given, and
+    where it is None (torch's default) as torch picks it, for accelerator params (``on_device``): foreach, but
+    never under ``differentiable``, never for Adafactor, nor for Adam/AdamW given a tensor ``lr`` without
+    ``capturable`` (``hyper``: the group's hyperparameters, where known)."""
+    if foreach is not None:
+        return bool(foreach)
+    hyper = hyper or {}
+    if not on_device or hyper.get("differentiable") or name == "Adafactor":
+        return False
+    return not (name in ("Adam", "AdamW") and isinstance(hyper.get("lr"), torch.Tensor) and not hyper.get("capturable"))
 
 
 def sync_cost(
@@ -35,25 +68,31 @@ def sync_cost(
     on_device: bool,
     group: Mapping[str, Any] | None = None,
     ndim: int = 1,
+    *,
+    hyper: Mapping[str, Any] | None = None,
 ) -> int | None:
     """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, for the class (the
-    torch.optim class it steps with, else ``name``); ``foreach=None`` is torch's default: foreach for
-    accelerator params. For a class with a step of its own, with the ``group`` and param rank ``ndim`` given and
-    the param on an accelerator: what its probe counted (``_probe.Observed.reads``). None where nothing was
-    measured."""
+    torch.optim class it steps with, else ``name``); ``foreach=None`` is torch's default (:func:`runs_foreach`,
+    which ``hyper``, the group's hyperparameters, decides with; ``differentiable`` there prices its own step). For
+    a class with a step of its own, with the ``group`` and param rank ``ndim`` given and the param on an
+    accelerator: what its probe counted (``_probe.Observed.reads``). None where nothing was measured."""
     from ._probe import probe
     from .policy import stepping_base
 
     base = stepping_base(cls) if cls is not None else None  # (a subclass with a step of its own: None)
     # (by ``name`` only for a class not at hand, inspect's: a class of its own named "Adam" is not torch's)
-    costs = SYNC_COST.get((base.__name__ if base else name if cls is None else "", key))  # (single-tensor, foreach)
+    row = (base.__name__ if base else name if cls is None else "", key)
+    costs = SYNC_COST.get(row)  # (single-tensor, foreach)
     if costs is None:
         # (a class with a step of its own: what its probe counted, as for a third-party class)
         if cls is None or group is None or not on_device or base is not None:
             return None
         observed = probe(cls, group, ndim)
         return None if observed is None else observed.reads.get(key)
-    return costs[1 if (on_device if foreach is None else bool(foreach)) else 0]
+    hyper = hyper if hyper is not None else group
+    if hyper is not None and hyper.get("differentiable") and not foreach:
+        return DIFFERENTIABLE_SYNC_COST.get(row, costs[0])
+    return costs[1 if runs_foreach(row[0], foreach, on_device, hyper) else 0]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from .. import policy as _policy
 from .._dtensor import tensor_bytes
 from .._errors import dtype_name
 from .._state import tensors as all_tensors
-from ..report import sync_cost
+from ..report import runs_foreach, sync_cost
 from . import _files as ckpt
 from ._checks import fresh_group, torch_cast
 
@@ -294,7 +294,9 @@ def _findings(
     name = _class_label(cls, found)
     stand_in = cls.__new__(cls) if cls is not None else None  # policy.decide reads only its type
     # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
-    moved: Counter[tuple[str, str, str, str, bool, bool, bool]] = Counter()
+    moved: Counter[tuple[str, str, str, str, bool, bool, bool, bool]] = Counter()
+    base = _policy.stepping_base(cls) if cls is not None else None
+    torch_name = base.__name__ if base is not None else name  # (which torch step runs: its default foreach)
     unknown: dict[torch.device, str] = {}  # stand-ins for saved device types this process does not know
     placers: dict[tuple[int, torch.device], _policy.Placer] = {}  # (the policy's memoizing front, per device)
 
@@ -331,8 +333,8 @@ def _findings(
                 fresh_on = _fresh_device(placers, holder, gi, g, fake, str(key), value, pdev)
                 puts_on = torch_cast(key, g, (big.dtype, pdev), (value.dtype, saved_on))[1]
                 if puts_on != fresh_on:
-                    # foreach=None: torch picks the foreach implementation for accelerator params.
-                    foreach = g.get("foreach") if g.get("foreach") is not None else pdev.type != "cpu"
+                    # foreach=None: the implementation torch picks for the params (runs_foreach).
+                    foreach = runs_foreach(torch_name, g.get("foreach"), pdev.type != "cpu", g)
                     moved[
                         (
                             str(key),
@@ -341,13 +343,14 @@ def _findings(
                             tag(fresh_on),
                             bool(g.get("fused")),
                             bool(g.get("capturable")),
-                            bool(foreach),
+                            foreach,
+                            bool(g.get("differentiable")),
                         )
                     ] += 1
-    for (key, saved, torch_puts, fresh, fused, capturable, foreach), n in sorted(moved.items()):
+    for (key, saved, torch_puts, fresh, fused, capturable, foreach, differentiable), n in sorted(moved.items()):
         kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
         subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
-        cost = sync_cost(cls, name, key, foreach, True)
+        cost = sync_cost(cls, name, key, foreach, True, hyper={"differentiable": differentiable})
         plural = "s" if n != 1 else ""
         if fresh.partition(":")[0] == "cpu":
             verb = "keeps it there" if torch_puts == saved else f"moves it to {torch_puts}"

@@ -67,6 +67,37 @@ def test_sync_cost_under_torch_s_default_implementation_is_the_one_it_runs(sim, 
     assert reported == caused
 
 
+@pytest.mark.parametrize("foreach", [False, True, None], ids=["single", "foreach", "default"])
+def test_a_host_scalar_on_another_accelerator_than_its_param(sim, foreach):
+    """Adam's ``step`` on sim:1 beside its param on sim:0: the single-tensor step reads it with a sync (a
+    warning, priced), the foreach one (torch's default here) refuses to group it with the param's tensors: check()
+    called that a warning costing 2 syncs per step, and step() raised."""
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(2)]
+    opt = O.Adam(params, foreach=foreach)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[params[1]]["step"] = opt.state[params[1]]["step"].to(torch.device(sim.type, 1))
+    (finding,) = optimshift.check(opt).findings
+    assert (finding.param, finding.key, finding.device, finding.expected) == (
+        "group 0, param 1",
+        "step",
+        "sim:1",
+        "cpu",
+    )
+    for p in params:
+        p.grad = torch.randn_like(p)
+    if foreach is False:
+        assert (finding.severity, finding.syncs_per_step) == ("warning", 1)
+        with optimshift.count_syncs() as syncs:
+            opt.step()
+        assert syncs.total == 1
+    else:
+        assert finding.severity == "error" and "step() raises" in finding.why
+        with pytest.raises(RuntimeError, match="same device"):
+            opt.step()
+
+
 def test_report_table_and_placement_rows(sim):
     params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)), torch.nn.Parameter(torch.randn(3, device=sim))]
     opt = O.NAdam(params, foreach=False)

@@ -66,7 +66,7 @@ from ._state import (
     rekey,
     unwrap,
 )
-from .report import Finding, PlacementRow, Report, sync_cost
+from .report import Finding, PlacementRow, Report, runs_foreach, sync_cost
 
 __all__ = [
     "move",
@@ -878,6 +878,23 @@ def _explain(
     if t.dim() == 0 and expected.type == "cpu":
         on_device = at.type != "cpu"
         held_by = param if param is not None and param.device.type != "cpu" else None  # (a probe's count)
+        base = _policy.stepping_base(type(optimizer))
+        if (
+            held_by is not None
+            and on_device
+            and at != held_by.device
+            and len(site.path) == 1
+            and base is not None
+            and runs_foreach(base.__name__, group.get("foreach"), True, group)
+        ):
+            # (torch groups each param's tensors by device for its foreach kernels, a host scalar excepted: on
+            # another device, which the single-tensor step reads with a sync, the foreach step refuses)
+            return (
+                "error",
+                f"the foreach step groups a param's tensors by device (a scalar on the host excepted): on {at}, "
+                f"beside its param on {held_by.device}, step() raises",
+                None,
+            )
         cost = (
             sync_cost(
                 type(optimizer),

@@ -209,6 +209,28 @@ def test_a_ctrl_c_inside_keep_addresses_is_held_until_the_state_is_back(sim, mon
     train(model, opt, range(1, 2))
 
 
+@pytest.mark.parametrize("after", ["registered_first", "copy_guard"])
+def test_a_ctrl_c_while_the_offload_guards_are_installed_leaves_none(sim, monkeypatch, after):
+    """An offload registers its guards (a step pre-hook that refuses a step, moved first; a state_dict post-hook;
+    a __getstate__ front) before it copies, and removes them if it fails: a Ctrl-C landing in the registration
+    (once the pre-hook was moved first, or the front put in place) left them on an optimizer not offloaded, where
+    nothing removed them. It is raised once the offload holds them, and they go."""
+    from optimshift import _offload
+
+    _, opt = _adam(sim)
+    hooks = (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks))
+    _interrupt_after(monkeypatch, _offload, after)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.offload(opt)
+    monkeypatch.undo()
+    assert not optimshift.is_offloaded(opt)
+    assert (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks)) == hooks
+    assert "__getstate__" not in vars(opt)
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks)) == hooks
+
+
 def test_a_ctrl_c_inside_a_streamed_step_is_held_until_its_chunks_are_written_back(sim, monkeypatch):
     """A Ctrl-C between a chunk's step and its write-back kept the chunk's old moments (the params moved, the
     moments did not: a silent divergence), or left an entry on its device window. It comes once the step is done,

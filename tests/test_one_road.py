@@ -264,6 +264,35 @@ def test_an_operation_leaves_the_sigint_handler_as_it_found_it(sim):
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_ctrl_c_as_an_operation_begins_leaves_no_operation_behind(sim, monkeypatch):
+    """A Ctrl-C right after operation() recorded itself (before its try) left its frame there for good: every
+    later operation took itself for a nested one, and the first commit's section replaced the SIGINT handler
+    and never put it back, so that each later Ctrl-C was swallowed."""
+    import os
+    import signal
+
+    class Interrupting(list):
+        def append(self, item):
+            super().append(item)
+            os.kill(os.getpid(), signal.SIGINT)  # (delivered here, as it is once list.append returns)
+
+    before = signal.getsignal(signal.SIGINT)
+    params, opt = _trained(sim)
+    monkeypatch.setattr(engine, "_operations", Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.offload(opt)
+    assert not engine._operations
+    monkeypatch.undo()
+    assert not optimshift.is_offloaded(opt)
+    optimshift.offload(opt)
+    optimshift.reload(opt)
+    assert signal.getsignal(signal.SIGINT) is before
+    _interrupt_in_the_commit(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):  # (a Ctrl-C is still raised, once the operation is done)
+        optimshift.offload(opt)
+    assert optimshift.is_offloaded(opt)
+
+
 @pytest.mark.parametrize("uniform", [False, True])
 def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
     """Every tensor a load into a fresh optimizer installs is a copy the engine made (``engine.copy_each``, one

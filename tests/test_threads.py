@@ -109,6 +109,42 @@ def test_the_collector_is_given_back_by_the_last_operation_out(sim):
             gc.disable()
 
 
+def test_a_ctrl_c_inside_the_collectors_pause_leaves_it_as_it_was(sim, monkeypatch):
+    """A Ctrl-C lands after any call returns: one right after no_gc's gc.disable() (its flags pushed, before its
+    try) or right after its way out popped them (before gc.enable()) left the collector off, and every later
+    operation found it off and kept it so: off for the rest of the process. Each call of the collector's, in
+    turn, takes the interrupt; the next operation gives the collector back on."""
+    import os
+    import signal
+    import types
+
+    opt = _adam(sim)
+    for k in range(1, 5):
+        calls = [0]
+
+        def interrupting(fn):
+            def call(*args):
+                out = fn(*args)
+                calls[0] += 1
+                if calls[0] == k:
+                    os.kill(os.getpid(), signal.SIGINT)  # (delivered here, as it is once a call returns)
+                return out
+
+            return call
+
+        fake = types.SimpleNamespace(**{n: interrupting(getattr(gc, n)) for n in ("isenabled", "enable", "disable")})
+        assert gc.isenabled()
+        monkeypatch.setattr(_engine, "gc", fake)
+        try:
+            optimshift.move(opt, sim)
+        except KeyboardInterrupt:
+            pass
+        monkeypatch.undo()
+        optimshift.move(opt, sim)
+        assert gc.isenabled(), k
+        assert not _engine._pausing
+
+
 def test_a_state_dict_taken_while_another_thread_offloads_holds_the_values(sim):
     """state_dict()'s pre-hook waited for the transfer in flight when it began; an offload from another thread
     after that, before its compaction post-hook, had it copy host buffers not written yet (NaN on the simulator,

@@ -52,6 +52,7 @@ __all__ = [
     "lend",
     "no_gc",
     "uninterrupted",
+    "held",
     "operation",
 ]
 
@@ -797,12 +798,13 @@ def operation() -> Iterator[None]:
             yield
         return
     frame: list[Any] = [None, []]
-    _operations.append(frame)
     try:
+        _operations.append(frame)  # (inside the try: a Ctrl-C right after it left the frame there for good)
         with torch.inference_mode(False):
             yield
     finally:
-        _operations.pop()
+        if _operations and _operations[-1] is frame:
+            _operations.pop()
         previous, caught = frame
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
@@ -832,6 +834,29 @@ def uninterrupted() -> Iterator[None]:
         _operations[-1][0] = previous
         yield
         return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(*caught[0])
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """A few statements a Ctrl-C must not cut in two (hooks registered and their handles kept by the caller,
+    who removes them if the operation fails): a SIGINT that arrives in them is raised at their end, or at the
+    operation's where a commit section holds it already. Main thread only, for a Python-level handler, as
+    :func:`uninterrupted`."""
+    if threading.current_thread() is not threading.main_thread() or (_operations and _operations[-1][0] is not None):
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
     try:
         yield
     finally:
@@ -950,20 +975,29 @@ def no_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector while a plan runs: it creates many small objects next to many live
     tensors, and collections triggered by them would cost more than the copies themselves. The collector is
     one per process: the first of the operations in flight (in any thread) pauses it, and the last one out turns
-    it back on if it was on then (a gc.disable() made meanwhile by other code is not seen)."""
-    with _paused_lock:
-        if not _paused:
-            _paused.append(gc.isenabled())
-        _paused.append(True)
-        gc.disable()
+    it back on if it was on then (a gc.disable() made meanwhile by other code is not seen).
+
+    # NOTE: a Ctrl-C lands after any call returns (CPython checks for signals there, at a loop's jump back and
+    # at a function's start): every step that changes the bookkeeping is inside the ``try``, and each change is
+    # one statement with no call (a dict store or delete), so an interrupt anywhere leaves it as no operation
+    # had begun. (A stack of flags, pushed before the ``try`` and popped before the collector was turned back
+    # on, left it off for good: each later operation found it off when it began.)"""
+    token = object()
     try:
+        with _paused_lock:
+            if not _pausing:
+                _paused[0] = gc.isenabled()
+            _pausing[token] = None
+            gc.disable()
         yield
     finally:
         with _paused_lock:
-            _paused.pop()
-            if len(_paused) == 1 and _paused.pop() and not gc.isenabled():
-                gc.enable()
+            if token in _pausing:
+                del _pausing[token]
+                if not _pausing and _paused[0]:
+                    gc.enable()
 
 
 _paused_lock = threading.Lock()
-_paused: list[bool] = []  # whether the collector was on when the first operation paused it, then one per operation
+_paused = [True]  # whether the collector was on when the first of the operations in flight paused it
+_pausing: dict[object, None] = {}  # a token per operation in flight that paused it

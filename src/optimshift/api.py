@@ -407,8 +407,12 @@ def offload(
 
     # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)
     key = ("offload", "grads" in include) if previous is None else None
-    installed = _offload.guard(optimizer, record)  # (before anything is copied: it may refuse)
+    installed: list[Any] = []
     try:
+        # (a Ctrl-C while the guards are registered is raised once they are in ``installed``, to be removed: one
+        # landing in the registration left a step pre-hook and a __getstate__ front on an optimizer not offloaded)
+        with _engine.held():
+            installed = _offload.guard(optimizer, record)  # (before anything is copied: it may refuse)
         copies, pending, cached, plan = _transfer(
             optimizer,
             to_host,

@@ -853,3 +853,30 @@ def test_an_empty_view_of_a_shared_storage_reloads_at_kept_addresses_as_a_plain_
     assert {k: id(v) for k, v in st.items()} == ids and st["flat"].device == st["head"].device == sim
     assert st["flat"].untyped_storage().data_ptr() == st["head"].untyped_storage().data_ptr()
     assert torch.equal(st["flat"].cpu(), torch.arange(8.0))
+
+
+def test_a_ctrl_c_held_through_a_keep_addresses_offload_still_releases_its_memory(sim, driver, monkeypatch):
+    """A Ctrl-C that arrives in the offload's commit is held until the offload ends, and the offload's release of
+    the device memory still runs: the handler holding it kept the frame it landed in, whose locals (the old device
+    tensors) kept their slots mapped."""
+    import os
+    import signal
+
+    from optimshift import _engine
+
+    model, opt = _trained(sim, shapes=[(64, 64), (64,)])
+    optimshift.keep_addresses(opt)
+    real = _engine.adopt
+
+    def interrupting(pairs, hows):
+        os.kill(os.getpid(), signal.SIGINT)  # (delivered at the next bytecode boundary: inside the commit)
+        return real(pairs, hows)
+
+    monkeypatch.setattr(_engine, "adopt", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.offload(opt, keep_addresses=True)
+    monkeypatch.undo()
+    assert optimshift.is_offloaded(opt)
+    assert driver.mapped(0) == 0
+    optimshift.reload(opt)
+    train(model, opt, range(2, 3))

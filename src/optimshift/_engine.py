@@ -52,7 +52,6 @@ __all__ = [
     "lend",
     "no_gc",
     "uninterrupted",
-    "held",
     "operation",
 ]
 
@@ -813,11 +812,16 @@ def operation() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def uninterrupted() -> Iterator[None]:
+def uninterrupted(*, to_the_end: bool = True) -> Iterator[None]:
     """A commit runs to its end: a SIGINT (Ctrl-C, ``KeyboardInterrupt``) that arrives from here on is held and
     handed to its handler when the operation ends (:func:`operation`), or this section where none is under way,
     so an interrupt never leaves part of the state installed. Several held are handed over once. Only in the
-    main thread (the one Python delivers signals to) and for a Python-level handler (torch's default included)."""
+    main thread (the one Python delivers signals to) and for a Python-level handler (torch's default included).
+    ``to_the_end=False``: held for this section only (a few statements a Ctrl-C must not cut in two, hooks
+    registered and their handles kept by a caller who removes them if the operation fails), handed over at its end.
+
+    # NOTE: what is held is the signal number, never the frame it landed in: that frame's locals (the old device
+    # tensors a commit replaced) would stay alive until the operation's end, past its release of their memory."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -828,35 +832,13 @@ def uninterrupted() -> Iterator[None]:
     if not callable(previous):  # (ignored, or the OS default: nothing Python would raise)
         yield
         return
-    caught: list[tuple[int, Any]] = _operations[-1][1] if _operations else []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
-    if _operations:  # (the operation hands it over at its end)
+    joins = to_the_end and bool(_operations)  # (the operation hands it over at its end)
+    caught: list[tuple[int, Any]] = _operations[-1][1] if joins else []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, None)))
+    if joins:
         _operations[-1][0] = previous
         yield
         return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            previous(*caught[0])
-
-
-@contextlib.contextmanager
-def held() -> Iterator[None]:
-    """A few statements a Ctrl-C must not cut in two (hooks registered and their handles kept by the caller,
-    who removes them if the operation fails): a SIGINT that arrives in them is raised at their end, or at the
-    operation's where a commit section holds it already. Main thread only, for a Python-level handler, as
-    :func:`uninterrupted`."""
-    if threading.current_thread() is not threading.main_thread() or (_operations and _operations[-1][0] is not None):
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if not callable(previous):
-        yield
-        return
-    caught: list[tuple[int, Any]] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
     try:
         yield
     finally:

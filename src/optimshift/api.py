@@ -411,7 +411,7 @@ def offload(
     try:
         # (a Ctrl-C while the guards are registered is raised once they are in ``installed``, to be removed: one
         # landing in the registration left a step pre-hook and a __getstate__ front on an optimizer not offloaded)
-        with _engine.held():
+        with _engine.uninterrupted(to_the_end=False):
             installed = _offload.guard(optimizer, record)  # (before anything is copied: it may refuse)
         copies, pending, cached, plan = _transfer(
             optimizer,

@@ -98,6 +98,40 @@ def test_a_host_scalar_on_another_accelerator_than_its_param(sim, foreach):
             opt.step()
 
 
+class _OwnParam(torch.nn.Parameter):
+    """A Parameter subclass of a user's own: torch's default picks the single-tensor step for it."""
+
+
+@pytest.mark.parametrize("beside", ["same", "other"], ids=["on-its-device", "on-another"])
+@pytest.mark.parametrize("group", ["fused=False", "a host param", "a Parameter subclass"])
+def test_torch_s_default_runs_the_single_tensor_step_for_these_groups(sim, group, beside):
+    """foreach=None where torch's default still runs the single-tensor step: ``fused=False`` given (torch defaults
+    only when neither flag is), a group holding a host param, params of a Tensor subclass of their own (its
+    ``_default_to_fused_or_foreach`` asks every param's type and device). Adam's ``step`` on the device: check()
+    priced it at the foreach step's 2 syncs where the step makes 1, and on another device than its param called
+    it an error (the foreach step refuses it) where step() runs, with the sync it priced."""
+    make = _OwnParam if group == "a Parameter subclass" else torch.nn.Parameter
+    params = [make(torch.randn(3, 2, device=sim)) for _ in range(2)]
+    if group == "a host param":
+        params.append(torch.nn.Parameter(torch.randn(3, 2)))
+    opt = O.Adam(params, **({"fused": False} if group == "fused=False" else {}))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    where = sim if beside == "same" else torch.device(sim.type, 1)
+    for p in params[:2]:
+        opt.state[p]["step"] = opt.state[p]["step"].to(where)
+    findings = optimshift.check(opt).findings
+    assert [(f.param, f.key, f.severity, f.syncs_per_step) for f in findings] == [
+        (f"group 0, param {i}", "step", "warning", 1) for i in range(2)
+    ]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with optimshift.count_syncs() as syncs:
+        opt.step()
+    assert syncs.total == sum(f.syncs_per_step for f in findings)
+
+
 def test_report_table_and_placement_rows(sim):
     params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)), torch.nn.Parameter(torch.randn(3, device=sim))]
     opt = O.NAdam(params, foreach=False)

@@ -66,7 +66,7 @@ from ._state import (
     rekey,
     unwrap,
 )
-from .report import Finding, PlacementRow, Report, runs_foreach, sync_cost
+from .report import Finding, PlacementRow, Report, default_foreach, runs_foreach, sync_cost
 
 __all__ = [
     "move",
@@ -771,6 +771,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         target = _policy.Placer(optimizer, None, {**(session.group_sides if session else {}), **sides})
     plan = build_plan(optimizer, target)
     guessed: dict[str, None] = {}  # why the default rule was used, each reason once, in order
+    defaults: dict[int, bool] = {}  # group -> whether torch's default picks foreach for its params (asked once)
     for tr in plan.transfers:
         if tr.source == "default" and tr.param is not None:
             group = optimizer.param_groups[tr.site.group]
@@ -779,7 +780,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         at = back.get(tr.ident, t.device)  # where the entry is (offloaded: where reload() puts it)
         if at == tr.target:
             continue
-        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at)
+        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at, defaults)
         report.findings.append(
             Finding(
                 severity,
@@ -873,23 +874,30 @@ def _explain(
     t: torch.Tensor,
     expected: torch.device,
     at: torch.device | None = None,
+    defaults: dict[int, bool] | None = None,
 ) -> tuple[str, str, int | None]:
-    """Why ``t`` (on ``at``: its device, or where a reload puts it) belongs on ``expected``, and its cost."""
+    """Why ``t`` (on ``at``: its device, or where a reload puts it) belongs on ``expected``, and its cost.
+    ``defaults``: whether torch's default picks foreach for a group's params, by group (filled as asked)."""
     name = optimizer_name(optimizer)
-    group = optimizer.param_groups[max(site.group, 0)]  # optimizer-wide entries: the first group
+    gi = max(site.group, 0)
+    group = optimizer.param_groups[gi]  # optimizer-wide entries: the first group
     at = t.device if at is None else at
     on_host = at.type == "cpu"
     if t.dim() == 0 and expected.type == "cpu":
         on_device = at.type != "cpu"
         held_by = param if param is not None and param.device.type != "cpu" else None  # (a probe's count)
         base = _policy.stepping_base(type(optimizer))
+        defaults = {} if defaults is None else defaults
+        default = defaults.get(gi)
+        if default is None:  # (torch's pick for the whole group: a host param or a subclass's makes it single-tensor)
+            default = defaults[gi] = default_foreach(group["params"])
         if (
             held_by is not None
             and on_device
             and at != held_by.device
             and len(site.path) == 1
             and base is not None
-            and runs_foreach(base.__name__, group.get("foreach"), True, group)
+            and runs_foreach(base.__name__, group.get("foreach"), default, group)
         ):
             # (torch groups each param's tensors by device for its foreach kernels, a host scalar excepted: on
             # another device, which the single-tensor step reads with a sync, the foreach step refuses)
@@ -909,6 +917,7 @@ def _explain(
                 None if held_by is None else group,
                 1 if held_by is None else held_by.dim(),
                 hyper=group,
+                default=default,
             )
             if len(site.path) == 1
             else None

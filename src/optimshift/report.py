@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ __all__ = [
     "DIFFERENTIABLE_SYNC_COST",
     "sync_cost",
     "runs_foreach",
+    "default_foreach",
 ]
 
 # Host syncs per param per step caused by one 0-dim state tensor that this torch reads on the host being kept
@@ -47,15 +48,32 @@ DIFFERENTIABLE_SYNC_COST: dict[tuple[str, str], int] = {
 }
 
 
+_NO_DEFAULT_FOREACH = frozenset({"Adafactor", "Muon", "LBFGS", "SparseAdam"})
+"""torch.optim classes whose ``foreach=None`` runs the single-tensor step (or which have no foreach one)."""
+
+
+def default_foreach(params: Sequence[Any]) -> bool:
+    """Whether torch's default (``_default_to_fused_or_foreach``) picks the foreach step for a group of ``params``:
+    every one a plain Tensor or Parameter (or a DTensor) on an accelerator torch has foreach kernels for. A group
+    with a param on the host, or of a Tensor subclass of its own, runs the single-tensor step."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+    except ImportError:  # pragma: no cover - a torch without it: by the devices alone
+        return bool(params) and all(p.device.type not in ("cpu", "meta") for p in params)
+    return bool(_default_to_fused_or_foreach(list(params), False, use_fused=False)[1])
+
+
 def runs_foreach(name: str, foreach: bool | None, on_device: bool, hyper: Mapping[str, Any] | None = None) -> bool:
     """Whether a step of torch.optim class ``name`` runs its foreach implementation: ``foreach`` as given, and
-    where it is None (torch's default) as torch picks it, for accelerator params (``on_device``): foreach, but
-    never under ``differentiable``, never for Adafactor, nor for Adam/AdamW given a tensor ``lr`` without
-    ``capturable`` (``hyper``: the group's hyperparameters, where known)."""
+    where it is None (torch's default) as torch picks it: ``on_device``, whether the default picks it for the
+    group's params (:func:`default_foreach`; for a saved group, whether its params are on an accelerator); never
+    under ``differentiable``, nor where ``fused`` is given (False too: torch defaults only when neither is), never
+    for Adafactor or Muon, nor for Adam/AdamW given a tensor ``lr`` without ``capturable`` (``hyper``: the group's
+    hyperparameters, where known)."""
     if foreach is not None:
         return bool(foreach)
     hyper = hyper or {}
-    if not on_device or hyper.get("differentiable") or name == "Adafactor":
+    if not on_device or hyper.get("differentiable") or hyper.get("fused") is not None or name in _NO_DEFAULT_FOREACH:
         return False
     return not (name in ("Adam", "AdamW") and isinstance(hyper.get("lr"), torch.Tensor) and not hyper.get("capturable"))
 
@@ -70,10 +88,12 @@ def sync_cost(
     ndim: int = 1,
     *,
     hyper: Mapping[str, Any] | None = None,
+    default: bool | None = None,
 ) -> int | None:
     """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, for the class (the
     torch.optim class it steps with, else ``name``); ``foreach=None`` is torch's default (:func:`runs_foreach`,
-    which ``hyper``, the group's hyperparameters, decides with; ``differentiable`` there prices its own step). For
+    which ``hyper``, the group's hyperparameters, decides with, and ``default``, whether torch's default picks foreach
+    for the group's params where known, else ``on_device``; ``differentiable`` there prices its own step). For
     a class with a step of its own, with the ``group`` and param rank ``ndim`` given and the param on an
     accelerator: what its probe counted (``_probe.Observed.reads``). None where nothing was measured."""
     from ._probe import probe
@@ -92,7 +112,8 @@ def sync_cost(
     hyper = hyper if hyper is not None else group
     if hyper is not None and hyper.get("differentiable") and not foreach:
         return DIFFERENTIABLE_SYNC_COST.get(row, costs[0])
-    return costs[1 if runs_foreach(row[0], foreach, on_device, hyper) else 0]
+    picks = on_device if default is None else default
+    return costs[1 if runs_foreach(row[0], foreach, picks, hyper) else 0]
 
 
 @dataclass(frozen=True)

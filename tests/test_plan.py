@@ -135,6 +135,37 @@ def test_a_broken_param_group_is_refused_by_every_road_naming_the_group_before_a
     assert list(tmp_path.iterdir()) == []
 
 
+class _Watched(list):
+    """A group's params that count how often they are walked."""
+
+    walks = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def test_wait_walks_no_param_and_a_group_check_adds_no_key():
+    """``wait()``, called once per iteration of an RL loop, asked every group's params (a pass over every param,
+    0.3 ms for 15k, 11 ms for 15k groups of one) to check groups it never walks. And the check of the groups, asked
+    of all at once, takes nothing by a group's own ``__getitem__``: a defaultdict group without params gains none."""
+    opt, params = _adam(False)
+    opt.param_groups[0]["params"] = _Watched(params)
+    _Watched.walks = 0
+    optimshift.wait(opt)
+    assert _Watched.walks == 0
+    optimshift.check(opt)  # (an operation that walks them asks them)
+    assert _Watched.walks > 0
+    from collections import defaultdict
+
+    opt, params = _adam(False)
+    broken = defaultdict(list, {k: v for k, v in opt.param_groups[0].items() if k != "params"})
+    opt.param_groups[0] = broken
+    with pytest.raises(TypeError, match=r"param group 0 has no 'params'"):
+        optimshift.move(opt)
+    assert "params" not in broken
+
+
 @pytest.mark.parametrize("road", ["move", "offload", "check", "placement", "wait"])
 @pytest.mark.parametrize("attribute", ["state", "param_groups"])
 def test_an_optimizer_whose_state_or_groups_are_gone_is_named(road, attribute):

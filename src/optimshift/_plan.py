@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
@@ -144,28 +145,30 @@ def optimizer_name(optimizer: Any) -> str:
     return type(optimizer).__name__
 
 
-def check_optimizer(optimizer: Any, what: str = "optimizer") -> torch.optim.Optimizer:
+def check_optimizer(optimizer: Any, what: str = "optimizer", *, groups: bool = True) -> torch.optim.Optimizer:
     """TypeError unless ``optimizer`` looks like a torch optimizer (param_groups and state) whose state is a
     mapping and whose param groups are as torch's ``add_param_group`` makes them (:func:`_check_groups`): what
-    every operation asks first."""
-    groups = getattr(optimizer, "param_groups", None)
+    every operation asks first. ``groups=False``: not what each group holds (a caller that walks none: ``wait``)."""
+    param_groups = getattr(optimizer, "param_groups", None)
     state = getattr(optimizer, "state", None)
     if not isinstance(optimizer, torch.optim.Optimizer) and not (
-        isinstance(groups, list) and isinstance(state, Mapping)
+        isinstance(param_groups, list) and isinstance(state, Mapping)
     ):
         # (duck-typed: e.g. a wrapper exposing the inner optimizer's groups and state)
         raise TypeError(
             f"{what} must be a torch.optim.Optimizer (with param_groups and state), got {type(optimizer).__name__}"
         )
-    _check_groups(optimizer, groups, state)
+    _check_groups(optimizer, param_groups, state, groups)
     return cast(torch.optim.Optimizer, optimizer)
 
 
-def _check_groups(optimizer: Any, groups: Any, state: Any) -> None:
+def _check_groups(optimizer: Any, groups: Any, state: Any, contents: bool = True) -> None:
     """TypeError, naming the optimizer and the group (and the param), for param groups that are not a list of
     dicts each holding its params as a list or tuple of tensors, or a state that is not a mapping: every operation
     walks them (a raw KeyError, AttributeError or TypeError from deep inside, the offload's after its record was
-    begun)."""
+    begun). ``contents=False``: only that they are a list and a mapping."""
+    if _well_formed(groups, state, contents):
+        return
     name = optimizer_name(optimizer)
     for attribute, value, kind, expected in [("param_groups", groups, list, "list"), ("state", state, Mapping, "dict")]:
         if not isinstance(value, kind):
@@ -191,6 +194,22 @@ def _check_groups(optimizer: Any, groups: Any, state: Any) -> None:
         raise TypeError(
             f"{name}: {wrong} (torch's add_param_group makes a dict holding a list of the params); nothing was changed"
         )
+
+
+def _well_formed(groups: Any, state: Any, contents: bool = True) -> bool:
+    """Whether :func:`_check_groups` has nothing to say, asked of all the groups at once in a few passes in C (the
+    common case: one call per group was ~0.7 us, 10 ms per operation for 15k groups of one param); False for any
+    doubt, which the group-by-group check then names."""
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return False
+    if not contents:
+        return True
+    if not all(map(isinstance, groups, repeat(dict))):
+        return False
+    params: list[Any] = list(map(dict.get, groups, repeat("params")))  # (dict's own: a defaultdict's adds no key)
+    if not all(map(isinstance, params, repeat((list, tuple)))):
+        return False
+    return all(issubclass(kind, torch.Tensor) for kind in set(map(type, chain.from_iterable(params))))
 
 
 def iter_holders(

@@ -462,7 +462,9 @@ def wait(optimizer: Any) -> None:
     a streamed optimizer, until its last step's write-backs are in host memory: what code that reads
     ``optimizer.state`` directly must call first (as ``PendingTransfer.wait()`` or the stream handle's
     ``wait()``, for when the handle is not at hand). A no-op when nothing is in flight."""
-    receiver = check_optimizer(unwrap(optimizer))  # (wait(model) waited for nothing, silently)
+    # (wait(model) waited for nothing, silently; the groups, which a wait never walks, are not asked: a wait per
+    # iteration would pay a pass over every param)
+    receiver = check_optimizer(unwrap(optimizer), groups=False)
     pending_of(receiver).order_before_use(host=True)
     mode = _mode.mode_of(receiver)
     if mode is not None:

@@ -120,6 +120,26 @@ def test_state_and_grads_an_offload_leaves_on_the_host_own_their_bytes(sim, way)
     assert host_pool.stats().in_use == 0
 
 
+def test_state_unstream_leaves_on_the_host_owns_its_bytes(sim):
+    """``model.to("cpu")`` and then ``unstream(opt)``: the state stays on the host, where it was laid out in the
+    streamed chunks' pool buffers, which unstream gives back; each entry was left a view into one (the pool counted
+    it free, ``torch.save`` wrote 1 MiB for three 4-element params). Each gets a storage of its own, as after an
+    offload: the same objects, the same bits."""
+    host_pool.release_idle()
+    model, opt = _adam(sim, foreach=False)
+    optimshift.stream(opt)
+    train(model, opt, range(1, 2))
+    model.to("cpu")
+    optimshift.wait(opt)  # (the step's write-backs into the chunks, before the state is read here)
+    ids = tensor_ids(opt)
+    values = [v.clone() for st in opt.state.values() for v in st.values()]
+    optimshift.unstream(opt)
+    assert tensor_ids(opt) == ids
+    assert all(bitwise_equal(a, b) for a, b in zip(values, [v for st in opt.state.values() for v in st.values()]))
+    assert all(_owns_its_bytes(v) for st in opt.state.values() for v in st.values())
+    assert host_pool.stats().in_use == 0 and optimshift.check(opt).ok
+
+
 def test_grads_follow_params_that_moved_while_offloaded(sim):
     sim1 = torch.device(sim.type, 1)
     model, opt = _adam(sim, fused=True)

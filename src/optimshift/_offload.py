@@ -634,15 +634,18 @@ def remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, to
 
 
 def left_in_buffers(
-    record: Record | None, transfers: Sequence[Transfer], extra: Sequence[tuple[torch.Tensor, torch.device, str]] = ()
+    buffers: Sequence[torch.Tensor],
+    transfers: Sequence[Transfer],
+    extra: Sequence[tuple[torch.Tensor, torch.device, str]] = (),
 ) -> set[int]:
     """ids of the tensors of ``transfers`` and ``extra`` (tensor, target, what) that stay on the host as views into
-    ``record``'s pool buffers: an operation that ends the offload gives each a storage of its own, as a fresh
-    optimizer's host state has (a view kept its buffer, pinned, which the pool counted as free, and ``torch.save``
-    wrote the whole buffer, whatever bytes it held before included)."""
-    if record is None or not record.buffers:
+    ``buffers`` (an offload record's pool buffers, a streamed optimizer's chunks): an operation that gives them
+    back gives each a storage of its own, as a fresh optimizer's host state has (a view kept its buffer, pinned,
+    which the pool counted as free, and ``torch.save`` wrote the whole buffer, whatever bytes it held before
+    included)."""
+    if not buffers:
         return set()
-    pooled = {storage_of(buf) for buf in record.buffers}
+    pooled = {storage_of(buf) for buf in buffers}
     # (every reload asks, over every transfer: those bound for the host, a device compare each (resolve() makes every
     # host device this one), their storages in one pass in C)
     host = [tr[2] for tr in transfers if tr[4] == HOST] + [t for t, target, _ in extra if target == HOST]
@@ -682,7 +685,7 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
         session = _session.of(optimizer)
         return (lambda: None) if session is None else session.group_sides.clear
     held = grads_back(optimizer, record)  # (refused as a reload refuses them, before anything changes)
-    own = left_in_buffers(record, (), [(host_grad, p.device, what) for p, host_grad, what in held])
+    own = left_in_buffers(record.buffers, (), [(host_grad, p.device, what) for p, host_grad, what in held])
     moving = [i for i, (p, host_grad, _) in enumerate(held) if host_grad.device != p.device or id(host_grad) in own]
     copies = _engine.copy_each(
         [(held[i][1], held[i][0].device, held[i][1].dtype) for i in moving],

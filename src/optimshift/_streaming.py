@@ -63,7 +63,7 @@ from ._errors import add_note, with_article
 from ._offload import compact_state_dict, copy_guard, end_pending, exclusive, record_of, registered_first
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target, states_by_id
 from ._state import label_in, param_positions, unwrap
-from .api import move
+from .api import _move_ending
 from .checkpoint import load_state_dict as _load_state_dict
 from .syncs import async_copies
 
@@ -757,13 +757,14 @@ def unstream(optimizer: Opt) -> Opt:
         inner = mode.optimizer
         with _engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
             _mode.leave(inner)
+            chunks = list(mode._chunks.values())
             try:
-                move(inner)
+                # (state left on the host, its params there, gets storage of its own: the chunks go back to the pool)
+                _move_ending(inner, [c.buffer for c in chunks])
             except BaseException:
                 _mode.enter(inner, mode)
                 raise
             mode._uninstall(inner)
-            chunks = list(mode._chunks.values())
             mode._forget(chunks)
             layout.release(chunks)
     return optimizer

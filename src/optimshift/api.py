@@ -97,14 +97,7 @@ def _one_at_a_time(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         inner = unwrap(optimizer)
-        for attr, held in inner_optimizers(inner):
-            warnings.warn(
-                f"optimshift.{fn.__name__}: {optimizer_name(inner)} holds another optimizer ({attr}: "
-                f"{optimizer_name(held)}) with a state of its own, which this call does not reach: call "
-                f"optimshift.{fn.__name__} on it too (check() reports its entries)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        _warn_unreached(inner, fn.__name__, stacklevel=3)
         # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
         # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
         # while they were alive would cost ~0.5 us per tensor, a third of a bare move).
@@ -113,6 +106,19 @@ def _one_at_a_time(fn: F) -> F:
         return optimizer if out is inner else out
 
     return wrapper  # type: ignore[return-value]
+
+
+def _warn_unreached(inner: Any, operation: str, stacklevel: int = 2) -> None:
+    """Warn for each optimizer ``inner`` holds with a state of its own (Lookahead's), which ``operation`` does not
+    reach."""
+    for attr, held in inner_optimizers(inner):
+        warnings.warn(
+            f"optimshift.{operation}: {optimizer_name(inner)} holds another optimizer ({attr}: "
+            f"{optimizer_name(held)}) with a state of its own, which this call does not reach: call "
+            f"optimshift.{operation} on it too (check() reports its entries)",
+            RuntimeWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -183,7 +189,7 @@ def _transfer(
     rewrite: Callable[[], None] | None = None,
     finish: Sequence[Setter] = (),
     place: Callable[[Plan], _addresses.Placement | None] | None = None,
-    ends: Record | None = None,
+    ends: Sequence[torch.Tensor] = (),
     follows: bool = False,
 ) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None, Plan]:
     """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
@@ -196,8 +202,9 @@ def _transfer(
     adoptions, and ``finish`` the updates it makes last (see :func:`optimshift._engine.commit`). ``place``: the
     destinations of the plan's copies, when they are not allocated as usual (a keep_addresses reload's slots:
     :func:`optimshift._addresses.stage`), kept if the commit goes through and given back if anything fails.
-    ``ends``: the offload record this operation ends (its buffers go back to the pool): whatever stays on the host
-    inside them is copied into storage of its own (:func:`optimshift._offload.left_in_buffers`).
+    ``ends``: the pool buffers this operation gives back (the offload record's it ends, a streamed optimizer's
+    chunks): whatever stays on the host inside them is copied into storage of its own
+    (:func:`optimshift._offload.left_in_buffers`).
     ``follows``: the targets are the params' own devices (a move without a device, a reload, a rebind): a tensor
     holding values that would follow its param to meta is refused, as ``move(opt, "meta")`` is. Also returns the
     plan."""
@@ -251,6 +258,24 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     Scalars such as Adam's non-fused ``step`` stay on the host; values, dtypes and tensor objects never
     change. All or nothing.
     """
+    return _move(optimizer, device, non_blocking=non_blocking)
+
+
+def _move_ending(optimizer: Opt, buffers: Sequence[torch.Tensor]) -> Opt:
+    """``move(optimizer)`` (each entry follows its param) that ends a mode whose host state sits in ``buffers``,
+    pool buffers the caller gives back after it (a streamed optimizer's chunks: ``unstream``'s): an entry that
+    stays on the host gets a storage of its own, as one an offload left there does."""
+    inner = unwrap(optimizer)
+    _warn_unreached(inner, "move")
+    with exclusive(inner), _engine.no_gc(), _engine.operation():
+        _move(inner, None, pooled=buffers)
+    return optimizer
+
+
+def _move(
+    optimizer: Opt, device: DeviceLike | None, *, non_blocking: bool = False, pooled: Sequence[torch.Tensor] = ()
+) -> Opt:
+    """:func:`move` (under its lock); ``pooled``: see :func:`_move_ending`."""
     check_optimizer(optimizer)
     _check_flags(optimizer, "move", non_blocking=non_blocking)
     _mode.refuse(optimizer, "move")
@@ -267,7 +292,7 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
         extra=[(g, p.device, what) for p, g, what in grads],
         cache_key=key,
         sides=True,
-        ends=record,
+        ends=[*record.buffers, *pooled] if record is not None else pooled,
         follows=target is None,
     )
     if grads:  # (copies.new, a dict over every copy, is built only when there is a grad to find)
@@ -607,7 +632,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         eager=cacheable,
         sides=True,  # (a group tensor back on the device: the side the offload remembered is done with)
         place=(lambda plan: _addresses.stage(optimizer, plan, keep, name)) if keep else None,
-        ends=record,
+        ends=record.buffers,
         follows=True,
     )
     if grads:  # (copies.new, a dict over every copy, is built only when there is a grad to find)

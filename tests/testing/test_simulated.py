@@ -400,6 +400,50 @@ def test_rule1_sim_with_non_scalar_cpu_tensor_raises(sim0):
     cpu.copy_(s)
 
 
+def test_a_fill_from_a_device_value_reads_it_on_the_host_as_aten_does(sim0, sim1):
+    """ATen's ``fill_(Tensor)`` takes a 0-dim value on another device as ``value.item()`` (CUDA's too): an LR
+    scheduler that fills a host tensor ``lr`` from the device ``base_lrs`` it cloned at construction (LambdaLR,
+    CosineAnnealingWarmRestarts, stepping while the lr is on the host: offloaded, moved, streamed) was refused as
+    a device op writing into a CPU tensor."""
+    host = torch.zeros(())
+    host.fill_(torch.tensor(2.5, device=sim0))
+    assert host.item() == 2.5
+    other = torch.zeros((), device=sim1)
+    other.fill_(torch.tensor(1.5, device=sim0))  # (another device: its value on the host first, as ATen does)
+    assert other.device == sim1 and other.item() == 1.5
+    # still refused: a device op writing into a CPU tensor, and a value that is not 0-dim
+    with pytest.raises(RuntimeError, match="sim:0 and cpu"):
+        torch.zeros(()).add_(torch.ones((), device=sim0))
+    with pytest.raises(RuntimeError):
+        torch.zeros(2).fill_(torch.ones(2, device=sim0))
+    # the value is read as .item() reads it: after the work that writes it, or a race
+    with ost.deferred_streams(seed=0, progress=0.0):
+        side, value = torch.sim.Stream(), torch.zeros((), device=sim0)
+        side.wait_stream(torch.sim.current_stream())
+        with torch.sim.stream(side):
+            value.add_(7.0)
+            host.fill_(value)  # (on the side stream: after the add)
+        assert host.item() == 7.0
+        with torch.sim.stream(side):
+            value.add_(1.0)
+        with pytest.raises(ost.StreamRaceError):
+            host.fill_(value)  # (on the default stream, nothing ordering it after the add)
+        torch.sim.synchronize(0)
+
+
+def test_an_lr_scheduler_fills_a_host_lr_from_device_base_lrs(sim0):
+    """LambdaLR's values are its ``base_lrs`` (clones of a device ``lr``) times a factor: device tensors, which
+    it fills the host ``lr`` with."""
+    p = nn.Parameter(torch.ones(3, device=sim0))
+    opt = torch.optim.Adam([p], lr=torch.tensor(0.5, device=sim0), capturable=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].cpu()  # (what an offload does with it)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"].is_cpu and opt.param_groups[0]["lr"].item() == 0.25
+
+
 def test_rule2_fused_kernels_reject_cpu_tensors(sim0):
     p = torch.zeros(3, device=sim0)
     g = torch.ones(3, device=sim0)

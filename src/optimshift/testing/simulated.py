@@ -12,7 +12,8 @@ What it enforces (each violation raises ``RuntimeError``, as CUDA does):
 1. An operator may not mix a sim tensor with a CPU tensor that has one or more dimensions
    ("Expected all tensors to be on the same device, but found at least two devices, sim:0
    and cpu!"). 0-dim CPU tensors are accepted as inputs, as CUDA accepts them (but a device
-   op may not write into a CPU tensor). Copies (``copy_``, ``_copy_from``, ``_to_copy``,
+   op may not write into a CPU tensor; ``fill_`` of one from a 0-dim device value reads the
+   value with ``.item()`` first, as ATen does). Copies (``copy_``, ``_copy_from``, ``_to_copy``,
    ``_foreach_copy_``...) may cross devices, and the index tensors of indexing ops may stay
    on the CPU, as on CUDA.
 2. A fused optimizer kernel (``aten::_fused_*``, e.g. ``_fused_adam_``, ``_fused_adamw_``,
@@ -586,9 +587,20 @@ def _sim_index_of(device: Any) -> int | None:
 
 
 def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    if op is _FILL_TENSOR:
+        self, value = args[0], args[1] if len(args) > 1 else kwargs["value"]
+        if value.dim() == 0 and self.device != value.device:
+            # ATen's fill_(Tensor) takes a value on another device as value.item() (CUDA's too): a host 0-dim
+            # tensor filled from a device value, as an LR scheduler fills a host tensor lr from device base_lrs,
+            # costs a host sync and is no device op writing into a CPU tensor. Both run as they do there: the
+            # read of the value (ordered, counted), then a fill with a Python number.
+            return self.fill_(value.item())
     if _deferred is not None and _deferred._state.tracking:  # streams in use: see _sim_streams
         return _deferred.dispatch(op, args, kwargs, _fallback_now)
     return _fallback_now(op, *args, **kwargs)
+
+
+_FILL_TENSOR = _aten.fill_.Tensor
 
 
 def _fallback_now(op: Any, *args: Any, **kwargs: Any) -> Any:

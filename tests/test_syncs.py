@@ -32,6 +32,28 @@ def test_counts_items_copies_and_data_dependent_ops(sim):
     assert y.device == sim
 
 
+def test_a_fill_from_a_device_scalar_on_another_device_counts_as_the_item_it_runs(sim):
+    """ATen fills a tensor from a 0-dim value on another device with ``value.item()`` inside the op, which no
+    dispatch mode sees: an LR scheduler filling a host tensor ``lr`` from the device ``base_lrs`` it cloned
+    (LambdaLR while optimshift has the lr on the host) synced at every step, uncounted."""
+    value = torch.tensor(0.5, device=sim)
+    with optimshift.count_syncs() as syncs:
+        torch.zeros(()).fill_(value)
+        torch.zeros((), device=torch.device(sim.type, 1)).fill_(value)
+        torch.zeros((), device=sim).fill_(value)  # (one device: a device op, no read)
+        torch.zeros((), device=sim).fill_(torch.tensor(0.25))  # (a host value: no sync)
+    assert syncs.by_op == {"item": 2} and syncs.by_device == {"sim:0": 2}
+    p = torch.nn.Parameter(torch.ones(3, device=sim))
+    opt = torch.optim.Adam([p], lr=torch.tensor(0.5, device=sim), capturable=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)  # (base_lrs: clones, on the device)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    optimshift.offload(opt)  # (the lr to the host)
+    with optimshift.count_syncs() as syncs:
+        sched.step()
+    assert syncs.by_op == {"item": 1} and opt.param_groups[0]["lr"].item() == 0.25
+
+
 def test_boolean_mask_indexing_counts_as_the_nonzero_it_runs(sim):
     """``x[mask]`` and ``x[mask] = v`` take the mask's nonzero positions (a host sync on CUDA, like
     ``masked_select``); only the outer op reaches a dispatch mode, and it was not counted. Integer and slice

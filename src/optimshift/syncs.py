@@ -1,9 +1,10 @@
 """Counting device-to-host synchronizations.
 
 A host sync is an operation that makes the CPU wait for an accelerator: reading a device scalar
-(``.item()``, ``float(t)``, ``if t:`` — all ``aten._local_scalar_dense``), copying a device tensor to the
-host, or an op whose output size depends on device data (``nonzero``, ``masked_select``, ``unique``…, and
-indexing by a boolean mask: ``x[mask]``, ``x[mask] = v``).
+(``.item()``, ``float(t)``, ``if t:`` — all ``aten._local_scalar_dense``; ``fill_`` of a tensor from a device
+scalar on another device reads it so), copying a device tensor to the host, or an op whose output size depends
+on device data (``nonzero``, ``masked_select``, ``unique``…, and indexing by a boolean mask: ``x[mask]``,
+``x[mask] = v``).
 :func:`count_syncs` sees them through a ``TorchDispatchMode``, so it works the same on CUDA, on the simulated
 accelerator and on any other backend, and reports zero for CPU-only work. With ``trace=True`` it also names the
 line of your code (the first frame outside torch) that caused each one.
@@ -172,6 +173,16 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
             for dst, src in pairs:
                 if _is_device(src) and isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
                     self._copy_to_host(src.device)
+        elif (
+            name == "fill_"
+            and len(args) >= 2
+            and _is_device(args[1])
+            and isinstance(first, torch.Tensor)
+            and first.device != args[1].device
+        ):
+            # (ATen reads a value on another device with .item() inside the op: an LR scheduler filling a host
+            # tensor lr from the device base_lrs it cloned; only the outer op reaches a dispatch mode)
+            self._record("item", args[1].device)
         elif name in _DATA_DEPENDENT and _is_device(first):
             self._record(name, first.device)
         elif name in _MASK_INDEXED and _is_device(first) and len(args) >= 2 and _takes_nonzero(name, args, kwargs):

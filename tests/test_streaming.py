@@ -338,6 +338,38 @@ def test_streamed_context_unstreams_when_the_body_raises(sim):
     assert not optimshift.is_streamed(opt) and state_layout(opt) == {(0, "momentum_buffer"): sim}
 
 
+def test_a_ctrl_c_as_unstream_leaves_the_mode_keeps_the_optimizer_streamed(sim, monkeypatch):
+    """unstream() left the mode before its try: a Ctrl-C landing once that returned (CPython checks for signals
+    after a call) left the streamed step installed on an optimizer no longer streamed, its state in the chunks:
+    a later unstream() was a no-op and the next step failed. It stays streamed, and unstreams after."""
+    import os
+    import signal
+
+    from optimshift import _mode
+
+    model = Model([(4, 3)]).to(sim)
+    opt = torch.optim.Adam(_params(model), foreach=False)
+    train(model, opt, range(1))
+    optimshift.stream(opt)
+    train(model, opt, range(1, 2))
+    real = _mode.leave
+
+    def leave(optimizer):
+        real(optimizer)
+        os.kill(os.getpid(), signal.SIGINT)  # (delivered once the call returns)
+
+    monkeypatch.setattr(_mode, "leave", leave)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.unstream(opt)
+    monkeypatch.undo()
+    assert optimshift.is_streamed(opt)
+    train(model, opt, range(2, 3))
+    optimshift.unstream(opt)
+    assert not optimshift.is_streamed(opt) and "step" not in vars(opt)
+    assert state_layout(opt) == {(0, "step"): torch.device("cpu"), (0, "exp_avg"): sim, (0, "exp_avg_sq"): sim}
+    train(model, opt, range(3, 4))
+
+
 class _Counting(torch.optim.Optimizer):
     """A third-party per-param optimizer that adds a state entry at its third step (a chunk laid out again)."""
 

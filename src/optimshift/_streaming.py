@@ -756,9 +756,11 @@ def unstream(optimizer: Opt) -> Opt:
         mode.wait()
         inner = mode.optimizer
         with _engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
-            _mode.leave(inner)
             chunks = list(mode._chunks.values())
             try:
+                # (inside the try: a Ctrl-C landing once leave() returned left the streamed step installed on an
+                # optimizer no longer streamed, its state in the chunks, which unstream then took for done)
+                _mode.leave(inner)
                 # (state left on the host, its params there, gets storage of its own: the chunks go back to the pool)
                 _move_ending(inner, [c.buffer for c in chunks])
             except BaseException:

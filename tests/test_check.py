@@ -1,6 +1,7 @@
 """check() and placement(): findings name where, what, why, and the host syncs each costs (re-measured here)."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -387,8 +388,12 @@ def test_a_wrapper_holding_an_optimizer_with_a_state_of_its_own(sim):
     params[0].grad = torch.randn_like(params[0])
     opt.step()
     optimshift.move(opt.optimizer, "cpu")  # (the inner state on the host, as a resume on the host leaves it)
-    with pytest.warns(RuntimeWarning, match=r"holds another optimizer \(optimizer: AdamW\) .* optimshift\.move on it"):
+    with pytest.warns(
+        RuntimeWarning, match=r"holds another optimizer \(optimizer: AdamW\) .* optimshift\.move on it"
+    ) as warned:
         optimshift.move(opt)
+    # (attributed to the line that called the operation: a stacklevel one too far named its caller's, pytest's)
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, inspect.currentframe().f_lineno - 2)]
     report = optimshift.check(opt)
     assert not report.ok
     assert {(f.param, f.key) for f in report.findings} == {

@@ -97,7 +97,7 @@ def _one_at_a_time(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         inner = unwrap(optimizer)
-        _warn_unreached(inner, fn.__name__, stacklevel=3)
+        _warn_unreached(inner, fn.__name__)  # (stacklevel 2: the caller of this wrapper, the user's line)
         # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
         # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
         # while they were alive would cost ~0.5 us per tensor, a third of a bare move).

@@ -264,6 +264,31 @@ def test_an_operation_leaves_the_sigint_handler_as_it_found_it(sim):
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_ctrl_c_held_through_a_commit_is_handed_to_the_handler_with_a_frame(sim, monkeypatch):
+    """A held Ctrl-C was handed to the SIGINT handler with None for its frame (the frame it landed in is not kept):
+    a handler of the user's that reads it (``frame.f_lineno``, as Python always gives one) raised AttributeError
+    from the operation, not its own KeyboardInterrupt. It is given the frame it is handed over in."""
+    import signal
+
+    seen = []
+
+    def handler(signum, frame):
+        seen.append((signum, frame.f_lineno > 0))
+        raise KeyboardInterrupt
+
+    params, opt = _trained(sim)
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        _interrupt_in_the_commit(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            optimshift.offload(opt)
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    monkeypatch.undo()
+    assert seen == [(signal.SIGINT, True)] and optimshift.is_offloaded(opt)
+
+
 def test_a_ctrl_c_as_an_operation_begins_leaves_no_operation_behind(sim, monkeypatch):
     """A Ctrl-C right after operation() recorded itself (before its try) left its frame there for good: every
     later operation took itself for a nested one, and the first commit's section replaced the SIGINT handler

@@ -22,6 +22,7 @@ import functools
 import gc
 import itertools
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -808,7 +809,7 @@ def operation() -> Iterator[None]:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
             if caught:
-                previous(*caught[0])
+                previous(caught[0][0], sys._getframe())  # (a frame, as Python gives one: this one, where it lands)
 
 
 @contextlib.contextmanager
@@ -821,7 +822,9 @@ def uninterrupted(*, to_the_end: bool = True) -> Iterator[None]:
     registered and their handles kept by a caller who removes them if the operation fails), handed over at its end.
 
     # NOTE: what is held is the signal number, never the frame it landed in: that frame's locals (the old device
-    # tensors a commit replaced) would stay alive until the operation's end, past its release of their memory."""
+    # tensors a commit replaced) would stay alive until the operation's end, past its release of their memory. The
+    # handler is given the frame it is handed over in (a handler may read it: ``frame.f_lineno``), as Python gives
+    # the frame a signal lands in."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -844,7 +847,7 @@ def uninterrupted(*, to_the_end: bool = True) -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
         if caught:
-            previous(*caught[0])
+            previous(caught[0][0], sys._getframe())
 
 
 def _write_in_place(

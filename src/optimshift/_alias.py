@@ -28,7 +28,7 @@ from ._devices import _fake_mode_active
 from ._dtensor import is_dtensor, wrap_local
 from ._state import like_source
 
-__all__ = ["shared", "split_targets", "copy_storage", "sole_user", "span"]
+__all__ = ["shared", "split_targets", "copy_storage", "sole_user", "span", "storage_key"]
 
 _address: Callable[[torch.Tensor], int] = getattr(
     torch._C, "_storage_address", lambda t: int(t.untyped_storage()._cdata)
@@ -50,7 +50,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t) if is_dtensor(t) else t
 
 
-def _key(t: torch.Tensor) -> int | None:
+def storage_key(t: torch.Tensor) -> int | None:
     """The identity of ``t``'s storage (its StorageImpl), or None where it is not copied as a storage.
 
     # NOTE: plain tensors, Parameters and DTensors (by their local shard, as the engine moves them). Other
@@ -77,9 +77,9 @@ def shared(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
         if set(map(type, tensors)) <= _PLAIN_SET:
             keys = list(map(_address, tensors))
         else:
-            keys = [_key(t) for t in tensors]
+            keys = [storage_key(t) for t in tensors]
     except Exception:  # a plain tensor without a storage (sparse): ask one by one
-        keys = [_key(t) for t in tensors]
+        keys = [storage_key(t) for t in tensors]
     if len(set(keys)) == len(keys):
         return []
     many = {k for k, n in Counter(keys).items() if n > 1 and k is not None}

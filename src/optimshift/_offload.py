@@ -29,7 +29,7 @@ import torch
 
 from . import _device_streams, _engine, _session
 from ._adopt import kept
-from ._alias import storage_of
+from ._alias import storage_key, storage_of
 from ._devices import HOST, HOSTS
 from ._dtensor import local_tensor
 from ._plan import Ident, Transfer, optimizer_name
@@ -653,15 +653,8 @@ def left_in_buffers(
     try:
         keys = list(map(storage_of, host))
     except Exception:  # (a DTensor, a tensor without a storage: asked one by one)
-        keys = [_storage_or_none(t) for t in host]
+        keys = list(map(storage_key, host))
     return {id(t) for t, key in zip(host, keys) if key in pooled}
-
-
-def _storage_or_none(t: torch.Tensor) -> int | None:
-    try:
-        return storage_of(local_tensor(t))
-    except Exception:  # (no storage: a sparse or nested tensor)
-        return None
 
 
 def give_grads_back(

@@ -447,3 +447,38 @@ def test_the_sync_cost_of_a_subclass_with_its_own_step_is_its_own(sim):
         (finding,) = [f for f in optimshift.check(opt).findings if f.key == "step"]
         costs[cls] = finding.syncs_per_step
     assert costs == {torch.optim.Adam: 1, _ReadsStepAgain: 2, named_adam: 2}
+
+
+_TENSOR_LR = ["Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "SGD", "ASGD", "Adafactor"]
+
+
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-dim", "one-element"])
+@pytest.mark.parametrize("foreach", [False, True, None], ids=["single", "foreach", "default"])
+@pytest.mark.parametrize("name", _TENSOR_LR)
+def test_a_group_tensor_read_on_the_host_is_priced_as_a_step_reads_it(sim, name, foreach, shape):
+    """A tensor ``lr`` on the device that the step reads on the host: check() gave its finding no sync cost and
+    ``syncs_per_step`` said 0 where a step makes one sync per param (Adam), two (NAdam), or one per step (SGD's
+    foreach step): the figure is what a step over the group's params really makes more (count_syncs on the sim),
+    and a tensor the step reads on the device has no finding and costs nothing."""
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(4)]
+    flags = {} if name == "Adafactor" else {"foreach": foreach}
+    if name in ("Adam", "AdamW") and foreach:  # (torch refuses a tensor lr on their foreach step without capturable)
+        with pytest.raises(ValueError, match="capturable"):
+            getattr(O, name)(params, lr=torch.full(shape, 0.01), **flags)
+        return
+    opt = getattr(O, name)(params, lr=torch.full(shape, 0.01), **flags)
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with optimshift.count_syncs() as syncs:
+            opt.step()
+        return syncs.total
+
+    step()
+    on_the_host = step()
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
+    report = optimshift.check(opt)
+    caused = step() - on_the_host
+    assert report.syncs_per_step == caused
+    assert [(f.key, f.severity) for f in report.findings] == ([("lr", "warning")] if caused else [])

@@ -354,13 +354,16 @@ class Observed:
     if it did (the state it made before that is what was read). ``reads``, for a class torch.optim does not
     define: {0-dim state key the step keeps on the host: the device reads a later step makes more with that
     entry on the device}, for the one param, where the later steps could run. ``wide``: {path of a tensor of
-    one element the optimizer keeps under a plain state key (MADGRAD's ``k``): on the param's device}."""
+    one element the optimizer keeps under a plain state key (MADGRAD's ``k``): on the param's device}.
+    ``group_reads``: {group tensor the step reads on the host: ``(a, b)``}, a later step over ``n`` params
+    makes ``a + b * n`` device reads more with it on the device (measured over one param and two)."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
     error: str | None = None
     reads: Mapping[str, int] = field(default_factory=dict)
     wide: Mapping[Path, bool] = field(default_factory=dict)
+    group_reads: Mapping[GroupPath, tuple[int, int]] = field(default_factory=dict)
 
 
 def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
@@ -520,20 +523,27 @@ def _run(
     paths: list[GroupPath],
     on_device: GroupPath | None,
     costs: bool = False,
-) -> tuple[Observed, int]:
+    n_params: int = 1,
+) -> tuple[Observed, int, int | None]:
     """One probe step (``on_device``: the group tensor put on the device, the others on the host): what it saw (no
-    verdicts on group tensors yet) and its device reads; ``costs``: then measure what each host scalar the step
-    made costs on the device (:func:`_costs`)."""
+    verdicts on group tensors yet), its device reads and, where there are group tensors, a later step's (None if
+    it failed); ``costs``: then measure what each host scalar the step made costs on the device (:func:`_costs`).
+    ``n_params``: over that many params (what is seen is the first's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     kwargs = built_kwargs(cls, group)
     shape = (2,) * ndim
     with throwaway(host=False), torch.inference_mode(), _fake_param_takes_default_foreach():
         with FakeTensorMode(allow_non_fake_inputs=True):
-            param = torch.nn.Parameter(torch.zeros(shape, device=_FAKE_DEVICE), requires_grad=False)
-            param.grad = torch.zeros(shape, device=_FAKE_DEVICE)
+            params = [
+                torch.nn.Parameter(torch.zeros(shape, device=_FAKE_DEVICE), requires_grad=False)
+                for _ in range(n_params)
+            ]
+            for param in params:
+                param.grad = torch.zeros(shape, device=_FAKE_DEVICE)
+            param = params[0]
             try:
-                opt = cls([param], **kwargs)
+                opt = cls(params, **kwargs)
             except TRANSIENT:  # (says nothing of the class: never its answer)
                 raise
             except Exception as e:
@@ -570,6 +580,7 @@ def _run(
                 if isinstance(value, torch.Tensor) and value.dim() == 0
             }
             measured = _costs(opt, state, found) if costs and error is None else {}
+            later = _later_reads(opt) if paths and error is None else None
             wide = {
                 path: t.device.type != "cpu"
                 for key, value in opt.state.items()
@@ -577,7 +588,18 @@ def _run(
                 for path, t in leaves(value, (("key", key),))
                 if t.numel() == 1
             }
-    return Observed(found if state else None, {}, error, measured, wide), reads.on_device
+    return Observed(found if state else None, {}, error, measured, wide), reads.on_device, later
+
+
+def _later_reads(opt: torch.optim.Optimizer) -> int | None:
+    """The device reads of one more step of ``opt`` (a step after the first, which may read what it creates
+    state from: Rprop's ``lr``), None if it fails."""
+    try:
+        return _fake_step(opt, _Reads())
+    except TRANSIENT:  # (says nothing of the class: never its answer)
+        raise
+    except Exception:
+        return None
 
 
 def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str, bool]) -> dict[str, int]:
@@ -613,15 +635,22 @@ def torch_defined(cls: type) -> bool:
 
 def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed:
     paths = group_tensor_paths(group)
-    baseline, reads = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
+    baseline, reads, later = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
     verdicts: dict[GroupPath, str] = {}
+    costs: dict[GroupPath, tuple[int, int]] = {}
     for path in paths:
-        alone, alone_reads = _run(cls, group, ndim, paths, path)
+        alone, alone_reads, alone_later = _run(cls, group, ndim, paths, path)
         if alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
+            if later is not None and alone_later is not None:
+                two = _run(cls, group, ndim, paths, None, n_params=2)[2]
+                two_alone = _run(cls, group, ndim, paths, path, n_params=2)[2]
+                if two is not None and two_alone is not None:
+                    one, per_param = alone_later - later, (two_alone - two) - (alone_later - later)
+                    costs[path] = (one - per_param, per_param)
         elif baseline.error is not None and alone.error is None:
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
-    return replace(baseline, group=verdicts)
+    return replace(baseline, group=verdicts, group_reads=costs)
 
 
 def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | str:

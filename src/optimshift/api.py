@@ -910,6 +910,14 @@ def _explain(
     group = optimizer.param_groups[gi]  # optimizer-wide entries: the first group
     at = t.device if at is None else at
     on_host = at.type == "cpu"
+    if param is None and site.group != OPTIMIZER_WIDE and expected.type == "cpu" and not on_host:
+        cost = _policy.group_read_cost(type(optimizer), group, site.key, t)
+        if cost is not None:  # (a group tensor the step reads on the host: what that costs a step of the group)
+            return (
+                "warning",
+                f"{name} reads this on the host each step: on {at} every read is a device-to-host sync",
+                cost,
+            )
     if t.dim() == 0 and expected.type == "cpu":
         on_device = at.type != "cpu"
         held_by = param if param is not None and param.device.type != "cpu" else None  # (a probe's count)

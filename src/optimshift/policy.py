@@ -382,8 +382,7 @@ def _group_entry(
     if value.numel() != 1 or builtin_base(cls) is None and value.dim() != 0:
         # (D-Adaptation's running sums, made anew on the params' device by its step: with the params)
         return Decision(device, "rule")
-    params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
-    observed = probed_by(cls, group, params[0].dim() if params else 1)[1]
+    observed = _group_observed(cls, group)
     verdict = None if observed is None else observed.group.get(_group_path(group, key, value))
     if verdict == HOST_READ:
         return Decision(HOST, "probe")  # the step reads it on the host: on the device each read is a sync
@@ -394,6 +393,24 @@ def _group_entry(
     # works alike either way, the tensor stays on its side: on the host, or with the params on their device
     # (also after a move to the host and back, or a reload after the params moved: ``side`` remembers).
     return Decision(HOST if side.type == "cpu" else device, "rule" if observed is None else "probe")
+
+
+def _group_observed(cls: type, group: Mapping[str, Any]) -> Observed | None:
+    """What the probe that judges ``group``'s own tensors saw (over a param of its first param's rank)."""
+    params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
+    return probed_by(cls, group, params[0].dim() if params else 1)[1]
+
+
+def group_read_cost(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> int | None:
+    """Host syncs per step that group tensor ``value`` (under ``key``) costs on an accelerator, where the step
+    reads it on the host: what the probe counted for a step over as many params as the group holds (None where
+    it does not read it there, or the count is not known)."""
+    observed = _group_observed(cls, group)
+    path = _group_path(group, key, value)
+    if observed is None or observed.group.get(path) != HOST_READ or path not in observed.group_reads:
+        return None
+    once, per_param = observed.group_reads[path]
+    return once + per_param * len(group.get("params", ()))
 
 
 def _wide_entry(cls: type, group: Mapping[str, Any], path: Path, value: torch.Tensor, device: torch.device) -> Decision:

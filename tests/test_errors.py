@@ -316,10 +316,13 @@ def test_a_bad_device_names_the_optimizer(sim, call, device):
     assert opt.state[params[0]]["momentum_buffer"].device == sim and not optimshift.is_streamed(opt)
 
 
-@pytest.mark.parametrize("include", [5, None])
+@pytest.mark.parametrize("include", [5, None, b"grads", bytearray(b"grads"), ("grads", 3)])
 def test_offload_include_that_is_no_names_is_a_type_error_naming_the_optimizer(sim, include):
     _, opt = _adam()
-    with pytest.raises(TypeError, match=r"Adam: offload include= must be names such as \('grads',\), got"):
+    with pytest.raises(
+        TypeError,
+        match=r"Adam: offload include= must be names such as \('grads',\) \(a str or an iterable of str\), got",
+    ):
         optimshift.offload(opt, include=include)
     assert not optimshift.is_offloaded(opt)
 

@@ -388,10 +388,16 @@ def offload(
     _check_flags(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
     _mode.refuse(optimizer, "offload")
     try:
-        include = (include,) if isinstance(include, str) else tuple(include)  # (include="grads": one name, not letters)
+        # (include="grads": one name, not letters; bytes are no names, not a sequence of ints)
+        if isinstance(include, (bytes, bytearray, memoryview)):
+            raise TypeError
+        include = (include,) if isinstance(include, str) else tuple(include)
+        if not all(isinstance(i, str) for i in include):
+            raise TypeError
     except TypeError:
         raise TypeError(
-            f"{optimizer_name(optimizer)}: offload include= must be names such as ('grads',), got {include!r}"
+            f"{optimizer_name(optimizer)}: offload include= must be names such as ('grads',) (a str or an "
+            f"iterable of str), got {include!r}"
         ) from None
     unknown = [i for i in include if i not in _INCLUDE]
     if unknown:

@@ -9,6 +9,7 @@ import importlib
 import io
 import os
 import pickle
+import re
 import stat
 
 import pytest
@@ -165,6 +166,27 @@ def test_save_to_a_path_ending_in_a_separator_writes_nothing(tmp_path):
         with pytest.raises(IsADirectoryError, match=r"ends in a separator, which names a folder; give a file path"):
             optimshift.save({"a": torch.ones(2)}, given)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_path_and_a_file_path_ending_in_a_separator_are_said_so(tmp_path, monkeypatch):
+    """``save(obj, "")`` was refused as "<the working folder> is a directory", ``load("")`` as "no such checkpoint
+    file: " and ``load("f.pt/")`` of an existing ``f.pt`` as "no such checkpoint file"."""
+    monkeypatch.chdir(tmp_path)
+    optimshift.save({"a": torch.ones(2)}, "f.pt")
+    with pytest.raises(FileNotFoundError, match=r"^save: the path is empty \(''\); give a file path$"):
+        optimshift.save({"a": torch.ones(2)}, "")
+    with pytest.raises(FileNotFoundError, match=r"^the checkpoint path is empty \(''\); give a file path$"):
+        optimshift.load("")
+    for given in [f"f.pt{os.sep}", f"{tmp_path / 'f.pt'}{os.sep}"]:
+        with pytest.raises(
+            NotADirectoryError,
+            match=rf"^{re.escape(given)} ends in a separator, which names a folder, but {re.escape(given[:-1])} is a "
+            rf"file; give its path without the separator$",
+        ):
+            optimshift.load(given)
+    with pytest.raises(FileNotFoundError, match=r"no such checkpoint file: nope.pt/"):
+        optimshift.load("nope.pt/")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.pt"]
 
 
 def test_save_refuses_a_path_that_is_not_a_file_and_leaves_it_alone(tmp_path):

@@ -317,6 +317,8 @@ def _path(path: Any, what: str) -> str:
 
 def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = None) -> None:
     given = _path(path, "save")
+    if not given:  # (resolved, "" is the working folder: it was refused as "<cwd> is a directory")
+        raise FileNotFoundError("save: the path is empty (''); give a file path")
     if given.endswith(os.sep) or os.altsep is not None and given.endswith(os.altsep):
         # (the resolved path drops the separator: a file of that name was written where a folder was named)
         raise IsADirectoryError(f"save: {given} ends in a separator, which names a folder; give a file path")
@@ -434,7 +436,15 @@ def _sniff(path: str) -> str:
             f"{path} is a directory, not a checkpoint file (a torch.distributed.checkpoint folder? "
             f"`optimshift inspect {path}` describes one)"
         )
+    if not path:
+        raise FileNotFoundError("the checkpoint path is empty (''); give a file path")
     if not os.path.exists(path):
+        bare = path.rstrip(os.sep + (os.altsep or ""))
+        if bare != path and os.path.isfile(bare):  # ("file.pt/": the file exists, the separator names a folder)
+            raise NotADirectoryError(
+                f"{path} ends in a separator, which names a folder, but {bare} is a file; give its path without "
+                f"the separator"
+            )
         raise FileNotFoundError(f"no such checkpoint file: {path}")
     size = os.path.getsize(path)
     if size == 0:
@@ -824,7 +834,8 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
     Raises :class:`UnsafeCheckpointError` for a pickle that imports a global weights-only loading does not allow,
     by any opcode (nothing is imported or run), :class:`CheckpointError` for every other file that cannot be read
     (empty, truncated, corrupt, another format, objects that replace their own methods);
-    ``FileNotFoundError``/``PermissionError``/``IsADirectoryError`` for a path that cannot be opened.
+    ``FileNotFoundError``/``PermissionError``/``IsADirectoryError``/``NotADirectoryError`` for a path that cannot
+    be opened (an empty one, ``file.pt/``).
     """
     p = _path(path, "load")
     kind = _sniff(p)

@@ -439,7 +439,7 @@ def test_save_names_the_folder_it_cannot_write_in_and_takes_bytes_paths(tmp_path
         optimshift.save(opt, tmp_path / "b.pt" / "x.pt")
     from optimshift.checkpoint import _atomic
 
-    def refused(target):  # (what creating the temporary in a read-only folder raises; root may write anywhere)
+    def refused(target, made):  # (what creating the temporary in a read-only folder raises; root may write anywhere)
         raise PermissionError(13, "Permission denied", _atomic.temp_name(target))
 
     monkeypatch.setattr(_atomic, "create_temp", refused)

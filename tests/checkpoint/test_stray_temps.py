@@ -262,3 +262,66 @@ def test_a_ctrl_c_while_a_save_locks_its_temporary_leaves_nothing(tmp_path, monk
     assert os.listdir(tmp_path) == []
     optimshift.save(opt, tmp_path / "opt.pt")
     assert os.listdir(tmp_path) == ["opt.pt"]
+
+
+def _interrupt_after_creating_a_temporary(monkeypatch, where):
+    """A Ctrl-C that lands in ``where``: as ``os.open`` of the temporary returns (before ``create_temp`` keeps
+    its descriptor), once it is marked live, or as ``create_temp`` returns (before the caller's ``try``)."""
+    from optimshift.checkpoint import _atomic
+
+    if where == "open":
+        real_open = os.open
+
+        def opened(path, *args, **kwargs):
+            fd = real_open(path, *args, **kwargs)
+            if str(path).endswith(".tmp"):
+                raise KeyboardInterrupt
+            return fd
+
+        monkeypatch.setattr(_atomic.os, "open", opened)
+    elif where == "live":
+
+        class Interrupting(set):
+            def add(self, item):
+                super().add(item)
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(_atomic, "_live", Interrupting())
+    else:
+        real_create = _atomic.create_temp
+
+        def created(*args):
+            real_create(*args)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(_atomic, "create_temp", created)
+
+
+@pytest.mark.parametrize("where", ["open", "live", "returned"])
+def test_a_ctrl_c_as_a_save_creates_its_temporary_leaves_nothing(tmp_path, monkeypatch, where):
+    """A Ctrl-C landing between ``create_temp``'s ``os.open`` and the ``try`` that removes its file, or after
+    it returned and before ``save``'s ``try``, left the temporary behind (locked, and marked live: no save in
+    this process swept it)."""
+    from optimshift.checkpoint import _atomic
+
+    dest = tmp_path / "opt.pt"
+    optimshift.save({"a": torch.ones(2)}, dest)
+    before = dest.read_bytes()
+    _interrupt_after_creating_a_temporary(monkeypatch, where)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.save({"a": torch.zeros(2)}, dest)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["opt.pt"] and dest.read_bytes() == before
+    assert not [p for p in _atomic._live if p.startswith(str(tmp_path))]
+
+
+@pytest.mark.parametrize("where", ["open", "returned"])
+def test_a_ctrl_c_as_bench_creates_its_out_file_temporary_leaves_nothing(tmp_path, monkeypatch, where):
+    """``bench --out``'s atomic write takes its temporary as ``save`` does."""
+    from optimshift.cli import _bench
+
+    _interrupt_after_creating_a_temporary(monkeypatch, where)
+    with pytest.raises(KeyboardInterrupt):
+        _bench._write_out(str(tmp_path / "out.json"), {"a": 1})
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []

@@ -105,39 +105,55 @@ def temp_name(target: str) -> str:
     return os.path.join(os.path.dirname(target), f".{_stem(target)}.{secrets.token_hex(_TOKEN_HEX // 2)}.tmp")
 
 
-def create_temp(target: str) -> tuple[int, str]:
+def create_temp(target: str, made: list[str]) -> tuple[int, str]:
     """A new temporary for ``target`` in its folder, opened for writing and locked: ``(fd, path)``.
 
-    Mode 0o666 lets the umask decide the permissions, as for any new file. Hand it to :func:`release_temp`
-    once it is renamed or removed."""
+    Mode 0o666 lets the umask decide the permissions, as for any new file. ``made``: a list of the caller's, made
+    before the ``try`` whose cleanup removes the temporary, and where its path is put once it is complete: from
+    then on that cleanup removes it (a Ctrl-C landing before this returns or before the caller's ``try``), and
+    until then this does. Hand each path in ``made`` to :func:`release_temp` once it is renamed or removed."""
     for _ in range(100):
+        fd = -1
         path = temp_name(target)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o666)
-        if fcntl is None:
-            break
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # A sweep may have locked, removed and released the file between our open and our flock.
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                break
-        except FileNotFoundError:
-            pass  # removed by a sweep: try another name
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):  # a sweep holds it
-                os.close(fd)
-                _unlink(path)
-                raise
-        except BaseException:  # (a Ctrl-C: the locked file would stay, never swept while this process lives)
-            os.close(fd)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o666)
+            if fcntl is None or _locked(fd, path):
+                with _live_lock:
+                    _live.add(path)
+                made.append(path)  # (the caller's from here on)
+                return fd, path
+            closing, fd = fd, -1  # (not closed twice below, whichever side of the close a Ctrl-C lands)
+            os.close(closing)
             _unlink(path)
+        except BaseException as e:
+            if path in made:  # (a Ctrl-C once it was handed over: the caller's cleanup removes it)
+                raise
+            if fd >= 0:
+                os.close(fd)
+            # (os.open's own error made nothing; anything else, a Ctrl-C landing as os.open returned, before its
+            # descriptor was kept, included, may leave the file: the locked one would stay, never swept while
+            # this process lives)
+            if fd >= 0 or not isinstance(e, OSError):
+                _unlink(path)
+            release_temp(path)
             raise
-        os.close(fd)
-        _unlink(path)
-    else:  # pragma: no cover - a sweep would have to win a hundred races in a row
-        raise OSError(f"save: could not create a temporary file next to {target}")
-    with _live_lock:
-        _live.add(path)
-    return fd, path
+    # (a sweep would have to win a hundred races in a row)
+    raise OSError(f"save: could not create a temporary file next to {target}")  # pragma: no cover
+
+
+def _locked(fd: int, path: str) -> bool:
+    """Whether this writer holds the lock on its new temporary ``fd`` at ``path``: False where a sweep holds it,
+    or locked, removed and released it between the open and this lock (try another name)."""
+    assert fcntl is not None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False  # removed by a sweep
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):  # a sweep holds it
+            return False
+        raise
 
 
 def release_temp(path: str) -> None:

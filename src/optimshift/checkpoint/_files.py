@@ -343,13 +343,14 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
     # A hidden, locked temporary in the same folder (same filesystem, so the rename is atomic); first remove
     # the temporaries that killed saves to this destination left behind.
     _atomic.sweep(target)
+    made: list[str] = []  # (the temporary once it exists: removed below, a Ctrl-C as create_temp returns included)
     try:
-        fd, tmp = _atomic.create_temp(target)
-    except PermissionError as e:  # (named after the hidden temporary: say which folder cannot be written)
-        raise PermissionError(
-            e.errno, f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically)"
-        ) from None
-    try:
+        try:
+            fd, tmp = _atomic.create_temp(target, made)
+        except PermissionError as e:  # (named after the hidden temporary: say which folder cannot be written)
+            raise PermissionError(
+                e.errno, f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically)"
+            ) from None
         try:  # replacing a file: keep its permissions (a 0600 checkpoint stays private)
             os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
         except FileNotFoundError:
@@ -390,13 +391,15 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             raise
         raw.close()
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        for temp in made:
+            try:
+                os.unlink(temp)
+            except OSError:
+                pass
         raise
     finally:
-        _atomic.release_temp(tmp)
+        for temp in made:
+            _atomic.release_temp(temp)
     _atomic.fsync_dir(folder)
 
 

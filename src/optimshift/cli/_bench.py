@@ -626,8 +626,9 @@ def _write_out(out: str, result: dict[str, Any]) -> None:
 
     target = os.path.realpath(os.path.abspath(out))  # (through a link: the file it points at, as save does)
     _atomic.sweep(target)
-    fd, tmp = _atomic.create_temp(target)
+    made: list[str] = []  # (the temporary once it exists: removed below, a Ctrl-C as create_temp returns included)
     try:
+        fd, tmp = _atomic.create_temp(target, made)
         with os.fdopen(fd, "w") as f:  # (closed after the rename: closing it releases the temporary's lock)
             json.dump(result, f, indent=2)
             f.flush()
@@ -635,11 +636,13 @@ def _write_out(out: str, result: dict[str, Any]) -> None:
             os.replace(tmp, target)
         _atomic.fsync_dir(os.path.dirname(target))
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        for temp in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
         raise
     finally:
-        _atomic.release_temp(tmp)
+        for temp in made:
+            _atomic.release_temp(temp)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -370,6 +370,61 @@ def test_a_probe_that_fails_for_a_reason_not_the_class_s_is_not_remembered(where
     assert observed is not None and observed.error is None and observed.state == {"count": False}
 
 
+@pytest.mark.parametrize("where", ["counted", "added"])
+def test_a_ctrl_c_as_a_probe_step_counts_itself_leaves_torchs_foreach_default_as_it_was(where):
+    """The count of probe steps that let torch's default foreach take the fake param was raised before the try
+    that lowers it: a Ctrl-C landing once its lock was released (``counted``) left it one too high for the rest of
+    the process, and ``FakeTensor`` in torch's ``_foreach_supported_types`` (a fake tensor of the user's then taking
+    the foreach default); one landing as the type was appended (``added``) did the same."""
+    import threading
+
+    import torch.optim.optimizer as _optimizer
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from optimshift import _probe
+
+    class Interrupting:
+        """``_foreach_lock``, raising KeyboardInterrupt once as its first hold is released."""
+
+        def __init__(self):
+            self.lock, self.exits = threading.Lock(), 0
+
+        def __enter__(self):
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+            self.exits += 1
+            if self.exits == 1:
+                raise KeyboardInterrupt
+
+    class Appending(list):
+        def append(self, item):
+            super().append(item)
+            raise KeyboardInterrupt
+
+    types = _optimizer._foreach_supported_types
+    before, holders = list(types), _probe._foreach_holders
+    assert FakeTensor not in types and holders == 0
+    patch = pytest.MonkeyPatch()
+    try:
+        if where == "counted":
+            patch.setattr(_probe, "_foreach_lock", Interrupting())
+        else:
+            patch.setattr(_optimizer, "_foreach_supported_types", Appending(types))
+        with pytest.raises(KeyboardInterrupt):
+            with _probe._fake_param_takes_default_foreach():
+                pass
+        assert _probe._foreach_holders == 0 and not _probe._foreach_added
+        assert FakeTensor not in _optimizer._foreach_supported_types
+    finally:
+        patch.undo()
+        _probe._foreach_holders, _probe._foreach_added = 0, False
+        leaked = list(types)
+        types[:] = before  # (the next tests see torch's list as it was, whatever this one found)
+    assert leaked == before
+
+
 def test_an_error_of_the_class_s_own_is_remembered():
     """A step that raises on the probe's inputs raises again on them: its error is the class's answer, cached (the
     next ask runs no step)."""

@@ -500,16 +500,22 @@ def _fake_param_takes_default_foreach() -> Iterator[None]:
     if not isinstance(types, list):  # (a torch without the list: its default as it is)
         yield
         return
-    with _foreach_lock:
-        if _foreach_holders == 0 and FakeTensor not in types:
-            types.append(FakeTensor)
-            _foreach_added = True
-        _foreach_holders += 1
+    # (counted and added inside the try that undoes them: a Ctrl-C landing once the lock was released left the
+    # count one too high for the rest of the process, and FakeTensor in torch's list; the mark is set before the
+    # append, so that one landing as the append returns still takes it out)
+    counted = False
     try:
+        with _foreach_lock:
+            if _foreach_holders == 0 and FakeTensor not in types:
+                _foreach_added = True
+                types.append(FakeTensor)
+            _foreach_holders += 1
+            counted = True
         yield
     finally:
         with _foreach_lock:
-            _foreach_holders -= 1
+            if counted:
+                _foreach_holders -= 1
             if _foreach_holders == 0 and _foreach_added:
                 _foreach_added = False
                 if FakeTensor in types:

@@ -157,6 +157,51 @@ def test_state_that_would_follow_its_param_to_meta_is_refused_as_a_move_there_is
     assert opt.param_groups[0]["params"] == params
 
 
+@pytest.mark.parametrize("where", ["an entry", "params and state"])
+def test_state_on_meta_stays_there_in_an_offload_and_a_move_that_needs_its_values_is_refused(sim, where):
+    """A state entry on meta (left there while its param is on the device), or params and state on meta (a model
+    built on meta): offload raised torch's "Cannot copy out of meta tensor; no data!", naming nothing. Meta holds
+    no memory to free and no values to take: an offload leaves such a tensor where it is, the same object, and the
+    reload leaves it there; a move that would take it to a device with storage is refused, naming the entry, with
+    nothing changed."""
+    if where == "an entry":
+        model, opt = _adam(sim)
+        param = next(iter(model.parameters()))
+        opt.state[param]["exp_avg"] = meta = torch.zeros_like(param, device="meta")
+    else:
+        param = torch.nn.Parameter(torch.ones(3, device="meta"))
+        param.grad = torch.ones(3, device="meta")
+        opt = torch.optim.Adam([param])
+        opt.step()
+        meta = opt.state[param]["exp_avg"]
+    layout = state_layout(opt)
+    for _ in range(2):
+        optimshift.offload(opt, include=("grads",))
+        assert opt.state[param]["exp_avg"] is meta and meta.is_meta
+        devices = {str(t.device) for st in opt.state.values() for t in st.values()}
+        assert devices <= {"cpu", "meta"}
+        optimshift.reload(opt)
+        assert state_layout(opt) == layout and opt.state[param]["exp_avg"] is meta
+    assert param.grad is not None and param.grad.device == param.device
+
+    def real():  # (a meta tensor has no values to compare)
+        return [{k: v for k, v in st.items() if not v.is_meta} for st in opt.state.values()]
+
+    values = snapshot(real())
+    for road, target in [("move", "cpu"), ("move", sim), ("move", None), ("reload", sim)]:
+        if road == "move" and target is None and where != "an entry":
+            continue  # (params on meta: their state is where it belongs already)
+        with pytest.raises(ValueError) as raised:
+            getattr(optimshift, road)(opt, target)
+        expected = torch.device("cpu") if target == "cpu" else sim
+        assert str(raised.value).startswith(
+            f"Adam: move: group 0, param 0, state['exp_avg']{'' if where == 'an entry' else ' (and 1 more)'} is on "
+            f"meta, which holds no data: it has no values to take to {expected}"
+        ), str(raised.value)
+        assert state_layout(opt) == layout and bitwise_equal(real(), values)
+        assert opt.state[param]["exp_avg"] is meta and not optimshift.is_offloaded(opt)
+
+
 def test_a_wrapper_and_its_optimizer_share_one_lock(sim, monkeypatch):
     """move() given a delegating wrapper (Lightning's, Accelerate's) locks the optimizer it wraps, as
     load_state_dict does, so the two never interleave."""

@@ -175,6 +175,25 @@ def _refuse_meta(
         )
 
 
+def _refuse_from_meta(
+    optimizer: Any, plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device, str]], what: str
+) -> None:
+    """A tensor of ``plan`` (or a grad of ``extra``) on meta bound for a device with storage (a state entry left
+    on meta, or the state of params on meta moved to a device): it has no values to copy. Asked only once a copy
+    failed (torch's "Cannot copy out of meta tensor; no data!", naming nothing), so that the common case pays no
+    walk; nothing was changed then."""
+    lost = [(str(tr.site), tr[4]) for tr in plan.transfers if tr[2].is_meta and tr[4].type != "meta"]
+    lost += [(label, device) for t, device, label in extra if t.is_meta and device.type != "meta"]
+    if lost:
+        site, device = lost[0]
+        more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+        raise ValueError(
+            f"{optimizer_name(optimizer)}: {what}: {site}{more} is on meta, which holds no data: it has no values to "
+            f"take to {device}. Give the state values where its params have storage (load a checkpoint into it); "
+            f"nothing was changed"
+        ) from None
+
+
 def _transfer(
     optimizer: Any,
     target: TargetFn,
@@ -222,9 +241,11 @@ def _transfer(
         hows = _engine.commit(
             optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite, finish=finish
         )
-    except BaseException:
+    except BaseException as e:
         if placement is not None:
             placement.abandon()
+        if isinstance(e, NotImplementedError):
+            _refuse_from_meta(optimizer, plan, extra, what)
         raise
     if placement is not None:
         placement.keep()
@@ -424,8 +445,8 @@ def offload(
                     f"offloaded grad was held; offloading it too would drop one of them. Set param.grad = None to "
                     f"keep the offloaded one, or reload first; nothing was changed"
                 )
-            if "grads" in include and p.grad is not None and p.grad.device.type != "cpu":
-                grads.append(((gi, pi), p))
+            if "grads" in include and p.grad is not None and p.grad.device.type not in HOSTS:
+                grads.append(((gi, pi), p))  # (one on meta, as a state tensor there, holds nothing to free)
 
     sources: dict[Ident, torch.device] = {}  # (this offload: where each tensor was before it)
 
@@ -434,6 +455,8 @@ def offload(
     ) -> tuple[torch.device, str]:
         record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
         sources[ident] = tensor.device
+        if tensor.is_meta:  # (it holds no memory to free and no values to take: it stays, and reload leaves it)
+            return tensor.device, "offload"
         return host, "offload"
 
     # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)

@@ -19,7 +19,7 @@ def test_partition_cuts_at_chunk_bytes_and_never_splits_a_param():
     group = {"params": []}
     items = [_item(group, (4,)) for _ in range(5)] + [_item(group, (100,))] + [_item(group, (4,))]
     # (4,) float32: two 16-byte moments, each aligned to 64: 128 bytes; (100,): 2 x 448 = 896 bytes
-    parts = list(_chunks.partition(items, 256))
+    parts = list(_chunks.partition(items, 256, _chunks.item_bytes))
     assert [len(part) for part in parts] == [2, 2, 1, 1, 1]
     assert [x for part in parts for x in part] == items, "consecutive, in order, every param once"
     assert parts[3][0] is items[5], "a param larger than a chunk gets a chunk of its own"

@@ -8,8 +8,8 @@ window of the same layout holds them during a step. :func:`views` gives each ten
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "Entry",
     "Chunk",
     "views",
+    "item_bytes",
     "partition",
     "new_chunk",
     "release",
@@ -32,6 +33,8 @@ __all__ = [
 # NOTE: every tensor starts at a multiple of 64 bytes in its chunk, on the host and in the window alike, so that
 # a window view is as aligned as the vectorized multi-tensor kernels need (16 bytes x 4 lanes for complex128).
 _ALIGN = 64
+
+T = TypeVar("T")
 
 Group = dict[str, Any]
 """A param group (an entry of ``optimizer.param_groups``)."""
@@ -96,13 +99,18 @@ class Chunk:
         self.laid = {id(p): st for p, st, _ in counts}
 
 
-def partition(items: list[Item], chunk_bytes: int) -> Iterator[list[Item]]:
-    """Consecutive params of one group and device, cut where the next param's state would take the chunk
-    past ``chunk_bytes`` (a param is never split: its step needs all its state)."""
-    part: list[Item] = []
+def item_bytes(item: Item) -> int:
+    """Bytes of ``item``'s streamed state in a chunk (alignment included)."""
+    return sum(_aligned(tensor_bytes(t)) for _, t in item[3])
+
+
+def partition(items: Sequence[T], chunk_bytes: int, nbytes: Callable[[T], int]) -> Iterator[list[T]]:
+    """Consecutive ``items`` (params of one group and device), cut where the next one's ``nbytes`` would take the
+    part past ``chunk_bytes`` (a param is never split: its step needs all its state)."""
+    part: list[T] = []
     size = 0
     for item in items:
-        n = sum(_aligned(tensor_bytes(t)) for _, t in item[3])
+        n = nbytes(item)
         if part and size + n > chunk_bytes:
             yield part
             part, size = [], 0

@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-# (plan.Ident, spelled out: this module sits below plan, which asks it for a session)
-Ident = tuple[int, int | None, tuple[Any, ...]]
-
 __all__ = ["Session", "of", "get"]
 
 

@@ -95,17 +95,14 @@ def _lane(device: torch.device) -> Side | None:
     return None if streams is None else Side(streams, streams.side(device, "stream"), streams.current(device))
 
 
-def _queue(side: Side | None, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, wait: bool = True) -> None:
-    """Copy ``srcs`` into ``dsts`` on ``side`` (``wait``: after the work queued on the current stream so far:
-    the compute that wrote the sources, the allocation of a window). Device-to-host copies are
-    ``async_copies``: the host does not wait for them here (:func:`optimshift.count_syncs` lists them apart)."""
-    to_host = dsts[0].device.type == "cpu" and srcs[0].device.type != "cpu"
+def _queue(side: Side | None, dst: torch.Tensor, src: torch.Tensor, *, wait: bool = True) -> None:
+    """Copy ``src`` into ``dst`` on ``side`` (``wait``: after the work queued on the current stream so far:
+    the compute that wrote the source, the allocation of a window). A device-to-host copy is one of
+    ``async_copies``: the host does not wait for it here (:func:`optimshift.count_syncs` lists them apart)."""
+    to_host = dst.device.type == "cpu" and src.device.type != "cpu"
     on = contextlib.nullcontext() if side is None else side.issue() if wait else side.streams.use(side.stream)
     with on, async_copies(to_host):
-        if len(dsts) == 1:
-            dsts[0].copy_(srcs[0], non_blocking=side is not None)
-        else:
-            torch._foreach_copy_(dsts, srcs, non_blocking=side is not None)
+        dst.copy_(src, non_blocking=side is not None)
 
 
 def _recorded(side: Side, device: torch.device) -> Any:
@@ -233,7 +230,7 @@ class Streamed:
             # (each streamed entry is copied into its host view: its place, whatever its target says)
             transfers, into = list(kept), cast("list[torch.Tensor | None]", [None] * len(kept))
             for items in buckets.values():
-                for part in layout.partition(items, self.chunk_bytes):
+                for part in layout.partition(items, self.chunk_bytes, layout.item_bytes):
                     chunks.append(chunk := layout.new_chunk(part, self.chunk_bytes))
                     for p in chunk.params:
                         transfers.extend(by_param[id(p)])
@@ -403,30 +400,21 @@ class Streamed:
         param-sized moments assumed), each laid out in host buffers before the next part is stepped."""
         opt = self.optimizer
         out = None
-        part: list[torch.Tensor] = []
-        size = 0
-        for p in params + [None]:
-            n = 2 * tensor_bytes(p) if p is not None else 0
-            if p is None or (part and size + n > self.chunk_bytes):
-                if part:
-                    out = self._compute(group, part, rest, kwargs)
-                    made = []
-                    for q in part:
-                        held = opt.state.get(q, {}).values()
-                        if any(isinstance(v, torch.Tensor) and v.device.type not in HOSTS for v in held):
-                            made.append((group, q))
-                        else:
-                            self._examined[id(q)] = q.device
-                    if made:
-                        try:
-                            self._lay_out(made, wait=False)
-                        except BaseException as error:  # (refused after the class's own step made the state)
-                            add_note(error, self._stepped_note(made))
-                            raise
-                part, size = [], 0
-            if p is not None:
-                part.append(p)
-                size += n
+        for part in layout.partition(params, self.chunk_bytes, lambda p: 2 * tensor_bytes(p)):
+            out = self._compute(group, part, rest, kwargs)
+            made = []
+            for q in part:
+                held = opt.state.get(q, {}).values()
+                if any(isinstance(v, torch.Tensor) and v.device.type not in HOSTS for v in held):
+                    made.append((group, q))
+                else:
+                    self._examined[id(q)] = q.device
+            if made:
+                try:
+                    self._lay_out(made, wait=False)
+                except BaseException as error:  # (refused after the class's own step made the state)
+                    add_note(error, self._stepped_note(made))
+                    raise
         return out
 
     def _stepped_note(self, made: Sequence[tuple[Group, torch.Tensor]]) -> str:
@@ -474,7 +462,7 @@ class Streamed:
                 window = found
             # NOTE: memory just allocated on the current stream may still be in use by work queued there (the
             # caching allocator reuses a block in stream order): the lane waits for it first.
-            _queue(side, [window[: c.nbytes]], [c.buffer[: c.nbytes]], wait=fresh)
+            _queue(side, window[: c.nbytes], c.buffer[: c.nbytes], wait=fresh)
             if side is not None:
                 if fresh:
                     side.uses(window)
@@ -517,7 +505,7 @@ class Streamed:
             out = self._compute(c.group, c.params, rest, kwargs)
         finally:
             back()
-            _queue(side, [c.buffer[: c.nbytes]], [window[: c.nbytes]])  # the write-back, after the compute
+            _queue(side, c.buffer[: c.nbytes], window[: c.nbytes])  # the write-back, after the compute
         if self._changed(c):
             # The step added, dropped or replaced a state tensor of this chunk: lay its params out again.
             if side is not None:
@@ -617,7 +605,7 @@ class Streamed:
                 f"stepped"
             )
 
-    def _uninstall(self, opt: Any) -> None:
+    def _uninstall(self) -> None:
         self._active = False
         for handle in self._handles:
             handle.remove()
@@ -766,7 +754,7 @@ def unstream(optimizer: Opt) -> Opt:
             except BaseException:
                 _mode.enter(inner, mode)
                 raise
-            mode._uninstall(inner)
+            mode._uninstall()
             mode._forget(chunks)
             layout.release(chunks)
     return optimizer

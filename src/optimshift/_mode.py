@@ -33,10 +33,6 @@ class Mode(Protocol):
         """Its state was replaced by a load (now plain host tensors): lay it out again. Must not raise."""
 
 
-# NOTE: the session holds the mode weakly. The optimizer keeps its mode alive (its step and hooks refer to
-# it); a strong reference from the session would keep the mode's tensors one collection longer than the optimizer.
-
-
 def mode_of(optimizer: Any) -> Mode | None:
     session = _session.of(optimizer)  # (not weakly referenceable: never in a mode)
     ref = None if session is None else session.mode
@@ -44,7 +40,8 @@ def mode_of(optimizer: Any) -> Mode | None:
 
 
 def enter(optimizer: Any, mode: Mode) -> None:
-    """``optimizer`` is in ``mode`` (which the optimizer itself must keep alive: only a weak reference is kept)."""
+    """``optimizer`` is in ``mode``, which the optimizer itself keeps alive (its step and hooks refer to it): the
+    session holds it weakly, as a strong reference would keep its tensors one collection longer than the optimizer."""
     session = _session.get(optimizer)
     if session is None:
         raise TypeError(f"{type(optimizer).__name__} cannot be weakly referenced: it cannot enter a mode")

@@ -6,11 +6,8 @@ it. A non-blocking transfer is a :class:`PendingTransfer`. While one is in fligh
 state through the optimizer waits for it first: its ``step()``, ``state_dict()`` and ``load_state_dict()``
 through pre-hooks (removed by the next operation on that optimizer), and every optimshift operation through
 :func:`end_pending` (an operation that changes the state) or ``pending_of(optimizer).order_before_use()``
-(one that reads it). The rule (:meth:`PendingTransfer.order_before_use`): copies that write
-host memory are waited for on the host (host code reads those bytes); copies that write device memory are
-waited for on the device's current stream (whatever reads them next is work queued there), without a host sync.
-
-What it remembers lives in the optimizer's :class:`optimshift._session.Session`.
+(one that reads it), by :meth:`PendingTransfer.order_before_use`'s rule. What it remembers lives in the
+optimizer's :class:`optimshift._session.Session`.
 """
 
 from __future__ import annotations

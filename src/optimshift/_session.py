@@ -1,10 +1,5 @@
-"""What optimshift knows about one optimizer, in one object: its :class:`Session`.
-
-A session holds the optimizer's offload record, the transfer still in flight and the hook handles that guard
-it, the lock that runs one operation at a time, its mode (streamed), where its group tensors sat before a
-move took them to the host, its cached plans (:mod:`optimshift._plan_cache`), its kept-address layout, and
-the pool buffers a ZeRO optimizer's offloaded partitions live in (:mod:`optimshift.integrations.deepspeed`).
-Every module that remembers something about an optimizer keeps it here.
+"""What optimshift knows about one optimizer, in one object: its :class:`Session` (its fields say what). Every
+module that remembers something about an optimizer keeps it here.
 
 # NOTE: sessions live beside their optimizers (one weak-keyed table), never on them, so that optimshift adds no
 # attribute to a user's object and an optimizer that is garbage-collected takes its session with it. An

@@ -1,14 +1,11 @@
 """Streamed optimizer state: it lives in host memory and is stepped on the device, one chunk of params at a time.
 
 :func:`stream` keeps every state entry that belongs on an accelerator by the rule (Adam's ``exp_avg`` and
-``exp_avg_sq``, a fused or capturable ``step``) in host memory: pinned on CUDA, from the host pool, laid out
-chunk by chunk in one flat buffer per chunk. Entries that belong on the host (Adam's non-fused ``step``) stay
-there as they would anyway; params and grads never move. Each ``optimizer.step()`` then runs the optimizer's
-own step function (foreach, fused, capturable: as configured) over one chunk of params at a time, with that
-chunk's state in a flat device window: while chunk *i* is stepped, chunk *i+1* is loaded on the device's copy
-stream and chunk *i-1* is written back. Two windows per device are reused chunk after chunk; a chunk holding a
-single param whose state is larger than ``chunk_bytes`` gets a window of its own, never next to another such
-window. So the state on the device during a step is at most two chunks plus the largest such param's state.
+``exp_avg_sq``, a fused or capturable ``step``) in host memory, laid out in chunks (:mod:`optimshift._chunks`).
+Entries that belong on the host (Adam's non-fused ``step``) stay there; params and grads never move. Each step
+runs the optimizer's own step function (foreach, fused, capturable: as configured) over one chunk at a time,
+its state in a flat device window: two per device, reused chunk after chunk, and one of its own for a chunk
+whose single param's state is larger than ``chunk_bytes``, never next to another such window.
 
 Why a step over a chunk is the same step: every ``torch.optim`` class but LBFGS updates each param from its
 own grad and state alone (:func:`optimshift.policy.separable`), so running it over a subset of a group's params,
@@ -21,21 +18,19 @@ step, around all chunks (the class's step is called undecorated, inside one hook
 called once; LR schedulers, ``GradScaler`` (also its fused ``grad_scale``/``found_inf`` path), gradient
 clipping and ``zero_grad`` see the real groups. Every state tensor stays the same Python object across chunks
 and steps: it takes its device window's contents for its chunk and its host buffer's back afterwards
-(:func:`optimshift._engine.lend`). The state is laid out as every operation moves state: a plan placed by the
-session's ``Placer``, the engine's copies into the chunks' host views, the engine's commit. ``state_dict()``
-returns compact host copies of the streamed tensors (no pool bytes around them:
-:func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict`` loads straight into
-host state (no device memory on resume).
+(:func:`optimshift._engine.lend`). ``state_dict()`` returns compact host copies of the streamed tensors (no pool
+bytes around them: :func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict``
+loads straight into host state (no device memory on resume).
 
 The copies go through the engine's stream layer (:mod:`optimshift._device_streams`, with
 :class:`optimshift._copy.Side`'s rules), on a side stream of their own per device (the lane): the loads wait
-for the previous occupant's write-back of their window (same lane, in order), a chunk's compute waits
-for its load, its write-back waits for its compute. After ``step()`` returns, the last
-write-backs may still be running on CUDA: ``state_dict()`` (so ``optimshift.save``), ``load_state_dict()``,
-:func:`unstream` and :meth:`Streamed.wait` wait for them (``check()`` and ``placement()`` read no values and
-do not; the other operations refuse a streamed optimizer); the next step orders its loads after them on the
-device. So a streamed step adds no host sync (but a wait before the user's step hooks, where there are any:
-they read the state).
+for the previous occupant's write-back of their window (same lane, in order), a chunk's compute waits for its
+load, its write-back waits for its compute. After ``step()`` returns, the last write-backs may still be running
+on CUDA: ``state_dict()`` (so ``optimshift.save``), ``load_state_dict()``, :func:`unstream` and
+:meth:`Streamed.wait` wait for them (``check()`` and ``placement()`` read no values and do not; the other
+operations refuse a streamed optimizer); the next step orders its loads after them on the device. So a
+streamed step adds no host sync (but a wait before the user's step hooks, where there are any: they read the
+state).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Where state lives when it keeps its device addresses: reserved ranges, slots in them, and when their memory is
 mapped and released (the driver calls are :mod:`optimshift._vmm`'s).
 
-A ``keep_addresses`` reload is a different *destination allocation*, nothing more: before the engine copies, each
-state tensor bound for a device that keeps addresses gets a destination over its slot (:func:`stage`), the engine's
-copies write there (:func:`optimshift._engine.run`'s ``into``, as into a streamed chunk's views) and its commit
-adopts them as it adopts any copy. An offload is a *release* after the host copies landed (:func:`release`):
-blocks of a range that no live slot touches are unmapped, so the memory is free while the range stays reserved;
-the next reload maps them again at the same addresses.
+A ``keep_addresses`` reload differs from any other only in its copies' destinations, over slots (:func:`stage`),
+an offload only in a release after its host copies landed (:func:`release`): ARCHITECTURE.md, "Keeping device
+addresses".
 
 - **Slots.** One per storage: a tensor alone, or the tensors that share a storage (:func:`optimshift._alias.shared`,
   as the engine copies them), laid out 512-byte aligned in a range of their device. A site (group, index, path)

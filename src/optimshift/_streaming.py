@@ -83,9 +83,7 @@ _LAYOUT = Options(non_blocking=True, lane="stream")
 
 def _lane(device: torch.device) -> Side | None:
     """Where the streamed step queues its copies on ``device``: its own side stream there (never behind an
-    engine transfer), used as the engine uses its own (:class:`optimshift._copy.Side`: every device tensor is
-    allocated on the current stream and recorded for the side one). None: the device has no streams, each copy
-    is complete when it returns."""
+    engine transfer), by :class:`optimshift._copy.Side`'s rules; None: no streams, each copy completes at once."""
     streams = _device_streams.of(device)
     return None if streams is None else Side(streams, streams.side(device, "stream"), streams.current(device))
 

@@ -372,7 +372,7 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
             else:
                 fresh_units.setdefault(unit.device, []).append(unit)
         fresh: list[_Range] = []
-        placement: Placement | None = None
+        placement = Placement(layout, units, fresh)  # (abandoned: gives back the ranges reserved so far, too)
         try:
             for device, new in fresh_units.items():
                 driver = driver_for(device)
@@ -388,15 +388,10 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
                     slot = _Slot(offset, unit.nbytes)
                     owner.slots.append(slot)
                     unit.place = (owner, slot)
-            placement = Placement(layout, units, fresh)
             placement._map(name, _device_streams.empty_cache)
             placement._wrap()
         except BaseException:
-            if placement is not None:
-                placement.abandon()
-            else:
-                for owner in fresh:
-                    owner.close()
+            placement.abandon()
             raise
     return placement
 

@@ -967,8 +967,10 @@ def rejected_dtypes(
 ) -> list[Rejection]:
     """The entries of ``dtypes`` ({state key: dtype}, as :func:`entry_dtypes` gives) that a step of ``cls``
     with ``group``'s flags and hyperparameters over a param like ``param`` (its dtype and rank) refuses.
-    Entries a fresh optimizer does not keep, and anything the host trial cannot tell, are not rejected."""
-    if not param.is_floating_point():
+    Entries a fresh optimizer does not keep, and anything the host trial cannot tell, are not rejected. A
+    complex param is tried as a floating-point one is (Adam steps complex params: complex64 moments under a
+    complex128 param fail its step); an integer or bool param has no trial."""
+    if not (param.is_floating_point() or param.is_complex()):
         return []
     asked = tuple(sorted((str(k), str(d)) for k, d in dtypes.items()))
     key = ("dtypes", probe_key(cls, group, param.dim()), param.dtype, asked)

@@ -1022,6 +1022,10 @@ def _dtype_findings(optimizer: Any) -> list[Finding]:
             if memo_key not in memo:
                 memo[memo_key] = rejected_dtypes(base, group, p, dtypes)
             label = label_in(optimizer, gi, pi)
+            # (PyTorch's cast, which cast='param' applies, leaves a complex param's state as saved)
+            load = (
+                "" if p.is_complex() else ", or load the checkpoint with optimshift.load_state_dict(..., cast='param')"
+            )
             for r in memo[memo_key]:
                 t = next(t for _, t in leaves(state[r.key]) if id(t) not in own)
                 findings.append(
@@ -1033,8 +1037,7 @@ def _dtype_findings(optimizer: Any) -> list[Finding]:
                         dtype_name(r.dtype),
                         dtype_name(r.fresh),
                         f"step() rejects {dtype_name(r.dtype)} here with {dtype_name(p.dtype)} params "
-                        f"({r.error.splitlines()[0]}); a fresh {name} keeps it as {dtype_name(r.fresh)}: cast it, or "
-                        f"load the checkpoint with optimshift.load_state_dict(..., cast='param')",
+                        f"({r.error.splitlines()[0]}); a fresh {name} keeps it as {dtype_name(r.fresh)}: cast it{load}",
                         gi,
                         pi,
                     )

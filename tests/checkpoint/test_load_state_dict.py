@@ -230,6 +230,47 @@ def test_a_dtype_the_step_would_reject_fails_the_load_before_anything_changes(kw
     opt.step()
 
 
+@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"foreach": True}], ids=["single", "foreach"])
+def test_a_complex_dtype_the_step_would_reject_fails_the_load_and_check_finds_it(kwargs):
+    """Adam steps complex params: complex64 moments under complex128 params fail its step, as float64 ones under
+    float32 params do. The load refused the real case only (the host trial skipped complex params): it took the
+    complex one, and the next step() raised; check() of an optimizer torch loaded so said nothing. PyTorch's cast
+    leaves a complex param's state as saved, so the message does not offer cast='param'."""
+    torch.manual_seed(0)
+    src = [torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex64))]
+    source = O.Adam(src, **kwargs)
+    src[0].grad = torch.randn_like(src[0])
+    source.step()
+    sd = source.state_dict()
+    p = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.complex128))
+    opt = O.Adam([p], **kwargs)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    objects = dict(opt.state[p])
+    with pytest.raises(ValueError) as raised:
+        optimshift.load_state_dict(opt, sd)
+    message = str(raised.value)
+    assert "group 0, param 0" in message and "'exp_avg'" in message
+    assert "complex64" in message and "complex128" in message and "cast the checkpoint's entries" in message
+    assert all(opt.state[p][k] is v for k, v in objects.items()) and bitwise_equal(dict(opt.state[p]), before)
+    theirs = O.Adam([torch.nn.Parameter(p.detach().clone())], **kwargs)
+    theirs.load_state_dict(sd)  # (torch takes it; its next step raises)
+    findings = [f for f in optimshift.check(theirs).findings if f.severity == "error"]
+    assert {f.key for f in findings} >= {"exp_avg"} and "cast='param'" not in findings[0].why
+    # SGD's step takes complex128 momentum for complex64 params: kept as saved
+    sgd_src = [torch.nn.Parameter(torch.randn(4, dtype=torch.complex128))]
+    sgd = O.SGD(sgd_src, lr=0.1, momentum=0.9)
+    sgd_src[0].grad = torch.randn_like(sgd_src[0])
+    sgd.step()
+    q = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    ours = O.SGD([q], lr=0.1, momentum=0.9)
+    optimshift.load_state_dict(ours, sgd.state_dict())
+    assert ours.state[q]["momentum_buffer"].dtype == torch.complex128
+    q.grad = torch.randn_like(q)
+    ours.step()
+
+
 def test_a_dtype_the_step_accepts_is_kept():
     """SGD's step takes float64 momentum for float32 params (in-place ops cast into the param): kept as saved."""
     sd = _fp64_adam_checkpoint(O.SGD, lr=0.1, momentum=0.9)

@@ -581,11 +581,17 @@ class Staging:
         if rejected:
             r, n = rejected[0], dtype_name
             others = "".join(f" (and {x.key!r}, {n(x.dtype)})" for x in rejected[1:])
+            fix = (
+                # (PyTorch's cast, torch_cast, casts to the param's dtype only where that is floating-point)
+                f"PyTorch's cast (cast='param') leaves a {n(p.dtype)} param's state as saved: cast the "
+                f"checkpoint's entries to {n(r.fresh)} before loading"
+                if p.is_complex()
+                else "Load with cast='param' to cast the state to the params' dtype as PyTorch does"
+            )
             raise self.fail(
                 f"{self._site((gi, pi, r.key, ()))}: the checkpoint holds it as {n(r.dtype)}{others}, and a step of "
                 f"{self.name} over {n(p.dtype)} params rejects that ({r.error.splitlines()[0]}); a fresh "
-                f"{self.name} keeps it as {n(r.fresh)}. Load with cast='param' to cast the state to the params' "
-                f"dtype as PyTorch does; the optimizer is unchanged",
+                f"{self.name} keeps it as {n(r.fresh)}. {fix}; the optimizer is unchanged",
                 CastNeeded,
             )
 

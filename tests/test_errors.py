@@ -115,17 +115,30 @@ def test_rebind_refuses_a_non_leaf_param_and_a_dtype_its_state_does_not_fit():
 
 
 def test_rebind_to_another_dtype_of_a_complex_param_or_a_class_with_its_own_step():
-    """A host trial judges floating-point params only: a complex64 param's state under a complex128 param is
-    refused (the next step failed). A class with a step of its own may keep any dtypes: as load_state_dict and
-    check(), rebind does not judge it by its torch base's step."""
+    """A complex64 param's Adam state under a complex128 param is refused (the next step failed), by the host
+    trial as for floating-point params; SGD's step takes complex64 momentum under a complex128 param, so that
+    rebind goes through (it was refused: complex params had no trial, and any other complex dtype was refused).
+    PyTorch's cast leaves a complex param's state as saved, so the message does not offer cast='param'. A class
+    with a step of its own may keep any dtypes: as load_state_dict and check(), rebind does not judge it by its
+    torch base's step."""
     params = [torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]
     opt = torch.optim.Adam(params, foreach=False)
     params[0].grad = torch.randn_like(params[0])
     opt.step()
     wider = [torch.nn.Parameter(params[0].detach().to(torch.complex128))]
-    with pytest.raises(ValueError, match=r"complex128, and its state 'exp_avg' was kept for the old param's complex64"):
+    with pytest.raises(ValueError, match=r"complex128, and a step rejects its state 'exp_avg' in complex64") as raised:
         optimshift.rebind(opt, wider)
+    assert "cast='param'" not in str(raised.value) and "Cast its state to complex128" in str(raised.value)
     assert opt.param_groups[0]["params"] == params
+    sgd_params = [torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]
+    sgd = torch.optim.SGD(sgd_params, lr=0.1, momentum=0.9)
+    sgd_params[0].grad = torch.randn_like(sgd_params[0])
+    sgd.step()
+    wider = [torch.nn.Parameter(sgd_params[0].detach().to(torch.complex128))]
+    optimshift.rebind(sgd, wider)
+    assert sgd.param_groups[0]["params"] == wider and sgd.state[wider[0]]["momentum_buffer"].dtype == torch.complex64
+    wider[0].grad = torch.randn_like(wider[0])
+    sgd.step()
 
     class Inheriting(torch.optim.Adam):
         pass  # (Adam's step: judged as Adam)

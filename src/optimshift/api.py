@@ -1053,8 +1053,8 @@ def _refuse_dtypes(optimizer: Any, gi: int, pi: int, old: torch.Tensor, new: tor
         return
     group = optimizer.param_groups[gi]
     dtypes = entry_dtypes(state, {id(t) for _, t in group_tensors(group)})
-    if not new.is_floating_point() and old.dtype in dtypes.values():
-        # (a host trial judges floating-point params only: a complex param's state in its old dtype is refused)
+    if not (new.is_floating_point() or new.is_complex()) and old.dtype in dtypes.values():
+        # (a host trial judges floating-point and complex params only: another's state in its old dtype is refused)
         key = next(k for k, d in dtypes.items() if d == old.dtype)
         raise ValueError(
             f"{optimizer_name(optimizer)}: rebind: the new param for group {gi}, param {pi} is "
@@ -1065,12 +1065,17 @@ def _refuse_dtypes(optimizer: Any, gi: int, pi: int, old: torch.Tensor, new: tor
     rejected = rejected_dtypes(base, group, new, dtypes)
     if rejected:
         r = rejected[0]
+        fix = (
+            # (PyTorch's cast, which cast='param' applies, leaves a complex param's state as saved)
+            f"Cast its state to {dtype_name(r.fresh)} first"
+            if new.is_complex()
+            else "Load the state with optimshift.load_state_dict(..., cast='param') on an optimizer over the new params"
+        )
         raise ValueError(
             f"{optimizer_name(optimizer)}: rebind: the new param for group {gi}, param {pi} is "
             f"{dtype_name(new.dtype)}, and a step rejects its state {r.key!r} in {dtype_name(r.dtype)} with it "
-            f"({r.error.splitlines()[0]}); a fresh {base.__name__} keeps it as {dtype_name(r.fresh)}. Load the state "
-            f"with optimshift.load_state_dict(..., cast='param') on an optimizer over the new params; nothing was "
-            f"changed"
+            f"({r.error.splitlines()[0]}); a fresh {base.__name__} keeps it as {dtype_name(r.fresh)}. {fix}; nothing "
+            f"was changed"
         )
 
 

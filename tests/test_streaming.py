@@ -858,6 +858,42 @@ def test_a_failure_half_way_in_the_layout_leaves_the_state_as_it_was(sim, monkey
     _assert_same(model, opt, ref_model, ref)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES[:2])
+def test_a_failing_write_back_keeps_the_stepped_state(sim, monkeypatch, seed, progress):
+    """The first chunk's write-back raises once its param was stepped: its new moments, in the device window only,
+    stay with its state (on the device) until the next step lays them out in host buffers again; nothing is lost,
+    and the steps after it, unstream included, are the ordinary optimizer's."""
+    with deferred_streams(seed=seed, progress=progress):
+        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,)], sim, torch.optim.Adam, foreach=True)
+        optimshift.stream(opt, chunk_bytes=128)  # one param per chunk
+        train(model, opt, range(2))
+        train(ref_model, ref, range(2))
+        real = _streaming._queue
+
+        def failing(side, dsts, srcs, **kwargs):
+            if dsts[0].device.type == "cpu":  # (the first write-back: chunk 0's, param 0 stepped)
+                raise RuntimeError("injected: the write-back failed")
+            return real(side, dsts, srcs, **kwargs)
+
+        monkeypatch.setattr(_streaming, "_queue", failing)
+        for i, p in enumerate(_params(model)):
+            p.grad = grad_for(2, i, p.shape).to(sim)
+        with pytest.raises(RuntimeError, match="injected"):
+            opt.step()
+        monkeypatch.undo()
+        for i, p in enumerate(_params(ref_model)):  # (the reference steps param 0 alone)
+            p.grad = grad_for(2, i, p.shape).to(sim) if i == 0 else None
+        ref.step()
+        _assert_same(model, opt, ref_model, ref)
+        train(model, opt, range(3, 5))
+        train(ref_model, ref, range(3, 5))
+        _assert_same(model, opt, ref_model, ref)
+        assert set(state_layout(opt).values()) == {torch.device("cpu")}
+        optimshift.unstream(opt)
+        assert state_layout(opt) == state_layout(ref)
+        _assert_same(model, opt, ref_model, ref)
+
+
 def _careless_layout(monkeypatch, name):
     """The layout's copies (the engine's, into the chunks' host views) with one ordering taken away: their
     ``record_stream`` or their wait for the current stream, or queued on the engine's lane, not the step's."""

@@ -124,6 +124,7 @@ class Streamed:
         self._examined: dict[int, torch.device] = {}
         self._pending: dict[torch.device, Any] = {}  # device -> event after its last queued write-back
         self._stale = False  # a load replaced the state and laying it out failed: retried at the next step
+        self._unwritten: dict[int, Chunk] = {}  # id(chunk) -> it, its write-back failed: its state still in a window
         self._handles: list[Any] = []
         self.blocks = 0  # streamed() blocks (any thread) inside the stream() one of them made: the last out unstreams
         self._active = False
@@ -278,18 +279,22 @@ class Streamed:
     def _forget(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
             self._chunks.pop(id(c), None)
+            self._unwritten.pop(id(c), None)
             for p in c.params:
                 if self._chunk_of.get(id(p)) is c:
                     del self._chunk_of[id(p)]
 
     def _relay(self, chunks: Sequence[Chunk], extra: Sequence[tuple[Group, torch.Tensor]] = ()) -> None:
-        """Lay out again the params of ``chunks`` (their host state is complete) and ``extra``."""
+        """Lay out again the params of ``chunks`` (their host state is complete, or in its window where the
+        write-back failed) and ``extra``."""
         wanted = {id(p) for c in chunks for p in c.params} | {id(p) for _, p in extra}
+        unwritten = {id(c): c for c in chunks if id(c) in self._unwritten}
         self._forget(chunks)
         try:
             self._lay_out(self._members(wanted))
         except BaseException:
             self._keep(chunks)  # nothing changed: the old layout stands
+            self._unwritten.update(unwritten)
             raise
         layout.release(chunks)
 
@@ -366,6 +371,8 @@ class Streamed:
                 plain.append((group, rest))
         # (a chunk is stepped whole: one with a param no longer in its group, where it was laid out, would step
         # that param with its old group's hyperparameters, or at all)
+        # (a chunk whose write-back failed is laid out from its window: see _chunk_step)
+        misplaced.update(self._unwritten)
         moved = [c for c, here, _ in found.values() if id(c) in misplaced or len(here) != len(c.params)]
         if moved or unlaid:
             # Params moved (model.to), changed groups or were given another state dict since their state was
@@ -497,8 +504,14 @@ class Streamed:
         try:
             out = self._compute(c.group, c.params, rest, kwargs)
         finally:
+            try:
+                _queue(side, c.buffer[: c.nbytes], window[: c.nbytes])  # the write-back, after the compute
+            except BaseException:
+                # (the stepped state is in the window only: its objects keep their window views, laid out again
+                # from there before the chunk is next read, as a chunk whose state changed is)
+                self._unwritten[id(c)] = c
+                raise
             back()
-            _queue(side, c.buffer[: c.nbytes], window[: c.nbytes])  # the write-back, after the compute
         if self._changed(c):
             # The step added, dropped or replaced a state tensor of this chunk: lay its params out again.
             if side is not None:

@@ -172,6 +172,22 @@ def test_lr_schedulers_clipping_hooks_and_closure(sim):
     _assert_same(model, opt, ref_model, ref)
 
 
+def test_a_scheduler_made_while_streamed_does_not_warn_after_unstream(sim):
+    """An LR scheduler made while streamed leaves the streamed step as it is (marked as wrapped); unstream()
+    puts the class's step back, which the scheduler then wraps no more: its first step() after that must not
+    warn that optimizer.step() was overridden, and a step counts as one for it."""
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model), foreach=True)
+    with optimshift.streamed(opt, chunk_bytes=128):
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, opt, range(1))
+        sched.step()
+    assert not [str(w.message) for w in caught if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.001 * 0.9)
+
+
 # --- checkpoints --------------------------------------------------------------------------------------------
 
 

@@ -36,6 +36,7 @@ state).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -616,6 +617,29 @@ class Streamed:
         for handle in self._handles:
             handle.remove()
         self._handles = []  # (what replaced a front since stays: our step then falls through, see _install)
+        _track_step_called(self.optimizer)
+
+
+def _track_step_called(opt: torch.optim.Optimizer) -> None:
+    """An LR scheduler made while streamed found our step marked as wrapped (see :meth:`Streamed._install`) and
+    left it alone: where the step now back in place is not wrapped, wrap it as that scheduler would have
+    (``torch.optim.lr_scheduler``: it records ``_opt_called``), or its first ``step()`` after unstream() warns
+    that ``optimizer.step()`` was overridden. A scheduler was made if a group holds ``initial_lr``."""
+    method: Any = opt.step
+    if hasattr(method, "_wrapped_by_lr_sched") or getattr(method, "__self__", None) is not opt:
+        return
+    if not any("initial_lr" in group for group in opt.param_groups):
+        return
+    ref, func = weakref.ref(opt), method.__func__
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer: Any = ref()
+        optimizer._opt_called = True
+        return func.__get__(optimizer, type(optimizer))(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = wrapper
 
 
 def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch.device | None:

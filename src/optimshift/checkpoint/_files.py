@@ -56,9 +56,7 @@ _FORMAT = 1
 _ZIP_MAGIC = b"PK\x03\x04"
 _ZIP_END = b"PK\x05\x06"  # end-of-central-directory record: the last thing torch.save writes
 _ZIP64_END = b"PK\x06\x06"
-# torch.save's legacy (non-zip) format starts with a pickled magic number (protocol 2).
-_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
-# torch.save's legacy-format magic number as pickled (LONG1, 10 bytes), whatever the pickle protocol around it
+# torch.save's legacy (non-zip) format starts with its magic number pickled (LONG1, 10 bytes), in any protocol
 _LEGACY_MAGIC_NUMBER = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
@@ -98,10 +96,8 @@ def stringified_ids(state_keys: Iterable[Any], ids: Iterable[Any]) -> list[str]:
     round trip makes of an optimizer state dict. ``Optimizer.load_state_dict`` takes them for optimizer-wide
     entries and drops every param's state."""
     keys = [k for k in state_keys if isinstance(k, str)]
-    if not keys:
-        return []
-    texts = {str(i) for i in ids if type(i) is int}  # the ids PyTorch writes; JSON makes "0" of 0
-    return [k for k in keys if k in texts] if texts else []
+    texts = {str(i) for i in ids if type(i) is int} if keys else set()  # the ids PyTorch writes; JSON makes "0" of 0
+    return [k for k in keys if k in texts]
 
 
 @dataclass(frozen=True)
@@ -370,13 +366,11 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
                 raise _write_error(target, e) from e
             except RuntimeError as e:  # (torch's zip writer reports a failed write as an error of its own)
                 cause = e.__context__
-                if (
-                    isinstance(cause, BaseException)
-                    and not isinstance(cause, Exception)
-                    and "inline_container" in str(e)
-                ):
+                if cause is None or "inline_container" not in str(e):
+                    raise
+                if not isinstance(cause, Exception):
                     raise cause from None  # (a Ctrl-C inside a write: the writer's close masked it; nothing committed)
-                if not (isinstance(cause, OSError) and cause.errno is not None and "inline_container" in str(e)):
+                if not isinstance(cause, OSError) or cause.errno is None:
                     raise
                 raise _write_error(target, cause) from e
             try:
@@ -392,10 +386,8 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
         raw.close()
     except BaseException:
         for temp in made:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(temp)
-            except OSError:
-                pass
         raise
     finally:
         for temp in made:
@@ -463,7 +455,7 @@ def _sniff(path: str) -> str:
                     f"read. It was cut short while being written or copied; use an intact copy."
                 )
             return "zip"
-    if head.startswith(_LEGACY_MAGIC) or _LEGACY_MAGIC_NUMBER in head[:40]:  # any pickle protocol
+    if _LEGACY_MAGIC_NUMBER in head[:40]:
         return "legacy"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return "pickle"
@@ -610,12 +602,6 @@ def _global_exists(name: str) -> bool | None:
 
 def _allow_hint(names: list[str]) -> str:
     """How to allow every global in ``names`` (all of them: allowing one only reveals the next)."""
-    if not names:
-        return (
-            "If you trust the file and it names classes you expect (config objects), allow just them: "
-            "`with torch.serialization.safe_globals([SomeClass]): optimshift.load(path)` "
-            "(or `optimshift inspect/convert --allow-global module.SomeClass`)."
-        )
     one = len(names) == 1
     what = f"{names[0]} is a class you expect (a config object)" if one else "these are classes you expect"
     flags = " ".join(f"--allow-global {n}" for n in names)
@@ -766,10 +752,6 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     """What a failed ``torch.load`` of ``p`` (sniffed as ``kind``) raises instead: an UnsafeCheckpointError for a
     pickle that imports a global weights-only loading refuses (named in the refusal, or read from its opcodes:
     ``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``EXT*``), a CheckpointError for anything else wrong with the file."""
-    plain = (
-        f"{p} is a plain pickle (written by pickle.dump), not a torch.save checkpoint; "
-        f"optimshift only reads torch.save files"
-    )
     # NOTE: whatever broke, a pickle that imports code is reported as such, never as "corrupt": a user told
     # "corrupt" may try torch.load(weights_only=False), which would run it.
     found = _untrusted.scan(p, kind)
@@ -779,7 +761,10 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
     if named or refused:
         return _unsafe(p, named, refused)
     if kind == "pickle":
-        return CheckpointError(plain)
+        return CheckpointError(
+            f"{p} is a plain pickle (written by pickle.dump), not a torch.save checkpoint; "
+            f"optimshift only reads torch.save files"
+        )
     if isinstance(e, pickle.UnpicklingError):
         if "must be imported to load" in reason:
             return CheckpointError(f"{p} cannot be loaded yet: {reason}; nothing was executed")

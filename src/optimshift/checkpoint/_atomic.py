@@ -1,22 +1,14 @@
 """Temporary files and folders for atomic saves, the rename that commits them, and removing the ones crashed saves
 left behind.
 
-A save writes ``.NAME.<12 hex>.tmp`` next to ``NAME`` and renames it over ``NAME``. A writer killed before the
-rename (SIGKILL, preemption, OOM killer) leaves its temporary behind; :func:`sweep` removes such strays at the
-start of every save to the same destination, so after any number of kills at most one stray per destination
-exists (the last killed writer's), and the next save removes it.
-
-Whose temporary is still being written: each writer holds an exclusive ``flock`` on its temporary for as long as
-it writes, and the kernel drops that lock when the writer dies, however it dies. :func:`sweep` removes a
-temporary only after taking that lock itself, so a live writer's file is never touched, whatever its pid or
-host, and a recycled pid cannot keep a stray alive. Temporaries this process is writing are skipped outright
-(on NFS, ``flock`` is emulated with per-process POSIX locks, which another thread of the writer could take).
-Without ``fcntl`` (Windows) a file open in another process cannot be deleted, which is the same test.
-
-A folder (a DCP checkpoint, a converted Trainer folder) is built the same way: a temporary folder beside its
-destination, locked by its writer for as long as it writes (:func:`lock_folder`), swept by the next writer once no
-process holds that lock (:func:`sweep_folders`), and put in place by :func:`commit_folder` (an atomic exchange with
-a folder already there where the kernel can, else two renames).
+A save writes ``.NAME.<12 hex>.tmp`` next to ``NAME`` and renames it over ``NAME``; :func:`sweep`, at the start of
+every save to ``NAME``, removes the temporaries killed writers left, so at most one stray per destination exists.
+A writer holds an exclusive ``flock`` on its temporary while it writes (the kernel drops it when the writer dies,
+however it dies); a sweep removes a temporary only after taking that lock itself, so a live writer's file is never
+touched, whatever its pid or host, and a recycled pid cannot keep a stray alive. Temporaries this process is
+writing are skipped outright (on NFS, ``flock`` is emulated with per-process POSIX locks, which another thread of
+the writer could take). Without ``fcntl`` (Windows) a file open in another process cannot be deleted, which is the
+same test. A folder is built the same way: :func:`make_folder`, :func:`sweep_folders`, :func:`commit_folder`.
 """
 
 from __future__ import annotations
@@ -162,17 +154,18 @@ def release_temp(path: str) -> None:
         _live.discard(path)
 
 
+def _listed(folder: str | os.PathLike[str], accept: Callable[[str], object]) -> list[str]:
+    """The paths of the entries of ``folder`` whose names ``accept`` takes (none if it cannot be listed)."""
+    try:
+        return [os.path.join(folder, name) for name in os.listdir(folder) if accept(name)]
+    except OSError:
+        return []
+
+
 def sweep(target: str) -> int:
     """Remove the temporaries of ``target`` whose writer is gone; returns how many. Never raises."""
-    folder = os.path.dirname(target)
-    pattern = temp_pattern(target)
-    try:
-        names = [n for n in os.listdir(folder) if pattern.fullmatch(n)]
-    except OSError:
-        return 0
     removed = 0
-    for name in names:
-        path = os.path.join(folder, name)
+    for path in _listed(os.path.dirname(target), temp_pattern(target).fullmatch):
         with _live_lock:
             if path in _live:
                 continue
@@ -250,13 +243,8 @@ def sweep_folders(parent: str | os.PathLike[str], is_temp: Callable[[str], bool]
     holds their lock; returns how many. A live writer's is left alone, and so is everything without locks."""
     if fcntl is None:
         return 0
-    try:
-        names = [n for n in os.listdir(parent) if is_temp(n)]
-    except OSError:
-        return 0
     removed = 0
-    for name in names:
-        path = os.path.join(parent, name)
+    for path in _listed(parent, is_temp):
         if os.path.islink(path) or not os.path.isdir(path):
             continue
         try:

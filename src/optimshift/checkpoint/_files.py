@@ -33,6 +33,7 @@ from .._dtensor import local_tensor
 from .._errors import add_note, with_article
 from .._plan import check_optimizer, states_by_id
 from .._state import MAX_DEPTH, unwrap
+from .._version import __version__
 from . import _atomic, _records, _untrusted
 
 __all__ = [
@@ -208,8 +209,6 @@ def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
     states_by_id(inner)  # (state for a param in no group: torch's state_dict() raises a bare KeyError of an id)
     sd = optimizer.state_dict()
     cls = type(inner)
-    from .._version import __version__
-
     return {
         **sd,
         META_KEY: {"format": _FORMAT, "class": cls.__qualname__, "module": cls.__module__, "optimshift": __version__},

@@ -1,18 +1,15 @@
 """Sharded model + optimizer checkpoints on ``torch.distributed.checkpoint`` (DCP).
 
-Layout: a DCP directory holding ``{"model": get_state_dict's model part, "optim": its optimizer part}``
-(plus ``"optimshift_extra"`` when ``extra`` is given) and an ``optimshift.json`` note (who saved it, how).
-Every rank writes its own shards; DCP reshards on load, so N ranks can save and M ranks (or one process
-without a process group) can load.
+Layout: a DCP directory holding ``{"model": get_state_dict's model part, "optim": its optimizer part}`` (plus
+``"optimshift_extra"`` when ``extra`` is given) and an ``optimshift.json`` note (who saved it, how). Every rank
+writes its own shards; DCP reshards on load, so N ranks can save and M ranks (or one process without a process
+group) can load.
 
-Failure handling. Every check that can fail runs before anything is written or changed, on every rank; the
-ranks then exchange their errors (``all_gather_object``) so that all of them raise the same error and none is
-left waiting in a collective the others never join. A save writes into ``<path>.optimshift-tmp-<id>`` (its
-own: rank 0 picks the id, locks the directory while the save runs, and removes unlocked ones that crashed saves
-left), and only when every rank has finished and the directory is a complete checkpoint does rank 0 swap it
-into place (``renameat2(RENAME_EXCHANGE)`` on Linux, an
-atomic swap; elsewhere two renames, and :func:`load` finds the previous checkpoint under
-``<path>.optimshift-old`` if a crash hit between them). A crash during the write leaves ``path`` untouched.
+Every check that can fail runs on every rank before anything is written or changed, and the ranks exchange their
+errors (:func:`_agree`), so that all raise the same one and none is left waiting in a collective the others never
+join. A save writes into ``<path>.optimshift-tmp-<id>`` (rank 0's id, locked while the save runs) and rank 0
+commits it once every rank has finished and it is complete (``_atomic.commit_folder``: where it takes two renames,
+:func:`load` finds the previous checkpoint under ``<path>.optimshift-old`` if a crash hit between them).
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ from .._errors import add_note, dtype_name, with_article
 from .._plan import check_optimizer, optimizer_name
 from .._probe import quiet_global_step_hooks, step_needs
 from .._streaming import is_streamed
+from .._version import __version__
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
 
@@ -161,7 +159,7 @@ def save(
                 lock,
                 {
                     "format": _FORMAT,
-                    "optimshift": _version(),
+                    "optimshift": __version__,
                     "torch": torch.__version__,
                     "world_size": world,
                     "model": type(model).__name__,
@@ -312,7 +310,10 @@ def load(
             _keep_group_tensors(group, before)
         if not is_streamed(optimizer):  # (a streamed optimizer's load put its state where streaming keeps it)
             move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
-        return _unpack_extra(state[_EXTRA]) if layout.has_extra else None
+        if not layout.has_extra:
+            return None
+        extra: dict[str, Any] = torch.load(io.BytesIO(state[_EXTRA]), map_location="cpu", weights_only=True)
+        return extra
     except _FAILURES as e:
         _undo_initializing(optimizer, had_state, no_grad)  # (no fake first step left behind)
         raise RuntimeError(
@@ -855,11 +856,6 @@ def _pack_extra(extra: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _unpack_extra(blob: Any) -> dict[str, Any]:
-    extra: dict[str, Any] = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    return extra
-
-
 # --- files ----------------------------------------------------------------------------------------------
 
 
@@ -876,12 +872,6 @@ def _writer_options() -> dict[str, Any]:
     if module is not None and not hasattr(module, "current_stream"):
         return {"per_thread_copy_ahead": 0}
     return {}
-
-
-def _version() -> str:
-    from .._version import __version__
-
-    return __version__
 
 
 def _write_note(directory: Path, note: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ Nothing here renders or runs code from a file; the CLI (:mod:`optimshift.cli._in
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections import Counter
@@ -108,10 +109,8 @@ def _device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.d
     the host from accelerators, never whether the device is here), so this process's PrivateUse1 device of the
     same index stands in for it; ``unknown`` records the stand-in's tag, for messages.
     """
-    try:
+    with contextlib.suppress(Exception):
         return torch.device(tag)
-    except Exception:
-        pass
     match = _TAG.fullmatch(tag)
     if unknown is None or match is None:
         return None
@@ -143,34 +142,32 @@ def describe(
     elsewhere = {tag: n for tag, n in saved_on.items() if not tag.startswith("cpu")}
     if elsewhere:
         where = ", ".join(f"{tag} ({n})" for tag, n in sorted(elsewhere.items()))
-        out["findings"].append(
-            {
-                "severity": "info",
-                "key": "-",
-                "count": sum(elsewhere.values()),
-                "message": f"tensors saved on {where}: plain torch.load restores them there (and fails where that "
-                f"device is missing); optimshift.load uses map_location='cpu', or run `optimshift convert IN OUT "
-                f"--device cpu` once",
-            }
+        message = (
+            f"tensors saved on {where}: plain torch.load restores them there (and fails where that device is "
+            f"missing); optimshift.load uses map_location='cpu', or run `optimshift convert IN OUT --device cpu` once"
         )
+        out["findings"].append(_finding("info", "-", sum(elsewhere.values()), message))
     for found in ckpt.find_optimizer_states(obj):
         out["optimizers"].append(_describe_optimizer(found, locations))
     return out
+
+
+def _finding(severity: str, key: str, count: int, message: str, **more: Any) -> dict[str, Any]:
+    """One of ``inspect``'s findings, as data."""
+    return {"severity": severity, "key": key, "count": count, "message": message, **more}
 
 
 def _opaque_finding(names: Sequence[str]) -> dict[str, Any]:
     """What ``inspect`` says about the classes a file names that it did not rebuild (it imports none)."""
     scripts = [n for n in names if n.partition(".")[0] == "__main__"]
     whose = " (__main__: the script that saved the file)" if scripts else ""
-    return {
-        "severity": "info",
-        "key": "-",
-        "count": len(names),
-        "message": f"not rebuilt: {', '.join(names)}{whose}. inspect imports no class a file names and runs none "
-        f"of its code: it leaves these objects opaque and reads everything else as saved. optimshift.load "
-        f"refuses the file until they are allowed, for a file you trust: "
-        f"torch.serialization.safe_globals([...]) in a process that has the classes",
-    }
+    message = (
+        f"not rebuilt: {', '.join(names)}{whose}. inspect imports no class a file names and runs none of its code: "
+        f"it leaves these objects opaque and reads everything else as saved. optimshift.load refuses the file until "
+        f"they are allowed, for a file you trust: torch.serialization.safe_globals([...]) in a process that has the "
+        f"classes"
+    )
+    return _finding("info", "-", len(names), message)
 
 
 def _hashable(value: Any) -> bool:
@@ -259,19 +256,13 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
     desc["findings"] = _findings(cls, found, groups, states, locations)
     if stringified:
         shown = ", ".join(repr(k) for k in sorted(stringified)[:3])
-        desc["findings"].insert(
-            0,
-            {
-                "severity": "error",
-                "key": "-",
-                "count": len(stringified),
-                "message": f"the state's keys are text ({shown}{', …' if len(stringified) > 3 else ''}) while the "
-                f"param groups list numbers: the file went through JSON or a similar round trip. "
-                f"optimizer.load_state_dict silently drops every param's state (it keeps them as "
-                f"optimizer-wide entries); optimshift.load_state_dict refuses it. Turn the keys back into "
-                f"the groups' ids ({{int(k): v for k, v in sd['state'].items()}})",
-            },
+        message = (
+            f"the state's keys are text ({shown}{', …' if len(stringified) > 3 else ''}) while the param groups list "
+            f"numbers: the file went through JSON or a similar round trip. optimizer.load_state_dict silently drops "
+            f"every param's state (it keeps them as optimizer-wide entries); optimshift.load_state_dict refuses it. "
+            f"Turn the keys back into the groups' ids ({{int(k): v for k, v in sd['state'].items()}})"
         )
+        desc["findings"].insert(0, _finding("error", "-", len(stringified), message))
     return desc
 
 
@@ -335,18 +326,8 @@ def _findings(
                 if puts_on != fresh_on:
                     # foreach=None: the implementation torch picks for the params (runs_foreach).
                     foreach = runs_foreach(torch_name, g.get("foreach"), pdev.type != "cpu", g)
-                    moved[
-                        (
-                            str(key),
-                            tag(saved_on),
-                            tag(puts_on),
-                            tag(fresh_on),
-                            bool(g.get("fused")),
-                            bool(g.get("capturable")),
-                            foreach,
-                            bool(g.get("differentiable")),
-                        )
-                    ] += 1
+                    flags = (bool(g.get("fused")), bool(g.get("capturable")), foreach, bool(g.get("differentiable")))
+                    moved[(str(key), tag(saved_on), tag(puts_on), tag(fresh_on)) + flags] += 1
     for (key, saved, torch_puts, fresh, fused, capturable, foreach, differentiable), n in sorted(moved.items()):
         kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
         subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
@@ -371,16 +352,16 @@ def _findings(
                 f"optimshift.load_state_dict places it there"
             )
         findings.append(
-            {
-                "severity": "info" if cost == 0 else "warning",
-                "key": key,
-                "count": n,
-                "message": message,
-                "saved_on": saved,
-                "torch_load_puts_it_on": torch_puts,
-                "fresh_optimizer_keeps_it_on": fresh,
-                "syncs_per_param_per_step": cost,
-            }
+            _finding(
+                "info" if cost == 0 else "warning",
+                key,
+                n,
+                message,
+                saved_on=saved,
+                torch_load_puts_it_on=torch_puts,
+                fresh_optimizer_keeps_it_on=fresh,
+                syncs_per_param_per_step=cost,
+            )
         )
     return _merge(findings)
 
@@ -460,13 +441,10 @@ def _has_namedtuple(value: Any) -> bool:
 
 
 def _mangle(key: Any, what: str, effect: str) -> dict[str, Any]:
-    return {
-        "severity": "warning",
-        "key": str(key),
-        "count": 1,
-        "message": f"state key `{key}` {what}: optimizer.load_state_dict {effect}; "
-        f"optimshift.load_state_dict keeps it as saved",
-    }
+    message = (
+        f"state key `{key}` {what}: optimizer.load_state_dict {effect}; optimshift.load_state_dict keeps it as saved"
+    )
+    return _finding("warning", str(key), 1, message)
 
 
 def _merge(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -486,15 +464,10 @@ def trainer_resume_findings(o: Mapping[str, Any]) -> list[dict[str, Any]]:
     hosted = [g for g in o["groups"] if not (g["flags"].get("fused") or g["flags"].get("capturable"))]
     if not hosted or not any(row["key"] == "step" for row in o["state"]):
         return []
-    return [
-        {
-            "severity": "info",
-            "key": "step",
-            "count": sum(g["params"] for g in hosted),
-            "message": "the Trainer resumes this file with torch.load(map_location=its device) when it trains on "
-            "more than one device, and optimizer.load_state_dict then leaves each non-fused `step` on "
-            "the accelerator, where every read is a host sync; calling "
-            "optimshift.integrations.accelerate.patch() before the Trainer is built keeps it on the "
-            "host",
-        }
-    ]
+    message = (
+        "the Trainer resumes this file with torch.load(map_location=its device) when it trains on more than one "
+        "device, and optimizer.load_state_dict then leaves each non-fused `step` on the accelerator, where every read "
+        "is a host sync; calling optimshift.integrations.accelerate.patch() before the Trainer is built keeps it on "
+        "the host"
+    )
+    return [_finding("info", "step", sum(g["params"] for g in hosted), message)]

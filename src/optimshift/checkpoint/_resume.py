@@ -290,19 +290,17 @@ def _install(
     shared: Mapping[int, int] = MappingProxyType({}),
     in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = MappingProxyType({}),
 ) -> None:
-    """Hand the new state to the optimizer as PyTorch does (``__setstate__``, which runs the class's fix-ups,
-    e.g. Adam turning a float ``step`` into a tensor), through the engine's commit: if a fix-up raises, the
-    optimizer is put back and nothing else is applied.
+    """Hand the new state to the optimizer as PyTorch does (``__setstate__``, the class's fix-ups: Adam's float
+    ``step`` made a tensor) in the engine's commit: if a fix-up raises, the optimizer is put back.
 
-    Then every tensor the optimizer already held at the same place (param and key, or group and key) adopts
-    the loaded copy's contents and stays the same object (see :mod:`optimshift._adopt`), so a resume into an
-    optimizer with state does not recompile a compiled ``step()``. Only copies made here are adopted (``made()``:
-    their ids, asked only where a live tensor sits where the load installs something; None: none was made),
-    and a copy installed in several places (``shared``: how many) only where one old tensor held all of them (LBFGS's
-    ``t``, its group's ``lr``): with ``copy=False`` the caller's own tensors
-    are installed as they are. ``in_place``: by device, (live tensors, checkpoint tensors), pair by pair, that the
-    staging installed as the live tensor itself, which takes the values in the commit (no copy made, no adoption:
-    same object, same storage), once nothing can refuse the state.
+    Then every tensor the optimizer held at the same place (param and key, or group and key) adopts the loaded
+    copy's contents and stays the same object (:mod:`optimshift._adopt`: a compiled ``step()`` does not recompile).
+    Only copies made here are adopted (``made()``: their ids, asked only once a live tensor sits where the load
+    installs something; None: none was made; with ``copy=False`` the caller's own tensors are installed as they
+    are), and one installed in several places (``shared``: how many) only where one old tensor held all of them
+    (LBFGS's ``t``, its group's ``lr``). ``in_place``: by device, (live tensors, checkpoint tensors) that the
+    staging installed as the live tensor itself, which takes the values in the commit once nothing can refuse the
+    state (same object, same storage).
     """
     before = dict(optimizer.__dict__)
     # (only copies made here are adopted: when every entry was installed as it is or taken in place, none is)

@@ -1,17 +1,12 @@
 """Staging a load: a state dict validated against the live optimizer and turned into its new state and groups,
-made of copies, before anything changes.
-
-The new state is placed by the planner every operation uses: :func:`optimshift._plan.build_plan` over the state
-and groups about to be installed, with :func:`optimshift._plan.policy_target` (and the plan's rule for a state
-entry that holds its group's own tensor). Every copy is made in one call (:func:`optimshift._engine.copy_each`)
-before :func:`optimshift.checkpoint._resume` installs anything, so an error leaves the optimizer as it was.
-
-The common checkpoint (every param's state what its class's step creates, each entry a plain dense tensor that
-stays where it is) is staged first, in one pass, by :mod:`._uniform`, with the same result; anything else here.
+made of copies, before anything changes (placed by the planner every operation uses, every copy made by one
+``engine.copy_each`` call, before :mod:`._resume` installs anything: an error leaves the optimizer as it was).
+The common checkpoint is staged first, in one pass, by :mod:`._uniform`, with the same result; anything else here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy as _copy
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping
@@ -107,9 +102,8 @@ class Staging:
         self._made: dict[_Ticket, torch.Tensor] = {}
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
         self._dtype_checks: dict[_DtypeKey, list[Rejection]] = {}
-        # (live tensor, checkpoint tensor): the live tensor is installed as it is and takes the values in place
-        # once the class's __setstate__ accepted the new state (see in_place), by device (one batched copy each):
-        # (live tensors, checkpoint tensors), pair by pair
+        # By device (one batched copy each): (live tensors, checkpoint tensors), pair by pair; each live tensor is
+        # installed as it is and takes the values once the class's __setstate__ accepted the new state.
         self.in_place: defaultdict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
             lambda: ([], [])
         )
@@ -161,10 +155,8 @@ class Staging:
         # a param listed twice or an id that is not hashable.
         n = sum(len(lg["params"]) for lg in live)
         seen_ids: dict[Any, Any] = {}
-        try:
+        with contextlib.suppress(TypeError):
             seen_ids = dict.fromkeys(chain.from_iterable(g["params"] for g in groups))
-        except TypeError:
-            pass
         if len(seen_ids) != n or len(set(map(id, chain.from_iterable(lg["params"] for lg in live)))) != n:
             self._refuse_listed_twice(groups, live)
         id_types = set(map(type, seen_ids))
@@ -324,12 +316,10 @@ class Staging:
         self, pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, Any]]
     ) -> dict[tuple[int, int | None], Mapping[Any, Any]]:
         """(group, index) -> the live state of each param the load gives state to, when its live tensors may take
-        the loaded values in place (see ``in_place``); empty when none may.
-
-        NOTE: only when the ``__setstate__`` called is torch's own for the class (``torch_setstate``): it runs
-        before the values are copied in, and torch's fix up non-tensor entries only (a float ``step`` becomes a
-        tensor). And only
-        when each live tensor sits in one place: one given two values must stop being shared (``_install``)."""
+        the loaded values in place (see ``in_place``); empty when none may: only where the ``__setstate__`` called
+        is torch's own for the class (``torch_setstate``: it runs before the values are copied in, and fixes up
+        non-tensor entries only), and each live tensor sits in one place (one given two values must stop being
+        shared, ``_install``)."""
         if not self.opt.state or not self.strict or not self.torch_setstate:
             return {}  # (no live state: a fresh optimizer, the common resume)
         get = self.opt.state.get

@@ -1,14 +1,11 @@
 """The uniform load: a checkpoint whose every param's state is what its class's step creates, each entry a plain
-dense tensor that stays where the plan puts it, staged in one pass with its checks made in C.
+dense tensor, staged in one pass with its checks made in C (most resumes: ``opt.state_dict()`` of the same class).
 
-Most resumes load such a checkpoint (``opt.state_dict()`` of the same class, saved and read back). The general
-staging (:class:`._staging.Staging`) looks at each tensor in Python, a dozen attribute reads each; here each
-*kind* of entry (a group, a key, a param shape, dtype and device) is checked once in Python, on its first tensor,
-exactly as the general path checks it, and every tensor is then compared with its kind's first in one C call
-(``TensorGuards``, what ``torch.compile`` checks its inputs with: class, dispatch keys, dtype, device,
-``requires_grad``, sizes, strides). Anything else (a mismatch, a tensor shared, a cast, a container, a group
-tensor) returns None and the general path stages the load, with its errors. Same result, same placement (the
-plan's target function), same copies: a clone each, a live tensor that fits taking the values in place.
+Where the general staging reads a dozen attributes of each tensor in Python, here each *kind* of entry is checked
+once in Python, on its first tensor, as the general path checks it, and every tensor is then compared with its
+kind's first in one C call (``TensorGuards``, what ``torch.compile`` checks its inputs with: class, dispatch keys,
+dtype, device, ``requires_grad``, sizes, strides). Anything else returns None: the general path stages the load,
+with its errors. Same result, same placement, same copies.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, repeat, starmap
 from operator import itemgetter
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -103,7 +100,7 @@ _Row = tuple[torch.Tensor, Mapping[Any, Any], _Layout, int, int]
 _param_of = itemgetter(0)
 
 
-class _Kind:
+class _Kind(NamedTuple):
     """One kind of entry row: the checkpoint state of a param of one shape, dtype and device in one group, as its
     first param holds it. ``order``: its keys in their order (every row of the kind holds them in it: each entry
     is checked against its own key's); ``check``: every other row's entries against the first's, in one C call
@@ -112,19 +109,12 @@ class _Kind:
     the first (class, dtype, device, sizes, strides; None where TensorGuards cannot check it), for a group checked
     at once (:func:`_whole_group`); ``layout``: how its entries are copied."""
 
-    __slots__ = ("order", "keys", "check", "both", "param", "layout")
-
-    def __init__(
-        self,
-        order: tuple[Any, ...],
-        keys: frozenset[Any],
-        check: Callable[..., bool],
-        both: Callable[..., bool],
-        param: Callable[[torch.Tensor], bool] | None,
-        layout: _Layout,
-    ) -> None:
-        self.order, self.keys, self.check, self.both, self.param = order, keys, check, both, param
-        self.layout = layout
+    order: tuple[Any, ...]
+    keys: frozenset[Any]
+    check: Callable[..., bool]
+    both: Callable[..., bool]
+    param: Callable[[torch.Tensor], bool] | None
+    layout: _Layout
 
 
 def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
@@ -133,9 +123,9 @@ def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
         return False
     if torch.is_inference_mode_enabled() or repr(torch._C._dispatch_tls_local_exclude_set()) != _DEFAULT_EXCLUDED:
         return False
-    # A group's own tensors (a tensor lr, one inside a container) are placed, copied and shared by the general
-    # path's rules.
-    return all(next(group_tensors(g), None) is None for g in new_groups)
+    # A registered policy may place each param apart (kinds are placed once each); a group's own tensors (a tensor
+    # lr, one inside a container) are placed, copied and shared by the general path's rules.
+    return not has_registered_policy(st.opt) and all(next(group_tensors(g), None) is None for g in new_groups)
 
 
 def build_uniform(
@@ -143,8 +133,6 @@ def build_uniform(
 ) -> defaultdict[Any, Any] | None:
     """The new state of a uniform load (filling ``st``'s copies and in-place pairs), or None: the general path's."""
     if not _usable(st, new_groups):
-        return None
-    if has_registered_policy(st.opt):  # (it may place each param apart: kinds are placed once each)
         return None
     target = policy_target(st.opt, st.device, remembered=False)
     lives = st.copy and bool(st.opt.state) and st.torch_setstate

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._errors import with_article
+from .._errors import dtype_name, with_article
 from .._probe import TRANSIENT, StateSpec, signature_defaults, step_needs, throwaway
 from .._state import GROUP_SKIP, IMPLEMENTATION_FLAGS
 
@@ -83,10 +83,7 @@ def check_entries(
                 f"{where(key)}: expected a dense tensor, got a {str(value.layout).replace('torch.', '')} one", TypeError
             )
         if key in spec.floating and not (value.is_floating_point() or value.is_complex()):
-            raise fail(
-                f"{where(key)}: expected a floating-point tensor, got {str(value.dtype).replace('torch.', '')}",
-                TypeError,
-            )
+            raise fail(f"{where(key)}: expected a floating-point tensor, got {dtype_name(value.dtype)}", TypeError)
         if key in spec.bounded and key not in spec.shaped and value.numel() > p.numel():
             raise fail(
                 f"{where(key)}: the checkpoint's tensor has {value.numel()} elements, more than its "
@@ -232,7 +229,7 @@ def _hyper_problem(key: str, default: Any, value: Any) -> str | None:
 
 def _kind(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)} ({str(value.dtype).replace('torch.', '')})"
+        return f"a tensor of shape {tuple(value.shape)} ({dtype_name(value.dtype)})"
     if isinstance(value, (str, bytes)):
         return f"{type(value).__name__} {value[:40]!r}"
     if value is None:

@@ -264,23 +264,20 @@ def _rebuild(container: Any, values: list[Any]) -> Any:
     if all(a is b for a, b in zip(values, old)):
         return container
     try:
-        if isinstance(container, dict):
-            if type(container) is dict:
-                return dict(zip(container, values))
-            mapping = copy.copy(container)  # (an OrderedDict, a defaultdict: its class, order and factory kept)
-            if mapping is container:
-                raise TypeError("its copy is itself")
-            mapping.update(zip(container, values))
-            return mapping
+        if type(container) is dict:
+            return dict(zip(container, values))
         if type(container) in (list, tuple):
             return type(container)(values)
         if isinstance(container, tuple):  # (a namedtuple: _make)
             return container._make(values) if hasattr(container, "_make") else type(container)(values)
-        listed = copy.copy(container)
-        if listed is container:
+        made = copy.copy(container)  # (its class kept; an OrderedDict's order, a defaultdict's factory)
+        if made is container:
             raise TypeError("its copy is itself")
-        listed[:] = values  # (its class kept)
-        return listed
+        if isinstance(container, dict):
+            made.update(zip(container, values))
+        else:
+            made[:] = values
+        return made
     except Exception as e:  # noqa: BLE001  (a class of the user's: whatever its constructor raises)
         raise ValueError(
             f"save: an optimizer inside a {type(container).__name__} is saved as its state dict, but a "
@@ -346,10 +343,8 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             raise PermissionError(
                 e.errno, f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically)"
             ) from None
-        try:  # replacing a file: keep its permissions (a 0600 checkpoint stays private)
+        with contextlib.suppress(FileNotFoundError):  # replacing a file: keep its permissions (0600 stays private)
             os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
-        except FileNotFoundError:
-            pass
         raw = os.fdopen(fd, "wb")  # (closed after the rename: closing it releases the lock)
         try:
             # (torch.save writes to any binary file; its stubs ask for a typing.IO, which io.RawIOBase is not)
@@ -935,10 +930,8 @@ def _load_recording(
     locations: dict[int, str] = {}
 
     def keep(storage: Any, location: str) -> Any:
-        try:
+        with contextlib.suppress(Exception):
             locations[storage.data_ptr()] = location
-        except Exception:
-            pass
         return storage
 
     stood_in: list[str] = []

@@ -63,9 +63,8 @@ class TrainingFolder:
     @property
     def label(self) -> str:
         """The layout in words: "Hugging Face Trainer checkpoint folder" or "Accelerate save_state folder"."""
-        return {HF_TRAINER: "Hugging Face Trainer checkpoint folder", ACCELERATE: "Accelerate save_state folder"}[
-            self.kind
-        ]
+        labels = {HF_TRAINER: "Hugging Face Trainer checkpoint folder", ACCELERATE: "Accelerate save_state folder"}
+        return labels[self.kind]
 
 
 def _role(name: str, path: str) -> str:

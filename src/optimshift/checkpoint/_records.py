@@ -36,17 +36,10 @@ class _Inert:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __setstate__(self, state: Any) -> None:
+    def _ignore(self, *args: Any) -> None:
         pass
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, item: Any) -> None:
-        pass
-
-    def extend(self, items: Any) -> None:
-        pass
+    __setstate__ = __setitem__ = append = extend = _ignore
 
 
 class _StorageName:
@@ -89,11 +82,7 @@ class _ClaimsReader(pickle.Unpickler):
             key = key.decode("ascii", "replace")
         if type(key) is not str or type(numel) is not int or type(storage_type) is not _StorageName:
             raise Unverifiable(f"unexpected persistent id {pid!r:.60}")
-        claimed = self.claims.get(key)
-        if claimed is None:
-            self.claims[key] = {nbytes}
-        else:
-            claimed.add(nbytes)
+        self.claims.setdefault(key, set()).add(nbytes)
         return _INERT
 
 

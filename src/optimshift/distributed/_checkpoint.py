@@ -827,9 +827,7 @@ def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout, model: torch.nn
 def _raise_mismatch(problems: list[str], layout: _Layout, model: Any, optimizer: Any) -> None:
     if not problems:
         return
-    saved = ""
-    if layout.note:
-        saved = f" (saved from a {layout.note.get('model')} with {layout.note.get('optimizer')})"
+    saved = f" (saved from a {layout.note.get('model')} with {layout.note.get('optimizer')})" if layout.note else ""
     shown = problems[:_SHOWN]
     more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
     raise ValueError(

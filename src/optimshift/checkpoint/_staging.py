@@ -614,9 +614,8 @@ class Staging:
         try:
             return _copy.deepcopy(value, memo)
         except Exception as e:
-            where = self._site(site) if site[1] is not None else f"param group {site[0]}, key {site[2]!r}"
             raise self.fail(
-                f"{where}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})", TypeError
+                f"{self._site(site)}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})", TypeError
             ) from e
 
     def _check_depth(self, value: Any, site: _Site, wide: bool = False) -> None:

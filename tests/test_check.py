@@ -482,3 +482,36 @@ def test_a_group_tensor_read_on_the_host_is_priced_as_a_step_reads_it(sim, name,
     caused = step() - on_the_host
     assert report.syncs_per_step == caused
     assert [(f.key, f.severity) for f in report.findings] == ([("lr", "warning")] if caused else [])
+
+
+class _OneParamOnly(torch.optim.Optimizer):
+    """A third-party optimizer whose constructor takes exactly one param, reading its tensor ``lr`` on the host."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+        if sum(len(g["params"]) for g in self.param_groups) != 1:
+            raise ValueError("takes exactly one param")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                    buf.mul_(0.9).add_(p.grad)
+                    p.add_(buf, alpha=-float(group["lr"]))
+
+
+def test_a_class_that_takes_one_param_is_still_probed_where_its_group_tensors_are_priced(sim):
+    """The probe's count of a group tensor over two params built the class over two: a constructor that takes
+    exactly one raised there, and the whole probe of the class was lost (check() no longer found its device
+    ``lr``, placement fell back to the default rule). Its cost is then unknown; its verdict stands."""
+    p = torch.nn.Parameter(torch.randn(3, device=sim))
+    opt = _OneParamOnly([p], lr=torch.tensor(0.01))
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
+    report = optimshift.check(opt)
+    assert [(f.key, f.severity, f.expected) for f in report.findings] == [("lr", "warning", "cpu")]
+    optimshift.move(opt)
+    assert opt.param_groups[0]["lr"].device.type == "cpu" and optimshift.check(opt).ok

@@ -649,8 +649,11 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
         if alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
             if later is not None and alone_later is not None:
-                two = _run(cls, group, ndim, paths, None, n_params=2)[2]
-                two_alone = _run(cls, group, ndim, paths, path, n_params=2)[2]
+                try:
+                    two = _run(cls, group, ndim, paths, None, n_params=2)[2]
+                    two_alone = _run(cls, group, ndim, paths, path, n_params=2)[2]
+                except _Unbuilt:  # (a class built over one param only: its cost is not known, its verdict stands)
+                    two = two_alone = None
                 if two is not None and two_alone is not None:
                     one, per_param = alone_later - later, (two_alone - two) - (alone_later - later)
                     costs[path] = (one - per_param, per_param)

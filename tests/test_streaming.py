@@ -910,6 +910,45 @@ def test_a_failing_write_back_keeps_the_stepped_state(sim, monkeypatch, seed, pr
         _assert_same(model, opt, ref_model, ref)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES[:2])
+def test_unstream_after_a_failing_write_back_gives_each_entry_its_own_storage(sim, monkeypatch, seed, progress):
+    """unstream() right after a failed write-back left that chunk's entries as views of the device window the step
+    ran in: one storage (the window's, a chunk's capacity) shared by every entry of the chunk, for good, where a
+    fresh optimizer keeps each entry in storage of its own (a later move of one of those params to another device
+    was then refused as a split of shared storage). The chunk is laid out first, as the next step would."""
+    with deferred_streams(seed=seed, progress=progress):
+        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,)], sim, torch.optim.Adam, foreach=True)
+        optimshift.stream(opt, chunk_bytes=128)  # one param per chunk
+        train(model, opt, range(2))
+        train(ref_model, ref, range(2))
+        real = _streaming._queue
+
+        def failing(side, dst, src, **kwargs):
+            if dst.device.type == "cpu":  # (the first write-back: chunk 0's, param 0 stepped)
+                raise RuntimeError("injected: the write-back failed")
+            return real(side, dst, src, **kwargs)
+
+        monkeypatch.setattr(_streaming, "_queue", failing)
+        for i, p in enumerate(_params(model)):
+            p.grad = grad_for(2, i, p.shape).to(sim)
+        with pytest.raises(RuntimeError, match="injected"):
+            opt.step()
+        monkeypatch.undo()
+        for i, p in enumerate(_params(ref_model)):  # (the reference steps param 0 alone)
+            p.grad = grad_for(2, i, p.shape).to(sim) if i == 0 else None
+        ref.step()
+        optimshift.unstream(opt)
+        assert state_layout(opt) == state_layout(ref)
+        _assert_same(model, opt, ref_model, ref)
+        tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        storages = {(t.device, t.untyped_storage().data_ptr()) for t in tensors}
+        assert len(storages) == len(tensors)
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+        train(model, opt, range(3, 5))
+        train(ref_model, ref, range(3, 5))
+        _assert_same(model, opt, ref_model, ref)
+
+
 def _careless_layout(monkeypatch, name):
     """The layout's copies (the engine's, into the chunks' host views) with one ordering taken away: their
     ``record_stream`` or their wait for the current stream, or queued on the engine's lane, not the step's."""

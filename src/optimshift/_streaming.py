@@ -772,6 +772,9 @@ def unstream(optimizer: Opt) -> Opt:
         if mode is None:
             return optimizer
         mode.wait()
+        if mode._unwritten:  # (a failed write-back left a chunk's state in views of one window: laid out first)
+            mode._relay(list(mode._unwritten.values()))
+            mode.wait()
         inner = mode.optimizer
         with _engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
             chunks = list(mode._chunks.values())

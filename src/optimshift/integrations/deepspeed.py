@@ -1,37 +1,27 @@
 """DeepSpeed: ZeRO-1/2 ``offload_states``/``reload_states`` by the rule, on optimshift's host pool.
 
-One line, in every process that builds a DeepSpeed engine (an RL trainer's actor and critic workers)::
+One line, in every process that builds a DeepSpeed engine (``patch()``/``unpatch()`` do it by hand; importing
+:mod:`optimshift` alone never imports DeepSpeed)::
 
     import optimshift.integrations.deepspeed   # patches at once when deepspeed is importable
 
-(``patch()``/``unpatch()`` do it by hand). Importing :mod:`optimshift` alone never imports DeepSpeed.
-
 What it changes, in ``deepspeed.runtime.zero.stage_1_and_2`` (what ``engine.offload_states()`` and
-``engine.reload_states()`` call, as OpenRLHF's ``offload_deepspeed_states``/``reload_deepspeed_states`` do around
-every generation phase):
+``engine.reload_states()`` call):
 
-- **optimizer state** (``optim_states``): DeepSpeed's ``offload_optimizer_states`` pins a fresh host buffer per
-  tensor on every offload and replaces every entry; ``reload_optimizer_states`` puts every tensor on the device,
-  ``step`` included, so a torch ``AdamW`` client optimizer (what the Hugging Face Trainer hands DeepSpeed when
-  its config has no ``optimizer`` section) reads a device ``step`` with a host sync per param per step ever
-  after. Patched, both are :func:`optimshift.offload`/:func:`optimshift.reload` of the inner torch optimizer:
-  ``step`` where a fresh optimizer keeps it, every tensor the same object, the bytes in the persistent host pool
-  (pinned on CUDA), ``non_blocking=True`` overlapping with optimshift's in-flight guards (a reload is left in
-  flight for the forward and backward to overlap: the step waits for it on the device);
+- **optimizer state** (``optim_states``): ``offload_optimizer_states``/``reload_optimizer_states`` become
+  :func:`optimshift.offload`/:func:`optimshift.reload` of the inner torch optimizer; a ``non_blocking=True``
+  reload is left in flight for the forward and backward to overlap (the step waits for it on the device);
 - **fp32 master partitions and bf16/fp16 flat params** (``hp_params``, ``lp_params``, with ``pin_memory=True``,
-  DeepSpeed's default): DeepSpeed pins new host buffers for them on every cycle (its reload deletes
-  ``hp_params_pin_buffers``/``lp_params_pin_buffers``). Patched, it is handed pool buffers instead and its own
-  code copies into them and swaps ``.data`` as it always does (its links between partitions and params stay
-  its own); each buffer goes back to the pool at the reload. A steady offload/reload cycle allocates no host
-  memory. ``engine.save_checkpoint`` while offloaded writes each tensor's own bytes, never a pool buffer's;
+  DeepSpeed's default): DeepSpeed is handed pool buffers as ``hp_params_pin_buffers``/``lp_params_pin_buffers``
+  (which its reload deletes) and its own code copies into them and swaps ``.data`` as always; each buffer goes
+  back to the pool at the reload. ``engine.save_checkpoint`` while offloaded writes each tensor's own bytes;
 - ``lp_grads`` and ``pin_memory=False`` stay DeepSpeed's own (pageable ``.to()``: nothing is pinned).
 
-Left as DeepSpeed made it, with one log line each: ZeRO-Offload (``offload_optimizer`` on the host: a
-``DeepSpeedCPUAdam`` whose state lives on the host), an inner optimizer whose state is not one dict of tensors
-per param, a streamed one (:func:`optimshift.stream`), and ZeRO-3 (its ``offload_adam_states`` already keeps a
-persistent buffer and leaves ``step`` alone). A DeepSpeed whose functions are not the ones this patch knows
+Left as DeepSpeed made it, with one log line each: ZeRO-Offload (``DeepSpeedCPUAdam``), an inner optimizer whose
+state is not one dict of tensors per param, a streamed one, and ZeRO-3 (its ``offload_adam_states`` keeps a
+persistent buffer and leaves ``step`` alone). A DeepSpeed whose functions differ from the ones this patch knows
 (another signature, or code that no longer reads the buffers it hands over) is left unpatched with a warning
-naming them (:func:`unknown_functions`).
+(:func:`unknown_functions`).
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ import inspect
 import logging
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -139,11 +129,13 @@ def _why_not_zero(zero: Any) -> str | None:
 
 
 def _make_offload_optimizer_states(original: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @functools.wraps(original, assigned=NAMES_ONLY)
     @torch.no_grad()
     def offload_optimizer_states(
         optimizer: Any, device: Any, pin_memory: bool = False, non_blocking: bool = False
     ) -> None:
+        """optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor to the host pool,
+        the same objects, where it was recorded for the reload."""
         why = "left" if getattr(_within, "left", False) else _why_not_inner(optimizer)
         if why is not None or str(device) != "cpu":
             if why is not None:
@@ -153,10 +145,6 @@ def _make_offload_optimizer_states(original: Callable[..., None]) -> Callable[..
         if optimizer.state:
             api.offload(optimizer, pin_memory=pin_memory, non_blocking=non_blocking)  # type: ignore[call-overload]
 
-    offload_optimizer_states.__doc__ = (
-        "optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor to the host pool, "
-        "the same objects, where it was recorded for the reload."
-    )
     return offload_optimizer_states
 
 
@@ -166,9 +154,11 @@ def _reload(optimizer: Any, device: Any, non_blocking: bool) -> None:
 
 
 def _make_reload_optimizer_states(original: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
-    @functools.wraps(original, assigned=_NAMES_ONLY)
+    @functools.wraps(original, assigned=NAMES_ONLY)
     @torch.no_grad()
     def reload_optimizer_states(optimizer: Any, device: Any, non_blocking: bool = False) -> list[Any]:
+        """optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor back where it was,
+        the same objects; a non-fused Adam's step stays on the host."""
         why = "left" if getattr(_within, "left", False) else _why_not_inner(optimizer)
         if why is not None:
             _leave_alone(optimizer, why)
@@ -176,10 +166,6 @@ def _make_reload_optimizer_states(original: Callable[..., list[Any]]) -> Callabl
         _reload(optimizer, device, non_blocking)
         return []  # no host buffer to keep alive: the pool holds them until the copies are done
 
-    reload_optimizer_states.__doc__ = (
-        "optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor back where it was, "
-        "the same objects; a non-fused Adam's step stays on the host."
-    )
     return reload_optimizer_states
 
 
@@ -355,7 +341,9 @@ def _make_left_alone(original: Callable[..., None], why: str) -> Callable[..., N
 
 
 def _differs(name: str, function: Any) -> str | None:
-    """How ``function`` differs from the DeepSpeed function this patch knows by ``name``, or None."""
+    """How ``function`` (None: missing) differs from the DeepSpeed function this patch knows by ``name``, or None."""
+    if function is None:
+        return "missing"
     parameters, reads = _KNOWN[name]
     code = getattr(function, "__code__", None)
     if code is None:
@@ -388,22 +376,21 @@ def _modules() -> tuple[Any, Any, Any | None]:
 _unknown: list[str] = []
 
 
+def _differing(module: str, owner: Any, prefix: str, names: Iterable[str]) -> list[str]:
+    """``module.prefix+name (how)`` of each of ``owner``'s ``names`` that differs from the one this patch knows."""
+    found = [(name, _differs(prefix + name, owner.__dict__.get(name))) for name in names]
+    return [f"{module}.{prefix}{name} ({why})" for name, why in found if why is not None]
+
+
 def _plan_swaps() -> list[Swap]:
     functions, stage12, stage3 = _modules()
-    unknown: list[str] = []
     swaps: list[Swap] = []
     makers: dict[str, Callable[[Any], Any]] = {
         "offload_optimizer_states": _make_offload_optimizer_states,
         "reload_optimizer_states": _make_reload_optimizer_states,
     }
-    ok = True
-    for name in makers:
-        original = functions.__dict__.get(name)
-        why = _differs(name, original) if original is not None else "missing"
-        if why is not None:
-            unknown.append(f"{_FUNCTIONS}.{name} ({why})")
-            ok = False
-    if ok:  # (in every DeepSpeed module holding them by name: stage_1_and_2 imports both)
+    unknown = _differing(_FUNCTIONS, functions, "", makers)
+    if not unknown:  # (in every DeepSpeed module holding them by name: stage_1_and_2 imports both)
         pairs = [(functions.__dict__[name], make(functions.__dict__[name])) for name, make in makers.items()]
         swaps += bound_swaps(pairs, [functions], ("deepspeed",))
     zero = stage12.DeepSpeedZeroOptimizer
@@ -412,12 +399,7 @@ def _plan_swaps() -> list[Swap]:
         "reload_states": _make_reload_states,
         "state_dict": _make_state_dict,
     }
-    differing = []
-    for name in methods:
-        original = zero.__dict__.get(name)
-        why = _differs(f"DeepSpeedZeroOptimizer.{name}", original) if original is not None else "missing"
-        if why is not None:
-            differing.append(f"{_STAGE_1_AND_2}.DeepSpeedZeroOptimizer.{name} ({why})")
+    differing = _differing(_STAGE_1_AND_2, zero, "DeepSpeedZeroOptimizer.", methods)
     if differing:
         unknown.extend(differing)
     else:

@@ -7,30 +7,24 @@ One line, for a whole verl run (verl imports the modules named there in the driv
 or, in one process, ``import optimshift.integrations.verl`` (it patches at once when verl is importable;
 ``patch()``/``unpatch()`` do it by hand). Importing :mod:`optimshift` alone never imports verl.
 
-What it changes: with ``optimizer_offload=True`` verl's engines call ``load_fsdp_optimizer(optimizer,
-device_id)`` when they enter ``train_mode()`` and ``offload_fsdp_optimizer(optimizer)`` when they leave it,
-once per actor or critic update, every RL iteration. Both replace every tensor in ``optimizer.state[p]`` with
-``value.to(...)``, ``step`` included: after the first reload a non-fused Adam's ``step`` lives on the GPU
-(AdamW's foreach step then reads it with ``.item()`` twice per param per step), every tensor is a new object
-(a compiled step recompiles) and every offload allocates a fresh host buffer per tensor. ``patch()`` swaps
-them, in ``verl.utils.fsdp_utils`` and in every verl module holding them by name (the FSDP, torchtitan and
-automodel engines, ``verl.workers.fsdp_workers`` in versions that have it), and the veomni engine's own
-copies (``offload_veomni_optimizer``/``load_veomni_optimizer``, which also walk a multi-optimizer's
-``optimizers_dict``), for :func:`optimshift.offload` and :func:`optimshift.reload`:
+``patch()`` replaces verl's ``offload_fsdp_optimizer(optimizer)``/``load_fsdp_optimizer(optimizer, device_id)``
+(``verl.utils.fsdp_utils``; every tensor replaced by ``value.to(...)``, ``step`` included) in every verl module
+holding them by name, and the veomni and automodel engines' own copies (veomni's also walk a multi-optimizer's
+``optimizers_dict``), with :func:`optimshift.offload`/:func:`optimshift.reload`:
 
 - no state yet: nothing happens (verl's contract);
-- offload: every state tensor to the persistent host pool (pinned on CUDA), the same objects, reused every
-  cycle; reload: each tensor back where it was, the same objects, ``step`` where a fresh optimizer keeps it;
+- offload: every state tensor to the persistent host pool (pinned on CUDA), the same objects; reload: each tensor
+  back where it was, ``step`` where a fresh optimizer keeps it;
 - ``device_id`` (an int, a string such as ``"cuda"``, or a ``torch.device``) naming another device than the
   one the state was offloaded from: the state goes where a fresh optimizer on that device keeps it;
 - sharded state (FSDP2 DTensors, FSDP1 flat params) moves its local shards; streamed optimizers
   (:func:`optimshift.stream`) and objects that are no optimizer are left to verl's own code.
 
-Modules are found by scanning the loaded verl modules for the functions themselves, not by a list of names, so
-a verl module that binds them under another name is patched too; a verl function that looks like an optimizer
-offload or load but is not one of these (a version's new engine) is reported with a warning at ``patch()`` and
-listed by :func:`unknown_functions`. Megatron's ``offload_megatron_optimizer``/``load_megatron_optimizer`` move
-Megatron's own optimizer buffers and leave ``step`` alone: they are not patched.
+Modules are found by scanning the loaded verl modules for the functions themselves, so a verl module that binds
+them under another name is patched too; a verl function that looks like an optimizer offload or load but is not
+one of these (a version's new engine) is reported with a warning at ``patch()`` and listed by
+:func:`unknown_functions`. Megatron's ``offload_megatron_optimizer``/``load_megatron_optimizer`` move Megatron's
+own optimizer buffers and leave ``step`` alone: they are not patched.
 
 ``OPTIMSHIFT_VERL_KEEP_ADDRESSES=1`` (read at each offload; off by default until a GPU has run it with verl):
 offloads keep device addresses where the device can (``keep_addresses="auto"``), so a CUDA-graphed step survives
@@ -186,10 +180,6 @@ def _make_load(original: Callable[[Any, Any], None], multi: bool) -> Callable[[A
 # --- finding and swapping -----------------------------------------------------------------------------------
 
 
-def _verl_modules() -> list[Any]:
-    return [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "verl" and m is not None]
-
-
 def _sources() -> list[tuple[Any, tuple[str, str], bool]]:
     """The modules that define the functions: verl's fsdp_utils (imported), and each engine's own copy when its
     module is loaded or its engine can be imported here (then it is imported)."""
@@ -234,7 +224,7 @@ def unknown_functions() -> list[str]:
     ours = {id(s.replacement) for s in _patch.swaps}
     originals = {id(s.original) for s in _patch.swaps}
     found = []
-    for module in _verl_modules():
+    for module in [m for n, m in list(sys.modules.items()) if n.split(".")[0] == "verl"]:  # (None: no items)
         for name, value in module_items(module):
             if not callable(value) or not _LOOKALIKE.match(name) or name in _LEFT_ALONE:
                 continue

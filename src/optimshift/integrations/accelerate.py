@@ -104,22 +104,15 @@ def _plan_swaps() -> list[Swap]:
         raise ImportError(
             "optimshift.integrations.accelerate.patch() needs Accelerate: pip install 'optimshift[accelerate]'"
         ) from e
-    originals = {name: AcceleratedOptimizer.__dict__[name] for name in ("__init__", "load_state_dict")}
+    makers = {"__init__": _make_init, "load_state_dict": _make_load_state_dict}
+    originals = {name: AcceleratedOptimizer.__dict__[name] for name in makers}
     parameters = inspect.signature(originals["__init__"]).parameters
     if "optimizer" not in parameters or "device_placement" not in parameters:
         raise RuntimeError(
             "accelerate.optimizer.AcceleratedOptimizer.__init__ has no (optimizer, device_placement) "
             "parameters: optimshift cannot patch this Accelerate version"
         )
-    return [
-        Swap(AcceleratedOptimizer, "__init__", originals["__init__"], _make_init(originals["__init__"])),
-        Swap(
-            AcceleratedOptimizer,
-            "load_state_dict",
-            originals["load_state_dict"],
-            _make_load_state_dict(originals["load_state_dict"]),
-        ),
-    ]
+    return [Swap(AcceleratedOptimizer, name, originals[name], make(originals[name])) for name, make in makers.items()]
 
 
 def unpatch() -> None:

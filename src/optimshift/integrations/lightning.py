@@ -25,13 +25,10 @@ Lightning's own code, unchanged. ``fit(ckpt_path=...)`` restores optimizer state
 of fp32 state to the params' dtype, strings intact, linear time, every entry placed for its param and the live
 flags. Strategies with their own restore (DeepSpeed, FSDP, ModelParallel) keep it.
 
-Why a patch and not a callback or a strategy mixin: the wrong moves happen inside Lightning, in every strategy
-(single device, DDP, DeepSpeed, XLA...) and in ``Fabric``, between hooks a callback sees; a callback could only
-undo them afterwards (after ``on_fit_start``, in a teardown hook that runs after the strategy's) and a mixin
-would have to be combined with every strategy class a user picks. Replacing the one helper fixes every
-caller at the source, needs no change to the user's ``Trainer`` arguments, and can be undone with
-``unpatch()``. It relies on Lightning's private helper names: if a Lightning release renames them,
-``patch()`` raises instead of silently doing nothing.
+Why a patch: the wrong moves happen inside Lightning, in every strategy and in ``Fabric``, between hooks a
+callback sees (it could only undo them afterwards), and a strategy mixin would have to be combined with every
+strategy class a user picks. It relies on Lightning's private helper names: if a Lightning release renames
+them, ``patch()`` raises instead of silently doing nothing.
 
 :class:`OffloadOptimizerDuringEval` is an ordinary callback: it moves optimizer state to host memory for the
 validation, test and predict loops and puts it back, exactly where it was, before training resumes.
@@ -110,27 +107,22 @@ def _fabric_place(optimizer: Any, fabric_optimizer: type[_FabricOptimizer]) -> N
         follow_params(optimizer)
 
 
-def _wrap_fabric_setup(original: Callable[..., Any], fabric_optimizer: type[_FabricOptimizer]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        for item in result if isinstance(result, tuple) else (result,):
-            _fabric_place(item, fabric_optimizer)
-        return result
-
-    return wrapper
-
-
-def _wrap_fabric_load(
-    original: Callable[..., Any], fabric_optimizer: type[_FabricOptimizer], argument: str
+def _wrap_fabric(
+    original: Callable[..., Any], fabric_optimizer: type[_FabricOptimizer], argument: str | None
 ) -> Callable[..., Any]:
+    """``original`` (a ``Fabric`` method), then each optimizer it returned (``argument`` None) or loaded into (the
+    dict or object passed as ``argument``) placed by its params."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        target = signature.bind(self, *args, **kwargs).arguments.get(argument)
-        for item in target.values() if isinstance(target, dict) else (target,):
+        if argument is None:
+            placed: Iterable[Any] = result if isinstance(result, tuple) else (result,)
+        else:
+            target = signature.bind(self, *args, **kwargs).arguments.get(argument)
+            placed = target.values() if isinstance(target, dict) else (target,)
+        for item in placed:
             _fabric_place(item, fabric_optimizer)
         return result
 
@@ -168,11 +160,8 @@ def _plan_swaps() -> list[Swap]:
                 raise RuntimeError(
                     f"{package}.fabric.Fabric has no {name}(): optimshift cannot patch this Lightning version"
                 )
-            if name.startswith("load"):
-                wrapper = _wrap_fabric_load(original, fabric_optimizer, "state" if name == "load" else "obj")
-            else:
-                wrapper = _wrap_fabric_setup(original, fabric_optimizer)
-            swaps.append(Swap(fabric_cls, name, original, wrapper))
+            argument = {"load": "state", "load_raw": "obj"}.get(name)
+            swaps.append(Swap(fabric_cls, name, original, _wrap_fabric(original, fabric_optimizer, argument)))
         trainer = _TRAINERS.get(package)
         if trainer is not None and importlib.util.find_spec(trainer.split(".")[0]) is not None:
             strategy_cls = importlib.import_module(f"{trainer}.strategies.strategy").Strategy

@@ -27,16 +27,11 @@ def device_module(device_type: str) -> Any:
 
 def _fake_mode_active(tensors: Iterable[torch.Tensor] = ()) -> bool:
     """True under ``FakeTensorMode`` or when the optimizer's tensors are fake (no real device is needed)."""
-    try:
-        from torch._subclasses.fake_tensor import FakeTensor
-    except Exception:  # pragma: no cover - very old torch
-        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
     if any(isinstance(t, FakeTensor) for t in tensors):
         return True
-    try:
-        return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-    except Exception:  # pragma: no cover
-        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch.Tensor] = ()) -> torch.device:
@@ -62,14 +57,11 @@ def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch
         )
     if device.type == "cpu":
         return torch.device("cpu")
-    fake = _fake_mode_active(tensors)
+    if _fake_mode_active(tensors):
+        return device if device.index is not None else torch.device(device.type, 0)
     module = device_module(device.type)
     if module is None or not hasattr(module, "device_count"):
-        if fake:
-            return device if device.index is not None else torch.device(device.type, 0)
         raise ValueError(f"{what} {device} is not available: torch has no '{device.type}' backend in this process")
-    if fake:
-        return device if device.index is not None else torch.device(device.type, 0)
     available = bool(getattr(module, "is_available", lambda: True)())
     count = int(module.device_count()) if available else 0
     if count == 0:
@@ -86,15 +78,11 @@ def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch
 
 
 def _current_accelerator() -> str | None:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "current_accelerator"):
-        dev: torch.device | None
-        try:
-            dev = acc.current_accelerator()
-        except Exception:
-            dev = None
-        if dev is not None:
-            return dev.type
-    if torch.cuda.is_available():
-        return "cuda"
-    return None
+    dev: torch.device | None
+    try:
+        dev = torch.accelerator.current_accelerator()
+    except Exception:  # (a torch without torch.accelerator: before 2.6)
+        dev = None
+    if dev is not None:
+        return dev.type
+    return "cuda" if torch.cuda.is_available() else None

@@ -25,7 +25,5 @@ def with_article(word: str) -> str:
     """``word`` after the indefinite article its sound takes: "an Adam", "a SparseAdam", "an SGD", "an int"."""
     initialism = len(word) > 1 and word[0].isupper() and word[1].isupper()
     first = word[:1]
-    vowel = first.lower() in "aeiou" if first else False
-    if initialism and first in _VOWEL_SOUNDING_LETTERS:
-        vowel = True
+    vowel = bool(first) and (first.lower() in "aeiou" or (initialism and first in _VOWEL_SOUNDING_LETTERS))
     return f"{'an' if vowel else 'a'} {word}"

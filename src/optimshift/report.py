@@ -56,10 +56,8 @@ def default_foreach(params: Sequence[Any]) -> bool:
     """Whether torch's default (``_default_to_fused_or_foreach``) picks the foreach step for a group of ``params``:
     every one a plain Tensor or Parameter (or a DTensor) on an accelerator torch has foreach kernels for. A group
     with a param on the host, or of a Tensor subclass of its own, runs the single-tensor step."""
-    try:
-        from torch.optim.optimizer import _default_to_fused_or_foreach
-    except ImportError:  # pragma: no cover - a torch without it: by the devices alone
-        return bool(params) and all(p.device.type not in ("cpu", "meta") for p in params)
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
     return bool(_default_to_fused_or_foreach(list(params), False, use_fused=False)[1])
 
 
@@ -199,7 +197,7 @@ class Report:
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:
     """A plain aligned text table."""
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     lines.extend("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,8 +1,7 @@
 """DTensor (FSDP2, tensor parallel) optimizer state: move the local shard, keep the mesh and placements.
 
-This module imports nothing from ``torch.distributed`` at import time: the core modules call
-:func:`is_dtensor` on every tensor, and it only looks ``torch.distributed.tensor`` up in ``sys.modules``
-(a DTensor cannot exist unless that module was imported), so ``import optimshift`` stays light.
+Imports nothing from ``torch.distributed``: :func:`is_dtensor`, called on every tensor, looks
+``torch.distributed.tensor`` up in ``sys.modules`` (a DTensor cannot exist unless it was imported).
 """
 
 from __future__ import annotations

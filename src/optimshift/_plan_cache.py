@@ -1,23 +1,20 @@
 """Cached plans: a repeated operation on an unchanged optimizer reuses its plan and its adoption decisions.
 
-An offload/reload loop (an RL pipeline, every iteration) or a repeated ``move`` asks the same question of the
-same optimizer each time. The first call builds the plan (:func:`optimshift._plan.build_plan`: a policy
-decision per tensor) and, once committed, the adoption decisions (:mod:`optimshift._adopt`); both are kept in
-the optimizer's session under the operation's key. Every later call re-validates them with cheap checks and no
-policy decision, and rebuilds on any mismatch:
+The first call under an operation's key builds the plan (:func:`optimshift._plan.build_plan`) and leaves only a
+marker (no layout, no per-tensor record: a one-off operation pays nothing); the second build is kept, with its
+adoption decisions (:mod:`optimshift._adopt`) once committed, in the optimizer's session; a loop reuses it from
+its third iteration. Each key keeps its last ``PER_KEY`` layouts. Every reuse re-validates, with no policy
+decision, and rebuilds on any mismatch:
 
-- the layout: the same group dicts and param objects, param devices, implementation flags, every group entry by
-  kind (a float by its class against 0 and 1, as the probe that learns a class's placement keys it), which
-  hyperparameters are tensors (where, on which device, of which dtype), which params have grads (when grads
-  are moved), the policy registry's generation, fake mode and whether the device has streams;
+- the layout (:func:`layout`): the same group dicts and param objects, param devices, implementation flags,
+  every group entry by kind (a float by its class against 0 and 1, as the probe keys it), tensor
+  hyperparameters (where, device, dtype), which params have grads (when grads are moved), the policy registry's
+  generation, fake mode and whether the device has streams;
 - each site: the same tensor object under the same key, with the same device, dtype, shape and strides;
-- the adoption inputs (:func:`optimshift._adopt.still_valid`), checked when the decisions are reused.
+- the adoption inputs (:func:`optimshift._adopt.still_valid`), when the decisions are reused.
 
-A plan is kept from its second build under one key: the first call leaves only a marker (no layout, no
-per-tensor record), so a one-off operation (most moves) pays nothing for the cache, not even the layout; a loop
-reuses its plans from its third iteration. From the second build on, each key keeps its last ``PER_KEY``
-layouts, a marker for a layout seen once. A reload is keyed by the build of the offload plan it undoes
-(``Cached.serial``, new at each build), and kept at its first build once that offload plan is kept (``eager``).
+A reload is keyed by the build of the offload plan it undoes (``Cached.serial``, new at each build), and kept at
+its first build once that offload plan is kept (``eager``).
 
 # NOTE: keyed by what the caller's target function depends on besides the optimizer (the operation, the target
 # device, the offload a reload undoes): a cached plan is never asked a question it was not built for.

@@ -41,7 +41,7 @@ import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -171,24 +171,16 @@ def _plan_swaps() -> list[Swap]:
                     f"{trainer}.strategies.strategy.Strategy has no load_optimizer_state_dict(): "
                     f"optimshift cannot patch this Lightning version"
                 )
-            swaps.append(
-                Swap(
-                    strategy_cls,
-                    "load_optimizer_state_dict",
-                    original,
-                    _make_load_optimizer_state_dict(cast(Callable[..., None], original)),
-                )
-            )
+            replacement = _make_load_optimizer_state_dict(original)
+            swaps.append(Swap(strategy_cls, "load_optimizer_state_dict", original, replacement))
     return swaps
 
 
 def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original, assigned=NAMES_ONLY)
     def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
-        """optimshift's restore for ``fit(ckpt_path=...)``: each optimizer is loaded with
-        :func:`optimshift.load_state_dict` (no cast of fp32 state to the params' dtype where the step takes it, else
-        PyTorch's cast as unpatched; strings intact, linear time, every entry placed for its param and the live
-        flags); Lightning's own code for the rest."""
+        """optimshift's restore for ``fit(ckpt_path=...)`` (see optimshift.integrations.lightning): every optimizer
+        loaded as :func:`optimshift.load_state_dict` does, where all can be; else Lightning's own code."""
         from ..checkpoint._resume import can_load, load_as_torch_would
 
         optimizers = list(self.optimizers)

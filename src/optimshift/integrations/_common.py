@@ -31,13 +31,9 @@ def _is_dtensor(value: Any) -> bool:
 
 
 def placeable(optimizer: Any) -> bool:
-    """Whether optimshift can place this optimizer's state: a torch optimizer (or an object with
-    ``param_groups`` and ``state``) whose state is one dict of ordinary tensors per param of its groups.
-
-    False for custom optimizers whose state is not a dict per param, for optimizer-wide entries keyed by
-    anything but a param, and for sharded (DTensor) state; the integrations then leave the framework's own
-    code in charge, as it was before.
-    """
+    """Whether optimshift can place this optimizer's state: a torch optimizer (or an object with ``param_groups``
+    and ``state``) whose state is one dict of ordinary tensors (no DTensor) per param of its groups, and nothing
+    else (no optimizer-wide entry); if not, the integrations leave the framework's own code in charge."""
     groups = getattr(optimizer, "param_groups", None)
     state = getattr(optimizer, "state", None)
     if not isinstance(groups, list) or not isinstance(state, Mapping):

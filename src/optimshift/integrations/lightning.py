@@ -74,11 +74,8 @@ def _is_host(device: Any) -> bool:
 def _make_optimizer_to_device(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     @functools.wraps(original, assigned=NAMES_ONLY)
     def _optimizer_to_device(optimizer: Any, device: Any) -> None:
-        """optimshift's replacement for Lightning's helper (see optimshift.integrations.lightning).
-
-        To the host (teardown): every state tensor goes where a fresh host optimizer keeps it. To an
-        accelerator: each param's state follows that param, as a fresh optimizer's would.
-        """
+        """optimshift's replacement for Lightning's helper (see optimshift.integrations.lightning): to the host,
+        where a fresh host optimizer keeps the state; to an accelerator, each param's state follows that param."""
         if not placeable(optimizer):
             api.wait(optimizer)  # Lightning's own loop reads the state: a transfer in flight finishes first
             original(optimizer, device)

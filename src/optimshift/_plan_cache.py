@@ -118,10 +118,6 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
     return (type(t), t.device, t.dtype, t.shape, t.stride(), t.is_inference())
 
 
-def _hyper_tensors(group: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple((path, t.device, t.dtype) for path, t in group_tensors(group))
-
-
 def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
     """What a cached plan of ``optimizer`` depends on besides its state tensors (the module docstring's list)."""
     parts: list[Any] = [_policy.generation(), _fake_mode_active()]
@@ -137,7 +133,7 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
                 param_devices,
                 group_flags(group),
                 group_kinds(group),  # (a probed placement depends on the group's entries by kind)
-                _hyper_tensors(group),
+                tuple((path, t.device, t.dtype) for path, t in group_tensors(group)),
                 tuple(p.grad is not None and p.grad.device for p in params) if grads else (),
             )
         )

@@ -3,17 +3,11 @@
 Each submodule is opt-in and imports its framework only when you import it; importing :mod:`optimshift` or
 this package never imports Lightning, Accelerate, verl, DeepSpeed or any optimizer library.
 
-- :mod:`optimshift.integrations.lightning`: ``patch()`` makes Lightning's ``Trainer`` and ``Fabric`` move
-  optimizer state with optimshift (strategy setup, checkpoint restore, teardown);
-  ``OffloadOptimizerDuringEval`` keeps optimizer state on the host during validation/test/predict loops.
-- :mod:`optimshift.integrations.accelerate`: ``patch()`` makes ``Accelerator.prepare`` and
-  ``Accelerator.load_state`` (either ``map_location``) place optimizer state correctly.
-- :mod:`optimshift.integrations.verl`: importing it (``VERL_USE_EXTERNAL_MODULES=optimshift.integrations.verl``
-  does so in every verl process) makes verl's optimizer offload/load (``optimizer_offload=True``) keep ``step``
-  on the host, every tensor object, and one persistent host pool.
-- :mod:`optimshift.integrations.deepspeed`: importing it makes DeepSpeed's ZeRO-1/2 ``offload_states``/
-  ``reload_states`` keep ``step`` on the host, every state tensor object, and reuse pooled host buffers for the
-  optimizer state and the fp32 partitions.
+- :mod:`optimshift.integrations.lightning`: ``patch()`` for ``Trainer`` and ``Fabric`` (strategy setup,
+  checkpoint restore, teardown); ``OffloadOptimizerDuringEval`` keeps the state on the host during evaluation.
+- :mod:`optimshift.integrations.accelerate`: ``patch()`` for ``Accelerator.prepare`` and ``load_state``.
+- :mod:`optimshift.integrations.verl`, :mod:`optimshift.integrations.deepspeed`: importing one patches verl's
+  optimizer offload/load, DeepSpeed's ZeRO-1/2 ``offload_states``/``reload_states``, onto the host pool.
 - :mod:`optimshift.integrations.third_party`: ``register()`` installs the placement policies that third-party
   optimizer libraries need (``pytorch_optimizer``), and documents the classes no policy can fix.
 

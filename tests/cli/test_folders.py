@@ -273,3 +273,23 @@ def test_convert_into_a_new_folder_removes_what_a_crashed_convert_left(tmp_path,
         if held is not None:
             os.close(held)
     assert sorted(os.listdir(tmp_path)) == [".converted.ba9876543210.tmp", "checkpoint-10", "converted"]
+
+
+def test_inspect_of_a_trainer_folder_checks_its_optimizer_files_checksums(tmp_path, capsys):
+    """A bit flipped in a record of a Trainer folder's optimizer.pt: ``inspect FILE`` and ``convert`` refused it,
+    but ``inspect FOLDER`` read the damaged value and described it as sound."""
+    import struct
+    import zipfile
+
+    folder = _trainer_folder(tmp_path)
+    path = folder / "optimizer.pt"
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename and i.file_size >= 8)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
+    raw[info.header_offset + 30 + name_len + extra_len + 3] ^= 0x40
+    path.write_bytes(bytes(raw))
+    rc, out, err = _run(capsys, "inspect", folder)
+    assert rc == 1 and f"record {info.filename} fails its CRC-32 check" in err, (out, err)
+    rc, out, err = _run(capsys, "inspect", folder, "--json")
+    assert rc == 1 and "fails its CRC-32 check" in json.loads(out)["error"]["message"]

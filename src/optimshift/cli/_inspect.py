@@ -260,6 +260,7 @@ def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
         file = os.path.join(folder.path, name)
         try:
             fmt = ckpt._sniff(file)
+            ckpt.verify_checksums(file)
             with allowed(args.allow_global):
                 obj, locations, opaque = ckpt._load_recording(file, opaque=True)
         except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:

@@ -135,6 +135,17 @@ def test_bench_on_a_device_it_cannot_use_fails_in_one_line(capsys, monkeypatch, 
     assert f"--device {device}" in json.loads(capsys.readouterr().out)["error"]["message"]
 
 
+@pytest.mark.parametrize("device", ["cuda:7", "sim:5", "nonsense", "meta"])
+def test_demo_on_a_device_it_cannot_use_fails_in_one_line(capsys, device):
+    """``demo --device cuda`` on a machine without CUDA (or a name torch does not know) printed a traceback, where
+    ``bench`` says what is wrong in one line (one JSON document with --json)."""
+    assert cli.main(["demo", "--device", device]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"--device {device}" in err, err
+    assert cli.main(["demo", "--device", device, "--json"]) == 1
+    assert f"--device {device}" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
 def test_bench_out_is_written_atomically_and_leaves_other_files_alone(tmp_path, capsys, monkeypatch):
     """The results go through a hidden temporary of their own: a file named like the old fixed temporary
     (``OUT.tmp``, which a run used to overwrite and delete) is left alone, and nothing else is left behind."""

@@ -21,6 +21,7 @@ from ..api import move
 from ..report import format_table
 from ..syncs import count_syncs
 from ._accelerator import demo_accelerator
+from ._common import failure
 
 STEPS_BEFORE, STEPS_AFTER = 3, 5
 
@@ -209,7 +210,10 @@ def register(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    device = demo_accelerator(args.device)
+    try:
+        device = demo_accelerator(args.device)
+    except (ValueError, TypeError) as e:  # (a device this machine lacks, a name torch does not know)
+        return failure("demo", f"--device {args.device}: {e}", as_json=args.json, error=e)
     rows = run_demo(device)
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))

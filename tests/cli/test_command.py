@@ -135,6 +135,14 @@ def test_bench_on_a_device_it_cannot_use_fails_in_one_line(capsys, monkeypatch, 
     assert f"--device {device}" in json.loads(capsys.readouterr().out)["error"]["message"]
 
 
+def test_demo_on_the_host_says_nothing_of_a_simulated_accelerator(capsys):
+    """``demo --device cpu`` ended with "(simulated accelerator: real values computed on the host; ...)": the note
+    is the simulator's, and it is not a real accelerator's (or the host's) either."""
+    assert cli.main(["demo", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed on cpu" in out and "simulated" not in out, out
+
+
 @pytest.mark.parametrize("device", ["cuda:7", "sim:5", "nonsense", "meta"])
 def test_demo_on_a_device_it_cannot_use_fails_in_one_line(capsys, device):
     """``demo --device cuda`` on a machine without CUDA (or a name torch does not know) printed a traceback, where

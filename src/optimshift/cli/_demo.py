@@ -20,7 +20,7 @@ import torch
 from ..api import move
 from ..report import format_table
 from ..syncs import count_syncs
-from ._accelerator import demo_accelerator
+from ._accelerator import demo_accelerator, simulated
 from ._common import failure
 
 STEPS_BEFORE, STEPS_AFTER = 3, 5
@@ -185,7 +185,7 @@ def render(rows: list[Row], device: torch.device) -> str:
             "(simulated accelerator: real values computed on the host; a real GPU shows small param differences "
             "from its different kernels)"
         )
-        if device.type != "cuda"
+        if simulated(device)
         else ""
     )
     return (

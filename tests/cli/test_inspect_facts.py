@@ -135,3 +135,37 @@ def test_a_device_type_this_process_does_not_know_is_judged_by_its_type(tmp_path
     assert fresh.returncode == 0, fresh.stderr
     (there,) = json.loads(fresh.stdout)["optimizers"]
     assert there["findings"] == here["findings"]
+
+
+def test_lbfgs_t_is_judged_where_torch_load_leaves_it(tmp_path, sim, capsys):
+    """LBFGS's `t` stays on its own side (a fresh one may hold it on either). A file saved on an accelerator with
+    a tensor lr holds `t` (that lr) on the host, and torch's load moves it to the param's device: ``inspect``
+    judged it by the host copy it read and warned that a fresh LBFGS keeps it on the host, at a host sync per read,
+    where ``check`` after that very load finds every entry in place."""
+    import optimshift
+
+    def stepped():
+        params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+        opt = torch.optim.LBFGS(params, lr=torch.tensor(0.5), history_size=3, max_iter=4)
+
+        def closure():
+            opt.zero_grad()
+            loss = sum((p**2).sum() for p in params)
+            loss.backward()
+            return loss
+
+        return opt, closure
+
+    opt, closure = stepped()
+    opt.step(closure)
+    opt.step(closure)
+    sd = opt.state_dict()
+    assert sd["state"][0]["t"] is sd["param_groups"][0]["lr"] and sd["state"][0]["t"].is_cpu
+    path = tmp_path / "lbfgs.pt"
+    torch.save(sd, path)
+    assert main(["inspect", str(path), "--json"]) == 0
+    (o,) = json.loads(capsys.readouterr().out)["optimizers"]
+    resumed, _ = stepped()
+    resumed.load_state_dict(torch.load(path, weights_only=True))
+    assert not optimshift.check(resumed).findings
+    assert [f for f in o["findings"] if f["key"] == "t"] == []

@@ -321,8 +321,10 @@ def _findings(
                 saved_on = _device(ckpt.saved_location(value, locations), unknown)
                 if saved_on is None:
                     continue
-                fresh_on = _fresh_device(placers, holder, gi, g, fake, str(key), value, pdev)
                 puts_on = torch_cast(key, g, (big.dtype, pdev), (value.dtype, saved_on))[1]
+                # (judged as the load leaves it: an entry that stays on its own side, LBFGS's `t`, is on puts_on)
+                loaded = value if puts_on.type == "cpu" else torch.empty_like(value, device="meta")
+                fresh_on = _fresh_device(placers, holder, gi, g, fake, str(key), loaded, pdev)
                 if puts_on != fresh_on:
                     # foreach=None: the implementation torch picks for the params (runs_foreach).
                     foreach = runs_foreach(torch_name, g.get("foreach"), pdev.type != "cpu", g)

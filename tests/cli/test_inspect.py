@@ -243,6 +243,10 @@ def test_convert_errors(tmp_path, capsys):
     assert not (tmp_path / "b.pt").exists()
     rc, _, err = _run(capsys, "convert", str(src), str(tmp_path / "b.pt"), "--device", "warp-drive")
     assert rc == 1 and "not a device PyTorch knows" in err
+    # meta: no machine has one to run on, and a file written there would hold no values
+    rc, _, err = _run(capsys, "convert", str(src), str(tmp_path / "b.pt"), "--device", "meta")
+    assert rc == 1 and "--device meta holds no data" in err and "a machine that has the device" not in err, err
+    assert not (tmp_path / "b.pt").exists()
 
 
 class Config:

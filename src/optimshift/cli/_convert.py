@@ -148,6 +148,8 @@ def _missing_device(device: torch.device) -> str | None:
     try:
         resolve(device, what="--device")
     except (ValueError, TypeError) as e:
+        if device.type == "meta":  # (no machine has data there: what to do instead is resolve's own advice)
+            return f"{e}; a checkpoint written there would hold no values"
         return (
             f"{e}. Convert to the CPU here instead (--device cpu, the default): a CPU checkpoint opens on "
             f"any machine, and optimshift.load_state_dict (or torch.load's map_location) puts the state on the "

@@ -515,3 +515,32 @@ def test_a_class_that_takes_one_param_is_still_probed_where_its_group_tensors_ar
     assert [(f.key, f.severity, f.expected) for f in report.findings] == [("lr", "warning", "cpu")]
     optimshift.move(opt)
     assert opt.param_groups[0]["lr"].device.type == "cpu" and optimshift.check(opt).ok
+
+
+@pytest.mark.parametrize("group", ["frozen params", "two dtypes"])
+@pytest.mark.parametrize("name, foreach", [("Adam", False), ("NAdam", False), ("SGD", True), ("RMSprop", True)])
+def test_a_group_tensor_is_priced_for_the_params_a_step_reaches(sim, name, foreach, group):
+    """The price of a device ``lr`` counted every param of the group, where torch steps those with a grad
+    (frozen params in the group: 4 priced, 2 stepped), and a foreach step's once-a-step read once per group,
+    where torch's foreach step runs once per (device, dtype) of its params (float32 and float64: 1 priced, 2
+    made)."""
+    if group == "frozen params":
+        params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(4)]
+        stepped = params[:2]
+    else:
+        params = [torch.nn.Parameter(torch.randn(3, 2, device=sim, dtype=dt)) for dt in (torch.float32, torch.float64)]
+        stepped = params
+    opt = getattr(O, name)(params, lr=torch.tensor(0.01), foreach=foreach)
+
+    def step():
+        for p in stepped:
+            p.grad = torch.randn_like(p)
+        with optimshift.count_syncs() as syncs:
+            opt.step()
+        return syncs.total
+
+    step()
+    on_the_host = step()
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
+    report = optimshift.check(opt)
+    assert report.syncs_per_step == step() - on_the_host > 0

@@ -940,7 +940,7 @@ def _explain(
     at = t.device if at is None else at
     on_host = at.type == "cpu"
     if param is None and site.group != OPTIMIZER_WIDE and expected.type == "cpu" and not on_host:
-        cost = _policy.group_read_cost(type(optimizer), group, site.key, t)
+        cost = _policy.group_read_cost(optimizer, group, site.key, t)
         if cost is not None:  # (a group tensor the step reads on the host: what that costs a step of the group)
             return (
                 "warning",

@@ -401,16 +401,21 @@ def _group_observed(cls: type, group: Mapping[str, Any]) -> Observed | None:
     return probed_by(cls, group, params[0].dim() if params else 1)[1]
 
 
-def group_read_cost(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> int | None:
+def group_read_cost(
+    optimizer: torch.optim.Optimizer, group: Mapping[str, Any], key: str, value: torch.Tensor
+) -> int | None:
     """Host syncs per step that group tensor ``value`` (under ``key``) costs on an accelerator, where the step
-    reads it on the host: what the probe counted for a step over as many params as the group holds (None where
-    it does not read it there, or the count is not known)."""
-    observed = _group_observed(cls, group)
+    reads it on the host: what the probe counted, for a step over the group's params a step reached (those with
+    state; all where none has any yet), its once-a-step reads once per (device, dtype) of them, as torch's foreach
+    step groups them (None where the step does not read it there, or the count is not known)."""
+    observed = _group_observed(type(optimizer), group)
     path = _group_path(group, key, value)
     if observed is None or observed.group.get(path) != HOST_READ or path not in observed.group_reads:
         return None
     once, per_param = observed.group_reads[path]
-    return once + per_param * len(group.get("params", ()))
+    params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
+    stepped = [p for p in params if optimizer.state.get(p)] or params  # (frozen params never get a grad nor state)
+    return once * len({(p.device, p.dtype) for p in stepped}) + per_param * len(stepped)
 
 
 def _wide_entry(cls: type, group: Mapping[str, Any], path: Path, value: torch.Tensor, device: torch.device) -> Decision:

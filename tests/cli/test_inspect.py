@@ -297,6 +297,29 @@ def test_inspect_shows_a_file_with_classes_it_does_not_rebuild(tmp_path, capsys)
         assert rc == 0 and json.loads(out)["not_rebuilt"] == names[1:]
 
 
+def test_a_path_in_a_checkpoint_is_a_class_to_allow_not_code(tmp_path, capsys):
+    """A Lightning checkpoint whose hparams hold a ``pathlib.PosixPath`` (a ``data_dir``): inspect refused the
+    file as "malicious or broken" (every pathlib global counted as code) and ``--allow-global pathlib.PosixPath``
+    was refused. A path class holds a path and touches no file: inspect shows the file with the path opaque,
+    convert takes it once allowed; pathlib's methods stay refused."""
+    import pathlib
+
+    from optimshift.checkpoint._files import runs_code
+
+    path = tmp_path / "last.ckpt"
+    hparams = {"data_dir": pathlib.PosixPath("/data/train")}
+    torch.save({"optimizer_states": [trained(O.Adam).state_dict()], "hyper_parameters": hparams}, path)
+    rc, out, err = _run(capsys, "inspect", str(path))
+    assert rc == 0 and "not rebuilt: pathlib.PosixPath." in out, err
+    rc, out, err = _run(capsys, "convert", str(path), str(tmp_path / "out.ckpt"))
+    assert rc == 1 and "--allow-global pathlib.PosixPath" in err and "malicious" not in err, err
+    rc, out, err = _run(capsys, "convert", str(path), str(tmp_path / "out.ckpt"), "--allow-global", "pathlib.PosixPath")
+    assert rc == 0, err
+    with torch.serialization.safe_globals([pathlib.PosixPath]):
+        assert torch.load(tmp_path / "out.ckpt")["hyper_parameters"] == hparams
+    assert runs_code("pathlib.Path.write_text") and runs_code("pathlib.os.system")
+
+
 def test_a_class_of_the_saving_script_is_not_called_corrupt(tmp_path, capsys):
     """The common file: a training script pickles its own ``Config`` (``__main__.Config``) next to the optimizer
     state. inspect reads it; load and convert refuse it saying which class it is and why the file is not

@@ -569,8 +569,19 @@ def _normalize_global(name: str) -> str:
     return name if "." in name else f"builtins.{name}"  # torch's message drops the "builtins." prefix
 
 
+# pathlib's path classes: building one holds a path and touches no file (a config may hold one: Lightning's
+# hparams); pathlib's functions and methods, named by any other global, reach the filesystem.
+_PATH_CLASSES = frozenset(
+    f"pathlib.{m}{c}"
+    for m in ("", "_local.")
+    for c in ("PurePath", "PurePosixPath", "PureWindowsPath", "Path", "PosixPath", "WindowsPath")
+)
+
+
 def runs_code(name: str) -> bool:
     """Whether the global ``name`` (``"os.system"``) can run code, reach files or call arbitrary functions."""
+    if name in _PATH_CLASSES:
+        return False
     module, _, attr = _normalize_global(name).rpartition(".")
     root = module.split(".", 1)[0]
     if root in ("builtins", "__builtin__"):

@@ -544,3 +544,20 @@ def test_a_group_tensor_is_priced_for_the_params_a_step_reaches(sim, name, forea
     opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
     report = optimshift.check(opt)
     assert report.syncs_per_step == step() - on_the_host > 0
+
+
+def test_torch_s_default_is_judged_over_the_params_a_step_reaches(sim):
+    """A group of a param on the device and a frozen host param (no grad, never stepped): torch picks its default
+    over the params with a grad, so the step runs foreach, and Adam's ``step`` on another accelerator than its
+    param makes it raise; check() judged the default over every param (the host one made it single-tensor) and
+    called it a warning costing a sync."""
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)), torch.nn.Parameter(torch.randn(3, 2))]
+    opt = O.Adam(params)
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    opt.state[params[0]]["step"] = opt.state[params[0]]["step"].to(torch.device(sim.type, 1))
+    (finding,) = optimshift.check(opt).findings
+    assert finding.severity == "error" and "step() raises" in finding.why
+    params[0].grad = torch.randn_like(params[0])
+    with pytest.raises(RuntimeError, match="same device"):
+        opt.step()

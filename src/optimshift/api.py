@@ -954,7 +954,9 @@ def _explain(
         defaults = {} if defaults is None else defaults
         default = defaults.get(gi)
         if default is None:  # (torch's pick for the whole group: a host param or a subclass's makes it single-tensor)
-            default = defaults[gi] = default_foreach(group["params"])
+            # (torch picks it over the params with a grad: those a step reached, with state; all if none has any)
+            stepped = [p for p in group["params"] if optimizer.state.get(p)] or group["params"]
+            default = defaults[gi] = default_foreach(stepped)
         if (
             held_by is not None
             and on_device

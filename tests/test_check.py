@@ -346,6 +346,22 @@ def test_check_of_an_offloaded_optimizer_whose_state_torch_replaced_says_none_is
     assert optimshift.check(opt).findings == []
 
 
+def test_check_of_an_offloaded_optimizer_whose_state_is_on_meta_says_it_stayed_there():
+    """An offload of state on meta leaves it there (it holds no data): check() said something had replaced the
+    state (such as optimizer.load_state_dict), where nothing did; it now says the offload found none in device
+    memory."""
+    p = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    p.grad = torch.zeros(3, device="meta")
+    opt = O.Adam([p])
+    opt.step()
+    optimshift.offload(opt)
+    (finding,) = optimshift.check(opt).findings
+    assert finding.severity == "info" and "replaced" not in finding.why, finding.why
+    assert "found no state in device memory" in finding.why and "meta" in finding.why
+    optimshift.reload(opt)
+    assert optimshift.check(opt).findings == []
+
+
 def test_check_of_an_offloaded_optimizer_reports_what_reload_leaves_misplaced(sim):
     """An entry misplaced before the offload is reloaded where it was: check() still reports it, as it will be."""
     opt = _trained_on(sim, n=2, foreach=True)

@@ -853,6 +853,8 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         )
     if offloaded:
         grads = len(record.grads) if record is not None else 0
+        # (the offload took state off an accelerator, since replaced; else it found all of it on meta, left there)
+        took = record is not None and any(d.type not in HOSTS for d in record.devices.values())
         report.findings.insert(
             0,
             Finding(
@@ -869,6 +871,9 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
                     if hosted or grads
                     else "offloaded by optimshift.offload, but no state is in host memory any more (something "
                     "replaced it, such as optimizer.load_state_dict)"
+                    if took
+                    else "offloaded by optimshift.offload, which found no state in device memory to take to the "
+                    "host (state on meta holds no data: it stays there)"
                 )
                 + "; call optimshift.reload(optimizer) before step() (which refuses until then). The other "
                 "findings, if any, are where reload() puts an entry; placement() lists where each tensor is now.",

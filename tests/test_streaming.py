@@ -805,6 +805,30 @@ def test_state_that_cannot_stream_is_refused_naming_the_entry_before_anything_ch
         optimshift.unregister_policy(_Placed)
 
 
+@pytest.mark.parametrize("key", ["exp_avg", "step"])
+def test_state_on_meta_is_refused_naming_the_entry_before_anything_changes(sim, key):
+    """A state entry on meta (no data) raised torch's NotImplementedError "Cannot copy out of meta tensor" from
+    the layout's copies: now a ValueError naming the optimizer and the entry, as a move's, with nothing changed."""
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = torch.optim.Adam(_params(model), foreach=False)
+    train(model, opt, range(1))
+    p = _params(model)[1]
+    opt.state[p][key] = torch.empty_like(opt.state[p][key], device="meta")
+    layout, ids = state_layout(opt), tensor_ids(opt)
+    gc.collect()
+    in_use = optimshift.host_pool.stats().in_use
+    with pytest.raises(ValueError) as info:
+        optimshift.stream(opt, chunk_bytes=64)
+    message = str(info.value)
+    assert message.startswith(f"Adam: stream: group 0, param 1, state['{key}'] is on meta, which holds no data"), (
+        message
+    )
+    assert "nothing was changed" in message, message
+    assert state_layout(opt) == layout and tensor_ids(opt) == ids
+    assert not optimshift.is_streamed(opt) and "step" not in opt.__dict__
+    assert optimshift.host_pool.stats().in_use == in_use, "no chunk buffer kept"
+
+
 def test_a_tensor_two_entries_hold_is_refused_by_the_engines_sharing_rule(sim):
     """Two entries holding one tensor would each get a place of their own in a chunk: the engine's rule for
     entries given places of their own refuses it (streaming keeps no sharing check), before anything changes."""

@@ -59,7 +59,7 @@ from ._errors import add_note, with_article
 from ._offload import compact_state_dict, copy_guard, end_pending, exclusive, record_of, registered_first
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target, states_by_id
 from ._state import label_in, param_positions, unwrap
-from .api import _move_ending
+from .api import _move_ending, _refuse_from_meta
 from .checkpoint import load_state_dict as _load_state_dict
 from .syncs import async_copies
 
@@ -237,8 +237,10 @@ class Streamed:
                     copies.event.synchronize()
                 else:
                     self._pending[cast(torch.device, copies.device)] = copies.event
-        except BaseException:
+        except BaseException as error:
             layout.release(chunks)
+            if isinstance(error, NotImplementedError):  # (an entry on meta: no values; named as a move names it)
+                _refuse_from_meta(opt, plan, (), "stream")
             raise
         with _engine.operation():  # (an interrupt the commit holds waits for the chunks to be recorded too)
             hows = _engine.commit(opt, copies)

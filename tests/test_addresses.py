@@ -430,6 +430,20 @@ def test_streaming_state_kept_at_fixed_addresses_frees_its_range(sim, driver):
     assert all(t.device == sim for st in opt.state.values() for k, t in st.items() if k != "step")
 
 
+def test_keep_addresses_of_a_streamed_optimizer_is_refused_naming_keep_addresses(sim, driver):
+    """``keep_addresses(opt)`` of a streamed optimizer was refused by the offload it runs, so the error said
+    "offload would take it from there": it names keep_addresses now, with nothing changed."""
+    model, opt = _trained(sim)
+    optimshift.stream(opt)
+    values = _state_values(opt)
+    with pytest.raises(ValueError, match="keep_addresses would take it from there") as info:
+        optimshift.keep_addresses(opt)
+    assert "offload" not in str(info.value) and "optimshift.unstream(optimizer)" in str(info.value)
+    assert optimshift.is_streamed(opt) and driver.mapped(0) == 0
+    assert bitwise_equal(_state_values(opt), values)
+    optimshift.unstream(opt)
+
+
 def test_streaming_with_a_view_held_outside_warns_once_streamed(sim, driver):
     """A slot a view outside keeps alive stays mapped, with the release's warning: raised as an error (``-W
     error``), it comes once the optimizer is streamed, never between the layout and the mode (found by review:

@@ -715,6 +715,7 @@ def keep_addresses(optimizer: Opt) -> Opt:
     # (one operation, under one hold of the lock: no other thread's operation runs between the offload and the
     # reload; a Ctrl-C between them is held until the reload is in place)
     with exclusive(inner):
+        _mode.refuse(inner, "keep_addresses")  # (before its offload: that would name the offload)
         record = record_of(inner)
         if record is not None:
             record.keep_addresses |= _addresses.keeping(inner, True, optimizer_name(inner))

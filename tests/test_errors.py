@@ -340,6 +340,27 @@ def test_offload_include_that_is_no_names_is_a_type_error_naming_the_optimizer(s
     assert not optimshift.is_offloaded(opt)
 
 
+@pytest.mark.parametrize("offloaded_first", [False, True], ids=["fresh", "offloaded"])
+@pytest.mark.parametrize(
+    "include, error", [(("activations",), ValueError), (b"grads", TypeError), (("grads", 3), TypeError)]
+)
+def test_offloaded_checks_include_also_when_already_offloaded(sim, include, error, offloaded_first):
+    """``offloaded(opt, include=...)`` of an optimizer offloaded already runs no offload, so a bad ``include``
+    was silently accepted there: it is checked as offload checks it, either way, before anything changes."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+    opt = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    if offloaded_first:
+        optimshift.offload(opt)
+    before = _snapshot(opt)
+    with pytest.raises(error, match=r"^Adam: offloaded include= "):
+        with optimshift.offloaded(opt, include=include):
+            pytest.fail("the body ran")
+    assert optimshift.is_offloaded(opt) is offloaded_first and _snapshot(opt) == before
+
+
 @pytest.mark.parametrize("params", [None, 5])
 def test_rebind_given_no_iterable_names_the_optimizer(params):
     _, opt = _adam()

@@ -408,21 +408,7 @@ def offload(
     check_optimizer(optimizer)
     _check_flags(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
     _mode.refuse(optimizer, "offload")
-    try:
-        # (include="grads": one name, not letters; bytes are no names, not a sequence of ints)
-        if isinstance(include, (bytes, bytearray, memoryview)):
-            raise TypeError
-        include = (include,) if isinstance(include, str) else tuple(include)
-        if not all(isinstance(i, str) for i in include):
-            raise TypeError
-    except TypeError:
-        raise TypeError(
-            f"{optimizer_name(optimizer)}: offload include= must be names such as ('grads',) (a str or an "
-            f"iterable of str), got {include!r}"
-        ) from None
-    unknown = [i for i in include if i not in _INCLUDE]
-    if unknown:
-        raise ValueError(f"{optimizer_name(optimizer)}: offload include= may contain {_INCLUDE}, got {unknown}")
+    include = _included(optimizer, include, "offload")
     _session.rememberable(optimizer, "offload")
     keep = _addresses.keeping(optimizer, keep_addresses, optimizer_name(optimizer))
     end_pending(optimizer)
@@ -672,6 +658,27 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     return pending if non_blocking else optimizer
 
 
+def _included(optimizer: Any, include: Iterable[str], what: str) -> tuple[str, ...]:
+    """``include=`` of :func:`offload` (and :func:`offloaded`) as a tuple of names, checked: TypeError or
+    ValueError, naming the optimizer and ``what``, before anything changes."""
+    try:
+        # (include="grads": one name, not letters; bytes are no names, not a sequence of ints)
+        if isinstance(include, (bytes, bytearray, memoryview)):
+            raise TypeError
+        include = (include,) if isinstance(include, str) else tuple(include)
+        if not all(isinstance(i, str) for i in include):
+            raise TypeError
+    except TypeError:
+        raise TypeError(
+            f"{optimizer_name(optimizer)}: {what} include= must be names such as ('grads',) (a str or an "
+            f"iterable of str), got {include!r}"
+        ) from None
+    unknown = [i for i in include if i not in _INCLUDE]
+    if unknown:
+        raise ValueError(f"{optimizer_name(optimizer)}: {what} include= may contain {_INCLUDE}, got {unknown}")
+    return include
+
+
 @contextlib.contextmanager
 def offloaded(
     optimizer: Opt,
@@ -684,6 +691,7 @@ def offloaded(
     another ``offloaded`` block, in any thread: the last of them out reloads). ``keep_addresses``: as
     :func:`offload`'s."""
     inner = unwrap(optimizer)
+    include = _included(inner, include, "offloaded")  # (also where it is offloaded already, and offload is not run)
     session = _session.get(inner)  # (None where it cannot be remembered: offload refuses it)
     with exclusive(inner):
         mine = not is_offloaded(optimizer) or (session is not None and session.offloaded_in > 0)

@@ -78,6 +78,25 @@ def test_inspect_trainer_folder(tmp_path, capsys):
     assert opt_file["tensors"]["saved_on"] == {"cpu": 2, "cuda:0": 4}
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_inspect_json_of_a_trainer_folder_with_a_non_finite_epoch_is_valid_json(tmp_path, capsys, value):
+    """``trainer_state.json`` may hold ``NaN`` (Python's json writes it; a diverged run): ``inspect --json``
+    passed it through as the bare ``NaN`` token, which is no JSON. Now as the text a float of that value gives,
+    as inspect says a non-finite hyperparameter."""
+    folder = _trainer_folder(tmp_path)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 10, "epoch": value, "log_history": []}))
+    rc, out, err = _run(capsys, "inspect", folder, "--json")
+    assert rc == 0, err
+
+    def refuse(token):
+        raise AssertionError(f"not JSON: {token}")
+
+    assert json.loads(out, parse_constant=refuse)["trainer_state"] == {"global_step": 10, "epoch": str(value)}
+    rc, out, err = _run(capsys, "inspect", folder)
+    assert rc == 0, err
+    assert f"(Hugging Face Trainer checkpoint folder; global step 10, epoch {value})" in out
+
+
 def test_convert_trainer_folder_in_place(tmp_path, capsys):
     folder = _trainer_folder(tmp_path)
     with pytest.raises(RuntimeError):

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..checkpoint import _files as ckpt
 from ..checkpoint._folders import TrainingFolder, training_folder
-from ..checkpoint._inspection import describe, trainer_resume_findings
+from ..checkpoint._inspection import describe, jsonable, trainer_resume_findings
 from ..report import format_table
 from ._common import (
     COLORS,
@@ -273,7 +273,7 @@ def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     info: dict[str, Any] = {
         "path": folder.path,
         "folder": folder.kind,
-        "trainer_state": folder.trainer_state,
+        "trainer_state": jsonable(folder.trainer_state),  # (a NaN epoch as text: no bare NaN token in the JSON)
         "files": [
             {"name": name, "role": role, "bytes": file_bytes(os.path.join(folder.path, name))}
             for name, role in folder.files.items()

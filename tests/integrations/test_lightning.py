@@ -661,6 +661,24 @@ def test_restore_casts_where_the_step_would_refuse_the_saved_dtype(sim, lightnin
     opt.step()
 
 
+def test_a_bf16_resume_keeps_a_host_scalar_in_the_dtype_its_step_takes_there(sim, tmp_path, lightning_patch):
+    """A host fp32 NAdam checkpoint resumed with ``Trainer(precision="bf16-true")`` on the accelerator: the restore
+    casts as PyTorch does (fp32 moments, bf16 params), which casts ``mu_product`` to bf16 too, then kept it on the
+    host, where the foreach step refuses a bf16 scalar beside device params (unpatched, torch's load leaves it on
+    the device and the run goes on). It keeps its saved float32, where and as a fresh NAdam holds it."""
+    lightning_patch(True)
+    path = _host_checkpoint(tmp_path, "NAdam", {})
+    module, probe = Tiny("NAdam"), Probe()
+    _trainer(sim, 5, [probe], precision="bf16-true").fit(module, _data(), ckpt_path=path)
+    assert probe.layout == probe.fresh and probe.check_ok
+    assert {(row[1], row[2], row[3]) for row in probe.layout if row[1] == "mu_product"} == {
+        ("mu_product", "cpu", "float32")
+    }
+    saved = _checkpoint_state(path)
+    mu = {k: v for k, v in saved.items() if k[2] == "mu_product"}
+    assert bitwise_same({k: v for k, v in probe.values.items() if k[2] == "mu_product"}, mu)
+
+
 def test_a_reload_of_the_patched_integration_keeps_its_patch():
     """``importlib.reload`` of the integration while Lightning is patched: the reloaded module knows the patch in
     effect (it reported Lightning unpatched, patched it twice over, and its ``unpatch()`` could not restore

@@ -222,11 +222,21 @@ class Staging:
     # -- placement ------------------------------------------------------------------------------------------
 
     def _cast_dtype(
-        self, group: Mapping[str, Any], param: torch.Tensor | None, inner_key: Any, tensor: torch.Tensor
+        self,
+        group: Mapping[str, Any],
+        param: torch.Tensor | None,
+        inner_key: Any,
+        tensor: torch.Tensor,
+        device: torch.device,
     ) -> torch.dtype:
         """``cast="param"``: PyTorch's rule (``step`` to float32 when fused/capturable, other tensors to a
-        floating param's dtype); otherwise the saved dtype."""
+        floating param's dtype); otherwise the saved dtype. A scalar placed on the host beside a param elsewhere
+        (NAdam's ``mu_product``) keeps its saved dtype: PyTorch casts it only as its load sends it to the param,
+        and a foreach step refuses a host scalar in a bf16 param's dtype (it takes float32/float64 ones there, as
+        a fresh optimizer keeps them)."""
         if self.cast != "param" or param is None:
+            return tensor.dtype
+        if tensor.dim() == 0 and device.type == "cpu" and param.device.type != "cpu":
             return tensor.dtype
         return torch_cast(inner_key, group, (param.dtype, param.device), (tensor.dtype, tensor.device))[0]
 
@@ -455,7 +465,7 @@ class Staging:
                 and tensor.layout == strided
                 and tensor.is_contiguous()  # (so not overexpanded)
                 and (not owned or id(tensor) not in owned)
-                and (cast is None or self._cast_dtype(new_groups[tgi], param, key, tensor) == tensor.dtype)
+                and (cast is None or self._cast_dtype(new_groups[tgi], param, key, tensor, device) == tensor.dtype)
             ):
                 # NOTE: a live tensor that fits takes the values wherever the checkpoint's tensor is (a host
                 # checkpoint into state on an accelerator too); else one that stays is copied where it is (in
@@ -488,7 +498,7 @@ class Staging:
                     dtype = tensor.dtype
                 else:  # PyTorch casts by the innermost dict key
                     dtype = self._cast_dtype(
-                        new_groups[ggi], param, path[-1][1] if path[-1][0] == "key" else None, tensor
+                        new_groups[ggi], param, path[-1][1] if path[-1][0] == "key" else None, tensor, device
                     )
                 # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
                 always = always_copy or (tpi is None and tgi != OPTIMIZER_WIDE)

@@ -26,7 +26,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ._devices import HOST, resolve
+from ._devices import HOST, HOSTS, resolve
 from ._errors import add_note
 from ._probe import (  # noqa: F401 (quiet_global_step_hooks: re-exported)
     HOST_READ,
@@ -245,6 +245,9 @@ def _default_scalar_on_device(group: Mapping[str, Any]) -> bool:
     return bool(group.get("fused")) or bool(group.get("capturable"))
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)  # (a host scalar torch keeps is never one of these)
+
+
 def decide(
     optimizer: torch.optim.Optimizer,
     group: Mapping[str, Any],
@@ -297,12 +300,16 @@ def decide(
     torch_base = builtin_base(cls)
     observed = probed_by(cls, group, param.dim())[1]
     probed = None if observed is None else observed.state
+    # A scalar torch keeps on the host is float32/float64 there (its scalar dtype); one in a low-precision param's
+    # dtype (torch's load casts NAdam's mu_product to bf16 params' dtype, on their device) follows its param: a
+    # foreach step refuses such a host scalar beside device params.
+    hostable = value.dtype not in _LOW_PRECISION or device.type in HOSTS
     if probed is not None and key in probed:
-        return Decision(device if probed[key] else HOST, "probe")
+        return Decision(device if probed[key] or not hostable else HOST, "probe")
     if torch_base is not None:
         tabled = _table_rule(torch_base, group, key, value)
         if tabled is not None:
-            return Decision(device if tabled else HOST, "table")
+            return Decision(device if tabled or not hostable else HOST, "table")
         if probed is not None:
             # The probe ran and this class keeps no such scalar after a step: follow the param, as
             # torch.optim does for every tensor it does not deliberately host.
@@ -454,7 +461,7 @@ class Placer:
 
     NOTE: the memo key is what :func:`decide` reads of a param's entry when no policy is registered (the group,
     for the length of one operation; the key; the param's rank and device; whether the tensor is 0-dim, of one
-    element, and on the host); a registered policy may read anything, so then every entry is decided. Group
+    element, and on the host; its dtype); a registered policy may read anything, so then every entry is decided. Group
     entries are few and decided by their identity in the group: never memoized.
     """
 
@@ -523,7 +530,7 @@ class Placer:
         """Entry ``key`` of ``param``'s state, ``holder`` being :meth:`holder`'s answer for the param."""
         if holder is None:
             return self.at(param, group, key, tensor, param.device if self.device is None else self.device)
-        memo_key = (holder, key, tensor.dim() == 0, tensor.numel() == 1, tensor.is_cpu)
+        memo_key = (holder, key, tensor.dim() == 0, tensor.numel() == 1, tensor.is_cpu, tensor.dtype)
         memo = self.memo
         hit = memo.get(memo_key)  # type: ignore[union-attr]  # (holder: a memo)
         if hit is None:

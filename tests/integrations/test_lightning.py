@@ -415,6 +415,24 @@ def test_fabric_load_host_checkpoint_on_device(sim, tmp_path, lightning_patch, c
         assert layout(buggy) != reference
 
 
+def test_fabric_bf16_load_leaves_a_cast_host_scalar_where_its_step_takes_it(sim, tmp_path, lightning_patch):
+    """``Fabric(precision="bf16-true").load`` of a host fp32 NAdam checkpoint: torch's load casts ``mu_product`` to
+    bf16 on the device, and the patch's placement then took it to the host, where the foreach step refuses a bf16
+    scalar beside device params (unpatched, the run goes on). A scalar in a dtype torch never hosts one in follows
+    its param; ``check`` agrees, and the step runs."""
+    lightning_patch(True)
+    model, opt = _trained("NAdam", {}, steps=3)
+    path = tmp_path / "fabric.ckpt"
+    Fabric(accelerator="cpu", devices=1).save(path, {"model": model, "optimizer": opt})
+    model, opt = _trained("NAdam", {}, steps=0)
+    fabric = Fabric(strategy=fabric_strategy(sim), precision="bf16-true")
+    model, fabric_opt = fabric.setup(model, opt)
+    fabric.load(path, {"model": model, "optimizer": fabric_opt})
+    assert {(row[2], row[3]) for row in layout(opt) if row[1] == "mu_product"} == {(str(sim), "bfloat16")}
+    assert optimshift.check(opt).ok
+    step_with_grads(list(model.parameters()), fabric_opt, seed=3)
+
+
 # --- the offload-during-eval callback ---------------------------------------------------------------------
 
 

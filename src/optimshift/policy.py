@@ -461,8 +461,8 @@ class Placer:
 
     NOTE: the memo key is what :func:`decide` reads of a param's entry when no policy is registered (the group,
     for the length of one operation; the key; the param's rank and device; whether the tensor is 0-dim, of one
-    element, and on the host; its dtype); a registered policy may read anything, so then every entry is decided. Group
-    entries are few and decided by their identity in the group: never memoized.
+    element, and on the host; a one-element tensor's dtype); a registered policy may read anything, so then every
+    entry is decided. Group entries are few and decided by their identity in the group: never memoized.
     """
 
     __slots__ = ("optimizer", "device", "sides", "memo", "values")
@@ -530,7 +530,8 @@ class Placer:
         """Entry ``key`` of ``param``'s state, ``holder`` being :meth:`holder`'s answer for the param."""
         if holder is None:
             return self.at(param, group, key, tensor, param.device if self.device is None else self.device)
-        memo_key = (holder, key, tensor.dim() == 0, tensor.numel() == 1, tensor.is_cpu, tensor.dtype)
+        one = tensor.numel() == 1  # (the dtype matters to a scalar's place only: asked of those alone)
+        memo_key = (holder, key, tensor.dim() == 0, one, tensor.is_cpu, tensor.dtype if one else None)
         memo = self.memo
         hit = memo.get(memo_key)  # type: ignore[union-attr]  # (holder: a memo)
         if hit is None:

@@ -465,6 +465,24 @@ def test_the_sync_cost_of_a_subclass_with_its_own_step_is_its_own(sim):
     assert costs == {torch.optim.Adam: 1, _ReadsStepAgain: 2, named_adam: 2}
 
 
+def _lr_moved_to(sim, opt, stepped):
+    """check()'s report once the group's tensor ``lr`` is moved to the device, and the syncs a step over
+    ``stepped`` makes more with it there than on the host (the state made by a step before)."""
+
+    def step():
+        for p in stepped:
+            p.grad = torch.randn_like(p)
+        with optimshift.count_syncs() as syncs:
+            opt.step()
+        return syncs.total
+
+    step()
+    on_the_host = step()
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
+    report = optimshift.check(opt)
+    return report, step() - on_the_host
+
+
 _TENSOR_LR = ["Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "SGD", "ASGD", "Adafactor"]
 
 
@@ -483,19 +501,7 @@ def test_a_group_tensor_read_on_the_host_is_priced_as_a_step_reads_it(sim, name,
             getattr(O, name)(params, lr=torch.full(shape, 0.01), **flags)
         return
     opt = getattr(O, name)(params, lr=torch.full(shape, 0.01), **flags)
-
-    def step():
-        for p in params:
-            p.grad = torch.randn_like(p)
-        with optimshift.count_syncs() as syncs:
-            opt.step()
-        return syncs.total
-
-    step()
-    on_the_host = step()
-    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
-    report = optimshift.check(opt)
-    caused = step() - on_the_host
+    report, caused = _lr_moved_to(sim, opt, params)
     assert report.syncs_per_step == caused
     assert [(f.key, f.severity) for f in report.findings] == ([("lr", "warning")] if caused else [])
 
@@ -547,19 +553,8 @@ def test_a_group_tensor_is_priced_for_the_params_a_step_reaches(sim, name, forea
         params = [torch.nn.Parameter(torch.randn(3, 2, device=sim, dtype=dt)) for dt in (torch.float32, torch.float64)]
         stepped = params
     opt = getattr(O, name)(params, lr=torch.tensor(0.01), foreach=foreach)
-
-    def step():
-        for p in stepped:
-            p.grad = torch.randn_like(p)
-        with optimshift.count_syncs() as syncs:
-            opt.step()
-        return syncs.total
-
-    step()
-    on_the_host = step()
-    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
-    report = optimshift.check(opt)
-    assert report.syncs_per_step == step() - on_the_host > 0
+    report, caused = _lr_moved_to(sim, opt, stepped)
+    assert report.syncs_per_step == caused > 0
 
 
 def test_torch_s_default_is_judged_over_the_params_a_step_reaches(sim):

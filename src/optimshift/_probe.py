@@ -644,18 +644,21 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
     baseline, reads, later = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
     verdicts: dict[GroupPath, str] = {}
     costs: dict[GroupPath, tuple[int, int]] = {}
+    two: list[int | None] = []  # (a later step's reads over two params, all on the host: run once, when needed)
     for path in paths:
         alone, alone_reads, alone_later = _run(cls, group, ndim, paths, path)
         if alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
             if later is not None and alone_later is not None:
                 try:
-                    two = _run(cls, group, ndim, paths, None, n_params=2)[2]
+                    if not two:
+                        two.append(_run(cls, group, ndim, paths, None, n_params=2)[2])
                     two_alone = _run(cls, group, ndim, paths, path, n_params=2)[2]
                 except _Unbuilt:  # (a class built over one param only: its cost is not known, its verdict stands)
-                    two = two_alone = None
-                if two is not None and two_alone is not None:
-                    one, per_param = alone_later - later, (two_alone - two) - (alone_later - later)
+                    two[:] = [None]
+                    two_alone = None
+                if two[0] is not None and two_alone is not None:
+                    one, per_param = alone_later - later, (two_alone - two[0]) - (alone_later - later)
                     costs[path] = (one - per_param, per_param)
         elif baseline.error is not None and alone.error is None:
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host

@@ -572,3 +572,31 @@ def test_torch_s_default_is_judged_over_the_params_a_step_reaches(sim):
     params[0].grad = torch.randn_like(params[0])
     with pytest.raises(RuntimeError, match="same device"):
         opt.step()
+
+
+@pytest.mark.parametrize("name, key", [("NAdam", "mu_product"), ("Adam", "step")])
+def test_a_low_precision_host_scalar_stays_on_the_host_under_the_single_tensor_step(sim, name, key):
+    """A bf16 scalar on the host beside bf16 params on the device (torch's load casts NAdam's ``mu_product`` to
+    the params' dtype): the single-tensor step reads it there with no sync, as it reads a float32 one. It was
+    placed with its param as for the foreach step (which refuses it on the host), so check() called it misplaced
+    and move() took it to the device, where each step then made a sync a read (1 a param for Adam, 2 for NAdam)."""
+    p = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16, device=sim))
+    opt = getattr(O, name)([p], foreach=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[p][key] = opt.state[p][key].to(torch.bfloat16)
+    assert optimshift.check(opt).ok
+    optimshift.move(opt)
+    assert opt.state[p][key].device.type == "cpu"
+    p.grad = torch.randn_like(p)
+    with optimshift.count_syncs() as syncs:
+        opt.step()
+    assert syncs.total == 0
+    opt.state[p][key] = opt.state[p][key].to(sim)  # (on the device: priced as the single-tensor step reads it)
+    (finding,) = optimshift.check(opt).findings
+    assert (finding.key, finding.severity, finding.expected, finding.syncs_per_step) == (
+        key,
+        "warning",
+        "cpu",
+        {"NAdam": 2, "Adam": 1}[name],
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -245,7 +245,48 @@ def _default_scalar_on_device(group: Mapping[str, Any]) -> bool:
     return bool(group.get("fused")) or bool(group.get("capturable"))
 
 
+_NO_DEFAULT_FOREACH = frozenset({"Adafactor", "Muon", "LBFGS", "SparseAdam"})
+"""torch.optim classes whose ``foreach=None`` runs the single-tensor step (or which have no foreach one)."""
+
+
+def default_foreach(params: Sequence[Any]) -> bool:
+    """Whether torch's default (``_default_to_fused_or_foreach``) picks the foreach step for a group of ``params``:
+    every one a plain Tensor or Parameter (or a DTensor) on an accelerator torch has foreach kernels for. A group
+    with a param on the host, or of a Tensor subclass of its own, runs the single-tensor step."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    return bool(_default_to_fused_or_foreach(list(params), False, use_fused=False)[1])
+
+
+def runs_foreach(name: str, foreach: bool | None, on_device: bool, hyper: Mapping[str, Any] | None = None) -> bool:
+    """Whether a step of torch.optim class ``name`` runs its foreach implementation: ``foreach`` as given, and
+    where it is None (torch's default) as torch picks it: ``on_device``, whether the default picks it for the
+    group's params (:func:`default_foreach`; for a saved group, whether its params are on an accelerator); never
+    under ``differentiable``, nor where ``fused`` is given (False too: torch defaults only when neither is), never
+    for Adafactor or Muon, nor for Adam/AdamW given a tensor ``lr`` without ``capturable`` (``hyper``: the group's
+    hyperparameters, where known)."""
+    if foreach is not None:
+        return bool(foreach)
+    hyper = hyper or {}
+    if not on_device or hyper.get("differentiable") or hyper.get("fused") is not None or name in _NO_DEFAULT_FOREACH:
+        return False
+    return not (name in ("Adam", "AdamW") and isinstance(hyper.get("lr"), torch.Tensor) and not hyper.get("capturable"))
+
+
 _LOW_PRECISION = (torch.bfloat16, torch.float16)  # (a host scalar torch keeps is never one of these)
+
+
+def _runs_foreach_on(cls: type, group: Mapping[str, Any], device: torch.device) -> bool:
+    """Whether a step of ``cls`` over ``group``'s params on ``device`` may run a foreach implementation: torch's
+    (:func:`runs_foreach`; its default as torch picks it for plain params on that device), and always for a class
+    with a step of its own (not known)."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    base = stepping_base(cls)
+    if base is None:
+        return True
+    on_device = device.type in _get_foreach_kernels_supported_devices()
+    return runs_foreach(base.__name__, group.get("foreach"), on_device, group)
 
 
 def decide(
@@ -301,9 +342,10 @@ def decide(
     observed = probed_by(cls, group, param.dim())[1]
     probed = None if observed is None else observed.state
     # A scalar torch keeps on the host is float32/float64 there (its scalar dtype); one in a low-precision param's
-    # dtype (torch's load casts NAdam's mu_product to bf16 params' dtype, on their device) follows its param: a
-    # foreach step refuses such a host scalar beside device params.
-    hostable = value.dtype not in _LOW_PRECISION or device.type in HOSTS
+    # dtype (torch's load casts NAdam's mu_product to bf16 params' dtype, on their device) follows its param where
+    # the foreach step runs: it refuses such a host scalar beside device params. The single-tensor step reads it
+    # on the host as it reads a float32 one, with no sync (on the device: a sync a read).
+    hostable = value.dtype not in _LOW_PRECISION or device.type in HOSTS or not _runs_foreach_on(cls, group, device)
     if probed is not None and key in probed:
         return Decision(device if probed[key] or not hostable else HOST, "probe")
     if torch_base is not None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from .policy import default_foreach, runs_foreach
 
 __all__ = [
     "Finding",
@@ -46,34 +46,6 @@ DIFFERENTIABLE_SYNC_COST: dict[tuple[str, str], int] = {
     ("AdamW", "step"): 0,
     ("NAdam", "mu_product"): 0,
 }
-
-
-_NO_DEFAULT_FOREACH = frozenset({"Adafactor", "Muon", "LBFGS", "SparseAdam"})
-"""torch.optim classes whose ``foreach=None`` runs the single-tensor step (or which have no foreach one)."""
-
-
-def default_foreach(params: Sequence[Any]) -> bool:
-    """Whether torch's default (``_default_to_fused_or_foreach``) picks the foreach step for a group of ``params``:
-    every one a plain Tensor or Parameter (or a DTensor) on an accelerator torch has foreach kernels for. A group
-    with a param on the host, or of a Tensor subclass of its own, runs the single-tensor step."""
-    from torch.optim.optimizer import _default_to_fused_or_foreach
-
-    return bool(_default_to_fused_or_foreach(list(params), False, use_fused=False)[1])
-
-
-def runs_foreach(name: str, foreach: bool | None, on_device: bool, hyper: Mapping[str, Any] | None = None) -> bool:
-    """Whether a step of torch.optim class ``name`` runs its foreach implementation: ``foreach`` as given, and
-    where it is None (torch's default) as torch picks it: ``on_device``, whether the default picks it for the
-    group's params (:func:`default_foreach`; for a saved group, whether its params are on an accelerator); never
-    under ``differentiable``, nor where ``fused`` is given (False too: torch defaults only when neither is), never
-    for Adafactor or Muon, nor for Adam/AdamW given a tensor ``lr`` without ``capturable`` (``hyper``: the group's
-    hyperparameters, where known)."""
-    if foreach is not None:
-        return bool(foreach)
-    hyper = hyper or {}
-    if not on_device or hyper.get("differentiable") or hyper.get("fused") is not None or name in _NO_DEFAULT_FOREACH:
-        return False
-    return not (name in ("Adam", "AdamW") and isinstance(hyper.get("lr"), torch.Tensor) and not hyper.get("capturable"))
 
 
 def sync_cost(

@@ -600,3 +600,21 @@ def test_a_low_precision_host_scalar_stays_on_the_host_under_the_single_tensor_s
         "cpu",
         {"NAdam": 2, "Adam": 1}[name],
     )
+
+
+@pytest.mark.parametrize("name, key", [("NAdam", "mu_product"), ("Adam", "step")])
+def test_a_low_precision_host_scalar_under_the_foreach_step_is_an_error(sim, name, key):
+    """A bf16 scalar on the host beside bf16 params on the device, under the foreach step: torch groups a param's
+    tensors by device and dtype, a float32/float64 host scalar excepted, so step() raises. check() called it a
+    warning (a fresh optimizer "keeps this scalar on the param's device", which a fresh one does not)."""
+    p = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16, device=sim))
+    opt = getattr(O, name)([p], foreach=True)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[p][key] = opt.state[p][key].to(torch.bfloat16)
+    (finding,) = optimshift.check(opt).findings
+    assert (finding.key, finding.severity, finding.expected) == (key, "error", str(sim))
+    assert "step() raises" in finding.why
+    p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match="same device and the same dtype"):
+        opt.step()

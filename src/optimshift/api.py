@@ -1012,6 +1012,13 @@ def _explain(
             return "error", "the fused kernel rejects a host tensor: step() will raise", None
         if group.get("capturable"):
             return "error", "capturable step() asserts its scalars are on the param's device: it will raise", None
+        if param is not None and _policy.foreach_refuses_on_host(type(optimizer), group, t, param.device):
+            return (
+                "error",
+                f"the foreach step refuses a {dtype_name(t.dtype)} scalar on the host beside its param on "
+                f"{param.device} (it takes float32/float64 ones there): step() raises",
+                None,
+            )
         return "warning", f"{name} keeps this scalar on the param's device ({expected})", None
     if param is not None and at != param.device:
         return "error", f"the param is on {param.device}: step() fails mixing devices", None

@@ -289,6 +289,18 @@ def _runs_foreach_on(cls: type, group: Mapping[str, Any], device: torch.device) 
     return runs_foreach(base.__name__, group.get("foreach"), on_device, group)
 
 
+def foreach_refuses_on_host(cls: type, group: Mapping[str, Any], value: torch.Tensor, device: torch.device) -> bool:
+    """Whether torch's foreach step of ``cls`` (a class stepping with a torch.optim class's step) refuses scalar
+    ``value`` on the host beside its param on ``device``: it groups a param's tensors by device and dtype, a
+    float32/float64 host scalar excepted."""
+    return (
+        value.dtype in _LOW_PRECISION
+        and device.type not in HOSTS
+        and stepping_base(cls) is not None
+        and _runs_foreach_on(cls, group, device)
+    )
+
+
 def decide(
     optimizer: torch.optim.Optimizer,
     group: Mapping[str, Any],

@@ -209,7 +209,11 @@ def test_the_placer_answers_as_decide_for_every_entry(sim, cls, kwargs, on_devic
     if kw is None or cls is O.LBFGS:
         pytest.skip("no such configuration")
     # (two params of one rank in a group: the memo serves both)
-    shapes = [[(4, 3), (2, 3), (3, 3)], [(3, 3)]] if cls is O.Muon else [[(4, 3), (3,), (2, 3), (5,), (1,)], [(2, 3)]]
+    shapes = (
+        [[(4, 3), (2, 3), (3, 3)], [(3, 3)]]
+        if cls is O.Muon
+        else [[(4, 3), (3,), (2, 3), (5,), (1,), (6,), (7,)], [(2, 3)]]
+    )
     _, dst = _devices(sim, layout, on_device)
     try:
         opt = _trained(cls, kw, shapes, dst)
@@ -217,15 +221,19 @@ def test_the_placer_answers_as_decide_for_every_entry(sim, cls, kwargs, on_devic
         pytest.skip(f"torch refuses {cls.__name__}({kw}): {e}")
     from optimshift._plan import build_plan, policy_target
 
-    # (a one-element, a two-element and a 0-dim step among the params of one rank in one group, under one key:
-    # placed apart by the rule, so the memo must tell them apart; only planned here, never stepped)
+    # (a one-element, a two-element and a 0-dim step among the params of one rank in one group, under one key,
+    # and a bf16 0-dim and one-element one beside float32 ones: placed apart by the rule, so the memo must tell
+    # them apart; only planned here, never stepped)
     for group in opt.param_groups:
         seen: dict[int, int] = {}
         for p in group["params"]:
             st, k = opt.state.get(p, {}), seen.setdefault(p.dim(), 0)
             seen[p.dim()] += 1
-            if k < 2 and isinstance(st.get("step"), torch.Tensor) and st["step"].dim() == 0:
-                st["step"] = st["step"].reshape(1).expand(k + 1).clone()
+            if isinstance(st.get("step"), torch.Tensor) and st["step"].dim() == 0:
+                if k < 2:
+                    st["step"] = st["step"].reshape(1).expand(k + 1).clone()
+                elif k in (3, 4):
+                    st["step"] = st["step"].to(torch.bfloat16).reshape((1,) * (k - 3))
     for device in (None, torch.device("cpu"), torch.device(sim.type, 1)):
         plan = build_plan(opt, policy_target(opt, device))
         for tr in plan.transfers:

@@ -618,3 +618,26 @@ def test_a_low_precision_host_scalar_under_the_foreach_step_is_an_error(sim, nam
     p.grad = torch.randn_like(p)
     with pytest.raises(RuntimeError, match="same device and the same dtype"):
         opt.step()
+
+
+@pytest.mark.parametrize("name, foreach", [("Adam", False), ("NAdam", False), ("SGD", False)])
+def test_a_group_tensor_is_priced_before_any_step_for_the_params_that_take_a_grad(sim, name, foreach):
+    """Before any step (no state yet), the price of a device ``lr`` counted every param of the group, frozen ones
+    (``requires_grad=False``: they never get a grad, so torch never steps them) included: 4 priced, 2 stepped."""
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(4)]
+    for p in params[2:]:
+        p.requires_grad_(False)
+    opt = getattr(O, name)(params, lr=torch.tensor(0.01).to(sim), foreach=foreach)
+    priced = optimshift.check(opt).syncs_per_step
+
+    def step():
+        for p in params[:2]:
+            p.grad = torch.randn_like(p)
+        with optimshift.count_syncs() as syncs:
+            opt.step()
+        return syncs.total
+
+    step()
+    on_the_device = step()
+    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to("cpu")
+    assert priced == on_the_device - step() > 0

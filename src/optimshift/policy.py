@@ -467,15 +467,16 @@ def group_read_cost(
 ) -> int | None:
     """Host syncs per step that group tensor ``value`` (under ``key``) costs on an accelerator, where the step
     reads it on the host: what the probe counted, for a step over the group's params a step reached (those with
-    state; all where none has any yet), its once-a-step reads once per (device, dtype) of them, as torch's foreach
-    step groups them (None where the step does not read it there, or the count is not known)."""
+    state; where none has any, those that take a grad), its once-a-step reads once per (device, dtype) of them, as
+    torch's foreach step groups them (None where the step does not read it there, or the count is not known)."""
     observed = _group_observed(type(optimizer), group)
     path = _group_path(group, key, value)
     if observed is None or observed.group.get(path) != HOST_READ or path not in observed.group_reads:
         return None
     once, per_param = observed.group_reads[path]
     params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
-    stepped = [p for p in params if optimizer.state.get(p)] or params  # (frozen params never get a grad nor state)
+    # (a step reaches the params with a grad: those with state, else, before any step, those that take one)
+    stepped = [p for p in params if optimizer.state.get(p)] or [p for p in params if p.requires_grad] or params
     return once * len({(p.device, p.dtype) for p in stepped}) + per_param * len(stepped)
 
 

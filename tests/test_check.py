@@ -13,14 +13,12 @@ from optimshift.report import DIFFERENTIABLE_SYNC_COST, SYNC_COST
 O = torch.optim
 
 
-def _misplaced_cost(sim, name, key, params, **kwargs):
-    """check()'s figure for ``key`` of every param moved to the device, and the syncs a step makes more with
-    them there than with them on the host (a step's own syncs, Adafactor's norms, are not the entry's)."""
-    cls = getattr(O, name)
-    opt = cls(params, **kwargs)
+def _cost_of(opt, stepped, misplace):
+    """check()'s report once ``misplace()`` moved entries of ``opt`` to the device, and the syncs a step over
+    ``stepped`` makes more with them there than on the host (the state made by a step before)."""
 
     def step():
-        for p in params:
+        for p in stepped:
             p.grad = torch.randn_like(p)
         with optimshift.count_syncs() as syncs:
             opt.step()
@@ -28,11 +26,23 @@ def _misplaced_cost(sim, name, key, params, **kwargs):
 
     step()
     on_the_host = step()
-    for st in opt.state.values():
-        st[key] = st[key].to(sim)
+    misplace()
     report = optimshift.check(opt)
+    return report, step() - on_the_host
+
+
+def _misplaced_cost(sim, name, key, params, **kwargs):
+    """check()'s figure for ``key`` of every param moved to the device, and the syncs a step makes more with
+    them there than with them on the host (a step's own syncs, Adafactor's norms, are not the entry's)."""
+    opt = getattr(O, name)(params, **kwargs)
+
+    def misplace():
+        for st in opt.state.values():
+            st[key] = st[key].to(sim)
+
+    report, caused = _cost_of(opt, params, misplace)
     assert not report.ok and {f.key for f in report.findings} == {key}
-    return report.syncs_per_step, step() - on_the_host
+    return report.syncs_per_step, caused
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
@@ -466,21 +476,12 @@ def test_the_sync_cost_of_a_subclass_with_its_own_step_is_its_own(sim):
 
 
 def _lr_moved_to(sim, opt, stepped):
-    """check()'s report once the group's tensor ``lr`` is moved to the device, and the syncs a step over
-    ``stepped`` makes more with it there than on the host (the state made by a step before)."""
+    """:func:`_cost_of` for the group's tensor ``lr`` moved to the device."""
 
-    def step():
-        for p in stepped:
-            p.grad = torch.randn_like(p)
-        with optimshift.count_syncs() as syncs:
-            opt.step()
-        return syncs.total
+    def misplace():
+        opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
 
-    step()
-    on_the_host = step()
-    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to(sim)
-    report = optimshift.check(opt)
-    return report, step() - on_the_host
+    return _cost_of(opt, stepped, misplace)
 
 
 _TENSOR_LR = ["Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "SGD", "ASGD", "Adafactor"]

@@ -898,6 +898,27 @@ def test_a_failure_half_way_in_the_layout_leaves_the_state_as_it_was(sim, monkey
     _assert_same(model, opt, ref_model, ref)
 
 
+def _fail_the_first_write_back(sim, monkeypatch, model, opt, ref_model, ref):
+    """A streamed step whose first write-back (chunk 0's, param 0 stepped) raises; the reference steps param 0
+    alone."""
+    real = _streaming._queue
+
+    def failing(side, dst, src, **kwargs):
+        if dst.device.type == "cpu":
+            raise RuntimeError("injected: the write-back failed")
+        return real(side, dst, src, **kwargs)
+
+    monkeypatch.setattr(_streaming, "_queue", failing)
+    for i, p in enumerate(_params(model)):
+        p.grad = grad_for(2, i, p.shape).to(sim)
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    monkeypatch.undo()
+    for i, p in enumerate(_params(ref_model)):
+        p.grad = grad_for(2, i, p.shape).to(sim) if i == 0 else None
+    ref.step()
+
+
 @pytest.mark.parametrize("seed, progress", SCHEDULES[:2])
 def test_a_failing_write_back_keeps_the_stepped_state(sim, monkeypatch, seed, progress):
     """The first chunk's write-back raises once its param was stepped: its new moments, in the device window only,
@@ -908,22 +929,7 @@ def test_a_failing_write_back_keeps_the_stepped_state(sim, monkeypatch, seed, pr
         optimshift.stream(opt, chunk_bytes=128)  # one param per chunk
         train(model, opt, range(2))
         train(ref_model, ref, range(2))
-        real = _streaming._queue
-
-        def failing(side, dsts, srcs, **kwargs):
-            if dsts[0].device.type == "cpu":  # (the first write-back: chunk 0's, param 0 stepped)
-                raise RuntimeError("injected: the write-back failed")
-            return real(side, dsts, srcs, **kwargs)
-
-        monkeypatch.setattr(_streaming, "_queue", failing)
-        for i, p in enumerate(_params(model)):
-            p.grad = grad_for(2, i, p.shape).to(sim)
-        with pytest.raises(RuntimeError, match="injected"):
-            opt.step()
-        monkeypatch.undo()
-        for i, p in enumerate(_params(ref_model)):  # (the reference steps param 0 alone)
-            p.grad = grad_for(2, i, p.shape).to(sim) if i == 0 else None
-        ref.step()
+        _fail_the_first_write_back(sim, monkeypatch, model, opt, ref_model, ref)
         _assert_same(model, opt, ref_model, ref)
         train(model, opt, range(3, 5))
         train(ref_model, ref, range(3, 5))
@@ -945,22 +951,7 @@ def test_unstream_after_a_failing_write_back_gives_each_entry_its_own_storage(si
         optimshift.stream(opt, chunk_bytes=128)  # one param per chunk
         train(model, opt, range(2))
         train(ref_model, ref, range(2))
-        real = _streaming._queue
-
-        def failing(side, dst, src, **kwargs):
-            if dst.device.type == "cpu":  # (the first write-back: chunk 0's, param 0 stepped)
-                raise RuntimeError("injected: the write-back failed")
-            return real(side, dst, src, **kwargs)
-
-        monkeypatch.setattr(_streaming, "_queue", failing)
-        for i, p in enumerate(_params(model)):
-            p.grad = grad_for(2, i, p.shape).to(sim)
-        with pytest.raises(RuntimeError, match="injected"):
-            opt.step()
-        monkeypatch.undo()
-        for i, p in enumerate(_params(ref_model)):  # (the reference steps param 0 alone)
-            p.grad = grad_for(2, i, p.shape).to(sim) if i == 0 else None
-        ref.step()
+        _fail_the_first_write_back(sim, monkeypatch, model, opt, ref_model, ref)
         optimshift.unstream(opt)
         assert state_layout(opt) == state_layout(ref)
         _assert_same(model, opt, ref_model, ref)

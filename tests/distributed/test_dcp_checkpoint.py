@@ -565,6 +565,30 @@ def test_a_read_error_while_loading_is_an_exception_and_leaves_no_first_step(tmp
     assert not fresh_opt.state
 
 
+def test_an_interrupt_while_loading_stays_an_interrupt_and_leaves_no_first_step(tmp_path, monkeypatch):
+    """DCP wraps a Ctrl-C during the read in its CheckpointException: the load raised it as a RuntimeError (an
+    I/O failure, "partly loaded"), so a training loop's ``except Exception`` went on after the user's Ctrl-C."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt)
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)
+    read_data = dcp.FileSystemReader.read_data
+    calls = [0]
+
+    def interrupted_late(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # (the first read is the checks' own: the second is the load itself)
+            raise KeyboardInterrupt
+        return read_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", interrupted_late)
+    with pytest.raises(KeyboardInterrupt):
+        load(tmp_path / "ck", fresh, fresh_opt)
+    assert not fresh_opt.state and all(p.grad is None for p in fresh.parameters())
+
+
 def test_a_write_error_while_saving_is_an_exception_naming_the_path_and_commits_nothing(tmp_path, monkeypatch):
     """DCP reports a failed write (a full disk) as its CheckpointException, a BaseException naming no file: a
     user's `except Exception` around the save missed it."""

@@ -178,14 +178,21 @@ def _write_failure(error: CheckpointException, path: Any, rank: int) -> BaseExce
     """What a save raises for DCP's error while writing: a CheckpointException is a BaseException (a user's
     ``except Exception`` missed a full disk) that names no file; a Ctrl-C on this rank, which DCP wrapped, stays
     one here."""
-    own = error.failures.get(rank)
-    if own is not None and not isinstance(own[0], Exception):
-        return own[0]
+    own = _interrupt_in(error, rank)
+    if own is not None:
+        return own
     causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(error.failures.items()))
     return RuntimeError(
         f"{_call('save', path)} failed while writing the checkpoint ({causes}); nothing was committed: "
         f"{os.fspath(path)} is as it was"
     )
+
+
+def _interrupt_in(error: BaseException, rank: int) -> BaseException | None:
+    """The Ctrl-C (a ``BaseException`` but no ``Exception``) that DCP wrapped in its error on this rank, if any:
+    raised as itself, never as an I/O failure."""
+    own = error.failures.get(rank) if isinstance(error, CheckpointException) else None
+    return own[0] if own is not None and not isinstance(own[0], Exception) else None
 
 
 def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> BaseException | None:
@@ -314,8 +321,13 @@ def load(
             return None
         extra: dict[str, Any] = torch.load(io.BytesIO(state[_EXTRA]), map_location="cpu", weights_only=True)
         return extra
-    except _FAILURES as e:
+    except BaseException as e:
         _undo_initializing(optimizer, had_state, no_grad)  # (no fake first step left behind)
+        if not isinstance(e, _FAILURES):  # (a Ctrl-C stays one)
+            raise
+        interrupt = _interrupt_in(e, _rank_world()[0])
+        if interrupt is not None:  # (one DCP wrapped in its error while reading)
+            raise interrupt from e
         raise RuntimeError(
             f"optimshift.distributed.load({os.fspath(target)}) failed after it began writing the checkpoint into "
             f"the model and optimizer, which may now be partly loaded (reload them, or load again): "

@@ -627,6 +627,27 @@ def test_an_interrupt_while_saving_stays_an_interrupt(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("where", ["_write_note", "commit_folder"])
+def test_an_interrupt_while_committing_leaves_nothing_behind(tmp_path, monkeypatch, where):
+    """A Ctrl-C once the shards were written (the note, the completeness check, the commit) left this save's
+    temporary folder beside the checkpoint: only the errors those raise removed it."""
+    from optimshift.distributed import _checkpoint
+
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt, extra={"n": 1})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_checkpoint, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path / "ck", model, opt, extra={"n": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    fresh = build_model()
+    assert load(tmp_path / "ck", fresh, build_optimizer(fresh)) == {"n": 1}
+
+
 def test_a_streamed_optimizer_loads(tmp_path, sim):
     """The load's last move, which places the state as a fresh optimizer keeps it, refused a streamed optimizer:
     every load into one failed, after it had loaded ("partly loaded"), and its extra was lost."""

@@ -202,8 +202,10 @@ def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> 
         _write_note(tmp, note)
         _check_complete(tmp, lock)
         commit_folder(tmp, target, _sibling(target, _OLD), replaceable=lambda t: _is_checkpoint(Path(t)))
-    except _FAILURES as e:  # noqa: BLE001
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # (after a rename or an exchange, nothing or the previous folder)
+        if not isinstance(e, _FAILURES):  # (a Ctrl-C: raised, nothing left behind)
+            raise
         return e
     shutil.rmtree(_sibling(target, _OLD), ignore_errors=True)  # a crashed two-rename commit's leftover
     fsync_dir(target.parent)

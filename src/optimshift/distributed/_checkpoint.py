@@ -574,6 +574,15 @@ def _check_replaceable(target: Path) -> None:
             f"{target} is a symlink; save replaces checkpoint directories atomically and will not "
             f"replace a link: give the path it points to"
         )
+    here, inside = os.path.abspath(target), False
+    with contextlib.suppress(OSError):  # (a current folder deleted meanwhile is none that target holds)
+        inside = os.path.commonpath([here, os.getcwd()]) == here
+    if target.name in ("", "..") or inside:
+        raise ValueError(
+            f"{target} is the current folder or holds it (or ends in '..'): save replaces a checkpoint folder by "
+            f"a rename, which cannot replace '.', and would leave this process in a deleted folder; give the "
+            f"folder's path from outside it"
+        )
     if os.path.ismount(target):
         raise ValueError(
             f"{target} is a mount point: save replaces a checkpoint folder by a rename, which cannot replace a "

@@ -205,6 +205,35 @@ def test_a_tensor_lr_keeps_its_object(tmp_path, sim):
     assert state_differences(full_state(live, live_opt), uninterrupted) == []
 
 
+@pytest.mark.parametrize("live_lr", ["float", "one-element", "float64"])
+def test_a_saved_tensor_lr_loads_where_the_live_lr_is_another_kind(tmp_path, sim, live_lr):
+    """A checkpoint's tensor lr, loaded where the live lr is a float or a tensor of another shape or dtype: DCP
+    refused it part-way (its read plan expects the live kind), a RuntimeError saying the model "may now be partly
+    loaded"; or read it into the live float64 tensor, cast. The saved tensor is installed, as torch's
+    load_state_dict installs the saved groups, on the side the live one was given on."""
+    model = build_model().to(sim)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01, device=sim), fused=True)
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    local_step(model, opt, 1, sim)
+    uninterrupted = full_state(model, opt)
+
+    given = {
+        "float": 0.5,
+        "one-element": torch.tensor([0.5], device=sim),
+        "float64": torch.tensor(0.5, dtype=torch.float64, device=sim),
+    }[live_lr]
+    live = build_model().to(sim)
+    live_opt = torch.optim.AdamW(live.parameters(), lr=given, fused=True)
+    load(tmp_path / "ck", live, live_opt)
+    lr = live_opt.param_groups[0]["lr"]
+    assert bitwise_equal(lr.cpu(), torch.tensor(0.01))
+    assert lr.device == (given.device if isinstance(given, torch.Tensor) else torch.device("cpu"))
+    assert optimshift.check(live_opt).ok
+    local_step(live, live_opt, 1, sim)
+    assert state_differences(full_state(live, live_opt), uninterrupted) == []
+
+
 # --- never stepped, extra, describe -----------------------------------------------------------------------
 
 

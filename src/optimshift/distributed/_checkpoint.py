@@ -278,6 +278,14 @@ def load(
         # look for them in the checkpoint and fail part-way; left out of the load, they keep their live values.
         kept = [{k: group[k] for k in group if k not in layout.groups.get(gi, ())} for gi, group in enumerate(live)]
         groups = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(optim_sd["param_groups"], kept)]
+        for gi, group in enumerate(groups):  # (a saved tensor hyperparameter where the live one is a float, or
+            # a tensor of another shape or dtype: DCP refused it part-way; it is read into one like it, as torch's
+            # load_state_dict installs the saved one)
+            for key, value in group.items():
+                meta = layout.group_tensors.get((gi, key))
+                if meta is not None and _compare_value(key, value, meta):
+                    where = value.device if isinstance(value, torch.Tensor) else None  # (the side it was given on)
+                    group[key] = torch.empty(_shape(meta.size), dtype=meta.properties.dtype, device=where)
         if layout.has_state:
             optim_sd = {
                 "state": {n: v for n, v in optim_sd["state"].items() if n not in stateless},
@@ -633,6 +641,7 @@ class _Layout:
     state: dict[str, dict[str, list[tuple[tuple[Any, ...], STORAGE_TYPES]]]] = field(default_factory=dict)
     groups: dict[int, set[str]] = field(default_factory=dict)
     params_keys: dict[int, str] = field(default_factory=dict)  # group index -> DCP key of its "params" list
+    group_tensors: dict[tuple[int, str], TensorStorageMetadata] = field(default_factory=dict)  # a tensor lr's
     has_extra: bool = False
     note: dict[str, Any] | None = None
 
@@ -662,6 +671,8 @@ class _Layout:
                 layout.groups.setdefault(int(steps[2]), set()).add(str(steps[3]))
                 if len(steps) == 4 and steps[3] == "params":
                     layout.params_keys[int(steps[2])] = key
+                elif len(steps) == 4 and isinstance(meta, TensorStorageMetadata):
+                    layout.group_tensors[(int(steps[2]), str(steps[3]))] = meta
             elif steps == (_EXTRA,):
                 layout.has_extra = True
         if not layout.model and not layout.groups:

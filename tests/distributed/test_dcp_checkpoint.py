@@ -692,6 +692,21 @@ def test_a_streamed_optimizer_loads(tmp_path, sim):
     assert state_differences(full_state(fresh.cpu(), fresh_opt), full_state(model, opt)) == []
 
 
+def test_a_streamed_optimizer_refuses_a_device_before_anything_changes(tmp_path, sim):
+    """``device=`` an accelerator, where a streamed optimizer keeps its state in host memory: the load went on and
+    left it there, ``device`` silently ignored (``optimshift.load_state_dict`` refuses it)."""
+    model, opt = _trained()
+    save(tmp_path / "ck", model, opt)
+    fresh = build_model().to(sim)
+    fresh_opt = build_optimizer(fresh)
+    local_step(fresh, fresh_opt, 5, device=sim)
+    optimshift.stream(fresh_opt)
+    before = _state_of(fresh, fresh_opt)
+    with pytest.raises(ValueError, match=r"AdamW: it is streamed .* device=sim:0 would put it elsewhere"):
+        load(tmp_path / "ck", fresh, fresh_opt, device=sim)
+    assert _unchanged(before, fresh, fresh_opt) and optimshift.is_streamed(fresh_opt)
+
+
 def _interrupt_after_the_state_dicts(monkeypatch):
     """A Ctrl-C right after DCP built the state dicts (its zero-lr first step of a stateless optimizer made)."""
     from optimshift.distributed import _checkpoint

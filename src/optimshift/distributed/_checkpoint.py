@@ -231,6 +231,11 @@ def load(
         target = _committed(_as_path(path))
         if device is not None:
             where = resolve(device, tensors=[p for g in optimizer.param_groups for p in g["params"]])
+            if is_streamed(optimizer) and where.type != "cpu":  # (as optimshift.load_state_dict refuses it)
+                raise ValueError(
+                    f"{optimizer_name(optimizer)}: it is streamed (optimshift.stream), so its state loads into host "
+                    f"memory; device={where} would put it elsewhere. Call optimshift.unstream() first."
+                )
         layout = _Layout.read(target)
         _check_owned(model, optimizer)
     except _FAILURES as e:  # noqa: BLE001

@@ -29,7 +29,7 @@ from typing import IO, Any, Union
 
 import torch
 
-from .._dtensor import local_tensor
+from .._dtensor import local_tensor, tensor_bytes
 from .._errors import add_note, with_article
 from .._plan import check_optimizer, states_by_id
 from .._state import MAX_DEPTH, unwrap
@@ -997,6 +997,24 @@ class _Everywhere(dict[int, str]):
 
     def get(self, key: Any, default: Any = None) -> str:
         return self.tag
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of the storages ``tensors`` are on, each storage once: what a file holding them holds, and what
+    loading it allocates (views of one storage share it; a tensor without one counts its own bytes)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        try:
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key in seen and key != 0:
+                continue
+            seen.add(key)
+            total += s.nbytes()
+        except Exception:
+            total += tensor_bytes(t)
+    return total
 
 
 def saved_location(t: torch.Tensor, locations: Mapping[int, str]) -> str:

@@ -134,7 +134,7 @@ def describe(
         "bytes": size,
         "format": fmt,
         "top_level_keys": [str(k) for k in obj] if isinstance(obj, Mapping) else None,
-        "tensors": {"count": len(tensors), "bytes": sum(tensor_bytes(t) for t in tensors), "saved_on": dict(saved_on)},
+        "tensors": {"count": len(tensors), "bytes": ckpt.storage_bytes(tensors), "saved_on": dict(saved_on)},
         "optimizers": [],
         "not_rebuilt": list(opaque),
         "findings": [_opaque_finding(opaque)] if opaque else [],

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from .._dtensor import tensor_bytes
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
 from ..checkpoint._atomic import fsync_dir, make_folder, sweep, sweep_folders, temp_name, temp_pattern
@@ -125,22 +124,6 @@ def _cast_tree(
     return obj
 
 
-def _storage_bytes(obj: Any) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in all_tensors(obj):
-        try:
-            s = t.untyped_storage()
-            key = s.data_ptr()
-            if key in seen and key != 0:
-                continue
-            seen.add(key)
-            total += s.nbytes()
-        except Exception:
-            total += tensor_bytes(t)
-    return total
-
-
 def _missing_device(device: torch.device) -> str | None:
     """What to do when ``device`` is not on this machine (``convert --device cuda`` without a GPU), else None."""
     from .._devices import resolve
@@ -199,7 +182,7 @@ def run_convert(args: argparse.Namespace) -> int:
             obj = _cast_tree(obj, DTYPES[args.dtype], _protected(obj), {}, counts)
     except (ValueError, RuntimeError) as e:  # RuntimeError: an OOM while casting
         return fail(f"{src}: {e}", e)
-    total = _storage_bytes(obj)
+    total = ckpt.storage_bytes(all_tensors(obj))
     bar = (
         Progress(f"writing {os.path.basename(dst)}", total, sys.stderr)
         if (total >= _LARGE and isatty(sys.stderr) and not as_json)

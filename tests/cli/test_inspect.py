@@ -220,6 +220,26 @@ def test_convert_dtype_keeps_optimizer_scalars(tmp_path, capsys):
     assert bitwise_equal(st["mu_product"], opt.state_dict()["state"][0]["mu_product"])
 
 
+def test_convert_dtype_keeps_tensors_that_share_a_storage_sharing_it(tmp_path, capsys):
+    """``convert --dtype`` cast each tensor alone: entries saved as views of one flat buffer (and the buffer) came
+    out each on a storage of its own, so a load allocated every one and an update of the buffer no longer showed
+    through the views. They are cast as their storage now: views of one cast storage, at their offsets."""
+    src, dst = tmp_path / "a.pt", tmp_path / "b.pt"
+    sd = trained(O.Adam).state_dict()
+    flat = torch.randn(3 * 12)
+    for i in range(3):
+        sd["state"][i]["exp_avg"] = flat[12 * i : 12 * (i + 1)]
+    torch.save({"optimizer": sd, "flat": flat}, src)
+    rc, out, err = _run(capsys, "convert", str(src), str(dst), "--dtype", "bfloat16")
+    assert rc == 0, err
+    back = torch.load(dst)
+    views = [back["optimizer"]["state"][i]["exp_avg"] for i in range(3)] + [back["flat"]]
+    assert {v.untyped_storage().data_ptr() for v in views} == {back["flat"].untyped_storage().data_ptr()}
+    assert [v.storage_offset() for v in views] == [0, 12, 24, 0] and back["flat"].dtype == torch.bfloat16
+    assert bitwise_equal(back["flat"], flat.to(torch.bfloat16))
+    assert "cast 7 floating tensors" in out  # (the 4 sharing one storage, and each exp_avg_sq)
+
+
 def test_convert_progress_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self):

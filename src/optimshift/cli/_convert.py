@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import _alias
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
 from ..checkpoint._atomic import fsync_dir, make_folder, sweep, sweep_folders, temp_name, temp_pattern
@@ -72,6 +73,21 @@ def _protected(obj: Any) -> set[int]:
         for g in found.state_dict["param_groups"]:
             keep.update(id(t) for t in all_tensors({k: v for k, v in g.items() if k != "params"}))
     return keep
+
+
+def _cast_shared(obj: Any, dtype: torch.dtype, keep: set[int], memo: dict[int, Any], counts: Counter[str]) -> None:
+    """Tensors of ``obj`` that share a storage, cast as that storage into ``memo``: each a view of one cast
+    storage, as saved (cast one by one, each got a storage of its own: a load allocated each, the sharing lost)."""
+    tensors = all_tensors(obj)
+    for group in _alias.shared(tensors):
+        members = [tensors[i] for i in group]
+        if members[0].dtype == dtype or any(
+            id(t) in keep or not t.is_floating_point() or t.dtype != members[0].dtype for t in members
+        ):
+            continue  # (nothing to cast, or members cast differently: one by one, as before)
+        cast = _alias.copy_storage(members, members[0].device, lambda src, _: src.to(dtype), dtype=dtype)
+        memo.update(zip(map(id, members), cast))
+        counts["cast"] += len(members)
 
 
 _CAST_DEPTH = 64  # containers nested deeper than this are refused by --dtype (the copy is recursive)
@@ -177,9 +193,12 @@ def run_convert(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         return fail(f"cannot put {src}'s tensors on {device}: {first_line(str(e))}", e)
     counts: Counter[str] = Counter()
+    memo: dict[int, Any] = {}
     try:
         if args.dtype:
-            obj = _cast_tree(obj, DTYPES[args.dtype], _protected(obj), {}, counts)
+            keep = _protected(obj)
+            _cast_shared(obj, DTYPES[args.dtype], keep, memo, counts)
+            obj = _cast_tree(obj, DTYPES[args.dtype], keep, memo, counts)
     except (ValueError, RuntimeError) as e:  # RuntimeError: an OOM while casting
         return fail(f"{src}: {e}", e)
     total = ckpt.storage_bytes(all_tensors(obj))

@@ -511,7 +511,7 @@ def test_inspect_json_of_a_non_finite_tensor_hyperparameter_is_valid_json(tmp_pa
         raise AssertionError(f"not JSON: {token}")
 
     (o,) = json.loads(out, parse_constant=refuse)["optimizers"]
-    assert o["groups"][0]["hyperparameters"]["lr"] == str(value)
+    assert o["groups"][0]["hyperparameters"]["lr"]["value"] == str(value)
 
 
 def test_inspect_a_meta_tensor_hyperparameter(tmp_path, capsys):
@@ -524,7 +524,27 @@ def test_inspect_a_meta_tensor_hyperparameter(tmp_path, capsys):
     rc, out, err = _run(capsys, "inspect", str(path), "--json")
     assert rc == 0, err
     (o,) = json.loads(out)["optimizers"]
-    assert o["groups"][0]["hyperparameters"]["lr"] == {"tensor": [], "dtype": "float32"}
+    assert o["groups"][0]["hyperparameters"]["lr"] == {"tensor": [], "dtype": "float32", "saved_on": "meta"}
+
+
+def test_inspect_shows_a_tensor_lr_as_a_tensor_and_where_it_was_saved(tmp_path, capsys):
+    """A tensor ``lr`` (``torch.tensor(1e-3)``) was shown as the number it holds, as a float ``lr`` is: that it is a
+    tensor, its dtype and the device it was saved on (which decide what a load and each step do with it) were
+    hidden. Shown now, in the table and in --json, beside a float one."""
+    opt = trained(O.Adam, lr=torch.tensor(1e-3))
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.01})
+    path = tmp_path / "opt.pt"
+    save_tagged(opt.state_dict(), path)
+    rc, out, err = _run(capsys, "inspect", str(path))
+    assert rc == 0, err
+    rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["0", "3"], ["1", "1"])]
+    assert [row[2:5] for row in rows] == [["tensor(0.001,", "float32,", "cuda:0)"], ["0.01", "(0.9,", "0.999)"]]
+    rc, out, err = _run(capsys, "inspect", str(path), "--json")
+    assert rc == 0, err
+    groups = json.loads(out)["optimizers"][0]["groups"]
+    lr = groups[0]["hyperparameters"]["lr"]
+    assert lr == {"tensor": [], "value": torch.tensor(1e-3).item(), "dtype": "float32", "saved_on": "cuda:0"}
+    assert groups[1]["hyperparameters"]["lr"] == 0.01
 
 
 def test_inspect_a_param_state_that_is_a_tensor_not_a_dict(tmp_path, capsys):

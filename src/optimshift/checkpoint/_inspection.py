@@ -32,17 +32,23 @@ SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_moment
 _SHOWN_DEPTH = 16  # containers nested deeper than this are summarised (a hostile file may nest thousands)
 
 
-def jsonable(value: Any, depth: int = 0) -> Any:
+def jsonable(value: Any, depth: int = 0, locations: Mapping[int, str] | None = None) -> Any:
+    """``value`` as JSON data; a tensor as one (a tensor ``lr`` is no float: where it sits decides placement), with
+    its value if 0-dim and where it was saved, given :func:`optimshift.checkpoint._files._load_recording`'s table."""
     if isinstance(value, torch.Tensor):
+        shown: dict[str, Any] = {"tensor": list(value.shape)}
         if value.dim() == 0 and not value.is_meta:  # (a meta tensor has no value to show)
-            return jsonable(value.item(), depth)  # (a NaN as a float's: no bare NaN token in --json)
-        return {"tensor": list(value.shape), "dtype": dtype_name(value.dtype)}
+            shown["value"] = jsonable(value.item(), depth)  # (a NaN as a float's: no bare NaN token in --json)
+        shown["dtype"] = dtype_name(value.dtype)
+        if locations is not None:
+            shown["saved_on"] = ckpt.saved_location(value, locations)
+        return shown
     if isinstance(value, (list, tuple, Mapping)) and depth >= _SHOWN_DEPTH:
         return f"<{type(value).__name__} nested deeper than {_SHOWN_DEPTH} levels>"
     if isinstance(value, (list, tuple)):
-        return [jsonable(v, depth + 1) for v in value]
+        return [jsonable(v, depth + 1, locations) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): jsonable(v, depth + 1) for k, v in value.items()}
+        return {str(k): jsonable(v, depth + 1, locations) for k, v in value.items()}
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -212,9 +218,11 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
                 "index": gi,
                 "params": len(g["params"]),
                 "hyperparameters": {
-                    str(k): jsonable(v) for k, v in g.items() if k not in ("params", "param_names") + _FLAGS
+                    str(k): jsonable(v, 0, locations)
+                    for k, v in g.items()
+                    if k not in ("params", "param_names") + _FLAGS
                 },
-                "flags": {k: jsonable(g[k]) for k in _FLAGS if k in g},
+                "flags": {k: jsonable(g[k], 0, locations) for k in _FLAGS if k in g},
             }
         )
     table: dict[str, dict[str, Any]] = {}

@@ -88,6 +88,8 @@ def short(value: Any) -> str:
     v = jsonable(value)
     if isinstance(v, list):  # at most _SHOWN_DEPTH deep: jsonable summarised the rest
         return "(" + ", ".join(short(x) for x in v) + ")"
+    if isinstance(v, dict) and "tensor" in v:  # (a tensor: its value, or its shape, then its dtype and device)
+        return "tensor(" + ", ".join(short(x) for k, x in v.items() if k != "tensor" or "value" not in v) + ")"
     if isinstance(v, float):
         return f"{v:g}"
     return str(v)

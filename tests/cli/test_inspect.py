@@ -164,6 +164,27 @@ def test_inspect_a_file_of_a_dcp_folder_shows_the_folder_and_an_incomplete_one_f
     assert rc == 1 and f"is incomplete: it lacks {shard.name}" in err, err
 
 
+def test_inspect_of_dcp_shards_without_their_metadata_says_the_metadata_is_missing(tmp_path, capsys):
+    """A shard whose folder lost its ``.metadata`` was called truncated or corrupt (its zip record read as a whole
+    torch.save file), and the folder one of no kind inspect reads: each now says the metadata file is missing."""
+    from optimshift.distributed import save
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    save(tmp_path / "ck", model, opt)
+    (tmp_path / "ck" / ".metadata").unlink()
+    (shard,) = (tmp_path / "ck").glob("*.distcp")
+    metadata = tmp_path / "ck" / ".metadata"
+    for path, what in [(shard, "is a torch.distributed.checkpoint shard"), (shard.parent, "(1 .distcp file)")]:
+        rc, out, err = _run(capsys, "inspect", str(path))
+        assert rc == 1 and out == "" and len(err.splitlines()) == 1, err
+        assert f"{path} " in err and what in err and f"{metadata} is missing" in err and "corrupt" not in err, err
+        rc, out, _ = _run(capsys, "inspect", str(path), "--json")
+        assert rc == 1 and f"{metadata} is missing" in json.loads(out)["error"]["message"]
+
+
 READS = (
     "pass a torch.save file, a Hugging Face Trainer checkpoint-N folder, an Accelerate save_state folder or a "
     "torch.distributed.checkpoint folder (one with a .metadata file)"

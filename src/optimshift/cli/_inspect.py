@@ -155,6 +155,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     dcp_part = os.path.basename(path) == ".metadata" or path.endswith(".distcp")
     if dcp_part and os.path.isfile(path) and os.path.isfile(os.path.join(folder_of, ".metadata")):
         path = folder_of  # (a file of a torch.distributed.checkpoint folder: the folder is the checkpoint)
+    if (lone := _lone_shards(path)) is not None:
+        return failure("inspect", lone, as_json=as_json, error=FileNotFoundError(lone))
     if os.path.isdir(path):
         folder = training_folder(path)
         if folder is not None:
@@ -179,6 +181,27 @@ def run_inspect(args: argparse.Namespace) -> int:
         )
     print(text)
     return 0
+
+
+def _lone_shards(path: str) -> str | None:
+    """What is wrong with ``path`` where it is torch.distributed.checkpoint shards (a ``.distcp`` file, or a folder
+    of them) whose folder lacks its ``.metadata`` (without which no shard can be read), else None."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    metadata = os.path.join(folder, ".metadata")
+    try:
+        names = os.listdir(path) if folder == path else [path] if os.path.isfile(path) else []
+    except OSError:
+        return None  # (what reading it says)
+    shards = [n for n in names if n.endswith(".distcp")]
+    if not shards or os.path.lexists(metadata):
+        return None
+    n = len(shards)
+    what = f"holds torch.distributed.checkpoint shards ({n} .distcp file{'s' if n != 1 else ''})"
+    return (
+        f"{path} {what if folder == path else 'is a torch.distributed.checkpoint shard'}, and {metadata} is "
+        f"missing: it says which tensor each shard's bytes belong to, and nothing reads the shards without it; copy "
+        f"the whole folder, .metadata included, from where it was saved"
+    )
 
 
 # What ``inspect`` reads, said once for every message that names it.

@@ -55,3 +55,25 @@ def test_bench_takes_keep_addresses(capsys, monkeypatch, sim):
     monkeypatch.setattr(case, "render_rl_loop", lambda result: f"rendered {result['called']}")
     assert bench.main(["--case", "rl-loop", "--keep-addresses", "--device", "sim"]) == 0
     assert capsys.readouterr().out.strip() == "rendered ('sim:0', 'auto')"
+
+
+def test_bench_refuses_keep_addresses_for_a_case_that_would_ignore_it(capsys, monkeypatch, sim):
+    """``--case verl --keep-addresses`` (deepspeed, all) ran the case without keeping addresses, without a word:
+    refused now, in one line, before anything runs."""
+    import json
+
+    import optimshift.cli._bench_deepspeed as deepspeed_case
+    import optimshift.cli._bench_verl as verl_case
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the case ran")
+
+    for module, name in [(bench, "run_bench"), (verl_case, "run_verl_case"), (deepspeed_case, "run_deepspeed_case")]:
+        monkeypatch.setattr(module, name, ran)
+    for case in ("verl", "deepspeed", "all"):
+        assert bench.main(["--case", case, "--keep-addresses", "--device", "sim"]) == 1
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err == f"optimshift bench: error: --keep-addresses is for --case rl-loop, not --case {case}\n"
+        assert bench.main(["--case", case, "--keep-addresses", "--device", "sim", "--json"]) == 1
+        assert "--keep-addresses is for --case rl-loop" in json.loads(capsys.readouterr().out)["error"]["message"]

@@ -646,6 +646,8 @@ def _write_out(out: str, result: dict[str, Any]) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.keep_addresses and args.case != "rl-loop":  # (the other cases offload as their framework does)
+        return failure("bench", f"--keep-addresses is for --case rl-loop, not --case {args.case}", as_json=args.json)
     if args.out and (problem := _out_problem(args.out)):
         return failure("bench", problem, as_json=args.json)
     try:

@@ -290,6 +290,20 @@ def test_convert_errors(tmp_path, capsys):
     assert not (tmp_path / "b.pt").exists()
 
 
+def test_convert_to_a_cpu_index_writes_to_the_host(tmp_path, capsys):
+    """``--device cpu:1`` (and ``cpu:0``) failed with "not a device this machine can hold tensors on": torch.load's
+    map_location refuses a cpu index, where torch puts a tensor asked for on ``cpu:1`` on its one host device. Both
+    are the host now, as for every optimshift device argument."""
+    src = tmp_path / "gpu.pt"
+    save_tagged({"w": torch.randn(3)}, src)
+    for device in ("cpu:0", "cpu:1"):
+        dst = tmp_path / f"{device.replace(':', '_')}.pt"
+        rc, out, err = _run(capsys, "convert", str(src), str(dst), "--device", device)
+        assert rc == 0 and out.startswith(f"wrote {dst}: 1 tensors on cpu, "), err
+        rc, out, _ = _run(capsys, "inspect", str(dst), "--json")
+        assert json.loads(out)["tensors"]["saved_on"] == {"cpu": 1}
+
+
 class Config:
     """A class a training script pickles into its checkpoint (weights_only refuses it unless allowed)."""
 

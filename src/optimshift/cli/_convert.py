@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import _alias
+from .._devices import resolve
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
 from ..checkpoint._atomic import fsync_dir, make_folder, sweep, sweep_folders, temp_name, temp_pattern
@@ -142,8 +143,6 @@ def _cast_tree(
 
 def _missing_device(device: torch.device) -> str | None:
     """What to do when ``device`` is not on this machine (``convert --device cuda`` without a GPU), else None."""
-    from .._devices import resolve
-
     try:
         resolve(device, what="--device")
     except (ValueError, TypeError) as e:
@@ -171,6 +170,7 @@ def run_convert(args: argparse.Namespace) -> int:
     missing = _missing_device(device)
     if missing:
         return fail(missing, ValueError(missing))
+    device = resolve(device)  # (cpu:1 is the host, as torch makes tensors there: torch.load refuses the index)
     if os.path.isdir(src):
         folder = training_folder(src)
         if folder is not None:

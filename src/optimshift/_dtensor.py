@@ -30,15 +30,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes ``t`` occupies on this process: an expanded view (stride 0) only the span of storage it reads; for a
-    DTensor, those of the local shard (global numel would count every rank's memory as this rank's); 0 for a layout
-    without a numel (sparse and other exotic ones)."""
+    """Bytes ``t`` occupies on this process; for a DTensor, those of the local shard (global numel would count
+    every rank's memory as this rank's); 0 for a layout without a numel (sparse and other exotic ones)."""
     t = local_tensor(t)
     try:
-        n = t.numel()
-        if n and t.layout == torch.strided and not t.is_contiguous():  # (a view: at most the elements it spans)
-            n = min(n, 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())))
-        return n * t.element_size()
+        return t.numel() * t.element_size()
     except Exception:
         return 0
 

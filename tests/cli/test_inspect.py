@@ -596,9 +596,9 @@ def test_inspect_a_param_state_that_is_a_tensor_not_a_dict(tmp_path, capsys):
 
 
 def test_inspect_counts_the_bytes_a_file_holds_not_the_elements_views_show(tmp_path, capsys):
-    """An expanded view (stride 0: ``torch.zeros(1).expand(1000)``) was counted at 1000 elements where its storage,
-    what the file holds and a load allocates, holds one; and the file's total counted a storage once per view of it.
-    Now each entry counts the storage it spans, and the file each storage once."""
+    """The file's total counted a storage once per view of it (an expanded view, ``torch.zeros(1).expand(1000)``, at
+    1000 elements where its storage holds one): it counts each storage once, what the file holds. A state key's row
+    counts what its entries hold once loaded (a load copies a lone expanded view whole), as before."""
     sd = trained(O.Adam).state_dict()
     sd["state"][0]["exp_avg"] = torch.zeros(1).expand(1000)
     flat = torch.zeros(24)
@@ -609,7 +609,7 @@ def test_inspect_counts_the_bytes_a_file_holds_not_the_elements_views_show(tmp_p
     assert rc == 0, err
     data = json.loads(out)
     rows = {r["key"]: r for r in data["optimizers"][0]["state"]}
-    assert rows["exp_avg"]["bytes"] == 4 + 2 * 12 * 4
+    assert rows["exp_avg"]["bytes"] == 1000 * 4 + 2 * 12 * 4
     loaded = [t for st in torch.load(path)["optimizer"]["state"].values() for t in st.values()]
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in loaded}
     assert data["tensors"]["bytes"] == sum(held.values()) == 4 + 24 * 4 + 3 * 4 + 3 * 12 * 4

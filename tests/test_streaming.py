@@ -964,6 +964,36 @@ def test_unstream_after_a_failing_write_back_gives_each_entry_its_own_storage(si
         _assert_same(model, opt, ref_model, ref)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES[:2])
+@pytest.mark.parametrize("how", ["state_dict", "deepcopy"])
+def test_a_state_dict_after_a_failing_write_back_holds_compact_host_copies(sim, monkeypatch, seed, progress, how):
+    """state_dict() (so optimshift.save) or a copy of the optimizer right after a failed write-back held that
+    chunk's entries as the device window's views (on the device, the window's whole storage): they hold compact
+    host copies of the stepped values, as after any streamed step; the live objects are kept."""
+    with deferred_streams(seed=seed, progress=progress):
+        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,)], sim, torch.optim.Adam, foreach=True)
+        optimshift.stream(opt, chunk_bytes=128)  # one param per chunk
+        train(model, opt, range(2))
+        train(ref_model, ref, range(2))
+        _fail_the_first_write_back(sim, monkeypatch, model, opt, ref_model, ref)
+        ids = tensor_ids(opt)
+        if how == "state_dict":
+            states = opt.state_dict()["state"].values()
+        else:
+            twin = copy.deepcopy(opt)  # (its params are copies: by position)
+            states = [twin.state[p] for g in twin.param_groups for p in g["params"]]
+        ref_states = [ref.state[p] for p in _params(ref_model)]
+        for st, ref_st in zip(states, ref_states):
+            for k, v in st.items():
+                assert v.device.type == "cpu", k
+                assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), k
+                assert bitwise_equal(v, ref_st[k].cpu()), k
+        assert tensor_ids(opt) == ids
+        train(model, opt, range(3, 5))
+        train(ref_model, ref, range(3, 5))
+        _assert_same(model, opt, ref_model, ref)
+
+
 def _careless_layout(monkeypatch, name):
     """The layout's copies (the engine's, into the chunks' host views) with one ordering taken away: their
     ``record_stream`` or their wait for the current stream, or queued on the engine's lane, not the step's."""

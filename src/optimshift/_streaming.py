@@ -164,6 +164,15 @@ class Streamed:
             if self._pending.get(device) is event:  # found them still pending, and waited too)
                 del self._pending[device]
 
+    def settle(self) -> None:
+        """:meth:`wait`, then lay out again a chunk whose write-back failed (its state still in views of a device
+        window): what reads the state's values (``state_dict()``, a copy, :func:`unstream`) must find first."""
+        self.wait()
+        if self._unwritten:
+            with exclusive(self.optimizer):
+                self._relay(list(self._unwritten.values()))
+            self.wait()
+
     def after_load(self) -> None:
         """A load put plain host tensors in the state: lay every param's state out again in pinned chunks."""
         old = list(self._chunks.values())
@@ -573,7 +582,7 @@ class Streamed:
         def streamed_state_dict() -> Any:
             optimizer = streamed.optimizer
             with exclusive(optimizer):  # (not while a streamed step in another thread has the groups cut down)
-                streamed.wait()  # (before any pre-hook: a user's registered with prepend=True runs before ours)
+                streamed.settle()  # (before any pre-hook: a user's registered with prepend=True runs before ours)
                 # (through its front, held weakly: a reference to itself would be a cycle)
                 return _offload.behind(front.front(), optimizer, "state_dict")()
 
@@ -588,11 +597,11 @@ class Streamed:
             _offload.Front(opt, "load_state_dict", streamed_load_state_dict),
             front,
             registered_first(opt.register_step_pre_hook(self._refuse_bypass)),
-            registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.wait())),
+            registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.settle())),
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
         # (a deepcopy or pickle of it: after the write-backs, of copies owning their bytes, as its state_dict())
-        guard = copy_guard(opt, lambda _opt: self.wait(), compact=True)
+        guard = copy_guard(opt, lambda _opt: self.settle(), compact=True)
         if guard is not None:
             self._handles.append(guard)
         self._active = True
@@ -773,10 +782,7 @@ def unstream(optimizer: Opt) -> Opt:
         mode = _mode_of(optimizer)
         if mode is None:
             return optimizer
-        mode.wait()
-        if mode._unwritten:  # (a failed write-back left a chunk's state in views of one window: laid out first)
-            mode._relay(list(mode._unwritten.values()))
-            mode.wait()
+        mode.settle()  # (a failed write-back left a chunk's state in views of one window: laid out first)
         inner = mode.optimizer
         with _engine.operation():  # (a Ctrl-C the move's commit holds waits for the mode to be gone)
             chunks = list(mode._chunks.values())

@@ -121,3 +121,29 @@ def test_a_reused_decision_is_reused_only_where_deciding_again_gives_it(sim):
                 if still_valid([(old, new)], before):
                     assert now == before, (name, source, target, view, before, now)
     assert changed, "no change made any decision differ: the test would not see a wrong reuse"
+
+
+def test_a_complex_entry_with_real_views_of_it_keeps_its_object(sim):
+    """A complex entry beside views of it in another dtype (``view_as_real``, ``.real``, ``.imag``) kept in state:
+    each of those views holds its base twice (a forward view info beside the backward one), so counting one hold
+    per view found the base held outside and replaced it on every move to or from the simulator. Every entry keeps
+    its object, the views keep sharing its storage, the values stay bitwise; a view held outside still forbids it."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    c = torch.randn(4, dtype=torch.complex64)
+    opt.state[p] = {"c": c, "pair": torch.view_as_real(c), "re": c.real, "im": c.imag}
+    objects, values, devices = dict(opt.state[p]), snapshot(opt.state[p]), []
+    for road in (lambda o: optimshift.move(o, sim), optimshift.offload, optimshift.reload, optimshift.move):
+        road(opt)  # (the last: back to the host, where its param is)
+        st = opt.state[p]
+        assert all(st[k] is objects[k] for k in st)
+        assert {st[k].untyped_storage().data_ptr() for k in st} == {c.untyped_storage().data_ptr()}
+        assert bitwise_equal(dict(st), values)
+        devices.append(c.device.type)
+    assert devices == ["sim", "cpu", "sim", "cpu"]
+    outside = c.imag  # (not an entry: a swap would leave it on the old storage)
+    del opt.state[p]["im"]
+    optimshift.move(opt, sim)
+    st = opt.state[p]
+    assert st["c"] is not c and outside.device.type == "cpu", "a view held outside: the copy takes the place"
+    assert st["pair"].untyped_storage().data_ptr() == st["c"].untyped_storage().data_ptr()

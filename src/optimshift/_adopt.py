@@ -53,7 +53,7 @@ def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mecha
     """:func:`mechanism` for each pair."""
     out: list[Mechanism] = []
     append = out.append
-    views: Counter[int] | None = None  # id(base) -> how many of the olds are views of it (counted when needed)
+    views: Counter[int] | None = None  # id(base) -> how often the olds that view it hold it (counted when needed)
     plain = torch.Tensor
     getweakrefcount = weakref.getweakrefcount
     use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]  # (missing from torch's stubs)
@@ -83,7 +83,12 @@ def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mecha
             append("swap")
         else:
             if views is None and type(old) is torch.Tensor:
-                views = Counter(id(o._base) for o, _ in pairs if o._base is not None)
+                views = Counter()
+                for o, _ in pairs:
+                    if o._base is not None:
+                        # (a view across complex and real, view_as_real(c) or c.real, holds its base twice: torch
+                        # gives it a forward view info of its own beside the backward one, which others share)
+                        views[id(o._base)] += 1 + (o.dtype.is_complex != o._base.dtype.is_complex)
             # NOTE: a flat buffer kept in state with views of it (state[p]["view"] = flat[i:j]): each view holds
             # the base's TensorImpl. When those views are all among the tensors adopting copies here, nothing
             # that stays with the optimizer holds it, and a plain tensor is swapped without torch's use-count

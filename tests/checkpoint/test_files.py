@@ -567,3 +567,19 @@ def test_a_checkpoint_that_is_a_list_loads_as_inspect_finds_it(tmp_path):
     assert bitwise_equal(fresh.state_dict()["state"], opt.state_dict()["state"])
     with pytest.raises(TypeError, match="must be a dict"):
         optimshift.load_state_dict(torch.optim.Adam(params), [1, 2])
+
+
+def test_entries_viewing_one_storage_in_two_dtypes_are_named_and_the_old_file_stays(tmp_path):
+    """torch.save refuses tensors that view one storage in two dtypes (a complex entry and its view_as_real, an
+    entry and its .view(torch.int32)) with a message naming none of them: the entries and the file are named."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    x = torch.randn(4)
+    opt.state[p] = {"x": x, "bits": x.view(torch.int32)}
+    path = tmp_path / "opt.pt"
+    path.write_bytes(b"old")
+    with pytest.raises(
+        ValueError, match=re.escape(f"save: {path}: ['state'][0]['x'] (float32) and ['state'][0]['bits'] (int32)")
+    ):
+        optimshift.save(opt, path)
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["opt.pt"]

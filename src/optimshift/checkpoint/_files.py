@@ -30,9 +30,9 @@ from typing import IO, Any, Union
 import torch
 
 from .._dtensor import local_tensor, tensor_bytes
-from .._errors import add_note, with_article
+from .._errors import add_note, dtype_name, with_article
 from .._plan import check_optimizer, states_by_id
-from .._state import MAX_DEPTH, unwrap
+from .._state import MAX_DEPTH, Path, format_path, leaves, unwrap
 from .._version import __version__
 from . import _atomic, _records, _untrusted
 
@@ -359,6 +359,11 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             except OSError as e:  # (the file's own last write: a full disk's ENOSPC)
                 raise _write_error(target, e) from e
             except RuntimeError as e:  # (torch's zip writer reports a failed write as an error of its own)
+                if "view the same data as different types" in str(e):
+                    raise ValueError(
+                        f"save: {target}: {_dtype_views(payload)} view one storage in two dtypes, which torch.save "
+                        f"cannot write; save a clone of one of them. Nothing was written"
+                    ) from None
                 cause = e.__context__
                 if cause is None or "inline_container" not in str(e):
                     raise
@@ -387,6 +392,20 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
         for temp in made:
             _atomic.release_temp(temp)
     _atomic.fsync_dir(folder)
+
+
+def _dtype_views(payload: Any) -> str:
+    """The first two tensors of ``payload`` that view one storage in different dtypes, named by their paths."""
+    seen: dict[tuple[torch.device, int], tuple[Path, torch.dtype]] = {}
+    for path, t in leaves(payload):
+        ptr = t.untyped_storage().data_ptr()
+        first = seen.setdefault((t.device, ptr), (path, t.dtype)) if ptr else (path, t.dtype)
+        if first[1] != t.dtype:
+            return (
+                f"{format_path(first[0]) or 'the object'} ({dtype_name(first[1])}) and "
+                f"{format_path(path)} ({dtype_name(t.dtype)})"
+            )
+    return "two of its tensors"
 
 
 def _write_error(target: str, cause: OSError) -> OSError:

@@ -147,3 +147,29 @@ def test_a_complex_entry_with_real_views_of_it_keeps_its_object(sim):
     st = opt.state[p]
     assert st["c"] is not c and outside.device.type == "cpu", "a view held outside: the copy takes the place"
     assert st["pair"].untyped_storage().data_ptr() == st["c"].untyped_storage().data_ptr()
+
+
+def test_a_leaf_entry_that_requires_grad_keeps_its_object(sim):
+    """A state entry that is a leaf requiring grad (its copy is one too) was replaced by every move to or from the
+    simulator: a swap was refused for any tensor requiring grad. Two leaves that require it swap as any pair does
+    (the entry stays a leaf requiring grad, usable by autograd where it is); one holding a grad, or held by a graph
+    not yet run backward, is still replaced (its grad and that graph stay with the old object)."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    t = torch.randn(3, requires_grad=True)
+    opt.state[p]["t"] = t
+    value = t.detach().clone()
+    for device in (sim, "cpu", sim):
+        optimshift.move(opt, device)
+        assert opt.state[p]["t"] is t and t.device.type == torch.device(device).type
+        assert t.requires_grad and t.is_leaf and bitwise_equal(t.detach().cpu(), value)
+    (t * 2).sum().backward()
+    assert t.grad.device == t.device
+    optimshift.move(opt, "cpu")  # (it holds a grad)
+    held = opt.state[p]["t"]
+    assert held is not t and t.grad is not None
+    loss = (held * 3).sum()  # (a graph that holds the entry, not yet run backward)
+    optimshift.move(opt, sim)
+    assert opt.state[p]["t"] is not held
+    loss.backward()
+    assert torch.equal(held.grad, torch.full((3,), 3.0))

@@ -109,7 +109,16 @@ def _swappable(old: torch.Tensor, new: torch.Tensor, views: int = 0) -> bool:
     # Another C++ holder of either tensor (a view's base, an autograd node) would end up on the other object.
     # (Tensor._use_count exists at runtime but is missing from torch's stubs.)
     use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]
-    return use_count(old) == 1 + views and use_count(new) == 1 and not old.requires_grad and not new.requires_grad
+    return use_count(old) == 1 + views and use_count(new) == 1 and _grads_allow(old, new)
+
+
+def _grads_allow(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether autograd lets ``old`` take ``new``'s TensorImpl: neither requires grad, or both are leaves that do
+    and ``old`` holds no grad (its grad, in its TensorImpl, would go with it to the other object; a graph's hold on
+    it is a use the caller counts)."""
+    if not (old.requires_grad or new.requires_grad):
+        return True
+    return old.requires_grad and new.requires_grad and old.is_leaf and new.is_leaf and old.grad is None
 
 
 def still_valid(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hows: list[Mechanism]) -> bool:

@@ -82,7 +82,7 @@ def test_cuda_transfers_go_through_the_device_generic_streams():
     """The one async path: torch.Stream/torch.Event/torch.accelerator where torch has them (torch.cuda's before),
     probed once; a non-blocking round trip through it is bitwise and leaves the step waiting on the device."""
     streams = _device_streams.of(CUDA)
-    generic = _device_streams._generic_api() and _device_streams._current_accelerator_type() == "cuda"
+    generic = _device_streams._generic_api() and _device_streams.current_accelerator() == "cuda"
     expected = _device_streams._AcceleratorStreams if generic else _device_streams._ModuleStreams
     assert type(streams) is expected and _device_streams.pins_host_for(CUDA)
     model = Model([(256, 256)] * 4).to(CUDA)

@@ -33,7 +33,7 @@ def test_the_simulated_accelerator_is_a_registered_backend(sim):
 
 def test_the_current_accelerator_gets_the_device_generic_api(isolated):
     isolated.setattr(_device_streams, "_generic_api", lambda: True)
-    isolated.setattr(_device_streams, "_current_accelerator_type", lambda: "xpu")
+    isolated.setattr(_device_streams, "current_accelerator", lambda: "xpu")
     assert isinstance(_device_streams._candidate("xpu"), _device_streams._AcceleratorStreams)
     assert _device_streams._candidate("mps") is None, "not the current accelerator: no streams"
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ._devices import HOSTS, device_module
+from ._devices import HOSTS, current_accelerator, device_module
 
 __all__ = [
     "Streams",
@@ -192,14 +192,6 @@ def _generic_api() -> bool:
     return hasattr(torch, "Stream") and hasattr(torch, "Event") and all(hasattr(acc, name) for name in needed)
 
 
-def _current_accelerator_type() -> str | None:
-    try:
-        device = torch.accelerator.current_accelerator()
-    except Exception:
-        return None
-    return None if device is None else device.type
-
-
 @functools.cache
 def _cuda_available() -> bool:
     return torch.cuda.is_available()
@@ -210,7 +202,7 @@ def _candidate(device_type: str) -> Streams | None:
         return _ModuleStreams(device_type, _registered[device_type][0])
     if device_type in HOSTS:
         return None
-    if _generic_api() and _current_accelerator_type() == device_type:
+    if _generic_api() and current_accelerator() == device_type:
         return _AcceleratorStreams(device_type)
     if device_type == "cuda" and _cuda_available():
         return _ModuleStreams("cuda", torch.cuda)
@@ -288,7 +280,7 @@ def host_pinning() -> str | None:
     if _cuda_available():
         kind: str | None = "cuda"
     else:
-        kind = _current_accelerator_type() if _generic_api() else None
+        kind = current_accelerator() if _generic_api() else None
     if kind is None or (kind in _registered and not _registered[kind][1]):
         return None
     try:
@@ -322,6 +314,6 @@ def empty_cache() -> None:
         return
     acc = getattr(torch, "accelerator", None)
     if acc is not None and hasattr(acc, "empty_cache") and hasattr(acc, "is_available"):
-        kind = _current_accelerator_type()
+        kind = current_accelerator()
         if kind is not None and kind not in _registered and acc.is_available():
             acc.empty_cache()

@@ -41,7 +41,7 @@ def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch
     if isinstance(device, int):
         if device < 0:
             raise ValueError(f"{what} index must be >= 0, got {device}")
-        acc = _current_accelerator()
+        acc = current_accelerator()
         if acc is None:
             raise ValueError(f"{what}={device}: an int names an accelerator index, but no accelerator is available")
         device = torch.device(acc, device)
@@ -77,7 +77,8 @@ def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch
     return torch.device(device.type, index)
 
 
-def _current_accelerator() -> str | None:
+def current_accelerator() -> str | None:
+    """This process's accelerator type (``torch.accelerator``'s; CUDA on a torch without it), or None."""
     dev: torch.device | None
     try:
         dev = torch.accelerator.current_accelerator()

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .._devices import DeviceLike, resolve
+from .._devices import DeviceLike, current_accelerator, resolve
 from .._errors import add_note, dtype_name, with_article
 from .._plan import check_optimizer, optimizer_name
 from .._probe import quiet_global_step_hooks, step_needs
@@ -901,11 +901,10 @@ def _writer_options() -> dict[str, Any]:
     # backend is available) needs the backend module's current_stream(). A PrivateUse1 backend without
     # streams (optimshift's simulated accelerator, some out-of-tree backends) gets the serial loader, which
     # copies each tensor with .cpu().
-    accelerator = getattr(torch, "accelerator", None)
-    current = accelerator.current_accelerator() if accelerator is not None else None
-    if current is None or current.type == "cuda":
+    current = current_accelerator()
+    if current is None or current == "cuda":
         return {}
-    module = getattr(torch, current.type, None)
+    module = getattr(torch, current, None)
     if module is not None and not hasattr(module, "current_stream"):
         return {"per_thread_copy_ahead": 0}
     return {}

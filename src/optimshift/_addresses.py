@@ -235,7 +235,7 @@ class Placement:
                     handle = mapped.driver.create(mapped.device, size)
                 except DriverOutOfMemory as e:
                     total = sum(m.span(j)[1] for m, j in needed.values())
-                    raise _out_of_memory(
+                    raise torch.cuda.OutOfMemoryError(
                         f"{name}: reload(keep_addresses) could not map {total} bytes of state on {mapped.device}: "
                         f"out of device memory ({e}), also after emptying the cache; the state is still offloaded "
                         f"on the host, nothing was changed"
@@ -308,12 +308,6 @@ class Placement:
             for slot in owner.slots:
                 slot.leases.clear()
             owner.close()
-
-
-def _out_of_memory(message: str) -> Exception:
-    found = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    cls: type[Exception] = found if isinstance(found, type) else RuntimeError
-    return cls(message)
 
 
 def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str) -> Placement | None:

@@ -23,7 +23,7 @@ import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
@@ -275,37 +276,29 @@ def load(
     live = optimizer.param_groups
     kept: list[dict[str, Any]] = []
     try:
-        with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-        problems, stateless = _compare_state(optim_sd, layout, model)
-        _raise_mismatch(problems, layout, model, optimizer)
-        # Keys only the live groups have (an LR scheduler built before the load adds initial_lr): DCP would
-        # look for them in the checkpoint and fail part-way; left out of the load, they keep their live values.
-        kept = [{k: group[k] for k in group if k not in layout.groups.get(gi, ())} for gi, group in enumerate(live)]
-        groups = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(optim_sd["param_groups"], kept)]
-        for gi, group in enumerate(groups):  # (a saved tensor hyperparameter where the live one is a float, or
-            # a tensor of another shape or dtype: DCP refused it part-way; it is read into one like it, as torch's
-            # load_state_dict installs the saved one)
-            for key, value in group.items():
-                meta = layout.group_tensors.get((gi, key))
-                if meta is not None and _compare_value(key, value, meta):
-                    where = value.device if isinstance(value, torch.Tensor) else None  # (the side it was given on)
-                    group[key] = torch.empty(_shape(meta.size), dtype=meta.properties.dtype, device=where)
-        if layout.has_state:
-            optim_sd = {
-                "state": {n: v for n, v in optim_sd["state"].items() if n not in stateless},
-                "param_groups": groups,
-            }
-        else:  # saved before the first step: load the param groups, end without state
-            optim_sd = {"state": {}, "param_groups": groups}
-    except _FAILURES as e:  # noqa: BLE001
-        error = e
-    except BaseException:  # (a Ctrl-C: no zero-lr first step left behind)
-        _undo_initializing(optimizer, had_state, no_grad)
-        raise
-    try:
+        try:
+            with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+            problems, stateless = _compare_state(optim_sd, layout, model)
+            _raise_mismatch(problems, layout, model, optimizer)
+            # Keys only the live groups have (an LR scheduler built before the load adds initial_lr): DCP would
+            # look for them in the checkpoint and fail part-way; left out of the load, they keep their live values.
+            kept = [{k: g[k] for k in g if k not in layout.groups.get(gi, ())} for gi, g in enumerate(live)]
+            groups = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(optim_sd["param_groups"], kept)]
+            for gi, group in enumerate(groups):  # (a saved tensor hyperparameter where the live one is a float,
+                # or a tensor of another shape or dtype: DCP refused it part-way; it is read into one like it, as
+                # torch's load_state_dict installs the saved one)
+                for key, value in group.items():
+                    meta = layout.group_tensors.get((gi, key))
+                    if meta is not None and _compare_value(key, value, meta):
+                        where = value.device if isinstance(value, torch.Tensor) else None  # (the side given on)
+                        group[key] = torch.empty(_shape(meta.size), dtype=meta.properties.dtype, device=where)
+            stepped = {n: v for n, v in optim_sd["state"].items() if n not in stateless}
+            optim_sd = {"state": stepped, "param_groups": groups}
+        except _FAILURES as e:  # noqa: BLE001
+            error = e
         _agree(error, "load", path)
-    except BaseException:
+    except BaseException:  # (a Ctrl-C too: no zero-lr first step left behind)
         _undo_initializing(optimizer, had_state, no_grad)
         raise
 
@@ -714,19 +707,10 @@ class _Layout:
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
     """id(param) -> the name torch.distributed.checkpoint gives it in optimizer state dicts."""
-    fqns_of: Callable[[torch.nn.Module, str], set[str]] | None = None
-    try:
-        from torch.distributed.checkpoint.state_dict import _get_fqns
-
-        fqns_of = _get_fqns
-    except ImportError:  # pragma: no cover - a torch without the private helper
-        pass
     out = {}
     for name, param in model.named_parameters():
-        if fqns_of is not None:
-            fqns = fqns_of(model, name)
-            name = next(iter(fqns)) if len(fqns) == 1 else name
-        out[id(param)] = name
+        fqns = _get_fqns(model, name)
+        out[id(param)] = next(iter(fqns)) if len(fqns) == 1 else name
     return out
 
 
@@ -832,9 +816,9 @@ def _compare_groups(optimizer: Any, layout: _Layout, model: torch.nn.Module | No
 def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout, model: torch.nn.Module) -> tuple[list[str], set[str]]:
     """Problems, and the params the optimizer has state for (its own, or DCP's initialization) that the
     checkpoint has none for: they had not been stepped when it was saved, and end without state."""
-    if not layout.has_state:
-        return [], set()  # saved before the first step: nothing to compare, the optimizer ends without state
     live: Mapping[str, Mapping[str, Any]] = optim_sd.get("state", {})
+    if not layout.has_state:
+        return [], set(live)  # saved before the first step: nothing to compare, the optimizer ends without state
     problems = []
     named = set(_param_names(model).values())
     for name in sorted(set(layout.state) - set(live)):

@@ -264,7 +264,7 @@ def commit_folder(
     tmp: str | os.PathLike[str],
     target: str | os.PathLike[str],
     old: str | os.PathLike[str],
-    replaceable: Callable[[str | os.PathLike[str]], bool] = lambda _: True,
+    replaceable: Callable[[str | os.PathLike[str]], bool],
 ) -> None:
     """Put the complete folder ``tmp`` at ``target``: a rename, or an atomic exchange with a folder already there
     where the kernel can, else two renames (a crash between them leaves the previous folder at ``old``). Once

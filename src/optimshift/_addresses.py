@@ -1,23 +1,8 @@
-"""Where state lives when it keeps its device addresses: reserved ranges, slots in them, and when their memory is
-mapped and released (the driver calls are :mod:`optimshift._vmm`'s).
+"""Where state lives when it keeps its device addresses (ARCHITECTURE.md, "Keeping device addresses"): reserved
+ranges, a slot per storage in them, mapped and unmapped in blocks; the driver calls are :mod:`optimshift._vmm`'s.
 
-A ``keep_addresses`` reload differs from any other only in its copies' destinations, over slots (:func:`stage`),
-an offload only in a release after its host copies landed (:func:`release`): ARCHITECTURE.md, "Keeping device
-addresses".
-
-- **Slots.** One per storage: a tensor alone, or the tensors that share a storage (:func:`optimshift._alias.shared`,
-  as the engine copies them), laid out 512-byte aligned in a range of their device. A site (group, index, path)
-  keeps its slot from reload to reload while its storage still fits; state that is new or no longer fits gets a
-  slot in a new range at that reload (older state keeps its addresses).
-- **Blocks.** A range is mapped and unmapped in blocks of ``_BLOCK_GRANULES`` granules (the driver's granularity),
-  each one physical allocation; a block stays mapped while a slot in it is in use.
-- **In use.** Each tensor made over a slot holds a :class:`_Lease` (through its storage: ``Driver.wrap``); the
-  slot is in use while a lease lives. A lease alive when the optimizer holds no tensor there is a view held
-  outside the optimizer: its memory stays mapped, with a warning, rather than be freed under it.
-- **Failure.** Mapping runs out of memory: the caching allocator's cache is emptied and the mapping retried once,
-  then an out-of-memory error, with nothing changed. Any driver error part-way (or a copy failing after the
-  mapping) unmaps what the operation mapped and frees the ranges it reserved: nothing is left mapped that nothing
-  uses. A range whose optimizer and tensors are all gone is unmapped and freed (``weakref.finalize``).
+A site keeps its slot from reload to reload while its storage still fits; new state, or state that outgrew its
+slot, gets one in a new range. A slot is in use while a :class:`_Lease` held by its tensors' storage lives.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
-"""Streams and events of an accelerator, as optimshift uses them: one small interface for every backend.
+"""Streams and events of an accelerator: one interface (:class:`Streams`) the async path and the streamed step use.
 
-The asynchronous path (:func:`optimshift._engine.run` with ``non_blocking``, :class:`optimshift.PendingTransfer`,
-the step pre-hook, the pool's buffer events) and the streamed step's pipeline (:mod:`optimshift._streaming`) are
-written once against :class:`Streams`, their copies queued on a side stream by :class:`optimshift._copy.Side`'s
-rules (each on a lane of its own: :meth:`Streams.side`). Which implementation a device type gets is decided
-once per type by :func:`of`:
-
-1. A backend registered with :func:`register_backend`: its ``torch.cuda``-shaped module (``Stream``, ``Event``,
-   ``current_stream``, ``stream``, ``synchronize``). This is how a Python PrivateUse1 backend gets streams: its C++
-   device guard is torch's, whose streams and events are no-ops, so ``torch.Stream``/``torch.Event`` on it order
-   nothing. :mod:`optimshift.testing`'s simulated accelerator registers itself here.
-2. The device-generic API where this torch has all of it (``torch.Stream``, ``torch.Event``, and
-   ``torch.accelerator``'s ``current_stream``/``set_stream``/``current_device_index``/...; torch 2.13 does) and
-   the device is the current accelerator: CUDA, ROCm, XPU, and any out-of-tree backend whose C++ guard
-   implements streams.
-3. ``torch.cuda``'s ``Stream``/``Event`` on an older torch.
-4. Nothing: transfers on that device are synchronous.
-
-An implementation is used only after a probe (a stream, an event recorded on it and waited for, a
-``record_stream`` on a one-element tensor) worked once; a backend that fails any of them (MPS has no
-``record_stream``) gets synchronous transfers rather than an unsafe asynchronous one.
-
-Stream and event objects are the backend's own (``torch.Stream``/``torch.Event``, ``torch.cuda.Stream``/
-``torch.cuda.Event``, ``torch.sim.Stream``/``torch.sim.Event``); host-side waits go straight to them
-(``event.query()``, ``event.synchronize()``). Everything that orders device work goes through a :class:`Streams`
-method, so that there is one place per ordering rule (and one place a test can take it away).
+Chosen once per device type by :func:`of`: a backend registered with :func:`register_backend` (a Python
+PrivateUse1 backend, whose C++ device guard's streams and events order nothing: the simulator), torch's generic
+API for the current accelerator, ``torch.cuda``'s on an older torch, else none (synchronous transfers); each only
+once a probe of every primitive worked (MPS has no ``record_stream``). Everything that orders device work goes
+through a :class:`Streams` method: one place per ordering rule.
 """
 
 from __future__ import annotations

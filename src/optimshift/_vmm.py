@@ -1,16 +1,7 @@
-"""The driver interface for keeping device addresses: reserve a virtual range, map physical memory into it, unmap
-it to free the memory, map again at the same address (CUDA's virtual memory management).
-
-One small interface (:class:`Driver`), one implementation per device type, found by :func:`driver_for`:
-
-- ``cuda``: :class:`CudaDriver`, the CUDA driver's ``cuMem*`` functions through ``ctypes`` on ``libcuda.so.1``
-  (no compiled code, nothing installed), with torch's primary context made current before each call; memory
-  is handed to torch as tensors over ``__cuda_array_interface__``, so a storage's lifetime is tracked by torch;
-- the simulated accelerator registers its own (``optimshift.testing._sim_vmm``): a reserved host range (``mmap``)
-  whose pages are released (``madvise(MADV_DONTNEED)``) and mapped again, under the same contract;
-- tests install a fake driver with fault injection at every call (:func:`use_driver`).
-
-Where state goes inside a range, and when memory is mapped or released, is :mod:`optimshift._addresses`'s.
+"""The driver interface for keeping device addresses (:class:`Driver`: reserve a virtual range, map physical memory
+into it, unmap it to free the memory), one implementation per device type (:func:`driver_for`): CUDA's ``cuMem*``
+through ``ctypes`` on ``libcuda.so.1`` (nothing compiled); the simulator registers its own, tests a fake
+(:func:`use_driver`). Where state goes in a range, and when it is mapped, is :mod:`optimshift._addresses`'s.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""A persistent pool of host buffers (pinned where the accelerator can pin) reused across offload/reload cycles.
+"""A persistent pool of host buffers (pinned where the accelerator pins) reused across offload/reload cycles.
 
-Allocating pinned memory is slow (it maps and locks pages) and DeepSpeed's ZeRO-1/2 offload pays it on every
-offload. optimshift keeps the buffers: offloaded state lives in pool buffers until it is reloaded, then the
-buffers go back to the pool for the next cycle, so a steady offload/reload loop allocates no new host memory.
-``optimshift.host_pool.release_idle()`` frees what is idle; ``stats()`` counts allocations and reuses.
-
-A buffer whose contents a copy still in flight reads or writes is held with that copy's event (the device's
-own event object, see :mod:`optimshift._device_streams`) and is reused only once the event has completed: ``acquire``
-prefers idle buffers whose event is already complete, and otherwise waits for the event before handing it out.
-A buffer that something still looks into (a ``state_dict()`` taken while
-the state was offloaded, a kept reference to an offloaded tensor) is never handed out again: its storage's
-use count says so, and the pool allocates a new buffer instead of overwriting what someone still holds.
-
-Pinned memory is bounded (``pinned_limit``, the ``OPTIMSHIFT_PINNED_LIMIT`` environment variable; by default
-half the host's memory shared by the node's ranks): a pinned request past the limit first frees idle pinned
-buffers, then gets pageable memory (slower copies, the same bytes), as does a request whose pinning fails.
+Pinning is slow (it maps and locks pages): a steady offload/reload loop allocates no new host memory. A buffer is
+handed out again only once the copy it was given back with completed (its event) and nothing still looks into it
+(its storage's use count); pinned bytes are bounded by ``pinned_limit``, past which requests get pageable memory.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Sharded model + optimizer checkpoints on ``torch.distributed.checkpoint`` (DCP).
+"""Sharded model + optimizer checkpoints on ``torch.distributed.checkpoint`` (DCP): get_state_dict's ``model`` and
+``optim`` (and ``optimshift_extra``), plus rank 0's ``optimshift.json`` note; N ranks save, M ranks (or one) load.
 
-Layout: a DCP directory holding ``{"model": get_state_dict's model part, "optim": its optimizer part}`` (plus
-``"optimshift_extra"`` when ``extra`` is given) and an ``optimshift.json`` note (who saved it, how). Every rank
-writes its own shards; DCP reshards on load, so N ranks can save and M ranks (or one process without a process
-group) can load.
-
-Every check that can fail runs on every rank before anything is written or changed, and the ranks exchange their
-errors (:func:`_agree`), so that all raise the same one and none is left waiting in a collective the others never
-join. A save writes into ``<path>.optimshift-tmp-<id>`` (rank 0's id, locked while the save runs) and rank 0
-commits it once every rank has finished and it is complete (``_atomic.commit_folder``: where it takes two renames,
-:func:`load` finds the previous checkpoint under ``<path>.optimshift-old`` if a crash hit between them).
+Every check runs on every rank before anything changes and the ranks exchange their errors (:func:`_agree`), so
+none is left waiting in a collective. A save writes into ``<path>.optimshift-tmp-<id>``, which rank 0 commits
+(``_atomic.commit_folder``; :func:`load` finds the ``<path>.optimshift-old`` a crash between two renames left).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Temporary files and folders for atomic saves, the rename that commits them, and removing the ones crashed saves
-left behind.
+"""Temporary files and folders for atomic saves (``.NAME.<12 hex>.tmp`` next to ``NAME``), the rename that commits
+them, and removing the ones crashed saves left behind (:func:`sweep`, at the start of every save to ``NAME``).
 
-A save writes ``.NAME.<12 hex>.tmp`` next to ``NAME`` and renames it over ``NAME``; :func:`sweep`, at the start of
-every save to ``NAME``, removes the temporaries killed writers left, so at most one stray per destination exists.
-A writer holds an exclusive ``flock`` on its temporary while it writes (the kernel drops it when the writer dies,
-however it dies); a sweep removes a temporary only after taking that lock itself, so a live writer's file is never
-touched, whatever its pid or host, and a recycled pid cannot keep a stray alive. Temporaries this process is
-writing are skipped outright (on NFS, ``flock`` is emulated with per-process POSIX locks, which another thread of
-the writer could take). Without ``fcntl`` (Windows) a file open in another process cannot be deleted, which is the
-same test. A folder is built the same way: :func:`make_folder`, :func:`sweep_folders`, :func:`commit_folder`.
+A writer holds an exclusive ``flock`` on its temporary, which the kernel drops however the writer dies; a sweep
+removes a temporary only once it took that lock itself, so a live writer's is never touched, whatever its pid or
+host. Temporaries this process is writing are skipped outright (on NFS, ``flock`` is per-process POSIX locks that
+another thread of the writer could take). Without ``fcntl`` (Windows) an open file cannot be deleted: the same test.
 """
 
 from __future__ import annotations

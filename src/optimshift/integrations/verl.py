@@ -20,11 +20,8 @@ holding them by name, and the veomni and automodel engines' own copies (veomni's
 - sharded state (FSDP2 DTensors, FSDP1 flat params) moves its local shards; streamed optimizers
   (:func:`optimshift.stream`) and objects that are no optimizer are left to verl's own code.
 
-Modules are found by scanning the loaded verl modules for the functions themselves, so a verl module that binds
-them under another name is patched too; a verl function that looks like an optimizer offload or load but is not
-one of these (a version's new engine) is reported with a warning at ``patch()`` and listed by
-:func:`unknown_functions`. Megatron's ``offload_megatron_optimizer``/``load_megatron_optimizer`` move Megatron's
-own optimizer buffers and leave ``step`` alone: they are not patched.
+A verl function that looks like an optimizer offload or load but is none of these (a version's new engine) is
+warned about (:func:`unknown_functions`); Megatron's, which move its own buffers and leave ``step`` alone, are not.
 
 ``OPTIMSHIFT_VERL_KEEP_ADDRESSES=1`` (read at each offload; off by default until a GPU has run it with verl):
 offloads keep device addresses where the device can (``keep_addresses="auto"``), so a CUDA-graphed step survives

@@ -299,8 +299,6 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
     """Lay out, map and wrap the slots of every tensor ``plan`` brings from the host to one of ``devices``; None
     when there is none. Raises (out of memory, a driver error) with nothing changed and nothing left mapped."""
     keep = frozenset(devices)
-    if not keep:
-        return None
     session = _session.get(optimizer)
     assert session is not None  # (an offloaded optimizer has one)
     idents: dict[int, list[Ident]] = {}

@@ -79,7 +79,6 @@ def resolve(device: DeviceLike, *, what: str = "device", tensors: Iterable[torch
 
 def current_accelerator() -> str | None:
     """This process's accelerator type (``torch.accelerator``'s; CUDA on a torch without it), or None."""
-    dev: torch.device | None
     try:
         dev = torch.accelerator.current_accelerator()
     except Exception:  # (a torch without torch.accelerator: before 2.6)

@@ -162,3 +162,35 @@ def test_a_state_dict_taken_under_inference_mode_while_offloaded_holds_no_infere
     with torch.inference_mode():
         saved = opt.state_dict()
     assert not any(t.is_inference() for st in saved["state"].values() for t in st.values())
+
+
+@pytest.mark.parametrize("road", ["offload+reload", "move", "load_state_dict"])
+@pytest.mark.parametrize("name, kwargs", [("ASGD", {}), ("Adamax", {"weight_decay": 0.1})])
+def test_a_state_tensor_autograd_made_steps_after_every_road(sim, road, name, kwargs):
+    """Under ``differentiable=True`` ASGD's ``ax`` (an average of the param) and, with weight decay, Adamax's moments
+    are results of autograd. Their copies were made leaves requiring grad, which the next step (in place, grad
+    mode on) refused: "a leaf Variable that requires grad is being used in an in-place operation"."""
+    cls = getattr(torch.optim, name)
+
+    def trained():
+        params = [torch.randn(3, 2, device=sim, requires_grad=True).clone() for _ in range(2)]
+        opt = cls(params, differentiable=True, **kwargs)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        return opt, params
+
+    opt, params = trained()
+    assert any(t.grad_fn is not None for st in opt.state.values() for t in st.values())
+    if road == "offload+reload":
+        optimshift.reload(optimshift.offload(opt))
+    elif road == "move":
+        optimshift.move(optimshift.move(opt, "cpu"), sim)
+    else:
+        sd = opt.state_dict()
+        opt, params = trained()
+        optimshift.load_state_dict(opt, sd)
+    assert not any(t.requires_grad and t.is_leaf for st in opt.state.values() for t in st.values())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()

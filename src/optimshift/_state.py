@@ -349,8 +349,10 @@ def _attr_setter(obj: Any, name: str, new: Any) -> Setter:
 
 
 def like_source(source: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
-    """``copy`` (made detached) as its ``source`` is: requiring grad if it did, a ``Parameter`` if it was one."""
-    if source.requires_grad:
+    """``copy`` (made detached) as its ``source`` is: requiring grad if it was a leaf that did (a copy of a result
+    of autograd, ASGD's ``ax`` under ``differentiable``, is a value: as a leaf requiring grad, an in-place step
+    refuses it), a ``Parameter`` if it was one."""
+    if source.requires_grad and source.is_leaf:
         copy.requires_grad_(True)
     if isinstance(source, torch.nn.Parameter) and not isinstance(copy, torch.nn.Parameter):
         copy = torch.nn.Parameter(copy, requires_grad=source.requires_grad)

@@ -642,3 +642,24 @@ def test_a_group_tensor_is_priced_before_any_step_for_the_params_that_take_a_gra
     on_the_device = step()
     opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"].to("cpu")
     assert priced == on_the_device - step() > 0
+
+
+def test_a_device_beta_the_fused_step_reads_as_a_number_is_found_and_moved(sim):
+    """Fused Adam takes ``beta1`` as a number: a device ``betas[0]`` costs a sync a step. The probe's fused step
+    (no kernel for fake tensors on this build) failed once the betas were taken as numbers, and their reads went
+    uncounted: check() was silent and move() kept it on the device."""
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(2)]
+    opt = O.Adam(params, fused=True, lr=torch.tensor(1e-3), betas=(torch.tensor(0.9).to(sim), torch.tensor(0.99)))
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with optimshift.count_syncs() as syncs:
+            opt.step()
+        return syncs.total
+
+    assert step() == 1
+    (finding,) = optimshift.check(opt).findings
+    assert (finding.key, finding.severity, finding.expected) == ("betas[0]", "warning", "cpu")
+    optimshift.move(opt)
+    assert opt.param_groups[0]["betas"][0].device.type == "cpu" and step() == 0

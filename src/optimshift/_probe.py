@@ -432,13 +432,18 @@ class _Reads(TorchFunctionMode):
                 result = func(*args2, **kwargs2)
             except TRANSIENT:  # (says nothing of the class: never its answer)
                 raise
-            except Exception:
+            except Exception as retried:
+                # (past its arguments, taken as numbers, it failed in a kernel fake tensors cannot run: fused
+                # Adam's on a CPU-only build; they were read all the same. A TypeError: not numbers there)
+                if not isinstance(retried, TypeError):
+                    self._count_each(args, scalars, kwargs, named)
                 raise first from None
-            for i in scalars:
-                self._count(args[i])
-            for k in named:
-                self._count(kwargs[k])
+            self._count_each(args, scalars, kwargs, named)
             return result
+
+    def _count_each(self, args: tuple[Any, ...], scalars: list[int], kwargs: dict[str, Any], named: list[str]) -> None:
+        for t in [args[i] for i in scalars] + [kwargs[k] for k in named]:
+            self._count(t)
 
 
 def _takes_tensor(func: Any, where: Any) -> bool:

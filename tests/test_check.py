@@ -663,3 +663,26 @@ def test_a_device_beta_the_fused_step_reads_as_a_number_is_found_and_moved(sim):
     assert (finding.key, finding.severity, finding.expected) == ("betas[0]", "warning", "cpu")
     optimshift.move(opt)
     assert opt.param_groups[0]["betas"][0].device.type == "cpu" and step() == 0
+
+
+def test_a_device_lr_of_a_differentiable_adamax_is_found_priced_and_moved(sim):
+    """Adamax's differentiable step reads ``lr`` on the host (``value=-clr``). The probe's step stopped before that
+    read, at ``exp_inf.copy_``: ``Tensor.copy_``'s binding asks for a CUDA device guard, which a build without CUDA
+    has none of for fake tensors. check() was silent and move() kept the lr on the device (a sync a param a step)."""
+    params = [torch.randn(3, 2, device=sim, requires_grad=True).clone() for _ in range(2)]
+    opt = O.Adamax(params, differentiable=True, lr=torch.tensor(0.01).to(sim))
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with optimshift.count_syncs() as syncs:
+            opt.step()
+        return syncs.total
+
+    step()
+    on_the_device = step()
+    (finding,) = optimshift.check(opt).findings
+    assert (finding.key, finding.severity, finding.expected) == ("lr", "warning", "cpu")
+    optimshift.move(opt)
+    assert opt.param_groups[0]["lr"].device.type == "cpu"
+    assert finding.syncs_per_step == on_the_device - step() == len(params)

@@ -419,6 +419,8 @@ class _Reads(TorchFunctionMode):
             return _stand_in(args[0], want)
         from torch._subclasses.fake_tensor import DataDependentOutputException
 
+        if func is torch.Tensor.copy_:  # (its binding asks for the device's guard, which a CPU-only build lacks)
+            func = torch.ops.aten.copy_.default
         try:
             return func(*args, **kwargs)
         except DataDependentOutputException as first:  # a fake tensor was read as a number

@@ -92,6 +92,16 @@ class WideCounter(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"] * scale)
 
 
+class CountedAdam(torch.optim.Adam):
+    """A subclass stepping with Adam's own step, keeping an optimizer-wide host counter ``state["n"]`` (one element,
+    made in ``__init__``) that a step post-hook counts steps in."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.state["n"] = torch.tensor([0])
+        self.register_step_post_hook(lambda opt, args, kwargs: opt.state["n"].add_(1))
+
+
 class WideScale(torch.optim.Optimizer):
     """TRAC's shape: an optimizer-wide one-element tensor ``state["s"]`` made on the params' device, used on it."""
 

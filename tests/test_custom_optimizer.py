@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import optimshift
-from _custom_optimizers import Averaged, CountedSGD, Counter, Placed, ScaledByLr, WideCounter, WideScale
+from _custom_optimizers import Averaged, CountedAdam, CountedSGD, Counter, Placed, ScaledByLr, WideCounter, WideScale
 from optimshift import _probe, policy
 
 
@@ -336,6 +336,18 @@ def test_optimizer_wide_entries_are_placed_where_a_fresh_optimizer_keeps_them(si
     with optimshift.count_syncs() as syncs:
         _step(net, opt)  # no device mix
     assert syncs.total == 0
+
+
+def test_an_optimizer_wide_entry_of_a_subclass_stepping_with_torch_s_step_is_placed_by_its_own_probe(sim):
+    """A subclass of Adam that steps with Adam's step and keeps a host counter of its own under a plain state key:
+    its entries were placed by Adam's probe, which keeps none, so the counter followed the params (check() said a
+    fresh one keeps it on the device, move() took it there). A fresh one keeps it on the host."""
+    net, opt = _trained(CountedAdam, "cpu")
+    net.to(sim)
+    optimshift.move(opt, sim)
+    fresh_net, fresh = _trained(CountedAdam, sim)
+    assert _wide(opt) == _wide(fresh) == {"n": "cpu"}
+    assert not optimshift.check(opt).findings and not optimshift.check(fresh).findings
 
 
 def test_a_third_party_device_lr_stays_where_it_was_given(sim):

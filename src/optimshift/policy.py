@@ -487,7 +487,8 @@ def _wide_entry(cls: type, group: Mapping[str, Any], path: Path, value: torch.Te
     and a counter read there costs no sync)."""
     if value.numel() == 1:
         params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
-        observed = probed_by(cls, group, params[0].dim() if params else 1)[1]
+        # (the class itself, which made the entry, though it steps with its torch.optim base's step: that keeps none)
+        observed = probe(cls, group, params[0].dim() if params else 1)
         seen = None if observed is None else observed.wide.get(path)
         if seen is not None:
             return Decision(device if seen else HOST, "probe")

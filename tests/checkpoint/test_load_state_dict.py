@@ -282,6 +282,23 @@ def test_a_dtype_the_step_accepts_is_kept():
     opt.step()
 
 
+def test_a_cast_load_onto_meta_keeps_the_saved_dtype_of_a_scalar_it_keeps_on_the_host():
+    """cast='param' onto bf16 params on meta: NAdam's ``mu_product`` stays on the host with its values, as a fresh
+    optimizer keeps it, float32 as saved. PyTorch casts it only as its load sends it to the param (on meta, where
+    its value is lost); cast on the host to bf16, it would be refused there beside the params once on an accelerator
+    under the foreach step. (meta is a host device elsewhere, ``_devices.HOSTS``, but not the host here.)"""
+    p = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.bfloat16))
+    saved = O.NAdam([p])
+    p.grad = torch.randn_like(p)
+    saved.step()
+    sd = saved.state_dict()
+    q = torch.nn.Parameter(torch.empty(3, 2, dtype=torch.bfloat16, device="meta"))
+    opt = optimshift.load_state_dict(O.NAdam([q]), sd, cast="param")
+    mu = opt.state[q]["mu_product"]
+    assert (mu.device.type, mu.dtype) == ("cpu", torch.float32) and bitwise_equal(mu, sd["state"][0]["mu_product"])
+    assert opt.state[q]["exp_avg"].dtype == torch.bfloat16 and opt.state[q]["exp_avg"].is_meta
+
+
 def test_nadam_mu_product_stays_on_host(sim):
     model, opt = _trained(O.NAdam, {"foreach": False}, [(4, 3), (3,)])
     sd = opt.state_dict()

@@ -129,13 +129,8 @@ def quiet_global_step_hooks() -> Iterator[None]:
     (``register_optimizer_step_pre_hook``/``_post_hook``: counters, LR loggers, profilers)."""
     import torch.optim.optimizer as _optimizer
 
-    saved = [
-        (table, dict(table))
-        for table in (
-            getattr(_optimizer, "_global_optimizer_pre_hooks", {}),
-            getattr(_optimizer, "_global_optimizer_post_hooks", {}),
-        )
-    ]
+    tables: list[dict[int, Any]] = [_optimizer._global_optimizer_pre_hooks, _optimizer._global_optimizer_post_hooks]
+    saved = [(table, dict(table)) for table in tables]
     for table, _ in saved:
         table.clear()
     try:
@@ -503,10 +498,7 @@ def _fake_param_takes_default_foreach() -> Iterator[None]:
     import torch.optim.optimizer as _optimizer
     from torch._subclasses.fake_tensor import FakeTensor
 
-    types = getattr(_optimizer, "_foreach_supported_types", None)
-    if not isinstance(types, list):  # (a torch without the list: its default as it is)
-        yield
-        return
+    types = _optimizer._foreach_supported_types
     # (counted and added inside the try that undoes them: a Ctrl-C landing once the lock was released left the
     # count one too high for the rest of the process, and FakeTensor in torch's list; the mark is set before the
     # append, so that one landing as the append returns still takes it out)

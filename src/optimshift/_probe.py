@@ -612,24 +612,19 @@ def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str
     step as it is, then for each key a step with that entry on the device (and back on the host after it).
     NOTE: every read of a fake tensor returns the same stand-in, so the steps after the first take one path and
     compare alike. A key whose step fails is left out (its cost is not known)."""
-    try:
-        baseline = _fake_step(opt, _Reads())
-    except TRANSIENT:  # (says nothing of the class: never its answer)
-        raise
-    except Exception:
+    baseline = _later_reads(opt)
+    if baseline is None:
         return {}
     out: dict[str, int] = {}
     for key in [k for k, on_device in found.items() if not on_device]:
         held = state[key]
         state[key] = torch.zeros((), dtype=held.dtype, device=_FAKE_DEVICE)
         try:
-            out[key] = max(_fake_step(opt, _Reads()) - baseline, 0)
-        except TRANSIENT:  # (says nothing of the class: never its answer)
-            raise
-        except Exception:
-            pass
+            reads = _later_reads(opt)
         finally:
             state[key] = torch.zeros((), dtype=held.dtype)
+        if reads is not None:
+            out[key] = max(reads - baseline, 0)
     return out
 
 

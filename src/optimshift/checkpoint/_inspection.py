@@ -19,13 +19,14 @@ import torch
 from .. import policy as _policy
 from .._dtensor import tensor_bytes
 from .._errors import dtype_name
+from .._state import GROUP_SKIP
+from .._state import IMPLEMENTATION_FLAGS as _FLAGS
 from .._state import tensors as all_tensors
 from ..report import runs_foreach, sync_cost
 from . import _files as ckpt
 from ._checks import fresh_group, torch_cast
 
 __all__ = ["describe", "guess_classes", "jsonable", "trainer_resume_findings"]
-_FLAGS = ("fused", "capturable", "foreach", "differentiable")
 SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "base_lr"}
 
 
@@ -76,7 +77,7 @@ def guess_classes(groups: list[Mapping[str, Any]]) -> list[str]:
     """torch.optim classes whose param groups have the keys these have (best matches; ties all listed)."""
     if not groups:
         return []
-    keys = frozenset(groups[0]) - {"params", "param_names"} - SCHEDULER_KEYS
+    keys = frozenset(groups[0]) - set(GROUP_SKIP) - SCHEDULER_KEYS
     best, names = 0.0, []
     for name, _cls, ckeys in _torch_optimizers():
         score = len(keys & ckeys) / max(1, len(keys | ckeys))
@@ -218,9 +219,7 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
                 "index": gi,
                 "params": len(g["params"]),
                 "hyperparameters": {
-                    str(k): jsonable(v, 0, locations)
-                    for k, v in g.items()
-                    if k not in ("params", "param_names") + _FLAGS
+                    str(k): jsonable(v, 0, locations) for k, v in g.items() if k not in GROUP_SKIP + _FLAGS
                 },
                 "flags": {k: jsonable(g[k], 0, locations) for k in _FLAGS if k in g},
             }
@@ -422,14 +421,7 @@ def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
         f"flags: this torch runs {flag} kernels on {', '.join(devices)}, so resuming on {where} fails at "
         f"step(); optimshift.load_state_dict keeps the live optimizer's flags and places the state for them"
     )
-    return {
-        "severity": "info" if on_cpu else "warning",
-        "key": flag,
-        "count": count,
-        "group": group,
-        "message": message,
-        "kernel_devices": devices,
-    }
+    return _finding("info" if on_cpu else "warning", flag, count, message, group=group, kernel_devices=devices)
 
 
 # Stands for an optimizer of unknown class (policy.decide reads only its type): the default rule applies.

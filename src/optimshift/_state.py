@@ -221,8 +221,6 @@ def _rebuild_container(
         if _is_namedtuple(value):
             maker: Any = type(value)  # a namedtuple class (_is_namedtuple checked _make)
             return maker._make(items)
-        if type(value) is tuple:
-            return tuple(items)
         return type(value)(items)
     if isinstance(value, (set, frozenset)):
         items = [nv for _, _, nv in new]
@@ -230,16 +228,12 @@ def _rebuild_container(
             return type(value)(items)
         setters.append(_set_replacer(value, items))
         return value
-    if dataclasses.is_dataclass(value):
-        params: Any = getattr(type(value), "__dataclass_params__")  # noqa: B009  (not in typeshed)
-        if params.frozen:
-            clone = copy.copy(value)
-            for (_, name), nv in changed:
-                object.__setattr__(clone, name, nv)
-            return clone
+    # (a frozen dataclass is rebuilt, a mutable one updated in place as any object; its params are not in typeshed)
+    if dataclasses.is_dataclass(value) and getattr(type(value), "__dataclass_params__").frozen:  # noqa: B009
+        clone = copy.copy(value)
         for (_, name), nv in changed:
-            setters.append(_attr_setter(value, name, nv))
-        return value
+            object.__setattr__(clone, name, nv)
+        return clone
     for (_, name), nv in changed:
         setters.append(_attr_setter(value, name, nv))
     return value

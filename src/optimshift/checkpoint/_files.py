@@ -264,11 +264,7 @@ def _rebuild(container: Any, values: list[Any]) -> Any:
     if all(a is b for a, b in zip(values, old)):
         return container
     try:
-        if type(container) is dict:
-            return dict(zip(container, values))
-        if type(container) in (list, tuple):
-            return type(container)(values)
-        if isinstance(container, tuple):  # (a namedtuple: _make)
+        if isinstance(container, tuple):  # (a namedtuple by its _make, any other tuple from its items)
             return container._make(values) if hasattr(container, "_make") else type(container)(values)
         made = copy.copy(container)  # (its class kept; an OrderedDict's order, a defaultdict's factory)
         if made is container:

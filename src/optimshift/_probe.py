@@ -801,17 +801,15 @@ def _steps_without_state(
 # cannot run on the host (a kernel this build lacks), nothing is rejected.
 
 
+@dataclass(frozen=True)
 class Rejection:
     """A state entry whose dtype a step refuses: ``key``, its ``dtype``, the one a fresh optimizer keeps
     (``fresh``) and the step's error (``error``). For a container, the dtype of the tensors in it."""
 
-    __slots__ = ("key", "dtype", "fresh", "error")
-
-    def __init__(self, key: str, dtype: torch.dtype, fresh: torch.dtype, error: str) -> None:
-        self.key, self.dtype, self.fresh, self.error = key, dtype, fresh, error
-
-    def __repr__(self) -> str:
-        return f"Rejection({self.key!r}, {self.dtype}, fresh {self.fresh}: {self.error})"
+    key: str
+    dtype: torch.dtype
+    fresh: torch.dtype
+    error: str
 
 
 def entry_dtypes(entries: Mapping[Any, Any], skip: AbstractSet[int] = frozenset()) -> dict[Any, torch.dtype]:

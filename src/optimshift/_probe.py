@@ -1,51 +1,32 @@
-"""What the installed torch does, observed rather than assumed: the one module that runs throwaway steps.
+"""What the installed torch does, observed rather than assumed: the one module that runs throwaway steps (a
+throwaway optimizer of the class in question, built with a group's hyperparameters, stepped and read; never the
+caller's).
 
-Every rule optimshift derives from torch comes from a throwaway optimizer of the class in question, built with
-a group's hyperparameters (see below), stepped and read. Nothing here touches the caller's optimizer.
+:func:`probe` (placement) steps once over a fake ``cuda:0`` param (``FakeTensorMode``: no GPU, no memory) and reads
+where each 0-dim state tensor landed; for each tensor the group holds (a tensor ``lr``, tensor ``betas``), it asks
+whether the step reads it on the host (``alpha=-lr``: a device-to-host sync per read when it sits on the device) or
+refuses it there, by stepping once with every such tensor on the host, then once per tensor with only that one on
+the device, and comparing the device reads and errors. Fake tensors have no values: a read gets a stand-in of the
+right kind (0.5, 1, False), counted when the tensor is on the device.
 
-- :func:`probe` (placement): one step over a fake ``cuda:0`` param (``FakeTensorMode``: no GPU, no memory) says
-  where each 0-dim state tensor landed, on the param's device or on the host (for a class torch.optim does not
-  define, also what each one it keeps on the host costs in device reads per step when it is on the device
-  instead: one more step, and one per such entry, see :class:`Observed`; :func:`unprobed` says why a class
-  could not be probed),
-  and, for each tensor the group
-  holds (a tensor ``lr``, tensor ``betas``), whether the step reads it on the host (``1 - beta2`` given to
-  ``addcmul_`` as a number, ``alpha=-lr``), which costs a device-to-host sync per read when it sits on the
-  device, and whether the step refuses it on the host. The step runs once with every such tensor on the host,
-  as torch's own tests and docs give them, then once per tensor with only that one on the device; the device
-  reads and the errors are compared. Fake tensors have no values: a read during the step gets a stand-in of the
-  right kind (0.5, 1, False) and is counted when the tensor is on the device.
-- :func:`expected_state`: one step over two small host params says what the class keeps per param (keys,
-  shapes, kinds), which a load checks a checkpoint against.
-- :func:`rejected_dtypes`: a host trial says which saved state dtypes a step refuses (a fresh optimizer steps
-  until it holds the entries in question, then again with them in the dtypes given, and again while a step
-  changes the dtypes it found: what the step after a load and the ones after it do).
-- :func:`step_needs`: two host steps without one group key say whether a step reads it.
-
-One cache serves them all (least recently used out first, :data:`CACHE_SIZE` entries; a failure that says nothing
-of the class, :data:`TRANSIENT`, is never kept), keyed by
-:func:`probe_key`: the class, its implementation flags, the param rank, and each group entry by what can change
-what a step does with it, never a float's value. A bool, int, string or None counts by value; a float by its
-class against 0 and 1 (negative, zero, between, one, above, infinite, NaN), which is all torch.optim branches on
-(``weight_decay != 0``, ``momentum > 0``, ``0 <= beta < 1``, Adafactor's ``1 <= d``); a tensor by device, dtype,
-shape and ``requires_grad``, never by its value (reading a device tensor's costs a sync, and a tensor ``lr`` may
-change in place every step). So an LR scheduler changing ``lr`` at every step runs no probe again.
+One cache serves every probe, keyed by :func:`probe_key`: each group entry by what can change what a step does with
+it, never a float's value. A float counts by its class against 0 and 1 (negative, zero, between, one, above,
+infinite, NaN), which is all torch.optim branches on (``weight_decay != 0``, ``momentum > 0``, ``0 <= beta < 1``,
+Adafactor's ``1 <= d``); a tensor by device, dtype, shape and ``requires_grad`` (reading a device tensor's value
+costs a sync, and a tensor ``lr`` may change in place every step). So an LR scheduler changing ``lr`` at every step
+runs no probe again.
 
 NOTE: what is cached for a key must be what any group with that key observes, so the throwaway optimizer never
 sees the group's floats: each is built with torch's default for that hyperparameter where the default is of the
 same class, else with a fixed number of the class (0.5 between 0 and 1, 2.0 above 1, -0.5 below 0), and a
-one-element tensor hyperparameter as the default number. What it observes is then a function of the key alone.
-A value that is neither a number, a string, a dtype or device, an enum nor a tuple or list of those (a dict, a
-callable, any other object) is never handed over: the constructor's default stands in for it, so the throwaway
-shares nothing mutable with the user's groups (a third-party class may keep anything there).
+one-element tensor hyperparameter as the default number. A value that is neither a number, a string, a dtype or
+device, an enum nor a tuple or list of those is never handed over: the constructor's default stands in for it, so
+the throwaway shares nothing mutable with the user's groups (a third-party class may keep anything there).
 
-A third-party class, or a torch.optim subclass with a step of its own, is probed the same way (its ``__init__``'s
-keyword defaults, its bases' where it passes ``**kwargs`` on, the group's values by kind); its step is user code,
-run only as a torch class's is: on fake tensors, under ``inference_mode``, every exception of the class's caught
-(not out of memory, a RecursionError or an interrupt, which say nothing of it: :data:`TRANSIENT`), with a bound on
-the host reads it makes (:data:`MAX_READS`: a loop until a value converges would never end on stand-ins). What it
-draws from the global random generators is drawn (they are not put back: another thread's draws meanwhile would
-be drawn again).
+A third-party class's step is user code, run only as a torch class's is: on fake tensors, under ``inference_mode``,
+its exceptions caught (not :data:`TRANSIENT`), its host reads bounded (:data:`MAX_READS`: a loop until a value
+converges would never end on stand-ins). What it draws from the global random generators is drawn (they are not
+put back: another thread's draws meanwhile would be drawn again).
 """
 
 from __future__ import annotations
@@ -299,13 +280,10 @@ _lock = threading.Lock()
 _MISSING = object()
 
 TRANSIENT: tuple[type[BaseException], ...] = (MemoryError, torch.cuda.OutOfMemoryError, RecursionError)
-"""Errors a throwaway step or build may raise that say nothing of the class: the process short of memory (host or
-device), the stack too deep (where the probe was asked, or in the class itself: it cannot be told). Never taken
-as the class's answer, never cached: out of memory propagates (the operation that asked stops before changing
-anything, as its own copies would), a RecursionError answers as an error of the class would, for that ask only
-(:func:`_cached`). An interrupt (``KeyboardInterrupt``, any ``BaseException`` that is not an ``Exception``) is
-never caught: it propagates, nothing cached. Any other error is the class's (a ``TypeError`` building it, what its
-step raises on the probe's inputs): the same inputs raise it again, and its answer is cached."""
+"""Errors a throwaway build or step may raise that say nothing of the class: the process short of host or device
+memory, the stack too deep (where the probe was asked, or in the class: it cannot be told). Never the class's
+answer, never cached (:func:`_cached`); an interrupt is never caught. Any other error is the class's: the same
+inputs raise it again, and its answer is cached."""
 
 
 def _cached(key: Hashable, compute: Callable[[], _T], unknown: Callable[[Exception], _T]) -> _T:

@@ -2,13 +2,8 @@
 
 State values may be tensors, Python scalars, strings, ``None``, or containers of them: dicts, lists, tuples,
 namedtuples, ``collections.deque``, sets, dataclasses (frozen ones too) and plain objects holding tensors in
-attributes (a projector object in a third-party optimizer's state). :func:`leaves` lists the tensors with the
-path to each; :func:`rebuild` computes, without mutating anything, what must be assigned where so that each
-tensor is replaced; applying those assignments cannot fail. :func:`keyed_by` finds the mappings keyed by given
-objects (params), :func:`rekey` renames their keys in place (a rebind's new params).
-
-Mutable containers and objects keep their identity (they are updated in place at commit time); immutable
-ones (tuples, namedtuples, frozen dataclasses, frozensets) are rebuilt with the same type.
+attributes (a projector object in a third-party optimizer's state). Mutable containers and objects keep their
+identity (updated in place at commit time); immutable ones are rebuilt with the same type.
 """
 
 from __future__ import annotations
@@ -189,8 +184,8 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
 def rebuild(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]) -> Any:
     """What ``value`` becomes once each tensor ``t`` with ``id(t)`` in ``replace`` is swapped for its copy.
 
-    Mutates nothing: in-place updates of mutable containers are appended to ``setters``. Returns ``value``
-    itself when it is mutable or unchanged, else a new object of the same type.
+    Mutates nothing: in-place updates of mutable containers are appended to ``setters`` (applying them cannot
+    fail). Returns ``value`` itself when it is mutable or unchanged, else a new object of the same type.
     """
     if isinstance(value, torch.Tensor):
         return replace.get(id(value), value)

@@ -1,9 +1,5 @@
-"""What a ``torch.optim`` class needs of the state it loads, read from the installed torch: its param groups'
-hyperparameters (there, unless the class fills them itself, and of the types its step takes) and each param's
-entries (there, of the kind, dtype and size its step needs: :func:`optimshift._probe.expected_state`).
-
-Each check raises through ``fail(message, exception type)``, which names the optimizer and the file.
-"""
+"""What a ``torch.optim`` class needs of the state it loads (its groups' hyperparameters, each param's entries),
+read from the installed torch; each check raises through ``fail``, which names the optimizer and the file."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """Checkpoint files: atomic saves, safe loads, and finding the optimizer state inside the files users have.
 
-:func:`save` never leaves a torn file (a temporary file in the same folder, fsynced, then renamed over the
-target) and removes the temporaries that killed saves left (``_atomic``). :func:`load` always uses
-``weights_only=True``: a pickle that would import or call code is refused before anything runs
-(:class:`UnsafeCheckpointError`, naming the global whichever opcode imports it: ``_untrusted``); every other file
-it cannot read, whatever broke inside torch.load, is a :class:`CheckpointError` that says so, and so is one whose
-pickle built objects that replace their own methods; with mmap every storage is checked against its record first
-(``_records``). Neither moves a tensor: :func:`optimshift.load_state_dict` places optimizer state where a fresh
-optimizer would keep it.
+Neither :func:`save` nor :func:`load` moves a tensor: :func:`optimshift.load_state_dict` places optimizer state
+where a fresh optimizer would keep it.
 """
 
 from __future__ import annotations

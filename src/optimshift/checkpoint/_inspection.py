@@ -1,9 +1,6 @@
-"""What ``inspect`` reads in a checkpoint file, as data: each optimizer state's class, groups, entries, and what
-PyTorch's ``optimizer.load_state_dict`` would do with it (where each entry goes, against where a fresh optimizer
-keeps it, and what that costs per step), judged by the saved device *type* and the installed torch's rules.
-
-Nothing here renders or runs code from a file; the CLI (:mod:`optimshift.cli._inspect`) only shows it.
-"""
+"""What ``inspect`` reads in a checkpoint file, as data (what torch's ``load_state_dict`` would do with each
+entry, judged by the saved device *type*); nothing here renders it (:mod:`optimshift.cli._inspect` does) or runs
+code from a file."""
 
 from __future__ import annotations
 

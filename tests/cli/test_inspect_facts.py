@@ -3,6 +3,7 @@ small host checkpoint does not pay for probes it does not need."""
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -169,3 +170,20 @@ def test_lbfgs_t_is_judged_where_torch_load_leaves_it(tmp_path, sim, capsys):
     resumed.load_state_dict(torch.load(path, weights_only=True))
     assert not optimshift.check(resumed).findings
     assert [f for f in o["findings"] if f["key"] == "t"] == []
+
+
+def test_entries_torch_load_mangles_are_found_at_the_top_and_one_level_down():
+    """A state entry that is, or holds, a namedtuple or a string is one ``optimizer.load_state_dict`` rebuilds
+    wrongly: each is reported, per key, and a plain list or number is not."""
+    pair = collections.namedtuple("pair", "a b")
+    sd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], momentum=0.9).state_dict()
+    sd["state"] = {
+        0: {"top": pair(1, 2), "inside": [pair(1, 2)], "text": "x", "texts": ("x",), "plain": [1, (2, 3)], "n": 4}
+    }
+    found = {f["key"]: f["message"] for f in _inspection.describe(sd, {})["optimizers"][0]["findings"]}
+    assert {k: m.split(":")[0] for k, m in found.items()} == {
+        "top": "state key `top` holds a namedtuple",
+        "inside": "state key `inside` holds a namedtuple",
+        "text": "state key `text` holds a string",
+        "texts": "state key `texts` holds a string",
+    }

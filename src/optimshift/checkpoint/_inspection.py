@@ -104,7 +104,7 @@ def _resolve_class(recorded: str | None, guessed: list[str]) -> type[torch.optim
 _TAG = re.compile(r"([A-Za-z_]\w*)(?::(\d+))?")
 
 
-def _device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.device | None:
+def _device(tag: str, unknown: dict[torch.device, str]) -> torch.device | None:
     """The device a storage's location tag names, for torch's placement rules (None for a malformed tag).
 
     NOTE: torch parses the device types it is built with and the PrivateUse1 backend registered in this process;
@@ -116,7 +116,7 @@ def _device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.d
     with contextlib.suppress(Exception):
         return torch.device(tag)
     match = _TAG.fullmatch(tag)
-    if unknown is None or match is None:
+    if match is None:
         return None
     try:
         stand_in = torch.device(torch._C._get_privateuse1_backend_name(), int(match.group(2) or 0))
@@ -287,7 +287,7 @@ def _findings(
 ) -> list[dict[str, Any]]:
     findings: list[dict[str, Any]] = []
     name = _class_label(cls, found)
-    stand_in = cls.__new__(cls) if cls is not None else None  # policy.decide reads only its type
+    holder = cls.__new__(cls) if cls is not None else _GENERIC  # policy.decide reads only its type
     # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
     moved: Counter[tuple[str, str, str, str, bool, bool, bool, bool]] = Counter()
     base = _policy.stepping_base(cls) if cls is not None else None
@@ -318,7 +318,6 @@ def _findings(
             if pdev is None or big is None:
                 continue
             fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
-            holder = stand_in if stand_in is not None else _GENERIC
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     continue
@@ -434,9 +433,7 @@ def _shallow(value: Any) -> list[Any]:
 
 
 def _has_namedtuple(value: Any) -> bool:
-    if isinstance(value, tuple) and hasattr(type(value), "_fields"):
-        return True
-    return any(isinstance(v, tuple) and hasattr(type(v), "_fields") for v in _shallow(value))
+    return any(isinstance(v, tuple) and hasattr(type(v), "_fields") for v in [value, *_shallow(value)])
 
 
 def _mangle(key: Any, what: str, effect: str) -> dict[str, Any]:

@@ -920,9 +920,6 @@ class Opaque:
         obj.__dict__["args"] = args
         return obj
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
     def __setstate__(self, state: Any) -> None:
         self.__dict__["state"] = state
 

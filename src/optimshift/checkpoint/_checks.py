@@ -96,11 +96,9 @@ def keys_shown(keys: Any) -> str:
 
 
 def _hyper_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
-    """``cls.__init__``'s keyword defaults (``lr``, ``betas``, ``maximize``…), read from its signature."""
-    try:
-        return {k: d for k, d in signature_defaults(cls).items() if d is not inspect.Parameter.empty}
-    except (TypeError, ValueError):
-        return {}
+    """``cls.__init__``'s keyword defaults (``lr``, ``betas``, ``maximize``…), read from its signature (a
+    torch.optim class's: a Python ``__init__``, which always has one)."""
+    return {k: d for k, d in signature_defaults(cls).items() if d is not inspect.Parameter.empty}
 
 
 _fresh_groups: weakref.WeakKeyDictionary[type, dict[str, Any] | None] = weakref.WeakKeyDictionary()

@@ -797,3 +797,22 @@ def test_simulated_memory_allocated_takes_the_device_as_torch_cuda_memory_alloca
         backend.set_device(0)
     with pytest.raises(ValueError, match="cpu is not a simulated device"):
         simulated_memory_allocated(torch.device("cpu"))
+
+
+def test_the_current_device_is_per_thread_as_cudas(sim):
+    """``torch.sim.set_device`` in one thread leaves another's current device, and where its factories put
+    tensors, unchanged (``cudaSetDevice`` is per host thread; it was one setting for the whole process)."""
+    import threading
+
+    seen = {}
+
+    def worker():
+        torch.sim.set_device(1)
+        seen["worker"] = torch.sim.current_device(), torch.zeros(1, device=sim.type).device
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["worker"] == (1, torch.device(sim.type, 1))
+    assert torch.sim.current_device() == 0
+    assert torch.zeros(1, device=sim.type).device == torch.device(sim.type, 0)

@@ -47,7 +47,8 @@ Limits, honestly:
   per-device generator), there is no caching allocator, and numerics are the CPU kernels'.
 * PyTorch's C++ device guard for a Python backend always reports device 0 and a device
   count of 1. Python-level queries (``torch.sim.device_count()``, ``current_device()``) say
-  2 and whatever ``torch.sim.set_device`` chose, but C++ only ever sees device 0; the
+  2 and whatever ``torch.sim.set_device`` chose on the calling thread (per thread, as CUDA's), but C++ only
+  ever sees device 0; the
   autograd engine's per-device worker threads are the visible consequence, see below.
 * ``torch.autocast("sim")`` is accepted but casts nothing (CUDA's autocast op lists are
   C++ registrations a Python backend cannot reuse).
@@ -229,7 +230,15 @@ class _State:
         self.lock = threading.RLock()  # reentrant: a GC pass inside may run _unregister
         self.registry: dict[int, _Entry] = {}
         self.allocated = [0] * _NUM_DEVICES
-        self.current_device = 0
+        self.local = threading.local()  # .device: this thread's current device, as CUDA's is per thread
+
+    @property
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    @current_device.setter
+    def current_device(self, index: int) -> None:
+        self.local.device = index
 
 
 # Reading torch.sim sets nothing up; it only finds the state of an earlier setup.

@@ -366,3 +366,16 @@ def test_threads_offloading_their_own_optimizers_are_each_tracked(sim):
         now = [v for st in o.state.values() for v in st.values()]
         assert [i for i, _ in was] == list(map(id, now))
         assert all(torch.equal(a, b.cpu()) for (_, a), b in zip(was, now))
+
+
+def test_record_stream_takes_a_sim_stream_before_any_side_stream_exists_and_refuses_another(dev, monkeypatch):
+    """``record_stream`` of the current stream works before any side stream was made (it reached the host
+    kernel, which has none: NotImplementedError), and a stream of another device type is refused, as CUDA's
+    ``record_stream`` takes only a CUDA stream (it was recorded and ignored)."""
+    x = torch.ones(4, device=dev)
+    monkeypatch.setattr(_sim_streams._state, "tracking", False)  # (as in a process that made no side stream)
+    x.record_stream(torch.sim.current_stream())
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="record_stream needs a sim stream, got one of cpu"):
+        x.record_stream(torch.Stream("cpu"))
+    x.record_stream(torch.sim.Stream(dev))

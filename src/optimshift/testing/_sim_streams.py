@@ -974,8 +974,12 @@ def _copy(
 
 
 def _record_stream(t: torch.Tensor, stream: Any) -> None:
+    if stream.device_type != _PRIVATEUSE1:  # (CUDA's record_stream takes only a CUDA stream)
+        raise RuntimeError(
+            f"simulated accelerator: record_stream needs a {_sim.SIM_DEVICE_TYPE} stream, got one of {stream.device}"
+        )
     mem = _mem(t)
-    if mem is None or mem[0] != "d":
+    if mem is None or mem[0] != "d" or not _state.tracking:  # (no stream but the default ones: nothing to keep)
         return
     _state.recorded.setdefault(mem[1], set()).add((stream.device_index, stream.stream_id))
 

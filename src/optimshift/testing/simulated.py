@@ -604,12 +604,14 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
             # costs a host sync and is no device op writing into a CPU tensor. Both run as they do there: the
             # read of the value (ordered, counted), then a fill with a Python number.
             return self.fill_(value.item())
-    if _deferred is not None and _deferred._state.tracking:  # streams in use: see _sim_streams
+    # (record_stream has no kernel to run on the backing: the streams take it, in use or not)
+    if _deferred is not None and (_deferred._state.tracking or op is _RECORD_STREAM):  # see _sim_streams
         return _deferred.dispatch(op, args, kwargs, _fallback_now)
     return _fallback_now(op, *args, **kwargs)
 
 
 _FILL_TENSOR = _aten.fill_.Tensor
+_RECORD_STREAM = _aten.record_stream.default
 
 
 def _fallback_now(op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -379,3 +379,26 @@ def test_record_stream_takes_a_sim_stream_before_any_side_stream_exists_and_refu
     with pytest.raises(RuntimeError, match="record_stream needs a sim stream, got one of cpu"):
         x.record_stream(torch.Stream("cpu"))
     x.record_stream(torch.sim.Stream(dev))
+
+
+def test_elapsed_time_is_measured_with_cudas_checks(dev):
+    """``Event.elapsed_time`` gives milliseconds between two timing events that completed (it always raised),
+    and refuses what CUDA refuses: events without ``enable_timing``, an unrecorded one, and work not yet
+    complete (the missing synchronize CUDA reports as "device not ready")."""
+    with deferred_streams(progress=0.0):
+        start, end = torch.sim.Event(enable_timing=True), torch.sim.Event(enable_timing=True)
+        with pytest.raises(RuntimeError, match="must be recorded"):
+            start.elapsed_time(end)
+        side = torch.sim.Stream(dev)
+        with torch.sim.stream(side):
+            start.record()
+            torch.ones(8, device=dev).mul_(2)
+            end.record()
+        with pytest.raises(RuntimeError, match="device not ready"):
+            start.elapsed_time(end)
+        end.synchronize()
+        assert start.elapsed_time(end) >= 0.0
+        untimed = torch.sim.Event()
+        untimed.record()
+        with pytest.raises(RuntimeError, match="enable_timing=True"):
+            start.elapsed_time(untimed)

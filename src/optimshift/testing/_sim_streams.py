@@ -45,6 +45,7 @@ import os
 import random
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -1089,11 +1090,15 @@ class SimEvent(torch.Event):
 
     _at: tuple[StreamKey, int] | None  # (stream, position) it was last recorded at
     _known: dict[StreamKey, int]  # that stream's vector clock then
+    _timing: bool  # created with enable_timing=True
+    _time: float  # host time of the last record(), for elapsed_time
 
     def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> SimEvent:
         self = super().__new__(cls, device=torch.device(_sim.SIM_DEVICE_TYPE, _sim._current_index()))
         self._at = None
         self._known = {}
+        self._timing = enable_timing
+        self._time = 0.0
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -1107,6 +1112,7 @@ class SimEvent(torch.Event):
             s = _stream(key)
             self._at = (key, s.seq)
             self._known = dict(s.known)
+            self._time = time.perf_counter()
 
     def wait(self, stream: Any | None = None) -> None:
         stream = current_stream() if stream is None else stream
@@ -1135,7 +1141,18 @@ class SimEvent(torch.Event):
             _raise_violations()
 
     def elapsed_time(self, end_event: Any) -> float:  # pyright: ignore[reportIncompatibleMethodOverride]
-        raise RuntimeError("simulated accelerator: events carry no timing")
+        """Milliseconds of host time between the two ``record()`` calls, with CUDA's checks: both created with
+        ``enable_timing=True``, both recorded, and both complete (else CUDA's "device not ready")."""
+        if not (self._timing and getattr(end_event, "_timing", False)):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self._at is None or end_event._at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not (self.query() and end_event.query()):
+            raise RuntimeError(
+                "simulated accelerator: device not ready: an event's work has not completed; synchronize "
+                "(Event.synchronize, torch.sim.synchronize) before elapsed_time, as CUDA requires"
+            )
+        return float(end_event._time - self._time) * 1000.0
 
     def __repr__(self) -> str:
         state = "not recorded" if self._at is None else f"on {_name(self._at[0])} at {self._at[1]}"

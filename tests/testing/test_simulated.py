@@ -296,6 +296,18 @@ def test_factories_land_on_the_requested_index(sim0, sim1):
         assert_bitwise(r.cpu(), torch.randn(3, 4))  # RNG is the CPU's
 
 
+def test_new_tensor_lands_on_its_tensors_device(sim0, sim1):
+    """``x.new_tensor(data)`` is on ``x``'s device, as on CUDA (it was on ``sim:0`` for an ``x`` on ``sim:1``,
+    which the next op mixing the two refused); a device given still wins."""
+    x = torch.zeros(2, device=sim1)
+    made = x.new_tensor([1.5, 2.5])
+    assert made.device == sim1
+    assert_bitwise((x + made).cpu(), torch.tensor([1.5, 2.5]))
+    assert x.new_tensor(torch.ones(2), dtype=torch.float64).device == sim1
+    assert x.new_tensor([1.0], device="cpu").device.type == "cpu"
+    assert torch.zeros(1).new_tensor([1.0]).device.type == "cpu"
+
+
 def test_empty_factories_allocate_on_the_sim_as_requested(sim0, sim1):
     # torch.empty and empty_strided have kernels of their own (the copies allocate with them): each result is
     # a fresh sim storage of exactly its bytes, counted and freed, on the index asked for (the current one

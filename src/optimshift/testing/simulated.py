@@ -80,6 +80,8 @@ importing ``optimshift.testing`` sets nothing up):
   one PyTorch dereferences a null allocator (segfault) in ``copy.deepcopy`` of a sim
   tensor, ``storage.to(sim)`` and ``torch.load(..., map_location=sim)``. Other devices go
   straight to the original constructor.
+* ``torch.Tensor.new_tensor`` is wrapped to pass a sim tensor's own device when none is given:
+  PyTorch makes the new tensor on the device its C++ guard reports (always ``sim:0``).
 * ``torch.accelerator.empty_cache()``, ``empty_host_cache()``, ``memory_stats()`` (and what is
   built on it: ``memory_allocated()``, ...) and the ``reset_*_stats()`` answer, while the sim is
   the current accelerator, as for an allocator not yet in use: nothing to empty, no statistics
@@ -933,6 +935,16 @@ def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
     return _new_sim_storage_root(backing, index).untyped_storage()
 
 
+_tensor_new_tensor = torch.Tensor.new_tensor
+
+
+def _new_tensor(self: torch.Tensor, data: Any, **kwargs: Any) -> torch.Tensor:
+    """``self.new_tensor(data)`` on ``self``'s device, as CUDA's (the C++ guard would say ``sim:0``)."""
+    if kwargs.get("device") is None and self.device.type == SIM_DEVICE_TYPE:
+        kwargs["device"] = self.device
+    return _tensor_new_tensor(self, data, **kwargs)
+
+
 # --------------------------------------------------------------------------------------------
 # torch.accelerator's allocator queries: empty_cache(), memory_stats(), empty_host_cache()
 # --------------------------------------------------------------------------------------------
@@ -1132,6 +1144,7 @@ def _ensure_setup() -> None:
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]
         torch.UntypedStorage.__new__ = _untyped_storage_new  # type: ignore[method-assign]
+        torch.Tensor.new_tensor = _new_tensor  # type: ignore[method-assign, assignment]
         if _accelerator_allocator_initialized is not None:
             torch._C._accelerator_isAllocatorInitialized = _allocator_initialized  # pyright: ignore[reportAttributeAccessIssue]
         if _accelerator_empty_host_cache is not None:

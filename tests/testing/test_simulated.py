@@ -308,6 +308,27 @@ def test_new_tensor_lands_on_its_tensors_device(sim0, sim1):
     assert torch.zeros(1).new_tensor([1.0]).device.type == "cpu"
 
 
+def test_a_storage_resizes_frees_and_allocates_again_as_on_cuda(sim0):
+    """``untyped_storage().resize_(0)`` frees a sim tensor's memory and ``resize_(n)`` allocates it again, the
+    same storage object, the bytes that fit kept (it raised a NotImplementedError naming a PrivateUse1 hook);
+    a tensor over a storage resized to 0 is refused as on CUDA, not read from freed memory."""
+    x = torch.arange(4.0, device=sim0)
+    storage = x.untyped_storage()
+    before = simulated_memory_allocated(0)
+    storage.resize_(0)
+    assert simulated_memory_allocated(0) == before - 16 and x.untyped_storage().nbytes() == 0
+    with pytest.raises(RuntimeError, match="data is not allocated yet"):
+        x + 1
+    storage.resize_(16)
+    assert simulated_memory_allocated(0) == before
+    x.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    storage.resize_(32)
+    assert_bitwise(x.cpu(), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert simulated_memory_allocated(0) == before + 16
+    del x, storage
+    assert simulated_memory_allocated(0) == before - 16
+
+
 def test_empty_factories_allocate_on_the_sim_as_requested(sim0, sim1):
     # torch.empty and empty_strided have kernels of their own (the copies allocate with them): each result is
     # a fresh sim storage of exactly its bytes, counted and freed, on the index asked for (the current one

@@ -80,6 +80,9 @@ importing ``optimshift.testing`` sets nothing up):
   one PyTorch dereferences a null allocator (segfault) in ``copy.deepcopy`` of a sim
   tensor, ``storage.to(sim)`` and ``torch.load(..., map_location=sim)``. Other devices go
   straight to the original constructor.
+* ``torch.UntypedStorage.resize_`` is wrapped so that a sim storage can be resized (``resize_(0)`` frees its
+  memory, ``resize_(n)`` allocates it again, the bytes kept copied, as on CUDA): PyTorch asks a
+  PrivateUse1 hook that Python cannot provide. Other devices go straight to the original.
 * ``torch.Tensor.new_tensor`` is wrapped to pass a sim tensor's own device when none is given:
   PyTorch makes the new tensor on the device its C++ guard reports (always ``sim:0``).
 * ``torch.accelerator.empty_cache()``, ``empty_host_cache()``, ``memory_stats()`` (and what is
@@ -417,6 +420,11 @@ def _backing(t: torch.Tensor) -> torch.Tensor:
     st = t.untyped_storage()
     storage: torch.UntypedStorage | None
     if st.nbytes() == 0:
+        if t.numel():  # (its storage resized to 0: CUDA's check)
+            raise RuntimeError(
+                "The tensor has a non-zero number of elements, but its data is not allocated yet "
+                f"(simulated accelerator: a {t.device} tensor whose storage was resized to 0 bytes)"
+            )
         storage = torch.UntypedStorage(0)  # type: ignore[no-untyped-call]  # unannotated in torch
     else:
         entry = _registry.get(st.data_ptr())
@@ -935,6 +943,28 @@ def _untyped_storage_new(cls: type, *args: Any, **kwargs: Any) -> Any:
     return _new_sim_storage_root(backing, index).untyped_storage()
 
 
+_storage_resize = torch.UntypedStorage.resize_
+
+
+def _storage_resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+    """``storage.resize_(size)`` of a sim storage: new memory allocated on the current stream with the bytes
+    that fit copied, then swapped in under the same storage object (the old memory is freed with the swap)."""
+    if self.device.type != SIM_DEVICE_TYPE:
+        return _storage_resize(self, size)  # type: ignore[no-any-return]  # unannotated in torch
+    old, index = self.nbytes(), self.device.index
+    if old and (entry := _registry.get(self.data_ptr())) is not None and entry.guard is not None:
+        raise RuntimeError("Trying to resize storage that is not resizable (simulated accelerator: mapped memory)")
+    new = torch.empty(size, dtype=torch.uint8, device=self.device)
+    if old and size:
+        new[: min(old, size)].copy_(torch.empty(0, dtype=torch.uint8, device=self.device).set_(self)[:size])
+    swap: Any = getattr(self, "_swap_data_ptr_")  # noqa: B009  # (missing from the stubs)
+    if old:
+        swap(_new_sim_storage_root(torch.UntypedStorage(0), index).untyped_storage())  # type: ignore[no-untyped-call]  # unannotated in torch
+    if size:
+        swap(new.untyped_storage())
+    return self
+
+
 _tensor_new_tensor = torch.Tensor.new_tensor
 
 
@@ -1144,6 +1174,7 @@ def _ensure_setup() -> None:
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]
         torch.UntypedStorage.__new__ = _untyped_storage_new  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = _storage_resize_  # type: ignore[method-assign, assignment]
         torch.Tensor.new_tensor = _new_tensor  # type: ignore[method-assign, assignment]
         if _accelerator_allocator_initialized is not None:
             torch._C._accelerator_isAllocatorInitialized = _allocator_initialized  # pyright: ignore[reportAttributeAccessIssue]

@@ -2,6 +2,7 @@
 
 import weakref
 
+import pytest
 import torch
 
 import optimshift
@@ -173,3 +174,26 @@ def test_a_leaf_entry_that_requires_grad_keeps_its_object(sim):
     assert opt.state[p]["t"] is not held
     loss.backward()
     assert torch.equal(held.grad, torch.full((3,), 3.0))
+
+
+@pytest.mark.parametrize("register", ["register_hook", "register_post_accumulate_grad_hook"])
+@pytest.mark.parametrize("removed", [False, True])
+def test_a_leaf_entry_given_a_hook_is_replaced_and_every_hook_fires(sim, register, removed):
+    """A hook lives in the TensorImpl, which a swap hands to the discarded copy: a swapped entry's hook never fired
+    again, and one registered on it later went to its Python dict only (once given a hook, even a removed one,
+    torch never registers another in C++), never called. Such an entry is replaced; the old object keeps its hooks."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    t = torch.randn(3, requires_grad=True)
+    fired: list[str] = []
+    handle = getattr(t, register)(lambda *_: fired.append("old"))
+    if removed:
+        handle.remove()
+    opt.state[p]["t"] = t
+    optimshift.move(opt, sim)
+    entry = opt.state[p]["t"]
+    assert entry is not t and entry.device.type == "sim" and entry.requires_grad and entry.is_leaf
+    getattr(entry, register)(lambda *_: fired.append("new"))
+    (entry * 2).sum().backward()
+    (t * 2).sum().backward()
+    assert fired == ["new"] if removed else ["new", "old"]

@@ -114,11 +114,18 @@ def _swappable(old: torch.Tensor, new: torch.Tensor, views: int = 0) -> bool:
 
 def _grads_allow(old: torch.Tensor, new: torch.Tensor) -> bool:
     """Whether autograd lets ``old`` take ``new``'s TensorImpl: neither requires grad, or both are leaves that do
-    and ``old`` holds no grad (its grad, in its TensorImpl, would go with it to the other object; a graph's hold on
-    it is a use the caller counts)."""
+    and neither holds a grad or was ever given a hook (those live in the TensorImpl and would go with it to the
+    other object: a hook registered before or after would never fire; a graph's hold is a use the caller counts)."""
     if not (old.requires_grad or new.requires_grad):
         return True
-    return old.requires_grad and new.requires_grad and old.is_leaf and new.is_leaf and old.grad is None
+    return all(
+        t.requires_grad
+        and t.is_leaf
+        and t.grad is None
+        and t._backward_hooks is None
+        and t._post_accumulate_grad_hooks is None
+        for t in (old, new)
+    )
 
 
 def still_valid(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hows: list[Mechanism]) -> bool:

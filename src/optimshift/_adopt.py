@@ -83,12 +83,11 @@ def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mecha
             append("swap")
         else:
             if views is None and type(old) is torch.Tensor:
-                views = Counter()
-                for o, _ in pairs:
-                    if o._base is not None:
-                        # (a view across complex and real, view_as_real(c) or c.real, holds its base twice: torch
-                        # gives it a forward view info of its own beside the backward one, which others share)
-                        views[id(o._base)] += 1 + (o.dtype.is_complex != o._base.dtype.is_complex)
+                viewing = [(o.dtype, b) for o, _ in pairs if (b := o._base) is not None]  # (one _base each)
+                views = Counter([id(b) for _, b in viewing])
+                # (a view across complex and real, view_as_real(c) or c.real, holds its base twice: torch gives it
+                # a forward view info of its own beside the backward one, which others share)
+                views.update([id(b) for d, b in viewing if d is not b.dtype and d.is_complex != b.dtype.is_complex])
             # NOTE: a flat buffer kept in state with views of it (state[p]["view"] = flat[i:j]): each view holds
             # the base's TensorImpl. When those views are all among the tensors adopting copies here, nothing
             # that stays with the optimizer holds it, and a plain tensor is swapped without torch's use-count

@@ -393,7 +393,7 @@ class _Reads(TorchFunctionMode):
         from torch._subclasses.fake_tensor import DataDependentOutputException
 
         if func is torch.Tensor.copy_:  # (its binding asks for the device's guard, which a CPU-only build lacks)
-            func = torch.ops.aten.copy_.default
+            func = _aten_copy_
         try:
             return func(*args, **kwargs)
         except DataDependentOutputException as first:  # a fake tensor was read as a number
@@ -419,6 +419,11 @@ class _Reads(TorchFunctionMode):
     def _count_each(self, args: tuple[Any, ...], scalars: list[int], kwargs: dict[str, Any], named: list[str]) -> None:
         for t in [args[i] for i in scalars] + [kwargs[k] for k in named]:
             self._count(t)
+
+
+def _aten_copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> Any:
+    """``Tensor.copy_`` as ``aten.copy_``, taking its arguments as the binding does (aten's ``src`` is ``other``)."""
+    return torch.ops.aten.copy_.default(self, other, non_blocking)
 
 
 def _takes_tensor(func: Any, where: Any) -> bool:

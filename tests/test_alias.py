@@ -351,8 +351,8 @@ def test_an_error_copying_a_shared_storage_names_the_entry_and_the_file(sim, tmp
     with pytest.raises(torch.OutOfMemoryError) as info:
         optimshift.load_state_dict(opt, path)
     notes = "\n".join(getattr(info.value, "__notes__", []))
-    assert f"FlatMomentum: load_state_dict: {path}: while copying group 0, param 0, state key" in notes, notes
-    assert "the optimizer is unchanged" in notes
+    assert f"while copying FlatMomentum: load_state_dict: {path}: group 0, param 0, state key" in notes, notes
+    assert "the optimizer was left unchanged" in notes
     assert not opt.state, "nothing was loaded"
 
 

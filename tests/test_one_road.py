@@ -9,9 +9,9 @@ each operation calls.
 - every operation, ``load_state_dict`` included: the commit's one uninterrupted section
   (``engine.uninterrupted``), where an interrupt waits for the commit to end.
 
-``load_state_dict`` makes its copies through ``engine.copy_each`` (not ``engine.run``: see ARCHITECTURE.md, which
-names the tests that make its placement agree with the plan's, ``tests/test_roads.py`` and
-``tests/checkpoint/test_uniform.py``), and installs them through ``engine.commit`` as every operation does.
+``load_state_dict`` makes its copies and casts through ``engine.run`` of the plan of its copies (the uniform load
+of a fresh optimizer's state: through the column form, ``engine.copy_columns``; see ARCHITECTURE.md), and installs
+them through ``engine.commit`` as every operation does.
 """
 
 from __future__ import annotations
@@ -318,30 +318,36 @@ def test_a_ctrl_c_as_an_operation_begins_leaves_no_operation_behind(sim, monkeyp
     assert optimshift.is_offloaded(opt)
 
 
-@pytest.mark.parametrize("uniform", [False, True])
-def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
-    """Every tensor a load into a fresh optimizer installs is a copy the engine made (``engine.copy_each``, one
-    call, or its column copies, engine.copy_columns), the common entry copied where it is included, on the uniform
-    path and the general one: neither has inline clones of its own."""
-    from optimshift.checkpoint import _uniform
-
+def _spy_on_the_copies(monkeypatch):
+    """ids of every copy ``engine.run`` and ``engine.copy_columns`` make from here on, and the plans run was given."""
     made: list[int] = []
-    real_each, real_columns = engine.copy_each, engine.copy_columns
+    plans: list = []
+    real_run, real_columns = engine.run, engine.copy_columns
 
-    def each(*args, **kwargs):
-        out = real_each(*args, **kwargs)
-        made.extend(map(id, out))
+    def run(plan, *args, **kwargs):
+        plans.append(plan)
+        out = real_run(plan, *args, **kwargs)
+        made.extend(id(t) for t in out.batch.copies if t is not None)
         return out
 
     def columns(*args, **kwargs):
-        columns.calls += 1  # type: ignore[attr-defined]
         out = real_columns(*args, **kwargs)
         made.extend(id(t) for column in out for t in column)
         return out
 
-    monkeypatch.setattr(engine, "copy_each", each)
-    columns.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(engine, "run", run)
     monkeypatch.setattr(engine, "copy_columns", columns)
+    return made, plans
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
+    """Every tensor a load into a fresh optimizer installs is a copy the engine made: by ``engine.run`` of the plan
+    of its copies on the general path, by the column copies (``engine.copy_columns``) on the uniform one, the
+    common entry copied where it is included: neither has inline clones of its own."""
+    from optimshift.checkpoint import _uniform
+
+    made, plans = _spy_on_the_copies(monkeypatch)
     if not uniform:
         monkeypatch.setattr(_uniform, "TensorGuards", None)
     _, source = _trained(sim)
@@ -352,10 +358,38 @@ def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
             "param_groups": saved["param_groups"],
         }
         made.clear()
-        columns.calls = 0  # type: ignore[attr-defined]
+        plans.clear()
         fresh = O.Adam([torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)], foreach=False)
         optimshift.load_state_dict(fresh, sd)
         assert {t.device.type for st in fresh.state.values() for k, t in st.items() if k != "step"} == {sim.type}
-        assert (columns.calls > 0) == uniform, "the load did not take the path this case names"
+        assert bool(plans) != uniform, "the load did not take the path this case names"
         installed = [id(t) for st in fresh.state.values() for t in st.values()]
         assert installed and set(installed) <= set(made), "a load installed a copy the engine did not make"
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing"])
+def test_a_loads_casts_and_copies_into_existing_state_are_engine_runs(sim, monkeypatch, into):
+    """A cast (``cast='param'``, bf16 params) is made by ``engine.run``, its plan carrying the dtype; and a load into
+    existing state whose live tensors cannot take the values (one live tensor in two places) copies through
+    ``engine.run`` too, on the uniform path."""
+    made, plans = _spy_on_the_copies(monkeypatch)
+    _, source = _trained(sim)
+    sd = source.state_dict()
+    if into == "fresh":
+        target = O.Adam([torch.nn.Parameter(torch.randn(4, 3, device=sim, dtype=torch.bfloat16)) for _ in range(2)])
+        optimshift.load_state_dict(target, sd, cast="param")
+        assert [plan.casts for plan in plans] == [True]
+        assert {t.dtype for st in target.state.values() for k, t in st.items() if k != "step"} == {torch.bfloat16}
+        installed = [id(t) for st in target.state.values() for t in st.values()]
+        assert set(installed) <= set(made), "a load installed a copy the engine did not make"
+    else:  # (the live tensors adopt the copies' contents, keeping their objects)
+        params, target = _trained(sim)
+        first = target.state[params[0]]
+        first["exp_avg_sq"] = first["exp_avg"]  # (one live tensor in two places: it must stop being shared)
+        optimshift.load_state_dict(target, sd)
+        assert len(plans) == 1 and not plans[0].casts and plans[0].transfers
+        assert all(
+            torch.equal(target.state[p][k].cpu(), source.state[q][k].cpu())
+            for p, q in zip(target.param_groups[0]["params"], source.param_groups[0]["params"])
+            for k in ("exp_avg", "exp_avg_sq")
+        )

@@ -28,7 +28,7 @@ from ._devices import _fake_mode_active
 from ._dtensor import is_dtensor, wrap_local
 from ._state import like_source
 
-__all__ = ["shared", "split_targets", "copy_storage", "sole_user", "span", "storage_key"]
+__all__ = ["shared", "copy_storage", "sole_user", "span", "storage_key"]
 
 _address: Callable[[torch.Tensor], int] = getattr(
     torch._C, "_storage_address", lambda t: int(t.untyped_storage()._cdata)
@@ -235,19 +235,6 @@ def offset_in(t: torch.Tensor, first: int) -> int:
     """``t``'s storage offset in a copy of its storage's bytes from ``first`` on (see :func:`span`)."""
     local = _local(t)
     return int(local.storage_offset()) - first // local.element_size()
-
-
-def split_targets(
-    tensors: Sequence[torch.Tensor], targets: Sequence[torch.device], groups: Sequence[Sequence[int]]
-) -> tuple[int, int] | None:
-    """The indices of two tensors of one group of :func:`shared` that must go to different devices (they cannot
-    keep sharing a storage), or None."""
-    for group in groups:
-        first = group[0]
-        for i in group[1:]:
-            if targets[i] != targets[first]:
-                return first, i
-    return None
 
 
 def sole_user(t: torch.Tensor) -> bool:

@@ -17,8 +17,9 @@ the engine (:mod:`optimshift._engine`) decides what to copy and commits the copi
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, cast
@@ -39,9 +40,11 @@ __all__ = [
     "BLOCKING",
     "Side",
     "copy_many",
+    "cast_tensor",
     "copy_strides",
     "contiguous_strides",
     "copy_into",
+    "note_copy",
     "copy_tensor",
     "CHUNK_BYTES",
     "pinned_sources",
@@ -151,6 +154,15 @@ def copy_tensor(
     return like_source(t, new)
 
 
+def cast_tensor(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` in ``dtype`` (a load's cast), never ``t`` itself: cast as it is copied, one
+    allocation (a parameter, a subclass: :func:`copy_tensor`'s copy, then cast)."""
+    if type(t) is torch.Tensor and not t.requires_grad:
+        return t.to(device, dtype, False, True)
+    new = copy_tensor(t, device)  # (a copy, where it is too: only a plain tensor is handed back itself)
+    return new if new.dtype == dtype else new.to(dtype)
+
+
 def copy_strides(t: torch.Tensor) -> tuple[int, ...]:
     """The strides ``t``'s copy has (as a copy keeps them: its own where dense, else contiguous)."""
     return tuple(t.stride()) if _dense_non_overlapping(t) else contiguous_strides(t.shape)
@@ -234,6 +246,7 @@ def copy_many(
     side: Side | None = None,
     together: Sequence[tuple[list[int], torch.device]] = (),
     alike: bool = False,
+    casts: Mapping[int, torch.dtype] | None = None,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
 
@@ -245,7 +258,8 @@ def copy_many(
     entry it hit). ``side``: the copies are queued on that stream (:class:`Side`). ``alike``: the caller checked
     that the items are one column (plain, dense, contiguous tensors not requiring grad, no two on one storage, of
     one source device and dtype, all bound for one target, all empty or none): how they are copied is decided
-    once, on the first.
+    once, on the first. ``casts``: item index -> the dtype its copy is made in (a load's ``cast``), cast as it is
+    copied, one by one (a group of ``together`` by its first item's; never ``alike``).
 
     On an exception nothing is returned: every device involved is synchronized first (copies already queued
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
@@ -284,10 +298,14 @@ def copy_many(
         for indices, target in together if group else ():
             current = indices[0]
             batch.devices.update(d for d in (items[current][0].device, target) if d.type not in HOSTS)
+            to = casts.get(current) if casts else None  # (its storage's elements cast: see _alias.copy_storage)
             news = _alias.copy_storage(
                 [items[i][0] for i in indices],
                 target,
-                lambda src, dst: copy_tensor(src, dst, non_blocking, pin_memory, side),
+                functools.partial(cast_tensor, dtype=to)
+                if to is not None
+                else lambda src, dst: copy_tensor(src, dst, non_blocking, pin_memory, side),
+                dtype=to,
             )
             for i, new in zip(indices, news):
                 copies[i] = new
@@ -296,6 +314,10 @@ def copy_many(
         work: Sequence[tuple[torch.Tensor, torch.device]] = items
         for i, (t, target) in enumerate(items_left):
             if done and i in done:
+                continue
+            if casts and i in casts:
+                current = i
+                copies[i] = cast_tensor(t, target, casts[i])
                 continue
             original = t
             if type(t) is not plain and group and is_dtensor(t) and not t.requires_grad:
@@ -362,18 +384,23 @@ def copy_many(
         for buf in batch.held + batch.staging:
             pool.release(buf)
         if describe is not None and items:
-            t, target = items[current]
-            add_note(
-                error,
-                f"optimshift: while copying {describe(current)} ({tuple(t.shape)}, {t.dtype}) from "
-                f"{t.device} to {target}; the optimizer was left unchanged",
-            )
+            note_copy(error, describe(current), *items[current])
         raise
     for i, dtensor in wrapped.items():
         local = copies[i]
         assert local is not None
         copies[i] = wrap_local(dtensor, local)
     return batch
+
+
+def note_copy(error: BaseException, what: str, t: torch.Tensor, target: torch.device) -> None:
+    """The note a failed copy (an OOM on the 900th tensor) gets: the entry it hit (``what``), the tensor, where it
+    went, and that nothing was installed yet."""
+    add_note(
+        error,
+        f"optimshift: while copying {what} ({tuple(t.shape)}, {t.dtype}) from {t.device} to {target}; the "
+        f"optimizer was left unchanged",
+    )
 
 
 def copy_into(

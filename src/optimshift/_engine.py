@@ -33,10 +33,10 @@ import torch
 
 from . import _alias, _device_streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
-from ._copy import BLOCKING, Batch, Options, Side, copy_into, copy_many, copy_tensor, pinned_sources
+from ._copy import BLOCKING, Batch, Options, Side, copy_into, copy_many, note_copy, pinned_sources
 from ._device_streams import in_pinned_memory, synchronize
 from ._devices import HOSTS, _fake_mode_active
-from ._errors import add_note, dtype_name
+from ._errors import dtype_name
 from ._plan import Plan, Transfer
 from ._state import GROUP_SKIP, Setter, rebuild
 from .pool import host_pool
@@ -44,7 +44,6 @@ from .syncs import async_copies
 
 __all__ = [
     "Copies",
-    "copy_each",
     "copy_columns",
     "run",
     "copy_items",
@@ -93,17 +92,20 @@ def copy_items(
     side: Side | None = None,
     together: Sequence[tuple[list[int], torch.device]] = (),
     alike: bool = False,
+    casts: Mapping[int, torch.dtype] | None = None,
 ) -> Batch:
     """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
 
     Host memory that state will point at is always written before this returns, except for a non-blocking
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
     ``side``: the copies are queued on that stream; the caller records its event and completes the batch.
-    ``together``: the groups to copy as one storage (:func:`run`'s); ``alike``: the items are one column (see
-    :func:`copy_many`).
+    ``together``: the groups to copy as one storage (:func:`run`'s); ``alike``: the items are one column;
+    ``casts``: the dtype of each item's copy that is cast (see :func:`copy_many`).
     """
     pool = host_pool
-    batch = copy_many(items, options, pool=pool, describe=describe, side=side, together=together, alike=alike)
+    batch = copy_many(
+        items, options, pool=pool, describe=describe, side=side, together=together, alike=alike, casts=casts
+    )
     if (
         batch.after_sync
         or not options.non_blocking
@@ -119,76 +121,17 @@ def copy_items(
     return batch
 
 
-def copy_each(
-    items: Sequence[tuple[torch.Tensor, torch.device, torch.dtype]],
-    what: str,
-    site: Callable[[int], str],
-    *,
-    own_storages: bool = False,
-) -> list[torch.Tensor]:
-    """A new copy of each ``(tensor, device, dtype)``, never the tensor itself (a load's copies: the checkpoint's
-    tensors stay the caller's): tensors that share a storage as that storage (:func:`_copy_storages`), moves as
-    one grouped batch (:func:`copy_items`), copies where a tensor is and casts one by one, then one synchronize.
-    An error (an OOM on the 900th tensor) names the operation (``what``) and the item it hit (``site(i)``), and
-    says that nothing changed: nothing was installed yet. ``own_storages``: the caller checked that no two items
-    share a storage (the uniform load's validator)."""
-    out: list[torch.Tensor | None] = [None] * len(items)
-    if not own_storages:
-        _copy_storages(items, what, site, out)
-    moving: list[int] = []
-    append = moving.append
-    batched: set[int] = set()
-    plain = torch.Tensor
-    i = 0
-    try:
-        for i, (t, device, dtype) in enumerate(items):
-            if t.dtype == dtype and t.device != device:
-                if own_storages:  # (distinct tensors, the caller checked: none asked for twice)
-                    append(i)
-                    continue
-                if out[i] is not None:
-                    continue  # (copied with its storage)
-                if id(t) not in batched:
-                    batched.add(id(t))  # (one tensor asked for on two devices: the second copy is made apart)
-                    append(i)
-                    continue
-            elif not own_storages and out[i] is not None:
-                continue
-            if type(t) is plain and not t.requires_grad:
-                # the same place: keeps the strides, and is the cheapest copy; else a cast (cast="param")
-                out[i] = t.clone() if t.dtype == dtype and t.device == device else t.to(device, dtype, False, True)
-            else:  # Parameters, subclasses: the general copy
-                new = copy_tensor(t, device)
-                out[i] = new if new.dtype == dtype else new.to(dtype)
-    except Exception as e:
-        _note_copy(e, what, site(i), items[i][1])
-        raise
-    if moving:  # (copy_many's note names the entry an error hit)
-        batch = copy_items(
-            [(items[i][0], items[i][1]) for i in moving],
-            describe=lambda n: f"{what}: {site(moving[n])}",
-        )  # (every storage shared was copied whole by _copy_storages)
-        for i, copy in zip(moving, batch.copies):
-            out[i] = copy
-    return cast("list[torch.Tensor]", out)
-
-
-def _note_copy(error: BaseException, what: str, where: str, device: torch.device) -> None:
-    """The note a load's failed copy (an OOM on the 900th tensor) gets: the operation, the entry, its device, and
-    that nothing was installed yet."""
-    add_note(error, f"{what}: while copying {where} to {device}; the optimizer is unchanged")
-
-
 def copy_columns(
     columns: Sequence[tuple[Sequence[torch.Tensor], torch.device]],
     what: str,
     site: Callable[[int, int], str],
 ) -> list[list[torch.Tensor]]:
-    """:func:`copy_each` of columns the caller checked alike (the uniform load's: in each column plain, dense,
+    """The copies of columns the caller checked alike (the uniform load's: in each column plain, dense,
     contiguous tensors not requiring grad, of one device and one dtype, all bound for one device, uncast; no two
     tensors of any column on one storage): a clone each where a column stays, every column that moves in one
     grouped batch per (source, target, dtype, empty or not) (:func:`copy_items`), then one synchronize each.
-    ``site(j, n)`` names tensor ``n`` of column ``j`` in an error's note, which says that nothing changed."""
+    ``site(j, n)`` names tensor ``n`` of column ``j`` in an error's note (:func:`optimshift._copy.note_copy`,
+    every copy's). Not a :func:`run` of a plan: a transfer per tensor would cost more than its whole copy."""
     out: list[list[torch.Tensor]] = []
     # (source, target, dtype, empty): a batch copy_many copies alike holds empty tensors only or none
     moving: dict[tuple[torch.device, torch.device, torch.dtype, bool], list[int]] = {}
@@ -202,7 +145,7 @@ def copy_columns(
         try:  # (the same place: a clone each, which keeps the strides and is the cheapest copy; in one pass in C)
             done.extend(map(torch.Tensor.clone, tensors))
         except Exception as e:
-            _note_copy(e, what, site(j, len(done)), device)
+            note_copy(e, f"{what}: {site(j, len(done))}", tensors[len(done)], device)
             raise
         out.append(done)
     for (_, device, _, _), js in moving.items():  # (each batch one column for copy_many: one target, one dtype)
@@ -218,52 +161,6 @@ def copy_columns(
         for j, start, stop in zip(js, starts, starts[1:]):
             out[j] = copies[start:stop]
     return out
-
-
-def _copy_storages(
-    items: Sequence[tuple[torch.Tensor, torch.device, torch.dtype]],
-    what: str,
-    site: Callable[[int], str],
-    out: list[torch.Tensor | None],
-) -> None:
-    """Copy the items whose tensors share a storage (nothing else using it) as that storage, each a view of the
-    copy at its own offset (:func:`optimshift._alias.copy_storage`), so that a flat buffer and its views stay one;
-    fills ``out`` at their indices. ValueError, before anything is copied, for members asked for on different
-    devices or in different dtypes: copied apart, they would stop sharing it."""
-    groups = _alias.shared([t for t, _, _ in items])
-    if not groups:
-        return
-    by_id: dict[int, list[int]] = {}
-    for i, (t, _, _) in enumerate(items):
-        by_id.setdefault(id(t), []).append(i)
-    members = [[j for i in group for j in by_id[id(items[i][0])]] for group in groups]
-    for at in members:  # (every group checked before any is copied)
-        first, device, dtype = items[at[0]]
-        uncast = all(items[j][2] == items[j][0].dtype for j in at)  # (one dtype to one dtype: the storage is cast)
-        for j in at[1:]:
-            t, other_device, other_dtype = items[j]
-            if other_device != device or not uncast and (t.dtype, other_dtype) != (first.dtype, dtype):
-                raise ValueError(
-                    f"{what}: {site(at[0])} and {site(j)} share one storage in the state dict but load as "
-                    f"{dtype_name(dtype)} on {device} and {dtype_name(other_dtype)} on {other_device}: copied apart, "
-                    f"they would stop sharing it. Give one of them its own storage (.clone()) before loading; the "
-                    f"optimizer is unchanged"
-                )
-    for at in members:
-        first, device, dtype = items[at[0]]
-        to = None if all(items[j][2] == items[j][0].dtype for j in at) else dtype
-        try:
-            copies = _alias.copy_storage([items[j][0] for j in at], device, functools.partial(_copied, to), dtype=to)
-        except Exception as e:  # an OOM: nothing was installed yet
-            _note_copy(e, what, site(at[0]), device)
-            raise
-        for j, c in zip(at, copies):
-            out[j] = c
-
-
-def _copied(dtype: torch.dtype | None, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of ``src`` on ``device`` (in ``dtype``: a cast), complete when it returns."""
-    return src.to(device, dtype or src.dtype, copy=True)
 
 
 def _current_stream_event(devices: Iterable[torch.device]) -> Any | None:
@@ -294,10 +191,14 @@ def run(
     extra: Sequence[tuple[torch.Tensor, torch.device, str]] = (),
     into: Sequence[torch.Tensor | None] | None = None,
     own: set[int] | frozenset[int] = frozenset(),
+    what: str | None = None,
+    site: Callable[[Transfer], object] = attrgetter("site"),
 ) -> Copies:
-    """Copy every tensor of ``plan`` that is not where it belongs, and ``extra`` (grads: each with its target and
-    what it is, for errors), grouped; ``own``: ids of tensors copied where they are (views into pool buffers the
-    operation gives back: :func:`optimshift._offload.left_in_buffers`).
+    """Copy every tensor of ``plan`` that is not where it belongs or carries a dtype (cast as it is copied), and
+    ``extra`` (grads: each with its target and what it is, for errors), grouped; ``own``: ids of tensors copied
+    where they are (views into pool buffers the operation gives back: :func:`optimshift._offload.left_in_buffers`;
+    a load's sources, never installed themselves). Errors and their notes name the operation (``what``, else the
+    optimizer's class) and the entry (``site(transfer)``).
 
     With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._device_streams`: CUDA, any
     accelerator with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
@@ -312,16 +213,20 @@ def run(
     items: list[tuple[torch.Tensor, torch.device]]
     names: list[Any] | None = None  # what each item is, for errors (built when one is raised)
     placed: list[tuple[Transfer, torch.Tensor]] = []  # (transfer, its destination), each tensor once
+    casts: dict[int, torch.dtype] = {}  # item index -> the dtype its copy is cast to
+    what = what or type(plan.optimizer).__name__
     hyperparameters = _moving_group_tensors(plan) if options.non_blocking else set()
     if into is not None:
-        plan, placed = _placed(plan, into)
-    if plan.repeats:
+        plan, placed = _placed(plan, into, what, site)
+    if plan.repeats or plan.casts:
         items, names = [], []
         seen: set[int] = set()
         for transfer in plan.transfers:
-            t, target = transfer[2], transfer[4]  # (tensor, target: see plan.Transfer)
-            if (t.device != target or id(t) in own) and id(t) not in seen:
+            t, target, dtype = transfer[2], transfer[4], transfer[6]  # (see plan.Transfer)
+            if (t.device != target or id(t) in own or dtype is not None) and (id(t) not in seen or not plan.repeats):
                 seen.add(id(t))
+                if dtype is not None:
+                    casts[len(items)] = dtype
                 items.append((t, target))
                 names.append(transfer)
     elif own:
@@ -332,35 +237,38 @@ def run(
     extra_names: list[str] = []  # (what each of the extra items copied is)
     if extra:
         seen = {id(t) for t, _ in items}
-        for t, target, what in extra:
+        for t, target, name in extra:
             if (t.device != target or id(t) in own) and id(t) not in seen:
                 seen.add(id(t))
                 items.append((t, target))
-                extra_names.append(what)
+                extra_names.append(name)
     # (nothing moves: nothing can stop sharing, nor be copied as a storage)
-    together = _shared_storages(plan, extra, items, placed) if items or placed else []
-    optimizer_name = type(plan.optimizer).__name__
+    together = _shared_storages(plan, extra, items, placed, what, site) if items or placed else []
     into_pairs = [(tr[2], dst) for tr, dst in placed]
 
     def placed_site(i: int) -> str:
-        return f"{optimizer_name} {placed[i][0].site}"
+        return f"{what}: {site(placed[i][0])}"
 
     def describe(i: int) -> str:
         if i >= n_plan:
-            return f"{optimizer_name} {extra_names[i - n_plan]}"
+            return f"{what}: {extra_names[i - n_plan]}"
         plans = names
         if plans is None:
             plans = [tr for tr in plan.transfers if tr[2].device != tr[4] or id(tr[2]) in own]
-        return f"{optimizer_name} {plans[i].site}"
+        return f"{what}: {site(plans[i])}"
 
-    # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one)
+    # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one; a cast, only
+    # a load's, which blocks, is made on the current stream)
     every = items + [(t, dst.device) for t, dst in into_pairs] if into_pairs else items
-    device = _single_stream_device(every) if options.non_blocking and not _fake_mode_active() else None
+    on_side = options.non_blocking and not casts and not _fake_mode_active()
+    device = _single_stream_device(every) if on_side else None
     if device is None:
         # NOTE: no side stream (several devices, a device without streams, fake tensors): the blocking path,
         # synchronized at the end. A copy between two devices left queued would be ordered after neither
         # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
-        batch = _copy_here(items, options, describe=describe, together=together, into=into_pairs, where=placed_site)
+        batch = _copy_here(
+            items, options, describe=describe, together=together, into=into_pairs, where=placed_site, casts=casts
+        )
         event, to_host = None, False
     else:
         batch, event, to_host = _run_on_side_stream(
@@ -386,6 +294,7 @@ def _copy_here(
     into: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     where: Callable[[int], str] | None = None,
     wait: bool = True,
+    casts: Mapping[int, torch.dtype] | None = None,
 ) -> Batch:
     """The copies of ``items`` (and into each destination of ``into``) on the current stream: complete when this
     returns (the host synchronized), or, without ``wait``, queued on the current stream (a non-blocking
@@ -397,6 +306,7 @@ def _copy_here(
             replace(options, non_blocking=False) if wait and options.non_blocking else options,
             describe=describe,
             together=together,
+            casts=casts,
         )
     except BaseException:
         synchronize(queued)  # (a queued copy writes the caller's destinations)
@@ -406,7 +316,9 @@ def _copy_here(
     return batch
 
 
-def _placed(plan: Plan, into: Sequence[torch.Tensor | None]) -> tuple[Plan, list[tuple[Transfer, torch.Tensor]]]:
+def _placed(
+    plan: Plan, into: Sequence[torch.Tensor | None], what: str, site: Callable[[Transfer], object]
+) -> tuple[Plan, list[tuple[Transfer, torch.Tensor]]]:
     """``plan`` without the transfers ``into`` gives a destination, and those transfers with it, each tensor once.
     ValueError, before anything is copied, for one tensor held by several entries that are given places of
     their own (or a place and the engine's copy): it cannot be in both, and an update through one entry would
@@ -430,7 +342,7 @@ def _placed(plan: Plan, into: Sequence[torch.Tensor | None]) -> tuple[Plan, list
         twice = next(((where[id(tr[2])][0], tr) for tr in rest if id(tr[2]) in where), None) if plan.repeats else None
     if twice is not None:
         raise ValueError(
-            f"{type(plan.optimizer).__name__}: one tensor is shared by {twice[0].site} and {twice[1].site}, which are "
+            f"{what}: one tensor is shared by {site(twice[0])} and {site(twice[1])}, which are "
             f"each given a place of their own: it cannot be in both, and an update through one would no longer "
             f"show through the other. Give one of them its own tensor (.clone()); nothing was changed"
         )
@@ -441,12 +353,15 @@ def _shared_storages(
     plan: Plan,
     extra: Sequence[tuple[torch.Tensor, torch.device, str]],
     items: Sequence[tuple[torch.Tensor, torch.device]],
-    placed: Sequence[tuple[Transfer, torch.Tensor]] = (),
+    placed: Sequence[tuple[Transfer, torch.Tensor]],
+    what: str,
+    site: Callable[[Transfer], object],
 ) -> list[tuple[list[int], torch.device]]:
     """The groups of ``items`` to copy as one storage (:func:`optimshift._alias.shared`, asked once for the
     whole plan), with their target. ValueError, before anything is copied, when tensors that share a storage
-    belong on different devices, or are copied into places the caller gave (``placed``, each its own): copied
-    apart, an update through one would no longer show through the other."""
+    belong on different devices or in different dtypes (a cast of some, or casts of different kinds), or are
+    copied into places the caller gave (``placed``, each its own): copied apart, an update through one would no
+    longer show through the other."""
     transfers = plan.transfers
     tensors = [tr[2] for tr in transfers] + [e[0] for e in extra] + [tr[2] for tr, _ in placed]
     groups = _alias.shared(tensors)
@@ -454,41 +369,54 @@ def _shared_storages(
         return []
     first_placed = len(transfers) + len(extra)
 
-    def where(i: int) -> str:
+    def where(i: int) -> object:
         if i < len(transfers):
-            return str(transfers[i].site)
-        return extra[i - len(transfers)][2] if i < first_placed else str(placed[i - first_placed][0].site)
+            return site(transfers[i])
+        return extra[i - len(transfers)][2] if i < first_placed else site(placed[i - first_placed][0])
 
     for group in groups:
         if any(i >= first_placed for i in group) and not _placed_together(group, first_placed, placed):
             a, b = group[:2]
             raise ValueError(
-                f"{type(plan.optimizer).__name__}: {where(a)} and {where(b)} share one storage, but are each copied "
-                f"into a place of their own (a streamed chunk keeps each entry apart): an update through one would "
-                f"no longer show through the other. Give one of them its own storage (.clone()); nothing was "
-                f"changed"
+                f"{what}: {where(a)} and {where(b)} share one storage, but are each copied into a place of their own "
+                f"(a streamed chunk keeps each entry apart): an update through one would no longer show through the "
+                f"other. Give one of them its own storage (.clone()); nothing was changed"
             )
     groups = [group for group in groups if all(i < first_placed for i in group)]  # (the rest: placed together)
     if not groups:
         return []
     targets = [tr[4] for tr in transfers] + [e[1] for e in extra]
-    split = _alias.split_targets(tensors, targets, groups)
-    if split is not None:
-        a, b = split
-        raise ValueError(
-            f"{type(plan.optimizer).__name__}: {where(a)} and {where(b)} share one storage, but belong on "
-            f"different devices ({targets[a]} and {targets[b]}): copied apart, an update through one would no "
-            f"longer show through the other. Give one of them its own storage (.clone()), or put their params on "
-            f"one device; nothing was changed"
-        )
-    # NOTE: the members of a group share a device and (not split) a target: they all move or none does.
+    dtypes = [tr[6] for tr in transfers] + [None] * len(extra)
+    by_id: dict[int, list[int]] = {}  # (each entry of a member: a load's tensor may be asked for in two dtypes)
+    for i, t in enumerate(tensors[:first_placed]):
+        by_id.setdefault(id(t), []).append(i)
+    for group in groups:  # (every group checked before any is copied)
+        at = [j for i in group for j in by_id[id(tensors[i])]]
+        cast_too = any(dtypes[j] is not None for j in at)  # (then the storage is cast: one dtype to one dtype)
+        kinds = [(targets[j], tensors[j].dtype, dtypes[j] or tensors[j].dtype) if cast_too else targets[j] for j in at]
+        n = next((n for n in range(1, len(at)) if kinds[n] != kinds[0]), None)
+        if n is not None:
+            a, b = at[0], at[n]
+            raise ValueError(
+                f"{what}: {where(a)} and {where(b)} share one storage, but belong on different devices or in "
+                f"different dtypes ({_bound(targets[a], dtypes[a])} and {_bound(targets[b], dtypes[b])}): copied "
+                f"apart, an update through one would no longer show through the other. Give one of them its own "
+                f"storage (.clone()){', or put their params on one device' if targets[a] != targets[b] else ''}; "
+                f"nothing was changed"
+            )
+    # NOTE: the members of a group share a device and (checked above) a target: they all move or none does.
     index = {id(t): i for i, (t, _) in enumerate(items)}
     together = []
     for group in groups:
-        at = [index.get(id(tensors[i])) for i in group]
-        if at[0] is not None:
-            together.append((cast(list[int], at), targets[group[0]]))
+        at_items = [index.get(id(tensors[i])) for i in group]
+        if at_items[0] is not None:
+            together.append((cast(list[int], at_items), targets[group[0]]))
     return together
+
+
+def _bound(target: torch.device, dtype: torch.dtype | None) -> str:
+    """Where a copy goes, in words: its device, and its dtype where it is cast."""
+    return str(target) if dtype is None else f"{dtype_name(dtype)} on {target}"
 
 
 def _placed_together(group: Sequence[int], first_placed: int, placed: Sequence[tuple[Transfer, torch.Tensor]]) -> bool:

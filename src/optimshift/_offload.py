@@ -29,7 +29,7 @@ from ._adopt import kept
 from ._alias import storage_key, storage_of
 from ._devices import HOST, HOSTS
 from ._dtensor import local_tensor
-from ._plan import Ident, Transfer, optimizer_name
+from ._plan import Ident, Plan, Transfer, optimizer_name
 from ._state import GROUP_SKIP, group_tensors, label_in, leaves, param_positions
 from .pool import host_pool
 
@@ -675,14 +675,11 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
         session = _session.of(optimizer)
         return (lambda: None) if session is None else session.group_sides.clear
     held = grads_back(optimizer, record)  # (refused as a reload refuses them, before anything changes)
-    own = left_in_buffers(record.buffers, (), [(host_grad, p.device, what) for p, host_grad, what in held])
-    moving = [i for i, (p, host_grad, _) in enumerate(held) if host_grad.device != p.device or id(host_grad) in own]
-    copies = _engine.copy_each(
-        [(held[i][1], held[i][0].device, held[i][1].dtype) for i in moving],
-        f"{optimizer_name(optimizer)}: load_state_dict",
-        lambda n: held[moving[n]][2],
-    )
-    back = {id(held[i][1]): copy for i, copy in zip(moving, copies)}
+    extra = [(host_grad, p.device, what) for p, host_grad, what in held]
+    own = left_in_buffers(record.buffers, (), extra)
+    back = _engine.run(
+        Plan(optimizer, repeats=False), extra=extra, own=own, what=f"{optimizer_name(optimizer)}: load_state_dict"
+    ).new
 
     def finish() -> None:
         give_grads_back(held, back)

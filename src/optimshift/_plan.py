@@ -76,9 +76,10 @@ Ident = tuple[int, int | None, Path]
 """Where a tensor sits: (group index, param index or None, path)."""
 
 
-class Transfer(tuple[Ident, str | None, torch.Tensor, torch.Tensor | None, torch.device, str]):
-    """One tensor of the plan: where it sits (``ident`` = group, index, path), the param it belongs to, and
-    where it must go (``target``, decided by ``source``: a policy rule, a record, offload)."""
+class Transfer(tuple[Ident, str | None, torch.Tensor, torch.Tensor | None, torch.device, str, torch.dtype | None]):
+    """One tensor of the plan: where it sits (``ident`` = group, index, path), the param it belongs to, where it
+    must go (``target``, decided by ``source``: a policy rule, a record, offload), and in which dtype (``dtype``:
+    a load's cast; None keeps the tensor's)."""
 
     # NOTE: a tuple, built with tuple.__new__: a plan holds one per tensor (50k for a large model), and a
     # Python-level __init__ per tensor would cost more than the rest of the plan.
@@ -97,6 +98,8 @@ class Transfer(tuple[Ident, str | None, torch.Tensor, torch.Tensor | None, torch
         def target(self) -> torch.device: ...
         @property
         def source(self) -> str: ...
+        @property
+        def dtype(self) -> torch.dtype | None: ...
     else:
         ident = property(itemgetter(0))
         name = property(itemgetter(1))
@@ -104,6 +107,7 @@ class Transfer(tuple[Ident, str | None, torch.Tensor, torch.Tensor | None, torch
         param = property(itemgetter(3))
         target = property(itemgetter(4))
         source = property(itemgetter(5))
+        dtype = property(itemgetter(6))
 
     @property
     def site(self) -> Site:
@@ -116,11 +120,13 @@ _new_transfer = tuple.__new__
 
 @dataclass
 class Plan:
-    """``repeats``: some tensor is held by more than one entry (it is listed once per entry, copied once)."""
+    """``repeats``: some tensor is held by more than one entry (it is listed once per entry, copied once);
+    ``casts``: some transfer carries a dtype (a load's)."""
 
     optimizer: torch.optim.Optimizer
     transfers: list[Transfer] = field(default_factory=list)
     repeats: bool = True
+    casts: bool = False
 
     def group_entries(self) -> list[Transfer]:
         """The transfers of the param groups' own tensors (a tensor ``lr``), last first.
@@ -352,12 +358,12 @@ def build_plan(
                     device, source = entry(holder, param, group, key, value)  # type: ignore[arg-type]
                 else:
                     device, source = target(ident, param, group, key, value)
-                append(_new_transfer(Transfer, (ident, pname, value, param, device, source)))
+                append(_new_transfer(Transfer, (ident, pname, value, param, device, source, None)))
             else:
                 for where, tensor in leaves(value, paths.get(key) or _top_path(key)):
                     ident = (gi, pi, where)
                     device, source = target(ident, param, group, key, tensor)
-                    append(_new_transfer(Transfer, (ident, pname, tensor, param, device, source)))
+                    append(_new_transfer(Transfer, (ident, pname, tensor, param, device, source, None)))
     # NOTE: a tensor held by several entries is rare: one pass in C finds none (the common case).
     ids = list(map(id, map(_tensor_of, transfers)))
     plan.repeats = len(set(ids)) != len(ids)
@@ -399,7 +405,7 @@ def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Tra
     if is_group(tr) and not any(is_group(transfers[i]) for i in shared):
         for i in shared:
             t = transfers[i]
-            transfers[i] = _new_transfer(Transfer, (t[0], t[1], t[2], t[3], tr[4], tr[5]))
+            transfers[i] = _new_transfer(Transfer, (t[0], t[1], t[2], t[3], tr[4], tr[5], t[6]))
         return
     prior = transfers[shared[0]]
     raise ValueError(

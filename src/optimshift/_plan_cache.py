@@ -207,7 +207,7 @@ def plan_for(
                 plans[key] = plans.pop(key)
                 new = _new_transfer
                 transfers = [
-                    new(Transfer, (ident, name, t, param, device, source))
+                    new(Transfer, (ident, name, t, param, device, source, None))
                     for (ident, name, device, source), (t, param) in zip(cached.template, tensors)
                 ]
                 for i, path in live.items():  # (sites named through a param: the param of today's walk)

@@ -848,7 +848,7 @@ def test_setstate_failure_rolls_back():
 def test_copy_failure_midway_changes_nothing(monkeypatch, site):
     """An OOM on the 5th copy (one by one, or in the loop that clones same-place tensors) changes nothing, and
     the error says which entry it hit."""
-    from optimshift import _engine as engine
+    from optimshift import _copy
 
     shapes = ((4, 3), (3,), (2,), (5,))
     source = _adam(shapes).state_dict()
@@ -863,8 +863,8 @@ def test_copy_failure_midway_changes_nothing(monkeypatch, site):
 
         return wrapper
 
-    if site == "copy_tensor":  # (the engine's general copy: what copy_each makes one by one)
-        monkeypatch.setattr(engine, "copy_tensor", failing(engine.copy_tensor))
+    if site == "copy_tensor":  # (the engine's general copy: what run makes one by one)
+        monkeypatch.setattr(_copy, "copy_tensor", failing(_copy.copy_tensor))
         for st in source["state"].values():  # (copied one by one: tensors that require grad)
             for key in ("exp_avg", "exp_avg_sq"):
                 st[key] = st[key].detach().requires_grad_(True)
@@ -876,7 +876,7 @@ def test_copy_failure_midway_changes_nothing(monkeypatch, site):
     with pytest.raises(torch.OutOfMemoryError) as caught:
         optimshift.load_state_dict(target, source)
     assert len(calls) == 5
-    assert any("the optimizer is unchanged" in n and "state key" in n for n in caught.value.__notes__)
+    assert any("the optimizer was left unchanged" in n and "state key" in n for n in caught.value.__notes__)
     assert _fingerprint(target) == before
 
 

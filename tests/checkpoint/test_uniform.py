@@ -584,8 +584,8 @@ def test_an_oom_on_a_copy_names_the_entry_and_changes_nothing(monkeypatch, taken
     assert taken == ["raised"]  # (in the uniform path)
     assert len(opt.state) == 0 and opt.param_groups[0]["lr"] == 0.001
     (note,) = info.value.__notes__
-    assert "Adam: load_state_dict: while copying" in note and "param 1" in note and "'exp_avg'" in note
-    assert note.endswith("the optimizer is unchanged")
+    assert "while copying Adam: load_state_dict: " in note and "param 1" in note and "'exp_avg'" in note
+    assert note.endswith("the optimizer was left unchanged")
 
 
 def test_a_copied_optimizer_state_dict_loads_uniformly_into_its_twin(monkeypatch, taken):

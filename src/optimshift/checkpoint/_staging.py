@@ -1,6 +1,7 @@
 """Staging a load: a state dict validated against the live optimizer and turned into its new state and groups,
-made of copies, before anything changes (placed by the planner every operation uses, every copy made by one
-``engine.copy_each`` call, before :mod:`._resume` installs anything: an error leaves the optimizer as it was).
+made of copies, before anything changes (placed by the planner every operation uses, every copy and cast made by
+one ``engine.run`` of the plan of its copies, before :mod:`._resume` installs anything: an error leaves the
+optimizer as it was).
 The common checkpoint is staged first, in one pass, by :mod:`._uniform`, with the same result; anything else here.
 """
 
@@ -18,7 +19,7 @@ import torch
 from .. import _alias, _engine
 from .. import policy as _policy
 from .._errors import dtype_name, with_article
-from .._plan import Plan, TargetFn, Transfer, build_plan, policy_target
+from .._plan import Plan, TargetFn, Transfer, _new_transfer, build_plan, policy_target
 from .._probe import NO_SPEC, Rejection, StateSpec, entry_dtypes, expected_state, rejected_dtypes
 from .._state import (
     _ATOMS,
@@ -97,8 +98,9 @@ class Staging:
             and type(optimizer).__setstate__ is _TORCH_SETSTATE.get(self.base)
             and "__setstate__" not in getattr(optimizer, "__dict__", {})
         )
-        # (id(source), device, dtype) -> (source, where it is used): one copy each, made by _resolve().
-        self._wanted: dict[_Ticket, tuple[torch.Tensor, Transfer]] = {}
+        # (id(source), device, dtype) -> the transfer of its copy (where it is used, its dtype): one copy each, made
+        # by _resolve().
+        self._wanted: dict[_Ticket, Transfer] = {}
         self._made: dict[_Ticket, torch.Tensor] = {}
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
         self._dtype_checks: dict[_DtypeKey, list[Rejection]] = {}
@@ -305,22 +307,22 @@ class Staging:
         return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
 
     def _resolve(self, lone: list[tuple[MutableMapping[Any, Any], Any, torch.Tensor, Transfer]]) -> None:
-        """Make every copy asked for, in one call to the engine (:func:`optimshift._engine.copy_each`: tensors that
-        share a storage as that storage, host<->device moves as one grouped batch, then one synchronize; copies
-        where a tensor is and casts one by one): each ticket's, and each ``lone`` entry's (a copy where it is,
-        installed at ``holder[key]``, see :meth:`build`)."""
-        wanted = list(self._wanted.items())
-        n = len(wanted)
-        copies = _engine.copy_each(
-            [(t, ticket[1], ticket[2]) for ticket, (t, _) in wanted] + [(t, t.device, t.dtype) for _, _, t, _ in lone],
-            self.what,
-            lambda i: self._site(_site_of(wanted[i][1][1] if i < n else lone[i - n][3])),
-        )
-        for (ticket, _), new in zip(wanted, copies):
+        """Make every copy asked for, each ticket's and each ``lone`` entry's (a copy where it is, installed at
+        ``holder[key]``, see :meth:`build`), by one :func:`optimshift._engine.run` of the plan of those copies: each
+        source copied (where it is too, never installed itself) and cast as its transfer says."""
+        transfers = [*self._wanted.values(), *(tr for _, _, _, tr in lone)]
+        if not transfers:
+            return
+        plan = Plan(self.opt, transfers, repeats=False, casts=any(tr[6] is not None for tr in self._wanted.values()))
+        copies = _engine.run(
+            plan, own={id(tr[2]) for tr in transfers}, what=self.what, site=lambda tr: self._site(_site_of(tr))
+        ).pairs
+        for ticket, (_, new) in zip(self._wanted, copies):
             self._made[ticket] = new
-        for (holder, key, _, _), new in zip(lone, copies[n:]):
+        n = len(self._wanted)
+        for (holder, key, _, _), (_, new) in zip(lone, copies[n:]):
             holder[key] = new
-        self.cloned.extend(copies[n:])
+        self.cloned.extend(new for _, new in copies[n:])
 
     def _live_states(
         self, pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, Any]]
@@ -517,7 +519,8 @@ class Staging:
                 if wanted not in wanted_by:
                     if tensor.is_meta and device.type != "meta":
                         raise self.fail(f"{self._site(_site_of(tr))}: a meta tensor has no values to load")
-                    wanted_by[wanted] = (tensor, tr)
+                    # (its copy's transfer: the plan's, with the dtype of a cast)
+                    wanted_by[wanted] = tr if dtype == tensor.dtype else _new_transfer(Transfer, (*tr[:6], dtype))
                     uses[wanted] = 1
                 else:
                     uses[wanted] += 1  # a copy: count the places it is installed in

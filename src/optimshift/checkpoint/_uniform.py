@@ -20,7 +20,7 @@ import torch
 
 from .. import _alias, _engine
 from .._copy import contiguous_strides
-from .._plan import policy_target
+from .._plan import Plan, Transfer, _new_transfer, policy_target
 from .._probe import Rejection, StateSpec
 from .._state import group_tensors
 from ..policy import Placer, has_registered_policy
@@ -84,10 +84,6 @@ class _Layout:
         self.got: list[torch.Tensor] = []
         self.olds: list[Any] = []
         self.verbatim = True
-
-    def site(self, st: Staging, rows: list[_Row], n: int) -> str:
-        """Entry ``n`` of ``got``, in words (for an error; ``rows``: every layout's)."""
-        return self.column_site(st, rows, n % len(self.order), n // len(self.order))
 
     def column_site(self, st: Staging, rows: list[_Row], j: int, n: int) -> str:
         """Row ``n``'s entry of column ``j``, in words (for an error; ``rows``: every layout's)."""
@@ -299,7 +295,7 @@ def _into_existing(
     st: Staging, every: list[_Layout], got: list[torch.Tensor], alike: bool, rows: list[_Row]
 ) -> list[list[Any]]:
     """Each layout's new tensors into existing state: the live one where it takes the values in place
-    (:func:`_in_place`), else a copy on its device made by :func:`optimshift._engine.copy_each` (as the general
+    (:func:`_in_place`), else a copy on its device made by :func:`optimshift._engine.run` (as the general
     path's), which the install adopts into the live tensor. An error (an OOM on the 900th tensor) says which
     entry; nothing was installed yet."""
     olds = every[0].olds if len(every) == 1 else list(chain.from_iterable(layout.olds for layout in every))
@@ -322,15 +318,29 @@ def _copied(st: Staging, every: list[_Layout], installed: list[list[Any] | None]
         if slots is layout.olds:  # (every live tensor taking the values)
             out.append(slots)
             continue
-        got, width = layout.got, len(layout.order)
+        got, width, order, devices = layout.got, len(layout.order), layout.order, layout.devices
         at = [i for i, old in enumerate(slots or repeat(None, len(got))) if old is None]
-        devices = layout.devices
-        made = _engine.copy_each(
-            [(got[i], devices[i % width], got[i].dtype) for i in at],
-            st.what,
-            lambda n, at=at, layout=layout: layout.site(st, rows, at[n]),  # type: ignore[misc]
-            own_storages=True,
+        mine = [row for row in rows if row[2] is layout] if at else []
+        # (each entry's transfer: where it sits, its param, its place; copied where it stays too)
+        transfers = [
+            _new_transfer(
+                Transfer,
+                ((r[3], r[4], (("key", order[i % width]),)), None, got[i], r[0], devices[i % width], "load", None),
+            )
+            for i in at
+            for r in (mine[i // width],)
+        ]
+        pairs = (
+            _engine.run(
+                Plan(st.opt, transfers, repeats=False),
+                own=set(map(id, got)),
+                what=st.what,
+                site=lambda tr: st.site_words(tr[0][0], tr[0][1] or 0, tr[0][2][0][1]),
+            ).pairs
+            if at
+            else []
         )
+        made = [new for _, new in pairs]
         st.cloned.extend(made)
         filled: list[Any] = list(got if slots is None else slots)  # (a live tensor in its slot, or a copy below)
         for i, new in zip(at, made):

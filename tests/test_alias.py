@@ -600,3 +600,18 @@ def test_a_view_with_attributes_of_its_own_keeps_them():
         opt, {"state": {0: {"momentum_buffer": torch.ones(4)}}, "param_groups": opt.state_dict()["param_groups"]}
     )
     assert opt.state[p]["momentum_buffer"] is entry and entry.tag == "bucket-0" and torch.equal(entry, torch.ones(4))
+
+
+def test_load_state_dict_refuses_a_shared_storage_cast_into_two_dtypes():
+    """cast='param' onto params of two dtypes would cast a flat buffer's views apart: the engine's one sharing rule
+    (devices and dtypes) refuses it, naming both entries, before anything is loaded."""
+    _, source = _trained("cpu")
+    model = Model(SHAPES)
+    model.parts[2].to(torch.bfloat16)
+    opt = FlatMomentum(model.parameters())
+    with pytest.raises(ValueError) as info:
+        optimshift.load_state_dict(opt, source.state_dict(), cast="param")
+    message = str(info.value)
+    assert message.startswith("FlatMomentum: load_state_dict: ") and "share one storage" in message, message
+    assert "in different dtypes" in message and "bfloat16 on cpu" in message, message
+    assert not opt.state, "nothing was loaded"

@@ -226,12 +226,13 @@ def _coalescible(t: torch.Tensor) -> bool:
     )
 
 
-def _pair_kind(pair: tuple[torch.device, torch.device], group: bool) -> tuple[bool, bool]:
+def _pair_kind(pair: tuple[torch.device, torch.device], group: bool) -> tuple[bool, bool, bool]:
     """How copies from ``pair[0]`` to ``pair[1]`` go: (whether they may be staged through flat pool buffers: host
-    <-> accelerator, data to stage; whether a pinned source may be copied asynchronously)."""
+    <-> accelerator, data to stage; whether a pinned source may be copied asynchronously; whether it stays where
+    it is)."""
     source, target = pair
     grouped = group and (source.type == "cpu") != (target.type == "cpu") and "meta" not in (source.type, target.type)
-    return grouped, pins_host_for(target)
+    return grouped, pins_host_for(target), source == target
 
 
 _first = itemgetter(0)
@@ -271,7 +272,7 @@ def copy_many(
     copies = batch.copies
     current = 0
     # (source, target) -> (may be grouped, a pinned source may be copied asynchronously)
-    kinds: dict[tuple[torch.device, torch.device], tuple[bool, bool]] = {}
+    kinds: dict[tuple[torch.device, torch.device], tuple[bool, bool, bool]] = {}
     wrapped: dict[int, Any] = {}  # index -> the DTensor whose local shard was copied there
     plain = torch.Tensor
     inline = side is None and not pin_memory
@@ -340,11 +341,15 @@ def copy_many(
             current = i
             if inline and t is original and type(t) is plain and not t.requires_grad:
                 # NOTE: copy_tensor's common case (a plain tensor, not a DTensor's shard, which copy_tensor wraps
-                # back), inlined: this runs once per tensor
+                # back), inlined: this runs once per tensor. Asked where it is (a load's): a clone, which keeps the
+                # strides and is the cheapest copy.
+                if kind[2]:
+                    copies[i] = t.clone()
+                    continue
                 fast = non_blocking or (kind[1] and in_pinned_memory(t))
                 copies[i] = t.to(target, non_blocking=True) if fast else t.to(target)
-            else:
-                copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
+                continue
+            copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
             if copies[i] is original:  # (asked where it is: .to() hands the tensor itself back, a copy never is)
                 copies[i] = original.clone()
         batch.devices.update(d for pair in kinds for d in pair if d.type not in HOSTS)

@@ -213,26 +213,26 @@ def run(
     items: list[tuple[torch.Tensor, torch.device]]
     names: list[Any] | None = None  # what each item is, for errors (built when one is raised)
     placed: list[tuple[Transfer, torch.Tensor]] = []  # (transfer, its destination), each tensor once
-    casts: dict[int, torch.dtype] = {}  # item index -> the dtype its copy is cast to
     what = what or type(plan.optimizer).__name__
     hyperparameters = _moving_group_tensors(plan) if options.non_blocking else set()
     if into is not None:
         plan, placed = _placed(plan, into, what, site)
-    if plan.repeats or plan.casts:
+    if plan.repeats:
         items, names = [], []
         seen: set[int] = set()
         for transfer in plan.transfers:
-            t, target, dtype = transfer[2], transfer[4], transfer[6]  # (see plan.Transfer)
-            if (t.device != target or id(t) in own or dtype is not None) and (id(t) not in seen or not plan.repeats):
+            t, target = transfer[2], transfer[4]  # (tensor, target: see plan.Transfer)
+            if (t.device != target or id(t) in own or transfer[6] is not None) and id(t) not in seen:
                 seen.add(id(t))
-                if dtype is not None:
-                    casts[len(items)] = dtype
                 items.append((t, target))
                 names.append(transfer)
-    elif own:
-        items = [(tr[2], tr[4]) for tr in plan.transfers if tr[2].device != tr[4] or id(tr[2]) in own]
+    elif own or plan.casts:  # (own first: a load's hold every tensor)
+        names = [tr for tr in plan.transfers if id(tr[2]) in own or tr[6] is not None or tr[2].device != tr[4]]
+        items = [(tr[2], tr[4]) for tr in names]
     else:  # (each tensor once: the common case, without the set, one comprehension)
         items = [(tr[2], tr[4]) for tr in plan.transfers if tr[2].device != tr[4]]
+    # (item index -> the dtype its copy is cast to)
+    casts = {i: tr[6] for i, tr in enumerate(names) if tr[6] is not None} if plan.casts and names else {}
     n_plan = len(items)
     extra_names: list[str] = []  # (what each of the extra items copied is)
     if extra:
@@ -397,12 +397,13 @@ def _shared_storages(
         n = next((n for n in range(1, len(at)) if kinds[n] != kinds[0]), None)
         if n is not None:
             a, b = at[0], at[n]
+            apart = targets[a] != targets[b]
             raise ValueError(
-                f"{what}: {where(a)} and {where(b)} share one storage, but belong on different devices or in "
-                f"different dtypes ({_bound(targets[a], dtypes[a])} and {_bound(targets[b], dtypes[b])}): copied "
-                f"apart, an update through one would no longer show through the other. Give one of them its own "
-                f"storage (.clone()){', or put their params on one device' if targets[a] != targets[b] else ''}; "
-                f"nothing was changed"
+                f"{what}: {where(a)} and {where(b)} share one storage, but belong "
+                f"{'on different devices' if apart else 'in different dtypes'} ({_bound(targets[a], dtypes[a])} and "
+                f"{_bound(targets[b], dtypes[b])}): copied apart, an update through one would no longer show through "
+                f"the other. Give one of them its own storage (.clone()){', or put their params on one device' * apart}"
+                f"; nothing was changed"
             )
     # NOTE: the members of a group share a device and (checked above) a target: they all move or none does.
     index = {id(t): i for i, (t, _) in enumerate(items)}

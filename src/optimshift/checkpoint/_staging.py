@@ -12,6 +12,7 @@ import copy as _copy
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -101,6 +102,7 @@ class Staging:
         # (id(source), device, dtype) -> the transfer of its copy (where it is used, its dtype): one copy each, made
         # by _resolve().
         self._wanted: dict[_Ticket, Transfer] = {}
+        self._casts = False  # (whether a ticket's copy is cast)
         self._made: dict[_Ticket, torch.Tensor] = {}
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
         self._dtype_checks: dict[_DtypeKey, list[Rejection]] = {}
@@ -313,16 +315,15 @@ class Staging:
         transfers = [*self._wanted.values(), *(tr for _, _, _, tr in lone)]
         if not transfers:
             return
-        plan = Plan(self.opt, transfers, repeats=False, casts=any(tr[6] is not None for tr in self._wanted.values()))
-        copies = _engine.run(
-            plan, own={id(tr[2]) for tr in transfers}, what=self.what, site=lambda tr: self._site(_site_of(tr))
-        ).pairs
+        plan = Plan(self.opt, transfers, repeats=False, casts=self._casts)
+        own = set(map(id, map(_tensor_of, transfers)))
+        copies = _engine.run(plan, own=own, what=self.what, site=lambda tr: self._site(_site_of(tr))).pairs
         for ticket, (_, new) in zip(self._wanted, copies):
             self._made[ticket] = new
         n = len(self._wanted)
         for (holder, key, _, _), (_, new) in zip(lone, copies[n:]):
             holder[key] = new
-        self.cloned.extend(new for _, new in copies[n:])
+        self.cloned.extend(map(_copy_of, copies[n:]))
 
     def _live_states(
         self, pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, Any]]
@@ -520,7 +521,11 @@ class Staging:
                     if tensor.is_meta and device.type != "meta":
                         raise self.fail(f"{self._site(_site_of(tr))}: a meta tensor has no values to load")
                     # (its copy's transfer: the plan's, with the dtype of a cast)
-                    wanted_by[wanted] = tr if dtype == tensor.dtype else _new_transfer(Transfer, (*tr[:6], dtype))
+                    if dtype == tensor.dtype:
+                        wanted_by[wanted] = tr
+                    else:
+                        wanted_by[wanted] = _new_transfer(Transfer, (*tr[:6], dtype))
+                        self._casts = True
                     uses[wanted] = 1
                 else:
                     uses[wanted] += 1  # a copy: count the places it is installed in
@@ -638,6 +643,9 @@ class Staging:
                 f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                 f"this (a corrupt or hostile checkpoint)"
             )
+
+
+_tensor_of, _copy_of = itemgetter(2), itemgetter(1)
 
 
 def _site_of(tr: Transfer) -> _Site:

@@ -234,6 +234,24 @@ def test_a_saved_tensor_lr_loads_where_the_live_lr_is_another_kind(tmp_path, sim
     assert state_differences(full_state(live, live_opt), uninterrupted) == []
 
 
+@pytest.mark.parametrize("given", ["host float64 lr", "float lr, device=cpu"])
+def test_a_saved_tensor_lr_read_into_a_placeholder_leaves_the_state_where_asked(tmp_path, sim, given):
+    """The placeholder for a saved tensor lr took the name of the load's target device: a host lr of another dtype
+    moved all the state of sim params to the host, a float lr with device="cpu" left it on the device."""
+    model = build_model().to(sim)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01, device=sim), fused=True)
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    lr, device, expected = {
+        "host float64 lr": (torch.tensor(0.5, dtype=torch.float64), None, sim),
+        "float lr, device=cpu": (0.5, "cpu", torch.device("cpu")),
+    }[given]
+    live = build_model().to(sim)
+    live_opt = torch.optim.AdamW(live.parameters(), lr=lr, fused=True)
+    load(tmp_path / "ck", live, live_opt, device=device)
+    assert {v.device for s in live_opt.state.values() for v in s.values()} == {expected}
+
+
 # --- never stepped, extra, describe -----------------------------------------------------------------------
 
 

@@ -285,8 +285,8 @@ def load(
                 for key, value in group.items():
                     meta = layout.group_tensors.get((gi, key))
                     if meta is not None and _compare_value(key, value, meta):
-                        where = value.device if isinstance(value, torch.Tensor) else None  # (the side given on)
-                        group[key] = torch.empty(_shape(meta.size), dtype=meta.properties.dtype, device=where)
+                        side = value.device if isinstance(value, torch.Tensor) else None  # (the side given on)
+                        group[key] = torch.empty(_shape(meta.size), dtype=meta.properties.dtype, device=side)
             stepped = {n: v for n, v in optim_sd["state"].items() if n not in stateless}
             optim_sd = {"state": stepped, "param_groups": groups}
         except _FAILURES as e:  # noqa: BLE001

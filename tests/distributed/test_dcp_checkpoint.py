@@ -793,17 +793,18 @@ def test_save_to_a_mount_point_is_refused_before_anything_is_written(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["volume"] and not any(target.iterdir())
 
 
-@pytest.mark.parametrize("spelling", [".", "sub/..", "{cwd}"])
+@pytest.mark.parametrize("spelling", [".", "sub/..", "{cwd}", "{link}/run"])
 def test_save_to_the_current_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch, spelling):
     """``save(".")`` wrote every shard, then its rename of '.' failed (EBUSY, naming only '.'); the current folder by
     its full path was replaced, which left the process in a deleted folder (``os.getcwd()`` raised)."""
     model, opt = _trained()
-    here = tmp_path / "run"
-    here.mkdir()
+    here = tmp_path / "real" / "run"
+    here.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")  # (getcwd names the real folder: macOS's /tmp is a link)
     monkeypatch.chdir(here)
     with pytest.raises(ValueError, match="is the current folder or holds it"):
-        save(spelling.format(cwd=here), model, opt)
-    assert os.getcwd() == str(here) and list(here.iterdir()) == [] and list(tmp_path.iterdir()) == [here]
+        save(spelling.format(cwd=here, link=tmp_path / "link"), model, opt)
+    assert os.getcwd() == str(here) and list(here.iterdir()) == [] and list(here.parent.iterdir()) == [here]
 
 
 def test_save_into_an_empty_folder(tmp_path):

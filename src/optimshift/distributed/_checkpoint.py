@@ -574,7 +574,7 @@ def _check_replaceable(target: Path) -> None:
             f"{target} is a symlink; save replaces checkpoint directories atomically and will not "
             f"replace a link: give the path it points to"
         )
-    here, inside = os.path.abspath(target), False
+    here, inside = os.path.realpath(target), False  # (getcwd names the folder without the links it was reached by)
     with contextlib.suppress(OSError):  # (a current folder deleted meanwhile is none that target holds)
         inside = os.path.commonpath([here, os.getcwd()]) == here
     if target.name in ("", "..") or inside:

@@ -415,22 +415,38 @@ def test_fabric_load_host_checkpoint_on_device(sim, tmp_path, lightning_patch, c
         assert layout(buggy) != reference
 
 
-def test_fabric_bf16_load_leaves_a_cast_host_scalar_where_its_step_takes_it(sim, tmp_path, lightning_patch):
-    """``Fabric(precision="bf16-true").load`` of a host fp32 NAdam checkpoint: torch's load casts ``mu_product`` to
-    bf16 on the device, and the patch's placement then took it to the host, where the foreach step refuses a bf16
-    scalar beside device params (unpatched, the run goes on). A scalar in a dtype torch never hosts one in follows
-    its param; ``check`` agrees, and the step runs."""
+@pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
+def test_a_fabric_bf16_load_keeps_a_host_scalar_as_a_fresh_optimizer_holds_it(sim, tmp_path, lightning_patch, raw):
+    """``Fabric(precision="bf16-true").load`` of a host fp32 NAdam checkpoint loads as ``fit(ckpt_path=...)`` does
+    (optimshift's load, with torch's cast where the step needs it): ``mu_product`` keeps its saved float32 on the
+    host, as a fresh NAdam holds it. It went through torch's load, which cast it to bf16 on the device, where the
+    patch's placement left it (the foreach step refuses a bf16 host scalar): 2 host syncs a param a step, and
+    its value rounded to bf16. A scalar cast so by a user's own ``load_state_dict`` follows its param (test_check)."""
     lightning_patch(True)
     model, opt = _trained("NAdam", {}, steps=3)
-    path = tmp_path / "fabric.ckpt"
-    Fabric(accelerator="cpu", devices=1).save(path, {"model": model, "optimizer": opt})
+    path = tmp_path / ("raw.pt" if raw else "fabric.ckpt")
+    if raw:
+        torch.save(opt.state_dict(), path)
+    else:
+        Fabric(accelerator="cpu", devices=1).save(path, {"model": model, "optimizer": opt})
+    saved = {k: v for k, v in snapshot(opt).items() if k[2] == "mu_product"}
     model, opt = _trained("NAdam", {}, steps=0)
     fabric = Fabric(strategy=fabric_strategy(sim), precision="bf16-true")
     model, fabric_opt = fabric.setup(model, opt)
-    fabric.load(path, {"model": model, "optimizer": fabric_opt})
-    assert {(row[2], row[3]) for row in layout(opt) if row[1] == "mu_product"} == {(str(sim), "bfloat16")}
-    assert optimshift.check(opt).ok
-    step_with_grads(list(model.parameters()), fabric_opt, seed=3)
+    if raw:
+        fabric.load_raw(path, fabric_opt)
+    else:
+        fabric.load(path, {"model": model, "optimizer": fabric_opt})
+    assert "load_state_dict" not in vars(opt)  # (the load's own, for the strategy's call only)
+    params = list(model.parameters())
+    reference = fresh_layout(lambda ps: O.NAdam(ps), params)
+    assert layout(opt) == reference and optimshift.check(opt).ok
+    assert {(row[2], row[3]) for row in layout(opt) if row[1] == "mu_product"} == {("cpu", "float32")}
+    assert bitwise_same({k: v for k, v in snapshot(opt).items() if k[2] == "mu_product"}, saved)
+    fresh_params = [torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=p.device)) for p in params]
+    fresh = O.NAdam(fresh_params)
+    step_with_grads(fresh_params, fresh, seed=0)
+    assert count_step_syncs(params, fabric_opt, seed=3) == count_step_syncs(fresh_params, fresh, seed=3) == 0
 
 
 # --- the offload-during-eval callback ---------------------------------------------------------------------

@@ -16,8 +16,10 @@ What it changes:
   each param's state follows that param (Lightning has already placed the params); moving to the host
   (teardown), every tensor goes where a fresh host optimizer keeps it, so nothing stays on the accelerator.
 - ``Fabric``: ``setup``/``setup_optimizers`` move the model but never the optimizer's state, and ``load``
-  leaves what ``Optimizer.load_state_dict`` decided (a device ``step`` stays on the device). After each of
-  them, ``patch()`` places every set-up or loaded optimizer's state by its params.
+  leaves what ``Optimizer.load_state_dict`` decided (a device ``step`` stays on the device, NAdam's host
+  ``mu_product`` is cast to bf16 params' dtype on their device). After each of them, ``patch()`` places every
+  set-up or loaded optimizer's state by its params; ``load``/``load_raw`` load each optimizer as
+  ``fit(ckpt_path=...)`` does (below), where the strategy's ``load_checkpoint`` is the base one.
 
 Optimizers optimshift cannot place (state that is not a dict per param, sharded DTensor state) are left to
 Lightning's own code, unchanged. ``fit(ckpt_path=...)`` restores optimizer state through the base
@@ -36,11 +38,12 @@ validation, test and predict loops and puts it back, exactly where it was, befor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,25 +108,54 @@ def _fabric_place(optimizer: Any, fabric_optimizer: type[_FabricOptimizer]) -> N
 
 
 def _wrap_fabric(
-    original: Callable[..., Any], fabric_optimizer: type[_FabricOptimizer], argument: str | None
+    original: Callable[..., Any],
+    fabric_optimizer: type[_FabricOptimizer],
+    argument: str | None,
+    base_load: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """``original`` (a ``Fabric`` method), then each optimizer it returned (``argument`` None) or loaded into (the
-    dict or object passed as ``argument``) placed by its params."""
+    dict or object passed as ``argument``) placed by its params. A load by the base strategy's ``load_checkpoint``
+    (``base_load``) loads each optimizer as ``fit(ckpt_path=...)`` does (:func:`_loading_as_torch_would`)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
         if argument is None:
+            result = original(self, *args, **kwargs)
             placed: Iterable[Any] = result if isinstance(result, tuple) else (result,)
         else:
             target = signature.bind(self, *args, **kwargs).arguments.get(argument)
-            placed = target.values() if isinstance(target, dict) else (target,)
+            placed = list(target.values()) if isinstance(target, dict) else [target]
+            ours = type(self.strategy).load_checkpoint is base_load  # (FSDP's, DeepSpeed's own restore: theirs)
+            with _loading_as_torch_would(placed if ours else (), fabric_optimizer):
+                result = original(self, *args, **kwargs)
         for item in placed:
             _fabric_place(item, fabric_optimizer)
         return result
 
     return wrapper
+
+
+@contextlib.contextmanager
+def _loading_as_torch_would(items: Iterable[Any], fabric_optimizer: type[_FabricOptimizer]) -> Iterator[None]:
+    """While Fabric's strategy loads a checkpoint, each optimizer among ``items`` that optimshift can load has
+    :func:`load_as_torch_would` as its ``load_state_dict`` (the strategy calls the optimizer's own, which casts
+    saved state to the params' dtype and device: NAdam's float32 host ``mu_product`` became a bf16 device one)."""
+    from ..checkpoint._resume import can_load, load_as_torch_would
+
+    optimizers = [item.optimizer if isinstance(item, fabric_optimizer) else item for item in items]
+    mine = [
+        o
+        for o in optimizers
+        if isinstance(o, torch.optim.Optimizer) and "load_state_dict" not in vars(o) and placeable(o) and can_load(o)
+    ]
+    for optimizer in mine:
+        optimizer.load_state_dict = functools.partial(load_as_torch_would, optimizer)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for optimizer in mine:
+            vars(optimizer).pop("load_state_dict", None)
 
 
 def _plan_swaps() -> list[Swap]:
@@ -151,6 +183,7 @@ def _plan_swaps() -> list[Swap]:
         swaps += bound_swaps(pairs, [source], _LIGHTNING_PACKAGES)  # (every Lightning module holding a helper)
         fabric_cls = importlib.import_module(f"{package}.fabric").Fabric
         fabric_optimizer = importlib.import_module(f"{package}.wrappers")._FabricOptimizer
+        base_strategy = importlib.import_module(f"{package}.strategies.strategy").Strategy
         for name in _FABRIC_METHODS:
             original = fabric_cls.__dict__.get(name)
             if not callable(original):
@@ -158,7 +191,8 @@ def _plan_swaps() -> list[Swap]:
                     f"{package}.fabric.Fabric has no {name}(): optimshift cannot patch this Lightning version"
                 )
             argument = {"load": "state", "load_raw": "obj"}.get(name)
-            swaps.append(Swap(fabric_cls, name, original, _wrap_fabric(original, fabric_optimizer, argument)))
+            wrapped = _wrap_fabric(original, fabric_optimizer, argument, base_strategy.load_checkpoint)
+            swaps.append(Swap(fabric_cls, name, original, wrapped))
         trainer = _TRAINERS.get(package)
         if trainer is not None and importlib.util.find_spec(trainer.split(".")[0]) is not None:
             strategy_cls = importlib.import_module(f"{trainer}.strategies.strategy").Strategy

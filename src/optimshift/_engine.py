@@ -398,12 +398,12 @@ def _shared_storages(
         if n is not None:
             a, b = at[0], at[n]
             apart = targets[a] != targets[b]
+            bounds = [_bound(targets[j], tensors[j].dtype if cast_too else None, dtypes[j]) for j in (a, b)]
             raise ValueError(
                 f"{what}: {where(a)} and {where(b)} share one storage, but belong "
-                f"{'on different devices' if apart else 'in different dtypes'} ({_bound(targets[a], dtypes[a])} and "
-                f"{_bound(targets[b], dtypes[b])}): copied apart, an update through one would no longer show through "
-                f"the other. Give one of them its own storage (.clone()){', or put their params on one device' * apart}"
-                f"; nothing was changed"
+                f"{'on different devices' if apart else 'in different dtypes'} ({bounds[0]} and {bounds[1]}): copied "
+                f"apart, an update through one would no longer show through the other. Give one of them its own "
+                f"storage (.clone()){', or put their params on one device' * apart}; nothing was changed"
             )
     # NOTE: the members of a group share a device and (checked above) a target: they all move or none does.
     index = {id(t): i for i, (t, _) in enumerate(items)}
@@ -415,9 +415,12 @@ def _shared_storages(
     return together
 
 
-def _bound(target: torch.device, dtype: torch.dtype | None) -> str:
-    """Where a copy goes, in words: its device, and its dtype where it is cast."""
-    return str(target) if dtype is None else f"{dtype_name(dtype)} on {target}"
+def _bound(target: torch.device, source: torch.dtype | None, dtype: torch.dtype | None) -> str:
+    """Where a copy goes, in words: its device, and (``source``: where a member of its storage is cast) the
+    source's dtype and the one it is cast to, if any: a kept member's dtype is what the cast ones differ from."""
+    if source is None:
+        return str(target)
+    return f"{dtype_name(source)}{f' cast to {dtype_name(dtype)}' if dtype not in (None, source) else ''} on {target}"
 
 
 def _placed_together(group: Sequence[int], first_placed: int, placed: Sequence[tuple[Transfer, torch.Tensor]]) -> bool:

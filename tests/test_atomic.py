@@ -74,3 +74,24 @@ def test_failure_mid_transfer_leaves_optimizer_untouched(sim, fail_on_50th, oper
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # still a working optimizer
+
+
+def test_a_failure_splitting_staged_host_copies_gives_the_staging_buffer_back(sim, monkeypatch):
+    """A move to the host stages grouped copies through a pool buffer, split into their own tensors once the
+    copies are complete: a failure there (an interrupt) left that buffer in use while anything held the error,
+    then freed instead of reused."""
+    params, opt = _adam(sim, n=4)
+    before = _fingerprint(opt)
+    real = torch._foreach_copy_
+
+    def split_fails(*args, **kwargs):
+        monkeypatch.setattr(torch, "_foreach_copy_", real)
+        raise Boom("injected failure while splitting the staged copies")
+
+    monkeypatch.setattr(torch, "_foreach_copy_", split_fails)
+    stats = host_pool.stats()
+    with pytest.raises(Boom) as failure:
+        optimshift.move(opt, "cpu")
+    # (the error's frames still hold the buffer: it is given back, not left in use until they go)
+    assert failure.value is not None and host_pool.stats().in_use == stats.in_use, "the staging buffer goes back"
+    assert _fingerprint(opt) == before

@@ -208,11 +208,13 @@ class Batch:
         """Finish on the host: run ``after_sync`` work (the caller synchronized first) and give the staging
         buffers back (with ``event``, when the copies may still be in flight, they are reused after it)."""
         work, self.after_sync = self.after_sync, []
-        for step in work:
-            step()
-        staging, self.staging = self.staging, []
-        for buf in staging:
-            pool.release(buf, event)
+        try:
+            for step in work:
+                step()
+        finally:  # (a step that fails, or a Ctrl-C in one, must not keep the buffers from the pool for good)
+            staging, self.staging = self.staging, []
+            for buf in staging:
+                pool.release(buf, event)
 
 
 def _coalescible(t: torch.Tensor) -> bool:

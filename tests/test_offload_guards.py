@@ -276,6 +276,28 @@ def test_a_ctrl_c_while_the_offload_guards_are_installed_leaves_none(sim, monkey
     assert (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks)) == hooks
 
 
+@pytest.mark.parametrize("after", ["adopt", "offload"])
+def test_a_ctrl_c_entering_an_offloaded_block_leaves_the_state_where_it_was(sim, monkeypatch, after):
+    """offloaded() offloads, then enters its block: a Ctrl-C in the offload's commit (held until the offload is
+    in place) or right after it raised before the block was entered, so its exit never reloaded: the optimizer
+    stayed offloaded and the next step refused. The state is brought back before the interrupt propagates."""
+    from optimshift import _engine, _session, api
+
+    model, opt = _adam(sim)
+    layout = state_layout(opt)
+    hooks = (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks))
+    _interrupt_after(monkeypatch, _engine if after == "adopt" else api, after)
+    entered = []
+    with pytest.raises(KeyboardInterrupt):
+        with optimshift.offloaded(opt):
+            entered.append(True)
+    monkeypatch.undo()
+    assert not entered and not optimshift.is_offloaded(opt) and state_layout(opt) == layout
+    assert (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks)) == hooks
+    assert "__getstate__" not in vars(opt) and _session.get(opt).offloaded_in == 0
+    train(model, opt, range(1, 2))
+
+
 def test_a_ctrl_c_inside_a_streamed_step_is_held_until_its_chunks_are_written_back(sim, monkeypatch):
     """A Ctrl-C between a chunk's step and its write-back kept the chunk's old moments (the params moved, the
     moments did not: a silent divergence), or left an entry on its device window. It comes once the step is done,

@@ -695,19 +695,29 @@ def offloaded(
     session = _session.get(inner)  # (None where it cannot be remembered: offload refuses it)
     with exclusive(inner):
         mine = not is_offloaded(optimizer) or (session is not None and session.offloaded_in > 0)
-        if not is_offloaded(optimizer):
-            offload(optimizer, pin_memory=pin_memory, include=include, keep_addresses=keep_addresses)
         if mine and session is not None:
             session.offloaded_in += 1
+        try:
+            if not is_offloaded(optimizer):
+                offload(optimizer, pin_memory=pin_memory, include=include, keep_addresses=keep_addresses)
+        except BaseException:  # (a Ctrl-C its commit held, raised once it is offloaded: the block is never entered)
+            if mine:
+                _leave_offloaded(optimizer, session, only_offloaded=True)
+            raise
     try:
         yield optimizer
     finally:
         if mine:
             with exclusive(inner):
-                if session is not None:
-                    session.offloaded_in -= 1
-                if session is None or session.offloaded_in == 0:
-                    reload(optimizer)
+                _leave_offloaded(optimizer, session)
+
+
+def _leave_offloaded(optimizer: Any, session: _session.Session | None, *, only_offloaded: bool = False) -> None:
+    """One ``offloaded`` block is left: the last out reloads (``only_offloaded``: where its offload went through)."""
+    if session is not None:
+        session.offloaded_in -= 1
+    if (session is None or session.offloaded_in == 0) and (is_offloaded(optimizer) or not only_offloaded):
+        reload(optimizer)
 
 
 def keep_addresses(optimizer: Opt) -> Opt:

@@ -276,23 +276,29 @@ def test_a_ctrl_c_while_the_offload_guards_are_installed_leaves_none(sim, monkey
     assert (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks)) == hooks
 
 
-@pytest.mark.parametrize("after", ["adopt", "offload"])
-def test_a_ctrl_c_entering_an_offloaded_block_leaves_the_state_where_it_was(sim, monkeypatch, after):
-    """offloaded() offloads, then enters its block: a Ctrl-C in the offload's commit (held until the offload is
-    in place) or right after it raised before the block was entered, so its exit never reloaded: the optimizer
-    stayed offloaded and the next step refused. The state is brought back before the interrupt propagates."""
-    from optimshift import _engine, _session, api
+@pytest.mark.parametrize("block", ["offloaded", "streamed"])
+@pytest.mark.parametrize("after", ["adopt", "operation"])
+def test_a_ctrl_c_entering_a_block_leaves_the_state_where_it_was(sim, monkeypatch, block, after):
+    """offloaded() offloads, streamed() streams, then each enters its block: a Ctrl-C in that operation's commit
+    (held until the operation is in place) or right after it raised before the block was entered, so its exit
+    never undid it: the optimizer stayed offloaded (the next step refused) or streamed. It is undone before the
+    interrupt propagates."""
+    from optimshift import _engine, _session, _streaming, api
 
     model, opt = _adam(sim)
     layout = state_layout(opt)
     hooks = (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks))
-    _interrupt_after(monkeypatch, _engine if after == "adopt" else api, after)
+    owner, name = (
+        (_engine, "adopt") if after == "adopt" else (api, "offload") if block == "offloaded" else (_streaming, "stream")
+    )
+    _interrupt_after(monkeypatch, owner, name)
     entered = []
     with pytest.raises(KeyboardInterrupt):
-        with optimshift.offloaded(opt):
+        with getattr(optimshift, block)(opt):
             entered.append(True)
     monkeypatch.undo()
-    assert not entered and not optimshift.is_offloaded(opt) and state_layout(opt) == layout
+    assert not entered and not optimshift.is_offloaded(opt) and not optimshift.is_streamed(opt)
+    assert state_layout(opt) == layout
     assert (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks)) == hooks
     assert "__getstate__" not in vars(opt) and _session.get(opt).offloaded_in == 0
     train(model, opt, range(1, 2))

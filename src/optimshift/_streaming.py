@@ -813,7 +813,12 @@ def streamed(
         mode = _mode_of(optimizer)
         mine = mode is None or mode.blocks > 0
         if mode is None:
-            mode = stream(optimizer, chunk_bytes=chunk_bytes, device=device)
+            try:
+                mode = stream(optimizer, chunk_bytes=chunk_bytes, device=device)
+            except BaseException:  # (a Ctrl-C its commit held, raised once it is streamed: the block is never entered)
+                if is_streamed(optimizer):
+                    unstream(optimizer)
+                raise
         if mine:
             mode.blocks += 1
     try:

@@ -308,6 +308,24 @@ def test_new_tensor_lands_on_its_tensors_device(sim0, sim1):
     assert torch.zeros(1).new_tensor([1.0]).device.type == "cpu"
 
 
+def test_new_tensor_of_another_device_is_what_a_torch_function_handler_saw_before_setup(sim0):
+    """Setup's ``new_tensor`` wrapper leaves other tensors' ``__torch_function__`` as torch's: one call, named
+    ``new_tensor`` (it made a ``Tensor.device.__get__`` call first, then one named ``_new_tensor``)."""
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[str] = []
+
+    class Names(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(1, dtype=torch.float16)
+    with Names():
+        made = x.new_tensor([1.0])
+    assert seen == ["new_tensor"] and made.dtype == torch.float16 and made.device.type == "cpu"
+
+
 def test_a_storage_resizes_frees_and_allocates_again_as_on_cuda(sim0):
     """``untyped_storage().resize_(0)`` frees a sim tensor's memory and ``resize_(n)`` allocates it again, the
     same storage object, the bytes that fit kept (it raised a NotImplementedError naming a PrivateUse1 hook);

@@ -107,6 +107,7 @@ storage); everything else runs on the backing tensors and its results are wrappe
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 import weakref
@@ -968,9 +969,11 @@ def _storage_resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStor
 _tensor_new_tensor = torch.Tensor.new_tensor
 
 
+@functools.wraps(_tensor_new_tensor)  # (its name for a __torch_function__ handler, an error, help())
 def _new_tensor(self: torch.Tensor, data: Any, **kwargs: Any) -> torch.Tensor:
-    """``self.new_tensor(data)`` on ``self``'s device, as CUDA's (the C++ guard would say ``sim:0``)."""
-    if kwargs.get("device") is None and self.device.type == SIM_DEVICE_TYPE:
+    """``self.new_tensor(data)`` on ``self``'s device, as CUDA's (the C++ guard would say ``sim:0``). Asked by
+    dispatch key, not ``self.device``: that would be one more call for another tensor's ``__torch_function__``."""
+    if kwargs.get("device") is None and torch._C._dispatch_keys(self).has(torch._C.DispatchKey.PrivateUse1):
         kwargs["device"] = self.device
     return _tensor_new_tensor(self, data, **kwargs)
 

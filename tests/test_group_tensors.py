@@ -811,3 +811,38 @@ def test_a_lr_a_move_took_to_the_host_goes_to_the_device_with_params_brought_bac
     optimshift.reload(opt)
     assert opt.param_groups[0]["lr"].device == sim and not optimshift.check(opt).findings
     _with_grads(opt).step()
+
+
+@pytest.mark.parametrize("kind", [tuple, list])
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "existing"])
+def test_a_load_keeps_each_tensor_of_tensor_betas_as_it_keeps_a_tensor_lr(sim, kind, fresh):
+    """A group's tensor lr keeps its object across a load (the live one adopts the loaded value: a captured or
+    compiled step that reads it stays valid); each tensor of its tensor betas was a new object, in a new tuple.
+    Now each live one adopts its loaded value too, placed as the load places it, in the container's kind."""
+
+    def adam(beta1: float) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+        params = [torch.nn.Parameter(torch.randn(3, device=sim)) for _ in range(2)]
+        betas = (torch.tensor(beta1, device=sim), torch.tensor(0.999, device=sim))
+        opt = torch.optim.Adam(params, lr=torch.tensor(0.01, device=sim), betas=betas, capturable=True, foreach=True)
+        opt.param_groups[0]["betas"] = kind(betas)  # (Adam makes them a tuple; a user may set a list)
+        if not fresh:
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+        return params, opt
+
+    _, saved_from = adam(0.8)
+    for p in saved_from.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    saved_from.step()
+    saved = copy.deepcopy(saved_from.state_dict())
+    _, opt = adam(0.5)
+    live = list(opt.param_groups[0]["betas"])
+    optimshift.load_state_dict(opt, saved)
+    betas = opt.param_groups[0]["betas"]
+    assert type(betas) is kind and all(b is old for b, old in zip(betas, live))
+    assert [float(b.cpu()) for b in betas] == [float(b.cpu()) for b in saved["param_groups"][0]["betas"]]
+    assert optimshift.check(opt).ok
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()

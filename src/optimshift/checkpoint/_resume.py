@@ -329,17 +329,32 @@ def _adoptable(
     groups: list[dict[str, Any]],
     made: Callable[[], AbstractSet[int]],
     shared: Mapping[int, int],
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[dict[Any, Any], Any]]]]:
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[Any, Any]]]]:
     """(old tensor, the copy made here that the load installs at its place), each old tensor once, with the
     places ``(new holder, key)`` it takes back (see :func:`_install`; ``made()`` is asked once a live tensor is
     found at such a place: a fresh optimizer's groups hold none)."""
-    places: list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]] = []  # (new holder, key, old tensor, copy)
+    places: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []  # (new holder or _Slot, key, old tensor, copy)
     append, plain = places.append, torch.Tensor
     ids: AbstractSet[int] | None = None
     for holder, fresh in _same_places(optimizer, state, groups):
         get = fresh.get
         for key, old in holder.items():
             if not isinstance(old, plain):
+                if type(old) in (tuple, list):  # (a group's tensor betas: each tensor in it keeps its object too)
+                    new = get(key)
+                    if (
+                        isinstance(new, (tuple, list))
+                        and type(new) is type(old)
+                        and len(new) == len(old)
+                        and new is not old
+                    ):
+                        slot = _Slot(fresh, key)
+                        for i, (o, n) in enumerate(zip(old, new)):
+                            if isinstance(o, plain) and isinstance(n, plain) and n is not o:
+                                if ids is None:
+                                    ids = made()
+                                if id(n) in ids:
+                                    append((slot, i, o, n))
                 continue
             new = get(key)
             if (type(new) is plain or isinstance(new, plain)) and new is not old:
@@ -350,7 +365,7 @@ def _adoptable(
     # A copy installed in two places (LBFGS's state['t'] is its group's lr) stays one shared object: an old tensor
     # takes it back only where it held every one of its places (one inside a container, or none, would split it).
     if shared:
-        at: dict[int, list[tuple[dict[Any, Any], Any, torch.Tensor, torch.Tensor]]] = {}
+        at: dict[int, list[tuple[Any, Any, torch.Tensor, torch.Tensor]]] = {}
         for place in places:
             if id(place[3]) in shared:
                 at.setdefault(id(place[3]), []).append(place)
@@ -366,13 +381,34 @@ def _adoptable(
         return [(old, new) for _, _, old, new in places], [[(fresh, key)] for fresh, key, _, _ in places]
     # An old tensor that sat in two places now given two different copies keeps neither: each place gets its own
     # copy (the checkpoint's values), as PyTorch installs them; one given one copy in both takes both back.
-    by_old: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[dict[Any, Any], Any]]]] = {}
+    by_old: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[Any, Any]]]] = {}
     copies_of: dict[int, set[int]] = {}
     for fresh, key, old, new in places:
         copies_of.setdefault(id(old), set()).add(id(new))
         by_old.setdefault(id(old), (old, new, []))[2].append((fresh, key))
     kept = [entry for i, entry in by_old.items() if len(copies_of[i]) == 1]
     return [(old, new) for old, new, _ in kept], [at for _, _, at in kept]
+
+
+class _Slot:
+    """Item ``i`` of the tuple or list ``holder[key]`` (a group's tensor betas) as a place the commit puts an old
+    tensor back in (``slot.get(i)``, ``slot[i] = old``): a tuple is rebuilt around it."""
+
+    __slots__ = ("holder", "key")
+
+    def __init__(self, holder: dict[Any, Any], key: Any) -> None:
+        self.holder, self.key = holder, key
+
+    def get(self, i: int) -> Any:
+        seq = self.holder.get(self.key)
+        return seq[i] if isinstance(seq, (tuple, list)) and i < len(seq) else None
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        seq = self.holder[self.key]
+        if type(seq) is list:
+            seq[i] = value
+        else:
+            self.holder[self.key] = (*seq[:i], value, *seq[i + 1 :])
 
 
 def _same_places(

@@ -205,6 +205,27 @@ def test_a_tensor_lr_keeps_its_object(tmp_path, sim):
     assert state_differences(full_state(live, live_opt), uninterrupted) == []
 
 
+def test_each_tensor_of_tensor_betas_keeps_its_object(tmp_path, sim):
+    """As a tensor lr (above): torch's load_state_dict made each tensor of a group's tensor betas a new object;
+    the live ones take the loaded values and their places back."""
+
+    def adam(model: torch.nn.Module, beta1: float) -> torch.optim.Optimizer:
+        betas = (torch.tensor(beta1, device=sim), torch.tensor(0.999, device=sim))
+        return torch.optim.Adam(model.parameters(), lr=0.01, betas=betas, capturable=True, foreach=True)
+
+    model = build_model().to(sim)
+    opt = adam(model, 0.8)
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    live = build_model().to(sim)
+    live_opt = adam(live, 0.5)
+    betas = live_opt.param_groups[0]["betas"]
+    load(tmp_path / "ck", live, live_opt)
+    loaded = live_opt.param_groups[0]["betas"]
+    assert all(b is old for b, old in zip(loaded, betas))
+    assert bitwise_equal(loaded[0].cpu(), torch.tensor(0.8)) and optimshift.check(live_opt).ok
+
+
 @pytest.mark.parametrize("live_lr", ["float", "one-element", "float64"])
 def test_a_saved_tensor_lr_loads_where_the_live_lr_is_another_kind(tmp_path, sim, live_lr):
     """A checkpoint's tensor lr, loaded where the live lr is a float or a tensor of another shape or dtype: DCP

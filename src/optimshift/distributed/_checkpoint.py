@@ -339,22 +339,38 @@ def load(
 
 def _keep_group_tensors(group: dict[str, Any], before: Mapping[str, Any]) -> None:
     """torch's ``load_state_dict`` deep-copies the loaded param groups: a tensor hyperparameter (a tensor ``lr``,
-    which a captured step reads at its address and a scheduler writes in place) became a new object. The live one
-    takes the loaded value (DCP read it in place already) and its place back."""
+    which a captured step reads at its address and a scheduler writes in place, or each tensor of tensor ``betas``)
+    became a new object. The live one takes the loaded value (DCP read it in place already) and its place back."""
     for key, old in before.items():
         new = group.get(key)
-        if (
-            key != "params"
-            and isinstance(old, torch.Tensor)
-            and isinstance(new, torch.Tensor)
-            and new is not old
-            and type(new) is type(old)
-            and new.shape == old.shape
-            and new.dtype == old.dtype
-        ):
-            with torch.no_grad():
-                old.copy_(new)
+        if key == "params" or new is old:
+            continue
+        if _took(old, new):
             group[key] = old
+        elif (
+            isinstance(new, (tuple, list))
+            and type(new) in (tuple, list)
+            and type(old) is type(new)
+            and len(new) == len(old)
+        ):
+            kept = [o if n is o or _took(o, n) else n for o, n in zip(old, new)]
+            group[key] = kept if type(new) is list else tuple(kept)
+
+
+def _took(old: Any, new: Any) -> bool:
+    """Whether the live tensor ``old`` took the loaded ``new``'s value in place (one of its kind, shape and dtype)."""
+    if (
+        isinstance(old, torch.Tensor)
+        and isinstance(new, torch.Tensor)
+        and new is not old
+        and type(new) is type(old)
+        and new.shape == old.shape
+        and new.dtype == old.dtype
+    ):
+        with torch.no_grad():
+            old.copy_(new)
+        return True
+    return False
 
 
 def describe_dcp(path: PathLike) -> dict[str, Any]:

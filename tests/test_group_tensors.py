@@ -846,3 +846,18 @@ def test_a_load_keeps_each_tensor_of_tensor_betas_as_it_keeps_a_tensor_lr(sim, k
     for p in opt.param_groups[0]["params"]:
         p.grad = torch.ones_like(p)
     opt.step()
+
+
+def test_a_loaded_tensor_betas_holding_one_tensor_twice_stays_one_tensor(sim):
+    """A checkpoint's betas holding one tensor twice load as one copy: two live tensors both took it (the second
+    took what the first left, the live beta1, as its beta2). Now neither does, the copy is installed in both."""
+    params = [torch.nn.Parameter(torch.randn(3, device=sim))]
+    saved_beta = torch.tensor(0.8, device=sim)
+    saved_from = torch.optim.Adam(params, betas=(saved_beta, saved_beta), capturable=True, foreach=True)
+    saved = copy.deepcopy(saved_from.state_dict())
+    betas = (torch.tensor(0.5, device=sim), torch.tensor(0.999, device=sim))
+    opt = torch.optim.Adam(params, betas=betas, capturable=True, foreach=True)
+    optimshift.load_state_dict(opt, saved)
+    loaded = opt.param_groups[0]["betas"]
+    assert loaded[0] is loaded[1] and float(loaded[1].cpu()) == float(saved_beta.cpu())
+    assert float(betas[1].cpu()) == pytest.approx(0.999) and optimshift.check(opt).ok

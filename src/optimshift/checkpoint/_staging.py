@@ -489,8 +489,10 @@ class Staging:
             nested = None
             if len(path) > 1:
                 nested = inside.setdefault((tgi, tpi, key), {})
-                if id(tensor) in nested:
-                    continue  # one tensor twice in a container: one copy
+                if id(tensor) in nested:  # one tensor twice in a container: one copy, installed in both places
+                    if type(nested[id(tensor)]) is tuple:
+                        uses[nested[id(tensor)]] += 1  # type: ignore[index]
+                    continue
             ggi = 0 if tgi == OPTIMIZER_WIDE else tgi
             if tpi is not None and id(tensor) in owned:
                 # NOTE: it holds its group's own tensor: it gets the group entry's copy (same device, dtype and a

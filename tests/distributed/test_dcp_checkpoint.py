@@ -226,6 +226,22 @@ def test_each_tensor_of_tensor_betas_keeps_its_object(tmp_path, sim):
     assert bitwise_equal(loaded[0].cpu(), torch.tensor(0.8)) and optimshift.check(live_opt).ok
 
 
+def test_live_betas_holding_one_tensor_twice_load_each_value(tmp_path, sim):
+    """Live betas holding one tensor twice: it took each loaded value in turn, beta1 left holding beta2's. Now each
+    place keeps its own loaded value, as torch loads them."""
+    model = build_model().to(sim)
+    opt = torch.optim.Adam(model.parameters(), betas=(torch.tensor(0.8), torch.tensor(0.7)), capturable=True)
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    live = build_model().to(sim)
+    beta = torch.tensor(0.5, device=sim)
+    live_opt = torch.optim.Adam(live.parameters(), betas=(beta, beta), capturable=True)
+    load(tmp_path / "ck", live, live_opt)
+    loaded = live_opt.param_groups[0]["betas"]
+    assert [float(b.cpu()) for b in loaded] == [float(b) for b in opt.param_groups[0]["betas"]]
+    assert float(beta.cpu()) == 0.5 and optimshift.check(live_opt).ok
+
+
 @pytest.mark.parametrize("live_lr", ["float", "one-element", "float64"])
 def test_a_saved_tensor_lr_loads_where_the_live_lr_is_another_kind(tmp_path, sim, live_lr):
     """A checkpoint's tensor lr, loaded where the live lr is a float or a tensor of another shape or dtype: DCP

@@ -341,36 +341,45 @@ def _keep_group_tensors(group: dict[str, Any], before: Mapping[str, Any]) -> Non
     """torch's ``load_state_dict`` deep-copies the loaded param groups: a tensor hyperparameter (a tensor ``lr``,
     which a captured step reads at its address and a scheduler writes in place, or each tensor of tensor ``betas``)
     became a new object. The live one takes the loaded value (DCP read it in place already) and its place back."""
+    pairs: list[tuple[str, int | None, Any, Any]] = []  # (key, index in a tuple or list or None, live, loaded)
     for key, old in before.items():
         new = group.get(key)
         if key == "params" or new is old:
             continue
-        if _took(old, new):
-            group[key] = old
-        elif (
+        if (
             isinstance(new, (tuple, list))
             and type(new) in (tuple, list)
             and type(old) is type(new)
             and len(new) == len(old)
         ):
-            kept = [o if n is o or _took(o, n) else n for o, n in zip(old, new)]
-            group[key] = kept if type(new) is list else tuple(kept)
+            pairs += [(key, i, o, n) for i, (o, n) in enumerate(zip(old, new)) if _fits(o, n)]
+        elif _fits(old, new):
+            pairs.append((key, None, old, new))
+    # A live tensor in two places given two loaded ones (betas=(t, t)), or one loaded tensor given to two live
+    # ones, is left as torch loaded it: each place keeps its own value, one loaded tensor stays one.
+    news: dict[int, set[int]] = {}
+    olds: dict[int, set[int]] = {}
+    for _, _, old, new in pairs:
+        news.setdefault(id(old), set()).add(id(new))
+        olds.setdefault(id(new), set()).add(id(old))
+    for key, i, old, new in pairs:
+        if len(news[id(old)]) == 1 and len(olds[id(new)]) == 1:
+            with torch.no_grad():
+                old.copy_(new)
+            seq = group[key]
+            group[key] = old if i is None else type(seq)((*seq[:i], old, *seq[i + 1 :]))
 
 
-def _took(old: Any, new: Any) -> bool:
-    """Whether the live tensor ``old`` took the loaded ``new``'s value in place (one of its kind, shape and dtype)."""
-    if (
+def _fits(old: Any, new: Any) -> bool:
+    """Whether the live tensor ``old`` can take the loaded ``new``'s value in place (its kind, shape and dtype)."""
+    return (
         isinstance(old, torch.Tensor)
         and isinstance(new, torch.Tensor)
         and new is not old
         and type(new) is type(old)
         and new.shape == old.shape
         and new.dtype == old.dtype
-    ):
-        with torch.no_grad():
-            old.copy_(new)
-        return True
-    return False
+    )
 
 
 def describe_dcp(path: PathLike) -> dict[str, Any]:

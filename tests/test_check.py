@@ -13,16 +13,21 @@ from optimshift.report import DIFFERENTIABLE_SYNC_COST, SYNC_COST
 O = torch.optim
 
 
+def _syncs_of_a_step(opt, params):
+    """The host syncs one ``opt.step()`` makes, each of ``params`` given a new grad first."""
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with optimshift.count_syncs() as syncs:
+        opt.step()
+    return syncs.total
+
+
 def _cost_of(opt, stepped, misplace):
     """check()'s report once ``misplace()`` moved entries of ``opt`` to the device, and the syncs a step over
     ``stepped`` makes more with them there than on the host (the state made by a step before)."""
 
     def step():
-        for p in stepped:
-            p.grad = torch.randn_like(p)
-        with optimshift.count_syncs() as syncs:
-            opt.step()
-        return syncs.total
+        return _syncs_of_a_step(opt, stepped)
 
     step()
     on_the_host = step()
@@ -632,11 +637,7 @@ def test_a_group_tensor_is_priced_before_any_step_for_the_params_that_take_a_gra
     priced = optimshift.check(opt).syncs_per_step
 
     def step():
-        for p in params[:2]:
-            p.grad = torch.randn_like(p)
-        with optimshift.count_syncs() as syncs:
-            opt.step()
-        return syncs.total
+        return _syncs_of_a_step(opt, params[:2])
 
     step()
     on_the_device = step()
@@ -652,11 +653,7 @@ def test_a_device_beta_the_fused_step_reads_as_a_number_is_found_and_moved(sim):
     opt = O.Adam(params, fused=True, lr=torch.tensor(1e-3), betas=(torch.tensor(0.9).to(sim), torch.tensor(0.99)))
 
     def step():
-        for p in params:
-            p.grad = torch.randn_like(p)
-        with optimshift.count_syncs() as syncs:
-            opt.step()
-        return syncs.total
+        return _syncs_of_a_step(opt, params)
 
     assert step() == 1
     (finding,) = optimshift.check(opt).findings
@@ -673,11 +670,7 @@ def test_a_device_lr_of_a_differentiable_adamax_is_found_priced_and_moved(sim):
     opt = O.Adamax(params, differentiable=True, lr=torch.tensor(0.01).to(sim))
 
     def step():
-        for p in params:
-            p.grad = torch.randn_like(p)
-        with optimshift.count_syncs() as syncs:
-            opt.step()
-        return syncs.total
+        return _syncs_of_a_step(opt, params)
 
     step()
     on_the_device = step()
@@ -710,10 +703,7 @@ def test_a_step_that_calls_copy_by_its_keyword_is_probed_through(sim):
     lr as a number: check() said nothing of a device lr that costs a sync a param a step."""
     params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(2)]
     opt = _CopiesByKeyword(params, lr=torch.tensor(0.01).to(sim))
-    for p in params:
-        p.grad = torch.randn_like(p)
-    with optimshift.count_syncs() as syncs:
-        opt.step()
+    syncs = _syncs_of_a_step(opt, params)
     (finding,) = optimshift.check(opt).findings
     assert (finding.key, finding.expected) == ("lr", "cpu")
-    assert finding.syncs_per_step == syncs.total == len(params)
+    assert finding.syncs_per_step == syncs == len(params)

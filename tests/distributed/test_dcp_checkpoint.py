@@ -625,9 +625,18 @@ def test_a_checkpoint_cut_short_is_refused_before_anything_changes(tmp_path, dam
     assert _unchanged(before, fresh, fresh_opt) and not fresh_opt.state
 
 
-def test_a_read_error_while_loading_is_an_exception_and_leaves_no_first_step(tmp_path, monkeypatch):
-    """DCP's CheckpointException is a BaseException: a user's `except Exception` missed it, and an optimizer
-    that had no state kept DCP's zero-lr first step."""
+@pytest.mark.parametrize(
+    ("raised", "expected", "match"),
+    [(OSError("EIO"), RuntimeError, "partly loaded"), (KeyboardInterrupt(), KeyboardInterrupt, None)],
+    ids=["read-error", "interrupt"],
+)
+def test_a_failure_while_loading_is_raised_as_itself_and_leaves_no_first_step(
+    tmp_path, monkeypatch, raised, expected, match
+):
+    """DCP's CheckpointException is a BaseException: a user's `except Exception` missed a read error, and an
+    optimizer that had no state kept DCP's zero-lr first step. DCP wraps a Ctrl-C during the read in it too: the
+    load raised that as a RuntimeError (an I/O failure, "partly loaded"), so a training loop's ``except
+    Exception`` went on after the user's Ctrl-C."""
     import torch.distributed.checkpoint as dcp
 
     model, opt = _trained()
@@ -640,35 +649,11 @@ def test_a_read_error_while_loading_is_an_exception_and_leaves_no_first_step(tmp
     def failing_late(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == 2:  # (the first read is the checks' own: the second is the load itself)
-            raise OSError("EIO")
+            raise raised
         return read_data(self, *args, **kwargs)
 
     monkeypatch.setattr(dcp.FileSystemReader, "read_data", failing_late)
-    with pytest.raises(RuntimeError, match="partly loaded"):
-        load(tmp_path / "ck", fresh, fresh_opt)
-    assert not fresh_opt.state
-
-
-def test_an_interrupt_while_loading_stays_an_interrupt_and_leaves_no_first_step(tmp_path, monkeypatch):
-    """DCP wraps a Ctrl-C during the read in its CheckpointException: the load raised it as a RuntimeError (an
-    I/O failure, "partly loaded"), so a training loop's ``except Exception`` went on after the user's Ctrl-C."""
-    import torch.distributed.checkpoint as dcp
-
-    model, opt = _trained()
-    save(tmp_path / "ck", model, opt)
-    fresh = build_model()
-    fresh_opt = build_optimizer(fresh)
-    read_data = dcp.FileSystemReader.read_data
-    calls = [0]
-
-    def interrupted_late(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 2:  # (the first read is the checks' own: the second is the load itself)
-            raise KeyboardInterrupt
-        return read_data(self, *args, **kwargs)
-
-    monkeypatch.setattr(dcp.FileSystemReader, "read_data", interrupted_late)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(expected, match=match):
         load(tmp_path / "ck", fresh, fresh_opt)
     assert not fresh_opt.state and all(p.grad is None for p in fresh.parameters())
 

@@ -151,3 +151,19 @@ class Averaged(torch.optim.SGD):
             self.state["ema"][p].lerp_(p, 0.1)  # (a KeyError for a param the mapping does not know)
             self.state["_trac"]["s"].add_((p - self.state["_trac"][p]["ref"]).sum())
         return super().step(closure)
+
+
+class CopiesByKeyword(torch.optim.Optimizer):
+    """Keeps each param's previous value, copied in by ``copy_(other=...)`` (Tensor.copy_'s keyword), then steps
+    by ``alpha=-lr``: a device lr is read as a number once a param."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                prev = self.state[p].setdefault("prev", torch.zeros_like(p))
+                prev.copy_(other=p)
+                p.add_(p.grad, alpha=-group["lr"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import optimshift
-from _custom_optimizers import Fp32Moments
+from _custom_optimizers import CopiesByKeyword, Fp32Moments
 from optimshift.report import DIFFERENTIABLE_SYNC_COST, SYNC_COST
 
 O = torch.optim
@@ -681,28 +681,12 @@ def test_a_device_lr_of_a_differentiable_adamax_is_found_priced_and_moved(sim):
     assert finding.syncs_per_step == on_the_device - step() == len(params)
 
 
-class _CopiesByKeyword(torch.optim.Optimizer):
-    """Keeps each param's previous value, copied in by ``copy_(other=...)`` (Tensor.copy_'s keyword), then steps
-    by ``alpha=-lr``: a device lr is read as a number once a param."""
-
-    def __init__(self, params, lr=0.1):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                prev = self.state[p].setdefault("prev", torch.zeros_like(p))
-                prev.copy_(other=p)
-                p.add_(p.grad, alpha=-group["lr"])
-
-
 def test_a_step_that_calls_copy_by_its_keyword_is_probed_through(sim):
     """The probe runs ``Tensor.copy_`` as ``aten.copy_`` (whose second argument is ``src``, Tensor.copy_'s
     ``other``): a step calling ``copy_(other=...)``, which torch runs, stopped there in the probe, before it read
     lr as a number: check() said nothing of a device lr that costs a sync a param a step."""
     params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)) for _ in range(2)]
-    opt = _CopiesByKeyword(params, lr=torch.tensor(0.01).to(sim))
+    opt = CopiesByKeyword(params, lr=torch.tensor(0.01).to(sim))
     syncs = _syncs_of_a_step(opt, params)
     (finding,) = optimshift.check(opt).findings
     assert (finding.key, finding.expected) == ("lr", "cpu")

@@ -146,3 +146,12 @@ def test_a_host_checkpoint_into_device_state_is_written_from_pinned_staging(pinn
         [{k: v.cpu() for k, v in st.items()} for st in opts[0].state.values()],
         [{k: v.cpu() for k, v in st.items()} for st in opts[1].state.values()],
     )
+
+
+def test_a_copy_asked_of_a_device_without_index_is_never_the_tensor_itself(sim):
+    """``.to()`` hands a tensor back itself when the target names its device without an index (``sim`` for a tensor
+    on ``sim:0``); copy_many's inlined plain-tensor path took that for the copy (6380c12), which a commit would then
+    adopt as if it were one."""
+    t = torch.ones(3, device=sim)
+    (copy,) = _copy.copy_many([(t, torch.device(sim.type))], _copy.BLOCKING, pool=HostPool()).copies
+    assert copy is not t and copy.device == t.device and torch.equal(copy.cpu(), t.cpu())

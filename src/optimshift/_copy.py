@@ -350,8 +350,8 @@ def copy_many(
                     continue
                 fast = non_blocking or (kind[1] and in_pinned_memory(t))
                 copies[i] = t.to(target, non_blocking=True) if fast else t.to(target)
-                continue
-            copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
+            else:
+                copies[i] = copy_tensor(original, target, non_blocking, pin_memory, side)
             if copies[i] is original:  # (asked where it is: .to() hands the tensor itself back, a copy never is)
                 copies[i] = original.clone()
         batch.devices.update(d for pair in kinds for d in pair if d.type not in HOSTS)

@@ -762,6 +762,32 @@ def test_a_copy_failing_after_the_mapping_gives_it_back(sim, driver, monkeypatch
     assert bitwise_equal(_state_values(opt), values)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+def test_a_non_blocking_reload_whose_commit_fails_unmaps_only_after_its_queued_copies(
+    sim, driver, monkeypatch, seed, progress
+):
+    """The copies into the slots are queued on the side stream when the commit fails (a Ctrl-C deciding the
+    adoptions): the rollback unmapped the slots under them, and they wrote unmapped memory (a fault on CUDA)."""
+    model, opt = _trained(sim)
+    values = _state_values(opt)
+    optimshift.keep_addresses(opt)
+    optimshift.offload(opt, keep_addresses=True)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_engine, "adoptions", interrupted)
+    with deferred_streams(seed=seed, progress=progress):
+        with pytest.raises(KeyboardInterrupt):
+            optimshift.reload(opt, non_blocking=True)
+    monkeypatch.undo()
+    gc.collect()
+    assert optimshift.is_offloaded(opt) and driver.mapped(0) == 0
+    assert bitwise_equal(_state_values(opt), values)
+    optimshift.reload(opt)
+    assert bitwise_equal(_state_values(opt), values)
+
+
 # -- where it cannot ----------------------------------------------------------------------------------------
 
 

@@ -197,6 +197,35 @@ def test_a_buffer_that_dies_in_use_stops_counting(pinning):
     assert (p.stats().pinned_bytes, p.stats().pageable_bytes, p.stats().in_use) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_a_ctrl_c_while_waiting_for_a_buffer_s_copy_gives_it_back(pinning, pinned):
+    """The buffer taken from the idle ones while its copy was waited for was neither idle nor in use: gone, its bytes
+    counted as held for good (the pinned limit lowered by them), and freed under its copy in flight."""
+    p = HostPool()
+    p.pinned_limit = None
+
+    class Event:
+        waits = 0
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            Event.waits += 1
+            if Event.waits == 1:
+                raise KeyboardInterrupt
+
+    buf = p.acquire(MiB, pinned=pinned)
+    p.release(buf, Event())
+    with pytest.raises(KeyboardInterrupt):
+        p.acquire(MiB, pinned=pinned)
+    gc.collect()
+    stats = p.stats()
+    assert (stats.idle, stats.in_use, stats.idle_bytes) == (1, 0, MiB)
+    _consistent(stats)
+    assert p.acquire(MiB, pinned=pinned) is buf and Event.waits == 2  # (its copy waited for, this time)
+
+
 def test_a_buffer_that_dies_while_the_pool_is_locked_does_not_deadlock(pinning):
     """A buffer's finalizer runs wherever the collector does: inside a section holding the pool's lock (the
     allocation of ``in_use_storages``' list, in the ``state_dict()`` post-hook of an offloaded optimizer, freeing

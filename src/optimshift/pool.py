@@ -252,7 +252,12 @@ class HostPool:
 
     def _hand_out(self, buf: torch.Tensor, event: Any | None) -> torch.Tensor:
         if event is not None:
-            event.synchronize()  # a copy still reading this buffer must finish before it is overwritten
+            try:
+                event.synchronize()  # a copy still reading this buffer must finish before it is overwritten
+            except BaseException:  # (a Ctrl-C in the wait: the buffer goes back, with its event, still counted)
+                with self._locked():
+                    self._idle.append((buf, self._meta[id(buf)][0], event))
+                raise
         with self._locked():
             self._in_use[id(buf)] = weakref.ref(buf)
         return buf

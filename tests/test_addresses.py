@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy as copy_module
 import gc
 import logging
+import threading
+import time
 import warnings
 
 import pytest
@@ -541,6 +543,42 @@ def test_the_release_waits_for_the_copies_in_flight(sim, driver, monkeypatch, mu
         assert driver.mapped(0) > 0
         handle.wait()
     assert driver.mapped(0) == 0 and bitwise_equal(_state_values(opt), values)
+
+
+def test_a_release_by_another_thread_s_wait_waits_for_a_reload_under_way(sim, driver, monkeypatch):
+    """Another thread's ``wait()`` on the offload's handle runs its release; the reload that found the handle done
+    went on meanwhile. The release unmapped the blocks the reload had just mapped (its leases not yet the slots'),
+    and the reload's copies wrote unmapped memory. It now waits for the reload, which then holds the slots."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    values, kept = _state_values(opt), _where(opt)
+    staged, released = threading.Event(), threading.Event()
+    real_stage, real_release = _addresses.stage, _addresses.release
+
+    def stage(*args, **kwargs):  # (the reload mapped its slots: the other thread's release may run now)
+        placement = real_stage(*args, **kwargs)
+        staged.set()
+        released.wait(0.5)
+        return placement
+
+    def release(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            staged.wait(5)
+        real_release(*args, **kwargs)
+        released.set()
+
+    monkeypatch.setattr(_addresses, "stage", stage)
+    monkeypatch.setattr(_addresses, "release", release)
+    with deferred_streams(seed=0, progress=0.0):
+        handle = optimshift.offload(opt, non_blocking=True, keep_addresses=True)
+        waiter = threading.Thread(target=handle.wait)
+        waiter.start()
+        while handle.event is not None:  # (the waiter took the handle's release, not yet run)
+            time.sleep(0.001)
+        optimshift.reload(opt)
+        waiter.join()
+    assert _where(opt) == kept and bitwise_equal(_state_values(opt), values)
+    assert driver.mapped(0) > 0
 
 
 # -- failure ----------------------------------------------------------------------------------------------

@@ -382,19 +382,22 @@ def release(optimizer: Any, name: str, *, queued: bool = False) -> None:
     error leaves a block mapped (warned; the next release tries again): the state itself is safe on the host.
     ``queued``: work queued on the devices may still use a block (the caller's copies did not wait for it, as a
     load's copies on the device do not): they are synchronized before anything is unmapped."""
-    layout = layout_of(optimizer)
-    if layout is None:
+    session = _session.of(optimizer)
+    if session is None or session.addresses is None:
         return
-    # (each storage's data pointer, without a Python storage object: torch would keep one, a second user of it)
-    held = [t for state in list(optimizer.state.values()) for t in tensors(state)]
-    held += [t for g in optimizer.param_groups for _, t in group_tensors(g)]  # (not the params: outside)
-    inside = {
-        t.data_ptr() - t.storage_offset() * t.element_size()
-        for t in held
-        if t.device.type not in HOSTS and t.layout == torch.strided
-    }
+    layout: Layout = session.addresses
     foreign, foreign_bytes = 0, 0
-    with layout.lock:
+    # (under the operation lock: a release run by another thread's wait() for an offload unmapped what a reload had
+    # just mapped, before its copies)
+    with session.lock, layout.lock:
+        # (each storage's data pointer, without a Python storage object: torch would keep one, a second user of it)
+        held = [t for state in list(optimizer.state.values()) for t in tensors(state)]
+        held += [t for g in optimizer.param_groups for _, t in group_tensors(g)]  # (not the params: outside)
+        inside = {
+            t.data_ptr() - t.storage_offset() * t.element_size()
+            for t in held
+            if t.device.type not in HOSTS and t.layout == torch.strided
+        }
         unmap: list[tuple[_Range, int]] = []
         for owner in layout.ranges:
             keep: set[int] = set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -330,64 +330,69 @@ def _adoptable(
     made: Callable[[], AbstractSet[int]],
     shared: Mapping[int, int],
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[Any, Any]]]]:
-    """(old tensor, the copy made here that the load installs at its place), each old tensor once, with the
-    places ``(new holder, key)`` it takes back (see :func:`_install`; ``made()`` is asked once a live tensor is
-    found at such a place: a fresh optimizer's groups hold none)."""
-    places: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []  # (new holder or _Slot, key, old tensor, copy)
-    append, plain = places.append, torch.Tensor
+    """:func:`pair_places` of the copies made here (``made()`` asked once a live tensor is found at such a place:
+    a fresh optimizer's groups hold none)."""
     ids: AbstractSet[int] | None = None
-    for holder, fresh in _same_places(optimizer, state, groups):
+
+    def made_here(old: torch.Tensor, new: torch.Tensor) -> bool:
+        nonlocal ids
+        if ids is None:
+            ids = made()
+        return id(new) in ids
+
+    return pair_places(_same_places(optimizer, state, groups), made_here, shared)
+
+
+def pair_places(
+    holders: Iterable[tuple[Mapping[Any, Any], dict[Any, Any]]],
+    takes: Callable[[torch.Tensor, torch.Tensor], bool],
+    shared: Mapping[int, int] = MappingProxyType({}),
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[Any, Any]]]]:
+    """(old tensor, the new one installed at its place that it ``takes``), each old tensor once, with the places
+    ``(new holder, key)`` it takes back, over (live holder, new holder) pairs: each key, and each tensor of a tuple
+    or list of equal length there (a group's tensor betas, by :class:`_Slot`). The one pairing rule of a load's
+    commit and of the DCP load."""
+    places: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []  # (new holder or _Slot, key, old tensor, new)
+    append, plain = places.append, torch.Tensor
+    for holder, fresh in holders:
         get = fresh.get
         for key, old in holder.items():
-            if not isinstance(old, plain):
-                if type(old) in (tuple, list):  # (a group's tensor betas: each tensor in it keeps its object too)
-                    new = get(key)
-                    if (
-                        isinstance(new, (tuple, list))
-                        and type(new) is type(old)
-                        and len(new) == len(old)
-                        and new is not old
-                    ):
-                        slot = _Slot(fresh, key)
-                        for i, (o, n) in enumerate(zip(old, new)):
-                            if isinstance(o, plain) and isinstance(n, plain) and n is not o:
-                                if ids is None:
-                                    ids = made()
-                                if id(n) in ids:
-                                    append((slot, i, o, n))
-                continue
-            new = get(key)
-            if (type(new) is plain or isinstance(new, plain)) and new is not old:
-                if ids is None:
-                    ids = made()
-                if id(new) in ids:
+            new: Any = get(key)
+            if isinstance(old, plain):
+                if isinstance(new, plain) and new is not old and takes(old, new):
                     append((fresh, key, old, new))
-    # A copy installed in two places (LBFGS's state['t'] is its group's lr) stays one shared object: an old tensor
-    # takes it back only where it held every one of its places (one inside a container, or none, would split it).
-    if shared:
+            elif type(old) in (tuple, list) and type(new) is type(old) and len(new) == len(old) and new is not old:
+                slot = _Slot(fresh, key)
+                for i, (o, n) in enumerate(zip(old, new)):
+                    if isinstance(o, plain) and isinstance(n, plain) and n is not o and takes(o, n):
+                        append((slot, i, o, n))
+    # A new tensor installed in several places (LBFGS's state['t'] is its group's lr; ``shared``: how many) stays one
+    # object: an old tensor takes it back only where it held every one of its places (one inside a container, or
+    # none, would split it).
+    news = [id(place[3]) for place in places]
+    if shared or len(set(news)) != len(news):
         at: dict[int, list[tuple[Any, Any, torch.Tensor, torch.Tensor]]] = {}
         for place in places:
-            if id(place[3]) in shared:
-                at.setdefault(id(place[3]), []).append(place)
+            at.setdefault(id(place[3]), []).append(place)
         split = {
-            copy
-            for copy, found in at.items()
-            if len(found) != shared[copy] or len({id(place[2]) for place in found}) != 1
+            new
+            for new, found in at.items()
+            if len(found) < shared.get(new, 0) or len({id(place[2]) for place in found}) != 1
         }
         places = [place for place in places if id(place[3]) not in split]
     # NOTE: each old tensor once is the common case, found by one set over ids.
     olds = [id(place[2]) for place in places]
     if len(set(olds)) == len(olds):
         return [(old, new) for _, _, old, new in places], [[(fresh, key)] for fresh, key, _, _ in places]
-    # An old tensor that sat in two places now given two different copies keeps neither: each place gets its own
-    # copy (the checkpoint's values), as PyTorch installs them; one given one copy in both takes both back.
+    # An old tensor that sat in two places now given two different new ones keeps neither: each place keeps its own
+    # (the checkpoint's values), as PyTorch installs them; one given one new tensor in both takes both back.
     by_old: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[Any, Any]]]] = {}
-    copies_of: dict[int, set[int]] = {}
+    news_of: dict[int, set[int]] = {}
     for fresh, key, old, new in places:
-        copies_of.setdefault(id(old), set()).add(id(new))
+        news_of.setdefault(id(old), set()).add(id(new))
         by_old.setdefault(id(old), (old, new, []))[2].append((fresh, key))
-    kept = [entry for i, entry in by_old.items() if len(copies_of[i]) == 1]
-    return [(old, new) for old, new, _ in kept], [at for _, _, at in kept]
+    kept = [entry for i, entry in by_old.items() if len(news_of[i]) == 1]
+    return [(old, new) for old, new, _ in kept], [where for _, _, where in kept]
 
 
 class _Slot:

@@ -46,6 +46,7 @@ from .._streaming import is_streamed
 from .._version import __version__
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
+from ..checkpoint._resume import pair_places
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES
@@ -314,9 +315,9 @@ def load(
         )  # strict: refuses params without saved state
         if not layout.has_state:
             optimizer.state.clear()
-        for group, mine, before in zip(optimizer.param_groups, kept, live):
+        for group, mine in zip(optimizer.param_groups, kept):
             group.update(mine)
-            _keep_group_tensors(group, before)
+        _keep_group_tensors(live, optimizer.param_groups)
         if not is_streamed(optimizer):  # (a streamed optimizer's load put its state where streaming keeps it)
             move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
         if not layout.has_extra:
@@ -337,49 +338,22 @@ def load(
         ) from e
 
 
-def _keep_group_tensors(group: dict[str, Any], before: Mapping[str, Any]) -> None:
+def _keep_group_tensors(live: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> None:
     """torch's ``load_state_dict`` deep-copies the loaded param groups: a tensor hyperparameter (a tensor ``lr``,
     which a captured step reads at its address and a scheduler writes in place, or each tensor of tensor ``betas``)
-    became a new object. The live one takes the loaded value (DCP read it in place already) and its place back."""
-    pairs: list[tuple[str, int | None, Any, Any]] = []  # (key, index in a tuple or list or None, live, loaded)
-    for key, old in before.items():
-        new = group.get(key)
-        if key == "params" or new is old:
-            continue
-        if (
-            isinstance(new, (tuple, list))
-            and type(new) in (tuple, list)
-            and type(old) is type(new)
-            and len(new) == len(old)
-        ):
-            pairs += [(key, i, o, n) for i, (o, n) in enumerate(zip(old, new)) if _fits(o, n)]
-        elif _fits(old, new):
-            pairs.append((key, None, old, new))
-    # A live tensor in two places given two loaded ones (betas=(t, t)), or one loaded tensor given to two live
-    # ones, is left as torch loaded it: each place keeps its own value, one loaded tensor stays one.
-    news: dict[int, set[int]] = {}
-    olds: dict[int, set[int]] = {}
-    for _, _, old, new in pairs:
-        news.setdefault(id(old), set()).add(id(new))
-        olds.setdefault(id(new), set()).add(id(old))
-    for key, i, old, new in pairs:
-        if len(news[id(old)]) == 1 and len(olds[id(new)]) == 1:
-            with torch.no_grad():
-                old.copy_(new)
-            seq = group[key]
-            group[key] = old if i is None else type(seq)((*seq[:i], old, *seq[i + 1 :]))
+    became a new object. The live one takes the loaded value (DCP read it in place already) and its place back,
+    paired as a load's commit pairs them (:func:`~optimshift.checkpoint._resume.pair_places`)."""
+    pairs, places = pair_places(zip(live, loaded), _fits)
+    for (old, new), where in zip(pairs, places):
+        with torch.no_grad():
+            old.copy_(new)
+        for holder, key in where:
+            holder[key] = old
 
 
-def _fits(old: Any, new: Any) -> bool:
+def _fits(old: torch.Tensor, new: torch.Tensor) -> bool:
     """Whether the live tensor ``old`` can take the loaded ``new``'s value in place (its kind, shape and dtype)."""
-    return (
-        isinstance(old, torch.Tensor)
-        and isinstance(new, torch.Tensor)
-        and new is not old
-        and type(new) is type(old)
-        and new.shape == old.shape
-        and new.dtype == old.dtype
-    )
+    return type(new) is type(old) and new.shape == old.shape and new.dtype == old.dtype
 
 
 def describe_dcp(path: PathLike) -> dict[str, Any]:

@@ -1,20 +1,14 @@
 """What the installed torch does, observed rather than assumed: the one module that runs throwaway steps (a
-throwaway optimizer of the class in question, built with a group's hyperparameters, stepped and read; never the
-caller's).
+throwaway optimizer of the class, built with a group's hyperparameters; never the caller's).
 
-:func:`probe` (placement) steps once over a fake ``cuda:0`` param (``FakeTensorMode``: no GPU, no memory) and reads
-where each 0-dim state tensor landed; for each tensor the group holds (a tensor ``lr``, tensor ``betas``), it asks
-whether the step reads it on the host (``alpha=-lr``: a device-to-host sync per read when it sits on the device) or
-refuses it there, by stepping once with every such tensor on the host, then once per tensor with only that one on
-the device, and comparing the device reads and errors. Fake tensors have no values: a read gets a stand-in of the
-right kind (0.5, 1, False), counted when the tensor is on the device.
+:func:`probe` steps once over a fake ``cuda:0`` param (``FakeTensorMode``) and reads where each 0-dim state tensor
+landed; each group tensor (a tensor ``lr``, tensor ``betas``) is put alone on the device in a step of its own, whose
+device reads and errors say whether the step reads it on the host or refuses it there. A read of a fake tensor gets
+a stand-in of the right kind (0.5, 1, False).
 
-One cache serves every probe, keyed by :func:`probe_key`: each group entry by what can change what a step does with
-it, never a float's value. A float counts by its class against 0 and 1 (negative, zero, between, one, above,
-infinite, NaN), which is all torch.optim branches on (``weight_decay != 0``, ``momentum > 0``, ``0 <= beta < 1``,
-Adafactor's ``1 <= d``); a tensor by device, dtype, shape and ``requires_grad`` (reading a device tensor's value
-costs a sync, and a tensor ``lr`` may change in place every step). So an LR scheduler changing ``lr`` at every step
-runs no probe again.
+One cache serves every probe, keyed by :func:`probe_key`: a float by its class against 0 and 1 (all torch.optim
+branches on: ``weight_decay != 0``, ``0 <= beta < 1``), never its value, so an LR scheduler runs no probe again; a
+tensor by device, dtype, shape and ``requires_grad``.
 
 NOTE: what is cached for a key must be what any group with that key observes, so the throwaway optimizer never
 sees the group's floats: each is built with torch's default for that hyperparameter where the default is of the
@@ -72,12 +66,9 @@ __all__ = [
 
 HOST_READ, NEEDS_DEVICE = "host", "device"  # verdicts on a group tensor; absent: the step does not care
 
-# NOTE: the probe's step must never build an autograd graph. An autograd node over a fake cuda tensor asks the
-# (absent) CUDA backend for its device guard and the process dies with SIGABRT, which no ``except`` can catch
-# (issue 13: differentiable=True turns grad mode on inside step(), and weight_decay/momentum then record
-# edges). So the step runs under torch.inference_mode(), where the autograd dispatch keys are excluded and no
-# node can be recorded whatever grad mode says, and nothing in it requires grad (the param, its grad, the
-# group's tensors: all made by the probe).
+# NOTE: the probe's step must never build an autograd graph: a node over a fake cuda tensor asks the absent CUDA
+# backend for its device guard and the process dies with SIGABRT (differentiable=True turns grad mode on inside
+# step()). So it runs under torch.inference_mode(), and nothing in it requires grad.
 _FAKE_DEVICE = torch.device("cuda", 0)
 CACHE_SIZE = 1024
 MAX_READS = 10_000
@@ -320,16 +311,13 @@ def clear_cache() -> None:
 
 @dataclass(frozen=True)
 class Observed:
-    """What one probe saw. ``state``: {0-dim state key: on the param's device after a step}, ``None`` if the
-    step created no state. ``group``:
-    {(group key, index in a tuple or None): HOST_READ or NEEDS_DEVICE} for the group tensors the step reads on
-    the host or refuses there (absent: it works alike wherever the tensor is). ``error``: what the step raised,
-    if it did (the state it made before that is what was read). ``reads``, for a class torch.optim does not
-    define: {0-dim state key the step keeps on the host: the device reads a later step makes more with that
-    entry on the device}, for the one param, where the later steps could run. ``wide``: {path of a tensor of
-    one element the optimizer keeps under a plain state key (MADGRAD's ``k``): on the param's device}.
-    ``group_reads``: {group tensor the step reads on the host: ``(a, b)``}, a later step over ``n`` params
-    makes ``a + b * n`` device reads more with it on the device (measured over one param and two)."""
+    """What one probe saw. ``state``: {0-dim state key: on the param's device}, ``None`` if the step made no
+    state. ``group``: {(group key, index in a tuple or None): HOST_READ or NEEDS_DEVICE} (absent: either side
+    works). ``error``: what the step raised (the state made before it is what was read). ``reads`` (a class
+    torch.optim does not define): {host 0-dim key: device reads a later step makes more with it on the device}.
+    ``wide``: {path of a one-element tensor under a plain state key (MADGRAD's ``k``): on the param's device}.
+    ``group_reads``: {group tensor read on the host: ``(a, b)``}: a later step over ``n`` params makes
+    ``a + b * n`` device reads more with it on the device."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
@@ -363,12 +351,9 @@ _READS = {
 
 
 class _Reads(TorchFunctionMode):
-    """Counts host reads of device tensors during the probe's step and answers them with stand-ins, so that the
-    step goes on past them (fake tensors have no values, and reading a fake cuda tensor raises).
-
-    A read is ``t.item()``, ``float(t)``, ``bool(t)`` (``if t > 0``), or a 0-dim tensor given where an op wants
-    a Python number (``addcmul_(..., value=1 - beta2)``, ``add_(..., alpha=-lr)``): that conversion happens in
-    C++ and fails on a fake tensor, so a failed call is retried with its 0-dim tensor arguments as numbers."""
+    """Counts host reads of device tensors during the probe's step and answers them with stand-ins. A 0-dim
+    tensor given where an op wants a number (``add_(..., alpha=-lr)``) is read in C++, which fails on a fake
+    tensor: the call is retried with those arguments as numbers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -471,20 +456,16 @@ _foreach_added = False  # whether FakeTensor was added to torch's list by the pr
 
 @contextlib.contextmanager
 def _fake_param_takes_default_foreach() -> Iterator[None]:
-    """A group's ``foreach=None`` (torch's default) runs as it does over a real param on the probe's device.
-    torch picks its default implementation (``_default_to_fused_or_foreach``) by the params' type, a plain Tensor
-    or Parameter only: over the probe's fake param (a ``FakeTensor``) it ran the single-tensor step, where a real
-    param on an accelerator runs the foreach one, which reads a group tensor elsewhere (Adagrad's foreach step
-    reads a device ``lr`` on the device, its single-tensor step with ``.item()``). While a probe step runs, the
-    ``FakeTensor`` type counts as a plain one there (only fake tensors are affected; taken out after the last)."""
+    """While a probe step runs, ``FakeTensor`` counts as a plain tensor for torch's default implementation
+    (``_default_to_fused_or_foreach``), so ``foreach=None`` runs the foreach step a real accelerator param runs
+    (Adagrad's reads a device ``lr`` on the device, its single-tensor step with ``.item()``)."""
     global _foreach_holders, _foreach_added
     import torch.optim.optimizer as _optimizer
     from torch._subclasses.fake_tensor import FakeTensor
 
     types = _optimizer._foreach_supported_types
-    # (counted and added inside the try that undoes them: a Ctrl-C landing once the lock was released left the
-    # count one too high for the rest of the process, and FakeTensor in torch's list; the mark is set before the
-    # append, so that one landing as the append returns still takes it out)
+    # (counted and added inside the try that undoes them, the mark set before the append: a Ctrl-C landing
+    # anywhere leaves neither the count too high nor FakeTensor in torch's list)
     counted = False
     try:
         with _foreach_lock:
@@ -675,11 +656,9 @@ def unprobed(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
 class StateSpec:
     """What one step of a torch.optim class leaves in a param's state (probed on two small host params).
 
-    ``keys``: every key; ``shaped``: tensors with their param's shape; ``scalars``: 0-dim tensors (``step``,
-    ``mu_product``); ``tensors``: every tensor key; ``floating``: non-scalar tensors in floating point;
-    ``bounded``: other tensors never larger than their param (Adafactor's ``row_var``); ``eager``: the class
-    creates every param's state when it is built and a param without state cannot step (Adagrad up to torch
-    2.11; from 2.12 its step creates a missing state, as a param added by ``add_param_group`` needs)."""
+    ``keys``: every key; ``shaped``: tensors of their param's shape; ``scalars``: 0-dim tensors; ``tensors``:
+    every tensor key; ``floating``: non-scalar floating tensors; ``bounded``: tensors never larger than their
+    param (Adafactor's ``row_var``); ``eager``: a param without state cannot step (Adagrad up to torch 2.11)."""
 
     keys: frozenset[str] = frozenset()
     shaped: frozenset[str] = frozenset()
@@ -705,12 +684,9 @@ def _host_kwargs(
 
 
 def expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> StateSpec:
-    """Run ``cls`` for one step on two small host params of rank ``ndim`` (1, or 2 for anything higher) and
-    describe the state both got. Empty (nothing is checked) when the probe cannot run.
-
-    NOTE: a 0-dim param is asked about as a 1-dim one: its state has the same entries (torch.optim tells its
-    buffers from its scalars only by rank > 1, Adafactor's factored moments), each buffer of its param's shape;
-    probed at rank 0, every entry would be 0-dim, the buffers indistinguishable from ``step``."""
+    """The state one step of ``cls`` leaves on two small host params of rank ``ndim`` (1, or 2 for anything
+    higher); empty (nothing is checked) when the probe cannot run. NOTE: a 0-dim param is probed as a 1-dim one:
+    at rank 0 every entry is 0-dim, its buffers indistinguishable from ``step``."""
     ndim = max(ndim, 1)
     shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
     key = ("spec", probe_key(cls, group, ndim))
@@ -875,12 +851,9 @@ AFTER_STEPS = 3
 def _filled(
     cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype, ndim: int, keys: AbstractSet[Any]
 ) -> _Trial:
-    """A fresh trial, stepped once, then again while it holds one of ``keys`` without a tensor in it (up to
-    :data:`FILL_STEPS` more steps). NOTE: a class may keep an entry empty at first and fill it in a later step:
-    LBFGS keeps ``old_dirs``, ``old_stps``, ``ro`` as empty lists and ``H_diag`` as the number 1 until a step
-    measures a positive curvature (``y.dot(s) > 1e-10``), which with ``max_iter=1`` is not the first. An entry
-    the trial holds no tensor in cannot be tried (there is nothing to recast), so a saved one would be taken in
-    any dtype. A key the trial does not hold at all is not the class's: no step fills it."""
+    """A fresh trial, stepped once, then again while one of ``keys`` it holds has no tensor in it (up to
+    :data:`FILL_STEPS` more). NOTE: LBFGS keeps ``old_dirs``, ``ro`` empty and ``H_diag`` the number 1 until a
+    step sees a positive curvature (with ``max_iter=1``, not the first); an empty entry cannot be tried."""
     trial = _Trial(cls, group, dtype, ndim)
     trial.step()
     for _ in range(FILL_STEPS):
@@ -892,11 +865,9 @@ def _filled(
 
 
 def _refusal(trial: _Trial, dtypes: Mapping[str, torch.dtype]) -> str | None:
-    """The error of a step of ``trial`` with ``dtypes`` recast, ``None`` if the steps take them. NOTE: a step that
-    takes the state may leave it in one the next step refuses, when it changes an entry's dtype: LBFGS makes
-    ``d`` anew from the grad (the param's dtype) but copies into ``prev_flat_grad``, keeping its dtype, so a float64
-    pair that agrees within one step (``y.dot(s)``, both float64) meets a float32 ``d`` in the next. So the trial
-    steps again while a step leaves the dtypes otherwise than it found them (up to :data:`AFTER_STEPS` steps)."""
+    """The error of a step of ``trial`` with ``dtypes`` recast, ``None`` if the steps take them. NOTE: a step
+    that takes the state may change a dtype the next step refuses (LBFGS's ``d`` made anew in the param's dtype
+    meets a float64 ``prev_flat_grad``): it steps again while the dtypes change (up to :data:`AFTER_STEPS`)."""
     trial.recast(dtypes)
     held = trial.held_dtypes()
     try:

@@ -110,10 +110,7 @@ def _load(
     mode = _mode.mode_of(receiver)
     if mode is not None:  # streamed: the state loads into host memory, where it lives between steps
         if target is not None and target.type != "cpu":
-            raise ValueError(
-                f"{name}: load_state_dict: it is streamed (optimshift.stream), so its state loads into "
-                f"host memory; device={target} would put it elsewhere. Call optimshift.unstream() first."
-            )
+            raise streamed_elsewhere(f"{name}: load_state_dict", target)
         mode.wait()
         target = torch.device("cpu")
 
@@ -173,6 +170,14 @@ def _load(
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
         hook(receiver)
     return optimizer
+
+
+def streamed_elsewhere(label: str, device: torch.device) -> ValueError:
+    """The refusal of a load onto ``device`` of a streamed optimizer's state, which lives in host memory."""
+    return ValueError(
+        f"{label}: it is streamed (optimshift.stream), so its state loads into host memory; device={device} would "
+        f"put it elsewhere. Call optimshift.unstream() first."
+    )
 
 
 # --- which optimizer receives the state -------------------------------------------------------------------

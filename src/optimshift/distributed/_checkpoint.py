@@ -46,7 +46,7 @@ from .._streaming import is_streamed
 from .._version import __version__
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
-from ..checkpoint._resume import pair_places
+from ..checkpoint._resume import pair_places, streamed_elsewhere
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES
@@ -96,10 +96,8 @@ def save(
     assert target is not None
     tmp = _sibling(target, f"{_TMP}-{token}")  # one per save: concurrent saves to one path never share it
 
-    # phase 2: rank 0 clears stale temporary directories (crashed saves: no live save holds their lock) and
-    # creates this save's, locked until the save ends, before any rank writes into it; every rank builds its
-    # state dict. DCP initializes an optimizer without state by a zero-lr step: a never-stepped optimizer is
-    # saved as such (its empty state), and is left without state.
+    # phase 2: rank 0 clears crashed saves' temporary directories and creates this save's, locked until the save
+    # ends; every rank builds its state dict (a never-stepped optimizer is saved, and left, without state).
     error = None
     state: dict[str, Any] = {}
     had_state = bool(optimizer.state)
@@ -227,11 +225,8 @@ def load(
         target = _committed(_as_path(path))
         if device is not None:
             where = resolve(device, tensors=[p for g in optimizer.param_groups for p in g["params"]])
-            if is_streamed(optimizer) and where.type != "cpu":  # (as optimshift.load_state_dict refuses it)
-                raise ValueError(
-                    f"{optimizer_name(optimizer)}: it is streamed (optimshift.stream), so its state loads into host "
-                    f"memory; device={where} would put it elsewhere. Call optimshift.unstream() first."
-                )
+            if is_streamed(optimizer) and where.type != "cpu":
+                raise streamed_elsewhere(optimizer_name(optimizer), where)
         layout = _Layout.read(target)
         _check_owned(model, optimizer)
     except _FAILURES as e:  # noqa: BLE001
@@ -259,10 +254,8 @@ def load(
         error = e
     _agree(error, "load", path)
 
-    # phase 3: DCP's state dicts (an optimizer without state is initialized by a zero-lr step; undone below
-    # if anything fails) and their comparison with the checkpoint's optimizer state
-    # Params the checkpoint holds no state for (never stepped when it was saved) end without state, as they
-    # were in the saved optimizer: their live or freshly initialized state is left out of the load.
+    # phase 3: DCP's state dicts (its zero-lr initializing step undone if anything fails), compared with the
+    # checkpoint's; params the checkpoint holds no state for end without state, as they were saved.
     error = None
     had_state = bool(optimizer.state)
     no_grad = _params_without_grad(optimizer)
@@ -473,12 +466,9 @@ def _single_process_quiet(world: int) -> Iterator[None]:
 
 
 def _agree(error: BaseException | None, what: str, path: Any, share: Any = None) -> Any:
-    """Raise on every rank if any rank failed, with every failing rank's message; else return rank 0's
-    ``share`` (a small picklable value) on every rank.
-
-    Uses ``all_gather_object`` (torch's collective): ranks must not diverge, or the ones that passed a check
-    would wait forever in DCP's collectives for the ones that raised.
-    """
+    """Raise on every rank if any rank failed, with every failing rank's message; else return rank 0's ``share``
+    (small, picklable) on every rank: ranks that passed a check must not wait in DCP's collectives for one that
+    raised."""
     world = _rank_world()[1]
     if world == 1:
         if isinstance(error, CheckpointException):  # (not an Exception: a user's `except Exception` missed it)
@@ -486,13 +476,11 @@ def _agree(error: BaseException | None, what: str, path: Any, share: Any = None)
         if error is not None:
             raise error
         return share
-    mine = (None if error is None else (type(error).__name__, str(error)), share)
-    gathered_pairs: list[Any] = [None] * world
-    dist.all_gather_object(gathered_pairs, mine)
-    gathered = [pair[0] for pair in gathered_pairs]
-    failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (None if error is None else (type(error).__name__, str(error)), share))
+    failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
     if not failed:
-        return gathered_pairs[0][1]
+        return gathered[0][1]
     messages: dict[str, list[int]] = {}
     for r, (_, message) in failed:
         messages.setdefault(message, []).append(r)
@@ -726,9 +714,9 @@ def _undo_initializing(optimizer: Any, had_state: bool, no_grad: list[torch.Tens
 
 
 def _compare_model(model_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
-    problems = []
-    for name in sorted(set(layout.model) - set(model_sd)):
-        problems.append(f"model.{name}: in the checkpoint, not in the model")
+    problems = [
+        f"model.{name}: in the checkpoint, not in the model" for name in sorted(set(layout.model) - set(model_sd))
+    ]
     for name, value in model_sd.items():
         meta = layout.model.get(name)
         if meta is None:
@@ -759,11 +747,9 @@ def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
 
 
 def _compare_groups(optimizer: Any, layout: _Layout, model: torch.nn.Module | None) -> list[str]:
-    """Group count, which params each group holds (by name, when ``model`` is given: DCP would otherwise load
-    a group's hyperparameters onto other params), and the hyperparameters this optimizer class defines
-    (``optimizer.defaults``): a checkpoint lacking one was written by another optimizer. Keys only the
-    checkpoint has (an LR scheduler's ``initial_lr``) are not an error: DCP reads the keys this optimizer has
-    and leaves those behind."""
+    """Group count, which params each group holds (by name, when ``model`` is given: DCP would otherwise load a
+    group's hyperparameters onto other params), and the hyperparameters the class defines that the checkpoint
+    lacks (written by another optimizer); keys only the checkpoint has (``initial_lr``) are left behind."""
     live = optimizer.param_groups
     if len(live) != len(layout.groups):
         return [f"param groups: {len(layout.groups)} in the checkpoint, {len(live)} in the optimizer"]
@@ -874,10 +860,8 @@ def _pack_extra(extra: Any) -> bytes:
 
 
 def _writer_options() -> dict[str, Any]:
-    # DCP's overlapping device-to-host loader (chosen with one writer thread whenever CUDA or a PrivateUse1
-    # backend is available) needs the backend module's current_stream(). A PrivateUse1 backend without
-    # streams (optimshift's simulated accelerator, some out-of-tree backends) gets the serial loader, which
-    # copies each tensor with .cpu().
+    # DCP's overlapping device-to-host loader needs the backend module's current_stream(): a PrivateUse1 backend
+    # without one (the simulated accelerator) gets the serial loader.
     current = current_accelerator()
     if current is None or current == "cuda":
         return {}

@@ -1,13 +1,9 @@
 """Loading optimizer state: a linear-time, transactional ``optimizer.load_state_dict`` that places every entry
-where a fresh optimizer would keep it (staged in :mod:`._staging`, checked against the class in :mod:`._checks`,
-installed here).
+where a fresh optimizer would keep it (staged in :mod:`._staging`, checked in :mod:`._checks`, installed here).
 
-``torch.optim.Optimizer.load_state_dict`` is right about Adam's ``step`` but scans the param groups once per
-tensor (quadratic), casts floating state to the param's dtype, mangles strings and namedtuples, aliases the
-caller's tensors, puts host scalars such as NAdam's ``mu_product`` on the device and adopts the checkpoint's
-``fused``/``capturable`` flags. :func:`load_state_dict` validates everything first, builds the new state from
-copies, then installs it the way PyTorch does (``__setstate__`` and the load hooks); a live tensor that already
-fits takes the loaded values in place (no copy made: its object and storage stay).
+Unlike torch's (quadratic; casts floating state to the param's dtype, mangles strings and namedtuples, aliases the
+caller's tensors, puts host scalars on the device, adopts the checkpoint's flags), it validates everything first,
+builds the new state from copies, then installs it as PyTorch does (``__setstate__`` and the load hooks).
 """
 
 from __future__ import annotations
@@ -81,12 +77,9 @@ def load_state_dict(
     its storage. For torch.optim classes, also what their step needs (probed): every entry a step creates is
     there and is a dense tensor, per-param buffers have the param's shape and a floating dtype, scalars such as
     ``step`` have one element, and hyperparameters have the right type (``lr`` a number or one-element
-    tensor, ``betas`` a pair) and are there. A group may lack only keys the class fills itself for older
-    checkpoints: its ``__setstate__`` defaults (torch 2.13: the flags ``foreach``, ``fused``, ``capturable``,
-    ``differentiable`` it has; ``maximize`` but for Adafactor's; Adam's and AdamW's ``amsgrad``; Adam's,
-    AdamW's, NAdam's and RAdam's ``decoupled_weight_decay``; SGD's ``nesterov``; RMSprop's ``momentum`` and
-    ``centered``; none of LBFGS's or Muon's) and keys its step never reads or reads with a default (Adagrad's
-    ``initial_accumulator_value``, SparseAdam's ``maximize``); both are read from the installed torch.
+    tensor, ``betas`` a pair) and are there. A group may lack only keys the class's ``__setstate__`` fills for
+    older checkpoints (SGD's ``nesterov``) and keys its step never reads or reads with a default (SparseAdam's
+    ``maximize``); both are read from the installed torch.
     Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run as in PyTorch.
     """
     return _load(optimizer, state_dict, device, flags, copy, cast, as_torch=False)
@@ -295,18 +288,10 @@ def _install(
     shared: Mapping[int, int] = MappingProxyType({}),
     in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = MappingProxyType({}),
 ) -> None:
-    """Hand the new state to the optimizer as PyTorch does (``__setstate__``, the class's fix-ups: Adam's float
-    ``step`` made a tensor) in the engine's commit: if a fix-up raises, the optimizer is put back.
-
-    Then every tensor the optimizer held at the same place (param and key, or group and key) adopts the loaded
-    copy's contents and stays the same object (:mod:`optimshift._adopt`: a compiled ``step()`` does not recompile).
-    Only copies made here are adopted (``made()``: their ids, asked only once a live tensor sits where the load
-    installs something; None: none was made; with ``copy=False`` the caller's own tensors are installed as they
-    are), and one installed in several places (``shared``: how many) only where one old tensor held all of them
-    (LBFGS's ``t``, its group's ``lr``). ``in_place``: by device, (live tensors, checkpoint tensors) that the
-    staging installed as the live tensor itself, which takes the values in the commit once nothing can refuse the
-    state (same object, same storage).
-    """
+    """Hand the new state to the optimizer as PyTorch does (``__setstate__``) in the engine's commit (put back if it
+    raises); each live tensor at the same place adopts the copy made here (``made()``: their ids; None: none was
+    made) and stays the same object, so a compiled ``step()`` does not recompile (:func:`pair_places`, ``shared``).
+    ``in_place``: by device, (live tensors, checkpoint tensors) the live ones take the values of in the commit."""
     before = dict(optimizer.__dict__)
     # (only copies made here are adopted: when every entry was installed as it is or taken in place, none is)
     pairs, places = _adoptable(optimizer, state, groups, made, shared) if made is not None else ([], [])

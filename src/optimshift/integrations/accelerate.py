@@ -19,9 +19,9 @@ params, strings and namedtuples in state survive, and the live fused/capturable/
 Left to Accelerate, unchanged: TPU (XLA) placement, wrappers created with ``device_placement=False``
 (DeepSpeed, Megatron-LM), and optimizers optimshift cannot place (sharded DTensor state, non-dict state).
 
-Why a patch: Accelerate has no hook around optimizer placement, and users never construct
-``AcceleratedOptimizer`` themselves, so patching its two methods is the one place that covers ``prepare``,
-``load_state`` and direct ``optimizer.load_state_dict`` calls alike. ``unpatch()`` restores them.
+Why a patch: Accelerate has no hook around optimizer placement; ``AcceleratedOptimizer``'s two methods are the one
+place that covers ``prepare``, ``load_state`` and direct ``optimizer.load_state_dict`` calls. ``unpatch()`` restores
+them.
 """
 
 from __future__ import annotations

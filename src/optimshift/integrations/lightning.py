@@ -27,10 +27,8 @@ Lightning's own code, unchanged. ``fit(ckpt_path=...)`` restores optimizer state
 of fp32 state to the params' dtype, strings intact, linear time, every entry placed for its param and the live
 flags. Strategies with their own restore (DeepSpeed, FSDP, ModelParallel) keep it.
 
-Why a patch: the wrong moves happen inside Lightning, in every strategy and in ``Fabric``, between hooks a
-callback sees (it could only undo them afterwards), and a strategy mixin would have to be combined with every
-strategy class a user picks. It relies on Lightning's private helper names: if a Lightning release renames
-them, ``patch()`` raises instead of silently doing nothing.
+Why a patch: the wrong moves happen inside Lightning, between the hooks a callback sees, in every strategy. It
+relies on Lightning's private helper names: if a release renames them, ``patch()`` raises.
 
 :class:`OffloadOptimizerDuringEval` is an ordinary callback: it moves optimizer state to host memory for the
 validation, test and predict loops and puts it back, exactly where it was, before training resumes.

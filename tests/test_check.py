@@ -645,6 +645,23 @@ def test_a_group_tensor_is_priced_before_any_step_for_the_params_that_take_a_gra
     assert priced == on_the_device - step() > 0
 
 
+@pytest.mark.parametrize("name", ["RAdam", "AdamW"])
+def test_a_device_lr_of_a_group_over_two_devices_is_found_and_moved_to_the_host(sim, name):
+    """A group over a param on the sim and one on the host, its tensor ``lr`` on the sim: the step computes with it
+    beside the host param and raises. check() judged it by the first param's device alone and said ok (RAdam, whose
+    step reads it nowhere on the host); the host is where it serves both, where move() now puts it."""
+    params = [torch.nn.Parameter(torch.randn(3, 2, device=sim)), torch.nn.Parameter(torch.randn(3, 2))]
+    opt = getattr(O, name)(params, lr=torch.tensor(0.01).to(sim))
+    (finding,) = optimshift.check(opt).findings
+    assert (finding.key, finding.device, finding.expected) == ("lr", str(sim), "cpu")
+    assert "group 0 holds params on cpu too: a step computing with it beside them raises" in finding.why
+    with pytest.raises(RuntimeError, match="same device"):
+        _syncs_of_a_step(opt, params)
+    optimshift.move(opt)
+    assert opt.param_groups[0]["lr"].device.type == "cpu" and optimshift.check(opt).ok
+    _syncs_of_a_step(opt, params)
+
+
 def test_a_device_beta_the_fused_step_reads_as_a_number_is_found_and_moved(sim):
     """Fused Adam takes ``beta1`` as a number: a device ``betas[0]`` costs a sync a step. The probe's fused step
     (no kernel for fake tensors on this build) failed once the betas were taken as numbers, and their reads went

@@ -965,12 +965,13 @@ def _explain(
     on_host = at.type == "cpu"
     if param is None and site.group != OPTIMIZER_WIDE and expected.type == "cpu" and not on_host:
         cost = _policy.group_read_cost(optimizer, group, site.key, t)
+        others = ", ".join(sorted({str(p.device) for p in group["params"] if p.device != at}))
+        mixing = f"group {gi} holds params on {others} too: a step computing with it beside them raises"
         if cost is not None:  # (a group tensor the step reads on the host: what that costs a step of the group)
-            return (
-                "warning",
-                f"{name} reads this on the host each step: on {at} every read is a device-to-host sync",
-                cost,
-            )
+            why = f"{name} reads this on the host each step: on {at} every read is a device-to-host sync"
+            return "warning", f"{why}; {mixing}" if others else why, cost
+        if others:  # (placed on the host for a group over several devices: policy.params_device)
+            return "warning", f"{mixing} (on the host it serves params on any device)", None
     if t.dim() == 0 and expected.type == "cpu":
         on_device = at.type != "cpu"
         held_by = param if param is not None and param.device.type != "cpu" else None  # (a probe's count)

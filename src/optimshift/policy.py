@@ -507,6 +507,13 @@ def _group_path(group: Mapping[str, Any], key: str, value: torch.Tensor) -> tupl
     return (key, None)
 
 
+def params_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.device:
+    """The device a group's own tensors are placed for, its params where they are: theirs, or the host where they
+    span several (a step computing with a tensor on one beside a param on another raises; a host scalar serves all)."""
+    devices = {p.device for p in group.get("params", ()) if isinstance(p, torch.Tensor)}
+    return HOST if len(devices) > 1 else group_device(group, fallback)
+
+
 class Placer:
     """The memoizing front of :func:`decide` for one operation: ``placer(ident, param, group, key, tensor)`` is
     ``(device, source)`` for each entry, the param on ``device`` (``None``: where it is now). Every operation
@@ -559,7 +566,7 @@ class Placer:
         """Where the group's tensor ``key`` goes with the group's params on ``device`` (``None``: where they are),
         from the side the session remembers for a tensor a move took to the host."""
         side = self.side(tensor)
-        return self.at(None, group, key, tensor, group_device(group, tensor) if device is None else device, side)
+        return self.at(None, group, key, tensor, params_device(group, tensor) if device is None else device, side)
 
     def side(self, tensor: torch.Tensor) -> torch.device | None:
         """The accelerator a group tensor now on the host was taken from (by a move or an offload), as the session

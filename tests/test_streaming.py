@@ -479,6 +479,24 @@ def test_refusals_name_the_reason_and_change_nothing(sim):
     assert state_layout(opt) == layout and tensor_ids(opt) == ids and "step" not in opt.__dict__
 
 
+def test_a_differentiable_optimizer_is_refused_before_anything_changes(sim):
+    """``differentiable=True`` keeps autograd's graph through the state, which the host chunks cut: stream() went
+    through, and the first streamed step failed in torch's step ("a leaf Variable that requires grad is being used
+    in an in-place operation"). It is refused at stream(), naming the optimizer, the group and why."""
+    scale = torch.tensor(0.5, device=sim, requires_grad=True)
+    params = [torch.randn(3, 2, device=sim, requires_grad=True).clone() for _ in range(2)]
+    opt = torch.optim.Adam(params, differentiable=True)
+    for p in params:
+        p.grad = p * scale  # (a grad in the graph: the step's state is too)
+    opt.step()
+    layout, ids = state_layout(opt), tensor_ids(opt)
+    with pytest.raises(ValueError, match=r"Adam: stream: group 0 has differentiable=True: .* streaming cuts"):
+        optimshift.stream(opt)
+    assert state_layout(opt) == layout and tensor_ids(opt) == ids and not optimshift.is_streamed(opt)
+    assert "step" not in opt.__dict__ and all(st["exp_avg"].requires_grad for st in opt.state.values())
+    opt.step()
+
+
 def test_framework_integrations_leave_a_streamed_optimizer_as_it_is(sim):
     from optimshift.integrations import _common
 

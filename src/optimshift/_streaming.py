@@ -686,6 +686,13 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
             f"declare it: optimshift.register_policy({cls}, lambda *a: None, separable=True).",
         }
         raise ValueError(f"{name}: stream: {reasons[why]}")
+    tracked = next((gi for gi, g in enumerate(optimizer.param_groups) if g.get("differentiable")), None)
+    if tracked is not None:
+        raise ValueError(
+            f"{name}: stream: group {tracked} has differentiable=True: its step keeps autograd's graph through the "
+            f"state, which streaming cuts (each step copies the state to host memory and back). Keep its state on "
+            f"the device, or build it with differentiable=False"
+        )
     if _mode.mode_of(optimizer) is not None:
         raise ValueError(
             f"{name}: stream: already streamed; optimshift.unstream(optimizer) first to change chunk_bytes or device"
@@ -734,8 +741,8 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     ``device``: the accelerator to stream through (every param on an accelerator must be on it); ``None``: each
     param's own device. Every ``torch.optim`` class but LBFGS can be streamed (not a subclass with a ``step`` of
     its own: it may read other params); a third-party class when :func:`optimshift.register_policy` declares it
-    ``separable``. Refused (with the reason) before anything
-    changes: another class, an offloaded or already streamed optimizer, no param on an accelerator.
+    ``separable``. Refused (with the reason) before anything changes: another class, ``differentiable=True``, an
+    offloaded or already streamed optimizer, no param on an accelerator.
     Returns a :class:`Streamed` handle; :func:`unstream` ends it.
     """
     optimizer = unwrap(optimizer)  # (a wrapper delegating to an optimizer: that optimizer is streamed)

@@ -155,3 +155,29 @@ def test_a_copy_asked_of_a_device_without_index_is_never_the_tensor_itself(sim):
     t = torch.ones(3, device=sim)
     (copy,) = _copy.copy_many([(t, torch.device(sim.type))], _copy.BLOCKING, pool=HostPool()).copies
     assert copy is not t and copy.device == t.device and torch.equal(copy.cpu(), t.cpu())
+
+
+def test_a_failed_cast_says_it_was_a_cast_and_to_which_dtype(sim, monkeypatch):
+    """A load with ``cast=`` copies and casts at once: an OOM there got the note of a plain copy, the saved dtype
+    its only dtype, as if nothing were cast (float32 state bound for bfloat16 params)."""
+    source = [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(2)]
+    trained = torch.optim.Adam(source)
+    for p in source:
+        p.grad = torch.randn_like(p)
+    trained.step()
+    sd = trained.state_dict()
+    saved = {id(t) for st in sd["state"].values() for t in st.values() if t.dim() > 0}
+    real = torch.Tensor.to
+
+    def out_of_memory(self, *args, **kwargs):
+        if id(self) in saved:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", out_of_memory)
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.randn(3, 2, device=sim, dtype=torch.bfloat16)) for _ in source])
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        optimshift.load_state_dict(opt, sd, cast="param")
+    (note,) = info.value.__notes__
+    assert "state key 'exp_avg' ((3, 2), torch.float32) from cpu to sim:0, cast to torch.bfloat16;" in note, note
+    assert not opt.state

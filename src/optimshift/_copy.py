@@ -391,7 +391,7 @@ def copy_many(
         for buf in batch.held + batch.staging:
             pool.release(buf)
         if describe is not None and items:
-            note_copy(error, describe(current), *items[current])
+            note_copy(error, describe(current), *items[current], casts.get(current) if casts else None)
         raise
     for i, dtensor in wrapped.items():
         local = copies[i]
@@ -400,12 +400,15 @@ def copy_many(
     return batch
 
 
-def note_copy(error: BaseException, what: str, t: torch.Tensor, target: torch.device) -> None:
+def note_copy(
+    error: BaseException, what: str, t: torch.Tensor, target: torch.device, dtype: torch.dtype | None = None
+) -> None:
     """The note a failed copy (an OOM on the 900th tensor) gets: the entry it hit (``what``), the tensor, where it
-    went, and that nothing was installed yet."""
+    went, the dtype a cast made it in (a load's ``cast``), and that nothing was installed yet."""
+    cast_to = f", cast to {dtype}" if dtype is not None and dtype != t.dtype else ""
     add_note(
         error,
-        f"optimshift: while copying {what} ({tuple(t.shape)}, {t.dtype}) from {t.device} to {target}; the "
+        f"optimshift: while copying {what} ({tuple(t.shape)}, {t.dtype}) from {t.device} to {target}{cast_to}; the "
         f"optimizer was left unchanged",
     )
 

@@ -708,3 +708,25 @@ def test_a_step_that_calls_copy_by_its_keyword_is_probed_through(sim):
     (finding,) = optimshift.check(opt).findings
     assert (finding.key, finding.expected) == ("lr", "cpu")
     assert finding.syncs_per_step == syncs == len(params)
+
+
+def test_a_placement_no_rule_decided_is_reported_as_assumed(sim):
+    """A class the probe cannot build (its constructor needs ``data``) is placed by the default rule, a guess: its
+    findings stated it as a fact ("keeps this scalar on the param's device"); each says it is assumed."""
+
+    class NeedsData(torch.optim.Optimizer):
+        def __init__(self, params, data):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p].setdefault("count", torch.tensor(0.0))
+
+    opt = NeedsData([torch.nn.Parameter(torch.zeros(2, device=sim))], data=None)
+    opt.step()
+    report = optimshift.check(opt)
+    (finding,) = [f for f in report.findings if f.key == "count"]
+    assert (finding.device, finding.expected) == ("cpu", str(sim))
+    assert finding.why.startswith("assumed by the default rule (no placement rule is known for NeedsData, see below)")
+    assert "the probe could not build NeedsData" in report.findings[-1].why

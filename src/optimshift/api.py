@@ -856,6 +856,8 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         if at == tr.target:
             continue
         severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at, defaults)
+        if tr.source == "default":  # (no probe or table: a guess, which the last finding explains)
+            why = f"assumed by the default rule (no placement rule is known for {name}, see below): {why}"
         report.findings.append(
             Finding(
                 severity,

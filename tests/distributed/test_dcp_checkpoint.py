@@ -242,6 +242,55 @@ def test_live_betas_holding_one_tensor_twice_load_each_value(tmp_path, sim):
     assert float(beta.cpu()) == 0.5 and optimshift.check(live_opt).ok
 
 
+@pytest.mark.parametrize("shared", ["lr of two groups", "betas list"])
+def test_a_live_group_tensor_in_two_places_loads_each_saved_value(tmp_path, sim, shared):
+    """One live tensor in two places (two groups' lr, betas [t, t]) where the checkpoint holds two values: DCP read
+    each into it in turn, and every place kept the last. Each place now loads its own value; where the values are
+    one, the live tensor keeps its places."""
+
+    def adamw(model: torch.nn.Module, a: Any, b: Any) -> torch.optim.Optimizer:
+        weights, biases = list(model.parameters())[::2], list(model.parameters())[1::2]
+        if shared == "lr of two groups":
+            groups = [{"params": weights, "lr": a}, {"params": biases, "lr": b}]
+            return torch.optim.AdamW(groups, capturable=True, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True, foreach=True)
+        opt.param_groups[0]["betas"] = [a, b]
+        return opt
+
+    def places(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        groups = opt.param_groups
+        return [g["lr"] for g in groups] if shared == "lr of two groups" else list(groups[0]["betas"])
+
+    def values(*vs: float) -> list[torch.Tensor]:
+        return [torch.tensor(v, device=sim) for v in vs]
+
+    model = build_model().to(sim)
+    opt = adamw(model, *values(0.8, 0.7))
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    local_step(model, opt, 1, sim)
+    uninterrupted = full_state(model, opt)
+
+    live = build_model().to(sim)
+    t = torch.tensor(0.5, device=sim)
+    live_opt = adamw(live, t, t)
+    load(tmp_path / "ck", live, live_opt)
+    assert all(bitwise_equal(b.cpu(), torch.tensor(v)) for b, v in zip(places(live_opt), (0.8, 0.7), strict=True))
+    assert optimshift.check(live_opt).ok
+    local_step(live, live_opt, 1, sim)
+    assert state_differences(full_state(live, live_opt), uninterrupted) == []
+
+    same = build_model().to(sim)
+    one = torch.tensor(0.9, device=sim)
+    same_opt = adamw(same, one, one)
+    local_step(same, same_opt, 0, sim)
+    save(tmp_path / "one", same, same_opt)
+    t = torch.tensor(0.5, device=sim)
+    live_opt = adamw(live, t, t)
+    load(tmp_path / "one", live, live_opt)
+    assert all(b is t for b in places(live_opt)) and torch.equal(t.cpu(), torch.tensor(0.9))
+
+
 @pytest.mark.parametrize("live_lr", ["float", "one-element", "float64"])
 def test_a_saved_tensor_lr_loads_where_the_live_lr_is_another_kind(tmp_path, sim, live_lr):
     """A checkpoint's tensor lr, loaded where the live lr is a float or a tensor of another shape or dtype: DCP

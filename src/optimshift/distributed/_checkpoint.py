@@ -263,6 +263,7 @@ def load(
     optim_sd: Any = None
     live = optimizer.param_groups
     kept: list[dict[str, Any]] = []
+    apart: list[tuple[dict[str, Any], str, int | None, torch.Tensor, Any]] = []
     try:
         try:
             with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
@@ -281,6 +282,7 @@ def load(
                     if meta is not None and _compare_value(key, value, meta):
                         side = value.device if isinstance(value, torch.Tensor) else None  # (the side given on)
                         group[key] = torch.empty(_shape(meta.size), dtype=meta.properties.dtype, device=side)
+            apart = _read_apart(groups)
             stepped = {n: v for n, v in optim_sd["state"].items() if n not in stateless}
             optim_sd = {"state": stepped, "param_groups": groups}
         except _FAILURES as e:  # noqa: BLE001
@@ -299,6 +301,11 @@ def load(
     try:
         with _single_process_quiet(world):
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)  # type: ignore[attr-defined]
+        for group, key, i, first, own in apart:  # (one value read into both: one object again, as it was)
+            holder: Any = group if i is None else group[key]  # (DCP rebuilt the lists)
+            at: Any = key if i is None else i
+            if holder[at] is own and _same_bits(first, own):
+                holder[at] = first
         set_state_dict(
             model,
             optimizer,
@@ -342,6 +349,35 @@ def _keep_group_tensors(live: list[dict[str, Any]], loaded: list[dict[str, Any]]
             old.copy_(new)
         for holder, key in where:
             holder[key] = old
+
+
+def _read_apart(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, int | None, torch.Tensor, Any]]:
+    """DCP reads each saved value into the tensor at its place: a live tensor in two (two groups' ``lr``, betas ``[t,
+    t]``) would keep the last. Each place after its first gets its own: (group, key, list index or None, live, own)."""
+    seen: set[int] = set()
+    apart: list[tuple[dict[str, Any], str, int | None, torch.Tensor, Any]] = []
+    for group in groups:
+        for key, value in list(group.items()):
+            listed = type(value) is list and key != "params"
+            for i, t in enumerate(value) if listed else [(None, value)]:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    continue
+                if i is None:
+                    group[key] = torch.empty_like(t)
+                else:
+                    if group[key] is value:  # (a copy of the list: the live one is left as it is)
+                        group[key] = list(value)
+                    group[key][i] = torch.empty_like(t)
+                apart.append((group, key, i, t, group[key] if i is None else group[key][i]))
+    return apart
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _fits(old: torch.Tensor, new: torch.Tensor) -> bool:

@@ -853,7 +853,8 @@ def _filled(
 ) -> _Trial:
     """A fresh trial, stepped once, then again while one of ``keys`` it holds has no tensor in it (up to
     :data:`FILL_STEPS` more). NOTE: LBFGS keeps ``old_dirs``, ``ro`` empty and ``H_diag`` the number 1 until a
-    step sees a positive curvature (with ``max_iter=1``, not the first); an empty entry cannot be tried."""
+    step sees a positive curvature (with ``max_iter=1``, not the first); an empty entry cannot be tried. A key it
+    never holds is not the class's: no step fills it."""
     trial = _Trial(cls, group, dtype, ndim)
     trial.step()
     for _ in range(FILL_STEPS):

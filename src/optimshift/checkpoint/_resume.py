@@ -290,7 +290,8 @@ def _install(
 ) -> None:
     """Hand the new state to the optimizer as PyTorch does (``__setstate__``) in the engine's commit (put back if it
     raises); each live tensor at the same place adopts the copy made here (``made()``: their ids; None: none was
-    made) and stays the same object, so a compiled ``step()`` does not recompile (:func:`pair_places`, ``shared``).
+    made; never the caller's own, which ``copy=False`` installs as they are) and stays the same object, so a
+    compiled ``step()`` does not recompile (:func:`pair_places`, ``shared``).
     ``in_place``: by device, (live tensors, checkpoint tensors) the live ones take the values of in the commit."""
     before = dict(optimizer.__dict__)
     # (only copies made here are adopted: when every entry was installed as it is or taken in place, none is)

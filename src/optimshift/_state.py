@@ -1,20 +1,15 @@
-"""Finding the tensors inside optimizer state, and putting new ones in their place without losing types.
-
-State values may be tensors, Python scalars, strings, ``None``, or containers of them: dicts, lists, tuples,
-namedtuples, ``collections.deque``, sets, dataclasses (frozen ones too) and plain objects holding tensors in
-attributes (a projector object in a third-party optimizer's state). Mutable containers and objects keep their
-identity (updated in place at commit time); immutable ones are rebuilt with the same type.
-"""
+"""Finding the tensors inside optimizer state (any containers, dataclasses and plain objects), and putting new ones
+in their place: mutable containers updated in place at commit, immutable ones rebuilt with the same type."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import enum
+import functools
 import types
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -94,8 +89,8 @@ def _children(value: Any) -> Iterator[tuple[Step, Any]]:
 
 
 def leaves(value: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
-    """Every tensor inside ``value``, with its path, depth first in container order; each container is
-    visited once (cycles are safe). Iterative: a hostile file nesting 20,000 levels does not overflow the stack."""
+    """Every tensor inside ``value``, with its path, depth first; each container once. Iterative: a hostile file
+    nesting 20,000 levels does not overflow the stack."""
     if isinstance(value, torch.Tensor):
         yield path, value
         return
@@ -157,20 +152,19 @@ def holds_tensor(value: Any) -> bool:
 
 
 MAX_DEPTH = 64
-"""Containers nested deeper than this are refused where state is loaded or rewritten: copying them is
-recursive, and no optimizer nests state more than a few levels (a hostile or broken file can nest thousands)."""
+"""Containers nested deeper are refused where state is loaded or rewritten: copying them is recursive, and no
+optimizer nests state more than a few levels."""
 
 
-def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether ``value`` nests containers more than ``limit`` levels deep. Iterative; stops at the first path
-    that does; containers are the ones :func:`leaves` walks."""
+def too_deep(value: Any) -> bool:
+    """Whether ``value`` nests the containers :func:`leaves` walks more than :data:`MAX_DEPTH` levels deep."""
     if isinstance(value, (torch.Tensor,) + _ATOMS):
         return False
     stack = [(value, 1)]
     seen: set[int] = set()
     while stack:
         v, depth = stack.pop()
-        if depth > limit:
+        if depth > MAX_DEPTH:
             return True
         if id(v) in seen:
             continue
@@ -182,11 +176,8 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
 
 
 def rebuild(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]) -> Any:
-    """What ``value`` becomes once each tensor ``t`` with ``id(t)`` in ``replace`` is swapped for its copy.
-
-    Mutates nothing: in-place updates of mutable containers are appended to ``setters`` (applying them cannot
-    fail). Returns ``value`` itself when it is mutable or unchanged, else a new object of the same type.
-    """
+    """What ``value`` becomes once each tensor whose id is in ``replace`` is swapped for its copy: itself where mutable
+    (its updates appended to ``setters``, which cannot fail) or unchanged, else a new object of its type."""
     if isinstance(value, torch.Tensor):
         return replace.get(id(value), value)
     if isinstance(value, _ATOMS):
@@ -234,15 +225,10 @@ def _rebuild_container(
     return value
 
 
-def keyed_by(
-    roots: Iterable[tuple[Path, Any]], ids: Mapping[int, Any] | AbstractSet[int], seen: set[int] | None = None
-) -> Iterator[tuple[Path, Any]]:
+def keyed_by(roots: Iterable[tuple[Path, Any]], ids: Mapping[int, Any], seen: set[int]) -> Iterator[tuple[Path, Any]]:
     """Every mapping inside each root value (the root too) with a key whose ``id`` is in ``ids`` (TRAC's
-    ``state["_trac"][param]``, a ``{param: tensor}`` under a plain state key), with its path, in :func:`leaves`
-    order; iterative, each container once across the roots (``seen``: ids of containers to skip, shared). Keys are
-    not walked into, tensors are leaves."""
-    seen = set() if seen is None else seen
-    keys = ids.keys() if isinstance(ids, Mapping) else ids
+    ``state["_trac"][param]``), with its path; each container once across the roots (``seen``: ids to skip)."""
+    keys = ids.keys()
     tensor = torch.Tensor
     only_tensors = {tensor}
     for path, value in roots:
@@ -273,17 +259,15 @@ def keyed_by(
 
 
 REKEYABLE = (dict, OrderedDict, defaultdict)
-"""The mappings :func:`rekey` renames keys of in place, by their own ``clear`` and ``update`` (which cannot fail
-part-way: a tensor hashes by its id); a subclass of one that overrides none of the operations it uses too."""
+"""The mappings :func:`rekey` renames keys of in place (their ``clear`` and ``update`` cannot fail part-way: a tensor
+hashes by its id), and subclasses that override none of the operations it uses."""
 _REKEY_OPS = ("__setitem__", "__delitem__", "clear", "update")
 
 
 def rekey(mapping: Any, renames: Mapping[int, Any]) -> Setter:
-    """The in-place update that gives ``mapping`` each key ``renames`` names (by ``id``) under its new key, in the
-    same order, values untouched. Mutates nothing now; the update reads the mapping's contents when applied (after
-    a commit's replacements, decided under the old keys), and cannot fail. TypeError for a mapping that cannot be
-    rewritten so (an immutable one, or one whose own ``__setitem__``/``update``/``clear`` may refuse part-way);
-    ValueError where two keys would become one (a key already under the name another is renamed to)."""
+    """The in-place update (read when applied, after a commit's replacements; it cannot fail) that renames each key of
+    ``mapping`` that ``renames`` names by ``id``, in order. TypeError for a mapping that may refuse part-way (not
+    :data:`REKEYABLE`), ValueError where two keys would become one."""
     kind = type(mapping)
     plain = any(
         isinstance(mapping, base) and all(getattr(kind, op) is getattr(base, op) for op in _REKEY_OPS)
@@ -305,10 +289,7 @@ def rekey(mapping: Any, renames: Mapping[int, Any]) -> Setter:
 
 
 def _item_setter(container: Any, key: Any, new: Any) -> Setter:
-    def apply() -> None:
-        container[key] = new
-
-    return apply
+    return functools.partial(container.__setitem__, key, new)
 
 
 def _set_replacer(container: set[Any], items: list[Any]) -> Setter:
@@ -322,25 +303,16 @@ def _set_replacer(container: set[Any], items: list[Any]) -> Setter:
 def _attr_setter(obj: Any, name: str, new: Any) -> Setter:
     d = getattr(obj, "__dict__", None)
     if isinstance(d, dict) and name in d:
-
-        def apply() -> None:
-            d[name] = new
-
-    else:
-
-        def apply() -> None:
-            object.__setattr__(obj, name, new)
-
-    return apply
+        return functools.partial(d.__setitem__, name, new)
+    return functools.partial(object.__setattr__, obj, name, new)
 
 
 # --- what every module asks of an optimizer ------------------------------------------------------------------
 
 
 def like_source(source: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
-    """``copy`` (made detached) as its ``source`` is: requiring grad if it was a leaf that did (a copy of a result
-    of autograd, ASGD's ``ax`` under ``differentiable``, is a value: as a leaf requiring grad, an in-place step
-    refuses it), a ``Parameter`` if it was one."""
+    """``copy`` (made detached) as its ``source`` is: requiring grad only if it was a leaf that did (a copy of an
+    autograd result, ASGD's ``ax``, as a leaf requiring grad would be refused by an in-place step), a Parameter."""
     if source.requires_grad and source.is_leaf:
         copy.requires_grad_(True)
     if isinstance(source, torch.nn.Parameter) and not isinstance(copy, torch.nn.Parameter):
@@ -355,9 +327,8 @@ OPTIMIZER_WIDE = -1
 
 
 def group_tensors(group: Mapping[str, Any]) -> Iterator[tuple[Path, torch.Tensor]]:
-    """Every tensor a param group holds among its hyperparameters (a tensor ``lr``, tensor ``betas``, anything
-    deeper), with its path in the group (``(("key", "betas"), ("index", 1))``): the one walk of a group's own
-    tensors."""
+    """Every tensor among a param group's hyperparameters (a tensor ``lr``, ``betas``), with its path in the group:
+    the one walk of a group's own tensors."""
     for key, value in group.items():
         if key not in GROUP_SKIP:
             yield from leaves(value, (("key", key),))
@@ -373,20 +344,15 @@ def group_flags(group: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 def unwrap(optimizer: Any) -> Any:
-    """The ``torch.optim.Optimizer`` a delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
-    ``LightningOptimizer``, schedulefree's ``ScheduleFreeWrapper``, SAM's) wraps, unwrapped as far as they nest;
-    ``optimizer`` itself otherwise."""
+    """The optimizer a delegating wrapper (Accelerate's, Lightning's, schedulefree's, SAM's) wraps, as far as they
+    nest; ``optimizer`` itself otherwise."""
     return wrapping(optimizer)[-1]
 
 
 def wrapping(optimizer: Any) -> list[Any]:
-    """``optimizer`` and each optimizer it delegates to, outermost first: a wrapper delegates to an optimizer it
-    holds (as ``.optimizer``, ``.base``, ``.base_optimizer``, any attribute) that shares its ``param_groups`` and
-    ``state``, so the state it reports is that optimizer's.
-
-    # NOTE: Lightning's LightningOptimizer is also an instance of the optimizer class it wraps (a dynamic
-    # subclass), so "is an Optimizer" does not end the search: sharing param_groups and state does.
-    """
+    """``optimizer`` and each optimizer it delegates to (one it holds under any attribute that shares its
+    ``param_groups`` and ``state``), outermost first. NOTE: Lightning's wrapper is also an instance of the class it
+    wraps, so "is an Optimizer" does not end the search: sharing param_groups and state does."""
     layers = [optimizer]
     for _ in range(8):
         groups, state = getattr(optimizer, "param_groups", None), getattr(optimizer, "state", None)
@@ -417,9 +383,8 @@ def wrapping(optimizer: Any) -> list[Any]:
 
 
 def inner_optimizers(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:
-    """(attribute, optimizer) of each optimizer ``optimizer`` holds with a state of its own (Lookahead's
-    ``.optimizer``, ZeroRedundancyOptimizer's ``.optim``, timm's ``._base_optimizer``): its state is not walked
-    through the wrapper's (a delegating wrapper, which shares it, is :func:`unwrap`'s)."""
+    """(attribute, optimizer) of each optimizer ``optimizer`` holds with a state of its own (Lookahead's), which
+    walking the wrapper's state does not reach."""
     own = getattr(optimizer, "state", None)
     return [
         (name, value)

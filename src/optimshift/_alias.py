@@ -1,17 +1,8 @@
-"""Tensors that share a storage are copied as one storage: its bytes once, and each copy a view of the new
-storage at the same storage offset, size and stride (what ``torch.save`` and ``torch.load`` do).
+"""Tensors that share a storage are copied as one storage: its bytes once, each copy a view of the new storage at
+the same offset, size and stride. Why: per-param views of a flat buffer must still see ``flat.add_()`` after a copy.
 
-An optimizer that keeps a flat buffer and per-param views of it (``state[p]["view"] = flat[i:j].view_as(p)``)
-needs ``flat.add_()`` to show through the views. Copied tensor by tensor, each would get its own storage and
-the step would silently update a buffer no view reads any more.
-
-Tensors on a storage that nothing but the tensors being copied uses are copied together. On one that something
-else also uses (a param or its grad, a host pool buffer that offloaded state lives in, a base kept outside the
-optimizer, or a base no longer held but by the views' ``_base``, which no count can tell apart), only tensors whose
-bytes overlap (a view and its transpose) are: each other one gets its own copy, and the other user stays where
-it is (a state entry that views a param: the rule for params and grads kept in state, see
-:func:`optimshift._engine.outside_owned`). Either way a group is copied as the span of its storage it covers
-(:func:`span`), never bytes no member reads.
+Tensors on a storage nothing else uses are copied together; on one something else uses too (a param, a pool
+buffer, a base held only by the views' ``_base``, which no count tells apart), only those whose bytes overlap.
 """
 
 from __future__ import annotations
@@ -51,11 +42,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_key(t: torch.Tensor) -> int | None:
-    """The identity of ``t``'s storage (its StorageImpl), or None where it is not copied as a storage.
-
-    # NOTE: plain tensors, Parameters and DTensors (by their local shard, as the engine moves them). Other
-    # subclasses (FakeTensor, wrapper subclasses) may keep their data elsewhere: they are copied one by one.
-    """
+    """The identity of ``t``'s storage (a DTensor's local shard's), or None where it is not copied as a storage: other
+    subclasses (FakeTensor, wrapper subclasses) may keep their data elsewhere, and are copied one by one."""
     if type(t) not in _PLAIN and not is_dtensor(t):
         return None
     try:
@@ -65,10 +53,8 @@ def storage_key(t: torch.Tensor) -> int | None:
 
 
 def shared(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Groups of indices into ``tensors``: the distinct tensors (at least two, first occurrence each) that
-    share one storage which nothing else uses, to be copied with :func:`copy_storage`.
-
-    Costs one C call per tensor when nothing is shared (the common case)."""
+    """Groups of indices into ``tensors`` (distinct, two or more each) to copy as one storage with
+    :func:`copy_storage`; one C call per tensor when nothing is shared."""
     # NOTE: under FakeTensorMode there are no bytes to share (and FakeTensors outside one have no key).
     if not tensors or _fake_mode_active():
         return []
@@ -129,12 +115,8 @@ def _bytes(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _overlapping(indices: list[int], tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """The members of one storage (``indices`` into ``tensors``) in groups of two or more that share bytes
-    (chained); the rest (an empty tensor among them) are left out.
-
-    A few C calls per member where none share (the offloaded state in a pool buffer: many disjoint views, in
-    order), and no tensor made (a steady offload/reload allocates no host memory); Python only for members whose
-    intervals overlap."""
+    """The members of one storage (``indices`` into ``tensors``) in groups of two or more that share bytes. A few C
+    calls per member and no tensor made where none share (offloaded state in a pool buffer: many disjoint views)."""
     members = [tensors[i] for i in indices]
     locals_ = members if set(map(type, members)) <= _PLAIN_SET else list(map(_local, members))
     # (byte positions from data pointers: one C call for where each starts, one for its bytes if contiguous)
@@ -182,9 +164,8 @@ _EXACT_LIMIT = 1 << 24
 
 
 def _sharing(component: list[int], locals_: list[torch.Tensor]) -> list[list[int]]:
-    """``component`` (members whose intervals chain) split into the groups that share bytes, element by element:
-    every member's elements tagged and sorted once (members of several element sizes, or more than
-    :data:`_EXACT_LIMIT` elements, count as sharing)."""
+    """``component`` (members whose intervals chain) split into the groups that share elements (all of it where
+    their element sizes differ or past :data:`_EXACT_LIMIT` elements)."""
     members = [locals_[k] for k in component]
     if len({t.element_size() for t in members}) > 1 or sum(t.numel() for t in members) > _EXACT_LIMIT:
         return [component]
@@ -267,12 +248,9 @@ _storage_refs(_PROBE)
 
 
 def _only_kept_storage_object(t: torch.Tensor) -> bool:
-    """Whether the second use of ``t``'s storage is its Python storage object, and nobody holds that: torch made
-    it (``torch.save`` and ``deepcopy`` of a tensor do) and keeps it alive with the storage, so it uses the storage
-    for good. (Where there was none, asking makes one: then the count is 3, another tensor uses the storage.) Its
-    references are counted against those of a storage object nobody holds, counted the same way at the same
-    time (a tracer that holds frames' locals counts one more in both). Never on a torch that does not count a kept
-    object as a use (:func:`_kept_object_counts`)."""
+    """Whether the second use of ``t``'s storage is a Python storage object torch keeps (``torch.save`` and
+    ``deepcopy`` leave one) and nobody holds: its references counted against :data:`_PROBE`'s, counted the same way
+    (a tracer holding frames' locals adds one to both). Where there was none, asking makes one: the count is 3."""
     if not _KEPT_OBJECT_COUNTS:
         return False
     refs = _storage_refs(t)
@@ -287,10 +265,8 @@ def own_storages(tensors: Sequence[torch.Tensor]) -> bool:
 
 def sole_users(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether each of ``tensors`` (plain tensors) is all that uses its storage (see :func:`sole_user`)."""
-    counts = list(map(_use_count, map(_address, tensors)))
-    if max(counts, default=1) == 1:  # (a count is at least 1: the common case, in one pass in C)
-        return True
-    return all(n == 1 or (n == 2 and _only_kept_storage_object(t)) for n, t in zip(counts, tensors))
+    # (a count is at least 1: the common case, in one pass in C)
+    return max(map(_use_count, map(_address, tensors)), default=1) == 1 or all(map(sole_user, tensors))
 
 
 def copy_storage(
@@ -300,14 +276,8 @@ def copy_storage(
     *,
     dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Copies of ``members`` (one group of :func:`shared`) on ``target``, views of one copy of their storage.
-
-    ``copy(src, target)`` copies the storage's bytes (a flat uint8 tensor over the :func:`span` the members
-    cover) to ``target``: the
-    caller's copy, with its streams, pinning and allocation rules. With ``dtype`` (a cast; every member has
-    one dtype) ``src`` is the storage's elements and ``copy`` returns them cast to ``dtype``. Each copy keeps
-    its member's dtype (or ``dtype``), size, stride and storage offset, ``requires_grad`` and class.
-    """
+    """Copies of ``members`` (one group of :func:`shared`) on ``target``, views of one copy of the :func:`span` they
+    cover, made by the caller's ``copy(src, target)`` (of the bytes; with ``dtype``, of the elements, cast)."""
     locals_ = [_local(t) for t in members]
     first = locals_[0]
     storage = first.untyped_storage()
@@ -335,7 +305,6 @@ def copy_storage(
 
 
 def _like(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """``view`` dressed as ``t`` was: a DTensor around it (:func:`optimshift._dtensor.wrap_local`), a Parameter,
-    ``requires_grad`` (:func:`optimshift._state.like_source`). (A DTensor that other DTensors in state are views of
-    cannot be swapped, torch's swap_tensors counts them: it is replaced, still sharing.)"""
+    """``view`` dressed as ``t`` was: a DTensor around it, a Parameter, ``requires_grad``. (A DTensor other DTensors in
+    state view cannot be swapped, torch's swap_tensors counts them: it is replaced, still sharing.)"""
     return like_source(t, wrap_local(t, view) if is_dtensor(t) else view)

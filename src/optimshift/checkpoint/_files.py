@@ -1,8 +1,5 @@
-"""Checkpoint files: atomic saves, safe loads, and finding the optimizer state inside the files users have.
-
-Neither :func:`save` nor :func:`load` moves a tensor: :func:`optimshift.load_state_dict` places optimizer state
-where a fresh optimizer would keep it.
-"""
+"""Checkpoint files: atomic saves, safe loads, and finding the optimizer state inside them (neither moves a tensor:
+:func:`optimshift.load_state_dict` places the state)."""
 
 from __future__ import annotations
 
@@ -87,9 +84,8 @@ def is_optimizer_state_dict(obj: Any) -> bool:
 
 
 def stringified_ids(state_keys: Iterable[Any], ids: Iterable[Any]) -> list[str]:
-    """The keys of ``state`` that are the text of a param id the groups list (``"0"`` for ``0``): what a JSON
-    round trip makes of an optimizer state dict. ``Optimizer.load_state_dict`` takes them for optimizer-wide
-    entries and drops every param's state."""
+    """The keys of ``state`` that are the text of a param id the groups list (``"0"``, from a JSON round trip), which
+    ``Optimizer.load_state_dict`` takes for optimizer-wide entries."""
     keys = [k for k in state_keys if isinstance(k, str)]
     texts = {str(i) for i in ids if type(i) is int} if keys else set()  # the ids PyTorch writes; JSON makes "0" of 0
     return [k for k in keys if k in texts]
@@ -97,13 +93,9 @@ def stringified_ids(state_keys: Iterable[Any], ids: Iterable[Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class FoundOptimizer:
-    """One optimizer state found in a checkpoint.
-
-    ``where``: how to reach it from the loaded object (``""`` for the object itself, ``"['optimizer']"``,
-    ``"['optimizer_states'][0]"``); ``kind``: ``optimshift``, ``state_dict`` (a bare ``Optimizer.state_dict()``
-    such as Hugging Face Trainer's ``optimizer.pt``), ``lightning`` or ``nested``; ``class_name``: the class
-    optimshift recorded (``"torch.optim.adam.Adam"``), else ``None``.
-    """
+    """One optimizer state found in a checkpoint: ``where`` in the loaded object (``"['optimizer']"``, ``""`` for
+    itself); ``kind``: ``optimshift``, ``state_dict`` (a bare one), ``lightning`` or ``nested``; ``class_name``:
+    the class :func:`save` recorded (``"torch.optim.adam.Adam"``), else None."""
 
     where: str
     kind: str
@@ -164,9 +156,8 @@ _EXPANSION_SLACK = 1 << 20  # bytes
 
 
 def overexpanded(t: torch.Tensor) -> str | None:
-    """Why copying ``t`` would allocate far more than its storage holds (an expanded view), else None.
-
-    Plain tensors only: a wrapper subclass (a DTensor) describes a global shape over a local storage."""
+    """Why copying ``t`` would allocate far more than its storage holds (an expanded view), else None. Plain tensors
+    only: a DTensor describes a global shape over a local storage."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.layout != torch.strided:
         return None
     need = t.numel() * t.element_size()
@@ -194,8 +185,7 @@ def _wrapped_optimizer(obj: Any) -> Any | None:
 
 
 def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
-    """``optimizer.state_dict()`` plus the :data:`META_KEY` entry recording its class (what :func:`save`
-    writes for an optimizer). The state dict's tensors are shared, not copied."""
+    """``optimizer.state_dict()`` (its tensors shared) plus the :data:`META_KEY` entry recording its class."""
     inner = _wrapped_optimizer(optimizer)
     if inner is None:
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -210,11 +200,9 @@ def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
 
 
 def _prepare(obj: Any) -> Any:
-    """``obj`` with every optimizer in it (at the top or inside dicts, lists and tuples, their subclasses too:
-    an ``OrderedDict``, a namedtuple) replaced by its recorded state dict; containers are rebuilt only where
-    something changed, as copies of their own class. A container held in several places is rebuilt once (and
-    stays one object); ValueError, before anything is written, for one that holds itself and an optimizer (its
-    copy cannot be made), or whose class cannot be rebuilt."""
+    """``obj`` with every optimizer inside its dicts, lists and tuples (subclasses too) replaced by its recorded
+    state dict, containers rebuilt once each, of their class, where something changed; ValueError, before anything
+    is written, for a cycle holding an optimizer or a class that cannot be rebuilt."""
     done: dict[int, Any] = {}  # id(container) -> what it becomes (itself where nothing changed)
     open_: set[int] = set()  # containers being rebuilt: met again inside themselves, a cycle
     cyclic: list[Any] = []
@@ -287,8 +275,8 @@ def save(obj: Any, path: PathLike) -> None:
 
 
 def _path(path: Any, what: str) -> str:
-    """``path`` as a str (a bytes path too, as ``open()`` takes); TypeError naming ``what`` for anything else (a
-    file object: a save is atomic by a rename in the file's folder, and a load maps the file)."""
+    """``path`` as a str (from bytes too); TypeError naming ``what`` for anything else (a file object: a save renames
+    a new file over the path, and a load maps it)."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(
             f"{what}: path must be a file path (a str or os.PathLike), got "
@@ -483,94 +471,15 @@ _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 # Globals that run code or commands, reach the filesystem or the network, or call arbitrary functions: what a
 # malicious pickle names. No checkpoint needs them, so no message may suggest allowing one.
 _CODE_MODULES = frozenset(
-    {
-        "os",
-        "posix",
-        "nt",
-        "posixpath",
-        "ntpath",
-        "subprocess",
-        "_posixsubprocess",
-        "sys",
-        "shutil",
-        "socket",
-        "select",
-        "importlib",
-        "runpy",
-        "pickle",
-        "_pickle",
-        "pickletools",
-        "marshal",
-        "shelve",
-        "dill",
-        "cloudpickle",
-        "ctypes",
-        "_ctypes",
-        "code",
-        "codeop",
-        "pty",
-        "tty",
-        "multiprocessing",
-        "concurrent",
-        "threading",
-        "_thread",
-        "signal",
-        "webbrowser",
-        "pdb",
-        "bdb",
-        "timeit",
-        "trace",
-        "profile",
-        "cProfile",
-        "asyncio",
-        "platform",
-        "tempfile",
-        "io",
-        "_io",
-        "pathlib",
-        "glob",
-        "fileinput",
-        "operator",
-        "_operator",
-        "functools",
-        "types",
-        "inspect",
-        "gc",
-        "weakref",
-        "urllib",
-        "http",
-        "ftplib",
-        "smtplib",
-        "telnetlib",
-        "zipimport",
-        "pkgutil",
-        "site",
-        "sysconfig",
-        "commands",
-        "popen2",
-        "mmap",
-        "fcntl",
-        "resource",
-    }
+    "os posix nt posixpath ntpath subprocess _posixsubprocess sys shutil socket select importlib runpy pickle _pickle "
+    "pickletools marshal shelve dill cloudpickle ctypes _ctypes code codeop pty tty multiprocessing concurrent "
+    "threading _thread signal webbrowser pdb bdb timeit trace profile cProfile asyncio platform tempfile io _io "
+    "pathlib glob fileinput operator _operator functools types inspect gc weakref urllib http ftplib smtplib "
+    "telnetlib zipimport pkgutil site sysconfig commands popen2 mmap fcntl resource".split()
 )
 # The builtins a data file may legitimately name (containers and numbers); every other builtin can run code.
 _HARMLESS_BUILTINS = frozenset(
-    {
-        "set",
-        "frozenset",
-        "slice",
-        "complex",
-        "range",
-        "bytearray",
-        "bytes",
-        "int",
-        "float",
-        "str",
-        "list",
-        "tuple",
-        "dict",
-        "bool",
-    }
+    "set frozenset slice complex range bytearray bytes int float str list tuple dict bool".split()
 )
 
 
@@ -599,8 +508,7 @@ def runs_code(name: str) -> bool:
 
 
 def _global_exists(name: str) -> bool | None:
-    """Whether ``name`` names something installed, judged without importing anything: ``False`` if its top-level
-    module cannot be found, or its module is imported and lacks it; ``None`` when that cannot be told."""
+    """Whether ``name`` names something installed, judged without importing anything (None: cannot tell)."""
     module, _, attr = name.rpartition(".")
     root = module.split(".", 1)[0]
     try:
@@ -644,8 +552,8 @@ def _weights_only_reason(e: pickle.UnpicklingError) -> str:
 
 
 def _unsafe(p: str, named: list[str], refused: list[_untrusted.Named]) -> UnsafeCheckpointError:
-    """The error for a pickle that imports globals weights-only loading refuses: ``named`` by the refusal's
-    message, ``refused`` as read from the opcodes (:mod:`._untrusted`)."""
+    """The error for a pickle importing globals weights-only loading refuses: ``named`` by the refusal, ``refused``
+    read from the opcodes."""
     names: list[str] = []
     for name in named + [g.name for g in refused if g.name is not None]:
         if _DOTTED.fullmatch(name) and name not in names:
@@ -719,8 +627,8 @@ class _MapLocationFailure(Exception):
 
 
 def _guarded_map_location(map_location: Any, p: str) -> Any:
-    """``map_location`` for torch.load: a device (or a dict of them) is checked to exist first, so a missing
-    device is reported as such rather than as a broken file; a callable's own errors are passed through."""
+    """``map_location`` for torch.load, its devices checked first (a missing one is no broken file); a callable's own
+    errors passed through."""
     if callable(map_location):
 
         def call(storage: Any, location: str) -> Any:
@@ -751,8 +659,8 @@ _OPCODE_NAMES = {ord(op.code): op.name for op in pickletools.opcodes}
 
 
 def _host_out_of_memory(p: str, e: BaseException) -> bool:
-    """Whether ``e`` is torch's host allocator running out of memory for a storage no larger than the file (a
-    storage the file declares larger than itself is a damaged or hostile file: what ``_load_error`` says then)."""
+    """Whether ``e`` is the host running out of memory for a storage no larger than the file (a larger one is a
+    damaged or hostile file)."""
     found = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", str(e))
     if not isinstance(e, RuntimeError) or found is None:
         return False
@@ -763,9 +671,8 @@ def _host_out_of_memory(p: str, e: BaseException) -> bool:
 
 
 def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
-    """What a failed ``torch.load`` of ``p`` (sniffed as ``kind``) raises instead: an UnsafeCheckpointError for a
-    pickle that imports a global weights-only loading refuses (named in the refusal, or read from its opcodes:
-    ``GLOBAL``, ``STACK_GLOBAL``, ``INST``, ``EXT*``), a CheckpointError for anything else wrong with the file."""
+    """What a failed ``torch.load`` of ``p`` raises instead: UnsafeCheckpointError for a pickle importing a global
+    weights-only loading refuses (named in the refusal or read from its opcodes), else CheckpointError."""
     # NOTE: whatever broke, a pickle that imports code is reported as such, never as "corrupt": a user told
     # "corrupt" may try torch.load(weights_only=False), which would run it.
     found = _untrusted.scan(p, kind)
@@ -867,10 +774,8 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
 
 
 def verify_checksums(path: PathLike) -> None:
-    """Raise :class:`CheckpointError` for a ``torch.save`` zip file a record of which fails its CRC-32 (a bit
-    flipped on disk or in transit: torch's reader and :func:`load` take it, values changed). Reads every byte;
-    ``inspect`` and ``convert`` ask before anything else (a converted file would carry the damage under new,
-    valid checksums). Other formats: nothing to check here."""
+    """CheckpointError for a ``torch.save`` zip file a record of which fails its CRC-32 (a flipped bit torch's reader
+    takes); ``inspect`` and ``convert`` ask first (a converted file would carry the damage under valid checksums)."""
     p = _path(path, "verify_checksums")
     if _sniff(p) != "zip":
         return
@@ -910,8 +815,7 @@ def _torch_load(p: str, kind: str, map_location: Any, mmap: bool) -> Any:
 
 
 class Opaque:
-    """What ``inspect`` puts where a file's pickle builds an object of a class it does not import: the arguments
-    and state the pickle gave it, kept as data (nothing of the class runs; the class need not exist here)."""
+    """What ``inspect`` builds in place of a class it does not import: the pickle's arguments and state, as data."""
 
     name = "?"  # the global it stands for: "__main__.Config"
 
@@ -928,22 +832,14 @@ class Opaque:
 
 
 def _opaque_class(name: str) -> type[Opaque]:
-    """A subclass of :class:`Opaque` that weights-only loading allows under the global ``name`` (it names an
-    allowed global by ``module.qualname``)."""
+    """A subclass of :class:`Opaque` that weights-only loading allows under the global ``name``."""
     module, _, qualname = name.rpartition(".")
     return type(qualname, (Opaque,), {"__module__": module, "__qualname__": qualname, "name": name})
 
 
-def _load_recording(
-    path: PathLike, *, mmap: bool = True, opaque: bool = False
-) -> tuple[Any, Mapping[int, str], list[str]]:
-    """Load onto the host and also return where each storage was saved (``{storage data_ptr: "cuda:0"}``) and
-    the globals built as :class:`Opaque` objects.
-
-    For inspecting a file on any machine: the storages stay on the host whatever their location tag. With
-    ``opaque``, a global weights-only loading refuses is stood in for by an :class:`Opaque` class (nothing is
-    imported), unless one the file names can run code: that file is refused as by :func:`load`.
-    """
+def _load_recording(path: PathLike, *, opaque: bool = False) -> tuple[Any, Mapping[int, str], list[str]]:
+    """Load onto the host, with where each storage was saved (``{data_ptr: "cuda:0"}``) and the globals built as
+    :class:`Opaque` objects (with ``opaque``: each one weights-only loading refuses, unless one can run code)."""
     locations: dict[int, str] = {}
 
     def keep(storage: Any, location: str) -> Any:
@@ -957,7 +853,7 @@ def _load_recording(
     while True:
         try:
             with allow([_opaque_class(n) for n in stood_in]) if stood_in else contextlib.nullcontext():
-                loaded = load(path, map_location=where, mmap=mmap)
+                loaded = load(path, map_location=where)
             if isinstance(where, _Tags):  # (every storage saved where the file's one tag says, if it has one)
                 return loaded, where.everywhere(), stood_in
             return loaded, locations, stood_in
@@ -978,9 +874,8 @@ def _load_recording(
 
 
 class _Tags(dict[Any, str]):
-    """A ``map_location`` torch asks as a dict: every location tag it is asked about maps to the host, and is
-    kept, without the storage it is asked for. Where the file has one tag, each storage was saved there; where it
-    has several, each was saved on "one of" them (:meth:`everywhere`: a tag no device parses from)."""
+    """A dict ``map_location`` that maps every tag to the host and keeps the tags (torch asks it no storage): with one
+    tag each storage was saved there, with several on "one of" them (:meth:`everywhere`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1006,8 +901,7 @@ class _Everywhere(dict[int, str]):
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """The bytes of the storages ``tensors`` are on, each storage once: what a file holding them holds, and what
-    loading it allocates (views of one storage share it; a tensor without one counts its own bytes)."""
+    """The bytes of the storages ``tensors`` are on, each once (a tensor without one: its own bytes)."""
     seen: set[int] = set()
     total = 0
     for t in tensors:
@@ -1033,8 +927,7 @@ def saved_location(t: torch.Tensor, locations: Mapping[int, str]) -> str:
 
 
 def resolve_global(name: str) -> Any:
-    """The object called ``name`` (``"pkg.module.Class"``), imported from the installed packages, for
-    ``torch.serialization.safe_globals``."""
+    """The object called ``name`` (``"pkg.module.Class"``), imported, for ``torch.serialization.safe_globals``."""
     module, _, attr = name.rpartition(".")
     if not module:
         raise ValueError(f"--allow-global expects a dotted name such as 'collections.OrderedDict', got {name!r}")

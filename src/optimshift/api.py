@@ -89,10 +89,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _one_at_a_time(fn: F) -> F:
-    """Operations on one optimizer serialize (see :func:`optimshift._offload.exclusive`), with the cyclic
-    collector paused (:func:`optimshift._engine.no_gc`). Given a wrapper delegating to an optimizer
-    (Accelerate's, Lightning's: :func:`optimshift._state.unwrap`), the operation is the wrapped optimizer's (its
-    records, hooks and lock, as in ``load_state_dict``); what it returns for it is the wrapper."""
+    """Operations on one optimizer serialize, the cyclic collector paused; given a delegating wrapper, the operation
+    is the wrapped optimizer's, and what it returns for it is the wrapper."""
 
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -108,16 +106,16 @@ def _one_at_a_time(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _warn_unreached(inner: Any, operation: str, stacklevel: int = 2) -> None:
-    """Warn for each optimizer ``inner`` holds with a state of its own (Lookahead's), which ``operation`` does not
-    reach."""
+def _warn_unreached(inner: Any, operation: str) -> None:
+    """Warn, at the caller's caller, for each optimizer ``inner`` holds with a state of its own (Lookahead's), which
+    ``operation`` does not reach."""
     for attr, held in inner_optimizers(inner):
         warnings.warn(
             f"optimshift.{operation}: {optimizer_name(inner)} holds another optimizer ({attr}: "
             f"{optimizer_name(held)}) with a state of its own, which this call does not reach: call "
             f"optimshift.{operation} on it too (check() reports its entries)",
             RuntimeWarning,
-            stacklevel=stacklevel + 1,
+            stacklevel=3,
         )
 
 
@@ -160,8 +158,8 @@ _target_of = itemgetter(4)  # (a Transfer's)
 def _refuse_meta(
     optimizer: Any, plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device, str]], what: str
 ) -> None:
-    """``resolve``'s refusal of meta (it holds no data), for a tensor of ``plan`` (or a grad of ``extra``) that
-    would follow its param there (``model.to("meta")`` before ``move(opt)``): every value would be lost."""
+    """``resolve``'s refusal of meta for a tensor of ``plan`` (or a grad of ``extra``) with values that would follow
+    its param there (``model.to("meta")`` before ``move(opt)``)."""
     targets = set(map(_target_of, plan.transfers)) | {device for _, device, _ in extra}
     if all(device.type != "meta" for device in targets):
         return  # (nothing bound for meta: the distinct targets in one pass in C, the common case)
@@ -178,10 +176,8 @@ def _refuse_meta(
 def _refuse_from_meta(
     optimizer: Any, plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device, str]], what: str
 ) -> None:
-    """A tensor of ``plan`` (or a grad of ``extra``) on meta bound for a device with storage (a state entry left
-    on meta, or the state of params on meta moved to a device): it has no values to copy. Asked only once a copy
-    failed (torch's "Cannot copy out of meta tensor; no data!", naming nothing), so that the common case pays no
-    walk; nothing was changed then."""
+    """ValueError naming a tensor of ``plan`` (or a grad of ``extra``) on meta bound for a device with storage: it
+    has no values. Asked only once a copy failed (torch's error names nothing), so the common case pays no walk."""
     lost = [(str(tr.site), tr[4]) for tr in plan.transfers if tr[2].is_meta and tr[4].type != "meta"]
     lost += [(label, device) for t, device, label in extra if t.is_meta and device.type != "meta"]
     if lost:
@@ -211,22 +207,12 @@ def _transfer(
     ends: Sequence[torch.Tensor] = (),
     follows: bool = False,
 ) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None, Plan]:
-    """The one path of every operation: plan by ``target``, copy, commit (keeping each tensor object).
-
-    ``cache_key``: the plan (and its adoption decisions) is kept in the optimizer's session under this key and
-    reused while still valid (:mod:`optimshift._plan_cache`); ``target`` is then not called at all. ``grads``: the
-    params' grads matter to the plan (they are part of ``extra``). ``eager``: keep its first build at once (see
-    :func:`optimshift._plan_cache.plan_for`). ``sides``: remember where group tensors taken to the host came from
-    (:func:`optimshift._offload.remember_sides`). ``rewrite``: the structural change the commit makes with the
-    adoptions, and ``finish`` the updates it makes last (see :func:`optimshift._engine.commit`). ``place``: the
-    destinations of the plan's copies, when they are not allocated as usual (a keep_addresses reload's slots:
-    :func:`optimshift._addresses.stage`), kept if the commit goes through and given back if anything fails.
-    ``ends``: the pool buffers this operation gives back (the offload record's it ends, a streamed optimizer's
-    chunks): whatever stays on the host inside them is copied into storage of its own
-    (:func:`optimshift._offload.left_in_buffers`).
-    ``follows``: the targets are the params' own devices (a move without a device, a reload, a rebind): a tensor
-    holding values that would follow its param to meta is refused, as ``move(opt, "meta")`` is. Also returns the
-    plan."""
+    """The one path of every operation: plan by ``target`` (kept under ``cache_key``: ``_plan_cache.plan_for``),
+    copy, commit (``rewrite`` and ``finish``: ``_engine.commit``'s). ``grads``: the params' grads matter to the plan;
+    ``eager``: keep its first build at once; ``sides``: remember where group tensors taken to the host came from;
+    ``place``: the copies' destinations where not allocated as usual (``_addresses.stage``), kept or given back with
+    the commit; ``ends``: the pool buffers given back, what stays on the host in them copied out; ``follows``: the
+    targets are the params' own devices, where a tensor with values bound for meta is refused."""
     start = time.perf_counter()
     # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
@@ -283,9 +269,8 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
 
 
 def _move_ending(optimizer: Opt, buffers: Sequence[torch.Tensor]) -> Opt:
-    """``move(optimizer)`` (each entry follows its param) that ends a mode whose host state sits in ``buffers``,
-    pool buffers the caller gives back after it (a streamed optimizer's chunks: ``unstream``'s): an entry that
-    stays on the host gets a storage of its own, as one an offload left there does."""
+    """``move(optimizer)`` ending a mode whose host state sits in pool ``buffers`` the caller gives back after it
+    (``unstream``'s chunks): an entry that stays on the host gets a storage of its own."""
     inner = unwrap(optimizer)
     _warn_unreached(inner, "move")
     with exclusive(inner), _engine.no_gc(), _engine.operation():
@@ -327,8 +312,7 @@ def _move(
 
 
 def _release_when_done(optimizer: Any, pending: PendingTransfer) -> None:
-    """Once ``pending``'s copies are complete, unmap the memory of the optimizer's reserved ranges that no state
-    uses any more (:func:`optimshift._addresses.release`); nothing for an optimizer that never kept addresses."""
+    """Once ``pending``'s copies are complete, unmap the reserved ranges' memory no state uses any more."""
     if _addresses.layout_of(optimizer) is None:
         return
     ref, name = weakref.ref(optimizer), optimizer_name(optimizer)  # (weak: the callback waits in its session)
@@ -342,8 +326,8 @@ def _release_when_done(optimizer: Any, pending: PendingTransfer) -> None:
 
 
 def _move_key(optimizer: Any, target: torch.device | None) -> Hashable | None:
-    """The cache key of a move's plan (:mod:`optimshift._plan_cache`): its target and where the group tensors a move
-    took to the host came from; None when not cacheable (a registered policy may look at anything)."""
+    """The cache key of a move's plan: its target and where the group tensors a move took to the host came from;
+    None under a registered policy (it may look at anything)."""
     session = _session.get(optimizer)
     if session is None or _policy.has_registered_policy(optimizer):
         return None
@@ -659,8 +643,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
 
 
 def _included(optimizer: Any, include: Iterable[str], what: str) -> tuple[str, ...]:
-    """``include=`` of :func:`offload` (and :func:`offloaded`) as a tuple of names, checked: TypeError or
-    ValueError, naming the optimizer and ``what``, before anything changes."""
+    """``include=`` of :func:`offload` and :func:`offloaded` as a tuple of names, checked before anything changes."""
     try:
         # (include="grads": one name, not letters; bytes are no names, not a sequence of ints)
         if isinstance(include, (bytes, bytearray, memoryview)):
@@ -770,8 +753,8 @@ def _lay_out(optimizer: Any, kept: bool) -> None:
 
 
 def _reload_as_usual(optimizer: Any, error: Exception) -> bool:
-    """``keep_addresses(opt)`` could not lay the state out (its reload raised ``error``, which says the state is
-    still offloaded): reload it as before, allocated as usual; False, said on ``error``, if that fails too."""
+    """After ``keep_addresses``'s reload raised ``error``, reload the state allocated as usual; False, said on
+    ``error``, if that fails too."""
     record = record_of(unwrap(optimizer))
     if record is None:
         return False
@@ -800,17 +783,9 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
     rows = []
     for transfer in build_plan(optimizer, lambda ident, param, group, key, tensor: (tensor.device, "")).transfers:
         t = transfer.tensor
-        rows.append(
-            PlacementRow(
-                transfer.site.param_label,
-                transfer.site.key_label,
-                str(t.device),
-                dtype_name(t.dtype),
-                tuple(t.shape),
-                tensor_bytes(t),
-                **row_fields(t),
-            )
-        )  # DTensor: local shape and placements
+        site = transfer.site  # (row_fields: a DTensor's local shape and placements)
+        row = (site.param_label, site.key_label, str(t.device), dtype_name(t.dtype), tuple(t.shape), tensor_bytes(t))
+        rows.append(PlacementRow(*row, **row_fields(t)))
     return rows
 
 
@@ -876,64 +851,39 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         grads = len(record.grads) if record is not None else 0
         # (the offload took state off an accelerator, since replaced; else it found all of it on meta, left there)
         took = record is not None and any(d.type not in HOSTS for d in record.devices.values())
-        report.findings.insert(
-            0,
-            Finding(
-                "info",
-                "-",
-                "-",
-                "cpu",
-                "-",
-                "-",
-                (
-                    f"offloaded by optimshift.offload: {hosted} state tensor{'s' if hosted != 1 else ''}"
-                    f"{f' and {grads} grad' + ('s' if grads != 1 else '') if grads else ''} in host memory on "
-                    f"purpose"
-                    if hosted or grads
-                    else "offloaded by optimshift.offload, but no state is in host memory any more (something "
-                    "replaced it, such as optimizer.load_state_dict)"
-                    if took
-                    else "offloaded by optimshift.offload, which found no state in device memory to take to the "
-                    "host (state on meta holds no data: it stays there)"
-                )
-                + "; call optimshift.reload(optimizer) before step() (which refuses until then). The other "
-                "findings, if any, are where reload() puts an entry; placement() lists where each tensor is now.",
-            ),
+        note = (
+            f"offloaded by optimshift.offload: {hosted} state tensor{'s' if hosted != 1 else ''}"
+            f"{f' and {grads} grad' + ('s' if grads != 1 else '') if grads else ''} in host memory on purpose"
+            if hosted or grads
+            else "offloaded by optimshift.offload, but no state is in host memory any more (something replaced it, "
+            "such as optimizer.load_state_dict)"
+            if took
+            else "offloaded by optimshift.offload, which found no state in device memory to take to the host (state "
+            "on meta holds no data: it stays there)"
+        ) + (
+            "; call optimshift.reload(optimizer) before step() (which refuses until then). The other findings, if "
+            "any, are where reload() puts an entry; placement() lists where each tensor is now."
         )
+        report.findings.insert(0, Finding("info", "-", "-", "cpu", "-", "-", note))
     report.findings.extend(_dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
-        report.findings.append(
-            Finding(
-                "info",
-                "-",
-                "-",
-                "-",
-                "-",
-                "-",
-                f"no placement rule is known for {name}: {'; '.join(guessed)}; used the default (a 0-dim "
-                f"'step' stays on the host unless the group is fused/capturable; everything else follows its "
-                f"param). Register one with "
-                f"optimshift.register_policy({name}, policy) if that is wrong.",
-            )
+        note = (
+            f"no placement rule is known for {name}: {'; '.join(guessed)}; used the default (a 0-dim 'step' stays on "
+            f"the host unless the group is fused/capturable; everything else follows its param). Register one with "
+            f"optimshift.register_policy({name}, policy) if that is wrong."
         )
+        report.findings.append(Finding("info", "-", "-", "-", "-", "-", note))
     pinned = [tr for tr in plan.transfers if not keeps_object_across_host(tr.tensor)]
     if pinned:
-        site = pinned[0].site
-        report.findings.append(
-            Finding(
-                "info",
-                site.param_label,
-                site.key_label,
-                str(pinned[0].tensor.device),
-                "-",
-                "-",
-                f"{len(pinned)} state tensor{'s' if len(pinned) != 1 else ''} on {pinned[0].tensor.device.type} "
-                f"{'are' if len(pinned) != 1 else 'is'} weakly referenced (dynamo does this once it traced a step over "
-                f"them), and torch can exchange {pinned[0].tensor.device.type} tensors with host ones in place only by "
-                f"swap_tensors, which weak references forbid: an offload/reload or a move to or from the host replaces "
-                f"these objects (values and placement stay right; a compiled step recompiles once).",
-            )
+        site, device = pinned[0].site, pinned[0].tensor.device
+        note = (
+            f"{len(pinned)} state tensor{'s' if len(pinned) != 1 else ''} on {device.type} "
+            f"{'are' if len(pinned) != 1 else 'is'} weakly referenced (dynamo does this once it traced a step over "
+            f"them), and torch can exchange {device.type} tensors with host ones in place only by "
+            f"swap_tensors, which weak references forbid: an offload/reload or a move to or from the host replaces "
+            f"these objects (values and placement stay right; a compiled step recompiles once)."
         )
+        report.findings.append(Finding("info", site.param_label, site.key_label, str(device), "-", "-", note))
     checking = _checking.__dict__.setdefault("ids", set())  # (optimizers holding each other: each checked once)
     checking.add(id(optimizer))
     try:
@@ -955,15 +905,14 @@ def _explain(
     site: Site,
     t: torch.Tensor,
     expected: torch.device,
-    at: torch.device | None = None,
-    defaults: dict[int, bool] | None = None,
+    at: torch.device,
+    defaults: dict[int, bool],
 ) -> tuple[str, str, int | None]:
     """Why ``t`` (on ``at``: its device, or where a reload puts it) belongs on ``expected``, and its cost.
     ``defaults``: whether torch's default picks foreach for a group's params, by group (filled as asked)."""
     name = optimizer_name(optimizer)
     gi = max(site.group, 0)
     group = optimizer.param_groups[gi]  # optimizer-wide entries: the first group
-    at = t.device if at is None else at
     on_host = at.type == "cpu"
     if param is None and site.group != OPTIMIZER_WIDE and expected.type == "cpu" and not on_host:
         cost = _policy.group_read_cost(optimizer, group, site.key, t)
@@ -978,7 +927,6 @@ def _explain(
         on_device = at.type != "cpu"
         held_by = param if param is not None and param.device.type != "cpu" else None  # (a probe's count)
         base = _policy.stepping_base(type(optimizer))
-        defaults = {} if defaults is None else defaults
         default = defaults.get(gi)
         if default is None:  # (torch's pick for the whole group: a host param or a subclass's makes it single-tensor)
             # (torch picks it over the params with a grad: those a step reached, with state; all if none has any)
@@ -1039,8 +987,8 @@ def _explain(
 
 
 def _dtype_findings(optimizer: Any) -> list[Finding]:
-    """:func:`check`'s findings for state entries whose dtype the next step would refuse (a host trial of the
-    class's torch.optim base: :func:`optimshift._probe.rejected_dtypes`; never a user's own step)."""
+    """:func:`check`'s findings for entries whose dtype the next step would refuse (a host trial of the class's
+    torch.optim base, never a user's own step)."""
     base = _policy.stepping_base(type(optimizer))
     if base is None:
         return []
@@ -1125,11 +1073,9 @@ def _position(optimizer: Any, n: int) -> str:
 
 
 def _rekeys(optimizer: Any, renames: Mapping[int, torch.Tensor]) -> list[Setter]:
-    """The updates that key each mapping the optimizer's state and groups hold by an old param (TRAC's
-    ``state["_trac"][param]``, a ``{param: tensor}`` under a plain state key) by its new one (``renames``: by the
-    old param's id), found before anything changes: a stale key would miss the next step's lookup and keep the old
-    param alive. ``optimizer.state`` itself is re-keyed by the rebind's rewrite. TypeError/ValueError naming the
-    mapping where one cannot be rewritten so."""
+    """The updates re-keying each mapping in the state and groups keyed by an old param (TRAC's
+    ``state["_trac"][param]``; ``renames`` by old id) to its new one, found before anything changes: a stale key
+    would miss the next step's lookup and keep the old param alive. TypeError/ValueError naming one that cannot."""
     if not renames:
         return []
     state = optimizer.state

@@ -803,10 +803,11 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         target = _mode.hosted(target)
     report = Report(name, rows=placement(optimizer))
     record = None if streamed_mode else record_of(optimizer)
-    offloaded = record is not None and record.moved_any
+    record = record if record is not None and record.moved_any else None  # (judged as offloaded)
+    offloaded = record is not None
     back: dict[Ident, torch.device] = {}  # offloaded: where reload() puts each tensor
     hosted = 0  # offloaded: the tensors in host memory that reload() takes elsewhere
-    if record is not None and offloaded:
+    if record is not None:
         reloaded = build_plan(optimizer, _reload_target(optimizer, record)).transfers
         for tr in reloaded:
             back[tr.ident] = tr.target
@@ -833,24 +834,13 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at, defaults)
         if tr.source == "default":  # (no probe or table: a guess, which the last finding explains)
             why = f"assumed by the default rule (no placement rule is known for {name}, see below): {why}"
-        report.findings.append(
-            Finding(
-                severity,
-                site.param_label,
-                site.key_label,
-                str(at),
-                dtype_name(t.dtype),
-                str(tr.target),
-                f"after reload(): {why}" if offloaded else why,
-                site.group,
-                site.index,
-                cost,
-            )
-        )
-    if offloaded:
-        grads = len(record.grads) if record is not None else 0
+        why = f"after reload(): {why}" if offloaded else why
+        shown = (site.param_label, site.key_label, str(at), dtype_name(t.dtype), str(tr.target), why)
+        report.findings.append(Finding(severity, *shown, site.group, site.index, cost))
+    if record is not None:
+        grads = len(record.grads)
         # (the offload took state off an accelerator, since replaced; else it found all of it on meta, left there)
-        took = record is not None and any(d.type not in HOSTS for d in record.devices.values())
+        took = any(d.type not in HOSTS for d in record.devices.values())
         note = (
             f"offloaded by optimshift.offload: {hosted} state tensor{'s' if hosted != 1 else ''}"
             f"{f' and {grads} grad' + ('s' if grads != 1 else '') if grads else ''} in host memory on purpose"
@@ -1012,20 +1002,12 @@ def _dtype_findings(optimizer: Any) -> list[Finding]:
             )
             for r in memo[memo_key]:
                 t = next(t for _, t in leaves(state[r.key]) if id(t) not in own)
-                findings.append(
-                    Finding(
-                        "error",
-                        label,
-                        str(r.key),
-                        str(t.device),
-                        dtype_name(r.dtype),
-                        dtype_name(r.fresh),
-                        f"step() rejects {dtype_name(r.dtype)} here with {dtype_name(p.dtype)} params "
-                        f"({r.error.splitlines()[0]}); a fresh {name} keeps it as {dtype_name(r.fresh)}: cast it{load}",
-                        gi,
-                        pi,
-                    )
+                why = (
+                    f"step() rejects {dtype_name(r.dtype)} here with {dtype_name(p.dtype)} params "
+                    f"({r.error.splitlines()[0]}); a fresh {name} keeps it as {dtype_name(r.fresh)}: cast it{load}"
                 )
+                shown = (label, str(r.key), str(t.device), dtype_name(r.dtype), dtype_name(r.fresh), why)
+                findings.append(Finding("error", *shown, gi, pi))
     return findings
 
 

@@ -105,14 +105,9 @@ _TAG = re.compile(r"([A-Za-z_]\w*)(?::(\d+))?")
 
 
 def _device(tag: str, unknown: dict[torch.device, str]) -> torch.device | None:
-    """The device a storage's location tag names, for torch's placement rules (None for a malformed tag).
-
-    NOTE: torch parses the device types it is built with and the PrivateUse1 backend registered in this process;
-    a saved type it cannot parse is another process's PrivateUse1 backend (an out-of-tree accelerator: ``npu``,
-    the simulator's ``sim``). What a load does with it follows from its type alone (torch's optimizer rules tell
-    the host from accelerators, never whether the device is here), so this process's PrivateUse1 device of the
-    same index stands in for it; ``unknown`` records the stand-in's tag, for messages.
-    """
+    """The device a storage's location tag names, for torch's placement rules (None for a malformed tag). NOTE: a
+    type torch cannot parse is another process's PrivateUse1 backend (``npu``, ``sim``); the rules tell only the host
+    from accelerators, so this process's PrivateUse1 device stands in (``unknown``: its tag, for messages)."""
     with contextlib.suppress(Exception):
         return torch.device(tag)
     match = _TAG.fullmatch(tag)
@@ -235,17 +230,10 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         if not isinstance(st, Mapping):
             continue
         for key, value in st.items():
-            row = table.setdefault(
-                str(key),
-                {
-                    "key": str(key),
-                    "count": 0,
-                    "saved_on": Counter(),
-                    "dtypes": Counter(),
-                    "bytes": 0,
-                    "kinds": Counter(),
-                },
+            new: dict[str, Any] = dict(
+                key=str(key), count=0, saved_on=Counter(), dtypes=Counter(), bytes=0, kinds=Counter()
             )
+            row = table.setdefault(str(key), new)
             row["count"] += 1
             ts = [value] if isinstance(value, torch.Tensor) else list(all_tensors(value))
             if not ts:
@@ -356,18 +344,9 @@ def _findings(
                 f"leaves it on {torch_puts}, but a fresh {name} keeps it on its param's device ({fresh}); "
                 f"optimshift.load_state_dict places it there"
             )
-        findings.append(
-            _finding(
-                "info" if cost == 0 else "warning",
-                key,
-                n,
-                message,
-                saved_on=saved,
-                torch_load_puts_it_on=torch_puts,
-                fresh_optimizer_keeps_it_on=fresh,
-                syncs_per_param_per_step=cost,
-            )
-        )
+        where = {"saved_on": saved, "torch_load_puts_it_on": torch_puts, "fresh_optimizer_keeps_it_on": fresh}
+        severity = "info" if cost == 0 else "warning"
+        findings.append(_finding(severity, key, n, message, **where, syncs_per_param_per_step=cost))
     return _merge(findings)
 
 
@@ -381,13 +360,8 @@ def _fresh_device(
     value: torch.Tensor,
     device: torch.device,
 ) -> torch.device:
-    """Where a fresh optimizer keeps ``value`` when its param is on ``device``.
-
-    NOTE: for host params the answer needs no probe: a fresh optimizer over host params keeps everything on the
-    host (state either follows its param or stays on the host). Only a registered policy could say otherwise.
-    The probe (policy.decide builds the optimizer under FakeTensorMode) costs more than a second the first time,
-    so a host checkpoint is read without it.
-    """
+    """Where a fresh optimizer keeps ``value`` when its param is on ``device``. NOTE: over host params everything
+    stays on the host (unless a registered policy says otherwise), so a host checkpoint skips the probe (over 1 s)."""
     if device.type == "cpu" and not _policy.has_registered_policy(holder):
         return device
     placer = placers.get((id(holder), device))

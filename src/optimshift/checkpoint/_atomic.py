@@ -1,11 +1,6 @@
 """Temporary files and folders for atomic saves (``.NAME.<12 hex>.tmp`` next to ``NAME``), the rename that commits
-them, and removing the ones crashed saves left behind (:func:`sweep`, at the start of every save to ``NAME``).
-
-A writer holds an exclusive ``flock`` on its temporary, which the kernel drops however the writer dies; a sweep
-removes a temporary only once it took that lock itself, so a live writer's is never touched, whatever its pid or
-host. Temporaries this process is writing are skipped outright (on NFS, ``flock`` is per-process POSIX locks that
-another thread of the writer could take). Without ``fcntl`` (Windows) an open file cannot be deleted: the same test.
-"""
+them, and sweeping those crashed saves left. A writer holds an ``flock`` the kernel drops however it dies; a sweep
+removes only what it could lock itself, and skips this process's own (on NFS another thread could take the lock)."""
 
 from __future__ import annotations
 
@@ -94,12 +89,10 @@ def temp_name(target: str) -> str:
 
 
 def create_temp(target: str, made: list[str]) -> tuple[int, str]:
-    """A new temporary for ``target`` in its folder, opened for writing and locked: ``(fd, path)``.
-
-    Mode 0o666 lets the umask decide the permissions, as for any new file. ``made``: a list of the caller's, made
-    before the ``try`` whose cleanup removes the temporary, and where its path is put once it is complete: from
-    then on that cleanup removes it (a Ctrl-C landing before this returns or before the caller's ``try``), and
-    until then this does. Hand each path in ``made`` to :func:`release_temp` once it is renamed or removed."""
+    """A new temporary for ``target`` in its folder, opened for writing (mode 0o666: the umask decides, as for any
+    new file) and locked: ``(fd, path)``. Its path is put in the caller's ``made`` once complete: from then on the
+    caller's cleanup removes it (a Ctrl-C before this returns included), until then this does; each goes to
+    :func:`release_temp` once renamed or removed."""
     for _ in range(100):
         fd = -1
         path = temp_name(target)

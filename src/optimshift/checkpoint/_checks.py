@@ -96,8 +96,7 @@ def keys_shown(keys: Any) -> str:
 
 
 def _hyper_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
-    """``cls.__init__``'s keyword defaults (``lr``, ``betas``, ``maximize``…), read from its signature (a
-    torch.optim class's: a Python ``__init__``, which always has one)."""
+    """``cls.__init__``'s keyword defaults (``lr``, ``betas``, ``maximize``…), read from its signature."""
     return {k: d for k, d in signature_defaults(cls).items() if d is not inspect.Parameter.empty}
 
 
@@ -105,14 +104,9 @@ _fresh_groups: weakref.WeakKeyDictionary[type, dict[str, Any] | None] = weakref.
 
 
 def fresh_group(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | None:
-    """What a fresh ``cls`` group holds besides its params (its hyperparameters and flags, with their defaults),
-    read from the installed torch; None where ``cls`` cannot be built from params alone. Cached per class.
-
-    NOTE: runs the class's own ``__init__`` over a tiny host param through a subclass whose ``add_param_group``
-    only records the group (the defaults merged in, as ``Optimizer.add_param_group`` does): torch's own imports
-    torch._dynamo on first use (about 1.5 s, most of what ``inspect`` took); nothing else differs, and no state,
-    hook or step is created. The param is 2-D: Muon takes only those.
-    """
+    """What a fresh ``cls`` group holds besides its params, read from the installed torch (None where ``cls`` cannot
+    be built from params alone); cached. NOTE: built through a subclass whose ``add_param_group`` only records the
+    group: torch's imports torch._dynamo (about 1.5 s). The param is 2-D: Muon takes only those."""
     if cls not in _fresh_groups:
 
         class _Recorder(cls):  # type: ignore[misc, valid-type]  # a base chosen at run time
@@ -133,11 +127,8 @@ def fresh_group(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | None:
 def torch_cast(
     key: Any, group: Mapping[str, Any], param: tuple[torch.dtype, torch.device], value: tuple[torch.dtype, torch.device]
 ) -> tuple[torch.dtype, torch.device]:
-    """The dtype and device PyTorch's ``Optimizer.load_state_dict`` gives a saved state tensor (``value``: its
-    dtype and device) of a param (``param``: the same): ``step`` stays as saved unless the group is fused or
-    capturable (then float32 on the param's device); anything else goes to the param's device, and to its dtype
-    when that is floating (``_process_value_according_to_param_policy``). What ``cast='param'`` applies and
-    what ``inspect`` reports torch's load would do."""
+    """The (dtype, device) PyTorch's ``Optimizer.load_state_dict`` gives a saved state tensor (``value``'s) of a
+    param (``param``'s): ``_process_value_according_to_param_policy``, which ``cast='param'`` applies."""
     if key == "step":
         if group.get("fused") or group.get("capturable"):
             return torch.float32, param[1]
@@ -154,10 +145,8 @@ _group_keys_cache: weakref.WeakKeyDictionary[type, dict[type, tuple[frozenset[st
 def _group_keys(
     cls: type[torch.optim.Optimizer], base: type[torch.optim.Optimizer]
 ) -> tuple[frozenset[str], frozenset[str]]:
-    """(the keys a fresh ``base`` group holds, those of them ``cls.__setstate__`` fills in a group that lacks
-    them), read from the installed torch: a fresh optimizer's ``defaults``, and ``__setstate__`` (what a load
-    runs, as PyTorch's does) on a bare group. NOTE: PyTorch's classes ``setdefault`` each key their older
-    releases did not save (``foreach``, ``maximize``, ``fused``...), so those checkpoints still load."""
+    """(the keys a fresh ``base`` group holds, those ``cls.__setstate__`` fills in a group lacking them). NOTE:
+    PyTorch's classes ``setdefault`` each key older releases did not save (``foreach``...): those still load."""
     found = _group_keys_cache.get(cls, {}).get(base)
     if found is not None:
         return found

@@ -1,17 +1,5 @@
-"""Checkpoint folders that training frameworks write, and the optimizer files inside them.
-
-Two layouts are recognised, by file names only (nothing is loaded here):
-
-- Hugging Face Transformers ``Trainer`` ``checkpoint-N/`` folders: ``optimizer.pt`` (a bare
-  ``Optimizer.state_dict()``), ``scheduler.pt``, ``trainer_state.json``, ``training_args.bin``, ``rng_state*.pth``
-  and the model (``model.safetensors`` or ``pytorch_model.bin``, possibly sharded).
-- Hugging Face Accelerate ``Accelerator.save_state`` folders: ``optimizer.bin`` (then ``optimizer_1.bin``, …),
-  ``scheduler.bin``, ``random_states_N.pkl``, ``sampler.bin`` and the models (``model.safetensors``,
-  ``model_1.safetensors`` or ``pytorch_model.bin``, ``pytorch_model_1.bin``).
-
-A ``torch.distributed.checkpoint`` folder (it has a ``.metadata`` file) is neither: see
-:func:`optimshift.distributed.describe_dcp`.
-"""
+"""Hugging Face Trainer ``checkpoint-N/`` and Accelerate ``save_state`` folders, and the optimizer files inside them,
+recognised by file names only (nothing is loaded)."""
 
 from __future__ import annotations
 
@@ -45,14 +33,8 @@ _OPTIMIZER = re.compile(r"optimizer(?:_(\d+))?\.(pt|bin)")
 
 @dataclass(frozen=True)
 class TrainingFolder:
-    """A framework's checkpoint folder.
-
-    ``kind``: ``"hf_trainer"`` or ``"accelerate"``; ``optimizer_files``: the optimizer state files in it, in the
-    framework's order (``optimizer.bin``, ``optimizer_1.bin``, …); ``files``: every entry of the folder with its
-    role (``"optimizer"``, ``"model weights"``, ``"scheduler"``, …, ``"folder"``, ``"other"``);
-    ``trainer_state``: a few fields of ``trainer_state.json`` (``global_step``, ``epoch``, ``max_steps``) when
-    the folder has one.
-    """
+    """A framework's checkpoint folder: ``kind`` (``"hf_trainer"``, ``"accelerate"``), its ``optimizer_files`` in the
+    framework's order, every entry's role (``files``), and a few fields of ``trainer_state.json``."""
 
     path: str
     kind: str

@@ -1,14 +1,7 @@
-"""Checking every storage a torch.save zip file's pickle asks for against the record that holds its bytes.
-
-``torch.load(mmap=True)`` slices each storage out of the mapped file at its record's offset with the length the
-pickle claims, and never compares that length with the record's: a record cut short (or a length flipped in
-the pickle) makes it return the bytes of the records that follow. ``mmap=False`` refuses such a file
-("record size does not match"). :func:`check_records` restores that check for mapped loads.
-
-The claimed lengths are read by a second pass over ``data.pkl`` with an unpickler that imports nothing and
-builds nothing: every global it names stands for an inert placeholder. Only ``torch.*Storage`` names are
-resolved (to an element size), through torch's own table.
-"""
+"""Checking every storage a torch.save zip file's pickle asks for against the record that holds its bytes, and the
+records' CRC-32. Why: ``torch.load(mmap=True)`` never compares the length the pickle claims with the record's, so
+a record cut short returns the bytes that follow (``mmap=False`` refuses it). The claims are read by an unpickler
+that imports and builds nothing."""
 
 from __future__ import annotations
 
@@ -126,9 +119,8 @@ def check_records(path: str) -> None:
 
 
 def check_checksums(path: str) -> None:
-    """Raise :class:`RecordMismatch` naming the first record of ``path`` (a zip file) whose bytes fail the CRC-32
-    the archive recorded for them: a bit changed after the file was written, which neither torch's reader nor the
-    size check sees. Reads every byte once, in chunks (``inspect`` and ``convert`` ask; a mapped load does not)."""
+    """Raise :class:`RecordMismatch` naming the first record of ``path`` (a zip file) whose bytes fail their CRC-32
+    (a bit changed after the write, which neither torch's reader nor the size check sees). Reads every byte."""
     name = ""
     try:
         with zipfile.ZipFile(path) as zf:

@@ -1,16 +1,6 @@
-"""Judging an untrusted checkpoint without running it: the globals its pickle names, and what it built.
-
-:func:`scan` reads the opcode stream with ``pickletools.genops`` (nothing is imported, built or called) and lists
-every global the pickle would import: by name (``GLOBAL``, ``INST``), from two strings on the stack
-(``STACK_GLOBAL``, resolved by following the stack and the memo) or by extension code (``EXT1/2/4``, resolved
-through ``copyreg``'s registry). A global that cannot be named that way (operands computed at run time, an
-unregistered code) is listed with ``name=None``: only running the pickle would say what it imports.
-
-:func:`shadowed_attribute` looks at what ``weights_only=True`` loading built: it lets a pickle set any instance
-attribute on a tensor (``torch._tensor._rebuild_from_type_v2``'s state) or an ``OrderedDict`` (``BUILD``), so a
-file can give a tensor a ``__reduce_ex__`` or an ``OrderedDict`` an ``items`` of its own, which breaks whatever
-calls them later (saving it again, walking it). No checkpoint needs that.
-"""
+"""Judging an untrusted checkpoint without running it: :func:`scan` lists every global its pickle would import, by
+any opcode (``name=None`` where only running it would say); :func:`shadowed_attribute` finds objects that
+``weights_only=True`` loading let the file give a method of their own (a tensor's ``__reduce_ex__``)."""
 
 from __future__ import annotations
 

@@ -119,10 +119,6 @@ def _warn_unreached(inner: Any, operation: str) -> None:
         )
 
 
-def _all_tensors(optimizer: Any) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
-
-
 def _check_flags(optimizer: Any, what: str, **flags: Any) -> None:
     """TypeError, naming the optimizer and the call, for a flag that is not a bool (``pin_memory`` may be None):
     torch's own error for ``non_blocking=1`` named neither, and ``pin_memory="no"`` read as True."""
@@ -134,11 +130,12 @@ def _check_flags(optimizer: Any, what: str, **flags: Any) -> None:
             )
 
 
-def _resolve(device: DeviceLike | None, optimizer: Any, what: str = "device") -> torch.device | None:
+def _resolve(device: DeviceLike | None, optimizer: Any) -> torch.device | None:
     if device is None:
         return None
     # (named: "device cuda is not available" alone does not say which call, in a script that moves several)
-    return resolve(device, what=f"{optimizer_name(optimizer)}: {what}", tensors=_all_tensors(optimizer))
+    tensors = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+    return resolve(device, what=f"{optimizer_name(optimizer)}: device", tensors=tensors)
 
 
 def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
@@ -1045,15 +1042,6 @@ def _refuse_dtypes(optimizer: Any, gi: int, pi: int, old: torch.Tensor, new: tor
         )
 
 
-def _position(optimizer: Any, n: int) -> str:
-    """Param ``n`` of the optimizer, counted across its groups in order, as ``group g, param i``."""
-    for gi, group in enumerate(optimizer.param_groups):
-        if n < len(group["params"]):
-            return f"group {gi}, param {n}"
-        n -= len(group["params"])
-    return f"param {n} past the last group"
-
-
 def _rekeys(optimizer: Any, renames: Mapping[int, torch.Tensor]) -> list[Setter]:
     """The updates re-keying each mapping in the state and groups keyed by an old param (TRAC's
     ``state["_trac"][param]``; ``renames`` by old id) to its new one, found before anything changes: a stale key
@@ -1114,16 +1102,18 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
         raise TypeError(
             f"{name}: rebind takes the new params (model.parameters()), got {with_article(type(params).__name__)}"
         ) from None
+    old = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     pairs = [isinstance(p, tuple) and len(p) == 2 for p in given]  # (model.named_parameters())
     named = bool(given) and all(pairs)
     if any(pairs) and not named:
+        where = [f"group {gi}, param {pi}" for gi, pi, _ in old]  # (each param given, by its position)
+        where += [f"param {i} past the last group" for i in range(len(given))]
         raise TypeError(
             f"{name}: rebind got (name, param) pairs for some params (group and index: "
-            f"{_position(optimizer, pairs.index(True))}) and bare params for others "
-            f"({_position(optimizer, pairs.index(False))}): give all of them one way, so that no name is dropped"
+            f"{where[pairs.index(True)]}) and bare params for others "
+            f"({where[pairs.index(False)]}): give all of them one way, so that no name is dropped"
         )
     new = [p[1] if named else p for p in given]
-    old = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])]
     if len(new) != len(old):
         raise ValueError(f"{name}: rebind got {len(new)} params, the optimizer holds {len(old)}")
     seen: set[int] = set()

@@ -42,15 +42,7 @@ _ATOMS = (
 
 
 def format_path(path: Path) -> str:
-    out = []
-    for kind, step in path:
-        if kind == "key":
-            out.append(f"[{step!r}]")
-        elif kind == "attr":
-            out.append(f".{step}")
-        else:
-            out.append(f"[{step}]")
-    return "".join(out)
+    return "".join(f"[{s!r}]" if kind == "key" else f".{s}" if kind == "attr" else f"[{s}]" for kind, s in path)
 
 
 def _is_namedtuple(value: Any) -> bool:
@@ -403,9 +395,7 @@ def group_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.devi
 
 def param_name(index: int, names: Any) -> Any:
     """The name ``param_names`` gives param ``index`` of a group, or None."""
-    if isinstance(names, (list, tuple)) and index < len(names):
-        return names[index]
-    return None
+    return names[index] if isinstance(names, (list, tuple)) and index < len(names) else None
 
 
 def param_label(group: int, index: int, name: Any = None) -> str:

@@ -112,11 +112,7 @@ def _meta_class(sd: Mapping[str, Any]) -> str | None:
 
 
 def find_optimizer_states(obj: Any, *, max_depth: int = MAX_DEPTH) -> list[FoundOptimizer]:
-    """Every optimizer state dict inside ``obj`` (a loaded checkpoint), in a stable order.
-
-    Recognises a bare ``state_dict()``, Lightning's ``optimizer_states`` list, dicts that keep one under
-    ``optimizer``/``optim``/``optimizer_state_dict`` or any other key, and :func:`save`'s own files.
-    """
+    """Every optimizer state dict inside ``obj`` (a loaded checkpoint), under any key or index, in a stable order."""
     found: list[FoundOptimizer] = []
     seen: set[int] = set()  # (containers walked: one held in many places, or holding itself, once)
 

@@ -75,12 +75,8 @@ def _trainer_state(path: str) -> dict[str, Any] | None:
 
 
 def training_folder(path: str) -> TrainingFolder | None:
-    """The framework checkpoint folder at ``path``, or None if it is not one (or not a folder).
-
-    A Trainer folder has ``trainer_state.json``, or ``optimizer.pt`` with ``scheduler.pt``; an Accelerate folder
-    has ``optimizer.bin`` (or ``optimizer_N.bin``) beside model weights, ``random_states_N.pkl`` or
-    ``scheduler.bin``. A ``torch.distributed.checkpoint`` folder (``.metadata``) is never one.
-    """
+    """The framework checkpoint folder at ``path``, or None where it is none (a ``torch.distributed.checkpoint``
+    folder, with its ``.metadata``, never is)."""
     try:
         names = sorted(os.listdir(path))
     except (NotADirectoryError, FileNotFoundError, PermissionError):

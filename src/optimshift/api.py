@@ -149,15 +149,12 @@ def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
     )
 
 
-_target_of = itemgetter(4)  # (a Transfer's)
-
-
 def _refuse_meta(
     optimizer: Any, plan: Plan, extra: Sequence[tuple[torch.Tensor, torch.device, str]], what: str
 ) -> None:
     """``resolve``'s refusal of meta for a tensor of ``plan`` (or a grad of ``extra``) with values that would follow
     its param there (``model.to("meta")`` before ``move(opt)``)."""
-    targets = set(map(_target_of, plan.transfers)) | {device for _, device, _ in extra}
+    targets = set(map(itemgetter(4), plan.transfers)) | {device for _, device, _ in extra}  # (4: a Transfer's target)
     if all(device.type != "meta" for device in targets):
         return  # (nothing bound for meta: the distinct targets in one pass in C, the common case)
     lost = [(str(tr.site), tr[2]) for tr in plan.transfers if tr[4].type == "meta" and tr[2].device.type != "meta"]

@@ -258,14 +258,6 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
     return desc
 
 
-def _class_label(cls: type[torch.optim.Optimizer] | None, found: ckpt.FoundOptimizer) -> str:
-    if cls is not None:
-        return cls.__name__
-    if found.class_name:
-        return found.class_name.rpartition(".")[2]
-    return "this optimizer"
-
-
 def _findings(
     cls: type[torch.optim.Optimizer] | None,
     found: ckpt.FoundOptimizer,
@@ -274,7 +266,7 @@ def _findings(
     locations: Mapping[int, str],
 ) -> list[dict[str, Any]]:
     findings: list[dict[str, Any]] = []
-    name = _class_label(cls, found)
+    name = cls.__name__ if cls else found.class_name.rpartition(".")[2] if found.class_name else "this optimizer"
     holder = cls.__new__(cls) if cls is not None else _GENERIC  # policy.decide reads only its type
     # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
     moved: Counter[tuple[str, str, str, str, bool, bool, bool, bool]] = Counter()

@@ -367,15 +367,14 @@ def offload(
 ) -> Opt | PendingTransfer:
     """Move all state to host memory and remember where each tensor was, for :func:`reload`.
 
-    Host copies live in a persistent pool (pinned where the state's accelerator can pin host memory, e.g. CUDA,
-    unless ``pin_memory`` is False),
-    reused cycle after cycle; the state tensors stay the same objects. ``include=("grads",)`` also takes the
-    params' ``.grad`` tensors, so the optimizer holds nothing on the device: while offloaded each such
-    ``param.grad`` is ``None`` (torch refuses a host grad on an accelerator param, and a backward would
-    accumulate into it across devices) and the grad, the same object, holds its values in the host pool, kept by
-    optimshift; :func:`reload` gives each param that object back. ``non_blocking=True`` returns a
-    :class:`PendingTransfer` at once (copies run on a side stream; ``wait()`` before reading the host copies);
-    otherwise the optimizer. Offloading an offloaded optimizer only moves what was added since.
+    Host copies live in a persistent pool (pinned where the state's accelerator can pin host memory, e.g. CUDA, unless
+    ``pin_memory`` is False), reused cycle after cycle; the state tensors stay the same objects. ``include=("grads",)``
+    also takes the params' ``.grad`` tensors, so the optimizer holds nothing on the device: while offloaded each such
+    ``param.grad`` is ``None`` (torch refuses a host grad on an accelerator param, and a backward would accumulate into
+    it across devices) and the grad, the same object, holds its values in the host pool, kept by optimshift;
+    :func:`reload` gives each param that object back. ``non_blocking=True`` returns a :class:`PendingTransfer` at once
+    (copies run on a side stream; ``wait()`` before reading the host copies); otherwise the optimizer. Offloading an
+    offloaded optimizer only moves what was added since.
 
     ``keep_addresses=True``: :func:`reload` puts every state tensor back at the same ``data_ptr()`` (a CUDA graph
     that captured the step stays valid), in a range reserved on its device whose memory is unmapped while
@@ -587,14 +586,13 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     keeps it, offloaded or not (as :func:`move` puts it): one call that brings the state to a device, as RL
     frameworks' move-to-device functions expect.
 
-    Where a group's implementation flags changed while offloaded (``capturable`` switched on), its entries go
-    where a fresh optimizer with those flags keeps them, on the device their state was on; entries of a param
-    that moved while offloaded, where a fresh optimizer keeps them for its new device. State
-    offloaded with ``keep_addresses`` comes back at the addresses it had (see :func:`offload`); with ``device`` it
-    leaves its reserved range (allocated as usual there, the range's memory released).
-    ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies run on a side stream and the
-    optimizer's next ``step()`` waits for them on the device, so a reload issued before the forward pass
-    overlaps with it (offloaded grads, read before ``step()``, are waited for at once).
+    Where a group's implementation flags changed while offloaded (``capturable`` switched on), its entries go where a
+    fresh optimizer with those flags keeps them, on the device their state was on; entries of a param that moved while
+    offloaded, where a fresh optimizer keeps them for its new device. State offloaded with ``keep_addresses`` comes back
+    at the addresses it had (see :func:`offload`); with ``device`` it leaves its reserved range (allocated as usual
+    there, the range's memory released). ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies
+    run on a side stream and the optimizer's next ``step()`` waits for them on the device, so a reload issued before the
+    forward pass overlaps with it (offloaded grads, read before ``step()``, are waited for at once).
     """
     check_optimizer(optimizer)
     _check_flags(optimizer, "reload", non_blocking=non_blocking)

@@ -167,11 +167,7 @@ def refused(found: Scan) -> list[Named]:
     except (AttributeError, TypeError):  # a torch without these private helpers: nothing counts as allowed
         allowed = set()
     blocked = set(getattr(wou, "_blocklisted_modules", ()))
-    out: list[Named] = []
-    for g in found.globals:
-        if g.name is None or g.name.rpartition(".")[0] in blocked or g.name not in allowed:
-            out.append(g)
-    return out
+    return [g for g in found.globals if g.name is None or g.name.rpartition(".")[0] in blocked or g.name not in allowed]
 
 
 # --- what loading built --------------------------------------------------------------------------------------

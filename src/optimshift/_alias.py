@@ -30,9 +30,8 @@ _PLAIN_SET = frozenset(_PLAIN)
 _NBYTES = operator.attrgetter("nbytes")
 
 
-def storage_of(t: torch.Tensor) -> int:
-    """The identity of a plain tensor's storage (an empty one's too), without making a Python storage object."""
-    return _address(t)
+storage_of = _address
+"""The identity of a plain tensor's storage (an empty one's too), without making a Python storage object."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

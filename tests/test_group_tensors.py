@@ -861,3 +861,28 @@ def test_a_loaded_tensor_betas_holding_one_tensor_twice_stays_one_tensor(sim):
     loaded = opt.param_groups[0]["betas"]
     assert loaded[0] is loaded[1] and float(loaded[1].cpu()) == float(saved_beta.cpu())
     assert float(betas[1].cpu()) == pytest.approx(0.999) and optimshift.check(opt).ok
+
+
+def test_placing_a_group_s_tensors_walks_its_params_once_not_once_per_tensor(sim):
+    """A group's own tensors are placed for its params' device (the host where they span several): each group
+    tensor walked every param twice (``params_device``, and the probe's lookup of the first param's rank), so a
+    plan over 10k params and a tensor ``lr`` and ``betas`` cost three walks of them. One walk per operation now."""
+
+    class Walked(list):
+        seen = 0
+
+        def __iter__(self):
+            for p in super().__iter__():
+                Walked.seen += 1
+                yield p
+
+    def seen_by_a_move(**kwargs):
+        params = [torch.nn.Parameter(torch.randn(4, device=sim)) for _ in range(50)]
+        opt = O.Adam(params, lr=torch.tensor(0.01), foreach=False, **kwargs)
+        opt.param_groups[0]["params"] = Walked(opt.param_groups[0]["params"])
+        Walked.seen = 0
+        optimshift.move(opt)
+        assert all(t.is_cpu for t in (opt.param_groups[0]["lr"], *opt.param_groups[0]["betas"]) if torch.is_tensor(t))
+        return Walked.seen
+
+    assert seen_by_a_move(betas=(torch.tensor(0.9), torch.tensor(0.99))) - seen_by_a_move() < 50

@@ -458,8 +458,8 @@ def _group_entry(
 
 def _group_observed(cls: type, group: Mapping[str, Any]) -> Observed | None:
     """What the probe that judges ``group``'s own tensors saw (over a param of its first param's rank)."""
-    params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
-    return probed_by(cls, group, params[0].dim() if params else 1)[1]
+    first = next((p for p in group.get("params", ()) if isinstance(p, torch.Tensor)), None)
+    return probed_by(cls, group, 1 if first is None else first.dim())[1]
 
 
 def group_read_cost(
@@ -528,7 +528,7 @@ class Placer:
     entry is decided. Group entries are few and decided by their identity in the group: never memoized.
     """
 
-    __slots__ = ("optimizer", "device", "sides", "memo", "values")
+    __slots__ = ("optimizer", "device", "sides", "memo", "values", "spans")
 
     def __init__(
         self,
@@ -541,6 +541,7 @@ class Placer:
         self.optimizer, self.device, self.sides = optimizer, device, {} if sides is None else sides
         self.values = values  # (False: asked about stand-ins, see decide)
         self.memo: dict[Any, tuple[torch.device, str]] | None = None if has_registered_policy(optimizer) else {}
+        self.spans: dict[tuple[int, torch.device], torch.device] = {}  # (params_at's, by group)
 
     def __call__(
         self, ident: Any, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
@@ -566,7 +567,16 @@ class Placer:
         """Where the group's tensor ``key`` goes with the group's params on ``device`` (``None``: where they are),
         from the side the session remembers for a tensor a move took to the host."""
         side = self.side(tensor)
-        return self.at(None, group, key, tensor, params_device(group, tensor) if device is None else device, side)
+        return self.at(None, group, key, tensor, self.params_at(group, tensor) if device is None else device, side)
+
+    def params_at(self, group: Mapping[str, Any], tensor: torch.Tensor) -> torch.device:
+        """:func:`params_device` of ``group`` for its tensor ``tensor``, its params walked once per operation (not
+        once per tensor it holds: a group of 10k params holding a tensor ``lr`` and ``betas``)."""
+        key = (id(group), tensor.device)  # (the fallback, for a group without params, is the tensor's device)
+        found = self.spans.get(key)
+        if found is None:
+            found = self.spans[key] = params_device(group, tensor)
+        return found
 
     def side(self, tensor: torch.Tensor) -> torch.device | None:
         """The accelerator a group tensor now on the host was taken from (by a move or an offload), as the session

@@ -886,3 +886,24 @@ def test_placing_a_group_s_tensors_walks_its_params_once_not_once_per_tensor(sim
         return Walked.seen
 
     assert seen_by_a_move(betas=(torch.tensor(0.9), torch.tensor(0.99))) - seen_by_a_move() < 50
+
+
+@pytest.mark.parametrize("road", ["a param moved while offloaded", "offloaded as it was"])
+def test_a_reload_puts_the_lr_of_a_group_over_two_devices_where_a_move_does(sim, road):
+    """A group's params on sim:0 and sim:1, its tensor ``lr`` on sim:0: a step raises mixing devices, and a move
+    (and check) put the lr on the host, where it serves both. A reload placed it by the group's first param
+    (``group_device``), back on sim:0: the roads disagreed, and the next step raised."""
+    sim1 = torch.device(sim.type, 1)
+    params = _params(sim)
+    opt = O.RAdam(params, lr=torch.tensor(0.01, device=sim))
+    if road == "offloaded as it was":
+        params[1].data = params[1].data.to(sim1)  # (no step before: it raises mixing devices)
+    else:
+        _step(opt, params, 0)
+    lr = opt.param_groups[0]["lr"]
+    optimshift.offload(opt)
+    if road == "a param moved while offloaded":
+        params[1].data = params[1].data.to(sim1)
+    optimshift.reload(opt)
+    assert opt.param_groups[0]["lr"] is lr and lr.device.type == "cpu" and optimshift.check(opt).ok
+    _step(opt, params, 1)

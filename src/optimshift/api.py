@@ -55,7 +55,6 @@ from ._state import (
     Path,
     Setter,
     format_path,
-    group_device,
     group_flags,
     group_tensors,
     inner_optimizers,
@@ -547,7 +546,7 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             if taken is not None and taken[1] is tensor:
                 own = was is not None and was.type not in HOSTS  # (a site taken from: judged with its own group)
                 was, group = taken[0], group if own else origin.get(id(tensor), group)
-                if not _group_moved(record, group) and (there := group_device(group, tensor)) != was:
+                if not _group_moved(record, group) and (there := by_policy.params_at(group, tensor)) != was:
                     # (held now by a group on another device, swapped or given meanwhile: its side, there)
                     return by_policy.at(None, group, key, tensor, there, side=was)
             elif was is None and tensor.is_cpu and id(tensor) in on_host:
@@ -559,7 +558,7 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             # keeps them for the params' device now, on the side they were given on (for one the offload found on
             # the host, the side the session remembers from the move that took it there)
             side = was if was.type not in HOSTS else by_policy.side(tensor) or was
-            return by_policy.at(None, group, key, tensor, group_device(group, tensor), side=side)
+            return by_policy.at(None, group, key, tensor, by_policy.params_at(group, tensor), side=side)
         if param is not None and record.param_devices.get(id(param)) != param.device:
             was = None  # the param moved while its state was away: place the state for where it is now
         if was is not None:

@@ -907,3 +907,15 @@ def test_a_reload_puts_the_lr_of_a_group_over_two_devices_where_a_move_does(sim,
     optimshift.reload(opt)
     assert opt.param_groups[0]["lr"] is lr and lr.device.type == "cpu" and optimshift.check(opt).ok
     _step(opt, params, 1)
+
+
+def test_a_rebind_onto_params_over_two_devices_puts_a_device_lr_where_a_move_does(sim):
+    """A rebind onto new params on the host and the sim placed the group's tensor ``lr`` by the first new param's
+    device alone (the sim): the next step raised mixing devices, and check() said so. A move puts it on the host,
+    where it serves both; a rebind does too."""
+    opt = O.RAdam(_params(sim), lr=torch.tensor(0.01, device=sim))
+    lr = opt.param_groups[0]["lr"]
+    new = [torch.nn.Parameter(torch.randn(3, 2, device=sim)), torch.nn.Parameter(torch.randn(3))]
+    optimshift.rebind(opt, new)
+    assert opt.param_groups[0]["lr"] is lr and lr.device.type == "cpu" and optimshift.check(opt).ok
+    _step(opt, new, 0)

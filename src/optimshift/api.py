@@ -55,6 +55,7 @@ from ._state import (
     Path,
     Setter,
     format_path,
+    group_device,
     group_flags,
     group_tensors,
     inner_optimizers,
@@ -1132,17 +1133,17 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     mapping = {id(p): q for (_, _, p), q in zip(old, new)}
     finish = _rekeys(optimizer, {id(p): q for (_, _, p), q in zip(old, new) if p is not q})
     by_policy = policy_target(optimizer, None)
+    renewed = {id(g): {"params": [mapping[id(p)] for p in g["params"]]} for g in optimizer.param_groups}
 
     def target(
         ident: Ident, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
         if param is not None:
             return by_policy(ident, mapping[id(param)], group, key, tensor)
-        firsts = [mapping[id(p)] for p in group["params"][:1]]  # a group entry follows the group's new params
-        device = firsts[0].device if firsts else tensor.device
+        news = renewed[id(group)]  # a group entry follows the group's new params (as a move's: params_at)
         if ident[0] == OPTIMIZER_WIDE:
-            return by_policy.wide_entry(ident, group, key, tensor, device)
-        return by_policy.group_entry(ident, group, key, tensor, device)
+            return by_policy.wide_entry(ident, group, key, tensor, group_device(news, tensor))
+        return by_policy.group_entry(ident, group, key, tensor, by_policy.params_at(news, tensor))
 
     def rewrite() -> None:
         """The new params in the groups, their state re-keyed (dict and list operations: they cannot fail)."""

@@ -497,6 +497,17 @@ def test_a_differentiable_optimizer_is_refused_before_anything_changes(sim):
     opt.step()
 
 
+def test_an_optimizer_with_differentiable_defaults_is_refused_whatever_its_groups_say(sim):
+    """torch's step keeps the graph where the optimizer's ``defaults`` say differentiable=True (it enables grad by
+    them), a group's own ``differentiable=False`` notwithstanding: stream() went through, and the first streamed
+    step failed in torch's step ("a leaf Variable that requires grad is being used in an in-place operation")."""
+    params = [torch.randn(3, 2, device=sim, requires_grad=True).clone() for _ in range(2)]
+    opt = torch.optim.Adam([{"params": params, "differentiable": False}], differentiable=True)
+    with pytest.raises(ValueError, match=r"Adam: stream: its defaults have differentiable=True: .* streaming cuts"):
+        optimshift.stream(opt)
+    assert not optimshift.is_streamed(opt) and "step" not in opt.__dict__ and not opt.state
+
+
 def test_framework_integrations_leave_a_streamed_optimizer_as_it_is(sim):
     from optimshift.integrations import _common
 

@@ -686,10 +686,12 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
             f"declare it: optimshift.register_policy({cls}, lambda *a: None, separable=True).",
         }
         raise ValueError(f"{name}: stream: {reasons[why]}")
-    tracked = next((gi for gi, g in enumerate(optimizer.param_groups) if g.get("differentiable")), None)
+    tracked = next((f"group {gi} has" for gi, g in enumerate(optimizer.param_groups) if g.get("differentiable")), None)
+    if tracked is None and getattr(optimizer, "defaults", {}).get("differentiable"):
+        tracked = "its defaults have"  # (torch's step enables grad by them, whatever its groups say)
     if tracked is not None:
         raise ValueError(
-            f"{name}: stream: group {tracked} has differentiable=True: its step keeps autograd's graph through the "
+            f"{name}: stream: {tracked} differentiable=True: its step keeps autograd's graph through the "
             f"state, which streaming cuts (each step copies the state to host memory and back). Keep its state on "
             f"the device, or build it with differentiable=False"
         )

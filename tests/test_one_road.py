@@ -10,8 +10,8 @@ each operation calls.
   (``engine.uninterrupted``), where an interrupt waits for the commit to end.
 
 ``load_state_dict`` makes its copies and casts through ``engine.run`` of the plan of its copies (the uniform load
-of a fresh optimizer's state: through the column form, ``engine.copy_columns``; see ARCHITECTURE.md), and installs
-them through ``engine.commit`` as every operation does.
+of a fresh optimizer's state: a plan of columns, ``Plan.columns``), and installs them through ``engine.commit`` as
+every operation does.
 """
 
 from __future__ import annotations
@@ -319,10 +319,10 @@ def test_a_ctrl_c_as_an_operation_begins_leaves_no_operation_behind(sim, monkeyp
 
 
 def _spy_on_the_copies(monkeypatch):
-    """ids of every copy ``engine.run`` and ``engine.copy_columns`` make from here on, and the plans run was given."""
+    """ids of every copy ``engine.run`` makes from here on, and the plans it was given."""
     made: list[int] = []
     plans: list = []
-    real_run, real_columns = engine.run, engine.copy_columns
+    real_run = engine.run
 
     def run(plan, *args, **kwargs):
         plans.append(plan)
@@ -330,21 +330,15 @@ def _spy_on_the_copies(monkeypatch):
         made.extend(id(t) for t in out.batch.copies if t is not None)
         return out
 
-    def columns(*args, **kwargs):
-        out = real_columns(*args, **kwargs)
-        made.extend(id(t) for column in out for t in column)
-        return out
-
     monkeypatch.setattr(engine, "run", run)
-    monkeypatch.setattr(engine, "copy_columns", columns)
     return made, plans
 
 
 @pytest.mark.parametrize("uniform", [False, True])
 def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
     """Every tensor a load into a fresh optimizer installs is a copy the engine made: by ``engine.run`` of the plan
-    of its copies on the general path, by the column copies (``engine.copy_columns``) on the uniform one, the
-    common entry copied where it is included: neither has inline clones of its own."""
+    of its copies on the general path, of a plan of columns on the uniform one, the common entry copied where it is
+    included: neither has inline clones of its own."""
     from optimshift.checkpoint import _uniform
 
     made, plans = _spy_on_the_copies(monkeypatch)
@@ -362,9 +356,36 @@ def test_every_copy_a_load_installs_is_the_engines(sim, monkeypatch, uniform):
         fresh = O.Adam([torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)], foreach=False)
         optimshift.load_state_dict(fresh, sd)
         assert {t.device.type for st in fresh.state.values() for k, t in st.items() if k != "step"} == {sim.type}
-        assert bool(plans) != uniform, "the load did not take the path this case names"
+        assert [bool(plan.columns) for plan in plans] == [uniform], "the load did not take the path this case names"
         installed = [id(t) for st in fresh.state.values() for t in st.values()]
         assert installed and set(installed) <= set(made), "a load installed a copy the engine did not make"
+
+
+def test_a_uniform_load_into_a_fresh_optimizer_is_one_engine_run(sim, monkeypatch):
+    """The common resume, a host checkpoint of an Adam over 8 params into a fresh optimizer on the accelerator,
+    staged by the uniform load: its copies (the moments moved, each ``step`` copied where it is) are one
+    ``engine.run`` of a plan, and every tensor it installs is one of them (issue 27: no copy road of its own)."""
+    from optimshift.checkpoint import _staging
+
+    made, plans = _spy_on_the_copies(monkeypatch)
+    staged: list = []
+    real = _staging.build_uniform
+    monkeypatch.setattr(_staging, "build_uniform", lambda *a: staged.append(real(*a)) or staged[-1])
+    source = O.Adam([torch.nn.Parameter(torch.randn(4, 3)) for _ in range(8)], foreach=False)
+    for p in source.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    source.step()
+    fresh = O.Adam([torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(8)], foreach=False)
+    optimshift.load_state_dict(fresh, source.state_dict())
+    assert len(staged) == 1 and staged[0] is not None, "the load did not take the uniform path"
+    assert len(plans) == 1, f"the uniform load copied through {len(plans)} engine.run calls, not one"
+    installed = [id(t) for st in fresh.state.values() for t in st.values()]
+    assert len(installed) == 24 and set(installed) <= set(made), "a load installed a copy the engine did not make"
+    assert {(k, t.device.type) for st in fresh.state.values() for k, t in st.items()} == {
+        ("step", "cpu"),
+        ("exp_avg", sim.type),
+        ("exp_avg_sq", sim.type),
+    }
 
 
 @pytest.mark.parametrize("into", ["fresh", "existing"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, cast
@@ -248,7 +248,7 @@ def copy_many(
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
     together: Sequence[tuple[list[int], torch.device]] = (),
-    alike: bool = False,
+    columns: Sequence[int] = (),
     casts: Mapping[int, torch.dtype] | None = None,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
@@ -258,11 +258,12 @@ def copy_many(
     ``together``: groups of items that share a storage, each copied as that storage (:mod:`optimshift._alias`),
     bound for the device given. What cannot be grouped is copied by
     :func:`copy_tensor`. ``describe(i)`` names input ``i`` in the note added to an exception (an OOM says which
-    entry it hit). ``side``: the copies are queued on that stream (:class:`Side`). ``alike``: the caller checked
-    that the items are one column (plain, dense, contiguous tensors not requiring grad, no two on one storage, of
-    one source device and dtype, all bound for one target, all empty or none): how they are copied is decided
-    once, on the first. ``casts``: item index -> the dtype its copy is made in (a load's ``cast``), cast as it is
-    copied, one by one (a group of ``together`` by its first item's; never ``alike``).
+    entry it hit). ``side``: the copies are queued on that stream (:class:`Side`). ``columns``: the items are
+    consecutive columns of these lengths, each of which the caller checked alike (plain, dense, contiguous tensors
+    not requiring grad, no two on one storage, of one source device and dtype, all bound for one target, all empty
+    or none): how a column is copied is decided once, on its first. ``casts``: item index -> the dtype its copy is
+    made in (a load's ``cast``), cast as it is copied, one by one (a group of ``together`` by its first item's;
+    never with ``columns``).
 
     On an exception nothing is returned: every device involved is synchronized first (copies already queued
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
@@ -279,24 +280,31 @@ def copy_many(
     plain = torch.Tensor
     inline = side is None and not pin_memory
     try:
-        items_left: Sequence[tuple[torch.Tensor, torch.device]] = items
-        if alike and items:  # (one column: how it is copied is decided on its first tensor)
-            items_left = ()
-            first, target = items[0]
-            pair = (first.device, target)
-            how = kinds[pair] = _pair_kind(pair, group)
-            if how[0] and _coalescible(first):
-                groups[(pair[0], target, first.dtype)] = list(range(len(items)))
-            elif inline and not non_blocking and not how[1]:  # (a plain .to each, in one pass in C)
-                made: list[torch.Tensor] = []
-                try:
-                    made.extend(map(plain.to, map(_first, items), itertools.repeat(target)))
-                except BaseException:
-                    current = len(made)  # (the one that failed)
-                    raise
-                copies[:] = made
-            else:
-                items_left = items  # (one by one, below)
+        rest: Iterable[tuple[int, tuple[torch.Tensor, torch.device]]] = enumerate(items)  # (copied one by one)
+        if columns:  # (how each column is copied is decided on its first tensor)
+            left: list[int] = []
+            for start, stop in itertools.pairwise(itertools.accumulate(columns, initial=0)):
+                if start == stop:
+                    continue
+                first, target = items[start]
+                pair = (first.device, target)
+                how = kinds.get(pair) or kinds.setdefault(pair, _pair_kind(pair, group))
+                if how[0] and _coalescible(first):
+                    groups.setdefault((pair[0], target, first.dtype), []).extend(range(start, stop))
+                elif inline and (how[2] or not (non_blocking or how[1])):  # (a clone or a .to each, in one C pass)
+                    made: list[torch.Tensor] = []
+                    column = map(_first, items[start:stop])
+                    try:
+                        made.extend(
+                            map(plain.clone, column) if how[2] else map(plain.to, column, itertools.repeat(target))
+                        )
+                    except BaseException:
+                        current = start + len(made)  # (the one that failed)
+                        raise
+                    copies[start:stop] = made
+                else:
+                    left.extend(range(start, stop))
+            rest = zip(left, map(items.__getitem__, left))
         done: set[int] = set()  # tensors that share a storage: copied as that storage (optimshift._alias)
         for indices, target in together if group else ():
             current = indices[0]
@@ -315,7 +323,7 @@ def copy_many(
             done.update(indices)
         # what the grouped copies read: DTensors' local shards in their place (a list of its own once one is)
         work: Sequence[tuple[torch.Tensor, torch.device]] = items
-        for i, (t, target) in enumerate(items_left):
+        for i, (t, target) in rest:
             if done and i in done:
                 continue
             if casts and i in casts:

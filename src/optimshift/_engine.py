@@ -33,7 +33,7 @@ import torch
 
 from . import _alias, _device_streams
 from ._adopt import Mechanism, adopt, decide_all, still_valid
-from ._copy import BLOCKING, Batch, Options, Side, copy_into, copy_many, note_copy, pinned_sources
+from ._copy import BLOCKING, Batch, Options, Side, copy_into, copy_many, pinned_sources
 from ._device_streams import in_pinned_memory, synchronize
 from ._devices import HOSTS, _fake_mode_active
 from ._errors import dtype_name
@@ -44,7 +44,6 @@ from .syncs import async_copies
 
 __all__ = [
     "Copies",
-    "copy_columns",
     "run",
     "copy_items",
     "commit",
@@ -91,7 +90,7 @@ def copy_items(
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
     together: Sequence[tuple[list[int], torch.device]] = (),
-    alike: bool = False,
+    columns: Sequence[int] = (),
     casts: Mapping[int, torch.dtype] | None = None,
 ) -> Batch:
     """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
@@ -99,12 +98,13 @@ def copy_items(
     Host memory that state will point at is always written before this returns, except for a non-blocking
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
     ``side``: the copies are queued on that stream; the caller records its event and completes the batch.
-    ``together``: the groups to copy as one storage (:func:`run`'s); ``alike``: the items are one column;
+    ``together``: the groups to copy as one storage (:func:`run`'s); ``columns``: the lengths of the columns the
+    items are (a plan's ``columns``);
     ``casts``: the dtype of each item's copy that is cast (see :func:`copy_many`).
     """
     pool = host_pool
     batch = copy_many(
-        items, options, pool=pool, describe=describe, side=side, together=together, alike=alike, casts=casts
+        items, options, pool=pool, describe=describe, side=side, together=together, columns=columns, casts=casts
     )
     if (
         batch.after_sync
@@ -119,48 +119,6 @@ def copy_items(
     elif side is None:
         batch.complete(pool, _current_stream_event(batch.devices))
     return batch
-
-
-def copy_columns(
-    columns: Sequence[tuple[Sequence[torch.Tensor], torch.device]],
-    what: str,
-    site: Callable[[int, int], str],
-) -> list[list[torch.Tensor]]:
-    """The copies of columns the caller checked alike (the uniform load's: in each column plain, dense,
-    contiguous tensors not requiring grad, of one device and one dtype, all bound for one device, uncast; no two
-    tensors of any column on one storage): a clone each where a column stays, every column that moves in one
-    grouped batch per (source, target, dtype, empty or not) (:func:`copy_items`), then one synchronize each.
-    ``site(j, n)`` names tensor ``n`` of column ``j`` in an error's note (:func:`optimshift._copy.note_copy`,
-    every copy's). Not a :func:`run` of a plan: a transfer per tensor would cost more than its whole copy."""
-    out: list[list[torch.Tensor]] = []
-    # (source, target, dtype, empty): a batch copy_many copies alike holds empty tensors only or none
-    moving: dict[tuple[torch.device, torch.device, torch.dtype, bool], list[int]] = {}
-    for j, (tensors, device) in enumerate(columns):
-        first = tensors[0] if tensors else None
-        if first is not None and first.device != device:
-            moving.setdefault((first.device, device, first.dtype, first.numel() == 0), []).append(j)
-            out.append([])
-            continue
-        done: list[torch.Tensor] = []
-        try:  # (the same place: a clone each, which keeps the strides and is the cheapest copy; in one pass in C)
-            done.extend(map(torch.Tensor.clone, tensors))
-        except Exception as e:
-            note_copy(e, f"{what}: {site(j, len(done))}", tensors[len(done)], device)
-            raise
-        out.append(done)
-    for (_, device, _, _), js in moving.items():  # (each batch one column for copy_many: one target, one dtype)
-        starts = list(itertools.accumulate((len(columns[j][0]) for j in js), initial=0))
-
-        def describe(n: int, js: list[int] = js, starts: list[int] = starts) -> str:
-            at = bisect.bisect_right(starts, n) - 1
-            return f"{what}: {site(js[at], n - starts[at])}"
-
-        tensors = list(itertools.chain.from_iterable(columns[j][0] for j in js))
-        batch = copy_items(list(zip(tensors, itertools.repeat(device))), describe=describe, alike=True)
-        copies = cast("list[torch.Tensor]", batch.copies)
-        for j, start, stop in zip(js, starts, starts[1:]):
-            out[j] = copies[start:stop]
-    return out
 
 
 def _current_stream_event(devices: Iterable[torch.device]) -> Any | None:
@@ -197,8 +155,9 @@ def run(
     """Copy every tensor of ``plan`` that is not where it belongs or carries a dtype (cast as it is copied), and
     ``extra`` (grads: each with its target and what it is, for errors), grouped; ``own``: ids of tensors copied
     where they are (views into pool buffers the operation gives back: :func:`optimshift._offload.left_in_buffers`;
-    a load's sources, never installed themselves). Errors and their notes name the operation (``what``, else the
-    optimizer's class) and the entry (``site(transfer)``).
+    a load's sources, never installed themselves), as is every tensor of the plan's ``columns``, in their order.
+    Errors and their notes name the operation (``what``, else the optimizer's class) and the entry
+    (``site(transfer)``).
 
     With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._device_streams`: CUDA, any
     accelerator with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
@@ -217,7 +176,11 @@ def run(
     hyperparameters = _moving_group_tensors(plan) if options.non_blocking else set()
     if into is not None:
         plan, placed = _placed(plan, into, what, site)
-    if plan.repeats:
+    columns: list[int] = []  # (the lengths of the plan's columns, each copied whole)
+    if plan.columns:
+        columns = [len(tensors) for tensors, _ in plan.columns]
+        items = list(itertools.chain.from_iterable(zip(ts, itertools.repeat(to)) for ts, to in plan.columns))
+    elif plan.repeats:
         items, names = [], []
         seen: set[int] = set()
         for transfer in plan.transfers:
@@ -252,6 +215,11 @@ def run(
     def describe(i: int) -> str:
         if i >= n_plan:
             return f"{what}: {extra_names[i - n_plan]}"
+        if columns:  # (the transfer of the column's entry, built now)
+            assert plan.entry is not None
+            starts = list(itertools.accumulate(columns, initial=0))
+            j = bisect.bisect_right(starts, i) - 1
+            return f"{what}: {site(plan.entry(j, i - starts[j]))}"
         plans = names
         if plans is None:
             plans = [tr for tr in plan.transfers if tr[2].device != tr[4] or id(tr[2]) in own]
@@ -267,7 +235,14 @@ def run(
         # synchronized at the end. A copy between two devices left queued would be ordered after neither
         # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
         batch = _copy_here(
-            items, options, describe=describe, together=together, into=into_pairs, where=placed_site, casts=casts
+            items,
+            options,
+            describe=describe,
+            together=together,
+            into=into_pairs,
+            where=placed_site,
+            casts=casts,
+            columns=columns,
         )
         event, to_host = None, False
     else:
@@ -295,6 +270,7 @@ def _copy_here(
     where: Callable[[int], str] | None = None,
     wait: bool = True,
     casts: Mapping[int, torch.dtype] | None = None,
+    columns: Sequence[int] = (),
 ) -> Batch:
     """The copies of ``items`` (and into each destination of ``into``) on the current stream: complete when this
     returns (the host synchronized), or, without ``wait``, queued on the current stream (a non-blocking
@@ -307,6 +283,7 @@ def _copy_here(
             describe=describe,
             together=together,
             casts=casts,
+            columns=columns,
         )
     except BaseException:
         synchronize(queued)  # (a queued copy writes the caller's destinations)

@@ -6,7 +6,7 @@ while the optimizer is untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import itemgetter
@@ -121,12 +121,17 @@ _new_transfer = tuple.__new__
 @dataclass
 class Plan:
     """``repeats``: some tensor is held by more than one entry (it is listed once per entry, copied once);
-    ``casts``: some transfer carries a dtype (a load's)."""
+    ``casts``: some transfer carries a dtype (a load's). ``columns``, in a plan of no transfers: ``(tensors,
+    target)`` each copied whole wherever it is, no transfer built (a fresh load's sources, which the caller checked
+    alike: see :func:`optimshift._copy.copy_many`); ``entry(j, n)``, the transfer of column ``j``'s ``n``-th
+    tensor, is built only for an error naming it."""
 
     optimizer: torch.optim.Optimizer
     transfers: list[Transfer] = field(default_factory=list)
     repeats: bool = True
     casts: bool = False
+    columns: Sequence[tuple[Sequence[torch.Tensor], torch.device]] = ()
+    entry: Callable[[int, int], Transfer] | None = None
 
     def group_entries(self) -> list[Transfer]:
         """The transfers of the param groups' own tensors (a tensor ``lr``), last first.

@@ -8,6 +8,7 @@ Each test loads one checkpoint into two equal optimizers, once as it is and once
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -193,19 +194,19 @@ def test_copy_false_onto_an_accelerator_moves_what_belongs_there_as_the_general_
     assert devices == {("step", "cpu"), ("exp_avg", sim.type), ("exp_avg_sq", sim.type)}
 
 
-def test_every_batch_copied_alike_is_all_empty_or_none(monkeypatch, sim):
-    """The uniform load's moving columns go to ``copy_many(alike=True)`` in batches that are all empty tensors or
-    none (what ``alike`` promises): an empty param beside others, first or not, onto the simulator. (Found by
-    review: a batch keyed by devices and dtype alone mixed the empty param's columns with the others', and an
-    empty first tensor sent the whole batch one tensor at a time.)"""
+def test_every_column_copied_alike_is_all_empty_or_none(monkeypatch, sim):
+    """The uniform load's columns go to ``copy_many(columns=...)`` each all empty tensors or none (what a column
+    promises): an empty param beside others, first or not, onto the simulator. (Found by review: a batch keyed by
+    devices and dtype alone mixed the empty param's columns with the others', and an empty first tensor sent the
+    whole batch one tensor at a time.)"""
     from optimshift import _copy
 
-    batches: list[list[bool]] = []
+    columns: list[list[bool]] = []
     real = _copy.copy_many
 
     def spy(items, *args, **kwargs):
-        if kwargs.get("alike"):
-            batches.append([t.numel() == 0 for t, _ in items])
+        starts = list(itertools.accumulate(kwargs.get("columns", ()), initial=0))
+        columns.extend([t.numel() == 0 for t, _ in items[a:b]] for a, b in zip(starts, starts[1:]))
         return real(items, *args, **kwargs)
 
     monkeypatch.setattr(_copy, "copy_many", spy)
@@ -213,9 +214,9 @@ def test_every_batch_copied_alike_is_all_empty_or_none(monkeypatch, sim):
     for shapes in ([(0, 3), (4, 3), (3,)], [(4, 3), (0, 3), (3,)]):
         _, source = _trained(O.Adam, {"foreach": False}, shapes, steps=K + 1)
         model = Model(shapes).to(sim)
-        batches.clear()
+        columns.clear()
         optimshift.load_state_dict(O.Adam([h.weight for h in model.parts], foreach=False), source.state_dict())
-        assert batches and all(len(set(batch)) == 1 for batch in batches), batches
+        assert sum(map(len, columns)) == 9 and all(len(set(column)) == 1 for column in columns), columns
 
 
 def test_existing_state_takes_the_values_in_place(monkeypatch, taken):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import chain, repeat, starmap
+from itertools import accumulate, chain, repeat, starmap
 from operator import itemgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 
@@ -85,10 +85,19 @@ class _Layout:
         self.olds: list[Any] = []
         self.verbatim = True
 
-    def column_site(self, st: Staging, rows: list[_Row], j: int, n: int) -> str:
-        """Row ``n``'s entry of column ``j``, in words (for an error; ``rows``: every layout's)."""
-        row = [row for row in rows if row[2] is self][n]
-        return st.site_words(row[3], row[4], self.order[j])
+    def entry(self, rows: list[_Row], i: int) -> Transfer:
+        """The transfer of ``got[i]`` (``rows``: this layout's): where it sits, its param, its place."""
+        width = len(self.order)
+        row = rows[i // width]
+        key, device = self.order[i % width], self.devices[i % width]
+        return _new_transfer(
+            Transfer, ((row[3], row[4], (("key", key),)), None, self.got[i], row[0], device, "load", None)
+        )
+
+
+def _site(st: Staging) -> Callable[[Transfer], str]:
+    """A transfer's entry in words, for errors (:meth:`_Layout.entry`'s)."""
+    return lambda tr: st.site_words(tr[0][0], tr[0][1] or 0, tr[0][2][0][1])
 
 
 # (param, its saved state, its layout, group, index)
@@ -209,15 +218,19 @@ def build_uniform(
         for layout, done in zip(every, _into_existing(st, every, got, alike, rows)):
             verbatim = done is layout.olds and layout.verbatim
             its[id(layout)] = None if verbatim else zip(*[iter(done)] * len(layout.order))  # (a tuple a row)
-    else:  # a fresh optimizer, the common resume: every entry copied, column by column
-        columns = [
-            (layout.got[j :: len(layout.order)], layout.devices[j])
-            for layout in every
-            for j in range(len(layout.order))
-        ]
+    else:  # a fresh optimizer, the common resume: every entry copied, a plan of columns (no transfer built)
         at = [(layout, j) for layout in every for j in range(len(layout.order))]
-        made = _engine.copy_columns(columns, st.what, lambda c, n: at[c][0].column_site(st, rows, at[c][1], n))
-        st.cloned.extend(chain.from_iterable(made))
+        columns = [(layout.got[j :: len(layout.order)], layout.devices[j]) for layout, j in at]
+
+        def entry(c: int, n: int) -> Transfer:
+            layout, j = at[c]
+            return layout.entry([row for row in rows if row[2] is layout], n * len(layout.order) + j)
+
+        plan = Plan(st.opt, columns=columns, entry=entry)
+        copies = cast("list[torch.Tensor]", _engine.run(plan, what=st.what, site=_site(st)).batch.copies)
+        st.cloned.extend(copies)
+        bounds = list(accumulate((len(tensors) for tensors, _ in columns), initial=0))
+        made = [copies[start:stop] for start, stop in zip(bounds, bounds[1:])]
         start = 0
         for layout in every:
             width = len(layout.order)
@@ -318,28 +331,11 @@ def _copied(st: Staging, every: list[_Layout], installed: list[list[Any] | None]
         if slots is layout.olds:  # (every live tensor taking the values)
             out.append(slots)
             continue
-        got, width, order, devices = layout.got, len(layout.order), layout.order, layout.devices
+        got = layout.got
         at = [i for i, old in enumerate(slots or repeat(None, len(got))) if old is None]
         mine = [row for row in rows if row[2] is layout] if at else []
-        # (each entry's transfer: where it sits, its param, its place; copied where it stays too)
-        transfers = [
-            _new_transfer(
-                Transfer,
-                ((r[3], r[4], (("key", order[i % width]),)), None, got[i], r[0], devices[i % width], "load", None),
-            )
-            for i in at
-            for r in (mine[i // width],)
-        ]
-        pairs = (
-            _engine.run(
-                Plan(st.opt, transfers, repeats=False),
-                own=set(map(id, got)),
-                what=st.what,
-                site=lambda tr: st.site_words(tr[0][0], tr[0][1] or 0, tr[0][2][0][1]),
-            ).pairs
-            if at
-            else []
-        )
+        plan = Plan(st.opt, [layout.entry(mine, i) for i in at], repeats=False)  # (copied where it stays too)
+        pairs = _engine.run(plan, own=set(map(id, got)), what=st.what, site=_site(st)).pairs if at else []
         made = [new for _, new in pairs]
         st.cloned.extend(made)
         filled: list[Any] = list(got if slots is None else slots)  # (a live tensor in its slot, or a copy below)

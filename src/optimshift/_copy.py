@@ -248,7 +248,7 @@ def copy_many(
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
     together: Sequence[tuple[list[int], torch.device]] = (),
-    columns: Sequence[int] = (),
+    columns: Sequence[tuple[Sequence[torch.Tensor], torch.device]] = (),
     casts: Mapping[int, torch.dtype] | None = None,
 ) -> Batch:
     """Queue a copy of each ``(tensor, target)``; see the module docstring for how they are grouped.
@@ -258,16 +258,20 @@ def copy_many(
     ``together``: groups of items that share a storage, each copied as that storage (:mod:`optimshift._alias`),
     bound for the device given. What cannot be grouped is copied by
     :func:`copy_tensor`. ``describe(i)`` names input ``i`` in the note added to an exception (an OOM says which
-    entry it hit). ``side``: the copies are queued on that stream (:class:`Side`). ``columns``: the items are
-    consecutive columns of these lengths, each of which the caller checked alike (plain, dense, contiguous tensors
-    not requiring grad, no two on one storage, of one source device and dtype, all bound for one target, all empty
-    or none): how a column is copied is decided once, on its first. ``casts``: item index -> the dtype its copy is
+    entry it hit). ``side``: the copies are queued on that stream (:class:`Side`). ``columns``, with no
+    ``items``: ``(tensors, target)`` each of which the caller checked alike (plain, dense, contiguous tensors not
+    requiring grad, no two on one storage, of one source device and dtype, all bound for one target, all empty or
+    none), copied in their order: how a column is copied is decided once, on its first (no item built for a
+    column copied in one pass). ``casts``: item index -> the dtype its copy is
     made in (a load's ``cast``), cast as it is copied, one by one (a group of ``together`` by its first item's;
     never with ``columns``).
 
     On an exception nothing is returned: every device involved is synchronized first (copies already queued
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
     """
+    listed: list[Any] = []  # (columns: an item each only where one is copied grouped or one by one, below)
+    if columns:
+        items = listed = [None] * sum(len(ts) for ts, _ in columns)
     batch = Batch([None] * len(items))
     non_blocking, pin_memory, keep_host_views = options.non_blocking, options.pin_memory, options.keep_host_views
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
@@ -283,25 +287,30 @@ def copy_many(
         rest: Iterable[tuple[int, tuple[torch.Tensor, torch.device]]] = enumerate(items)  # (copied one by one)
         if columns:  # (how each column is copied is decided on its first tensor)
             left: list[int] = []
-            for start, stop in itertools.pairwise(itertools.accumulate(columns, initial=0)):
-                if start == stop:
+            stop = 0
+            for tensors, target in columns:
+                start, stop = stop, stop + len(tensors)
+                if not tensors:
                     continue
-                first, target = items[start]
+                first = tensors[0]
                 pair = (first.device, target)
                 how = kinds.get(pair) or kinds.setdefault(pair, _pair_kind(pair, group))
-                if how[0] and _coalescible(first):
-                    groups.setdefault((pair[0], target, first.dtype), []).extend(range(start, stop))
-                elif inline and (how[2] or not (non_blocking or how[1])):  # (a clone or a .to each, in one C pass)
-                    made: list[torch.Tensor] = []
-                    column = map(_first, items[start:stop])
+                grouped = how[0] and _coalescible(first)
+                if not grouped and inline and (how[2] or not (non_blocking or how[1])):
+                    made: list[torch.Tensor] = []  # (a clone or a .to each, in one pass in C)
                     try:
                         made.extend(
-                            map(plain.clone, column) if how[2] else map(plain.to, column, itertools.repeat(target))
+                            map(plain.clone, tensors) if how[2] else map(plain.to, tensors, itertools.repeat(target))
                         )
                     except BaseException:
-                        current = start + len(made)  # (the one that failed)
+                        current = min(start + len(made), stop - 1)  # (the one that failed)
+                        listed[start:stop] = zip(tensors, itertools.repeat(target))
                         raise
                     copies[start:stop] = made
+                    continue
+                listed[start:stop] = zip(tensors, itertools.repeat(target))
+                if grouped:
+                    groups.setdefault((pair[0], target, first.dtype), []).extend(range(start, stop))
                 else:
                     left.extend(range(start, stop))
             rest = zip(left, map(items.__getitem__, left))

@@ -90,7 +90,7 @@ def copy_items(
     describe: Callable[[int], str] | None = None,
     side: Side | None = None,
     together: Sequence[tuple[list[int], torch.device]] = (),
-    columns: Sequence[int] = (),
+    columns: Sequence[tuple[Sequence[torch.Tensor], torch.device]] = (),
     casts: Mapping[int, torch.dtype] | None = None,
 ) -> Batch:
     """Copy each ``(tensor, target)`` (grouped), then synchronize once unless the copies may run on.
@@ -98,8 +98,8 @@ def copy_items(
     Host memory that state will point at is always written before this returns, except for a non-blocking
     offload (``keep_host_views`` with ``non_blocking``), which hands out an event to wait on instead.
     ``side``: the copies are queued on that stream; the caller records its event and completes the batch.
-    ``together``: the groups to copy as one storage (:func:`run`'s); ``columns``: the lengths of the columns the
-    items are (a plan's ``columns``);
+    ``together``: the groups to copy as one storage (:func:`run`'s); ``columns``: instead of items, a plan's
+    ``columns``;
     ``casts``: the dtype of each item's copy that is cast (see :func:`copy_many`).
     """
     pool = host_pool
@@ -155,9 +155,9 @@ def run(
     """Copy every tensor of ``plan`` that is not where it belongs or carries a dtype (cast as it is copied), and
     ``extra`` (grads: each with its target and what it is, for errors), grouped; ``own``: ids of tensors copied
     where they are (views into pool buffers the operation gives back: :func:`optimshift._offload.left_in_buffers`;
-    a load's sources, never installed themselves), as is every tensor of the plan's ``columns``, in their order.
-    Errors and their notes name the operation (``what``, else the optimizer's class) and the entry
-    (``site(transfer)``).
+    a load's sources, never installed themselves). Errors and their notes name the operation (``what``, else the
+    optimizer's class) and the entry (``site(transfer)``). A plan of ``columns`` (a fresh load's) is copied
+    whole, blocking: its copies are ``batch.copies``, in the columns' order (no items, no pairs: none is committed).
 
     With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._device_streams`: CUDA, any
     accelerator with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
@@ -173,14 +173,19 @@ def run(
     names: list[Any] | None = None  # what each item is, for errors (built when one is raised)
     placed: list[tuple[Transfer, torch.Tensor]] = []  # (transfer, its destination), each tensor once
     what = what or type(plan.optimizer).__name__
+    if plan.columns:  # (every tensor copied where it is too, blocking, in the columns' order: the batch's copies)
+        starts = list(itertools.accumulate((len(tensors) for tensors, _ in plan.columns), initial=0))
+
+        def column_entry(i: int) -> str:  # (the transfer of the column's entry, built now)
+            j = bisect.bisect_right(starts, i) - 1
+            return f"{what}: {site(cast(Callable[[int, int], Transfer], plan.entry)(j, i - starts[j]))}"
+
+        blocking = replace(options, non_blocking=False)
+        return Copies([], [], copy_items((), blocking, describe=column_entry, columns=plan.columns))
     hyperparameters = _moving_group_tensors(plan) if options.non_blocking else set()
     if into is not None:
         plan, placed = _placed(plan, into, what, site)
-    columns: list[int] = []  # (the lengths of the plan's columns, each copied whole)
-    if plan.columns:
-        columns = [len(tensors) for tensors, _ in plan.columns]
-        items = list(itertools.chain.from_iterable(zip(ts, itertools.repeat(to)) for ts, to in plan.columns))
-    elif plan.repeats:
+    if plan.repeats:
         items, names = [], []
         seen: set[int] = set()
         for transfer in plan.transfers:
@@ -215,11 +220,6 @@ def run(
     def describe(i: int) -> str:
         if i >= n_plan:
             return f"{what}: {extra_names[i - n_plan]}"
-        if columns:  # (the transfer of the column's entry, built now)
-            assert plan.entry is not None
-            starts = list(itertools.accumulate(columns, initial=0))
-            j = bisect.bisect_right(starts, i) - 1
-            return f"{what}: {site(plan.entry(j, i - starts[j]))}"
         plans = names
         if plans is None:
             plans = [tr for tr in plan.transfers if tr[2].device != tr[4] or id(tr[2]) in own]
@@ -235,14 +235,7 @@ def run(
         # synchronized at the end. A copy between two devices left queued would be ordered after neither
         # device's next side-stream copies; one on a device whose streams are unknown has no event to wait on.
         batch = _copy_here(
-            items,
-            options,
-            describe=describe,
-            together=together,
-            into=into_pairs,
-            where=placed_site,
-            casts=casts,
-            columns=columns,
+            items, options, describe=describe, together=together, into=into_pairs, where=placed_site, casts=casts
         )
         event, to_host = None, False
     else:
@@ -270,7 +263,6 @@ def _copy_here(
     where: Callable[[int], str] | None = None,
     wait: bool = True,
     casts: Mapping[int, torch.dtype] | None = None,
-    columns: Sequence[int] = (),
 ) -> Batch:
     """The copies of ``items`` (and into each destination of ``into``) on the current stream: complete when this
     returns (the host synchronized), or, without ``wait``, queued on the current stream (a non-blocking
@@ -283,7 +275,6 @@ def _copy_here(
             describe=describe,
             together=together,
             casts=casts,
-            columns=columns,
         )
     except BaseException:
         synchronize(queued)  # (a queued copy writes the caller's destinations)

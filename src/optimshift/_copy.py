@@ -262,9 +262,8 @@ def copy_many(
     ``items``: ``(tensors, target)`` each of which the caller checked alike (plain, dense, contiguous tensors not
     requiring grad, no two on one storage, of one source device and dtype, all bound for one target, all empty or
     none), copied in their order: how a column is copied is decided once, on its first (no item built for a
-    column copied in one pass). ``casts``: item index -> the dtype its copy is
-    made in (a load's ``cast``), cast as it is copied, one by one (a group of ``together`` by its first item's;
-    never with ``columns``).
+    column copied in one pass). ``casts``: item index -> the dtype its copy is made in (a load's ``cast``), cast
+    as it is copied, one by one (a group of ``together`` by its first item's; never with ``columns``).
 
     On an exception nothing is returned: every device involved is synchronized first (copies already queued
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.

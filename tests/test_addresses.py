@@ -581,6 +581,40 @@ def test_a_release_by_another_thread_s_wait_waits_for_a_reload_under_way(sim, dr
     assert driver.mapped(0) > 0
 
 
+def test_a_release_by_another_thread_s_wait_leaves_a_later_offload_s_copies_alone(sim, driver, monkeypatch):
+    """That waiter's release, held by the lock, may run only after this thread reloaded and offloaded again, its
+    copies from the slots still queued: their tensors gone, as on CUDA (see above), it unmapped the slots under
+    them. The later offload's own release frees them once they landed."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    values = _state_values(opt)
+    late = threading.Event()
+    real_release = _addresses.release
+
+    def release(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            late.wait(5)
+        real_release(*args, **kwargs)
+
+    monkeypatch.setattr(_addresses, "release", release)
+    with deferred_streams(seed=0, progress=0.0):
+        handle = optimshift.offload(opt, non_blocking=True, keep_addresses=True)
+        waiter = threading.Thread(target=handle.wait)
+        waiter.start()
+        while handle.event is not None:  # (the waiter took the handle's release, not yet run)
+            time.sleep(0.001)
+        optimshift.reload(opt)
+        second = optimshift.offload(opt, non_blocking=True, keep_addresses=True)
+        monkeypatch.setattr(_addresses._Slot, "live", lambda self: False)
+        late.set()
+        waiter.join()
+        assert driver.mapped(0) > 0
+        second.wait()
+    assert driver.mapped(0) == 0
+    optimshift.reload(opt)
+    assert bitwise_equal(_state_values(opt), values)
+
+
 # -- failure ----------------------------------------------------------------------------------------------
 
 

@@ -381,7 +381,8 @@ def release(optimizer: Any, name: str, *, queued: bool = False) -> None:
     does not sit in is held from outside (a view kept by the caller): it stays mapped, with a warning. A driver
     error leaves a block mapped (warned; the next release tries again): the state itself is safe on the host.
     ``queued``: work queued on the devices may still use a block (the caller's copies did not wait for it, as a
-    load's copies on the device do not): they are synchronized before anything is unmapped."""
+    load's copies on the device do not): they are synchronized before anything is unmapped. Nothing while a transfer
+    to the host is in flight (its own release comes once its copies landed)."""
     session = _session.of(optimizer)
     if session is None or session.addresses is None:
         return
@@ -390,6 +391,10 @@ def release(optimizer: Any, name: str, *, queued: bool = False) -> None:
     # (under the operation lock: a release run by another thread's wait() for an offload unmapped what a reload had
     # just mapped, before its copies)
     with session.lock, layout.lock:
+        # (run late by another thread's wait(): a later offload's copies may still read the blocks; its own follows)
+        pending = session.pending
+        if pending is not None and pending.to_host and pending.event is not None:
+            return
         # (each storage's data pointer, without a Python storage object: torch would keep one, a second user of it)
         held = [t for state in list(optimizer.state.values()) for t in tensors(state)]
         held += [t for g in optimizer.param_groups for _, t in group_tensors(g)]  # (not the params: outside)

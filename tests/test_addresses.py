@@ -860,6 +860,38 @@ def test_a_non_blocking_reload_whose_commit_fails_unmaps_only_after_its_queued_c
     assert bitwise_equal(_state_values(opt), values)
 
 
+def test_a_non_blocking_reload_whose_commit_fails_into_slots_mapped_already_leaves_no_copy_queued(
+    sim, driver, monkeypatch
+):
+    """A view held outside kept the slots' block mapped: the failed reload mapped nothing, so its rollback waited for
+    nothing, and the release of the next offload, once the view was dropped, unmapped the block under its copies."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    values = _state_values(opt)
+    exp_avg = next(iter(opt.state.values()))["exp_avg"]
+    held = torch.empty(0, device=sim).set_(exp_avg.untyped_storage(), 0, (1,), (1,))
+    del exp_avg
+    with pytest.warns(UserWarning, match="still viewed by tensors outside the optimizer"):
+        optimshift.offload(opt, keep_addresses=True)
+    mapped = driver.mapped(0)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_engine, "adoptions", interrupted)
+    with deferred_streams(seed=0, progress=0.0):
+        with pytest.raises(KeyboardInterrupt):
+            optimshift.reload(opt, non_blocking=True)
+        monkeypatch.undo()
+        assert driver.mapped(0) == mapped > 0
+        del held
+        optimshift.offload(opt, keep_addresses=True)  # (offloaded already: nothing to copy, then its release)
+        torch.sim.synchronize(0)
+    assert driver.mapped(0) == 0
+    optimshift.reload(opt)
+    assert bitwise_equal(_state_values(opt), values)
+
+
 # -- where it cannot ----------------------------------------------------------------------------------------
 
 

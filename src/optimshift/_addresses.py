@@ -277,12 +277,12 @@ class Placement:
         self._leases.clear()
 
     def abandon(self) -> None:
-        """The reload failed: nothing this reload mapped or reserved stays (the state is still on the host), unmapped
-        once the copies it may have queued into it ran (a non-blocking reload whose commit failed)."""
+        """The reload failed: nothing this reload mapped or reserved stays (the state is still on the host), once the
+        copies it may have queued into its slots ran (its commit failed): any release may unmap them from now on."""
         self._dests.clear()
         self._leases.clear()
         fresh = {id(r.mapped) for r in self._fresh}
-        _device_streams.synchronize({m.device for m, _ in self._mapped} | {r.mapped.device for r in self._fresh})
+        _device_streams.synchronize({unit.device for unit in self._units})
         for mapped, i in self._mapped:
             if id(mapped) not in fresh:
                 try:

@@ -266,7 +266,8 @@ def _findings(
     locations: Mapping[int, str],
 ) -> list[dict[str, Any]]:
     findings: list[dict[str, Any]] = []
-    name = cls.__name__ if cls else found.class_name.rpartition(".")[2] if found.class_name else "this optimizer"
+    recorded = found.class_name.rpartition(".")[2] if found.class_name else "this optimizer"
+    name = cls.__name__ if cls is not None else recorded
     holder = cls.__new__(cls) if cls is not None else _GENERIC  # policy.decide reads only its type
     # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
     moved: Counter[tuple[str, str, str, str, bool, bool, bool, bool]] = Counter()

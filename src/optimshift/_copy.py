@@ -291,6 +291,7 @@ def copy_many(
                 start, stop = stop, stop + len(tensors)
                 if not tensors:
                     continue
+                current = start  # (an error as its copy is decided names its first)
                 first = tensors[0]
                 pair = (first.device, target)
                 how = kinds.get(pair) or kinds.setdefault(pair, _pair_kind(pair, group))
@@ -303,7 +304,6 @@ def copy_many(
                         )
                     except BaseException:
                         current = min(start + len(made), stop - 1)  # (the one that failed)
-                        listed[start:stop] = zip(tensors, itertools.repeat(target))
                         raise
                     copies[start:stop] = made
                     continue
@@ -407,6 +407,8 @@ def copy_many(
         for buf in batch.held + batch.staging:
             pool.release(buf)
         if describe is not None and items:
+            if columns:  # (every item, a column copied in one pass included, which lists none)
+                items = [(t, target) for tensors, target in columns for t in tensors]
             note_copy(error, describe(current), *items[current], casts.get(current) if casts else None)
         raise
     for i, dtensor in wrapped.items():

@@ -840,3 +840,33 @@ def test_an_empty_param_beside_others_onto_a_device_loads_as_the_general_path_lo
 
     _both(make, sd, monkeypatch)
     assert taken[0] is True
+
+
+def test_a_ctrl_c_while_the_columns_copies_are_decided_names_an_entry_and_changes_nothing(monkeypatch, taken, sim):
+    """A Ctrl-C delivered as ``copy_many`` decides how a moving column is copied, after a column copied in one pass
+    (each ``step``, cloned where it stays): the note read the item of a column copied in one pass, which has none,
+    and the interrupt became ``TypeError: Value after * must be an iterable, not NoneType``. It is the interrupt,
+    naming the entry it landed on, nothing installed."""
+    import os
+    import signal
+
+    from optimshift import _copy
+
+    _, source = _trained(O.Adam, {"foreach": False}, [(4, 3), (3,)], steps=K + 1)
+    model = Model([(4, 3), (3,)]).to(sim)
+    opt = O.Adam([h.weight for h in model.parts], foreach=False)
+    real = _copy.pins_host_for
+
+    def interrupted(device):
+        if device.type == sim.type:
+            os.kill(os.getpid(), signal.SIGINT)  # (delivered as it returns, in copy_many's decisions)
+        return real(device)
+
+    monkeypatch.setattr(_copy, "pins_host_for", interrupted)
+    with pytest.raises(KeyboardInterrupt) as info:
+        optimshift.load_state_dict(opt, source.state_dict())
+    assert taken == ["raised"]  # (in the uniform path)
+    assert len(opt.state) == 0
+    (note,) = info.value.__notes__
+    assert "Adam: load_state_dict: group 0, param 0, state key 'exp_avg' ((4, 3)" in note and f"to {sim}" in note
+    assert note.endswith("the optimizer was left unchanged")

@@ -300,3 +300,23 @@ def test_in_place_writes_on_the_host_bump_versions_and_leave_normal_tensors():
     w = torch.ones(3, requires_grad=True)
     (w * olds[0]).sum().backward()  # (usable by autograd afterwards)
     assert torch.equal(w.grad, news[0])
+
+
+def test_a_plan_of_columns_is_copied_alone(sim):
+    """``run`` copies a plan of columns whole and nothing beside it: ``extra`` grads, ``into`` destinations or ``own``
+    given with one were dropped without a word (no copy made, nothing said); it refuses them."""
+    from optimshift import _engine
+    from optimshift._plan import Plan
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    column = ([torch.ones(3), torch.zeros(3)], sim)
+    copies = _engine.run(Plan(opt, columns=[column], entry=lambda j, n: None)).batch.copies
+    assert [(t.device, t.tolist()) for t in copies] == [(sim, [1.0] * 3), (sim, [0.0] * 3)]
+    for extra in (
+        {"extra": [(torch.ones(3), sim, "a grad")]},
+        {"into": [torch.empty(3)]},
+        {"own": {id(column[0][0])}},
+    ):
+        with pytest.raises(AssertionError, match="a plan of columns is copied whole, alone"):
+            _engine.run(Plan(opt, columns=[column], entry=lambda j, n: None), **extra)

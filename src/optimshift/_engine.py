@@ -157,7 +157,8 @@ def run(
     where they are (views into pool buffers the operation gives back: :func:`optimshift._offload.left_in_buffers`;
     a load's sources, never installed themselves). Errors and their notes name the operation (``what``, else the
     optimizer's class) and the entry (``site(transfer)``). A plan of ``columns`` (a fresh load's) is copied
-    whole, blocking: its copies are ``batch.copies``, in the columns' order (no items, no pairs: none is committed).
+    whole, blocking, with no transfers, ``extra``, ``into`` or ``own``: its copies are ``batch.copies``, in the
+    columns' order (no items, no pairs: none is committed).
 
     With ``options.non_blocking`` on one device that has streams (:mod:`optimshift._device_streams`: CUDA, any
     accelerator with device-generic streams, the simulated one) the copies run on a side stream: buffers they read go
@@ -174,6 +175,7 @@ def run(
     placed: list[tuple[Transfer, torch.Tensor]] = []  # (transfer, its destination), each tensor once
     what = what or type(plan.optimizer).__name__
     if plan.columns:  # (every tensor copied where it is too, blocking, in the columns' order: the batch's copies)
+        assert not (plan.transfers or extra or into is not None or own), "a plan of columns is copied whole, alone"
         starts = list(itertools.accumulate((len(tensors) for tensors, _ in plan.columns), initial=0))
 
         def column_entry(i: int) -> str:  # (the transfer of the column's entry, built now)

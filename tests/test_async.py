@@ -397,6 +397,42 @@ def test_a_non_blocking_offload_that_fails_part_way_changes_nothing(sim, monkeyp
             assert bitwise_equal(dict(st), before)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+def test_a_non_blocking_offload_whose_commit_fails_gives_its_buffers_back_to_the_pool(sim, monkeypatch, seed, progress):
+    """A commit that fails (a Ctrl-C) after the copies were queued: the pool buffers they write go back to the
+    pool, reused by the next offload, not freed (the next offload pinned new ones)."""
+    from optimshift import _engine
+    from optimshift.pool import host_pool
+
+    def idle():
+        with host_pool._locked():
+            return sorted(id(buf) for buf, _, _ in host_pool._idle)
+
+    with deferred_streams(seed, progress):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        optimshift.offload(opt)
+        optimshift.reload(opt)  # (the pool now holds the offload's buffers, idle)
+        values = [snapshot(dict(st)) for st in opt.state.values()]
+        before, allocations = idle(), host_pool.stats().allocations
+        assert before
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt("injected: Ctrl-C in the commit")
+
+        monkeypatch.setattr(_engine, "adoptions", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            optimshift.offload(opt, non_blocking=True)
+        monkeypatch.undo()
+        gc.collect()
+        assert idle() == before, "the failed offload's buffers are idle in the pool again"
+        assert not optimshift.is_offloaded(opt)
+        optimshift.offload(opt)
+        assert host_pool.stats().allocations == allocations, "the next offload reused them"
+        optimshift.reload(opt)
+        for st, before_values in zip(opt.state.values(), values):
+            assert bitwise_equal(dict(st), before_values)
+
+
 def test_the_reload_leaves_no_memory_cached_for_the_side_stream(sim):
     """CUDA's caching allocator keeps a freed block for the stream that allocated it. Over offload/reload
     cycles (non-blocking, as an RL loop runs them), every device tensor the transfers make is allocated on the

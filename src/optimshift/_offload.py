@@ -43,6 +43,7 @@ __all__ = [
     "end_pending",
     "remember_pending",
     "forget",
+    "give_back",
     "prepare_discard",
     "grads_back",
     "give_grads_back",
@@ -563,8 +564,13 @@ def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
         return
     for handle in record.hooks:
         handle.remove()
-    event = pending.event if pending is not None else None
-    for buf in record.buffers:
+    give_back(record.buffers, pending.event if pending is not None else None)
+
+
+def give_back(buffers: Sequence[torch.Tensor], event: Any | None) -> None:
+    """Return pool ``buffers`` to the pool, reused once ``event`` (the copies still writing them) is done: an
+    offload record's when it ends, a failed operation's copies' (kept for the next offload, not freed)."""
+    for buf in buffers:
         host_pool.release(buf, event)
 
 

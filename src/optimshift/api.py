@@ -29,6 +29,7 @@ from ._offload import (
     end_pending,
     exclusive,
     forget,
+    give_back,
     give_grads_back,
     grads_back,
     group_tensors_at,
@@ -213,6 +214,7 @@ def _transfer(
     if follows:
         _refuse_meta(optimizer, plan, extra, what)
     placement = None if place is None else place(plan)  # (raises with nothing changed, nothing mapped)
+    copies = None
     try:
         into = None if placement is None else [placement.into(tr[2]) for tr in plan.transfers]
         own = left_in_buffers(ends, plan.transfers, extra)
@@ -222,6 +224,8 @@ def _transfer(
             optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite, finish=finish
         )
     except BaseException as e:
+        if copies is not None:  # (the commit failed: the buffers its copies wrote go back, as an ended offload's)
+            give_back(copies.batch.held, copies.event)
         if placement is not None:
             placement.abandon()
         if isinstance(e, NotImplementedError):

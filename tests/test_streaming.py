@@ -927,6 +927,48 @@ def test_a_failure_half_way_in_the_layout_leaves_the_state_as_it_was(sim, monkey
     _assert_same(model, opt, ref_model, ref)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+def test_a_failed_commit_laying_out_a_first_steps_state_gives_its_chunks_back(sim, monkeypatch, seed, progress):
+    """The first streamed step lays out the state it made without waiting for the copies into the chunks: a
+    commit that fails there waits for them, gives each chunk's buffer back to the pool (idle, not freed), and
+    leaves the state where the step made it, the same objects, the same values."""
+    from optimshift import _chunks
+    from optimshift.pool import host_pool
+
+    with deferred_streams(seed=seed, progress=progress):
+        model = Model([(4, 3), (3,), (2, 3), (5,)]).to(sim)
+        opt = torch.optim.Adam(_params(model), foreach=True)
+        optimshift.stream(opt, chunk_bytes=128)  # (no state yet: the first step makes it, then lays it out)
+        real_chunk, buffers, seen = _chunks.new_chunk, [], []
+
+        def recorded(part, chunk_bytes):
+            chunk = real_chunk(part, chunk_bytes)
+            buffers.append(chunk.buffer)
+            return chunk
+
+        def failing(*args, **kwargs):
+            seen.append(_snapshot(opt))  # (the state as the step made it, before the commit decides)
+            raise KeyboardInterrupt("injected: Ctrl-C in the layout's commit")
+
+        monkeypatch.setattr(_chunks, "new_chunk", recorded)
+        monkeypatch.setattr(_engine, "adoptions", failing)
+        for i, p in enumerate(_params(model)):
+            p.grad = grad_for(0, i, p.shape).to(sim)
+        with pytest.raises(KeyboardInterrupt, match="injected"):
+            opt.step()
+        monkeypatch.undo()
+        assert buffers and seen
+        layout, ids, values = seen[0]
+        assert state_layout(opt) == layout and tensor_ids(opt) == ids
+        now = _values(opt)
+        assert all(bitwise_equal(now[k], values[k]) for k in values)
+        with host_pool._locked():
+            idle = {id(buf) for buf, _, _ in host_pool._idle}
+        assert all(id(buf) in idle for buf in buffers), "every chunk's buffer is back in the pool"
+        assert _device_streams.of(sim).side(sim, "stream").query(), "once the copies into them were done"
+        optimshift.unstream(opt)
+
+
 def _fail_the_first_write_back(sim, monkeypatch, model, opt, ref_model, ref):
     """A streamed step whose first write-back (chunk 0's, param 0 stepped) raises; the reference steps param 0
     alone."""

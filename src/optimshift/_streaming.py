@@ -230,6 +230,7 @@ class Streamed:
             item[3].extend((tr[0][2][0][1], tr[2]) for tr in by_param[id(item[1])])
         self._examined.update((id(p), p.device) for _, p in members if id(p) not in by_param)
         chunks: list[Chunk] = []
+        copies = None
         try:
             # (each streamed entry is copied into its host view: its place, whatever its target says)
             transfers, into = list(kept), cast("list[torch.Tensor | None]", [None] * len(kept))
@@ -241,24 +242,26 @@ class Streamed:
                     into.extend(e.host for e in chunk.entries)
             with async_copies(not wait):  # (the host does not wait for them here)
                 copies = _engine.run(replace(plan, transfers=transfers), _LAYOUT, into=into)
-            if copies.event is not None:
-                if wait:
-                    copies.event.synchronize()
-                else:
+            if wait and copies.event is not None:
+                copies.event.synchronize()
+            with _engine.operation():  # (an interrupt the commit holds waits for the chunks to be recorded too)
+                hows = _engine.commit(opt, copies)
+                instead = {id(old): new for (old, new), how in zip(copies.pairs, hows) if how == "replace"}
+                for c in chunks:
+                    for e, host in zip(c.entries, layout.views(c.buffer, c.entries)):
+                        e.obj = instead.get(id(e.obj), e.obj)  # (no mechanism kept it: its host view took its place)
+                        e.host = host  # (after a swap, the view made for the copy holds the old contents)
+                self._keep(chunks)
+                chunks = []  # (kept: an interrupt the commit held, raised on the way out, gives none back)
+                if copies.event is not None and not wait:  # (the next step's loads wait for them)
                     self._pending[cast(torch.device, copies.device)] = copies.event
         except BaseException as error:
+            if chunks and copies is not None and copies.event is not None:
+                copies.event.synchronize()  # (copies still queued write the chunks' buffers: done before reuse)
             layout.release(chunks)
             if isinstance(error, NotImplementedError):  # (an entry on meta: no values; named as a move names it)
                 _refuse_from_meta(opt, plan, (), "stream")
             raise
-        with _engine.operation():  # (an interrupt the commit holds waits for the chunks to be recorded too)
-            hows = _engine.commit(opt, copies)
-            instead = {id(old): new for (old, new), how in zip(copies.pairs, hows) if how == "replace"}
-            for c in chunks:
-                for e, host in zip(c.entries, layout.views(c.buffer, c.entries)):
-                    e.obj = instead.get(id(e.obj), e.obj)  # (no mechanism kept it: its host view took its place)
-                    e.host = host  # (after a swap, the view made for the copy holds the old contents)
-            self._keep(chunks)
         _offload.remember_sides(opt, group_moves)  # (where a group tensor taken to the host came from, as a move)
 
     def _refuse(self, tr: Transfer, st: ParamState) -> None:

@@ -159,6 +159,23 @@ def test_pending_transfer_wait_and_done(sim, seed):
         optimshift.reload(opt)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+def test_the_callbacks_of_a_reload_in_flight_run_once_the_next_operation_ends_it(sim, seed, progress):
+    """A device-bound transfer in flight, which the next operation orders itself after on the device (no host
+    wait), runs its done-callbacks then, once: it is not dropped with them (what a move's release of reserved
+    ranges relies on: its handle is in no one else's hands)."""
+    with deferred_streams(seed=seed, progress=progress):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+        optimshift.offload(opt)
+        handle = optimshift.reload(opt, non_blocking=True)
+        calls = []
+        handle.add_done_callback(lambda: calls.append(1))
+        optimshift.move(opt)  # (the next operation, which ends it: ordered after it on the device)
+        assert calls == [1]
+        handle.wait()
+        assert handle.done() and calls == [1], "once"
+
+
 def test_the_step_pre_hook_is_one_per_optimizer_and_goes_with_the_next_operation(sim):
     """A non-blocking offload and then a non-blocking reload share one step pre-hook; it stays harmless after
     the step (torch iterates its hooks while calling them: removing itself there raised), and the next

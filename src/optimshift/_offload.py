@@ -80,6 +80,8 @@ class PendingTransfer:
         return self._event
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the copies are complete (now if they are): when the host learns it, by ``done()``,
+        ``wait()`` or the next operation on the optimizer (:meth:`retire`)."""
         with self._lock:
             if self._event is not None:
                 self._callbacks.append(fn)
@@ -124,6 +126,13 @@ class PendingTransfer:
         else:
             assert self.device is not None
             streams.wait_event(streams.current(self.device), event)  # (an event complete by now: no wait)
+
+    def retire(self) -> None:
+        """The transfer is over for its optimizer (the next operation changes the state): order what comes next
+        after the copies and run the done-callbacks, the host waiting for the copies first only where one waits."""
+        self.order_before_use()
+        if self._callbacks:
+            self.wait()
 
     def __repr__(self) -> str:
         return f"PendingTransfer(device={self.device}, done={self.done()})"
@@ -490,7 +499,8 @@ def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:
 
 def end_pending(optimizer: Any) -> None:
     """Before an operation changes this optimizer's state: the transfer still in flight is over for it: order
-    the operation after it (:meth:`PendingTransfer.order_before_use`) and remove the hooks that guarded it."""
+    the operation after it and run its callbacks (:meth:`PendingTransfer.retire`), and remove the hooks that
+    guarded it."""
     session = _session.of(optimizer)
     if session is None:
         return
@@ -500,7 +510,7 @@ def end_pending(optimizer: Any) -> None:
     for handle in handles:
         handle.remove()
     if pending is not None:
-        pending.order_before_use()
+        pending.retire()
 
 
 def pending_of(optimizer: Any) -> PendingTransfer:

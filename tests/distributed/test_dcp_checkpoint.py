@@ -291,6 +291,34 @@ def test_a_live_group_tensor_in_two_places_loads_each_saved_value(tmp_path, sim,
     assert all(b is t for b in places(live_opt)) and torch.equal(t.cpu(), torch.tensor(0.9))
 
 
+@pytest.mark.parametrize("saved, live", [(tuple, list), (list, tuple)], ids=["tuple into list", "list into tuple"])
+def test_tensor_betas_saved_as_a_tuple_load_into_a_list_and_back(tmp_path, sim, saved, live):
+    """Tensor betas saved as a tuple (DCP stores it whole) loaded where the live betas are a list (DCP reads it
+    element by element), or the other way round: DCP refused it part-way, a RuntimeError saying the model "may now
+    be partly loaded". The saved values are loaded, in the saved kind, as torch's load_state_dict installs them."""
+
+    def adam(model: torch.nn.Module, kind: type, *vs: float) -> torch.optim.Optimizer:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True, foreach=True)
+        opt.param_groups[0]["betas"] = kind(torch.tensor(v, device=sim) for v in vs)
+        return opt
+
+    model = build_model().to(sim)
+    opt = adam(model, saved, 0.8, 0.7)
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    local_step(model, opt, 1, sim)
+    uninterrupted = full_state(model, opt)
+
+    live_model = build_model().to(sim)
+    live_opt = adam(live_model, live, 0.5, 0.5)
+    load(tmp_path / "ck", live_model, live_opt)
+    betas = live_opt.param_groups[0]["betas"]
+    assert type(betas) is saved and all(bitwise_equal(b.cpu(), torch.tensor(v)) for b, v in zip(betas, (0.8, 0.7)))
+    assert optimshift.check(live_opt).ok
+    local_step(live_model, live_opt, 1, sim)
+    assert state_differences(full_state(live_model, live_opt), uninterrupted) == []
+
+
 @pytest.mark.parametrize("live_lr", ["float", "one-element", "float64"])
 def test_a_saved_tensor_lr_loads_where_the_live_lr_is_another_kind(tmp_path, sim, live_lr):
     """A checkpoint's tensor lr, loaded where the live lr is a float or a tensor of another shape or dtype: DCP

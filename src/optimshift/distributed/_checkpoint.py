@@ -274,14 +274,11 @@ def load(
             # look for them in the checkpoint and fail part-way; left out of the load, they keep their live values.
             kept = [{k: g[k] for k in g if k not in layout.groups.get(gi, ())} for gi, g in enumerate(live)]
             groups = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(optim_sd["param_groups"], kept)]
-            for gi, group in enumerate(groups):  # (a saved tensor hyperparameter where the live one is a float,
-                # or a tensor of another shape or dtype: DCP refused it part-way; it is read into one like it, as
-                # torch's load_state_dict installs the saved one)
+            for gi, group in enumerate(groups):  # (a hyperparameter saved in another kind than the live one's:
+                # DCP refused it part-way; it is read into one of the saved kind, as torch's load_state_dict installs
+                # the saved one)
                 for key, value in group.items():
-                    meta = layout.group_tensors.get((gi, key))
-                    if meta is not None and _compare_value(key, value, meta):
-                        side = value.device if isinstance(value, torch.Tensor) else None  # (the side given on)
-                        group[key] = torch.empty(_shape(meta.size), dtype=meta.properties.dtype, device=side)
+                    group[key] = _as_saved(value, layout, gi, key)
             apart = _read_apart(groups)
             stepped = {n: v for n, v in optim_sd["state"].items() if n not in stateless}
             optim_sd = {"state": stepped, "param_groups": groups}
@@ -336,6 +333,36 @@ def load(
             f"the model and optimizer, which may now be partly loaded (reload them, or load again): "
             f"{type(e).__name__}: {e}"
         ) from e
+
+
+def _as_saved(value: Any, layout: _Layout, gi: int, key: str) -> Any:
+    """What DCP reads group ``gi``'s saved ``key`` into: ``value`` where it is of the saved kind, else one that is:
+    a list where DCP stored a list element by element (tensor betas saved as a list, live as a tuple), a tuple where
+    it stored it whole (saved as a tuple, live as a list of tensors, which DCP would read element by element)."""
+    meta = layout.group_tensors.get((gi, key))
+    if meta is not None:
+        return _like(value, meta)
+    items = layout.group_lists.get((gi, key))
+    if items is None:  # (stored whole)
+        return tuple(value) if _by_element(value) else value
+    if isinstance(value, Mapping) or _by_element(value):
+        return value
+    at = value if isinstance(value, (list, tuple)) else ()
+    return [_like(at[i] if i < len(at) else None, meta) for i, meta in sorted(items.items())]
+
+
+def _by_element(value: Any) -> bool:
+    """Whether DCP reads ``value`` element by element: a list holding a tensor, a mapping or such a list."""
+    return isinstance(value, list) and any(isinstance(v, (torch.Tensor, Mapping)) or _by_element(v) for v in value)
+
+
+def _like(value: Any, meta: Any) -> Any:
+    """``value`` where DCP can read the saved ``meta`` into it, else a tensor of the saved shape and dtype on
+    ``value``'s side (a saved tensor where the live one is a float, or of another shape or dtype)."""
+    if not isinstance(meta, TensorStorageMetadata) or not _compare_value("", value, meta):
+        return value  # (an object: DCP puts the saved one in its place)
+    side = value.device if isinstance(value, torch.Tensor) else None  # (the side it was given on)
+    return torch.empty(_shape(meta.size), dtype=meta.properties.dtype, device=side)
 
 
 def _keep_group_tensors(live: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> None:
@@ -643,7 +670,7 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in value)
 
 
-_NESTED = object()  # _Layout.model's marker for a model entry that DCP flattened (a dict from get_extra_state)
+_NESTED = object()  # _Layout's marker for an entry DCP flattened further (a dict from get_extra_state, a nested list)
 
 
 @dataclass
@@ -657,6 +684,8 @@ class _Layout:
     groups: dict[int, set[str]] = field(default_factory=dict)
     params_keys: dict[int, str] = field(default_factory=dict)  # group index -> DCP key of its "params" list
     group_tensors: dict[tuple[int, str], TensorStorageMetadata] = field(default_factory=dict)  # a tensor lr's
+    # (group index, key) -> each element's metadata by index: a list DCP stored element by element (tensor betas)
+    group_lists: dict[tuple[int, str], dict[int, Any]] = field(default_factory=dict)
     has_extra: bool = False
     note: dict[str, Any] | None = None
 
@@ -688,6 +717,10 @@ class _Layout:
                     layout.params_keys[int(steps[2])] = key
                 elif len(steps) == 4 and isinstance(meta, TensorStorageMetadata):
                     layout.group_tensors[(int(steps[2]), str(steps[3]))] = meta
+                elif len(steps) >= 5 and isinstance(steps[4], int):  # (an element of a list: _NESTED, deeper)
+                    layout.group_lists.setdefault((int(steps[2]), str(steps[3])), {})[steps[4]] = (
+                        meta if len(steps) == 5 else _NESTED
+                    )
             elif steps == (_EXTRA,):
                 layout.has_extra = True
         if not layout.model and not layout.groups:

@@ -67,7 +67,16 @@ from ._state import (
     rekey,
     unwrap,
 )
-from .report import Finding, PlacementRow, Report, default_foreach, runs_foreach, sync_cost
+from .report import (
+    Finding,
+    PlacementRow,
+    Report,
+    assumed,
+    default_foreach,
+    default_rule_note,
+    runs_foreach,
+    sync_cost,
+)
 
 __all__ = [
     "move",
@@ -829,7 +838,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             continue
         severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at, defaults)
         if tr.source == "default":  # (no probe or table: a guess, which the last finding explains)
-            why = f"assumed by the default rule (no placement rule is known for {name}, see below): {why}"
+            why = assumed(name) + why
         why = f"after reload(): {why}" if offloaded else why
         shown = (site.param_label, site.key_label, str(at), dtype_name(t.dtype), str(tr.target), why)
         report.findings.append(Finding(severity, *shown, site.group, site.index, cost))
@@ -853,12 +862,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         report.findings.insert(0, Finding("info", "-", "-", "cpu", "-", "-", note))
     report.findings.extend(_dtype_findings(optimizer))  # entries whose dtype the next step() would refuse
     if guessed:
-        note = (
-            f"no placement rule is known for {name}: {'; '.join(guessed)}; used the default (a 0-dim 'step' stays on "
-            f"the host unless the group is fused/capturable; everything else follows its param). Register one with "
-            f"optimshift.register_policy({name}, policy) if that is wrong."
-        )
-        report.findings.append(Finding("info", "-", "-", "-", "-", "-", note))
+        report.findings.append(Finding("info", "-", "-", "-", "-", "-", default_rule_note(name, guessed)))
     pinned = [tr for tr in plan.transfers if not keeps_object_across_host(tr.tensor)]
     if pinned:
         site, device = pinned[0].site, pinned[0].tensor.device

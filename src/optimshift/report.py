@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,8 @@ __all__ = [
     "sync_cost",
     "runs_foreach",
     "default_foreach",
+    "assumed",
+    "default_rule_note",
 ]
 
 # Host syncs per param per step caused by one 0-dim state tensor that this torch reads on the host being kept
@@ -102,6 +104,21 @@ class PlacementRow:
     bytes: int
     local_shape: tuple[int, ...] | None = None
     placements: str | None = None
+
+
+def assumed(name: str) -> str:
+    """How a finding placed by the default rule begins (``check``'s and ``inspect``'s): a guess, not a fact."""
+    return f"assumed by the default rule (no placement rule is known for {name}, see below): "
+
+
+def default_rule_note(name: str, reasons: Iterable[str], *, register: bool = True) -> str:
+    """The note after such findings: why no rule is known for ``name``, what the default does, and (``register``:
+    ``name`` is a class) how to give one."""
+    return (
+        f"no placement rule is known for {name}: {'; '.join(reasons)}; used the default (a 0-dim 'step' stays on "
+        f"the host unless the group is fused/capturable; everything else follows its param)."
+        + (f" Register one with optimshift.register_policy({name}, policy) if that is wrong." if register else "")
+    )
 
 
 @dataclass(frozen=True)

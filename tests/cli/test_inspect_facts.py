@@ -172,6 +172,44 @@ def test_lbfgs_t_is_judged_where_torch_load_leaves_it(tmp_path, sim, capsys):
     assert [f for f in o["findings"] if f["key"] == "t"] == []
 
 
+def test_a_placement_by_the_default_rule_is_worded_as_check_words_it(tmp_path, sim, capsys):
+    """A file that records no class, whose groups match no torch.optim class, placed by the default rule: inspect
+    stated that placement as fact; it now says it is assumed, as check() does, and why (a note after it)."""
+    import optimshift
+    from optimshift.report import assumed
+
+    class Homemade(torch.optim.Optimizer):
+        def __init__(self, params, lr=0.1, gamma=0.5, zeta=1):
+            super().__init__(params, {"lr": lr, "gamma": gamma, "zeta": zeta})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    st = self.state[p]
+                    st["step"] = st.get("step", torch.tensor(0.0, device=p.device)) + 1
+                    st["buffer"] = st.get("buffer", torch.zeros_like(p)) + p.grad
+                    p.sub_(st["buffer"], alpha=group["lr"])
+
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+    opt = Homemade(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    checked = [f for f in optimshift.check(opt).findings if f.key == "step"]
+    assert checked and all(f.why.startswith(assumed("Homemade")) for f in checked)
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    assert main(["inspect", str(path), "--json"]) == 0
+    (o,) = json.loads(capsys.readouterr().out)["optimizers"]
+    (step,) = [f for f in o["findings"] if f["key"] == "step"]
+    assert step["message"].startswith(assumed("this optimizer") + "`step` saved on sim:0"), step["message"]
+    assert step["fresh_optimizer_keeps_it_on"] == "cpu"
+    (note,) = [f for f in o["findings"] if f["key"] == "-"]
+    assert note["message"].startswith("no placement rule is known for this optimizer: the file records no class")
+    assert o["findings"].index(note) > o["findings"].index(step)
+
+
 def test_entries_torch_load_mangles_are_found_at_the_top_and_one_level_down():
     """A state entry that is, or holds, a namedtuple or a string is one ``optimizer.load_state_dict`` rebuilds
     wrongly: each is reported, per key, and a plain list or number is not."""

@@ -19,7 +19,7 @@ from .._errors import dtype_name
 from .._state import GROUP_SKIP
 from .._state import IMPLEMENTATION_FLAGS as _FLAGS
 from .._state import tensors as all_tensors
-from ..report import runs_foreach, sync_cost
+from ..report import assumed, default_rule_note, runs_foreach, sync_cost
 from . import _files as ckpt
 from ._checks import fresh_group, torch_cast
 
@@ -269,8 +269,10 @@ def _findings(
     recorded = found.class_name.rpartition(".")[2] if found.class_name else "this optimizer"
     name = cls.__name__ if cls is not None else recorded
     holder = cls.__new__(cls) if cls is not None else _GENERIC  # policy.decide reads only its type
-    # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, flags) -> count
-    moved: Counter[tuple[str, str, str, str, bool, bool, bool, bool]] = Counter()
+    # (key, saved on, where optimizer.load_state_dict puts it, where a fresh optimizer keeps it, whether by the
+    # default rule, flags) -> count
+    moved: Counter[tuple[str, str, str, str, bool, bool, bool, bool, bool]] = Counter()
+    guessed: dict[str, None] = {}  # why the default rule placed an entry found moved, each reason once, in order
     base = _policy.stepping_base(cls) if cls is not None else None
     torch_name = base.__name__ if base is not None else name  # (which torch step runs: its default foreach)
     unknown: dict[torch.device, str] = {}  # stand-ins for saved device types this process does not know
@@ -308,15 +310,21 @@ def _findings(
                 puts_on = torch_cast(key, g, (big.dtype, pdev), (value.dtype, saved_on))[1]
                 # (judged as the load leaves it: an entry that stays on its own side, LBFGS's `t`, is on puts_on)
                 loaded = value if puts_on.type == "cpu" else torch.empty_like(value, device="meta")
-                fresh_on = _fresh_device(placers, holder, gi, g, fake, str(key), loaded, pdev)
+                fresh_on, source = _fresh_device(placers, holder, gi, g, fake, str(key), loaded, pdev)
                 if puts_on != fresh_on:
+                    default = source == "default"
+                    if default:
+                        why = "the file records no class, and its param groups match none of torch.optim's"
+                        guessed[why if cls is None else _policy.why_guessed(cls, g, fake.dim(), str(key))] = None
                     # foreach=None: the implementation torch picks for the params (runs_foreach).
                     foreach = runs_foreach(torch_name, g.get("foreach"), pdev.type != "cpu", g)
                     flags = (bool(g.get("fused")), bool(g.get("capturable")), foreach, bool(g.get("differentiable")))
-                    moved[(str(key), tag(saved_on), tag(puts_on), tag(fresh_on)) + flags] += 1
-    for (key, saved, torch_puts, fresh, fused, capturable, foreach, differentiable), n in sorted(moved.items()):
+                    moved[(str(key), tag(saved_on), tag(puts_on), tag(fresh_on), default) + flags] += 1
+    for (key, saved, torch_puts, fresh, default, fused, capturable, foreach, differentiable), n in sorted(
+        moved.items()
+    ):
         kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
-        subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class (default rule)"
+        subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class"
         cost = sync_cost(cls, name, key, foreach, True, hyper={"differentiable": differentiable})
         plural = "s" if n != 1 else ""
         if fresh.partition(":")[0] == "cpu":
@@ -337,9 +345,13 @@ def _findings(
                 f"leaves it on {torch_puts}, but a fresh {name} keeps it on its param's device ({fresh}); "
                 f"optimshift.load_state_dict places it there"
             )
+        message = assumed(name) + message if default else message
         where = {"saved_on": saved, "torch_load_puts_it_on": torch_puts, "fresh_optimizer_keeps_it_on": fresh}
         severity = "info" if cost == 0 else "warning"
         findings.append(_finding(severity, key, n, message, **where, syncs_per_param_per_step=cost))
+    if guessed:
+        assumed_n = sum(n for k, n in moved.items() if k[4])
+        findings.append(_finding("info", "-", assumed_n, default_rule_note(name, guessed, register=cls is not None)))
     return _merge(findings)
 
 
@@ -352,15 +364,16 @@ def _fresh_device(
     key: str,
     value: torch.Tensor,
     device: torch.device,
-) -> torch.device:
-    """Where a fresh optimizer keeps ``value`` when its param is on ``device``. NOTE: over host params everything
-    stays on the host (unless a registered policy says otherwise), so a host checkpoint skips the probe (over 1 s)."""
+) -> tuple[torch.device, str]:
+    """Where a fresh optimizer keeps ``value`` when its param is on ``device``, and by which rule (``policy.decide``'s
+    source). NOTE: over host params everything stays on the host (unless a registered policy says otherwise), so a
+    host checkpoint skips the probe (over 1 s)."""
     if device.type == "cpu" and not _policy.has_registered_policy(holder):
-        return device
+        return device, "rule"
     placer = placers.get((id(holder), device))
     if placer is None:
         placer = placers[(id(holder), device)] = _policy.Placer(holder, device, values=False)  # (stand-ins)
-    return placer((gi, 0, (("key", key),)), param, group, key, value)[0]
+    return placer((gi, 0, (("key", key),)), param, group, key, value)
 
 
 def _kernel_devices(flag: str) -> list[str]:

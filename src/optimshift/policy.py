@@ -514,6 +514,11 @@ def params_device(group: Mapping[str, Any], fallback: torch.Tensor) -> torch.dev
     return HOST if len(devices) > 1 else group_device(group, fallback)
 
 
+_Held = tuple[dict[Any, tuple[torch.device, str]], dict[Any, tuple[torch.device, str]], torch.device]
+"""A param's part of :class:`Placer`'s memo: its entries of several elements by key, its one-element ones by key,
+rank, side and dtype; the device its param is bound for."""
+
+
 class Placer:
     """The memoizing front of :func:`decide` for one operation: ``placer(ident, param, group, key, tensor)`` is
     ``(device, source)`` for each entry, the param on ``device`` (``None``: where it is now). Every operation
@@ -523,8 +528,8 @@ class Placer:
     session's memory; a load brings its own and passes none).
 
     NOTE: the memo key is what :func:`decide` reads of a param's entry when no policy is registered (the group,
-    for the length of one operation; the key; the param's rank and device; whether the tensor is 0-dim, of one
-    element, and on the host; a one-element tensor's dtype); a registered policy may read anything, so then every
+    for the length of one operation; the key; the param's rank and device; whether the tensor is of one element,
+    and then whether it is 0-dim, on the host, and its dtype); a registered policy may read anything, so then every
     entry is decided. Group entries are few and decided by their identity in the group: never memoized.
     """
 
@@ -540,7 +545,7 @@ class Placer:
     ) -> None:
         self.optimizer, self.device, self.sides = optimizer, device, {} if sides is None else sides
         self.values = values  # (False: asked about stand-ins, see decide)
-        self.memo: dict[Any, tuple[torch.device, str]] | None = None if has_registered_policy(optimizer) else {}
+        self.memo: dict[tuple[int, int, torch.device], _Held] | None = None if has_registered_policy(optimizer) else {}
         self.spans: dict[tuple[int, torch.device], torch.device] = {}  # (params_at's, by group)
 
     def __call__(
@@ -585,30 +590,36 @@ class Placer:
         side = self.sides.get(id(tensor)) if self.sides and tensor.is_cpu else None
         return None if side is None or side[1] is not tensor else side[0]
 
-    def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> tuple[int, int, torch.device] | None:
-        """The part of the memo key that all of ``param``'s entries share (None: no memo), for a caller that
-        places a param's entries one after another (:func:`optimshift._plan.build_plan`)."""
-        if self.memo is None:
+    def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> _Held | None:
+        """The memo of ``param``'s entries (None: no memo), keyed by what all of them share (the group, the
+        param's rank and device), for a caller that places a param's entries one after another
+        (:func:`optimshift._plan.build_plan`): the shared part is hashed once per param, not once per entry."""
+        memo = self.memo
+        if memo is None:
             return None
-        return (id(group), param.dim(), param.device if self.device is None else self.device)
+        device = param.device if self.device is None else self.device
+        shared = (id(group), param.dim(), device)
+        held = memo.get(shared)
+        if held is None:
+            held = memo[shared] = ({}, {}, device)
+        return held
 
     def entry(
-        self,
-        holder: tuple[int, int, torch.device] | None,
-        param: torch.Tensor,
-        group: Mapping[str, Any],
-        key: str,
-        tensor: torch.Tensor,
+        self, holder: _Held | None, param: torch.Tensor, group: Mapping[str, Any], key: str, tensor: torch.Tensor
     ) -> tuple[torch.device, str]:
         """Entry ``key`` of ``param``'s state, ``holder`` being :meth:`holder`'s answer for the param."""
         if holder is None:
             return self.at(param, group, key, tensor, param.device if self.device is None else self.device)
-        one = tensor.numel() == 1  # (the dtype matters to a scalar's place only: asked of those alone)
-        memo_key = (holder, key, tensor.dim() == 0, one, tensor.is_cpu, tensor.dtype if one else None)
-        memo = self.memo
-        hit = memo.get(memo_key)  # type: ignore[union-attr]  # (holder: a memo)
+        # (decide reads a tensor's rank, side and dtype only where it has one element: a tensor of several is
+        # placed by its key and its param alone)
+        memo_key: Any
+        if tensor.numel() == 1:
+            memo, memo_key = holder[1], (key, tensor.dim() == 0, tensor.is_cpu, tensor.dtype)
+        else:
+            memo, memo_key = holder[0], key
+        hit = memo.get(memo_key)
         if hit is None:
-            hit = memo[memo_key] = self.at(param, group, key, tensor, holder[2])  # type: ignore[index]
+            hit = memo[memo_key] = self.at(param, group, key, tensor, holder[2])
         return hit
 
     def at(

@@ -181,3 +181,27 @@ def test_a_failed_cast_says_it_was_a_cast_and_to_which_dtype(sim, monkeypatch):
     (note,) = info.value.__notes__
     assert "state key 'exp_avg' ((3, 2), torch.float32) from cpu to sim:0, cast to torch.bfloat16;" in note, note
     assert not opt.state
+
+
+def test_a_failed_copy_in_a_column_of_plain_tensors_names_its_own_item(monkeypatch):
+    """copy_many copies plain tensors all bound from one device to one other by one ``.to`` each in a pass in C
+    (_one_pair); a copy that fails there is named by its own index, as the loop names it."""
+    tensors = [torch.ones(2) for _ in range(4)]
+    real, calls = torch.Tensor.to, []
+
+    def to(self, *args, **kwargs):
+        calls.append(self)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    with pytest.raises(RuntimeError, match="out of memory") as e:
+        _copy.copy_many(
+            [(t, torch.device("meta")) for t in tensors],
+            _copy.BLOCKING,
+            pool=HostPool(),
+            describe=lambda i: f"entry {i}",
+        )
+    assert calls == tensors[:3]
+    assert any("while copying entry 2 " in note for note in e.value.__notes__), e.value.__notes__

@@ -19,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, cast
 
 import torch
@@ -238,6 +239,19 @@ def _pair_kind(pair: tuple[torch.device, torch.device], group: bool) -> tuple[bo
 
 
 _first = itemgetter(0)
+_second = itemgetter(1)
+_where = attrgetter("device", "requires_grad")
+
+
+def _one_pair(items: Sequence[tuple[torch.Tensor, torch.device]], pair: tuple[torch.device, torch.device]) -> bool:
+    """Whether every item is a plain tensor, not requiring grad, on ``pair[0]`` and bound for ``pair[1]``: then they
+    are one column, each copied as :func:`copy_many`'s loop would copy it (asked in a few passes in C)."""
+    tensors = list(map(_first, items))
+    return (
+        set(map(type, tensors)) == {torch.Tensor}
+        and set(map(_second, items)) == {pair[1]}
+        and set(map(_where, tensors)) == {(pair[0], False)}
+    )
 
 
 def copy_many(
@@ -268,20 +282,27 @@ def copy_many(
     On an exception nothing is returned: every device involved is synchronized first (copies already queued
     read and write memory that is freed as the exception unwinds), then every buffer goes back to the pool.
     """
+    non_blocking, pin_memory, keep_host_views = options.non_blocking, options.pin_memory, options.keep_host_views
+    group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
+    # (source, target) -> (may be grouped, a pinned source may be copied asynchronously, the same place)
+    kinds: dict[tuple[torch.device, torch.device], tuple[bool, bool, bool]] = {}
+    inline = side is None and not pin_memory
+    if items and not columns and inline and not non_blocking and not together and not casts:
+        # (plain tensors all from one device to one other, neither grouped nor pinned there (a move to meta, across
+        # two accelerators): one column, each copied as the loop below would, in one pass in C)
+        pair = (items[0][0].device, items[0][1])
+        how = kinds[pair] = _pair_kind(pair, group)
+        if not (how[0] or how[1]) and _one_pair(items, pair):
+            columns = [(list(map(_first, items)), pair[1])]
     listed: list[Any] = []  # (columns: an item each only where one is copied grouped or one by one, below)
     if columns:
         items = listed = [None] * sum(len(ts) for ts, _ in columns)
     batch = Batch([None] * len(items))
-    non_blocking, pin_memory, keep_host_views = options.non_blocking, options.pin_memory, options.keep_host_views
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
-    group = not _fake_mode_active()  # fake tensors have no data to stage: copy them one by one
     copies = batch.copies
     current = 0
-    # (source, target) -> (may be grouped, a pinned source may be copied asynchronously)
-    kinds: dict[tuple[torch.device, torch.device], tuple[bool, bool, bool]] = {}
     wrapped: dict[int, Any] = {}  # index -> the DTensor whose local shard was copied there
     plain = torch.Tensor
-    inline = side is None and not pin_memory
     try:
         rest: Iterable[tuple[int, tuple[torch.Tensor, torch.device]]] = enumerate(items)  # (copied one by one)
         if columns:  # (how each column is copied is decided on its first tensor)
@@ -305,6 +326,10 @@ def copy_many(
                     except BaseException:
                         current = min(start + len(made), stop - 1)  # (the one that failed)
                         raise
+                    # (.to() of a tensor already there, on a device named without its index, hands the tensor back:
+                    # a copy never is the original)
+                    if not how[2] and any(map(operator.is_, made, tensors)):
+                        made = [c.clone() if c is t else c for c, t in zip(made, tensors)]
                     copies[start:stop] = made
                     continue
                 listed[start:stop] = zip(tensors, itertools.repeat(target))

@@ -26,7 +26,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, cast
 
 import torch
@@ -559,13 +559,15 @@ def adoptions(
             if old is not pair[1] and id(old) not in done:
                 done.add(id(old))
                 unique.append(pair)
-    if hint is not None and still_valid(unique, hint) and not any(id(old) in protect for old, _ in unique):
+    # (each old's id, in one pass in C: whether any is protected)
+    clear = not protect or protect.isdisjoint(map(id, map(_first, unique)))
+    if hint is not None and clear and still_valid(unique, hint):
         hows = hint
     else:
         hows = decide_all(unique)
-        if protect and not protect.isdisjoint([id(old) for old, _ in unique]):
+        if not clear:
             hows = ["replace" if id(old) in protect else how for (old, _), how in zip(unique, hows)]
-    replaced = [pair for pair, how in zip(unique, hows) if how == "replace"]
+    replaced = [pair for pair, how in zip(unique, hows) if how == "replace"] if "replace" in hows else []
 
     def apply() -> dict[str, int]:
         adopt(unique, hows)
@@ -807,6 +809,7 @@ def _pinned_in_place(
 
 
 _grad_of = attrgetter("grad")
+_first = itemgetter(0)
 
 
 def outside_owned(optimizer: Any) -> set[int]:

@@ -320,3 +320,17 @@ def test_a_plan_of_columns_is_copied_alone(sim):
     ):
         with pytest.raises(AssertionError, match="a plan of columns is copied whole, alone"):
             _engine.run(Plan(opt, columns=[column], entry=lambda j, n: None), **extra)
+
+
+@pytest.mark.parametrize("hinted", [False, True])
+def test_a_protected_tensor_is_replaced_where_it_could_take_its_copy_in_place(hinted):
+    """``adoptions(protect=...)``: a tensor the model owns (a param or its grad kept as state) is replaced even where
+    set_data would keep it (two host tensors), also when an earlier commit's decisions are offered for reuse."""
+    from optimshift import _engine
+
+    olds, news = [torch.zeros(2) for _ in range(3)], [torch.ones(2) for _ in range(3)]
+    pairs = list(zip(olds, news))
+    hint = _engine.adoptions(pairs)[2] if hinted else None
+    assert hint is None or hint == ["data"] * 3
+    replaced, _, hows = _engine.adoptions(pairs, protect={id(olds[1])}, hint=hint)
+    assert hows == ["data", "replace", "data"] and replaced == [pairs[1]]

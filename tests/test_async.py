@@ -450,6 +450,32 @@ def test_a_non_blocking_offload_whose_commit_fails_gives_its_buffers_back_to_the
             assert bitwise_equal(dict(st), before_values)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES)
+def test_the_step_after_a_non_blocking_offload_whose_commit_failed_waits_for_its_copies(
+    sim, monkeypatch, seed, progress
+):
+    """A commit that fails (a Ctrl-C) after the offload's copies were queued: the next step, on the current
+    stream, writes the state those copies still read on the side stream; it is ordered after them (it raced)."""
+    from optimshift import _engine
+
+    ref_model, ref = _trained(sim, torch.optim.Adam, {"foreach": True})
+    train(ref_model, ref, range(2, 4))
+    with deferred_streams(seed, progress):
+        model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt("injected: Ctrl-C in the commit")
+
+        monkeypatch.setattr(_engine, "adoptions", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            optimshift.offload(opt, non_blocking=True)
+        monkeypatch.undo()
+        train(model, opt, range(2, 4))
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert bitwise_equal(a, b)
+        assert bitwise_equal(dict(opt.state[a]), dict(ref.state[b]))
+
+
 def test_the_reload_leaves_no_memory_cached_for_the_side_stream(sim):
     """CUDA's caching allocator keeps a freed block for the stream that allocated it. Over offload/reload
     cycles (non-blocking, as an RL loop runs them), every device tensor the transfers make is allocated on the

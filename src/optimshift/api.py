@@ -233,7 +233,9 @@ def _transfer(
             optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite, finish=finish
         )
     except BaseException as e:
-        if copies is not None:  # (the commit failed: the buffers its copies wrote go back, as an ended offload's)
+        if copies is not None:  # (the commit failed: what comes next is ordered after its copies, on the device,
+            # which still read the state a step writes; the buffers they write go back, as an ended offload's)
+            PendingTransfer(copies.event, copies.device).order_before_use()
             give_back(copies.batch.held, copies.event)
         if placement is not None:
             placement.abandon()

@@ -1065,6 +1065,40 @@ def test_a_state_dict_after_a_failing_write_back_holds_compact_host_copies(sim, 
         _assert_same(model, opt, ref_model, ref)
 
 
+@pytest.mark.parametrize("seed, progress", SCHEDULES[:2])
+def test_a_ctrl_c_while_a_state_dict_lays_out_a_failed_write_back_keeps_one_chunk_per_param(
+    sim, monkeypatch, seed, progress
+):
+    """state_dict() lays out a chunk whose write-back failed (no operation around it): a Ctrl-C its commit held was
+    raised once that layout was in place, and the relay took it for a failure, keeping the old chunk too: the param
+    in two chunks, the new one's pinned buffer held until unstream(). The layout stands, one chunk per param."""
+    import signal
+
+    with deferred_streams(seed=seed, progress=progress):
+        (model, opt), (ref_model, ref) = _pair([(4, 3), (3,), (2, 3), (5,)], sim, torch.optim.Adam, foreach=True)
+        optimshift.stream(opt, chunk_bytes=128)  # one param per chunk
+        train(model, opt, range(2))
+        train(ref_model, ref, range(2))
+        _fail_the_first_write_back(sim, monkeypatch, model, opt, ref_model, ref)
+        mode, adopt = _streaming._mode_of(opt), _engine.adopt
+
+        def interrupted(*args, **kwargs):
+            signal.raise_signal(signal.SIGINT)  # (a real Ctrl-C, inside the commit: held until it is applied)
+            return adopt(*args, **kwargs)
+
+        monkeypatch.setattr(_engine, "adopt", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            opt.state_dict()
+        monkeypatch.undo()
+        chunks = list(mode._chunks.values())
+        assert sorted(id(p) for c in chunks for p in c.params) == sorted(map(id, _params(model)))
+        assert all(mode._chunk_of[id(p)] is c for c in chunks for p in c.params) and not mode._unwritten
+        train(model, opt, range(3, 5))
+        train(ref_model, ref, range(3, 5))
+        assert mode.chunks == len(_params(model))
+        _assert_same(model, opt, ref_model, ref)
+
+
 def _careless_layout(monkeypatch, name):
     """The layout's copies (the engine's, into the chunks' host views) with one ordering taken away: their
     ``record_stream`` or their wait for the current stream, or queued on the engine's lane, not the step's."""

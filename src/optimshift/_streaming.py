@@ -169,7 +169,9 @@ class Streamed:
         window): what reads the state's values (``state_dict()``, a copy, :func:`unstream`) must find first."""
         self.wait()
         if self._unwritten:
-            with exclusive(self.optimizer):
+            # (an operation: a Ctrl-C the layout's commit holds is raised once the relay kept it, not taken for a
+            # failure that left the old chunk standing)
+            with exclusive(self.optimizer), _engine.operation():
                 self._relay(list(self._unwritten.values()))
             self.wait()
 

@@ -1,27 +1,12 @@
 """Giving a tensor object another tensor's contents while it stays the same Python object.
 
-A ``torch.compile``d ``optimizer.step()`` guards on the identity of every state tensor
-(``___check_obj_id(self.state[p]["exp_avg"])``): an operation that replaces them recompiles the step, and after
-``recompile_limit`` replacements dynamo runs it eagerly for the rest of the process. So the engine never puts a
-copy in the optimizer's place; the old object *adopts* the copy's contents, by the first mechanism that the
-installed torch allows for the pair:
-
-- ``"data"``: ``old.data = new`` (``set_data``), the classic ``param.data = param.data.cuda()``: cheap, keeps
-  compiled graphs. Needs the same kind of TensorImpl on both sides (CPU <-> CUDA yes; CPU <-> a Python
-  PrivateUse1 backend or meta no) and a plain tensor class (a subclass may keep its device in Python
-  attributes, as ``FakeTensor`` does, which ``set_data`` would not update). Not for a view where a swap works:
-  ``set_data`` keeps its ``_base``, and so the old storage, alive.
-- ``"swap"``: ``torch.utils.swap_tensors(old, new)``: exchanges the two objects' C++ tensors, classes,
-  ``__dict__`` and slots. Works between any devices, but not on a tensor anyone holds a weak reference to
-  (dynamo does, once it has traced a step over it) or whose C++ tensor something else also holds (a view of
-  it that is not adopting a copy in the same batch, an autograd graph).
-- ``"replace"``: neither applies, or the tensor is not the optimizer's to change in place (a ``Parameter`` kept
-  in state belongs to a module; an inference tensor cannot take ``set_data``; the engine also protects the
-  optimizer's params and their grads): the copy goes in the old object's place (the engine's fallback, which
-  :func:`optimshift.check` explains and the docs list).
-
-Choosing is pure (:func:`mechanism`), so the engine decides for every tensor before it changes any, and
-applying the chosen mechanisms (:func:`adopt`) cannot fail.
+A ``torch.compile``d step guards on the identity of every state tensor: replacing them recompiles it (and, past
+``recompile_limit``, runs it eagerly for good). So the old object *adopts* its copy, by the first mechanism the pair
+allows: ``"data"`` (``set_data``: same TensorImpl kind, plain class; not for a view where a swap works, as it keeps
+the ``_base`` and its storage alive), ``"swap"`` (``_swap_tensor_impl``/``swap_tensors``: any devices, but no weak
+reference to either and no other C++ holder), else ``"replace"`` (also for a ``Parameter`` kept in state, a
+module's, and an inference tensor). :func:`mechanism` is pure, so every tensor is decided before any changes, and
+:func:`adopt` cannot fail.
 """
 
 from __future__ import annotations
@@ -67,10 +52,8 @@ def decide_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Mecha
             # module's (a frozen param kept as state): changing it in place would move the model with the state
             append("replace")
         elif data:
-            # NOTE: set_data keeps a view's ``_base``, and with it the old storage (a flat buffer the optimizer
-            # dropped stays alive through the entries cut from it: device memory an offload never frees); a swap
-            # gives the object the copy's TensorImpl, which views nothing (a plain tensor's: its Python
-            # attributes stay its own, see adopt).
+            # NOTE: set_data keeps a view's ``_base`` (a dropped flat buffer an offload would never free); a swap
+            # gives it the copy's TensorImpl, which views nothing.
             append("swap" if old._is_view() and type(old) is plain and _swappable(old, new) else "data")
         elif (
             kind[0] is plain
@@ -102,19 +85,16 @@ def _swappable(old: torch.Tensor, new: torch.Tensor, views: int = 0) -> bool:
     how many other holders of ``old`` are views of it that adopt copies too (see decide_all)."""
     if weakref.getweakrefcount(old) or weakref.getweakrefcount(new):
         return False
-    # (copyreg._slotnames is not in typeshed)
     if type(old) is not type(new) and set(copyreg._slotnames(type(old))) != set(copyreg._slotnames(type(new))):  # type: ignore[attr-defined]
         return False
     # Another C++ holder of either tensor (a view's base, an autograd node) would end up on the other object.
-    # (Tensor._use_count exists at runtime but is missing from torch's stubs.)
     use_count: Any = torch.Tensor._use_count  # type: ignore[attr-defined]
     return use_count(old) == 1 + views and use_count(new) == 1 and _grads_allow(old, new)
 
 
 def _grads_allow(old: torch.Tensor, new: torch.Tensor) -> bool:
-    """Whether autograd lets ``old`` take ``new``'s TensorImpl: neither requires grad, or both are leaves that do
-    and neither holds a grad or was ever given a hook (those live in the TensorImpl and would go with it to the
-    other object: a hook registered before or after would never fire; a graph's hold is a use the caller counts)."""
+    """Whether autograd lets ``old`` take ``new``'s TensorImpl: neither requires grad, or both are grad-less,
+    hook-less leaves (a grad or hook lives in the TensorImpl and would go with it to the other object)."""
     if not (old.requires_grad or new.requires_grad):
         return True
     return all(
@@ -162,8 +142,8 @@ def keeps_object_across_host(t: torch.Tensor) -> bool:
 
 
 def kept(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``old`` holding ``new``'s contents where a mechanism allows it, else ``new`` (it takes ``old``'s place):
-    for a tensor adopting on its own, outside a commit (a param's grad going to or from the host)."""
+    """``old`` holding ``new``'s contents where a mechanism allows it, else ``new``: one tensor adopting outside a
+    commit (a param's grad going to or from the host)."""
     how = mechanism(old, new)
     if how == "replace":
         return new

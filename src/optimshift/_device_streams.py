@@ -1,10 +1,8 @@
 """Streams and events of an accelerator: one interface (:class:`Streams`) the async path and the streamed step use.
 
-Chosen once per device type by :func:`of`: a backend registered with :func:`register_backend` (a Python
-PrivateUse1 backend, whose C++ device guard's streams and events order nothing: the simulator), torch's generic
-API for the current accelerator, ``torch.cuda``'s on an older torch, else none (synchronous transfers); each only
-once a probe of every primitive worked (MPS has no ``record_stream``). Everything that orders device work goes
-through a :class:`Streams` method: one place per ordering rule.
+Chosen once per device type by :func:`of`, and only once a probe of every primitive worked (MPS has no
+``record_stream``): a backend registered with :func:`register_backend` (a Python PrivateUse1 backend, whose C++
+device guard's streams order nothing: the simulator), torch's generic API, ``torch.cuda``'s, else none (synchronous).
 """
 
 from __future__ import annotations
@@ -229,9 +227,8 @@ def known(device: torch.device) -> bool | None:
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:
-    """Block the host until the work queued on each accelerator among ``devices`` has run, one wait per device:
-    through its :class:`Streams` where :func:`of` found them, else through its type's torch module (one that is
-    not available: fake tensors that only claim the device, nothing to wait for)."""
+    """Block the host until the work queued on each accelerator among ``devices`` has run, one wait per device
+    (none where its torch module is not available: fake tensors that only claim the device)."""
     for device in {d for d in devices if d.type not in HOSTS}:
         streams = _chosen.get(device.type)
         if streams is not None:
@@ -254,8 +251,7 @@ def synchronize(devices: Iterable[torch.device]) -> None:
 def host_pinning() -> str | None:
     """The device type host memory can be pinned for in this process (the accelerator's), or None.
 
-    # NOTE: asking ``is_pinned()`` or ``pin_memory=True`` with no such accelerator either initializes one for
-    # nothing or raises (a Python backend has no pinned allocator): callers check this first.
+    # NOTE: ``is_pinned()`` or ``pin_memory=True`` with no such accelerator initializes one or raises: ask this first.
     """
     if _cuda_available():
         kind: str | None = "cuda"
@@ -282,8 +278,7 @@ def pins_copy(source: torch.Tensor, target: torch.device, pin_memory: bool) -> b
 
 
 def in_pinned_memory(t: torch.Tensor) -> bool:
-    """Whether ``t`` sits in pinned host memory, so that a copy from it may be queued (asked only where an
-    accelerator pins host memory: elsewhere asking would initialize one, or raise)."""
+    """Whether ``t`` sits in pinned host memory, so that a copy from it may be queued."""
     return t.device.type == "cpu" and host_pinning() is not None and t.is_pinned()
 
 

@@ -10,8 +10,7 @@ import torch
 DeviceLike = torch.device | str | int
 
 HOSTS = ("cpu", "meta")
-"""Device types no accelerator queue serves: nothing to synchronize, no streams (the host; meta, which holds no
-values)."""
+"""Device types no accelerator queue serves: nothing to synchronize, no streams."""
 
 HOST = torch.device("cpu")
 """The host, as :func:`resolve` makes it (``"cpu:0"`` too): where a fresh optimizer keeps host state."""

@@ -1,11 +1,8 @@
-"""Optimizers in a mode that keeps their state on the host between steps: streamed (:func:`optimshift.stream`).
-
-Operations that place state ask here first: ``move``, ``offload``, ``reload`` and ``rebind`` refuse a streamed
-optimizer (its state must stay where its streamed step reads it), ``load_state_dict`` loads into its host state,
-and ``check`` expects its state on the host.
+"""Optimizers in a mode that keeps their state on the host between steps: streamed (:func:`optimshift.stream`),
+which every operation that places state asks first.
 
 # NOTE: a module of its own, above ``api`` and ``checkpoint``, so that both can ask without importing the
-# streaming machinery (which itself uses ``checkpoint`` to load). The mode itself is the optimizer's session's.
+# streaming machinery (which itself uses ``checkpoint`` to load).
 """
 
 from __future__ import annotations
@@ -40,8 +37,8 @@ def mode_of(optimizer: Any) -> Mode | None:
 
 
 def enter(optimizer: Any, mode: Mode) -> None:
-    """``optimizer`` is in ``mode``, which the optimizer itself keeps alive (its step and hooks refer to it): the
-    session holds it weakly, as a strong reference would keep its tensors one collection longer than the optimizer."""
+    """``optimizer`` is in ``mode``, held weakly: the optimizer keeps it alive, and a strong reference would keep
+    its tensors one collection longer than the optimizer."""
     session = _session.get(optimizer)
     if session is None:
         raise TypeError(f"{type(optimizer).__name__} cannot be weakly referenced: it cannot enter a mode")

@@ -1,9 +1,7 @@
-"""What optimshift knows about one optimizer, in one object: its :class:`Session` (its fields say what). Every
-module that remembers something about an optimizer keeps it here.
+"""What optimshift knows about one optimizer: its :class:`Session`, where every module remembers anything of it.
 
-# NOTE: sessions live beside their optimizers (one weak-keyed table), never on them, so that optimshift adds no
-# attribute to a user's object and an optimizer that is garbage-collected takes its session with it. An
-# optimizer that cannot be weakly referenced (or hashed) has no session: nothing can be remembered for it.
+# NOTE: in a weak-keyed table beside the optimizer, never on it: no attribute on a user's object, and a collected
+# optimizer takes its session along (one that cannot be weakly referenced or hashed has none).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ __all__ = ["Session", "of", "get"]
 
 @dataclass(eq=False)
 class Session:
-    """Everything optimshift remembers about one optimizer (see the module docstring)."""
+    """Everything optimshift remembers about one optimizer."""
 
     lock: threading.RLock = field(default_factory=threading.RLock)  # one operation at a time (re-entrant)
     record: Any = None  # _offload.Record while offloaded
@@ -29,8 +27,7 @@ class Session:
     guards: list[Any] = field(default_factory=list)  # handles of the pre-hooks that wait for ``pending``
     mode: weakref.ref[Any] | None = None  # its _mode.Mode (weak: the optimizer keeps its mode alive)
     # group tensors (tensor lr, betas) a move or an offload took to the host from an accelerator, by id: where they
-    # came from, so that a move back puts them on the device side again, as a fresh optimizer given them there would
-    # hold them; and the tensor (its id names it only while it lives; forgotten once no group holds it)
+    # came from (a move back puts them there again), and the tensor (its id names it only while it lives)
     group_sides: dict[int, tuple[torch.device, torch.Tensor]] = field(default_factory=dict)
     plans: dict[Hashable, list[Any]] = field(default_factory=dict)  # operation key -> its _plan_cache.Cached
     addresses: Any = None  # _addresses.Layout: its state's reserved ranges and slots, once it keeps addresses
@@ -43,8 +40,7 @@ _lock = threading.Lock()
 
 
 def rememberable(optimizer: Any, what: str) -> None:
-    """TypeError, naming ``what`` (the operation), unless a session can be kept for ``optimizer`` (weakly keyed:
-    hashable and weak-referenceable)."""
+    """TypeError, naming the operation ``what``, unless a session can be kept for ``optimizer``."""
     try:
         weakref.ref(optimizer)
         hash(optimizer)

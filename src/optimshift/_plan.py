@@ -1,7 +1,6 @@
 """Turn an optimizer and a target into a plan: every tensor it holds, where it is, and where it must go.
 
-A plan is pure data, built and validated before anything is copied: errors about bad input are raised here,
-while the optimizer is untouched.
+Pure data, built and validated before anything is copied: bad input is refused while the optimizer is untouched.
 """
 
 from __future__ import annotations
@@ -134,10 +133,8 @@ class Plan:
     entry: Callable[[int, int], Transfer] | None = None
 
     def group_entries(self) -> list[Transfer]:
-        """The transfers of the param groups' own tensors (a tensor ``lr``), last first.
-
-        # NOTE: build_plan lists them after every param's entries (then the optimizer-wide ones): walked from the
-        # end, without a pass over every entry."""
+        """The transfers of the param groups' own tensors (a tensor ``lr``), last first: build_plan lists them after
+        every param's (before the optimizer-wide ones), so they are walked from the end."""
         out = []
         for tr in reversed(self.transfers):
             ident = tr[0]
@@ -157,9 +154,8 @@ def optimizer_name(optimizer: Any) -> str:
 
 
 def check_optimizer(optimizer: Any, what: str = "optimizer", *, groups: bool = True) -> torch.optim.Optimizer:
-    """TypeError unless ``optimizer`` looks like a torch optimizer (param_groups and state) whose state is a
-    mapping and whose param groups are as torch's ``add_param_group`` makes them (:func:`_check_groups`): what
-    every operation asks first. ``groups=False``: not what each group holds (a caller that walks none: ``wait``)."""
+    """TypeError unless ``optimizer`` looks like a torch optimizer with well-formed groups and state (what every
+    operation asks first). ``groups=False``: not what each group holds (a caller that walks none: ``wait``)."""
     param_groups = getattr(optimizer, "param_groups", None)
     state = getattr(optimizer, "state", None)
     if not isinstance(optimizer, torch.optim.Optimizer) and not (
@@ -174,10 +170,8 @@ def check_optimizer(optimizer: Any, what: str = "optimizer", *, groups: bool = T
 
 
 def _check_groups(optimizer: Any, groups: Any, state: Any, contents: bool = True) -> None:
-    """TypeError, naming the optimizer and the group (and the param), for param groups that are not a list of
-    dicts each holding its params as a list or tuple of tensors, or a state that is not a mapping: every operation
-    walks them (a raw KeyError, AttributeError or TypeError from deep inside, the offload's after its record was
-    begun). ``contents=False``: only that they are a list and a mapping."""
+    """TypeError naming the group (and param) unless the groups are a list of dicts each holding a list or tuple of
+    tensors and the state a mapping (else a raw error from deep inside, an offload's after its record was begun)."""
     if _well_formed(groups, state, contents):
         return
     name = optimizer_name(optimizer)
@@ -208,9 +202,8 @@ def _check_groups(optimizer: Any, groups: Any, state: Any, contents: bool = True
 
 
 def _well_formed(groups: Any, state: Any, contents: bool = True) -> bool:
-    """Whether :func:`_check_groups` has nothing to say, asked of all the groups at once in a few passes in C (the
-    common case: one call per group was ~0.7 us, 10 ms per operation for 15k groups of one param); False for any
-    doubt, which the group-by-group check then names."""
+    """Whether :func:`_check_groups` has nothing to say, in a few passes in C over all groups (one call per group
+    was 10 ms per operation for 15k groups); False for any doubt, which the group-by-group check then names."""
     if not isinstance(groups, list) or not isinstance(state, Mapping):
         return False
     if not contents:
@@ -228,16 +221,9 @@ def iter_holders(
     groups: list[dict[str, Any]] | None = None,
     state: Mapping[Any, Any] | None = None,
 ) -> Iterator[tuple[int, int | None, torch.Tensor | None, Mapping[str, Any], Mapping[Any, Any], str | None]]:
-    """Yield (group index, param index, param, group dict, entries, param name) for every param with state
-    (``entries`` is its state dict), then for every param group (``param index`` and ``param`` None,
-    ``entries`` the group dict itself: skip ``params``/``param_names``), then once for the optimizer-wide
-    entries (``optimizer.state`` keys that are not tensors, e.g. MADGRAD's ``"k"``) as group
-    ``OPTIMIZER_WIDE`` with the first group (their tensors go where its params are).
-
-    ``groups``/``state``: walk these in place of the optimizer's own (a load plans the state it will install).
-
-    Raises ValueError if the state holds a param that no group holds (see :func:`states_by_id`).
-    """
+    """Yield (group index, param index, param, group, entries, param name) for every param with state, then every
+    group (index and param None, entries the group: skip ``GROUP_SKIP``), then the optimizer-wide entries (MADGRAD's
+    ``"k"``) as group ``OPTIMIZER_WIDE`` with the first group. ``groups``/``state``: walk these instead (a load's)."""
     name = optimizer_name(optimizer)
     param_groups = optimizer.param_groups if groups is None else groups
     by_id, wide = states_by_id(optimizer, groups, state)
@@ -271,8 +257,7 @@ def states_by_id(
     state: Mapping[Any, Any] | None = None,
 ) -> tuple[dict[int, Any], dict[Any, Any]]:
     """Each param's state by the param's id, and the optimizer-wide entries (under plain keys). ValueError for a
-    param listed twice, or state for a param that no group holds: nothing can place it, and torch's
-    ``state_dict()`` cannot name it (every operation asks this before it changes anything)."""
+    param listed twice, or state for a param in no group (nothing can place it, ``state_dict()`` cannot name it)."""
     name = optimizer_name(optimizer)
     param_groups = optimizer.param_groups if groups is None else groups
     # NOTE: dict and set operations over ids first, one pass each in C; the loops that name the culprit run
@@ -336,10 +321,7 @@ def build_plan(
     state: Mapping[Any, Any] | None = None,
 ) -> Plan:
     """Every tensor in ``optimizer``'s state and param groups (or in ``groups`` and ``state``, for a load), with
-    the device ``target`` assigns it.
-
-    Validates that a tensor shared between entries is not sent to two places.
-    """
+    the device ``target`` assigns it; ValueError for a tensor shared by entries sent to two places."""
     plan = Plan(optimizer)
     transfers = plan.transfers
     append = transfers.append
@@ -397,12 +379,9 @@ def _one_place_each(optimizer: Any, transfers: list[Transfer], ids: list[int]) -
 
 
 def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Transfer) -> None:
-    """One tensor held by several entries that belong on different devices.
-
-    NOTE: an entry that shares its param group's own tensor holds the group's: LBFGS keeps ``state['t'] =
-    group['lr']`` (a tensor lr), and a fresh LBFGS keeps the one tensor where its group keeps lr. So the state
-    entries go where the group entry goes (iter_holders yields state first: the group entry comes later). Any
-    other sharing across devices cannot be placed for both."""
+    """One tensor held by several entries that belong on different devices: state entries holding their group's
+    own tensor go where the group entry goes (LBFGS's ``state['t'] = group['lr']``, kept where a fresh LBFGS
+    keeps lr; iter_holders yields the group entry last); any other sharing cannot be placed for both."""
 
     def is_group(t: Transfer) -> bool:
         return t[0][1] is None and t[0][0] != OPTIMIZER_WIDE
@@ -422,8 +401,7 @@ def _share(optimizer: Any, transfers: list[Transfer], shared: list[int], tr: Tra
 def policy_target(
     optimizer: torch.optim.Optimizer, device: torch.device | None, *, remembered: bool = True
 ) -> _policy.Placer:
-    """Targets by the policy: each entry where a fresh optimizer with its param on ``device`` keeps it
-    (``device=None``: the param's current device). ``remembered=False``: group tensors are placed from where
-    they are, not from where the session remembers a move took them from (a load brings its own)."""
+    """Targets by the policy: each entry where a fresh optimizer with its param on ``device`` (None: where it is)
+    keeps it. ``remembered=False``: group tensors placed from where they are, not where a move took them from."""
     session = _session.of(optimizer) if remembered else None
     return _policy.Placer(optimizer, device, None if session is None else session.group_sides)

@@ -1,20 +1,9 @@
 """Cached plans: a repeated operation on an unchanged optimizer reuses its plan and its adoption decisions.
 
-The first call under an operation's key builds the plan (:func:`optimshift._plan.build_plan`) and leaves only a
-marker (no layout, no per-tensor record: a one-off operation pays nothing); the second build is kept, with its
-adoption decisions (:mod:`optimshift._adopt`) once committed, in the optimizer's session; a loop reuses it from
-its third iteration. Each key keeps its last ``PER_KEY`` layouts. Every reuse re-validates, with no policy
-decision, and rebuilds on any mismatch:
-
-- the layout (:func:`layout`): the same group dicts and param objects, param devices, implementation flags,
-  every group entry by kind (a float by its class against 0 and 1, as the probe keys it), tensor
-  hyperparameters (where, device, dtype), which params have grads (when grads are moved), the policy registry's
-  generation, fake mode and whether the device has streams;
-- each site: the same tensor object under the same key, with the same device, dtype, shape and strides;
-- the adoption inputs (:func:`optimshift._adopt.still_valid`), when the decisions are reused.
-
-A reload is keyed by the build of the offload plan it undoes (``Cached.serial``, new at each build), and kept at
-its first build once that offload plan is kept (``eager``).
+The first build under a key leaves a marker only (a one-off operation pays nothing), the second is kept in the
+session; every reuse re-validates the :func:`layout`, each site's tensor (same object, key and meta) and, for the
+decisions, :func:`optimshift._adopt.still_valid`, and rebuilds on any mismatch. A reload is keyed by the build of
+the offload plan it undoes (``Cached.serial``) and kept at its first build once that one is (``eager``).
 
 # NOTE: keyed by what the caller's target function depends on besides the optimizer (the operation, the target
 # device, the offload a reload undoes): a cached plan is never asked a question it was not built for.
@@ -46,31 +35,27 @@ _serials = itertools.count()
 
 @dataclass(eq=False)
 class Cached:
-    """A plan's decisions and what they were built over (see the module docstring), holding no tensor.
+    """A plan's decisions and what they were built over.
 
-    # NOTE: no tensor, and not the Plan: the session lives as long as the optimizer, and a tensor the state no
-    # longer holds (one a commit replaced, a load superseded, a user deleted) must be freed with the state, not
-    # pinned here until this key is planned again (an offload would free no device memory). Sites are matched
-    # by ``id`` and meta; the tensors are the state's own, taken at each use.
+    # NOTE: no tensor and no param (ids and meta only): a tensor the state let go must be freed with it, not pinned
+    # here until this key is planned again (an offload would free no device memory).
     """
 
     layout: tuple[Any, ...] | None  # None: the first call's marker, which stands for any layout
-    # per transfer, no tensor and no param (the layout names the params by id; each use takes them from the
-    # groups); None: a marker (built once under this key, or this key and layout; not kept yet)
+    # per transfer: (ident, name, target, source); None: a marker (built once under this key and layout)
     template: list[tuple[Ident, str | None, torch.device, str]] | None = None
     keys: list[Any] = field(default_factory=list)  # per transfer: its top-level key (containers: the full path)
     metas: list[tuple[Any, ...]] = field(default_factory=list)  # per transfer: _meta() of its tensor
     ids: list[int] = field(default_factory=list)  # per transfer: id() of its tensor when the plan was last used
     sources: dict[Ident, torch.device] = field(default_factory=dict)  # per site: its tensor's device
     repeats: bool = True  # Plan.repeats: the same ids at the same sites give the same answer
-    # per transfer whose path goes through a mapping keyed by a tensor (TRAC's state["_trac"][param]): its index.
-    # Its path is kept with each such key by id (_state.untensored: no param held here), its ident taken from the walk.
+    # transfers whose path goes through a mapping keyed by a tensor (TRAC's state["_trac"][param]): kept with the
+    # key by id (_state.untensored), their ident taken from each use's walk
     named: frozenset[int] = frozenset()
     hows: list[Mechanism] | None = None  # the commit's adoption decisions, in its order (read on a hit only)
     hits: int = 0
-    # NOTE: a new number at each (re)build: what a plan of another operation that depends on this one (the
-    # reload undoing an offload) is keyed by. Not id(): the marker stays one object when it is kept, and a freed
-    # entry's id can be reused.
+    # NOTE: new at each (re)build, what the reload undoing this offload is keyed by. Not id(): the marker stays one
+    # object when it is kept, and a freed entry's id can be reused.
     serial: int = field(default_factory=lambda: next(_serials))
 
     @property
@@ -119,7 +104,8 @@ def _meta(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
-    """What a cached plan of ``optimizer`` depends on besides its state tensors (the module docstring's list)."""
+    """What a cached plan of ``optimizer`` depends on besides its state tensors: policy generation, fake mode, per
+    group its dict, params and their devices, flags, entries by kind, tensor hyperparameters, grads; streams."""
     parts: list[Any] = [_policy.generation(), _fake_mode_active()]
     devices: set[torch.device] = set()
     for group in optimizer.param_groups:
@@ -145,9 +131,8 @@ def layout(optimizer: Any, grads: bool = False) -> tuple[Any, ...]:
 def _current(
     optimizer: Any, cached: Cached, live: dict[int, Path]
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
-    """The state's tensors, each with its param, in plan order if every site still holds the tensor the plan
-    was last used with (by id), unchanged (the walk of build_plan, with no decision); else None. ``live``: filled
-    with the path of each site named through a tensor key (``Cached.named``), by its index."""
+    """The state's tensors, each with its param, in plan order if every site still holds the tensor the plan was
+    last used with, unchanged (build_plan's walk, no decision); else None. ``live``: each ``named`` site's path."""
     ids, keys, metas, named = cached.ids, cached.keys, cached.metas, cached.named
     n = len(ids)
     out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -180,17 +165,15 @@ def _current(
 def plan_for(
     optimizer: Any, target: TargetFn, key: Hashable | None = None, *, grads: bool = False, eager: bool = False
 ) -> tuple[Plan, Cached | None]:
-    """The plan of ``target`` over ``optimizer``: the one cached under ``key`` if it is still valid, else a new
-    one. ``key=None``: not cacheable (a new plan, nothing kept). Also returns the cache entry of ``key`` and this
-    layout (a marker the first time; ``hits`` counts the calls it answered), one object for as long as it holds.
-    ``eager``: keep a first build at once (the operation this one undoes was kept: a loop is under way)."""
+    """The plan of ``target`` over ``optimizer``: the one cached under ``key`` if still valid, else a new one
+    (``key=None``: nothing kept), and the cache entry of ``key`` and this layout. ``eager``: keep a first build
+    at once (the operation this one undoes was kept: a loop is under way)."""
     session = None if key is None else _session.get(optimizer)
     if session is None:
         return build_plan(optimizer, target), None
     plans = session.plans
     kept: list[Cached] = plans.get(key) or []
-    # NOTE: the first call under a key asks no layout (~0.5 us per tensor over its params): its marker stands
-    # for any, and the second build is kept with the layout it was built over.
+    # NOTE: the first call under a key asks no layout (~0.5 us per tensor): its marker stands for any.
     shape = layout(optimizer, grads) if kept or eager else None
     for cached in kept:
         if cached.layout is None or cached.layout == shape:
@@ -217,7 +200,6 @@ def plan_for(
             kept.remove(cached)  # the same layout with other state: this one is stale
             break
     plan = build_plan(optimizer, target)  # (first: a build that raises leaves the cache as it was)
-    # NOTE: a marker only (no per-tensor record): a plan built once is most often never asked for again.
     cached = Cached(shape)
     if eager:
         cached.keep(plan)

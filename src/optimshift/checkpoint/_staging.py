@@ -255,9 +255,10 @@ class Staging:
             return f"param group {gi}, key {key!r}{format_path(path)}"
         return f"{self._param_label(gi, pi)}, state key {key!r}{format_path(path)}"
 
-    def site_words(self, gi: int, pi: int, key: Any) -> str:
-        """Param ``pi`` of group ``gi``'s state entry ``key``, in words (for errors)."""
-        return self._site((gi, pi, key, ()))
+    def site_words(self, tr: Transfer) -> str:
+        """Where a planned tensor sits, in words (optimizer-wide entries: with the first group), for errors."""
+        gi, pi, path = tr[0]
+        return self._site((0 if gi == OPTIMIZER_WIDE else gi, pi, path[0][1], path[1:]))
 
     def _where(self, gi: int, pi: int) -> Callable[[Any], str]:
         """Param ``pi`` of group ``gi`` (``None``), or its state entry ``key``, in words: made only for an error."""
@@ -267,7 +268,7 @@ class Staging:
         why = _files.overexpanded(tensor)
         if why is not None:
             raise self.fail(
-                f"{self._site(_site_of(tr))}: {why}; copying it would allocate every element (a corrupt or hostile "
+                f"{self.site_words(tr)}: {why}; copying it would allocate every element (a corrupt or hostile "
                 f"checkpoint)"
             )
 
@@ -305,9 +306,6 @@ class Staging:
         except ValueError as e:  # a tensor the checkpoint shares between entries that belong on two devices
             raise self.fail(str(e).removeprefix(f"{self.name}: ")) from None
 
-    def _got(self, wanted: _Wanted) -> torch.Tensor:
-        return wanted if isinstance(wanted, torch.Tensor) else self._made[wanted]
-
     def _resolve(self, lone: list[tuple[MutableMapping[Any, Any], Any, torch.Tensor, Transfer]]) -> None:
         """Make every copy asked for, each ticket's and each ``lone`` entry's (a copy where it is, installed at
         ``holder[key]``, see :meth:`build`), by one :func:`optimshift._engine.run` of the plan of those copies: each
@@ -317,7 +315,7 @@ class Staging:
             return
         plan = Plan(self.opt, transfers, repeats=False, casts=self._casts)
         own = set(map(id, map(_tensor_of, transfers)))
-        copies = _engine.run(plan, own=own, what=self.what, site=lambda tr: self._site(_site_of(tr))).pairs
+        copies = _engine.run(plan, own=own, what=self.what, site=self.site_words).pairs
         for ticket, (_, new) in zip(self._wanted, copies):
             self._made[ticket] = new
         n = len(self._wanted)
@@ -521,7 +519,7 @@ class Staging:
                 wanted = (id(tensor), device, dtype)
                 if wanted not in wanted_by:
                     if tensor.is_meta and device.type != "meta":
-                        raise self.fail(f"{self._site(_site_of(tr))}: a meta tensor has no values to load")
+                        raise self.fail(f"{self.site_words(tr)}: a meta tensor has no values to load")
                     # (its copy's transfer: the plan's, with the dtype of a cast)
                     if dtype == tensor.dtype:
                         wanted_by[wanted] = tr
@@ -549,7 +547,8 @@ class Staging:
     def _fill_nested(self, value: Any, wanted: Mapping[int, _Wanted]) -> Any:
         """``value`` with each tensor replaced by its copy. Only our own copies of the checkpoint's
         containers are mutated."""
-        replace = {ident: self._got(w) for ident, w in wanted.items()}
+        made = self._made
+        replace = {ident: w if isinstance(w, torch.Tensor) else made[w] for ident, w in wanted.items()}
         if isinstance(value, torch.Tensor):
             return replace.get(id(value), value)
         setters: list[Setter] = []
@@ -648,12 +647,6 @@ class Staging:
 
 
 _tensor_of, _copy_of = itemgetter(2), itemgetter(1)
-
-
-def _site_of(tr: Transfer) -> _Site:
-    """Where a planned tensor sits, as a staging site (optimizer-wide entries: with the first group)."""
-    gi, pi, path = tr[0]
-    return (0 if gi == OPTIMIZER_WIDE else gi, pi, path[0][1], path[1:])
 
 
 def _ids_shown(ids: Mapping[Any, Any]) -> str:

@@ -50,7 +50,7 @@ class Staging(Protocol):
         self, group: Mapping[str, Any], p: torch.Tensor, gi: int, dtypes: tuple[tuple[Any, torch.dtype], ...]
     ) -> list[Rejection]: ...
     def not_in_place(self, sources: list[torch.Tensor]) -> set[int]: ...
-    def site_words(self, gi: int, pi: int, key: Any) -> str: ...
+    def site_words(self, tr: Transfer) -> str: ...
 
 
 __all__ = ["build_uniform", "fits_in_place"]
@@ -93,11 +93,6 @@ class _Layout:
         return _new_transfer(
             Transfer, ((row[3], row[4], (("key", key),)), None, self.got[i], row[0], device, "load", None)
         )
-
-
-def _site(st: Staging) -> Callable[[Transfer], str]:
-    """A transfer's entry in words, for errors (:meth:`_Layout.entry`'s)."""
-    return lambda tr: st.site_words(tr[0][0], tr[0][1] or 0, tr[0][2][0][1])
 
 
 # (param, its saved state, its layout, group, index)
@@ -227,7 +222,7 @@ def build_uniform(
             return layout.entry([row for row in rows if row[2] is layout], n * len(layout.order) + j)
 
         plan = Plan(st.opt, columns=columns, entry=entry)
-        copies = cast("list[torch.Tensor]", _engine.run(plan, what=st.what, site=_site(st)).batch.copies)
+        copies = cast("list[torch.Tensor]", _engine.run(plan, what=st.what, site=st.site_words).batch.copies)
         st.cloned.extend(copies)
         bounds = list(accumulate((len(tensors) for tensors, _ in columns), initial=0))
         made = [copies[start:stop] for start, stop in zip(bounds, bounds[1:])]
@@ -335,7 +330,7 @@ def _copied(st: Staging, every: list[_Layout], installed: list[list[Any] | None]
         at = [i for i, old in enumerate(slots or repeat(None, len(got))) if old is None]
         mine = [row for row in rows if row[2] is layout] if at else []
         plan = Plan(st.opt, [layout.entry(mine, i) for i in at], repeats=False)  # (copied where it stays too)
-        pairs = _engine.run(plan, own=set(map(id, got)), what=st.what, site=_site(st)).pairs if at else []
+        pairs = _engine.run(plan, own=set(map(id, got)), what=st.what, site=st.site_words).pairs if at else []
         made = [new for _, new in pairs]
         st.cloned.extend(made)
         filled: list[Any] = list(got if slots is None else slots)  # (a live tensor in its slot, or a copy below)

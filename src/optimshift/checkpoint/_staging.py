@@ -1,8 +1,6 @@
 """Staging a load: a state dict validated against the live optimizer and turned into its new state and groups,
-made of copies, before anything changes (placed by the planner every operation uses, every copy and cast made by
-one ``engine.run`` of the plan of its copies, before :mod:`._resume` installs anything: an error leaves the
-optimizer as it was).
-The common checkpoint is staged first, in one pass, by :mod:`._uniform`, with the same result; anything else here.
+placed by the planner and copied by one ``engine.run`` before :mod:`._resume` installs anything (an error leaves the
+optimizer as it was). The common checkpoint is staged in one pass by :mod:`._uniform`, with the same result.
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ _Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): 
 _Wanted = torch.Tensor | _Ticket  # a tensor that fits as it is, or the ticket of its copy
 _DtypeKey = tuple[int, torch.dtype, int, tuple[tuple[Any, torch.dtype], ...]]  # (group, param dtype, rank, entries)
 
-# NOTE: each torch.optim class's __setstate__ as torch defines it, taken when optimshift is imported: one replaced on
-# the class since (a wrapper patched in) may read the state it is handed, as one set on an instance may, so live
-# tensors never take the loaded values after it (see Staging.torch_setstate).
+# NOTE: each torch.optim class's __setstate__ as imported: one patched in since may read the state it is handed, so
+# live tensors never take the loaded values after it (see Staging.torch_setstate).
 _TORCH_SETSTATE: dict[type, Any] = {
     cls: cls.__setstate__
     for cls in vars(torch.optim).values()
@@ -65,10 +62,8 @@ _TORCH_SETSTATE: dict[type, Any] = {
 
 
 class Staging:
-    """Validates a state dict against the live optimizer and builds its new state and groups from copies.
-
-    Nothing here touches the optimizer: :meth:`build` returns objects that only ``_resume._install`` assigns.
-    """
+    """Validates a state dict against the live optimizer and builds its new state and groups from copies, which
+    only ``_resume._install`` assigns."""
 
     def __init__(
         self,
@@ -88,26 +83,23 @@ class Staging:
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
         self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
         self.base = _policy.builtin_base(type(optimizer))
-        # What a torch.optim class's step creates is known (probed): checked in full when the class steps as
-        # torch.optim's does; a subclass with its own step may keep other state (only shapes are checked).
+        # (what a torch.optim step creates is checked in full; a subclass with its own step: only shapes)
         self.strict = _policy.stepping_base(type(optimizer)) is not None
-        # Whether the __setstate__ a load calls is the torch.optim class's own (not a subclass's, not one set on the
-        # instance or patched into the class): it fixes up non-tensor entries only, so live tensors may take the
-        # loaded values after it.
+        # (the __setstate__ a load calls is torch's own for the class: it fixes up non-tensor entries only, so live
+        # tensors may take the loaded values after it)
         self.torch_setstate = (
             self.base is not None
             and type(optimizer).__setstate__ is _TORCH_SETSTATE.get(self.base)
             and "__setstate__" not in getattr(optimizer, "__dict__", {})
         )
-        # (id(source), device, dtype) -> the transfer of its copy (where it is used, its dtype): one copy each, made
-        # by _resolve().
+        # ticket -> the transfer of its copy, made by _resolve()
         self._wanted: dict[_Ticket, Transfer] = {}
         self._casts = False  # (whether a ticket's copy is cast)
         self._made: dict[_Ticket, torch.Tensor] = {}
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
         self._dtype_checks: dict[_DtypeKey, list[Rejection]] = {}
-        # By device (one batched copy each): (live tensors, checkpoint tensors), pair by pair; each live tensor is
-        # installed as it is and takes the values once the class's __setstate__ accepted the new state.
+        # by device: (live tensors, checkpoint tensors) pairs, each live one installed as it is and written once the
+        # class's __setstate__ accepted the new state
         self.in_place: defaultdict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = defaultdict(
             lambda: ([], [])
         )
@@ -233,11 +225,9 @@ class Staging:
         tensor: torch.Tensor,
         device: torch.device,
     ) -> torch.dtype:
-        """``cast="param"``: PyTorch's rule (``step`` to float32 when fused/capturable, other tensors to a
-        floating param's dtype); otherwise the saved dtype. A scalar placed on the host beside a param elsewhere
-        (NAdam's ``mu_product``) keeps its saved dtype: PyTorch casts it only as its load sends it to the param,
-        and a foreach step refuses a host scalar in a bf16 param's dtype (it takes float32/float64 ones there, as
-        a fresh optimizer keeps them)."""
+        """``cast="param"``: PyTorch's rule; otherwise the saved dtype. A host scalar beside a param elsewhere
+        (NAdam's ``mu_product``) keeps its saved dtype: PyTorch casts it only as it sends it to the param, and a
+        foreach step refuses a host scalar in a bf16 param's dtype."""
         if self.cast != "param" or param is None:
             return tensor.dtype
         if tensor.dim() == 0 and device.type == "cpu" and param.device.type != "cpu":
@@ -307,9 +297,8 @@ class Staging:
             raise self.fail(str(e).removeprefix(f"{self.name}: ")) from None
 
     def _resolve(self, lone: list[tuple[MutableMapping[Any, Any], Any, torch.Tensor, Transfer]]) -> None:
-        """Make every copy asked for, each ticket's and each ``lone`` entry's (a copy where it is, installed at
-        ``holder[key]``, see :meth:`build`), by one :func:`optimshift._engine.run` of the plan of those copies: each
-        source copied (where it is too, never installed itself) and cast as its transfer says."""
+        """Make every ticket's copy and each ``lone`` entry's (installed at ``holder[key]``) by one
+        :func:`optimshift._engine.run`, each cast as its transfer says."""
         transfers = [*self._wanted.values(), *(tr for _, _, _, tr in lone)]
         if not transfers:
             return
@@ -326,11 +315,9 @@ class Staging:
     def _live_states(
         self, pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, Any]]
     ) -> dict[tuple[int, int | None], Mapping[Any, Any]]:
-        """(group, index) -> the live state of each param the load gives state to, when its live tensors may take
-        the loaded values in place (see ``in_place``); empty when none may: only where the ``__setstate__`` called
-        is torch's own for the class (``torch_setstate``: it runs before the values are copied in, and fixes up
-        non-tensor entries only), and each live tensor sits in one place (one given two values must stop being
-        shared, ``_install``)."""
+        """(group, index) -> the live state of each param the load gives state to, where live tensors may take the
+        loaded values in place (``in_place``): only under ``torch_setstate``, and each live tensor in one place (one
+        given two values must stop being shared); else empty."""
         if not self.opt.state or not self.strict or not self.torch_setstate:
             return {}  # (no live state: a fresh optimizer, the common resume)
         get = self.opt.state.get
@@ -344,11 +331,9 @@ class Staging:
         return lives if len(set(ids)) == len(ids) else {}
 
     def not_in_place(self, sources: list[torch.Tensor]) -> set[int]:
-        """ids of live tensors that must not take loaded values in place: the optimizer's params and their grads
-        (a module's), its groups' own tensors (LBFGS's ``state['t']`` is its tensor ``lr``: written in place, the
-        group's adoption would then overwrite it), and the checkpoint's own tensors (a state dict made of live
-        tensors, e.g. ``opt.state_dict()`` with its params permuted: one written in place would be read,
-        overwritten, by another place's copy)."""
+        """ids of live tensors that must not take loaded values in place: params and grads (a module's), the groups'
+        own tensors (LBFGS's ``state['t']`` is its ``lr``: the group's adoption would overwrite it), and
+        ``sources``, the checkpoint's (``opt.state_dict()`` permuted: one written would be read by another's copy)."""
         protect = _engine.outside_owned(self.opt)
         for group in self.opt.param_groups:
             protect.update(id(t) for _, t in group_tensors(group))
@@ -422,11 +407,8 @@ class Staging:
                 value = _copy.deepcopy(value, {id(t): t for _, t in leaves(value)})
             new_state[key] = value
 
-        # Where each tensor goes: the planner's, over the state and groups about to be installed (policy_target,
-        # and plan._share: a state entry holding its group's own tensor, as LBFGS's state['t'] is its tensor lr,
-        # goes where the group entry goes, one tensor). Then in which dtype; then every copy is made, before the
-        # optimizer changes, so an error (an OOM) leaves it as it was; then the new dicts and containers are
-        # filled in.
+        # Where each tensor goes (the planner's), in which dtype; then every copy, before the optimizer changes (an
+        # error leaves it as it was); then the new dicts and containers are filled in.
         plan = self._plan(new_groups, new_state)
         owned = {id(tr[2]) for tr in plan.transfers if tr[0][1] is None and tr[0][0] != OPTIMIZER_WIDE}
         if self.cast is None:  # (containers too: LBFGS's old_dirs/old_stps; a group's own tensor is the group's)
@@ -444,10 +426,8 @@ class Staging:
         # (whether no two of the checkpoint's tensors share a storage: the common case, one C call per tensor)
         sources = [tr[2] for tr in plan.transfers]
         top: list[tuple[MutableMapping[Any, Any], Any]] = []  # holder[key] is a ticket
-        # NOTE: the common entry, a plain dense tensor right under its key in a param's state, in its own dtype,
-        # with no tensor shared and no storage shared, needs no ticket where a live tensor takes its values
-        # (wherever it is), or where it stays: its copy there is made with the others in _resolve (or, with
-        # copy=False, it is installed itself). (Only such an entry can take its values in place.)
+        # NOTE: the common entry (a plain dense tensor right under a param's key, in its own dtype, nothing shared)
+        # needs no ticket where a live tensor takes its values or where it stays; only it can take them in place.
         lone = not plan.repeats and not _alias.shared(sources)
         lives = self._live_states(pending) if lone else {}
         protect = self.not_in_place(sources) if lives else set()
@@ -468,9 +448,8 @@ class Staging:
                 and (not owned or id(tensor) not in owned)
                 and (cast is None or self._cast_dtype(new_groups[tgi], param, key, tensor, device) == tensor.dtype)
             ):
-                # NOTE: a live tensor that fits takes the values wherever the checkpoint's tensor is (a host
-                # checkpoint into state on an accelerator too); else one that stays is copied where it is (in
-                # _resolve), or installed itself with copy=False, and one that moves takes the ticket path below.
+                # (a live tensor that fits takes the values wherever the checkpoint's is; else one that stays is
+                # copied in _resolve, or installed itself with copy=False; one that moves takes a ticket below)
                 live = lives.get((tgi, tpi)) if lives and always_copy else None
                 old = live.get(key) if live else None
                 if old is not None and id(old) not in protect and fits(old, tensor, device):
@@ -505,10 +484,9 @@ class Staging:
                     )
                 # PyTorch deep-copies the groups, so their tensors are copied whatever ``copy`` says.
                 always = always_copy or (tpi is None and tgi != OPTIMIZER_WIDE)
-            # NOTE: the tensor itself when it already fits and no copy was asked for, else a ticket that is
-            # turned into its copy once _resolve has made every copy: one copy per distinct (source, device,
-            # dtype), so tensors shared in the checkpoint stay shared (sources stay alive, the state dict holds
-            # them, while their ids are keys). Inlined: this runs once per tensor.
+            # NOTE: the tensor itself where it fits and no copy was asked for, else a ticket: one copy per
+            # (source, device, dtype), so tensors shared in the checkpoint stay shared (the state dict keeps the
+            # sources, and so their ids, alive).
             # (only a strided view with overlapping strides can be overexpanded; sparse layouts have no strides)
             if tensor.layout == strided and not tensor.is_contiguous():
                 self._refuse_overexpanded(tensor, tr)
@@ -545,8 +523,7 @@ class Staging:
         return new_state, new_groups
 
     def _fill_nested(self, value: Any, wanted: Mapping[int, _Wanted]) -> Any:
-        """``value`` with each tensor replaced by its copy. Only our own copies of the checkpoint's
-        containers are mutated."""
+        """``value`` (our own copy of a checkpoint's container) with each tensor replaced by its copy."""
         made = self._made
         replace = {ident: w if isinstance(w, torch.Tensor) else made[w] for ident, w in wanted.items()}
         if isinstance(value, torch.Tensor):
@@ -558,9 +535,8 @@ class Staging:
         return result
 
     def _new_group(self, gi: int, live: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
-        """The group as PyTorch builds it (a deep copy of the saved one, with the live params and, when the
-        checkpoint has none, the live param names), with the live implementation flags for ``flags="live"``.
-        Tensors inside are left for the plan to place (:meth:`build`)."""
+        """The group as PyTorch builds it (the saved one deep-copied, with the live params, and the live names where
+        it has none), with the live flags for ``flags="live"``; its tensors are left for the plan to place."""
         out: dict[str, Any] = {}
         for key, value in saved.items():
             if key == "params":
@@ -583,9 +559,8 @@ class Staging:
     def _check_dtypes(
         self, group: Mapping[str, Any], p: torch.Tensor, gi: int, pi: int, dtypes: tuple[tuple[Any, torch.dtype], ...]
     ) -> None:
-        """Keeping the checkpoint's dtypes (``cast=None``) must leave an optimizer that can step: fail now,
-        before anything is copied, if a step refuses one of them (float64 moments for float32 params in Adam;
-        SGD takes float32 momentum for bfloat16 params, so that one is kept)."""
+        """CastNeeded, before anything is copied, if a step refuses a dtype the checkpoint keeps (``cast=None``:
+        float64 moments for float32 params in Adam)."""
         rejected = self.rejected(group, p, gi, dtypes)
         if rejected:
             r, n = rejected[0], dtype_name
@@ -607,8 +582,8 @@ class Staging:
     def rejected(
         self, group: Mapping[str, Any], p: torch.Tensor, gi: int, dtypes: tuple[tuple[Any, torch.dtype], ...]
     ) -> list[Rejection]:
-        """The entries (key, dtype) of a param ``p`` of group ``gi`` that a step refuses (none unless the class
-        steps with its torch.optim base's step: ``strict``), memoized by the param's dtype and rank."""
+        """The entries (key, dtype) of param ``p`` of group ``gi`` that a step refuses (only where ``strict``),
+        memoized by the param's dtype and rank."""
         if not self.strict or self.base is None or not dtypes:
             return []
         memo_key = (gi, p.dtype, p.dim(), dtypes)  # (in the entries' order: a miss costs a check)
@@ -618,16 +593,15 @@ class Staging:
         return rejected
 
     def spec(self, gi: int, group: Mapping[str, Any], ndim: int) -> StateSpec:
-        """What this optimizer class keeps per param of rank ``ndim`` in (new) group ``gi`` (probed), for the
-        checks."""
+        """What this optimizer class keeps per param of rank ``ndim`` in (new) group ``gi`` (probed)."""
         spec = self._specs.get((gi, ndim))
         if spec is None:
             spec = self._specs[(gi, ndim)] = NO_SPEC if self.base is None else expected_state(self.base, group, ndim)
         return spec
 
     def _copy_container(self, value: Any, site: _Site) -> Any:
-        """Our own copy of a checkpoint's container (the tensors inside stay the checkpoint's, to be placed
-        one by one), after the depth check; an uncopyable object is a clear error."""
+        """Our own copy of a checkpoint's container (its tensors stay the checkpoint's, to be placed), depth-checked;
+        an uncopyable object is a clear error."""
         self._check_depth(value, site)
         memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
         try:

@@ -1,11 +1,7 @@
 """The uniform load: a checkpoint whose every param's state is what its class's step creates, each entry a plain
-dense tensor, staged in one pass with its checks made in C (most resumes: ``opt.state_dict()`` of the same class).
-
-Where the general staging reads a dozen attributes of each tensor in Python, here each *kind* of entry is checked
-once in Python, on its first tensor, as the general path checks it, and every tensor is then compared with its
-kind's first in one C call (``TensorGuards``, what ``torch.compile`` checks its inputs with: class, dispatch keys,
-dtype, device, ``requires_grad``, sizes, strides). Anything else returns None: the general path stages the load,
-with its errors. Same result, same placement, same copies.
+dense tensor (most resumes), staged in one pass: each *kind* of entry checked once in Python, on its first tensor,
+as the general path checks it, every other against it in one C call (``TensorGuards``, ``torch.compile``'s input
+check). Anything else returns None, for the general path and its errors. Same result, placement and copies.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from ._checks import NOT_REAL
 
 
 class Staging(Protocol):
-    """What the uniform load reads and fills of a :class:`._staging.Staging` (which imports this module)."""
+    """What the uniform load uses of a :class:`._staging.Staging` (which imports this module)."""
 
     opt: torch.optim.Optimizer
     name: str
@@ -63,19 +59,15 @@ try:  # (private to torch: without it, every load takes the general path)
 except (ImportError, AttributeError):  # pragma: no cover - every supported torch has it
     TensorGuards = None
 
-# NOTE: TensorGuards compares dispatch keys as the thread's dispatch state shows them: under inference mode (which
-# excludes the autograd keys) an inference tensor would look like any other. Only the state it is imported under
-# (the default one) is trusted.
+# NOTE: TensorGuards compares dispatch keys as the thread's state shows them: under inference mode an inference
+# tensor would look like any other. Only the default state, as imported, is trusted.
 _DEFAULT_EXCLUDED = repr(torch._C._dispatch_tls_local_exclude_set())
 
 
 class _Layout:
-    """The rows whose entries are copied alike, column by column: every kind (of any group) with the same keys in
-    the same order, each entry of one dtype on one device bound for one device, the params all empty or none.
-    ``got``: its rows' checkpoint tensors, row by row (column ``j`` is ``got[j::len(order)]``); ``olds``: the
-    live tensor at each entry (None where none; only into existing state); ``verbatim``: every row's live state
-    holds its tensors under the checkpoint's keys in the checkpoint's order (so a row whose live tensors all take
-    the values in place is a copy of its live dict)."""
+    """The rows whose entries are copied alike, column by column (same keys in order, each column of one dtype and
+    device bound for one device, all empty or none). ``got``: the checkpoint tensors, row by row; ``olds``: the live
+    tensor at each (None where none); ``verbatim``: every row's live dict holds them under the same keys in order."""
 
     __slots__ = ("order", "devices", "moves", "got", "olds", "verbatim")
 
@@ -101,13 +93,9 @@ _param_of = itemgetter(0)
 
 
 class _Kind(NamedTuple):
-    """One kind of entry row: the checkpoint state of a param of one shape, dtype and device in one group, as its
-    first param holds it. ``order``: its keys in their order (every row of the kind holds them in it: each entry
-    is checked against its own key's); ``check``: every other row's entries against the first's, in one C call
-    (``TensorGuards``: the shaped entries have the param's sizes and strides, the scalars none); ``both``: the
-    same for a row's entries followed by its live tensors (into existing state); ``param``: another param against
-    the first (class, dtype, device, sizes, strides; None where TensorGuards cannot check it), for a group checked
-    at once (:func:`_whole_group`); ``layout``: how its entries are copied."""
+    """The checkpoint state of a param of one shape, dtype and device in one group, as its first param holds it:
+    ``check`` a row's entries against it in one C call, ``both`` a row's followed by its live tensors, ``param``
+    another param against the first (None where TensorGuards cannot), ``layout`` how its entries are copied."""
 
     order: tuple[Any, ...]
     keys: frozenset[Any]
@@ -123,8 +111,7 @@ def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
         return False
     if torch.is_inference_mode_enabled() or repr(torch._C._dispatch_tls_local_exclude_set()) != _DEFAULT_EXCLUDED:
         return False
-    # A registered policy may place each param apart (kinds are placed once each); a group's own tensors (a tensor
-    # lr, one inside a container) are placed, copied and shared by the general path's rules.
+    # (a registered policy may place each param apart; a group's own tensors go by the general path's rules)
     return not has_registered_policy(st.opt) and all(next(group_tensors(g), None) is None for g in new_groups)
 
 
@@ -159,8 +146,7 @@ def build_uniform(
                 kind = kinds[kind_key] = _kind(st, target, gi, pi, ng, p, saved, layouts)
                 if kind is None:
                     return None
-            # NOTE: in the kind's order, not merely the same keys: the guard compares entry by entry, and each entry
-            # must meet its own key's reference (a moment of another dtype under another key is no such entry).
+            # NOTE: in the kind's order, not merely the same keys: the guard checks each entry against its key's.
             if tuple(saved) != kind.order:
                 return None
             values = saved.values()
@@ -258,10 +244,8 @@ def _whole_group(
     live_get: Callable[[int], Any] | None,
     alike: bool,
 ) -> bool:
-    """Add group ``gi``'s rows at once where every param is of its first param's kind and has state of that kind
-    (and, into existing state, live state holding the same keys in the same order, each entry of its kind when
-    ``alike``): the checks of :func:`build_uniform`'s loop, one C call a row and no Python one. False (nothing
-    added) leaves the group to that loop: params of several kinds, one without state, anything it decides."""
+    """Add group ``gi``'s rows at once where every param, its state (and live state) are of its first param's
+    kind: :func:`build_uniform`'s checks, one C call a row. False (nothing added) leaves the group to its loop."""
     if not params:
         return False
     saved: list[Any] = list(map(states.get, ids))
@@ -303,9 +287,7 @@ def _into_existing(
     st: Staging, every: list[_Layout], got: list[torch.Tensor], alike: bool, rows: list[_Row]
 ) -> list[list[Any]]:
     """Each layout's new tensors into existing state: the live one where it takes the values in place
-    (:func:`_in_place`), else a copy on its device made by :func:`optimshift._engine.run` (as the general
-    path's), which the install adopts into the live tensor. An error (an OOM on the 900th tensor) says which
-    entry; nothing was installed yet."""
+    (:func:`_in_place`), else a copy made by :func:`optimshift._engine.run`, which the install adopts."""
     olds = every[0].olds if len(every) == 1 else list(chain.from_iterable(layout.olds for layout in every))
     live = olds if alike else [t for t in olds if isinstance(t, torch.Tensor)]
     ids = set(map(id, live))
@@ -350,10 +332,8 @@ def _kind(
     saved: Mapping[Any, Any],
     layouts: dict[tuple[Any, ...], _Layout],
 ) -> _Kind | None:
-    """The kind of ``p``'s row, checked in Python as the general path checks each entry, or None if any entry is
-    not the common one (a plain, dense, contiguous tensor right under its key, staying where it is, not
-    requiring grad) or a check fails (the general path raises, naming it). Its layout is found in (or added to)
-    ``layouts``."""
+    """The kind of ``p``'s row, checked as the general path checks each entry, or None where an entry is not a
+    plain dense contiguous tensor under its key or a check fails (the general path raises). Adds its layout."""
     if not saved:  # (a row of no entries, which an access to opt.state[p] leaves: a layout of no columns has no rows)
         return None
     spec = st.spec(gi, group, p.dim())
@@ -413,12 +393,8 @@ def _in_place(
     st: Staging, layout: _Layout, alike: bool, clear: bool, protect: set[int]
 ) -> list[torch.Tensor | None] | None:
     """Per entry of ``layout``, the live tensor that takes the checkpoint's values in place (recorded in
-    ``st.in_place``), or None (a copy is installed, and ``_resume._install`` adopts it into the live tensor);
-    None if none does. The general path's rule (``Staging._live_states``, :func:`fits_in_place`): distinct live
-    tensors (the caller checked), none of them a param, grad, group tensor or checkpoint tensor (``clear``: none
-    at all; else ``protect``), each of the checkpoint tensor's kind (``alike``: every one, checked in C), all that
-    uses its storage, and the live tensor where the entry belongs (the checkpoint's may be elsewhere: a host
-    checkpoint into state on an accelerator is written into it there)."""
+    ``st.in_place``) or None (a copy is adopted); None if none does. The general path's rule (:func:`fits_in_place`;
+    ``clear``: none is protected, else ``protect``; ``alike``: every one of its entry's kind, checked in C)."""
     olds, got, width = layout.olds, layout.got, len(layout.order)
     devices = layout.devices
     if alike and clear and not any(layout.moves) and len(set(devices)) == 1 and _alias.sole_users(olds):
@@ -446,12 +422,9 @@ def _in_place(
 
 
 def fits_in_place(old: torch.Tensor, new: torch.Tensor, device: torch.device) -> bool:
-    """Whether live tensor ``old`` can take checkpoint tensor ``new``'s values by ``old.copy_(new)`` and end up
-    exactly as a copy of ``new`` on ``device`` adopted into it would be: both plain and dense with the same shape
-    and strides (``new`` is plain, dense and contiguous: the caller checked), of one dtype, ``old`` on ``device``;
-    ``old`` nobody's but the optimizer's (no grad, not an inference tensor, all that uses its storage) and not
-    ``new`` itself (the caller's state dict would keep holding it). The caller also keeps out live tensors that
-    are params, grads, group tensors or the checkpoint's own."""
+    """Whether live ``old`` can take ``new``'s values by ``old.copy_(new)`` and end up as a copy of ``new`` on
+    ``device`` adopted into it: alike, on ``device``, the optimizer's alone, and not ``new`` (the caller's state
+    dict would keep holding it); the caller keeps out params, grads, group tensors and the checkpoint's."""
     return (
         type(old) is torch.Tensor
         and old is not new

@@ -64,9 +64,6 @@ def get(optimizer: Any) -> Session | None:
     """``optimizer``'s session, made on first use; None for an optimizer that cannot be weakly referenced."""
     try:
         with _lock:
-            session = _sessions.get(optimizer)
-            if session is None:
-                session = _sessions[optimizer] = Session()
-            return session
+            return _sessions.get(optimizer) or _sessions.setdefault(optimizer, Session())
     except TypeError:
         return None

@@ -119,11 +119,9 @@ _new_transfer = tuple.__new__
 
 @dataclass
 class Plan:
-    """``repeats``: some tensor is held by more than one entry (it is listed once per entry, copied once);
-    ``casts``: some transfer carries a dtype (a load's). ``columns``, in a plan of no transfers: ``(tensors,
-    target)`` each copied whole wherever it is, no transfer built (a fresh load's sources, which the caller checked
-    alike: see :func:`optimshift._copy.copy_many`); ``entry(j, n)``, the transfer of column ``j``'s ``n``-th
-    tensor, is built only for an error naming it."""
+    """``repeats``: some tensor is held by several entries (copied once); ``casts``: some transfer carries a dtype.
+    ``columns``, in a plan of no transfers: ``(tensors, target)`` copied whole (a fresh load's, checked alike);
+    ``entry(j, n)``: the transfer of column ``j``'s ``n``-th tensor, built only for an error naming it."""
 
     optimizer: torch.optim.Optimizer
     transfers: list[Transfer] = field(default_factory=list)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -75,38 +75,20 @@ Ident = tuple[int, int | None, Path]
 """Where a tensor sits: (group index, param index or None, path)."""
 
 
-class Transfer(tuple[Ident, str | None, torch.Tensor, torch.Tensor | None, torch.device, str, torch.dtype | None]):
+class Transfer(NamedTuple):
     """One tensor of the plan: where it sits (``ident`` = group, index, path), the param it belongs to, where it
     must go (``target``, decided by ``source``: a policy rule, a record, offload), and in which dtype (``dtype``:
     a load's cast; None keeps the tensor's)."""
 
-    # NOTE: a tuple, built with tuple.__new__: a plan holds one per tensor (50k for a large model), and a
-    # Python-level __init__ per tensor would cost more than the rest of the plan.
-    __slots__ = ()
-    if TYPE_CHECKING:
-
-        @property
-        def ident(self) -> Ident: ...
-        @property
-        def name(self) -> str | None: ...
-        @property
-        def tensor(self) -> torch.Tensor: ...
-        @property
-        def param(self) -> torch.Tensor | None: ...
-        @property
-        def target(self) -> torch.device: ...
-        @property
-        def source(self) -> str: ...
-        @property
-        def dtype(self) -> torch.dtype | None: ...
-    else:
-        ident = property(itemgetter(0))
-        name = property(itemgetter(1))
-        tensor = property(itemgetter(2))
-        param = property(itemgetter(3))
-        target = property(itemgetter(4))
-        source = property(itemgetter(5))
-        dtype = property(itemgetter(6))
+    # NOTE: built with tuple.__new__ (``_new_transfer``): a plan holds one per tensor (50k for a large model), and a
+    # Python-level __new__ per tensor would cost more than the rest of the plan.
+    ident: Ident
+    name: str | None
+    tensor: torch.Tensor
+    param: torch.Tensor | None
+    target: torch.device
+    source: str
+    dtype: torch.dtype | None
 
     @property
     def site(self) -> Site:

@@ -63,9 +63,7 @@ class Site:
         return self.key + format_path(self.path[1:])
 
     def __str__(self) -> str:
-        if self.group == OPTIMIZER_WIDE:
-            return f"optimizer-wide, state{format_path(self.path)}"
-        where = "param_groups" if self.index is None else "state"
+        where = "param_groups" if self.index is None and self.group != OPTIMIZER_WIDE else "state"
         return f"{self.param_label}, {where}{format_path(self.path)}"
 
     __repr__ = __str__

@@ -226,6 +226,85 @@ def test_a_ctrl_c_while_waiting_for_a_buffer_s_copy_gives_it_back(pinning, pinne
     assert p.acquire(MiB, pinned=pinned) is buf and Event.waits == 2  # (its copy waited for, this time)
 
 
+class _Pending:
+    """A copy in flight: ``query()`` is False; ``synchronized`` counts the waits that returned."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+_LOCKED = HostPool._locked.__wrapped__.__code__
+
+
+def _interrupted_at(line, call):
+    """Run ``call`` with a KeyboardInterrupt raised at the ``line``-th line the pool runs (none past its last):
+    whether it was raised. Not in a buffer's finalizer (an exception there is printed, not raised), nor in
+    ``_locked`` (one before its ``yield`` is one at its caller's ``with``: a wait for the lock), nor where a trace
+    function's exception skips the handlers armed and no signal lands: a ``try:`` line, ``with``'s exit."""
+    import linecache
+    import sys
+
+    seen = [0]
+
+    def in_pool(frame, event, arg):
+        code, outer = frame.f_code, frame
+        while outer is not None and outer.f_code is not HostPool._drop.__code__:
+            outer = outer.f_back
+        return local if code.co_filename == pool.__file__ and code is not _LOCKED and outer is None else None
+
+    def local(frame, event, arg):
+        if event == "line" and linecache.getline(pool.__file__, frame.f_lineno).strip() != "try:":
+            seen[0] += 1
+            if seen[0] == line:
+                raise KeyboardInterrupt
+        return local
+
+    sys.settrace(in_pool)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("case", ["reused", "new", "evicting", "pin-failing"])
+def test_a_ctrl_c_anywhere_in_a_request_loses_no_buffer_and_no_byte(pinning, case, pinned):
+    """A KeyboardInterrupt at each line a request runs: the buffer it took from the idle ones or allocated is idle
+    again or, handed to nobody, freed and counted off; the bytes held are those of the buffers idle and in use,
+    and the request asked again is served. (An idle buffer taken, its copy waited for, was lost while the request
+    waited for the pool's lock: its bytes counted as held for good, the pinned limit lowered by them.)"""
+    line = 0
+    while True:
+        line += 1
+        p = HostPool()
+        p.pinned_limit = 2 * MiB if case == "evicting" else None
+        if case in ("reused", "evicting"):
+            p.release(p.acquire(2 * MiB if case == "evicting" else MiB, pinned=pinned), _Pending())
+        pinning.fail = RuntimeError("no pinned memory") if case == "pin-failing" else None
+        interrupted = _interrupted_at(line, lambda: p.acquire(MiB, pinned=pinned))
+        pinning.fail = None  # (its traceback holds the request's frames)
+        stats = p.stats()
+        _consistent(stats)
+        assert stats.in_use == 0 and len(p._meta) == stats.idle, (line, stats)
+        p.pinned_limit = None
+        kept = p.acquire(MiB, pinned=pinned)
+        _consistent(p.stats())
+        assert p.stats().in_use == 1
+        del kept
+        if not interrupted:
+            break
+    assert line > 10
+
+
 def test_a_buffer_that_dies_while_the_pool_is_locked_does_not_deadlock(pinning):
     """A buffer's finalizer runs wherever the collector does: inside a section holding the pool's lock (the
     allocation of ``in_use_storages``' list, in the ``state_dict()`` post-hook of an offloaded optimizer, freeing

@@ -130,11 +130,20 @@ class HostPool:
                 return buf
             if not pageable:
                 return None
-        with self._locked():
-            found, event = self._take_idle(size, pinned=False)
-        if found is None:
-            found = self._new(size, pinned=False)
-        return self._hand_out(found, event)
+        buf, reserved = None, 0
+        try:
+            with self._locked():
+                found, event = self._take_idle(size, pinned=False)
+                if found is None:  # (one statement: the count and ``reserved`` agree wherever a Ctrl-C lands)
+                    self._held[False], reserved = self._held[False] + size, size
+            if found is not None:
+                return self._hand_out(found, event)
+            buf = _allocate(size, pinned=False)
+            return self._record(buf, size, pinned=False)
+        except BaseException:
+            if reserved:
+                self._unreserve(buf, size, pinned=False)
+            raise
 
     def _acquire_pinned(self, size: int) -> torch.Tensor | None:
         """A pinned buffer, or None where the limit or a failure to pin says pageable memory instead.
@@ -147,60 +156,63 @@ class HostPool:
         limit = self.pinned_limit
         evicted: list[tuple[torch.Tensor, bool, Any | None]] = []
         over = warn = False
-        with self._locked():
-            found, event = self._take_idle(size, pinned=True)
-            if found is None:
-                if limit is not None and self._held[True] + size > limit:
-                    evicted = self._evict(self._held[True] + size - limit)  # all it takes, or nothing
-                    over = self._held[True] + size > limit
-                if over:
-                    self._over_limit += 1
-                    warn, self._warned_limit = not self._warned_limit, True
-                    held = self._held[True]
-                else:
-                    self._held[True] += size  # reserved here, allocated outside the lock
-        _free(evicted)
-        if found is not None:
-            return self._hand_out(found, event)
-        if over:
-            if warn:
-                _log.warning(
-                    "optimshift: the host pool's pinned-memory limit (%s; set with %s or "
-                    "optimshift.host_pool.pinned_limit) is reached: %s pinned, %s more asked. Copies past the "
-                    "limit go through pageable host memory (the same bytes, slower transfers that do not "
-                    "overlap); host_pool.stats().over_limit counts them. Logged once per limit.",
-                    _size(limit or 0),
-                    _ENV,
-                    _size(held),
-                    _size(size),
-                )
-            return None
+        buf, reserved = None, 0
         try:
-            buf = self._new(size, pinned=True, reserved=True)
-        except RuntimeError as error:  # (cudaHostAlloc out of memory, no pinned allocator): pageable instead
             with self._locked():
-                self._held[True] -= size
-                self._pin_failures += 1
-                warn, self._warned_failure = not self._warned_failure, True
-            if warn:
-                _log.warning(
-                    "optimshift: pinning %s of host memory failed (%s: %s); copies go through pageable host "
-                    "memory instead (the same bytes, slower transfers). host_pool.stats().pin_failures counts "
-                    "them; a lower %s keeps the pool under what this host can pin. Logged once.",
-                    _size(size),
-                    type(error).__name__,
-                    (str(error).splitlines() or [""])[0],
-                    _ENV,
-                )
-            return None
+                found, event = self._take_idle(size, pinned=True)
+                if found is None:
+                    if limit is not None and self._held[True] + size > limit:
+                        evicted = self._evict(self._held[True] + size - limit)  # all it takes, or nothing
+                        over = self._held[True] + size > limit
+                    if over:
+                        self._over_limit += 1
+                        warn, self._warned_limit = not self._warned_limit, True
+                        held = self._held[True]
+                    else:  # reserved here, allocated outside the lock (one statement, as in acquire)
+                        self._held[True], reserved = self._held[True] + size, size
+            _free(evicted)
+            if found is not None:
+                return self._hand_out(found, event)
+            if not over:
+                try:
+                    buf = _allocate(size, pinned=True)
+                except RuntimeError as error:  # (cudaHostAlloc out of memory, no pinned allocator): pageable instead
+                    with self._locked():
+                        self._held[True], reserved = self._held[True] - size, 0
+                        self._pin_failures += 1
+                        warn, self._warned_failure = not self._warned_failure, True
+                    if warn:
+                        _log.warning(
+                            "optimshift: pinning %s of host memory failed (%s: %s); copies go through pageable "
+                            "host memory instead (the same bytes, slower transfers). host_pool.stats().pin_failures "
+                            "counts them; a lower %s keeps the pool under what this host can pin. Logged once.",
+                            _size(size),
+                            type(error).__name__,
+                            (str(error).splitlines() or [""])[0],
+                            _ENV,
+                        )
+                    return None
+                return self._record(buf, size, pinned=True)
         except BaseException:
-            with self._locked():
-                self._held[True] -= size
+            if reserved:
+                self._unreserve(buf, size, pinned=True)
             raise
-        return self._hand_out(buf, None)
+        if warn:
+            _log.warning(
+                "optimshift: the host pool's pinned-memory limit (%s; set with %s or "
+                "optimshift.host_pool.pinned_limit) is reached: %s pinned, %s more asked. Copies past the "
+                "limit go through pageable host memory (the same bytes, slower transfers that do not "
+                "overlap); host_pool.stats().over_limit counts them. Logged once per limit.",
+                _size(limit or 0),
+                _ENV,
+                _size(held),
+                _size(size),
+            )
+        return None
 
     def _take_idle(self, size: int, *, pinned: bool) -> tuple[torch.Tensor | None, Any | None]:
-        """(Under the lock) the smallest idle buffer of ``size``'s class and kind that nothing looks into."""
+        """(Under the lock) the smallest idle buffer of ``size``'s class and kind that nothing looks into, recorded in
+        use as it is taken (a Ctrl-C after it loses nothing: the buffer handed to nobody dies in use, counted off)."""
         best = None
         best_key: tuple[bool, int] = (True, 0)
         for i, (buf, is_pinned, pending) in enumerate(self._idle):
@@ -211,7 +223,8 @@ class HostPool:
                     best, best_key = i, key
         if best is None:
             return None, None
-        found, _, event = self._idle.pop(best)
+        found, _, event = self._idle[best]
+        self._in_use[id(found)] = weakref.ref(self._idle.pop(best)[0])  # (one line: never both idle and in use)
         self._reuses += 1
         return found, event
 
@@ -240,26 +253,32 @@ class HostPool:
         self._held[True] -= freed
         return taken
 
-    def _new(self, size: int, *, pinned: bool, reserved: bool = False) -> torch.Tensor:
-        buf = _allocate(size, pinned)
+    def _record(self, buf: torch.Tensor, size: int, *, pinned: bool) -> torch.Tensor:
+        """A new buffer recorded in use: the ``size`` bytes reserved for it are its own from then on (its death
+        counts them off)."""
+        weakref.finalize(buf, self._drop, id(buf))  # (first: a buffer recorded is counted off when it dies)
         with self._locked():
             self._allocations += 1
             self._meta[id(buf)] = (pinned, _uses(buf), size)
-            if not reserved:
-                self._held[pinned] += size
-        weakref.finalize(buf, self._drop, id(buf))
+            self._in_use[id(buf)] = weakref.ref(buf)
         return buf
 
+    def _unreserve(self, buf: torch.Tensor | None, size: int, *, pinned: bool) -> None:
+        """Give back the bytes reserved for a new buffer that a failure or a Ctrl-C left unrecorded (``buf``: the
+        one allocated, if any)."""
+        with self._locked():
+            if buf is None or id(buf) not in self._in_use:
+                self._held[pinned] -= size
+
     def _hand_out(self, buf: torch.Tensor, event: Any | None) -> torch.Tensor:
+        """``buf`` (taken idle, recorded in use) once the copy still reading it completed; a Ctrl-C in that wait
+        gives it back with its event."""
         if event is not None:
             try:
                 event.synchronize()  # a copy still reading this buffer must finish before it is overwritten
-            except BaseException:  # (a Ctrl-C in the wait: the buffer goes back, with its event, still counted)
-                with self._locked():
-                    self._idle.append((buf, self._meta[id(buf)][0], event))
+            except BaseException:
+                self.release(buf, event)
                 raise
-        with self._locked():
-            self._in_use[id(buf)] = weakref.ref(buf)
         return buf
 
     @contextlib.contextmanager

@@ -305,6 +305,44 @@ def test_a_ctrl_c_anywhere_in_a_request_loses_no_buffer_and_no_byte(pinning, cas
     assert line > 10
 
 
+@pytest.mark.parametrize("how", ["a request", "a lower limit", "release_idle"])
+def test_a_ctrl_c_while_freeing_evicted_buffers_frees_none_under_its_copy(pinning, how):
+    """Idle pinned buffers freed for room (or by ``release_idle``) are freed once their copies completed: a Ctrl-C
+    in one of those waits dropped the rest without waiting. Those not freed go back to the idle ones, counted."""
+    p = HostPool()
+    p.pinned_limit = None
+    bufs = [p.acquire(MiB, pinned=True) for _ in range(3)]
+
+    class Event(_Pending):
+        interrupted = False
+
+        def synchronize(self):
+            if not Event.interrupted:
+                Event.interrupted = True
+                raise KeyboardInterrupt
+            super().synchronize()
+
+    events = [Event() for _ in bufs]
+    for buf, event in zip(bufs, events):
+        p.release(buf, event)
+    refs = [weakref.ref(buf) for buf in bufs]
+    del bufs, buf
+    with pytest.raises(KeyboardInterrupt):
+        if how == "a request":
+            p.pinned_limit = 4 * MiB
+            p.acquire(4 * MiB, pinned=True)  # (3 MiB held: all three go)
+        elif how == "a lower limit":
+            p.pinned_limit = 0
+        else:
+            p.release_idle()
+    assert all(ref() is not None or event.synchronized for ref, event in zip(refs, events)), "freed under its copy"
+    stats = p.stats()
+    _consistent(stats)
+    assert stats.idle == 3 and stats.pinned_bytes == 3 * MiB
+    assert p.release_idle() == 3 * MiB and all(ref() is None for ref in refs)
+    assert all(event.synchronized for event in events)
+
+
 def test_a_buffer_that_dies_while_the_pool_is_locked_does_not_deadlock(pinning):
     """A buffer's finalizer runs wherever the collector does: inside a section holding the pool's lock (the
     allocation of ``in_use_storages``' list, in the ``state_dict()`` post-hook of an offloaded optimizer, freeing

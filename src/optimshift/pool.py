@@ -109,7 +109,7 @@ class HostPool:
             self._warned_limit = False
             # Idle pinned buffers above a lowered limit are freed now, not at the next request.
             evicted = [] if limit is None else self._evict(self._held[True] - limit, partial=True)
-        _free(evicted)
+        self._free(evicted)
 
     @overload
     def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor: ...
@@ -170,7 +170,7 @@ class HostPool:
                         held = self._held[True]
                     else:  # reserved here, allocated outside the lock (one statement, as in acquire)
                         self._held[True], reserved = self._held[True] + size, size
-            _free(evicted)
+            self._free(evicted)
             if found is not None:
                 return self._hand_out(found, event)
             if not over:
@@ -231,7 +231,7 @@ class HostPool:
     def _evict(self, need: int, *, partial: bool = False) -> list[tuple[torch.Tensor, bool, Any | None]]:
         """(Under the lock) take idle pinned buffers out of the pool until ``need`` bytes are freed; none at all
         when that many cannot be, unless ``partial``. A buffer something looks into frees nothing, and stays.
-        The caller frees them outside the lock (:func:`_free`)."""
+        The caller frees them outside the lock (:meth:`_free`)."""
         candidates = [i for i, (buf, pinned, _) in enumerate(self._idle) if pinned and not self._viewed(buf)]
         if need <= 0 or (not partial and sum(self._idle[i][0].numel() for i in candidates) < need):
             return []
@@ -325,8 +325,29 @@ class HostPool:
             for buf, pinned, _ in idle:
                 self._held[pinned] -= buf.numel()
         freed = sum(buf.numel() for buf, _, _ in idle)
-        _free(idle)
+        self._free(idle)
         return freed
+
+    def _free(self, entries: list[tuple[torch.Tensor, bool, Any | None]]) -> None:
+        """Free buffers taken out of the pool (outside its lock: a dying buffer calls back into the pool), once the
+        copies they were held with completed; pinned memory goes back to the OS. A Ctrl-C in a wait gives the
+        ones not freed yet back to the idle buffers, counted again: their copies may still be in flight."""
+        pinned = False
+        try:
+            while entries:
+                buf, is_pinned, event = entries[-1]
+                if event is not None:
+                    event.synchronize()
+                del entries[-1], buf
+                pinned = pinned or is_pinned
+        except BaseException:
+            with self._locked():
+                for entry in entries:
+                    self._idle.append(entry)
+                    self._held[entry[1]] += entry[0].numel()
+            raise
+        if pinned:
+            _return_pinned_memory()
 
     def in_use_storages(self) -> set[int]:
         """The storage addresses (``untyped_storage().data_ptr()``) of the buffers handed out and not given back:
@@ -356,20 +377,6 @@ class HostPool:
 def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
     """A new uint8 host buffer (a test stands in for the pinned allocator here)."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-
-
-def _free(entries: list[tuple[torch.Tensor, bool, Any | None]]) -> None:
-    """Free buffers taken out of the pool (outside its lock: a dying buffer calls back into the pool), once the
-    copies they were held with completed; pinned memory goes back to the OS."""
-    pinned = False
-    while entries:
-        buf, is_pinned, event = entries.pop()
-        if event is not None:
-            event.synchronize()
-        pinned = pinned or is_pinned
-        del buf
-    if pinned:
-        _return_pinned_memory()
 
 
 def _return_pinned_memory() -> None:

@@ -545,6 +545,24 @@ def test_the_release_waits_for_the_copies_in_flight(sim, driver, monkeypatch, mu
     assert driver.mapped(0) == 0 and bitwise_equal(_state_values(opt), values)
 
 
+def test_a_range_freed_under_queued_copies_waits_for_them(sim, driver, monkeypatch):
+    """An optimizer dropped right after ``offload(non_blocking=True, keep_addresses=True)``: on CUDA its leases die
+    with the device tensors the commit drops (see above), and its range with it, while the copies from it may still
+    be queued. The simulator's queue holds the tensors, and their leases the range: here a lease does not hold it,
+    as on CUDA. The range's finalizer unmapped it under those copies; it now waits for the device first."""
+    monkeypatch.setattr(_addresses._Lease, "__init__", lambda self, owner: None)
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    values = _state_values(opt)
+    with deferred_streams(seed=0, progress=0.0):
+        handle = optimshift.offload(opt, non_blocking=True, keep_addresses=True)
+        offloaded = list(opt.state.values())
+        del model, opt
+        gc.collect()
+        handle.wait()
+    assert driver.mapped(0) == 0 and bitwise_equal([snapshot(dict(st)) for st in offloaded], values)
+
+
 def test_a_release_by_another_thread_s_wait_waits_for_a_reload_under_way(sim, driver, monkeypatch):
     """Another thread's ``wait()`` on the offload's handle runs its release; the reload that found the handle done
     went on meanwhile. The release unmapped the blocks the reload had just mapped (its leases not yet the slots'),

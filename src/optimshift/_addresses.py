@@ -61,8 +61,12 @@ class _Mapped:
 
 
 def _close(mapped: _Mapped) -> None:
-    """Unmap every block and give the reservation back (a range nothing uses any more, or one rolled back)."""
+    """Unmap every block and give the reservation back (a range nothing uses any more, or one rolled back), once the
+    work queued on its device ran: on CUDA the copies of an offload may still read it when its tensors, and with them
+    the leases, are gone (an optimizer dropped right after a non-blocking offload)."""
     try:
+        if any(handle is not None for handle in mapped.handles):
+            _device_streams.synchronize([mapped.device])
         for i in range(len(mapped.handles)):
             mapped.unmap(i)
         mapped.driver.free_reserved(mapped.device, mapped.address, mapped.size)

@@ -65,6 +65,13 @@ def _close(mapped: _Mapped) -> None:
     work queued on its device ran: on CUDA the copies of an offload may still read it when its tensors, and with them
     the leases, are gone (an optimizer dropped right after a non-blocking offload)."""
     try:
+        capture = getattr(getattr(torch, mapped.device.type, None), "is_current_stream_capturing", None)
+        if capture is not None and capture():  # (a sync would invalidate the graph being captured)
+            _log.warning(
+                "optimshift: a reserved range on %s is left to the process's exit (freed while a graph was captured)",
+                mapped.device,
+            )
+            return
         if any(handle is not None for handle in mapped.handles):
             _device_streams.synchronize([mapped.device])
         for i in range(len(mapped.handles)):

@@ -40,6 +40,33 @@ def test_optimizer_wide_keys_load_like_pytorch_and_are_placed(sim):
         optimshift.unregister_policy(Madgradish)
 
 
+def test_an_error_about_an_optimizer_wide_entry_names_it_so_not_as_a_param_group_key(monkeypatch):
+    import pytest
+
+    class Madgradish(torch.optim.SGD):
+        pass
+
+    _, src = _madgrad_like("cpu")
+    sd = src.state_dict()
+    sd["state"]["ema"]["hist"] = [torch.zeros(2), torch.zeros(3, device="meta")]
+    opt = Madgradish([torch.nn.Parameter(torch.zeros(4, 3))], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"load_state_dict: optimizer-wide entry 'ema'\['hist'\]\[1\]: a meta"):
+        optimshift.load_state_dict(opt, sd)
+    del sd["state"]["ema"]["hist"]
+    real_clone = torch.Tensor.clone
+
+    def no_room_for_k(t):  # (the copy of state["k"], an int64 tensor, fails)
+        if t.dtype == torch.int64:
+            raise torch.OutOfMemoryError("out of memory")
+        return real_clone(t)
+
+    monkeypatch.setattr(torch.Tensor, "clone", no_room_for_k)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        optimshift.load_state_dict(opt, sd)
+    assert "Madgradish: load_state_dict: optimizer-wide entry 'k' ((1,), torch.int64)" in e.value.__notes__[0]
+    assert opt.state == {}
+
+
 def test_loads_into_the_optimizer_inside_a_lightning_wrapper():
     from lightning.pytorch.core.optimizer import LightningOptimizer
 

@@ -47,7 +47,7 @@ class CastNeeded(ValueError):
     ``cast='param'`` (PyTorch's cast) loads it."""
 
 
-_Site = tuple[int, int | None, Any, Path]  # (group, param index or None for a group entry, key, path inside)
+_Site = tuple[int, int | None, Any, Path]  # (group or OPTIMIZER_WIDE, param index or None, key, path inside)
 _Ticket = tuple[int, torch.device, torch.dtype]  # (id(source), device, dtype): one copy each
 _Wanted = torch.Tensor | _Ticket  # a tensor that fits as it is, or the ticket of its copy
 _DtypeKey = tuple[int, torch.dtype, int, tuple[tuple[Any, torch.dtype], ...]]  # (group, param dtype, rank, entries)
@@ -241,14 +241,16 @@ class Staging:
     def _site(self, site: _Site) -> str:
         """``(group, param index or None, key, path)`` as words, for errors."""
         gi, pi, key, path = site
+        if gi == OPTIMIZER_WIDE:
+            return f"optimizer-wide entry {key!r}{format_path(path)}"
         if pi is None:
             return f"param group {gi}, key {key!r}{format_path(path)}"
         return f"{self._param_label(gi, pi)}, state key {key!r}{format_path(path)}"
 
     def site_words(self, tr: Transfer) -> str:
-        """Where a planned tensor sits, in words (optimizer-wide entries: with the first group), for errors."""
+        """Where a planned tensor sits, in words, for errors."""
         gi, pi, path = tr[0]
-        return self._site((0 if gi == OPTIMIZER_WIDE else gi, pi, path[0][1], path[1:]))
+        return self._site((gi, pi, path[0][1], path[1:]))
 
     def _where(self, gi: int, pi: int) -> Callable[[Any], str]:
         """Param ``pi`` of group ``gi`` (``None``), or its state entry ``key``, in words: made only for an error."""
@@ -403,7 +405,7 @@ class Staging:
         for key in self.wide:  # optimizer-wide entries (placed as the plan places them: with the first group's)
             value = states[key]
             if not isinstance(value, (torch.Tensor, *_ATOMS)):
-                self._check_depth(value, (0, None, key, ()), wide=True)
+                self._check_depth(value, (OPTIMIZER_WIDE, None, key, ()))
                 value = _copy.deepcopy(value, {id(t): t for _, t in leaves(value)})
             new_state[key] = value
 
@@ -611,11 +613,10 @@ class Staging:
                 f"{self._site(site)}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})", TypeError
             ) from e
 
-    def _check_depth(self, value: Any, site: _Site, wide: bool = False) -> None:
+    def _check_depth(self, value: Any, site: _Site) -> None:
         if too_deep(value):
-            where = f"optimizer-wide entry {site[2]!r}" if wide else self._site(site)
             raise self.fail(
-                f"{where}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
+                f"{self._site(site)}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                 f"this (a corrupt or hostile checkpoint)"
             )
 

@@ -315,15 +315,14 @@ class HostPool:
     def release(self, buf: torch.Tensor, event: Any | None = None) -> None:
         """Give ``buf`` back; with ``event``, it is reused only after that event completes."""
         with self._locked():
-            if self._in_use.pop(id(buf), None) is not None:
-                self._idle.append((buf, self._meta[id(buf)][0], event))
+            if id(buf) in self._in_use:  # (one line: never in neither; a weakref is truthy)
+                self._idle.append((buf, self._meta[id(buf)][0] if self._in_use.pop(id(buf)) else False, event))
 
     def release_idle(self) -> int:
         """Free every idle buffer (pinned memory goes back to the OS); returns the bytes freed."""
         with self._locked():
-            idle, self._idle = self._idle, []
-            for buf, pinned, _ in idle:
-                self._held[pinned] -= buf.numel()
+            held = {kind: n - sum(b.numel() for b, k, _ in self._idle if k == kind) for kind, n in self._held.items()}
+            idle, self._idle, self._held = self._idle, [], held  # (one statement: the bytes counted off with them)
         freed = sum(buf.numel() for buf, _, _ in idle)
         self._free(idle)
         return freed

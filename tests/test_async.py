@@ -414,11 +414,23 @@ def test_a_non_blocking_offload_that_fails_part_way_changes_nothing(sim, monkeyp
             assert bitwise_equal(dict(st), before)
 
 
+def _offload_interrupted_in_its_commit(monkeypatch, opt) -> None:
+    """A non-blocking offload whose commit a Ctrl-C stops after its copies were queued."""
+    from optimshift import _engine
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("injected: Ctrl-C in the commit")
+
+    monkeypatch.setattr(_engine, "adoptions", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.offload(opt, non_blocking=True)
+    monkeypatch.undo()
+
+
 @pytest.mark.parametrize("seed, progress", SCHEDULES)
 def test_a_non_blocking_offload_whose_commit_fails_gives_its_buffers_back_to_the_pool(sim, monkeypatch, seed, progress):
     """A commit that fails (a Ctrl-C) after the copies were queued: the pool buffers they write go back to the
     pool, reused by the next offload, not freed (the next offload pinned new ones)."""
-    from optimshift import _engine
     from optimshift.pool import host_pool
 
     def idle():
@@ -433,13 +445,7 @@ def test_a_non_blocking_offload_whose_commit_fails_gives_its_buffers_back_to_the
         before, allocations = idle(), host_pool.stats().allocations
         assert before
 
-        def interrupted(*args, **kwargs):
-            raise KeyboardInterrupt("injected: Ctrl-C in the commit")
-
-        monkeypatch.setattr(_engine, "adoptions", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            optimshift.offload(opt, non_blocking=True)
-        monkeypatch.undo()
+        _offload_interrupted_in_its_commit(monkeypatch, opt)
         gc.collect()
         assert idle() == before, "the failed offload's buffers are idle in the pool again"
         assert not optimshift.is_offloaded(opt)
@@ -456,20 +462,12 @@ def test_the_step_after_a_non_blocking_offload_whose_commit_failed_waits_for_its
 ):
     """A commit that fails (a Ctrl-C) after the offload's copies were queued: the next step, on the current
     stream, writes the state those copies still read on the side stream; it is ordered after them (it raced)."""
-    from optimshift import _engine
-
     ref_model, ref = _trained(sim, torch.optim.Adam, {"foreach": True})
     train(ref_model, ref, range(2, 4))
     with deferred_streams(seed, progress):
         model, opt = _trained(sim, torch.optim.Adam, {"foreach": True})
 
-        def interrupted(*args, **kwargs):
-            raise KeyboardInterrupt("injected: Ctrl-C in the commit")
-
-        monkeypatch.setattr(_engine, "adoptions", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            optimshift.offload(opt, non_blocking=True)
-        monkeypatch.undo()
+        _offload_interrupted_in_its_commit(monkeypatch, opt)
         train(model, opt, range(2, 4))
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert bitwise_equal(a, b)

@@ -642,3 +642,74 @@ def test_a_ctrl_c_anywhere_in_a_release_loses_no_byte(pinning, call):
         assert p.stats().pinned_bytes + p.stats().pageable_bytes == p.stats().idle_bytes, (line, p.stats())
         if not interrupted:
             break
+
+
+def _interrupted_at_opcode(n, call):
+    """Run ``call`` with a KeyboardInterrupt raised at the ``n``-th bytecode the pool runs (outside ``_locked`` and a
+    buffer's finalizer, as :func:`_interrupted_at`): whether it was raised. Finer than a signal can land (after
+    every C call, at every function's start and backward jump): every state between two bytecodes is one."""
+    import sys
+
+    seen = [0]
+
+    def in_pool(frame, event, arg):
+        code, outer = frame.f_code, frame
+        while outer is not None and outer.f_code is not HostPool._drop.__code__:
+            outer = outer.f_back
+        if code.co_filename != pool.__file__ or code is _LOCKED or outer is not None:
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    def local(frame, event, arg):
+        if event == "opcode":
+            seen[0] += 1
+            if seen[0] == n:
+                raise KeyboardInterrupt
+        return local
+
+    sys.settrace(in_pool)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+@pytest.mark.parametrize(
+    "how, pinned",
+    [(how, True) for how in ("reused", "evicting", "a lower limit", "release_idle")]
+    + [(how, False) for how in ("reused", "release_idle")],  # (pageable buffers are never evicted)
+)
+def test_a_ctrl_c_at_any_bytecode_frees_no_buffer_under_its_copy(pinning, how, pinned):
+    """A KeyboardInterrupt at each bytecode of a request that reuses an idle buffer or frees idle ones for room, of a
+    lower limit and of ``release_idle``: a buffer given back with a copy in flight is never freed before that copy
+    was waited for. (A request that took an idle buffer out and was stopped before its wait, or idle buffers taken
+    out for freeing and dropped before theirs, freed host memory a copy in flight still read or wrote.)"""
+    n = 0
+    while True:
+        n += 1
+        p = HostPool()
+        p.pinned_limit = None
+        events = [_Pending(), _Pending()]
+        bufs = [p.acquire(2 * MiB if how == "evicting" else MiB, pinned=pinned) for _ in events]
+        refs = [weakref.ref(buf) for buf in bufs]
+        for buf, event in zip(bufs, events):
+            p.release(buf, event)
+        del bufs, buf
+        if how == "reused":
+            interrupted = _interrupted_at_opcode(n, lambda: p.acquire(MiB, pinned=pinned))
+        elif how == "evicting":
+            p.pinned_limit = 5 * MiB
+            interrupted = _interrupted_at_opcode(n, lambda: p.acquire(4 * MiB, pinned=True))  # (4 held: both go)
+        elif how == "a lower limit":
+            interrupted = _interrupted_at_opcode(n, lambda: setattr(p, "pinned_limit", 0))
+        else:
+            interrupted = _interrupted_at_opcode(n, p.release_idle)
+        freed = [ref() is None for ref in refs]
+        assert all(not dead or event.synchronized for dead, event in zip(freed, events)), (n, "freed under its copy")
+        if not interrupted:
+            break
+    assert n > 20

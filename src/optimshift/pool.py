@@ -107,8 +107,14 @@ class HostPool:
         with self._locked():
             self._limit = limit
             self._warned_limit = False
-            # Idle pinned buffers above a lowered limit are freed now, not at the next request.
-            evicted = [] if limit is None else self._evict(self._held[True] - limit, partial=True)
+        # Idle pinned buffers above a lowered limit are freed now, not at the next request.
+        evicted: list[tuple[torch.Tensor, bool, Any | None]] = []
+        while limit is not None:
+            with self._locked():
+                evicted, pending = self._evict(self._held[True] - limit, partial=True)
+            if not pending:
+                break
+            self._wait(pending)
         self._free(evicted)
 
     @overload
@@ -132,12 +138,16 @@ class HostPool:
                 return None
         buf, reserved = None, 0
         try:
-            with self._locked():
-                found, event = self._take_idle(size, pinned=False)
-                if found is None:  # (one statement: the count and ``reserved`` agree wherever a Ctrl-C lands)
-                    self._held[False], reserved = self._held[False] + size, size
+            while True:
+                with self._locked():
+                    found, pending = self._take_idle(size, pinned=False)
+                    if found is None and not pending:  # (one statement: the count and ``reserved`` agree)
+                        self._held[False], reserved = self._held[False] + size, size
+                if not pending:
+                    break
+                self._wait(pending)
             if found is not None:
-                return self._hand_out(found, event)
+                return found
             buf = _allocate(size, pinned=False)
             return self._record(buf, size, pinned=False)
         except BaseException:
@@ -158,21 +168,25 @@ class HostPool:
         over = warn = False
         buf, reserved = None, 0
         try:
-            with self._locked():
-                found, event = self._take_idle(size, pinned=True)
-                if found is None:
-                    if limit is not None and self._held[True] + size > limit:
-                        evicted = self._evict(self._held[True] + size - limit)  # all it takes, or nothing
-                        over = self._held[True] + size > limit
-                    if over:
-                        self._over_limit += 1
-                        warn, self._warned_limit = not self._warned_limit, True
-                        held = self._held[True]
-                    else:  # reserved here, allocated outside the lock (one statement, as in acquire)
-                        self._held[True], reserved = self._held[True] + size, size
+            while True:
+                with self._locked():
+                    found, pending = self._take_idle(size, pinned=True)
+                    if found is None and not pending and limit is not None and self._held[True] + size > limit:
+                        evicted, pending = self._evict(self._held[True] + size - limit)  # all it takes, or none
+                        over = not pending and self._held[True] + size > limit
+                    if found is None and not pending:
+                        if over:
+                            self._over_limit += 1
+                            warn, self._warned_limit = not self._warned_limit, True
+                            held = self._held[True]
+                        else:  # reserved here, allocated outside the lock (one statement, as in acquire)
+                            self._held[True], reserved = self._held[True] + size, size
+                if not pending:
+                    break
+                self._wait(pending)
             self._free(evicted)
             if found is not None:
-                return self._hand_out(found, event)
+                return found
             if not over:
                 try:
                     buf = _allocate(size, pinned=True)
@@ -210,9 +224,10 @@ class HostPool:
             )
         return None
 
-    def _take_idle(self, size: int, *, pinned: bool) -> tuple[torch.Tensor | None, Any | None]:
+    def _take_idle(self, size: int, *, pinned: bool) -> tuple[torch.Tensor | None, list[Any]]:
         """(Under the lock) the smallest idle buffer of ``size``'s class and kind that nothing looks into, recorded in
-        use as it is taken (a Ctrl-C after it loses nothing: the buffer handed to nobody dies in use, counted off)."""
+        use as it is taken (a Ctrl-C after it loses nothing: the buffer handed to nobody dies in use, counted off);
+        none, and the event to wait for first (:meth:`_wait`), where a copy in flight still uses it."""
         best = None
         best_key: tuple[bool, int] = (True, 0)
         for i, (buf, is_pinned, pending) in enumerate(self._idle):
@@ -222,19 +237,24 @@ class HostPool:
                 if best is None or key < best_key:
                     best, best_key = i, key
         if best is None:
-            return None, None
-        found, _, event = self._idle[best]
+            return None, []
+        if best_key[0]:
+            return None, [self._idle[best][2]]
+        found = self._idle[best][0]
         self._in_use[id(found)] = weakref.ref(self._idle.pop(best)[0])  # (one line: never both idle and in use)
         self._reuses += 1
-        return found, event
+        return found, []
 
-    def _evict(self, need: int, *, partial: bool = False) -> list[tuple[torch.Tensor, bool, Any | None]]:
+    def _evict(
+        self, need: int, *, partial: bool = False
+    ) -> tuple[list[tuple[torch.Tensor, bool, Any | None]], list[Any]]:
         """(Under the lock) take idle pinned buffers out of the pool until ``need`` bytes are freed; none at all
         when that many cannot be, unless ``partial``. A buffer something looks into frees nothing, and stays.
-        The caller frees them outside the lock (:meth:`_free`)."""
+        The caller frees them outside the lock (:meth:`_free`). Where a copy in flight still uses one of those
+        chosen: none, and the events to wait for first (:meth:`_wait`)."""
         candidates = [i for i, (buf, pinned, _) in enumerate(self._idle) if pinned and not self._viewed(buf)]
         if need <= 0 or (not partial and sum(self._idle[i][0].numel() for i in candidates) < need):
-            return []
+            return [], []
 
         def order(i: int) -> tuple[bool, int]:  # no copy still using it first (no host wait), then the largest
             buf, _, pending = self._idle[i]
@@ -248,10 +268,13 @@ class HostPool:
             chosen.append(i)
             freed += self._idle[i][0].numel()
         taken = [self._idle[i] for i in chosen]
+        pending = [event for _, _, event in taken if event is not None and not event.query()]
+        if pending:
+            return [], pending
         for i in sorted(chosen, reverse=True):
             del self._idle[i]
         self._held[True] -= freed
-        return taken
+        return taken, []
 
     def _record(self, buf: torch.Tensor, size: int, *, pinned: bool) -> torch.Tensor:
         """A new buffer recorded in use: the ``size`` bytes reserved for it are its own from then on (its death
@@ -270,16 +293,13 @@ class HostPool:
             if buf is None or id(buf) not in self._in_use:
                 self._held[pinned] -= size
 
-    def _hand_out(self, buf: torch.Tensor, event: Any | None) -> torch.Tensor:
-        """``buf`` (taken idle, recorded in use) once the copy still reading it completed; a Ctrl-C in that wait
-        gives it back with its event."""
-        if event is not None:
-            try:
-                event.synchronize()  # a copy still reading this buffer must finish before it is overwritten
-            except BaseException:
-                self.release(buf, event)
-                raise
-        return buf
+    def _wait(self, events: list[Any]) -> None:
+        """Wait for the copies still using idle buffers (outside the lock), and forget their events: a buffer
+        leaves the pool only once no copy uses it, so a Ctrl-C anywhere frees none under its copy."""
+        for event in events:
+            event.synchronize()
+            with self._locked():
+                self._idle = [(buf, pinned, None if e is event else e) for buf, pinned, e in self._idle]
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -319,32 +339,26 @@ class HostPool:
                 self._idle.append((buf, self._meta[id(buf)][0] if self._in_use.pop(id(buf)) else False, event))
 
     def release_idle(self) -> int:
-        """Free every idle buffer (pinned memory goes back to the OS); returns the bytes freed."""
-        with self._locked():
-            held = {kind: n - sum(b.numel() for b, k, _ in self._idle if k == kind) for kind, n in self._held.items()}
-            idle, self._idle, self._held = self._idle, [], held  # (one statement: the bytes counted off with them)
+        """Free every idle buffer (pinned memory goes back to the OS), once the copies using them completed;
+        returns the bytes freed."""
+        while True:
+            with self._locked():
+                pending = [e for _, _, e in self._idle if e is not None and not e.query()]
+                if not pending:
+                    held = {k: n - sum(b.numel() for b, p, _ in self._idle if p == k) for k, n in self._held.items()}
+                    idle, self._idle, self._held = self._idle, [], held  # (one statement: the bytes counted off)
+            if not pending:
+                break
+            self._wait(pending)
         freed = sum(buf.numel() for buf, _, _ in idle)
         self._free(idle)
         return freed
 
     def _free(self, entries: list[tuple[torch.Tensor, bool, Any | None]]) -> None:
-        """Free buffers taken out of the pool (outside its lock: a dying buffer calls back into the pool), once the
-        copies they were held with completed; pinned memory goes back to the OS. A Ctrl-C in a wait gives the
-        ones not freed yet back to the idle buffers, counted again: their copies may still be in flight."""
-        pinned = False
-        try:
-            while entries:
-                buf, is_pinned, event = entries[-1]
-                if event is not None:
-                    event.synchronize()
-                del entries[-1], buf
-                pinned = pinned or is_pinned
-        except BaseException:
-            with self._locked():
-                for entry in entries:
-                    self._idle.append(entry)
-                    self._held[entry[1]] += entry[0].numel()
-            raise
+        """Free buffers taken out of the pool, no copy using them (outside its lock: a dying buffer calls back into
+        the pool); pinned memory goes back to the OS."""
+        pinned = any(is_pinned for _, is_pinned, _ in entries)
+        entries.clear()
         if pinned:
             _return_pinned_memory()
 

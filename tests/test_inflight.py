@@ -223,3 +223,33 @@ def test_the_hooks_that_wait_go_with_the_next_operation(sim):
             len(opt._optimizer_state_dict_pre_hooks),
             len(opt._optimizer_load_state_dict_pre_hooks),
         ) == counts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_ctrl_c_while_the_next_operation_waits_for_an_offload_leaves_it_in_flight_and_guarded(sim, seed, monkeypatch):
+    """A Ctrl-C while an operation's host wait for an offload still in flight (``end_pending``) runs: the offload
+    stays remembered and guarded, so ``state_dict()`` still waits for its copies, and its done-callbacks run
+    once, with the next operation. (The transfer was forgotten and its hooks removed before the wait: the read
+    saw host buffers the copies had not written, and the callbacks, a keep_addresses release, never ran.)"""
+    with deferred_streams(seed=seed, progress=0.0):
+        _, opt, values, handle = _in_flight_offload(sim, strict=True)
+        calls = []
+        handle.add_done_callback(lambda: calls.append(1))
+        event = handle.event
+        synchronize = type(event).synchronize
+
+        def interrupted(self):
+            if self is event:
+                monkeypatch.setattr(type(event), "synchronize", synchronize)
+                raise KeyboardInterrupt("injected: Ctrl-C in the host wait")
+            synchronize(self)
+
+        monkeypatch.setattr(type(event), "synchronize", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            optimshift.reload(opt)
+        assert calls == [] and not handle.done()
+        sd = opt.state_dict()  # the state_dict pre-hook waits on the host
+        for st, before in zip(sd["state"].values(), values):
+            assert bitwise_equal(dict(st), before)
+        optimshift.reload(opt)
+        assert calls == [1] and _same(opt, values)

@@ -504,13 +504,14 @@ def end_pending(optimizer: Any) -> None:
     session = _session.of(optimizer)
     if session is None:
         return
+    pending = session.pending
+    if pending is not None:
+        pending.retire()  # (first: a Ctrl-C in its wait leaves it remembered and guarded)
     with _lock:
-        pending, session.pending = session.pending, None
+        session.pending = None
         handles, session.guards = session.guards, []
     for handle in handles:
         handle.remove()
-    if pending is not None:
-        pending.retire()
 
 
 def pending_of(optimizer: Any) -> PendingTransfer:

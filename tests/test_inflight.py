@@ -253,3 +253,22 @@ def test_a_ctrl_c_while_the_next_operation_waits_for_an_offload_leaves_it_in_fli
             assert bitwise_equal(dict(st), before)
         optimshift.reload(opt)
         assert calls == [1] and _same(opt, values)
+
+
+def test_a_raising_done_callback_skips_none_after_it(sim):
+    """Every done-callback runs, then the first error is raised (a raising one dropped those after it)."""
+    with deferred_streams(progress=0.0):
+        _, opt, _, handle = _in_flight_offload(sim, strict=True)
+        calls = []
+
+        def fails():
+            calls.append("fails")
+            raise RuntimeError("injected: a failing callback")
+
+        handle.add_done_callback(fails)
+        handle.add_done_callback(lambda: calls.append("after"))
+        with pytest.raises(RuntimeError, match="injected"):
+            handle.wait()
+        assert calls == ["fails", "after"] and handle.done()
+        optimshift.reload(opt)
+        assert calls == ["fails", "after"]

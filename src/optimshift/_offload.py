@@ -89,11 +89,18 @@ class PendingTransfer:
         fn()
 
     def _finish(self) -> None:
+        """Mark the copies complete and run every callback, then raise the first error one raised."""
         with self._lock:
             self._event = None
             callbacks, self._callbacks = self._callbacks, []
+        errors = []
         for fn in callbacks:
-            fn()
+            try:
+                fn()
+            except BaseException as error:  # (the others still run: each frees what it was given)
+                errors.append(error)
+        if errors:
+            raise errors[0]
 
     def done(self) -> bool:
         event = self._event  # (read once: another thread's wait() may finish it meanwhile)

@@ -3,24 +3,15 @@ throwaway optimizer of the class, built with a group's hyperparameters; never th
 
 :func:`probe` steps once over a fake ``cuda:0`` param (``FakeTensorMode``) and reads where each 0-dim state tensor
 landed; each group tensor (a tensor ``lr``, tensor ``betas``) is put alone on the device in a step of its own, whose
-device reads and errors say whether the step reads it on the host or refuses it there. A read of a fake tensor gets
-a stand-in of the right kind (0.5, 1, False).
+device reads and errors say whether the step reads it on the host or refuses it there.
 
-One cache serves every probe, keyed by :func:`probe_key`: a float by its class against 0 and 1 (all torch.optim
-branches on: ``weight_decay != 0``, ``0 <= beta < 1``), never its value, so an LR scheduler runs no probe again; a
-tensor by device, dtype, shape and ``requires_grad``.
-
-NOTE: what is cached for a key must be what any group with that key observes, so the throwaway optimizer never
-sees the group's floats: each is built with torch's default for that hyperparameter where the default is of the
-same class, else with a fixed number of the class (0.5 between 0 and 1, 2.0 above 1, -0.5 below 0), and a
-one-element tensor hyperparameter as the default number. A value that is neither a number, a string, a dtype or
-device, an enum nor a tuple or list of those is never handed over: the constructor's default stands in for it, so
-the throwaway shares nothing mutable with the user's groups (a third-party class may keep anything there).
-
-A third-party class's step is user code, run only as a torch class's is: on fake tensors, under ``inference_mode``,
-its exceptions caught (not :data:`TRANSIENT`), its host reads bounded (:data:`MAX_READS`: a loop until a value
-converges would never end on stand-ins). What it draws from the global random generators is drawn (they are not
-put back: another thread's draws meanwhile would be drawn again).
+NOTE: one cache serves every probe, keyed by :func:`probe_key` (a float by its class against 0 and 1, never its
+value: an LR scheduler runs no probe again), so the throwaway never sees the group's floats: it is built with
+torch's default where that is of the same class, else a fixed number of the class (:func:`_built_with`); a value
+that is not plain is never handed over (it shares nothing mutable with the user's groups). A third-party class's
+step runs only as a torch class's: on fake tensors, under ``inference_mode``, its exceptions caught (not
+:data:`TRANSIENT`), its host reads bounded (:data:`MAX_READS`); its global RNG draws are not put back (another
+thread's draws meanwhile would be drawn again).
 """
 
 from __future__ import annotations
@@ -77,9 +68,7 @@ MAX_READS = 10_000
 GroupPath = tuple[Any, int | None]
 """A tensor a group holds: ``(key, None)`` for ``group[key]``, ``(key, i)`` for ``group[key][i]``."""
 ProbeKey = tuple["weakref.ref[type]", tuple[tuple[str, Any], ...], tuple[bool, ...], int]
-"""What :func:`probe_key` returns: the class (weakly: a class defined at run time goes with its last instance, as
-the cache's entries for it are only ever found through it), the group's entries (by kind), its implementation
-flags, the param rank."""
+"""The class (weakly: its entries are only ever found through it), the group's entries by kind, flags, rank."""
 
 
 @contextlib.contextmanager
@@ -159,16 +148,15 @@ def _key_of(value: Any) -> Any:
 
 
 def probe_key(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> ProbeKey:
-    """What can change what a throwaway step of ``cls`` with ``group``'s hyperparameters over a param of rank
-    ``ndim`` observes (see the module docstring): the class, every group entry but the params by kind, the known
-    implementation flags also as booleans (``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
+    """What can change what a throwaway step observes: the class, the group's entries by kind, the implementation
+    flags as booleans (``fused=1`` runs as ``fused=True``), the param rank (0, 1, 2+)."""
     flags = tuple(bool(group.get(flag)) for flag in IMPLEMENTATION_FLAGS)
     return (weakref.ref(cls), group_kinds(group), flags, min(ndim, 2))
 
 
 def group_kinds(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """Every entry of ``group`` but its params, by what can change what a step does with it (a float by its class,
-    never its value): what a placement learned by a probe depends on, and so what a cached plan keys on."""
+    """Every entry of ``group`` but its params, by kind (a float by its class, never its value): what a probed
+    placement depends on, and so what a cached plan keys on."""
     return tuple(sorted((str(k), _key_of(v)) for k, v in group.items() if k not in GROUP_SKIP))
 
 
@@ -179,9 +167,8 @@ _signatures: weakref.WeakKeyDictionary[type, Mapping[str, Any]] = weakref.WeakKe
 
 
 def signature_defaults(cls: type[torch.optim.Optimizer]) -> Mapping[str, Any]:
-    """``cls.__init__``'s parameters other than ``self`` and ``params``, with their defaults (``inspect``'s
-    ``Parameter.empty`` where there is none); where it passes ``**kwargs`` on (a subclass's ``__init__(self,
-    params, **kwargs)``), its bases' too. Raises ``TypeError``/``ValueError`` where it has no signature."""
+    """``cls.__init__``'s parameters but ``self``/``params`` with their defaults (``Parameter.empty`` if none), its
+    bases' too where it passes ``**kwargs`` on. Raises ``TypeError``/``ValueError`` where it has no signature."""
     found = _signatures.get(cls)
     if found is None:
         found = {}
@@ -237,21 +224,15 @@ def _built_with(value: Any, default: Any) -> Any:
         if any(item is _DROP for item in items):
             return _DROP
         return tuple(items) if isinstance(value, tuple) else items
-    if _plain(value):
-        return value
+    if value is None or isinstance(value, (numbers.Number, str, bytes, enum.Enum, torch.dtype, torch.device)):
+        return value  # (immutable: given as it is)
     return _DROP  # (a dict, a callable, an object: the constructor's default, never the user's object)
-
-
-def _plain(value: Any) -> bool:
-    """An immutable value a throwaway optimizer may be given as it is (see the module docstring)."""
-    return value is None or isinstance(value, (numbers.Number, str, bytes, enum.Enum, torch.dtype, torch.device))
 
 
 def built_kwargs(
     cls: type[torch.optim.Optimizer], group: Mapping[str, Any], skip: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """The constructor keywords of a throwaway ``cls`` for ``group``: the entries ``cls.__init__`` takes (but
-    ``skip``), each as :func:`_built_with` gives it."""
+    """A throwaway ``cls``'s keywords: the entries of ``group`` its ``__init__`` takes (but ``skip``), built."""
     accepted = signature_defaults(cls)
     out: dict[str, Any] = {}
     for key, value in group.items():
@@ -271,16 +252,13 @@ _lock = threading.Lock()
 _MISSING = object()
 
 TRANSIENT: tuple[type[BaseException], ...] = (MemoryError, torch.cuda.OutOfMemoryError, RecursionError)
-"""Errors a throwaway build or step may raise that say nothing of the class: the process short of host or device
-memory, the stack too deep (where the probe was asked, or in the class: it cannot be told). Never the class's
-answer, never cached (:func:`_cached`); an interrupt is never caught. Any other error is the class's: the same
-inputs raise it again, and its answer is cached."""
+"""Errors that say nothing of the class (out of memory, the stack too deep): never its answer, never cached. Any
+other error is the class's: the same inputs raise it again."""
 
 
 def _cached(key: Hashable, compute: Callable[[], _T], unknown: Callable[[Exception], _T]) -> _T:
-    """``compute()``, once per ``key`` while it stays among the :data:`CACHE_SIZE` most recently used; where it
-    raises an error of the class, ``unknown(error)`` is the answer. A RecursionError is answered so too, but not
-    kept (:data:`TRANSIENT`: the next ask computes again); the other transient errors propagate."""
+    """``compute()``, once per ``key`` among the :data:`CACHE_SIZE` most recent, else ``unknown(error)`` for an error
+    of the class. A RecursionError is answered so too, but not kept; the other transient errors propagate."""
     with _lock:
         found = _cache.get(key, _MISSING)
         if found is not _MISSING:
@@ -306,18 +284,26 @@ def clear_cache() -> None:
         _cache.clear()
 
 
+def _failure(call: Callable[[], object]) -> Exception | None:
+    """The class's error ``call()`` raised, None if none (a :data:`TRANSIENT` one propagates)."""
+    try:
+        call()
+    except TRANSIENT:
+        raise
+    except Exception as e:
+        return e
+    return None
+
+
 # --- placement: one step over a fake cuda:0 param --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Observed:
-    """What one probe saw. ``state``: {0-dim state key: on the param's device}, ``None`` if the step made no
-    state. ``group``: {(group key, index in a tuple or None): HOST_READ or NEEDS_DEVICE} (absent: either side
-    works). ``error``: what the step raised (the state made before it is what was read). ``reads`` (a class
-    torch.optim does not define): {host 0-dim key: device reads a later step makes more with it on the device}.
-    ``wide``: {path of a one-element tensor under a plain state key (MADGRAD's ``k``): on the param's device}.
-    ``group_reads``: {group tensor read on the host: ``(a, b)``}: a later step over ``n`` params makes
-    ``a + b * n`` device reads more with it on the device."""
+    """What one probe saw. ``state``: {0-dim state key: on the param's device} (None: no state); ``group``:
+    {GroupPath: HOST_READ or NEEDS_DEVICE} (absent: either works); ``error``: what the step raised; ``reads``: {host
+    0-dim key: device reads it costs a later step on the device}; ``wide``: {path under a plain state key: on the
+    device}; ``group_reads``: {GroupPath: ``(a, b)``}: ``a + b * n`` device reads more over ``n`` params."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
@@ -328,8 +314,7 @@ class Observed:
 
 
 def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
-    """The one-element tensors a group holds as hyperparameters: ``(key, None)`` for ``group[key]`` itself,
-    ``(key, i)`` for ``group[key][i]`` (tensor ``betas``)."""
+    """The one-element tensors a group holds as hyperparameters (see :data:`GroupPath`)."""
     paths: list[GroupPath] = []
     for path, t in group_tensors(group):
         if t.numel() != 1:
@@ -351,9 +336,8 @@ _READS = {
 
 
 class _Reads(TorchFunctionMode):
-    """Counts host reads of device tensors during the probe's step and answers them with stand-ins. A 0-dim
-    tensor given where an op wants a number (``add_(..., alpha=-lr)``) is read in C++, which fails on a fake
-    tensor: the call is retried with those arguments as numbers."""
+    """Counts host reads during the probe's step, answered with stand-ins; a 0-dim tensor where an op wants a number
+    (``alpha=-lr``) is read in C++, which fails on a fake tensor: the call is retried with it as a number."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -407,14 +391,12 @@ class _Reads(TorchFunctionMode):
 
 
 def _aten_copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> Any:
-    """``Tensor.copy_`` as ``aten.copy_``, taking its arguments as the binding does (aten's ``src`` is ``other``)."""
-    return torch.ops.aten.copy_.default(self, other, non_blocking)
+    return torch.ops.aten.copy_.default(self, other, non_blocking)  # (aten's ``src`` is the binding's ``other``)
 
 
 def _takes_tensor(func: Any, where: Any) -> bool:
-    """Whether some overload of ``func`` (an aten op, as ``torch.x`` or ``Tensor.x``) takes a tensor at
-    position or keyword ``where``: given a 0-dim tensor there, it is used as one; elsewhere it is read as a
-    number (``addcmul_``'s ``value``, ``_foreach_pow``'s scalar base)."""
+    """Whether some overload of the aten op ``func`` takes a tensor at position or keyword ``where`` (elsewhere a
+    0-dim tensor is read as a number: ``addcmul_``'s ``value``, ``_foreach_pow``'s scalar base)."""
     packet = getattr(torch.ops.aten, getattr(func, "__name__", ""), None)
     if packet is None:
         return False
@@ -456,9 +438,8 @@ _foreach_added = False  # whether FakeTensor was added to torch's list by the pr
 
 @contextlib.contextmanager
 def _fake_param_takes_default_foreach() -> Iterator[None]:
-    """While a probe step runs, ``FakeTensor`` counts as a plain tensor for torch's default implementation
-    (``_default_to_fused_or_foreach``), so ``foreach=None`` runs the foreach step a real accelerator param runs
-    (Adagrad's reads a device ``lr`` on the device, its single-tensor step with ``.item()``)."""
+    """While a probe step runs, ``FakeTensor`` counts as a plain tensor for torch's default implementation, so
+    ``foreach=None`` runs the foreach step a real accelerator param runs (Adagrad's reads a device ``lr`` there)."""
     global _foreach_holders, _foreach_added
     import torch.optim.optimizer as _optimizer
     from torch._subclasses.fake_tensor import FakeTensor
@@ -494,10 +475,9 @@ def _run(
     costs: bool = False,
     n_params: int = 1,
 ) -> tuple[Observed, int, int | None]:
-    """One probe step (``on_device``: the group tensor put on the device, the others on the host): what it saw (no
-    verdicts on group tensors yet), its device reads and, where there are group tensors, a later step's (None if
-    it failed); ``costs``: then measure what each host scalar the step made costs on the device (:func:`_costs`).
-    ``n_params``: over that many params (what is seen is the first's)."""
+    """One probe step over ``n_params`` params, ``on_device`` the group tensor on the device: what it saw of the
+    first (no group verdicts yet), its device reads and a later step's (None: failed or no group tensors);
+    ``costs``: also what each host scalar costs on the device (:func:`_costs`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     kwargs = built_kwargs(cls, group)
@@ -532,16 +512,11 @@ def _run(
                     entry = list(live.get(key, group[key]))
                     entry[index] = t
                     live[key] = type(group[key])(entry)
-            error = None
             reads = _Reads()
-            try:
-                _fake_step(opt, reads)
-            except TRANSIENT:  # (says nothing of the class: never its answer)
-                raise
-            except Exception as e:
-                # Fake tensors cannot launch every kernel (a CPU-only build has no fused CUDA kernels), but
-                # the state was created before that point, which is all that is read of it.
-                error = _error(e)
+            # (fake tensors cannot launch every kernel, a CPU-only build's fused CUDA ones, but the state was
+            # created before that point, which is all that is read of it)
+            failed = _failure(lambda: _fake_step(opt, reads))
+            error = None if failed is None else _error(failed)
             state = opt.state.get(param, {})
             found = {
                 key: value.device.type != "cpu"
@@ -561,21 +536,15 @@ def _run(
 
 
 def _later_reads(opt: torch.optim.Optimizer) -> int | None:
-    """The device reads of one more step of ``opt`` (a step after the first, which may read what it creates
-    state from: Rprop's ``lr``), None if it fails."""
-    try:
-        return _fake_step(opt, _Reads())
-    except TRANSIENT:  # (says nothing of the class: never its answer)
-        raise
-    except Exception:
-        return None
+    """The device reads of one more step of ``opt`` (the first may read what it creates state from: Rprop's
+    ``lr``), None if it fails."""
+    reads = _Reads()
+    return None if _failure(lambda: _fake_step(opt, reads)) is not None else reads.on_device
 
 
 def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str, bool]) -> dict[str, int]:
-    """{host scalar key: the device reads one more step makes with it on the (fake) device than without}: a
-    step as it is, then for each key a step with that entry on the device (and back on the host after it).
-    NOTE: every read of a fake tensor returns the same stand-in, so the steps after the first take one path and
-    compare alike. A key whose step fails is left out (its cost is not known)."""
+    """{host scalar key: the device reads one more step makes with it on the (fake) device than without}; a key
+    whose step fails is left out. NOTE: every read returns the same stand-in, so the steps compare alike."""
     baseline = _later_reads(opt)
     if baseline is None:
         return {}
@@ -636,15 +605,13 @@ def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim:
 
 def probe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | None:
     """What one step of a fresh ``cls`` over a fake ``cuda:0`` param of rank ``ndim`` with ``group``'s
-    hyperparameters does (see the module docstring); ``None`` when the probe cannot run (the caller falls back
-    to its table for state, and keeps group tensors where they are; :func:`unprobed` says why)."""
+    hyperparameters does; ``None`` when the probe cannot run (:func:`unprobed` says why)."""
     found = _placement(cls, group, ndim)
     return found if isinstance(found, Observed) else None
 
 
 def unprobed(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> str | None:
-    """Why :func:`probe` cannot run for ``cls`` with ``group`` (the constructor's error, for a class that needs
-    more than a param and those hyperparameters), ``None`` where it runs."""
+    """Why :func:`probe` cannot run for ``cls`` with ``group`` (the constructor's error), ``None`` where it runs."""
     found = _placement(cls, group, ndim)
     return found if isinstance(found, str) else None
 
@@ -654,11 +621,9 @@ def unprobed(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
 
 @dataclass(frozen=True)
 class StateSpec:
-    """What one step of a torch.optim class leaves in a param's state (probed on two small host params).
-
-    ``keys``: every key; ``shaped``: tensors of their param's shape; ``scalars``: 0-dim tensors; ``tensors``:
-    every tensor key; ``floating``: non-scalar floating tensors; ``bounded``: tensors never larger than their
-    param (Adafactor's ``row_var``); ``eager``: a param without state cannot step (Adagrad up to torch 2.11)."""
+    """What one step leaves in a param's state (two small host params): its keys, those of tensors of the param's
+    shape, 0-dim, any tensor, non-scalar floating, never larger than the param (Adafactor's ``row_var``);
+    ``eager``: a param without state cannot step (Adagrad up to torch 2.11)."""
 
     keys: frozenset[str] = frozenset()
     shaped: frozenset[str] = frozenset()
@@ -675,8 +640,7 @@ NO_SPEC = StateSpec()
 def _host_kwargs(
     cls: type[torch.optim.Optimizer], group: Mapping[str, Any], skip: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """A host trial's keywords: the implementation flags left at their defaults, but ``foreach=False`` (the
-    single-tensor path: the same ops, one tensor at a time)."""
+    """A host trial's keywords: the flags at their defaults, but ``foreach=False`` (the same ops, one at a time)."""
     kwargs = built_kwargs(cls, group, skip + IMPLEMENTATION_FLAGS)
     if "foreach" in signature_defaults(cls) and "foreach" not in skip:
         kwargs["foreach"] = False
@@ -684,9 +648,8 @@ def _host_kwargs(
 
 
 def expected_state(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> StateSpec:
-    """The state one step of ``cls`` leaves on two small host params of rank ``ndim`` (1, or 2 for anything
-    higher); empty (nothing is checked) when the probe cannot run. NOTE: a 0-dim param is probed as a 1-dim one:
-    at rank 0 every entry is 0-dim, its buffers indistinguishable from ``step``."""
+    """The state one step of ``cls`` leaves on two small host params of rank ``ndim`` (1 or 2), empty when it cannot
+    run. NOTE: rank 0 is probed as 1: there every entry is 0-dim, its buffers indistinguishable from ``step``."""
     ndim = max(ndim, 1)
     shapes: list[tuple[int, ...]] = [(2, 3), (3, 2)] if ndim >= 2 else [(5,), (7,)]
     key = ("spec", probe_key(cls, group, ndim))
@@ -705,13 +668,8 @@ def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list
         params = _host_params(shapes)
         opt = cls(params, **kwargs)
         eager = all(opt.state.get(p) for p in params) and not _steps_without_state(cls, kwargs, shapes)
-        try:
-            # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
-            opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
-        except TRANSIENT:  # (says nothing of the class: never its answer)
-            raise
-        except Exception:
-            pass  # the state was created before whatever failed; it is all we read
+        # (the state was created before whatever failed; it is all we read. torch's stubs type the loss as a float)
+        _failure(lambda: opt.step(lambda: torch.tensor(1.0)))  # type: ignore[arg-type, return-value]
         states = [opt.state.get(p, {}) for p in params]
         if not all(states):
             return NO_SPEC
@@ -721,16 +679,13 @@ def _spec(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], shapes: list
                 *(frozenset(k for k, v in st.items() if test(v, p)) for st, p in zip(states, params))
             )
 
-        def tensor(v: Any, p: torch.Tensor) -> bool:
-            return isinstance(v, torch.Tensor)
-
         return StateSpec(
             keys=frozenset.intersection(*(frozenset(st) for st in states)),
-            shaped=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.shape == p.shape),
-            scalars=common(lambda v, p: tensor(v, p) and v.dim() == 0),
-            tensors=common(tensor),
-            floating=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.is_floating_point()),
-            bounded=common(lambda v, p: tensor(v, p) and v.dim() > 0 and v.numel() <= p.numel()),
+            shaped=common(lambda v, p: isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape),
+            scalars=common(lambda v, p: isinstance(v, torch.Tensor) and v.dim() == 0),
+            tensors=common(lambda v, p: isinstance(v, torch.Tensor)),
+            floating=common(lambda v, p: isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()),
+            bounded=common(lambda v, p: isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() <= p.numel()),
             eager=eager,
         )
 
@@ -742,22 +697,15 @@ def _steps_without_state(
     params = _host_params(shapes)
     opt = cls(params, **kwargs)
     opt.state.pop(params[0], None)
-    try:
-        opt.step(lambda: torch.tensor(1.0))  # type: ignore[arg-type, return-value]
-    except TRANSIENT:  # (says nothing of the class: never its answer)
-        raise
-    except Exception:
-        return False
-    return bool(opt.state.get(params[0]))
+    stepped = _failure(lambda: opt.step(lambda: torch.tensor(1.0))) is None  # type: ignore[arg-type, return-value]
+    return stepped and bool(opt.state.get(params[0]))
 
 
 # --- which state dtypes a step refuses: a host trial -------------------------------------------------------------
 #
-# NOTE: the host trial stands for the device: the single-tensor and foreach paths run the same ops there (a
-# foreach fast path that cannot take mixed dtypes falls back to the per-tensor ops), and the fused kernels have
-# host twins with the same list checks; capturable cannot step on a host, so the trial runs without it. A device
-# kernel stricter than its host twin (a CUDA fused kernel's `step` dtype) is not seen here. Where the trial
-# cannot run on the host (a kernel this build lacks), nothing is rejected.
+# NOTE: the host trial stands for the device: the same ops, and fused kernels with host twins with the same checks
+# (capturable cannot step on a host: off). A device kernel stricter than its twin (a CUDA fused kernel's `step`
+# dtype) is not seen; where the trial cannot run on the host, nothing is rejected.
 
 
 @dataclass(frozen=True)
@@ -772,8 +720,8 @@ class Rejection:
 
 
 def entry_dtypes(entries: Mapping[Any, Any], skip: AbstractSet[int] = frozenset()) -> dict[Any, torch.dtype]:
-    """{key: dtype} for each entry of a param's state that is a tensor, or a container whose tensors share one
-    dtype (LBFGS's history lists); tensors whose id is in ``skip`` (a group's own, as LBFGS's ``t``) are left out."""
+    """{key: dtype} of each state entry that is a tensor, or holds tensors of one dtype (LBFGS's history lists);
+    tensors whose id is in ``skip`` (a group's own, as LBFGS's ``t``) are left out."""
     out: dict[Any, torch.dtype] = {}
     for key, value in entries.items():
         if isinstance(value, torch.Tensor):
@@ -786,10 +734,6 @@ def entry_dtypes(entries: Mapping[Any, Any], skip: AbstractSet[int] = frozenset(
     return out
 
 
-def _trial_shape(ndim: int) -> tuple[int, ...]:
-    return ((3, 2) if ndim >= 2 else (3,)) if ndim else ()
-
-
 class _Trial:
     """One fresh optimizer over a host param; ``step()`` steps it, ``recast`` changes some entries' dtypes."""
 
@@ -799,15 +743,13 @@ class _Trial:
         kwargs = built_kwargs(cls, group)
         if "capturable" in kwargs:
             kwargs["capturable"] = False  # it cannot step on a host; the dtype rules are the same
-        self.param = torch.full(_trial_shape(ndim), 0.5, dtype=dtype)
+        self.param = torch.full(((3, 2) if ndim >= 2 else (3,)) if ndim else (), 0.5, dtype=dtype)
         self.opt = cls([self.param], **kwargs)
         self.steps = 0
 
     def step(self) -> None:
-        # NOTE: the loss is a quadratic whose minimum moves every step: LBFGS then fills its history (in the
-        # first step, or with max_iter=1 a later one: _filled) and walks it in the next, so the dtypes of
-        # old_dirs/old_stps are tried (a constant grad, whose differences are zero, left the history empty and
-        # every dtype of it accepted).
+        # NOTE: a quadratic loss whose minimum moves every step: LBFGS fills its history and walks it in the next
+        # step, so the dtypes of old_dirs/old_stps are tried (a constant grad left the history empty).
         self.steps += 1
         target = float(self.steps)
 
@@ -818,16 +760,10 @@ class _Trial:
         self.param.grad = self.param - target
         self.opt.step(closure)  # type: ignore[arg-type]  # torch's stubs type the closure's loss as a float
 
-    def fresh_dtypes(self) -> dict[str, torch.dtype]:
-        return entry_dtypes(self.opt.state.get(self.param, {}))
-
     def held_dtypes(self) -> dict[Any, frozenset[torch.dtype]]:
         """{key: the dtypes of its tensors} for every entry holding one (a container's may be mixed)."""
-        held: dict[Any, set[torch.dtype]] = {}
-        for key, value in self.opt.state.get(self.param, {}).items():
-            for _, t in leaves(value):
-                held.setdefault(key, set()).add(t.dtype)
-        return {key: frozenset(found) for key, found in held.items()}
+        state = self.opt.state.get(self.param, {}).items()
+        return {key: found for key, value in state if (found := frozenset(t.dtype for _, t in leaves(value)))}
 
     def recast(self, dtypes: Mapping[str, torch.dtype]) -> None:
         state = self.opt.state[self.param]
@@ -842,19 +778,15 @@ class _Trial:
                 apply()
 
 
-FILL_STEPS = 4
-"""At most this many more steps for a trial to fill the entries in question (see :func:`_filled`)."""
-AFTER_STEPS = 3
-"""At most this many steps after the recast, while each changes the dtypes it found (see :func:`_refusal`)."""
+FILL_STEPS = 4  # at most this many more steps for a trial to fill the entries in question (:func:`_filled`)
+AFTER_STEPS = 3  # at most this many steps after the recast, while each changes the dtypes (:func:`_refusal`)
 
 
 def _filled(
     cls: type[torch.optim.Optimizer], group: Mapping[str, Any], dtype: torch.dtype, ndim: int, keys: AbstractSet[Any]
 ) -> _Trial:
-    """A fresh trial, stepped once, then again while one of ``keys`` it holds has no tensor in it (up to
-    :data:`FILL_STEPS` more). NOTE: LBFGS keeps ``old_dirs``, ``ro`` empty and ``H_diag`` the number 1 until a
-    step sees a positive curvature (with ``max_iter=1``, not the first); an empty entry cannot be tried. A key it
-    never holds is not the class's: no step fills it."""
+    """A fresh trial, stepped once, then again while one of ``keys`` it holds has no tensor in it (LBFGS keeps
+    ``old_dirs`` empty until a step sees a positive curvature: an empty entry cannot be tried)."""
     trial = _Trial(cls, group, dtype, ndim)
     trial.step()
     for _ in range(FILL_STEPS):
@@ -866,9 +798,8 @@ def _filled(
 
 
 def _refusal(trial: _Trial, dtypes: Mapping[str, torch.dtype]) -> str | None:
-    """The error of a step of ``trial`` with ``dtypes`` recast, ``None`` if the steps take them. NOTE: a step
-    that takes the state may change a dtype the next step refuses (LBFGS's ``d`` made anew in the param's dtype
-    meets a float64 ``prev_flat_grad``): it steps again while the dtypes change (up to :data:`AFTER_STEPS`)."""
+    """The error of a step of ``trial`` with ``dtypes`` recast, ``None`` if the steps take them; it steps again
+    while the dtypes change (LBFGS's ``d`` made anew in the param's dtype meets a float64 ``prev_flat_grad``)."""
     trial.recast(dtypes)
     held = trial.held_dtypes()
     try:
@@ -900,7 +831,7 @@ def _try(
             raise
         except Exception:
             return None
-        fresh = trial.fresh_dtypes()
+        fresh = entry_dtypes(trial.opt.state.get(trial.param, {}))
         changed = {k: d for k, d in dtypes.items() if k in fresh and fresh[k] != d}
         if not changed:
             return ()
@@ -918,11 +849,9 @@ def _try(
 def rejected_dtypes(
     cls: type[torch.optim.Optimizer], group: Mapping[str, Any], param: torch.Tensor, dtypes: Mapping[str, torch.dtype]
 ) -> list[Rejection]:
-    """The entries of ``dtypes`` ({state key: dtype}, as :func:`entry_dtypes` gives) that a step of ``cls``
-    with ``group``'s flags and hyperparameters over a param like ``param`` (its dtype and rank) refuses.
-    Entries a fresh optimizer does not keep, and anything the host trial cannot tell, are not rejected. A
-    complex param is tried as a floating-point one is (Adam steps complex params: complex64 moments under a
-    complex128 param fail its step); an integer or bool param has no trial."""
+    """The entries of ``dtypes`` (as :func:`entry_dtypes` gives) that a step of ``cls`` with ``group`` over a param
+    like ``param`` (dtype, rank) refuses; not those a fresh optimizer lacks or the host trial cannot tell. An integer
+    or bool param has no trial (a complex one has: complex64 moments under a complex128 param fail Adam's step)."""
     if not (param.is_floating_point() or param.is_complex()):
         return []
     asked = tuple(sorted((str(k), str(d)) for k, d in dtypes.items()))
@@ -935,12 +864,9 @@ def rejected_dtypes(
 
 
 def step_needs(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], key: str) -> bool:
-    """Whether a step of ``cls`` fails without ``group[key]``: two steps over a small host param, with
-    ``group``'s other hyperparameters, ``key`` deleted and ``__setstate__`` run as a load runs it, raise
-    ``KeyError(key)`` (the first step creates the state: Rprop reads ``lr`` only then). NOTE: a step may read a
-    key with a default (SparseAdam's ``maximize``, which PyTorch < 1.13 did not save). Where no trial step
-    runs, the key is needed: a fresh group holds it and nothing fills it."""
-
+    """Whether two steps of ``cls`` over a small host param, ``key`` deleted from ``group`` and ``__setstate__`` run
+    as a load runs it, raise ``KeyError(key)`` (Rprop reads ``lr`` only in the first). Where no trial step runs,
+    the key is needed: a fresh group holds it and nothing fills it."""
     without = {k: v for k, v in group.items() if k != key}
 
     def needs() -> bool:

@@ -45,7 +45,7 @@ from .._probe import quiet_global_step_hooks, step_needs
 from .._streaming import is_streamed
 from .._version import __version__
 from ..api import move, wait
-from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
+from ..checkpoint._atomic import commit_folder, make_folder, sweep_folders
 from ..checkpoint._resume import pair_places, streamed_elsewhere
 
 if TYPE_CHECKING:
@@ -169,9 +169,8 @@ def save(
 
 
 def _write_failure(error: CheckpointException, path: Any, rank: int) -> BaseException:
-    """What a save raises for DCP's error while writing: a CheckpointException is a BaseException (a user's
-    ``except Exception`` missed a full disk) that names no file; a Ctrl-C on this rank, which DCP wrapped, stays
-    one here."""
+    """What a save raises for DCP's error while writing (a BaseException naming no file: a user's ``except
+    Exception`` missed a full disk); a Ctrl-C on this rank, which DCP wrapped, stays one."""
     own = _interrupt_in(error, rank)
     if own is not None:
         return own
@@ -183,15 +182,14 @@ def _write_failure(error: CheckpointException, path: Any, rank: int) -> BaseExce
 
 
 def _interrupt_in(error: BaseException, rank: int) -> BaseException | None:
-    """The Ctrl-C (a ``BaseException`` but no ``Exception``) that DCP wrapped in its error on this rank, if any:
-    raised as itself, never as an I/O failure."""
+    """The Ctrl-C (no ``Exception``) DCP wrapped in its error on this rank, if any: raised as itself."""
     own = error.failures.get(rank) if isinstance(error, CheckpointException) else None
     return own[0] if own is not None and not isinstance(own[0], Exception) else None
 
 
 def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> BaseException | None:
-    """Rank 0: check that ``tmp`` is this save's complete checkpoint, write the note, commit; then clean up,
-    best-effort (the checkpoint is in place by then). Returns the error that kept it from committing."""
+    """Rank 0: check ``tmp`` is this save's complete checkpoint, write the note, commit (then clean up, best-effort);
+    the error that kept it from committing."""
     try:
         _write_note(tmp, note)
         _check_complete(tmp, lock)
@@ -202,7 +200,6 @@ def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> 
             raise
         return e
     shutil.rmtree(_sibling(target, _OLD), ignore_errors=True)  # a crashed two-rename commit's leftover
-    fsync_dir(target.parent)
     return None
 
 
@@ -336,9 +333,8 @@ def load(
 
 
 def _as_saved(value: Any, layout: _Layout, gi: int, key: str) -> Any:
-    """What DCP reads group ``gi``'s saved ``key`` into: ``value`` where it is of the saved kind, else one that is:
-    a list where DCP stored a list element by element (tensor betas saved as a list, live as a tuple), a tuple where
-    it stored it whole (saved as a tuple, live as a list of tensors, which DCP would read element by element)."""
+    """What DCP reads group ``gi``'s saved ``key`` into: ``value`` where it is of the saved kind, else one that is
+    (a list where DCP stored one element by element, a tuple where it stored it whole)."""
     meta = layout.group_tensors.get((gi, key))
     if meta is not None:
         return _like(value, meta)
@@ -358,7 +354,7 @@ def _by_element(value: Any) -> bool:
 
 def _like(value: Any, meta: Any) -> Any:
     """``value`` where DCP can read the saved ``meta`` into it, else a tensor of the saved shape and dtype on
-    ``value``'s side (a saved tensor where the live one is a float, or of another shape or dtype)."""
+    ``value``'s side."""
     if not isinstance(meta, TensorStorageMetadata) or not _compare_value("", value, meta):
         return value  # (an object: DCP puts the saved one in its place)
     side = value.device if isinstance(value, torch.Tensor) else None  # (the side it was given on)
@@ -366,10 +362,8 @@ def _like(value: Any, meta: Any) -> Any:
 
 
 def _keep_group_tensors(live: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> None:
-    """torch's ``load_state_dict`` deep-copies the loaded param groups: a tensor hyperparameter (a tensor ``lr``,
-    which a captured step reads at its address and a scheduler writes in place, or each tensor of tensor ``betas``)
-    became a new object. The live one takes the loaded value (DCP read it in place already) and its place back,
-    paired as a load's commit pairs them (:func:`~optimshift.checkpoint._resume.pair_places`)."""
+    """torch's ``load_state_dict`` deep-copied each tensor hyperparameter (a tensor ``lr`` a captured step reads at
+    its address): the live one takes the loaded value and its place back, paired as a load's commit pairs them."""
     pairs, places = pair_places(zip(live, loaded), _fits)
     for (old, new), where in zip(pairs, places):
         with torch.no_grad():
@@ -379,8 +373,8 @@ def _keep_group_tensors(live: list[dict[str, Any]], loaded: list[dict[str, Any]]
 
 
 def _read_apart(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str, int | None, torch.Tensor, Any]]:
-    """DCP reads each saved value into the tensor at its place: a live tensor in two (two groups' ``lr``, betas ``[t,
-    t]``) would keep the last. Each place after its first gets its own: (group, key, list index or None, live, own)."""
+    """A live tensor at two places (two groups' ``lr``) would keep the last value DCP reads into it: each place after
+    its first gets its own, listed as (group, key, list index or None, live, own)."""
     seen: set[int] = set()
     apart: list[tuple[dict[str, Any], str, int | None, torch.Tensor, Any]] = []
     for group in groups:
@@ -403,12 +397,11 @@ def _read_apart(groups: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str,
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one dtype and shape hold the same bits."""
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def _fits(old: torch.Tensor, new: torch.Tensor) -> bool:
-    """Whether the live tensor ``old`` can take the loaded ``new``'s value in place (its kind, shape and dtype)."""
+    """Whether the live tensor ``old`` can take the loaded ``new``'s value in place."""
     return type(new) is type(old) and new.shape == old.shape and new.dtype == old.dtype
 
 
@@ -466,10 +459,8 @@ def describe_dcp(path: PathLike) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _initializing(optimizer: Any) -> Iterator[None]:
-    """Around DCP's ``get_state_dict``, which steps an optimizer without state once with every ``lr`` set to
-    zero: no step hook fires (the global ones, nor the optimizer's own: counters, LR loggers), and each group's
-    ``lr`` is its own again afterwards, also where that step raised (LBFGS needs a closure, SparseAdam refuses
-    dense grads), which left it at zero."""
+    """Around DCP's ``get_state_dict``, which steps a stateless optimizer once at zero ``lr``: no user step hook
+    fires, and each group's ``lr`` is its own again afterwards, also where that step raised."""
     stateless = not optimizer.state
     lrs = [(group, group["lr"]) for group in optimizer.param_groups if "lr" in group]
     # (the user's hooks only: optimshift's own, which refuse a step over offloaded or streamed state and order
@@ -508,7 +499,7 @@ def _initializing(optimizer: Any) -> Iterator[None]:
 
 
 def _optimshifts(hook: Any) -> bool:
-    """Whether a step hook is one optimshift put on the optimizer (a function or bound method of its own)."""
+    """Whether a step hook is one optimshift put on the optimizer."""
     module = getattr(getattr(hook, "__func__", hook), "__module__", None) or ""
     return module == "optimshift" or module.startswith("optimshift.")
 
@@ -529,9 +520,8 @@ def _single_process_quiet(world: int) -> Iterator[None]:
 
 
 def _agree(error: BaseException | None, what: str, path: Any, share: Any = None) -> Any:
-    """Raise on every rank if any rank failed, with every failing rank's message; else return rank 0's ``share``
-    (small, picklable) on every rank: ranks that passed a check must not wait in DCP's collectives for one that
-    raised."""
+    """Raise on every rank if any failed, with each failing rank's message (none must wait in DCP's collectives for
+    one that raised); else rank 0's ``share`` (small, picklable)."""
     world = _rank_world()[1]
     if world == 1:
         if isinstance(error, CheckpointException):  # (not an Exception: a user's `except Exception` missed it)
@@ -578,8 +568,7 @@ def _as_path(path: Any) -> Path:
 
 
 def _clear_stale(target: Path) -> None:
-    """Remove temporary directories that crashed saves to ``target`` left: the name older versions used, and
-    ours whose lock no process holds (:func:`optimshift.checkpoint._atomic.sweep_folders`)."""
+    """Remove crashed saves' temporary directories: the name older versions used, and ours no process locks."""
     shutil.rmtree(_sibling(target, _TMP), ignore_errors=True)
     prefix = target.name + _TMP + "-"
     sweep_folders(target.parent, lambda name: name.startswith(prefix))
@@ -675,8 +664,7 @@ _NESTED = object()  # _Layout's marker for an entry DCP flattened further (a dic
 
 @dataclass
 class _Layout:
-    """A checkpoint's entries, from its DCP metadata: model entries by name, optimizer state by param name
-    and key, param-group keys by group index."""
+    """A checkpoint's entries, from its DCP metadata."""
 
     path: Path
     model: dict[str, Any] = field(default_factory=dict)
@@ -737,8 +725,7 @@ class _Layout:
         return layout
 
     def group_params(self) -> dict[int, list[str]]:
-        """The parameter names each saved param group holds (read from the checkpoint, by this process alone:
-        no collective)."""
+        """The parameter names each saved param group holds (read by this process alone: no collective)."""
         wanted: dict[str, Any] = {key: None for key in self.params_keys.values()}
         if wanted:
             with _single_process_quiet(1):
@@ -774,8 +761,7 @@ def _params_without_grad(optimizer: Any) -> list[torch.Tensor]:
 
 
 def _undo_initializing(optimizer: Any, had_state: bool, no_grad: list[torch.Tensor]) -> None:
-    """After a failure, undo DCP's initialization step: the state it created, and the zero gradients it gave the
-    params that had none (``no_grad``)."""
+    """After a failure, undo DCP's initialization step: its state, and the zero grads of the params in ``no_grad``."""
     if not had_state:
         optimizer.state.clear()
     for p in no_grad:
@@ -816,9 +802,8 @@ def _compare_value(label: str, value: Any, meta: Any) -> list[str]:
 
 
 def _compare_groups(optimizer: Any, layout: _Layout, model: torch.nn.Module | None) -> list[str]:
-    """Group count, which params each group holds (by name, when ``model`` is given: DCP would otherwise load a
-    group's hyperparameters onto other params), and the hyperparameters the class defines that the checkpoint
-    lacks (written by another optimizer); keys only the checkpoint has (``initial_lr``) are left behind."""
+    """Group count, each group's params (by name, given ``model``: else DCP loads hyperparameters onto other
+    params), and hyperparameters a step needs that the checkpoint lacks; keys only it has are left behind."""
     live = optimizer.param_groups
     if len(live) != len(layout.groups):
         return [f"param groups: {len(layout.groups)} in the checkpoint, {len(live)} in the optimizer"]
@@ -862,8 +847,7 @@ def _compare_groups(optimizer: Any, layout: _Layout, model: torch.nn.Module | No
 
 
 def _compare_state(optim_sd: Mapping[str, Any], layout: _Layout, model: torch.nn.Module) -> tuple[list[str], set[str]]:
-    """Problems, and the params the optimizer has state for (its own, or DCP's initialization) that the
-    checkpoint has none for: they had not been stepped when it was saved, and end without state."""
+    """Problems, and the params with live state the checkpoint has none for (never stepped: they end without)."""
     live: Mapping[str, Mapping[str, Any]] = optim_sd.get("state", {})
     if not layout.has_state:
         return [], set(live)  # saved before the first step: nothing to compare, the optimizer ends without state
@@ -931,13 +915,8 @@ def _pack_extra(extra: Any) -> bytes:
 def _writer_options() -> dict[str, Any]:
     # DCP's overlapping device-to-host loader needs the backend module's current_stream(): a PrivateUse1 backend
     # without one (the simulated accelerator) gets the serial loader.
-    current = current_accelerator()
-    if current is None or current == "cuda":
-        return {}
-    module = getattr(torch, current, None)
-    if module is not None and not hasattr(module, "current_stream"):
-        return {"per_thread_copy_ahead": 0}
-    return {}
+    module = getattr(torch, current_accelerator() or "", None)
+    return {"per_thread_copy_ahead": 0} if module is not None and not hasattr(module, "current_stream") else {}
 
 
 def _write_note(directory: Path, note: dict[str, Any]) -> None:
@@ -959,8 +938,7 @@ def _read_note(directory: Path) -> dict[str, Any] | None:
 
 
 def _check_complete(tmp: Path, lock: int | None) -> None:
-    """``tmp`` is still the directory this save created (``lock`` is open on it) and a complete DCP checkpoint:
-    its metadata and every file the metadata names."""
+    """``tmp`` is still this save's directory (``lock`` is open on it), with its metadata and every file it names."""
     try:
         same = lock is None or os.path.samestat(os.fstat(lock), os.stat(tmp))
     except OSError:

@@ -48,8 +48,7 @@ def placeable(optimizer: Any) -> bool:
 
 
 def streamed(optimizer: Any) -> bool:
-    """Whether ``optimizer`` (or the optimizer a wrapper holds, :func:`optimshift._state.unwrap`) is streamed: its
-    state stays where :func:`optimshift.stream` keeps it, whatever a framework asks."""
+    """Whether ``optimizer`` (or the one a wrapper holds) is streamed: its state stays where streaming keeps it."""
     return _mode.mode_of(unwrap(optimizer)) is not None
 
 
@@ -68,9 +67,8 @@ def to_host(optimizer: Any) -> None:
 
 
 def reload_to(optimizer: Any, device: Any, *, what: str, non_blocking: bool) -> None:
-    """A framework's "load the optimizer state onto ``device``" (an int, a string, a ``torch.device``; ``what``
-    names it in an error): back exactly where :func:`optimshift.offload` took it from when that is ``device``,
-    else where a fresh optimizer on ``device`` keeps it (state never offloaded by optimshift included)."""
+    """A framework's "load the optimizer state onto ``device``" (``what`` names it in an error): back where
+    :func:`optimshift.offload` took it from when that is ``device``, else where a fresh optimizer there keeps it."""
     params = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
     target = resolve(device, what=what, tensors=params)
     record = record_of(unwrap(optimizer))  # (a wrapper's offload is its optimizer's)
@@ -101,10 +99,8 @@ def module_items(module: Any) -> list[tuple[str, Any]]:
 
 
 def bound_swaps(pairs: Iterable[tuple[Any, Any]], first: Sequence[Any], packages: Collection[str]) -> list[Swap]:
-    """A :class:`Swap` for every binding of an original of ``pairs`` (``(original, replacement)``), under any name
-    (``from m import f`` binds it in the importing module): in the modules ``first`` (the defining ones, first, so
-    that modules imported later bind the replacement), then in every other loaded module of the top-level
-    ``packages``. Only theirs: a user's alias of a function is theirs to keep."""
+    """A :class:`Swap` for every binding, under any name, of an original of ``pairs`` in the modules ``first`` (the
+    defining ones, first), then in every other loaded module of ``packages`` (a user's alias is theirs to keep)."""
     replacements = {id(original): (original, replacement) for original, replacement in pairs}
     rest = [m for n, m in list(sys.modules.items()) if n.split(".")[0] in packages and all(m is not f for f in first)]
     swaps = []
@@ -117,13 +113,9 @@ def bound_swaps(pairs: Iterable[tuple[Any, Any]], first: Sequence[Any], packages
 
 
 class Patch:
-    """A set of :class:`Swap` s applied together and undone together: what every integration's ``patch()``,
-    ``unpatch()`` and ``is_patched()`` are.
-
-    ``apply(plan)``: ``plan()`` finds and checks everything (it may raise; nothing is replaced then), then
-    every swap is made; a no-op while applied. ``undo()`` restores each original unless someone patched over
-    ours, and, with ``rebound=True``, also in modules that imported a replaced function by name meanwhile.
-    """
+    """:class:`Swap` s applied and undone together (every integration's ``patch()``/``unpatch()``): ``apply(plan)``
+    makes all ``plan()`` returns (it may raise: nothing replaced), ``undo()`` restores each original unless someone
+    patched over ours (``rebound``: also where a module imported a replacement by name meanwhile)."""
 
     def __init__(self, *, rebound: bool = False) -> None:
         self._lock = threading.RLock()
@@ -187,9 +179,8 @@ _patches: dict[str, Patch] = {}  # (by integration module: its Patch outlives an
 
 
 def patch_of(module: str, *, rebound: bool = False) -> Patch:
-    """The one :class:`Patch` of integration ``module``: a reload of that module (``importlib.reload``) finds the
-    one in effect, instead of a new one that knows nothing of it (which reported the framework unpatched,
-    patched it twice over, and could then not restore its original functions)."""
+    """The one :class:`Patch` of integration ``module``: an ``importlib.reload`` of it finds the one in effect
+    (a new one would patch twice over and could not restore the originals)."""
     found = _patches.get(module)
     if found is None:
         found = _patches[module] = Patch(rebound=rebound)

@@ -5,23 +5,13 @@ One line, once per process, before ``accelerator.prepare(...)``::
     import optimshift.integrations.accelerate as osa
     osa.patch()
 
-What it changes: ``AcceleratedOptimizer`` (what ``Accelerator.prepare`` wraps every optimizer in) runs
-``move_to_device`` over the whole state dict, ``step`` included, then ``load_state_dict``: a non-fused Adam's
-``step`` lands on the accelerator and costs host syncs on every step from then on. ``load_state`` goes through
-the same ``load_state_dict``: with ``map_location="on_device"`` every ``step`` is loaded onto the accelerator
-and stays there; with ``"cpu"`` PyTorch's own cast puts scalars such as NAdam's ``mu_product`` on the device.
-``patch()`` replaces both steps of ``AcceleratedOptimizer``: when it places state (``device_placement=True``,
-the default), each param's state follows that param (``prepare`` moves the model before it wraps the
-optimizer), exactly as a fresh optimizer over those params would hold it, and ``load_state_dict`` is
-:func:`optimshift.load_state_dict`: the loaded state is placed the same way, fp32 state is not cast to bf16
-params, strings and namedtuples in state survive, and the live fused/capturable/foreach flags are kept.
-
-Left to Accelerate, unchanged: TPU (XLA) placement, wrappers created with ``device_placement=False``
-(DeepSpeed, Megatron-LM), and optimizers optimshift cannot place (sharded DTensor state, non-dict state).
-
-Why a patch: Accelerate has no hook around optimizer placement; ``AcceleratedOptimizer``'s two methods are the one
-place that covers ``prepare``, ``load_state`` and direct ``optimizer.load_state_dict`` calls. ``unpatch()`` restores
-them.
+Why: ``AcceleratedOptimizer`` (what ``prepare`` wraps every optimizer in) moves the whole state dict, ``step``
+included, to the accelerator, and its ``load_state_dict`` (``load_state``) leaves ``step`` there or casts host
+scalars onto the device: a non-fused Adam then syncs the host on every step. ``patch()`` replaces its
+``__init__`` and ``load_state_dict`` (the one place Accelerate's placement can be reached): where it places state
+(``device_placement=True``), each param's state follows that param as a fresh optimizer's would, and loading is
+:func:`optimshift.load_state_dict`. Left to Accelerate: XLA, ``device_placement=False`` (DeepSpeed, Megatron-LM),
+and optimizers optimshift cannot place.
 """
 
 from __future__ import annotations

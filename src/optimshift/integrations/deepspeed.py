@@ -5,23 +5,14 @@ One line, in every process that builds a DeepSpeed engine (``patch()``/``unpatch
 
     import optimshift.integrations.deepspeed   # patches at once when deepspeed is importable
 
-What it changes, in ``deepspeed.runtime.zero.stage_1_and_2`` (what ``engine.offload_states()`` and
-``engine.reload_states()`` call):
-
-- **optimizer state** (``optim_states``): ``offload_optimizer_states``/``reload_optimizer_states`` become
-  :func:`optimshift.offload`/:func:`optimshift.reload` of the inner torch optimizer; a ``non_blocking=True``
-  reload is left in flight for the forward and backward to overlap (the step waits for it on the device);
-- **fp32 master partitions and bf16/fp16 flat params** (``hp_params``, ``lp_params``, with ``pin_memory=True``,
-  DeepSpeed's default): DeepSpeed is handed pool buffers as ``hp_params_pin_buffers``/``lp_params_pin_buffers``
-  (which its reload deletes) and its own code copies into them and swaps ``.data`` as always; each buffer goes
-  back to the pool at the reload. ``engine.save_checkpoint`` while offloaded writes each tensor's own bytes;
-- ``lp_grads`` and ``pin_memory=False`` stay DeepSpeed's own (pageable ``.to()``: nothing is pinned).
-
-Left as DeepSpeed made it, with one log line each: ZeRO-Offload (``DeepSpeedCPUAdam``), an inner optimizer whose
-state is not one dict of tensors per param, a streamed one, and ZeRO-3 (its ``offload_adam_states`` keeps a
-persistent buffer and leaves ``step`` alone). A DeepSpeed whose functions differ from the ones this patch knows
-(another signature, or code that no longer reads the buffers it hands over) is left unpatched with a warning
-(:func:`unknown_functions`).
+In ``deepspeed.runtime.zero.stage_1_and_2`` (what ``engine.offload_states()``/``reload_states()`` call): the
+optimizer state goes through :func:`optimshift.offload`/:func:`optimshift.reload` of the inner torch optimizer (a
+``non_blocking=True`` reload is left in flight: the step waits for it on the device); for the fp32 master
+partitions and bf16/fp16 flat params (``pin_memory=True``) DeepSpeed is handed pool buffers as its
+``hp_params_pin_buffers``/``lp_params_pin_buffers``, which its own code fills as always and which go back to the
+pool at the reload. ``lp_grads``, ``pin_memory=False``, ZeRO-Offload, ZeRO-3, an inner optimizer optimshift cannot
+place and a streamed one stay DeepSpeed's (one log line each); functions that differ from the ones this patch knows
+are left unpatched with a warning (:func:`unknown_functions`).
 """
 
 from __future__ import annotations
@@ -93,8 +84,7 @@ _logged: set[tuple[str, str]] = set()  # (class name, reason): each logged once 
 
 
 def _leave_alone(owner: Any, why: str) -> None:
-    """One INFO line per kind of optimizer that optimshift leaves to DeepSpeed, with the reason (none for the
-    inner optimizer of a ZeRO optimizer whose own line says it)."""
+    """One INFO line per kind of optimizer left to DeepSpeed, with the reason (none within a left-alone call)."""
     if getattr(_within, "left", False):
         return
     key = (type(owner).__name__, why)
@@ -134,8 +124,7 @@ def _make_offload_optimizer_states(original: Callable[..., None]) -> Callable[..
     def offload_optimizer_states(
         optimizer: Any, device: Any, pin_memory: bool = False, non_blocking: bool = False
     ) -> None:
-        """optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor to the host pool,
-        the same objects, where it was recorded for the reload."""
+        """optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor to the host pool."""
         why = "left" if getattr(_within, "left", False) else _why_not_inner(optimizer)
         if why is not None or str(device) != "cpu":
             if why is not None:
@@ -157,8 +146,7 @@ def _make_reload_optimizer_states(original: Callable[..., list[Any]]) -> Callabl
     @functools.wraps(original, assigned=NAMES_ONLY)
     @torch.no_grad()
     def reload_optimizer_states(optimizer: Any, device: Any, non_blocking: bool = False) -> list[Any]:
-        """optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor back where it was,
-        the same objects; a non-fused Adam's step stays on the host."""
+        """optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor back where it was."""
         why = "left" if getattr(_within, "left", False) else _why_not_inner(optimizer)
         if why is not None:
             _leave_alone(optimizer, why)
@@ -173,16 +161,14 @@ def _make_reload_optimizer_states(original: Callable[..., list[Any]]) -> Callabl
 
 
 def _pooled_like(tensor: torch.Tensor, pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pool buffer and a host tensor shaped like ``tensor`` at its start (what DeepSpeed's ``pin_empty_like``
-    gives, from the pool)."""
+    """A pool buffer and a host tensor shaped like ``tensor`` at its start (DeepSpeed's ``pin_empty_like``)."""
     nbytes = tensor.numel() * tensor.element_size()
     raw = host_pool.acquire(nbytes, pinned=pinned)
     return raw, raw[:nbytes].view(tensor.dtype).view(tensor.shape)
 
 
 def _hand_over(zero: Any, kind: str, held: dict[str, list[torch.Tensor]]) -> None:
-    """Give DeepSpeed's offload pool buffers for one kind of partition (it creates its own when they are
-    missing: then it pins new ones)."""
+    """Give DeepSpeed's offload pool buffers for one kind of partition (where they are missing it pins new ones)."""
     attribute, sources = _BUFFERS[kind]
     if hasattr(zero, attribute) or kind in held:
         return
@@ -205,10 +191,8 @@ def _hand_over(zero: Any, kind: str, held: dict[str, list[torch.Tensor]]) -> Non
 
 
 def _own_on_host(zero: Any, held: dict[str, list[torch.Tensor]], target: str) -> None:
-    """Where DeepSpeed reloads onto the host itself (``target``, its CPU accelerator's device: ``.to("cpu")``
-    moves nothing), copy each partition out of its pool buffer first, as a reload onto a device does, so that
-    the buffer can go back to the pool (before DeepSpeed links the partitions and params again). Onto an
-    accelerator nothing is copied here: DeepSpeed's ``.to(device)`` is that copy."""
+    """Where DeepSpeed reloads onto the host (its CPU accelerator: ``.to("cpu")`` moves nothing), copy each
+    partition out of its pool buffer first, so that the buffer can go back to the pool."""
     if torch.device(target).type != "cpu":
         return
     for kind, raws in held.items():
@@ -417,23 +401,18 @@ def _plan_swaps() -> list[Swap]:
 
 
 def unknown_functions() -> list[str]:
-    """The DeepSpeed functions this patch would replace but left alone at the last :func:`patch`, because they
-    differ from the ones it knows (``module.name (how)``)."""
+    """The DeepSpeed functions the last :func:`patch` left alone: they differ from the ones it knows."""
     return list(_unknown)
 
 
 def patched_functions() -> list[str]:
-    """``module.name`` of every DeepSpeed function or method that :func:`patch` replaced (empty when not
-    patched)."""
+    """``module.name`` of every DeepSpeed function or method that :func:`patch` replaced."""
     return _patch.names()
 
 
 def patch() -> None:
-    """Make DeepSpeed's ZeRO-1/2 ``offload_states``/``reload_states`` go through optimshift (see the module doc).
-
-    Calling it again is a no-op; :func:`unpatch` undoes it. Raises ImportError without deepspeed; warns about
-    functions of this DeepSpeed that differ from the ones it knows, and leaves those alone.
-    """
+    """Make DeepSpeed's ZeRO-1/2 ``offload_states``/``reload_states`` go through optimshift (see the module doc);
+    again: a no-op. Raises ImportError without deepspeed; warns about (and leaves) functions it does not know."""
     if _patch.applied:
         return
     _patch.apply(_plan_swaps)

@@ -7,28 +7,17 @@ One line, once per process, before ``trainer.fit(...)`` or ``fabric.setup(...)``
 
 What it changes:
 
-- ``Trainer``: Lightning moves optimizer state with one helper, ``_optimizer_to_device`` (and its loop
-  ``_optimizers_to_device``), in strategy setup, after ``load_optimizer_state_dict`` (``fit(ckpt_path=...)``)
-  and at teardown. That helper skips the key ``step`` whatever the flags (a fused or capturable ``step``
-  stays on the GPU at teardown; a CPU-fused optimizer moved to a GPU keeps a host ``step`` its fused kernel
-  rejects) and sends every other tensor to the one root device even when params live on several.
-  ``patch()`` swaps in a replacement at every place Lightning bound it by name: moving to an accelerator,
-  each param's state follows that param (Lightning has already placed the params); moving to the host
-  (teardown), every tensor goes where a fresh host optimizer keeps it, so nothing stays on the accelerator.
-- ``Fabric``: ``setup``/``setup_optimizers`` move the model but never the optimizer's state, and ``load``
-  leaves what ``Optimizer.load_state_dict`` decided (a device ``step`` stays on the device, NAdam's host
-  ``mu_product`` is cast to bf16 params' dtype on their device). After each of them, ``patch()`` places every
-  set-up or loaded optimizer's state by its params; ``load``/``load_raw`` load each optimizer as
-  ``fit(ckpt_path=...)`` does (below), where the strategy's ``load_checkpoint`` is the base one.
+- ``Trainer``: Lightning's helper ``_optimizer_to_device`` (and its loop ``_optimizers_to_device``; strategy
+  setup, checkpoint restore, teardown) skips ``step`` whatever the flags and sends every other tensor to one
+  root device. ``patch()`` replaces it wherever Lightning bound it: to an accelerator, each param's state follows
+  that param; to the host, every tensor goes where a fresh host optimizer keeps it.
+- ``Fabric``: ``setup``/``setup_optimizers``/``load``/``load_raw`` never place the optimizer's state; after each,
+  ``patch()`` places it by its params.
+- ``fit(ckpt_path=...)`` (and Fabric's loads through the base strategy) load with
+  :func:`optimshift.load_state_dict`; strategies with their own restore (DeepSpeed, FSDP) keep it.
 
-Optimizers optimshift cannot place (state that is not a dict per param, sharded DTensor state) are left to
-Lightning's own code, unchanged. ``fit(ckpt_path=...)`` restores optimizer state through the base
-``Strategy.load_optimizer_state_dict``, which ``patch()`` makes use :func:`optimshift.load_state_dict`: no cast
-of fp32 state to the params' dtype, strings intact, linear time, every entry placed for its param and the live
-flags. Strategies with their own restore (DeepSpeed, FSDP, ModelParallel) keep it.
-
-Why a patch: the wrong moves happen inside Lightning, between the hooks a callback sees, in every strategy. It
-relies on Lightning's private helper names: if a release renames them, ``patch()`` raises.
+Optimizers optimshift cannot place are left to Lightning's code. Why a patch: the wrong moves happen inside
+Lightning, between the hooks a callback sees; if a release renames its private helpers, ``patch()`` raises.
 
 :class:`OffloadOptimizerDuringEval` is an ordinary callback: it moves optimizer state to host memory for the
 validation, test and predict loops and puts it back, exactly where it was, before training resumes.
@@ -75,8 +64,7 @@ def _is_host(device: Any) -> bool:
 def _make_optimizer_to_device(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     @functools.wraps(original, assigned=NAMES_ONLY)
     def _optimizer_to_device(optimizer: Any, device: Any) -> None:
-        """optimshift's replacement for Lightning's helper (see optimshift.integrations.lightning): to the host,
-        where a fresh host optimizer keeps the state; to an accelerator, each param's state follows that param."""
+        """optimshift's replacement for Lightning's helper (see optimshift.integrations.lightning)."""
         if not placeable(optimizer):
             api.wait(optimizer)  # Lightning's own loop reads the state: a transfer in flight finishes first
             original(optimizer, device)
@@ -112,8 +100,7 @@ def _wrap_fabric(
     base_load: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """``original`` (a ``Fabric`` method), then each optimizer it returned (``argument`` None) or loaded into (the
-    dict or object passed as ``argument``) placed by its params. A load by the base strategy's ``load_checkpoint``
-    (``base_load``) loads each optimizer as ``fit(ckpt_path=...)`` does (:func:`_loading_as_torch_would`)."""
+    one passed as ``argument``) placed by its params; loaded as ``fit(ckpt_path=...)`` does by ``base_load``."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -136,9 +123,8 @@ def _wrap_fabric(
 
 @contextlib.contextmanager
 def _loading_as_torch_would(items: Iterable[Any], fabric_optimizer: type[_FabricOptimizer]) -> Iterator[None]:
-    """While Fabric's strategy loads a checkpoint, each optimizer among ``items`` that optimshift can load has
-    :func:`load_as_torch_would` as its ``load_state_dict`` (the strategy calls the optimizer's own, which casts
-    saved state to the params' dtype and device: NAdam's float32 host ``mu_product`` became a bf16 device one)."""
+    """While Fabric's strategy loads a checkpoint, each optimizer among ``items`` optimshift can load has
+    :func:`load_as_torch_would` as its ``load_state_dict`` (torch's casts saved state to the params' dtype)."""
     from ..checkpoint._resume import can_load, load_as_torch_would
 
     optimizers = [item.optimizer if isinstance(item, fabric_optimizer) else item for item in items]
@@ -208,8 +194,7 @@ def _plan_swaps() -> list[Swap]:
 def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original, assigned=NAMES_ONLY)
     def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
-        """optimshift's restore for ``fit(ckpt_path=...)`` (see optimshift.integrations.lightning): every optimizer
-        loaded as :func:`optimshift.load_state_dict` does, where all can be; else Lightning's own code."""
+        """optimshift's restore for ``fit(ckpt_path=...)`` where every optimizer can be; else Lightning's."""
         from ..checkpoint._resume import can_load, load_as_torch_would
 
         optimizers = list(self.optimizers)
@@ -223,12 +208,8 @@ def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[.
 
 
 def patch() -> None:
-    """Make Lightning's ``Trainer`` and ``Fabric`` place optimizer state with optimshift (see the module doc).
-
-    Patches every installed Lightning flavour (``lightning``, and ``pytorch_lightning``/``lightning_fabric``),
-    importing them if needed. Calling it again is a no-op; :func:`unpatch` undoes it.
-    Raises ImportError without Lightning, RuntimeError if this Lightning lacks the helpers it replaces.
-    """
+    """Make every installed Lightning flavour's ``Trainer`` and ``Fabric`` place optimizer state with optimshift;
+    again: a no-op. Raises ImportError without Lightning, RuntimeError if it lacks the helpers it replaces."""
     _patch.apply(_plan_swaps)  # everything is found and checked before anything is replaced
 
 

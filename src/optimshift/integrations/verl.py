@@ -4,28 +4,16 @@ One line, for a whole verl run (verl imports the modules named there in the driv
 
     VERL_USE_EXTERNAL_MODULES=optimshift.integrations.verl python -m verl.trainer.main_ppo ...
 
-or, in one process, ``import optimshift.integrations.verl`` (it patches at once when verl is importable;
-``patch()``/``unpatch()`` do it by hand). Importing :mod:`optimshift` alone never imports verl.
+or ``import optimshift.integrations.verl`` in one process (it patches at once when verl is importable).
 
-``patch()`` replaces verl's ``offload_fsdp_optimizer(optimizer)``/``load_fsdp_optimizer(optimizer, device_id)``
-(``verl.utils.fsdp_utils``; every tensor replaced by ``value.to(...)``, ``step`` included) in every verl module
-holding them by name, and the veomni and automodel engines' own copies (veomni's also walk a multi-optimizer's
-``optimizers_dict``), with :func:`optimshift.offload`/:func:`optimshift.reload`:
-
-- no state yet: nothing happens (verl's contract);
-- offload: every state tensor to the persistent host pool (pinned on CUDA), the same objects; reload: each tensor
-  back where it was, ``step`` where a fresh optimizer keeps it;
-- ``device_id`` (an int, a string such as ``"cuda"``, or a ``torch.device``) naming another device than the
-  one the state was offloaded from: the state goes where a fresh optimizer on that device keeps it;
-- sharded state (FSDP2 DTensors, FSDP1 flat params) moves its local shards; streamed optimizers
-  (:func:`optimshift.stream`) and objects that are no optimizer are left to verl's own code.
-
-A verl function that looks like an optimizer offload or load but is none of these (a version's new engine) is
-warned about (:func:`unknown_functions`); Megatron's, which move its own buffers and leave ``step`` alone, are not.
-
-``OPTIMSHIFT_VERL_KEEP_ADDRESSES=1`` (read at each offload; off by default until a GPU has run it with verl):
-offloads keep device addresses where the device can (``keep_addresses="auto"``), so a CUDA-graphed step survives
-the offload/reload of every iteration (:func:`optimshift.offload`).
+``patch()`` replaces verl's ``offload_fsdp_optimizer``/``load_fsdp_optimizer`` (``verl.utils.fsdp_utils``: every
+tensor replaced by ``.to()``, ``step`` included) in every verl module holding them, and the veomni and automodel
+engines' own, with :func:`optimshift.offload`/:func:`optimshift.reload` (the persistent host pool, the same objects,
+``step`` where a fresh optimizer keeps it; a ``device_id`` naming another device: where a fresh optimizer there
+keeps it). No state yet, a streamed optimizer, or no optimizer: left as verl does it. A verl function that looks
+like an optimizer offload but is none of these is warned about (:func:`unknown_functions`; not Megatron's).
+``OPTIMSHIFT_VERL_KEEP_ADDRESSES=1`` (off by default until a GPU has run it with verl): offloads keep device
+addresses where the device can, so a CUDA-graphed step survives every offload/reload.
 """
 
 from __future__ import annotations
@@ -87,9 +75,8 @@ class _DropPlatformNotice(logging.Filter):
 
 @contextlib.contextmanager
 def _quiet_verl_import() -> Iterator[None]:
-    """Import verl modules without its CPU-only platform notices and its "<engine> engine is not available"
-    warnings (verl prints them when it is imported on a machine without its accelerators or optional engines;
-    they say nothing about optimshift). Only those messages, only inside the block."""
+    """Import verl modules without its CPU-only platform notices and "<engine> engine is not available" warnings
+    (they say nothing about optimshift); only those, only inside the block."""
     logger = logging.getLogger("verl.plugin.platform.platform_manager")
     notice = _DropPlatformNotice()
     logger.addFilter(notice)
@@ -122,16 +109,13 @@ def _is_optimizer(optimizer: Any) -> bool:
 def _offload(optimizer: Any) -> None:
     if not optimizer.state or streamed(optimizer):
         return  # no state yet (verl's contract); a streamed optimizer's state lives on the host already
-    # NOTE: non-blocking. After an offload verl offloads the model and runs rollouts on the memory freed:
-    # device work, ordered after the copies (the freed tensors are record_stream'ed to the copy stream, so the
-    # allocator reuses them only once the copies are done). Host reads (verl checkpoints with the state
-    # offloaded: state_dict(), load_state_dict()) wait for them: optimshift's in-flight guards (_offload.py).
+    # NOTE: non-blocking: what verl runs next on the memory freed is device work, ordered after the copies
+    # (record_stream); host reads (its checkpoints) wait for them through optimshift's in-flight guards.
     api.offload(optimizer, non_blocking=True, keep_addresses="auto" if keep_addresses() else False)
 
 
 def keep_addresses() -> bool:
-    """Whether the patched offloads keep device addresses: ``OPTIMSHIFT_VERL_KEEP_ADDRESSES`` set to 1 (or true,
-    yes, on)."""
+    """Whether the patched offloads keep device addresses: ``OPTIMSHIFT_VERL_KEEP_ADDRESSES`` 1, true, yes or on."""
     return os.environ.get("OPTIMSHIFT_VERL_KEEP_ADDRESSES", "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -147,8 +131,7 @@ def _make_offload(original: Callable[[Any], None], multi: bool) -> Callable[[Any
     @functools.wraps(original, assigned=NAMES_ONLY)
     @torch.no_grad()
     def offload_optimizer(optimizer: Any) -> None:
-        """optimshift's replacement for verl's optimizer offload (see optimshift.integrations.verl): every state
-        tensor to the host pool, the same objects, where it was recorded for the reload."""
+        """optimshift's replacement for verl's optimizer offload (see optimshift.integrations.verl)."""
         for opt in _optimizers(optimizer, multi):
             if _is_optimizer(opt):
                 _offload(opt)
@@ -162,9 +145,7 @@ def _make_load(original: Callable[[Any, Any], None], multi: bool) -> Callable[[A
     @functools.wraps(original, assigned=NAMES_ONLY)
     @torch.no_grad()
     def load_optimizer(optimizer: Any, device_id: Any) -> None:
-        """optimshift's replacement for verl's optimizer load (see optimshift.integrations.verl): every state
-        tensor back where it was (on ``device_id``'s device: where a fresh optimizer keeps it), the same
-        objects; a non-fused Adam's ``step`` stays on the host."""
+        """optimshift's replacement for verl's optimizer load (see optimshift.integrations.verl)."""
         for opt in _optimizers(optimizer, multi):
             if _is_optimizer(opt):
                 _load(opt, device_id)
@@ -178,8 +159,7 @@ def _make_load(original: Callable[[Any, Any], None], multi: bool) -> Callable[[A
 
 
 def _sources() -> list[tuple[Any, tuple[str, str], bool]]:
-    """The modules that define the functions: verl's fsdp_utils (imported), and each engine's own copy when its
-    module is loaded or its engine can be imported here (then it is imported)."""
+    """The modules that define the functions: verl's fsdp_utils, and each engine's that is loaded or can be."""
     try:
         with _quiet_verl_import():
             found = [(importlib.import_module(_FSDP_UTILS), _SOURCES[0][1], _SOURCES[0][2])]
@@ -241,12 +221,8 @@ def patched_functions() -> list[str]:
 
 
 def patch() -> None:
-    """Make verl offload and reload optimizer state with optimshift (see the module doc).
-
-    Imports ``verl.utils.fsdp_utils`` (without verl's CPU-only start-up notices). Calling it again is a no-op;
-    :func:`unpatch` undoes it. Raises ImportError without verl, RuntimeError if this verl lacks the functions it
-    replaces; warns about verl functions that look like an optimizer offload and are not patched.
-    """
+    """Make verl offload and reload optimizer state with optimshift (see the module doc); again: a no-op. Raises
+    ImportError without verl, RuntimeError if it lacks the functions; warns about look-alikes not patched."""
     _patch.apply(_plan_swaps)
     unknown = unknown_functions()
     if unknown:

@@ -1,9 +1,6 @@
 """Where state lives when it keeps its device addresses (ARCHITECTURE.md, "Keeping device addresses"): reserved
-ranges, a slot per storage in them, mapped and unmapped in blocks; the driver calls are :mod:`optimshift._vmm`'s.
-
-A site keeps its slot from reload to reload while its storage still fits; new state, or state that outgrew its
-slot, gets one in a new range. A slot is in use while a :class:`_Lease` held by its tensors' storage lives.
-"""
+ranges, a slot per storage, mapped in blocks. A site keeps its slot while its storage fits (else it gets one in a
+new range); a slot is in use while a :class:`_Lease` held by its tensors' storage lives."""
 
 from __future__ import annotations
 
@@ -61,9 +58,8 @@ class _Mapped:
 
 
 def _close(mapped: _Mapped) -> None:
-    """Unmap every block and give the reservation back (a range nothing uses any more, or one rolled back), once the
-    work queued on its device ran: on CUDA the copies of an offload may still read it when its tensors, and with them
-    the leases, are gone (an optimizer dropped right after a non-blocking offload)."""
+    """Unmap every block and give the reservation back once the work queued on its device ran (an offload's copies
+    may still read it when its tensors are gone: an optimizer dropped right after a non-blocking offload)."""
     try:
         capture = getattr(getattr(torch, mapped.device.type, None), "is_current_stream_capturing", None)
         if capture is not None and capture():  # (a sync would invalidate the graph being captured)
@@ -111,8 +107,7 @@ class _Slot:
 
 
 class _Lease:
-    """Held by the storage of a tensor over a slot (``Driver.wrap``): keeps its range alive, and says, by living,
-    that the slot is in use."""
+    """Held by the storage of a tensor over a slot: keeps its range alive and, by living, the slot in use."""
 
     __slots__ = ("range", "__weakref__")
 
@@ -148,9 +143,8 @@ def devices_of(optimizer: Any) -> list[torch.device]:
 
 
 def keeping(optimizer: Any, keep: bool | str, name: str) -> frozenset[torch.device]:
-    """The devices on which an offload of ``optimizer`` keeps addresses (``keep``: True, False or ``"auto"``).
-    True raises ValueError, before anything changes, where a device cannot; ``"auto"`` logs one line and keeps
-    them where it can."""
+    """The devices on which an offload keeps addresses: True raises ValueError, before anything changes, where a
+    device cannot; ``"auto"`` logs one line and keeps them where it can."""
     if keep is False:
         return frozenset()
     if keep is not True and keep != "auto":
@@ -175,14 +169,8 @@ def keeping(optimizer: Any, keep: bool | str, name: str) -> frozenset[torch.devi
 
 
 def _slottable(t: torch.Tensor) -> bool:
-    """Whether ``t`` can be given a slot, or a place in its storage's (plain, dense bytes of its own kind); others
-    reload as before."""
-    return (
-        type(t) is torch.Tensor
-        and t.layout == torch.strided
-        and not t.requires_grad
-        and not (t.is_conj() or t.is_neg())
-    )
+    """Whether ``t`` can be given a slot (plain, dense bytes of its own); others reload as before."""
+    return type(t) is torch.Tensor and t.layout == torch.strided and not (t.requires_grad or t.is_conj() or t.is_neg())
 
 
 @dataclass
@@ -198,8 +186,7 @@ class _Unit:
 
 
 class Placement:
-    """One reload's destinations (:attr:`into`, for the engine's copies), until :meth:`keep` (the commit went
-    through) or :meth:`abandon` (it did not: what this reload mapped and reserved is given back)."""
+    """One reload's destinations (:meth:`into`), until :meth:`keep` (the commit went through) or :meth:`abandon`."""
 
     def __init__(self, layout: Layout, units: list[_Unit], fresh: list[_Range]) -> None:
         self._layout = layout
@@ -288,8 +275,7 @@ class Placement:
         self._leases.clear()
 
     def abandon(self) -> None:
-        """The reload failed: nothing this reload mapped or reserved stays (the state is still on the host), once the
-        copies it may have queued into its slots ran (its commit failed): any release may unmap them from now on."""
+        """The reload failed: what it mapped or reserved is given back, once the copies it queued into it ran."""
         self._dests.clear()
         self._leases.clear()
         fresh = {id(r.mapped) for r in self._fresh}
@@ -309,8 +295,8 @@ class Placement:
 
 
 def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str) -> Placement | None:
-    """Lay out, map and wrap the slots of every tensor ``plan`` brings from the host to one of ``devices``; None
-    when there is none. Raises (out of memory, a driver error) with nothing changed and nothing left mapped."""
+    """Lay out, map and wrap the slots of every tensor ``plan`` brings from the host to ``devices`` (None: none);
+    raises (out of memory, a driver error) with nothing changed and nothing left mapped."""
     keep = frozenset(devices)
     session = _session.get(optimizer)
     assert session is not None  # (an offloaded optimizer has one)
@@ -387,13 +373,9 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
 
 
 def release(optimizer: Any, name: str, *, queued: bool = False) -> None:
-    """Unmap every block of the optimizer's ranges that no slot in use touches (after an offload's host copies
-    landed, or a move or ``stream()`` took the state elsewhere). A slot still in use that the optimizer's state
-    does not sit in is held from outside (a view kept by the caller): it stays mapped, with a warning. A driver
-    error leaves a block mapped (warned; the next release tries again): the state itself is safe on the host.
-    ``queued``: work queued on the devices may still use a block (the caller's copies did not wait for it, as a
-    load's copies on the device do not): they are synchronized before anything is unmapped. Nothing while a transfer
-    to the host is in flight (its own release comes once its copies landed)."""
+    """Unmap every block of the optimizer's ranges that no slot in use touches; a slot in use outside the state (a
+    caller's view) stays mapped, warned, as does a block a driver error kept. ``queued``: the devices' queued work
+    may still use a block: synchronized first. Nothing while a transfer to the host is in flight."""
     session = _session.of(optimizer)
     if session is None or session.addresses is None:
         return

@@ -1,8 +1,5 @@
-"""The driver interface for keeping device addresses (:class:`Driver`: reserve a virtual range, map physical memory
-into it, unmap it to free the memory), one implementation per device type (:func:`driver_for`): CUDA's ``cuMem*``
-through ``ctypes`` on ``libcuda.so.1`` (nothing compiled); the simulator registers its own, tests a fake
-(:func:`use_driver`). Where state goes in a range, and when it is mapped, is :mod:`optimshift._addresses`'s.
-"""
+"""The driver interface for keeping device addresses (:class:`Driver`), one per device type (:func:`driver_for`):
+CUDA's ``cuMem*`` through ``ctypes`` on ``libcuda.so.1``; the simulator registers its own, tests a fake."""
 
 from __future__ import annotations
 
@@ -122,9 +119,7 @@ def use_driver(device_type: str, driver: Driver) -> Iterator[Driver]:
             _overrides[device_type] = previous
 
 
-# --------------------------------------------------------------------------------------------
-# CUDA: the driver API through ctypes
-# --------------------------------------------------------------------------------------------
+# --- CUDA: the driver API through ctypes ---------------------------------------------------------------------
 
 _CUDA_SUCCESS = 0
 _CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -163,8 +158,7 @@ class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc: 12 bytes
 
 
 class _CudaArray:
-    """Mapped device memory as ``__cuda_array_interface__`` (what ``torch.as_tensor`` wraps without a copy); the
-    tensor's storage holds this object, and with it ``owner``."""
+    """Mapped device memory as ``__cuda_array_interface__``; the tensor's storage holds it, and so ``owner``."""
 
     def __init__(self, address: int, nbytes: int, owner: object) -> None:
         self.owner = owner
@@ -179,7 +173,7 @@ class _CudaArray:
 
 
 class CudaDriver:
-    """CUDA's virtual memory management through ``ctypes`` on ``libcuda.so.1`` (see the module docstring)."""
+    """CUDA's virtual memory management through ``ctypes`` on ``libcuda.so.1``."""
 
     def __init__(self, lib: Any) -> None:
         self._lib = lib
@@ -213,8 +207,7 @@ class CudaDriver:
     def load(cls) -> CudaDriver | None:
         """The driver of this machine's ``libcuda.so.1``, or None where there is none (no NVIDIA driver)."""
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            return cls(lib)
+            return cls(ctypes.CDLL("libcuda.so.1"))
         except (OSError, AttributeError):
             return None
 
@@ -227,11 +220,8 @@ class CudaDriver:
         raise (DriverOutOfMemory if code == _CUDA_ERROR_OUT_OF_MEMORY else DriverError)(call, code, message)
 
     def _current(self, device: torch.device) -> int:
-        """Make torch's context (the device's primary one) current on this thread; the device's ordinal.
-
-        # NOTE: vLLM's allocator found driver calls from Python failing on a context mismatch until each call
-        # first made the primary context current: torch.cuda initializes it, and this thread may have none.
-        """
+        """Make the device's primary context (torch's) current on this thread, as every call needs (this thread may
+        have none: vLLM's allocator met that mismatch); the device's ordinal."""
         index = torch.cuda.current_device() if device.index is None else device.index
         ctx = self._contexts.get(index)
         if ctx is None:
@@ -248,11 +238,7 @@ class CudaDriver:
         return index
 
     def _prop(self, index: int) -> _AllocationProp:
-        prop = _AllocationProp()
-        prop.type = _MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = _MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = index
-        return prop
+        return _AllocationProp(_MEM_ALLOCATION_TYPE_PINNED, 0, _Location(_MEM_LOCATION_TYPE_DEVICE, index))
 
     def unsupported(self, device: torch.device) -> str | None:
         if device.type != "cuda":
@@ -301,9 +287,8 @@ class CudaDriver:
         self._check("cuMemAddressFree", self._lib.cuMemAddressFree(address, size))
 
     def create(self, device: torch.device, size: int) -> int:
-        index = self._current(device)
+        prop = self._prop(self._current(device))
         handle = ctypes.c_uint64()
-        prop = self._prop(index)
         self._check("cuMemCreate", self._lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), 0))
         return int(handle.value)
 
@@ -313,10 +298,7 @@ class CudaDriver:
 
     def set_access(self, device: torch.device, address: int, size: int) -> None:
         index = self._current(device)
-        desc = _AccessDesc()
-        desc.location.type = _MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = index
-        desc.flags = _MEM_ACCESS_FLAGS_PROT_READWRITE
+        desc = _AccessDesc(_Location(_MEM_LOCATION_TYPE_DEVICE, index), _MEM_ACCESS_FLAGS_PROT_READWRITE)
         self._check("cuMemSetAccess", self._lib.cuMemSetAccess(address, size, ctypes.byref(desc), 1))
 
     def unmap(self, device: torch.device, address: int, size: int) -> None:

@@ -943,22 +943,16 @@ def _check_complete(tmp: Path, lock: int | None) -> None:
         same = lock is None or os.path.samestat(os.fstat(lock), os.stat(tmp))
     except OSError:
         same = False
+    incomplete = "not committing an incomplete checkpoint"
     if not same:
-        raise RuntimeError(
-            f"{tmp}, this save's temporary directory, was removed or replaced by something else "
-            f"during the save; not committing"
-        )
-    if not _is_checkpoint(tmp):
-        raise RuntimeError(
-            f"{tmp}, this save's temporary directory, holds no .metadata after the write; "
-            f"not committing an incomplete checkpoint"
-        )
-    short = _short_files(tmp, dcp.FileSystemReader(str(tmp)).read_metadata())  # type: ignore[attr-defined]
-    if short:
-        raise RuntimeError(
-            f"{tmp}, this save's temporary directory, lacks {_listed(short)} (or holds fewer bytes than its "
-            f"metadata names); not committing an incomplete checkpoint"
-        )
+        why = "was removed or replaced by something else during the save; not committing"
+    elif not _is_checkpoint(tmp):
+        why = f"holds no .metadata after the write; {incomplete}"
+    elif short := _short_files(tmp, dcp.FileSystemReader(str(tmp)).read_metadata()):  # type: ignore[attr-defined]
+        why = f"lacks {_listed(short)} (or holds fewer bytes than its metadata names); {incomplete}"
+    else:
+        return
+    raise RuntimeError(f"{tmp}, this save's temporary directory, {why}")
 
 
 def _short_files(directory: Path, metadata: Metadata) -> list[str]:

@@ -1,17 +1,8 @@
-"""Optional integrations: make training frameworks place optimizer state the way a fresh optimizer would.
+"""Optional integrations: make training frameworks place optimizer state the way a fresh optimizer would
+(``lightning``, ``accelerate``, ``verl``, ``deepspeed``; ``third_party``: policies for optimizer libraries).
 
-Each submodule is opt-in and imports its framework only when you import it; importing :mod:`optimshift` or
-this package never imports Lightning, Accelerate, verl, DeepSpeed or any optimizer library.
-
-- :mod:`optimshift.integrations.lightning`: ``patch()`` for ``Trainer`` and ``Fabric`` (strategy setup,
-  checkpoint restore, teardown); ``OffloadOptimizerDuringEval`` keeps the state on the host during evaluation.
-- :mod:`optimshift.integrations.accelerate`: ``patch()`` for ``Accelerator.prepare`` and ``load_state``.
-- :mod:`optimshift.integrations.verl`, :mod:`optimshift.integrations.deepspeed`: importing one patches verl's
-  optimizer offload/load, DeepSpeed's ZeRO-1/2 ``offload_states``/``reload_states``, onto the host pool.
-- :mod:`optimshift.integrations.third_party`: ``register()`` installs the placement policies that third-party
-  optimizer libraries need (``pytorch_optimizer``), and documents the classes no policy can fix.
-
-Each is also an attribute of this package, imported on first access (``optimshift.integrations.lightning``).
+Each submodule imports its framework only when it is imported (an attribute of this package, on first access):
+importing :mod:`optimshift` or this package never imports a framework or an optimizer library.
 """
 
 from __future__ import annotations

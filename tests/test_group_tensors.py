@@ -919,3 +919,18 @@ def test_a_rebind_onto_params_over_two_devices_puts_a_device_lr_where_a_move_doe
     optimshift.rebind(opt, new)
     assert opt.param_groups[0]["lr"] is lr and lr.device.type == "cpu" and optimshift.check(opt).ok
     _step(opt, new, 0)
+
+
+@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"foreach": True}, {"capturable": True, "foreach": False}])
+@pytest.mark.parametrize("lr_shape", [(), (1,)], ids=["0-dim", "one-element"])
+def test_check_does_not_say_rprop_reads_its_lr_each_step(sim, kwargs, lr_shape):
+    """Rprop reads its lr only where it makes a param's state (``step_size``): on the device that costs a sync per
+    param in its first step and none after. check() said it read it on the host "each step" (with 0 syncs per step
+    beside it, capturable; or as a state scalar's warning, or 'a fresh Rprop keeps it on cpu', where the probe
+    could not count the reads)."""
+    params = _params(sim)
+    opt = O.Rprop(params, lr=torch.full(lr_shape, 0.01, device=sim), **kwargs)
+    assert _step(opt, params, 0) > 0 and _step(opt, params, 1) == _step(opt, params, 2) == 0
+    (finding,) = optimshift.check(opt).findings
+    assert (finding.key, finding.expected) == ("lr", "cpu") and finding.syncs_per_step in (0, None)
+    assert "each step" not in finding.why and "Rprop reads this on the host" in finding.why

@@ -910,11 +910,13 @@ def _explain(
         cost = _policy.group_read_cost(optimizer, group, site.key, t)
         others = ", ".join(sorted({str(p.device) for p in group["params"] if p.device != at}))
         mixing = f"group {gi} holds params on {others} too: a step computing with it beside them raises"
-        if cost is not None:  # (a group tensor the step reads on the host: what that costs a step of the group)
-            why = f"{name} reads this on the host each step: on {at} every read is a device-to-host sync"
-            return "warning", f"{why}; {mixing}" if others else why, cost
-        if others:  # (placed on the host for a group over several devices: policy.params_device)
+        if others and cost is None:  # (placed on the host for a group over several devices: policy.params_device)
             return "warning", f"{mixing} (on the host it serves params on any device)", None
+        # (the step reads it on the host: how often where the probe counted it; none after a param's first step:
+        # Rprop's lr, read only where it makes a param's state)
+        when = " each step" if cost else " where it makes a param's state" if cost == 0 else ""
+        why = f"{name} reads this on the host{when}: on {at} every read is a device-to-host sync"
+        return "warning", f"{why}; {mixing}" if others else why, cost
     if t.dim() == 0 and expected.type == "cpu":
         on_device = at.type != "cpu"
         held_by = param if param is not None and param.device.type != "cpu" else None  # (a probe's count)

@@ -208,3 +208,49 @@ def test_the_caches_let_go_of_a_class_defined_at_run_time(sim, tmp_path, caplog)
         del opt, params
     del cls
     assert not _alive(refs), "a cache keeps a class defined at run time"
+
+
+def test_every_road_lets_go_of_an_optimizer_over_two_devices_with_group_tensors(sim, tmp_path):
+    """The placement memos (``policy.Placer``: by the group's and the tensor's id, the sides a move remembers, the
+    spans of a group over two devices) are one operation's: after every road that asks them (a move, an offload
+    and reload, blocking or not, keeping addresses or not, a load from a state dict or a file, into existing state
+    or fresh, a rebind, check and placement), the model dropped takes everything with it."""
+    sim1 = torch.device(sim.type, 1)
+    path = tmp_path / "opt.pt"
+    roads = {
+        "move": lambda opt: (optimshift.move(opt, "cpu"), optimshift.move(opt, sim)),
+        "offload": lambda opt: (optimshift.offload(opt), optimshift.reload(opt)),
+        "non-blocking": lambda opt: (
+            optimshift.offload(opt, non_blocking=True),
+            optimshift.reload(opt, non_blocking=True),
+            optimshift.wait(opt),
+        ),
+        "keep_addresses": lambda opt: (optimshift.offload(opt, keep_addresses=True), optimshift.reload(opt)),
+        "load": lambda opt: optimshift.load_state_dict(opt, opt.state_dict()),
+        "load-file": lambda opt: (optimshift.save(opt, path), optimshift.load_state_dict(opt, path)),
+        "load-fresh": lambda opt: optimshift.load_state_dict(opt, (opt.state_dict(), opt.state.clear())[0]),
+        "rebind": lambda opt: optimshift.rebind(
+            opt, [Parameter(p.detach().clone()) for g in opt.param_groups for p in g["params"]]
+        ),
+        "check": lambda opt: (optimshift.check(opt), optimshift.placement(opt)),
+    }
+    for name, road in roads.items():
+        # (a group on one device with a device lr, whose side a move remembers; one over two devices with host ones)
+        params = [Parameter(torch.randn(4, 3, device=sim)), Parameter(torch.randn(3, device=sim1))]
+        groups = [
+            {"params": [Parameter(torch.randn(2, device=sim))], "lr": torch.tensor(0.01, device=sim)},
+            {"params": params, "lr": torch.tensor(0.01), "betas": (torch.tensor(0.9), torch.tensor(0.99))},
+        ]
+        opt = O.Adam(groups, capturable=True, foreach=True)
+        for p in opt.param_groups[0]["params"] + params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        for _ in range(3):  # (a plan is kept from its second build, reused from the third)
+            road(opt)
+        if name == "move":  # (back on the device: the side the session remembered for it, by its id)
+            assert opt.param_groups[0]["lr"].device == sim
+        held = [opt, *(t for g in opt.param_groups for _, t in optimshift._state.group_tensors(g))]
+        held += [p for g in opt.param_groups for p in g["params"]]
+        refs = [weakref.ref(x) for x in held] + [weakref.ref(t) for st in opt.state.values() for t in st.values()]
+        del opt, params, groups, p, held
+        assert not _alive(refs), f"{name}: an object of the user's outlives the optimizer"

@@ -319,6 +319,59 @@ def test_tensor_betas_saved_as_a_tuple_load_into_a_list_and_back(tmp_path, sim, 
     assert state_differences(full_state(live_model, live_opt), uninterrupted) == []
 
 
+@pytest.mark.parametrize(
+    "saved, live",
+    [(a, b) for a in ("tf", "ft", "tt") for b in ("tf", "ft", "tt") if a != b],
+    ids=lambda kinds: "[" + ", ".join(kinds) + "]",
+)
+def test_betas_saved_as_a_list_load_into_a_list_holding_tensors_elsewhere(tmp_path, sim, saved, live):
+    """Betas saved as a list holding a tensor (DCP stores it element by element) loaded where the live list, holding
+    a tensor too, holds a float where a tensor was saved: DCP refused it part-way, a RuntimeError saying the model
+    "may now be partly loaded". Each element is read into one of its saved kind, as torch's load_state_dict installs
+    the saved list."""
+
+    def adam(model: torch.nn.Module, kinds: str, *vs: float) -> torch.optim.Optimizer:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True, foreach=False)
+        opt.param_groups[0]["betas"] = [torch.tensor(v, device=sim) if k == "t" else v for k, v in zip(kinds, vs)]
+        return opt
+
+    model = build_model().to(sim)
+    opt = adam(model, saved, 0.8, 0.7)
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    local_step(model, opt, 1, sim)
+    uninterrupted = full_state(model, opt)
+
+    live_model = build_model().to(sim)
+    live_opt = adam(live_model, live, 0.5, 0.4)
+    load(tmp_path / "ck", live_model, live_opt)
+    betas = live_opt.param_groups[0]["betas"]
+    assert [isinstance(b, torch.Tensor) for b in betas] == [k == "t" for k in saved]
+    assert all(bitwise_equal(torch.as_tensor(b).cpu(), torch.tensor(v)) for b, v in zip(betas, (0.8, 0.7)))
+    local_step(live_model, live_opt, 1, sim)
+    assert state_differences(full_state(live_model, live_opt), uninterrupted) == []
+
+
+def test_float64_betas_saved_as_a_list_load_bitwise_into_a_float32_list(tmp_path, sim):
+    """A live list of tensors was read as it was: DCP cast the saved float64 betas into the live float32 ones (0.8
+    became 0.800000011920929). Each is read into one of its saved dtype, installed as torch's load installs it."""
+
+    def adam(model: torch.nn.Module, dtype: torch.dtype, *vs: float) -> torch.optim.Optimizer:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=True, foreach=False)
+        opt.param_groups[0]["betas"] = [torch.tensor(v, dtype=dtype, device=sim) for v in vs]
+        return opt
+
+    model = build_model().to(sim)
+    opt = adam(model, torch.float64, 0.8, 0.7)
+    local_step(model, opt, 0, sim)
+    save(tmp_path / "ck", model, opt)
+    live_model = build_model().to(sim)
+    live_opt = adam(live_model, torch.float32, 0.5, 0.4)
+    load(tmp_path / "ck", live_model, live_opt)
+    betas = live_opt.param_groups[0]["betas"]
+    assert all(bitwise_equal(b.cpu(), torch.tensor(v, dtype=torch.float64)) for b, v in zip(betas, (0.8, 0.7)))
+
+
 @pytest.mark.parametrize("live_lr", ["float", "one-element", "float64"])
 def test_a_saved_tensor_lr_loads_where_the_live_lr_is_another_kind(tmp_path, sim, live_lr):
     """A checkpoint's tensor lr, loaded where the live lr is a float or a tensor of another shape or dtype: DCP

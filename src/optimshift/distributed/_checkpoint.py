@@ -341,7 +341,7 @@ def _as_saved(value: Any, layout: _Layout, gi: int, key: str) -> Any:
     items = layout.group_lists.get((gi, key))
     if items is None:  # (stored whole)
         return tuple(value) if _by_element(value) else value
-    if isinstance(value, Mapping) or _by_element(value):
+    if isinstance(value, Mapping):
         return value
     at = value if isinstance(value, (list, tuple)) else ()
     return [_like(at[i] if i < len(at) else None, meta) for i, meta in sorted(items.items())]

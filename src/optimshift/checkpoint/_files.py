@@ -833,9 +833,9 @@ def _opaque_class(name: str) -> type[Opaque]:
     return type(qualname, (Opaque,), {"__module__": module, "__qualname__": qualname, "name": name})
 
 
-def _load_recording(path: PathLike, *, opaque: bool = False) -> tuple[Any, Mapping[int, str], list[str]]:
+def _load_recording(path: PathLike) -> tuple[Any, Mapping[int, str], list[str]]:
     """Load onto the host, with where each storage was saved (``{data_ptr: "cuda:0"}``) and the globals built as
-    :class:`Opaque` objects (with ``opaque``: each one weights-only loading refuses, unless one can run code)."""
+    :class:`Opaque` objects (each one weights-only loading refuses, unless one can run code)."""
     locations: dict[int, str] = {}
 
     def keep(storage: Any, location: str) -> Any:
@@ -855,7 +855,7 @@ def _load_recording(path: PathLike, *, opaque: bool = False) -> tuple[Any, Mappi
             return loaded, locations, stood_in
         except UnsafeCheckpointError as e:
             more = [n for n in e.globals if n not in stood_in]
-            if not (opaque and allow is not None and more) or any(runs_code(n) for n in e.globals):
+            if not (allow is not None and more) or any(runs_code(n) for n in e.globals):
                 raise
             stood_in.extend(more)  # (each retry stands in for more names, of the finitely many the file has)
             locations.clear()

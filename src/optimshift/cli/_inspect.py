@@ -166,7 +166,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         fmt = ckpt._sniff(path)
         ckpt.verify_checksums(path)
         with allowed(args.allow_global), warnings_only_on_success():
-            obj, locations, opaque = ckpt._load_recording(path, opaque=True)
+            obj, locations, opaque = ckpt._load_recording(path)
     except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
         return failure("inspect", str(e), as_json=as_json, error=e)
     try:
@@ -285,7 +285,7 @@ def _inspect_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
             fmt = ckpt._sniff(file)
             ckpt.verify_checksums(file)
             with allowed(args.allow_global):
-                obj, locations, opaque = ckpt._load_recording(file, opaque=True)
+                obj, locations, opaque = ckpt._load_recording(file)
         except (ckpt.CheckpointError, OSError, ValueError, RuntimeError) as e:
             return failure("inspect", str(e), as_json=args.json, error=e)
         desc = describe(obj, locations, path=file, size=os.path.getsize(file), fmt=fmt, opaque=opaque)

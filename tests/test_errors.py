@@ -372,3 +372,19 @@ def test_rebind_given_no_iterable_names_the_optimizer(params):
 def test_wait_and_unstream_refuse_what_is_not_an_optimizer(fn):
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         fn(torch.nn.Linear(2, 2))  # (they did nothing, silently)
+
+
+def test_a_param_listed_twice_is_refused_in_one_wording_by_every_operation_and_the_load(sim):
+    """An optimizer listing one param twice (a group edited after construction): an operation's check said "the
+    same param is listed twice", the load's "the optimizer lists one param twice". One check, one wording,
+    naming both places, before anything changes."""
+    a, b = torch.nn.Parameter(torch.zeros(3, device=sim)), torch.nn.Parameter(torch.zeros(2, device=sim))
+    opt = torch.optim.SGD([a, b], lr=0.1, momentum=0.9)
+    opt.param_groups[0]["params"].append(a)
+    saved = torch.optim.SGD([torch.nn.Parameter(torch.zeros(n)) for n in (3, 2, 3)], lr=0.2).state_dict()
+    twice = r"the same param is listed twice \(group 0, param 0 and group 0, param 2\)"
+    with pytest.raises(ValueError, match=f"^SGD: {twice}"):
+        optimshift.move(opt, "cpu")
+    with pytest.raises(ValueError, match=f"^SGD: load_state_dict: {twice}"):
+        optimshift.load_state_dict(opt, saved)
+    assert a.device == sim and opt.param_groups[0]["lr"] == 0.1 and not opt.state

@@ -242,7 +242,7 @@ def states_by_id(
     # only when one of them finds something wrong (this runs once per operation over every param).
     located = {id(p): None for group in param_groups for p in group["params"]}
     if len(located) != sum(len(group["params"]) for group in param_groups):
-        _refuse_listed_twice(name, param_groups)
+        raise ValueError(f"{name}: {listed_twice(param_groups)}")
     entries_of = optimizer.state if state is None else state
     by_id: dict[int, Any] = {id(p): entries for p, entries in entries_of.items()}  # (a tensor's hash is a Python call)
     wide: dict[Any, Any] = {}
@@ -264,16 +264,17 @@ def states_by_id(
     return by_id, wide
 
 
-def _refuse_listed_twice(name: str, param_groups: list[dict[str, Any]]) -> None:
+def listed_twice(param_groups: Sequence[Mapping[str, Any]]) -> str | None:
+    """What is wrong where ``param_groups`` list one param twice (its first two places), or None: the one wording
+    of that error, every operation's and the load's."""
     located: dict[int, tuple[int, int]] = {}
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             if id(p) in located:
                 g0, i0 = located[id(p)]
-                raise ValueError(
-                    f"{name}: the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})"
-                )
+                return f"the same param is listed twice (group {g0}, param {i0} and group {gi}, param {pi})"
             located[id(p)] = (gi, pi)
+    return None
 
 
 # target(ident, param, group, key, tensor) -> (device, source); ident = (group index, param index, path).

@@ -18,7 +18,7 @@ import torch
 from .. import _alias, _engine
 from .. import policy as _policy
 from .._errors import dtype_name, with_article
-from .._plan import Plan, TargetFn, Transfer, _new_transfer, build_plan, policy_target
+from .._plan import Plan, TargetFn, Transfer, _new_transfer, build_plan, listed_twice, policy_target
 from .._probe import NO_SPEC, Rejection, StateSpec, entry_dtypes, expected_state, rejected_dtypes
 from .._state import (
     _ATOMS,
@@ -192,16 +192,12 @@ class Staging:
     def _refuse_listed_twice(self, groups: Any, live: list[dict[str, Any]]) -> None:
         """Raise naming the first param the optimizer lists twice, or the first checkpoint id listed twice or
         not hashable."""
-        seen_live: dict[int, tuple[int, int]] = {}
+        twice = listed_twice(live)
+        if twice is not None:
+            raise self.fail(twice)
         seen_ids: dict[Any, tuple[int, int]] = {}
-        for gi, (g, lg) in enumerate(zip(groups, live)):
-            for pi, (sid, p) in enumerate(zip(g["params"], lg["params"])):
-                if id(p) in seen_live:
-                    g0, i0 = seen_live[id(p)]
-                    raise self.fail(
-                        f"the optimizer lists one param twice (group {g0}, param {i0} and group {gi}, param {pi})"
-                    )
-                seen_live[id(p)] = (gi, pi)
+        for gi, g in enumerate(groups):
+            for pi, sid in enumerate(g["params"]):
                 try:
                     prior = seen_ids.get(sid)
                 except TypeError:

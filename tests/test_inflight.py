@@ -7,6 +7,9 @@ poisoned destination (NaN) of a copy that has not run, and an unordered device a
 StreamRaceError; the seeded schedules show the same result whatever interleaving the device picks.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -272,3 +275,29 @@ def test_a_raising_done_callback_skips_none_after_it(sim):
         assert calls == ["fails", "after"] and handle.done()
         optimshift.reload(opt)
         assert calls == ["fails", "after"]
+
+
+def test_a_done_callback_s_error_once_dropped_keeps_nothing_its_frames_held(sim):
+    """The error a raising done-callback raised frees, once the caller drops it, what its frames held, without
+    waiting for the cyclic collector (the list of errors, a local of the frame that raised, held the error: a cycle
+    through every frame of the traceback, an operation's included, and their locals)."""
+    refs = []
+
+    def fails():
+        held = torch.empty(1)  # (a local of the callback's frame, in the error's traceback)
+        refs.append(weakref.ref(held))
+        raise RuntimeError("injected: a failing callback")
+
+    with deferred_streams(progress=0.0):
+        _, opt, _, handle = _in_flight_offload(sim, strict=True)
+        handle.add_done_callback(fails)
+        gc.disable()
+        try:
+            try:
+                handle.wait()
+            except RuntimeError:
+                pass
+            assert refs[0]() is None, "the error's frames outlived it"
+        finally:
+            gc.enable()
+        optimshift.reload(opt)

@@ -99,8 +99,11 @@ class PendingTransfer:
                 fn()
             except BaseException as error:  # (the others still run: each frees what it was given)
                 errors.append(error)
-        if errors:
-            raise errors[0]
+        try:
+            if errors:
+                raise errors[0]
+        finally:
+            errors.clear()  # (the list, a local of this frame in the error's traceback, would hold it: a cycle)
 
     def done(self) -> bool:
         event = self._event  # (read once: another thread's wait() may finish it meanwhile)

@@ -301,3 +301,28 @@ def test_a_done_callback_s_error_once_dropped_keeps_nothing_its_frames_held(sim)
         finally:
             gc.enable()
         optimshift.reload(opt)
+
+
+def test_a_ctrl_c_in_a_done_callback_is_raised_even_after_another_callback_s_error(sim):
+    """A Ctrl-C that lands in a done-callback is what the wait raises, after every callback ran, even where an earlier
+    callback failed: the first error raised in its place turned the interrupt into an Exception, which a caller's
+    ``except Exception`` swallows."""
+    with deferred_streams(progress=0.0):
+        _, opt, _, handle = _in_flight_offload(sim, strict=True)
+        calls = []
+
+        def fails():
+            calls.append("fails")
+            raise RuntimeError("injected: a failing callback")
+
+        def interrupted():
+            calls.append("interrupted")
+            raise KeyboardInterrupt("injected: Ctrl-C in a callback")
+
+        handle.add_done_callback(fails)
+        handle.add_done_callback(interrupted)
+        handle.add_done_callback(lambda: calls.append("after"))
+        with pytest.raises(KeyboardInterrupt, match="injected"):
+            handle.wait()
+        assert calls == ["fails", "interrupted", "after"] and handle.done()
+        optimshift.reload(opt)

@@ -89,7 +89,7 @@ class PendingTransfer:
         fn()
 
     def _finish(self) -> None:
-        """Mark the copies complete and run every callback, then raise the first error one raised."""
+        """Mark the copies complete and run every callback, then raise the first error one raised (a Ctrl-C first)."""
         with self._lock:
             self._event = None
             callbacks, self._callbacks = self._callbacks, []
@@ -100,8 +100,8 @@ class PendingTransfer:
             except BaseException as error:  # (the others still run: each frees what it was given)
                 errors.append(error)
         try:
-            if errors:
-                raise errors[0]
+            if errors:  # (a Ctrl-C first: raised as another's error, an ``except Exception`` would swallow it)
+                raise next((e for e in errors if not isinstance(e, Exception)), errors[0])
         finally:
             errors.clear()  # (the list, a local of this frame in the error's traceback, would hold it: a cycle)
 

@@ -713,3 +713,25 @@ def test_a_ctrl_c_at_any_bytecode_frees_no_buffer_under_its_copy(pinning, how, p
         if not interrupted:
             break
     assert n > 20
+
+
+@pytest.mark.parametrize("how", ["a request", "a lower limit", "release_idle"])
+def test_idle_buffers_given_back_with_one_event_are_freed_after_one_wait_for_it(pinning, how):
+    """Idle buffers given back with one transfer's event (an offload record's, a batch's staging) are freed, for room
+    or by ``release_idle``, after one wait for it: each buffer waited for that event again, then forgot it over the
+    whole idle list under the pool's lock (a lock and a pass over the idle buffers per buffer: quadratic)."""
+    p = HostPool()
+    p.pinned_limit = None
+    bufs = [p.acquire(MiB, pinned=True) for _ in range(50)]
+    event = _Pending()
+    for buf in bufs:
+        p.release(buf, event)
+    del bufs, buf
+    if how == "a request":
+        p.pinned_limit = 64 * MiB
+        p.acquire(64 * MiB, pinned=True)  # (all fifty go for room)
+    elif how == "a lower limit":
+        p.pinned_limit = 0
+    else:
+        p.release_idle()
+    assert p.stats().idle == 0 and event.synchronized == 1

@@ -296,7 +296,7 @@ class HostPool:
     def _wait(self, events: list[Any]) -> None:
         """Wait for the copies still using idle buffers (outside the lock), and forget their events: a buffer
         leaves the pool only once no copy uses it, so a Ctrl-C anywhere frees none under its copy."""
-        for event in events:
+        for event in {id(e): e for e in events}.values():  # (once each: a transfer gives many buffers one event)
             event.synchronize()
             with self._locked():
                 self._idle = [(buf, pinned, None if e is event else e) for buf, pinned, e in self._idle]

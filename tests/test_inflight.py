@@ -8,6 +8,8 @@ StreamRaceError; the seeded schedules show the same result whatever interleaving
 """
 
 import gc
+import os
+import signal
 import weakref
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 import optimshift
 from _matrix import Model, bitwise_equal, snapshot, tensor_ids, train
 from _schedules import SCHEDULES, drain_queued  # noqa: F401  (drain_queued: an autouse fixture)
-from optimshift import _offload
+from optimshift import _offload, api
 from optimshift.testing import deferred_streams
 
 SHAPES = [(3, 2), (4,), (2, 5)]
@@ -326,3 +328,33 @@ def test_a_ctrl_c_in_a_done_callback_is_raised_even_after_another_callback_s_err
             handle.wait()
         assert calls == ["fails", "interrupted", "after"] and handle.done()
         optimshift.reload(opt)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("op", ["reload", "move"])
+def test_a_ctrl_c_between_forgetting_the_record_and_remembering_the_transfer_waits_for_it(sim, seed, op, monkeypatch):
+    """A SIGINT that arrives after a non-blocking reload or move forgot the offload record, before it remembered its
+    transfer, is held by the commit's section until the operation's end: the transfer is remembered and guarded,
+    and ``state_dict()`` waits for its copies."""
+    with deferred_streams(seed=seed, progress=0.0):
+        _, opt = _trained(sim)
+        values = _values(opt)
+        optimshift.offload(opt)
+        forget = api.forget
+
+        def forget_then_sigint(*args, **kwargs):
+            forget(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        monkeypatch.setattr(api, "forget", forget_then_sigint)
+        with pytest.raises(KeyboardInterrupt):
+            if op == "reload":
+                optimshift.reload(opt, non_blocking=True)
+            else:
+                optimshift.move(opt, sim, non_blocking=True)
+        monkeypatch.setattr(api, "forget", forget)
+        assert _offload.record_of(opt) is None and not _offload.pending_of(opt).done(), "forgotten, still in flight"
+        sd = opt.state_dict()  # the state_dict pre-hook orders it after the copies
+        for st, before in zip(sd["state"].values(), values):
+            assert bitwise_equal(dict(st), before)
+        assert _same(opt, values)

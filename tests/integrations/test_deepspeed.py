@@ -598,3 +598,41 @@ def test_a_non_blocking_reload_states_whose_state_reload_fails_still_says_offloa
     engine.reload_states()
     assert not zero.offloaded_states and not optimshift.is_offloaded(zero.optimizer)
     _train(engine, 1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_non_blocking_reload_states_that_fails_gives_its_buffers_back_after_their_copies(sim, monkeypatch, seed):
+    """A non-blocking ``reload_states`` that fails after DeepSpeed queued the copies out of the pool buffers it was
+    handed (and dropped them: ``del self.hp_params_pin_buffers``), before its closing synchronize: the buffers go back
+    to the pool reused only once those copies completed (they went back with none, and the next request overwrote
+    them under the copies: the fp32 partitions on the device took the new bytes)."""
+    monkeypatch.setattr(osd, "_why_not_zero", lambda zero: None)
+    at = types.SimpleNamespace(current_device_name=lambda: str(sim))
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: at)
+
+    class Zero:  # (the attributes DeepSpeed's reload_states reads and this patch reads)
+        optimizer = None
+        offloaded_states: set = set()
+
+    with deferred_streams(seed=seed, progress=0.0):
+        zero = Zero()
+        values = torch.arange(3 * 1024, dtype=torch.float32)
+        zero.single_partition_of_fp32_groups = [values.to(sim)]
+        torch.sim.synchronize(0)
+        osd._hand_over(zero, "hp_params", osd._held(zero))
+        [view] = zero.hp_params_pin_buffers
+        view.copy_(values)
+        del view  # (a view kept here would keep the pool from reusing the buffer)
+
+        def shipped(self, non_blocking=False):  # DeepSpeed's reload, failing before its closing synchronize
+            for buf in self.single_partition_of_fp32_groups:
+                buf.data = self.hp_params_pin_buffers[0].to(sim, non_blocking=non_blocking)
+            del self.hp_params_pin_buffers
+            raise RuntimeError("injected: a failure after the copies were queued")
+
+        # (on a current stream other than the default one, which the simulator never runs behind the host)
+        with torch.sim.stream(torch.sim.Stream(sim)), pytest.raises(RuntimeError, match="injected"):
+            osd._make_reload_states(shipped)(zero, non_blocking=True)
+        optimshift.host_pool.acquire(values.numel() * 4, pinned=False).fill_(255)  # (the next request writes its own)
+        torch.sim.synchronize(0)  # (the copies run: one whose source changed under it raises)
+        assert torch.equal(zero.single_partition_of_fp32_groups[0].cpu(), values), "overwritten under its copy"

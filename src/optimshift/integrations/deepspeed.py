@@ -31,6 +31,7 @@ import torch
 
 from .. import _session, api
 from .._device_streams import host_pinning
+from .._engine import _current_stream_event
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
 from ..pool import host_pool
@@ -202,15 +203,16 @@ def _own_on_host(zero: Any, held: dict[str, list[torch.Tensor]], target: str) ->
                 t.data = t.data.clone()
 
 
-def _give_back(zero: Any, held: dict[str, list[torch.Tensor]]) -> None:
-    """Return the pool buffers of every kind DeepSpeed reloaded (its reload waited for the copies reading them)."""
+def _give_back(zero: Any, held: dict[str, list[torch.Tensor]], event: Any | None = None) -> None:
+    """Return the pool buffers of every kind DeepSpeed reloaded (its reload waited for the copies reading them;
+    ``event``: one that failed may not have, and they are reused after it)."""
     offloaded = {getattr(s, "name", str(s)) for s in getattr(zero, "offloaded_states", ())}
     for kind in [k for k in held if k not in offloaded]:
         attribute = _BUFFERS[kind][0]
         if hasattr(zero, attribute):
             continue  # still DeepSpeed's to use
         for raw in held.pop(kind):
-            host_pool.release(raw)
+            host_pool.release(raw, event)
 
 
 def _left_to_deepspeed(original: Callable[..., None], zero: Any, **kwargs: Any) -> None:
@@ -264,14 +266,17 @@ def _make_reload_states(original: Callable[..., None]) -> Callable[..., None]:
 
         target = get_accelerator().current_device_name()  # where DeepSpeed's reload puts everything
         _own_on_host(self, _held(self), target)
+        queued = None
         try:
             original(self, non_blocking=non_blocking)
         except BaseException:
+            if non_blocking:  # (failed before its closing synchronize: its copies may still read the buffers)
+                queued = _current_stream_event([torch.device(target)])
             if later:
                 states.add(optim)  # still offloaded: DeepSpeed's record says so again
             raise
         finally:
-            _give_back(self, _held(self))
+            _give_back(self, _held(self), queued)
         if later:
             try:
                 _reload(self.optimizer, target, non_blocking=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import importlib.util
 import io
 import os
@@ -174,25 +173,14 @@ def overexpanded(t: torch.Tensor) -> str | None:
 # --- saving ------------------------------------------------------------------------------------------------
 
 
-def _wrapped_optimizer(obj: Any) -> Any | None:
-    """The ``torch.optim.Optimizer`` that ``obj`` is or delegates to (for recording its class), else None."""
-    inner = unwrap(obj)
-    return inner if isinstance(inner, torch.optim.Optimizer) else None
-
-
-def _optimizer_payload(optimizer: Any) -> dict[str, Any]:
-    """``optimizer.state_dict()`` (its tensors shared) plus the :data:`META_KEY` entry recording its class."""
-    inner = _wrapped_optimizer(optimizer)
-    if inner is None:
-        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+def _optimizer_payload(optimizer: Any, inner: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (its tensors shared) plus the :data:`META_KEY` entry recording the class of
+    ``inner``, the torch optimizer it is or wraps."""
     check_optimizer(inner)  # (param groups torch's state_dict() walks)
     states_by_id(inner)  # (state for a param in no group: torch's state_dict() raises a bare KeyError of an id)
-    sd = optimizer.state_dict()
     cls = type(inner)
-    return {
-        **sd,
-        META_KEY: {"format": _FORMAT, "class": cls.__qualname__, "module": cls.__module__, "optimshift": __version__},
-    }
+    meta = {"format": _FORMAT, "class": cls.__qualname__, "module": cls.__module__, "optimshift": __version__}
+    return {**optimizer.state_dict(), META_KEY: meta}
 
 
 def _prepare(obj: Any) -> Any:
@@ -204,9 +192,10 @@ def _prepare(obj: Any) -> Any:
     cyclic: list[Any] = []
 
     def rebuilt(value: Any, depth: int) -> Any:
-        if _wrapped_optimizer(value) is not None and hasattr(value, "state_dict"):
+        inner = unwrap(value)
+        if isinstance(inner, torch.optim.Optimizer) and hasattr(value, "state_dict"):
             if id(value) not in done:  # (one optimizer held in two places: one state dict, held in both)
-                done[id(value)] = _optimizer_payload(value)
+                done[id(value)] = _optimizer_payload(value, inner)
             return done[id(value)]
         if not isinstance(value, (dict, list, tuple)) or depth >= MAX_DEPTH:
             return value
@@ -799,12 +788,10 @@ def _torch_load(p: str, kind: str, map_location: Any, mmap: bool) -> Any:
         return torch.load(p, map_location=map_location, mmap=mmap, weights_only=True)
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
-    except _MapLocationFailure as e:
-        raise e.error from None
     except Exception as e:
-        cause = e.__context__
-        if isinstance(cause, _MapLocationFailure):
-            raise cause.error from None
+        failed = e if isinstance(e, _MapLocationFailure) else e.__context__
+        if isinstance(failed, _MapLocationFailure):
+            raise failed.error from None
         if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
             raise  # saved on a device this machine lacks, and no map_location: not the file's fault
         raise _load_error(p, kind, e) from None
@@ -834,8 +821,8 @@ def _opaque_class(name: str) -> type[Opaque]:
 
 
 def _load_recording(path: PathLike) -> tuple[Any, Mapping[int, str], list[str]]:
-    """Load onto the host, with where each storage was saved (``{data_ptr: "cuda:0"}``) and the globals built as
-    :class:`Opaque` objects (each one weights-only loading refuses, unless one can run code)."""
+    """Load onto the host, with where each storage was saved (``{data_ptr: "cuda:0"}``), each global weights-only
+    loading refuses built as an :class:`Opaque` object (unless one can run code), and their names."""
     locations: dict[int, str] = {}
 
     def keep(storage: Any, location: str) -> Any:
@@ -850,12 +837,11 @@ def _load_recording(path: PathLike) -> tuple[Any, Mapping[int, str], list[str]]:
         try:
             with allow([_opaque_class(n) for n in stood_in]) if stood_in else contextlib.nullcontext():
                 loaded = load(path, map_location=where)
-            if isinstance(where, _Tags):  # (every storage saved where the file's one tag says, if it has one)
-                return loaded, where.everywhere(), stood_in
-            return loaded, locations, stood_in
+            # (a _Tags: every storage saved where the file's one tag says, if it has one)
+            return loaded, where.everywhere() if isinstance(where, _Tags) else locations, stood_in
         except UnsafeCheckpointError as e:
             more = [n for n in e.globals if n not in stood_in]
-            if not (allow is not None and more) or any(runs_code(n) for n in e.globals):
+            if allow is None or not more or any(runs_code(n) for n in e.globals):
                 raise
             stood_in.extend(more)  # (each retry stands in for more names, of the finitely many the file has)
             locations.clear()
@@ -920,35 +906,3 @@ def saved_location(t: torch.Tensor, locations: Mapping[int, str]) -> str:
     except Exception:
         return str(t.device)
     return locations.get(ptr, str(t.device))
-
-
-def resolve_global(name: str) -> Any:
-    """The object called ``name`` (``"pkg.module.Class"``), imported, for ``torch.serialization.safe_globals``."""
-    module, _, attr = name.rpartition(".")
-    if not module:
-        raise ValueError(f"--allow-global expects a dotted name such as 'collections.OrderedDict', got {name!r}")
-    if runs_code(name):
-        raise ValueError(
-            f"--allow-global {name}: refused; {name} can run code or commands, which no checkpoint "
-            f"needs (a file that names it is malicious or broken)"
-        )
-    if module == "__main__" and not hasattr(sys.modules.get("__main__"), attr):
-        raise ValueError(
-            f"--allow-global {name}: {attr} is a class of the script that saved the file (pickle calls the running "
-            f"script __main__), which this command cannot import: `optimshift inspect` shows the file without it "
-            f"(its {attr} objects not rebuilt); to load it, call optimshift.load in a script that defines {attr}, "
-            f"inside `with torch.serialization.safe_globals([{attr}])`"
-        )
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest importable prefix (a nested class's), then attributes
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        try:
-            for part in parts[cut:]:
-                obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"--allow-global {name}: {'.'.join(parts[:cut])} has no {'.'.join(parts[cut:])}") from None
-        return obj
-    raise ValueError(f"--allow-global {name}: cannot import {module}")

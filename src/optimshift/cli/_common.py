@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -74,9 +75,41 @@ def failure(command: str, message: str, *, as_json: bool = False, error: BaseExc
     return 1
 
 
+def _resolve_global(name: str) -> Any:
+    """The object called ``name`` (``"pkg.module.Class"``), imported, for ``torch.serialization.safe_globals``."""
+    module, _, attr = name.rpartition(".")
+    if not module:
+        raise ValueError(f"--allow-global expects a dotted name such as 'collections.OrderedDict', got {name!r}")
+    if ckpt.runs_code(name):
+        raise ValueError(
+            f"--allow-global {name}: refused; {name} can run code or commands, which no checkpoint "
+            f"needs (a file that names it is malicious or broken)"
+        )
+    if module == "__main__" and not hasattr(sys.modules.get("__main__"), attr):
+        raise ValueError(
+            f"--allow-global {name}: {attr} is a class of the script that saved the file (pickle calls the running "
+            f"script __main__), which this command cannot import: `optimshift inspect` shows the file without it "
+            f"(its {attr} objects not rebuilt); to load it, call optimshift.load in a script that defines {attr}, "
+            f"inside `with torch.serialization.safe_globals([{attr}])`"
+        )
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable prefix (a nested class's), then attributes
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[cut:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"--allow-global {name}: {'.'.join(parts[:cut])} has no {'.'.join(parts[cut:])}") from None
+        return obj
+    raise ValueError(f"--allow-global {name}: cannot import {module}")
+
+
 @contextlib.contextmanager
 def allowed(names: list[str]) -> Iterator[None]:
-    objs = [ckpt.resolve_global(n) for n in names]
+    objs = [_resolve_global(n) for n in names]
     if not objs:
         yield
         return

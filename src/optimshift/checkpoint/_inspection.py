@@ -206,16 +206,9 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         "findings": [],
     }
     for gi, g in enumerate(groups):
-        desc["groups"].append(
-            {
-                "index": gi,
-                "params": len(g["params"]),
-                "hyperparameters": {
-                    str(k): jsonable(v, 0, locations) for k, v in g.items() if k not in GROUP_SKIP + _FLAGS
-                },
-                "flags": {k: jsonable(g[k], 0, locations) for k in _FLAGS if k in g},
-            }
-        )
+        hyper = {str(k): jsonable(v, 0, locations) for k, v in g.items() if k not in GROUP_SKIP + _FLAGS}
+        flags = {k: jsonable(g[k], 0, locations) for k in _FLAGS if k in g}
+        desc["groups"].append({"index": gi, "params": len(g["params"]), "hyperparameters": hyper, "flags": flags})
     table: dict[str, dict[str, Any]] = {}
     listed = {sid for g in groups for sid in g["params"] if _hashable(sid)}
     stringified = set(ckpt.stringified_ids(states, listed))
@@ -276,15 +269,13 @@ def _findings(
     base = _policy.stepping_base(cls) if cls is not None else None
     torch_name = base.__name__ if base is not None else name  # (which torch step runs: its default foreach)
     unknown: dict[torch.device, str] = {}  # stand-ins for saved device types this process does not know
-    placers: dict[tuple[int, torch.device], _policy.Placer] = {}  # (the policy's memoizing front, per device)
+    placers: dict[torch.device, _policy.Placer] = {}  # (the policy's memoizing front, per device)
 
     def tag(device: torch.device) -> str:
         return unknown.get(device, str(device))
 
     for gi, g in enumerate(groups):
-        flagged = [f for f in ("fused", "capturable") if g.get(f)]
-        for f in flagged:
-            findings.append(_flag_finding(f, gi, len(g["params"])))
+        findings.extend(_flag_finding(f, gi, len(g["params"])) for f in ("fused", "capturable") if g.get(f))
         for sid in g["params"]:
             st = _state_of(states, sid)
             if not isinstance(st, Mapping):
@@ -310,7 +301,14 @@ def _findings(
                 puts_on = torch_cast(key, g, (big.dtype, pdev), (value.dtype, saved_on))[1]
                 # (judged as the load leaves it: an entry that stays on its own side, LBFGS's `t`, is on puts_on)
                 loaded = value if puts_on.type == "cpu" else torch.empty_like(value, device="meta")
-                fresh_on, source = _fresh_device(placers, holder, gi, g, fake, str(key), loaded, pdev)
+                # NOTE: over host params a fresh optimizer keeps everything on the host (unless a registered
+                # policy says otherwise), so a host checkpoint skips the Placer's probe (over 1 s).
+                if pdev.type == "cpu" and not _policy.has_registered_policy(holder):
+                    fresh_on, source = pdev, "rule"
+                else:
+                    if (placer := placers.get(pdev)) is None:
+                        placer = placers[pdev] = _policy.Placer(holder, pdev, values=False)  # (stand-ins)
+                    fresh_on, source = placer((gi, 0, (("key", str(key)),)), fake, g, str(key), loaded)
                 if puts_on != fresh_on:
                     default = source == "default"
                     if default:
@@ -355,41 +353,16 @@ def _findings(
     return _merge(findings)
 
 
-def _fresh_device(
-    placers: dict[tuple[int, torch.device], _policy.Placer],
-    holder: Any,
-    gi: int,
-    group: Mapping[str, Any],
-    param: torch.Tensor,
-    key: str,
-    value: torch.Tensor,
-    device: torch.device,
-) -> tuple[torch.device, str]:
-    """Where a fresh optimizer keeps ``value`` when its param is on ``device``, and by which rule (``policy.decide``'s
-    source). NOTE: over host params everything stays on the host (unless a registered policy says otherwise), so a
-    host checkpoint skips the probe (over 1 s)."""
-    if device.type == "cpu" and not _policy.has_registered_policy(holder):
-        return device, "rule"
-    placer = placers.get((id(holder), device))
-    if placer is None:
-        placer = placers[(id(holder), device)] = _policy.Placer(holder, device, values=False)  # (stand-ins)
-    return placer((gi, 0, (("key", key),)), param, group, key, value)
-
-
-def _kernel_devices(flag: str) -> list[str]:
-    """The device types the installed torch runs ``fused`` or ``capturable`` optimizer kernels on."""
+def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
+    """What a group saved with ``fused``/``capturable`` means for a resume, by the device types this torch runs
+    those kernels on."""
     import torch.optim.optimizer as torch_optimizer
 
     # (torch.optim.optimizer imports it from torch.utils._foreach_utils without re-exporting it in its stubs)
     fused_devices: Any = torch_optimizer._get_fused_kernels_supported_devices  # type: ignore[attr-defined]
     listed = fused_devices() if flag == "fused" else torch_optimizer._get_capturable_supported_devices()
-    unnamed = "privateuseone"  # the out-of-tree backend's slot while no backend has renamed it
-    return [d for d in dict.fromkeys(listed) if d != unnamed]
-
-
-def _flag_finding(flag: str, group: int, count: int) -> dict[str, Any]:
-    """What a group saved with ``fused``/``capturable`` means for a resume, as this torch has it."""
-    devices = _kernel_devices(flag)
+    # ("privateuseone": the out-of-tree backend's slot while no backend has renamed it)
+    devices = [d for d in dict.fromkeys(listed) if d != "privateuseone"]
     on_cpu = "cpu" in devices
     where = "a CPU or any other device outside that list" if not on_cpu else "a device outside that list"
     message = (

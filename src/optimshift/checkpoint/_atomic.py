@@ -4,6 +4,7 @@ removes only what it could lock itself, and skips this process's own (on NFS ano
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -60,9 +61,8 @@ def _stem(target: str) -> str:
 
 
 def not_a_file(target: str) -> str | None:
-    """What ``target`` is where it exists and is neither a regular file nor a folder (``"a FIFO"``, ``"a
-    character device"``, ``"a socket"``): an atomic write renames a new file over its path, which would delete
-    it (``/dev/null`` replaced by a checkpoint). None otherwise."""
+    """What ``target`` is where it is neither a regular file nor a folder (``"a FIFO"``), else None: an atomic
+    write's rename over its path would delete it (``/dev/null`` replaced by a checkpoint)."""
     try:
         mode = os.stat(target).st_mode
     except OSError:
@@ -89,10 +89,9 @@ def temp_name(target: str) -> str:
 
 
 def create_temp(target: str, made: list[str]) -> tuple[int, str]:
-    """A new temporary for ``target`` in its folder, opened for writing (mode 0o666: the umask decides, as for any
-    new file) and locked: ``(fd, path)``. Its path is put in the caller's ``made`` once complete: from then on the
-    caller's cleanup removes it (a Ctrl-C before this returns included), until then this does; each goes to
-    :func:`release_temp` once renamed or removed."""
+    """A new temporary ``(fd, path)`` for ``target`` in its folder, open for writing (mode 0o666 under the umask)
+    and locked; its path goes into ``made`` once complete, whose owner then removes it on failure (a Ctrl-C before
+    this returns included) and passes it to :func:`release_temp` once renamed or removed."""
     for _ in range(100):
         fd = -1
         path = temp_name(target)
@@ -151,36 +150,29 @@ def _listed(folder: str | os.PathLike[str], accept: Callable[[str], object]) -> 
         return []
 
 
-def sweep(target: str) -> int:
-    """Remove the temporaries of ``target`` whose writer is gone; returns how many. Never raises."""
-    removed = 0
+def sweep(target: str) -> None:
+    """Remove the temporaries of ``target`` whose writer is gone. Never raises."""
     for path in _listed(os.path.dirname(target), temp_pattern(target).fullmatch):
         with _live_lock:
-            if path in _live:
-                continue
-        if _remove_if_abandoned(path):
-            removed += 1
-    return removed
+            live = path in _live
+        if not live:
+            _remove_if_abandoned(path)
 
 
-def _remove_if_abandoned(path: str) -> bool:
+def _remove_if_abandoned(path: str) -> None:
     if fcntl is None:  # Windows: a file still open in its writer cannot be removed
         return _unlink(path)
     try:
         fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_BINARY)
     except OSError:
-        return False  # gone already, a symlink, or not ours to open
+        return  # gone already, a symlink, or not ours to open
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        if not _abandoned(fd):
-            return False  # its writer holds the lock: still being written
-        try:
-            same = os.path.samestat(st, os.stat(path))
-        except OSError:
-            return False
-        return same and _unlink(path)
+        if not stat.S_ISREG(st.st_mode) or not _abandoned(fd):
+            return  # not a file, or its writer holds the lock: still being written
+        with contextlib.suppress(OSError):
+            if os.path.samestat(st, os.stat(path)):
+                _unlink(path)
     finally:
         os.close(fd)
 
@@ -300,12 +292,9 @@ def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     raise OSError(code, os.strerror(code), os.fspath(b))
 
 
-def _unlink(path: str) -> bool:
-    try:
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-        return True
-    except OSError:
-        return False
 
 
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
@@ -315,8 +304,7 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
     except OSError:
         return
     try:
-        os.fsync(dfd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(dfd)
     finally:
         os.close(dfd)

@@ -5,6 +5,7 @@ that imports and builds nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import zipfile
@@ -40,16 +41,6 @@ class _StorageName:
         self.itemsize = itemsize
 
 
-def _storage_itemsize(name: str) -> int | None:
-    if name == "UntypedStorage":
-        return 1
-    try:
-        dtype = torch.serialization.StorageType(name).dtype  # type: ignore[no-untyped-call]  # unannotated in torch
-    except Exception:
-        return None
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class _ClaimsReader(pickle.Unpickler):
     """Collects ``{key: {claimed bytes}}`` from the pickle's persistent ids (``("storage", type, key, location,
     numel)``, torch.save's format)."""
@@ -60,9 +51,10 @@ class _ClaimsReader(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and isinstance(name, str) and name.endswith("Storage"):
-            size = _storage_itemsize(name)
-            if size is not None:
-                return _StorageName(size)
+            with contextlib.suppress(Exception):  # (a name StorageType, unannotated in torch, knows not: inert)
+                typed = name != "UntypedStorage"
+                storage = torch.serialization.StorageType(name) if typed else None  # type: ignore[no-untyped-call]
+                return _StorageName(storage.dtype.itemsize if storage is not None else 1)
         return _Inert
 
     def persistent_load(self, pid: Any) -> Any:

@@ -21,8 +21,8 @@ __all__ = ["Named", "Scan", "scan", "refused", "shadowed_attribute"]
 
 @dataclass(frozen=True)
 class Named:
-    """One global a pickle imports: the opcode that imports it, the byte offset of that opcode in its pickle,
-    and ``module.name`` (``None`` when the opcodes do not say which); ``code`` for ``EXT*``."""
+    """One global a pickle imports: its opcode, that opcode's byte offset, ``module.name`` (None where the opcodes do
+    not say which), and ``code`` for ``EXT*``."""
 
     opcode: str
     pos: int
@@ -53,8 +53,7 @@ _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
 
 def _compat(module: str, name: str) -> str:
-    """``module.name`` as Python 3 imports it (protocol-2 pickles say ``__builtin__``), as torch's unpickler
-    maps it."""
+    """``module.name`` as Python 3 imports it, as torch's unpickler maps it (protocol 2 says ``__builtin__``)."""
     if (module, name) in _compat_pickle.NAME_MAPPING:
         module, name = _compat_pickle.NAME_MAPPING[(module, name)]
     elif module in _compat_pickle.IMPORT_MAPPING:
@@ -123,8 +122,7 @@ def _scan_one(f: IO[bytes], found: list[Named]) -> tuple[int | None, bool]:
 
 
 def _pickles(path: str, kind: str) -> Iterator[IO[bytes]]:
-    """The file objects whose current position starts a pickle an unpickler would run: a zip's data.pkl, or
-    the file itself (a legacy file is a few pickles back to back; :func:`scan` reads them in turn)."""
+    """The file whose position starts the pickles an unpickler would run: a zip's data.pkl, or the file itself."""
     if kind == "zip":
         try:
             with zipfile.ZipFile(path) as zf:
@@ -141,8 +139,8 @@ def _pickles(path: str, kind: str) -> Iterator[IO[bytes]]:
 
 
 def scan(path: str, kind: str) -> Scan:
-    """Every global the pickles of ``path`` (sniffed as ``kind``: ``zip``, ``legacy`` or ``pickle``) import,
-    read from their opcodes without running anything."""
+    """Every global the pickles of ``path`` (sniffed as ``zip``, ``legacy`` or ``pickle``) import, read from their
+    opcodes without running anything."""
     found: list[Named] = []
     protocols: list[int | None] = []
     for f in _pickles(path, kind):
@@ -175,17 +173,10 @@ def refused(found: Scan) -> list[Named]:
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
 
 
-def _class_attribute(cls: type, key: str) -> Any:
-    for klass in cls.__mro__:
-        if key in klass.__dict__:
-            return klass.__dict__[key]
-    return _MARK
-
-
 def _replaces(cls: type, key: str) -> bool:
     """Whether an instance attribute ``key`` replaces what ``cls`` defines as behaviour: a method, a property or
     another descriptor, or a class (a plain value default that instances override is fine)."""
-    attr = _class_attribute(cls, key)
+    attr = next((klass.__dict__[key] for klass in cls.__mro__ if key in klass.__dict__), _MARK)
     return attr is not _MARK and (callable(attr) or hasattr(type(attr), "__get__"))
 
 

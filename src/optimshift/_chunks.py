@@ -1,10 +1,7 @@
-"""How streamed state is laid out in host memory: chunks of params, each state tensor at its place in one buffer.
-
-A chunk is consecutive params of one group on one device (:func:`partition`: at most ``chunk_bytes`` of state,
-a param never split, since its step needs all its state). Its streamed state tensors share one flat uint8 host
-buffer from the host pool (pinned where the device pins host memory), each at a 64-byte-aligned offset; a device
-window of the same layout holds them during a step. :func:`views` gives each tensor's place in either.
-"""
+"""How streamed state is laid out in host memory: chunks of consecutive params of one group on one device
+(:func:`partition`), their state tensors in one flat uint8 host pool buffer (pinned where the device pins host
+memory), each at a 64-byte-aligned offset; a device window of the same layout holds them during a step, and
+:func:`views` gives each tensor's place in either."""
 
 from __future__ import annotations
 

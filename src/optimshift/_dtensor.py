@@ -1,8 +1,5 @@
-"""DTensor (FSDP2, tensor parallel) optimizer state: move the local shard, keep the mesh and placements.
-
-Imports nothing from ``torch.distributed``: :func:`is_dtensor`, called on every tensor, looks
-``torch.distributed.tensor`` up in ``sys.modules`` (a DTensor cannot exist unless it was imported).
-"""
+"""DTensor (FSDP2, tensor parallel) optimizer state: move the local shard, keep the mesh and placements. Imports
+nothing from ``torch.distributed`` (no DTensor exists unless ``torch.distributed.tensor`` was imported)."""
 
 from __future__ import annotations
 
@@ -40,9 +37,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def wrap_local(like: DTensor, local: torch.Tensor) -> torch.Tensor:
-    """A DTensor with ``like``'s mesh, placements, global shape and stride around ``local`` (a copy of its local
-    shard, on any device): DTensor's own constructor, which, unlike ``DTensor.from_local``, leaves the shard where
-    it is (the grouped copies of :mod:`optimshift._copy` made it)."""
+    """A DTensor with ``like``'s mesh, placements, global shape and stride around ``local`` (a copy of its shard):
+    DTensor's own constructor, which, unlike ``DTensor.from_local``, leaves the shard where :mod:`._copy` put it."""
     return type(like)(local, like._spec, requires_grad=False)
 
 
@@ -51,9 +47,6 @@ def row_fields(t: torch.Tensor) -> dict[str, Any]:
     shard's shape and the placements on the mesh, e.g. ``"Shard(dim=0) on cpu mesh (2,)"``."""
     if not is_dtensor(t):
         return {}
-    mesh = t.device_mesh
-    placements = ", ".join(repr(p) for p in t.placements)
-    return {
-        "local_shape": tuple(t.to_local().shape),
-        "placements": f"{placements} on {mesh.device_type} mesh {tuple(mesh.shape)}",
-    }
+    mesh, placements = t.device_mesh, ", ".join(repr(p) for p in t.placements)
+    where = f"{placements} on {mesh.device_type} mesh {tuple(mesh.shape)}"
+    return {"local_shape": tuple(t.to_local().shape), "placements": where}

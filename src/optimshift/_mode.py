@@ -1,9 +1,5 @@
-"""Optimizers in a mode that keeps their state on the host between steps: streamed (:func:`optimshift.stream`),
-which every operation that places state asks first.
-
-# NOTE: a module of its own, above ``api`` and ``checkpoint``, so that both can ask without importing the
-# streaming machinery (which itself uses ``checkpoint`` to load).
-"""
+"""Optimizers in a mode that keeps their state on the host between steps (streamed), which every operation that
+places state asks first; a module of its own so that ``api`` and ``checkpoint`` ask without importing streaming."""
 
 from __future__ import annotations
 
@@ -37,8 +33,8 @@ def mode_of(optimizer: Any) -> Mode | None:
 
 
 def enter(optimizer: Any, mode: Mode) -> None:
-    """``optimizer`` is in ``mode``, held weakly: the optimizer keeps it alive, and a strong reference would keep
-    its tensors one collection longer than the optimizer."""
+    """``optimizer`` is in ``mode``, held weakly (the optimizer keeps it alive; a strong reference would keep its
+    tensors one collection longer)."""
     session = _session.get(optimizer)
     if session is None:
         raise TypeError(f"{type(optimizer).__name__} cannot be weakly referenced: it cannot enter a mode")

@@ -1,8 +1,5 @@
-"""What optimshift knows about one optimizer: its :class:`Session`, where every module remembers anything of it.
-
-# NOTE: in a weak-keyed table beside the optimizer, never on it: no attribute on a user's object, and a collected
-# optimizer takes its session along (one that cannot be weakly referenced or hashed has none).
-"""
+"""What optimshift knows about one optimizer: its :class:`Session`, in a weak-keyed table beside it (never on it:
+a collected optimizer takes its session along; one that cannot be weakly referenced or hashed has none)."""
 
 from __future__ import annotations
 

@@ -56,10 +56,8 @@ class CheckpointError(ValueError):
 
 
 class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
-    """A checkpoint whose pickle would import or call code that ``weights_only=True`` does not allow.
-
-    ``globals`` lists what it names (e.g. ``["os.system"]``). Nothing was executed.
-    """
+    """A checkpoint whose pickle would import or call code ``weights_only=True`` does not allow (nothing was
+    executed); ``globals`` lists what it names (``["os.system"]``)."""
 
     def __init__(self, message: str, globals: list[str]) -> None:
         super().__init__(message)
@@ -252,10 +250,8 @@ def _rebuild(container: Any, values: list[Any]) -> Any:
 def save(obj: Any, path: PathLike) -> None:
     """Write ``obj`` with ``torch.save`` atomically: a crash at any moment leaves the old file or the new one.
 
-    Optimizers in ``obj`` are saved as their ``state_dict()`` plus their class name (checked on load);
-    tensors are written where they are (no move). The file opens with plain ``torch.load`` too. ``path``: a file
-    path (a str or ``os.PathLike``; not a file object, since the new file is renamed over it).
-    """
+    Optimizers in ``obj`` are saved as their ``state_dict()`` plus their class name (checked on load), tensors
+    where they are; plain ``torch.load`` opens the file too. ``path``: a str or ``os.PathLike`` (renamed over)."""
     _save(obj, path)
 
 
@@ -445,9 +441,8 @@ def _sniff(path: str) -> str:
     raise CheckpointError(f"{path} is not a PyTorch checkpoint (it starts with {head[:16]!r})")
 
 
-# A global the weights-only unpickler refused, as its messages name it (builtins lose their module there).
-# (the second: a class torch builds only when allowed, met as an object's class rather than by a GLOBAL opcode,
-# as numpy's dtype classes are: "Can only build Tensor, ... but got <class 'numpy.dtypes.Float64DType'>")
+# A global the weights-only unpickler refused, as its messages name it (builtins lose their module there); the
+# second, a class met as an object's class, not by GLOBAL ("... but got <class 'numpy.dtypes.Float64DType'>").
 _GLOBAL_RE = re.compile(
     r"GLOBAL (\S+) (?:was not an allowed global|whose module)|add_safe_globals`?,? but got <class '([\w.]+)'>"
 )
@@ -719,17 +714,13 @@ def _load_error(p: str, kind: str, e: BaseException) -> BaseException:
 def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any:
     """``torch.load(path, weights_only=True)``, with clear errors; never runs code from the file.
 
-    ``map_location="cpu"`` opens checkpoints saved on any device; ``mmap=True`` reads tensors lazily from
-    the file (zip format; ignored for legacy files): the tensors stay backed by the file, so the file must not
-    be rewritten in place while they are in use (:func:`save` never does: it renames a new file over it;
-    ``optimshift.load_state_dict`` copies by default). Every storage is checked against the size of the record
-    that holds it before anything is returned, as ``mmap=False`` does.
-
-    Raises :class:`UnsafeCheckpointError` for a pickle that imports a global weights-only loading does not allow,
-    by any opcode (nothing is imported or run), :class:`CheckpointError` for every other file that cannot be read
-    (empty, truncated, corrupt, another format, objects that replace their own methods);
-    ``FileNotFoundError``/``PermissionError``/``IsADirectoryError``/``NotADirectoryError`` for a path that cannot
-    be opened (an empty one, ``file.pt/``).
+    ``map_location="cpu"`` opens checkpoints saved on any device. ``mmap=True`` (zip format; ignored for legacy
+    files) leaves the tensors backed by the file, which must not be rewritten in place while they are in use
+    (:func:`save` renames a new file over it); every storage is checked against its record's size first, as
+    ``mmap=False`` does. Raises :class:`UnsafeCheckpointError` for a pickle importing a global weights-only loading
+    refuses, by any opcode (nothing imported or run), :class:`CheckpointError` for any other unreadable file
+    (empty, truncated, corrupt, another format, objects replacing their own methods), and ``FileNotFoundError``,
+    ``PermissionError``, ``IsADirectoryError`` or ``NotADirectoryError`` for a path that cannot be opened.
     """
     p = _path(path, "load")
     kind = _sniff(p)

@@ -763,17 +763,11 @@ def verify_checksums(path: PathLike) -> None:
         pass  # (a zip the checksum pass cannot walk: torch's reader says what is wrong with it)
 
 
-def _utf8(name: str) -> bool:
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:  # (a name os.fsdecode kept undecodable bytes of, as surrogates)
-        return False
-    return True
-
-
 def _torch_load(p: str, kind: str, map_location: Any, mmap: bool) -> Any:
     try:
-        if not _utf8(p):  # (torch's zip reader takes UTF-8 names only: a Latin-1 one is read from its open file)
+        # (torch's zip reader takes UTF-8 names only: one with bytes os.fsdecode kept as surrogates, a Latin-1
+        # name, is read from its open file; a surrogate is what fails to encode as UTF-8)
+        if any("\ud800" <= c <= "\udfff" for c in p):
             with open(p, "rb") as f:
                 return torch.load(f, map_location=map_location, weights_only=True)
         return torch.load(p, map_location=map_location, mmap=mmap, weights_only=True)

@@ -11,9 +11,6 @@ from typing import Any
 
 __all__ = ["TrainingFolder", "training_folder"]
 
-HF_TRAINER = "hf_trainer"
-ACCELERATE = "accelerate"
-
 # (pattern, role); the first match names a file's role.
 _ROLES = [
     (r"optimizer(_\d+)?\.(pt|bin)", "optimizer"),
@@ -44,9 +41,8 @@ class TrainingFolder:
 
     @property
     def label(self) -> str:
-        """The layout in words: "Hugging Face Trainer checkpoint folder" or "Accelerate save_state folder"."""
-        labels = {HF_TRAINER: "Hugging Face Trainer checkpoint folder", ACCELERATE: "Accelerate save_state folder"}
-        return labels[self.kind]
+        """The layout in words."""
+        return "Hugging Face Trainer checkpoint folder" if self.kind == "hf_trainer" else "Accelerate save_state folder"
 
 
 def _role(name: str, path: str) -> str:
@@ -86,11 +82,11 @@ def training_folder(path: str) -> TrainingFolder | None:
     files = {name: _role(name, path) for name in names}
     optimizers = sorted((n for n, role in files.items() if role == "optimizer"), key=_optimizer_order)
     if "trainer_state.json" in files or {"optimizer.pt", "scheduler.pt"} <= set(files):
-        kind = HF_TRAINER
+        kind = "hf_trainer"
     elif any(n.endswith(".bin") for n in optimizers) and any(
         role in ("model weights", "random number generator state", "scheduler") for role in files.values()
     ):
-        kind = ACCELERATE
+        kind = "accelerate"
     else:
         return None
-    return TrainingFolder(path, kind, optimizers, files, _trainer_state(path) if kind == HF_TRAINER else None)
+    return TrainingFolder(path, kind, optimizers, files, _trainer_state(path) if kind == "hf_trainer" else None)

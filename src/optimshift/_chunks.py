@@ -14,19 +14,6 @@ from ._device_streams import pins_host_for
 from ._dtensor import tensor_bytes
 from .pool import host_pool
 
-__all__ = [
-    "Group",
-    "ParamState",
-    "Item",
-    "Entry",
-    "Chunk",
-    "views",
-    "item_bytes",
-    "partition",
-    "new_chunk",
-    "release",
-]
-
 # NOTE: every tensor starts at a multiple of 64 bytes in its chunk, on the host and in the window alike, so that
 # a window view is as aligned as the vectorized multi-tensor kernels need (16 bytes x 4 lanes for complex128).
 _ALIGN = 64

@@ -11,8 +11,6 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["is_dtensor", "local_tensor", "wrap_local", "row_fields", "tensor_bytes"]
-
 
 def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor``, without importing torch.distributed."""

@@ -13,8 +13,6 @@ from . import _session
 from ._devices import HOST, HOSTS
 from ._plan import Ident, TargetFn, optimizer_name
 
-__all__ = ["Mode", "mode_of", "enter", "leave", "refuse", "hosted"]
-
 
 class Mode(Protocol):
     """What an operation needs to know about an optimizer in a mode."""

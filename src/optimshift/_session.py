@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["Session", "of", "get"]
-
 
 @dataclass(eq=False)
 class Session:

@@ -22,20 +22,6 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = [
-    "create_temp",
-    "not_a_file",
-    "release_temp",
-    "sweep",
-    "temp_pattern",
-    "temp_name",
-    "fsync_dir",
-    "lock_folder",
-    "make_folder",
-    "sweep_folders",
-    "commit_folder",
-    "exchange",
-]
 
 # NOTE: the name format is the one earlier versions used, so strays they left are recognised (and removed) too.
 _TOKEN_HEX = 12

@@ -26,17 +26,6 @@ from .._state import MAX_DEPTH, Path, format_path, leaves, unwrap
 from .._version import __version__
 from . import _atomic, _records, _untrusted
 
-__all__ = [
-    "save",
-    "load",
-    "find_optimizer_states",
-    "is_optimizer_state_dict",
-    "FoundOptimizer",
-    "CheckpointError",
-    "UnsafeCheckpointError",
-    "META_KEY",
-]
-
 PathLike = Union[str, "os.PathLike[str]"]
 
 META_KEY = "optimshift"

@@ -9,8 +9,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrainingFolder", "training_folder"]
-
 # (pattern, role); the first match names a file's role.
 _ROLES = [
     (r"optimizer(_\d+)?\.(pt|bin)", "optimizer"),

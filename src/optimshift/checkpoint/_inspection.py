@@ -23,7 +23,6 @@ from ..report import assumed, default_rule_note, runs_foreach, sync_cost
 from . import _files as ckpt
 from ._checks import fresh_group, torch_cast
 
-__all__ = ["describe", "guess_classes", "jsonable", "trainer_resume_findings"]
 SCHEDULER_KEYS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "base_lr"}
 
 

@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_records", "check_checksums", "RecordMismatch"]
-
 
 class RecordMismatch(Exception):
     """A storage whose claimed size is not its record's (or whose record is missing): the file is corrupt."""

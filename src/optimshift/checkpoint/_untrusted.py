@@ -16,8 +16,6 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["Named", "Scan", "scan", "refused", "shadowed_attribute"]
-
 
 @dataclass(frozen=True)
 class Named:

@@ -1,8 +1,6 @@
 """``python -m optimshift.bench``: the same as ``optimshift bench`` (see :mod:`optimshift.cli`)."""
 
-import sys
-
 from .cli._bench import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

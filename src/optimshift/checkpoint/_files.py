@@ -491,18 +491,6 @@ def _global_exists(name: str) -> bool | None:
     return hasattr(loaded, attr)
 
 
-def _allow_hint(names: list[str]) -> str:
-    """How to allow every global in ``names`` (all of them: allowing one only reveals the next)."""
-    one = len(names) == 1
-    what = f"{names[0]} is a class you expect (a config object)" if one else "these are classes you expect"
-    flags = " ".join(f"--allow-global {n}" for n in names)
-    return (
-        f"If you trust the file and {what}, allow just {'it' if one else 'them'}: "
-        f"`with torch.serialization.safe_globals([{', '.join(names)}]): optimshift.load(path)` "
-        f"(or `optimshift inspect/convert {flags}`)."
-    )
-
-
 def _first_line(message: str) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", message).strip()
     return text.splitlines()[0].strip() if text else ""
@@ -578,10 +566,16 @@ def _unsafe(p: str, named: list[str], refused: list[_untrusted.Named]) -> Unsafe
             f"executed. If you wrote it, save it again with torch.save's default pickle protocol.",
             names,
         )
+    # How to allow every one of them (allowing one only reveals the next).
+    one = len(names) == 1
+    what = f"{names[0]} is a class you expect (a config object)" if one else "these are classes you expect"
+    flags = " ".join(f"--allow-global {n}" for n in names)
     return UnsafeCheckpointError(
         f"refused to load {p}: its pickle names {named_text}. Loading it would import and call that code "
         f"(a checkpoint can run anything this way), and optimshift only loads with weights_only=True; "
-        f"nothing was executed. {_allow_hint(names)} Only for a file you fully trust: "
+        f"nothing was executed. If you trust the file and {what}, allow just {'it' if one else 'them'}: "
+        f"`with torch.serialization.safe_globals([{named_text}]): optimshift.load(path)` "
+        f"(or `optimshift inspect/convert {flags}`). Only for a file you fully trust: "
         f"torch.load(path, weights_only=False).",
         names,
     )

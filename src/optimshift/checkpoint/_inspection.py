@@ -181,11 +181,6 @@ def _state_of(states: Mapping[Any, Any], sid: Any) -> Any:
     return states.get(sid) if _hashable(sid) else None
 
 
-def _has_state(st: Any) -> bool:
-    """Whether a param's saved state ``st`` holds anything (a corrupt file's may be a tensor: never its truth)."""
-    return st is not None and (bool(st) if isinstance(st, (Mapping, list, tuple)) else True)
-
-
 def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]) -> dict[str, Any]:
     sd = found.state_dict
     groups = list(sd["param_groups"])
@@ -193,13 +188,16 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
     guessed = [] if found.class_name else guess_classes(groups)
     cls = _resolve_class(found.class_name, guessed)
     n_params = sum(len(g["params"]) for g in groups)
+    per_param = [_state_of(states, sid) for g in groups for sid in g["params"]]
+    # (a state that holds anything; a corrupt file's may be a tensor: never its truth)
+    with_state = sum(st is not None and (not isinstance(st, (Mapping, list, tuple)) or len(st) > 0) for st in per_param)
     desc: dict[str, Any] = {
         "where": found.where,
         "kind": found.kind,
         "class": found.class_name,
         "class_guess": guessed,
         "params": n_params,
-        "params_with_state": sum(1 for g in groups for sid in g["params"] if _has_state(_state_of(states, sid))),
+        "params_with_state": with_state,
         "groups": [],
         "state": [],
         "findings": [],
@@ -217,7 +215,6 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         for k, v in states.items()
         if k not in listed and k not in stringified and type(k) not in {type(sid) for sid in listed}
     }
-    per_param = [_state_of(states, sid) for g in groups for sid in g["params"]]
     for st in per_param + ([wide] if wide else []):
         if not isinstance(st, Mapping):
             continue

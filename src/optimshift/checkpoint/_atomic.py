@@ -233,10 +233,9 @@ def commit_folder(
     old: str | os.PathLike[str],
     replaceable: Callable[[str | os.PathLike[str]], bool],
 ) -> None:
-    """Put the complete folder ``tmp`` at ``target``: a rename, or an atomic exchange with a folder already there
-    where the kernel can, else two renames (a crash between them leaves the previous folder at ``old``). Once
-    ``target`` holds the new folder nothing raises: removing the previous one is best-effort. ``replaceable``:
-    whether a folder that appeared at ``target`` after the caller checked it may be replaced (another commit's)."""
+    """Put the complete folder ``tmp`` at ``target``: a rename, an atomic exchange with a folder there where the
+    kernel can, else two renames (a crash between them leaves the previous one at ``old``), and nothing raises after;
+    ``replaceable``: whether a folder that appeared at ``target`` since the caller checked may be replaced."""
     if not os.path.lexists(target):
         try:
             os.rename(tmp, target)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
-import io
 import os
 import pickle
 import pickletools
@@ -295,7 +294,7 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
         raw = os.fdopen(fd, "wb")  # (closed after the rename: closing it releases the lock)
         try:
-            # (torch.save writes to any binary file; its stubs ask for a typing.IO, which io.RawIOBase is not)
+            # (torch.save writes to any object with write and flush; its stubs ask for a typing.IO)
             sink: IO[bytes] = raw if progress is None else _Counting(raw, progress)  # type: ignore[assignment]
             try:
                 torch.save(payload, sink)
@@ -361,19 +360,15 @@ def _write_error(target: str, cause: OSError) -> OSError:
     return OSError(cause.errno, f"save: cannot write {target}: {cause.strerror}; the old file, if any, is intact")
 
 
-class _Counting(io.RawIOBase):
-    """A write-only file that forwards to ``raw`` and reports the bytes written so far."""
+class _Counting:
+    """A write-only file (all torch.save's buffer writer calls: write, flush) that forwards to ``raw`` and reports
+    the bytes written so far."""
 
     def __init__(self, raw: IO[bytes], progress: Callable[[int], None]) -> None:
-        super().__init__()
         self._raw, self._progress, self.written = raw, progress, 0
-
-    def writable(self) -> bool:
-        return True
 
     def write(self, data: Any) -> int:
         n = self._raw.write(data)
-        n = len(data) if n is None else n
         self.written += n
         self._progress(self.written)
         return n

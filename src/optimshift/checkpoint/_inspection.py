@@ -133,7 +133,7 @@ def describe(
         "format": fmt,
         "top_level_keys": [str(k) for k in obj] if isinstance(obj, Mapping) else None,
         "tensors": {"count": len(tensors), "bytes": ckpt.storage_bytes(tensors), "saved_on": dict(saved_on)},
-        "optimizers": [],
+        "optimizers": [_describe_optimizer(found, locations) for found in ckpt.find_optimizer_states(obj)],
         "not_rebuilt": list(opaque),
         "findings": [_opaque_finding(opaque)] if opaque else [],
     }
@@ -145,8 +145,6 @@ def describe(
             f"missing); optimshift.load uses map_location='cpu', or run `optimshift convert IN OUT --device cpu` once"
         )
         out["findings"].append(_finding("info", "-", sum(elsewhere.values()), message))
-    for found in ckpt.find_optimizer_states(obj):
-        out["optimizers"].append(_describe_optimizer(found, locations))
     return out
 
 
@@ -320,7 +318,7 @@ def _findings(
         kind = "fused " if fused else "capturable " if capturable else "non-fused " if key == "step" else ""
         subject = f"{kind}{name}" if cls is not None else "an optimizer of unrecorded class"
         cost = sync_cost(cls, name, key, foreach, True, hyper={"differentiable": differentiable})
-        plural = "s" if n != 1 else ""
+        head = f"`{key}` saved on {saved} for {subject} ({n} param{'s' if n != 1 else ''}): optimizer.load_state_dict"
         if fresh.partition(":")[0] == "cpu":
             verb = "keeps it there" if torch_puts == saved else f"moves it to {torch_puts}"
             if cost == 0:
@@ -329,14 +327,10 @@ def _findings(
                 price = f"costing {cost} host sync{'s' if cost != 1 else ''} per param per step"
             else:
                 price = "where each read of it is a host sync"
-            message = (
-                f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
-                f"{verb}, {price}; optimshift.load_state_dict places it on the host"
-            )
+            message = f"{head} {verb}, {price}; optimshift.load_state_dict places it on the host"
         else:
             message = (
-                f"`{key}` saved on {saved} for {subject} ({n} param{plural}): optimizer.load_state_dict "
-                f"leaves it on {torch_puts}, but a fresh {name} keeps it on its param's device ({fresh}); "
+                f"{head} leaves it on {torch_puts}, but a fresh {name} keeps it on its param's device ({fresh}); "
                 f"optimshift.load_state_dict places it there"
             )
         message = assumed(name) + message if default else message

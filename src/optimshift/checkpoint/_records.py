@@ -1,7 +1,5 @@
-"""Checking every storage a torch.save zip file's pickle asks for against the record that holds its bytes, and the
-records' CRC-32. Why: ``torch.load(mmap=True)`` never compares the length the pickle claims with the record's, so
-a record cut short returns the bytes that follow (``mmap=False`` refuses it). The claims are read by an unpickler
-that imports and builds nothing."""
+"""Every storage a torch.save zip's pickle claims checked against its record's size (read by an unpickler that
+builds nothing), and the records' CRC-32: ``torch.load(mmap=True)`` returns the bytes after a record cut short."""
 
 from __future__ import annotations
 

@@ -183,9 +183,8 @@ def _key_text(key: Any) -> str:
 
 
 def shadowed_attribute(obj: Any) -> str | None:
-    """Where ``obj`` (what a checkpoint loaded into) holds an object whose own attribute replaces a method or
-    other behaviour its class defines, said in words; ``None`` when nothing does. Nothing is called on the
-    objects: containers are read through the base types' own methods."""
+    """Where ``obj`` (a loaded checkpoint) holds an object whose own attribute replaces behaviour its class defines,
+    in words, else None; nothing is called on the objects (containers read through the base types' methods)."""
     seen: set[int] = set()
     todo: list[tuple[Any, str]] = [(obj, "")]
     while todo:

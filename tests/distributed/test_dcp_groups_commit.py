@@ -288,6 +288,33 @@ def test_a_stale_previous_checkpoint_is_removed_after_a_commit(tmp_path):
         load(target, model, opt)
 
 
+def test_the_stale_previous_checkpoints_removal_is_made_durable(tmp_path, monkeypatch):
+    """Its removal is fsynced in the folder: else a power loss after the save brings it back, and deleting <path>
+    then loads it."""
+    model, opt = _trained()
+    target = tmp_path / "ck"
+    save(target, model, opt, extra={"n": 1})
+    os.rename(target, tmp_path / "ck.optimshift-old")  # the crash
+    folder = os.stat(tmp_path)
+    events = []
+    real_fsync, real_rmtree = os.fsync, shutil.rmtree
+
+    def fsync(fd):
+        if os.path.samestat(os.fstat(fd), folder):
+            events.append("fsync")
+        return real_fsync(fd)
+
+    def rmtree(path, *args, **kwargs):
+        if os.path.basename(path) == "ck.optimshift-old" and os.path.exists(path):
+            events.append("removed")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    save(target, model, opt, extra={"n": 2})
+    assert "removed" in events and events[-1] == "fsync", events
+
+
 # --- 4: gradients -----------------------------------------------------------------------------------------
 
 

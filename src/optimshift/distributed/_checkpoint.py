@@ -45,7 +45,7 @@ from .._probe import quiet_global_step_hooks, step_needs
 from .._streaming import is_streamed
 from .._version import __version__
 from ..api import move, wait
-from ..checkpoint._atomic import commit_folder, make_folder, sweep_folders
+from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
 from ..checkpoint._resume import pair_places, streamed_elsewhere
 
 if TYPE_CHECKING:
@@ -200,6 +200,7 @@ def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> 
             raise
         return e
     shutil.rmtree(_sibling(target, _OLD), ignore_errors=True)  # a crashed two-rename commit's leftover
+    fsync_dir(target.parent)  # (its removal durable: else a power loss brings it back, loaded once <path> goes)
     return None
 
 

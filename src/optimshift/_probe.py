@@ -252,8 +252,9 @@ _lock = threading.Lock()
 _MISSING = object()
 
 TRANSIENT: tuple[type[BaseException], ...] = (MemoryError, torch.cuda.OutOfMemoryError, RecursionError)
-"""Errors that say nothing of the class (out of memory, the stack too deep): never its answer, never cached. Any
-other error is the class's: the same inputs raise it again."""
+"""Errors that say nothing of the class (out of memory, the stack too deep: where the probe was asked, or in the
+class, cannot be told): never its answer, never cached. Any other error is the class's: the same inputs raise it
+again; an interrupt (no ``Exception``) always propagates."""
 
 
 def _cached(key: Hashable, compute: Callable[[], _T], unknown: Callable[[Exception], _T]) -> _T:
@@ -865,8 +866,9 @@ def rejected_dtypes(
 
 def step_needs(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], key: str) -> bool:
     """Whether two steps of ``cls`` over a small host param, ``key`` deleted from ``group`` and ``__setstate__`` run
-    as a load runs it, raise ``KeyError(key)`` (Rprop reads ``lr`` only in the first). Where no trial step runs,
-    the key is needed: a fresh group holds it and nothing fills it."""
+    as a load runs it, raise ``KeyError(key)`` (Rprop reads ``lr`` only in the first; a key read with a default,
+    SparseAdam's ``maximize``, unsaved before PyTorch 1.13, is not needed). Where no trial step runs, the key is
+    needed: a fresh group holds it and nothing fills it."""
     without = {k: v for k, v in group.items() if k != key}
 
     def needs() -> bool:

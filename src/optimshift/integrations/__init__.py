@@ -2,7 +2,8 @@
 (``lightning``, ``accelerate``, ``verl``, ``deepspeed``; ``third_party``: policies for optimizer libraries).
 
 Each submodule imports its framework only when it is imported (an attribute of this package, on first access):
-importing :mod:`optimshift` or this package never imports a framework or an optimizer library.
+importing :mod:`optimshift` or this package never imports a framework or an optimizer library. NOTE: importing
+``verl`` or ``deepspeed`` (so accessing it here too) patches that framework at once; the others need ``patch()``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ Why: ``AcceleratedOptimizer`` (what ``prepare`` wraps every optimizer in) moves 
 included, to the accelerator, and its ``load_state_dict`` (``load_state``) leaves ``step`` there or casts host
 scalars onto the device: a non-fused Adam then syncs the host on every step. ``patch()`` replaces its
 ``__init__`` and ``load_state_dict`` (the one place Accelerate's placement can be reached): where it places state
-(``device_placement=True``), each param's state follows that param as a fresh optimizer's would, and loading is
-:func:`optimshift.load_state_dict`. Left to Accelerate: XLA, ``device_placement=False`` (DeepSpeed, Megatron-LM),
-and optimizers optimshift cannot place.
+(``device_placement=True``), each param's state follows that param as a fresh optimizer's would (``prepare`` has
+placed the model by then), and loading is :func:`optimshift.load_state_dict`. Left to Accelerate: XLA,
+``device_placement=False`` (DeepSpeed, Megatron-LM), and optimizers optimshift cannot place.
 """
 
 from __future__ import annotations

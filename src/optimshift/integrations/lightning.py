@@ -8,13 +8,14 @@ One line, once per process, before ``trainer.fit(...)`` or ``fabric.setup(...)``
 What it changes:
 
 - ``Trainer``: Lightning's helper ``_optimizer_to_device`` (and its loop ``_optimizers_to_device``; strategy
-  setup, checkpoint restore, teardown) skips ``step`` whatever the flags and sends every other tensor to one
-  root device. ``patch()`` replaces it wherever Lightning bound it: to an accelerator, each param's state follows
-  that param; to the host, every tensor goes where a fresh host optimizer keeps it.
-- ``Fabric``: ``setup``/``setup_optimizers``/``load``/``load_raw`` never place the optimizer's state; after each,
-  ``patch()`` places it by its params.
+  setup, checkpoint restore, teardown) skips ``step`` whatever the flags (a fused or capturable one stays on the
+  GPU at teardown; a CPU-fused optimizer moved to a GPU keeps a host one its fused kernel rejects) and sends every
+  other tensor to one root device. ``patch()`` replaces it wherever Lightning bound it: to an accelerator, each
+  param's state follows that param; to the host, every tensor goes where a fresh host optimizer keeps it.
+- ``Fabric``: ``setup``/``setup_optimizers`` never place the optimizer's state, ``load``/``load_raw`` leave it
+  where torch's ``load_state_dict`` put it; after each, ``patch()`` places it by its params.
 - ``fit(ckpt_path=...)`` (and Fabric's loads through the base strategy) load with
-  :func:`optimshift.load_state_dict`; strategies with their own restore (DeepSpeed, FSDP) keep it.
+  :func:`optimshift.load_state_dict`; strategies with their own restore (DeepSpeed, FSDP, ModelParallel) keep it.
 
 Optimizers optimshift cannot place are left to Lightning's code. Why a patch: the wrong moves happen inside
 Lightning, between the hooks a callback sees; if a release renames its private helpers, ``patch()`` raises.

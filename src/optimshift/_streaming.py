@@ -805,7 +805,7 @@ def unstream(optimizer: Opt) -> Opt:
                 # optimizer no longer streamed, its state in the chunks, which unstream then took for done)
                 _mode.leave(inner)
                 # (state left on the host, its params there, gets storage of its own: the chunks go back to the pool)
-                _move_ending(inner, [c.buffer for c in chunks])
+                _move_ending(inner, None, pooled=[c.buffer for c in chunks])
             except BaseException:
                 _mode.enter(inner, mode)
                 raise

@@ -98,14 +98,14 @@ _log = logging.getLogger("optimshift")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _one_at_a_time(fn: F) -> F:
+def _one_at_a_time(fn: F, name: str = "") -> F:
     """Operations on one optimizer serialize, the cyclic collector paused; given a delegating wrapper, the operation
-    is the wrapped optimizer's, and what it returns for it is the wrapper."""
+    is the wrapped optimizer's, and what it returns for it is the wrapper. ``name``: the operation's (``fn``'s)."""
 
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         inner = unwrap(optimizer)
-        _warn_unreached(inner, fn.__name__)  # (stacklevel 2: the caller of this wrapper, the user's line)
+        _warn_unreached(inner, name or fn.__name__)  # (stacklevel 2: the caller of this wrapper, the user's line)
         # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
         # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
         # while they were alive would cost ~0.5 us per tensor, a third of a bare move).
@@ -277,20 +277,11 @@ def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool
     return _move(optimizer, device, non_blocking=non_blocking)
 
 
-def _move_ending(optimizer: Opt, buffers: Sequence[torch.Tensor]) -> Opt:
-    """``move(optimizer)`` ending a mode whose host state sits in pool ``buffers`` the caller gives back after it
-    (``unstream``'s chunks): an entry that stays on the host gets a storage of its own."""
-    inner = unwrap(optimizer)
-    _warn_unreached(inner, "move")
-    with exclusive(inner), _engine.no_gc(), _engine.operation():
-        _move(inner, None, pooled=buffers)
-    return optimizer
-
-
 def _move(
     optimizer: Opt, device: DeviceLike | None, *, non_blocking: bool = False, pooled: Sequence[torch.Tensor] = ()
 ) -> Opt:
-    """:func:`move` (under its lock); ``pooled``: see :func:`_move_ending`."""
+    """:func:`move` (under its lock); ``pooled``: pool buffers holding host state, which the caller gives back after
+    it (``unstream``'s chunks): an entry that stays on the host gets a storage of its own."""
     check_optimizer(optimizer)
     _check_flags(optimizer, "move", non_blocking=non_blocking)
     _mode.refuse(optimizer, "move")
@@ -318,6 +309,9 @@ def _move(
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there
     remember_pending(optimizer, pending)
     return optimizer
+
+
+_move_ending = _one_at_a_time(_move, "move")  # (``unstream``'s: ``_move_ending(opt, None, pooled=its chunks)``)
 
 
 def _release_when_done(optimizer: Any, pending: PendingTransfer) -> None:

@@ -1,36 +1,13 @@
 """Streamed optimizer state: it lives in host memory and is stepped on the device, one chunk of params at a time.
 
-:func:`stream` keeps every state entry that belongs on an accelerator by the rule (Adam's ``exp_avg`` and
-``exp_avg_sq``, a fused or capturable ``step``) in host memory, laid out in chunks (:mod:`optimshift._chunks`).
-Entries that belong on the host (Adam's non-fused ``step``) stay there; params and grads never move. Each step
-runs the optimizer's own step function (foreach, fused, capturable: as configured) over one chunk at a time,
-its state in a flat device window: two per device, reused chunk after chunk, and one of its own for a chunk
-whose single param's state is larger than ``chunk_bytes``, never next to another such window.
-
-Why a step over a chunk is the same step: every ``torch.optim`` class but LBFGS updates each param from its
-own grad and state alone (:func:`optimshift.policy.separable`), so running it over a subset of a group's params,
-with that group's hyperparameters and flags, computes exactly what the whole step computes for them, bitwise.
-For each chunk the real group dict is shown to the step with ``params`` cut down to the chunk (and
-``optimizer.param_groups`` cut down to that group); both are restored before anything else can look.
-
-What the user sees does not change: the step pre/post hooks (global and per optimizer) fire once per user
-step, around all chunks (the class's step is called undecorated, inside one hooked wrapper); a closure is
-called once; LR schedulers, ``GradScaler`` (also its fused ``grad_scale``/``found_inf`` path), gradient
-clipping and ``zero_grad`` see the real groups. Every state tensor stays the same Python object across chunks
-and steps: it takes its device window's contents for its chunk and its host buffer's back afterwards
-(:func:`optimshift._engine.lend`). ``state_dict()`` returns compact host copies of the streamed tensors (no pool
-bytes around them: :func:`optimshift._offload.compact_state_dict`, as while offloaded) and ``load_state_dict``
-loads straight into host state (no device memory on resume).
-
-The copies go through the engine's stream layer (:mod:`optimshift._device_streams`, with
-:class:`optimshift._copy.Side`'s rules), on a side stream of their own per device (the lane): the loads wait
-for the previous occupant's write-back of their window (same lane, in order), a chunk's compute waits for its
-load, its write-back waits for its compute. After ``step()`` returns, the last write-backs may still be running
-on CUDA: ``state_dict()`` (so ``optimshift.save``), ``load_state_dict()``, :func:`unstream` and
-:meth:`Streamed.wait` wait for them (``check()`` and ``placement()`` read no values and do not; the other
-operations refuse a streamed optimizer); the next step orders its loads after them on the device. So a
-streamed step adds no host sync (but a wait before the user's step hooks, where there are any: they read the
-state).
+Entries that belong on an accelerator by the rule live in host chunks (:mod:`optimshift._chunks`); the others stay
+where they are. Each step loads a chunk into one of two device windows per device (a param larger than
+``chunk_bytes``: a window of its own), runs the class's own step over the chunk's params with the real group dict,
+``params`` cut down to the chunk (bitwise the whole step for a separable class: :func:`optimshift.policy.separable`),
+and writes the chunk back, each copy on the device's own side stream, after what it depends on. Hooks, closures,
+schedulers and tensor objects are unchanged (:func:`optimshift._engine.lend`). The last write-backs may still run
+once ``step()`` returns: whatever reads the state's values (``state_dict()``, a load, :func:`unstream`,
+:meth:`Streamed.wait`) waits for them, so a step adds no host sync.
 """
 
 from __future__ import annotations
@@ -74,25 +51,20 @@ and last write-back that cannot overlap a compute cost about a millisecond each.
 
 _log = logging.getLogger("optimshift")
 
-# The layout's copies: queued on the streamed step's own lane (its loads come after them in order), waited for by
-# the host unless a step made the state (Streamed._lay_out's ``wait``).
+# The layout's copies, on the streamed step's own lane (its loads come after them in order)
 _LAYOUT = Options(non_blocking=True, lane="stream")
 
 
-# -- copies: the engine's stream layer (_device_streams.Streams, _copy.Side's rules) on a side stream of their own --
-
-
 def _lane(device: torch.device) -> Side | None:
-    """Where the streamed step queues its copies on ``device``: its own side stream there (never behind an
-    engine transfer), by :class:`optimshift._copy.Side`'s rules; None: no streams, each copy completes at once."""
+    """The streamed step's own side stream on ``device`` (never behind an engine transfer), as a
+    :class:`optimshift._copy.Side`; None: no streams, each copy completes at once."""
     streams = _device_streams.of(device)
     return None if streams is None else Side(streams, streams.side(device, "stream"), streams.current(device))
 
 
 def _queue(side: Side | None, dst: torch.Tensor, src: torch.Tensor, *, wait: bool = True) -> None:
-    """Copy ``src`` into ``dst`` on ``side`` (``wait``: after the work queued on the current stream so far:
-    the compute that wrote the source, the allocation of a window). A device-to-host copy is one of
-    ``async_copies``: the host does not wait for it here (:func:`optimshift.count_syncs` lists them apart)."""
+    """Copy ``src`` into ``dst`` on ``side`` (``wait``: after the current stream's work so far: the compute that
+    wrote the source, a window's allocation); a device-to-host copy counts as one of ``async_copies``."""
     to_host = dst.device.type == "cpu" and src.device.type != "cpu"
     on = contextlib.nullcontext() if side is None else side.issue() if wait else side.streams.use(side.stream)
     with on, async_copies(to_host):
@@ -107,12 +79,8 @@ def _recorded(side: Side, device: torch.device) -> Any:
 
 
 class Streamed:
-    """What :func:`stream` returns: the streamed mode of one optimizer.
-
-    ``chunk_bytes`` and ``device`` as given; :attr:`chunks` and :attr:`state_bytes` describe the host layout now;
-    :meth:`wait` blocks until the last step's write-backs are in host memory (only needed to read a state
-    tensor directly on CUDA; every read of the state's values by optimshift or torch waits by itself).
-    """
+    """What :func:`stream` returns: the streamed mode of one optimizer (``chunk_bytes`` and ``device`` as given;
+    :attr:`chunks` and :attr:`state_bytes`: the host layout now; :meth:`wait`: the last step's write-backs)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunk_bytes: int, device: torch.device | None) -> None:
         self._ref = weakref.ref(optimizer)
@@ -153,8 +121,6 @@ class Streamed:
             f"chunk_bytes={self.chunk_bytes})"
         )
 
-    # -- waiting (the _mode.Mode protocol) ----------------------------------------------------------------------
-
     def wait(self) -> None:
         """Block until every queued write-back of streamed state has reached host memory."""
         pending = dict(self._pending)
@@ -193,19 +159,14 @@ class Streamed:
             )
         layout.release(old)
 
-    # -- layout --------------------------------------------------------------------------------------------------
-
     def _members(self, wanted: set[int] | None) -> list[tuple[Group, torch.Tensor]]:
         """(group, param) for every param (or those whose id is in ``wanted``), in group order."""
         return [(g, p) for g in self.optimizer.param_groups for p in g["params"] if wanted is None or id(p) in wanted]
 
     def _lay_out(self, members: Sequence[tuple[Group, torch.Tensor]], *, wait: bool = True) -> None:
-        """Put the state of ``members`` where streaming keeps it, as every operation does (plan, copy, commit):
-        the plan places each entry (the session's ``Placer``); one that belongs on an accelerator is copied into
-        its place in a new chunk's host buffer (``engine.run(into=...)``, on this device's lane), one that belongs
-        on the host onto the host, a group's tensors where the plan places them (as a move does);
-        ``engine.commit`` installs them, all or nothing. ``wait``: the host waits for the copies here (else the
-        next step's loads, on the same lane, are ordered after them)."""
+        """Put the state of ``members`` where streaming keeps it, on the one road (plan, ``engine.run(into=)`` the
+        new chunks' host views, ``engine.commit``: all or nothing). ``wait``: the host waits for the copies here
+        (else the next step's loads, on the same lane, come after them)."""
         opt = self.optimizer
         state = opt.state
         # (an entry that is no dict, a tensor, is refused by the plan, naming it: its truth is not asked here)
@@ -314,8 +275,6 @@ class Streamed:
             self._unwritten.update(unwritten)
             raise
         layout.release(chunks)
-
-    # -- the step -----------------------------------------------------------------------------------------------
 
     def _step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         opt = self.optimizer
@@ -546,8 +505,6 @@ class Streamed:
                 return True
         return any(e.state.get(e.key) is not e.obj for e in c.entries)
 
-    # -- entering and leaving ----------------------------------------------------------------------------------
-
     def _install(self, opt: Any) -> None:
         streamed = self
         raw = self._raw
@@ -567,16 +524,12 @@ class Streamed:
             finally:
                 stepping.on = False
 
-        # NOTE: torch.compile never traces the streamed step (its copies, events and adoptions): the call below
-        # is a graph break and runs as it is. The installed step stays a plain function, since torch.compile of
-        # a disabled function itself compiles the function it wraps (dynamo's innermost_fn).
+        # NOTE: a graph break under torch.compile; installed as a plain function (streamed_step), since compiling a
+        # disabled function compiles the function it wraps (dynamo's innermost_fn).
         eager = torch.compiler.disable(run)  # type: ignore[no-untyped-call]
 
-        # NOTE: installed as plain functions that find the optimizer through the mode's weak reference, as an LR
-        # scheduler's step wrapper does: a method bound to the optimizer, in its own __dict__, would be a
-        # reference cycle, and a dropped streamed optimizer would hold its host buffers until the collector ran.
-        # Nothing here refers to them back (unstream() removes them as fronts, held weakly), so no cycle forms
-        # that way.
+        # NOTE: plain functions finding the optimizer through the mode's weak reference: a bound method in its own
+        # __dict__ would be a cycle, holding a dropped optimizer's host buffers until the collector ran.
         def streamed_step(*args: Any, **kwargs: Any) -> Any:
             return eager(*args, **kwargs)
 
@@ -593,9 +546,8 @@ class Streamed:
 
         front = _offload.Front(opt, "state_dict", streamed_state_dict)
 
-        # An LR scheduler wraps optimizer.step to record that it ran (_opt_called), unless the step says it is
-        # wrapped already. Ours records it itself, and so is never wrapped: unstream() can restore exactly what
-        # was there before.
+        # (an LR scheduler wraps a step not marked so to record _opt_called: ours records it itself, and stays
+        # unwrapped, so that unstream() restores exactly what was there)
         streamed_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         self._handles = [
             _offload.Front(opt, "step", streamed_step),
@@ -613,10 +565,8 @@ class Streamed:
         _mode.enter(opt, self)
 
     def _refuse_bypass(self, opt: Any, args: Any, kwargs: Any) -> None:
-        """A step pre-hook, the optimizer's first: the class's own step, called while streamed by anything but the
-        streamed step in this thread (a bound ``opt.step`` kept from before :func:`stream`, as Accelerate's
-        GradScaler path keeps one), would run over host state; refused before the step or the optimizer's other
-        hooks run (torch's global step pre-hooks run before any optimizer's own)."""
+        """The optimizer's first step pre-hook: refuses the class's own step called by anything but the streamed step
+        in this thread (a bound ``opt.step`` kept from before :func:`stream`): it would run over host state."""
         if len(opt._optimizer_step_pre_hooks) > 1:
             self.wait()  # (a user's pre-hook reads the state the last step's write-backs still write)
         if not getattr(self._stepping, "on", False):
@@ -637,10 +587,8 @@ class Streamed:
 
 
 def _track_step_called(opt: torch.optim.Optimizer) -> None:
-    """An LR scheduler made while streamed found our step marked as wrapped (see :meth:`Streamed._install`) and
-    left it alone: where the step now back in place is not wrapped, wrap it as that scheduler would have
-    (``torch.optim.lr_scheduler``: it records ``_opt_called``), or its first ``step()`` after unstream() warns
-    that ``optimizer.step()`` was overridden. A scheduler was made if a group holds ``initial_lr``."""
+    """Wrap the step back in place as an LR scheduler made while streamed (a group holds ``initial_lr``) would have,
+    had ours not been marked wrapped: else its first ``step()`` warns that ``optimizer.step()`` was overridden."""
     method: Any = opt.step
     if hasattr(method, "_wrapped_by_lr_sched") or getattr(method, "__self__", None) is not opt:
         return
@@ -676,19 +624,17 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
     ok, why = _policy.separable(type(optimizer))
     if not ok:
         cls = type(optimizer).__name__
+        alone = "updates each param from that param's grad and state alone"
+        needs = f"{alone}, which stepping a chunk at a time needs. If it does, declare it: optimshift.register_policy("
+        needs += f"{cls}, lambda *a: None, separable=True)."
         reasons = {
             "not separable": f"{cls}'s step is not a per-param update (it flattens every grad into one vector, keeps "
-            f"its history over all params and runs one line search over all of them), so it cannot "
-            f"be stepped a chunk at a time. Keep its state on the device, or offload() it between "
-            f"steps.",
-            "overrides step": f"{cls} overrides step(): optimshift cannot tell whether it updates each param from "
-            f"that param's grad and state alone, which stepping a chunk at a time needs. If it "
-            f"does, declare it: optimshift.register_policy({cls}, lambda *a: None, separable=True).",
-            "registered": f"the policy registered for {cls} does not declare it separable; if its step updates each "
-            f"param from that param's grad and state alone, register it with separable=True.",
-            "unknown": f"{cls} is not a torch.optim optimizer, and nothing says its step updates each param from "
-            f"that param's grad and state alone, which stepping a chunk at a time needs. If it does, "
-            f"declare it: optimshift.register_policy({cls}, lambda *a: None, separable=True).",
+            f"its history over all params and runs one line search over all of them), so it cannot be stepped a "
+            f"chunk at a time. Keep its state on the device, or offload() it between steps.",
+            "overrides step": f"{cls} overrides step(): optimshift cannot tell whether it {needs}",
+            "registered": f"the policy registered for {cls} does not declare it separable; if its step {alone}, "
+            f"register it with separable=True.",
+            "unknown": f"{cls} is not a torch.optim optimizer, and nothing says its step {needs}",
         }
         raise ValueError(f"{name}: stream: {reasons[why]}")
     tracked = next((f"group {gi} has" for gi, g in enumerate(optimizer.param_groups) if g.get("differentiable")), None)
@@ -762,9 +708,8 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
             with _engine.no_gc():
                 mode._lay_out(mode._members(None))
             mode._install(optimizer)
-        # (state that sat at fixed addresses is on the host now, its copies complete, the mode in place: its
-        # range's memory is freed, as after a move, still under the lock (another thread's reload maps into the
-        # same layout); a warning raised as an error there leaves a streamed optimizer)
+        # (state that sat at fixed addresses is on the host now: its range's memory is freed as after a move, under
+        # the lock (another thread's reload maps into the same layout))
         _addresses.release(optimizer, optimizer_name(optimizer))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(

@@ -1,14 +1,7 @@
-"""What an offload remembers, and transfers still in flight.
-
-:func:`optimshift.offload` records where each tensor was (by site), where each param was, the pool buffers
-the host copies live in and the grads it took; :func:`optimshift.reload` reads the record back and forgets
-it. A non-blocking transfer is a :class:`PendingTransfer`. While one is in flight, everything that reads the
-state through the optimizer waits for it first: its ``step()``, ``state_dict()`` and ``load_state_dict()``
-through pre-hooks (removed by the next operation on that optimizer), and every optimshift operation through
-:func:`end_pending` (an operation that changes the state) or ``pending_of(optimizer).order_before_use()``
-(one that reads it), by :meth:`PendingTransfer.order_before_use`'s rule. What it remembers lives in the
-optimizer's :class:`optimshift._session.Session`.
-"""
+"""What an offload remembers (:class:`Record`), and transfers still in flight (:class:`PendingTransfer`), which
+whatever reads the state waits for first: the optimizer's own methods through hooks and fronts, every optimshift
+operation through :func:`end_pending` or ``pending_of(optimizer).order_before_use()``. Kept in the optimizer's
+:class:`optimshift._session.Session`."""
 
 from __future__ import annotations
 
@@ -119,14 +112,9 @@ class PendingTransfer:
             self._finish()
 
     def order_before_use(self, *, host: bool = False) -> None:
-        """Order whatever touches the transferred tensors next after the copies: the host waits for copies that
-        write host memory (host code reads it: ``torch.save``, a compaction, a staging ``cat``), or when ``host``
-        (the host itself reads); otherwise the device's current stream waits (work queued there reads it), with
-        no host sync, and the host waits only where the device has no stream to wait on.
-
-        # NOTE: a device-side wait suffices only for work on the current stream; the engine's side stream
-        # waits for the current stream before its copies, so the next transfer is ordered too.
-        """
+        """Order what touches the transferred tensors next after the copies: the host waits for copies writing
+        host memory, or when ``host`` (it reads them itself); otherwise the device's current stream waits, no host
+        sync (the engine's side stream waits for the current one before its copies: the next transfer is ordered)."""
         event = self._event  # (read once: another thread's wait() may finish it meanwhile)
         if event is None or self.done():
             return  # complete already: the host knows, so everything issued from now on comes after it
@@ -138,8 +126,8 @@ class PendingTransfer:
             streams.wait_event(streams.current(self.device), event)  # (an event complete by now: no wait)
 
     def retire(self) -> None:
-        """The transfer is over for its optimizer (the next operation changes the state): order what comes next
-        after the copies and run the done-callbacks, the host waiting for the copies first only where one waits."""
+        """The transfer is over for its optimizer: order what comes next after it and run the done-callbacks (the
+        host waits for the copies only where there are callbacks)."""
         self.order_before_use()
         if self._callbacks:
             self.wait()
@@ -158,9 +146,8 @@ def positions_of(optimizer: Any) -> Positions:
 
 @dataclass
 class Record:
-    """Where each tensor was (by site ident: group and param positions, as ``positions`` had them), where each param
-    was (by ``id(param)``), the pool buffers the host copies live in, and the grads offload took (``{id(param):
-    (param, host grad)}``)."""
+    """What an offload took: where each tensor (by site ident, its positions as ``positions`` had them) and each
+    param (by id) was, the pool buffers its host copies live in, its grads (``{id(param): (param, host grad)}``)."""
 
     devices: dict[Ident, torch.device] = field(default_factory=dict)
     param_devices: dict[int, torch.device] = field(default_factory=dict)
@@ -193,10 +180,8 @@ class Record:
         )
 
     def sites(self, optimizer: Any) -> dict[Ident, torch.device]:
-        """``devices`` with each site named by the positions its group and param have now (the record itself
-        unchanged): groups removed, inserted or reordered while offloaded (``param_groups.pop(0)``) would otherwise
-        give one param's recorded device to another. A site whose group or param is not there now is left out
-        (found again if it comes back before another offload). A group is the same one by its dict and its params."""
+        """``devices`` by the positions each site's group (its dict and params) and param have now: groups reordered
+        while offloaded would give one param's device to another; a site not there now is left out."""
         now = positions_of(optimizer)
         if self.positions == now:
             return self.devices
@@ -231,11 +216,8 @@ _unweakable_lock = threading.RLock()  # for optimizers that cannot be weakly ref
 
 @contextlib.contextmanager
 def exclusive(optimizer: Any) -> Iterator[None]:
-    """Run one operation on ``optimizer`` at a time, from any thread (re-entrant: reload calls move).
-
-    # NOTE: an offload in one thread and a reload in another, interleaved, could otherwise record the host as
-    # the original device or drop the record, leaving the state stranded on the host.
-    """
+    """Run one operation on ``optimizer`` at a time, from any thread (re-entrant: reload calls move): interleaved,
+    an offload and a reload could record the host as the original device, stranding the state there."""
     session = _session.get(optimizer)
     with _unweakable_lock if session is None else session.lock:
         yield
@@ -247,9 +229,8 @@ def record_of(optimizer: Any) -> Record | None:
 
 
 def guard(optimizer: Any, record: Record) -> list[Any]:
-    """Before an offload copies anything: whether its record can be kept, and, the first time, the hooks that guard
-    offloaded state, installed (a registration that fails, an object without torch's hook dicts, raises with
-    nothing changed). Returns the handles installed now, for the caller to remove if the offload fails."""
+    """Before an offload copies anything: refuse an optimizer whose record cannot be kept, and install the hooks
+    guarding offloaded state the first time; returns those installed now, for the caller to remove on a failure."""
     name = type(optimizer).__name__
     if _session.get(optimizer) is None:
         raise TypeError(f"{name} cannot be weakly referenced: its offload cannot be remembered; nothing was changed")
@@ -264,15 +245,16 @@ def set_record(optimizer: Any, record: Record) -> None:
     """Keep ``record`` for ``optimizer`` (:func:`guard` installed its hooks)."""
     session = _session.get(optimizer)
     assert session is not None  # (guard checked)
-    if record.grads and hasattr(optimizer, "__dict__") and not any(isinstance(h, _ZeroGrad) for h in record.hooks):
-        record.hooks.append(_ZeroGrad(optimizer))
+    zeroing = any(isinstance(h, Front) and h.name == "zero_grad" for h in record.hooks)
+    if record.grads and hasattr(optimizer, "__dict__") and not zeroing:
+        record.hooks.append(Front(optimizer, "zero_grad", _ZeroGradFront(weakref.ref(optimizer))))
     with _lock:
         session.record = record
 
 
 def _install_hooks(optimizer: Any) -> list[Any]:
-    """While offloaded: ``step()`` refuses at once (before any counter moves), and ``state_dict()`` returns
-    compact copies of the host tensors instead of views into shared pool buffers."""
+    """While offloaded, ``step()`` refuses at once and ``state_dict()`` returns compact copies of the host tensors;
+    a registration that fails (no hook dicts) raises TypeError with nothing changed."""
     handles: list[Any] = []
     try:
         register_pre = getattr(optimizer, "register_step_pre_hook", None)
@@ -297,8 +279,8 @@ def _install_hooks(optimizer: Any) -> list[Any]:
 
 
 def registered_first(handle: Any) -> Any:
-    """A hook just registered (its ``handle``), moved before the hooks registered earlier: a user's pre-hook must
-    not run before optimshift's refusal, or read state before optimshift's wait for a transfer in flight."""
+    """The hook just registered (``handle``) moved first: a user's pre-hook must not run before optimshift's
+    refusal or its wait for a transfer in flight."""
     hooks = handle.hooks_dict_ref()
     if hooks is not None:
         hooks.move_to_end(handle.id, last=False)
@@ -309,10 +291,8 @@ _MISSING = object()
 
 
 class Front:
-    """A front in the optimizer's ``__dict__``, found before the class's method of that name, for a while (what
-    was there is kept as ``front.previous``: :func:`behind`); ``remove()`` (with the hooks it goes with) takes it
-    away and puts back what was there. Held by the session, it holds the optimizer and its front only weakly (the
-    optimizer holds the front)."""
+    """A front in the optimizer's ``__dict__``, before the class's method of that name, until ``remove()`` puts
+    back what was there (``front.previous``: :func:`behind`); it holds the optimizer and its front weakly."""
 
     def __init__(self, optimizer: Any, name: str, front: Any) -> None:
         self.ref, self.name = weakref.ref(optimizer), name
@@ -335,32 +315,17 @@ def behind(front: Any, optimizer: Any, name: str) -> Any:
     return front.previous if front.previous is not _MISSING else getattr(type(optimizer), name).__get__(optimizer)
 
 
-class _ZeroGrad(Front):
-    """While grads are offloaded (``p.grad`` is None), ``optimizer.zero_grad()`` clears them too, as it would have
-    cleared them on the params: ``set_to_none`` drops them (the reload gives none back), else they are zeroed on
-    the host (:class:`_ZeroGradFront`: ``model.zero_grad()``, or a wrapper calling the class's on itself, cannot
-    see them)."""
-
-    def __init__(self, optimizer: Any) -> None:
-        super().__init__(optimizer, "zero_grad", _ZeroGradFront(weakref.ref(optimizer)))
-
-
 def copy_guard(optimizer: Any, wait: Callable[[Any], None] | None, *, compact: bool = False) -> Front | None:
-    """``copy.deepcopy``, pickle and ``torch.save`` of the whole optimizer read its state through
-    ``__getstate__``, which no hook reaches: a front there, while copies in flight still write the state (a
-    non-blocking transfer, a streamed step's write-backs), that calls ``wait(optimizer)`` first, as
-    ``state_dict()`` waits; ``compact``: while the state is a view into pool buffers (offloaded, streamed), that
-    hands out copies owning exactly their bytes, as ``state_dict()`` does (:func:`compact_state_dict`: a view's
-    whole storage, other optimizers' old bytes included, went into the file). None for an object without a
-    ``__dict__``."""
+    """A ``__getstate__`` front (deepcopy, pickle and ``torch.save`` of the optimizer, which no hook reaches) that
+    calls ``wait(optimizer)`` first and, if ``compact``, hands out :func:`compact_state_dict`'s copies, as
+    ``state_dict()`` does; None for an object without a ``__dict__``."""
     if not isinstance(getattr(optimizer, "__dict__", None), dict):
         return None
     return Front(optimizer, "__getstate__", _GetStateFront(weakref.ref(optimizer), wait, compact))
 
 
 class _GetStateFront:
-    """``optimizer.__getstate__`` while copies in flight write its state or it sits in pool buffers: waits, or
-    compacts, the one it stands before's answer (see :func:`copy_guard`)."""
+    """:func:`copy_guard`'s front."""
 
     __slots__ = ("ref", "wait", "compact", "previous", "__weakref__")
 
@@ -385,9 +350,9 @@ class _GetStateFront:
 
 
 class _ZeroGradFront:
-    """``optimizer.zero_grad`` while grads are offloaded: clears the offloaded grads of the optimizer's params
-    (``set_to_none`` as the ``zero_grad`` it stands in front of reads it, with its default), then calls that one.
-    Its signature is that one's (Accelerate reads it); a copy or pickle of it is the class's ``zero_grad``."""
+    """``optimizer.zero_grad`` while grads are offloaded: clears them too (by the ``set_to_none`` the one behind it
+    reads: ``model.zero_grad()`` cannot see them), then calls that one; its signature is that one's (Accelerate
+    reads it)."""
 
     __slots__ = ("ref", "previous", "__weakref__")
 
@@ -445,13 +410,8 @@ def _refuse_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def compact_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A state_dict whose tensors own exactly their bytes: the ``state_dict()`` post-hook of an offloaded
-    optimizer and of a streamed one (:mod:`optimshift._streaming`), whose host state is a view into pool buffers.
-
-    # NOTE: offloaded and streamed state are views into pool buffers shared with other tensors (even other
-    # optimizers'); torch.save writes a view's whole storage, so a checkpoint taken then would hold their bytes.
-    # The live per-param dicts are shared with the returned state_dict: build new ones, never mutate them.
-    """
+    """The ``state_dict()`` post-hook of an offloaded or streamed optimizer: its views into pool buffers cloned, as
+    ``torch.save`` writes a view's whole storage (other tensors' bytes). The live dicts are copied, never mutated."""
     # (an offload from another thread since the state_dict() pre-hook waited: its copies still write host
     # buffers the copies below read; after it, under its lock, they are waited for)
     with exclusive(optimizer):
@@ -497,8 +457,7 @@ def _compact(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:
-    """``value`` with the tensors in ``compact`` swapped for their compact copies; containers that hold one
-    are copied (the live ones are shared with the optimizer), everything else is shared as it is."""
+    """``value`` with the tensors in ``compact`` swapped for their copies, the containers holding one copied."""
     if isinstance(value, torch.Tensor):
         return compact.get(id(value), value)
     found = [t for _, t in leaves(value)]
@@ -508,9 +467,7 @@ def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:
 
 
 def end_pending(optimizer: Any) -> None:
-    """Before an operation changes this optimizer's state: the transfer still in flight is over for it: order
-    the operation after it and run its callbacks (:meth:`PendingTransfer.retire`), and remove the hooks that
-    guarded it."""
+    """Before an operation changes the state: retire the transfer in flight and remove the hooks guarding it."""
     session = _session.of(optimizer)
     if session is None:
         return
@@ -525,22 +482,16 @@ def end_pending(optimizer: Any) -> None:
 
 
 def pending_of(optimizer: Any) -> PendingTransfer:
-    """The transfer in flight on this optimizer (a done one when none is): what a read orders itself after,
-    changing nothing else (the guarding hooks stay)."""
+    """The transfer in flight on this optimizer (a done one when none is): what a read orders itself after."""
     session = _session.of(optimizer)
     pending = None if session is None else session.pending
     return pending or PendingTransfer()
 
 
 def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
-    """Keep a transfer still in flight, and make the optimizer's next ``step()``, ``state_dict()`` and
-    ``load_state_dict()`` wait for it first (see :meth:`PendingTransfer.order_before_use`).
-
-    # NOTE: one pre-hook of each kind per optimizer, which waits for whatever is pending when it runs. They
-    # cannot remove themselves: torch iterates its hook dict while calling the hooks, and deleting from it
-    # there raises as soon as another hook follows. Once they have waited they do nothing until the next
-    # optimshift operation on this optimizer removes them (``end_pending``).
-    """
+    """Keep a transfer in flight; the optimizer's ``step()``, ``state_dict()`` and ``load_state_dict()`` pre-hooks
+    wait for it first. They stay until the next operation (``end_pending``): a hook cannot remove itself while
+    torch iterates the hook dict."""
     if pending.done():
         return
     registers = [
@@ -574,8 +525,8 @@ def _wait_before_use(optimizer: Any, *_: Any) -> None:
 
 
 def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
-    """Drop the offload record and give its host buffers back to the pool, to be reused once the copies that
-    read them (``pending``) are done and nothing looks into them any more (the pool checks both)."""
+    """Drop the offload record and give its host buffers back to the pool, reused once ``pending``'s copies are
+    done and nothing looks into them."""
     session = _session.of(optimizer)
     if session is None:
         return
@@ -589,16 +540,14 @@ def forget(optimizer: Any, pending: PendingTransfer | None = None) -> None:
 
 
 def give_back(buffers: Sequence[torch.Tensor], event: Any | None) -> None:
-    """Return pool ``buffers`` to the pool, reused once ``event`` (the copies still writing them) is done: an
-    offload record's when it ends, a failed operation's copies' (kept for the next offload, not freed)."""
+    """Return pool ``buffers`` to the pool, reused once ``event`` (copies still writing them) is done."""
     for buf in buffers:
         host_pool.release(buf, event)
 
 
 def grads_back(optimizer: Any, record: Record | None) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
-    """(param, host grad, what it is, for errors) for each grad that goes back to its param (every way back: a
-    reload, a move, a load), checked before any copy: a grad goes to its param's current device and must match
-    the param, and a grad set while offloaded is never overwritten, nor dropped."""
+    """(param, host grad, label) for each offloaded grad going back to its param, checked before any copy: it must
+    match the param, and a grad set meanwhile is never overwritten."""
     if record is None:
         return []
     name = optimizer_name(optimizer)
@@ -640,8 +589,7 @@ def group_tensors_at(optimizer: Any) -> dict[Ident, torch.Tensor]:
 
 def remember_sides(optimizer: Any, moves: Sequence[tuple[Ident, torch.device, torch.device]]) -> None:
     """Group tensors an operation took from an accelerator to the host (``moves``: site, from, to) remember where
-    they were, by the tensor now at their site (a move back puts it there again: ``policy.Placer.side``); one
-    placed on an accelerator forgets it, and so does one no group holds any more."""
+    from (``policy.Placer.side``); one placed on an accelerator, or held by no group, forgets it."""
     session = _session.get(optimizer)
     if session is None or not (moves or session.group_sides):
         return
@@ -662,11 +610,8 @@ def left_in_buffers(
     transfers: Sequence[Transfer],
     extra: Sequence[tuple[torch.Tensor, torch.device, str]] = (),
 ) -> set[int]:
-    """ids of the tensors of ``transfers`` and ``extra`` (tensor, target, what) that stay on the host as views into
-    ``buffers`` (an offload record's pool buffers, a streamed optimizer's chunks): an operation that gives them
-    back gives each a storage of its own, as a fresh optimizer's host state has (a view kept its buffer, pinned,
-    which the pool counted as free, and ``torch.save`` wrote the whole buffer, whatever bytes it held before
-    included)."""
+    """ids of the tensors of ``transfers`` and ``extra`` that stay on the host as views into ``buffers``, which the
+    caller gives back: each is given a storage of its own (a view kept the buffer, and ``torch.save`` wrote it)."""
     if not buffers:
         return set()
     pooled = {storage_of(buf) for buf in buffers}
@@ -684,18 +629,15 @@ def left_in_buffers(
 def give_grads_back(
     grads: Sequence[tuple[torch.Tensor, torch.Tensor, str]], copies: Mapping[int, torch.Tensor]
 ) -> None:
-    """Each of :func:`grads_back`'s grads back on its param: the same object, holding its copy (``copies``, by the
-    host grad's id; none: it is where its param is already) on the param's device."""
+    """Each of :func:`grads_back`'s grads back on its param, the same object holding its copy (``copies``, by id)."""
     for p, host_grad, _ in grads:
         copy = copies.get(id(host_grad))
         p.grad = host_grad if copy is None else kept(host_grad, copy)
 
 
 def prepare_discard(optimizer: Any) -> Callable[[], None]:
-    """For a load that replaces the optimizer's state: finish any transfer in flight and copy offloaded grads
-    back to their params' devices now, by :func:`grads_back`'s rule and the engine's copies (this may raise;
-    nothing has changed then); the returned function, called once the new state is installed, hands the grads
-    back and forgets the old record and its buffers."""
+    """For a load replacing the state: copy offloaded grads back now (may raise, nothing changed); the returned
+    function, once the new state is installed, gives them back and forgets the record."""
     end_pending(optimizer)
     record = record_of(optimizer)
     if record is None:

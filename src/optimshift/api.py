@@ -20,7 +20,7 @@ from . import _addresses, _device_streams, _engine, _mode, _offload, _plan_cache
 from . import policy as _policy
 from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
-from ._devices import HOSTS, DeviceLike, resolve
+from ._devices import HOST, HOSTS, DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
 from ._errors import add_note, dtype_name, with_article
 from ._offload import (
@@ -376,20 +376,14 @@ def offload(
 ) -> Opt | PendingTransfer:
     """Move all state to host memory and remember where each tensor was, for :func:`reload`.
 
-    Host copies live in a persistent pool (pinned where the state's accelerator can pin host memory, e.g. CUDA, unless
-    ``pin_memory`` is False), reused cycle after cycle; the state tensors stay the same objects. ``include=("grads",)``
-    also takes the params' ``.grad`` tensors, so the optimizer holds nothing on the device: while offloaded each such
-    ``param.grad`` is ``None`` (torch refuses a host grad on an accelerator param, and a backward would accumulate into
-    it across devices) and the grad, the same object, holds its values in the host pool, kept by optimshift;
-    :func:`reload` gives each param that object back. ``non_blocking=True`` returns a :class:`PendingTransfer` at once
-    (copies run on a side stream; ``wait()`` before reading the host copies); otherwise the optimizer. Offloading an
-    offloaded optimizer only moves what was added since.
-
-    ``keep_addresses=True``: :func:`reload` puts every state tensor back at the same ``data_ptr()`` (a CUDA graph
-    that captured the step stays valid), in a range reserved on its device whose memory is unmapped while
-    offloaded (CUDA virtual memory management; the first such reload lays the state out there, so addresses change
-    once: :func:`keep_addresses` does it beforehand). Raises ValueError, before anything changes, on a device that
-    cannot; ``"auto"``: keeps them where the device can, else offloads as usual (one log line).
+    Host copies live in a persistent pool (pinned where the accelerator pins, unless ``pin_memory`` is False); the
+    state tensors stay the same objects. ``include=("grads",)`` also takes the params' ``.grad`` tensors (each
+    ``param.grad`` is ``None`` while offloaded; :func:`reload` gives it the same object back). ``non_blocking=True``
+    returns a :class:`PendingTransfer` at once (``wait()`` before reading the host copies); otherwise the optimizer.
+    Offloading an offloaded optimizer only moves what was added since. ``keep_addresses=True``: :func:`reload` puts
+    every state tensor back at its ``data_ptr()`` (a captured CUDA graph stays valid; the first such reload lays the
+    state out, :func:`keep_addresses` does it beforehand); ValueError, before anything changes, on a device that
+    cannot; ``"auto"``: kept where the device can.
     """
     check_optimizer(optimizer)
     _check_flags(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
@@ -398,12 +392,8 @@ def offload(
     _session.rememberable(optimizer, "offload")
     keep = _addresses.keeping(optimizer, keep_addresses, optimizer_name(optimizer))
     end_pending(optimizer)
-    host = torch.device("cpu")
     previous = record_of(optimizer)
-    if previous is not None:
-        record = previous.extended(optimizer)
-    else:
-        record = Record(positions=_offload.positions_of(optimizer))
+    record = Record(positions=_offload.positions_of(optimizer)) if previous is None else previous.extended(optimizer)
     record.keep_addresses = record.keep_addresses | keep
     grads = []
     for gi, group in enumerate(optimizer.param_groups):
@@ -427,9 +417,8 @@ def offload(
     ) -> tuple[torch.device, str]:
         record.devices.setdefault(ident, tensor.device)  # (the record is kept only once every copy exists)
         sources[ident] = tensor.device
-        if tensor.is_meta:  # (it holds no memory to free and no values to take: it stays, and reload leaves it)
-            return tensor.device, "offload"
-        return host, "offload"
+        # (one on meta holds no memory to free and no values to take: it stays, and reload leaves it)
+        return tensor.device if tensor.is_meta else HOST, "offload"
 
     # (only a first offload is cached: it records every device, and a reload can undo exactly that plan)
     key = ("offload", "grads" in include) if previous is None else None
@@ -444,7 +433,7 @@ def offload(
             to_host,
             what="offload",
             options=Options(non_blocking=non_blocking, pin_memory=pin_memory is not False, keep_host_views=True),
-            extra=[(p.grad, host, f"the .grad of {label_in(optimizer, *where)}") for where, p in grads],
+            extra=[(p.grad, HOST, f"the .grad of {label_in(optimizer, *where)}") for where, p in grads],
             cache_key=key,
             grads="grads" in include,
             sides=True,  # (a device lr taken to the host: a move of the offloaded optimizer puts it back there)
@@ -484,12 +473,9 @@ def offload(
 
 
 def wait(optimizer: Any) -> None:
-    """Block the host until a non-blocking offload/reload of ``optimizer`` still in flight is complete, and, for
-    a streamed optimizer, until its last step's write-backs are in host memory: what code that reads
-    ``optimizer.state`` directly must call first (as ``PendingTransfer.wait()`` or the stream handle's
-    ``wait()``, for when the handle is not at hand). A no-op when nothing is in flight."""
-    # (wait(model) waited for nothing, silently; the groups, which a wait never walks, are not asked: a wait per
-    # iteration would pay a pass over every param)
+    """Block the host until a non-blocking offload/reload in flight is complete and a streamed optimizer's last
+    write-backs are in host memory: call it before reading ``optimizer.state`` directly. A no-op otherwise."""
+    # (wait(model) waited for nothing, silently; the groups are not walked: a wait per iteration would pay for it)
     receiver = check_optimizer(unwrap(optimizer), groups=False)
     pending_of(receiver).order_before_use(host=True)
     mode = _mode.mode_of(receiver)
@@ -506,16 +492,15 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
     """Where :func:`reload` puts each tensor of an offloaded optimizer (what :func:`check` judges it by)."""
     by_policy = policy_target(optimizer, None)
     sites = record.sites(optimizer)  # (named by today's positions)
-    # a group tensor the offload took, still at a site it was taken from: judged with that site's group (whose
-    # params may have moved meanwhile), also where another group holds it now (added meanwhile: the same lr)
+    # a group tensor the offload took, still at a site it was taken from: judged with that site's group, also
+    # where another group holds it now
     held_now = group_tensors_at(optimizer)
     origin = {
         id(t): optimizer.param_groups[gi]
         for (gi, _, path), t in held_now.items()
         if (w := sites.get((gi, None, path))) is not None and w.type not in HOSTS
     }
-    # a host tensor at a site the record knows as a host site: a group given it meanwhile (add_param_group: the
-    # same tensor lr) keeps it there too
+    # a host tensor at a site the record knows as a host site: a group given it meanwhile keeps it there too
     on_host = {id(t) for site, t in held_now.items() if (w := sites.get(site)) is not None and w.type in HOSTS}
 
     placers: dict[torch.device, _policy.Placer] = {}
@@ -542,16 +527,13 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             and record.param_flags.get(id(param), group_flags(group)) != group_flags(group)
             and (device := state_device(ident[0], cast(int, ident[1]), param)) is not None
         ):
-            # NOTE: the group's flags changed while offloaded (capturable or fused switched on): each entry goes
-            # where a fresh optimizer with these flags keeps it, the param's state on the accelerator it was on
+            # NOTE: the group's flags changed while offloaded: where a fresh optimizer with them keeps it, there
             placer = placers.get(device) or placers.setdefault(device, policy_target(optimizer, device))
             return placer(ident, param, group, key, tensor)
         was = sites.get(ident)
         if param is None and ident[0] != OPTIMIZER_WIDE:
-            # NOTE: a group tensor goes back where the offload took it from, whatever group site holds it now (one
-            # tensor lr several groups hold: a group added or given it meanwhile); another one on the host stays
-            # where its site was, and one given meanwhile at a site the offload took one from, or on a device, is
-            # placed by the policy, as a move places it
+            # NOTE: a group tensor goes back where the offload took it from, whatever group holds it now; another
+            # on the host stays; one given meanwhile where the offload took one, or on a device: by the policy
             taken = record.taken.get(id(tensor))
             if taken is not None and taken[1] is tensor:
                 own = was is not None and was.type not in HOSTS  # (a site taken from: judged with its own group)
@@ -564,9 +546,8 @@ def _reload_target(optimizer: Any, record: Record) -> TargetFn:
             elif not tensor.is_cpu or (was is not None and was.type not in HOSTS):
                 was = None
         if param is None and was is not None and _group_moved(record, group):
-            # the group's params moved (or its flags changed) while offloaded: its tensors go where a fresh optimizer
-            # keeps them for the params' device now, on the side they were given on (for one the offload found on
-            # the host, the side the session remembers from the move that took it there)
+            # the group's params moved (or its flags changed) while offloaded: placed for them now, on the side they
+            # were given on (one found on the host: the side the session remembers)
             side = was if was.type not in HOSTS else by_policy.side(tensor) or was
             return by_policy.at(None, group, key, tensor, by_policy.params_at(group, tensor), side=side)
         if param is not None and record.param_devices.get(id(param)) != param.device:
@@ -592,16 +573,12 @@ def reload(
 def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt | PendingTransfer:
     """Put offloaded state back exactly where it was, in the same tensor objects; without ``device``, a no-op
     for an optimizer that is not offloaded. With ``device``, the state goes where a fresh optimizer on ``device``
-    keeps it, offloaded or not (as :func:`move` puts it): one call that brings the state to a device, as RL
-    frameworks' move-to-device functions expect.
+    keeps it, offloaded or not (as :func:`move` puts it).
 
-    Where a group's implementation flags changed while offloaded (``capturable`` switched on), its entries go where a
-    fresh optimizer with those flags keeps them, on the device their state was on; entries of a param that moved while
-    offloaded, where a fresh optimizer keeps them for its new device. State offloaded with ``keep_addresses`` comes back
-    at the addresses it had (see :func:`offload`); with ``device`` it leaves its reserved range (allocated as usual
-    there, the range's memory released). ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the copies
-    run on a side stream and the optimizer's next ``step()`` waits for them on the device, so a reload issued before the
-    forward pass overlaps with it (offloaded grads, read before ``step()``, are waited for at once).
+    A group whose flags changed while offloaded, or a param that moved, gets its entries where a fresh optimizer
+    keeps them now. ``keep_addresses`` state comes back at its addresses (with ``device``: allocated as usual).
+    ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the next ``step()`` waits for the copies on the
+    device, so a reload issued before the forward pass overlaps with it.
     """
     check_optimizer(optimizer)
     _check_flags(optimizer, "reload", non_blocking=non_blocking)
@@ -705,13 +682,10 @@ def _leave_offloaded(optimizer: Any, session: _session.Session | None, *, only_o
 
 
 def keep_addresses(optimizer: Opt) -> Opt:
-    """Lay the state out at addresses every later ``offload(keep_addresses=True)`` and reload keep (as the first
-    such offload and reload do; a plain ``offload``, a ``move`` or ``reload(opt, device)`` takes it out of them;
-    raises ValueError, before anything changes, where a device cannot): call it before capturing a CUDA graph of
-    the step, so that no graph ever re-records. An offload and reload, each on the one road (where the reload
-    cannot map the range, the state is reloaded as usual and the error says so, unless some of it was kept at
-    addresses already: it then stays offloaded, keeping them); for an offloaded optimizer, marks it so that its
-    reload lays the state out."""
+    """Lay the state out at addresses every later ``offload(keep_addresses=True)`` and reload keep: call it before
+    capturing a CUDA graph of the step (ValueError, before anything changes, where a device cannot). An offload and a
+    reload: where the reload cannot map the range, the state is reloaded as usual (stays offloaded, if some of it
+    kept addresses already) and the error says so; an offloaded optimizer's reload does it."""
     inner = unwrap(optimizer)
     _session.get(inner)  # (made now: the lock below is the one its offload and reload take)
     # (one operation, under one hold of the lock: no other thread's operation runs between the offload and the
@@ -774,11 +748,8 @@ def _reload_as_usual(optimizer: Any, error: Exception) -> bool:
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
-    """One row per entry holding a tensor (state and param groups; a tensor two entries hold has two rows): param,
-    key, device, dtype, shape, bytes.
-
-    DTensor state: ``shape`` is global, ``device`` and ``bytes`` are this rank's shard (see :class:`PlacementRow`).
-    """
+    """One row per entry holding a tensor (state and param groups): param, key, device, dtype, shape, bytes (a
+    DTensor's: global ``shape``, this rank's ``device`` and ``bytes``, see :class:`PlacementRow`)."""
     optimizer = check_optimizer(unwrap(optimizer))  # (a wrapper: the optimizer it delegates to)
     pending_of(optimizer).order_before_use()
     rows = []
@@ -791,10 +762,9 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
 
 
 def check(optimizer: torch.optim.Optimizer) -> Report:
-    """Compare every state entry with where a fresh optimizer would keep it; say what each misplacement costs.
-    For a streamed optimizer (:func:`optimshift.stream`), state that belongs on an accelerator is expected on the
-    host, where it lives between steps; an offloaded one (:func:`offload`) is judged by where :func:`reload` puts
-    its state back, in one finding that says so (:func:`placement` lists where each tensor is now)."""
+    """Compare every state entry with where a fresh optimizer would keep it; say what each misplacement costs (a
+    streamed optimizer's accelerator state is expected on the host; an offloaded one's is judged where :func:`reload`
+    puts it)."""
     optimizer = check_optimizer(unwrap(optimizer))  # (a wrapper: the optimizer it delegates to)
     pending_of(optimizer).order_before_use()
     name = optimizer_name(optimizer)
@@ -1017,27 +987,22 @@ def _refuse_dtypes(optimizer: Any, gi: int, pi: int, old: torch.Tensor, new: tor
         return
     group = optimizer.param_groups[gi]
     dtypes = entry_dtypes(state, {id(t) for _, t in group_tensors(group)})
+    new_is = f"{optimizer_name(optimizer)}: rebind: the new param for group {gi}, param {pi} is {dtype_name(new.dtype)}"
+    load = "Load the state with optimshift.load_state_dict(..., cast='param') on an optimizer over the new params"
     if not (new.is_floating_point() or new.is_complex()) and old.dtype in dtypes.values():
         # (a host trial judges floating-point and complex params only: another's state in its old dtype is refused)
         key = next(k for k, d in dtypes.items() if d == old.dtype)
         raise ValueError(
-            f"{optimizer_name(optimizer)}: rebind: the new param for group {gi}, param {pi} is "
-            f"{dtype_name(new.dtype)}, and its state {key!r} was kept for the old param's {dtype_name(old.dtype)}. "
-            f"Load the state with optimshift.load_state_dict(..., cast='param') on an optimizer over the new "
-            f"params; nothing was changed"
+            f"{new_is}, and its state {key!r} was kept for the old param's {dtype_name(old.dtype)}. {load}; nothing "
+            f"was changed"
         )
     rejected = rejected_dtypes(base, group, new, dtypes)
     if rejected:
         r = rejected[0]
-        fix = (
-            # (PyTorch's cast, which cast='param' applies, leaves a complex param's state as saved)
-            f"Cast its state to {dtype_name(r.fresh)} first"
-            if new.is_complex()
-            else "Load the state with optimshift.load_state_dict(..., cast='param') on an optimizer over the new params"
-        )
+        # (PyTorch's cast, which cast='param' applies, leaves a complex param's state as saved)
+        fix = f"Cast its state to {dtype_name(r.fresh)} first" if new.is_complex() else load
         raise ValueError(
-            f"{optimizer_name(optimizer)}: rebind: the new param for group {gi}, param {pi} is "
-            f"{dtype_name(new.dtype)}, and a step rejects its state {r.key!r} in {dtype_name(r.dtype)} with it "
+            f"{new_is}, and a step rejects its state {r.key!r} in {dtype_name(r.dtype)} with it "
             f"({r.error.splitlines()[0]}); a fresh {base.__name__} keeps it as {dtype_name(r.fresh)}. {fix}; nothing "
             f"was changed"
         )

@@ -1,21 +1,8 @@
-"""Counting device-to-host synchronizations.
-
-A host sync is an operation that makes the CPU wait for an accelerator: reading a device scalar
-(``.item()``, ``float(t)``, ``if t:`` — all ``aten._local_scalar_dense``; ``fill_`` of a tensor from a device
-scalar on another device reads it so), copying a device tensor to the host, or an op whose output size depends
-on device data (``nonzero``, ``masked_select``, ``unique``…, and indexing by a boolean mask: ``x[mask]``,
-``x[mask] = v``).
-:func:`count_syncs` sees them through a ``TorchDispatchMode``, so it works the same on CUDA, on the simulated
-accelerator and on any other backend, and reports zero for CPU-only work. With ``trace=True`` it also names the
-line of your code (the first frame outside torch) that caused each one.
-
-Device-to-host copies that optimshift's streamed step queues on its copy stream (:func:`async_copies`: on CUDA
-they go non-blocking into pinned memory, and the host does not wait for them) are counted apart, in
-``SyncCount.async_copies``, not as syncs.
-
-Limits: explicit waits that do not go through the dispatcher (``torch.cuda.synchronize()``, event waits) are
-not counted, code under ``torch.compile`` is counted as the ops its graph runs eagerly, and printing a device
-tensor (``repr``: torch formats it with dispatch modes off) is not counted.
+"""Counting device-to-host synchronizations: reading a device scalar (``.item()``, ``if t:``; ``fill_`` from one on
+another device), copying a device tensor to the host, an op whose output size depends on device data (``nonzero``,
+``x[mask]``), seen through a ``TorchDispatchMode`` on any backend. The streamed step's queued copies to the host are
+counted apart (:func:`async_copies`). Not counted: waits outside the dispatcher (``torch.cuda.synchronize()``, event
+waits), printing a device tensor; code under ``torch.compile`` counts as the ops its graph runs eagerly.
 """
 
 from __future__ import annotations
@@ -38,28 +25,18 @@ __all__ = ["count_syncs", "SyncCount", "async_copies"]
 
 _aten = torch.ops.aten
 # Ops whose output size depends on device data: the host must wait for the device to know it.
-_DATA_DEPENDENT = {
-    "nonzero",
-    "masked_select",
-    "_unique2",
-    "unique_dim",
-    "unique_consecutive",
-    "_unique",
-    "equal",
-    "bincount",
-    "repeat_interleave",
-}
+_DATA_DEPENDENT = set(
+    "nonzero masked_select _unique2 unique_dim unique_consecutive _unique equal bincount repeat_interleave".split()
+)
 # Indexing ops that take a boolean mask by its nonzero positions (an output or write of data-dependent size).
 _MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}
 
 
 def _takes_nonzero(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an indexing op takes a boolean mask's positions. ATen writes one host scalar through one mask on
-    the tensor's device as ``masked_fill_`` instead (``x[mask] = 0``, as torch's Rprop does: no sync).
-
-    # NOTE: one value through one mask is taken for that case on any device: for a CUDA tensor, Python makes
-    # ``x[mask] = 0``'s value on the host, for any other device (the simulator's) on that device, where the
-    # dispatcher cannot tell it from a device scalar given on purpose (a sync on CUDA, not counted)."""
+    """Whether an indexing op takes a boolean mask's positions: not one value written through one mask on the
+    tensor's device, which ATen does as ``masked_fill_`` (``x[mask] = 0``, torch's Rprop: no sync; so taken on any
+    device, since the simulator's ``x[mask] = 0`` makes its value there: a device scalar given on purpose goes
+    uncounted)."""
     indices = args[1] if isinstance(args[1], (list, tuple)) else ()
     masks = [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
     if not any(map(_is_device, masks)):  # (a mask on the host: its positions are read there)
@@ -83,16 +60,8 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
 # torch's own wrappers between an op and the code that called it: never the interesting line.
 _PLUMBING = tuple(
-    _TORCH_DIR + p
-    for p in (
-        "_dynamo",
-        "_compile.py",
-        "utils" + os.sep + "_python_dispatch",
-        "utils" + os.sep + "_stats.py",
-        "_ops.py",
-        "_subclasses",
-        "_tensor.py",
-    )
+    os.path.join(_TORCH_DIR, *p.split("/"))
+    for p in "_dynamo _compile.py utils/_python_dispatch utils/_stats.py _ops.py _subclasses _tensor.py".split()
 )
 
 
@@ -101,9 +70,8 @@ _async = threading.local()
 
 @contextlib.contextmanager
 def async_copies(active: bool = True) -> Iterator[None]:
-    """Device-to-host copies made inside (on this thread) are asynchronous transfers queued on a copy stream,
-    not syncs: :class:`SyncCount` counts them in ``async_copies``. Only for copies the host does not wait for
-    (on CUDA: ``non_blocking`` into pinned memory on a side stream)."""
+    """Device-to-host copies made inside, on this thread, are queued ones the host does not wait for (on CUDA:
+    ``non_blocking`` into pinned memory on a side stream): :class:`SyncCount` counts them in ``async_copies``."""
     if not active:
         yield
         return

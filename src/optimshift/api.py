@@ -72,9 +72,7 @@ from .report import (
     PlacementRow,
     Report,
     assumed,
-    default_foreach,
     default_rule_note,
-    runs_foreach,
     sync_cost,
 )
 
@@ -889,14 +887,14 @@ def _explain(
         if default is None:  # (torch's pick for the whole group: a host param or a subclass's makes it single-tensor)
             # (torch picks it over the params with a grad: those a step reached, with state; all if none has any)
             stepped = [p for p in group["params"] if optimizer.state.get(p)] or group["params"]
-            default = defaults[gi] = default_foreach(stepped)
+            default = defaults[gi] = _policy.default_foreach(stepped)
         if (
             held_by is not None
             and on_device
             and at != held_by.device
             and len(site.path) == 1
             and base is not None
-            and runs_foreach(base.__name__, group.get("foreach"), default, group)
+            and _policy.runs_foreach(base.__name__, group.get("foreach"), default, group)
         ):
             # (torch groups each param's tensors by device for its foreach kernels, a host scalar excepted: on
             # another device, which the single-tensor step reads with a sync, the foreach step refuses)

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .policy import default_foreach, runs_foreach
+from .policy import runs_foreach
 
 __all__ = [
     "Finding",
@@ -17,16 +17,12 @@ __all__ = [
     "DIFFERENTIABLE_SYNC_COST",
     "sync_cost",
     "runs_foreach",
-    "default_foreach",
     "assumed",
     "default_rule_note",
 ]
 
-# Host syncs per param per step caused by one 0-dim state tensor that this torch reads on the host being kept
-# on an accelerator instead, as (single-tensor implementation, foreach implementation): the syncs a step makes
-# more than with the entry on the host (Adafactor reads each param's norm on the host wherever its step is).
-# Measured on the simulated accelerator with torch 2.13; tests/test_check.py re-measures every entry, so a torch
-# that changes them fails the suite instead of reporting stale figures.
+# Host syncs per param per step that one 0-dim state tensor torch reads on the host costs kept on an accelerator,
+# (single-tensor, foreach); measured on the simulated accelerator, re-measured by tests/test_check.py.
 SYNC_COST: dict[tuple[str, str], tuple[int, int]] = {
     ("Adam", "step"): (1, 2),
     ("AdamW", "step"): (1, 2),
@@ -41,8 +37,7 @@ SYNC_COST: dict[tuple[str, str], tuple[int, int]] = {
     ("Adafactor", "step"): (1, 3),
 }
 
-# The entries whose cost under ``differentiable=True`` (a single-tensor step that keeps them as tensors) differs
-# from the single-tensor one; re-measured with the others by tests/test_check.py.
+# The entries whose cost under ``differentiable=True`` differs from the single-tensor one (re-measured too).
 DIFFERENTIABLE_SYNC_COST: dict[tuple[str, str], int] = {
     ("Adam", "step"): 0,
     ("AdamW", "step"): 0,
@@ -62,12 +57,10 @@ def sync_cost(
     hyper: Mapping[str, Any] | None = None,
     default: bool | None = None,
 ) -> int | None:
-    """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, for the class (the
-    torch.optim class it steps with, else ``name``); ``foreach=None`` is torch's default (:func:`runs_foreach`,
-    which ``hyper``, the group's hyperparameters, decides with, and ``default``, whether torch's default picks foreach
-    for the group's params where known, else ``on_device``; ``differentiable`` there prices its own step). For
-    a class with a step of its own, with the ``group`` and param rank ``ndim`` given and the param on an
-    accelerator: what its probe counted (``_probe.Observed.reads``). None where nothing was measured."""
+    """Host syncs per param per step of 0-dim state ``key`` kept on an accelerator, by the torch.optim class ``cls``
+    steps with (else ``name``) and the implementation :func:`runs_foreach` picks (``default``: torch's pick for the
+    group where known, else ``on_device``); a class with a step of its own: what its probe counted over ``group``
+    and a param of rank ``ndim``. None where nothing was measured."""
     from ._probe import probe
     from .policy import stepping_base
 
@@ -162,24 +155,12 @@ class Report:
         head = f"optimshift check: {self.optimizer}, {len(self.rows)} state tensors"
         if not self.findings:
             return head + ": every entry is where a fresh optimizer would keep it."
-        table = format_table(
-            ["severity", "param", "key", "device", "dtype", "expected", "syncs/step", "why"],
-            [
-                [
-                    f.severity,
-                    f.param,
-                    f.key,
-                    f.device,
-                    f.dtype,
-                    f.expected,
-                    "" if f.syncs_per_step is None else str(f.syncs_per_step),
-                    f.why,
-                ]
-                for f in self.findings
-            ],
-        )
-        verdict = "OK" if self.ok else "NOT OK"
-        return f"{head}: {verdict}\n{table}"
+        header = ["severity", "param", "key", "device", "dtype", "expected", "syncs/step", "why"]
+        syncs = ["" if f.syncs_per_step is None else str(f.syncs_per_step) for f in self.findings]
+        rows = [
+            [f.severity, f.param, f.key, f.device, f.dtype, f.expected, n, f.why] for f, n in zip(self.findings, syncs)
+        ]
+        return f"{head}: {'OK' if self.ok else 'NOT OK'}\n{format_table(header, rows)}"
 
     __repr__ = __str__
 

@@ -285,11 +285,8 @@ class Streamed:
         if closure is not None:
             with torch.enable_grad():  # as torch.optim's steps call it: once, before any update
                 loss = closure()
-        # (from here a Ctrl-C is held until the chunks are all written back: one that landed between a chunk's step
-        # and its write-back lost that chunk's moments, or left an entry on its window; the closure and the hooks
-        # stay interruptible)
-        # (under the operation lock: another thread's unstream() or state_dict() would see the groups cut down to
-        # a chunk, or move state a chunk still holds)
+        # (a Ctrl-C is held until every chunk is written back: between a step and its write-back it lost the chunk's
+        # moments; under the lock: another thread's unstream() or state_dict() would see the groups cut down)
         with exclusive(opt), _engine.operation(), _engine.uninterrupted():
             out = self._chunks_step(opt, rest, kwargs)
         return loss if closure is not None else out
@@ -345,14 +342,12 @@ class Streamed:
                 found[id(c)] = (c, here, grad or p.grad is not None)
             if rest:
                 plain.append((group, rest))
-        # (a chunk is stepped whole: one with a param no longer in its group, where it was laid out, would step
-        # that param with its old group's hyperparameters, or at all)
-        # (a chunk whose write-back failed is laid out from its window: see _chunk_step)
+        # (a chunk is stepped whole: one with a param no longer where it was laid out is laid out again, as is one
+        # whose write-back failed, from its window)
         misplaced.update(self._unwritten)
         moved = [c for c, here, _ in found.values() if id(c) in misplaced or len(here) != len(c.params)]
         if moved or unlaid:
-            # Params moved (model.to), changed groups or were given another state dict since their state was
-            # laid out: lay it out for where they are now, then schedule again.
+            # (params moved, changed groups or got another state dict since: laid out for now, then scheduled again)
             self.wait()
             self._relay(moved, unlaid)
             return self._schedule(opt)
@@ -683,20 +678,14 @@ def _check(optimizer: Any, chunk_bytes: Any, device: DeviceLike | None) -> torch
 def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: DeviceLike | None = None) -> Streamed:
     """Keep the optimizer's state in host memory and stream it through the device at every ``step()``.
 
-    Every state entry that belongs on an accelerator moves to host memory (pinned on CUDA, from the host pool),
-    laid out in chunks of about ``chunk_bytes`` (consecutive params of one group; a param whose state is larger
-    gets a chunk of its own). Each ``step()`` loads a chunk's state to the param's device, runs the optimizer's
-    own step over that chunk's params while the next chunk loads and the previous one is written back, so the
-    device holds at most two chunks of state at once (plus one larger param's). The result is bitwise the step
-    with all state on the device. Hooks, closures, LR schedulers, ``GradScaler``, clipping, ``state_dict()``
-    and ``load_state_dict`` work unchanged; tensor objects are kept.
-
-    ``device``: the accelerator to stream through (every param on an accelerator must be on it); ``None``: each
-    param's own device. Every ``torch.optim`` class but LBFGS can be streamed (not a subclass with a ``step`` of
-    its own: it may read other params); a third-party class when :func:`optimshift.register_policy` declares it
-    ``separable``. Refused (with the reason) before anything changes: another class, ``differentiable=True``, an
-    offloaded or already streamed optimizer, no param on an accelerator.
-    Returns a :class:`Streamed` handle; :func:`unstream` ends it.
+    State that belongs on an accelerator moves to pinned host memory in chunks of about ``chunk_bytes``; each
+    ``step()`` runs the optimizer's own step one chunk at a time, the next chunk loading and the previous one written
+    back meanwhile (at most two chunks of state on the device, plus one larger param's): bitwise the step with all
+    state on the device; hooks, schedulers, ``GradScaler``, ``state_dict()`` and tensor objects unchanged.
+    ``device``: the accelerator to stream through (``None``: each param's own). Every ``torch.optim`` class but LBFGS
+    (not a subclass with a ``step`` of its own), and a third-party class :func:`optimshift.register_policy` declares
+    ``separable``; refused, before anything changes, for another, ``differentiable=True``, an offloaded or streamed
+    optimizer, no param on an accelerator. Returns a :class:`Streamed` handle; :func:`unstream` ends it.
     """
     optimizer = unwrap(optimizer)  # (a wrapper delegating to an optimizer: that optimizer is streamed)
     with exclusive(optimizer):  # (one operation at a time: two streams, or a stream and an offload, from threads)

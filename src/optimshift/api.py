@@ -39,16 +39,7 @@ from ._offload import (
     remember_pending,
     remember_sides,
 )
-from ._plan import (
-    Ident,
-    Plan,
-    Site,
-    TargetFn,
-    build_plan,
-    check_optimizer,
-    optimizer_name,
-    policy_target,
-)
+from ._plan import Ident, Plan, Site, TargetFn, build_plan, check_optimizer, optimizer_name, policy_target
 from ._probe import Rejection, entry_dtypes, rejected_dtypes
 from ._state import (
     GROUP_SKIP,
@@ -67,14 +58,7 @@ from ._state import (
     rekey,
     unwrap,
 )
-from .report import (
-    Finding,
-    PlacementRow,
-    Report,
-    assumed,
-    default_rule_note,
-    sync_cost,
-)
+from .report import Finding, PlacementRow, Report, assumed, default_rule_note, sync_cost
 
 __all__ = [
     "move",

@@ -48,15 +48,10 @@ __all__ = [
 
 
 class PendingTransfer:
-    """A non-blocking offload or reload whose copies may still be running on a side stream.
-
-    ``done()`` polls, ``wait()`` blocks the host until the copies are complete. Until then the optimizer's
-    ``step()``, ``state_dict()``, ``load_state_dict()`` and every optimshift operation on it wait for the
-    copies by themselves (on the host for an offload, whose copies write host memory; on the device's current
-    stream, without a host sync, for a reload). Code that reads ``optimizer.state[p][k]`` directly must call
-    ``wait()`` (or :func:`optimshift.wait`) first: until then an offloaded tensor holds undefined bytes.
-    On a device without streams (see :mod:`optimshift._device_streams`) transfers are synchronous and a handle is
-    done from the start.
+    """A non-blocking offload or reload whose copies may still be running on a side stream (on a device without
+    streams: done from the start). ``done()`` polls, ``wait()`` blocks the host until they are complete; the
+    optimizer's ``step()``, ``state_dict()``, ``load_state_dict()`` and optimshift's operations wait by themselves,
+    but code reading ``optimizer.state`` directly must ``wait()`` first (until then it holds undefined bytes).
     """
 
     def __init__(self, event: Any | None = None, device: torch.device | None = None, *, to_host: bool = False) -> None:

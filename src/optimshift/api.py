@@ -88,9 +88,8 @@ def _one_at_a_time(fn: F, name: str = "") -> F:
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         inner = unwrap(optimizer)
         _warn_unreached(inner, name or fn.__name__)  # (stacklevel 2: the caller of this wrapper, the user's line)
-        # NOTE: the collector stays off until the operation's frame is gone: its temporaries (a plan entry per
-        # tensor, the copies' lists) are freed by refcount first, so no collection scans them (one that ran
-        # while they were alive would cost ~0.5 us per tensor, a third of a bare move).
+        # NOTE: the collector stays off until the operation's temporaries are freed by refcount: a collection
+        # scanning them would cost ~0.5 us per tensor, a third of a bare move.
         with exclusive(inner), _engine.no_gc(), _engine.operation():
             out = fn(inner, *args, **kwargs)
         return optimizer if out is inner else out
@@ -200,7 +199,6 @@ def _transfer(
     the commit; ``ends``: the pool buffers given back, what stays on the host in them copied out; ``follows``: the
     targets are the params' own devices, where a tensor with values bound for meta is refused."""
     start = time.perf_counter()
-    # (the collector is paused by the caller, _one_at_a_time, until this operation's temporaries are freed)
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     if follows:
         _refuse_meta(optimizer, plan, extra, what)
@@ -250,12 +248,8 @@ def _transfer(
 
 @_one_at_a_time
 def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt:
-    """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it.
-
-    ``device=None``: each param's state follows that param's current device (call it after ``model.to()``).
-    Scalars such as Adam's non-fused ``step`` stay on the host; values, dtypes and tensor objects never
-    change. All or nothing.
-    """
+    """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it (``None``:
+    each param's device, after ``model.to()``); values, dtypes and tensor objects never change. All or nothing."""
     return _move(optimizer, device, non_blocking=non_blocking)
 
 
@@ -570,7 +564,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     record = record_of(optimizer)
     if target is not None:
         move(optimizer, target, non_blocking=non_blocking)
-        return _offload.pending_of(optimizer) if non_blocking else optimizer
+        return pending_of(optimizer) if non_blocking else optimizer
     if record is None:
         return PendingTransfer() if non_blocking else optimizer
     grads = grads_back(optimizer, record)
@@ -670,8 +664,7 @@ def keep_addresses(optimizer: Opt) -> Opt:
     kept addresses already) and the error says so; an offloaded optimizer's reload does it."""
     inner = unwrap(optimizer)
     _session.get(inner)  # (made now: the lock below is the one its offload and reload take)
-    # (one operation, under one hold of the lock: no other thread's operation runs between the offload and the
-    # reload; a Ctrl-C between them is held until the reload is in place)
+    # (one hold of the lock: no other thread's operation between the offload and the reload; a Ctrl-C waits for it)
     with exclusive(inner):
         _mode.refuse(inner, "keep_addresses")  # (before its offload: that would name the offload)
         record = record_of(inner)
@@ -757,7 +750,6 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
     report = Report(name, rows=placement(optimizer))
     record = None if streamed_mode else record_of(optimizer)
     record = record if record is not None and record.moved_any else None  # (judged as offloaded)
-    offloaded = record is not None
     back: dict[Ident, torch.device] = {}  # offloaded: where reload() puts each tensor
     hosted = 0  # offloaded: the tensors in host memory that reload() takes elsewhere
     if record is not None:
@@ -787,7 +779,7 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at, defaults)
         if tr.source == "default":  # (no probe or table: a guess, which the last finding explains)
             why = assumed(name) + why
-        why = f"after reload(): {why}" if offloaded else why
+        why = f"after reload(): {why}" if record is not None else why
         shown = (site.param_label, site.key_label, str(at), dtype_name(t.dtype), str(tr.target), why)
         report.findings.append(Finding(severity, *shown, site.group, site.index, cost))
     if record is not None:
@@ -880,8 +872,7 @@ def _explain(
             and base is not None
             and _policy.runs_foreach(base.__name__, group.get("foreach"), default, group)
         ):
-            # (torch groups each param's tensors by device for its foreach kernels, a host scalar excepted: on
-            # another device, which the single-tensor step reads with a sync, the foreach step refuses)
+            # (torch's foreach kernels group a param's tensors by device, a host scalar excepted: on another, refused)
             return (
                 "error",
                 f"the foreach step groups a param's tensors by device (a scalar on the host excepted): on {at}, "

@@ -83,11 +83,8 @@ def sync_cost(
 
 @dataclass(frozen=True)
 class PlacementRow:
-    """One tensor held by an optimizer: which param and key, where it is, what it is, how big.
-
-    For a DTensor (FSDP2/TP state) ``device`` and ``bytes`` are this rank's local shard's, ``shape`` is the
-    global shape, ``local_shape`` the shard's and ``placements`` how it is laid out on its mesh.
-    """
+    """One tensor held by an optimizer: which param and key, where it is, what it is, how big (a DTensor's: this
+    rank's shard's ``device``, ``bytes`` and ``local_shape``, the global ``shape``, its mesh ``placements``)."""
 
     param: str
     key: str
@@ -116,11 +113,8 @@ def default_rule_note(name: str, reasons: Iterable[str], *, register: bool = Tru
 
 @dataclass(frozen=True)
 class Finding:
-    """One state entry that is not where a fresh optimizer would keep it (or a note on how that was decided).
-
-    ``severity``: ``"error"`` (``step()`` will fail), ``"warning"`` (it costs host syncs or device memory)
-    or ``"info"``. ``syncs_per_step``: host syncs this entry costs per step, where known.
-    """
+    """One state entry not where a fresh optimizer would keep it, or a note: ``severity`` ``"error"`` (``step()``
+    will fail), ``"warning"`` (it costs syncs or memory) or ``"info"``; ``syncs_per_step`` where known."""
 
     severity: str
     param: str

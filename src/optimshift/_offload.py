@@ -258,9 +258,7 @@ def _install_hooks(optimizer: Any) -> list[Any]:
         register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
         if register_sd is not None:
             handles.append(register_sd(compact_state_dict))
-        front = copy_guard(optimizer, None, compact=True)  # (a deepcopy or pickle of it: the same copies)
-        if front is not None:
-            handles.append(front)
+        handles += copy_guard(optimizer, None, compact=True)  # (a deepcopy or pickle of it: the same copies)
     except BaseException as e:  # (a class that never ran Optimizer.__init__ has no hook dicts; a Ctrl-C)
         for handle in handles:
             handle.remove()
@@ -310,13 +308,13 @@ def behind(front: Any, optimizer: Any, name: str) -> Any:
     return front.previous if front.previous is not _MISSING else getattr(type(optimizer), name).__get__(optimizer)
 
 
-def copy_guard(optimizer: Any, wait: Callable[[Any], None] | None, *, compact: bool = False) -> Front | None:
+def copy_guard(optimizer: Any, wait: Callable[[Any], None] | None, *, compact: bool = False) -> list[Front]:
     """A ``__getstate__`` front (deepcopy, pickle and ``torch.save`` of the optimizer, which no hook reaches) that
     calls ``wait(optimizer)`` first and, if ``compact``, hands out :func:`compact_state_dict`'s copies, as
-    ``state_dict()`` does; None for an object without a ``__dict__``."""
+    ``state_dict()`` does; none for an object without a ``__dict__``."""
     if not isinstance(getattr(optimizer, "__dict__", None), dict):
-        return None
-    return Front(optimizer, "__getstate__", _GetStateFront(weakref.ref(optimizer), wait, compact))
+        return []
+    return [Front(optimizer, "__getstate__", _GetStateFront(weakref.ref(optimizer), wait, compact))]
 
 
 class _GetStateFront:
@@ -507,9 +505,7 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         pending.wait()
         return
     handles = [registered_first(register(_wait_before_use)) for register in registers if register is not None]
-    guard = copy_guard(optimizer, _wait_before_use)
-    if guard is not None:
-        handles.append(guard)
+    handles += copy_guard(optimizer, _wait_before_use)
     with _lock:
         session.guards = handles
 

@@ -553,9 +553,7 @@ class Streamed:
             opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
         # (a deepcopy or pickle of it: after the write-backs, of copies owning their bytes, as its state_dict())
-        guard = copy_guard(opt, lambda _opt: self.settle(), compact=True)
-        if guard is not None:
-            self._handles.append(guard)
+        self._handles += copy_guard(opt, lambda _opt: self.settle(), compact=True)
         self._active = True
         _mode.enter(opt, self)
 

@@ -204,7 +204,6 @@ class Record:
         return self.took or bool(self.grads)
 
 
-# (records, transfers in flight, their hooks and the operation lock are the optimizer's _session.Session)
 _lock = threading.Lock()  # guards the session fields this module reads and writes
 _unweakable_lock = threading.RLock()  # for optimizers that cannot be weakly referenced (no session)
 
@@ -606,8 +605,7 @@ def left_in_buffers(
     if not buffers:
         return set()
     pooled = {storage_of(buf) for buf in buffers}
-    # (every reload asks, over every transfer: those bound for the host, a device compare each (resolve() makes every
-    # host device this one), their storages in one pass in C)
+    # (every reload asks, over every transfer: a device compare each, their storages in one pass in C)
     host = [tr[2] for tr in transfers if tr[4] == HOST] + [t for t, target, _ in extra if target == HOST]
     keys: list[int | None]
     try:

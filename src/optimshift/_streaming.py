@@ -135,8 +135,7 @@ class Streamed:
         window): what reads the state's values (``state_dict()``, a copy, :func:`unstream`) must find first."""
         self.wait()
         if self._unwritten:
-            # (an operation: a Ctrl-C the layout's commit holds is raised once the relay kept it, not taken for a
-            # failure that left the old chunk standing)
+            # (an operation: a Ctrl-C the layout's commit holds is raised once the relay kept it, not as a failure)
             with exclusive(self.optimizer), _engine.operation():
                 self._relay(list(self._unwritten.values()))
             self.wait()
@@ -328,8 +327,7 @@ class Streamed:
                 if c is None:
                     if p.grad is not None:
                         if examined.get(id(p)) != p.device and state.get(p):
-                            # state set from outside (a manual edit), or a host param's state after the param
-                            # moved (model.to): place it first
+                            # (state set from outside, or a host param's once the param moved: placed first)
                             unlaid.append((group, p))
                         rest.append(p)
                     continue
@@ -366,9 +364,8 @@ class Streamed:
             opt.param_groups = groups
 
     def _plain(self, group: Group, params: list[torch.Tensor], rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Params without streamed state: stepped where their state is (on the host, or none yet). The first
-        step creates their state on the device, so they go in parts of about ``chunk_bytes`` of new state (two
-        param-sized moments assumed), each laid out in host buffers before the next part is stepped."""
+        """Params without streamed state, stepped where it is (none yet: on the device) in parts of about
+        ``chunk_bytes`` of new state (two moments a param), each laid out before the next part is stepped."""
         opt = self.optimizer
         out = None
         for part in layout.partition(params, self.chunk_bytes, lambda p: 2 * tensor_bytes(p)):
@@ -484,7 +481,6 @@ class Streamed:
                 raise
             back()
         if self._changed(c):
-            # The step added, dropped or replaced a state tensor of this chunk: lay its params out again.
             if side is not None:
                 _recorded(side, c.device).synchronize()
             self._relay([c])
@@ -695,8 +691,7 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
             with _engine.no_gc():
                 mode._lay_out(mode._members(None))
             mode._install(optimizer)
-        # (state that sat at fixed addresses is on the host now: its range's memory is freed as after a move, under
-        # the lock (another thread's reload maps into the same layout))
+        # (state that sat at fixed addresses left its range: freed as after a move, under the lock)
         _addresses.release(optimizer, optimizer_name(optimizer))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(

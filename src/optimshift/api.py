@@ -192,12 +192,10 @@ def _transfer(
     ends: Sequence[torch.Tensor] = (),
     follows: bool = False,
 ) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None, Plan]:
-    """The one path of every operation: plan by ``target`` (kept under ``cache_key``: ``_plan_cache.plan_for``),
-    copy, commit (``rewrite`` and ``finish``: ``_engine.commit``'s). ``grads``: the params' grads matter to the plan;
-    ``eager``: keep its first build at once; ``sides``: remember where group tensors taken to the host came from;
-    ``place``: the copies' destinations where not allocated as usual (``_addresses.stage``), kept or given back with
-    the commit; ``ends``: the pool buffers given back, what stays on the host in them copied out; ``follows``: the
-    targets are the params' own devices, where a tensor with values bound for meta is refused."""
+    """The one path of every operation: plan by ``target`` (cached under ``cache_key``), copy, commit (``rewrite``,
+    ``finish``). ``grads``: they matter to the plan; ``eager``: cache its first build; ``sides``: remember where group
+    tensors taken to the host came from; ``place``: the copies' destinations (``_addresses.stage``); ``ends``: pool
+    buffers given back, what stays in them copied out; ``follows``: to the params' devices (meta refused)."""
     start = time.perf_counter()
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     if follows:
@@ -982,9 +980,8 @@ def _refuse_dtypes(optimizer: Any, gi: int, pi: int, old: torch.Tensor, new: tor
 
 
 def _rekeys(optimizer: Any, renames: Mapping[int, torch.Tensor]) -> list[Setter]:
-    """The updates re-keying each mapping in the state and groups keyed by an old param (TRAC's
-    ``state["_trac"][param]``; ``renames`` by old id) to its new one, found before anything changes: a stale key
-    would miss the next step's lookup and keep the old param alive. TypeError/ValueError naming one that cannot."""
+    """The updates re-keying each mapping keyed by an old param (TRAC's ``state["_trac"][param]``; ``renames`` by old
+    id) to its new one, found before anything changes; TypeError/ValueError naming one that cannot be."""
     if not renames:
         return []
     state = optimizer.state

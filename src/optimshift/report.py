@@ -69,7 +69,6 @@ def sync_cost(
     row = (base.__name__ if base else name if cls is None else "", key)
     costs = SYNC_COST.get(row)  # (single-tensor, foreach)
     if costs is None:
-        # (a class with a step of its own: what its probe counted, as for a third-party class)
         if cls is None or group is None or not on_device or base is not None:
             return None
         observed = probe(cls, group, ndim)

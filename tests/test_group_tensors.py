@@ -934,3 +934,15 @@ def test_check_does_not_say_rprop_reads_its_lr_each_step(sim, kwargs, lr_shape):
     (finding,) = optimshift.check(opt).findings
     assert (finding.key, finding.expected) == ("lr", "cpu") and finding.syncs_per_step in (0, None)
     assert "each step" not in finding.why and "Rprop reads this on the host" in finding.why
+
+
+def test_check_does_not_say_a_group_of_no_params_reads_its_lr_where_it_makes_state(sim):
+    """A device lr given to the constructor is shared by every group, one of them empty (a no-decay group with no
+    param): its cost there is 0, and check() said SGD reads it "where it makes a param's state" (Rprop's wording)."""
+    params = _params(sim)
+    opt = O.SGD([{"params": []}, {"params": params}], lr=torch.tensor(0.01, device=sim))
+    assert _step(opt, params, 0) == _step(opt, params, 1) == 1
+    empty, used = optimshift.check(opt).findings
+    assert (empty.param, empty.syncs_per_step, used.param, used.syncs_per_step) == ("group 0", 0, "group 1", 1)
+    assert "param's state" not in empty.why and "SGD reads this on the host:" in empty.why
+    assert "SGD reads this on the host each step" in used.why

@@ -849,8 +849,8 @@ def _explain(
         if others and cost is None:  # (placed on the host for a group over several devices: policy.params_device)
             return "warning", f"{mixing} (on the host it serves params on any device)", None
         # (the step reads it on the host: how often where the probe counted it; none after a param's first step:
-        # Rprop's lr, read only where it makes a param's state)
-        when = " each step" if cost else " where it makes a param's state" if cost == 0 else ""
+        # Rprop's lr, read only where it makes a param's state; a group of no params reads it nowhere)
+        when = " each step" if cost else " where it makes a param's state" if cost == 0 and group["params"] else ""
         why = f"{name} reads this on the host{when}: on {at} every read is a device-to-host sync"
         return "warning", f"{why}; {mixing}" if others else why, cost
     if t.dim() == 0 and expected.type == "cpu":

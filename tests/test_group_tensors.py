@@ -946,3 +946,17 @@ def test_check_does_not_say_a_group_of_no_params_reads_its_lr_where_it_makes_sta
     assert (empty.param, empty.syncs_per_step, used.param, used.syncs_per_step) == ("group 0", 0, "group 1", 1)
     assert "param's state" not in empty.why and "SGD reads this on the host:" in empty.why
     assert "SGD reads this on the host each step" in used.why
+
+
+def test_a_group_tensor_the_step_refuses_on_the_host_stays_on_the_device(sim):
+    """Adafactor's one-element beta2_decay steps on the device (with the params) and raises on the host. The probe
+    counted the device reads of a step that ran further than the host one, which had failed: check() said it
+    belongs on the host, and move() put it there, after which step() raised."""
+    params = _params(sim)
+    beta2_decay = torch.full((1,), -0.8, device=sim)
+    opt = O.Adafactor(params, beta2_decay=beta2_decay, foreach=False)
+    _step(opt, params, 0)
+    assert not optimshift.check(opt).findings
+    optimshift.move(opt)
+    assert opt.param_groups[0]["beta2_decay"] is beta2_decay and beta2_decay.device == sim
+    _step(opt, params, 1)

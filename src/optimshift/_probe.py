@@ -575,7 +575,9 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
     two: list[int | None] = []  # (a later step's reads over two params, all on the host: run once, when needed)
     for path in paths:
         alone, alone_reads, alone_later = _run(cls, group, ndim, paths, path)
-        if alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
+        if baseline.error is not None and alone.error is None:  # (before its reads: they stopped at the error)
+            verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
+        elif alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
             if later is not None and alone_later is not None:
                 try:
@@ -588,8 +590,6 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
                 if two[0] is not None and two_alone is not None:
                     one, per_param = alone_later - later, (two_alone - two[0]) - (alone_later - later)
                     costs[path] = (one - per_param, per_param)
-        elif baseline.error is not None and alone.error is None:
-            verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
     return replace(baseline, group=verdicts, group_reads=costs)
 
 

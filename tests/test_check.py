@@ -730,3 +730,13 @@ def test_a_placement_no_rule_decided_is_reported_as_assumed(sim):
     assert (finding.device, finding.expected) == ("cpu", str(sim))
     assert finding.why.startswith("assumed by the default rule (no placement rule is known for NeedsData, see below)")
     assert "the probe could not build NeedsData" in report.findings[-1].why
+
+
+def test_report_still_exports_the_foreach_helpers_that_moved_to_policy():
+    """``report.runs_foreach``/``default_foreach`` moved to ``policy``, still importable from ``report`` (as the
+    changelog says): a shrink dropped ``default_foreach`` from ``report`` and its ``__all__``."""
+    from optimshift import policy, report
+
+    for name in ("runs_foreach", "default_foreach"):
+        assert getattr(report, name) is getattr(policy, name)
+        assert name in report.__all__

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .policy import runs_foreach
+from .policy import default_foreach, runs_foreach
 
 __all__ = [
     "Finding",
@@ -17,6 +17,7 @@ __all__ = [
     "DIFFERENTIABLE_SYNC_COST",
     "sync_cost",
     "runs_foreach",
+    "default_foreach",
     "assumed",
     "default_rule_note",
 ]

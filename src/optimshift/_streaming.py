@@ -80,7 +80,8 @@ def _recorded(side: Side, device: torch.device) -> Any:
 
 class Streamed:
     """What :func:`stream` returns: the streamed mode of one optimizer (``chunk_bytes`` and ``device`` as given;
-    :attr:`chunks` and :attr:`state_bytes`: the host layout now; :meth:`wait`: the last step's write-backs)."""
+    :attr:`chunks` and :attr:`state_bytes`: the host layout now; :meth:`wait`: the last step's write-backs, only
+    before reading a state tensor directly, as every read by optimshift or torch waits by itself)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunk_bytes: int, device: torch.device | None) -> None:
         self._ref = weakref.ref(optimizer)
@@ -676,10 +677,11 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     ``step()`` runs the optimizer's own step one chunk at a time, the next chunk loading and the previous one written
     back meanwhile (at most two chunks of state on the device, plus one larger param's): bitwise the step with all
     state on the device; hooks, schedulers, ``GradScaler``, ``state_dict()`` and tensor objects unchanged.
-    ``device``: the accelerator to stream through (``None``: each param's own). Every ``torch.optim`` class but LBFGS
-    (not a subclass with a ``step`` of its own), and a third-party class :func:`optimshift.register_policy` declares
-    ``separable``; refused, before anything changes, for another, ``differentiable=True``, an offloaded or streamed
-    optimizer, no param on an accelerator. Returns a :class:`Streamed` handle; :func:`unstream` ends it.
+    ``device``: the accelerator to stream through (every param on an accelerator on it; ``None``: each param's own).
+    Every ``torch.optim`` class but LBFGS (not a subclass with a ``step`` of its own), and a third-party class
+    :func:`optimshift.register_policy` declares ``separable``; refused, before anything changes, for another,
+    ``differentiable=True``, an offloaded or streamed optimizer, no param on an accelerator. Returns a
+    :class:`Streamed` handle; :func:`unstream` ends it.
     """
     optimizer = unwrap(optimizer)  # (a wrapper delegating to an optimizer: that optimizer is streamed)
     with exclusive(optimizer):  # (one operation at a time: two streams, or a stream and an offload, from threads)
@@ -691,7 +693,9 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
             with _engine.no_gc():
                 mode._lay_out(mode._members(None))
             mode._install(optimizer)
-        # (state that sat at fixed addresses left its range: freed as after a move, under the lock)
+        # (state that sat at fixed addresses left its range: freed as after a move, under the lock, since another
+        # thread's reload maps into the same layout; once the mode is in place: a warning raised as an error there
+        # leaves a streamed optimizer)
         _addresses.release(optimizer, optimizer_name(optimizer))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(

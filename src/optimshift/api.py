@@ -247,7 +247,8 @@ def _transfer(
 @_one_at_a_time
 def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt:
     """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it (``None``:
-    each param's device, after ``model.to()``); values, dtypes and tensor objects never change. All or nothing."""
+    each param's device, after ``model.to()``); scalars a fresh one keeps on the host (Adam's non-fused ``step``)
+    stay there; values, dtypes and tensor objects never change. All or nothing."""
     return _move(optimizer, device, non_blocking=non_blocking)
 
 
@@ -355,9 +356,10 @@ def offload(
     ``param.grad`` is ``None`` while offloaded; :func:`reload` gives it the same object back). ``non_blocking=True``
     returns a :class:`PendingTransfer` at once (``wait()`` before reading the host copies); otherwise the optimizer.
     Offloading an offloaded optimizer only moves what was added since. ``keep_addresses=True``: :func:`reload` puts
-    every state tensor back at its ``data_ptr()`` (a captured CUDA graph stays valid; the first such reload lays the
-    state out, :func:`keep_addresses` does it beforehand); ValueError, before anything changes, on a device that
-    cannot; ``"auto"``: kept where the device can.
+    every state tensor back at its ``data_ptr()`` (a captured CUDA graph stays valid), its device memory unmapped
+    while offloaded (the first such reload lays the state out, :func:`keep_addresses` does it beforehand);
+    ValueError, before anything changes, on a device that cannot; ``"auto"``: kept where the device can, else
+    offloaded as usual.
     """
     check_optimizer(optimizer)
     _check_flags(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
@@ -552,7 +554,8 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     A group whose flags changed while offloaded, or a param that moved, gets its entries where a fresh optimizer
     keeps them now. ``keep_addresses`` state comes back at its addresses (with ``device``: allocated as usual).
     ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the next ``step()`` waits for the copies on the
-    device, so a reload issued before the forward pass overlaps with it.
+    device, so a reload issued before the forward pass overlaps with it (offloaded grads, read before ``step()``,
+    are waited for at once).
     """
     check_optimizer(optimizer)
     _check_flags(optimizer, "reload", non_blocking=non_blocking)
@@ -656,10 +659,11 @@ def _leave_offloaded(optimizer: Any, session: _session.Session | None, *, only_o
 
 
 def keep_addresses(optimizer: Opt) -> Opt:
-    """Lay the state out at addresses every later ``offload(keep_addresses=True)`` and reload keep: call it before
-    capturing a CUDA graph of the step (ValueError, before anything changes, where a device cannot). An offload and a
-    reload: where the reload cannot map the range, the state is reloaded as usual (stays offloaded, if some of it
-    kept addresses already) and the error says so; an offloaded optimizer's reload does it."""
+    """Lay the state out at addresses every later ``offload(keep_addresses=True)`` and reload keep (a plain
+    ``offload``, a ``move`` or ``reload(opt, device)`` takes it out of them): call it before capturing a CUDA graph
+    of the step (ValueError, before anything changes, where a device cannot). An offload and a reload: where the
+    reload cannot map the range, the state is reloaded as usual (stays offloaded, if some of it kept addresses
+    already) and the error says so; an offloaded optimizer's reload does it."""
     inner = unwrap(optimizer)
     _session.get(inner)  # (made now: the lock below is the one its offload and reload take)
     # (one hold of the lock: no other thread's operation between the offload and the reload; a Ctrl-C waits for it)
@@ -721,8 +725,9 @@ def _reload_as_usual(optimizer: Any, error: Exception) -> bool:
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
-    """One row per entry holding a tensor (state and param groups): param, key, device, dtype, shape, bytes (a
-    DTensor's: global ``shape``, this rank's ``device`` and ``bytes``, see :class:`PlacementRow`)."""
+    """One row per entry holding a tensor (state and param groups; a tensor two entries hold has two rows): param,
+    key, device, dtype, shape, bytes (a DTensor's: global ``shape``, this rank's ``device`` and ``bytes``, see
+    :class:`PlacementRow`)."""
     optimizer = check_optimizer(unwrap(optimizer))  # (a wrapper: the optimizer it delegates to)
     pending_of(optimizer).order_before_use()
     rows = []

@@ -7,9 +7,9 @@ check). Anything else returns None, for the general path and its errors. Same re
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate, chain, repeat, starmap
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
@@ -90,6 +90,7 @@ class _Layout:
 # (param, its saved state, its layout, group, index)
 _Row = tuple[torch.Tensor, Mapping[Any, Any], _Layout, int, int]
 _param_of = itemgetter(0)
+_kind_key = attrgetter("shape", "dtype", "device")  # (a param's kind: what its row's checks and placement read)
 
 
 class _Kind(NamedTuple):
@@ -140,12 +141,9 @@ def build_uniform(
                 continue
             if type(saved) is not dict:
                 return None
-            kind_key = (p.shape, p.dtype, p.device)
-            kind = kinds.get(kind_key)
+            kind = _kind_of(st, target, gi, pi, ng, p, saved, kinds, layouts)
             if kind is None:
-                kind = kinds[kind_key] = _kind(st, target, gi, pi, ng, p, saved, layouts)
-                if kind is None:
-                    return None
+                return None
             # NOTE: in the kind's order, not merely the same keys: the guard checks each entry against its key's.
             if tuple(saved) != kind.order:
                 return None
@@ -244,26 +242,33 @@ def _whole_group(
     live_get: Callable[[int], Any] | None,
     alike: bool,
 ) -> bool:
-    """Add group ``gi``'s rows at once where every param, its state (and live state) are of its first param's
-    kind: :func:`build_uniform`'s checks, one C call a row. False (nothing added) leaves the group to its loop."""
+    """Add group ``gi``'s rows at once where every param has state (and live state) of its param's kind, every kind
+    of one layout (a model's shapes in turn too): :func:`build_uniform`'s checks, one C call a row. False (nothing
+    added) leaves the group to its loop."""
     if not params:
         return False
     saved: list[Any] = list(map(states.get, ids))
     if set(map(type, saved)) != {dict}:  # (None: a param without state)
         return False
-    p = params[0]
-    kind_key = (p.shape, p.dtype, p.device)
-    kind = kinds.get(kind_key)
-    if kind is None:
-        kind = kinds[kind_key] = _kind(st, target, gi, 0, group, p, saved[0], layouts)
-    if kind is None or kind.param is None:
+    first = _kind_of(st, target, gi, 0, group, params[0], saved[0], kinds, layouts)
+    if first is None:
         return False
-    order, check_param = kind.order, kind.param
-    olds: list[Any] | None = None
+    layout, order = first.layout, first.order
+    checks: Iterable[Callable[..., bool]] | None = None  # (per row, its kind's check; None: every row the first's)
     try:
-        if not (all(map(order.__eq__, map(tuple, saved))) and all(map(check_param, params))):
+        if first.param is None or not all(map(first.param, params)):  # (params of several kinds)
+            keys = list(map(_kind_key, params))
+            found: dict[tuple[Any, ...], Callable[..., bool]] = {}
+            for key, pi in dict(zip(reversed(keys), range(len(keys) - 1, -1, -1))).items():  # (each kind's first)
+                kind = _kind_of(st, target, gi, pi, group, params[pi], saved[pi], kinds, layouts)
+                if kind is None or kind.layout is not layout:
+                    return False
+                found[key] = kind.check
+            checks = list(map(found.__getitem__, keys))
+        if not all(map(order.__eq__, map(tuple, saved))):
             return False
         values = list(map(dict.values, saved))
+        olds: list[Any] | None = None
         if live_get is not None:
             lives = list(map(live_get, map(id, params)))
             if not all(map(order.__eq__, map(tuple, lives))):  # (None, no live state: tuple() raises, caught below)
@@ -271,16 +276,41 @@ def _whole_group(
             olds = list(map(dict.values, lives))
         # (the live tensors against the same references, apart: a live tensor that is the checkpoint's own is
         # found by the in-place rule, see _into_existing)
-        if not (all(starmap(kind.check, values)) and (olds is None or not alike or all(starmap(kind.check, olds)))):
-            return False
+        for row in (values, olds if alike else None):
+            if row is not None and not all(
+                starmap(first.check, row) if checks is None else map(_check_row, checks, row)
+            ):
+                return False
     except Exception:  # (an entry that is no tensor)
         return False
-    layout = kind.layout
     layout.got.extend(chain.from_iterable(values))
     if olds is not None:
         layout.olds.extend(chain.from_iterable(olds))
     rows.extend(zip(params, saved, repeat(layout), repeat(gi), range(len(params))))
     return True
+
+
+def _check_row(check: Callable[..., bool], row: Iterable[torch.Tensor]) -> bool:
+    return check(*row)
+
+
+def _kind_of(
+    st: Staging,
+    target: Placer,
+    gi: int,
+    pi: int,
+    group: Mapping[str, Any],
+    p: torch.Tensor,
+    saved: Mapping[Any, Any],
+    kinds: dict[tuple[Any, ...], _Kind | None],
+    layouts: dict[tuple[Any, ...], _Layout],
+) -> _Kind | None:
+    """The kind of ``p``'s row (``kinds``: this group's, by :data:`_kind_key`), made from it the first time."""
+    key = _kind_key(p)
+    kind = kinds.get(key)
+    if kind is None:
+        kind = kinds[key] = _kind(st, target, gi, pi, group, p, saved, layouts)
+    return kind
 
 
 def _into_existing(

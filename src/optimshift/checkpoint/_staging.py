@@ -9,8 +9,8 @@ import contextlib
 import copy as _copy
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, repeat
+from operator import is_, itemgetter
 from typing import Any
 
 import torch
@@ -182,7 +182,7 @@ class Staging:
                 f"state_dict['state'] has entries for param ids {stray[:5]!r} that no param group lists; "
                 f"they could not be matched to a param"
             )
-        if any(v is None for v in states.values()):  # (PyTorch fails on it: not "no state", a param's state lost)
+        if any(map(is_, states.values(), repeat(None))):  # (PyTorch fails on it: not "no state", a param's state lost)
             for gi, g in enumerate(groups):
                 for pi, sid in enumerate(g["params"]):
                     if states.get(sid, ()) is None:

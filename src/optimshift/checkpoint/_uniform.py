@@ -324,8 +324,7 @@ def _into_existing(
     if len(ids) != len(live):
         return _copied(st, every, [None] * len(every), rows)  # (a live tensor in two places: it must stop being shared)
     protect = st.not_in_place([])  # (the params, their grads, the live groups' tensors; the checkpoint's: below)
-    ids.update(map(id, got))  # (no two checkpoint tensors are one: own_storages)
-    clear = len(ids) == len(live) + len(got) and ids.isdisjoint(protect)  # (no live tensor is one, nor protected)
+    clear = ids.isdisjoint(protect) and ids.isdisjoint(map(id, got))  # (no live tensor protected, nor the sd's)
     if not clear:
         protect.update(map(id, got))
     return _copied(st, every, [_in_place(st, layout, alike, clear, protect) for layout in every], rows)

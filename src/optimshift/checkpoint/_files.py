@@ -694,11 +694,12 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
 
     ``map_location="cpu"`` opens checkpoints saved on any device. ``mmap=True`` (zip format; ignored for legacy
     files) leaves the tensors backed by the file, which must not be rewritten in place while they are in use
-    (:func:`save` renames a new file over it); every storage is checked against its record's size first, as
-    ``mmap=False`` does. Raises :class:`UnsafeCheckpointError` for a pickle importing a global weights-only loading
-    refuses, by any opcode (nothing imported or run), :class:`CheckpointError` for any other unreadable file
-    (empty, truncated, corrupt, another format, objects replacing their own methods), and ``FileNotFoundError``,
-    ``PermissionError``, ``IsADirectoryError`` or ``NotADirectoryError`` for a path that cannot be opened.
+    (:func:`save` renames a new file over it; ``optimshift.load_state_dict`` copies by default); every storage is
+    checked against its record's size first, as ``mmap=False`` does. Raises :class:`UnsafeCheckpointError` for a
+    pickle importing a global weights-only loading refuses, by any opcode (nothing imported or run),
+    :class:`CheckpointError` for any other unreadable file (empty, truncated, corrupt, another format, objects
+    replacing their own methods), and ``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError`` or
+    ``NotADirectoryError`` for a path that cannot be opened.
     """
     p = _path(path, "load")
     kind = _sniff(p)

@@ -436,6 +436,19 @@ def test_a_wrapper_holding_an_optimizer_with_a_state_of_its_own(sim):
     opt.step()
 
 
+def test_reload_to_a_device_warns_once_about_an_inner_optimizer(sim):
+    """reload(wrapper, device) moves by move's function: it warned twice, once as reload at the user's line and
+    once as move at a line inside optimshift."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim))]
+    opt = _Lookahead(O.AdamW(params, foreach=False))
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    with pytest.warns(RuntimeWarning, match=r"optimshift\.reload on it") as warned:
+        optimshift.reload(opt, "cpu")
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, inspect.currentframe().f_lineno - 1)]
+    assert opt.state[params[0]]["slow"].device.type == "cpu"
+
+
 def test_a_dtype_finding_names_a_param_as_every_other_finding_does():
     """A group whose ``param_names`` holds None for a param: check()'s dtype finding called it
     ``group 0, param 0 (None)`` where every other finding and placement() say ``group 0, param 0``."""

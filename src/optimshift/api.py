@@ -564,7 +564,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     end_pending(optimizer)
     record = record_of(optimizer)
     if target is not None:
-        move(optimizer, target, non_blocking=non_blocking)
+        _move(optimizer, target, non_blocking=non_blocking)  # (not move: under this lock, warned once, as reload)
         return pending_of(optimizer) if non_blocking else optimizer
     if record is None:
         return PendingTransfer() if non_blocking else optimizer

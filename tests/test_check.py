@@ -449,6 +449,32 @@ def test_reload_to_a_device_warns_once_about_an_inner_optimizer(sim):
     assert opt.state[params[0]]["slow"].device.type == "cpu"
 
 
+def test_rebind_of_a_wrapper_re_keys_the_inner_optimizer_over_the_same_groups(sim):
+    """Lookahead shares its inner optimizer's param groups: rebind of the wrapper put the new params in the inner's
+    groups too, its state still keyed by the old ones, so that the inner optimizer (and check()) raised, and the
+    rebind the warning advised was refused. Its state follows the new params, the same objects; the advised rebind
+    of the inner optimizer places it for their device."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim))]
+    opt = _Lookahead(O.AdamW(params, foreach=False))
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    inner = dict(opt.optimizer.state[params[0]])
+    new = [torch.nn.Parameter(params[0].detach().cpu())]
+    optimshift.offload(opt.optimizer)
+    with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match="while AdamW is offloaded"):
+        optimshift.rebind(opt, new)  # (its state keyed by the new params would lose where the record says it was)
+    assert opt.param_groups[0]["params"][0] is params[0] and params[0] in opt.optimizer.state
+    optimshift.reload(opt.optimizer)
+    with pytest.warns(RuntimeWarning, match=r"optimshift\.rebind on it"):
+        optimshift.rebind(opt, new)
+    assert all(p is new[0] for p in (*opt.optimizer.param_groups[0]["params"], *opt.optimizer.state))
+    optimshift.rebind(opt.optimizer, new)
+    assert all(opt.optimizer.state[new[0]][k] is v for k, v in inner.items())
+    assert optimshift.check(opt).ok
+    new[0].grad = torch.randn_like(new[0])
+    opt.step()
+
+
 def test_a_dtype_finding_names_a_param_as_every_other_finding_does():
     """A group whose ``param_names`` holds None for a param: check()'s dtype finding called it
     ``group 0, param 0 (None)`` where every other finding and placement() say ``group 0, param 0``."""

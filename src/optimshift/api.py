@@ -1023,17 +1023,31 @@ def _rekeys(optimizer: Any, renames: Mapping[int, torch.Tensor]) -> list[Setter]
     return out
 
 
+def _shares_groups(held: Any, optimizer: Any) -> bool:
+    """Whether ``held`` holds every one of its param groups as the very dicts ``optimizer`` holds."""
+    mine = {id(g) for g in optimizer.param_groups}
+    return bool(held.param_groups) and all(id(g) in mine for g in held.param_groups)
+
+
 @_one_at_a_time
 def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
     place their state by the policy for the new params' devices. All or nothing. ``(name, param)`` pairs
-    (``model.named_parameters()``) also rename the params of groups that name theirs."""
+    (``model.named_parameters()``) also rename the params of groups that name theirs. An optimizer held over the same
+    groups (Lookahead's inner one) has its state re-keyed too; ``rebind`` it as well to place that state."""
     check_optimizer(optimizer)
-    _mode.refuse(optimizer, "rebind")
     name = optimizer_name(optimizer)
-    end_pending(optimizer)
-    if is_offloaded(optimizer):
-        raise ValueError(f"{name}: rebind while offloaded would lose where the state was; reload() it first")
+    # (an optimizer it holds over the same group dicts, Lookahead's: the new params land in its groups too, so its
+    # state is re-keyed with them, or its groups would name params its state is not keyed by)
+    sharing = [held for _, held in inner_optimizers(optimizer) if _shares_groups(held, optimizer)]
+    for opt in (optimizer, *sharing):
+        _mode.refuse(opt, "rebind")
+        end_pending(opt)
+        if is_offloaded(opt):
+            raise ValueError(
+                f"{name}: rebind while {optimizer_name(opt)} is offloaded would lose where the state was; reload() "
+                f"it first"
+            )
     if isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList):
         # (iterating a module yields its children, not its params; a ParameterList yields its params)
         raise TypeError(f"{name}: rebind takes the new params (model.parameters()), got a {type(params).__name__}")
@@ -1093,7 +1107,6 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
 
     def rewrite() -> None:
         """The new params in the groups, their state re-keyed (dict and list operations: they cannot fail)."""
-        states = {id(p): optimizer.state[p] for (_, _, p) in old if p in optimizer.state}
         rebuilt: dict[int, list[Any]] = {}  # (a group whose params are a tuple, set by hand: torch steps it too)
         for (gi, pi, _), q in zip(old, new):
             held = optimizer.param_groups[gi]["params"]
@@ -1108,12 +1121,14 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
                 names = optimizer.param_groups[gi].get("param_names")
                 if isinstance(names, list) and pi < len(names):
                     names[pi] = param_name
-        for (_, _, p), q in zip(old, new):
-            if id(p) in states and p is not q:
-                del optimizer.state[p]
-        for (_, _, p), q in zip(old, new):
-            if id(p) in states:
-                optimizer.state[q] = states[id(p)]
+        for state in (optimizer.state, *(held.state for held in sharing)):
+            states = {id(p): state[p] for (_, _, p) in old if p in state}
+            for (_, _, p), q in zip(old, new):
+                if id(p) in states and p is not q:
+                    del state[p]
+            for (_, _, p), q in zip(old, new):
+                if id(p) in states:
+                    state[q] = states[id(p)]
 
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
     copies, pending, _, _ = _transfer(

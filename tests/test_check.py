@@ -449,6 +449,26 @@ def test_reload_to_a_device_warns_once_about_an_inner_optimizer(sim):
     assert opt.state[params[0]]["slow"].device.type == "cpu"
 
 
+@pytest.mark.parametrize("operation", ["keep_addresses", "offloaded"])
+def test_keep_addresses_and_offloaded_warn_once_about_an_inner_optimizer(sim, operation):
+    """Each is an offload and a reload: each of those warned, naming itself, at a line inside optimshift (once on
+    entering an ``offloaded`` block, once on leaving it). One warning, naming the call, at the user's line."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim))]
+    opt = _Lookahead(O.AdamW(params, foreach=False))
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    with pytest.warns(RuntimeWarning, match=rf"optimshift\.{operation} on it") as warned:
+        if operation == "keep_addresses":
+            line = inspect.currentframe().f_lineno + 1
+            optimshift.keep_addresses(opt)
+        else:
+            line = inspect.currentframe().f_lineno + 1
+            with optimshift.offloaded(opt):
+                assert optimshift.is_offloaded(opt)
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, line)]
+    assert not optimshift.is_offloaded(opt)
+
+
 def test_rebind_of_a_wrapper_re_keys_the_inner_optimizer_over_the_same_groups(sim):
     """Lookahead shares its inner optimizer's param groups: rebind of the wrapper put the new params in the inner's
     groups too, its state still keyed by the old ones, so that the inner optimizer (and check()) raised, and the

@@ -90,23 +90,38 @@ def _one_at_a_time(fn: F, name: str = "") -> F:
         _warn_unreached(inner, name or fn.__name__)  # (stacklevel 2: the caller of this wrapper, the user's line)
         # NOTE: the collector stays off until the operation's temporaries are freed by refcount: a collection
         # scanning them would cost ~0.5 us per tensor, a third of a bare move.
-        with exclusive(inner), _engine.no_gc(), _engine.operation():
+        with exclusive(inner), _engine.no_gc(), _engine.operation(), _warned():
             out = fn(inner, *args, **kwargs)
         return optimizer if out is inner else out
 
     return wrapper  # type: ignore[return-value]
 
 
-def _warn_unreached(inner: Any, operation: str) -> None:
-    """Warn, at the caller's caller, for each optimizer ``inner`` holds with a state of its own (Lookahead's), which
-    ``operation`` does not reach."""
+_warning = threading.local()  # (.done: this thread is inside an operation that warned, or had nothing to warn of)
+
+
+@contextlib.contextmanager
+def _warned() -> Iterator[None]:
+    """The operations called inside (``reload``'s move, ``offloaded``'s offload and reload) warn nothing more."""
+    was, _warning.done = getattr(_warning, "done", False), True
+    try:
+        yield
+    finally:
+        _warning.done = was
+
+
+def _warn_unreached(inner: Any, operation: str, stacklevel: int = 3) -> None:
+    """Warn, ``stacklevel`` frames up (the caller's caller), for each optimizer ``inner`` holds with a state of its
+    own (Lookahead's), which ``operation`` does not reach; not inside another operation, which warned."""
+    if getattr(_warning, "done", False):
+        return
     for attr, held in inner_optimizers(inner):
         warnings.warn(
             f"optimshift.{operation}: {optimizer_name(inner)} holds another optimizer ({attr}: "
             f"{optimizer_name(held)}) with a state of its own, which this call does not reach: call "
             f"optimshift.{operation} on it too (check() reports its entries)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 
@@ -631,7 +646,8 @@ def offloaded(
     inner = unwrap(optimizer)
     include = _included(inner, include, "offloaded")  # (also where it is offloaded already, and offload is not run)
     session = _session.get(inner)  # (None where it cannot be remembered: offload refuses it)
-    with exclusive(inner):
+    _warn_unreached(inner, "offloaded", stacklevel=4)  # (the line of the with statement, above contextlib's)
+    with exclusive(inner), _warned():
         mine = not is_offloaded(optimizer) or (session is not None and session.offloaded_in > 0)
         if mine and session is not None:
             session.offloaded_in += 1
@@ -646,7 +662,7 @@ def offloaded(
         yield optimizer
     finally:
         if mine:
-            with exclusive(inner):
+            with exclusive(inner), _warned():
                 _leave_offloaded(optimizer, session)
 
 
@@ -666,8 +682,9 @@ def keep_addresses(optimizer: Opt) -> Opt:
     already) and the error says so; an offloaded optimizer's reload does it."""
     inner = unwrap(optimizer)
     _session.get(inner)  # (made now: the lock below is the one its offload and reload take)
+    _warn_unreached(inner, "keep_addresses")
     # (one hold of the lock: no other thread's operation between the offload and the reload; a Ctrl-C waits for it)
-    with exclusive(inner):
+    with exclusive(inner), _warned():
         _mode.refuse(inner, "keep_addresses")  # (before its offload: that would name the offload)
         record = record_of(inner)
         if record is not None:

@@ -17,19 +17,6 @@ import torch
 
 from ._devices import HOSTS, current_accelerator, device_module
 
-__all__ = [
-    "Streams",
-    "of",
-    "known",
-    "register_backend",
-    "pins_host_for",
-    "host_pinning",
-    "pins_copy",
-    "in_pinned_memory",
-    "empty_cache",
-    "synchronize",
-]
-
 
 class Streams:
     """One device type's streams and events. Subclasses fill in the primitives; the engine calls only these."""
@@ -249,10 +236,8 @@ def synchronize(devices: Iterable[torch.device]) -> None:
 
 @functools.cache
 def host_pinning() -> str | None:
-    """The device type host memory can be pinned for in this process (the accelerator's), or None.
-
-    # NOTE: ``is_pinned()`` or ``pin_memory=True`` with no such accelerator initializes one or raises: ask this first.
-    """
+    """The device type host memory can be pinned for in this process (the accelerator's), or None. Ask this first:
+    ``is_pinned()`` or ``pin_memory=True`` with no such accelerator initializes one or raises."""
     if _cuda_available():
         kind: str | None = "cuda"
     else:

@@ -3,10 +3,9 @@
 The first build under a key leaves a marker only (a one-off operation pays nothing), the second is kept in the
 session; every reuse re-validates the :func:`layout`, each site's tensor (same object, key and meta) and, for the
 decisions, :func:`optimshift._adopt.still_valid`, and rebuilds on any mismatch. A reload is keyed by the build of
-the offload plan it undoes (``Cached.serial``) and kept at its first build once that one is (``eager``).
-
-# NOTE: keyed by what the caller's target function depends on besides the optimizer (the operation, the target
-# device, the offload a reload undoes): a cached plan is never asked a question it was not built for.
+the offload plan it undoes (``Cached.serial``) and kept at its first build once that one is (``eager``). Keys
+name what the target function depends on besides the optimizer (the operation, the target device, the offload a
+reload undoes): a cached plan is never asked a question it was not built for.
 """
 
 from __future__ import annotations
@@ -35,11 +34,8 @@ _serials = itertools.count()
 
 @dataclass(eq=False)
 class Cached:
-    """A plan's decisions and what they were built over.
-
-    # NOTE: no tensor and no param (ids and meta only): a tensor the state let go must be freed with it, not pinned
-    # here until this key is planned again (an offload would free no device memory).
-    """
+    """A plan's decisions and what they were built over, by ids and metas: a tensor (or param) the state let go must
+    be freed with it, not pinned here until this key is planned again (an offload would free no device memory)."""
 
     layout: tuple[Any, ...] | None  # None: the first call's marker, which stands for any layout
     # per transfer: (ident, name, target, source); None: a marker (built once under this key and layout)

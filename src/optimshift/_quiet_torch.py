@@ -6,13 +6,9 @@ from typing import cast
 
 
 def _import_torch() -> None:
-    """Import torch without its "Failed to initialize NumPy" warning, and nothing else changed.
-
-    NOTE: torch warns at import when NumPy is not installed (NumPy is optional for torch, and optimshift
-    never uses it), so every command printed a warning on a clean install. The filter matches only that
-    message and is removed once torch is imported; torch's own filters and every other warning are left as
-    they are. When torch was imported before optimshift, its warning has already been shown.
-    """
+    """Import torch without the "Failed to initialize NumPy" warning it gives where NumPy is missing (optional for
+    torch, never used here: a clean install warned on every command). The filter matches only that message and goes
+    once torch is imported; every other filter and warning is left as it was. A torch imported earlier has warned."""
     if "torch" in sys.modules:
         return
     before = list(warnings.filters)

@@ -196,11 +196,8 @@ def _hyper_problem(key: str, default: Any, value: Any) -> str | None:
         return None if _number_like(value) else f"expected a number (or a one-element tensor), got {_kind(value)}"
     if isinstance(default, tuple):
         if not isinstance(value, (tuple, list)) or len(value) != len(default):
-            return (
-                f"expected a pair of numbers like {default!r}, got {_kind(value)}"
-                if len(default) == 2
-                else f"expected {len(default)} numbers like {default!r}, got {_kind(value)}"
-            )
+            count = "a pair of" if len(default) == 2 else len(default)
+            return f"expected {count} numbers like {default!r}, got {_kind(value)}"
         for i, (d, v) in enumerate(zip(default, value)):
             if not (_number_like(v) or (d is None and v is None)):
                 return f"item {i} must be a number, got {_kind(v)}"

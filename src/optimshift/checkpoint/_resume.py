@@ -32,15 +32,10 @@ __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
 Opt = TypeVar("Opt")
 
-
-_FLAG_MODES = ("live", "checkpoint")
-_CAST_MODES = (None, "param")
-
 # Overrides of ``load_state_dict`` that only post-process what ``Optimizer.load_state_dict`` produced in ways
 # this module already does (keeping non-floating dtypes and container types). Any other override may hold
 # logic we cannot reproduce, so such optimizers are refused with a workaround rather than loaded wrongly.
 _EQUIVALENT_OVERRIDES = frozenset({"pytorch_optimizer.base.optimizer.BaseOptimizer.load_state_dict"})
-
 
 # Wrappers whose load_state_dict hands the state dict on to the optimizer they wrap, unchanged (Accelerate's: on
 # XLA it also moves it to the device, which the load's placement does).
@@ -68,19 +63,18 @@ def load_state_dict(
       ``{"optimizer": ...}``, an :func:`optimshift.save` file); a recorded optimizer class is checked. A path
       is read with :func:`optimshift.load` (errors then name the file too).
 
-    Everything is validated, and every copy made, before the optimizer changes (live tensors that fit take their
-    values in place within the commit): an error names the group, param index and key and leaves the optimizer
-    untouched. Checked: the class, the group count, the params per group, that
-    every key of ``state`` is a saved param id (text keys such as ``"0"``, left by a JSON round trip, are
-    refused, not taken for optimizer-wide entries; a torch.optim class keeps no optimizer-wide entries, other
-    classes may), no container nested more than 64 levels, no tensor that is an expanded view far larger than
-    its storage. For torch.optim classes, also what their step needs (probed): every entry a step creates is
-    there and is a dense tensor, per-param buffers have the param's shape and a floating dtype, scalars such as
-    ``step`` have one element, and hyperparameters have the right type (``lr`` a number or one-element
-    tensor, ``betas`` a pair) and are there. A group may lack only keys the class's ``__setstate__`` fills for
-    older checkpoints (SGD's ``nesterov``) and keys its step never reads or reads with a default (SparseAdam's
-    ``maximize``); both are read from the installed torch.
-    Registered load_state_dict pre/post hooks and the class's ``__setstate__`` run as in PyTorch.
+    Everything is validated, and every copy made, before the optimizer changes (live tensors that fit take their values
+    in place within the commit): an error names the group, param index and key and leaves the optimizer untouched.
+    Checked: the class, the group count, the params per group, that every key of ``state`` is a saved param id (text
+    keys such as ``"0"``, left by a JSON round trip, are refused, not taken for optimizer-wide entries; a torch.optim
+    class keeps no optimizer-wide entries, other classes may), no container nested more than 64 levels, no tensor that
+    is an expanded view far larger than its storage. For torch.optim classes, also what their step needs (probed): every
+    entry a step creates is there and is a dense tensor, per-param buffers have the param's shape and a floating dtype,
+    scalars such as ``step`` have one element, and hyperparameters have the right type (``lr`` a number or one-element
+    tensor, ``betas`` a pair) and are there. A group may lack only keys the class's ``__setstate__`` fills for older
+    checkpoints (SGD's ``nesterov``) and keys its step never reads or reads with a default (SparseAdam's ``maximize``);
+    both are read from the installed torch. Registered load_state_dict pre/post hooks and the class's ``__setstate__``
+    run as in PyTorch.
     """
     return _load(optimizer, state_dict, device, flags, copy, cast, as_torch=False)
 
@@ -92,9 +86,9 @@ def _load(
     state the step refuses (:class:`CastNeeded`), PyTorch's cast instead, decided after the pre-hooks ran once."""
     receiver = check_optimizer(_receiver(optimizer))
     name = optimizer_name(receiver)
-    if flags not in _FLAG_MODES:
+    if flags not in ("live", "checkpoint"):
         raise ValueError(f"{name}: load_state_dict: flags must be 'live' or 'checkpoint', got {flags!r}")
-    if cast not in _CAST_MODES:
+    if cast not in (None, "param"):
         raise ValueError(f"{name}: load_state_dict: cast must be None or 'param', got {cast!r}")
     if not isinstance(copy, bool):
         raise TypeError(f"{name}: load_state_dict: copy must be a bool, got {copy!r}")
@@ -125,9 +119,10 @@ def _load(
         if result is not None:
             sd = result
 
-    streamed = mode is not None
-    staging = functools.partial(Staging, receiver, name, sd, flags=flags, copy=copy, device=target, source=source)
-    staged = staging(cast=cast, streamed=streamed)
+    staging = functools.partial(
+        Staging, receiver, name, sd, flags=flags, copy=copy, device=target, what=label, streamed=mode is not None
+    )
+    staged = staging(cast=cast)
     # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
     # collections would cost more than the copies)
     with _engine.operation(), exclusive(receiver), _engine.no_gc():
@@ -140,7 +135,7 @@ def _load(
         except CastNeeded:
             if not as_torch or cast is not None:
                 raise
-            staged = staging(cast="param", streamed=streamed)
+            staged = staging(cast="param")
             new_state, new_groups = staged.build()
         _install(
             receiver,
@@ -255,11 +250,9 @@ def _check_class(given: Any, optimizer: Any, recorded: Mapping[str, Any], label:
 def _extract(state_dict: Any, label: str) -> tuple[Any, Mapping[str, Any] | None]:
     """The optimizer state dict inside ``state_dict`` (itself, or the only one a checkpoint holds) and the
     class optimshift recorded for it."""
-    from ._files import META_KEY, find_optimizer_states, is_optimizer_state_dict
-
-    if not isinstance(state_dict, Mapping) or not is_optimizer_state_dict(state_dict):
+    if not isinstance(state_dict, Mapping) or not _files.is_optimizer_state_dict(state_dict):
         # (a checkpoint that is a list or tuple is searched too, as inspect searches it)
-        found = find_optimizer_states(state_dict) if isinstance(state_dict, (Mapping, list, tuple)) else []
+        found = _files.find_optimizer_states(state_dict) if isinstance(state_dict, (Mapping, list, tuple)) else []
         if not found and not isinstance(state_dict, Mapping):
             raise TypeError(f"{label}: state_dict must be a dict (or a path), got {type(state_dict).__name__}")
         if not found:
@@ -271,7 +264,7 @@ def _extract(state_dict: Any, label: str) -> tuple[Any, Mapping[str, Any] | None
                 f"for this optimizer, e.g. checkpoint{found[0].where}"
             )
         state_dict = found[0].state_dict
-    meta = state_dict.get(META_KEY)
+    meta = state_dict.get(_files.META_KEY)
     return state_dict, meta if isinstance(meta, Mapping) else None
 
 
@@ -294,8 +287,14 @@ def _install(
     compiled ``step()`` does not recompile (:func:`pair_places`, ``shared``).
     ``in_place``: by device, (live tensors, checkpoint tensors) the live ones take the values of in the commit."""
     before = dict(optimizer.__dict__)
-    # (only copies made here are adopted: when every entry was installed as it is or taken in place, none is)
-    pairs, places = _adoptable(optimizer, state, groups, made, shared) if made is not None else ([], [])
+    # (only copies made here are adopted, their ids asked once a live tensor is found at such a place: a fresh
+    # optimizer's groups hold none; none is made when every entry was installed as it is or taken in place)
+    ids = functools.cache(made) if made is not None else None
+    pairs, places = (
+        pair_places(_same_places(optimizer, state, groups), lambda _, new: id(new) in ids(), shared)
+        if ids is not None
+        else ([], [])
+    )
 
     def set_state() -> None:
         try:
@@ -312,26 +311,6 @@ def _install(
 
     copies = _engine.Copies([], pairs, Batch([]), in_place=in_place)
     _engine.commit(optimizer, copies, rewrite=set_state, installed=places)
-
-
-def _adoptable(
-    optimizer: torch.optim.Optimizer,
-    state: Mapping[Any, Any],
-    groups: list[dict[str, Any]],
-    made: Callable[[], AbstractSet[int]],
-    shared: Mapping[int, int],
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[Any, Any]]]]:
-    """:func:`pair_places` of the copies made here (``made()`` asked once a live tensor is found at such a place:
-    a fresh optimizer's groups hold none)."""
-    ids: AbstractSet[int] | None = None
-
-    def made_here(old: torch.Tensor, new: torch.Tensor) -> bool:
-        nonlocal ids
-        if ids is None:
-            ids = made()
-        return id(new) in ids
-
-    return pair_places(_same_places(optimizer, state, groups), made_here, shared)
 
 
 def pair_places(

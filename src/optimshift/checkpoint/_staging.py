@@ -75,10 +75,11 @@ class Staging:
         cast: str | None,
         copy: bool,
         device: torch.device | None,
-        source: str | None = None,
+        what: str,
         streamed: bool = False,
     ) -> None:
-        self.opt, self.name, self.sd, self.source = optimizer, name, sd, source
+        self.opt, self.name, self.sd = optimizer, name, sd
+        self.what = what  # the operation, as errors name it: the optimizer, load_state_dict and the file, if any
         self.streamed = streamed  # (its state on the host, its groups' tensors where a move puts them)
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
         self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
@@ -105,11 +106,6 @@ class Staging:
         )
         self.cloned: list[torch.Tensor] = []  # copies made with no ticket (see build), each installed once
         self._specs: dict[tuple[int, int], StateSpec] = {}  # (group, param rank) -> what a step keeps
-
-    @property
-    def what(self) -> str:
-        """The operation, as errors name it: the optimizer, ``load_state_dict`` and the file loaded, if any."""
-        return f"{self.name}: load_state_dict: {self.source}" if self.source else f"{self.name}: load_state_dict"
 
     def fail(self, message: str, exc: type[Exception] = ValueError) -> Exception:
         return exc(f"{self.what}: {message}")

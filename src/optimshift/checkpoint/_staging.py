@@ -10,7 +10,7 @@ import copy as _copy
 from collections import defaultdict
 from collections.abc import Callable, Mapping, MutableMapping
 from itertools import chain, repeat
-from operator import is_, itemgetter
+from operator import is_
 from typing import Any
 
 import torch
@@ -93,8 +93,7 @@ class Staging:
             and type(optimizer).__setstate__ is _TORCH_SETSTATE.get(self.base)
             and "__setstate__" not in getattr(optimizer, "__dict__", {})
         )
-        # ticket -> the transfer of its copy, made by _resolve()
-        self._wanted: dict[_Ticket, Transfer] = {}
+        self._wanted: dict[_Ticket, Transfer] = {}  # ticket -> the transfer of its copy, made by _resolve()
         self._casts = False  # (whether a ticket's copy is cast)
         self._made: dict[_Ticket, torch.Tensor] = {}
         self._uses: dict[_Ticket, int] = {}  # how many places (planned transfers) each copy is installed in
@@ -297,14 +296,14 @@ class Staging:
         if not transfers:
             return
         plan = Plan(self.opt, transfers, repeats=False, casts=self._casts)
-        own = set(map(id, map(_tensor_of, transfers)))
+        own = {id(tr[2]) for tr in transfers}
         copies = _engine.run(plan, own=own, what=self.what, site=self.site_words).pairs
         for ticket, (_, new) in zip(self._wanted, copies):
             self._made[ticket] = new
         n = len(self._wanted)
         for (holder, key, _, _), (_, new) in zip(lone, copies[n:]):
             holder[key] = new
-        self.cloned.extend(map(_copy_of, copies[n:]))
+        self.cloned.extend(new for _, new in copies[n:])
 
     def _live_states(
         self, pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, Any]]
@@ -611,9 +610,6 @@ class Staging:
                 f"{self._site(site)}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
                 f"this (a corrupt or hostile checkpoint)"
             )
-
-
-_tensor_of, _copy_of = itemgetter(2), itemgetter(1)
 
 
 def _ids_shown(ids: Mapping[Any, Any]) -> str:

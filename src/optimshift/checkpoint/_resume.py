@@ -101,11 +101,11 @@ def _load(
         mode.wait()
         target = torch.device("cpu")
 
-    source = None
+    label = f"{name}: load_state_dict"
     if isinstance(state_dict, (str, os.PathLike)):
         source = os.fspath(state_dict)
         state_dict = _files.load(source)
-    label = f"{name}: load_state_dict: {source}" if source else f"{name}: load_state_dict"
+        label = f"{label}: {source}"
     sd, recorded = _extract(state_dict, label)
     if recorded is not None:
         _check_class(optimizer, receiver, recorded, label)
@@ -397,6 +397,5 @@ def _same_places(
             old = live.get(p)
             if isinstance(old, dict) and old:
                 pairs.append((old, fresh))
-    for old_group, new_group in zip(optimizer.param_groups, groups):
-        pairs.append((old_group, new_group))
+    pairs.extend(zip(optimizer.param_groups, groups))
     return pairs

@@ -600,12 +600,26 @@ def test_a_non_blocking_reload_states_whose_state_reload_fails_still_says_offloa
     _train(engine, 1)
 
 
+@pytest.mark.parametrize("interrupted", [False, True], ids=["failed", "Ctrl-C as its event is recorded"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_non_blocking_reload_states_that_fails_gives_its_buffers_back_after_their_copies(sim, monkeypatch, seed):
+def test_a_non_blocking_reload_states_that_fails_gives_its_buffers_back_after_their_copies(
+    sim, monkeypatch, seed, interrupted
+):
     """A non-blocking ``reload_states`` that fails after DeepSpeed queued the copies out of the pool buffers it was
     handed (and dropped them: ``del self.hp_params_pin_buffers``), before its closing synchronize: the buffers go back
     to the pool reused only once those copies completed (they went back with none, and the next request overwrote
-    them under the copies: the fp32 partitions on the device took the new bytes)."""
+    them under the copies: the fp32 partitions on the device took the new bytes). Also where a Ctrl-C lands as the
+    failure's event is recorded (it left none, and the buffers went back without it)."""
+    import signal
+
+    real_event = osd._current_stream_event
+
+    def event_then_ctrl_c(devices):
+        os.kill(os.getpid(), signal.SIGINT)  # (delivered as it returns, before the event is recorded)
+        return real_event(devices)
+
+    if interrupted:
+        monkeypatch.setattr(osd, "_current_stream_event", event_then_ctrl_c)
     monkeypatch.setattr(osd, "_why_not_zero", lambda zero: None)
     at = types.SimpleNamespace(current_device_name=lambda: str(sim))
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: at)
@@ -631,7 +645,8 @@ def test_a_non_blocking_reload_states_that_fails_gives_its_buffers_back_after_th
             raise RuntimeError("injected: a failure after the copies were queued")
 
         # (on a current stream other than the default one, which the simulator never runs behind the host)
-        with torch.sim.stream(torch.sim.Stream(sim)), pytest.raises(RuntimeError, match="injected"):
+        raised = pytest.raises(KeyboardInterrupt) if interrupted else pytest.raises(RuntimeError, match="injected")
+        with torch.sim.stream(torch.sim.Stream(sim)), raised:
             osd._make_reload_states(shipped)(zero, non_blocking=True)
         optimshift.host_pool.acquire(values.numel() * 4, pinned=False).fill_(255)  # (the next request writes its own)
         torch.sim.synchronize(0)  # (the copies run: one whose source changed under it raises)

@@ -31,7 +31,7 @@ import torch
 
 from .. import _session, api
 from .._device_streams import host_pinning
-from .._engine import _current_stream_event
+from .._engine import _current_stream_event, uninterrupted
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
 from ..pool import host_pool
@@ -266,17 +266,19 @@ def _make_reload_states(original: Callable[..., None]) -> Callable[..., None]:
 
         target = get_accelerator().current_device_name()  # where DeepSpeed's reload puts everything
         _own_on_host(self, _held(self), target)
-        queued = None
+        failed = True
         try:
             original(self, non_blocking=non_blocking)
-        except BaseException:
-            if non_blocking:  # (failed before its closing synchronize: its copies may still read the buffers)
-                queued = _current_stream_event([torch.device(target)])
-            if later:
-                states.add(optim)  # still offloaded: DeepSpeed's record says so again
-            raise
+            failed = False
         finally:
-            _give_back(self, _held(self), queued)
+            # (a Ctrl-C is held until the buffers went back: one landing before the event was recorded gave them back
+            # with none, reused under DeepSpeed's copies; one landing before this section gives nothing back)
+            with uninterrupted(to_the_end=False):
+                if failed and later:
+                    states.add(optim)  # still offloaded: DeepSpeed's record says so again
+                # (failed before its closing synchronize: its copies may still read the buffers)
+                queued = _current_stream_event([torch.device(target)]) if failed and non_blocking else None
+                _give_back(self, _held(self), queued)
         if later:
             try:
                 _reload(self.optimizer, target, non_blocking=True)

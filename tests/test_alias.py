@@ -618,3 +618,17 @@ def test_load_state_dict_refuses_a_shared_storage_cast_into_two_dtypes():
     # (each member's dtype: the one kept as saved too, which the cast one is refused beside)
     assert "(float32 on cpu and float32 cast to bfloat16 on cpu)" in message, message
     assert not opt.state, "nothing was loaded"
+
+
+def test_located_asks_each_tensor_s_device_and_storage_once_and_a_sparse_one_has_no_storage():
+    """``_alias.located`` (engine.run's one walk): a tensor's device and storage key, the views of one storage keyed
+    alike; a sparse tensor among plain ones (no storage) is asked one by one and has no key, and ``shared`` given
+    the keys still groups the overlapping views."""
+    from optimshift import _alias
+
+    base = torch.zeros(6)
+    tensors = [base[:4], torch.zeros(2).to_sparse(), base[2:], torch.zeros(1, device="meta")]
+    devices, keys = _alias.located(tensors)
+    assert devices == [torch.device("cpu"), torch.device("cpu"), torch.device("cpu"), torch.device("meta")]
+    assert keys[0] == keys[2] == _alias.storage_of(base) and keys[1] is None and keys[3] not in (None, keys[0])
+    assert _alias.shared(tensors, keys) == _alias.shared(tensors) == [[0, 2]]

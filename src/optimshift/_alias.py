@@ -19,7 +19,7 @@ from ._devices import _fake_mode_active
 from ._dtensor import is_dtensor, wrap_local
 from ._state import like_source
 
-__all__ = ["shared", "copy_storage", "sole_user", "span", "storage_key"]
+__all__ = ["located", "shared", "copy_storage", "sole_user", "span", "storage_key"]
 
 _address: Callable[[torch.Tensor], int] = getattr(
     torch._C, "_storage_address", lambda t: int(t.untyped_storage()._cdata)
@@ -28,6 +28,7 @@ _use_count: Callable[[int], int] = torch._C._storage_Use_Count
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_SET = frozenset(_PLAIN)
 _NBYTES = operator.attrgetter("nbytes")
+_DEVICE, _FIRST, _SECOND = operator.attrgetter("device"), operator.itemgetter(0), operator.itemgetter(1)
 
 
 storage_of = _address
@@ -51,20 +52,28 @@ def storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
-def shared(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+def located(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.device], list[int | None]]:
+    """Each tensor's device and its storage's key (:func:`storage_key`; None under FakeTensorMode, where no bytes
+    are shared), asked in one walk: a walk each read every tensor's memory twice (50k do not fit in a cache)."""
+    if _fake_mode_active():
+        return list(map(_DEVICE, tensors)), [None] * len(tensors)
+    if set(map(type, tensors)) <= _PLAIN_SET:
+        try:
+            both = [(t.device, _address(t)) for t in tensors]
+            return list(map(_FIRST, both)), list(map(_SECOND, both))
+        except Exception:  # a plain tensor without a storage (sparse): asked one by one
+            pass
+    return list(map(_DEVICE, tensors)), list(map(storage_key, tensors))
+
+
+def shared(tensors: Sequence[torch.Tensor], keys: Sequence[int | None] | None = None) -> list[list[int]]:
     """Groups of indices into ``tensors`` (distinct, two or more each) to copy as one storage with
-    :func:`copy_storage`; one C call per tensor when nothing is shared."""
+    :func:`copy_storage`; one C call per tensor when nothing is shared. ``keys``: :func:`located`'s, if asked."""
     # NOTE: under FakeTensorMode there are no bytes to share (and FakeTensors outside one have no key).
     if not tensors or _fake_mode_active():
         return []
-    keys: list[int | None]
-    try:
-        if set(map(type, tensors)) <= _PLAIN_SET:
-            keys = list(map(_address, tensors))
-        else:
-            keys = [storage_key(t) for t in tensors]
-    except Exception:  # a plain tensor without a storage (sparse): ask one by one
-        keys = [storage_key(t) for t in tensors]
+    if keys is None:
+        keys = located(tensors)[1]
     if len(set(keys)) == len(keys):
         return []
     many = {k for k, n in Counter(keys).items() if n > 1 and k is not None}

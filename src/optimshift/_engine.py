@@ -21,6 +21,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import operator
 import signal
 import sys
 import threading
@@ -170,8 +171,6 @@ def run(
     destination is its place, whatever its target), by the same streams, events and ``record_stream`` rules,
     and commits to it.
     """
-    items: list[tuple[torch.Tensor, torch.device]]
-    names: list[Any] | None = None  # what each item is, for errors (built when one is raised)
     placed: list[tuple[Transfer, torch.Tensor]] = []  # (transfer, its destination), each tensor once
     what = what or type(plan.optimizer).__name__
     if plan.columns:  # (every tensor copied where it is too, blocking, in the columns' order: the batch's copies)
@@ -187,22 +186,23 @@ def run(
     hyperparameters = _moving_group_tensors(plan) if options.non_blocking else set()
     if into is not None:
         plan, placed = _placed(plan, into, what, site)
-    if plan.repeats:
-        items, names = [], []
+    transfers = plan.transfers
+    tensors = list(map(_tensor, transfers))
+    # (each tensor's device and storage asked in one walk: a walk each read 50k tensors' memory twice, ~2x the time)
+    devices, keys = _alias.located(tensors)
+    targets = list(map(_target, transfers))
+    picked = list(map(operator.ne, devices, targets))  # (what moves, a load's own and casts too: each tensor once)
+    if own or plan.casts:
+        picked = [p or id(tr[2]) in own or tr[6] is not None for p, tr in zip(picked, transfers)]
+    if plan.repeats:  # (a tensor several entries hold: copied for the first that picks it)
         seen: set[int] = set()
-        for transfer in plan.transfers:
-            t, target = transfer[2], transfer[4]  # (tensor, target: see plan.Transfer)
-            if (t.device != target or id(t) in own or transfer[6] is not None) and id(t) not in seen:
-                seen.add(id(t))
-                items.append((t, target))
-                names.append(transfer)
-    elif own or plan.casts:  # (own first: a load's hold every tensor)
-        names = [tr for tr in plan.transfers if id(tr[2]) in own or tr[6] is not None or tr[2].device != tr[4]]
-        items = [(tr[2], tr[4]) for tr in names]
-    else:  # (each tensor once: the common case, without the set, one comprehension)
-        items = [(tr[2], tr[4]) for tr in plan.transfers if tr[2].device != tr[4]]
+        for i in itertools.compress(range(len(picked)), picked):
+            picked[i] = id(tensors[i]) not in seen
+            seen.add(id(tensors[i]))
+    items = list(itertools.compress(zip(tensors, targets), picked))
+    names = list(itertools.compress(transfers, picked))  # (what each item is, for errors)
     # (item index -> the dtype its copy is cast to)
-    casts = {i: tr[6] for i, tr in enumerate(names) if tr[6] is not None} if plan.casts and names else {}
+    casts = {i: tr[6] for i, tr in enumerate(names) if tr[6] is not None} if plan.casts else {}
     n_plan = len(items)
     extra_names: list[str] = []  # (what each of the extra items copied is)
     if extra:
@@ -213,7 +213,7 @@ def run(
                 items.append((t, target))
                 extra_names.append(name)
     # (nothing moves: nothing can stop sharing, nor be copied as a storage)
-    together = _shared_storages(plan, extra, items, placed, what, site) if items or placed else []
+    together = _shared_storages(plan, tensors, keys, extra, items, placed, what, site) if items or placed else []
     into_pairs = [(tr[2], dst) for tr, dst in placed]
 
     def placed_site(i: int) -> str:
@@ -222,10 +222,7 @@ def run(
     def describe(i: int) -> str:
         if i >= n_plan:
             return f"{what}: {extra_names[i - n_plan]}"
-        plans = names
-        if plans is None:
-            plans = [tr for tr in plan.transfers if tr[2].device != tr[4] or id(tr[2]) in own]
-        return f"{what}: {site(plans[i])}"
+        return f"{what}: {site(names[i])}"
 
     # (fake tensors have no copies to overlap: they never need a stream, nor should they probe one; a cast, only
     # a load's, which blocks, is made on the current stream)
@@ -321,6 +318,8 @@ def _placed(
 
 def _shared_storages(
     plan: Plan,
+    plan_tensors: list[torch.Tensor],
+    keys: list[int | None],
     extra: Sequence[tuple[torch.Tensor, torch.device, str]],
     items: Sequence[tuple[torch.Tensor, torch.device]],
     placed: Sequence[tuple[Transfer, torch.Tensor]],
@@ -331,10 +330,13 @@ def _shared_storages(
     whole plan), with their target. ValueError, before anything is copied, when tensors that share a storage
     belong on different devices or in different dtypes (a cast of some, or casts of different kinds), or are
     copied into places the caller gave (``placed``, each its own): copied apart, an update through one would no
-    longer show through the other."""
+    longer show through the other. ``plan_tensors``, ``keys``: the plan's tensors and their storages' keys."""
     transfers = plan.transfers
-    tensors = [tr[2] for tr in transfers] + [e[0] for e in extra] + [tr[2] for tr, _ in placed]
-    groups = _alias.shared(tensors)
+    tensors = plan_tensors
+    if extra or placed:
+        more = [e[0] for e in extra] + [tr[2] for tr, _ in placed]
+        tensors, keys = tensors + more, keys + _alias.located(more)[1]
+    groups = _alias.shared(tensors, keys)
     if not groups:
         return []
     first_placed = len(transfers) + len(extra)
@@ -810,6 +812,7 @@ def _pinned_in_place(
 
 _grad_of = attrgetter("grad")
 _first = itemgetter(0)
+_tensor, _target = itemgetter(2), itemgetter(4)
 
 
 def outside_owned(optimizer: Any) -> set[int]:

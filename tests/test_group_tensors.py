@@ -960,3 +960,39 @@ def test_a_group_tensor_the_step_refuses_on_the_host_stays_on_the_device(sim):
     optimshift.move(opt)
     assert opt.param_groups[0]["beta2_decay"] is beta2_decay and beta2_decay.device == sim
     _step(opt, params, 1)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, given, where",
+    [
+        (O.NAdam, {"momentum_decay": "0d"}, "sim", "sim:0 (a probe step did; on cpu it runs)"),
+        (O.NAdam, {"betas": "0d"}, "sim", "sim:0 (a probe step did; on cpu it runs)"),
+        (O.Adafactor, {"beta2_decay": "1"}, "cpu", "cpu (a probe step did; on sim:0 it runs)"),
+        (O.Adadelta, {"rho": "1"}, "sim", "either device"),
+        (O.RMSprop, {"alpha": "1"}, "sim", "either device"),
+    ],
+    ids=["NAdam-momentum_decay", "NAdam-betas", "Adafactor-beta2_decay", "Adadelta-rho", "RMSprop-alpha"],
+)
+def test_check_calls_a_group_tensor_the_step_raises_with_an_error(sim, cls, kwargs, given, where):
+    """NAdam's single-tensor step raises with a 0-dim device momentum_decay or betas[0] and runs with it on the host:
+    check() called it a sync per read (a warning) though its probe had seen the step raise; it is an error, as on
+    the host a one-element beta2_decay the step takes only on the device is, and a (1,) rho or alpha no step takes."""
+    device = sim if given == "sim" else torch.device("cpu")
+    key, kind = next(iter(kwargs.items()))
+    value = torch.full(() if kind == "0d" else (1,), -0.8 if key == "beta2_decay" else 0.9, device=device)
+    params = _params(sim)
+    opt = cls(params, **{key: (value, 0.999) if key == "betas" else value}, foreach=False)
+    (finding,) = optimshift.check(opt).findings
+    assert (finding.severity, finding.why) == ("error", f"{cls.__name__}'s step() raises with it on {where}")
+    with pytest.raises((RuntimeError, TypeError)):  # (the finding is right: here step() raises)
+        _step(opt, params, 0)
+
+
+def test_check_does_not_call_a_group_tensor_a_cpu_only_build_cannot_probe_an_error(sim):
+    """Fused AdamW's probe with a device weight_decay fails in a CPU-only build's missing CUDA backend: no refusal
+    of the class (on the device its step runs, reading it on the host), so its finding stays a sync warning."""
+    params = _params(sim)
+    opt = O.AdamW(params, weight_decay=torch.tensor(0.01, device=sim), fused=True)
+    _step(opt, params, 0)
+    (finding,) = optimshift.check(opt).findings
+    assert finding.severity == "warning" and "reads this on the host" in finding.why

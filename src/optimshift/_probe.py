@@ -304,7 +304,8 @@ class Observed:
     """What one probe saw. ``state``: {0-dim state key: on the param's device} (None: no state); ``group``:
     {GroupPath: HOST_READ or NEEDS_DEVICE} (absent: either works); ``error``: what the step raised; ``reads``: {host
     0-dim key: device reads it costs a later step on the device}; ``wide``: {path under a plain state key: on the
-    device}; ``group_reads``: {GroupPath: ``(a, b)``}: ``a + b * n`` device reads more over ``n`` params."""
+    device}; ``group_reads``: {GroupPath: ``(a, b)``}: ``a + b * n`` device reads more over ``n`` params;
+    ``raises``: {GroupPath: where (``"host"``, ``"device"``) a step with it there raised, that of the other did not}."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
@@ -312,6 +313,7 @@ class Observed:
     reads: Mapping[str, int] = field(default_factory=dict)
     wide: Mapping[Path, bool] = field(default_factory=dict)
     group_reads: Mapping[GroupPath, tuple[int, int]] = field(default_factory=dict)
+    raises: Mapping[GroupPath, frozenset[str]] = field(default_factory=dict)
 
 
 def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
@@ -567,18 +569,27 @@ def torch_defined(cls: type) -> bool:
     return cls.__module__.split(".")[:2] == ["torch", "optim"] and getattr(torch.optim, cls.__name__, None) is cls
 
 
+_NO_BACKEND = "PyTorch is not linked with support for"
+"""How a CPU-only build refuses a fake device tensor a kernel launches on (fused Adam's): no refusal of the class."""
+
+
 def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed:
     paths = group_tensor_paths(group)
     baseline, reads, later = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
     verdicts: dict[GroupPath, str] = {}
     costs: dict[GroupPath, tuple[int, int]] = {}
+    raises: dict[GroupPath, frozenset[str]] = {}
     two: list[int | None] = []  # (a later step's reads over two params, all on the host: run once, when needed)
     for path in paths:
         alone, alone_reads, alone_later = _run(cls, group, ndim, paths, path)
         if baseline.error is not None and alone.error is None:  # (before its reads: they stopped at the error)
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
+            raises[path] = frozenset({"host"})
         elif alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
+            if alone.error is not None and alone.error != baseline.error and _NO_BACKEND not in alone.error:
+                # (where the step with it on the device raised: on the host too, where that one failed)
+                raises[path] = frozenset({"device"} | ({"host"} if baseline.error is not None else set()))
             if later is not None and alone_later is not None:
                 try:
                     if not two:
@@ -590,7 +601,7 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
                 if two[0] is not None and two_alone is not None:
                     one, per_param = alone_later - later, (two_alone - two[0]) - (alone_later - later)
                     costs[path] = (one - per_param, per_param)
-    return replace(baseline, group=verdicts, group_reads=costs)
+    return replace(baseline, group=verdicts, group_reads=costs, raises=raises)
 
 
 def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | str:

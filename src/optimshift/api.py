@@ -864,7 +864,12 @@ def _explain(
     gi = max(site.group, 0)
     group = optimizer.param_groups[gi]  # optimizer-wide entries: the first group
     on_host = at.type == "cpu"
-    if param is None and site.group != OPTIMIZER_WIDE and expected.type == "cpu" and not on_host:
+    own = param is None and site.group != OPTIMIZER_WIDE  # (a tensor the group holds: a tensor lr, betas)
+    raises = _policy.group_raises(type(optimizer), group, site.key, t) if own else frozenset()
+    if ("host" if on_host else "device") in raises:  # (where a probe step raised, not a cost: an error)
+        where = "either device" if len(raises) == 2 else f"{at} (a probe step did; on {expected} it runs)"
+        return "error", f"{name}'s step() raises with it on {where}", None
+    if own and expected.type == "cpu" and not on_host:
         cost = _policy.group_read_cost(optimizer, group, site.key, t)
         others = ", ".join(sorted({str(p.device) for p in group["params"] if p.device != at}))
         mixing = f"group {gi} holds params on {others} too: a step computing with it beside them raises"

@@ -480,6 +480,13 @@ def group_read_cost(
     return once * len({(p.device, p.dtype) for p in stepped}) + per_param * len(stepped)
 
 
+def group_raises(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> frozenset[str]:
+    """Where (``"host"``, ``"device"``) a probe step raised with group tensor ``value`` (under ``key``), the step
+    with it on the other side having run or failed otherwise: what ``check`` calls an error rather than a cost."""
+    observed = _group_observed(cls, group)
+    return frozenset() if observed is None else observed.raises.get(_group_path(group, key, value), frozenset())
+
+
 def _wide_entry(cls: type, group: Mapping[str, Any], path: Path, value: torch.Tensor, device: torch.device) -> Decision:
     """Where a tensor the optimizer keeps under a plain state key belongs: where a fresh one keeps it after a step
     (its probe: MADGRAD's host counter ``k``), else with the params (TRAC's ``s``, which the class it wraps never

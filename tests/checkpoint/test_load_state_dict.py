@@ -655,6 +655,25 @@ def test_live_state_used_elsewhere_is_not_written_in_place(held):
         assert first["exp_avg"] is not second["exp_avg"] and bitwise_equal(old, before)
 
 
+def test_the_copies_a_load_made_are_listed_once_and_only_for_live_tensors(monkeypatch):
+    """Live tensors that cannot take the values in place (a view of each is held) adopt the copies made: their ids
+    are listed once per load, not once per live tensor (quadratic), and not at all for a fresh optimizer."""
+    from optimshift.checkpoint import _staging
+
+    calls = []
+    made_ids = _staging.Staging.made_ids
+    monkeypatch.setattr(_staging.Staging, "made_ids", lambda self: calls.append(1) or made_ids(self))
+    model, opt, sd = _two_trained_adams()
+    live = [st["exp_avg"] for st in opt.state.values()]
+    views, before = [t[0] for t in live], [t[0].clone() for t in live]
+    optimshift.load_state_dict(opt, sd)
+    assert len(calls) == 1 and all(st["exp_avg"] is t for st, t in zip(opt.state.values(), live))
+    assert all(bitwise_equal(v, b) for v, b in zip(views, before))  # (the adoption: new storage, the views the old)
+    _, fresh = _twin(model, O.Adam, {"foreach": False})
+    optimshift.load_state_dict(fresh, sd)
+    assert len(calls) == 1
+
+
 def test_linear_time_no_group_scans():
     pytorch = [_comparisons(lambda o, sd: o.load_state_dict(sd), n) for n in (100, 200)]
     assert pytorch[1] > 3.5 * pytorch[0] > 3.5 * 100 * 100 / 2  # quadratic: one scan per state tensor

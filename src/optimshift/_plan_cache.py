@@ -34,8 +34,8 @@ _serials = itertools.count()
 
 @dataclass(eq=False)
 class Cached:
-    """A plan's decisions and what they were built over, by ids and metas: a tensor (or param) the state let go must
-    be freed with it, not pinned here until this key is planned again (an offload would free no device memory)."""
+    """A plan's decisions and what they were built over, by ids and metas, never a tensor or param: one the state
+    let go must be freed with it, not pinned here until this key is planned again (an offload would free no memory)."""
 
     layout: tuple[Any, ...] | None  # None: the first call's marker, which stands for any layout
     # per transfer: (ident, name, target, source); None: a marker (built once under this key and layout)

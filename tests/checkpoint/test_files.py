@@ -391,6 +391,37 @@ def test_truncated_and_foreign_files(tmp_path):
         optimshift.load(tmp_path)
 
 
+def test_load_state_dict_of_a_path_it_cannot_read_names_the_optimizer_and_the_file(tmp_path, monkeypatch):
+    """A path load_state_dict cannot read was refused with load's error alone, which names the file but not the
+    optimizer; each now says both, its type (and a system error's errno) kept, and the optimizer is unchanged."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "text.pt").write_bytes(b"just some text\n" * 4)
+    opt = _adam()
+    before = opt.state_dict()["state"]
+    cases = {
+        "": (FileNotFoundError, r"the checkpoint path is empty \(''\)"),
+        "nope.pt": (FileNotFoundError, r"no such checkpoint file: nope\.pt$"),
+        str(tmp_path): (IsADirectoryError, rf"{re.escape(str(tmp_path))} is a directory, not a checkpoint file"),
+        f"empty.pt{os.sep}": (NotADirectoryError, r"empty\.pt/ ends in a separator"),
+        "empty.pt": (CheckpointError, r"empty\.pt is empty \(0 bytes\)"),
+        "text.pt": (CheckpointError, r"text\.pt is not a PyTorch checkpoint"),
+    }
+    for path, (kind, match) in cases.items():
+        with pytest.raises(kind, match=rf"^Adam: load_state_dict: {match}") as info:
+            optimshift.load_state_dict(opt, path)
+        assert type(info.value) is kind, path
+    assert bitwise_equal(opt.state_dict()["state"], before)
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr("optimshift.checkpoint._files._sniff", denied)
+    with pytest.raises(PermissionError, match=r"Adam: load_state_dict: Permission denied: 'text\.pt'") as info:
+        optimshift.load_state_dict(opt, "text.pt")
+    assert info.value.errno == 13 and info.value.filename == "text.pt"
+
+
 def test_a_class_weights_only_meets_as_an_objects_class_is_named_to_allow(tmp_path):
     """numpy scalars: once the globals their pickle names are allowed, torch's refusal is of a class it met as an
     object's class (``numpy.dtypes.Float64DType``), not by name. It is named to allow, as a refused global: the

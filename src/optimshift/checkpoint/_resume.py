@@ -104,7 +104,7 @@ def _load(
     label = f"{name}: load_state_dict"
     if isinstance(state_dict, (str, os.PathLike)):
         source = os.fspath(state_dict)
-        state_dict = _files.load(source)
+        state_dict = _read(source, label)
         label = f"{label}: {source}"
     sd, recorded = _extract(state_dict, label)
     if recorded is not None:
@@ -158,6 +158,19 @@ def _load(
     for hook in list(getattr(receiver, "_optimizer_load_state_dict_post_hooks", {}).values()):
         hook(receiver)
     return optimizer
+
+
+def _read(source: str, label: str) -> Any:
+    """:func:`optimshift.load` of ``source``; an error reading it (it names the file) names the optimizer too, its
+    type and attributes kept."""
+    try:
+        return _files.load(source)
+    except (OSError, _files.CheckpointError) as e:
+        if isinstance(e, OSError) and e.strerror is not None:  # (the system's own: str() shows its strerror)
+            e.strerror = f"{label}: {e.strerror}"
+        else:
+            e.args = (f"{label}: {e}",)
+        raise
 
 
 def streamed_elsewhere(label: str, device: torch.device) -> ValueError:

@@ -67,6 +67,35 @@ def test_an_error_about_an_optimizer_wide_entry_names_it_so_not_as_a_param_group
     assert opt.state == {}
 
 
+class _Uncopyable:
+    def __deepcopy__(self, memo):
+        raise RuntimeError("no copies")
+
+
+def test_an_uncopyable_optimizer_wide_entry_is_refused_by_name_as_a_per_param_one_is():
+    """An optimizer-wide entry that cannot be copied raised the copy's own error (RuntimeError: no copies), naming
+    nothing; it is a TypeError naming the entry now, as a per-param entry's is, and the optimizer is unchanged."""
+    import pytest
+
+    class Madgradish(torch.optim.SGD):
+        pass
+
+    _, src = _madgrad_like("cpu")
+    sd = src.state_dict()
+    opt = Madgradish([torch.nn.Parameter(torch.zeros(4, 3))], lr=0.1, momentum=0.9)
+    sd["state"][0]["odd"] = {"x": _Uncopyable()}
+    with pytest.raises(TypeError, match=r"load_state_dict: group 0, param 0, state key 'odd': cannot copy its dict"):
+        optimshift.load_state_dict(opt, sd)
+    del sd["state"][0]["odd"]
+    sd["state"]["ema"]["odd"] = _Uncopyable()
+    with pytest.raises(
+        TypeError, match=r"^Madgradish: load_state_dict: optimizer-wide entry 'ema': cannot copy its dict "
+        r"\(RuntimeError: no copies\)$"
+    ):  # fmt: skip
+        optimshift.load_state_dict(opt, sd)
+    assert opt.state == {}
+
+
 def test_loads_into_the_optimizer_inside_a_lightning_wrapper():
     from lightning.pytorch.core.optimizer import LightningOptimizer
 

@@ -396,8 +396,7 @@ class Staging:
         for key in self.wide:  # optimizer-wide entries (placed as the plan places them: with the first group's)
             value = states[key]
             if not isinstance(value, (torch.Tensor, *_ATOMS)):
-                self._check_depth(value, (OPTIMIZER_WIDE, None, key, ()))
-                value = _copy.deepcopy(value, {id(t): t for _, t in leaves(value)})
+                value = self._copy_container(value, (OPTIMIZER_WIDE, None, key, ()))
             new_state[key] = value
 
         # Where each tensor goes (the planner's), in which dtype; then every copy, before the optimizer changes (an

@@ -600,6 +600,32 @@ def test_a_non_blocking_reload_states_whose_state_reload_fails_still_says_offloa
     _train(engine, 1)
 
 
+def test_a_non_blocking_reload_states_that_fails_before_deepspeeds_reload_still_says_offloaded(
+    process_group, ds_patch, monkeypatch
+):
+    """reload_states(non_blocking=True) whose copy of the partitions out of their pool buffers (a reload onto the
+    host) fails, before DeepSpeed's reload ran: DeepSpeed's record still says the optimizer state is offloaded (it
+    said reloaded while the state stayed on the host, and a retry left it there)."""
+    ds_patch(True)
+    engine = _engine(2, "AdamW-foreach")
+    _train(engine, 0)
+    zero = engine.optimizer
+    engine.offload_states()
+
+    def failing(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room on the host (a test)")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(osd, "_own_on_host", failing)
+        with pytest.raises(torch.OutOfMemoryError):
+            engine.reload_states(non_blocking=True)
+    assert "optim_states" in {s.name for s in zero.offloaded_states}
+    assert optimshift.is_offloaded(zero.optimizer)
+    engine.reload_states()
+    assert not zero.offloaded_states and not optimshift.is_offloaded(zero.optimizer)
+    _train(engine, 1)
+
+
 @pytest.mark.parametrize("interrupted", [False, True], ids=["failed", "Ctrl-C as its event is recorded"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_non_blocking_reload_states_that_fails_gives_its_buffers_back_after_their_copies(

@@ -258,14 +258,14 @@ def _make_reload_states(original: Callable[..., None]) -> Callable[..., None]:
         states: set[Any] = getattr(self, "offloaded_states", set())
         optim = next((s for s in states if getattr(s, "name", None) == "optim_states"), None)
         later = non_blocking and optim is not None
+        from deepspeed.accelerator import get_accelerator
+
+        target = get_accelerator().current_device_name()  # where DeepSpeed's reload puts everything
+        _own_on_host(self, _held(self), target)  # (first: one that fails leaves DeepSpeed's record as it was)
         if later:
             # DeepSpeed synchronizes the device at the end of a non-blocking reload (its host buffers go then);
             # the optimizer state is reloaded after that, left in flight: the step waits for it on the device.
             states.discard(optim)
-        from deepspeed.accelerator import get_accelerator
-
-        target = get_accelerator().current_device_name()  # where DeepSpeed's reload puts everything
-        _own_on_host(self, _held(self), target)
         failed = True
         try:
             original(self, non_blocking=non_blocking)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate, chain, repeat, starmap
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
@@ -77,19 +77,21 @@ class _Layout:
         self.olds: list[Any] = []
         self.verbatim = True
 
-    def entry(self, rows: list[_Row], i: int) -> Transfer:
-        """The transfer of ``got[i]`` (``rows``: this layout's): where it sits, its param, its place."""
+    def placed(self, rows: list[_Rows]) -> list[tuple[torch.Tensor, int, int]]:
+        """Each of this layout's rows (``rows``: every layout's) as its param, group and index."""
+        return [(p, gi, pi + j) for ps, _, layout, gi, pi, _ in rows if layout is self for j, p in enumerate(ps)]
+
+    def entry(self, placed: list[tuple[torch.Tensor, int, int]], i: int) -> Transfer:
+        """The transfer of ``got[i]`` (``placed``: :meth:`placed`): where it sits, its param, its place."""
         width = len(self.order)
-        row = rows[i // width]
+        p, gi, pi = placed[i // width]
         key, device = self.order[i % width], self.devices[i % width]
-        return _new_transfer(
-            Transfer, ((row[3], row[4], (("key", key),)), None, self.got[i], row[0], device, "load", None)
-        )
+        return _new_transfer(Transfer, ((gi, pi, (("key", key),)), None, self.got[i], p, device, "load", None))
 
 
-# (param, its saved state, its layout, group, index)
-_Row = tuple[torch.Tensor, Mapping[Any, Any], _Layout, int, int]
-_param_of = itemgetter(0)
+# (consecutive params of one group, their saved states, their layout, the group, the first's index, their live
+# states or None): a whole group's rows in one, or one row
+_Rows = tuple[Sequence[torch.Tensor], Sequence[Mapping[Any, Any]], _Layout, int, int, Sequence[Any] | None]
 _kind_key = attrgetter("shape", "dtype", "device")  # (a param's kind: what its row's checks and placement read)
 
 
@@ -127,7 +129,7 @@ def build_uniform(
     # (by id: a tensor's hash is a Python call)
     live_get = dict(zip(map(id, st.opt.state), st.opt.state.values())).get if lives else None
     alike = lives  # (every live entry of the kind of its checkpoint tensor, so far)
-    rows: list[_Row] = []
+    rows: list[_Rows] = []
     layouts: dict[tuple[Any, ...], _Layout] = {}
     for gi, (lg, sg, ng) in enumerate(zip(st.opt.param_groups, saved_groups, new_groups)):
         kinds: dict[tuple[Any, ...], _Kind | None] = {}
@@ -150,6 +152,7 @@ def build_uniform(
             values = saved.values()
             checked = False  # (values against the kind, with the live tensors of the row)
             layout = kind.layout
+            live = None
             if lives:
                 live = live_get(id(p))  # type: ignore[misc]  # (lives: a getter)
                 olds: Any
@@ -178,7 +181,7 @@ def build_uniform(
                 except Exception:  # (an entry that is no tensor)
                     return None
             layout.got.extend(values)
-            rows.append((p, saved, layout, gi, pi))
+            rows.append(([p], [saved], layout, gi, pi, [live]))
     every = list(layouts.values())
     got = every[0].got if len(every) == 1 else list(chain.from_iterable(layout.got for layout in every))
     # (one tensor in two places, or tensors on one storage: the general path keeps them shared; every entry is a
@@ -189,8 +192,8 @@ def build_uniform(
     if not st.copy:  # the checkpoint's own tensors, installed as they are: only where each belongs
         if any(any(layout.moves) for layout in every):
             return None  # (moved by the general path, which copies only what must move)
-        for p, saved, _, _, _ in rows:
-            new_state[p] = dict(saved)
+        for params, saved_states, *_ in rows:
+            new_state.update(zip(params, map(dict, saved_states)))
         return new_state
     its: dict[int, Iterator[tuple[torch.Tensor, ...]] | None] = {}  # (None: each row a copy of its live dict)
     if lives and rows:
@@ -203,7 +206,7 @@ def build_uniform(
 
         def entry(c: int, n: int) -> Transfer:
             layout, j = at[c]
-            return layout.entry([row for row in rows if row[2] is layout], n * len(layout.order) + j)
+            return layout.entry(layout.placed(rows), n * len(layout.order) + j)
 
         plan = Plan(st.opt, columns=columns, entry=entry)
         copies = cast("list[torch.Tensor]", _engine.run(plan, what=st.what, site=st.site_words).batch.copies)
@@ -215,16 +218,10 @@ def build_uniform(
             width = len(layout.order)
             its[id(layout)] = zip(*made[start : start + width])
             start += width
-    if len(every) == 1:  # (one layout: every row's dict in one pass in C)
-        it, params = its[id(every[0])], list(map(_param_of, rows))
-        if it is None:
-            new_state.update(zip(params, map(dict, map(live_get, map(id, params)))))  # type: ignore[arg-type]
-        else:
-            new_state.update(zip(params, map(dict, map(zip, repeat(every[0].order), it))))
-        return new_state
-    for p, _, layout, _, _ in rows:
-        it = its[id(layout)]
-        new_state[p] = dict(live_get(id(p))) if it is None else dict(zip(layout.order, next(it)))  # type: ignore[misc, arg-type]
+    for params, _, layout, _, _, live_states in rows:  # (each chunk's dicts in one pass in C)
+        it = its[id(layout)]  # (zip stops at the chunk's last param before taking another row from it)
+        news = map(dict, live_states) if it is None else map(dict, map(zip, repeat(layout.order), it))  # type: ignore[arg-type]
+        new_state.update(zip(params, news))
     return new_state
 
 
@@ -238,7 +235,7 @@ def _whole_group(
     states: Mapping[Any, Any],
     kinds: dict[tuple[Any, ...], _Kind | None],
     layouts: dict[tuple[Any, ...], _Layout],
-    rows: list[_Row],
+    rows: list[_Rows],
     live_get: Callable[[int], Any] | None,
     alike: bool,
 ) -> bool:
@@ -268,6 +265,7 @@ def _whole_group(
         if not all(map(order.__eq__, map(tuple, saved))):
             return False
         values = list(map(dict.values, saved))
+        lives: list[Any] | None = None
         olds: list[Any] | None = None
         if live_get is not None:
             lives = list(map(live_get, map(id, params)))
@@ -286,7 +284,7 @@ def _whole_group(
     layout.got.extend(chain.from_iterable(values))
     if olds is not None:
         layout.olds.extend(chain.from_iterable(olds))
-    rows.extend(zip(params, saved, repeat(layout), repeat(gi), range(len(params))))
+    rows.append((params, saved, layout, gi, 0, lives))
     return True
 
 
@@ -314,7 +312,7 @@ def _kind_of(
 
 
 def _into_existing(
-    st: Staging, every: list[_Layout], got: list[torch.Tensor], alike: bool, rows: list[_Row]
+    st: Staging, every: list[_Layout], got: list[torch.Tensor], alike: bool, rows: list[_Rows]
 ) -> list[list[Any]]:
     """Each layout's new tensors into existing state: the live one where it takes the values in place
     (:func:`_in_place`), else a copy made by :func:`optimshift._engine.run`, which the install adopts."""
@@ -330,7 +328,7 @@ def _into_existing(
     return _copied(st, every, [_in_place(st, layout, alike, clear, protect) for layout in every], rows)
 
 
-def _copied(st: Staging, every: list[_Layout], installed: list[list[Any] | None], rows: list[_Row]) -> list[list[Any]]:
+def _copied(st: Staging, every: list[_Layout], installed: list[list[Any] | None], rows: list[_Rows]) -> list[list[Any]]:
     """Per layout, its entries: the live tensor in its slot where ``installed`` has one, else a copy."""
     out = []
     for layout, slots in zip(every, installed):
@@ -339,8 +337,8 @@ def _copied(st: Staging, every: list[_Layout], installed: list[list[Any] | None]
             continue
         got = layout.got
         at = [i for i, old in enumerate(slots or repeat(None, len(got))) if old is None]
-        mine = [row for row in rows if row[2] is layout] if at else []
-        plan = Plan(st.opt, [layout.entry(mine, i) for i in at], repeats=False)  # (copied where it stays too)
+        placed = layout.placed(rows) if at else []
+        plan = Plan(st.opt, [layout.entry(placed, i) for i in at], repeats=False)  # (copied where it stays too)
         pairs = _engine.run(plan, own=set(map(id, got)), what=st.what, site=st.site_words).pairs if at else []
         made = [new for _, new in pairs]
         st.cloned.extend(made)

@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -264,8 +266,9 @@ def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
     - load into a fresh optimizer: the same checks against the param, then one ``clone`` each;
     - a correct load into existing state: that check and copy, after proving that no checkpoint tensor shares a
       storage with another or with a live tensor, and that each live tensor is all that uses its storage;
-    - a correct load of a host checkpoint onto meta: a clone of each ``step`` (copy=True: nothing shared with the
-      state dict), ``.to`` of the others, a storage identity per checkpoint tensor, the class's ``__setstate__``.
+    - a correct load of a host checkpoint onto meta: a storage identity per checkpoint tensor, then column by
+      column (no Python step per entry, as a load may work) a clone of each ``step`` (copy=True: nothing shared
+      with the state dict), ``.to`` of the others, one dict a param, the class's ``__setstate__``.
     """
     n = n_tensors // 2
     swap_impl = torch._C._swap_tensor_impl
@@ -336,10 +339,16 @@ def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
             for p, sv in zip(onto, saved)
         }
 
+    order = tuple(saved[0])
+
     def least_onto() -> None:
         if len(set(map(address, flat_saved))) != len(flat_saved):
             raise ValueError("shared")
-        state = {p: {k: v.clone() if k == "step" else v.to(meta) for k, v in sv.items()} for p, sv in zip(onto, saved)}
+        columns = [
+            map(torch.Tensor.clone, column) if k == "step" else map(torch.Tensor.to, column, repeat(meta))
+            for k, column in zip(order, zip(*map(itemgetter(*order), saved)))
+        ]
+        state = dict(zip(onto, map(dict, map(zip, repeat(order), zip(*columns)))))
         owner.__setstate__({"state": state, "param_groups": owner.param_groups})
 
     t: dict[str, list[float]] = {
@@ -355,6 +364,7 @@ def floors(n_tensors: int, n_params: int, reps: int) -> dict[str, float]:
             ("to", bare_to),
             ("least_onto", least_onto),
         ):
+            owner.state.clear()  # (as a load into a fresh optimizer: the state it replaces is freed outside its time)
             gc.collect()
             t[name].append(_timed(fn))
     return {

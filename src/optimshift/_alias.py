@@ -28,7 +28,7 @@ _use_count: Callable[[int], int] = torch._C._storage_Use_Count
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_SET = frozenset(_PLAIN)
 _NBYTES = operator.attrgetter("nbytes")
-_DEVICE, _FIRST, _SECOND = operator.attrgetter("device"), operator.itemgetter(0), operator.itemgetter(1)
+_DEVICE = operator.attrgetter("device")
 
 
 storage_of = _address
@@ -58,9 +58,10 @@ def located(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.device], list[i
     if _fake_mode_active():
         return list(map(_DEVICE, tensors)), [None] * len(tensors)
     if set(map(type, tensors)) <= _PLAIN_SET:
+        keys: list[int | None] = []
+        key = keys.append  # (returns None: the keys listed as the devices are, no pair built per tensor)
         try:
-            both = [(t.device, _address(t)) for t in tensors]
-            return list(map(_FIRST, both)), list(map(_SECOND, both))
+            return [key(_address(t)) or t.device for t in tensors], keys
         except Exception:  # a plain tensor without a storage (sparse): asked one by one
             pass
     return list(map(_DEVICE, tensors)), list(map(storage_key, tensors))
@@ -69,8 +70,9 @@ def located(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.device], list[i
 def shared(tensors: Sequence[torch.Tensor], keys: Sequence[int | None] | None = None) -> list[list[int]]:
     """Groups of indices into ``tensors`` (distinct, two or more each) to copy as one storage with
     :func:`copy_storage`; one C call per tensor when nothing is shared. ``keys``: :func:`located`'s, if asked."""
-    # NOTE: under FakeTensorMode there are no bytes to share (and FakeTensors outside one have no key).
-    if not tensors or _fake_mode_active():
+    # NOTE: under FakeTensorMode there are no bytes to share (and FakeTensors outside one have no key): located's
+    # keys are None there, asked once for the caller that gave them.
+    if not tensors:
         return []
     if keys is None:
         keys = located(tensors)[1]

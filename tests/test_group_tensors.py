@@ -996,3 +996,29 @@ def test_check_does_not_call_a_group_tensor_a_cpu_only_build_cannot_probe_an_err
     _step(opt, params, 0)
     (finding,) = optimshift.check(opt).findings
     assert finding.severity == "warning" and "reads this on the host" in finding.why
+
+
+class _OnLrsStream(torch.optim.Optimizer):
+    """Plain SGD that asks ``torch.cuda`` for a CUDA ``lr``'s stream first (on any other device it does not)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.is_cuda:
+                torch.cuda.current_stream(lr.device)
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(p.grad * lr)
+
+
+def test_check_does_not_call_a_torch_cuda_call_a_cpu_only_build_refuses_in_the_probe_an_error(sim):
+    """The probe's step over a fake cuda:0 lr reaches torch.cuda, which a CPU-only build refuses ('Torch not compiled
+    with CUDA enabled'): the build's refusal, not the class's, whose step runs with the tensor on the device."""
+    params = _params(sim)
+    opt = _OnLrsStream(params, lr=torch.tensor(0.1, device=sim))
+    assert not [f.why for f in optimshift.check(opt).findings if f.severity == "error"]
+    _step(opt, params, 0)

@@ -569,8 +569,9 @@ def torch_defined(cls: type) -> bool:
     return cls.__module__.split(".")[:2] == ["torch", "optim"] and getattr(torch.optim, cls.__name__, None) is cls
 
 
-_NO_BACKEND = "PyTorch is not linked with support for"
-"""How a CPU-only build refuses a fake device tensor a kernel launches on (fused Adam's): no refusal of the class."""
+_NO_BACKEND = ("PyTorch is not linked with support for", "Torch not compiled with CUDA enabled")
+"""How a CPU-only build refuses the fake device: a kernel launched on it (fused Adam's), a ``torch.cuda`` call for
+it (a step's own, on a group tensor's device): no refusal of the class."""
 
 
 def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed:
@@ -587,7 +588,8 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
             raises[path] = frozenset({"host"})
         elif alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
-            if alone.error is not None and alone.error != baseline.error and _NO_BACKEND not in alone.error:
+            failed = alone.error if alone.error != baseline.error else None
+            if failed is not None and not any(m in failed for m in _NO_BACKEND):
                 # (where the step with it on the device raised: on the host too, where that one failed)
                 raises[path] = frozenset({"device"} | ({"host"} if baseline.error is not None else set()))
             if later is not None and alone_later is not None:

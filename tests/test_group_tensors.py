@@ -1022,3 +1022,39 @@ def test_check_does_not_call_a_torch_cuda_call_a_cpu_only_build_refuses_in_the_p
     opt = _OnLrsStream(params, lr=torch.tensor(0.1, device=sim))
     assert not [f.why for f in optimshift.check(opt).findings if f.severity == "error"]
     _step(opt, params, 0)
+
+
+@pytest.mark.parametrize("road", ["move", "offload-reload", "host-and-back", "trained on the host"])
+@pytest.mark.parametrize(
+    "cls, flags, key",
+    [
+        (O.AdamW, {"foreach": False}, "weight_decay"),  # (its decay, behind a truth read the probe answered false)
+        (O.Adafactor, {"foreach": False}, "weight_decay"),
+        (O.LBFGS, {}, "tolerance_grad"),  # (the probe's device step stops at a CPU-only build's missing backend)
+        (O.LBFGS, {}, "tolerance_change"),
+        (O.Adafactor, {"foreach": True}, "d"),  # (a foreach op, which fake tensors do not check for devices)
+        (O.Adafactor, {"foreach": True}, "beta2_decay"),
+    ],
+)
+def test_a_one_element_group_tensor_the_step_takes_only_on_the_device_stays_there(sim, cls, flags, key, road):
+    """A (1,) device hyperparameter these steps compute with beside the params runs on the device (reading it there)
+    and raises on the host: the probe saw its device reads but not the host step raise, so move() and reload took it
+    to the host (or left it there after the params moved), where step() raised, and check() found nothing."""
+    value = {"weight_decay": 0.01, "tolerance_grad": 1e-7, "tolerance_change": 1e-9, "d": 1.0, "beta2_decay": -0.8}[key]
+    params = _params("cpu" if road == "trained on the host" else sim)
+    tensor = torch.full((1,), value, device=params[0].device)
+    opt = cls(params, **{key: tensor}, **flags)
+    step = (lambda k: _lbfgs_step(opt, params)) if cls is O.LBFGS else (lambda k: _step(opt, params, k))
+    step(0)
+    if road == "move":
+        optimshift.move(opt)
+    elif road == "offload-reload":
+        optimshift.reload(optimshift.offload(opt))
+    elif road == "host-and-back":
+        optimshift.move(optimshift.move(opt, "cpu"), sim)
+    else:
+        _to(params, sim)
+        optimshift.move(opt)
+    assert opt.param_groups[0][key] is tensor and tensor.device == sim
+    step(1)
+    assert not optimshift.check(opt).findings

@@ -339,13 +339,15 @@ _READS = {
 
 
 class _Reads(TorchFunctionMode):
-    """Counts host reads during the probe's step, answered with stand-ins; a 0-dim tensor where an op wants a number
-    (``alpha=-lr``) is read in C++, which fails on a fake tensor: the call is retried with it as a number."""
+    """Counts host reads during the probe's step, answered with stand-ins (a truth value: ``truth``); a 0-dim tensor
+    where an op wants a number (``alpha=-lr``) is read in C++, which fails on a fake tensor: the call is retried with
+    it as a number."""
 
-    def __init__(self) -> None:
+    def __init__(self, truth: bool = False) -> None:
         super().__init__()
         self.on_device = 0
         self.reads = 0
+        self.truth = truth
 
     def _count(self, t: torch.Tensor) -> None:
         self.reads += 1
@@ -361,11 +363,13 @@ class _Reads(TorchFunctionMode):
         want = _READS.get(func)
         if want is not None and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
             self._count(args[0])
-            return _stand_in(args[0], want)
+            return self.truth if want is bool or args[0].dtype == torch.bool else _stand_in(args[0], want)
         from torch._subclasses.fake_tensor import DataDependentOutputException
 
         if func is torch.Tensor.copy_:  # (its binding asks for the device's guard, which a CPU-only build lacks)
             func = _aten_copy_
+        elif getattr(func, "__name__", "").startswith("_foreach_"):
+            _same_device(args, kwargs)
         try:
             return func(*args, **kwargs)
         except DataDependentOutputException as first:  # a fake tensor was read as a number
@@ -391,6 +395,21 @@ class _Reads(TorchFunctionMode):
     def _count_each(self, args: tuple[Any, ...], scalars: list[int], kwargs: dict[str, Any], named: list[str]) -> None:
         for t in [args[i] for i in scalars] + [kwargs[k] for k in named]:
             self._count(t)
+
+
+def _same_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise as a device does for a foreach op whose tensor lists hold a host tensor that is not 0-dim beside device
+    tensors (its per-tensor fallback refuses it, as every other op; fake tensors' foreach kernels do not check)."""
+    devices = {
+        str(t.device)
+        for arg in (*args, *kwargs.values())
+        if isinstance(arg, (list, tuple))
+        for t in arg
+        if isinstance(t, torch.Tensor) and (t.device.type != "cpu" or t.dim() != 0)
+    }
+    if len(devices) > 1:
+        found = " and ".join(sorted(devices, reverse=True))
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, {found}!")
 
 
 def _aten_copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> Any:
@@ -477,10 +496,11 @@ def _run(
     on_device: GroupPath | None,
     costs: bool = False,
     n_params: int = 1,
+    truth: bool = False,
 ) -> tuple[Observed, int, int | None]:
     """One probe step over ``n_params`` params, ``on_device`` the group tensor on the device: what it saw of the
     first (no group verdicts yet), its device reads and a later step's (None: failed or no group tensors);
-    ``costs``: also what each host scalar costs on the device (:func:`_costs`)."""
+    ``costs``: also what each host scalar costs on the device (:func:`_costs`); ``truth``: what a truth read gets."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     kwargs = built_kwargs(cls, group)
@@ -515,7 +535,7 @@ def _run(
                     entry = list(live.get(key, group[key]))
                     entry[index] = t
                     live[key] = type(group[key])(entry)
-            reads = _Reads()
+            reads = _Reads(truth)
             # (fake tensors cannot launch every kernel, a CPU-only build's fused CUDA ones, but the state was
             # created before that point, which is all that is read of it)
             failed = _failure(lambda: _fake_step(opt, reads))
@@ -574,6 +594,17 @@ _NO_BACKEND = ("PyTorch is not linked with support for", "Torch not compiled wit
 it (a step's own, on a group tensor's device): no refusal of the class."""
 
 
+_MIXED = "Expected all tensors to be on the same device"
+"""How a step refuses a host tensor that is not 0-dim beside device ones (torch's words, and :func:`_same_device`'s)."""
+
+
+def _needs_device(host: Observed, device: Observed) -> bool:
+    """Whether the step refused the tensor on the host and took it on the device; a refusal to mix it with device
+    tensors, also where a CPU-only build could not finish the device step (LBFGS's one-element ``tolerance_grad``)."""
+    mixed = _MIXED in (host.error or "") and _NO_BACKEND in (device.error or "")
+    return host.error is not None and (device.error is None or mixed)
+
+
 def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed:
     paths = group_tensor_paths(group)
     baseline, reads, later = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
@@ -581,9 +612,24 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
     costs: dict[GroupPath, tuple[int, int]] = {}
     raises: dict[GroupPath, frozenset[str]] = {}
     two: list[int | None] = []  # (a later step's reads over two params, all on the host: run once, when needed)
+    truthy: list[Observed] = []  # (the host step with every truth read true: run once, when needed)
+
+    def needs_device_if_taken(path: GroupPath) -> bool:
+        """Whether a branch the false stand-in skipped refuses a one-element tensor that is not 0-dim on the host
+        (computing with it beside the params: AdamW's ``if weight_decay != 0``) and takes it on the device."""
+        key, index = path
+        if (group[key] if index is None else group[key][index]).dim() == 0:
+            return False
+        if not truthy:
+            truthy.append(_run(cls, group, ndim, paths, None, truth=True)[0])
+        return _MIXED in (truthy[0].error or "") and _needs_device(
+            truthy[0], _run(cls, group, ndim, paths, path, truth=True)[0]
+        )
+
     for path in paths:
         alone, alone_reads, alone_later = _run(cls, group, ndim, paths, path)
-        if baseline.error is not None and alone.error is None:  # (before its reads: they stopped at the error)
+        # (before its reads: they stopped at the error)
+        if _needs_device(baseline, alone) or needs_device_if_taken(path):
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
             raises[path] = frozenset({"host"})
         elif alone_reads > reads or (alone.error is not None and alone.error != baseline.error):

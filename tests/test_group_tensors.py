@@ -1058,3 +1058,19 @@ def test_a_one_element_group_tensor_the_step_takes_only_on_the_device_stays_ther
     assert opt.param_groups[0][key] is tensor and tensor.device == sim
     step(1)
     assert not optimshift.check(opt).findings
+
+
+def test_one_element_betas_the_step_takes_only_together_on_the_device_go_there(sim):
+    """Adamax's capturable single-tensor step raises with either (1,) beta on the host and runs with both on the
+    device: the probe, moving one at a time, saw each refused either way and gave no verdict, so move() left betas
+    given on the host there (step() raised) and check() found nothing. Both go to the device, and check() says why."""
+    params = _params(sim)
+    betas = (torch.full((1,), 0.9), torch.full((1,), 0.999))
+    opt = O.Adamax(params, betas=betas, foreach=False, capturable=True)
+    assert [f.severity for f in optimshift.check(opt).findings] == ["error", "error"]
+    with pytest.raises(RuntimeError, match="same device"):  # (the findings are right: here step() raises)
+        _step(opt, params, 0)
+    optimshift.move(opt)
+    assert all(b.device == sim for b in opt.param_groups[0]["betas"])
+    _step(opt, params, 1)
+    assert not optimshift.check(opt).findings

@@ -25,7 +25,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Container, Hashable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -493,12 +493,12 @@ def _run(
     group: Mapping[str, Any],
     ndim: int,
     paths: list[GroupPath],
-    on_device: GroupPath | None,
+    on_device: Container[GroupPath],
     costs: bool = False,
     n_params: int = 1,
     truth: bool = False,
 ) -> tuple[Observed, int, int | None]:
-    """One probe step over ``n_params`` params, ``on_device`` the group tensor on the device: what it saw of the
+    """One probe step over ``n_params`` params, ``on_device`` the group tensors on the device: what it saw of the
     first (no group verdicts yet), its device reads and a later step's (None: failed or no group tensors);
     ``costs``: also what each host scalar costs on the device (:func:`_costs`); ``truth``: what a truth read gets."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -527,7 +527,7 @@ def _run(
             for key, index in paths:  # the group's own tensors, on the host (one of them on the device)
                 like = group[key] if index is None else group[key][index]
                 t = torch.zeros(
-                    like.shape, dtype=like.dtype, device=_FAKE_DEVICE if (key, index) == on_device else "cpu"
+                    like.shape, dtype=like.dtype, device=_FAKE_DEVICE if (key, index) in on_device else "cpu"
                 )
                 if index is None:
                     live[key] = t
@@ -607,7 +607,7 @@ def _needs_device(host: Observed, device: Observed) -> bool:
 
 def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed:
     paths = group_tensor_paths(group)
-    baseline, reads, later = _run(cls, group, ndim, paths, None, costs=not torch_defined(cls))
+    baseline, reads, later = _run(cls, group, ndim, paths, (), costs=not torch_defined(cls))
     verdicts: dict[GroupPath, str] = {}
     costs: dict[GroupPath, tuple[int, int]] = {}
     raises: dict[GroupPath, frozenset[str]] = {}
@@ -621,15 +621,27 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
         if (group[key] if index is None else group[key][index]).dim() == 0:
             return False
         if not truthy:
-            truthy.append(_run(cls, group, ndim, paths, None, truth=True)[0])
+            truthy.append(_run(cls, group, ndim, paths, (), truth=True)[0])
         return _MIXED in (truthy[0].error or "") and _needs_device(
-            truthy[0], _run(cls, group, ndim, paths, path, truth=True)[0]
+            truthy[0], _run(cls, group, ndim, paths, (path,), truth=True)[0]
         )
 
+    everywhere: list[Observed] = []  # (the step with every group tensor on the device: run once, when needed)
+
+    def needs_device_beside(path: GroupPath, alone: Observed) -> bool:
+        """Whether the host step refused it with the others on the device, which the step takes all on the device,
+        where on the device alone it is still refused beside another one (Adamax's capturable ``(1,)`` betas)."""
+        if alone.error is None or alone.error != baseline.error or _MIXED not in alone.error:
+            return False
+        if not everywhere:
+            everywhere.append(_run(cls, group, ndim, paths, paths)[0])
+        others = [other for other in paths if other != path]
+        return everywhere[0].error is None and _needs_device(_run(cls, group, ndim, paths, others)[0], everywhere[0])
+
     for path in paths:
-        alone, alone_reads, alone_later = _run(cls, group, ndim, paths, path)
+        alone, alone_reads, alone_later = _run(cls, group, ndim, paths, (path,))
         # (before its reads: they stopped at the error)
-        if _needs_device(baseline, alone) or needs_device_if_taken(path):
+        if _needs_device(baseline, alone) or needs_device_if_taken(path) or needs_device_beside(path, alone):
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
             raises[path] = frozenset({"host"})
         elif alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
@@ -641,8 +653,8 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
             if later is not None and alone_later is not None:
                 try:
                     if not two:
-                        two.append(_run(cls, group, ndim, paths, None, n_params=2)[2])
-                    two_alone = _run(cls, group, ndim, paths, path, n_params=2)[2]
+                        two.append(_run(cls, group, ndim, paths, (), n_params=2)[2])
+                    two_alone = _run(cls, group, ndim, paths, (path,), n_params=2)[2]
                 except _Unbuilt:  # (a class built over one param only: its cost is not known, its verdict stands)
                     two[:] = [None]
                     two_alone = None

@@ -601,7 +601,7 @@ _MIXED = "Expected all tensors to be on the same device"
 def _needs_device(host: Observed, device: Observed) -> bool:
     """Whether the step refused the tensor on the host and took it on the device; a refusal to mix it with device
     tensors, also where a CPU-only build could not finish the device step (LBFGS's one-element ``tolerance_grad``)."""
-    mixed = _MIXED in (host.error or "") and _NO_BACKEND in (device.error or "")
+    mixed = _MIXED in (host.error or "") and any(m in (device.error or "") for m in _NO_BACKEND)
     return host.error is not None and (device.error is None or mixed)
 
 

@@ -495,6 +495,46 @@ def test_rebind_of_a_wrapper_re_keys_the_inner_optimizer_over_the_same_groups(si
     opt.step()
 
 
+class _Partial(torch.optim.Optimizer):
+    """A wrapper over the first of its inner optimizer's param groups only: that very dict, or a dict of its own
+    holding that very params list."""
+
+    def __init__(self, inner, how):
+        self.optimizer = inner
+        group = inner.param_groups[0]
+        super().__init__(list(group["params"]), {})
+        self.param_groups = [group if how == "the dict" else {**group}]  # (``{**group}``: the same params list)
+
+    def step(self, closure=None):
+        self.optimizer.step()
+
+
+@pytest.mark.parametrize("how", ["the dict", "its params list"])
+def test_rebind_of_a_wrapper_re_keys_an_inner_optimizer_sharing_some_of_its_groups(how):
+    """An inner optimizer holding the wrapper's one group among others of its own: the new params landed in its
+    groups (the dict, or the list rewritten in place) but its state was re-keyed only where it held all of them as
+    the wrapper's very dicts, so that it and check() raised. The entries of the shared group's params follow them;
+    the others stay as they were."""
+    a = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    c = torch.nn.Parameter(torch.randn(2))
+    inner = O.AdamW([{"params": a}, {"params": [c]}], foreach=False)
+    opt = _Partial(inner, how)
+    for p in (*a, c):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    states = [inner.state[p] for p in (*a, c)]
+    new = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    with pytest.warns(RuntimeWarning, match=r"optimshift\.rebind on it"):
+        optimshift.rebind(opt, new)
+    assert inner.param_groups[0]["params"] == new
+    assert {id(k) for k in inner.state} == {id(p) for p in (*new, c)}
+    assert [inner.state[p] for p in (*new, c)] == states
+    assert optimshift.check(inner).ok
+    for p in (*new, c):
+        p.grad = torch.randn_like(p)
+    inner.step()
+
+
 def test_a_dtype_finding_names_a_param_as_every_other_finding_does():
     """A group whose ``param_names`` holds None for a param: check()'s dtype finding called it
     ``group 0, param 0 (None)`` where every other finding and placement() say ``group 0, param 0``."""

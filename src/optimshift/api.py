@@ -1045,10 +1045,16 @@ def _rekeys(optimizer: Any, renames: Mapping[int, torch.Tensor]) -> list[Setter]
     return out
 
 
-def _shares_groups(held: Any, optimizer: Any) -> bool:
-    """Whether ``held`` holds every one of its param groups as the very dicts ``optimizer`` holds."""
-    mine = {id(g) for g in optimizer.param_groups}
-    return bool(held.param_groups) and all(id(g) in mine for g in held.param_groups)
+def _shared_params(held: Any, optimizer: Any) -> set[int]:
+    """The ids of ``optimizer``'s params that its rebind puts in ``held``'s groups too: those of each group ``held``
+    holds as the very dict, or whose very params list it holds (a list is rewritten in place)."""
+    theirs = {id(x) for g in held.param_groups for x in (g, g["params"])}
+    return {
+        id(p)
+        for g in optimizer.param_groups
+        if id(g) in theirs or (isinstance(g["params"], list) and id(g["params"]) in theirs)
+        for p in g["params"]
+    }
 
 
 @_one_at_a_time
@@ -1056,13 +1062,15 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
     place their state by the policy for the new params' devices. All or nothing. ``(name, param)`` pairs
     (``model.named_parameters()``) also rename the params of groups that name theirs. An optimizer held over the same
-    groups (Lookahead's inner one) has its state re-keyed too; ``rebind`` it as well to place that state."""
+    groups (Lookahead's inner one; or some of them) has its state re-keyed too; ``rebind`` it as well to place it."""
     check_optimizer(optimizer)
     name = optimizer_name(optimizer)
-    # (an optimizer it holds over the same group dicts, Lookahead's: the new params land in its groups too, so its
-    # state is re-keyed with them, or its groups would name params its state is not keyed by)
-    sharing = [held for _, held in inner_optimizers(optimizer) if _shares_groups(held, optimizer)]
-    for opt in (optimizer, *sharing):
+    # (an optimizer it holds over the same group dicts or params lists, Lookahead's, all or some of them: the new
+    # params land in its groups too, so its state is re-keyed with them, or its groups would name params its state
+    # is not keyed by)
+    shared = [(held, _shared_params(held, optimizer)) for _, held in inner_optimizers(optimizer)]
+    sharing = [(held, ids) for held, ids in shared if ids]
+    for opt in (optimizer, *(held for held, _ in sharing)):
         _mode.refuse(opt, "rebind")
         end_pending(opt)
         if is_offloaded(opt):
@@ -1143,8 +1151,8 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
                 names = optimizer.param_groups[gi].get("param_names")
                 if isinstance(names, list) and pi < len(names):
                     names[pi] = param_name
-        for state in (optimizer.state, *(held.state for held in sharing)):
-            states = {id(p): state[p] for (_, _, p) in old if p in state}
+        for state, ids in ((optimizer.state, None), *((held.state, ids) for held, ids in sharing)):
+            states = {id(p): state[p] for (_, _, p) in old if (ids is None or id(p) in ids) and p in state}
             for (_, _, p), q in zip(old, new):
                 if id(p) in states and p is not q:
                     del state[p]

@@ -2,6 +2,7 @@
 
 import copy
 import inspect
+import types
 
 import pytest
 import torch
@@ -533,6 +534,41 @@ def test_rebind_of_a_wrapper_re_keys_an_inner_optimizer_sharing_some_of_its_grou
     for p in (*new, c):
         p.grad = torch.randn_like(p)
     inner.step()
+
+
+class _KeyedAdamW(O.AdamW):
+    """AdamW keeping a mapping keyed by its params in an optimizer-wide entry (as TRAC does)."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        seen = self.state.setdefault("seen", {})
+        for p in self.param_groups[0]["params"]:
+            seen[p] = seen.get(p, 0) + 1
+
+
+def test_rebind_of_a_wrapper_re_keys_mappings_keyed_by_the_params_in_the_inner_optimizers_state(sim):
+    """The inner optimizer's state keyed by the params inside an entry (TRAC's ``state["_trac"][param]``): rebind of
+    the wrapper re-keyed its state's own keys only, and the advised rebind of it then found the params new already:
+    the mapping kept the old params (alive) for good, and the next step counted the new ones from zero."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim))]
+    opt = _Lookahead(_KeyedAdamW(params, foreach=False))
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    seen = opt.optimizer.state["seen"]
+    new = [torch.nn.Parameter(params[0].detach().cpu())]
+    opt.optimizer.state["frozen"] = types.MappingProxyType({params[0]: 1})  # (one it cannot re-key: refused first)
+    with pytest.warns(RuntimeWarning), pytest.raises(TypeError, match=r"AdamW: rebind: optimizer.state\['frozen'\]"):
+        optimshift.rebind(opt, new)
+    assert opt.param_groups[0]["params"] == params and list(seen) == params and params[0] in opt.optimizer.state
+    del opt.optimizer.state["frozen"]
+    with pytest.warns(RuntimeWarning, match=r"optimshift\.rebind on it"):
+        optimshift.rebind(opt, new)
+    optimshift.rebind(opt.optimizer, new)
+    assert opt.optimizer.state["seen"] is seen and [(id(k), v) for k, v in seen.items()] == [(id(new[0]), 1)]
+    assert optimshift.check(opt).ok
+    new[0].grad = torch.randn_like(new[0])
+    opt.step()
+    assert seen == {new[0]: 2}
 
 
 def test_a_dtype_finding_names_a_param_as_every_other_finding_does():

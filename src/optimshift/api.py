@@ -1121,7 +1121,11 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
             raise ValueError(f"{name}: rebind: the new param for group {gi}, param {pi} is given twice")
         seen.add(id(q))
     mapping = {id(p): q for (_, _, p), q in zip(old, new)}
-    finish = _rekeys(optimizer, {id(p): q for (_, _, p), q in zip(old, new) if p is not q})
+    renames = {id(p): q for (_, _, p), q in zip(old, new) if p is not q}
+    finish = [
+        *_rekeys(optimizer, renames),
+        *(f for held, ids in sharing for f in _rekeys(held, {i: q for i, q in renames.items() if i in ids})),
+    ]
     by_policy = policy_target(optimizer, None)
     renewed = {id(g): {"params": [mapping[id(p)] for p in g["params"]]} for g in optimizer.param_groups}
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import gc
 import threading
 
+import pytest
 import torch
 
 import optimshift
-from optimshift import _device_streams, _engine, _streaming
+from optimshift import _device_streams, _engine, _streaming, api
 from optimshift.testing import deferred_streams
 
 
@@ -351,3 +352,43 @@ def test_no_operation_of_another_thread_runs_between_keep_addresses_offload_and_
     assert optimshift.is_offloaded(opt), "the other thread's offload ran last: the state is offloaded"
     assert all(t.is_cpu for st in opt.state.values() for t in st.values())
     optimshift.reload(opt)
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """A Lookahead-style wrapper: the inner optimizer's param groups, a state of its own (none here)."""
+
+    def __init__(self, inner):
+        self.optimizer = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+        self.param_groups = inner.param_groups
+
+    def step(self, closure=None):
+        self.optimizer.step()
+
+
+def test_an_offload_of_the_inner_optimizer_from_another_thread_waits_for_the_wrappers_rebind(sim, monkeypatch):
+    """rebind of a wrapper re-keys the state of the optimizer it holds over its groups, refused while that one is
+    offloaded, but took only the wrapper's lock: an offload of the inner optimizer from another thread between the
+    checks and the commit left it offloaded with its state re-keyed under the record, as the refusal guards against."""
+    wrapper = _Lookahead(_adam(sim))
+    inner, real = wrapper.optimizer, api._rekeys
+    new = [torch.nn.Parameter(p.detach().clone()) for p in inner.param_groups[0]["params"]]
+    outcome: list[str] = []
+
+    def offload_meanwhile(*args, **kwargs):
+        monkeypatch.setattr(api, "_rekeys", real)
+        other = threading.Thread(target=optimshift.offload, args=(inner,))
+        other.start()
+        other.join(0.5)  # (it waits for the rebind: the inner optimizer's lock)
+        outcome.append("waited" if other.is_alive() else "ran")
+        threads.append(other)
+        return real(*args, **kwargs)
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(api, "_rekeys", offload_meanwhile)
+    with pytest.warns(RuntimeWarning, match=r"optimshift\.rebind on it"):
+        optimshift.rebind(wrapper, new)
+    threads[0].join(10)
+    assert outcome == ["waited"] and optimshift.is_offloaded(inner)
+    optimshift.reload(inner)
+    assert list(inner.state) == new and optimshift.check(inner).ok

@@ -1064,6 +1064,14 @@ def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     (``model.named_parameters()``) also rename the params of groups that name theirs. An optimizer held over the same
     groups (Lookahead's inner one; or some of them) has its state re-keyed too; ``rebind`` it as well to place it."""
     check_optimizer(optimizer)
+    with contextlib.ExitStack() as held:  # (one operation at a time on those it holds too: their state may change)
+        for inner in sorted({id(o): o for _, o in inner_optimizers(optimizer)}.values(), key=id):
+            held.enter_context(exclusive(inner))
+        return _rebind(optimizer, params)
+
+
+def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
+    """:func:`rebind`, under the locks of the optimizer and of those it holds."""
     name = optimizer_name(optimizer)
     # (an optimizer it holds over the same group dicts or params lists, Lookahead's, all or some of them: the new
     # params land in its groups too, so its state is re-keyed with them, or its groups would name params its state

@@ -486,6 +486,14 @@ def test_rebind_of_a_wrapper_re_keys_the_inner_optimizer_over_the_same_groups(si
         optimshift.rebind(opt, new)  # (its state keyed by the new params would lose where the record says it was)
     assert opt.param_groups[0]["params"][0] is params[0] and params[0] in opt.optimizer.state
     optimshift.reload(opt.optimizer)
+    optimshift.stream(opt.optimizer)  # (named as the one held by the optimizer given, whose rebind it refuses)
+    with (
+        pytest.warns(RuntimeWarning),
+        pytest.raises(ValueError, match="AdamW is streamed.*rebind of _Lookahead, which"),
+    ):
+        optimshift.rebind(opt, new)
+    assert opt.param_groups[0]["params"][0] is params[0] and params[0] in opt.optimizer.state
+    optimshift.unstream(opt.optimizer)
     with pytest.warns(RuntimeWarning, match=r"optimshift\.rebind on it"):
         optimshift.rebind(opt, new)
     assert all(p is new[0] for p in (*opt.optimizer.param_groups[0]["params"], *opt.optimizer.state))

@@ -1079,7 +1079,7 @@ def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     shared = [(held, _shared_params(held, optimizer)) for _, held in inner_optimizers(optimizer)]
     sharing = [(held, ids) for held, ids in shared if ids]
     for opt in (optimizer, *(held for held, _ in sharing)):
-        _mode.refuse(opt, "rebind")
+        _mode.refuse(opt, "rebind" if opt is optimizer else f"rebind of {name}, which holds it,")
         end_pending(opt)
         if is_offloaded(opt):
             raise ValueError(

@@ -103,8 +103,9 @@ _warning = threading.local()  # (.done: this thread is inside an operation that 
 @contextlib.contextmanager
 def _warned() -> Iterator[None]:
     """The operations called inside (``reload``'s move, ``offloaded``'s offload and reload) warn nothing more."""
-    was, _warning.done = getattr(_warning, "done", False), True
+    was = getattr(_warning, "done", False)
     try:
+        _warning.done = True
         yield
     finally:
         _warning.done = was

@@ -1074,3 +1074,17 @@ def test_one_element_betas_the_step_takes_only_together_on_the_device_go_there(s
     assert all(b.device == sim for b in opt.param_groups[0]["betas"])
     _step(opt, params, 1)
     assert not optimshift.check(opt).findings
+
+
+def test_a_0_dim_tensor_read_after_where_the_host_step_refuses_a_one_element_one_is_still_judged(sim):
+    """foreach Adafactor's host step stops at a (1,) ``beta2_decay`` on the host (NEEDS_DEVICE), before it reads
+    ``d``: the others' reads are compared with it on the device, so a 0-dim ``d`` on sim still goes to the host."""
+    params = _params(sim)
+    beta2_decay = torch.full((1,), -0.8, device=sim)
+    opt = O.Adafactor(params, foreach=True, beta2_decay=beta2_decay, d=torch.tensor(1.0, device=sim))
+    _step(opt, params, 0)
+    assert [(f.key, f.expected) for f in optimshift.check(opt).findings] == [("d", "cpu")]
+    optimshift.move(opt)
+    assert opt.param_groups[0]["d"].device.type == "cpu" and opt.param_groups[0]["beta2_decay"] is beta2_decay
+    _step(opt, params, 1)
+    assert not optimshift.check(opt).findings

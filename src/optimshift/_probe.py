@@ -638,23 +638,35 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
         others = [other for other in paths if other != path]
         return everywhere[0].error is None and _needs_device(_run(cls, group, ndim, paths, others)[0], everywhere[0])
 
+    alones = {path: _run(cls, group, ndim, paths, (path,)) for path in paths}
+    needed = tuple(
+        path
+        for path, (alone, _, _) in alones.items()
+        if _needs_device(baseline, alone) or needs_device_if_taken(path) or needs_device_beside(path, alone)
+    )
+    reference = baseline
+    if needed and baseline.error is not None:  # (the host step stopped at them, before the others' reads)
+        reference, reads, later = _run(cls, group, ndim, paths, needed)
     for path in paths:
-        alone, alone_reads, alone_later = _run(cls, group, ndim, paths, (path,))
-        # (before its reads: they stopped at the error)
-        if _needs_device(baseline, alone) or needs_device_if_taken(path) or needs_device_beside(path, alone):
+        if path in needed:
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
             raises[path] = frozenset({"host"})
-        elif alone_reads > reads or (alone.error is not None and alone.error != baseline.error):
+            continue
+        on_device = (*needed, path) if reference is not baseline else (path,)
+        alone, alone_reads, alone_later = (
+            alones[path] if reference is baseline else _run(cls, group, ndim, paths, on_device)
+        )
+        if alone_reads > reads or (alone.error is not None and alone.error != reference.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
-            failed = alone.error if alone.error != baseline.error else None
+            failed = alone.error if alone.error != reference.error else None
             if failed is not None and not any(m in failed for m in _NO_BACKEND):
                 # (where the step with it on the device raised: on the host too, where that one failed)
-                raises[path] = frozenset({"device"} | ({"host"} if baseline.error is not None else set()))
+                raises[path] = frozenset({"device"} | ({"host"} if reference.error is not None else set()))
             if later is not None and alone_later is not None:
                 try:
                     if not two:
-                        two.append(_run(cls, group, ndim, paths, (), n_params=2)[2])
-                    two_alone = _run(cls, group, ndim, paths, (path,), n_params=2)[2]
+                        two.append(_run(cls, group, ndim, paths, on_device[:-1], n_params=2)[2])
+                    two_alone = _run(cls, group, ndim, paths, on_device, n_params=2)[2]
                 except _Unbuilt:  # (a class built over one param only: its cost is not known, its verdict stands)
                     two[:] = [None]
                     two_alone = None

@@ -458,3 +458,32 @@ def test_a_move_that_met_out_of_memory_in_the_probe_changes_nothing_and_the_next
     assert all(opt.state[p]["count"].device.type == "cpu" for p in params)
     report = optimshift.check(opt)
     assert report.ok and report.findings == []
+
+
+class _HostMaster(torch.optim.Optimizer):
+    """Keeps master weights on the host and copies them into the params with ``torch._foreach_copy_``, whose
+    per-tensor fallback crosses devices (as ``copy_`` does)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["master"] = p.detach().to("cpu", copy=True)
+            masters = [self.state[p]["master"] for p in params]
+            torch._foreach_add_(masters, [p.grad.to("cpu") for p in params], alpha=-group["lr"])
+            torch._foreach_copy_(params, masters)
+
+
+def test_the_probe_s_foreach_device_check_lets_a_copy_cross_devices():
+    """The probe's foreach ops raise for a host tensor beside device ones, as a device's do, but a copy is no mix:
+    a step copying host master weights into the params ran on the parent's probe and must still run."""
+    from optimshift import _probe
+
+    _probe.clear_cache()
+    observed = _probe.probe(_HostMaster, {"lr": 0.1}, 1)
+    assert observed is not None and observed.error is None

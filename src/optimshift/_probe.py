@@ -368,7 +368,7 @@ class _Reads(TorchFunctionMode):
 
         if func is torch.Tensor.copy_:  # (its binding asks for the device's guard, which a CPU-only build lacks)
             func = _aten_copy_
-        elif getattr(func, "__name__", "").startswith("_foreach_"):
+        elif getattr(func, "__name__", "").startswith("_foreach_") and func is not torch._foreach_copy_:
             _same_device(args, kwargs)
         try:
             return func(*args, **kwargs)
@@ -399,7 +399,8 @@ class _Reads(TorchFunctionMode):
 
 def _same_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise as a device does for a foreach op whose tensor lists hold a host tensor that is not 0-dim beside device
-    tensors (its per-tensor fallback refuses it, as every other op; fake tensors' foreach kernels do not check)."""
+    tensors (its per-tensor fallback refuses it, as every other op but the copy, which ``_foreach_copy_`` skips;
+    fake tensors' foreach kernels do not check)."""
     devices = {
         str(t.device)
         for arg in (*args, *kwargs.values())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import weakref
 
 import pytest
@@ -242,13 +243,24 @@ class _Pending:
 _LOCKED = HostPool._locked.__wrapped__.__code__
 
 
+def _traced(tracer, call) -> bool:
+    """Run ``call`` under ``tracer``; whether the KeyboardInterrupt the tracer raises was reached."""
+    sys.settrace(tracer)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
 def _interrupted_at(line, call):
     """Run ``call`` with a KeyboardInterrupt raised at the ``line``-th line the pool runs (none past its last):
     whether it was raised. Not in a buffer's finalizer (an exception there is printed, not raised), nor in
     ``_locked`` (one before its ``yield`` is one at its caller's ``with``: a wait for the lock), nor where a trace
     function's exception skips the handlers armed and no signal lands: a ``try:`` line, ``with``'s exit."""
     import linecache
-    import sys
 
     seen = [0]
 
@@ -265,14 +277,7 @@ def _interrupted_at(line, call):
                 raise KeyboardInterrupt
         return local
 
-    sys.settrace(in_pool)
-    try:
-        call()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False
+    return _traced(in_pool, call)
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
@@ -648,8 +653,6 @@ def _interrupted_at_opcode(n, call):
     """Run ``call`` with a KeyboardInterrupt raised at the ``n``-th bytecode the pool runs (outside ``_locked`` and a
     buffer's finalizer, as :func:`_interrupted_at`): whether it was raised. Finer than a signal can land (after
     every C call, at every function's start and backward jump): every state between two bytecodes is one."""
-    import sys
-
     seen = [0]
 
     def in_pool(frame, event, arg):
@@ -668,14 +671,7 @@ def _interrupted_at_opcode(n, call):
                 raise KeyboardInterrupt
         return local
 
-    sys.settrace(in_pool)
-    try:
-        call()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False
+    return _traced(in_pool, call)
 
 
 @pytest.mark.parametrize(

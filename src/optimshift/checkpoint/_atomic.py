@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import os
 import re
@@ -142,23 +143,28 @@ def sweep(target: str) -> None:
         with _live_lock:
             live = path in _live
         if not live:
-            _remove_if_abandoned(path)
+            _remove_if_abandoned(path, stat.S_ISREG, _unlink)
 
 
-def _remove_if_abandoned(path: str) -> None:
+def _remove_if_abandoned(path: str, kind: Callable[[int], bool], remove: Callable[[str], object]) -> bool:
+    """Remove the temporary ``path`` (of the ``kind`` a ``stat`` test takes, not a link) if no writer holds its
+    lock, and it is still the one locked; whether it did."""
     if fcntl is None:  # Windows: a file still open in its writer cannot be removed
-        return _unlink(path)
+        remove(path)
+        return True
     try:
         fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_BINARY)
     except OSError:
-        return  # gone already, a symlink, or not ours to open
+        return False  # gone already, a symlink, or not ours to open
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or not _abandoned(fd):
-            return  # not a file, or its writer holds the lock: still being written
+        if not kind(st.st_mode) or not _abandoned(fd):
+            return False  # not of its kind, or its writer holds the lock: still being written
         with contextlib.suppress(OSError):
             if os.path.samestat(st, os.stat(path)):
-                _unlink(path)
+                remove(path)
+                return True
+        return False
     finally:
         os.close(fd)
 
@@ -210,21 +216,8 @@ def sweep_folders(parent: str | os.PathLike[str], is_temp: Callable[[str], bool]
     holds their lock; returns how many. A live writer's is left alone, and so is everything without locks."""
     if fcntl is None:
         return 0
-    removed = 0
-    for path in _listed(parent, is_temp):
-        if os.path.islink(path) or not os.path.isdir(path):
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if _abandoned(fd):
-                shutil.rmtree(path, ignore_errors=True)
-                removed += 1
-        finally:
-            os.close(fd)
-    return removed
+    remove = functools.partial(shutil.rmtree, ignore_errors=True)
+    return sum(_remove_if_abandoned(path, stat.S_ISDIR, remove) for path in _listed(parent, is_temp))
 
 
 def commit_folder(

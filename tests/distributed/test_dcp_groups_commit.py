@@ -210,6 +210,25 @@ def test_each_save_has_its_own_temporary_directory(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.optimshift-tmp-concurrent"]
 
 
+def test_an_interrupt_leaves_no_unlocked_temporary_directory_behind(tmp_path, monkeypatch):
+    """Where a folder cannot be opened to lock it (Windows: make_folder hands back no lock), a Ctrl-C while the
+    state dicts were built left the save's temporary directory, which no later sweep removes there: only a locked
+    one was cleaned up."""
+    model, opt = _trained()
+
+    def unlocked(folder):
+        os.mkdir(folder)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_checkpoint, "make_folder", unlocked)
+    monkeypatch.setattr(_checkpoint, "get_state_dict", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path / "ck", model, opt)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_temporary_directory_replaced_during_the_save_is_not_committed(tmp_path, monkeypatch):
     model, opt = _trained()
     target = tmp_path / "ck"

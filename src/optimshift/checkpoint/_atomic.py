@@ -227,13 +227,15 @@ def commit_folder(
     replaceable: Callable[[str | os.PathLike[str]], bool],
 ) -> None:
     """Put the complete folder ``tmp`` at ``target``: a rename, an atomic exchange with a folder there where the
-    kernel can, else two renames (a crash between them leaves the previous one at ``old``), and nothing raises after;
-    ``replaceable``: whether a folder that appeared at ``target`` since the caller checked may be replaced."""
+    kernel can, else two renames (a crash between them leaves the previous one at ``old``, which goes once the
+    commit is durable), and nothing raises after; ``replaceable``: whether a folder that appeared at ``target``
+    since the caller checked may be replaced."""
+    parent = os.path.dirname(os.path.abspath(target))
+    renamed = False
     if not os.path.lexists(target):
         try:
             os.rename(tmp, target)
-            fsync_dir(os.path.dirname(os.path.abspath(target)))
-            return
+            renamed = True
         except OSError as e:  # (another commit put a folder there since: replaced as below, the last one wins)
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.lexists(target):
                 raise
@@ -241,14 +243,17 @@ def commit_folder(
                 raise FileExistsError(
                     e.errno, f"{target} appeared while this folder was written, and is not one it may replace", target
                 ) from None
-    if exchange(tmp, target):
+    if not renamed and exchange(tmp, target):
         shutil.rmtree(tmp, ignore_errors=True)  # it now holds the previous folder
-    else:
+    elif not renamed:
         shutil.rmtree(old, ignore_errors=True)
         os.rename(target, old)
         os.rename(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(os.path.dirname(os.path.abspath(target)))
+    fsync_dir(parent)
+    # (a crashed two-rename commit's leftover, or this one's: its removal durable too, else a power loss brings
+    # it back, read once ``target`` goes)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(parent)
 
 
 def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:

@@ -1,10 +1,7 @@
-"""Sharded model + optimizer checkpoints on ``torch.distributed.checkpoint`` (DCP): get_state_dict's ``model`` and
-``optim`` (and ``optimshift_extra``), plus rank 0's ``optimshift.json`` note; N ranks save, M ranks (or one) load.
-
-Every check runs on every rank before anything changes and the ranks exchange their errors (:func:`_agree`), so
-none is left waiting in a collective. A save writes into ``<path>.optimshift-tmp-<id>``, which rank 0 commits
-(``_atomic.commit_folder``; :func:`load` finds the ``<path>.optimshift-old`` a crash between two renames left).
-"""
+"""Sharded model + optimizer checkpoints on ``torch.distributed.checkpoint`` (DCP), plus rank 0's note; N ranks save,
+M (or one) load. Every rank checks before anything changes and the ranks exchange errors (:func:`_agree`): none
+waits in a collective. A save writes ``<path>.optimshift-tmp-<id>``, which rank 0 commits (``_atomic.commit_folder``;
+:func:`load` finds the ``<path>.optimshift-old`` a crash between two renames left)."""
 
 from __future__ import annotations
 
@@ -45,7 +42,7 @@ from .._probe import quiet_global_step_hooks, step_needs
 from .._streaming import is_streamed
 from .._version import __version__
 from ..api import move, wait
-from ..checkpoint._atomic import commit_folder, fsync_dir, make_folder, sweep_folders
+from ..checkpoint._atomic import commit_folder, make_folder, sweep_folders
 from ..checkpoint._resume import pair_places, streamed_elsewhere
 
 if TYPE_CHECKING:
@@ -78,11 +75,10 @@ def save(
     ``extra`` (rank 0's): small data such as epoch or RNG state (tensors, numbers, strings, lists/dicts of them).
     """
     rank, world = _rank_world()
-    target = tmp = None
+    target = None
     blob: bytes | None = None
-    error: BaseException | None = None
-    token = uuid.uuid4().hex  # rank 0's names this save's temporary directory, shared by _agree
-    try:  # phase 1: local checks only, no torch.distributed call
+    # phase 1: local checks only, no torch.distributed call; rank 0's token names this save's temporary directory
+    with _agreed("save", path, share=uuid.uuid4().hex) as token:
         target = _as_path(path)
         _check_module(model)
         check_optimizer(optimizer)
@@ -90,79 +86,56 @@ def save(
         if extra is not None:
             blob = _pack_extra(extra)
         _check_replaceable(target)
-    except _FAILURES as e:  # noqa: BLE001 - every error is re-raised on every rank by _agree
-        error = e
-    token = _agree(error, "save", path, share=token)
     assert target is not None
-    tmp = _sibling(target, f"{_TMP}-{token}")  # one per save: concurrent saves to one path never share it
+    tmp = _sibling(target, f"{_TMP}-{token[0]}")  # one per save: concurrent saves to one path never share it
 
     # phase 2: rank 0 clears crashed saves' temporary directories and creates this save's, locked until the save
     # ends; every rank builds its state dict (a never-stepped optimizer is saved, and left, without state).
-    error = None
     state: dict[str, Any] = {}
     had_state = bool(optimizer.state)
-    no_grad = _params_without_grad(optimizer)
     lock: int | None = None
     try:
-        if rank == 0:
-            _clear_stale(target)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            lock = make_folder(tmp)
-        wait(optimizer)  # a non-blocking offload/reload still in flight: the writers read its bytes on the host
-        with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-        if not had_state:
-            optimizer.state.clear()
-            optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
-        state = {"model": model_sd, "optim": optim_sd}
-        if rank == 0 and blob is not None:
-            state[_EXTRA] = blob
-    except BaseException as e:
-        _undo_initializing(optimizer, had_state, no_grad)  # if it got that far
-        if not isinstance(e, _FAILURES):  # (a Ctrl-C: nothing left behind, the folder's lock closed)
-            if lock is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-                os.close(lock)
-            raise
-        error = e
-    try:
-        try:
-            _agree(error, "save", path)
-            # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
-            # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
-            with _single_process_quiet(world):
-                try:
-                    dcp.save(  # type: ignore[attr-defined]  # re-exported without being declared
-                        state,
-                        storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),  # type: ignore[attr-defined]
-                        no_dist=world == 1,
-                    )
-                except CheckpointException as e:  # (every rank gets it: DCP gathers the ranks' write results)
-                    raise _write_failure(e, path, rank) from e
-        except BaseException:
+        with _agreed("save", path), _undone_on_failure(optimizer):
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
+                _clear_stale(target)
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                lock = make_folder(tmp)
+            wait(optimizer)  # a non-blocking offload/reload still in flight: the writers read its bytes on the host
+            with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+            if not had_state:
+                optimizer.state.clear()
+                optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
+            state = {"model": model_sd, "optim": optim_sd}
+            if rank == 0 and blob is not None:
+                state[_EXTRA] = blob
+        # phase 3: DCP writes every rank's shards; rank 0 writes the metadata once all ranks have finished
+        # (DCP gathers their write results first), so when dcp.save returns on rank 0 the directory is complete.
+        with _single_process_quiet(world):
+            try:
+                dcp.save(  # type: ignore[attr-defined]  # re-exported without being declared
+                    state,
+                    storage_writer=dcp.FileSystemWriter(str(tmp), **_writer_options()),  # type: ignore[attr-defined]
+                    no_dist=world == 1,
+                )
+            except CheckpointException as e:  # (every rank gets it: DCP gathers the ranks' write results)
+                raise _write_failure(e, path, rank) from e
         # phase 4: rank 0 commits; every rank learns the outcome (so none returns before the commit is done).
-        error = None
+        note = {
+            "format": _FORMAT,
+            "optimshift": __version__,
+            "torch": torch.__version__,
+            "world_size": world,
+            "model": type(model).__name__,
+            "optimizer": optimizer_name(optimizer),
+            "optimizer_state": had_state,
+            "extra": None if extra is None else sorted(str(k) for k in extra),
+        }
+        _agree(_finish(tmp, target, lock, note) if rank == 0 else None, "save", path)
+    except BaseException:  # (a Ctrl-C too: nothing left behind; after a commit there is nothing at tmp)
         if rank == 0:
-            error = _finish(
-                tmp,
-                target,
-                lock,
-                {
-                    "format": _FORMAT,
-                    "optimshift": __version__,
-                    "torch": torch.__version__,
-                    "world_size": world,
-                    "model": type(model).__name__,
-                    "optimizer": optimizer_name(optimizer),
-                    "optimizer_state": had_state,
-                    "extra": None if extra is None else sorted(str(k) for k in extra),
-                },
-            )
-        _agree(error, "save", path)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         if lock is not None:
             os.close(lock)
@@ -188,19 +161,14 @@ def _interrupt_in(error: BaseException, rank: int) -> BaseException | None:
 
 
 def _finish(tmp: Path, target: Path, lock: int | None, note: dict[str, Any]) -> BaseException | None:
-    """Rank 0: check ``tmp`` is this save's complete checkpoint, write the note, commit (then clean up, best-effort);
-    the error that kept it from committing."""
+    """Rank 0: check ``tmp`` is this save's complete checkpoint, write the note, commit; the error that kept it
+    from committing (``save`` then removes ``tmp``)."""
     try:
         _write_note(tmp, note)
         _check_complete(tmp, lock)
         commit_folder(tmp, target, _sibling(target, _OLD), replaceable=lambda t: _is_checkpoint(Path(t)))
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # (after a rename or an exchange, nothing or the previous folder)
-        if not isinstance(e, _FAILURES):  # (a Ctrl-C: raised, nothing left behind)
-            raise
+    except _FAILURES as e:
         return e
-    shutil.rmtree(_sibling(target, _OLD), ignore_errors=True)  # a crashed two-rename commit's leftover
-    fsync_dir(target.parent)  # (its removal durable: else a power loss brings it back, loaded once <path> goes)
     return None
 
 
@@ -213,11 +181,10 @@ def load(
     Returns the saved ``extra`` (tensors on the host) or None. A mismatch raises on every rank before anything
     changes; an I/O error while reading may leave the model partly loaded.
     """
-    error: BaseException | None = None
     target: Path | None = None
     layout: _Layout | None = None
     where: torch.device | None = None
-    try:  # phase 1: arguments and the checkpoint's metadata, local only
+    with _agreed("load", path):  # phase 1: arguments and the checkpoint's metadata, local only
         _check_module(model)
         check_optimizer(optimizer)
         target = _committed(_as_path(path))
@@ -227,14 +194,10 @@ def load(
                 raise streamed_elsewhere(optimizer_name(optimizer), where)
         layout = _Layout.read(target)
         _check_owned(model, optimizer)
-    except _FAILURES as e:  # noqa: BLE001
-        error = e
-    _agree(error, "load", path)
     assert target is not None and layout is not None
 
     # phase 2: compare the model and the optimizer's param groups with the checkpoint (nothing changes)
-    error = None
-    try:
+    with _agreed("load", path):
         problems = _compare_model(get_model_state_dict(model), layout)
         # which params each group holds is compared by parameter name: only once the model's names match
         problems += _compare_groups(optimizer, layout, None if problems else model)
@@ -248,22 +211,16 @@ def load(
                 "cannot initialize it; call optimizer.zero_grad(set_to_none=True) before load"
             )
         _raise_mismatch(problems, layout, model, optimizer)
-    except _FAILURES as e:  # noqa: BLE001
-        error = e
-    _agree(error, "load", path)
 
-    # phase 3: DCP's state dicts (its zero-lr initializing step undone if anything fails), compared with the
-    # checkpoint's; params the checkpoint holds no state for end without state, as they were saved.
-    error = None
-    had_state = bool(optimizer.state)
-    no_grad = _params_without_grad(optimizer)
-    model_sd: Any = None
-    optim_sd: Any = None
+    # phase 3: DCP's state dicts (its zero-lr initializing step undone if anything fails, a Ctrl-C too), compared
+    # with the checkpoint's; params the checkpoint holds no state for end without state, as they were saved.
     live = optimizer.param_groups
     kept: list[dict[str, Any]] = []
     apart: list[tuple[dict[str, Any], str, int | None, torch.Tensor, Any]] = []
-    try:
-        try:
+    state: dict[str, Any] = {}
+    optim_sd: Any
+    with _undone_on_failure(optimizer):
+        with _agreed("load", path):
             with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
                 model_sd, optim_sd = get_state_dict(model, optimizer)
             problems, stateless = _compare_state(optim_sd, layout, model)
@@ -279,58 +236,48 @@ def load(
                     group[key] = _as_saved(value, layout, gi, key)
             apart = _read_apart(groups)
             stepped = {n: v for n, v in optim_sd["state"].items() if n not in stateless}
-            optim_sd = {"state": stepped, "param_groups": groups}
-        except _FAILURES as e:  # noqa: BLE001
-            error = e
-        _agree(error, "load", path)
-    except BaseException:  # (a Ctrl-C too: no zero-lr first step left behind)
-        _undo_initializing(optimizer, had_state, no_grad)
-        raise
+            state = {"model": model_sd, "optim": {"state": stepped, "param_groups": groups}}
 
-    # phase 4: DCP reads into the live tensors; every check that can fail has run. An error from here on
-    # (an I/O error) may leave the model and optimizer partly loaded, and says so.
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    if layout.has_extra:
-        state[_EXTRA] = b""  # a placeholder: DCP puts the saved object in its place
-    world = _rank_world()[1]
-    try:
-        with _single_process_quiet(world):
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)  # type: ignore[attr-defined]
-        for group, key, i, first, own in apart:  # (one value read into both: one object again, as it was)
-            holder: Any = group if i is None else group[key]  # (DCP rebuilt the lists)
-            at: Any = key if i is None else i
-            if holder[at] is own and _same_bits(first, own):
-                holder[at] = first
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=StateDictOptions(strict=False),
-        )  # strict: refuses params without saved state
-        if not layout.has_state:
-            optimizer.state.clear()
-        for group, mine in zip(optimizer.param_groups, kept):
-            group.update(mine)
-        _keep_group_tensors(live, optimizer.param_groups)
-        if not is_streamed(optimizer):  # (a streamed optimizer's load put its state where streaming keeps it)
-            move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
-        if not layout.has_extra:
-            return None
-        extra: dict[str, Any] = torch.load(io.BytesIO(state[_EXTRA]), map_location="cpu", weights_only=True)
-        return extra
-    except BaseException as e:
-        _undo_initializing(optimizer, had_state, no_grad)  # (no fake first step left behind)
-        if not isinstance(e, _FAILURES):  # (a Ctrl-C stays one)
-            raise
-        interrupt = _interrupt_in(e, _rank_world()[0])
-        if interrupt is not None:  # (one DCP wrapped in its error while reading)
-            raise interrupt from e
-        raise RuntimeError(
-            f"optimshift.distributed.load({os.fspath(target)}) failed after it began writing the checkpoint into "
-            f"the model and optimizer, which may now be partly loaded (reload them, or load again): "
-            f"{type(e).__name__}: {e}"
-        ) from e
+        # phase 4: DCP reads into the live tensors; every check that can fail has run. An error from here on
+        # (an I/O error) may leave the model and optimizer partly loaded, and says so.
+        if layout.has_extra:
+            state[_EXTRA] = b""  # a placeholder: DCP puts the saved object in its place
+        rank, world = _rank_world()
+        try:
+            with _single_process_quiet(world):
+                dcp.load(state, storage_reader=dcp.FileSystemReader(str(target)), no_dist=world == 1)  # type: ignore[attr-defined]
+            for group, key, i, first, own in apart:  # (one value read into both: one object again, as it was)
+                holder: Any = group if i is None else group[key]  # (DCP rebuilt the lists)
+                at: Any = key if i is None else i
+                if holder[at] is own and _same_bits(first, own):
+                    holder[at] = first
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=StateDictOptions(strict=False),
+            )  # strict: refuses params without saved state
+            if not layout.has_state:
+                optimizer.state.clear()
+            for group, mine in zip(optimizer.param_groups, kept):
+                group.update(mine)
+            _keep_group_tensors(live, optimizer.param_groups)
+            if not is_streamed(optimizer):  # (a streamed optimizer's load put its state where streaming keeps it)
+                move(optimizer, where)  # fresh-optimizer placement: e.g. Adam's step back on the host
+            if not layout.has_extra:
+                return None
+            extra: dict[str, Any] = torch.load(io.BytesIO(state[_EXTRA]), map_location="cpu", weights_only=True)
+            return extra
+        except _FAILURES as e:  # (a Ctrl-C stays one)
+            interrupt = _interrupt_in(e, rank)
+            if interrupt is not None:  # (one DCP wrapped in its error while reading)
+                raise interrupt from e
+            raise RuntimeError(
+                f"optimshift.distributed.load({os.fspath(target)}) failed after it began writing the checkpoint "
+                f"into the model and optimizer, which may now be partly loaded (reload them, or load again): "
+                f"{type(e).__name__}: {e}"
+            ) from e
 
 
 def _as_saved(value: Any, layout: _Layout, gi: int, key: str) -> Any:
@@ -407,15 +354,8 @@ def _fits(old: torch.Tensor, new: torch.Tensor) -> bool:
 
 
 def describe_dcp(path: PathLike) -> dict[str, Any]:
-    """What a DCP checkpoint directory holds (keys, global shapes, dtypes, bytes), for ``optimshift inspect``:
-    read from its metadata alone, so it needs no process group and loads no tensor. JSON-serializable.
-
-    Keys: ``path``, ``format``, ``entries`` (``key``, ``path``, ``kind`` "tensor"/"object", and for tensors
-    global ``shape``, ``dtype``, ``bytes``, ``chunks``), ``sections`` (per top-level key: ``tensors``,
-    ``objects``, ``bytes``), ``tensors``, ``objects``, ``tensor_bytes``, ``files``, ``disk_bytes``,
-    ``incomplete`` (the files its metadata names that are missing or cut short: :func:`load` refuses it) and
-    ``optimshift`` (the note :func:`save` writes, or None for a checkpoint saved otherwise).
-    """
+    """What a DCP checkpoint directory holds (each entry's key, global shape, dtype, bytes; per section, in all; its
+    files, those missing or cut short, and :func:`save`'s note), as JSON, from its metadata alone: no process group."""
     target = _committed(_as_path(path))
     metadata = _read_metadata(target)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -466,14 +406,8 @@ def _initializing(optimizer: Any) -> Iterator[None]:
     lrs = [(group, group["lr"]) for group in optimizer.param_groups if "lr" in group]
     # (the user's hooks only: optimshift's own, which refuse a step over offloaded or streamed state and order
     # it after a transfer in flight, stay)
-    own = [
-        (table, dict(table))
-        for table in (
-            getattr(optimizer, "_optimizer_step_pre_hooks", None),
-            getattr(optimizer, "_optimizer_step_post_hooks", None),
-        )
-        if table
-    ]
+    tables = [getattr(optimizer, f"_optimizer_step_{when}_hooks", None) for when in ("pre", "post")]
+    own = [(table, dict(table)) for table in tables if table]
     for table, hooks in own:
         for key, hook in hooks.items():
             if not _optimshifts(hook):
@@ -518,6 +452,19 @@ def _single_process_quiet(world: int) -> Iterator[None]:
         if world == 1:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+@contextlib.contextmanager
+def _agreed(what: str, path: Any, share: Any = None) -> Iterator[list[Any]]:
+    """A step every rank takes: its error (one of :data:`_FAILURES`) raised on every rank at its end
+    (:func:`_agree`); else the list it yields holds rank 0's ``share``."""
+    error: BaseException | None = None
+    shared = [share]
+    try:
+        yield shared
+    except _FAILURES as e:  # noqa: BLE001 - every error is re-raised on every rank by _agree
+        error = e
+    shared[0] = _agree(error, what, path, share)
 
 
 def _agree(error: BaseException | None, what: str, path: Any, share: Any = None) -> Any:
@@ -641,12 +588,11 @@ def _committed(target: Path) -> Path:
     """``target``, or the previous checkpoint a crash between the two renames of a non-atomic commit left."""
     if _is_checkpoint(target):
         return target
-    old = _sibling(target, _OLD)
-    if not target.exists() and _is_checkpoint(old):
+    if target.exists():
+        raise ValueError(f"{target} is not a torch.distributed.checkpoint checkpoint (no .metadata file)")
+    if _is_checkpoint(old := _sibling(target, _OLD)):
         return old
-    if not target.exists():
-        raise FileNotFoundError(f"no checkpoint at {target}")
-    raise ValueError(f"{target} is not a torch.distributed.checkpoint checkpoint (no .metadata file)")
+    raise FileNotFoundError(f"no checkpoint at {target}")
 
 
 def _read_metadata(target: Path) -> Metadata:
@@ -701,15 +647,14 @@ class _Layout:
             elif steps[:2] == ("optim", "state") and len(steps) >= 4:
                 layout.state.setdefault(str(steps[2]), {}).setdefault(str(steps[3]), []).append((steps[4:], meta))
             elif steps[:2] == ("optim", "param_groups") and len(steps) >= 4:
-                layout.groups.setdefault(int(steps[2]), set()).add(str(steps[3]))
+                at = (int(steps[2]), str(steps[3]))
+                layout.groups.setdefault(at[0], set()).add(at[1])
                 if len(steps) == 4 and steps[3] == "params":
-                    layout.params_keys[int(steps[2])] = key
+                    layout.params_keys[at[0]] = key
                 elif len(steps) == 4 and isinstance(meta, TensorStorageMetadata):
-                    layout.group_tensors[(int(steps[2]), str(steps[3]))] = meta
+                    layout.group_tensors[at] = meta
                 elif len(steps) >= 5 and isinstance(steps[4], int):  # (an element of a list: _NESTED, deeper)
-                    layout.group_lists.setdefault((int(steps[2]), str(steps[3])), {})[steps[4]] = (
-                        meta if len(steps) == 5 else _NESTED
-                    )
+                    layout.group_lists.setdefault(at, {})[steps[4]] = meta if len(steps) == 5 else _NESTED
             elif steps == (_EXTRA,):
                 layout.has_extra = True
         if not layout.model and not layout.groups:
@@ -752,21 +697,28 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return out
 
 
+def _shown(items: list[str], sep: str) -> str:
+    """The first :data:`_SHOWN` of ``items`` joined by ``sep``, then how many more."""
+    return sep.join(items[:_SHOWN] + ([f"... and {len(items) - _SHOWN} more"] if len(items) > _SHOWN else []))
+
+
 def _listed(names: list[str]) -> str:
-    shown = names[:_SHOWN]
-    return repr(shown)[:-1] + (f", ... and {len(names) - _SHOWN} more]" if len(names) > _SHOWN else "]")
+    return "[" + _shown([repr(n) for n in names], ", ") + "]"
 
 
-def _params_without_grad(optimizer: Any) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is None]
-
-
-def _undo_initializing(optimizer: Any, had_state: bool, no_grad: list[torch.Tensor]) -> None:
-    """After a failure, undo DCP's initialization step: its state, and the zero grads of the params in ``no_grad``."""
-    if not had_state:
-        optimizer.state.clear()
-    for p in no_grad:
-        p.grad = None
+@contextlib.contextmanager
+def _undone_on_failure(optimizer: Any) -> Iterator[None]:
+    """Undo DCP's initializing step if the block raises (a Ctrl-C too): its state, and the zero grads it gave."""
+    had_state = bool(optimizer.state)
+    no_grad = [p for g in optimizer.param_groups for p in g["params"] if p.grad is None]
+    try:
+        yield
+    except BaseException:
+        if not had_state:
+            optimizer.state.clear()
+        for p in no_grad:
+            p.grad = None
+        raise
 
 
 def _compare_model(model_sd: Mapping[str, Any], layout: _Layout) -> list[str]:
@@ -884,11 +836,9 @@ def _raise_mismatch(problems: list[str], layout: _Layout, model: Any, optimizer:
     if not problems:
         return
     saved = f" (saved from a {layout.note.get('model')} with {layout.note.get('optimizer')})" if layout.note else ""
-    shown = problems[:_SHOWN]
-    more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
     raise ValueError(
         f"checkpoint {layout.path}{saved} does not match this {type(model).__name__} with "
-        f"{optimizer_name(optimizer)}:\n  " + "\n  ".join(shown) + more
+        f"{optimizer_name(optimizer)}:\n  " + _shown(problems, "\n  ")
     )
 
 

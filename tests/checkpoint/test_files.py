@@ -422,6 +422,49 @@ def test_load_state_dict_of_a_path_it_cannot_read_names_the_optimizer_and_the_fi
     assert info.value.errno == 13 and info.value.filename == "text.pt"
 
 
+def test_a_refused_checkpoint_s_error_survives_a_pickle_round_trip(tmp_path):
+    """multiprocessing, DataLoader workers and torch.distributed re-raise an error by pickling it: an
+    UnsafeCheckpointError could not be unpickled (its class took ``globals`` as a required argument)."""
+    path = tmp_path / "evil.pt"
+    torch.save({"x": _CreatesAFile(str(tmp_path / "victim"))}, path)
+    opt = _adam()
+    for load in (optimshift.load, lambda p: optimshift.load_state_dict(opt, p)):
+        with pytest.raises(UnsafeCheckpointError) as info:
+            load(path)
+        back = pickle.loads(pickle.dumps(info.value))
+        assert type(back) is UnsafeCheckpointError and str(back) == str(info.value)
+        assert back.globals == info.value.globals and any("open" in g for g in back.globals)
+
+
+def test_a_system_error_reading_a_load_state_dict_path_keeps_the_optimizer_in_its_args(monkeypatch):
+    """load_state_dict named the optimizer in a system error's ``strerror`` only: ``args`` (what a pickle of it
+    keeps, a worker's error re-raised) lacked it. Both say it now, errno and filename kept."""
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr("optimshift.checkpoint._files._sniff", denied)
+    with pytest.raises(PermissionError) as info:
+        optimshift.load_state_dict(_adam(), "text.pt")
+    said = "[Errno 13] Adam: load_state_dict: Permission denied: 'text.pt'"
+    assert str(info.value) == said and info.value.args == (13, "Adam: load_state_dict: Permission denied")
+    back = pickle.loads(pickle.dumps(info.value))
+    assert type(back) is PermissionError and str(back) == said
+    assert back.errno == 13 and back.filename == "text.pt"
+
+
+def test_load_state_dict_takes_a_bytes_path_as_load_and_save_do(tmp_path):
+    """``torch.load``, :func:`optimshift.load` and :func:`optimshift.save` take a bytes path; load_state_dict
+    refused one ("state_dict must be a dict (or a path), got bytes")."""
+    saved, opt = _adam(), _adam()
+    path = os.fsencode(tmp_path / "opt.pt")
+    optimshift.save(saved, path)
+    optimshift.load_state_dict(opt, path)
+    assert bitwise_equal(opt.state_dict()["state"], saved.state_dict()["state"])
+    with pytest.raises(FileNotFoundError, match=r"^Adam: load_state_dict: no such checkpoint file: .*nope\.pt$"):
+        optimshift.load_state_dict(opt, os.fsencode(tmp_path / "nope.pt"))
+
+
 def test_a_class_weights_only_meets_as_an_objects_class_is_named_to_allow(tmp_path):
     """numpy scalars: once the globals their pickle names are allowed, torch's refusal is of a class it met as an
     object's class (``numpy.dtypes.Float64DType``), not by name. It is named to allow, as a refused global: the

@@ -47,9 +47,10 @@ class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """A checkpoint whose pickle would import or call code ``weights_only=True`` does not allow (nothing was
     executed); ``globals`` lists what it names (``["os.system"]``)."""
 
-    def __init__(self, message: str, globals: list[str]) -> None:
+    # (``globals`` optional: unpickling calls the class with the message alone, then restores the attribute)
+    def __init__(self, message: str, globals: list[str] | None = None) -> None:
         super().__init__(message)
-        self.globals = globals
+        self.globals = [] if globals is None else globals
 
 
 # --- recognising optimizer state -------------------------------------------------------------------------

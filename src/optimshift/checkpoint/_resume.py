@@ -102,8 +102,8 @@ def _load(
         target = torch.device("cpu")
 
     label = f"{name}: load_state_dict"
-    if isinstance(state_dict, (str, os.PathLike)):
-        source = os.fspath(state_dict)
+    if isinstance(state_dict, (str, bytes, os.PathLike)):
+        source = os.fsdecode(state_dict)
         state_dict = _read(source, label)
         label = f"{label}: {source}"
     sd, recorded = _extract(state_dict, label)
@@ -168,6 +168,7 @@ def _read(source: str, label: str) -> Any:
     except (OSError, _files.CheckpointError) as e:
         if isinstance(e, OSError) and e.strerror is not None:  # (the system's own: str() shows its strerror)
             e.strerror = f"{label}: {e.strerror}"
+            e.args = (e.errno, e.strerror)  # (what a pickle of it keeps: a worker's error re-raised)
         else:
             e.args = (f"{label}: {e}",)
         raise

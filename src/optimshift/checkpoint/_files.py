@@ -89,14 +89,6 @@ class FoundOptimizer:
     class_name: str | None = None
 
 
-def _meta_class(sd: Mapping[str, Any]) -> str | None:
-    meta = sd.get(META_KEY)
-    if isinstance(meta, Mapping) and isinstance(meta.get("class"), str):
-        module = meta.get("module")
-        return f"{module}.{meta['class']}" if isinstance(module, str) and module else meta["class"]
-    return None
-
-
 def find_optimizer_states(obj: Any, *, max_depth: int = MAX_DEPTH) -> list[FoundOptimizer]:
     """Every optimizer state dict inside ``obj`` (a loaded checkpoint), under any key or index, in a stable order."""
     found: list[FoundOptimizer] = []
@@ -107,13 +99,13 @@ def find_optimizer_states(obj: Any, *, max_depth: int = MAX_DEPTH) -> list[Found
             return
         if is_optimizer_state_dict(value):
             seen.add(id(value))
-            cls = _meta_class(value)
-            if cls is not None:
-                kind = "optimshift"
-            elif where == "":
-                kind = "state_dict"
-            else:
-                kind = "lightning" if lightning else "nested"
+            meta, cls = value.get(META_KEY), None
+            if isinstance(meta, Mapping) and isinstance(meta.get("class"), str):
+                module = meta.get("module")
+                cls = f"{module}.{meta['class']}" if isinstance(module, str) and module else meta["class"]
+            kind = (
+                "optimshift" if cls is not None else "lightning" if lightning else "nested" if where else "state_dict"
+            )
             found.append(FoundOptimizer(where, kind, value, cls))
             return
         if depth >= max_depth or isinstance(value, torch.Tensor):
@@ -507,10 +499,7 @@ def _weights_only_reason(e: pickle.UnpicklingError) -> str:
 def _unsafe(p: str, named: list[str], refused: list[_untrusted.Named]) -> UnsafeCheckpointError:
     """The error for a pickle importing globals weights-only loading refuses: ``named`` by the refusal, ``refused``
     read from the opcodes."""
-    names: list[str] = []
-    for name in named + [g.name for g in refused if g.name is not None]:
-        if _DOTTED.fullmatch(name) and name not in names:
-            names.append(name)
+    names = list(dict.fromkeys(n for n in named + [g.name for g in refused if g.name] if _DOTTED.fullmatch(n)))
     unnamed = [g for g in refused if g.name is None or not _DOTTED.fullmatch(g.name)]
     if not names:
         ways = ", ".join(g.describe() for g in unnamed)

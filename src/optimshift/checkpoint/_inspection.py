@@ -277,7 +277,7 @@ def _findings(
             for key, value in st.items():
                 if isinstance(value, str) or any(isinstance(v, str) for v in _shallow(value)):
                     findings.append(_mangle(key, "holds a string", "turns it into the text of a generator object"))
-                elif _has_namedtuple(value):
+                elif any(isinstance(v, tuple) and hasattr(type(v), "_fields") for v in [value, *_shallow(value)]):
                     findings.append(_mangle(key, "holds a namedtuple", "raises TypeError rebuilding it"))
             if cls is None and found.class_name:
                 continue  # a recorded class that is not torch.optim: its placement rules are not known here
@@ -373,10 +373,6 @@ def _shallow(value: Any) -> list[Any]:
     if isinstance(value, Mapping):
         return list(value.values())
     return []
-
-
-def _has_namedtuple(value: Any) -> bool:
-    return any(isinstance(v, tuple) and hasattr(type(v), "_fields") for v in [value, *_shallow(value)])
 
 
 def _mangle(key: Any, what: str, effect: str) -> dict[str, Any]:

@@ -247,14 +247,6 @@ class Staging:
         """Param ``pi`` of group ``gi`` (``None``), or its state entry ``key``, in words: made only for an error."""
         return lambda key: self._param_label(gi, pi) if key is None else self._site((gi, pi, key, ()))
 
-    def _refuse_overexpanded(self, tensor: torch.Tensor, tr: Transfer) -> None:
-        why = _files.overexpanded(tensor)
-        if why is not None:
-            raise self.fail(
-                f"{self.site_words(tr)}: {why}; copying it would allocate every element (a corrupt or hostile "
-                f"checkpoint)"
-            )
-
     def made_any(self) -> bool:
         """Whether this staging made any copy (else :meth:`made_ids` is empty)."""
         return bool(self._made or self.cloned)
@@ -480,8 +472,11 @@ class Staging:
             # (source, device, dtype), so tensors shared in the checkpoint stay shared (the state dict keeps the
             # sources, and so their ids, alive).
             # (only a strided view with overlapping strides can be overexpanded; sparse layouts have no strides)
-            if tensor.layout == strided and not tensor.is_contiguous():
-                self._refuse_overexpanded(tensor, tr)
+            if tensor.layout == strided and not tensor.is_contiguous() and (why := _files.overexpanded(tensor)):
+                raise self.fail(
+                    f"{self.site_words(tr)}: {why}; copying it would allocate every element (a corrupt or hostile "
+                    f"checkpoint)"
+                )
             wanted: _Wanted
             if not always and tensor.dtype == dtype and tensor.device == device:
                 wanted = tensor
@@ -533,7 +528,7 @@ class Staging:
         for key, value in saved.items():
             if key == "params":
                 continue
-            if isinstance(value, torch.Tensor) or isinstance(value, _ATOMS):
+            if isinstance(value, (torch.Tensor, *_ATOMS)):
                 out[key] = value
             else:
                 out[key] = self._copy_container(value, (gi, None, key, ()))
@@ -594,7 +589,11 @@ class Staging:
     def _copy_container(self, value: Any, site: _Site) -> Any:
         """Our own copy of a checkpoint's container (its tensors stay the checkpoint's, to be placed), depth-checked;
         an uncopyable object is a clear error."""
-        self._check_depth(value, site)
+        if too_deep(value):
+            raise self.fail(
+                f"{self._site(site)}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
+                f"this (a corrupt or hostile checkpoint)"
+            )
         memo: dict[int, Any] = {id(t): t for _, t in leaves(value)}
         try:
             return _copy.deepcopy(value, memo)
@@ -602,13 +601,6 @@ class Staging:
             raise self.fail(
                 f"{self._site(site)}: cannot copy its {type(value).__name__} ({type(e).__name__}: {e})", TypeError
             ) from e
-
-    def _check_depth(self, value: Any, site: _Site) -> None:
-        if too_deep(value):
-            raise self.fail(
-                f"{self._site(site)}: nested more than {MAX_DEPTH} levels deep; no optimizer keeps state like "
-                f"this (a corrupt or hostile checkpoint)"
-            )
 
 
 def _ids_shown(ids: Mapping[Any, Any]) -> str:

@@ -108,21 +108,16 @@ class _Kind(NamedTuple):
     layout: _Layout
 
 
-def _usable(st: Staging, new_groups: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether this load may be uniform at all (per load, before any param)."""
-    if TensorGuards is None or st.cast is not None or st.wide or not st.strict or st.base is None:
-        return False
-    if torch.is_inference_mode_enabled() or repr(torch._C._dispatch_tls_local_exclude_set()) != _DEFAULT_EXCLUDED:
-        return False
-    # (a registered policy may place each param apart; a group's own tensors go by the general path's rules)
-    return not has_registered_policy(st.opt) and all(next(group_tensors(g), None) is None for g in new_groups)
-
-
 def build_uniform(
     st: Staging, saved_groups: list[Mapping[str, Any]], states: Mapping[Any, Any], new_groups: list[dict[str, Any]]
 ) -> defaultdict[Any, Any] | None:
     """The new state of a uniform load (filling ``st``'s copies and in-place pairs), or None: the general path's."""
-    if not _usable(st, new_groups):
+    if TensorGuards is None or st.cast is not None or st.wide or not st.strict or st.base is None:
+        return None
+    if torch.is_inference_mode_enabled() or repr(torch._C._dispatch_tls_local_exclude_set()) != _DEFAULT_EXCLUDED:
+        return None
+    # (a registered policy may place each param apart; a group's own tensors go by the general path's rules)
+    if has_registered_policy(st.opt) or any(next(group_tensors(g), None) is not None for g in new_groups):
         return None
     target = policy_target(st.opt, st.device, remembered=False)
     lives = st.copy and bool(st.opt.state) and st.torch_setstate
@@ -132,7 +127,7 @@ def build_uniform(
     rows: list[_Rows] = []
     layouts: dict[tuple[Any, ...], _Layout] = {}
     for gi, (lg, sg, ng) in enumerate(zip(st.opt.param_groups, saved_groups, new_groups)):
-        kinds: dict[tuple[Any, ...], _Kind | None] = {}
+        kinds: dict[tuple[Any, ...], _Kind] = {}
         if _whole_group(st, target, gi, lg["params"], sg["params"], ng, states, kinds, layouts, rows, live_get, alike):
             continue
         for pi, (sid, p) in enumerate(zip(sg["params"], lg["params"])):
@@ -233,7 +228,7 @@ def _whole_group(
     ids: Sequence[Any],
     group: Mapping[str, Any],
     states: Mapping[Any, Any],
-    kinds: dict[tuple[Any, ...], _Kind | None],
+    kinds: dict[tuple[Any, ...], _Kind],
     layouts: dict[tuple[Any, ...], _Layout],
     rows: list[_Rows],
     live_get: Callable[[int], Any] | None,
@@ -276,7 +271,7 @@ def _whole_group(
         # found by the in-place rule, see _into_existing)
         for row in (values, olds if alike else None):
             if row is not None and not all(
-                starmap(first.check, row) if checks is None else map(_check_row, checks, row)
+                starmap(first.check, row) if checks is None else map(lambda check, r: check(*r), checks, row)
             ):
                 return False
     except Exception:  # (an entry that is no tensor)
@@ -286,29 +281,6 @@ def _whole_group(
         layout.olds.extend(chain.from_iterable(olds))
     rows.append((params, saved, layout, gi, 0, lives))
     return True
-
-
-def _check_row(check: Callable[..., bool], row: Iterable[torch.Tensor]) -> bool:
-    return check(*row)
-
-
-def _kind_of(
-    st: Staging,
-    target: Placer,
-    gi: int,
-    pi: int,
-    group: Mapping[str, Any],
-    p: torch.Tensor,
-    saved: Mapping[Any, Any],
-    kinds: dict[tuple[Any, ...], _Kind | None],
-    layouts: dict[tuple[Any, ...], _Layout],
-) -> _Kind | None:
-    """The kind of ``p``'s row (``kinds``: this group's, by :data:`_kind_key`), made from it the first time."""
-    key = _kind_key(p)
-    kind = kinds.get(key)
-    if kind is None:
-        kind = kinds[key] = _kind(st, target, gi, pi, group, p, saved, layouts)
-    return kind
 
 
 def _into_existing(
@@ -349,7 +321,7 @@ def _copied(st: Staging, every: list[_Layout], installed: list[list[Any] | None]
     return out
 
 
-def _kind(
+def _kind_of(
     st: Staging,
     target: Placer,
     gi: int,
@@ -357,10 +329,15 @@ def _kind(
     group: Mapping[str, Any],
     p: torch.Tensor,
     saved: Mapping[Any, Any],
+    kinds: dict[tuple[Any, ...], _Kind],
     layouts: dict[tuple[Any, ...], _Layout],
 ) -> _Kind | None:
-    """The kind of ``p``'s row, checked as the general path checks each entry, or None where an entry is not a
-    plain dense contiguous tensor under its key or a check fails (the general path raises). Adds its layout."""
+    """The kind of ``p``'s row (``kinds``: this group's, by :data:`_kind_key`), made from it the first time, checked
+    as the general path checks each entry; None where an entry is not a plain dense contiguous tensor under its key
+    or a check fails (the general path raises). Adds its layout."""
+    kind_key = _kind_key(p)
+    if kind_key in kinds:
+        return kinds[kind_key]
     if not saved:  # (a row of no entries, which an access to opt.state[p] leaves: a layout of no columns has no rows)
         return None
     spec = st.spec(gi, group, p.dim())
@@ -413,7 +390,8 @@ def _kind(
     layout = layouts.get(layout_key)
     if layout is None:
         layout = layouts[layout_key] = _Layout(order, devices, [t.device != d for t, d in zip(refs, devices)])
-    return _Kind(order, frozenset(saved), guard.check, both.check, param, layout)
+    kind = kinds[kind_key] = _Kind(order, frozenset(saved), guard.check, both.check, param, layout)
+    return kind
 
 
 def _in_place(

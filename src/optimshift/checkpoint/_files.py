@@ -501,69 +501,60 @@ def _unsafe(p: str, named: list[str], refused: list[_untrusted.Named]) -> Unsafe
     read from the opcodes."""
     names = list(dict.fromkeys(n for n in named + [g.name for g in refused if g.name] if _DOTTED.fullmatch(n)))
     unnamed = [g for g in refused if g.name is None or not _DOTTED.fullmatch(g.name)]
-    if not names:
-        ways = ", ".join(g.describe() for g in unnamed)
-        return UnsafeCheckpointError(
-            f"refused to load {p}: it cannot be read safely. Its pickle imports a global it does not name ({ways}): "
-            f"only running it would say which, and that could run anything. Do not load it with "
-            f"weights_only=False; nothing was executed.",
-            [],
-        )
     named_text = ", ".join(names)
     dangerous = [n for n in names if runs_code(n)]
-    if dangerous:
-        which = ", ".join(dangerous)
-        return UnsafeCheckpointError(
-            f"refused to load {p}: its pickle names {named_text}. {which} can run code or commands, which no "
-            f"checkpoint needs: this file is malicious or broken. Do not allow it and do not load it with "
-            f"weights_only=False; nothing was executed.",
-            names,
-        )
-    missing = [n for n in names if _global_exists(n) is False]
+    missing = [] if dangerous else [n for n in names if _global_exists(n) is False]
     scripts = [n for n in missing if n.partition(".")[0] == "__main__"]
-    if scripts:
-        which = ", ".join(scripts)
-        classes = ", ".join(n.rpartition(".")[2] for n in scripts)
-        return UnsafeCheckpointError(
-            f"refused to load {p}: its pickle names {named_text}. {which} "
-            f"{'is a class' if len(scripts) == 1 else 'are classes'} of the script that saved it (pickle calls the "
-            f"running script __main__), which this process does not define: the file is not corrupt, but "
-            f"{'that object' if len(scripts) == 1 else 'those objects'} can only be rebuilt where the script's "
-            f"classes are; nothing was executed. In a script that defines {classes}: "
-            f"`with torch.serialization.safe_globals([{classes}]): optimshift.load(path)`; or save plain data "
-            f"(dataclasses.asdict(config)) instead. `optimshift inspect` shows the rest of the file.",
-            names,
-        )
-    if missing:
-        return UnsafeCheckpointError(
-            f"refused to load {p}: its pickle names {named_text}, and no installed package provides "
-            f"{', '.join(missing)}: the file is corrupt, or needs a package this environment lacks; "
-            f"nothing was executed.",
-            names,
-        )
     unreadable = sorted({g.opcode for g in refused if g.opcode != "GLOBAL"})
-    if unreadable or unnamed:
+    if not names:
+        ways = ", ".join(g.describe() for g in unnamed)
+        why = (
+            f"it cannot be read safely. Its pickle imports a global it does not name ({ways}): only running it would "
+            f"say which, and that could run anything. Do not load it with weights_only=False; nothing was executed."
+        )
+    elif dangerous:
+        why = (
+            f"its pickle names {named_text}. {', '.join(dangerous)} can run code or commands, which no checkpoint "
+            f"needs: this file is malicious or broken. Do not allow it and do not load it with weights_only=False; "
+            f"nothing was executed."
+        )
+    elif scripts:
+        one = len(scripts) == 1
+        classes = ", ".join(n.rpartition(".")[2] for n in scripts)
+        why = (
+            f"its pickle names {named_text}. {', '.join(scripts)} {'is a class' if one else 'are classes'} of the "
+            f"script that saved it (pickle calls the running script __main__), which this process does not define: "
+            f"the file is not corrupt, but {'that object' if one else 'those objects'} can only be rebuilt where the "
+            f"script's classes are; nothing was executed. In a script that defines {classes}: "
+            f"`with torch.serialization.safe_globals([{classes}]): optimshift.load(path)`; or save plain data "
+            f"(dataclasses.asdict(config)) instead. `optimshift inspect` shows the rest of the file."
+        )
+    elif missing:
+        why = (
+            f"its pickle names {named_text}, and no installed package provides {', '.join(missing)}: the file is "
+            f"corrupt, or needs a package this environment lacks; nothing was executed."
+        )
+    elif unreadable or unnamed:
         # NOTE: allowing a global cannot help here: weights-only loading reads none of these opcodes.
         also = " and imports a global it does not name" if unnamed else ""
-        return UnsafeCheckpointError(
-            f"refused to load {p}: it cannot be read safely. Its pickle names {named_text} through "
-            f"{'/'.join(unreadable) or 'GLOBAL'}{also}, opcodes weights-only loading does not read; nothing was "
-            f"executed. If you wrote it, save it again with torch.save's default pickle protocol.",
-            names,
+        why = (
+            f"it cannot be read safely. Its pickle names {named_text} through {'/'.join(unreadable) or 'GLOBAL'}"
+            f"{also}, opcodes weights-only loading does not read; nothing was executed. If you wrote it, save it "
+            f"again with torch.save's default pickle protocol."
         )
-    # How to allow every one of them (allowing one only reveals the next).
-    one = len(names) == 1
-    what = f"{names[0]} is a class you expect (a config object)" if one else "these are classes you expect"
-    flags = " ".join(f"--allow-global {n}" for n in names)
-    return UnsafeCheckpointError(
-        f"refused to load {p}: its pickle names {named_text}. Loading it would import and call that code "
-        f"(a checkpoint can run anything this way), and optimshift only loads with weights_only=True; "
-        f"nothing was executed. If you trust the file and {what}, allow just {'it' if one else 'them'}: "
-        f"`with torch.serialization.safe_globals([{named_text}]): optimshift.load(path)` "
-        f"(or `optimshift inspect/convert {flags}`). Only for a file you fully trust: "
-        f"torch.load(path, weights_only=False).",
-        names,
-    )
+    else:  # how to allow every one of them (allowing one only reveals the next)
+        one = len(names) == 1
+        what = f"{names[0]} is a class you expect (a config object)" if one else "these are classes you expect"
+        flags = " ".join(f"--allow-global {n}" for n in names)
+        why = (
+            f"its pickle names {named_text}. Loading it would import and call that code (a checkpoint can run "
+            f"anything this way), and optimshift only loads with weights_only=True; nothing was executed. If you "
+            f"trust the file and {what}, allow just {'it' if one else 'them'}: "
+            f"`with torch.serialization.safe_globals([{named_text}]): optimshift.load(path)` "
+            f"(or `optimshift inspect/convert {flags}`). Only for a file you fully trust: "
+            f"torch.load(path, weights_only=False)."
+        )
+    return UnsafeCheckpointError(f"refused to load {p}: {why}", names)
 
 
 class _MapLocationFailure(Exception):

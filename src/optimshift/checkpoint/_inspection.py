@@ -217,10 +217,9 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         if not isinstance(st, Mapping):
             continue
         for key, value in st.items():
-            new: dict[str, Any] = dict(
-                key=str(key), count=0, saved_on=Counter(), dtypes=Counter(), bytes=0, kinds=Counter()
+            row = table.setdefault(
+                str(key), dict(key=str(key), count=0, saved_on=Counter(), dtypes=Counter(), bytes=0, kinds=Counter())
             )
-            row = table.setdefault(str(key), new)
             row["count"] += 1
             ts = [value] if isinstance(value, torch.Tensor) else list(all_tensors(value))
             if not ts:
@@ -386,11 +385,7 @@ def _merge(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Identical findings (one per param) become one, with a count."""
     merged: dict[tuple[str, str, str], dict[str, Any]] = {}
     for f in findings:
-        k = (f["severity"], f["key"], f["message"])
-        if k in merged:
-            merged[k]["count"] += f["count"]
-        else:
-            merged[k] = dict(f)
+        merged.setdefault((f["severity"], f["key"], f["message"]), {**f, "count": 0})["count"] += f["count"]
     return list(merged.values())
 
 

@@ -334,10 +334,10 @@ class Staging:
         new_state: defaultdict[Any, Any] = defaultdict(dict)
         # (new state dict, param, group, index, its tensors' (key, dtype) when it holds no container)
         pending: list[tuple[dict[Any, Any], torch.Tensor, int, int, tuple[tuple[Any, torch.dtype], ...] | None]] = []
-        if self.strict:
-            assert self.base is not None  # (strict: a torch.optim class)
+        strict = self.base if self.strict else None  # (strict: a torch.optim class)
+        if strict is not None:
             for gi, ng in enumerate(new_groups):
-                check_group(self.fail, type(self.opt), self.base, gi, ng)
+                check_group(self.fail, type(self.opt), strict, gi, ng)
         uniform = build_uniform(self, saved_groups, states, new_groups)
         if uniform is not None:  # (the common checkpoint, staged in one pass: see _uniform)
             return uniform, new_groups
@@ -347,11 +347,10 @@ class Staging:
                 ndim, pshape = p.dim(), p.shape
                 spec = self.spec(gi, ng, ndim)
                 if saved is None:
-                    if self.strict and spec.eager:
-                        assert self.base is not None  # (strict: a torch.optim class)
+                    if strict is not None and spec.eager:
                         raise self.fail(
                             f"{self._param_label(gi, pi)}: the checkpoint has no state for it, but "
-                            f"{self.base.__name__} creates every param's state when it is built "
+                            f"{strict.__name__} creates every param's state when it is built "
                             f"({keys_shown(spec.keys)}); this state dict is incomplete"
                         )
                     continue
@@ -361,9 +360,8 @@ class Staging:
                         f"a dict",
                         TypeError,
                     )
-                if self.strict and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class
-                    assert self.base is not None  # (strict: a torch.optim class)
-                    check_entries(self.fail, self._where(gi, pi), self.base, p, saved, spec)
+                if strict is not None and (saved or spec.eager):  # {}: a param that never stepped, for a lazy class
+                    check_entries(self.fail, self._where(gi, pi), strict, p, saved, spec)
                 new: dict[Any, Any] = {}
                 dtypes: list[tuple[Any, torch.dtype]] | None = []  # (key, dtype) of each tensor; None: containers
                 for key, value in saved.items():

@@ -27,7 +27,6 @@ class Staging(Protocol):
     """What the uniform load uses of a :class:`._staging.Staging` (which imports this module)."""
 
     opt: torch.optim.Optimizer
-    name: str
     cast: str | None
     copy: bool
     device: torch.device | None

@@ -230,7 +230,14 @@ def guard(optimizer: Any, record: Record) -> list[Any]:
         raise TypeError(f"{name} cannot be weakly referenced: its offload cannot be remembered; nothing was changed")
     if record.hooks:
         return []
-    handles = _install_hooks(optimizer)
+    # (while offloaded, step() refuses at once and state_dict(), a deepcopy or a pickle, give compact copies)
+    try:
+        handles = install_guards(optimizer, {"register_step_pre_hook": _refuse_step}, None, compact=True)
+    except Exception as e:  # (a class that never ran Optimizer.__init__ has no hook dicts)
+        raise TypeError(
+            f"{name}: the hooks that guard its offloaded state cannot be registered "
+            f"({type(e).__name__}: {e}); nothing was changed"
+        ) from e
     record.hooks.extend(handles)
     return handles
 
@@ -246,27 +253,25 @@ def set_record(optimizer: Any, record: Record) -> None:
         session.record = record
 
 
-def _install_hooks(optimizer: Any) -> list[Any]:
-    """While offloaded, ``step()`` refuses at once and ``state_dict()`` returns compact copies of the host tensors;
-    a registration that fails (no hook dicts) raises TypeError with nothing changed."""
+def install_guards(
+    optimizer: Any, pre: Mapping[str, Callable[..., None]], wait: Callable[[Any], None] | None, *, compact: bool
+) -> list[Any]:
+    """Each of ``pre``'s hooks (by its register method, skipped where the optimizer has none) registered first,
+    :func:`compact_state_dict` as the state_dict post-hook where ``compact``, and :func:`copy_guard`; all or none."""
     handles: list[Any] = []
     try:
-        register_pre = getattr(optimizer, "register_step_pre_hook", None)
-        if register_pre is not None:
-            handles.append(registered_first(register_pre(_refuse_step)))
-        register_sd = getattr(optimizer, "register_state_dict_post_hook", None)
-        if register_sd is not None:
-            handles.append(register_sd(compact_state_dict))
-        handles += copy_guard(optimizer, None, compact=True)  # (a deepcopy or pickle of it: the same copies)
-    except BaseException as e:  # (a class that never ran Optimizer.__init__ has no hook dicts; a Ctrl-C)
+        for register, hook in pre.items():
+            method = getattr(optimizer, register, None)
+            if method is not None:
+                handles.append(registered_first(method(hook)))
+        post = getattr(optimizer, "register_state_dict_post_hook", None)
+        if compact and post is not None:
+            handles.append(post(compact_state_dict))
+        handles += copy_guard(optimizer, wait, compact=compact)
+    except BaseException:  # (a Ctrl-C too)
         for handle in handles:
             handle.remove()
-        if not isinstance(e, Exception):
-            raise
-        raise TypeError(
-            f"{type(optimizer).__name__}: the hooks that guard its offloaded state cannot be registered "
-            f"({type(e).__name__}: {e}); nothing was changed"
-        ) from e
+        raise
     return handles
 
 
@@ -486,10 +491,6 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
     torch iterates the hook dict."""
     if pending.done():
         return
-    registers = [
-        getattr(optimizer, name, None)
-        for name in ("register_step_pre_hook", "register_state_dict_pre_hook", "register_load_state_dict_pre_hook")
-    ]
     session = _session.get(optimizer)
     if session is None:  # an optimizer that cannot be weakly referenced: nothing can remember it, wait now
         pending.wait()
@@ -499,14 +500,16 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         hooked = bool(session.guards)
     if hooked:
         return
-    if any(register is None for register in registers):  # not a torch.optim.Optimizer: nothing can guard it
+    if any(getattr(optimizer, name, None) is None for name in _WAITING):  # not a torch.optim.Optimizer: unguarded
         end_pending(optimizer)
         pending.wait()
         return
-    handles = [registered_first(register(_wait_before_use)) for register in registers if register is not None]
-    handles += copy_guard(optimizer, _wait_before_use)
+    handles = install_guards(optimizer, dict.fromkeys(_WAITING, _wait_before_use), _wait_before_use, compact=False)
     with _lock:
         session.guards = handles
+
+
+_WAITING = ("register_step_pre_hook", "register_state_dict_pre_hook", "register_load_state_dict_pre_hook")
 
 
 def _wait_before_use(optimizer: Any, *_: Any) -> None:

@@ -33,7 +33,7 @@ from ._copy import Options, Side
 from ._devices import HOSTS, DeviceLike, resolve
 from ._dtensor import tensor_bytes
 from ._errors import add_note, with_article
-from ._offload import compact_state_dict, copy_guard, end_pending, exclusive, record_of, registered_first
+from ._offload import end_pending, exclusive, install_guards, record_of
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target, states_by_id
 from ._state import label_in, param_positions, unwrap
 from .api import _move_ending, _refuse_from_meta
@@ -131,7 +131,7 @@ class Streamed:
             if self._pending.get(device) is event:  # found them still pending, and waited too)
                 del self._pending[device]
 
-    def settle(self) -> None:
+    def settle(self, *_: Any) -> None:
         """:meth:`wait`, then lay out again a chunk whose write-back failed (its state still in views of a device
         window): what reads the state's values (``state_dict()``, a copy, :func:`unstream`) must find first."""
         self.wait()
@@ -545,12 +545,10 @@ class Streamed:
             _offload.Front(opt, "step", streamed_step),
             _offload.Front(opt, "load_state_dict", streamed_load_state_dict),
             front,
-            registered_first(opt.register_step_pre_hook(self._refuse_bypass)),
-            registered_first(opt.register_state_dict_pre_hook(lambda _opt: self.settle())),
-            opt.register_state_dict_post_hook(compact_state_dict),  # copies that own their bytes (no pool)
         ]
-        # (a deepcopy or pickle of it: after the write-backs, of copies owning their bytes, as its state_dict())
-        self._handles += copy_guard(opt, lambda _opt: self.settle(), compact=True)
+        # (state_dict(), a deepcopy or a pickle of it: after the write-backs, copies owning their bytes, no pool)
+        pre = {"register_step_pre_hook": self._refuse_bypass, "register_state_dict_pre_hook": self.settle}
+        self._handles += install_guards(opt, pre, self.settle, compact=True)
         self._active = True
         _mode.enter(opt, self)
 

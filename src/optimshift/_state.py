@@ -45,10 +45,6 @@ def format_path(path: Path) -> str:
     return "".join(f"[{s!r}]" if kind == "key" else f".{s}" if kind == "attr" else f"[{s}]" for kind, s in path)
 
 
-def _is_namedtuple(value: Any) -> bool:
-    return isinstance(value, tuple) and hasattr(type(value), "_fields") and hasattr(type(value), "_make")
-
-
 def _object_fields(value: Any) -> list[tuple[str, Any]]:
     """Attribute (name, value) pairs of a plain object: its ``__dict__`` and its ``__slots__``."""
     fields: list[tuple[str, Any]] = []
@@ -177,43 +173,35 @@ def rebuild(value: Any, replace: Mapping[int, torch.Tensor], setters: list[Sette
     if id(value) in memo:
         return memo[id(value)]
     memo[id(value)] = value  # provisional, for cycles
-    result = _rebuild_container(value, replace, setters, memo)
-    memo[id(value)] = result
+    memo[id(value)] = result = _rebuild_container(value, replace, setters, memo)
     return result
 
 
 def _rebuild_container(
     value: Any, replace: Mapping[int, torch.Tensor], setters: list[Setter], memo: dict[int, Any]
 ) -> Any:
-    children = list(_children(value))
-    new = [(step, child, rebuild(child, replace, setters, memo)) for step, child in children]
+    new = [(step, child, rebuild(child, replace, setters, memo)) for step, child in _children(value)]
     changed = [(step, nv) for step, child, nv in new if nv is not child]
     if not changed:
         return value
     if isinstance(value, (dict, list, deque)) or (isinstance(value, Mapping) and hasattr(value, "__setitem__")):
-        for (_, k), nv in changed:
-            setters.append(_item_setter(value, k, nv))
+        setters.extend(functools.partial(value.__setitem__, k, nv) for (_, k), nv in changed)
         return value
-    if isinstance(value, tuple):
-        items = [nv for _, _, nv in new]
-        if _is_namedtuple(value):
-            maker: Any = type(value)  # a namedtuple class (_is_namedtuple checked _make)
-            return maker._make(items)
-        return type(value)(items)
-    if isinstance(value, (set, frozenset)):
-        items = [nv for _, _, nv in new]
-        if isinstance(value, frozenset):
-            return type(value)(items)
+    kind: Any = type(value)
+    items = [nv for _, _, nv in new]
+    if isinstance(value, tuple):  # (a namedtuple by its _make)
+        return kind._make(items) if hasattr(kind, "_fields") and hasattr(kind, "_make") else kind(items)
+    if isinstance(value, frozenset):
+        return kind(items)
+    if isinstance(value, set):
         setters.append(_set_replacer(value, items))
         return value
-    # (a frozen dataclass is rebuilt, a mutable one updated in place as any object; its params are not in typeshed)
-    if dataclasses.is_dataclass(value) and getattr(type(value), "__dataclass_params__").frozen:  # noqa: B009
+    if dataclasses.is_dataclass(value) and kind.__dataclass_params__.frozen:  # (a mutable one: as any object)
         clone = copy.copy(value)
         for (_, name), nv in changed:
             object.__setattr__(clone, name, nv)
         return clone
-    for (_, name), nv in changed:
-        setters.append(_attr_setter(value, name, nv))
+    setters.extend(_attr_setter(value, name, nv) for (_, name), nv in changed)
     return value
 
 
@@ -221,8 +209,7 @@ def keyed_by(roots: Iterable[tuple[Path, Any]], ids: Mapping[int, Any], seen: se
     """Every mapping inside each root value (the root too) with a key whose ``id`` is in ``ids`` (TRAC's
     ``state["_trac"][param]``), with its path; each container once across the roots (``seen``: ids to skip)."""
     keys = ids.keys()
-    tensor = torch.Tensor
-    only_tensors = {tensor}
+    only_tensors = {torch.Tensor}
     for path, value in roots:
         if type(value) is dict and set(map(type, value.values())) <= only_tensors:
             # (a param's state of plain tensors, the common case, at once: this runs over every param's state)
@@ -278,10 +265,6 @@ def rekey(mapping: Any, renames: Mapping[int, Any]) -> Setter:
         mapping.update(items)
 
     return apply
-
-
-def _item_setter(container: Any, key: Any, new: Any) -> Setter:
-    return functools.partial(container.__setitem__, key, new)
 
 
 def _set_replacer(container: set[Any], items: list[Any]) -> Setter:

@@ -26,26 +26,6 @@ from ._plan import Ident, Plan, Transfer, optimizer_name
 from ._state import GROUP_SKIP, group_tensors, label_in, leaves, param_positions
 from .pool import host_pool
 
-__all__ = [
-    "PendingTransfer",
-    "Record",
-    "exclusive",
-    "record_of",
-    "set_record",
-    "guard",
-    "end_pending",
-    "remember_pending",
-    "forget",
-    "give_back",
-    "prepare_discard",
-    "grads_back",
-    "give_grads_back",
-    "group_tensors_at",
-    "remember_sides",
-    "pending_of",
-    "compact_state_dict",
-]
-
 
 class PendingTransfer:
     """A non-blocking offload or reload whose copies may still be running on a side stream (on a device without
@@ -421,36 +401,31 @@ def _compact(state_dict: dict[str, Any]) -> dict[str, Any]:
     compact: dict[int, torch.Tensor] = {}
     # (only views into pool buffers: tensors that share a storage of their own keep sharing it, see _alias)
     pooled = host_pool.in_use_storages()
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        local = local_tensor(t)  # (a DTensor: its shard is what sits in a pool buffer; its clone clones that)
-        storage = local.untyped_storage()
-        if (
-            id(t) not in compact
-            and storage.nbytes() > local.numel() * local.element_size()
-            and storage.data_ptr() in pooled
-        ):
-            compact[id(t)] = t.clone()
-        return compact.get(id(t), t)
-
     states = state_dict.get("state", {})
     groups = state_dict.get("param_groups", [])
-    for value in list(states.values()) + [{k: v for k, v in g.items() if k not in GROUP_SKIP} for g in groups]:
-        for _, t in leaves(value):
-            own(t)
+    for walk in [leaves(value) for value in states.values()] + [group_tensors(g) for g in groups]:
+        for _, t in walk:
+            local = local_tensor(t)  # (a DTensor: its shard is what sits in a pool buffer; its clone clones that)
+            storage = local.untyped_storage()
+            if (
+                id(t) not in compact
+                and storage.nbytes() > local.numel() * local.element_size()
+                and storage.data_ptr() in pooled
+            ):
+                compact[id(t)] = t.clone()
     if not compact:
         return state_dict
-    out = dict(state_dict)
-    # (state_dict()'s groups are new dicts, but their values are the live ones: containers are copied)
-    out["param_groups"] = [{k: v if k in GROUP_SKIP else _compacted(v, compact) for k, v in g.items()} for g in groups]
-    new_states = {}
-    for key, value in states.items():
-        if isinstance(value, dict):
-            new_states[key] = {k: _compacted(v, compact) for k, v in value.items()}
-        else:
-            new_states[key] = _compacted(value, compact)
-    out["state"] = new_states
-    return out
+    return {
+        **state_dict,
+        # (state_dict()'s groups are new dicts, but their values are the live ones: containers are copied)
+        "param_groups": [{k: v if k in GROUP_SKIP else _compacted(v, compact) for k, v in g.items()} for g in groups],
+        "state": {
+            key: {k: _compacted(v, compact) for k, v in value.items()}
+            if isinstance(value, dict)
+            else _compacted(value, compact)
+            for key, value in states.items()
+        },
+    }
 
 
 def _compacted(value: Any, compact: dict[int, torch.Tensor]) -> Any:

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -122,8 +122,7 @@ class _ModuleStreams(Streams):
         return self.module.Stream(device)
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[None]:
-        context: contextlib.AbstractContextManager[None] = self.module.stream(stream)
-        return context
+        return cast("contextlib.AbstractContextManager[None]", self.module.stream(stream))
 
     def new_event(self, device: torch.device) -> Any:
         return self.module.Event()

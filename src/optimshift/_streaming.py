@@ -177,7 +177,7 @@ class Streamed:
         by_param: dict[int, list[Transfer]] = {}  # id(param) -> its entries that belong on an accelerator
         buckets: dict[tuple[int, torch.device], list[Item]] = {}
         for tr in plan.transfers:
-            gi, pi, path = tr[0]
+            gi, pi, _ = tr[0]
             if pi is None or tr[4].type in HOSTS:  # (a group's tensors go where the plan places them, as a move's)
                 kept.append(tr)
                 continue
@@ -424,11 +424,10 @@ class Streamed:
                 ring = rings.setdefault(c.device, [None, None])
                 i = turn.get(c.device, 0)
                 turn[c.device] = 1 - i
-                found = ring[i]
-                fresh = found is None
-                if found is None:
-                    found = ring[i] = torch.empty(capacity[c.device], dtype=torch.uint8, device=c.device)
-                window = found
+                fresh = ring[i] is None
+                if fresh:
+                    ring[i] = torch.empty(capacity[c.device], dtype=torch.uint8, device=c.device)
+                window = cast(torch.Tensor, ring[i])
             # NOTE: memory just allocated on the current stream may still be in use by work queued there (the
             # caching allocator reuses a block in stream order): the lane waits for it first.
             _queue(side, window[: c.nbytes], c.buffer[: c.nbytes], wait=fresh)

@@ -58,6 +58,12 @@ class Streams:
                     stream = self._side[key] = self.new_stream(device)
         return stream
 
+    def recorded(self, device: torch.device, stream: Any) -> Any:
+        """A new event on ``device`` that completes once the work queued on ``stream`` so far has run."""
+        event = self.new_event(device)
+        self.record(event, stream)
+        return event
+
     def record(self, event: Any, stream: Any) -> None:
         """``event`` completes once the work queued on ``stream`` so far has run."""
         event.record(stream)

@@ -71,13 +71,6 @@ def _queue(side: Side | None, dst: torch.Tensor, src: torch.Tensor, *, wait: boo
         dst.copy_(src, non_blocking=side is not None)
 
 
-def _recorded(side: Side, device: torch.device) -> Any:
-    """An event after the copies queued on ``side`` so far."""
-    event = side.streams.new_event(device)
-    side.streams.record(event, side.stream)
-    return event
-
-
 class Streamed:
     """What :func:`stream` returns: the streamed mode of one optimizer (``chunk_bytes`` and ``device`` as given;
     :attr:`chunks` and :attr:`state_bytes`: the host layout now; :meth:`wait`: the last step's write-backs, only
@@ -434,7 +427,7 @@ class Streamed:
             if side is not None:
                 if fresh:
                     side.uses(window)
-                loaded[k] = _recorded(side, c.device)
+                loaded[k] = side.streams.recorded(c.device, side.stream)
             windows[k] = window
 
         out = None
@@ -454,7 +447,7 @@ class Streamed:
         finally:
             for device, side in lanes.items():
                 if side is not None:
-                    self._pending[device] = _recorded(side, device)
+                    self._pending[device] = side.streams.recorded(device, side.stream)
         return out
 
     def _chunk_step(
@@ -482,7 +475,7 @@ class Streamed:
             back()
         if self._changed(c):
             if side is not None:
-                _recorded(side, c.device).synchronize()
+                side.streams.recorded(c.device, side.stream).synchronize()
             self._relay([c])
         return out
 
@@ -694,14 +687,13 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
         # thread's reload maps into the same layout; once the mode is in place: a warning raised as an error there
         # leaves a streamed optimizer)
         _addresses.release(optimizer, optimizer_name(optimizer))
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug(
-            "stream %s: %d chunks, %d bytes of state in host memory, in %.2f ms",
-            optimizer_name(optimizer),
-            mode.chunks,
-            mode.state_bytes,
-            (time.perf_counter() - start) * 1e3,
-        )
+    _log.debug(
+        "stream %s: %d chunks, %d bytes of state in host memory, in %.2f ms",
+        optimizer_name(optimizer),
+        mode.chunks,
+        mode.state_bytes,
+        (time.perf_counter() - start) * 1e3,
+    )
     return mode
 
 

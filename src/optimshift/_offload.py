@@ -607,19 +607,17 @@ def prepare_discard(optimizer: Any) -> Callable[[], None]:
     function, once the new state is installed, gives them back and forgets the record."""
     end_pending(optimizer)
     record = record_of(optimizer)
-    if record is None:
-        session = _session.of(optimizer)
-        return (lambda: None) if session is None else session.group_sides.clear
     held = grads_back(optimizer, record)  # (refused as a reload refuses them, before anything changes)
-    extra = [(host_grad, p.device, what) for p, host_grad, what in held]
-    own = left_in_buffers(record.buffers, (), extra)
-    back = _engine.run(
-        Plan(optimizer, repeats=False), extra=extra, own=own, what=f"{optimizer_name(optimizer)}: load_state_dict"
-    ).new
+    back: Mapping[int, torch.Tensor] = {}
+    if record is not None:
+        extra = [(host_grad, p.device, what) for p, host_grad, what in held]
+        own = left_in_buffers(record.buffers, (), extra)
+        what = f"{optimizer_name(optimizer)}: load_state_dict"
+        back = _engine.run(Plan(optimizer, repeats=False), extra=extra, own=own, what=what).new
 
     def finish() -> None:
         give_grads_back(held, back)
-        forget(optimizer)
+        forget(optimizer)  # (none without a record)
         session = _session.of(optimizer)
         if session is not None:  # the loaded groups placed their own tensors
             session.group_sides.clear()

@@ -491,22 +491,20 @@ class Streamed:
 
     def _install(self, opt: Any) -> None:
         streamed = self
-        raw = self._raw
 
         def step(self_: Any, *args: Any, **kwargs: Any) -> Any:
             if not streamed._active:  # unstreamed, yet still called through a wrapper made meanwhile
-                return raw(self_, *args, **kwargs)
+                return streamed._raw(self_, *args, **kwargs)
             return streamed._step(args, kwargs)
 
         hooked = torch.optim.Optimizer.profile_hook_step(step)  # torch's wrapper: the step hooks fire once
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            stepping = streamed._stepping
+            streamed._stepping.on = True
             try:
-                stepping.on = True
                 return hooked(streamed.optimizer, *args, **kwargs)
             finally:
-                stepping.on = False
+                streamed._stepping.on = False
 
         # NOTE: a graph break under torch.compile; installed as a plain function (streamed_step), since compiling a
         # disabled function compiles the function it wraps (dynamo's innermost_fn).

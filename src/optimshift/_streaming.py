@@ -176,12 +176,10 @@ class Streamed:
                 continue
             p = cast(torch.Tensor, tr[3])
             self._refuse(tr, state[p])
-            entries = by_param.get(id(p))
-            if entries is None:
-                entries = by_param[id(p)] = []
+            if id(p) not in by_param:
                 group = opt.param_groups[gi]
                 buckets.setdefault((id(group), p.device), []).append((group, p, state[p], []))
-            entries.append(tr)
+            by_param.setdefault(id(p), []).append(tr)
         for item in (item for items in buckets.values() for item in items):
             item[3].extend((tr[0][2][0][1], tr[2]) for tr in by_param[id(item[1])])
         self._examined.update((id(p), p.device) for _, p in members if id(p) not in by_param)

@@ -289,6 +289,28 @@ def test_a_streamed_optimizer_is_left_where_streaming_keeps_it(sim, verl_patch):
     del handle
 
 
+class _StrayParam(torch.optim.SGD):
+    """State for a param in no group: optimshift refuses to place it; verl's own code walks only the groups."""
+
+    def __init__(self, device: torch.device):
+        self.p = torch.nn.Parameter(torch.zeros(2, device=device))
+        super().__init__([self.p], lr=0.1, momentum=0.9)
+        self.state[self.p]["momentum_buffer"] = torch.ones(2, device=device)
+        self.state[torch.nn.Parameter(torch.zeros(3))] = {"momentum_buffer": torch.ones(3, device=device)}
+
+
+def test_an_optimizer_optimshift_cannot_place_is_left_to_verls_own_code(sim, verl_patch):
+    """As the other integrations do (``placeable``): the patched functions used to raise optimshift's ValueError."""
+    verl_patch(True)
+    opt = _StrayParam(sim)
+    with pytest.raises(ValueError, match="in no param group"):
+        optimshift.offload(opt)
+    engine.offload_fsdp_optimizer(opt)
+    assert opt.state[opt.p]["momentum_buffer"].device.type == "cpu"
+    engine.load_fsdp_optimizer(opt, sim)
+    assert opt.state[opt.p]["momentum_buffer"].device == sim
+
+
 # --- non-blocking transfers -----------------------------------------------------------------------------------
 
 

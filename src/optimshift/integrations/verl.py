@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import api
-from .._plan import check_optimizer
+from .._plan import check_optimizer, states_by_id
 from ._common import NAMES_ONLY, Swap, bound_swaps, importable, module_items, patch_of, reload_to, streamed
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
@@ -99,9 +99,10 @@ def _optimizers(optimizer: Any, multi: bool) -> list[Any]:
 
 
 def _is_optimizer(optimizer: Any) -> bool:
+    """Whether optimshift can place this optimizer's state (DTensor state too: FSDP2's), else verl's code moves it."""
     try:
-        check_optimizer(optimizer)
-    except TypeError:
+        states_by_id(check_optimizer(optimizer))  # (state for a param in no group: verl's code walks only groups)
+    except (TypeError, ValueError):
         return False
     return True
 

@@ -14,6 +14,8 @@ is where the seed bug shows. 2 ranks: tests/distributed/test_deepspeed_zero.py.)
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 import os
 import sys
@@ -148,6 +150,16 @@ def test_a_deepspeed_whose_reload_differs_is_left_alone_with_a_warning(ds_patch,
     ]
     ds_patch(False)
     assert zero12.reload_optimizer_states is SHIPPED["reload"]
+
+
+def test_the_warning_of_the_patch_on_import_names_the_importing_line(ds_patch, monkeypatch):
+    """Importing the module patches: its warning about a function it does not know named the module's own last
+    line (stacklevel 2 from patch()), not the line that imported it."""
+    ds_patch(False)
+    monkeypatch.setattr(zero12.DeepSpeedZeroOptimizer, "reload_states", lambda self, non_blocking=False: None)
+    with pytest.warns(RuntimeWarning, match=r"DeepSpeedZeroOptimizer\.reload_states") as warned:
+        importlib.reload(osd)
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, inspect.currentframe().f_lineno - 1)]
 
 
 def test_a_module_imported_after_patch_gets_the_replacement_and_loses_it_on_unpatch(ds_patch, monkeypatch):

@@ -10,6 +10,7 @@ the state with a fresh optimizer of the same class and flags over params placed 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import subprocess
 import sys
@@ -141,6 +142,19 @@ def test_holders_are_found_by_scanning_loaded_modules(verl_patch, monkeypatch):
     assert osv.unknown_functions() == ["verl.optimshift_probe_engine.offload_probe_optimizer"]
     verl_patch(False)
     assert holder.load_opt is SHIPPED["load"]
+
+
+def test_the_warning_of_the_patch_on_import_names_the_importing_line(verl_patch, monkeypatch):
+    """Importing the module patches (VERL_USE_EXTERNAL_MODULES): its look-alike warning named the module's own last
+    line, not the line that imported it."""
+    verl_patch(False)
+    lookalike = types.ModuleType("verl.optimshift_probe_engine")
+    exec("def offload_probe_optimizer(optimizer):\n    pass\n", lookalike.__dict__)
+    lookalike.offload_probe_optimizer.__module__ = lookalike.__name__
+    monkeypatch.setitem(sys.modules, lookalike.__name__, lookalike)
+    with pytest.warns(RuntimeWarning, match=r"offload_probe_optimizer") as warned:
+        importlib.reload(osv)
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, inspect.currentframe().f_lineno - 1)]
 
 
 def test_a_module_imported_after_patch_gets_the_replacement_and_loses_it_on_unpatch(verl_patch, monkeypatch):

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -185,6 +186,17 @@ def patch_of(module: str, *, rebound: bool = False) -> Patch:
     if found is None:
         found = _patches[module] = Patch(rebound=rebound)
     return found
+
+
+def warn(message: str) -> None:
+    """A RuntimeWarning at the first caller outside optimshift and importlib: the user's ``patch()`` or ``import``
+    line (the patch on import ran at a line of this package)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("optimshift", "importlib"):
+        frame = frame.f_back
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
+    module = frame.f_globals.get("__name__", "<string>")
+    warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno, module, registry)
 
 
 def importable(package: str) -> bool:

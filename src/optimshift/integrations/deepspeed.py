@@ -23,7 +23,6 @@ import importlib.util
 import inspect
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,7 +34,7 @@ from .._engine import _current_stream_event, uninterrupted
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
 from ..pool import host_pool
-from ._common import NAMES_ONLY, Swap, bound_swaps, importable, patch_of, placeable, reload_to, streamed
+from ._common import NAMES_ONLY, Swap, bound_swaps, importable, patch_of, placeable, reload_to, streamed, warn
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -424,11 +423,9 @@ def patch() -> None:
         return
     _patch.apply(_plan_swaps)
     if _unknown:
-        warnings.warn(
+        warn(
             f"optimshift.integrations.deepspeed: this deepspeed's {'; '.join(_unknown)} differ from the functions "
-            f"optimshift knows; left as DeepSpeed made them",
-            RuntimeWarning,
-            stacklevel=2,
+            f"optimshift knows; left as DeepSpeed made them"
         )
 
 

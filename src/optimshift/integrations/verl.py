@@ -34,7 +34,7 @@ import torch
 
 from .. import api
 from .._plan import check_optimizer, states_by_id
-from ._common import NAMES_ONLY, Swap, bound_swaps, importable, module_items, patch_of, reload_to, streamed
+from ._common import NAMES_ONLY, Swap, bound_swaps, importable, module_items, patch_of, reload_to, streamed, warn
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -227,11 +227,9 @@ def patch() -> None:
     _patch.apply(_plan_swaps)
     unknown = unknown_functions()
     if unknown:
-        warnings.warn(
+        warn(
             f"optimshift.integrations.verl: {', '.join(unknown)} look like optimizer offload/load functions that "
-            f"optimshift does not patch: their state moves are verl's own",
-            RuntimeWarning,
-            stacklevel=2,
+            f"optimshift does not patch: their state moves are verl's own"
         )
 
 

@@ -41,4 +41,4 @@ def test_a_patch_interrupted_half_way_can_be_undone() -> None:
         )
     assert Framework().first() == "original first"  # (made before the interrupt, undone)
     assert Framework().second() == "original second"
-    assert not patch.applied  # (so that patching again applies every swap)
+    assert not patch.applied()  # (so that patching again applies every swap)

@@ -15,6 +15,7 @@ import torch
 
 from .. import _mode, api
 from .._devices import resolve
+from .._dtensor import is_dtensor
 from .._offload import record_of
 from .._state import unwrap
 
@@ -23,12 +24,6 @@ __all__ = ["placeable", "follow_params", "to_host", "reload_to", "Swap", "Patch"
 # What a replacement takes of the function it replaces: its name (logs and tracebacks read naturally), not its
 # docstring or module.
 NAMES_ONLY = ("__name__", "__qualname__")
-
-
-def _is_dtensor(value: Any) -> bool:
-    # Checked by name so that this never imports torch.distributed.
-    cls = type(value)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
 
 def placeable(optimizer: Any) -> bool:
@@ -43,7 +38,7 @@ def placeable(optimizer: Any) -> bool:
     for key, entry in state.items():
         if id(key) not in held or not isinstance(entry, Mapping):
             return False
-        if any(_is_dtensor(v) for v in entry.values()):
+        if any(is_dtensor(v) for v in entry.values()):
             return False
     return True
 
@@ -123,8 +118,8 @@ class Patch:
         self._swaps: list[Swap] = []
         self._rebound = rebound
 
-    @property
     def applied(self) -> bool:
+        """Whether the swaps are in effect (every integration's ``is_patched()``)."""
         with self._lock:
             return bool(self._swaps)
 
@@ -182,10 +177,7 @@ _patches: dict[str, Patch] = {}  # (by integration module: its Patch outlives an
 def patch_of(module: str, *, rebound: bool = False) -> Patch:
     """The one :class:`Patch` of integration ``module``: an ``importlib.reload`` of it finds the one in effect
     (a new one would patch twice over and could not restore the originals)."""
-    found = _patches.get(module)
-    if found is None:
-        found = _patches[module] = Patch(rebound=rebound)
-    return found
+    return _patches.setdefault(module, Patch(rebound=rebound))
 
 
 def warn(message: str) -> None:
@@ -197,6 +189,14 @@ def warn(message: str) -> None:
     registry = frame.f_globals.setdefault("__warningregistry__", {})
     module = frame.f_globals.get("__name__", "<string>")
     warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno, module, registry)
+
+
+def own(owner: Any, name: str, missing: str) -> Any:
+    """``owner``'s own callable ``name`` (from its ``__dict__``): what a patch replaces; else RuntimeError(missing)."""
+    found = vars(owner).get(name)
+    if not callable(found):
+        raise RuntimeError(missing)
+    return found
 
 
 def importable(package: str) -> bool:

@@ -80,10 +80,8 @@ def _make_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def patch() -> None:
-    """Make ``Accelerator.prepare`` and ``load_state`` place optimizer state with optimshift (see the module doc).
-
-    Calling it again is a no-op; :func:`unpatch` undoes it. Raises ImportError without Accelerate.
-    """
+    """Make ``Accelerator.prepare`` and ``load_state`` place optimizer state with optimshift (see the module doc);
+    again: a no-op. Raises ImportError without Accelerate, RuntimeError if it lacks the parameters it relies on."""
     _patch.apply(_plan_swaps)
 
 
@@ -105,11 +103,5 @@ def _plan_swaps() -> list[Swap]:
     return [Swap(AcceleratedOptimizer, name, originals[name], make(originals[name])) for name, make in makers.items()]
 
 
-def unpatch() -> None:
-    """Restore Accelerate's own ``AcceleratedOptimizer`` methods. A no-op when not patched."""
-    _patch.undo()
-
-
-def is_patched() -> bool:
-    """Whether :func:`patch` is in effect."""
-    return _patch.applied
+unpatch = _patch.undo  # (restores the framework's own functions; a no-op when not patched)
+is_patched = _patch.applied

@@ -17,6 +17,7 @@ are left unpatched with a warning (:func:`unknown_functions`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -94,7 +95,10 @@ def _leave_alone(owner: Any, why: str) -> None:
 
 
 def _why_not_inner(optimizer: Any) -> str | None:
-    """Why optimshift does not place this (inner, torch) optimizer's state, or None when it does."""
+    """Why optimshift does not place this (inner, torch) optimizer's state, or None when it does ("left": inside a
+    ZeRO optimizer's call left to DeepSpeed, whose line is logged)."""
+    if getattr(_within, "left", False):
+        return "left"
     if type(optimizer).__name__ == "DeepSpeedCPUAdam":
         return "a DeepSpeedCPUAdam keeps its state on the host (ZeRO-Offload)"
     try:
@@ -125,7 +129,7 @@ def _make_offload_optimizer_states(original: Callable[..., None]) -> Callable[..
         optimizer: Any, device: Any, pin_memory: bool = False, non_blocking: bool = False
     ) -> None:
         """optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor to the host pool."""
-        why = "left" if getattr(_within, "left", False) else _why_not_inner(optimizer)
+        why = _why_not_inner(optimizer)
         if why is not None or str(device) != "cpu":
             if why is not None:
                 _leave_alone(optimizer, why)  # (silent within a left-alone ZeRO call)
@@ -147,7 +151,7 @@ def _make_reload_optimizer_states(original: Callable[..., list[Any]]) -> Callabl
     @torch.no_grad()
     def reload_optimizer_states(optimizer: Any, device: Any, non_blocking: bool = False) -> list[Any]:
         """optimshift's replacement (see optimshift.integrations.deepspeed): every state tensor back where it was."""
-        why = "left" if getattr(_within, "left", False) else _why_not_inner(optimizer)
+        why = _why_not_inner(optimizer)
         if why is not None:
             _leave_alone(optimizer, why)
             return original(optimizer, device, non_blocking=non_blocking)
@@ -348,21 +352,6 @@ def _differs(name: str, function: Any) -> str | None:
     return f"no longer reads {', '.join(missing)}" if missing else None
 
 
-def _modules() -> tuple[Any, Any, Any | None]:
-    try:
-        functions = importlib.import_module(_FUNCTIONS)
-        stage12 = importlib.import_module(_STAGE_1_AND_2)
-    except ImportError as e:
-        raise ImportError(
-            f"optimshift.integrations.deepspeed.patch() needs deepspeed: pip install 'optimshift[deepspeed]' ({e})"
-        ) from e
-    try:
-        stage3 = importlib.import_module(_STAGE_3)
-    except ImportError:
-        stage3 = None
-    return functions, stage12, stage3
-
-
 _unknown: list[str] = []
 
 
@@ -373,7 +362,16 @@ def _differing(module: str, owner: Any, prefix: str, names: Iterable[str]) -> li
 
 
 def _plan_swaps() -> list[Swap]:
-    functions, stage12, stage3 = _modules()
+    try:
+        functions = importlib.import_module(_FUNCTIONS)
+        stage12 = importlib.import_module(_STAGE_1_AND_2)
+    except ImportError as e:
+        raise ImportError(
+            f"optimshift.integrations.deepspeed.patch() needs deepspeed: pip install 'optimshift[deepspeed]' ({e})"
+        ) from e
+    stage3 = None
+    with contextlib.suppress(ImportError):
+        stage3 = importlib.import_module(_STAGE_3)
     swaps: list[Swap] = []
     makers: dict[str, Callable[[Any], Any]] = {
         "offload_optimizer_states": _make_offload_optimizer_states,
@@ -390,9 +388,8 @@ def _plan_swaps() -> list[Swap]:
         "state_dict": _make_state_dict,
     }
     differing = _differing(_STAGE_1_AND_2, zero, "DeepSpeedZeroOptimizer.", methods)
-    if differing:
-        unknown.extend(differing)
-    else:
+    unknown += differing
+    if not differing:
         for name, make in methods.items():
             original = zero.__dict__[name]
             swaps.append(Swap(zero, name, original, make(original)))
@@ -411,15 +408,13 @@ def unknown_functions() -> list[str]:
     return list(_unknown)
 
 
-def patched_functions() -> list[str]:
-    """``module.name`` of every DeepSpeed function or method that :func:`patch` replaced."""
-    return _patch.names()
+patched_functions = _patch.names  # (``module.name`` of every function replaced)
 
 
 def patch() -> None:
     """Make DeepSpeed's ZeRO-1/2 ``offload_states``/``reload_states`` go through optimshift (see the module doc);
     again: a no-op. Raises ImportError without deepspeed; warns about (and leaves) functions it does not know."""
-    if _patch.applied:
+    if _patch.applied():
         return
     _patch.apply(_plan_swaps)
     if _unknown:
@@ -429,14 +424,8 @@ def patch() -> None:
         )
 
 
-def unpatch() -> None:
-    """Restore DeepSpeed's own functions and methods. A no-op when not patched."""
-    _patch.undo()
-
-
-def is_patched() -> bool:
-    """Whether :func:`patch` is in effect."""
-    return _patch.applied
+unpatch = _patch.undo  # (restores the framework's own functions; a no-op when not patched)
+is_patched = _patch.applied
 
 
 # Importing this module is the way in: patch at once when deepspeed is there.

@@ -153,18 +153,16 @@ def _plan_swaps() -> list[Swap]:
     swaps: list[Swap] = []
     for package in packages:
         source = importlib.import_module(f"{package}.utilities.optimizer")
-        originals = {}
-        for name in _HELPERS:
-            helper = getattr(source, name, None)
+        helpers: list[Any] = [vars(source).get(name) for name in _HELPERS]
+        for name, helper in zip(_HELPERS, helpers):
             if not callable(helper):
                 raise RuntimeError(
                     f"{package}.utilities.optimizer has no {name}(): this Lightning version moves optimizer state "
                     f"differently and optimshift.integrations.lightning does not know how to patch it"
                 )
-            originals[name] = helper
-        one = _make_optimizer_to_device(originals["_optimizer_to_device"])
-        many = _make_optimizers_to_device(one, originals["_optimizers_to_device"])
-        pairs = [(originals["_optimizer_to_device"], one), (originals["_optimizers_to_device"], many)]
+        first, each = helpers
+        one = _make_optimizer_to_device(first)
+        pairs = [(first, one), (each, _make_optimizers_to_device(one, each))]
         swaps += bound_swaps(pairs, [source], _LIGHTNING_PACKAGES)  # (every Lightning module holding a helper)
         fabric_cls = importlib.import_module(f"{package}.fabric").Fabric
         fabric_optimizer = importlib.import_module(f"{package}.wrappers")._FabricOptimizer
@@ -214,14 +212,8 @@ def patch() -> None:
     _patch.apply(_plan_swaps)  # everything is found and checked before anything is replaced
 
 
-def unpatch() -> None:
-    """Restore Lightning's own helpers and ``Fabric`` methods. A no-op when not patched."""
-    _patch.undo()
-
-
-def is_patched() -> bool:
-    """Whether :func:`patch` is in effect."""
-    return _patch.applied
+unpatch = _patch.undo  # (restores the framework's own functions; a no-op when not patched)
+is_patched = _patch.applied
 
 
 def _callback_base() -> type:

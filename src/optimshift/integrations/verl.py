@@ -34,7 +34,7 @@ import torch
 
 from .. import api
 from .._plan import check_optimizer, states_by_id
-from ._common import NAMES_ONLY, Swap, bound_swaps, importable, module_items, patch_of, reload_to, streamed, warn
+from ._common import NAMES_ONLY, Swap, bound_swaps, importable, module_items, own, patch_of, reload_to, streamed, warn
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -128,32 +128,15 @@ def _load(optimizer: Any, device_id: Any) -> None:
     reload_to(optimizer, device_id, what="verl's device_id", non_blocking=True)
 
 
-def _make_offload(original: Callable[[Any], None], multi: bool) -> Callable[[Any], None]:
+def _make(original: Callable[..., None], multi: bool, ours: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original, assigned=NAMES_ONLY)
     @torch.no_grad()
-    def offload_optimizer(optimizer: Any) -> None:
-        """optimshift's replacement for verl's optimizer offload (see optimshift.integrations.verl)."""
+    def replacement(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """optimshift's replacement for verl's optimizer offload or load (see optimshift.integrations.verl)."""
         for opt in _optimizers(optimizer, multi):
-            if _is_optimizer(opt):
-                _offload(opt)
-            else:
-                original(opt)  # not an optimizer optimshift knows: verl's own code
+            (ours if _is_optimizer(opt) else original)(opt, *args, **kwargs)  # (else: verl's own code)
 
-    return offload_optimizer
-
-
-def _make_load(original: Callable[[Any, Any], None], multi: bool) -> Callable[[Any, Any], None]:
-    @functools.wraps(original, assigned=NAMES_ONLY)
-    @torch.no_grad()
-    def load_optimizer(optimizer: Any, device_id: Any) -> None:
-        """optimshift's replacement for verl's optimizer load (see optimshift.integrations.verl)."""
-        for opt in _optimizers(optimizer, multi):
-            if _is_optimizer(opt):
-                _load(opt, device_id)
-            else:
-                original(opt, device_id)
-
-    return load_optimizer
+    return replacement
 
 
 # --- finding and swapping -----------------------------------------------------------------------------------
@@ -185,40 +168,32 @@ def _plan_swaps() -> list[Swap]:
     pairs = []
     sources = _sources()
     for module, (offload_name, load_name), multi in sources:
-        for name, make in ((offload_name, _make_offload), (load_name, _make_load)):
-            original = module.__dict__.get(name)
-            if not callable(original):
-                raise RuntimeError(
-                    f"{module.__name__} has no {name}(): this verl version moves optimizer state differently and "
-                    f"optimshift.integrations.verl does not know how to patch it"
-                )
-            pairs.append((original, make(original, multi)))
+        for name, ours in ((offload_name, _offload), (load_name, _load)):
+            missing = (
+                f"{module.__name__} has no {name}(): this verl version moves optimizer state differently and "
+                f"optimshift.integrations.verl does not know how to patch it"
+            )
+            original = own(module, name, missing)
+            pairs.append((original, _make(original, multi, ours)))
     return bound_swaps(pairs, [m for m, _, _ in sources], ("verl",))  # (and every other verl module holding one)
 
 
 def unknown_functions() -> list[str]:
     """verl functions loaded now that look like an optimizer offload or load (``offload_*_optimizer``,
     ``load_*_optimizer``) but are neither patched nor known to need no patch: ``module.name`` of each."""
-    ours = {id(s.replacement) for s in _patch.swaps}
-    originals = {id(s.original) for s in _patch.swaps}
+    swapped = {id(f) for s in _patch.swaps for f in (s.original, s.replacement)}
     found = []
     for module in [m for n, m in list(sys.modules.items()) if n.split(".")[0] == "verl"]:  # (None: no items)
         for name, value in module_items(module):
             if not callable(value) or not _LOOKALIKE.match(name) or name in _LEFT_ALONE:
                 continue
-            if id(value) in ours or id(value) in originals:
-                continue
-            if not str(getattr(value, "__module__", "")).startswith("verl"):
-                continue
-            if getattr(value, "__module__", None) != module.__name__:
-                continue  # reported where it is defined
+            if id(value) in swapped or getattr(value, "__module__", None) != module.__name__:
+                continue  # (a verl function is reported where it is defined)
             found.append(f"{module.__name__}.{name}")
     return sorted(found)
 
 
-def patched_functions() -> list[str]:
-    """``module.name`` of every verl function that :func:`patch` replaced (empty when not patched)."""
-    return _patch.names()
+patched_functions = _patch.names  # (``module.name`` of every function replaced)
 
 
 def patch() -> None:
@@ -233,14 +208,8 @@ def patch() -> None:
         )
 
 
-def unpatch() -> None:
-    """Restore verl's own functions (also in modules imported since). A no-op when not patched."""
-    _patch.undo()
-
-
-def is_patched() -> bool:
-    """Whether :func:`patch` is in effect."""
-    return _patch.applied
+unpatch = _patch.undo  # (restores the framework's own functions; a no-op when not patched)
+is_patched = _patch.applied
 
 
 # Importing this module is the way in (VERL_USE_EXTERNAL_MODULES): patch at once when verl is there.

@@ -1088,3 +1088,49 @@ def test_a_0_dim_tensor_read_after_where_the_host_step_refuses_a_one_element_one
     assert opt.param_groups[0]["d"].device.type == "cpu" and opt.param_groups[0]["beta2_decay"] is beta2_decay
     _step(opt, params, 1)
     assert not optimshift.check(opt).findings
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, key",
+    [
+        (O.Adam, {"foreach": True, "eps": "1"}, "eps"),  # (a foreach op takes a 0-dim scalar tensor only)
+        (O.Adam, {"fused": True, "eps": "1"}, "eps"),  # (the fused kernel takes a number)
+        (O.AdamW, {"foreach": True, "weight_decay": "1"}, "weight_decay"),  # (behind `if weight_decay != 0`)
+        (O.Adamax, {"foreach": False, "betas": "1"}, "betas"),  # (betas[1] raises first on the host)
+        (O.NAdam, {"foreach": True, "betas": "0d"}, "betas"),
+    ],
+    ids=["Adam-foreach-eps", "Adam-fused-eps", "AdamW-foreach-weight_decay", "Adamax-betas", "NAdam-foreach-betas"],
+)
+@pytest.mark.parametrize("given", ["cpu", "sim"])
+def test_a_group_tensor_the_step_raises_with_on_either_device_is_known(sim, cls, kwargs, key, given):
+    """A (1,) eps, weight_decay or beta, or foreach NAdam's 0-dim betas, raises the step wherever it is (its kind,
+    not its side): the probe's steps raised alike with it on the host and on the device, so it said nothing
+    (policy.group_raises empty) and check() was silent. Now it says either device; here step() raises."""
+    device = sim if given == "sim" else torch.device("cpu")
+    flags = {k: v for k, v in kwargs.items() if k != key}
+    shape = () if kwargs[key] == "0d" else (1,)
+    value = {"eps": 1e-8, "weight_decay": 0.01}.get(key)
+    given_value = (
+        tuple(torch.full(shape, b, device=device) for b in (0.9, 0.999))
+        if key == "betas"
+        else torch.full(shape, value, device=device)
+    )
+    params = _params(sim)
+    opt = cls(params, **{key: given_value}, **flags)
+    group = opt.param_groups[0]
+    tensors = group[key] if key == "betas" else (group[key],)
+    found = [optimshift.policy.group_raises(cls, group, key, t) for t in tensors]
+    assert {"host", "device"} in found
+    with pytest.raises((RuntimeError, TypeError)):  # (it is right: here step() raises)
+        _step(opt, params, 0)
+
+
+@pytest.mark.parametrize("cls", [O.Adam, O.NAdam, O.RMSprop])
+def test_a_0_dim_eps_a_fake_step_cannot_read_is_no_error(sim, cls):
+    """A foreach step reads a 0-dim eps as a number in C++, which a fake tensor cannot answer (the probe's steps
+    stop there on either side alike): no refusal of the class, whose step runs with it."""
+    params = _params(sim)
+    opt = cls(params, eps=torch.tensor(1e-8), foreach=True)
+    group = opt.param_groups[0]
+    assert not optimshift.policy.group_raises(cls, group, "eps", group["eps"])
+    _step(opt, params, 0)

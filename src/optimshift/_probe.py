@@ -305,7 +305,8 @@ class Observed:
     {GroupPath: HOST_READ or NEEDS_DEVICE} (absent: either works); ``error``: what the step raised; ``reads``: {host
     0-dim key: device reads it costs a later step on the device}; ``wide``: {path under a plain state key: on the
     device}; ``group_reads``: {GroupPath: ``(a, b)``}: ``a + b * n`` device reads more over ``n`` params;
-    ``raises``: {GroupPath: where (``"host"``, ``"device"``) a step with it there raised, that of the other did not}."""
+    ``raises``: {GroupPath: where (``"host"``, ``"device"``) a step with it there raised, that of the other did not;
+    both: on either, where with a number in its place it did not}."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
@@ -648,12 +649,46 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
     reference = baseline
     if needed and baseline.error is not None:  # (the host step stopped at them, before the others' reads)
         reference, reads, later = _run(cls, group, ndim, paths, needed)
+    base = needed if reference is not baseline else ()  # (on the device in the reference step)
+    truthy_reference: list[Observed] = []  # (the reference step with every truth read true: run once, when needed)
+
+    def raises_either(
+        path: GroupPath, host: Observed, device: Observed, among: list[GroupPath] = paths, truth: bool = False
+    ) -> bool:
+        """Whether the step raises with it on the host (``host``) and on the device (``device``), and not so with a
+        number in its place (a ``(1,)`` eps a foreach op takes only 0-dim, a fused kernel's ``(1,)`` one); where
+        another of ``among`` raises first, asked with it the only tensor (Adamax's ``(1,)`` betas)."""
+        unseen = (*_NO_BACKEND, "DataDependent")  # (where a fake step stops: a missing backend, a number read in C++)
+        failed = [e for e in (host.error, device.error) if e is not None and not any(m in e for m in unseen)]
+        if len(failed) < 2:
+            return False
+        on = base if among is paths else ()
+        if _run(cls, group, ndim, [p for p in among if p != path], on, truth=truth)[0].error not in failed:
+            return True
+        if among != [path]:
+            host, device = (_run(cls, group, ndim, [path], where, truth=truth)[0] for where in ((), (path,)))
+            return raises_either(path, host, device, [path], truth)
+        return False
+
+    def raises_if_taken(path: GroupPath) -> bool:
+        """:func:`raises_either` where a branch the false stand-in skipped computes with a one-element tensor that
+        is not 0-dim (AdamW's foreach ``if weight_decay != 0``; a value that skips it, 0, is not seen)."""
+        key, index = path
+        if (group[key] if index is None else group[key][index]).dim() == 0:
+            return False
+        if not truthy_reference:
+            same = truthy and not base  # (the host step with truth reads true, run already)
+            truthy_reference.append(truthy[0] if same else _run(cls, group, ndim, paths, base, truth=True)[0])
+        host = truthy_reference[0]
+        device = None if host.error is None else _run(cls, group, ndim, paths, (*base, path), truth=True)[0]
+        return device is not None and raises_either(path, host, device, truth=True)
+
     for path in paths:
         if path in needed:
             verdicts[path] = NEEDS_DEVICE  # the step refuses it on the host
             raises[path] = frozenset({"host"})
             continue
-        on_device = (*needed, path) if reference is not baseline else (path,)
+        on_device = (*base, path)
         alone, alone_reads, alone_later = (
             alones[path] if reference is baseline else _run(cls, group, ndim, paths, on_device)
         )
@@ -674,6 +709,8 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
                 if two[0] is not None and two_alone is not None:
                     one, per_param = alone_later - later, (two_alone - two[0]) - (alone_later - later)
                     costs[path] = (one - per_param, per_param)
+        if raises_either(path, reference, alone) or raises_if_taken(path):
+            raises[path] = frozenset({"host", "device"})  # (its kind, not its side: the verdict is the reads')
     return replace(baseline, group=verdicts, group_reads=costs, raises=raises)
 
 

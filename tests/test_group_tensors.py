@@ -1121,6 +1121,7 @@ def test_a_group_tensor_the_step_raises_with_on_either_device_is_known(sim, cls,
     tensors = group[key] if key == "betas" else (group[key],)
     found = [optimshift.policy.group_raises(cls, group, key, t) for t in tensors]
     assert {"host", "device"} in found
+    assert "either device" in " ".join(f.why for f in optimshift.check(opt).findings if f.severity == "error")
     with pytest.raises((RuntimeError, TypeError)):  # (it is right: here step() raises)
         _step(opt, params, 0)
 

@@ -795,7 +795,12 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
             guessed[_policy.why_guessed(type(optimizer), group, tr.param.dim(), tr.site.key)] = None
         t, site = tr.tensor, tr.site
         at = back.get(tr.ident, t.device)  # where the entry is (offloaded: where reload() puts it)
-        if at == tr.target:
+        in_group = tr.param is None and site.group != OPTIMIZER_WIDE
+        raises_anywhere = (
+            in_group
+            and len(_policy.group_raises(type(optimizer), optimizer.param_groups[site.group], site.key, t)) == 2
+        )  # (a group tensor the step raises with on either side is an error where it belongs too)
+        if at == tr.target and not raises_anywhere:
             continue
         severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at, defaults)
         if tr.source == "default":  # (no probe or table: a guess, which the last finding explains)

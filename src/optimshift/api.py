@@ -208,10 +208,8 @@ def _transfer(
     ends: Sequence[torch.Tensor] = (),
     follows: bool = False,
 ) -> tuple[_engine.Copies, PendingTransfer, _plan_cache.Cached | None, Plan]:
-    """The one path of every operation: plan by ``target`` (cached under ``cache_key``), copy, commit (``rewrite``,
-    ``finish``). ``grads``: they matter to the plan; ``eager``: cache its first build; ``sides``: remember where group
-    tensors taken to the host came from; ``place``: the copies' destinations (``_addresses.stage``); ``ends``: pool
-    buffers given back, what stays in them copied out; ``follows``: to the params' devices (meta refused)."""
+    """The one path of every operation: plan by ``target`` (cached under ``cache_key``), copy (into ``place``'s
+    destinations; ``ends``: pool buffers given back), commit (``rewrite``, ``finish``); ``follows``: meta refused."""
     start = time.perf_counter()
     plan, cached = _plan_cache.plan_for(optimizer, target, cache_key, grads=grads, eager=eager)
     if follows:
@@ -262,9 +260,8 @@ def _transfer(
 
 @_one_at_a_time
 def move(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt:
-    """Move every state tensor to where a fresh optimizer over these params on ``device`` would hold it (``None``:
-    each param's device, after ``model.to()``); scalars a fresh one keeps on the host (Adam's non-fused ``step``)
-    stay there; values, dtypes and tensor objects never change. All or nothing."""
+    """Move every state tensor to where a fresh optimizer over these params on ``device`` (``None``: each param's)
+    would hold it; values, dtypes and tensor objects never change. All or nothing."""
     return _move(optimizer, device, non_blocking=non_blocking)
 
 
@@ -365,18 +362,9 @@ def offload(
     empty_cache: bool = False,
     keep_addresses: bool | Literal["auto"] = False,
 ) -> Opt | PendingTransfer:
-    """Move all state to host memory and remember where each tensor was, for :func:`reload`.
-
-    Host copies live in a persistent pool (pinned where the accelerator pins, unless ``pin_memory`` is False); the
-    state tensors stay the same objects. ``include=("grads",)`` also takes the params' ``.grad`` tensors (each
-    ``param.grad`` is ``None`` while offloaded; :func:`reload` gives it the same object back). ``non_blocking=True``
-    returns a :class:`PendingTransfer` at once (``wait()`` before reading the host copies); otherwise the optimizer.
-    Offloading an offloaded optimizer only moves what was added since. ``keep_addresses=True``: :func:`reload` puts
-    every state tensor back at its ``data_ptr()`` (a captured CUDA graph stays valid), its device memory unmapped
-    while offloaded (the first such reload lays the state out, :func:`keep_addresses` does it beforehand);
-    ValueError, before anything changes, on a device that cannot; ``"auto"``: kept where the device can, else
-    offloaded as usual.
-    """
+    """Move all state (``include=("grads",)``: the ``.grad``s too) to a pinned host pool, the same objects, for
+    :func:`reload` to put back; ``non_blocking=True`` returns a :class:`PendingTransfer`. ``keep_addresses``: reload
+    puts each tensor back at its ``data_ptr()`` (captured graphs stay valid; ``"auto"``: where the device can)."""
     check_optimizer(optimizer)
     _check_flags(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
     _mode.refuse(optimizer, "offload")
@@ -465,8 +453,8 @@ def offload(
 
 
 def wait(optimizer: Any) -> None:
-    """Block the host until a non-blocking offload/reload in flight is complete and a streamed optimizer's last
-    write-backs are in host memory: call it before reading ``optimizer.state`` directly. A no-op otherwise."""
+    """Block the host until a non-blocking transfer in flight and a streamed optimizer's last write-backs are
+    complete: call it before reading ``optimizer.state`` directly."""
     # (wait(model) waited for nothing, silently; the groups are not walked: a wait per iteration would pay for it)
     receiver = check_optimizer(unwrap(optimizer), groups=False)
     pending_of(receiver).order_before_use(host=True)
@@ -563,16 +551,9 @@ def reload(
 
 @_one_at_a_time
 def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bool = False) -> Opt | PendingTransfer:
-    """Put offloaded state back exactly where it was, in the same tensor objects; without ``device``, a no-op
-    for an optimizer that is not offloaded. With ``device``, the state goes where a fresh optimizer on ``device``
-    keeps it, offloaded or not (as :func:`move` puts it).
-
-    A group whose flags changed while offloaded, or a param that moved, gets its entries where a fresh optimizer
-    keeps them now. ``keep_addresses`` state comes back at its addresses (with ``device``: allocated as usual).
-    ``non_blocking=True`` returns a :class:`PendingTransfer` at once; the next ``step()`` waits for the copies on the
-    device, so a reload issued before the forward pass overlaps with it (offloaded grads, read before ``step()``,
-    are waited for at once).
-    """
+    """Put offloaded state back where it was (a moved param's or a changed group's: where a fresh optimizer keeps it
+    now), the same objects; without ``device``, a no-op for an optimizer that is not offloaded. With ``device``, the
+    state goes where a fresh optimizer on ``device`` keeps it, offloaded or not (as :func:`move` puts it)."""
     check_optimizer(optimizer)
     _check_flags(optimizer, "reload", non_blocking=non_blocking)
     _mode.refuse(optimizer, "reload")
@@ -641,9 +622,8 @@ def offloaded(
     include: Iterable[str] = (),
     keep_addresses: bool | Literal["auto"] = False,
 ) -> Iterator[Opt]:
-    """Offload on enter, reload on exit (also when the body raises). A no-op if it is already offloaded (but by
-    another ``offloaded`` block, in any thread: the last of them out reloads). ``keep_addresses``: as
-    :func:`offload`'s."""
+    """Offload on enter, reload on exit (also when the body raises); a no-op if it is already offloaded, but by
+    another ``offloaded`` block (in any thread: the last of them out reloads)."""
     inner = unwrap(optimizer)
     include = _included(inner, include, "offloaded")  # (also where it is offloaded already, and offload is not run)
     session = _session.get(inner)  # (None where it cannot be remembered: offload refuses it)
@@ -676,11 +656,8 @@ def _leave_offloaded(optimizer: Any, session: _session.Session | None, *, only_o
 
 
 def keep_addresses(optimizer: Opt) -> Opt:
-    """Lay the state out at addresses every later ``offload(keep_addresses=True)`` and reload keep (a plain
-    ``offload``, a ``move`` or ``reload(opt, device)`` takes it out of them): call it before capturing a CUDA graph
-    of the step (ValueError, before anything changes, where a device cannot). An offload and a reload: where the
-    reload cannot map the range, the state is reloaded as usual (stays offloaded, if some of it kept addresses
-    already) and the error says so; an offloaded optimizer's reload does it."""
+    """Lay the state out at addresses every later ``offload(keep_addresses=True)`` and reload keep (call it before
+    capturing a CUDA graph): an offload and a reload; where it cannot map them, reloaded as usual and said so."""
     inner = unwrap(optimizer)
     _session.get(inner)  # (made now: the lock below is the one its offload and reload take)
     _warn_unreached(inner, "keep_addresses")
@@ -743,9 +720,8 @@ def _reload_as_usual(optimizer: Any, error: Exception) -> bool:
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
-    """One row per entry holding a tensor (state and param groups; a tensor two entries hold has two rows): param,
-    key, device, dtype, shape, bytes (a DTensor's: global ``shape``, this rank's ``device`` and ``bytes``, see
-    :class:`PlacementRow`)."""
+    """One :class:`PlacementRow` per entry holding a tensor (state and param groups; a tensor two entries hold has
+    two rows)."""
     optimizer = check_optimizer(unwrap(optimizer))  # (a wrapper: the optimizer it delegates to)
     pending_of(optimizer).order_before_use()
     rows = []
@@ -758,9 +734,8 @@ def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
 
 
 def check(optimizer: torch.optim.Optimizer) -> Report:
-    """Compare every state entry with where a fresh optimizer would keep it; say what each misplacement costs (a
-    streamed optimizer's accelerator state is expected on the host; an offloaded one's is judged where :func:`reload`
-    puts it)."""
+    """Compare every state entry with where a fresh optimizer would keep it (an offloaded one's: where :func:`reload`
+    puts it) and say what each misplacement costs."""
     optimizer = check_optimizer(unwrap(optimizer))  # (a wrapper: the optimizer it delegates to)
     pending_of(optimizer).order_before_use()
     name = optimizer_name(optimizer)
@@ -1065,10 +1040,8 @@ def _shared_params(held: Any, optimizer: Any) -> set[int]:
 
 @_one_at_a_time
 def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
-    """Point the optimizer at new Parameter objects (same order, count and shapes as its current ones) and
-    place their state by the policy for the new params' devices. All or nothing. ``(name, param)`` pairs
-    (``model.named_parameters()``) also rename the params of groups that name theirs. An optimizer held over the same
-    groups (Lookahead's inner one; or some of them) has its state re-keyed too; ``rebind`` it as well to place it."""
+    """Point the optimizer at new params (same order and shapes; ``(name, param)`` pairs rename them too), their state
+    placed for the new params' devices, all or nothing; an optimizer held over its groups (Lookahead's) is re-keyed."""
     check_optimizer(optimizer)
     with contextlib.ExitStack() as held:  # (one operation at a time on those it holds too: their state may change)
         for inner in sorted({id(o): o for _, o in inner_optimizers(optimizer)}.values(), key=id):

@@ -126,23 +126,17 @@ def _warn_unreached(inner: Any, operation: str, stacklevel: int = 3) -> None:
         )
 
 
-def _check_flags(optimizer: Any, what: str, **flags: Any) -> None:
-    """TypeError, naming the optimizer and the call, for a flag that is not a bool (``pin_memory`` may be None):
-    torch's own error for ``non_blocking=1`` named neither, and ``pin_memory="no"`` read as True."""
+def _begin(optimizer: Any, what: str, **flags: Any) -> None:
+    """An operation's first checks: an optimizer, not streamed, each flag a bool (``pin_memory`` may be None): torch's
+    own error for ``non_blocking=1`` named neither the optimizer nor the call, and ``pin_memory="no"`` read as True."""
+    check_optimizer(optimizer)
     for flag, value in flags.items():
         if not isinstance(value, bool) and not (value is None and flag == "pin_memory"):
             raise TypeError(
                 f"{optimizer_name(optimizer)}: {what}: {flag} must be a bool"
                 f"{' or None' if flag == 'pin_memory' else ''}, got {value!r}"
             )
-
-
-def _resolve(device: DeviceLike | None, optimizer: Any) -> torch.device | None:
-    if device is None:
-        return None
-    # (named: "device cuda is not available" alone does not say which call, in a script that moves several)
-    tensors = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
-    return resolve(device, what=f"{optimizer_name(optimizer)}: device", tensors=tensors)
+    _mode.refuse(optimizer, what)
 
 
 def _group_moved(record: Record, group: Mapping[str, Any]) -> bool:
@@ -250,9 +244,7 @@ def _transfer(
             sum(tensor_bytes(t) for t in moved),
             (time.perf_counter() - start) * 1e3,
             0 if copies.event is not None else sum(d.type not in HOSTS for d in copies.batch.devices),
-            copies.mechanisms.get("data", 0),
-            copies.mechanisms.get("swap", 0),
-            copies.mechanisms.get("replace", 0),
+            *(copies.mechanisms.get(how, 0) for how in ("data", "swap", "replace")),
             " (non-blocking: still in flight)" if copies.event is not None else "",
         )
     return copies, PendingTransfer(copies.event, copies.device, to_host=copies.to_host), cached, plan
@@ -270,10 +262,11 @@ def _move(
 ) -> Opt:
     """:func:`move` (under its lock); ``pooled``: pool buffers holding host state, which the caller gives back after
     it (``unstream``'s chunks): an entry that stays on the host gets a storage of its own."""
-    check_optimizer(optimizer)
-    _check_flags(optimizer, "move", non_blocking=non_blocking)
-    _mode.refuse(optimizer, "move")
-    target = _resolve(device, optimizer)
+    _begin(optimizer, "move", non_blocking=non_blocking)
+    target = None
+    if device is not None:  # (named: "device cuda is not available" alone does not say which call)
+        tensors = [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, torch.Tensor)]
+        target = resolve(device, what=f"{optimizer_name(optimizer)}: device", tensors=tensors)
     end_pending(optimizer)
     record = record_of(optimizer)
     grads = grads_back(optimizer, record)
@@ -365,9 +358,7 @@ def offload(
     """Move all state (``include=("grads",)``: the ``.grad``s too) to a pinned host pool, the same objects, for
     :func:`reload` to put back; ``non_blocking=True`` returns a :class:`PendingTransfer`. ``keep_addresses``: reload
     puts each tensor back at its ``data_ptr()`` (captured graphs stay valid; ``"auto"``: where the device can)."""
-    check_optimizer(optimizer)
-    _check_flags(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
-    _mode.refuse(optimizer, "offload")
+    _begin(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
     include = _included(optimizer, include, "offload")
     _session.rememberable(optimizer, "offload")
     keep = _addresses.keeping(optimizer, keep_addresses, optimizer_name(optimizer))
@@ -554,20 +545,16 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     """Put offloaded state back where it was (a moved param's or a changed group's: where a fresh optimizer keeps it
     now), the same objects; without ``device``, a no-op for an optimizer that is not offloaded. With ``device``, the
     state goes where a fresh optimizer on ``device`` keeps it, offloaded or not (as :func:`move` puts it)."""
-    check_optimizer(optimizer)
-    _check_flags(optimizer, "reload", non_blocking=non_blocking)
-    _mode.refuse(optimizer, "reload")
-    target = _resolve(device, optimizer)
+    _begin(optimizer, "reload", non_blocking=non_blocking)
+    if device is not None:
+        _move(optimizer, device, non_blocking=non_blocking)  # (not move: under this lock, warned once, as reload)
+        return pending_of(optimizer) if non_blocking else optimizer
     end_pending(optimizer)
     record = record_of(optimizer)
-    if target is not None:
-        _move(optimizer, target, non_blocking=non_blocking)  # (not move: under this lock, warned once, as reload)
-        return pending_of(optimizer) if non_blocking else optimizer
     if record is None:
         return PendingTransfer() if non_blocking else optimizer
     grads = grads_back(optimizer, record)
     back = _reload_target(optimizer, record)
-
     # (cached only when the offload's plan was kept, the sign of a loop: its next build would bump the serial)
     cacheable = record.token is not None and record.token[1] and not _policy.has_registered_policy(optimizer)
     key = ("reload", record.token[0]) if cacheable else None
@@ -687,36 +674,28 @@ def _lay_out(optimizer: Any, kept: bool) -> None:
                 "optimshift.reload(optimizer) lays it out",
             )
             raise
-        if not _reload_as_usual(optimizer, error):
+        record = record_of(unwrap(optimizer))
+        if record is None:
             raise
-        done = "it was reloaded where it was, allocated as usual (at other addresses), and nothing else changed"
-        if type(error) is torch.OutOfMemoryError:  # (the common case: said in the error itself)
-            raise torch.OutOfMemoryError(
-                f"{optimizer_name(unwrap(optimizer))}: keep_addresses could not lay the state out at kept addresses "
-                f"(out of device memory: the error above); {done}"
-            ) from error
-        add_note(error, f"optimshift: keep_addresses could not lay the state out at kept addresses; then {done}")
+        keep, record.keep_addresses = record.keep_addresses, frozenset()
+        try:  # reloaded allocated as usual
+            reload(optimizer)
+        except Exception as again:
+            record.keep_addresses = keep  # (its reload, when the memory is there, lays it out as asked)
+            add_note(
+                error,
+                f"optimshift: keep_addresses: reloading the state as usual failed too ({type(again).__name__}: "
+                f"{again}): it is still offloaded on the host; call optimshift.reload(optimizer)",
+            )
+        else:
+            done = "it was reloaded where it was, allocated as usual (at other addresses), and nothing else changed"
+            if type(error) is torch.OutOfMemoryError:  # (the common case: said in the error itself)
+                raise torch.OutOfMemoryError(
+                    f"{optimizer_name(unwrap(optimizer))}: keep_addresses could not lay the state out at kept "
+                    f"addresses (out of device memory: the error above); {done}"
+                ) from error
+            add_note(error, f"optimshift: keep_addresses could not lay the state out at kept addresses; then {done}")
         raise
-
-
-def _reload_as_usual(optimizer: Any, error: Exception) -> bool:
-    """After ``keep_addresses``'s reload raised ``error``, reload the state allocated as usual; False, said on
-    ``error``, if that fails too."""
-    record = record_of(unwrap(optimizer))
-    if record is None:
-        return False
-    keep, record.keep_addresses = record.keep_addresses, frozenset()
-    try:
-        reload(optimizer)
-    except Exception as again:
-        record.keep_addresses = keep  # (its reload, when the memory is there, lays it out as asked)
-        add_note(
-            error,
-            f"optimshift: keep_addresses: reloading the state as usual failed too ({type(again).__name__}: "
-            f"{again}): it is still offloaded on the host; call optimshift.reload(optimizer)",
-        )
-        return False
-    return True
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:

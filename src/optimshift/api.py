@@ -642,60 +642,55 @@ def _leave_offloaded(optimizer: Any, session: _session.Session | None, *, only_o
         reload(optimizer)
 
 
+@_one_at_a_time
 def keep_addresses(optimizer: Opt) -> Opt:
     """Lay the state out at addresses every later ``offload(keep_addresses=True)`` and reload keep (call it before
     capturing a CUDA graph): an offload and a reload; where it cannot map them, reloaded as usual and said so."""
-    inner = unwrap(optimizer)
-    _session.get(inner)  # (made now: the lock below is the one its offload and reload take)
-    _warn_unreached(inner, "keep_addresses")
     # (one hold of the lock: no other thread's operation between the offload and the reload; a Ctrl-C waits for it)
-    with exclusive(inner), _warned():
-        _mode.refuse(inner, "keep_addresses")  # (before its offload: that would name the offload)
-        record = record_of(inner)
-        if record is not None:
-            record.keep_addresses |= _addresses.keeping(inner, True, optimizer_name(inner))
-            return optimizer
-        kept = _addresses.mapped_bytes(inner) > 0  # (some state at kept addresses: a graph may use them)
-        with _engine.operation(), _engine.uninterrupted():
-            _lay_out(optimizer, kept)
-    return optimizer
-
-
-def _lay_out(optimizer: Any, kept: bool) -> None:
-    offload(optimizer, keep_addresses=True)
-    try:
-        reload(optimizer)
-    except Exception as error:  # (mapping the range ran out of memory, a driver failed): back as it was
-        if kept:
-            add_note(
-                error,
-                "optimshift: keep_addresses offloaded the state to lay it out again; it stays offloaded, so that the "
-                "state kept at addresses keeps them (a captured graph's): free device memory, then "
-                "optimshift.reload(optimizer) lays it out",
-            )
-            raise
-        record = record_of(unwrap(optimizer))
-        if record is None:
-            raise
-        keep, record.keep_addresses = record.keep_addresses, frozenset()
-        try:  # reloaded allocated as usual
+    _mode.refuse(optimizer, "keep_addresses")  # (before its offload: that would name the offload)
+    record = record_of(optimizer)
+    if record is not None:
+        record.keep_addresses |= _addresses.keeping(optimizer, True, optimizer_name(optimizer))
+        return optimizer
+    kept = _addresses.mapped_bytes(optimizer) > 0  # (some state at kept addresses: a graph may use them)
+    with _engine.uninterrupted():
+        offload(optimizer, keep_addresses=True)
+        try:
             reload(optimizer)
-        except Exception as again:
-            record.keep_addresses = keep  # (its reload, when the memory is there, lays it out as asked)
-            add_note(
-                error,
-                f"optimshift: keep_addresses: reloading the state as usual failed too ({type(again).__name__}: "
-                f"{again}): it is still offloaded on the host; call optimshift.reload(optimizer)",
-            )
-        else:
-            done = "it was reloaded where it was, allocated as usual (at other addresses), and nothing else changed"
-            if type(error) is torch.OutOfMemoryError:  # (the common case: said in the error itself)
-                raise torch.OutOfMemoryError(
-                    f"{optimizer_name(unwrap(optimizer))}: keep_addresses could not lay the state out at kept "
-                    f"addresses (out of device memory: the error above); {done}"
-                ) from error
-            add_note(error, f"optimshift: keep_addresses could not lay the state out at kept addresses; then {done}")
-        raise
+        except Exception as error:  # (mapping the range ran out of memory, a driver failed): back as it was
+            if kept:
+                add_note(
+                    error,
+                    "optimshift: keep_addresses offloaded the state to lay it out again; it stays offloaded, so that "
+                    "the state kept at addresses keeps them (a captured graph's): free device memory, then "
+                    "optimshift.reload(optimizer) lays it out",
+                )
+                raise
+            record = record_of(optimizer)
+            if record is None:
+                raise
+            keep, record.keep_addresses = record.keep_addresses, frozenset()
+            try:  # reloaded allocated as usual
+                reload(optimizer)
+            except Exception as again:
+                record.keep_addresses = keep  # (its reload, when the memory is there, lays it out as asked)
+                add_note(
+                    error,
+                    f"optimshift: keep_addresses: reloading the state as usual failed too ({type(again).__name__}: "
+                    f"{again}): it is still offloaded on the host; call optimshift.reload(optimizer)",
+                )
+            else:
+                done = "it was reloaded where it was, allocated as usual (at other addresses), and nothing else changed"
+                if type(error) is torch.OutOfMemoryError:  # (the common case: said in the error itself)
+                    raise torch.OutOfMemoryError(
+                        f"{optimizer_name(optimizer)}: keep_addresses could not lay the state out at kept "
+                        f"addresses (out of device memory: the error above); {done}"
+                    ) from error
+                add_note(
+                    error, f"optimshift: keep_addresses could not lay the state out at kept addresses; then {done}"
+                )
+            raise
+    return optimizer
 
 
 def placement(optimizer: torch.optim.Optimizer) -> list[PlacementRow]:
@@ -1034,8 +1029,7 @@ def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     # (an optimizer it holds over the same group dicts or params lists, Lookahead's, all or some of them: the new
     # params land in its groups too, so its state is re-keyed with them, or its groups would name params its state
     # is not keyed by)
-    shared = [(held, _shared_params(held, optimizer)) for _, held in inner_optimizers(optimizer)]
-    sharing = [(held, ids) for held, ids in shared if ids]
+    sharing = [(held, ids) for _, held in inner_optimizers(optimizer) if (ids := _shared_params(held, optimizer))]
     for opt in (optimizer, *(held for held, _ in sharing)):
         _mode.refuse(opt, "rebind" if opt is optimizer else f"rebind of {name}, which holds it,")
         end_pending(opt)

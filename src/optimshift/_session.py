@@ -48,17 +48,13 @@ def rememberable(optimizer: Any, what: str) -> None:
 
 def of(optimizer: Any) -> Session | None:
     """``optimizer``'s session if it has one (None also for an optimizer that cannot have one)."""
-    try:
-        with _lock:
-            return _sessions.get(optimizer)
-    except TypeError:
-        return None
+    return get(optimizer, make=False)
 
 
-def get(optimizer: Any) -> Session | None:
+def get(optimizer: Any, *, make: bool = True) -> Session | None:
     """``optimizer``'s session, made on first use; None for an optimizer that cannot be weakly referenced."""
     try:
         with _lock:
-            return _sessions.get(optimizer) or _sessions.setdefault(optimizer, Session())
+            return _sessions.get(optimizer) or (_sessions.setdefault(optimizer, Session()) if make else None)
     except TypeError:
         return None

@@ -195,7 +195,6 @@ def _transfer(
     cache_key: Hashable | None = None,
     grads: bool = False,
     eager: bool = False,
-    sides: bool = False,
     rewrite: Callable[[], None] | None = None,
     finish: Sequence[Setter] = (),
     place: Callable[[Plan], _addresses.Placement | None] | None = None,
@@ -214,7 +213,7 @@ def _transfer(
         into = None if placement is None else [placement.into(tr[2]) for tr in plan.transfers]
         own = left_in_buffers(ends, plan.transfers, extra)
         copies = _engine.run(plan, options, extra=extra, into=into, own=own)
-        group_moves = plan.group_moves() if sides else ()
+        group_moves = plan.group_moves()
         hows = _engine.commit(
             optimizer, copies, hint=None if cached is None else cached.hows, rewrite=rewrite, finish=finish
         )
@@ -230,7 +229,7 @@ def _transfer(
         raise
     if placement is not None:
         placement.keep()
-    remember_sides(optimizer, group_moves)
+    remember_sides(optimizer, group_moves)  # (a move of a device lr offloaded puts it back; a reload forgets it)
     if cached is not None and cached.kept:  # (a marker keeps nothing per tensor)
         cached.hows = hows
     if _log.isEnabledFor(logging.DEBUG):
@@ -278,7 +277,6 @@ def _move(
         options=Options(non_blocking=non_blocking),
         extra=[(g, p.device, what) for p, g, what in grads],
         cache_key=key,
-        sides=True,
         ends=[*record.buffers, *pooled] if record is not None else pooled,
         follows=target is None,
     )
@@ -407,7 +405,6 @@ def offload(
             extra=[(p.grad, HOST, f"the .grad of {label_in(optimizer, *where)}") for where, p in grads],
             cache_key=key,
             grads="grads" in include,
-            sides=True,  # (a device lr taken to the host: a move of the offloaded optimizer puts it back there)
         )
     except BaseException:
         for handle in installed:
@@ -568,7 +565,6 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
         cache_key=key,
         grads=bool(grads),
         eager=cacheable,
-        sides=True,  # (a group tensor back on the device: the side the offload remembered is done with)
         place=(lambda plan: _addresses.stage(optimizer, plan, keep, name)) if keep else None,
         ends=record.buffers,
         follows=True,
@@ -1125,9 +1121,7 @@ def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
                     state[q] = states[id(p)]
 
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
-    copies, pending, _, _ = _transfer(
-        optimizer, target, what="rebind", sides=True, rewrite=rewrite, finish=finish, follows=True
-    )
+    copies, pending, _, _ = _transfer(optimizer, target, what="rebind", rewrite=rewrite, finish=finish, follows=True)
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there, as a move's
     return optimizer

@@ -334,6 +334,16 @@ def load_continue(rank: int, world: int, workdir: Path) -> dict[str, Any]:
         lambda: save(workdir / "ck_never", other, sgd, extra={"fine": 1} if rank == 0 else ["not", "a", "mapping"])
     )
     res["ck_never_exists"] = any(p.name.startswith("ck_never") for p in workdir.iterdir())
+    # a StopIteration on one rank (a user's state-dict hook): raised as itself on every rank, naming the rank
+    stopping = shard(build_model(), mesh)
+
+    def exhausted(*args: Any) -> None:
+        if rank == 1:
+            raise StopIteration("exhausted on rank 1")
+
+    stopping.register_state_dict_pre_hook(exhausted)
+    res["one_rank_stop"] = _error_of(lambda: save(workdir / "ck_stop", stopping, build_optimizer(stopping)))
+    res["ck_stop_left"] = sorted(p.name for p in workdir.iterdir() if p.name.startswith("ck_stop"))
     # a read error on one rank while the checks read the checkpoint (DCP's CheckpointException, a BaseException:
     # it skipped the exchange of errors, and the other rank waited until the group timed out)
     import torch.distributed.checkpoint as dcp

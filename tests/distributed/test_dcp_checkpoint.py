@@ -543,6 +543,10 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(job_load):
             assert "failed on another rank" in load_error and "(on rank 1 of 2)" in load_error
             assert "failed on another rank" in save_error
         assert not res["ck_never_exists"]
+        # (a StopIteration: "RuntimeError: generator raised StopIteration" on every rank, naming neither)
+        stop_error = res["one_rank_stop"]
+        assert stop_error.startswith("StopIteration: ") and "exhausted on rank 1 (on rank 1 of 2)" in stop_error
+        assert rank == 1 or res["ck_stop_left"] == []  # (rank 0 removes its temporary directory, then returns)
         read_error = res["one_rank_read"]
         assert read_error.startswith("RuntimeError: ") and "EIO on rank 1" in read_error, read_error
 

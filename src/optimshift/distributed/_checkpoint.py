@@ -78,7 +78,7 @@ def save(
     target = None
     blob: bytes | None = None
     # phase 1: local checks only, no torch.distributed call; rank 0's token names this save's temporary directory
-    with _agreed("save", path, share=uuid.uuid4().hex) as token:
+    with _Agreed("save", path, share=uuid.uuid4().hex) as token:
         target = _as_path(path)
         _check_module(model)
         check_optimizer(optimizer)
@@ -87,7 +87,7 @@ def save(
             blob = _pack_extra(extra)
         _check_replaceable(target)
     assert target is not None
-    tmp = _sibling(target, f"{_TMP}-{token[0]}")  # one per save: concurrent saves to one path never share it
+    tmp = _sibling(target, f"{_TMP}-{token.share}")  # one per save: concurrent saves to one path never share it
 
     # phase 2: rank 0 clears crashed saves' temporary directories and creates this save's, locked until the save
     # ends; every rank builds its state dict (a never-stepped optimizer is saved, and left, without state).
@@ -95,7 +95,7 @@ def save(
     had_state = bool(optimizer.state)
     lock: int | None = None
     try:
-        with _agreed("save", path), _undone_on_failure(optimizer):
+        with _Agreed("save", path), _undone_on_failure(optimizer):
             if rank == 0:
                 _clear_stale(target)
                 tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +184,7 @@ def load(
     target: Path | None = None
     layout: _Layout | None = None
     where: torch.device | None = None
-    with _agreed("load", path):  # phase 1: arguments and the checkpoint's metadata, local only
+    with _Agreed("load", path):  # phase 1: arguments and the checkpoint's metadata, local only
         _check_module(model)
         check_optimizer(optimizer)
         target = _committed(_as_path(path))
@@ -197,7 +197,7 @@ def load(
     assert target is not None and layout is not None
 
     # phase 2: compare the model and the optimizer's param groups with the checkpoint (nothing changes)
-    with _agreed("load", path):
+    with _Agreed("load", path):
         problems = _compare_model(get_model_state_dict(model), layout)
         # which params each group holds is compared by parameter name: only once the model's names match
         problems += _compare_groups(optimizer, layout, None if problems else model)
@@ -220,7 +220,7 @@ def load(
     state: dict[str, Any] = {}
     optim_sd: Any
     with _undone_on_failure(optimizer):
-        with _agreed("load", path):
+        with _Agreed("load", path):
             with _initializing(optimizer):  # DCP steps a stateless optimizer once (zero lr) to create its state
                 model_sd, optim_sd = get_state_dict(model, optimizer)
             problems, stateless = _compare_state(optim_sd, layout, model)
@@ -454,17 +454,19 @@ def _single_process_quiet(world: int) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _agreed(what: str, path: Any, share: Any = None) -> Iterator[list[Any]]:
-    """A step every rank takes: its error (one of :data:`_FAILURES`) raised on every rank at its end
-    (:func:`_agree`); else the list it yields holds rank 0's ``share``."""
-    error: BaseException | None = None
-    shared = [share]
-    try:
-        yield shared
-    except _FAILURES as e:  # noqa: BLE001 - every error is re-raised on every rank by _agree
-        error = e
-    shared[0] = _agree(error, what, path, share)
+class _Agreed:
+    """A step every rank takes: its error (one of :data:`_FAILURES`) raised on every rank at its end (:func:`_agree`),
+    else ``share`` is rank 0's. A class: a generator turns the StopIteration _agree may raise into a RuntimeError."""
+
+    def __init__(self, what: str, path: Any, share: Any = None) -> None:
+        self.what, self.path, self.share = what, path, share
+
+    def __enter__(self) -> _Agreed:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        if error is None or isinstance(error, _FAILURES):  # (a Ctrl-C goes on as itself)
+            self.share = _agree(error, self.what, self.path, self.share)
 
 
 def _agree(error: BaseException | None, what: str, path: Any, share: Any = None) -> Any:

@@ -354,8 +354,15 @@ def _fits(old: torch.Tensor, new: torch.Tensor) -> bool:
 
 
 def describe_dcp(path: PathLike) -> dict[str, Any]:
-    """What a DCP checkpoint directory holds (each entry's key, global shape, dtype, bytes; per section, in all; its
-    files, those missing or cut short, and :func:`save`'s note), as JSON, from its metadata alone: no process group."""
+    """What a DCP checkpoint directory holds (keys, global shapes, dtypes, bytes), for ``optimshift inspect``:
+    read from its metadata alone, so it needs no process group and loads no tensor. JSON-serializable.
+
+    Keys: ``path``, ``format``, ``entries`` (``key``, ``path``, ``kind`` "tensor"/"object", and for tensors
+    global ``shape``, ``dtype``, ``bytes``, ``chunks``), ``sections`` (per top-level key: ``tensors``,
+    ``objects``, ``bytes``), ``tensors``, ``objects``, ``tensor_bytes``, ``files``, ``disk_bytes``,
+    ``incomplete`` (the files its metadata names that are missing or cut short: :func:`load` refuses it) and
+    ``optimshift`` (the note :func:`save` writes, or None for a checkpoint saved otherwise).
+    """
     target = _committed(_as_path(path))
     metadata = _read_metadata(target)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}

@@ -454,8 +454,8 @@ def test_a_system_error_reading_a_load_state_dict_path_keeps_the_optimizer_in_it
 
 
 def test_load_state_dict_takes_a_bytes_path_as_load_and_save_do(tmp_path):
-    """``torch.load``, :func:`optimshift.load` and :func:`optimshift.save` take a bytes path; load_state_dict
-    refused one ("state_dict must be a dict (or a path), got bytes")."""
+    """:func:`optimshift.load` and :func:`optimshift.save` take a bytes path; load_state_dict refused one
+    ("state_dict must be a dict (or a path), got bytes")."""
     saved, opt = _adam(), _adam()
     path = os.fsencode(tmp_path / "opt.pt")
     optimshift.save(saved, path)
@@ -463,6 +463,23 @@ def test_load_state_dict_takes_a_bytes_path_as_load_and_save_do(tmp_path):
     assert bitwise_equal(opt.state_dict()["state"], saved.state_dict()["state"])
     with pytest.raises(FileNotFoundError, match=r"^Adam: load_state_dict: no such checkpoint file: .*nope\.pt$"):
         optimshift.load_state_dict(opt, os.fsencode(tmp_path / "nope.pt"))
+
+
+def test_a_checkpoint_s_bytes_in_memory_are_refused_as_no_path(tmp_path, monkeypatch):
+    """Bytes with a NUL are a file's contents, not its path (none has a NUL): load_state_dict, once it took bytes
+    paths, raised a FileNotFoundError holding every byte of them as the name, where it refused bytes before."""
+    monkeypatch.chdir(tmp_path)  # (where a save would write a file named by them)
+    opt, buf = _adam(), io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    data, before = buf.getvalue(), [t.clone() for t in opt.state_dict()["state"][0].values()]
+    for call, what in (
+        (lambda: optimshift.load_state_dict(opt, data), "Adam: load_state_dict"),
+        (lambda: optimshift.load(data), "load"),
+        (lambda: optimshift.save(opt, data), "save"),
+    ):
+        with pytest.raises(TypeError, match=rf"^{what}: path must be a file path, got {len(data)} bytes with a NUL"):
+            call()
+    assert bitwise_equal(list(opt.state_dict()["state"][0].values()), before) and os.listdir(tmp_path) == []
 
 
 def test_a_class_weights_only_meets_as_an_objects_class_is_named_to_allow(tmp_path):

@@ -236,9 +236,14 @@ def save(obj: Any, path: PathLike) -> None:
     _save(obj, path)
 
 
-def _path(path: Any, what: str) -> str:
+def file_path(path: Any, what: str) -> str:
     """``path`` as a str (from bytes too); TypeError naming ``what`` for anything else (a file object: a save renames
-    a new file over the path, and a load maps it)."""
+    a new file over the path, and a load maps it), and for bytes with a NUL, a file's contents (none in a path)."""
+    if isinstance(path, bytes) and b"\0" in path:
+        raise TypeError(
+            f"{what}: path must be a file path, got {len(path)} bytes with a NUL byte in them, which no path has (a "
+            f"checkpoint's contents? torch.load(io.BytesIO(data), weights_only=True) reads them)"
+        )
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(
             f"{what}: path must be a file path (a str or os.PathLike), got "
@@ -248,7 +253,7 @@ def _path(path: Any, what: str) -> str:
 
 
 def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = None) -> None:
-    given = _path(path, "save")
+    given = file_path(path, "save")
     if not given:  # (resolved, "" is the working folder: it was refused as "<cwd> is a directory")
         raise FileNotFoundError("save: the path is empty (''); give a file path")
     if given.endswith(os.sep) or os.altsep is not None and given.endswith(os.altsep):
@@ -682,7 +687,7 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
     replacing their own methods), and ``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError`` or
     ``NotADirectoryError`` for a path that cannot be opened.
     """
-    p = _path(path, "load")
+    p = file_path(path, "load")
     kind = _sniff(p)
     use_mmap = mmap and kind == "zip"
     where = _guarded_map_location(map_location, p)
@@ -712,7 +717,7 @@ def load(path: PathLike, *, map_location: Any = "cpu", mmap: bool = True) -> Any
 def verify_checksums(path: PathLike) -> None:
     """CheckpointError for a ``torch.save`` zip file a record of which fails its CRC-32 (a flipped bit torch's reader
     takes); ``inspect`` and ``convert`` ask first (a converted file would carry the damage under valid checksums)."""
-    p = _path(path, "verify_checksums")
+    p = file_path(path, "verify_checksums")
     if _sniff(p) != "zip":
         return
     try:

@@ -103,7 +103,7 @@ def _load(
 
     label = f"{name}: load_state_dict"
     if isinstance(state_dict, (str, bytes, os.PathLike)):
-        source = os.fsdecode(state_dict)
+        source = _files.file_path(state_dict, label)
         state_dict = _read(source, label)
         label = f"{label}: {source}"
     sd, recorded = _extract(state_dict, label)

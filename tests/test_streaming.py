@@ -312,6 +312,21 @@ def test_a_copy_of_the_whole_optimizer_holds_only_its_own_bytes_streamed_as_offl
     assert "__getstate__" not in opt.__dict__
 
 
+@pytest.mark.parametrize("seed,progress", [(0, 0.0), (1, 0.0), (2, 0.25), (3, 0.7)])
+def test_the_class_state_dict_of_a_streamed_optimizer_waits_for_the_write_backs(sim, seed, progress):
+    """``torch.optim.Optimizer.state_dict(opt)`` (the class's, past the instance's front) finds the last step's
+    write-backs landed: optimshift's state_dict pre-hook settles them first."""
+    (model, opt), (ref_model, ref) = _pair([(6, 5), (5,), (4, 4)], sim, torch.optim.Adam, foreach=False)
+    optimshift.stream(opt, chunk_bytes=128)
+    with deferred_streams(seed=seed, progress=progress):
+        train(model, opt, range(2))
+        train(ref_model, ref, range(2))
+        got = torch.optim.Optimizer.state_dict(opt)["state"]
+        for n, st in ref.state_dict()["state"].items():
+            assert bitwise_equal({k: v.cpu() for k, v in got[n].items()}, {k: v.cpu() for k, v in st.items()})
+    optimshift.unstream(opt)
+
+
 # --- objects, modes, refusals ---------------------------------------------------------------------------------
 
 

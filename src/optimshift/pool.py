@@ -131,46 +131,25 @@ class HostPool:
         for whom only pinned memory helps)."""
         size = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
         if pinned:
-            buf = self._acquire_pinned(size)
-            if buf is not None:
+            # NOTE: PyTorch's caching host allocator rounds every pinned block up to a power of two, and pins (and
+            # keeps) that much. Asking it for exactly that size costs nothing more, lets the buffer serve every
+            # request of its size class, and makes the bytes the pool counts against the limit the bytes pinned.
+            buf = self._acquire(1 << (size - 1).bit_length(), pinned=True)
+            if buf is not None or not pageable:
                 return buf
-            if not pageable:
-                return None
-        buf, reserved = None, 0
-        try:
-            while True:
-                with self._locked():
-                    found, pending = self._take_idle(size, pinned=False)
-                    if found is None and not pending:  # (one statement: the count and ``reserved`` agree)
-                        self._held[False], reserved = self._held[False] + size, size
-                if not pending:
-                    break
-                self._wait(pending)
-            if found is not None:
-                return found
-            buf = _allocate(size, pinned=False)
-            return self._record(buf, size, pinned=False)
-        except BaseException:
-            if reserved:
-                self._unreserve(buf, size, pinned=False)
-            raise
+        return self._acquire(size, pinned=False)
 
-    def _acquire_pinned(self, size: int) -> torch.Tensor | None:
-        """A pinned buffer, or None where the limit or a failure to pin says pageable memory instead.
-
-        # NOTE: PyTorch's caching host allocator rounds every pinned block up to a power of two, and pins (and
-        # keeps) that much. Asking it for exactly that size costs nothing more, lets the buffer serve every
-        # request of its size class, and makes the bytes the pool counts against the limit the bytes pinned.
-        """
-        size = 1 << (size - 1).bit_length()
-        limit = self.pinned_limit
+    def _acquire(self, size: int, *, pinned: bool) -> torch.Tensor | None:
+        """An idle buffer of ``size``'s class, else a new one; None for a pinned one where the limit or a failure
+        to pin says pageable memory instead."""
+        limit = self.pinned_limit if pinned else None
         evicted: list[tuple[torch.Tensor, bool, Any | None]] = []
         over = warn = False
         buf, reserved = None, 0
         try:
             while True:
                 with self._locked():
-                    found, pending = self._take_idle(size, pinned=True)
+                    found, pending = self._take_idle(size, pinned=pinned)
                     if found is None and not pending and limit is not None and self._held[True] + size > limit:
                         evicted, pending = self._evict(self._held[True] + size - limit)  # all it takes, or none
                         over = not pending and self._held[True] + size > limit
@@ -179,8 +158,8 @@ class HostPool:
                             self._over_limit += 1
                             warn, self._warned_limit = not self._warned_limit, True
                             held = self._held[True]
-                        else:  # reserved here, allocated outside the lock (one statement, as in acquire)
-                            self._held[True], reserved = self._held[True] + size, size
+                        else:  # reserved here, allocated outside the lock (one statement: count and ``reserved`` agree)
+                            self._held[pinned], reserved = self._held[pinned] + size, size
                 if not pending:
                     break
                 self._wait(pending)
@@ -189,8 +168,10 @@ class HostPool:
                 return found
             if not over:
                 try:
-                    buf = _allocate(size, pinned=True)
+                    buf = _allocate(size, pinned=pinned)
                 except RuntimeError as error:  # (cudaHostAlloc out of memory, no pinned allocator): pageable instead
+                    if not pinned:
+                        raise
                     with self._locked():
                         self._held[True], reserved = self._held[True] - size, 0
                         self._pin_failures += 1
@@ -206,10 +187,10 @@ class HostPool:
                             _ENV,
                         )
                     return None
-                return self._record(buf, size, pinned=True)
+                return self._record(buf, size, pinned=pinned)
         except BaseException:
             if reserved:
-                self._unreserve(buf, size, pinned=True)
+                self._unreserve(buf, size, pinned=pinned)
             raise
         if warn:
             _log.warning(
@@ -228,17 +209,15 @@ class HostPool:
         """(Under the lock) the smallest idle buffer of ``size``'s class and kind that nothing looks into, recorded in
         use as it is taken (a Ctrl-C after it loses nothing: the buffer handed to nobody dies in use, counted off);
         none, and the event to wait for first (:meth:`_wait`), where a copy in flight still uses it."""
-        best = None
-        best_key: tuple[bool, int] = (True, 0)
-        for i, (buf, is_pinned, pending) in enumerate(self._idle):
-            if size <= buf.numel() <= 2 * size and is_pinned == pinned and not self._viewed(buf):
-                # the smallest fitting buffer, one that no copy in flight still uses first
-                key = (pending is not None and not pending.query(), buf.numel())
-                if best is None or key < best_key:
-                    best, best_key = i, key
-        if best is None:
+        fits = [  # the smallest fitting buffer, one that no copy in flight still uses first
+            (_busy(event), buf.numel(), i)
+            for i, (buf, is_pinned, event) in enumerate(self._idle)
+            if size <= buf.numel() <= 2 * size and is_pinned == pinned and not self._viewed(buf)
+        ]
+        if not fits:
             return None, []
-        if best_key[0]:
+        busy, _, best = min(fits)
+        if busy:
             return None, [self._idle[best][2]]
         found = self._idle[best][0]
         self._in_use[id(found)] = weakref.ref(self._idle.pop(best)[0])  # (one line: never both idle and in use)
@@ -255,20 +234,16 @@ class HostPool:
         candidates = [i for i, (buf, pinned, _) in enumerate(self._idle) if pinned and not self._viewed(buf)]
         if need <= 0 or (not partial and sum(self._idle[i][0].numel() for i in candidates) < need):
             return [], []
-
-        def order(i: int) -> tuple[bool, int]:  # no copy still using it first (no host wait), then the largest
-            buf, _, pending = self._idle[i]
-            return (pending is not None and not pending.query(), -buf.numel())
-
         chosen: list[int] = []
         freed = 0
-        for i in sorted(candidates, key=order):
+        # no copy still using it first (no host wait), then the largest
+        for i in sorted(candidates, key=lambda i: (_busy(self._idle[i][2]), -self._idle[i][0].numel())):
             if freed >= need:
                 break
             chosen.append(i)
             freed += self._idle[i][0].numel()
         taken = [self._idle[i] for i in chosen]
-        pending = [event for _, _, event in taken if event is not None and not event.query()]
+        pending = [event for _, _, event in taken if _busy(event)]
         if pending:
             return [], pending
         for i in sorted(chosen, reverse=True):
@@ -343,7 +318,7 @@ class HostPool:
         returns the bytes freed."""
         while True:
             with self._locked():
-                pending = [e for _, _, e in self._idle if e is not None and not e.query()]
+                pending = [e for _, _, e in self._idle if _busy(e)]
                 if not pending:
                     held = {k: n - sum(b.numel() for b, p, _ in self._idle if p == k) for k, n in self._held.items()}
                     idle, self._idle, self._held = self._idle, [], held  # (one statement: the bytes counted off)
@@ -479,6 +454,11 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} bytes"
+
+
+def _busy(event: Any | None) -> bool:
+    """Whether a copy that an idle buffer was given back with is still in flight."""
+    return event is not None and not event.query()
 
 
 def _uses(buf: torch.Tensor) -> int | None:

@@ -211,7 +211,12 @@ class CudaDriver:
         except (OSError, AttributeError):
             return None
 
-    def _check(self, call: str, code: int) -> None:
+    def _cu(self, call: str, *args: Any, on: torch.device | None = None) -> None:
+        """Call the driver function ``call`` (``on``: with that device's context made current first); a
+        :class:`DriverError` naming it where it fails."""
+        if on is not None:
+            self._current(on)
+        code = getattr(self._lib, call)(*args)
         if code == _CUDA_SUCCESS:
             return
         text = ctypes.c_char_p()
@@ -225,16 +230,16 @@ class CudaDriver:
         index = torch.cuda.current_device() if device.index is None else device.index
         ctx = self._contexts.get(index)
         if ctx is None:
-            self._check("cuInit", self._lib.cuInit(0))
+            self._cu("cuInit", 0)
             dev = ctypes.c_int()
-            self._check("cuDeviceGet", self._lib.cuDeviceGet(ctypes.byref(dev), index))
+            self._cu("cuDeviceGet", ctypes.byref(dev), index)
             ctx = ctypes.c_void_p()
-            self._check("cuDevicePrimaryCtxRetain", self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+            self._cu("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
             self._contexts[index] = ctx
         now = ctypes.c_void_p()
-        self._check("cuCtxGetCurrent", self._lib.cuCtxGetCurrent(ctypes.byref(now)))
+        self._cu("cuCtxGetCurrent", ctypes.byref(now))
         if now.value != ctx.value:
-            self._check("cuCtxSetCurrent", self._lib.cuCtxSetCurrent(ctx))
+            self._cu("cuCtxSetCurrent", ctx)
         return index
 
     def _prop(self, index: int) -> _AllocationProp:
@@ -251,11 +256,8 @@ class CudaDriver:
                 self._current(device)
                 value = ctypes.c_int()
                 dev = ctypes.c_int()
-                self._check("cuDeviceGet", self._lib.cuDeviceGet(ctypes.byref(dev), index))
-                self._check(
-                    "cuDeviceGetAttribute",
-                    self._lib.cuDeviceGetAttribute(ctypes.byref(value), _VMM_SUPPORTED, dev),
-                )
+                self._cu("cuDeviceGet", ctypes.byref(dev), index)
+                self._cu("cuDeviceGetAttribute", ctypes.byref(value), _VMM_SUPPORTED, dev)
                 why = None if value.value else f"{device} does not support virtual memory management"
             except DriverError as e:
                 why = f"the CUDA driver could not be asked about {device}: {e}"
@@ -267,47 +269,39 @@ class CudaDriver:
         if index not in self._granularity:
             size = ctypes.c_size_t()
             prop = self._prop(index)
-            self._check(
-                "cuMemGetAllocationGranularity",
-                self._lib.cuMemGetAllocationGranularity(
-                    ctypes.byref(size), ctypes.byref(prop), _MEM_ALLOC_GRANULARITY_MINIMUM
-                ),
+            self._cu(
+                "cuMemGetAllocationGranularity", ctypes.byref(size), ctypes.byref(prop), _MEM_ALLOC_GRANULARITY_MINIMUM
             )
             self._granularity[index] = int(size.value)
         return self._granularity[index]
 
     def reserve(self, device: torch.device, size: int) -> int:
-        self._current(device)
         ptr = ctypes.c_uint64()
-        self._check("cuMemAddressReserve", self._lib.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0))
+        self._cu("cuMemAddressReserve", ctypes.byref(ptr), size, 0, 0, 0, on=device)
         return int(ptr.value)
 
     def free_reserved(self, device: torch.device, address: int, size: int) -> None:
-        self._current(device)
-        self._check("cuMemAddressFree", self._lib.cuMemAddressFree(address, size))
+        self._cu("cuMemAddressFree", address, size, on=device)
 
     def create(self, device: torch.device, size: int) -> int:
         prop = self._prop(self._current(device))
         handle = ctypes.c_uint64()
-        self._check("cuMemCreate", self._lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), 0))
+        self._cu("cuMemCreate", ctypes.byref(handle), size, ctypes.byref(prop), 0)
         return int(handle.value)
 
     def map(self, device: torch.device, address: int, size: int, handle: int) -> None:
-        self._current(device)
-        self._check("cuMemMap", self._lib.cuMemMap(address, size, 0, handle, 0))
+        self._cu("cuMemMap", address, size, 0, handle, 0, on=device)
 
     def set_access(self, device: torch.device, address: int, size: int) -> None:
         index = self._current(device)
         desc = _AccessDesc(_Location(_MEM_LOCATION_TYPE_DEVICE, index), _MEM_ACCESS_FLAGS_PROT_READWRITE)
-        self._check("cuMemSetAccess", self._lib.cuMemSetAccess(address, size, ctypes.byref(desc), 1))
+        self._cu("cuMemSetAccess", address, size, ctypes.byref(desc), 1)
 
     def unmap(self, device: torch.device, address: int, size: int) -> None:
-        self._current(device)
-        self._check("cuMemUnmap", self._lib.cuMemUnmap(address, size))
+        self._cu("cuMemUnmap", address, size, on=device)
 
     def release(self, device: torch.device, handle: int) -> None:
-        self._current(device)
-        self._check("cuMemRelease", self._lib.cuMemRelease(handle))
+        self._cu("cuMemRelease", handle, on=device)
 
     def wrap(self, device: torch.device, address: int, nbytes: int, owner: object) -> torch.Tensor:
         self._current(device)

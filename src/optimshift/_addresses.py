@@ -131,14 +131,8 @@ def layout_of(optimizer: Any) -> Layout | None:
 
 def devices_of(optimizer: Any) -> list[torch.device]:
     """The accelerators the optimizer's params and state are on (what keeping addresses would concern)."""
-    found: dict[torch.device, None] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if isinstance(p, torch.Tensor):
-                found[p.device] = None
-    for state in optimizer.state.values():
-        for t in tensors(state):
-            found[t.device] = None
+    found = {p.device: None for group in optimizer.param_groups for p in group["params"] if isinstance(p, torch.Tensor)}
+    found.update((t.device, None) for state in optimizer.state.values() for t in tensors(state))
     return [d for d in found if d.type not in HOSTS]
 
 
@@ -306,10 +300,9 @@ def stage(optimizer: Any, plan: Plan, devices: Iterable[torch.device], name: str
         t, target = tr[2], tr[4]
         if target in keep and t.device.type == "cpu":
             if id(t) not in idents:
-                idents[id(t)] = []
                 found.append((t, target))
             ident = tr[0]  # (a site under a param key by the param's id: the layout holds no param)
-            idents[id(t)].append((ident[0], ident[1], untensored(ident[2])))
+            idents.setdefault(id(t), []).append((ident[0], ident[1], untensored(ident[2])))
     units: list[_Unit] = []
     grouped: set[int] = set()
     # (tensors that share a storage are grouped among all the plan brings here, as the engine groups them: a

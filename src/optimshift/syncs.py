@@ -120,12 +120,6 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
             self.by_site[user] += 1
             self.by_origin[origin] += 1
 
-    def _copy_to_host(self, device: torch.device) -> None:
-        if getattr(_async, "depth", 0):
-            self.async_copies += 1
-        else:
-            self._record("copy_to_host", device)
-
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
@@ -140,7 +134,10 @@ class SyncCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (TorchDi
             pairs = zip(first or (), args[1] or ()) if name == "_foreach_copy_" else [(first, args[1])]
             for dst, src in pairs:
                 if _is_device(src) and isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
-                    self._copy_to_host(src.device)
+                    if getattr(_async, "depth", 0):
+                        self.async_copies += 1
+                    else:
+                        self._record("copy_to_host", src.device)
         elif (
             name == "fill_"
             and len(args) >= 2

@@ -92,7 +92,8 @@ class HostPool:
         here: ``OPTIMSHIFT_PINNED_LIMIT``, else :func:`_default_limit` (read once, when first needed)."""
         limit = self._limit
         if isinstance(limit, _Default):
-            limit = _limit_from_environment()  # (a bad value raises, naming the variable, every time it is read)
+            raw = os.environ.get(_ENV, "").strip()
+            limit = _parse_size(raw) if raw else _default_limit()  # (a bad value raises each time it is read)
             with self._locked():
                 if isinstance(self._limit, _Default):
                     self._limit = limit
@@ -442,11 +443,6 @@ def _parse_size(text: str) -> int | None:
     power = "kmgt".index(unit.lower()) + 1
     scale = 1000**power if decimal and not binary else 1024**power  # (a bare 8G: powers of 1024)
     return int(float(number) * scale) if "." in number else int(number) * scale
-
-
-def _limit_from_environment() -> int | None:
-    raw = os.environ.get(_ENV, "").strip()
-    return _default_limit() if not raw else _parse_size(raw)
 
 
 def _size(nbytes: int) -> str:

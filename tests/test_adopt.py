@@ -197,3 +197,49 @@ def test_a_leaf_entry_given_a_hook_is_replaced_and_every_hook_fires(sim, registe
     (entry * 2).sum().backward()
     (t * 2).sum().backward()
     assert fired == ["new"] if removed else ["new", "old"]
+
+
+def test_a_fresh_copy_is_decided_as_any_copy(sim):
+    """``decide_all(fresh=True)`` skips what a copy ``copy_many`` just made by ``.to`` cannot be (an inference tensor,
+    one requiring grad or held elsewhere): for every kind of old tensor such a copy is made of, it answers as the
+    general case; and the batch says ``fresh`` only where its copies are (one pair of devices, outside any mode)."""
+    from optimshift._adopt import decide_all
+    from optimshift._copy import BLOCKING, copy_many
+    from optimshift.pool import host_pool
+
+    def olds(source):
+        yield "plain", torch.zeros(4, device=source), None
+        base = torch.zeros(4, device=source)
+        yield "a view, its base dropped", base[1:], None
+        yield "a view, its base held", base[1:], base
+        held = torch.zeros(4, device=source)
+        yield "weakly referenced", held, weakref.ref(held)
+        viewed = torch.zeros(4, device=source)
+        yield "viewed outside", viewed, viewed[1:]
+        with torch.inference_mode():
+            inference = torch.zeros(4, device=source)
+        yield "an inference tensor", inference, None
+
+    seen = set()
+    for source, target in [("cpu", "meta"), ("cpu", sim), (sim, "cpu"), (sim, "meta"), ("meta", "meta")]:
+        for name, old, keep in olds(source):
+            batch = copy_many([(old, torch.device(target))], BLOCKING, pool=host_pool)
+            pairs = [(old, batch.copies[0])]
+            general = decide_all(pairs)
+            seen.add(general[0])
+            if batch.fresh:
+                assert decide_all(pairs, fresh=True) == general, (name, source, target)
+                ref = weakref.ref(pairs[0][1])  # (still asked of a fresh copy: cheap, and no mode can make it one)
+                assert decide_all(pairs, fresh=True) == decide_all(pairs), (name, source, target)
+                del ref
+            del keep
+    assert seen == {"data", "swap", "replace"}, "every decision is made for some old tensor"
+    plain = [(torch.zeros(4), torch.device("meta"))]
+    assert copy_many(plain, BLOCKING, pool=host_pool).fresh
+    with torch.device("meta"):  # (a torch function mode: .to's answer is the mode's)
+        assert not copy_many(plain, BLOCKING, pool=host_pool).fresh
+    with torch.inference_mode():
+        assert not copy_many(plain, BLOCKING, pool=host_pool).fresh
+    grad = [(torch.zeros(4, requires_grad=True), torch.device("meta"))]
+    assert not copy_many(grad, BLOCKING, pool=host_pool).fresh
+    assert not copy_many(plain + [(torch.zeros(4), sim)], BLOCKING, pool=host_pool).fresh

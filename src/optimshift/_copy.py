@@ -196,7 +196,10 @@ class Batch:
 
     ``held``: pool buffers that the returned host tensors live in (offloaded state) — the caller owns them.
     ``after_sync``: host-side work that needs the copies complete (splitting staged host data into separate
-    tensors). ``staging``: pool buffers to give back once the copies that read them are complete.
+    tensors). ``staging``: pool buffers to give back once the copies that read them are complete. ``fresh``: every
+    copy a ``.to`` or ``clone`` just made of a plain tensor not requiring grad, outside inference mode and any torch
+    mode: a plain tensor, no inference tensor, requiring no grad, its TensorImpl held by nothing else (what
+    ``_adopt.decide_all`` need not ask, of it or of whether its source requires grad).
     """
 
     copies: list[torch.Tensor | None]
@@ -204,6 +207,7 @@ class Batch:
     after_sync: list[Callable[[], None]] = field(default_factory=list)
     staging: list[torch.Tensor] = field(default_factory=list)
     devices: set[torch.device] = field(default_factory=set)
+    fresh: bool = False
 
     def complete(self, pool: HostPool, event: object | None = None) -> None:
         """Finish on the host: run ``after_sync`` work (the caller synchronized first) and give the staging
@@ -287,6 +291,7 @@ def copy_many(
     # (source, target) -> (may be grouped, a pinned source may be copied asynchronously, the same place)
     kinds: dict[tuple[torch.device, torch.device], tuple[bool, bool, bool]] = {}
     inline = side is None and not pin_memory
+    fresh = False  # (each item copied by one .to of a plain tensor: see Batch.fresh)
     if items and not columns and inline and not non_blocking and not together and not casts:
         # (plain tensors all from one device to one other, neither grouped nor pinned there (a move to meta, across
         # two accelerators): one column, each copied as the loop below would, in one pass in C)
@@ -294,10 +299,15 @@ def copy_many(
         how = kinds[pair] = _pair_kind(pair, group)
         if not (how[0] or how[1]) and _one_pair(items, pair):
             columns = [(list(map(_first, items)), pair[1])]
+            fresh = not (
+                torch.is_inference_mode_enabled()
+                or torch._C._len_torch_function_stack()
+                or torch._C._len_torch_dispatch_stack()
+            )
     listed: list[Any] = []  # (columns: an item each only where one is copied grouped or one by one, below)
     if columns:
         items = listed = [None] * sum(len(ts) for ts, _ in columns)
-    batch = Batch([None] * len(items))
+    batch = Batch([None] * len(items), fresh=fresh)
     groups: dict[tuple[torch.device, torch.device, torch.dtype], list[int]] = {}
     copies = batch.copies
     current = 0

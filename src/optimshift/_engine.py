@@ -77,6 +77,7 @@ class Copies:
     # (a load's: by device, (live tensors, sources), pair by pair, of one dtype, shape and strides, that the commit
     # writes in place, no copy made: see commit)
     in_place: Mapping[torch.device, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = field(default_factory=dict)
+    fresh: bool = False  # every pair's copy is fresh (_copy.Batch.fresh): what decide_all need not ask of it
 
     @functools.cached_property
     def new(self) -> dict[int, torch.Tensor]:
@@ -249,7 +250,8 @@ def run(
             now=_split(items, n_plan, together, into_pairs, hyperparameters) if hyperparameters else ([], []),
         )
     pairs = [(t, c) for (t, _), c in zip(items[:n_plan], batch.copies) if c is not None] + into_pairs
-    return Copies(items, pairs, batch, event, device if event is not None else None, to_host)
+    fresh = batch.fresh and not into_pairs
+    return Copies(items, pairs, batch, event, device if event is not None else None, to_host, fresh=fresh)
 
 
 def _copy_here(
@@ -539,6 +541,7 @@ def adoptions(
     hint: list[Mechanism] | None = None,
     *,
     distinct: bool = False,
+    fresh: bool = False,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Callable[[], dict[str, int]], list[Mechanism]]:
     """Decide how each ``old`` takes its ``new``'s contents (pure). Returns the pairs that cannot keep their
     object (the caller puts ``new`` in ``old``'s place) and a function that applies the rest (cannot fail)
@@ -549,7 +552,7 @@ def adoptions(
     come with one copy (the caller resolves tensors shared between places first). ``hint``: the decisions of an
     earlier commit of the same (cached) plan, reused where :func:`optimshift._adopt.still_valid` says they hold.
     ``distinct``: the caller promises each ``old`` once and never its own copy (:class:`Copies` pairs).
-    Also returns the decisions made.
+    ``fresh``: every ``new`` is a copy just made (:attr:`Copies.fresh`). Also returns the decisions made.
     """
     if distinct:
         unique = pairs
@@ -566,7 +569,7 @@ def adoptions(
     if hint is not None and clear and still_valid(unique, hint):
         hows = hint
     else:
-        hows = decide_all(unique)
+        hows = decide_all(unique, fresh=fresh)
         if not clear:
             hows = ["replace" if id(old) in protect else how for (old, _), how in zip(unique, hows)]
     replaced = [pair for pair, how in zip(unique, hows) if how == "replace"] if "replace" in hows else []
@@ -652,7 +655,7 @@ def _commit(
     assignments: list[tuple[Any, Any, Any]] = []  # (mapping, key, new value)
     setters: list[Setter] = []  # in-place updates inside nested containers
     if installed is None:
-        replaced, apply, hows = adoptions(copies.pairs, protect=protect, hint=hint, distinct=True)
+        replaced, apply, hows = adoptions(copies.pairs, protect=protect, hint=hint, distinct=True, fresh=copies.fresh)
         if replaced:
             _prepare_replacements(optimizer, {id(old): new for old, new in replaced}, assignments, setters)
     with uninterrupted():

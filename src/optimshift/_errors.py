@@ -1,7 +1,25 @@
 """Context on errors that pass through optimshift: which entry a failing copy hit, and that nothing changed; the
-article a name takes in a message; a dtype's name in one."""
+article a name takes in a message; a dtype's name in one; where a warning points."""
 
 from __future__ import annotations
+
+import sys
+import warnings
+
+# Modules that only relay a call to optimshift, and optimshift's own: a warning points past them (a ``with``
+# block's contextlib, torch's ``no_grad`` decorator over a patch's function, the import that ran a patch on import).
+_RELAYS = (f"{__name__.split('.')[0]}.", "importlib.", "contextlib.", "torch.utils._contextlib.")
+
+
+def warn(message: str) -> None:
+    """A RuntimeWarning at the first frame outside optimshift and its relays: the user's line, whichever of
+    optimshift's functions, framework patches or ``with`` blocks the call went through."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and f"{frame.f_globals.get('__name__', '')}.".startswith(_RELAYS):
+        frame = frame.f_back
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
+    module = frame.f_globals.get("__name__", "<string>")
+    warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno, module, registry)
 
 
 def dtype_name(dtype: object) -> str:

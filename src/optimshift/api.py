@@ -8,7 +8,6 @@ import functools
 import logging
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from operator import itemgetter
@@ -22,7 +21,7 @@ from ._adopt import keeps_object_across_host, kept
 from ._copy import BLOCKING, Options
 from ._devices import HOST, HOSTS, DeviceLike, resolve
 from ._dtensor import row_fields, tensor_bytes
-from ._errors import add_note, dtype_name, with_article
+from ._errors import add_note, dtype_name, warn, with_article
 from ._offload import (
     PendingTransfer,
     Record,
@@ -87,7 +86,7 @@ def _one_at_a_time(fn: F, name: str = "") -> F:
     @functools.wraps(fn)
     def wrapper(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         inner = unwrap(optimizer)
-        _warn_unreached(inner, name or fn.__name__)  # (stacklevel 2: the caller of this wrapper, the user's line)
+        _warn_unreached(inner, name or fn.__name__)
         # NOTE: the collector stays off until the operation's temporaries are freed by refcount: a collection
         # scanning them would cost ~0.5 us per tensor, a third of a bare move.
         with exclusive(inner), _engine.no_gc(), _engine.operation(), _warned():
@@ -111,18 +110,16 @@ def _warned() -> Iterator[None]:
         _warning.done = was
 
 
-def _warn_unreached(inner: Any, operation: str, stacklevel: int = 3) -> None:
-    """Warn, ``stacklevel`` frames up (the caller's caller), for each optimizer ``inner`` holds with a state of its
-    own (Lookahead's), which ``operation`` does not reach; not inside another operation, which warned."""
+def _warn_unreached(inner: Any, operation: str) -> None:
+    """Warn, at the user's line, for each optimizer ``inner`` holds with a state of its own (Lookahead's), which
+    ``operation`` does not reach; not inside another operation, which warned."""
     if getattr(_warning, "done", False):
         return
     for attr, held in inner_optimizers(inner):
-        warnings.warn(
+        warn(
             f"optimshift.{operation}: {optimizer_name(inner)} holds another optimizer ({attr}: "
             f"{optimizer_name(held)}) with a state of its own, which this call does not reach: call "
-            f"optimshift.{operation} on it too (check() reports its entries)",
-            RuntimeWarning,
-            stacklevel=stacklevel,
+            f"optimshift.{operation} on it too (check() reports its entries)"
         )
 
 
@@ -610,7 +607,7 @@ def offloaded(
     inner = unwrap(optimizer)
     include = _included(inner, include, "offloaded")  # (also where it is offloaded already, and offload is not run)
     session = _session.get(inner)  # (None where it cannot be remembered: offload refuses it)
-    _warn_unreached(inner, "offloaded", stacklevel=4)  # (the line of the with statement, above contextlib's)
+    _warn_unreached(inner, "offloaded")
     with exclusive(inner), _warned():
         mine = not is_offloaded(optimizer) or (session is not None and session.offloaded_in > 0)
         if mine and session is not None:

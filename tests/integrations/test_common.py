@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
+import torch
 
-from optimshift.integrations._common import Patch, Swap
+from optimshift.integrations._common import Patch, Swap, follow_params
 
 
 def test_a_patch_interrupted_half_way_can_be_undone() -> None:
@@ -42,3 +44,21 @@ def test_a_patch_interrupted_half_way_can_be_undone() -> None:
     assert Framework().first() == "original first"  # (made before the interrupt, undone)
     assert Framework().second() == "original second"
     assert not patch.applied()  # (so that patching again applies every swap)
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """A Lookahead-style wrapper: the inner optimizer's param groups, a state of its own (none here)."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.optimizer = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+        self.param_groups = inner.param_groups
+
+
+def test_a_move_an_integration_makes_warns_at_the_line_that_called_it() -> None:
+    """follow_params (Lightning's, Accelerate's move) of a wrapper: the warning that the move does not reach the
+    inner optimizer's state named follow_params' own line, not its caller's."""
+    opt = _Lookahead(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+    with pytest.warns(RuntimeWarning, match=r"optimshift\.move: .* does not reach") as warned:
+        follow_params(opt)
+    assert [(w.filename, w.lineno) for w in warned] == [(__file__, inspect.currentframe().f_lineno - 1)]

@@ -303,6 +303,38 @@ def test_a_streamed_optimizer_is_left_where_streaming_keeps_it(sim, verl_patch):
     del handle
 
 
+class _Lookahead(torch.optim.Optimizer):
+    """A Lookahead-style wrapper: the inner optimizer's param groups, a state of its own (none here)."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.optimizer = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+        self.param_groups = inner.param_groups
+        self.state[self.param_groups[0]["params"][0]]["slow"] = torch.zeros(1)  # (a state: verl's functions run)
+
+    def step(self, closure=None):
+        self.optimizer.step()
+
+
+def test_the_warning_about_an_inner_optimizer_names_the_line_that_called_the_patched_function(sim, verl_patch):
+    """Through a patched function the operation's warning that it does not reach the inner optimizer's state named
+    a line of optimshift.integrations.verl (a fixed stacklevel), not the caller's."""
+    verl_patch(True)
+    params = list(_model(sim).parameters())
+    opt = _Lookahead(_make("AdamW-foreach")(params))
+    step_with_grads(params, opt, seed=0)
+    with pytest.warns(RuntimeWarning, match="does not reach") as warned:
+        lines = [inspect.currentframe().f_lineno + 1]
+        engine.offload_fsdp_optimizer(opt)
+        lines.append(inspect.currentframe().f_lineno + 1)
+        engine.load_fsdp_optimizer(opt, sim)
+    assert [(w.filename, w.lineno, str(w.message).split(":")[0]) for w in warned] == [
+        (__file__, lines[0], "optimshift.offload"),
+        (__file__, lines[1], "optimshift.reload"),
+    ]
+    assert not optimshift.is_offloaded(opt)
+
+
 class _StrayParam(torch.optim.SGD):
     """State for a param in no group: optimshift refuses to place it; verl's own code walks only the groups."""
 

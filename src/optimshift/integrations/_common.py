@@ -6,7 +6,6 @@ import importlib.util
 import sys
 import threading
 import types
-import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,10 +15,11 @@ import torch
 from .. import _mode, api
 from .._devices import resolve
 from .._dtensor import is_dtensor
+from .._errors import warn
 from .._offload import record_of
 from .._state import unwrap
 
-__all__ = ["placeable", "follow_params", "to_host", "reload_to", "Swap", "Patch", "bound_swaps", "streamed"]
+__all__ = ["placeable", "follow_params", "to_host", "reload_to", "Swap", "Patch", "bound_swaps", "streamed", "warn"]
 
 # What a replacement takes of the function it replaces: its name (logs and tracebacks read naturally), not its
 # docstring or module.
@@ -178,17 +178,6 @@ def patch_of(module: str, *, rebound: bool = False) -> Patch:
     """The one :class:`Patch` of integration ``module``: an ``importlib.reload`` of it finds the one in effect
     (a new one would patch twice over and could not restore the originals)."""
     return _patches.setdefault(module, Patch(rebound=rebound))
-
-
-def warn(message: str) -> None:
-    """A RuntimeWarning at the first caller outside optimshift and importlib: the user's ``patch()`` or ``import``
-    line (the patch on import ran at a line of this package)."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("optimshift", "importlib"):
-        frame = frame.f_back
-    registry = frame.f_globals.setdefault("__warningregistry__", {})
-    module = frame.f_globals.get("__name__", "<string>")
-    warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno, module, registry)
 
 
 def own(owner: Any, name: str, missing: str) -> Any:

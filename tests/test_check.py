@@ -470,6 +470,36 @@ def test_keep_addresses_and_offloaded_warn_once_about_an_inner_optimizer(sim, op
     assert not optimshift.is_offloaded(opt)
 
 
+def test_stream_unstream_and_streamed_of_a_wrapper_warn_once_about_an_inner_optimizer(sim):
+    """unstream(wrapper) warned as optimshift.move at a line of optimshift (its move's), stream(wrapper) not at
+    all though it leaves the inner state as unreached, a ``streamed`` block as unstream. Each warns once, naming
+    itself, at the user's line."""
+    optimshift.register_policy(_Lookahead, lambda *a: None, separable=True)
+    try:
+        params = [torch.nn.Parameter(torch.randn(4, 3, device=sim))]
+        opt = _Lookahead(O.AdamW(params, foreach=False))
+        params[0].grad = torch.randn_like(params[0])
+        opt.step()
+        lines = {}
+        with pytest.warns(RuntimeWarning) as warned:
+            lines["stream"] = inspect.currentframe().f_lineno + 1
+            optimshift.stream(opt)
+            assert optimshift.is_streamed(opt)
+            lines["unstream"] = inspect.currentframe().f_lineno + 1
+            optimshift.unstream(opt)
+            assert not optimshift.is_streamed(opt)
+            lines["streamed"] = inspect.currentframe().f_lineno + 1
+            with optimshift.streamed(opt):
+                opt.step()
+        assert not optimshift.is_streamed(opt)
+        assert [(w.filename, w.lineno, str(w.message).split(":")[0]) for w in warned] == [
+            (__file__, line, f"optimshift.{operation}") for operation, line in lines.items()
+        ]
+        assert all(f"call optimshift.{operation} on it too" in str(w.message) for w, operation in zip(warned, lines))
+    finally:
+        optimshift.unregister_policy(_Lookahead)
+
+
 def test_rebind_of_a_wrapper_re_keys_the_inner_optimizer_over_the_same_groups(sim):
     """Lookahead shares its inner optimizer's param groups: rebind of the wrapper put the new params in the inner's
     groups too, its state still keyed by the old ones, so that the inner optimizer (and check()) raised, and the

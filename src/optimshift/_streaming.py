@@ -36,7 +36,7 @@ from ._errors import add_note, with_article
 from ._offload import end_pending, exclusive, install_guards, record_of
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target, states_by_id
 from ._state import label_in, param_positions, unwrap
-from .api import _move_ending, _refuse_from_meta
+from .api import _move_ending, _refuse_from_meta, _warn_unreached, _warned
 from .checkpoint import load_state_dict as _load_state_dict
 from .syncs import async_copies
 
@@ -670,6 +670,7 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
     :class:`Streamed` handle; :func:`unstream` ends it.
     """
     optimizer = unwrap(optimizer)  # (a wrapper delegating to an optimizer: that optimizer is streamed)
+    _warn_unreached(optimizer, "stream")
     with exclusive(optimizer):  # (one operation at a time: two streams, or a stream and an offload, from threads)
         end_pending(optimizer)  # a transfer still in flight: its copies write the state laid out here
         target = _check(optimizer, chunk_bytes, device)
@@ -708,7 +709,8 @@ def unstream(optimizer: Opt) -> Opt:
     keeps it (same objects, values bitwise), ``step``/``load_state_dict`` are the optimizer's own again and the
     host buffers go back to the pool. All or nothing; a no-op for an optimizer that is not streamed."""
     check_optimizer(unwrap(optimizer))  # (unstream(model) ended nothing, silently)
-    with exclusive(unwrap(optimizer)):  # (one operation at a time, from any thread)
+    _warn_unreached(unwrap(optimizer), "unstream")
+    with exclusive(unwrap(optimizer)), _warned():  # (one operation at a time, from any thread; its move warns not)
         mode = _mode_of(optimizer)
         if mode is None:
             return optimizer
@@ -739,7 +741,8 @@ def streamed(
     :class:`Streamed` handle. A no-op if it is already streamed (then its handle is yielded), but by another
     ``streamed`` block, in any thread: the last of them out unstreams."""
     inner = unwrap(optimizer)
-    with exclusive(inner):
+    _warn_unreached(inner, "streamed")  # (once, at the with statement: its stream and unstream warn nothing more)
+    with exclusive(inner), _warned():
         mode = _mode_of(optimizer)
         mine = mode is None or mode.blocks > 0
         if mode is None:
@@ -755,7 +758,7 @@ def streamed(
         yield mode
     finally:
         if mine:
-            with exclusive(inner):
+            with exclusive(inner), _warned():
                 mode.blocks -= 1
                 if mode.blocks == 0:
                     unstream(optimizer)

@@ -301,6 +301,40 @@ def test_nested_offloaded_blocks_reload_once_at_the_outer_end(sim):
     optimshift.reload(opt)
 
 
+@pytest.mark.parametrize("block", ["offloaded", "streamed"])
+def test_a_block_whose_begin_is_interrupted_once_on_ends_it_unless_another_block_holds_it(sim, monkeypatch, block):
+    """A Ctrl-C that an ``offloaded``/``streamed`` block's offload (stream) held, raised once the mode is on: the
+    block is never entered, and the mode is ended, but not under another ``offloaded`` block that made it (an explicit
+    reload inside that one let this one offload again)."""
+    module, name, on = (
+        (api, "offload", optimshift.is_offloaded)
+        if block == "offloaded"
+        else (_streaming, "stream", optimshift.is_streamed)
+    )
+    begin, end = getattr(module, name), getattr(optimshift, "reload" if block == "offloaded" else "unstream")
+
+    def interrupted(*args, **kwargs):
+        begin(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    opt = _adam(sim, n=1)
+    monkeypatch.setattr(module, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with getattr(optimshift, block)(opt):
+            pytest.fail("the block was entered")
+    assert not on(opt)
+    monkeypatch.setattr(module, name, begin)
+    with getattr(optimshift, block)(opt):
+        end(opt)  # (the outer block still counts itself)
+        monkeypatch.setattr(module, name, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            with getattr(optimshift, block)(opt):
+                pytest.fail("the block was entered")
+        # (offloaded: the outer block's count keeps it on; streamed: counted on the mode the unstream inside ended)
+        assert on(opt) == (block == "offloaded")
+    assert not on(opt)
+
+
 def test_streamed_blocks_in_two_threads_unstream_when_the_last_leaves(sim):
     """As offloaded(): the second streamed() block did nothing, and the first out unstreamed under its body."""
     opt = _adam(sim, n=1)

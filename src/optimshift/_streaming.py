@@ -36,7 +36,7 @@ from ._errors import add_note, with_article
 from ._offload import end_pending, exclusive, install_guards, record_of
 from ._plan import Transfer, build_plan, check_optimizer, optimizer_name, policy_target, states_by_id
 from ._state import label_in, param_positions, unwrap
-from .api import _move_ending, _refuse_from_meta, _warn_unreached, _warned
+from .api import _last_out_ends, _move_ending, _refuse_from_meta, _warn_unreached, _warned
 from .checkpoint import load_state_dict as _load_state_dict
 from .syncs import async_copies
 
@@ -741,24 +741,12 @@ def streamed(
     :class:`Streamed` handle. A no-op if it is already streamed (then its handle is yielded), but by another
     ``streamed`` block, in any thread: the last of them out unstreams."""
     inner = unwrap(optimizer)
-    _warn_unreached(inner, "streamed")  # (once, at the with statement: its stream and unstream warn nothing more)
-    with exclusive(inner), _warned():
-        mode = _mode_of(optimizer)
-        mine = mode is None or mode.blocks > 0
-        if mode is None:
-            try:
-                mode = stream(optimizer, chunk_bytes=chunk_bytes, device=device)
-            except BaseException:  # (a Ctrl-C its commit held, raised once it is streamed: the block is never entered)
-                if is_streamed(optimizer):
-                    unstream(optimizer)
-                raise
-        if mine:
-            mode.blocks += 1
-    try:
+    with _last_out_ends(
+        inner,
+        "streamed",
+        lambda: _mode_of(inner),
+        "blocks",
+        lambda: stream(optimizer, chunk_bytes=chunk_bytes, device=device),
+        lambda: unstream(optimizer),
+    ) as mode:
         yield mode
-    finally:
-        if mine:
-            with exclusive(inner), _warned():
-                mode.blocks -= 1
-                if mode.blocks == 0:
-                    unstream(optimizer)

@@ -606,33 +606,47 @@ def offloaded(
     another ``offloaded`` block (in any thread: the last of them out reloads)."""
     inner = unwrap(optimizer)
     include = _included(inner, include, "offloaded")  # (also where it is offloaded already, and offload is not run)
-    session = _session.get(inner)  # (None where it cannot be remembered: offload refuses it)
-    _warn_unreached(inner, "offloaded")
-    with exclusive(inner), _warned():
-        mine = not is_offloaded(optimizer) or (session is not None and session.offloaded_in > 0)
-        if mine and session is not None:
-            session.offloaded_in += 1
-        try:
-            if not is_offloaded(optimizer):
-                offload(optimizer, pin_memory=pin_memory, include=include, keep_addresses=keep_addresses)
-        except BaseException:  # (a Ctrl-C its commit held, raised once it is offloaded: the block is never entered)
-            if mine:
-                _leave_offloaded(optimizer, session, only_offloaded=True)
-            raise
-    try:
+    session = _session.get(inner)  # (None where it cannot be remembered: offload refuses it, it is never offloaded)
+    with _last_out_ends(
+        inner,
+        "offloaded",
+        lambda: session if is_offloaded(inner) else None,
+        "offloaded_in",
+        lambda: offload(optimizer, pin_memory=pin_memory, include=include, keep_addresses=keep_addresses),
+        lambda: reload(optimizer),
+    ):
         yield optimizer
+
+
+@contextlib.contextmanager
+def _last_out_ends(
+    inner: Any, operation: str, on: Callable[[], Any], count: str, begin: Callable[[], Any], end: Callable[[], Any]
+) -> Iterator[Any]:
+    """An ``offloaded``/``streamed`` block: ``begin`` where the mode is not on, else a no-op unless the mode's
+    blocks made it; the last block out (any thread) ``end``s it. ``on()``: what counts them, in ``count``, or None;
+    yields it."""
+    _warn_unreached(inner, operation)  # (once, at the with statement: begin and end inside warn nothing more)
+    with exclusive(inner), _warned():
+        counter = on()
+        mine = counter is None or getattr(counter, count) > 0
+        if counter is None:
+            try:
+                begin()
+            except BaseException:  # (a Ctrl-C its commit held, raised once it is on: the block is never entered)
+                if (counter := on()) is not None and getattr(counter, count) == 0:
+                    end()
+                raise
+            counter = on()
+        if mine:
+            setattr(counter, count, getattr(counter, count) + 1)
+    try:
+        yield counter
     finally:
         if mine:
             with exclusive(inner), _warned():
-                _leave_offloaded(optimizer, session)
-
-
-def _leave_offloaded(optimizer: Any, session: _session.Session | None, *, only_offloaded: bool = False) -> None:
-    """One ``offloaded`` block is left: the last out reloads (``only_offloaded``: where its offload went through)."""
-    if session is not None:
-        session.offloaded_in -= 1
-    if (session is None or session.offloaded_in == 0) and (is_offloaded(optimizer) or not only_offloaded):
-        reload(optimizer)
+                setattr(counter, count, getattr(counter, count) - 1)
+                if getattr(counter, count) == 0:
+                    end()
 
 
 @_one_at_a_time

@@ -357,6 +357,21 @@ def test_an_optimizer_optimshift_cannot_place_is_left_to_verls_own_code(sim, ver
     assert opt.state[opt.p]["momentum_buffer"].device == sim
 
 
+def test_an_optimizer_offloaded_by_optimshift_is_not_handed_to_verls_load(sim, verl_patch):
+    """Its state became one optimshift cannot place while offloaded: verl's ``.to()`` read the host copies (in
+    flight) and left optimshift's offload recorded; optimshift's reload refuses it, nothing changed."""
+    verl_patch(True)
+    p, q = (torch.nn.Parameter(torch.zeros(n, device=sim)) for n in (2, 3))
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [q]}], lr=0.1, momentum=0.9)
+    for t in (p, q):
+        opt.state[t]["momentum_buffer"] = torch.ones_like(t)
+    engine.offload_fsdp_optimizer(opt)
+    del opt.param_groups[1]  # (q's state: in no group now)
+    with pytest.raises(ValueError, match="in no param group"):
+        engine.load_fsdp_optimizer(opt, sim)
+    assert optimshift.is_offloaded(opt) and opt.state[p]["momentum_buffer"].device.type == "cpu"
+
+
 # --- non-blocking transfers -----------------------------------------------------------------------------------
 
 

@@ -99,11 +99,14 @@ def _optimizers(optimizer: Any, multi: bool) -> list[Any]:
 
 
 def _is_optimizer(optimizer: Any) -> bool:
-    """Whether optimshift can place this optimizer's state (DTensor state too: FSDP2's), else verl's code moves it."""
+    """Whether optimshift moves this optimizer's state (DTensor state too: FSDP2's), else verl's code does: also
+    one optimshift offloaded or streams, which verl's ``.to()`` would race and leave recorded (optimshift's error)."""
     try:
         states_by_id(check_optimizer(optimizer))  # (state for a param in no group: verl's code walks only groups)
-    except (TypeError, ValueError):
+    except TypeError:
         return False
+    except ValueError:
+        return api.is_offloaded(optimizer) or streamed(optimizer)
     return True
 
 

@@ -62,3 +62,15 @@ def test_a_move_an_integration_makes_warns_at_the_line_that_called_it() -> None:
     with pytest.warns(RuntimeWarning, match=r"optimshift\.move: .* does not reach") as warned:
         follow_params(opt)
     assert [(w.filename, w.lineno) for w in warned] == [(__file__, inspect.currentframe().f_lineno - 1)]
+
+
+@pytest.mark.parametrize("name", ["accelerate", "lightning"])
+def test_every_public_function_of_an_integration_has_a_docstring(name: str) -> None:
+    """``unpatch`` is the Patch's own ``undo`` since the wrappers went: it had none, so help() said nothing."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"optimshift.integrations.{name}")  # (neither patches on import)
+    public = [n for n in module.__all__ if callable(getattr(module, n)) and not inspect.isclass(getattr(module, n))]
+    assert "unpatch" in public
+    assert [n for n in public if not inspect.getdoc(getattr(module, n))] == []

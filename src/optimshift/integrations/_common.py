@@ -154,6 +154,7 @@ class Patch:
                 raise
 
     def undo(self) -> None:
+        """Restore the framework's own attributes (every integration's ``unpatch()``); a no-op when not applied."""
         with self._lock:
             if not self._swaps:
                 return

@@ -128,8 +128,14 @@ def test_inspect_flags_state_keyed_by_text(tmp_path, capsys):
     torch.save(sd, path)
     rc, out, err = _run(capsys, "inspect", str(path), "--json")
     assert rc == 0, err
-    (finding,) = [f for f in json.loads(out)["optimizers"][0]["findings"] if f["severity"] == "error"]
+    described = json.loads(out)["optimizers"][0]
+    (finding,) = [f for f in described["findings"] if f["severity"] == "error"]
     assert "keys are text ('0', '1')" in finding["message"] and "silently drops" in finding["message"]
+    # the state is there, under text keys: described, never called the state of an optimizer that never stepped
+    assert described["params_with_state"] == 2
+    assert {r["key"]: r["count"] for r in described["state"]} == {"step": 2, "exp_avg": 2, "exp_avg_sq": 2}
+    rc, out, err = _run(capsys, "inspect", str(path))
+    assert rc == 0 and "never stepped" not in out and "2 with state" in out, err
 
 
 def test_convert_dtype_refuses_to_materialise_an_expanded_view(tmp_path, capsys):

@@ -186,7 +186,10 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
     guessed = [] if found.class_name else guess_classes(groups)
     cls = _resolve_class(found.class_name, guessed)
     n_params = sum(len(g["params"]) for g in groups)
-    per_param = [_state_of(states, sid) for g in groups for sid in g["params"]]
+    listed = {sid for g in groups for sid in g["params"] if _hashable(sid)}
+    stringified = set(ckpt.stringified_ids(states, listed))
+    # (a JSON round trip's text keys still hold each param's state: described as such, with the error below)
+    per_param = [_state_of(states, str(sid) if str(sid) in stringified else sid) for g in groups for sid in g["params"]]
     # (a state that holds anything; a corrupt file's may be a tensor: never its truth)
     with_state = sum(st is not None and (not isinstance(st, (Mapping, list, tuple)) or len(st) > 0) for st in per_param)
     desc: dict[str, Any] = {
@@ -205,8 +208,6 @@ def _describe_optimizer(found: ckpt.FoundOptimizer, locations: Mapping[int, str]
         flags = {k: jsonable(g[k], 0, locations) for k in _FLAGS if k in g}
         desc["groups"].append({"index": gi, "params": len(g["params"]), "hyperparameters": hyper, "flags": flags})
     table: dict[str, dict[str, Any]] = {}
-    listed = {sid for g in groups for sid in g["params"] if _hashable(sid)}
-    stringified = set(ckpt.stringified_ids(states, listed))
     # Optimizer-wide entries (keys of state that are no param's id, e.g. MADGRAD's "k"), shown as "state[key]".
     wide = {
         f"state[{k!r}]": v

@@ -1126,6 +1126,28 @@ def test_a_group_tensor_the_step_raises_with_on_either_device_is_known(sim, cls,
         _step(opt, params, 0)
 
 
+@pytest.mark.parametrize(
+    "cls, key", [(O.AdamW, "weight_decay"), (O.Adam, "weight_decay"), (O.SGD, "weight_decay"), (O.RMSprop, "momentum")]
+)
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("given", ["cpu", "sim"])
+def test_a_one_element_zero_behind_a_branch_it_skips_is_no_error(sim, cls, key, foreach, given):
+    """A ``(1,)`` weight_decay (momentum) of 0: the step's ``if weight_decay != 0`` skips the branch that raises with
+    a nonzero one, and the step runs. check() called it an error (the probe asks that branch with truth reads true,
+    by the tensor's kind, not its value); it is read now, and 0.01 on the host still is one."""
+    device = sim if given == "sim" else torch.device("cpu")
+    for value, raises in ((0.0, False), (0.01, True))[: 2 if given == "cpu" else 1]:
+        params = _params(sim)
+        opt = cls(params, **{key: torch.full((1,), value, device=device)}, foreach=foreach)
+        errors = [f.why for f in optimshift.check(opt).findings if f.severity == "error"]
+        assert bool(errors) == raises, (value, errors)
+        if raises:
+            with pytest.raises((RuntimeError, TypeError)):
+                _step(opt, params, 0)
+        else:
+            _step(opt, params, 0)
+
+
 @pytest.mark.parametrize("cls", [O.Adam, O.NAdam, O.RMSprop])
 def test_a_0_dim_eps_a_fake_step_cannot_read_is_no_error(sim, cls):
     """A foreach step reads a 0-dim eps as a number in C++, which a fake tensor cannot answer (the probe's steps

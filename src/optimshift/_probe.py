@@ -306,7 +306,8 @@ class Observed:
     0-dim key: device reads it costs a later step on the device}; ``wide``: {path under a plain state key: on the
     device}; ``group_reads``: {GroupPath: ``(a, b)``}: ``a + b * n`` device reads more over ``n`` params;
     ``raises``: {GroupPath: where (``"host"``, ``"device"``) a step with it there raised, that of the other did not;
-    both: on either, where with a number in its place it did not}."""
+    both: on either, where with a number in its place it did not}; ``at_zero``: ``raises`` for a tensor of 0s where
+    a step raised only in a branch a 0 skips (AdamW's ``if weight_decay != 0``: a ``(1,)`` 0 runs)."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
@@ -315,6 +316,7 @@ class Observed:
     wide: Mapping[Path, bool] = field(default_factory=dict)
     group_reads: Mapping[GroupPath, tuple[int, int]] = field(default_factory=dict)
     raises: Mapping[GroupPath, frozenset[str]] = field(default_factory=dict)
+    at_zero: Mapping[GroupPath, frozenset[str]] = field(default_factory=dict)
 
 
 def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
@@ -640,12 +642,18 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
         others = [other for other in paths if other != path]
         return everywhere[0].error is None and _needs_device(_run(cls, group, ndim, paths, others)[0], everywhere[0])
 
+    at_zero: dict[GroupPath, frozenset[str]] = {}  # (raises for a 0, where it was seen with truth reads true only)
+
+    def needs_device(path: GroupPath, alone: Observed) -> bool:
+        if _needs_device(baseline, alone) or needs_device_beside(path, alone):
+            return True
+        if needs_device_if_taken(path):
+            at_zero[path] = frozenset()  # (a 0 skips the branch that refuses it)
+            return True
+        return False
+
     alones = {path: _run(cls, group, ndim, paths, (path,)) for path in paths}
-    needed = tuple(
-        path
-        for path, (alone, _, _) in alones.items()
-        if _needs_device(baseline, alone) or needs_device_if_taken(path) or needs_device_beside(path, alone)
-    )
+    needed = tuple(path for path, (alone, _, _) in alones.items() if needs_device(path, alone))
     reference = baseline
     if needed and baseline.error is not None:  # (the host step stopped at them, before the others' reads)
         reference, reads, later = _run(cls, group, ndim, paths, needed)
@@ -709,9 +717,11 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
                 if two[0] is not None and two_alone is not None:
                     one, per_param = alone_later - later, (two_alone - two[0]) - (alone_later - later)
                     costs[path] = (one - per_param, per_param)
-        if raises_either(path, reference, alone) or raises_if_taken(path):
+        if raises_either(path, reference, alone):
             raises[path] = frozenset({"host", "device"})  # (its kind, not its side: the verdict is the reads')
-    return replace(baseline, group=verdicts, group_reads=costs, raises=raises)
+        elif raises_if_taken(path):
+            at_zero[path], raises[path] = raises.get(path, frozenset()), frozenset({"host", "device"})
+    return replace(baseline, group=verdicts, group_reads=costs, raises=raises, at_zero=at_zero)
 
 
 def _placement(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: int) -> Observed | str:

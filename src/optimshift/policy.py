@@ -482,9 +482,17 @@ def group_read_cost(
 
 def group_raises(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> frozenset[str]:
     """Where (``"host"``, ``"device"``) a probe step raised with group tensor ``value`` (under ``key``), the step
-    with it on the other side having run or failed otherwise: what ``check`` calls an error rather than a cost."""
+    with it on the other side having run or failed otherwise: what ``check`` calls an error rather than a cost
+    (for a tensor of 0s, where a branch it skips raised: a read of its value, which a probe's keys never make)."""
     observed = _group_observed(cls, group)
-    return frozenset() if observed is None else observed.raises.get(_group_path(group, key, value), frozenset())
+    if observed is None:
+        return frozenset()
+    path = _group_path(group, key, value)
+    from torch._subclasses.fake_tensor import is_fake  # (a fake or meta tensor has no value to read)
+
+    if path in observed.at_zero and not (value.is_meta or is_fake(value)) and not value.any():
+        return observed.at_zero[path]
+    return observed.raises.get(path, frozenset())
 
 
 def _wide_entry(cls: type, group: Mapping[str, Any], path: Path, value: torch.Tensor, device: torch.device) -> Decision:

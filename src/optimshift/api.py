@@ -350,9 +350,9 @@ def offload(
     empty_cache: bool = False,
     keep_addresses: bool | Literal["auto"] = False,
 ) -> Opt | PendingTransfer:
-    """Move all state (``include=("grads",)``: the ``.grad``s too) to a pinned host pool, the same objects, for
-    :func:`reload` to put back; ``non_blocking=True`` returns a :class:`PendingTransfer`. ``keep_addresses``: reload
-    puts each tensor back at its ``data_ptr()`` (captured graphs stay valid; ``"auto"``: where the device can)."""
+    """Move all state (``include=("grads",)``: the ``.grad``s too) to a host pool (pinned where the accelerator pins),
+    the same objects, for :func:`reload` to put back; ``non_blocking=True`` returns a :class:`PendingTransfer`.
+    ``keep_addresses``: reload puts each tensor back at its ``data_ptr()`` (``"auto"``: where the device can)."""
     _begin(optimizer, "offload", non_blocking=non_blocking, pin_memory=pin_memory, empty_cache=empty_cache)
     include = _included(optimizer, include, "offload")
     _session.rememberable(optimizer, "offload")

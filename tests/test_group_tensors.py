@@ -1148,6 +1148,21 @@ def test_a_one_element_zero_behind_a_branch_it_skips_is_no_error(sim, cls, key, 
             _step(opt, params, 0)
 
 
+@pytest.mark.parametrize("given", ["cpu", "sim"])
+def test_a_raise_of_the_probe_s_contradicting_truth_reads_is_no_error(sim, given):
+    """Fused SGD's ``momentum == 0`` and its group's ``momentum != 0``, both read false by the probe, disagree: an
+    IndexError on either side, which check() called an error of a 0-dim tensor momentum, though the step runs. A raise
+    is the tensor's now only where it holds with truth reads true as well."""
+    device = sim if given == "sim" else torch.device("cpu")
+    params = _params(sim)
+    opt = O.SGD(params, momentum=torch.tensor(0.9, device=device), fused=True)
+    group = opt.param_groups[0]
+    assert not optimshift.policy.group_raises(O.SGD, group, "momentum", group["momentum"])
+    assert not [f.why for f in optimshift.check(opt).findings if f.severity == "error"]
+    _step(opt, params, 0)
+    _step(opt, params, 1)
+
+
 @pytest.mark.parametrize("cls", [O.Adam, O.NAdam, O.RMSprop])
 def test_a_0_dim_eps_a_fake_step_cannot_read_is_no_error(sim, cls):
     """A foreach step reads a 0-dim eps as a number in C++, which a fake tensor cannot answer (the probe's steps

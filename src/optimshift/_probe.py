@@ -679,11 +679,9 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
         return False
 
     def raises_if_taken(path: GroupPath) -> bool:
-        """:func:`raises_either` where a branch the false stand-in skipped computes with a one-element tensor that
-        is not 0-dim (AdamW's foreach ``if weight_decay != 0``; a value that skips it, 0, is not seen)."""
-        key, index = path
-        if (group[key] if index is None else group[key][index]).dim() == 0:
-            return False
+        """:func:`raises_either` with every truth read true: where a branch the false stand-in skipped computes with
+        it (AdamW's foreach ``if weight_decay != 0``), and where it raised with them false, whether it does either
+        way (fused SGD's ``momentum == 0`` and ``!= 0`` both read false disagree: an IndexError no real step makes)."""
         if not truthy_reference:
             same = truthy and not base  # (the host step with truth reads true, run already)
             truthy_reference.append(truthy[0] if same else _run(cls, group, ndim, paths, base, truth=True)[0])
@@ -717,10 +715,12 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
                 if two[0] is not None and two_alone is not None:
                     one, per_param = alone_later - later, (two_alone - two[0]) - (alone_later - later)
                     costs[path] = (one - per_param, per_param)
-        if raises_either(path, reference, alone):
+        either = raises_either(path, reference, alone)
+        one_dim = (group[path[0]] if path[1] is None else group[path[0]][path[1]]).dim() != 0
+        if (either or one_dim) and raises_if_taken(path):
+            if not either:  # (a 0 skips the branch: what holds without it)
+                at_zero[path] = raises.get(path, frozenset())
             raises[path] = frozenset({"host", "device"})  # (its kind, not its side: the verdict is the reads')
-        elif raises_if_taken(path):
-            at_zero[path], raises[path] = raises.get(path, frozenset()), frozenset({"host", "device"})
     return replace(baseline, group=verdicts, group_reads=costs, raises=raises, at_zero=at_zero)
 
 

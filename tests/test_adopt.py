@@ -1,5 +1,6 @@
 """How a tensor keeps its object across devices (optimshift._adopt), and the fallback where torch allows none."""
 
+import contextlib
 import weakref
 
 import pytest
@@ -243,3 +244,48 @@ def test_a_fresh_copy_is_decided_as_any_copy(sim):
     grad = [(torch.zeros(4, requires_grad=True), torch.device("meta"))]
     assert not copy_many(grad, BLOCKING, pool=host_pool).fresh
     assert not copy_many(plain + [(torch.zeros(4), sim)], BLOCKING, pool=host_pool).fresh
+
+
+def test_a_move_between_two_devices_asks_for_its_fresh_copies_what_any_copy_gets(sim, monkeypatch):
+    """A move sim:0 -> sim:1 of plain state (``engine.Copies.fresh``) decides with ``fresh``, and its decisions are
+    the general case's; an entry requiring grad, or a torch function mode, makes the commit ask without it."""
+    from torch.overrides import TorchFunctionMode
+
+    from optimshift import _adopt, _engine
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    calls = []
+
+    def spy(pairs, *, fresh=False):
+        calls.append((fresh, _adopt.decide_all(pairs, fresh=fresh), _adopt.decide_all(pairs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(_engine, "decide_all", spy)
+
+    def moved(extra=None, mode=None):
+        p = torch.nn.Parameter(torch.randn(3, device=sim))
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        st = opt.state[p]
+        st["cut"] = torch.zeros(8, device=sim)[2:5]  # (its base dropped: a swap)
+        st["weak"] = torch.zeros(3, device=sim)
+        st["viewed"] = torch.zeros(3, device=sim)
+        with torch.inference_mode():
+            st["inference"] = torch.zeros(3, device=sim)  # (replaced)
+        st.update(extra or {})
+        keep = (weakref.ref(st["weak"]), st["viewed"][1:])
+        calls.clear()
+        with mode or contextlib.nullcontext():
+            optimshift.move(opt, torch.device(sim.type, 1))
+        del keep
+        [(fresh, hows, general)] = calls
+        assert hows == general and {"data", "swap", "replace"} <= set(hows)
+        return fresh
+
+    assert moved(), "copies one .to pass made are fresh"
+    assert not moved({"leaf": torch.zeros(3, device=sim, requires_grad=True)})
+    assert not moved(mode=Passing())

@@ -35,15 +35,16 @@ SHAPES = [(3, 2), (4,), (2, 5), (1,)]
 
 class Pinning:
     """A stand-in pinned allocator: plain host memory, reported as pinned by ``Tensor.is_pinned``; ``fail``: the
-    exception every pinned allocation raises instead."""
+    exception every pinned allocation (every allocation, with ``fail_pageable``) raises instead."""
 
     def __init__(self) -> None:
         self.pointers: set[int] = set()
         self.fail: BaseException | None = None
+        self.fail_pageable = False
         self.pinned_allocations = 0
 
     def allocate(self, nbytes, pinned):
-        if pinned and self.fail is not None:
+        if (pinned or self.fail_pageable) and self.fail is not None:
             raise self.fail
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if pinned:
@@ -281,12 +282,13 @@ def _interrupted_at(line, call):
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
-@pytest.mark.parametrize("case", ["reused", "new", "evicting", "pin-failing"])
+@pytest.mark.parametrize("case", ["reused", "new", "evicting", "pin-failing", "all-failing"])
 def test_a_ctrl_c_anywhere_in_a_request_loses_no_buffer_and_no_byte(pinning, case, pinned):
     """A KeyboardInterrupt at each line a request runs: the buffer it took from the idle ones or allocated is idle
     again or, handed to nobody, freed and counted off; the bytes held are those of the buffers idle and in use,
     and the request asked again is served. (An idle buffer taken, its copy waited for, was lost while the request
-    waited for the pool's lock: its bytes counted as held for good, the pinned limit lowered by them.)"""
+    waited for the pool's lock: its bytes counted as held for good, the pinned limit lowered by them.) A pageable
+    allocation that fails raises its error, its bytes given back."""
     line = 0
     while True:
         line += 1
@@ -294,12 +296,17 @@ def test_a_ctrl_c_anywhere_in_a_request_loses_no_buffer_and_no_byte(pinning, cas
         p.pinned_limit = 2 * MiB if case == "evicting" else None
         if case in ("reused", "evicting"):
             p.release(p.acquire(2 * MiB if case == "evicting" else MiB, pinned=pinned), _Pending())
-        pinning.fail = RuntimeError("no pinned memory") if case == "pin-failing" else None
-        interrupted = _interrupted_at(line, lambda: p.acquire(MiB, pinned=pinned))
+        pinning.fail = RuntimeError("no memory") if case.endswith("failing") else None
+        pinning.fail_pageable = case == "all-failing"
+        if case == "all-failing":
+            interrupted = _interrupted_at(line, lambda: pytest.raises(RuntimeError, p.acquire, MiB, pinned=pinned))
+        else:
+            interrupted = _interrupted_at(line, lambda: p.acquire(MiB, pinned=pinned))
         pinning.fail = None  # (its traceback holds the request's frames)
         stats = p.stats()
         _consistent(stats)
         assert stats.in_use == 0 and len(p._meta) == stats.idle, (line, stats)
+        assert stats.pinned_bytes == sum(b.numel() for b, is_pinned, _ in p._idle if is_pinned), (line, stats)
         p.pinned_limit = None
         kept = p.acquire(MiB, pinned=pinned)
         _consistent(p.stats())

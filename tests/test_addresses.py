@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import gc
+import inspect
 import logging
 import threading
 import time
@@ -348,6 +349,42 @@ def test_a_tensor_kept_at_all_its_sites_keeps_its_slot_before_one_known_at_some(
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(16, device=sim))], "lr": other})
     optimshift.reload(opt)
     assert opt.param_groups[1]["lr"] is lr and lr.data_ptr() == at and other.data_ptr() != at
+
+
+@pytest.mark.parametrize("operation", ["offload", "move", "stream", "offloaded", "streamed"])
+def test_the_warning_about_a_view_held_outside_names_the_line_that_called_the_operation(sim, driver, operation):
+    """The release's warning pointed a fixed two frames up: inside optimshift (the offload's or move's done
+    callback, the ``streamed`` block's stream) but for a direct ``stream``. It names the caller's line, as
+    optimshift's other warnings do (``_errors.warn``)."""
+    model, opt = _trained(sim)
+    optimshift.keep_addresses(opt)
+    exp_avg = next(iter(opt.state.values()))["exp_avg"]
+    held = torch.empty(0, device=sim).set_(exp_avg.untyped_storage(), 0, (1,), (1,))
+    del exp_avg
+    with pytest.warns(UserWarning, match="still viewed by tensors outside the optimizer") as warned:
+        if operation == "offload":
+            line = inspect.currentframe().f_lineno + 1
+            optimshift.offload(opt, keep_addresses=True)
+        elif operation == "move":
+            line = inspect.currentframe().f_lineno + 1
+            optimshift.move(opt, "cpu")
+        elif operation == "stream":
+            line = inspect.currentframe().f_lineno + 1
+            optimshift.stream(opt)
+        elif operation == "offloaded":
+            line = inspect.currentframe().f_lineno + 1
+            with optimshift.offloaded(opt, keep_addresses=True):
+                pass
+        else:
+            line = inspect.currentframe().f_lineno + 1
+            with optimshift.streamed(opt):
+                pass
+    assert {(w.filename, w.lineno) for w in warned} == {(__file__, line)}  # (streamed: its stream's, its unstream's)
+    del held
+    if optimshift.is_streamed(opt):
+        optimshift.unstream(opt)
+    optimshift.reload(opt)
+    optimshift.move(opt, sim)
 
 
 def test_views_held_outside_the_optimizer_stay_mapped_with_a_warning(sim, driver):

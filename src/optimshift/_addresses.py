@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import torch
 from . import _alias, _device_streams, _session
 from ._copy import copy_strides
 from ._devices import HOSTS
+from ._errors import warn
 from ._plan import Ident, Plan
 from ._state import group_tensors, tensors, untensored
 from ._vmm import Driver, DriverError, DriverOutOfMemory, driver_for, unsupported
@@ -411,12 +411,11 @@ def release(optimizer: Any, name: str, *, queued: bool = False) -> None:
                     "optimshift: %s: could not unmap %s memory (%s); it stays mapped", name, owner.mapped.device, str(e)
                 )
     if foreign:
-        warnings.warn(
+        warn(
             f"{name}: {foreign} slot{'s' if foreign != 1 else ''} of state ({foreign_bytes} bytes) kept at fixed "
             f"addresses {'are' if foreign != 1 else 'is'} still viewed by tensors outside the optimizer: that "
             f"memory stays mapped instead of being freed under them (drop those views to free it)",
             UserWarning,
-            stacklevel=3,
         )
 
 

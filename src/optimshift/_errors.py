@@ -11,15 +11,15 @@ import warnings
 _RELAYS = (f"{__name__.split('.')[0]}.", "importlib.", "contextlib.", "torch.utils._contextlib.")
 
 
-def warn(message: str) -> None:
-    """A RuntimeWarning at the first frame outside optimshift and its relays: the user's line, whichever of
-    optimshift's functions, framework patches or ``with`` blocks the call went through."""
+def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """A warning at the first frame outside optimshift and its relays: the user's line, whichever of optimshift's
+    functions, framework patches or ``with`` blocks the call went through."""
     frame = sys._getframe(1)
     while frame.f_back is not None and f"{frame.f_globals.get('__name__', '')}.".startswith(_RELAYS):
         frame = frame.f_back
     registry = frame.f_globals.setdefault("__warningregistry__", {})
     module = frame.f_globals.get("__name__", "<string>")
-    warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno, module, registry)
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno, module, registry)
 
 
 def dtype_name(dtype: object) -> str:

@@ -1,18 +1,12 @@
-"""Where each optimizer state entry belongs.
+"""Where each optimizer state entry belongs: where a freshly built optimizer of the same class and flags, over the
+same params on the target device, would put it after a step (a move never changes a dtype: only *which device*).
 
-The rule: an entry belongs where a freshly built optimizer of the same class and flags, over the same params
-on the target device, would put it after a step. A move never changes a dtype, so a policy only answers
-*which device*.
-
-For ``torch.optim`` classes the rule is derived from the installed torch by the probe (``_probe``): it builds
-the optimizer over a fake ``cuda:0`` param (no GPU needed), runs one step and reads where each 0-dim state
-tensor landed, and which of the group's own tensors (tensor ``lr``, ``betas``) the step reads on the host.
-Where it cannot run, a static table of torch 2.4-2.13's rules is used. Non-scalar state always follows its
-param. A group's own tensor goes to the host if the step reads it there; otherwise it stays on its side (torch
-never moves them: a fresh optimizer keeps them where they were given). Third-party optimizers can say where
-their entries belong with :func:`register_policy`; otherwise their 0-dim state is probed as torch's is (a
-throwaway of the class itself, where it can be built from a param and the group's hyperparameters), and
-anything still unknown gets a safe default rule, which :func:`optimshift.check` reports, with why.
+For ``torch.optim`` classes the installed torch is observed by ``_probe`` (one step over a fake ``cuda:0`` param, no
+GPU needed), else a static table of torch 2.4-2.13's rules answers. Non-scalar state follows its param; a group's own
+tensor (tensor ``lr``, ``betas``) goes to the host if the step reads it there, else stays on the side it was given
+on (torch never moves them). Third-party classes: :func:`register_policy`, else probed as torch's are (where the class
+can be built from a param and the group's hyperparameters), else a safe default rule, which :func:`optimshift.check`
+reports, with why.
 """
 
 from __future__ import annotations
@@ -166,15 +160,12 @@ _HOOK_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: 
 
 def step_of(cls: type) -> Callable[..., Any]:
     """The step function instances of ``cls`` run (its own or inherited), without the hook wrapper that
-    ``torch.optim.Optimizer`` puts on the class of the first instance made (``_patch_step_function``; on a
-    subclass that defines no step it wraps the base's). Only that wrapper comes off: a decorator such as torch's
-    ``_use_grad_for_differentiable`` stays (calling the step needs it), and a step that wraps another is its own.
-    """
+    ``torch.optim.Optimizer`` puts on the class of its first instance (``_patch_step_function``). Only that comes off:
+    ``_use_grad_for_differentiable`` stays (calling the step needs it), and a step that wraps another is its own."""
     fn: Any = getattr(cls, "step")  # noqa: B009  (typed: a class, not an Optimizer)
     while getattr(fn, "__code__", None) is _HOOK_WRAPPER:
         fn = fn.__wrapped__
-    step: Callable[..., Any] = fn
-    return step
+    return cast("Callable[..., Any]", fn)
 
 
 def stepping_base(cls: type) -> type[torch.optim.Optimizer] | None:
@@ -241,10 +232,6 @@ def _table_rule(base: type, group: Mapping[str, Any], key: str, value: torch.Ten
     return any(bool(group.get(flag)) for flag in flags)
 
 
-def _default_scalar_on_device(group: Mapping[str, Any]) -> bool:
-    return bool(group.get("fused")) or bool(group.get("capturable"))
-
-
 _NO_DEFAULT_FOREACH = frozenset({"Adafactor", "Muon", "LBFGS", "SparseAdam"})
 """torch.optim classes whose ``foreach=None`` runs the single-tensor step (or which have no foreach one)."""
 
@@ -259,12 +246,10 @@ def default_foreach(params: Sequence[Any]) -> bool:
 
 
 def runs_foreach(name: str, foreach: bool | None, on_device: bool, hyper: Mapping[str, Any] | None = None) -> bool:
-    """Whether a step of torch.optim class ``name`` runs its foreach implementation: ``foreach`` as given, and
-    where it is None (torch's default) as torch picks it: ``on_device``, whether the default picks it for the
-    group's params (:func:`default_foreach`; for a saved group, whether its params are on an accelerator); never
-    under ``differentiable``, nor where ``fused`` is given (False too: torch defaults only when neither is), never
-    for Adafactor or Muon, nor for Adam/AdamW given a tensor ``lr`` without ``capturable`` (``hyper``: the group's
-    hyperparameters, where known)."""
+    """Whether a step of torch.optim class ``name`` runs its foreach implementation: ``foreach`` as given, else as
+    torch picks it: ``on_device`` (:func:`default_foreach`'s answer for the group's params; for a saved group, whether
+    they are on an accelerator), never under ``differentiable`` or a given ``fused`` (False too), nor for Adam/AdamW
+    given a tensor ``lr`` without ``capturable`` (``hyper``: the group's hyperparameters, where known)."""
     if foreach is not None:
         return bool(foreach)
     hyper = hyper or {}
@@ -276,12 +261,14 @@ def runs_foreach(name: str, foreach: bool | None, on_device: bool, hyper: Mappin
 _LOW_PRECISION = (torch.bfloat16, torch.float16)  # (a host scalar torch keeps is never one of these)
 
 
-def _runs_foreach_on(cls: type, group: Mapping[str, Any], device: torch.device) -> bool:
-    """Whether a step of ``cls`` over ``group``'s params on ``device`` may run a foreach implementation: torch's
-    (:func:`runs_foreach`; its default as torch picks it for plain params on that device), and always for a class
-    with a step of its own (not known)."""
+def _may_refuse_on_host(cls: type, group: Mapping[str, Any], value: torch.Tensor, device: torch.device) -> bool:
+    """Whether a step of ``cls`` may refuse scalar ``value`` on the host beside its param on ``device``: a foreach
+    step groups a param's tensors by device and dtype, a float32/float64 host scalar excepted. It may run where
+    torch picks it (:func:`runs_foreach`, for plain params on that device), and always for a step of its own."""
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
+    if value.dtype not in _LOW_PRECISION or device.type in HOSTS:
+        return False
     base = stepping_base(cls)
     if base is None:
         return True
@@ -290,15 +277,8 @@ def _runs_foreach_on(cls: type, group: Mapping[str, Any], device: torch.device) 
 
 
 def foreach_refuses_on_host(cls: type, group: Mapping[str, Any], value: torch.Tensor, device: torch.device) -> bool:
-    """Whether torch's foreach step of ``cls`` (a class stepping with a torch.optim class's step) refuses scalar
-    ``value`` on the host beside its param on ``device``: it groups a param's tensors by device and dtype, a
-    float32/float64 host scalar excepted."""
-    return (
-        value.dtype in _LOW_PRECISION
-        and device.type not in HOSTS
-        and stepping_base(cls) is not None
-        and _runs_foreach_on(cls, group, device)
-    )
+    """:func:`_may_refuse_on_host` for a class stepping with a torch.optim class's step (its foreach step does)."""
+    return stepping_base(cls) is not None and _may_refuse_on_host(cls, group, value, device)
 
 
 def decide(
@@ -335,7 +315,13 @@ def decide(
                 raise
             if answer is not None:
                 if values and answer.type == "meta" and device.type != "meta" and value.device.type != "meta":
-                    _refuse_meta(optimizer, base, group, param, key, device)
+                    # (the built-in rule puts state on meta only with its param: every value would be lost)
+                    raise ValueError(
+                        f"{cls.__name__}: the policy registered for {base.__name__} placed "
+                        f"{_entry_label(optimizer, group, param, key)} on meta, for "
+                        f"params bound for {device}: meta holds no values, so every one of them would be lost. Have "
+                        f"the policy return the device it is given (or None for the default rule); nothing was changed"
+                    )
                 return Decision(answer, "registered")
             break
     if wide is not None:
@@ -357,7 +343,7 @@ def decide(
     # dtype (torch's load casts NAdam's mu_product to bf16 params' dtype, on their device) follows its param where
     # the foreach step runs: it refuses such a host scalar beside device params. The single-tensor step reads it
     # on the host as it reads a float32 one, with no sync (on the device: a sync a read).
-    hostable = value.dtype not in _LOW_PRECISION or device.type in HOSTS or not _runs_foreach_on(cls, group, device)
+    hostable = not _may_refuse_on_host(cls, group, value, device)
     if probed is not None and key in probed:
         return Decision(device if probed[key] or not hostable else HOST, "probe")
     if torch_base is not None:
@@ -371,9 +357,8 @@ def decide(
     if not scalar:
         return Decision(device, "rule")
     _warn_guessed(cls, group, param.dim(), key)
-    if key == "step":
-        return Decision(device if _default_scalar_on_device(group) else HOST, "default")
-    return Decision(device, "default")
+    hosted = key == "step" and not (group.get("fused") or group.get("capturable"))
+    return Decision(HOST if hosted else device, "default")
 
 
 def probed_by(cls: type, group: Mapping[str, Any], ndim: int) -> tuple[type, Observed | None]:
@@ -535,17 +520,13 @@ rank, side and dtype; the device its param is bound for."""
 
 
 class Placer:
-    """The memoizing front of :func:`decide` for one operation: ``placer(ident, param, group, key, tensor)`` is
-    ``(device, source)`` for each entry, the param on ``device`` (``None``: where it is now). Every operation
-    asks one (as its plan's target function); nothing else states the rule.
+    """The memoizing front of :func:`decide` for one operation (its plan's target function): ``placer(ident, param,
+    group, key, tensor)`` is ``(device, source)`` for each entry, the param on ``device`` (``None``: where it is now).
+    ``sides``: group tensors optimshift took to the host, by id, with the side they were given on (the session's).
 
-    ``sides``: group tensors optimshift took to the host, by site, with the side they were given on (the
-    session's memory; a load brings its own and passes none).
-
-    NOTE: the memo key is what :func:`decide` reads of a param's entry when no policy is registered (the group,
-    for the length of one operation; the key; the param's rank and device; whether the tensor is of one element,
-    and then whether it is 0-dim, on the host, and its dtype); a registered policy may read anything, so then every
-    entry is decided. Group entries are few and decided by their identity in the group: never memoized.
+    NOTE: the memo key is what :func:`decide` reads of a param's entry without a registered policy (the group, for one
+    operation; the key; the param's rank and device; for a one-element tensor, whether 0-dim, on the host, its dtype);
+    a registered policy may read anything: then there is no memo. Group entries (few) are never memoized.
     """
 
     __slots__ = ("optimizer", "device", "sides", "memo", "values", "spans")
@@ -577,9 +558,9 @@ class Placer:
     ) -> tuple[torch.device, str]:
         """Where an optimizer-wide entry goes with the params on ``device`` (``None``: where its first group's
         params are)."""
-        device = group_device(group, tensor) if device is None else device
-        decision = decide(self.optimizer, group, None, key, tensor, device, values=self.values, wide=ident[2])
-        return decision.device, decision.source
+        return self.at(
+            None, group, key, tensor, group_device(group, tensor) if device is None else device, wide=ident[2]
+        )
 
     def group_entry(
         self, ident: Any, group: Mapping[str, Any], key: str, tensor: torch.Tensor, device: torch.device | None
@@ -645,9 +626,10 @@ class Placer:
         tensor: torch.Tensor,
         device: torch.device,
         side: torch.device | None = None,
+        wide: Path | None = None,
     ) -> tuple[torch.device, str]:
         """Where ``tensor`` belongs with its param (or, for a group entry, the group's params) on ``device``."""
-        decision = decide(self.optimizer, group, param, key, tensor, device, side=side, values=self.values)
+        decision = decide(self.optimizer, group, param, key, tensor, device, side=side, values=self.values, wide=wide)
         return decision.device, decision.source
 
 
@@ -661,25 +643,6 @@ def _entry_label(
     if param is None:
         return ("a param group" if where is None else f"group {where[0]}") + f"[{key!r}]"
     return ("a param" if where is None else label_in(optimizer, *where)) + f", state[{key!r}]"
-
-
-def _refuse_meta(
-    optimizer: torch.optim.Optimizer,
-    base: type,
-    group: Mapping[str, Any],
-    param: torch.Tensor | None,
-    key: str,
-    device: torch.device,
-) -> None:
-    """A registered policy put an entry that holds values on meta, with its param bound elsewhere (the built-in
-    rule puts state on meta only with its param): every value would be lost. Raised while planning, before
-    anything changes."""
-    raise ValueError(
-        f"{type(optimizer).__name__}: the policy registered for {base.__name__} placed "
-        f"{_entry_label(optimizer, group, param, key)} on meta, for "
-        f"params bound for {device}: meta holds no values, so every one of them would be lost. Have the policy "
-        f"return the device it is given (or None for the default rule); nothing was changed"
-    )
 
 
 def has_registered_policy(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,9 +1,7 @@
 """What the installed torch does, observed rather than assumed: the one module that runs throwaway steps (a
-throwaway optimizer of the class, built with a group's hyperparameters; never the caller's).
-
-:func:`probe` steps once over a fake ``cuda:0`` param (``FakeTensorMode``) and reads where each 0-dim state tensor
-landed; each group tensor (a tensor ``lr``, tensor ``betas``) is put alone on the device in a step of its own, whose
-device reads and errors say whether the step reads it on the host or refuses it there.
+throwaway optimizer of the class, built with a group's hyperparameters; never the caller's). :func:`probe` steps
+over a fake ``cuda:0`` param (``FakeTensorMode``), each group tensor (tensor ``lr``, ``betas``) on the device in a
+step of its own: its device reads and errors say whether the step reads it on the host or refuses it there.
 
 NOTE: one cache serves every probe, keyed by :func:`probe_key` (a float by its class against 0 and 1, never its
 value: an LR scheduler runs no probe again), so the throwaway never sees the group's floats: it is built with
@@ -449,12 +447,11 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def _fake_step(opt: torch.optim.Optimizer, reads: _Reads) -> int:
-    """One step of ``opt`` (its exceptions propagate), its host reads counted in ``reads``; the device reads."""
+def _fake_step(opt: torch.optim.Optimizer, reads: _Reads) -> None:
+    """One step of ``opt`` (its exceptions propagate), its host reads counted in ``reads``."""
     with reads:
         # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
         opt.step(lambda: torch.zeros((), device=_FAKE_DEVICE))  # type: ignore[arg-type, return-value]
-    return reads.on_device
 
 
 _foreach_lock = threading.Lock()
@@ -933,18 +930,17 @@ def _refusal(trial: _Trial, dtypes: Mapping[str, torch.dtype]) -> str | None:
     """The error of a step of ``trial`` with ``dtypes`` recast, ``None`` if the steps take them; it steps again
     while the dtypes change (LBFGS's ``d`` made anew in the param's dtype meets a float64 ``prev_flat_grad``)."""
     trial.recast(dtypes)
-    held = trial.held_dtypes()
-    try:
+
+    def steps() -> None:
+        held = trial.held_dtypes()
         for _ in range(AFTER_STEPS):
             trial.step()
             before, held = held, trial.held_dtypes()
             if held == before:
-                return None
-    except TRANSIENT:  # (says nothing of the class: never its answer)
-        raise
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+                return
+
+    error = _failure(steps)
+    return None if error is None else f"{type(error).__name__}: {error}"
 
 
 def _try(
@@ -953,16 +949,11 @@ def _try(
     dtype: torch.dtype,
     ndim: int,
     dtypes: Mapping[str, torch.dtype],
-) -> tuple[Rejection, ...] | None:
-    """The rejections, ``()`` if a step takes these dtypes, ``None`` if the trial cannot run."""
+) -> tuple[Rejection, ...]:
+    """The rejections, ``()`` if a step takes these dtypes; raises if the trial cannot run."""
     with throwaway(), torch.no_grad():
         keys = frozenset(dtypes)
-        try:
-            trial = _filled(cls, group, dtype, ndim, keys)
-        except TRANSIENT:  # (says nothing of the class: never its answer)
-            raise
-        except Exception:
-            return None
+        trial = _filled(cls, group, dtype, ndim, keys)  # (an error: the cache answers None)
         fresh = entry_dtypes(trial.opt.state.get(trial.param, {}))
         changed = {k: d for k, d in dtypes.items() if k in fresh and fresh[k] != d}
         if not changed:

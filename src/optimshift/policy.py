@@ -221,10 +221,9 @@ def builtin_base(cls: type) -> type[torch.optim.Optimizer] | None:
 
 def _table_rule(base: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> bool | None:
     """Whether the table puts ``key`` on the param's device (``None``: it has no rule for it)."""
-    rules = _TABLE.get(base.__name__)
-    if rules is None or key not in rules:
+    flags = _TABLE.get(base.__name__, {}).get(key)
+    if flags is None:
         return None
-    flags = rules[key]
     if flags == _ALWAYS:
         return True
     if flags == _EITHER:
@@ -334,15 +333,11 @@ def decide(
     scalar = value.dim() == 0
     if not scalar and value.numel() != 1:
         return Decision(device, "rule")
-    # A class torch.optim does not define is learned as torch's are, from a throwaway step of its own (a fake
-    # cuda:0 param, the group's hyperparameters by kind), where it can be built that way.
     torch_base = builtin_base(cls)
     observed = probed_by(cls, group, param.dim())[1]
     probed = None if observed is None else observed.state
-    # A scalar torch keeps on the host is float32/float64 there (its scalar dtype); one in a low-precision param's
-    # dtype (torch's load casts NAdam's mu_product to bf16 params' dtype, on their device) follows its param where
-    # the foreach step runs: it refuses such a host scalar beside device params. The single-tensor step reads it
-    # on the host as it reads a float32 one, with no sync (on the device: a sync a read).
+    # A low-precision scalar (torch's load casts NAdam's mu_product to bf16 params' dtype) follows its param where a
+    # foreach step may refuse it on the host; the single-tensor step reads it there with no sync (on the device: one).
     hostable = not _may_refuse_on_host(cls, group, value, device)
     if probed is not None and key in probed:
         return Decision(device if probed[key] or not hostable else HOST, "probe")
@@ -362,11 +357,10 @@ def decide(
 
 
 def probed_by(cls: type, group: Mapping[str, Any], ndim: int) -> tuple[type, Observed | None]:
-    """The class whose throwaway step says where ``cls``'s entries go, and what it observed: ``cls`` itself,
-    unless it steps with its torch.optim base's own step (then the base, by the same rule as torch's classes)
-    or its own cannot be built from a group's hyperparameters or its step makes no state there (then the base;
-    what it keeps of its own is guessed). A step of its own may keep and read scalars of its own, or read a group
-    tensor on the host."""
+    """The class whose throwaway step says where ``cls``'s entries go, and what it observed: ``cls`` itself (a step of
+    its own may keep scalars of its own, or read a group tensor on the host), but the base where ``cls`` steps with its
+    torch.optim base's step, or cannot be built from the group's hyperparameters, or makes no state there (what it
+    keeps of its own is then guessed)."""
     base = builtin_base(cls)
     if stepping_base(cls) is None:
         observed = probe(cls, group, ndim)

@@ -534,6 +534,40 @@ def test_rebind_of_a_wrapper_re_keys_the_inner_optimizer_over_the_same_groups(si
     opt.step()
 
 
+@pytest.mark.parametrize("first", ["the inner optimizer", "the wrapper"])
+def test_rebind_of_the_inner_optimizer_and_then_of_the_wrapper_re_keys_both(sim, monkeypatch, first):
+    """A user rebinding each optimizer they hold, the inner one first: its rebind put the new params in the
+    wrapper's groups (the same dicts), the wrapper's own state (the slow weights, a mapping keyed by the params) still
+    keyed by the old ones, and the wrapper's rebind was refused ('in no param group ... Remove it'). Either order
+    re-keys both, each tensor the same object; a rebind of the wrapper that fails leaves its state as it was."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+    opt = _Lookahead(O.AdamW(params, foreach=False))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state["seen"] = {p: i for i, p in enumerate(params)}
+    inner, slow = [dict(opt.optimizer.state[p]) for p in params], [opt.state[p]["slow"] for p in params]
+    new = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+    if first == "the inner optimizer":
+        optimshift.rebind(opt.optimizer, new)
+        assert opt.param_groups[0]["params"] == new and [*opt.state] == [*params, "seen"]  # (what the wrapper holds)
+        monkeypatch.setattr(optimshift._engine, "run", lambda *a, **k: 1 / 0)
+        with pytest.warns(RuntimeWarning), pytest.raises(ZeroDivisionError):
+            optimshift.rebind(opt, new)
+        assert [*map(id, opt.state)] == [*map(id, (*params, "seen"))] and list(opt.state["seen"]) == params
+        monkeypatch.undo()
+    with pytest.warns(RuntimeWarning, match=r"optimshift\.rebind on it"):
+        optimshift.rebind(opt, new)
+    optimshift.rebind(opt.optimizer, new)
+    assert {id(k) for k in opt.state} == {*map(id, (*new, "seen"))} and list(opt.state["seen"]) == new
+    assert all(opt.state[q]["slow"] is t for q, t in zip(new, slow))
+    assert all(opt.optimizer.state[q][k] is v for q, d in zip(new, inner) for k, v in d.items())
+    assert optimshift.check(opt).ok
+    for p in new:
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+
 class _Partial(torch.optim.Optimizer):
     """A wrapper over the first of its inner optimizer's param groups only: that very dict, or a dict of its own
     holding that very params list."""

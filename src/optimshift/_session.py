@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(eq=False)
@@ -28,6 +29,10 @@ class Session:
     addresses: Any = None  # _addresses.Layout: its state's reserved ranges and slots, once it keeps addresses
     pooled: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # a ZeRO-1/2 optimizer's pool buffers, by kind
     offloaded_in: int = 0  # offloaded() blocks (any thread) inside the offload one of them made: the last out reloads
+    # each param its rebinds replaced -> a weakref to the param in its place now, while the old one lives (a wrapper
+    # over its groups, Lookahead, keeps state keyed by it: the wrapper's rebind re-keys that state by this); a
+    # WeakIdKeyDictionary (a tensor key is compared by identity), untyped
+    rebound: Any = field(default_factory=WeakIdKeyDictionary)
 
 
 _sessions: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()

@@ -1019,6 +1019,34 @@ def _shared_params(held: Any, optimizer: Any) -> set[int]:
     }
 
 
+def _stale(optimizer: Any, held: Iterable[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(old, new) for each param ``optimizer``'s state is keyed by that its groups no longer list since a rebind of
+    an optimizer in ``held`` sharing them (Lookahead's inner one, rebound first) put ``new`` in its place."""
+    located = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    renamed = [s.rebound for h in held if (s := _session.of(h)) is not None and s.rebound]
+    out = []
+    for k in list(optimizer.state) if renamed else ():
+        if isinstance(k, torch.Tensor) and id(k) not in located:
+            q = next((r() for m in renamed if (r := m.get(k)) is not None), None)
+            if q is not None and id(q) in located and q not in optimizer.state:
+                out.append((k, q))
+    return out
+
+
+def _remember(optimizer: Any, renamed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Record a rebind's (old, new) params in the session (earlier renames followed to the new ones) for the rebind
+    of a wrapper sharing its groups whose state is still keyed by the old ones (:func:`_stale`)."""
+    session = _session.get(optimizer)
+    if session is None or not renamed:
+        return
+    now = {id(p): q for p, q in renamed}
+    for k, r in list(session.rebound.items()):
+        if (q := r()) is not None and id(q) in now:
+            session.rebound[k] = weakref.ref(now[id(q)])
+    for p, q in renamed:
+        session.rebound[p] = weakref.ref(q)
+
+
 @_one_at_a_time
 def rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     """Point the optimizer at new params (same order and shapes; ``(name, param)`` pairs rename them too), their state
@@ -1089,8 +1117,11 @@ def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
         seen.add(id(q))
     mapping = {id(p): q for (_, _, p), q in zip(old, new)}
     renames = {id(p): q for (_, _, p), q in zip(old, new) if p is not q}
+    # (state a rebind of an optimizer it holds left keyed by the params that rebind replaced in the shared groups:
+    # re-keyed to them, as if this rebind had come first)
+    stale = _stale(optimizer, [held for held, _ in sharing])
     finish = [
-        *_rekeys(optimizer, renames),
+        *_rekeys(optimizer, {**renames, **{id(k): q for k, q in stale}}),
         *(f for held, ids in sharing for f in _rekeys(held, {i: q for i, q in renames.items() if i in ids})),
     ]
     by_policy = policy_target(optimizer, None)
@@ -1132,7 +1163,19 @@ def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
                     state[q] = states[id(p)]
 
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
-    copies, pending, _, _ = _transfer(optimizer, target, what="rebind", rewrite=rewrite, finish=finish, follows=True)
+    state, before = optimizer.state, list(optimizer.state.items()) if stale else []
+    for k, q in stale:  # (before the plan, which refuses state for a param in no group; undone if it fails)
+        state[q] = state.pop(k)
+    try:
+        copies, pending, _, _ = _transfer(
+            optimizer, target, what="rebind", rewrite=rewrite, finish=finish, follows=True
+        )
+    except BaseException:
+        if stale:
+            state.clear()
+            state.update(before)
+        raise
+    _remember(optimizer, [(p, q) for (_, _, p), q in zip(old, new) if p is not q])
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)
     _release_when_done(optimizer, pending)  # state that left a reserved range frees its memory there, as a move's
     return optimizer

@@ -53,9 +53,9 @@ Limits, honestly:
 * ``torch.autocast("sim")`` is accepted but casts nothing (CUDA's autocast op lists are
   C++ registrations a Python backend cannot reuse).
 * Sparse, quantized and nested tensors, custom generators and CUDA-graph capture on sim are
-  not supported. Conjugate views of complex sim tensors (``x.conj()``) are refused by ops, and
-  ``x.conj().cpu()`` still crashes the process (a recursion inside PyTorch's copy of a conjugate
-  view to this backend): use ``x.conj_physical()``.
+  not supported. Conjugate and negative views of sim tensors (``x.conj()``) copy, and PyTorch resolves
+  them for most ops, but ops that take them as they are (``mm``, ``dot``, ...) refuse them: use
+  ``x.conj_physical()``.
 * FakeTensorMode on fake ``cuda`` tensors breaks once this backend is registered (it then treats
   device initialization as allowed and reaches for real CUDA kernels when building fake cuda
   tensors from host scalars): run fake-cuda code before calling ``simulated_accelerator()``.
@@ -91,7 +91,8 @@ importing ``optimshift.testing`` sets nothing up):
   (without this PyTorch fails an internal assert, or segfaults, for a backend with no C++
   allocator). ``get_memory_info()`` still fails that assert: the sim has no total memory to
   report. Other accelerators are asked as before.
-* A boxed fallback and a few kernels are registered for the PrivateUse1 dispatch key.
+* A boxed fallback and a few kernels are registered for the PrivateUse1 dispatch key, and a
+  ``_copy_from`` kernel for the Conjugate and Negative keys (see ``_copy_from_math_bits``).
 
 How it works: a sim tensor is an ordinary ``torch.Tensor`` of device ``sim:N`` whose storage
 was created through DLPack (device type ``kDLExtDev``, which PyTorch imports as
@@ -790,6 +791,17 @@ def _to_copy(
     return _wrap_fresh(result, index, {})
 
 
+_PAST_MATH_BITS = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Conjugate)  # (Negative comes first)
+
+
+def _copy_from_math_bits(keys: Any, self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``_copy_from`` of a conjugate/negative view straight to the sim kernel, whose backing views keep the bit:
+    PyTorch's fallback clones the view, and a clone copies through ``_copy_from`` again (endless: a segfault)."""
+    if not (_is_sim(self) or _is_sim(dst)) and (self.is_conj() or self.is_neg()):
+        self = self.clone()  # (another backend's: what the fallback does)
+    return _aten._copy_from.default.redispatch(keys & _PAST_MATH_BITS, self, dst, non_blocking)  # type: ignore[no-any-return]
+
+
 def _copy_from_and_resize(self: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if dst.size() != self.size():
         dst.resize_(self.size())
@@ -1173,6 +1185,8 @@ def _ensure_setup() -> None:
         # their own PrivateUse1 kernel to take precedence over the composite one.
         aten_lib = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]  # unannotated in torch
         aten_lib.impl("_to_copy", _to_copy_entry, "PrivateUse1")  # type: ignore[no-untyped-call]  # unannotated in torch
+        for key in ("Conjugate", "Negative"):
+            aten_lib.impl("_copy_from", _copy_from_math_bits, key, with_keyset=True)  # type: ignore[no-untyped-call]  # unannotated in torch
         # Keep the registrations (and the hook/guard objects) alive with torch.sim itself.
         _backend_module._libraries = (fallback_lib, aten_lib)  # type: ignore[attr-defined]
         _backend_module._hooks = (hook, guard)  # type: ignore[attr-defined]

@@ -303,7 +303,7 @@ def test_a_policy_answer_without_an_index_names_the_params_device(sim, answer):
         opt.step()
         step = opt.state[p]["step"]
         if answer == "nonsense":
-            with pytest.raises(ValueError, match="_Indexless's registered policy returned"):
+            with pytest.raises(ValueError, match=r"registered for _Indexless, asked where group 0, param 0, "):
                 optimshift.move(opt)
             assert opt.state[p]["step"] is step and step.device == sim
             return

@@ -469,8 +469,82 @@ def test_an_error_in_a_registered_policy_names_the_entry_and_an_answer_is_checke
             optimshift.move(opt, "cpu")
         assert "group 0, param 0, state['momentum_buffer']" in "\n".join(raised.value.__notes__)
         optimshift.register_policy(Mine, lambda *a: torch.device("sim:5"))
-        with pytest.raises(ValueError, match="Mine's registered policy returned sim:5 is not available"):
+        with pytest.raises(ValueError, match="the device it returned, sim:5 is not available"):
             optimshift.move(opt, "cpu")
     finally:
         optimshift.unregister_policy(Mine)
     assert opt.state[p]["momentum_buffer"] is buffer and buffer.device == sim
+
+
+class _Counting(torch.optim.Optimizer):
+    """A third-party class: a 0-dim ``count`` and a ``buf`` per param."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    self.state[p].update(count=torch.zeros(()), buf=torch.zeros_like(p))
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "says"),
+    [
+        (KeyError("buf"), KeyError, "raised by the policy registered for _Counting"),
+        ("sim:7", ValueError, "the device it returned, sim:7 is not available"),
+        (3, TypeError, "it must return a torch.device, a string such as 'cuda:0' or None, got 3"),
+        (True, TypeError, "it must return a torch.device, a string such as 'cuda:0' or None, got True"),
+    ],
+)
+def test_a_failing_policy_names_the_optimizer_param_and_key_and_changes_nothing(sim, answer, error, says):
+    """A registered policy that raises, or answers what is no usable device: the error names the class, the param
+    (group and index) and the key it was asked about (the policy's own exception keeps its type, a note names them;
+    an int, undocumented, was read as an index of whatever accelerator is current), and nothing changes."""
+    params = [torch.nn.Parameter(torch.ones(2, device=sim)) for _ in range(3)]
+    opt = _Counting([{"params": params[:1]}, {"params": params[1:]}])
+    opt.step()
+
+    def policy(key, value, param, group, device):
+        if param is params[2] and key == "buf":
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        return None
+
+    groups = [(g, dict(g)) for g in opt.param_groups]
+    state = [(opt.state[p], {k: (v, v.device) for k, v in opt.state[p].items()}) for p in params]
+    optimshift.register_policy(_Counting, policy)
+    try:
+        with pytest.raises(error) as raised:
+            optimshift.move(opt, "cpu")
+    finally:
+        optimshift.unregister_policy(_Counting)
+    told = "\n".join([str(raised.value), *getattr(raised.value, "__notes__", ())])
+    assert says in told and "_Counting: " in told and "nothing was changed" in told, told
+    assert "group 1, param 1, state['buf']" in (told if error is KeyError else str(raised.value)), told
+    assert [g for g, _ in groups] == opt.param_groups and all(g == kept for g, kept in groups)
+    for p, (entries, kept) in zip(params, state):
+        assert opt.state[p] is entries and entries.keys() == kept.keys()
+        assert all(entries[k] is v and v.device == device for k, (v, device) in kept.items())
+
+
+def test_an_interrupt_in_a_policy_passes_through_untouched(sim):
+    """A KeyboardInterrupt raised inside a policy is no error of the policy's: it gets no note."""
+    p = torch.nn.Parameter(torch.ones(2, device=sim))
+    opt = _Counting([p])
+    opt.step()
+    interrupt = KeyboardInterrupt()
+
+    def policy(key, value, param, group, device):
+        raise interrupt
+
+    optimshift.register_policy(_Counting, policy)
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            optimshift.move(opt, "cpu")
+    finally:
+        optimshift.unregister_policy(_Counting)
+    assert raised.value is interrupt and not getattr(interrupt, "__notes__", None)
+    assert opt.state[p]["buf"].device == sim

@@ -63,9 +63,9 @@ class Policy(Protocol):
     - ``group``: the param group dict (read its flags, e.g. ``group.get("fused")``);
     - ``device``: where the param is going (or is, for ``move(opt)`` without a device).
 
-    Return the device the tensor must live on (a ``torch.device`` or a string), or ``None`` to fall back to the
-    built-in rule; ``meta`` for an entry holding values whose param goes elsewhere is refused (the values would
-    be lost). It must not mutate anything.
+    Return the device the tensor must live on (a ``torch.device`` or a string; anything else is refused), or
+    ``None`` to fall back to the built-in rule; ``meta`` for an entry holding values whose param goes elsewhere is
+    refused (the values would be lost). It must not mutate anything.
     """
 
     def __call__(
@@ -303,16 +303,21 @@ def decide(
         if policy is not None:
             try:
                 answer = policy(key, value, param, group, device)
-                if answer is not None:
-                    answer = _answered(base, answer, device, value)
-            except Exception as e:  # (nothing changed yet: every operation plans before it copies)
+            except Exception as e:  # (its type kept, an interrupt untouched; nothing changed: operations plan first)
                 add_note(
                     e,
-                    f"{cls.__name__}: while the policy registered for {base.__name__} placed "
-                    f"{_entry_label(optimizer, group, param, key)}; nothing was changed",
+                    f"{cls.__name__}: raised by the policy registered for {base.__name__}, asked where "
+                    f"{_entry_label(optimizer, group, param, key)} goes; nothing was changed",
                 )
                 raise
             if answer is not None:
+                try:
+                    answer = _answered(answer, device, value)
+                except (TypeError, ValueError) as e:  # (named here, where an answer is refused: the entry found then)
+                    raise type(e)(
+                        f"{cls.__name__}: the policy registered for {base.__name__}, asked where "
+                        f"{_entry_label(optimizer, group, param, key)} goes: {e}; nothing was changed"
+                    ) from None
                 if values and answer.type == "meta" and device.type != "meta" and value.device.type != "meta":
                     # (the built-in rule puts state on meta only with its param: every value would be lost)
                     raise ValueError(
@@ -401,17 +406,20 @@ def _warn_guessed(cls: type, group: Mapping[str, Any], ndim: int, key: str) -> N
     )
 
 
-def _answered(cls: type, answer: Any, device: torch.device, value: torch.Tensor) -> torch.device:
+def _answered(answer: Any, device: torch.device, value: torch.Tensor) -> torch.device:
     """A policy's answer as a checked device, its index made explicit: an accelerator of the param's type names
     the param's device, as ``'cuda'`` names the current one for a tensor (``'sim'`` for a param on ``sim:0`` is
-    ``sim:0``, never a device that differs from it only by a missing index); any host device is the host."""
+    ``sim:0``, never a device that differs from it only by a missing index); any host device is the host. Anything
+    but a ``torch.device`` or a string is refused (an int's accelerator type would be a guess)."""
     try:
         parsed = torch.device(answer) if isinstance(answer, str) else answer
     except RuntimeError:  # (resolve says why)
         parsed = answer
     if isinstance(parsed, torch.device) and parsed.index is None and parsed.type in (device.type, "meta"):
         return device if parsed.type == device.type else parsed
-    return resolve(parsed, what=f"the device {cls.__name__}'s registered policy returned", tensors=(value,))
+    if not isinstance(answer, (str, torch.device)):
+        raise TypeError(f"it must return a torch.device, a string such as 'cuda:0' or None, got {answer!r}")
+    return resolve(parsed, what="the device it returned,", tensors=(value,))
 
 
 def _group_entry(

@@ -453,6 +453,21 @@ def test_a_system_error_reading_a_load_state_dict_path_keeps_the_optimizer_in_it
     assert back.errno == 13 and back.filename == "text.pt"
 
 
+def test_a_system_error_s_further_args_survive_the_optimizer_s_name(monkeypatch):
+    """Naming the optimizer in ``args`` kept only errno and strerror: a BlockingIOError's ``characters_written``
+    (its third arg) was lost, and a pickled copy of it had none."""
+
+    def blocked(path):
+        raise BlockingIOError(11, "Resource temporarily unavailable", 7)
+
+    monkeypatch.setattr("optimshift.checkpoint._files._sniff", blocked)
+    with pytest.raises(BlockingIOError) as info:
+        optimshift.load_state_dict(_adam(), "text.pt")
+    back = pickle.loads(pickle.dumps(info.value))
+    assert info.value.characters_written == back.characters_written == 7
+    assert str(back) == "[Errno 11] Adam: load_state_dict: Resource temporarily unavailable"
+
+
 def test_load_state_dict_takes_a_bytes_path_as_load_and_save_do(tmp_path):
     """:func:`optimshift.load` and :func:`optimshift.save` take a bytes path; load_state_dict refused one
     ("state_dict must be a dict (or a path), got bytes")."""

@@ -168,7 +168,7 @@ def _read(source: str, label: str) -> Any:
     except (OSError, _files.CheckpointError) as e:
         if isinstance(e, OSError) and e.strerror is not None:  # (the system's own: str() shows its strerror)
             e.strerror = f"{label}: {e.strerror}"
-            e.args = (e.errno, e.strerror)  # (what a pickle of it keeps: a worker's error re-raised)
+            e.args = (e.errno, e.strerror, *e.args[2:])  # (what a pickle keeps; BlockingIOError's third arg too)
         else:
             e.args = (f"{label}: {e}",)
         raise

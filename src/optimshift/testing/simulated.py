@@ -681,8 +681,8 @@ def _unwrap(x: Any, seen: _Unwrapped) -> Any:
                 seen.cpu_storages.add(x.untyped_storage().data_ptr())
             return x
         if x.is_conj() or x.is_neg():
-            # Running a CPU kernel over a conjugate/negative view of the backing crashes torch 2.13 (a
-            # segfault): refuse with an error instead.
+            # A CPU kernel that takes the view as it is (mm, dot, vdot) would read the backing's lazy
+            # conjugate/negation wrongly (vdot's values come out wrong): refuse with an error instead.
             raise NotImplementedError(
                 "simulated accelerator: ops on conjugate or negative views (x.conj() of a complex tensor) are not "
                 "supported; use x.conj_physical(), or resolve the view on the host"

@@ -25,7 +25,9 @@ from _integrations_support import (
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 
+import optimshift  # noqa: E402
 import optimshift.integrations.accelerate as osa  # noqa: E402
+from optimshift.testing import deferred_streams  # noqa: E402
 from optimshift.testing.accelerate import on_device  # noqa: E402
 
 O = torch.optim
@@ -307,3 +309,25 @@ def test_load_state_dict_of_a_class_with_its_own_load_is_accelerates(sim, accele
     _OwnLoad.calls = 0
     prepared.load_state_dict(opt.state_dict())
     assert _OwnLoad.calls == 1 and bitwise_same(snapshot(opt), before)
+
+
+def test_load_state_into_an_optimizer_offloaded_by_optimshift_is_optimshifts(sim, accelerator_on, accelerate_patch):
+    """A group removed while offloaded (its state then one optimshift cannot place): Accelerate's own load (torch's)
+    replaced the state and left the offload recorded, and the next step() was refused as offloaded."""
+    accelerate_patch(True)
+    p, q = (torch.nn.Parameter(torch.zeros(n, device=sim)) for n in (2, 3))
+    opt = O.SGD([{"params": [p]}, {"params": [q]}], lr=0.1, momentum=0.9)
+    for t in (p, q):
+        opt.state[t]["momentum_buffer"] = torch.ones_like(t)
+    prepared = accelerator_on(sim).prepare(opt)
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    saved = {"state": {0: {"momentum_buffer": torch.full((2,), 2.0)}}, "param_groups": [{**group, "params": [0]}]}
+    with deferred_streams(seed=0, progress=0.0):
+        optimshift.offload(opt, non_blocking=True)
+        del opt.param_groups[1]
+        prepared.load_state_dict(saved)
+        assert not optimshift.is_offloaded(opt)
+        p.grad = torch.zeros_like(p)
+        prepared.step()
+    assert opt.state[p]["momentum_buffer"].device == sim
+    assert torch.equal(opt.state[p]["momentum_buffer"].cpu(), torch.full((2,), 1.8))

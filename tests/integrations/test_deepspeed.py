@@ -296,6 +296,32 @@ def test_non_blocking_cycles_are_race_free_and_match_the_blocking_run(sim, ds_pa
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
+@pytest.mark.parametrize("held", ["offloaded", "streamed"])
+def test_an_optimizer_optimshift_holds_is_not_handed_to_deepspeeds_reload(sim, ds_patch, held):
+    """Its state became one optimshift cannot place (a group removed while offloaded or streamed): DeepSpeed's own
+    reload read the host copies still in flight (StreamRaceError) or took the streamed state off the host."""
+    ds_patch(True)
+    p, q = (torch.nn.Parameter(torch.zeros(n, device=sim)) for n in (2, 3))
+    opt = O.SGD([{"params": [p]}, {"params": [q]}], lr=0.1, momentum=0.9)
+    for t in (p, q):
+        opt.state[t]["momentum_buffer"] = torch.ones_like(t)
+    with deferred_streams(seed=0, progress=0.0):
+        if held == "offloaded":
+            zero12.offload_optimizer_states(opt, "cpu", pin_memory=True, non_blocking=True)
+        else:
+            optimshift.stream(opt)
+        del opt.param_groups[1]
+        if held == "offloaded":
+            with pytest.raises(ValueError, match="in no param group"):
+                zero12.reload_optimizer_states(opt, str(sim), non_blocking=True)
+            assert optimshift.is_offloaded(opt)
+        else:
+            zero12.reload_optimizer_states(opt, str(sim), non_blocking=True)
+            assert optimshift.is_streamed(opt)
+        optimshift.wait(opt)
+    assert opt.state[p]["momentum_buffer"].device.type == "cpu"
+
+
 class _Nothing:
     def __enter__(self):
         return self

@@ -31,6 +31,7 @@ from lightning.fabric import Fabric  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 
 import optimshift.integrations.lightning as osl  # noqa: E402
+from optimshift.testing import deferred_streams  # noqa: E402
 from optimshift.testing.lightning import fabric_strategy  # noqa: E402
 from optimshift.testing.lightning import strategy as lightning_strategy  # noqa: E402
 
@@ -628,6 +629,40 @@ def test_patched_helper_leaves_unplaceable_optimizers_to_lightning(sim, lightnin
         optimshift.move(custom, sim)
     strategy_module._optimizer_to_device(custom, sim)
     assert custom.moved().device == sim
+
+
+def _two_groups(sim) -> tuple[torch.optim.SGD, torch.Tensor]:
+    """SGD over two params in two groups, momentum for each: removing group 1 leaves state for a param in no group."""
+    p, q = (torch.nn.Parameter(torch.zeros(n, device=sim)) for n in (2, 3))
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [q]}], lr=0.1, momentum=0.9)
+    for t in (p, q):
+        opt.state[t]["momentum_buffer"] = torch.ones_like(t)
+    return opt, p
+
+
+@pytest.mark.parametrize("held", ["offloaded", "streamed"])
+def test_an_optimizer_optimshift_holds_is_not_handed_to_lightnings_loop(sim, lightning_patch, held):
+    """Its state became one optimshift cannot place (a group removed while offloaded or streamed): Lightning's loop
+    moved it to the device, leaving the offload recorded (step() refused) or the streamed state off the host."""
+    lightning_patch(True)
+    from lightning.pytorch.strategies import strategy as strategy_module
+
+    opt, p = _two_groups(sim)
+    with deferred_streams(seed=0, progress=0.0):
+        if held == "offloaded":
+            optimshift.offload(opt, non_blocking=True)
+        else:
+            optimshift.stream(opt)
+        del opt.param_groups[1]
+        if held == "offloaded":
+            with pytest.raises(ValueError, match="in no param group"):
+                strategy_module._optimizer_to_device(opt, sim)
+            assert optimshift.is_offloaded(opt)
+        else:
+            strategy_module._optimizer_to_device(opt, sim)  # (its state stays on the host: the step streams it)
+            assert optimshift.is_streamed(opt)
+        optimshift.wait(opt)
+    assert opt.state[p]["momentum_buffer"].device.type == "cpu"
 
 
 def test_patch_leaves_a_users_own_alias_of_the_helper_alone(lightning_patch):

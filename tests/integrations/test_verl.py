@@ -372,6 +372,24 @@ def test_an_optimizer_offloaded_by_optimshift_is_not_handed_to_verls_load(sim, v
     assert optimshift.is_offloaded(opt) and opt.state[p]["momentum_buffer"].device.type == "cpu"
 
 
+def test_an_optimizer_with_a_reload_in_flight_is_not_handed_to_verls_offload(sim, verl_patch):
+    """A group removed while the reload's copies run (its state then one optimshift cannot place): verl's own
+    offload read the device state the copies were still writing (StreamRaceError); optimshift's ValueError now."""
+    verl_patch(True)
+    p, q = (torch.nn.Parameter(torch.zeros(n, device=sim)) for n in (2, 3))
+    opt = torch.optim.SGD([{"params": [p]}, {"params": [q]}], lr=0.1, momentum=0.9)
+    for t in (p, q):
+        opt.state[t]["momentum_buffer"] = torch.ones_like(t)
+    with deferred_streams(seed=0, progress=0.0):
+        engine.offload_fsdp_optimizer(opt)
+        engine.load_fsdp_optimizer(opt, sim)  # (non-blocking: in flight)
+        del opt.param_groups[1]
+        with pytest.raises(ValueError, match="in no param group"):
+            engine.offload_fsdp_optimizer(opt)
+        optimshift.wait(opt)
+    assert not optimshift.is_offloaded(opt) and opt.state[p]["momentum_buffer"].device == sim
+
+
 # --- non-blocking transfers -----------------------------------------------------------------------------------
 
 

@@ -16,27 +16,46 @@ from .. import _mode, api
 from .._devices import resolve
 from .._dtensor import is_dtensor
 from .._errors import warn
-from .._offload import record_of
+from .._offload import pending_of, record_of
 from .._state import unwrap
 
-__all__ = ["placeable", "follow_params", "to_host", "reload_to", "Swap", "Patch", "bound_swaps", "streamed", "warn"]
+__all__ = [
+    "held",
+    "placeable",
+    "follow_params",
+    "to_host",
+    "reload_to",
+    "Swap",
+    "Patch",
+    "bound_swaps",
+    "streamed",
+    "warn",
+]
 
 # What a replacement takes of the function it replaces: its name (logs and tracebacks read naturally), not its
 # docstring or module.
 NAMES_ONLY = ("__name__", "__qualname__")
 
 
+def held(optimizer: Any) -> bool:
+    """Whether optimshift holds this optimizer's state (offloaded, streamed, a transfer in flight): it stays
+    optimshift's, whatever its state: a framework's own code would race its copies and leave its record behind."""
+    return api.is_offloaded(optimizer) or streamed(optimizer) or not pending_of(unwrap(optimizer)).done()
+
+
 def placeable(optimizer: Any) -> bool:
-    """Whether optimshift can place this optimizer's state: a torch optimizer (or an object with ``param_groups``
-    and ``state``) whose state is one dict of ordinary tensors (no DTensor) per param of its groups, and nothing
-    else (no optimizer-wide entry); if not, the integrations leave the framework's own code in charge."""
+    """Whether optimshift places this optimizer's state: one it :func:`held`, or a torch optimizer (or an object with
+    ``param_groups`` and ``state``) whose state is one dict of ordinary tensors (no DTensor) per param of its groups,
+    and nothing else (no optimizer-wide entry); if not, the integrations leave the framework's own code in charge."""
+    if held(optimizer):
+        return True
     groups = getattr(optimizer, "param_groups", None)
     state = getattr(optimizer, "state", None)
     if not isinstance(groups, list) or not isinstance(state, Mapping):
         return False
-    held = {id(p) for group in groups if isinstance(group, Mapping) for p in group.get("params", ())}
+    in_groups = {id(p) for group in groups if isinstance(group, Mapping) for p in group.get("params", ())}
     for key, entry in state.items():
-        if id(key) not in held or not isinstance(entry, Mapping):
+        if id(key) not in in_groups or not isinstance(entry, Mapping):
             return False
         if any(is_dtensor(v) for v in entry.values()):
             return False

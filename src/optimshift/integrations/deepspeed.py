@@ -10,9 +10,9 @@ optimizer state goes through :func:`optimshift.offload`/:func:`optimshift.reload
 ``non_blocking=True`` reload is left in flight: the step waits for it on the device); for the fp32 master
 partitions and bf16/fp16 flat params (``pin_memory=True``) DeepSpeed is handed pool buffers as its
 ``hp_params_pin_buffers``/``lp_params_pin_buffers``, which its own code fills as always and which go back to the
-pool at the reload. ``lp_grads``, ``pin_memory=False``, ZeRO-Offload, ZeRO-3, an inner optimizer optimshift cannot
-place and a streamed one stay DeepSpeed's (one log line each); functions that differ from the ones this patch knows
-are left unpatched with a warning (:func:`unknown_functions`).
+pool at the reload. ``lp_grads``, ``pin_memory=False``, ZeRO-Offload, ZeRO-3 and an inner optimizer optimshift cannot
+place stay DeepSpeed's (one log line each; a streamed one's state stays on the host); functions that differ from
+the ones this patch knows are left unpatched with a warning (:func:`unknown_functions`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .._engine import _current_stream_event, uninterrupted
 from .._plan import check_optimizer
 from .._state import leaves, rebuild
 from ..pool import host_pool
-from ._common import NAMES_ONLY, Swap, bound_swaps, importable, patch_of, placeable, reload_to, streamed, warn
+from ._common import NAMES_ONLY, Swap, bound_swaps, held, importable, patch_of, placeable, reload_to, streamed, warn
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -99,6 +99,8 @@ def _why_not_inner(optimizer: Any) -> str | None:
     ZeRO optimizer's call left to DeepSpeed, whose line is logged)."""
     if getattr(_within, "left", False):
         return "left"
+    if held(optimizer):
+        return None  # (whatever its state now: optimshift's error where it cannot place it)
     if type(optimizer).__name__ == "DeepSpeedCPUAdam":
         return "a DeepSpeedCPUAdam keeps its state on the host (ZeRO-Offload)"
     try:
@@ -107,8 +109,6 @@ def _why_not_inner(optimizer: Any) -> str | None:
         return "its optimizer is not a torch optimizer optimshift can place"
     if not placeable(optimizer):
         return "its optimizer's state is not one dict of tensors per param"
-    if streamed(optimizer):
-        return "its optimizer is streamed (optimshift.stream): the state stays on the host"
     return None
 
 
@@ -135,14 +135,14 @@ def _make_offload_optimizer_states(original: Callable[..., None]) -> Callable[..
                 _leave_alone(optimizer, why)  # (silent within a left-alone ZeRO call)
             original(optimizer, device, pin_memory=pin_memory, non_blocking=non_blocking)
             return
-        if optimizer.state:
+        if optimizer.state and not streamed(optimizer):  # (a streamed optimizer's state lives on the host)
             api.offload(optimizer, pin_memory=pin_memory, non_blocking=non_blocking)  # type: ignore[call-overload]
 
     return offload_optimizer_states
 
 
 def _reload(optimizer: Any, device: Any, non_blocking: bool) -> None:
-    if optimizer.state:
+    if optimizer.state and not streamed(optimizer):  # (a streamed optimizer's state stays on the host)
         reload_to(optimizer, device, what="DeepSpeed's device", non_blocking=non_blocking)
 
 

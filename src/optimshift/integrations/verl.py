@@ -34,7 +34,19 @@ import torch
 
 from .. import api
 from .._plan import check_optimizer, states_by_id
-from ._common import NAMES_ONLY, Swap, bound_swaps, importable, module_items, own, patch_of, reload_to, streamed, warn
+from ._common import (
+    NAMES_ONLY,
+    Swap,
+    bound_swaps,
+    held,
+    importable,
+    module_items,
+    own,
+    patch_of,
+    reload_to,
+    streamed,
+    warn,
+)
 
 __all__ = ["patch", "unpatch", "is_patched", "patched_functions", "unknown_functions"]
 
@@ -99,14 +111,14 @@ def _optimizers(optimizer: Any, multi: bool) -> list[Any]:
 
 
 def _is_optimizer(optimizer: Any) -> bool:
-    """Whether optimshift moves this optimizer's state (DTensor state too: FSDP2's), else verl's code does: also
-    one optimshift offloaded or streams, which verl's ``.to()`` would race and leave recorded (optimshift's error)."""
+    """Whether optimshift moves this optimizer's state (DTensor state too: FSDP2's), else verl's code does; one it
+    :func:`held` is always its own (optimshift's error where its state became one it cannot place)."""
+    if held(optimizer):
+        return True
     try:
         states_by_id(check_optimizer(optimizer))  # (state for a param in no group: verl's code walks only groups)
-    except TypeError:
+    except (TypeError, ValueError):
         return False
-    except ValueError:
-        return api.is_offloaded(optimizer) or streamed(optimizer)
     return True
 
 

@@ -331,3 +331,17 @@ def test_load_state_into_an_optimizer_offloaded_by_optimshift_is_optimshifts(sim
         prepared.step()
     assert opt.state[p]["momentum_buffer"].device == sim
     assert torch.equal(opt.state[p]["momentum_buffer"].cpu(), torch.full((2,), 1.8))
+
+
+def test_prepare_places_an_optimizer_wide_entry_by_optimshift(sim, accelerator_on, accelerate_patch):
+    """MADGRAD's ``state["k"]`` (under a plain key): once left to Accelerate's move of the whole state dict, which
+    put it on the device (1 host sync per step); optimshift keeps it where a fresh MADGRAD does, on the host."""
+    madgrad = pytest.importorskip("pytorch_optimizer").MADGRAD
+    accelerate_patch(True)
+    model = _model()
+    opt = madgrad(model.parameters(), lr=0.01)
+    step_with_grads(list(model.parameters()), opt, seed=0)
+    model, prepared = accelerator_on(sim).prepare(model, opt)
+    params = list(model.parameters())
+    assert opt.state["k"].device.type == "cpu" and all(opt.state[p]["s"].device == sim for p in params)
+    assert count_step_syncs(params, prepared, seed=1) == 0

@@ -665,6 +665,22 @@ def test_an_optimizer_optimshift_holds_is_not_handed_to_lightnings_loop(sim, lig
     assert opt.state[p]["momentum_buffer"].device.type == "cpu"
 
 
+def test_an_optimizer_wide_entry_is_placed_by_optimshift(sim, lightning_patch):
+    """MADGRAD's ``state["k"]`` (under a plain key): once left to Lightning's loop, which put it on the device
+    (1 host sync per step); optimshift keeps it where a fresh MADGRAD does, on the host."""
+    madgrad = pytest.importorskip("pytorch_optimizer").MADGRAD
+    from lightning.pytorch.strategies import strategy as strategy_module
+
+    lightning_patch(True)
+    params = [torch.nn.Parameter(torch.randn(3, device=sim))]
+    opt = madgrad(params, lr=0.01)
+    step_with_grads(params, opt, seed=0)
+    strategy_module._optimizer_to_device(opt, "cpu")
+    strategy_module._optimizer_to_device(opt, sim)
+    assert opt.state["k"].device.type == "cpu" and opt.state[params[0]]["s"].device == sim
+    assert count_step_syncs(params, opt, seed=1) == 0
+
+
 def test_patch_leaves_a_users_own_alias_of_the_helper_alone(lightning_patch):
     import types
 

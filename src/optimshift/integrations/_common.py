@@ -46,7 +46,7 @@ def held(optimizer: Any) -> bool:
 def placeable(optimizer: Any) -> bool:
     """Whether optimshift places this optimizer's state: one it :func:`held`, or a torch optimizer (or an object with
     ``param_groups`` and ``state``) whose state is one dict of ordinary tensors (no DTensor) per param of its groups,
-    and nothing else (no optimizer-wide entry); if not, the integrations leave the framework's own code in charge."""
+    beside optimizer-wide entries (MADGRAD's ``k``); else the framework's own code is left in charge."""
     if held(optimizer):
         return True
     groups = getattr(optimizer, "param_groups", None)
@@ -55,6 +55,8 @@ def placeable(optimizer: Any) -> bool:
         return False
     in_groups = {id(p) for group in groups if isinstance(group, Mapping) for p in group.get("params", ())}
     for key, entry in state.items():
+        if not isinstance(key, torch.Tensor):
+            continue  # an optimizer-wide entry: where a fresh optimizer of the class keeps it
         if id(key) not in in_groups or not isinstance(entry, Mapping):
             return False
         if any(is_dtensor(v) for v in entry.values()):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -186,3 +187,34 @@ def test_bench_out_through_a_link_writes_the_file_it_points_at_and_json_is_one_d
     monkeypatch.setattr(bench, "_write_out", full)
     assert cli.main(["bench", "--device", "sim", "--out", str(link), "--json"]) == 1
     assert "No space left" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+def test_bench_out_keeps_the_replaced_file_s_permissions(tmp_path, capsys, monkeypatch):
+    """Replacing a private results file keeps it private, as ``save`` does (a 0600 file became 0644)."""
+    _bench_stub(monkeypatch, [])
+    out = tmp_path / "res.json"
+    out.write_text("{}")
+    os.chmod(out, 0o600)
+    assert cli.main(["bench", "--device", "sim", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == {"case": "stub", "value": 1}
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600 and [p.name for p in tmp_path.iterdir()] == ["res.json"]
+
+
+@pytest.mark.parametrize("when", ["before the run", "during the run"])
+def test_bench_out_refuses_a_read_only_file_in_one_line(tmp_path, capsys, monkeypatch, when):
+    """A read-only results file is refused, as ``save`` refuses one, in one line (before the run where it is
+    read-only then): a rename replaced it. Nothing is written and no temporary is left."""
+    runs = []
+    _bench_stub(monkeypatch, runs)
+    out = tmp_path / "res.json"
+    out.write_text("mine")
+    if when == "before the run":
+        os.chmod(out, 0o444)
+    else:
+        run = bench.run_bench
+        monkeypatch.setattr(bench, "run_bench", lambda device, quick=False: (os.chmod(out, 0o444), run(device))[1])
+    assert cli.main(["bench", "--device", "sim", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{out} is read-only (mode 444)" in err, err
+    assert runs == ([] if when == "before the run" else [1])
+    assert out.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["res.json"]

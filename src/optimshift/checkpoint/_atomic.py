@@ -65,6 +65,25 @@ def not_a_file(target: str) -> str | None:
     return None
 
 
+def read_only(target: str) -> str | None:
+    """Why the file ``target`` may not be replaced, else None: with no write bit it was made read-only on purpose,
+    and an atomic write's rename would replace it anyway."""
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        return None
+    if mode & 0o222:
+        return None
+    return f"{target} is read-only (mode {stat.S_IMODE(mode):o}); make it writable to replace it"
+
+
+def keep_mode(tmp: str, target: str) -> None:
+    """Give the temporary ``tmp`` the permissions of the file ``target`` it will replace, if any (0600 stays
+    private)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+
+
 def temp_pattern(target: str) -> re.Pattern[str]:
     """The names of ``target``'s temporaries (and of no other destination's: the token is exactly 12 hex)."""
     return re.compile(rf"\.{re.escape(_stem(target))}\.[0-9a-f]{{{_TOKEN_HEX}}}\.tmp")

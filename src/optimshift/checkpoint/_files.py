@@ -10,7 +10,6 @@ import os
 import pickle
 import pickletools
 import re
-import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -266,12 +265,8 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")
     if (kind := _atomic.not_a_file(target)) is not None:
         raise FileExistsError(f"save: {target} is {kind}, not a file: saving would replace it; give a file path")
-    if os.path.exists(target) and not os.stat(target).st_mode & 0o222:
-        # A file with no write bit was made read-only on purpose; a rename would silently replace it anyway.
-        raise PermissionError(
-            f"save: {target} is read-only (mode {stat.S_IMODE(os.stat(target).st_mode):o}); "
-            f"make it writable to replace it"
-        )
+    if (problem := _atomic.read_only(target)) is not None:
+        raise PermissionError(f"save: {problem}")
     if not os.path.isdir(folder):
         if os.path.exists(folder):
             raise NotADirectoryError(f"save: {folder} is a file, not a folder to save {os.path.basename(target)} in")
@@ -288,8 +283,7 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             raise PermissionError(
                 e.errno, f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically)"
             ) from None
-        with contextlib.suppress(FileNotFoundError):  # replacing a file: keep its permissions (0600 stays private)
-            os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+        _atomic.keep_mode(tmp, target)
         raw = os.fdopen(fd, "wb")  # (closed after the rename: closing it releases the lock)
         try:
             # (torch.save writes to any object with write and flush; its stubs ask for a typing.IO)

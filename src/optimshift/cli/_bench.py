@@ -611,6 +611,8 @@ def _out_problem(out: str) -> str | None:
         return f"--out {out} is a directory; give a file path"
     if (kind := _atomic.not_a_file(target)) is not None:
         return f"--out {out} is {kind}, not a file: writing would replace it; give a file path"
+    if (problem := _atomic.read_only(target)) is not None:
+        return f"--out {out}: {problem}"
     if not os.path.isdir(os.path.dirname(target)):
         return f"--out {out}: folder {os.path.dirname(target)} does not exist"
     if not os.access(os.path.dirname(target), os.W_OK):
@@ -619,17 +621,21 @@ def _out_problem(out: str) -> str | None:
 
 
 def _write_out(out: str, result: dict[str, Any]) -> None:
-    """``result`` as JSON at ``out``, atomically: through a hidden temporary of its own (removed on failure)."""
+    """``result`` as JSON at ``out``, atomically: through a hidden temporary of its own (removed on failure), with
+    the replaced file's permissions; a file made read-only meanwhile is refused, as save refuses one."""
     import os
 
     from ..checkpoint import _atomic
 
     target = os.path.realpath(os.path.abspath(out))  # (through a link: the file it points at, as save does)
+    if (problem := _atomic.read_only(target)) is not None:
+        raise PermissionError(problem)
     _atomic.sweep(target)
     made: list[str] = []  # (the temporary once it exists: removed below, a Ctrl-C as create_temp returns included)
     try:
         fd, tmp = _atomic.create_temp(target, made)
         with os.fdopen(fd, "w") as f:  # (closed after the rename: closing it releases the temporary's lock)
+            _atomic.keep_mode(tmp, target)
             json.dump(result, f, indent=2)
             f.flush()
             os.fsync(f.fileno())

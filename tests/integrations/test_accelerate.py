@@ -345,3 +345,37 @@ def test_prepare_places_an_optimizer_wide_entry_by_optimshift(sim, accelerator_o
     params = list(model.parameters())
     assert opt.state["k"].device.type == "cpu" and all(opt.state[p]["s"].device == sim for p in params)
     assert count_step_syncs(params, prepared, seed=1) == 0
+
+
+def test_load_state_dict_optimshift_refuses_but_torch_takes_is_accelerates(sim, accelerator_on, accelerate_patch):
+    """An Adam given an optimizer-wide entry by hand (``state["k"]``, no torch.optim class keeps one): torch's load
+    keeps it; optimshift's load refuses it, so the load is Accelerate's, as before 580e5f5 (which let such an
+    optimizer through to optimshift's load, and the load raised)."""
+    accelerate_patch(True)
+    model = _model().to(sim)
+    opt = O.Adam(model.parameters(), foreach=False)
+    step_with_grads(list(model.parameters()), opt, seed=0)
+    opt.state["k"] = torch.tensor(1.0)
+    _, prepared = accelerator_on(sim).prepare(model, opt)
+    prepared.load_state_dict(opt.state_dict())
+    assert torch.equal(opt.state["k"].cpu(), torch.tensor(1.0))
+    step_with_grads(list(model.parameters()), prepared, seed=1)
+
+
+def test_load_state_dict_of_an_optimizer_wide_entry_its_class_keeps_is_optimshifts(
+    sim, accelerator_on, accelerate_patch, monkeypatch
+):
+    """MADGRAD's ``k`` (its class keeps it): the load is optimshift's, which keeps ``k`` on the host."""
+    madgrad = pytest.importorskip("pytorch_optimizer").MADGRAD
+    from optimshift.checkpoint import _resume
+
+    accelerate_patch(True)
+    model = _model()
+    opt = madgrad(model.parameters(), lr=0.01)
+    step_with_grads(list(model.parameters()), opt, seed=0)
+    model, prepared = accelerator_on(sim).prepare(model, opt)
+    loads, original = [], _resume.load_as_torch_would
+    monkeypatch.setattr(_resume, "load_as_torch_would", lambda o, sd: loads.append(o) or original(o, sd))
+    prepared.load_state_dict(opt.state_dict())
+    assert loads == [opt] and opt.state["k"].device.type == "cpu"
+    assert all(opt.state[p]["s"].device == sim for p in model.parameters())

@@ -789,3 +789,54 @@ print(known, again, helpers._optimizer_to_device is original, osl.is_patched())
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True", "True", "False"], done.stdout
+
+
+def test_a_restore_optimshift_refuses_but_torch_takes_is_lightnings(sim, lightning_patch):
+    """An Adam given an optimizer-wide entry by hand (``state["k"]``, no torch.optim class keeps one): torch's load
+    keeps it and the restore runs; optimshift's load refuses it, so the restore is Lightning's, as before 580e5f5
+    (which let such an optimizer through to optimshift's load, and the restore raised)."""
+    lightning_patch(True)
+    params = [torch.nn.Parameter(torch.zeros(3, device=sim))]
+    opt = torch.optim.Adam(params, foreach=False)
+    step_with_grads(params, opt, seed=0)
+    opt.state["k"] = torch.tensor(1.0)
+    saved = opt.state_dict()
+    strategy = lightning_strategy(sim)
+    strategy.optimizers = [opt]
+    strategy.load_optimizer_state_dict({"optimizer_states": [saved]})
+    assert torch.equal(opt.state["k"], torch.tensor(1.0)) and opt.state[params[0]]["exp_avg"].device == sim
+    step_with_grads(params, opt, seed=1)
+
+
+def test_a_restore_of_an_optimizer_wide_entry_its_class_keeps_is_optimshifts(sim, lightning_patch, monkeypatch):
+    """MADGRAD's ``k`` (its class keeps it): the restore is optimshift's load, which keeps ``k`` on the host."""
+    madgrad = pytest.importorskip("pytorch_optimizer").MADGRAD
+    from optimshift.checkpoint import _resume
+
+    lightning_patch(True)
+    params = [torch.nn.Parameter(torch.zeros(3, device=sim))]
+    opt = madgrad(params, lr=0.01)
+    step_with_grads(params, opt, seed=0)
+    saved = opt.state_dict()
+    loads, original = [], _resume.load_as_torch_would
+    monkeypatch.setattr(_resume, "load_as_torch_would", lambda o, sd: loads.append(o) or original(o, sd))
+    strategy = lightning_strategy(sim)
+    strategy.optimizers = [opt]
+    strategy.load_optimizer_state_dict({"optimizer_states": [saved]})
+    assert loads == [opt] and opt.state["k"].device.type == "cpu" and opt.state[params[0]]["s"].device == sim
+
+
+def test_a_fabric_load_optimshift_refuses_but_torch_takes_is_torchs(sim, tmp_path, lightning_patch):
+    """``Fabric.load_raw`` of an Adam checkpoint with a hand-added ``state["k"]`` into a fresh Adam: torch's load
+    keeps ``k``; optimshift's refuses it (no torch.optim class keeps one), so that load is torch's."""
+    lightning_patch(True)
+    model, opt = _trained("Adam", {}, steps=1)
+    opt.state["k"] = torch.tensor(1.0)
+    path = tmp_path / "raw.pt"
+    torch.save(opt.state_dict(), path)
+    model, opt = _trained("Adam", {}, steps=0)
+    fabric = Fabric(strategy=fabric_strategy(sim))
+    model, fabric_opt = fabric.setup(model, opt)
+    fabric.load_raw(path, fabric_opt)
+    assert torch.equal(opt.state["k"].cpu(), torch.tensor(1.0)) and "load_state_dict" not in vars(opt)
+    step_with_grads(list(model.parameters()), opt, seed=1)

@@ -37,7 +37,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import api
-from ._common import NAMES_ONLY, Swap, bound_swaps, follow_params, importable, patch_of, placeable, streamed, to_host
+from ._common import (
+    NAMES_ONLY,
+    Swap,
+    bound_swaps,
+    follow_params,
+    importable,
+    left_to_torch,
+    patch_of,
+    placeable,
+    streamed,
+    to_host,
+)
 
 if TYPE_CHECKING:
     from lightning.fabric.wrappers import _FabricOptimizer
@@ -125,7 +136,8 @@ def _wrap_fabric(
 @contextlib.contextmanager
 def _loading_as_torch_would(items: Iterable[Any], fabric_optimizer: type[_FabricOptimizer]) -> Iterator[None]:
     """While Fabric's strategy loads a checkpoint, each optimizer among ``items`` optimshift can load has
-    :func:`load_as_torch_would` as its ``load_state_dict`` (torch's casts saved state to the params' dtype)."""
+    :func:`load_as_torch_would` as its ``load_state_dict`` (torch's casts saved state to the params' dtype), but for
+    a state dict :func:`left_to_torch`."""
     from ..checkpoint._resume import can_load, load_as_torch_would
 
     optimizers = [item.optimizer if isinstance(item, fabric_optimizer) else item for item in items]
@@ -134,8 +146,15 @@ def _loading_as_torch_would(items: Iterable[Any], fabric_optimizer: type[_Fabric
         for o in optimizers
         if isinstance(o, torch.optim.Optimizer) and "load_state_dict" not in vars(o) and placeable(o) and can_load(o)
     ]
+
+    def load(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+        if left_to_torch(optimizer, state_dict):
+            type(optimizer).load_state_dict(optimizer, state_dict)
+        else:
+            load_as_torch_would(optimizer, state_dict)
+
     for optimizer in mine:
-        optimizer.load_state_dict = functools.partial(load_as_torch_would, optimizer)  # type: ignore[method-assign]
+        optimizer.load_state_dict = functools.partial(load, optimizer)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -196,11 +215,11 @@ def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[.
         """optimshift's restore for ``fit(ckpt_path=...)`` where every optimizer can be; else Lightning's."""
         from ..checkpoint._resume import can_load, load_as_torch_would
 
-        optimizers = list(self.optimizers)
-        if not all(placeable(o) and can_load(o) for o in optimizers):
+        pairs = list(zip(self.optimizers, checkpoint["optimizer_states"]))
+        if not all(placeable(o) and can_load(o) and not left_to_torch(o, s) for o, s in pairs):
             original(self, checkpoint)
             return
-        for optimizer, opt_state in zip(optimizers, checkpoint["optimizer_states"]):
+        for optimizer, opt_state in pairs:
             load_as_torch_would(optimizer, opt_state)
 
     return load_optimizer_state_dict

@@ -1,8 +1,10 @@
 """check() and placement(): findings name where, what, why, and the host syncs each costs (re-measured here)."""
 
+import contextlib
 import copy
 import inspect
 import types
+import warnings
 
 import pytest
 import torch
@@ -566,6 +568,131 @@ def test_rebind_of_the_inner_optimizer_and_then_of_the_wrapper_re_keys_both(sim,
     for p in new:
         p.grad = torch.randn_like(p)
     opt.step()
+
+
+def _stepped_lookahead(sim):
+    """A stepped ``_Lookahead`` over AdamW, a mapping keyed by its params in its own state; its params."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
+    opt = _Lookahead(O.AdamW(params, foreach=False))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state["seen"] = {p: i for i, p in enumerate(params)}
+    return params, opt
+
+
+def test_rebind_of_the_wrapper_to_other_params_than_the_inner_rebind_gave_re_keys_its_mappings_to_them(sim):
+    """Inner rebound to B, the wrapper to D: its state's keys went to D, but a mapping keyed by the params in it was
+    re-keyed to B only (the inner rebind's params, no longer in any group)."""
+    params, opt = _stepped_lookahead(sim)
+    b, d = ([torch.nn.Parameter(p.detach().cpu()) for p in params] for _ in range(2))
+    optimshift.rebind(opt.optimizer, b)
+    with pytest.warns(RuntimeWarning, match=r"optimshift\.rebind on it"):
+        optimshift.rebind(opt, d)
+    assert [*map(id, opt.state["seen"])] == [*map(id, d)] and {*map(id, opt.state)} == {*map(id, (*d, "seen"))}
+
+
+def test_rebind_of_the_wrapper_re_keys_no_two_entries_to_one_param(sim):
+    """Inner rebound to B, a wrapper step (state for B: the slow weights afresh), inner rebound to C: the wrapper's
+    entries for A and for B both had C in their place, and its rebind kept one, dropping the other with no word.
+    It is refused, nothing changed (which to keep is the user's call)."""
+    params, opt = _stepped_lookahead(sim)
+    b, c = ([torch.nn.Parameter(p.detach().cpu()) for p in params] for _ in range(2))
+    optimshift.rebind(opt.optimizer, b)
+    for p in b:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    optimshift.rebind(opt.optimizer, c)
+    before = list(opt.state.items())
+    with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match="in no param group"):
+        optimshift.rebind(opt, c)
+    assert [(id(k), id(v)) for k, v in opt.state.items()] == [(id(k), id(v)) for k, v in before]
+
+
+def test_a_ctrl_c_at_any_bytecode_of_a_wrappers_rebind_re_keys_its_state_or_leaves_it(sim):
+    """A SIGINT at each bytecode of the wrapper's rebind from its stale entries on: its state is as it was (keys,
+    order, objects) or re-keyed. (The re-key before the plan popped an entry outside the try: a Ctrl-C there lost
+    it; its undo ran after a completed commit too, putting the old keys back over the groups' new params.)"""
+    import os
+    import signal
+    import sys
+
+    from optimshift import api
+
+    handler = signal.getsignal(signal.SIGINT)
+    codes = {api._rebind.__code__, api._stale.__code__, api._remember.__code__}
+    n = 0
+    while True:
+        n += 1
+        params, opt = _stepped_lookahead(sim)
+        new = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+        optimshift.rebind(opt.optimizer, new)
+        before, seen = list(opt.state.items()), list(opt.state["seen"])
+        count = [0, False]
+
+        def traced(frame, event, arg):
+            if frame.f_code not in codes:
+                return None
+            count[1] = count[1] or frame.f_code is api._stale.__code__
+            frame.f_trace_opcodes = True
+            return local
+
+        def local(frame, event, arg):
+            if event == "opcode" and count[1]:
+                count[0] += 1
+                if count[0] == n:
+                    os.kill(os.getpid(), signal.SIGINT)  # (raised here unless an operation holds it)
+            return local
+
+        sys.settrace(traced)
+        try:
+            with warnings.catch_warnings(action="ignore"):
+                optimshift.rebind(opt, new)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        pairs = [(id(k), id(v)) for k, v in opt.state.items()]
+        same = pairs == [(id(k), id(v)) for k, v in before] and list(opt.state["seen"]) == seen
+        done = {*map(id, opt.state)} == {*map(id, (*new, "seen"))} and list(opt.state["seen"]) == new
+        assert same or done, n
+        assert signal.getsignal(signal.SIGINT) is handler, n  # (a section holding it gave it back)
+        if not interrupted:
+            break
+    assert n > 50
+
+
+def test_a_failure_after_the_commit_of_a_wrappers_rebind_leaves_its_state_keyed_by_the_params_in_its_groups(
+    sim, monkeypatch
+):
+    """The undo of the stale keys' re-key ran on any failure, one after the commit too: the old keys came back over
+    groups holding the new params (and a mapping the commit had re-keyed)."""
+    params, opt = _stepped_lookahead(sim)
+    new = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+    optimshift.rebind(opt.optimizer, new)
+    monkeypatch.setattr(optimshift.api, "remember_sides", lambda *a: 1 / 0)
+    with pytest.warns(RuntimeWarning), pytest.raises(ZeroDivisionError):
+        optimshift.rebind(opt, new)
+    assert {*map(id, opt.state)} == {*map(id, (*new, "seen"))} and list(opt.state["seen"]) == new
+
+
+def test_an_operation_on_a_wrapper_after_a_rebind_of_its_inner_optimizer_says_to_rebind_the_wrapper(sim):
+    """The wrapper's state for the params a rebind of its inner optimizer replaced was refused with 'Remove it (del
+    optimizer.state[param])', which throws its slow weights away; it says to rebind the wrapper, which re-keys it."""
+    params, opt = _stepped_lookahead(sim)
+    new = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+    optimshift.rebind(opt.optimizer, new)
+    for call in (optimshift.check, optimshift.move):
+        with pytest.warns(RuntimeWarning) if call is optimshift.move else contextlib.nullcontext():
+            with pytest.raises(ValueError, match=r"\(optimizer: AdamW\) replaced .* optimshift\.rebind _Lookahead"):
+                call(opt)
+    with pytest.warns(RuntimeWarning):
+        optimshift.rebind(opt, new)
+    assert optimshift.check(opt).ok
+    opt.state[params[0]] = {"slow": torch.zeros(4, 3)}  # (state for a param no rebind replaced: remove it)
+    with pytest.raises(ValueError, match=r"Remove it \(del optimizer\.state\[param\]\)"):
+        optimshift.check(opt)
 
 
 class _Partial(torch.optim.Optimizer):

@@ -16,7 +16,7 @@ import torch
 from . import _session
 from . import policy as _policy
 from ._errors import with_article
-from ._state import GROUP_SKIP, OPTIMIZER_WIDE, Path, format_path, label_in, leaves, param_label
+from ._state import GROUP_SKIP, OPTIMIZER_WIDE, Path, format_path, inner_optimizers, label_in, leaves, param_label
 
 __all__ = [
     "Site",
@@ -254,10 +254,26 @@ def states_by_id(
             elif id(p) not in located:
                 shape = tuple(p.shape)
                 keys = list(entries) if isinstance(entries, Mapping) else []
+                # (a rebind of an optimizer it holds over its groups, Lookahead's inner one, replaced the param by
+                # one with no state here: what api._stale re-keys)
+                keyed = {id(k) for k in entries_of}
+                by = [
+                    f"{attr}: {optimizer_name(held)}"
+                    for attr, held in inner_optimizers(optimizer)
+                    if (s := _session.of(held)) is not None
+                    and (r := s.rebound.get(p)) is not None
+                    and id(q := r()) in located
+                    and id(q) not in keyed
+                ]
+                fix = (
+                    f"A rebind of the optimizer it holds ({by[0]}) replaced that param in the groups they share: "
+                    f"optimshift.rebind {name} to the same params to re-key it (removing it would lose it)"
+                    if by
+                    else "Remove it (del optimizer.state[param]) or add the param to a group"
+                )
                 raise ValueError(
                     f"{name}: state holds an entry (keys {keys}) for a param of shape {shape} that is in no param "
-                    f"group: nothing can place it, and state_dict() cannot name it. Remove it "
-                    f"(del optimizer.state[param]) or add the param to a group; nothing was changed"
+                    f"group: nothing can place it, and state_dict() cannot name it. {fix}; nothing was changed"
                 )
             else:
                 by_id[id(p)] = entries

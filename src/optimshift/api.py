@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -1030,7 +1031,8 @@ def _stale(optimizer: Any, held: Iterable[Any]) -> list[tuple[torch.Tensor, torc
             q = next((r() for m in renamed if (r := m.get(k)) is not None), None)
             if q is not None and id(q) in located and q not in optimizer.state:
                 out.append((k, q))
-    return out
+    claims = collections.Counter(id(q) for _, q in out)  # (two old params for one new: neither, the plan refuses)
+    return [(k, q) for k, q in out if claims[id(q)] == 1]
 
 
 def _remember(optimizer: Any, renamed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -1121,7 +1123,7 @@ def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
     # re-keyed to them, as if this rebind had come first)
     stale = _stale(optimizer, [held for held, _ in sharing])
     finish = [
-        *_rekeys(optimizer, {**renames, **{id(k): q for k, q in stale}}),
+        *_rekeys(optimizer, {**renames, **{id(k): renames.get(id(q), q) for k, q in stale}}),
         *(f for held, ids in sharing for f in _rekeys(held, {i: q for i, q in renames.items() if i in ids})),
     ]
     by_policy = policy_target(optimizer, None)
@@ -1137,8 +1139,12 @@ def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
             return by_policy.wide_entry(ident, group, key, tensor, group_device(news, tensor))
         return by_policy.group_entry(ident, group, key, tensor, by_policy.params_at(news, tensor))
 
+    committed = False
+
     def rewrite() -> None:
         """The new params in the groups, their state re-keyed (dict and list operations: they cannot fail)."""
+        nonlocal committed
+        committed = True  # (the commit runs to its end from here: the stale keys' undo must not run)
         rebuilt: dict[int, list[Any]] = {}  # (a group whose params are a tuple, set by hand: torch steps it too)
         for (gi, pi, _), q in zip(old, new):
             held = optimizer.param_groups[gi]["params"]
@@ -1164,16 +1170,21 @@ def _rebind(optimizer: Opt, params: Iterable[Any]) -> Opt:
 
     # (the collector is paused by _one_at_a_time; not cached: the next call has other params)
     state, before = optimizer.state, list(optimizer.state.items()) if stale else []
-    for k, q in stale:  # (before the plan, which refuses state for a param in no group; undone if it fails)
-        state[q] = state.pop(k)
     try:
+        # (before the plan, which refuses state for a param in no group; held from a Ctrl-C, never popped first:
+        # an interrupt leaves each entry under one key or both, which the undo restores)
+        with _engine.uninterrupted(to_the_end=False):
+            for k, q in stale:
+                state[q] = state[k]
+                del state[k]
         copies, pending, _, _ = _transfer(
             optimizer, target, what="rebind", rewrite=rewrite, finish=finish, follows=True
         )
     except BaseException:
-        if stale:
-            state.clear()
-            state.update(before)
+        if stale and not committed:
+            with _engine.uninterrupted(to_the_end=False):
+                state.clear()
+                state.update(before)
         raise
     _remember(optimizer, [(p, q) for (_, _, p), q in zip(old, new) if p is not q])
     del copies  # (before a release: a swap leaves the old device tensors in the copies' objects)

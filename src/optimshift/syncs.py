@@ -2,7 +2,9 @@
 another device), copying a device tensor to the host, an op whose output size depends on device data (``nonzero``,
 ``x[mask]``), seen through a ``TorchDispatchMode`` on any backend. The streamed step's queued copies to the host are
 counted apart (:func:`async_copies`). Not counted: waits outside the dispatcher (``torch.cuda.synchronize()``, event
-waits), printing a device tensor; code under ``torch.compile`` counts as the ops its graph runs eagerly.
+waits), printing a device tensor; code under ``torch.compile`` counts as the ops its graph runs eagerly, and a
+compiled function first called inside the block stays eager even after it (dynamo skips a frame run under a
+dispatch mode): call it once outside first.
 """
 
 from __future__ import annotations

@@ -1163,6 +1163,34 @@ def test_a_raise_of_the_probe_s_contradicting_truth_reads_is_no_error(sim, given
     _step(opt, params, 1)
 
 
+class _DecayUnlessZero(torch.optim.Optimizer):
+    """A third-party SGD that skips its weight decay by ``if weight_decay == 0`` (not ``!= 0``, as Adamax's foreach
+    step reads it too): the branch a nonzero value takes is the one the probe's false truth reads take."""
+
+    def __init__(self, params, lr=0.1, weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                wd = group["weight_decay"]
+                p.add_(p.grad if wd == 0 else p.grad.add(p, alpha=wd), alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("given", ["cpu", "sim"])
+def test_a_raise_a_nonzero_one_element_value_takes_is_an_error(sim, given):
+    """A ``(1,)`` weight_decay of 0.01 under ``if weight_decay == 0``: the step's else branch raises (alpha takes no
+    tensor) on either device. The probe sees that raise with truth reads false only, which a confirmation with them
+    true (meant for fused SGD's 0-dim momentum) dropped: check() said nothing."""
+    device = sim if given == "sim" else torch.device("cpu")
+    params = _params(sim)
+    opt = _DecayUnlessZero(params, weight_decay=torch.full((1,), 0.01, device=device))
+    assert [f.key for f in optimshift.check(opt).findings if f.severity == "error"] == ["weight_decay"]
+    with pytest.raises(TypeError):
+        _step(opt, params, 0)
+
+
 @pytest.mark.parametrize("cls", [O.Adam, O.NAdam, O.RMSprop])
 def test_a_0_dim_eps_a_fake_step_cannot_read_is_no_error(sim, cls):
     """A foreach step reads a 0-dim eps as a number in C++, which a fake tensor cannot answer (the probe's steps

@@ -677,8 +677,9 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
 
     def raises_if_taken(path: GroupPath) -> bool:
         """:func:`raises_either` with every truth read true: where a branch the false stand-in skipped computes with
-        it (AdamW's foreach ``if weight_decay != 0``), and where it raised with them false, whether it does either
-        way (fused SGD's ``momentum == 0`` and ``!= 0`` both read false disagree: an IndexError no real step makes)."""
+        it (AdamW's foreach ``if weight_decay != 0``), and where a 0-dim one raised with them false, whether it does
+        either way (fused SGD's ``momentum == 0`` and ``!= 0`` both read false disagree: an IndexError no real step
+        makes)."""
         if not truthy_reference:
             same = truthy and not base  # (the host step with truth reads true, run already)
             truthy_reference.append(truthy[0] if same else _run(cls, group, ndim, paths, base, truth=True)[0])
@@ -714,7 +715,9 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
                     costs[path] = (one - per_param, per_param)
         either = raises_either(path, reference, alone)
         one_dim = (group[path[0]] if path[1] is None else group[path[0]][path[1]]).dim() != 0
-        if (either or one_dim) and raises_if_taken(path):
+        # (a raise with truth reads false: a one-dim tensor's is a branch its nonzero values may take, ``if wd == 0``'s
+        # else; a 0-dim one's counts where it holds with them true too, as fused SGD's contradicting reads do not)
+        if either and one_dim or (either or one_dim) and raises_if_taken(path):
             if not either:  # (a 0 skips the branch: what holds without it)
                 at_zero[path] = raises.get(path, frozenset())
             raises[path] = frozenset({"host", "device"})  # (its kind, not its side: the verdict is the reads')

@@ -247,8 +247,9 @@ def default_foreach(params: Sequence[Any]) -> bool:
 def runs_foreach(name: str, foreach: bool | None, on_device: bool, hyper: Mapping[str, Any] | None = None) -> bool:
     """Whether a step of torch.optim class ``name`` runs its foreach implementation: ``foreach`` as given, else as
     torch picks it: ``on_device`` (:func:`default_foreach`'s answer for the group's params; for a saved group, whether
-    they are on an accelerator), never under ``differentiable`` or a given ``fused`` (False too), nor for Adam/AdamW
-    given a tensor ``lr`` without ``capturable`` (``hyper``: the group's hyperparameters, where known)."""
+    they are on an accelerator), never under ``differentiable`` or a given ``fused`` (False too), nor for a class whose
+    default is single-tensor (:data:`_NO_DEFAULT_FOREACH`: Adafactor, Muon, LBFGS, SparseAdam) or Adam/AdamW given a
+    tensor ``lr`` without ``capturable`` (``hyper``: the group's hyperparameters, where known)."""
     if foreach is not None:
         return bool(foreach)
     hyper = hyper or {}

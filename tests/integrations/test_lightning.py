@@ -681,6 +681,26 @@ def test_an_optimizer_wide_entry_is_placed_by_optimshift(sim, lightning_patch):
     assert count_step_syncs(params, opt, seed=1) == 0
 
 
+@pytest.mark.parametrize("copies", ["in flight", "complete"])
+def test_an_optimizer_with_a_reload_in_flight_is_lightnings_once_the_copies_are_complete(sim, lightning_patch, copies):
+    """A group removed while a non-blocking reload's copies run (its state then one optimshift cannot place):
+    optimshift's ValueError while they ran, Lightning's loop once they were done (a timing's answer); Lightning's
+    loop, after the copies, either way."""
+    lightning_patch(True)
+    from lightning.pytorch.strategies import strategy as strategy_module
+
+    opt, p = _two_groups(sim)
+    with deferred_streams(seed=0, progress=0.0):
+        optimshift.offload(opt)
+        optimshift.reload(opt, non_blocking=True)
+        del opt.param_groups[1]
+        if copies == "complete":
+            torch.sim.synchronize(0)
+        strategy_module._optimizer_to_device(opt, "cpu")  # Lightning's own loop: every state tensor .to("cpu")
+    buf = opt.state[p]["momentum_buffer"]
+    assert buf.device.type == "cpu" and torch.equal(buf, torch.ones(2))
+
+
 def test_patch_leaves_a_users_own_alias_of_the_helper_alone(lightning_patch):
     import types
 

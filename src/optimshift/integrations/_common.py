@@ -21,6 +21,7 @@ from .._state import unwrap
 
 __all__ = [
     "held",
+    "left_to_framework",
     "placeable",
     "left_to_torch",
     "follow_params",
@@ -39,17 +40,28 @@ NAMES_ONLY = ("__name__", "__qualname__")
 
 
 def held(optimizer: Any) -> bool:
-    """Whether optimshift holds this optimizer's state (offloaded, streamed, a transfer in flight): it stays
-    optimshift's, whatever its state: a framework's own code would race its copies and leave its record behind."""
-    return api.is_offloaded(optimizer) or streamed(optimizer) or not pending_of(unwrap(optimizer)).done()
+    """Whether optimshift holds this optimizer's state (offloaded or streamed): it stays optimshift's, whatever its
+    state: a framework's own code would take it off the host and leave its record behind."""
+    return api.is_offloaded(optimizer) or streamed(optimizer)
+
+
+def left_to_framework(optimizer: Any) -> bool:
+    """False, once a transfer optimshift left in flight is complete: the framework's code, which reads the state
+    directly, takes this optimizer whether or not the copies had finished (never a race, never a timing's answer)."""
+    pending_of(unwrap(optimizer)).wait()
+    return False
 
 
 def placeable(optimizer: Any) -> bool:
     """Whether optimshift places this optimizer's state: one it :func:`held`, or a torch optimizer (or an object with
     ``param_groups`` and ``state``) whose state is one dict of ordinary tensors (no DTensor) per param of its groups,
-    beside optimizer-wide entries (MADGRAD's ``k``); else the framework's own code is left in charge."""
-    if held(optimizer):
-        return True
+    beside optimizer-wide entries (MADGRAD's ``k``); else the framework's own code is left in charge
+    (:func:`left_to_framework`)."""
+    return held(optimizer) or _fits(optimizer) or left_to_framework(optimizer)
+
+
+def _fits(optimizer: Any) -> bool:
+    """Whether this optimizer's state is one optimshift places (:func:`placeable` without :func:`held`)."""
     groups = getattr(optimizer, "param_groups", None)
     state = getattr(optimizer, "state", None)
     if not isinstance(groups, list) or not isinstance(state, Mapping):

@@ -40,6 +40,7 @@ from ._common import (
     bound_swaps,
     held,
     importable,
+    left_to_framework,
     module_items,
     own,
     patch_of,
@@ -111,14 +112,14 @@ def _optimizers(optimizer: Any, multi: bool) -> list[Any]:
 
 
 def _is_optimizer(optimizer: Any) -> bool:
-    """Whether optimshift moves this optimizer's state (DTensor state too: FSDP2's), else verl's code does; one it
-    :func:`held` is always its own (optimshift's error where its state became one it cannot place)."""
+    """Whether optimshift moves this optimizer's state (DTensor state too: FSDP2's), else verl's code does (after a
+    transfer in flight); one it :func:`held` is always its own (its error where its state is one it cannot place)."""
     if held(optimizer):
         return True
     try:
         states_by_id(check_optimizer(optimizer))  # (state for a param in no group: verl's code walks only groups)
     except (TypeError, ValueError):
-        return False
+        return left_to_framework(optimizer)
     return True
 
 

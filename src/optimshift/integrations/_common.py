@@ -21,7 +21,7 @@ from .._state import unwrap
 
 __all__ = [
     "held",
-    "left_to_framework",
+    "hand_over",
     "placeable",
     "left_to_torch",
     "follow_params",
@@ -45,19 +45,21 @@ def held(optimizer: Any) -> bool:
     return api.is_offloaded(optimizer) or streamed(optimizer)
 
 
-def left_to_framework(optimizer: Any) -> bool:
-    """False, once a transfer optimshift left in flight is complete: the framework's code, which reads the state
-    directly, takes this optimizer whether or not the copies had finished (never a race, never a timing's answer)."""
+def hand_over(optimizer: Any) -> None:
+    """Complete a transfer optimshift left in flight before the framework's own code, which reads the state directly,
+    takes this optimizer (whether or not the copies had finished: never a race, never a timing's answer)."""
     pending_of(unwrap(optimizer)).wait()
-    return False
 
 
 def placeable(optimizer: Any) -> bool:
     """Whether optimshift places this optimizer's state: one it :func:`held`, or a torch optimizer (or an object with
     ``param_groups`` and ``state``) whose state is one dict of ordinary tensors (no DTensor) per param of its groups,
     beside optimizer-wide entries (MADGRAD's ``k``); else the framework's own code is left in charge
-    (:func:`left_to_framework`)."""
-    return held(optimizer) or _fits(optimizer) or left_to_framework(optimizer)
+    (:func:`hand_over`)."""
+    if held(optimizer) or _fits(optimizer):
+        return True
+    hand_over(optimizer)
+    return False
 
 
 def _fits(optimizer: Any) -> bool:

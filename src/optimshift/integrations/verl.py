@@ -38,9 +38,9 @@ from ._common import (
     NAMES_ONLY,
     Swap,
     bound_swaps,
+    hand_over,
     held,
     importable,
-    left_to_framework,
     module_items,
     own,
     patch_of,
@@ -119,7 +119,8 @@ def _is_optimizer(optimizer: Any) -> bool:
     try:
         states_by_id(check_optimizer(optimizer))  # (state for a param in no group: verl's code walks only groups)
     except (TypeError, ValueError):
-        return left_to_framework(optimizer)
+        hand_over(optimizer)
+        return False
     return True
 
 

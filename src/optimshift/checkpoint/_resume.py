@@ -214,6 +214,26 @@ def can_load(optimizer: Any) -> bool:
     return True
 
 
+def refused_for_wide_entries(optimizer: Any, state_dict: Any) -> bool:
+    """Whether :func:`load_state_dict` refuses ``state_dict`` only for its optimizer-wide entries (a hand-added one
+    in a torch.optim class's state), which torch's load keeps: a framework's resume of it stays the framework's own."""
+    receiver = _receiver(optimizer)
+
+    def wide(sd: Any) -> list[Any] | None:  # the entries the load's validator calls optimizer-wide; None: valid
+        staging = Staging(receiver, "", sd, flags="live", cast=None, copy=True, device=None, what="")
+        try:
+            staging.validate_structure()
+        except (TypeError, ValueError):
+            return staging.wide
+        return None
+
+    found = wide(state_dict)
+    if not found:
+        return False
+    states = state_dict["state"]
+    return wide({**state_dict, "state": {k: v for k, v in states.items() if k not in found}}) is None
+
+
 def _receiver(optimizer: Any) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` whose state is loaded: ``optimizer`` itself, or the optimizer that a
     delegating wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) wraps."""

@@ -82,7 +82,7 @@ class Staging:
         self.what = what  # the operation, as errors name it: the optimizer, load_state_dict and the file, if any
         self.streamed = streamed  # (its state on the host, its groups' tensors where a move puts them)
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
-        self.wide: list[Any] = []  # optimizer-wide state keys (set by _validate_structure)
+        self.wide: list[Any] = []  # optimizer-wide state keys (set by validate_structure)
         self.base = _policy.builtin_base(type(optimizer))
         # (what a torch.optim step creates is checked in full; a subclass with its own step: only shapes)
         self.strict = _policy.stepping_base(type(optimizer)) is not None
@@ -111,7 +111,7 @@ class Staging:
 
     # -- structure ------------------------------------------------------------------------------------------
 
-    def _validate_structure(self) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
+    def validate_structure(self) -> tuple[list[Mapping[str, Any]], Mapping[Any, Any]]:
         sd = self.sd
         if not isinstance(sd, Mapping):
             raise self.fail(f"state_dict must be a dict, got {type(sd).__name__}", TypeError)
@@ -328,7 +328,7 @@ class Staging:
     # -- the whole state --------------------------------------------------------------------------------------
 
     def build(self) -> tuple[defaultdict[Any, Any], list[dict[str, Any]]]:
-        saved_groups, states = self._validate_structure()
+        saved_groups, states = self.validate_structure()
         live_groups = self.opt.param_groups
         new_groups = [self._new_group(gi, lg, sg) for gi, (lg, sg) in enumerate(zip(live_groups, saved_groups))]
         new_state: defaultdict[Any, Any] = defaultdict(dict)

@@ -23,7 +23,6 @@ __all__ = [
     "held",
     "hand_over",
     "placeable",
-    "left_to_torch",
     "follow_params",
     "to_host",
     "reload_to",
@@ -77,28 +76,6 @@ def _fits(optimizer: Any) -> bool:
         if any(is_dtensor(v) for v in entry.values()):
             return False
     return True
-
-
-def left_to_torch(optimizer: Any, state_dict: Any) -> bool:
-    """Whether optimshift's load refuses ``state_dict`` only for its optimizer-wide entries (a hand-added one in a
-    torch.optim class's state), which torch's load keeps: a framework's resume of it stays the framework's own."""
-    from ..checkpoint._resume import _receiver
-    from ..checkpoint._staging import Staging
-
-    def wide(sd: Any) -> list[Any] | None:  # the entries the load's own validator calls optimizer-wide; None: valid
-        staging = Staging(receiver, "", sd, flags="live", cast=None, copy=True, device=None, what="")
-        try:
-            staging._validate_structure()
-        except (TypeError, ValueError):
-            return staging.wide
-        return None
-
-    receiver = _receiver(optimizer)
-    found = wide(state_dict)
-    if not found:
-        return False
-    states = state_dict["state"]
-    return wide({**state_dict, "state": {k: v for k, v in states.items() if k not in found}}) is None
 
 
 def streamed(optimizer: Any) -> bool:

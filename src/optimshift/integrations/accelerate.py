@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import api
-from ._common import Swap, follow_params, left_to_torch, patch_of, placeable
+from ._common import Swap, follow_params, patch_of, placeable
 
 __all__ = ["patch", "unpatch", "is_patched"]
 
@@ -62,14 +62,14 @@ def _make_init(original: Callable[..., None]) -> Callable[..., None]:
 def _make_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def load_state_dict(self: Any, state_dict: Any) -> None:
-        from ..checkpoint._resume import can_load, load_as_torch_would
+        from ..checkpoint._resume import can_load, load_as_torch_would, refused_for_wide_entries
 
         if (
             getattr(self, "device_placement", False)
             and not _on_xla(self.accelerator_state)
             and placeable(self.optimizer)
             and can_load(self.optimizer)  # (a class with its own load_state_dict, bitsandbytes': Accelerate's)
-            and not left_to_torch(self.optimizer, state_dict)
+            and not refused_for_wide_entries(self.optimizer, state_dict)
         ):
             # optimshift's load: no cast of fp32 state to the params' dtype where the step takes it, strings and
             # namedtuples intact, linear time, and every entry placed for the params and the live flags.

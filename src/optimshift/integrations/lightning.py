@@ -43,7 +43,6 @@ from ._common import (
     bound_swaps,
     follow_params,
     importable,
-    left_to_torch,
     patch_of,
     placeable,
     streamed,
@@ -137,8 +136,8 @@ def _wrap_fabric(
 def _loading_as_torch_would(items: Iterable[Any], fabric_optimizer: type[_FabricOptimizer]) -> Iterator[None]:
     """While Fabric's strategy loads a checkpoint, each optimizer among ``items`` optimshift can load has
     :func:`load_as_torch_would` as its ``load_state_dict`` (torch's casts saved state to the params' dtype), but for
-    a state dict :func:`left_to_torch`."""
-    from ..checkpoint._resume import can_load, load_as_torch_would
+    a state dict :func:`refused_for_wide_entries`."""
+    from ..checkpoint._resume import can_load, load_as_torch_would, refused_for_wide_entries
 
     optimizers = [item.optimizer if isinstance(item, fabric_optimizer) else item for item in items]
     mine = [
@@ -148,7 +147,7 @@ def _loading_as_torch_would(items: Iterable[Any], fabric_optimizer: type[_Fabric
     ]
 
     def load(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
-        if left_to_torch(optimizer, state_dict):
+        if refused_for_wide_entries(optimizer, state_dict):
             type(optimizer).load_state_dict(optimizer, state_dict)
         else:
             load_as_torch_would(optimizer, state_dict)
@@ -213,10 +212,10 @@ def _make_load_optimizer_state_dict(original: Callable[..., None]) -> Callable[.
     @functools.wraps(original, assigned=NAMES_ONLY)
     def load_optimizer_state_dict(self: Any, checkpoint: Any) -> None:
         """optimshift's restore for ``fit(ckpt_path=...)`` where every optimizer can be; else Lightning's."""
-        from ..checkpoint._resume import can_load, load_as_torch_would
+        from ..checkpoint._resume import can_load, load_as_torch_would, refused_for_wide_entries
 
         pairs = list(zip(self.optimizers, checkpoint["optimizer_states"]))
-        if not all(placeable(o) and can_load(o) and not left_to_torch(o, s) for o, s in pairs):
+        if not all(placeable(o) and can_load(o) and not refused_for_wide_entries(o, s) for o, s in pairs):
             original(self, checkpoint)
             return
         for optimizer, opt_state in pairs:

@@ -199,6 +199,46 @@ def test_convert_folder_in_place_through_links_keeps_them_and_refuses_a_read_onl
         assert not [p for p in os.listdir(where) if p.endswith(".tmp")]
 
 
+def test_convert_folder_in_place_writes_a_private_file_privately(tmp_path, capsys, monkeypatch):
+    """In place, a 0600 optimizer file's converted state is written into a 0600 file from its first byte, as save
+    writes one (the temporary took the umask's 0644 and got 0600 only at the rename: readable by all meanwhile)."""
+    folder = _trainer_folder(tmp_path)
+    (folder / "optimizer.pt").chmod(0o600)
+    modes = []
+    real_save = torch.save
+
+    def watched(obj, f, *args, **kwargs):
+        modes.append(stat.S_IMODE(os.fstat(f.fileno()).st_mode))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", watched)
+    old = os.umask(0o022)
+    try:
+        rc, out, err = _run(capsys, "convert", folder, folder)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    assert modes == [0o600] and stat.S_IMODE((folder / "optimizer.pt").stat().st_mode) == 0o600
+    torch.load(folder / "optimizer.pt", weights_only=True)
+
+
+def test_convert_folder_in_place_in_a_read_only_folder_names_the_file(tmp_path, capsys):
+    """In place, in a folder this process cannot write: one line naming the folder and the optimizer file (it
+    named the hidden temporary, twice, once the file was loaded and converted), and nothing changes."""
+    folder = _trainer_folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    folder.chmod(0o555)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("this process writes in read-only folders (root)")
+        rc, out, err = _run(capsys, "convert", folder, folder)
+    finally:
+        folder.chmod(0o755)
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write in folder {folder}" in err and f"{folder / 'optimizer.pt'}" in err and ".tmp" not in err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_convert_folder_in_place_converts_a_file_two_names_link_to_once(tmp_path, capsys):
     """Two optimizer files that are one file (a link to the other): converted once (the second name's sweep
     removed the first's finished temporary, and the convert failed; found by review). A broken link: one line."""

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import shutil
-import stat
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -22,7 +21,18 @@ from .. import _alias
 from .._devices import resolve
 from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
-from ..checkpoint._atomic import fsync_dir, make_folder, sweep, sweep_folders, temp_name, temp_pattern
+from ..checkpoint._atomic import (
+    create_temp,
+    fsync_dir,
+    keep_mode,
+    make_folder,
+    read_only,
+    release_temp,
+    sweep,
+    sweep_folders,
+    temp_name,
+    temp_pattern,
+)
 from ..checkpoint._folders import TrainingFolder, training_folder
 from ._common import (
     Progress,
@@ -321,45 +331,52 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
 
 def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[[str, str], int], as_json: bool) -> int:
     """Each optimizer file of ``folder`` converted to a hidden temporary beside the file it replaces (through a
-    link, the file it points at: the same folder, so the same filesystem), and only once every one converted,
-    each renamed over its original with its permissions (a failure on one leaves all as they were). A
-    read-only file is refused first, as ``save`` refuses to replace one."""
+    link, the file it points at: the same folder, so the same filesystem), with its permissions from the start,
+    and only once every one converted, each renamed over its original (a failure on one leaves all as they were).
+    A read-only file, or one in a folder that cannot be written, is refused before anything is converted."""
     # (each real file once: two names linked to one file are one file to convert)
     at = {os.path.realpath(os.path.join(folder.path, name)): name for name in reversed(folder.optimizer_files)}
     reals, names = list(reversed(at)), list(reversed(at.values()))
-    for real, name in zip(reals, names):
-        try:
-            mode = os.stat(real).st_mode
-        except OSError as e:
-            return failure("convert", f"cannot read {os.path.join(folder.path, name)}: {e}", as_json=as_json, error=e)
-        if not mode & 0o222:
-            return failure(
-                "convert",
-                f"{real} is read-only (mode {stat.S_IMODE(mode):o}); make it writable to rewrite it in place",
-                as_json=as_json,
-            )
     temps: list[str] = []
+    locks: list[int] = []  # (keeping another process's sweep off each empty temporary until it is converted into)
     written = io.StringIO()
     try:
-        for name, real in zip(names, reals):
+        for real, name in zip(reals, names):
+            path = os.path.join(folder.path, name)
+            try:
+                os.stat(real)
+            except OSError as e:
+                return failure("convert", f"cannot read {path}: {e}", as_json=as_json, error=e)
+            if (problem := read_only(real)) is not None:
+                return failure("convert", problem, as_json=as_json, error=PermissionError(problem))
             sweep(real)  # (what crashed saves and converts of it left)
-            temps.append(temp_name(real))
+            try:
+                fd, _ = create_temp(real, temps)
+            except PermissionError as e:  # (named after the hidden temporary: say which file and folder)
+                problem = f"cannot write in folder {os.path.dirname(real)} (a new file there, to replace {path})"
+                return failure("convert", problem, as_json=as_json, error=e)
+            locks.append(fd)
+            keep_mode(temps[-1], real)  # (before a byte is written: a private file's state stays private)
+        for name, tmp in zip(names, temps):
             with contextlib.redirect_stdout(written):
-                failed = convert(os.path.join(folder.path, name), temps[-1])
+                failed = convert(os.path.join(folder.path, name), tmp)
             if failed:
                 sys.stdout.write(written.getvalue().splitlines(keepends=True)[-1] if as_json else "")  # (its error)
                 return 1
         for real, tmp in zip(reals, temps):  # (every file converted: each replaces its original)
-            os.chmod(tmp, stat.S_IMODE(os.stat(real).st_mode))
+            keep_mode(tmp, real)  # (as it is now, as save's rename keeps it)
             os.replace(tmp, real)
         for parent in dict.fromkeys(os.path.dirname(real) for real in reals):
             fsync_dir(parent)
     except OSError as e:
         return failure("convert", f"cannot write {dst}: {e}", as_json=as_json, error=e)
     finally:
+        for fd in locks:
+            os.close(fd)
         for tmp in temps:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            release_temp(tmp)
     _report(written, {tmp: os.path.join(dst, name) for tmp, name in zip(temps, names)}, dst, 0, as_json)
     return 0
 

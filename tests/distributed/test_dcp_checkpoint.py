@@ -574,6 +574,34 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+class _BytesPath:
+    """An os.PathLike whose ``__fspath__`` gives bytes (as ``os.DirEntry`` from a bytes scan does)."""
+
+    def __init__(self, path: bytes) -> None:
+        self.path = path
+
+    def __fspath__(self) -> bytes:
+        return self.path
+
+
+def test_save_load_and_describe_dcp_take_a_bytes_path_as_checkpoint_files_do(tmp_path):
+    """A bytes path, or an os.PathLike giving bytes, is taken as ``optimshift.save``/``load`` take one (refused:
+    "must be a str or os.PathLike, got bytes"); a path of another type is refused naming the call."""
+    from optimshift.distributed._checkpoint import is_dcp_folder
+
+    model, opt = _trained()
+    folder = os.fsencode(tmp_path / "ck")
+    save(folder, model, opt, extra={"step": 1})
+    assert is_dcp_folder(folder) and is_dcp_folder(_BytesPath(folder))
+    assert describe_dcp(_BytesPath(folder))["path"] == describe_dcp(tmp_path / "ck")["path"] == str(tmp_path / "ck")
+    fresh = build_model()
+    fresh_opt = build_optimizer(fresh)
+    assert load(_BytesPath(folder), fresh, fresh_opt) == {"step": 1}
+    assert _unchanged(_state_of(model, opt), fresh, fresh_opt)
+    with pytest.raises(TypeError, match=r"^optimshift\.distributed\.load: path must be .* got an int$"):
+        load(3, fresh, fresh_opt)  # type: ignore[arg-type]
+
+
 def test_load_errors_are_clear_and_change_nothing(tmp_path, single_run, dist_dir):
     model, opt = _trained()
     before = _state_of(model, opt)

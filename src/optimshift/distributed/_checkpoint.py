@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,14 +43,13 @@ from .._streaming import is_streamed
 from .._version import __version__
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, make_folder, sweep_folders
+from ..checkpoint._files import PathLike, file_path
 from ..checkpoint._resume import pair_places, streamed_elsewhere
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES
 
 __all__ = ["save", "load", "describe_dcp"]
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 _NOTE = "optimshift.json"  # rank 0's note in the checkpoint directory; DCP ignores files it did not write
 _TMP = ".optimshift-tmp"
@@ -79,7 +78,7 @@ def save(
     blob: bytes | None = None
     # phase 1: local checks only, no torch.distributed call; rank 0's token names this save's temporary directory
     with _Agreed("save", path, share=uuid.uuid4().hex) as token:
-        target = _as_path(path)
+        target = _as_path(path, "save")
         _check_module(model)
         check_optimizer(optimizer)
         _check_owned(model, optimizer)
@@ -150,7 +149,7 @@ def _write_failure(error: CheckpointException, path: Any, rank: int) -> BaseExce
     causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(error.failures.items()))
     return RuntimeError(
         f"{_call('save', path)} failed while writing the checkpoint ({causes}); nothing was committed: "
-        f"{os.fspath(path)} is as it was"
+        f"{os.fsdecode(path)} is as it was"
     )
 
 
@@ -187,7 +186,7 @@ def load(
     with _Agreed("load", path):  # phase 1: arguments and the checkpoint's metadata, local only
         _check_module(model)
         check_optimizer(optimizer)
-        target = _committed(_as_path(path))
+        target = _committed(_as_path(path, "load"))
         if device is not None:
             where = resolve(device, tensors=[p for g in optimizer.param_groups for p in g["params"]])
             if is_streamed(optimizer) and where.type != "cpu":
@@ -363,7 +362,7 @@ def describe_dcp(path: PathLike) -> dict[str, Any]:
     ``incomplete`` (the files its metadata names that are missing or cut short: :func:`load` refuses it) and
     ``optimshift`` (the note :func:`save` writes, or None for a checkpoint saved otherwise).
     """
-    target = _committed(_as_path(path))
+    target = _committed(_as_path(path, "describe_dcp"))
     metadata = _read_metadata(target)
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     entries: list[dict[str, Any]] = []
@@ -510,18 +509,14 @@ def _agree(error: BaseException | None, what: str, path: Any, share: Any = None)
 # --- checks ---------------------------------------------------------------------------------------------
 
 
-def _pathlike(path: Any) -> bool:
-    return isinstance(path, (str, os.PathLike))
-
-
 def _call(what: str, path: Any) -> str:
-    return f"optimshift.distributed.{what}({os.fspath(path) if _pathlike(path) else path!r})"
+    shown = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else repr(path)
+    return f"optimshift.distributed.{what}({shown})"
 
 
-def _as_path(path: Any) -> Path:
-    if not _pathlike(path):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    return Path(os.fspath(path))
+def _as_path(path: Any, what: str) -> Path:
+    """``path`` (a str, bytes or os.PathLike, as checkpoint files take) as a Path; TypeError naming ``what``."""
+    return Path(file_path(path, f"optimshift.distributed.{what}"))
 
 
 def _clear_stale(target: Path) -> None:
@@ -561,7 +556,7 @@ def _is_checkpoint(directory: Path) -> bool:
 
 def is_dcp_folder(path: PathLike) -> bool:
     """Whether ``path`` is a torch.distributed.checkpoint folder (what :func:`describe_dcp` reads)."""
-    return _is_checkpoint(_as_path(path))
+    return _is_checkpoint(_as_path(path, "is_dcp_folder"))
 
 
 def _check_replaceable(target: Path) -> None:

@@ -374,6 +374,16 @@ def test_wait_and_unstream_refuse_what_is_not_an_optimizer(fn):
         fn(torch.nn.Linear(2, 2))  # (they did nothing, silently)
 
 
+@pytest.mark.parametrize("fn", [optimshift.is_offloaded, optimshift.is_streamed])
+@pytest.mark.parametrize("given", [torch.nn.Linear(2, 2), "optimizers", None])
+def test_the_predicates_refuse_what_is_not_an_optimizer(fn, given):
+    _, opt = _adam()
+    optimshift.offload(opt)
+    for what in (given, [opt]):  # (they answered False: a list of offloaded optimizers was "not offloaded")
+        with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+            fn(what)
+
+
 def test_a_param_listed_twice_is_refused_in_one_wording_by_every_operation_and_the_load(sim):
     """An optimizer listing one param twice (a group edited after construction): an operation's check said "the
     same param is listed twice", the load's "the optimizer lists one param twice". One check, one wording,

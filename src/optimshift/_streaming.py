@@ -700,8 +700,9 @@ def _mode_of(optimizer: Any) -> Streamed | None:
 
 
 def is_streamed(optimizer: Any) -> bool:
-    """Whether :func:`stream` put this optimizer in streamed mode (and :func:`unstream` did not end it)."""
-    return _mode_of(optimizer) is not None
+    """Whether :func:`stream` put this optimizer in streamed mode (and :func:`unstream` did not end it); TypeError for
+    what is no optimizer, as :func:`optimshift.is_offloaded`."""
+    return _mode_of(check_optimizer(unwrap(optimizer), groups=False)) is not None
 
 
 def unstream(optimizer: Opt) -> Opt:

@@ -450,8 +450,9 @@ def wait(optimizer: Any) -> None:
 
 
 def is_offloaded(optimizer: Any) -> bool:
-    """Whether :func:`offload` moved this optimizer's state to the host and it was not reloaded since."""
-    return record_of(unwrap(optimizer)) is not None
+    """Whether :func:`offload` moved this optimizer's state to the host and it was not reloaded since (TypeError for
+    what is no optimizer: a model or a list of optimizers was never offloaded, and False would say so)."""
+    return record_of(check_optimizer(unwrap(optimizer), groups=False)) is not None
 
 
 def _reload_target(optimizer: Any, record: Record) -> TargetFn:

@@ -41,7 +41,7 @@ NAMES_ONLY = ("__name__", "__qualname__")
 def held(optimizer: Any) -> bool:
     """Whether optimshift holds this optimizer's state (offloaded or streamed): it stays optimshift's, whatever its
     state: a framework's own code would take it off the host and leave its record behind."""
-    return api.is_offloaded(optimizer) or streamed(optimizer)
+    return record_of(unwrap(optimizer)) is not None or streamed(optimizer)  # (any object: placeable asks first)
 
 
 def hand_over(optimizer: Any) -> None:

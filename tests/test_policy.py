@@ -226,6 +226,20 @@ def test_register_policy_rejects_bad_input():
         optimshift.register_policy(O.Adam, "cpu")
 
 
+def test_unregister_policy_refuses_an_optimizer_for_its_class():
+    class Mine(O.SGD):
+        pass
+
+    optimshift.register_policy(Mine, lambda *a: None)
+    try:
+        with pytest.raises(TypeError, match="unregister_policy expects a torch.optim.Optimizer subclass"):
+            optimshift.unregister_policy(Mine([torch.nn.Parameter(torch.zeros(2))], lr=0.1))  # (left it registered)
+        assert policy.registered_policy(Mine) is not None
+    finally:
+        optimshift.unregister_policy(Mine)
+    assert policy.registered_policy(Mine) is None
+
+
 def test_tensor_lr_in_param_group_stays_where_a_fresh_optimizer_keeps_it():
     """torch never moves a group's own tensors. A fused Adam works alike with lr on the host (its kernels read a
     host lr with .item(), no sync) or on the device: it stays on its side. A single-tensor Adam reads lr on the

@@ -105,8 +105,7 @@ def register_policy(optimizer_class: type, policy: Policy, *, separable: bool = 
     each param from that param's grad and state alone, so that :func:`optimshift.stream` may step it a chunk of
     params at a time.
     """
-    if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
-        raise TypeError(f"register_policy expects a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    _check_class(optimizer_class, "register_policy")
     if not callable(policy):
         raise TypeError(f"register_policy: policy for {optimizer_class.__name__} must be callable, got {policy!r}")
     if not isinstance(separable, bool):
@@ -117,13 +116,21 @@ def register_policy(optimizer_class: type, policy: Policy, *, separable: bool = 
         _generation[0] += 1
 
 
+def _check_class(optimizer_class: Any, what: str) -> None:
+    """TypeError unless ``optimizer_class`` is an optimizer class (an instance was registered, or left registered)."""
+    if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
+        raise TypeError(f"{what} expects a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+
+
 def registered_policy(optimizer_class: type) -> Policy | None:
     """The policy registered for exactly ``optimizer_class`` (not a base class's), or None."""
     return _registry.get(optimizer_class)
 
 
 def unregister_policy(optimizer_class: type) -> None:
-    """Remove a policy registered with :func:`register_policy` (a no-op if there is none)."""
+    """Remove a policy registered with :func:`register_policy` (a no-op if there is none; TypeError for what is no
+    optimizer class, such as an optimizer: its class's policy would stay, silently)."""
+    _check_class(optimizer_class, "unregister_policy")
     with _lock:
         _registry.pop(optimizer_class, None)
         _separable.pop(optimizer_class, None)

@@ -193,3 +193,34 @@ def snapshot(value):
     if isinstance(value, (list, tuple)):
         return type(value)(snapshot(v) for v in value)
     return value
+
+
+def as_it_is(opt) -> dict:
+    """What a failed operation must leave as it found it: each tensor's object, device and values (state, groups,
+    grads), the optimizer's own attributes (fronts) and hooks, in order, and what optimshift records of it."""
+    from optimshift import _session
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    session = _session.of(opt)  # (none yet: as an empty one)
+    mode = None if session is None or session.mode is None else session.mode()
+    return {
+        "ids": tensor_ids(opt),
+        "layout": state_layout(opt),
+        "values": snapshot([dict(opt.state.get(p, {})) for p in params] + list(opt.param_groups)),
+        "grads": [None if p.grad is None else (id(p.grad), p.grad.device, p.grad.detach().clone()) for p in params],
+        "attributes": {k: id(v) for k, v in vars(opt).items()},
+        "hooks": {k: list(v.items()) for k, v in vars(opt).items() if k.endswith("_hooks") and isinstance(v, dict)},
+        "record": [
+            id(None if session is None else session.record),
+            id(None if session is None else session.pending),
+            [] if session is None else list(map(id, session.guards)),
+            id(mode),
+            0 if session is None else session.offloaded_in,
+        ],
+    }
+
+
+def assert_as_it_was(opt, before: dict) -> None:
+    now = as_it_is(opt)
+    for key, value in before.items():
+        assert bitwise_equal(now[key], value), f"{key} changed: {value} -> {now[key]}"

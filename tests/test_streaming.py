@@ -13,7 +13,17 @@ import pytest
 import torch
 
 import optimshift
-from _matrix import Delegating, Model, bitwise_equal, grad_for, state_layout, tensor_ids, train
+from _matrix import (
+    Delegating,
+    Model,
+    as_it_is,
+    assert_as_it_was,
+    bitwise_equal,
+    grad_for,
+    state_layout,
+    tensor_ids,
+    train,
+)
 from optimshift import _device_streams, _engine, _streaming
 from optimshift.testing import deferred_streams, simulated_memory_allocated
 
@@ -939,6 +949,46 @@ def test_a_failure_half_way_in_the_layout_leaves_the_state_as_it_was(sim, monkey
     assert optimshift.host_pool.stats().in_use == in_use, "every chunk buffer back in the pool"
     train(model, opt, range(2, 3))
     train(ref_model, ref, range(2, 3))
+    _assert_same(model, opt, ref_model, ref)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("where", ["copy", "front", "guards"])
+def test_a_stream_that_fails_part_way_leaves_the_optimizer_as_it_was(sim, monkeypatch, where, error):
+    """stream() laid the state out on the host, then installed its fronts (step, load_state_dict, state_dict) and
+    guards: a failure installing them left the state in host chunks and the fronts in place on an optimizer not
+    streamed. Wherever it fails, the optimizer is as it was (objects, devices, values, fronts, hooks, record)."""
+    from optimshift import _offload
+
+    (model, opt), (ref_model, ref) = _pair([(4, 3), (3,)], sim, torch.optim.Adam, foreach=False)
+    train(model, opt, range(1))
+    train(ref_model, ref, range(1))
+    before = as_it_is(opt)
+
+    def fail(*args, **kwargs):
+        raise error("injected")
+
+    class Failing(_offload.Front):
+        def __init__(self, optimizer, name, front):
+            if name == "load_state_dict":  # (the step's front is in place)
+                fail()
+            super().__init__(optimizer, name, front)
+
+    owner, name, value = {
+        "copy": (_engine, "copy_into", fail),
+        "front": (_offload, "Front", Failing),
+        "guards": (_streaming, "install_guards", fail),
+    }[where]
+    monkeypatch.setattr(owner, name, value)
+    with pytest.raises(error, match="injected"):
+        optimshift.stream(opt, chunk_bytes=64)
+    monkeypatch.undo()
+    assert not optimshift.is_streamed(opt)
+    assert_as_it_was(opt, before)
+    optimshift.stream(opt, chunk_bytes=64)
+    train(model, opt, range(1, 3))
+    train(ref_model, ref, range(1, 3))
+    optimshift.unstream(opt)
     _assert_same(model, opt, ref_model, ref)
 
 

@@ -524,21 +524,16 @@ class Streamed:
                 # (through its front, held weakly: a reference to itself would be a cycle)
                 return _offload.behind(front.front(), optimizer, "state_dict")()
 
-        front = _offload.Front(opt, "state_dict", streamed_state_dict)
-
         # (an LR scheduler wraps a step not marked so to record _opt_called: ours records it itself, and stays
         # unwrapped, so that unstream() restores exactly what was there)
         streamed_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        self._handles = [
-            _offload.Front(opt, "step", streamed_step),
-            _offload.Front(opt, "load_state_dict", streamed_load_state_dict),
-            front,
-        ]
+        # (each handle kept as it is installed: stream() removes those in place if the next fails)
+        self._handles.append(_offload.Front(opt, "step", streamed_step))
+        self._handles.append(_offload.Front(opt, "load_state_dict", streamed_load_state_dict))
+        self._handles.append(front := _offload.Front(opt, "state_dict", streamed_state_dict))
         # (state_dict(), a deepcopy or a pickle of it: after the write-backs, copies owning their bytes, no pool)
         pre = {"register_step_pre_hook": self._refuse_bypass, "register_state_dict_pre_hook": self.settle}
         self._handles += install_guards(opt, pre, self.settle, compact=True)
-        self._active = True
-        _mode.enter(opt, self)
 
     def _refuse_bypass(self, opt: Any, args: Any, kwargs: Any) -> None:
         """The optimizer's first step pre-hook: refuses the class's own step called by anything but the streamed step
@@ -556,10 +551,15 @@ class Streamed:
 
     def _uninstall(self) -> None:
         self._active = False
+        self._remove()
+        _track_step_called(self.optimizer)
+
+    def _remove(self) -> None:
+        """Remove the fronts and guards :meth:`_install` put in place (what replaced a front since stays: our step
+        then falls through, see :meth:`_install`)."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []  # (what replaced a front since stays: our step then falls through, see _install)
-        _track_step_called(self.optimizer)
+        self._handles = []
 
 
 def _track_step_called(opt: torch.optim.Optimizer) -> None:
@@ -677,9 +677,19 @@ def stream(optimizer: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, device: De
         start = time.perf_counter()
         mode = Streamed(optimizer, chunk_bytes, target)
         with _engine.operation():  # (a Ctrl-C the layout's commit holds waits for the mode to be in place)
-            with _engine.no_gc():
-                mode._lay_out(mode._members(None))
-            mode._install(optimizer)
+            try:
+                # NOTE: the fronts before the layout, inactive until it is committed: one failing to install left the
+                # state laid out in the chunks, on an optimizer not streamed (a Ctrl-C here: raised once they are
+                # in mode._handles, to be removed)
+                with _engine.uninterrupted(to_the_end=False):
+                    mode._install(optimizer)
+                with _engine.no_gc():
+                    mode._lay_out(mode._members(None))
+            except BaseException:
+                mode._remove()
+                raise
+            mode._active = True
+            _mode.enter(optimizer, mode)
         # (state that sat at fixed addresses left its range: freed as after a move, under the lock, since another
         # thread's reload maps into the same layout; once the mode is in place: a warning raised as an error there
         # leaves a streamed optimizer)

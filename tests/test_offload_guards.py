@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import optimshift
-from _matrix import Model, bitwise_equal, snapshot, state_layout, train
+from _matrix import Model, as_it_is, assert_as_it_was, bitwise_equal, snapshot, state_layout, train
 from optimshift.pool import host_pool
 
 
@@ -274,6 +274,69 @@ def test_a_ctrl_c_while_the_offload_guards_are_installed_leaves_none(sim, monkey
     optimshift.offload(opt)
     optimshift.reload(opt)
     assert (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_state_dict_post_hooks)) == hooks
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_offload_whose_zero_grad_front_fails_leaves_the_optimizer_as_it_was(sim, monkeypatch, error):
+    """offload(include=("grads",)) put its zero_grad front in place once the state and grads were committed on the
+    host: one failing there raised with no record kept (a reload gave nothing back: the grads were lost). It is
+    installed with the other guards, before anything is copied, and removed with them."""
+    from optimshift import _offload
+
+    model, opt = _adam(sim)
+    assert all(p.grad is not None for p in model.parameters())
+    before = as_it_is(opt)
+
+    class Failing(_offload.Front):
+        def __init__(self, optimizer, name, front):
+            if name == "zero_grad":
+                raise error("injected")
+            super().__init__(optimizer, name, front)
+
+    monkeypatch.setattr(_offload, "Front", Failing)
+    with pytest.raises(TypeError if error is RuntimeError else error) as raised:
+        optimshift.offload(opt, include=("grads",))
+    monkeypatch.undo()
+    assert "injected" in str(raised.value) + str(raised.value.__cause__)
+    assert not optimshift.is_offloaded(opt)
+    assert_as_it_was(opt, before)
+    optimshift.offload(opt, include=("grads",))
+    opt.zero_grad()  # (through the front: the offloaded grads go too)
+    optimshift.reload(opt)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_non_blocking_offload_whose_waiting_hooks_fail_is_offloaded_and_waited_for(sim, monkeypatch, error):
+    """A non-blocking offload registers the hooks that wait for its copies once they are committed: a failure
+    there raised an error for an offload that had happened, its transfer unguarded. The copies are waited for
+    instead: the offload stands, complete (a Ctrl-C is raised once it is), and reloads as it was."""
+    from optimshift import _offload, _session
+    from optimshift.testing import deferred_streams
+
+    model, opt = _adam(sim)
+    before = as_it_is(opt)
+    real = _offload.install_guards
+
+    def failing(optimizer, pre, wait, *, compact):
+        if not compact:  # (the waiting hooks: the offload's own guards are compact)
+            raise error("injected")
+        return real(optimizer, pre, wait, compact=compact)
+
+    with deferred_streams(seed=0, progress=0.0):  # (its copies still queued once committed)
+        monkeypatch.setattr(_offload, "install_guards", failing)
+        if error is KeyboardInterrupt:
+            with pytest.raises(KeyboardInterrupt, match="injected"):
+                optimshift.offload(opt, non_blocking=True)
+        else:
+            assert optimshift.offload(opt, non_blocking=True).done()
+        monkeypatch.undo()
+        session = _session.of(opt)
+        assert optimshift.is_offloaded(opt) and session.pending is None and not session.guards
+        assert {d.type for d in state_layout(opt).values()} == {"cpu"}
+        optimshift.reload(opt)
+    assert_as_it_was(opt, before)
+    train(model, opt, range(1, 2))
 
 
 @pytest.mark.parametrize("block", ["offloaded", "streamed"])

@@ -202,19 +202,28 @@ def record_of(optimizer: Any) -> Record | None:
     return None if session is None else session.record
 
 
-def guard(optimizer: Any, record: Record) -> list[Any]:
+def guard(optimizer: Any, record: Record, *, grads: bool = False) -> list[Any]:
     """Before an offload copies anything: refuse an optimizer whose record cannot be kept, and install the hooks
-    guarding offloaded state the first time; returns those installed now, for the caller to remove on a failure."""
+    guarding offloaded state the first time (the ``zero_grad`` front the first time it takes ``grads``); returns
+    those installed now, for the caller to remove on a failure."""
     name = type(optimizer).__name__
     if _session.get(optimizer) is None:
         raise TypeError(f"{name} cannot be weakly referenced: its offload cannot be remembered; nothing was changed")
-    if record.hooks:
-        return []
-    # (while offloaded, step() refuses at once and state_dict(), a deepcopy or a pickle, give compact copies)
+    zeroing = grads and hasattr(optimizer, "__dict__")
+    zeroing = zeroing and not any(isinstance(h, Front) and h.name == "zero_grad" for h in record.hooks)
+    handles: list[Any] = []
     try:
-        handles = install_guards(optimizer, {"register_step_pre_hook": _refuse_step}, None, compact=True)
-    except Exception as e:  # (a class that never ran Optimizer.__init__ has no hook dicts)
-        raise TypeError(
+        # (while offloaded, step() refuses at once and state_dict(), a deepcopy or a pickle, give compact copies)
+        if not record.hooks:
+            handles += install_guards(optimizer, {"register_step_pre_hook": _refuse_step}, None, compact=True)
+        if zeroing:  # (before the commit: one failing once the grads were on the host left them in no record)
+            handles.append(Front(optimizer, "zero_grad", _ZeroGradFront(weakref.ref(optimizer))))
+    except BaseException as e:
+        for handle in handles:
+            handle.remove()
+        if not isinstance(e, Exception):
+            raise
+        raise TypeError(  # (a class that never ran Optimizer.__init__ has no hook dicts)
             f"{name}: the hooks that guard its offloaded state cannot be registered "
             f"({type(e).__name__}: {e}); nothing was changed"
         ) from e
@@ -223,12 +232,9 @@ def guard(optimizer: Any, record: Record) -> list[Any]:
 
 
 def set_record(optimizer: Any, record: Record) -> None:
-    """Keep ``record`` for ``optimizer`` (:func:`guard` installed its hooks)."""
+    """Keep ``record`` for ``optimizer`` (:func:`guard` installed its hooks): after the commit, nothing can fail."""
     session = _session.get(optimizer)
     assert session is not None  # (guard checked)
-    zeroing = any(isinstance(h, Front) and h.name == "zero_grad" for h in record.hooks)
-    if record.grads and hasattr(optimizer, "__dict__") and not zeroing:
-        record.hooks.append(Front(optimizer, "zero_grad", _ZeroGradFront(weakref.ref(optimizer))))
     with _lock:
         session.record = record
 
@@ -475,13 +481,21 @@ def remember_pending(optimizer: Any, pending: PendingTransfer) -> None:
         hooked = bool(session.guards)
     if hooked:
         return
-    if any(getattr(optimizer, name, None) is None for name in _WAITING):  # not a torch.optim.Optimizer: unguarded
-        end_pending(optimizer)
-        pending.wait()
-        return
-    handles = install_guards(optimizer, dict.fromkeys(_WAITING, _wait_before_use), _wait_before_use, compact=False)
-    with _lock:
-        session.guards = handles
+    handles: list[Any] = []
+    try:
+        # (after the commit: hooks that fail to register are no error, the copies are waited for instead)
+        with contextlib.suppress(Exception):
+            if all(getattr(optimizer, name, None) is not None for name in _WAITING):  # (a torch.optim.Optimizer)
+                handles = install_guards(
+                    optimizer, dict.fromkeys(_WAITING, _wait_before_use), _wait_before_use, compact=False
+                )
+    finally:
+        if not handles:  # unguarded: waited for now (a Ctrl-C, once it is)
+            end_pending(optimizer)
+            pending.wait()
+    if handles:
+        with _lock:
+            session.guards = handles
 
 
 _WAITING = ("register_step_pre_hook", "register_state_dict_pre_hook", "register_load_state_dict_pre_hook")

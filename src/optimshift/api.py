@@ -394,7 +394,9 @@ def offload(
         # (a Ctrl-C while the guards are registered is raised once they are in ``installed``, to be removed: one
         # landing in the registration left a step pre-hook and a __getstate__ front on an optimizer not offloaded)
         with _engine.uninterrupted(to_the_end=False):
-            installed = _offload.guard(optimizer, record)  # (before anything is copied: it may refuse)
+            installed = _offload.guard(
+                optimizer, record, grads=bool(grads)
+            )  # (before anything is copied: it may refuse)
         copies, pending, cached, plan = _transfer(
             optimizer,
             to_host,

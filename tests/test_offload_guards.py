@@ -367,6 +367,52 @@ def test_a_ctrl_c_entering_a_block_leaves_the_state_where_it_was(sim, monkeypatc
     train(model, opt, range(1, 2))
 
 
+@pytest.mark.parametrize("how", ["sigint", "RuntimeError", "KeyboardInterrupt"])
+@pytest.mark.parametrize("at", ["on", "count"])
+@pytest.mark.parametrize("block", ["offloaded", "streamed"])
+def test_an_interrupt_between_a_blocks_operation_and_its_body_leaves_the_optimizer_as_it_was(
+    sim, monkeypatch, block, at, how
+):
+    """offloaded()/streamed() asked whether the mode was on, then counted the block, after its operation and before
+    the try whose exit undoes it: a Ctrl-C landing there (right after either), or either failing, left the optimizer
+    offloaded or streamed for good, its block never entered (counted: later blocks took it for theirs). It is
+    undone before the error propagates."""
+    import os
+    import signal
+
+    from optimshift import _streaming, api
+
+    model, opt = _adam(sim)
+    before = as_it_is(opt)
+    owner, name, calls = {
+        "on": (api, "is_offloaded", 2) if block == "offloaded" else (_streaming, "_mode_of", 2),  # (2: after it)
+        "count": (api, "setattr", 1),  # (api's builtin: its first call counts the block)
+    }[at]
+    real, count = getattr(owner, name, setattr), [0]
+
+    def wrapped(*args, **kwargs):
+        count[0] += 1
+        if count[0] == calls and how != "sigint":  # (the call fails)
+            raise {"RuntimeError": RuntimeError, "KeyboardInterrupt": KeyboardInterrupt}[how]("injected")
+        out = real(*args, **kwargs)
+        if count[0] == calls:
+            os.kill(os.getpid(), signal.SIGINT)  # (a real Ctrl-C, landing once the call returned)
+        return out
+
+    monkeypatch.setattr(owner, name, wrapped, raising=False)
+    entered = []
+    with pytest.raises(RuntimeError if how == "RuntimeError" else KeyboardInterrupt):
+        with getattr(optimshift, block)(opt):
+            entered.append(True)
+    monkeypatch.undo()
+    assert not entered and count[0] >= calls
+    assert_as_it_was(opt, before)
+    with getattr(optimshift, block)(opt):
+        assert optimshift.is_offloaded(opt) or optimshift.is_streamed(opt)
+    assert_as_it_was(opt, before)
+    train(model, opt, range(1, 2))
+
+
 def test_a_ctrl_c_inside_a_streamed_step_is_held_until_its_chunks_are_written_back(sim, monkeypatch):
     """A Ctrl-C between a chunk's step and its write-back kept the chunk's old moments (the params moved, the
     moments did not: a silent divergence), or left an entry on its device window. It comes once the step is done,

@@ -630,26 +630,30 @@ def _last_out_ends(
     blocks made it; the last block out (any thread) ``end``s it. ``on()``: what counts them, in ``count``, or None;
     yields it."""
     _warn_unreached(inner, operation)  # (once, at the with statement: begin and end inside warn nothing more)
-    with exclusive(inner), _warned():
-        counter = on()
-        mine = counter is None or getattr(counter, count) > 0
-        if counter is None:
-            try:
-                begin()
-            except BaseException:  # (a Ctrl-C its commit held, raised once it is on: the block is never entered)
-                if (counter := on()) is not None and getattr(counter, count) == 0:
-                    end()
-                raise
-            counter = on()
-        if mine:
-            setattr(counter, count, getattr(counter, count) + 1)
+    counter, began, counted = None, False, False
+    # NOTE: from begin() on, inside the try: a Ctrl-C once it returned (a Ctrl-C its commit held, or one landing
+    # before the block was counted, or after, before the body) left the mode on for good, its block never entered
     try:
+        with exclusive(inner), _warned():
+            counter = on()
+            mine = counter is None or getattr(counter, count) > 0
+            if counter is None:
+                began = True
+                begin()
+                counter = on()
+            if mine:
+                with _engine.uninterrupted(to_the_end=False):  # (counted and noted so, never one without the other)
+                    setattr(counter, count, getattr(counter, count) + 1)
+                    counted = True
         yield counter
     finally:
-        if mine:
+        if counted or began:
             with exclusive(inner), _warned():
-                setattr(counter, count, getattr(counter, count) - 1)
-                if getattr(counter, count) == 0:
+                if counted:
+                    setattr(counter, count, getattr(counter, count) - 1)
+                else:  # (begun, never counted: ended unless another block counts it now)
+                    counter = on()
+                if counter is not None and getattr(counter, count) == 0:
                     end()
 
 

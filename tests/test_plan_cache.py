@@ -6,6 +6,7 @@ where a fresh optimizer keeps it, values bitwise, objects kept), so a stale plan
 """
 
 import contextlib
+import copy
 import gc
 import weakref
 
@@ -452,17 +453,59 @@ def test_a_first_build_that_raises_leaves_the_cache_as_it_was(sim, monkeypatch):
     assert {k: list(v) for k, v in _session.of(opt).plans.items()} == kept
 
 
-def test_plans_in_use_are_evicted_last(sim):
-    """The cycle's two plans, used every iteration, outlive a burst of one-off moves to other targets."""
+def test_plans_in_use_are_evicted_last(sim, builds):
+    """The cycle's two plans, used every iteration, outlive a burst of one-off plans under other keys. (Its moves
+    between the host and the device re-planned the cycle each time: the plan it found kept was a dead reload's.)"""
     model, opt = _trained(sim)
     for _ in range(2):
         _cycle(opt)
-    cycle_keys = set(_session.of(opt).plans)
-    for i in range(_plan_cache.MAX_KEYS - 2):
-        optimshift.move(opt, "cpu" if i % 2 else sim)
-        model.to(sim)
+    plans = _session.of(opt).plans
+    cycle_keys = set(plans)
+    for i in range(2 * _plan_cache.MAX_KEYS):
+        _plan_cache.plan_for(opt, _plan.policy_target(opt, None), ("one-off", i))
+        before = builds[0]
         _cycle(opt)
-    assert cycle_keys <= set(_session.of(opt).plans)
+        assert builds[0] == before, "the cycle's plans were evicted"
+    assert cycle_keys <= set(plans) and len(plans) == _plan_cache.MAX_KEYS
+
+
+def _reloads_undo_kept_offloads(opt):
+    """Whether the reload plans kept are those undoing the offload plans kept, no other."""
+    plans = _session.of(opt).plans
+    offloads = [c for key, kept in plans.items() if key[0] == "offload" for c in kept if c.kept]
+    return {key for key in plans if key[0] == "reload"} == {_plan_cache.undoing(c.serial) for c in offloads}
+
+
+def test_a_load_that_re_plans_the_offload_drops_the_reload_plan_of_the_build_it_replaced(sim):
+    """A load_state_dict gives the state new tensors (the groups new dicts): the offload is planned again, and the
+    reload keyed by a build no longer kept can never be asked again. It was kept until evicted (a dead plan more
+    with each load)."""
+    model, opt = _trained(sim)
+    for _ in range(_plan_cache.MAX_KEYS):
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        _cycle(opt)
+        _cycle(opt)  # (the new offload plan kept, and the reload plan undoing it)
+        assert _reloads_undo_kept_offloads(opt)
+        assert len(_session.of(opt).plans) <= 2 * _plan_cache.PER_KEY
+    _placed_like_fresh(opt)
+
+
+def test_dead_reload_plans_push_out_no_plan_in_use(sim, builds):
+    """State moved between the host and the device, offloaded and reloaded at each: each offload re-plans (its
+    state's devices changed), leaving a reload plan no later offload can ask for; a few rounds of them evicted the
+    plan of a move still in use."""
+    model, opt = _trained(sim)
+    for _ in range(2):
+        optimshift.move(opt)  # (where the params are: a plan in use, kept from its second build)
+    for _ in range(_plan_cache.MAX_KEYS):
+        for device in ("cpu", sim):
+            optimshift.move(opt, device)
+            _cycle(opt)
+        assert _reloads_undo_kept_offloads(opt)
+    before = builds[0]
+    optimshift.move(opt)
+    assert builds[0] == before, "the plan of a move in use was evicted"
+    _placed_like_fresh(opt)
 
 
 def test_a_hyperparameter_the_placement_depends_on_rebuilds_the_cached_plan(sim, builds):

@@ -3,7 +3,8 @@
 The first build under a key leaves a marker only (a one-off operation pays nothing), the second is kept in the
 session; every reuse re-validates the :func:`layout`, each site's tensor (same object, key and meta) and, for the
 decisions, :func:`optimshift._adopt.still_valid`, and rebuilds on any mismatch. A reload is keyed by the build of
-the offload plan it undoes (``Cached.serial``) and kept at its first build once that one is (``eager``). Keys
+the offload plan it undoes (``Cached.serial``: :func:`undoing`), kept at its first build once that one is
+(``eager``) and dropped with it. Keys
 name what the target function depends on besides the optimizer (the operation, the target device, the offload a
 reload undoes): a cached plan is never asked a question it was not built for.
 """
@@ -11,7 +12,7 @@ reload undoes): a cached plan is never asked a question it was not built for.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from ._plan import Ident, Plan, TargetFn, Transfer, _new_transfer, build_plan, i
 from ._probe import group_kinds
 from ._state import GROUP_SKIP, Path, by_id, group_flags, group_tensors, leaves, untensored
 
-__all__ = ["Cached", "plan_for"]
+__all__ = ["Cached", "plan_for", "undoing"]
 
 MAX_KEYS = 8  # per optimizer: an offload, a reload, a few move targets
 PER_KEY = 2  # layouts kept per key: a move that follows params back and forth between two devices
@@ -193,14 +194,27 @@ def plan_for(
                     tr = transfers[i]
                     transfers[i] = new(Transfer, ((tr[0][0], tr[0][1], path), *tr[1:]))
                 return Plan(optimizer, transfers, cached.repeats), cached
-            kept.remove(cached)  # the same layout with other state: this one is stale
+            kept = [c for c in kept if c is not cached]  # the same layout with other state: this one is stale
             break
     plan = build_plan(optimizer, target)  # (first: a build that raises leaves the cache as it was)
     cached = Cached(shape)
     if eager:
         cached.keep(plan)
-    plans.pop(key, None)
+    _drop(plans, plans.pop(key, []), keep=kept[: PER_KEY - 1])
     if len(plans) >= MAX_KEYS:
-        plans.pop(next(iter(plans)))  # the least recently used
+        _drop(plans, plans.pop(next(iter(plans))))  # the least recently used
     plans[key] = [cached] + kept[: PER_KEY - 1]
     return plan, cached
+
+
+def undoing(serial: int) -> Hashable:
+    """The key of the plan undoing the build ``serial`` (a reload's, of the offload it undoes): dropped with it."""
+    return ("reload", serial)
+
+
+def _drop(plans: dict[Hashable, list[Cached]], gone: Sequence[Cached], keep: Sequence[Cached] = ()) -> None:
+    """The plans undoing builds no longer kept go too: no build of theirs can be made again (a new one has a
+    new serial), and they would push out plans still in use."""
+    for c in gone:
+        if not any(c is k for k in keep):
+            plans.pop(undoing(c.serial), None)

@@ -555,7 +555,7 @@ def reload(optimizer: Opt, device: DeviceLike | None = None, *, non_blocking: bo
     back = _reload_target(optimizer, record)
     # (cached only when the offload's plan was kept, the sign of a loop: its next build would bump the serial)
     cacheable = record.token is not None and record.token[1] and not _policy.has_registered_policy(optimizer)
-    key = ("reload", record.token[0]) if cacheable else None
+    key = _plan_cache.undoing(record.token[0]) if cacheable else None
     keep, name = record.keep_addresses, optimizer_name(optimizer)
     copies, pending, _, _ = _transfer(
         optimizer,

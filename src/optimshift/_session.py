@@ -3,14 +3,75 @@ a collected optimizer takes its session along; one that cannot be weakly referen
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+
+
+class _Place:
+    """A param's place in the groups: the param there now (weakly), or the place that took over for the same param.
+    Every param replaced there shares it, so a rebind moves them all by its own params alone."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now: weakref.ref[torch.Tensor] | _Place | None = None
+
+    def __call__(self) -> torch.Tensor | None:
+        now = self.now
+        while isinstance(now, _Place):
+            now = now.now
+        return None if now is None else now()
+
+
+class Rebound:
+    """Each param an optimizer's rebinds replaced -> its :class:`_Place` (``get``), both weakly: nothing is held for
+    a param no longer alive, and no entry for one back in its own place (which can never be stale)."""
+
+    def __init__(self) -> None:
+        # by id, each with a weakref to its param (whose callback drops it: the param died) and its place
+        self._old: dict[int, tuple[weakref.ref[torch.Tensor], _Place]] = {}  # an old param -> its place
+        self._now: dict[int, tuple[weakref.ref[torch.Tensor], _Place]] = {}  # the param in a place now -> the place
+        self._me = weakref.ref(self)  # (what the callbacks hold: the tables hold them, never the other way round)
+
+    def __len__(self) -> int:
+        return len(self._old)
+
+    def get(self, old: Any) -> _Place | None:
+        """``old``'s place (called: the param there now, or None once it is gone), None if no rebind replaced it."""
+        entry = self._old.get(id(old))
+        return entry[1] if entry is not None and entry[0]() is old else None
+
+    def record(self, renamed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One rebind's (old, new) params: the params each old one had replaced follow it to its new one."""
+        old, now = self._old, self._now
+        # (all first: a swap takes its own places back)
+        left = [now.pop(id(p)) if id(p) in now else (self._ref(p), _Place()) for p, _ in renamed]
+        for (p, q), (ref, place) in zip(renamed, left):
+            if (earlier := now.get(id(q))) is not None:  # (q left a place meanwhile, not by this session's rebind)
+                earlier[1].now = place
+            place.now = q_ref = self._ref(q)
+            now[id(q)] = (q_ref, place)
+            old[id(p)] = (ref, place)
+        for _, q in renamed:
+            if (entry := old.get(id(q))) is not None and entry[1]() is q:
+                del old[id(q)]
+
+    def _ref(self, param: torch.Tensor) -> weakref.ref[torch.Tensor]:
+        return weakref.ref(param, functools.partial(_gone, self._me, id(param)))
+
+
+def _gone(rebound: weakref.ref[Rebound], key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    """A param ``rebound`` remembers died: its entries go (those under its id that still name it)."""
+    if (me := rebound()) is not None:
+        for table in (me._old, me._now):
+            if (entry := table.get(key)) is not None and entry[0] is ref:
+                table.pop(key, None)
 
 
 @dataclass(eq=False)
@@ -29,10 +90,9 @@ class Session:
     addresses: Any = None  # _addresses.Layout: its state's reserved ranges and slots, once it keeps addresses
     pooled: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # a ZeRO-1/2 optimizer's pool buffers, by kind
     offloaded_in: int = 0  # offloaded() blocks (any thread) inside the offload one of them made: the last out reloads
-    # each param its rebinds replaced -> a weakref to the param in its place now, while the old one lives (a wrapper
-    # over its groups, Lookahead, keeps state keyed by it: the wrapper's rebind re-keys that state by this); a
-    # WeakIdKeyDictionary (a tensor key is compared by identity), untyped
-    rebound: Any = field(default_factory=WeakIdKeyDictionary)
+    # each param its rebinds replaced -> the param in its place now, while the old one lives (a wrapper over its
+    # groups, Lookahead, keeps state keyed by it: the wrapper's rebind re-keys that state by this)
+    rebound: Rebound = field(default_factory=Rebound)
 
 
 _sessions: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()

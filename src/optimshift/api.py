@@ -1046,14 +1046,8 @@ def _remember(optimizer: Any, renamed: Sequence[tuple[torch.Tensor, torch.Tensor
     """Record a rebind's (old, new) params in the session (earlier renames followed to the new ones) for the rebind
     of a wrapper sharing its groups whose state is still keyed by the old ones (:func:`_stale`)."""
     session = _session.get(optimizer)
-    if session is None or not renamed:
-        return
-    now = {id(p): q for p, q in renamed}
-    for k, r in list(session.rebound.items()):
-        if (q := r()) is not None and id(q) in now:
-            session.rebound[k] = weakref.ref(now[id(q)])
-    for p, q in renamed:
-        session.rebound[p] = weakref.ref(q)
+    if session is not None:
+        session.rebound.record(renamed)
 
 
 @_one_at_a_time

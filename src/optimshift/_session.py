@@ -37,7 +37,8 @@ class Rebound:
         # by id, each with a weakref to its param (whose callback drops it: the param died) and its place
         self._old: dict[int, tuple[weakref.ref[torch.Tensor], _Place]] = {}  # an old param -> its place
         self._now: dict[int, tuple[weakref.ref[torch.Tensor], _Place]] = {}  # the param in a place now -> the place
-        self._me = weakref.ref(self)  # (what the callbacks hold: the tables hold them, never the other way round)
+        # (the one callback of every weakref: it holds the tables weakly, never the other way round)
+        self._drop = functools.partial(_gone, weakref.ref(self))
 
     def __len__(self) -> int:
         return len(self._old)
@@ -62,16 +63,25 @@ class Rebound:
             if (entry := old.get(id(q))) is not None and entry[1]() is q:
                 del old[id(q)]
 
-    def _ref(self, param: torch.Tensor) -> weakref.ref[torch.Tensor]:
-        return weakref.ref(param, functools.partial(_gone, self._me, id(param)))
+    def _ref(self, param: torch.Tensor) -> _KeyedRef:
+        ref = _KeyedRef(param, self._drop)
+        ref.key = id(param)
+        return ref
 
 
-def _gone(rebound: weakref.ref[Rebound], key: int, ref: weakref.ref[torch.Tensor]) -> None:
+class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
+    """A weakref to a param that knows the param's id (one callback for all: a partial each cost 0.25 us)."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+def _gone(rebound: weakref.ref[Rebound], ref: _KeyedRef) -> None:
     """A param ``rebound`` remembers died: its entries go (those under its id that still name it)."""
     if (me := rebound()) is not None:
         for table in (me._old, me._now):
-            if (entry := table.get(key)) is not None and entry[0] is ref:
-                table.pop(key, None)
+            if (entry := table.get(ref.key)) is not None and entry[0] is ref:
+                table.pop(ref.key, None)
 
 
 @dataclass(eq=False)

@@ -1200,3 +1200,19 @@ def test_a_0_dim_eps_a_fake_step_cannot_read_is_no_error(sim, cls):
     group = opt.param_groups[0]
     assert not optimshift.policy.group_raises(cls, group, "eps", group["eps"])
     _step(opt, params, 0)
+
+
+@pytest.mark.parametrize("key", ["weight_decay", "lambd", "alpha"])
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("given", ["cpu", "sim"])
+def test_an_asgd_one_element_hyperparameter_the_step_raises_with_is_an_error(sim, key, foreach, given):
+    """ASGD makes ``eta`` with ``torch.as_tensor(lr, device=p.device)``, which the probe's fake step could not run
+    in a CPU-only build (a constant lifted onto the fake device): every probe step failed there alike, so check() said
+    nothing of a ``(1,)`` weight_decay, lambd or alpha, with which step() raises on either device."""
+    device = sim if given == "sim" else torch.device("cpu")
+    params = _params(sim)
+    opt = O.ASGD(params, **{key: torch.full((1,), 0.5, device=device)}, foreach=foreach)
+    errors = [(f.key, f.why) for f in optimshift.check(opt).findings if f.severity == "error"]
+    assert errors == [(key, "ASGD's step() raises with it on either device")]
+    with pytest.raises((RuntimeError, TypeError)):  # (it is right: here step() raises)
+        _step(opt, params, 0)

@@ -487,3 +487,13 @@ def test_the_probe_s_foreach_device_check_lets_a_copy_cross_devices():
     _probe.clear_cache()
     observed = _probe.probe(_HostMaster, {"lr": 0.1}, 1)
     assert observed is not None and observed.error is None
+
+
+@pytest.mark.parametrize("flags", [{"foreach": False}, {"foreach": True}, {"capturable": True}])
+def test_a_step_lifting_a_number_onto_the_param_s_device_is_probed(flags):
+    """ASGD's ``torch.as_tensor(lr, device=p.device)`` (its ``eta``) lifts a number onto the fake device, a constant a
+    CPU-only build cannot make there: the probe's step stopped at the state it was making, every time alike."""
+    group = O.ASGD([torch.nn.Parameter(torch.zeros(2))], **flags).param_groups[0]
+    observed = optimshift._probe.probe(O.ASGD, group, 1)
+    assert observed is not None and observed.error is None
+    assert observed.state == {"step": True, "eta": True, "mu": True}

@@ -337,6 +337,7 @@ _READS = {
     torch.Tensor.__int__: int,
     torch.Tensor.__index__: int,
 }
+_LIFTS = (torch.tensor, torch.as_tensor, torch.asarray)  # (a tensor from Python data: see _Reads)
 
 
 class _Reads(TorchFunctionMode):
@@ -367,6 +368,14 @@ class _Reads(TorchFunctionMode):
             return self.truth if want is bool or args[0].dtype == torch.bool else _stand_in(args[0], want)
         from torch._subclasses.fake_tensor import DataDependentOutputException
 
+        device = kwargs.get("device")
+        if func in _LIFTS and args and not isinstance(args[0], torch.Tensor) and device is not None:
+            # (Python data lifted onto the fake device: a constant, which FakeTensorMode makes on the real device under
+            # inference mode or once a backend is registered, and a CPU-only build cannot: ASGD's eta. Only its shape
+            # and dtype are read)
+            if torch.device(device).type != "cpu":
+                host = func(*args, **{**kwargs, "device": "cpu"})
+                return torch.empty(host.shape, dtype=host.dtype, device=device)
         if func is torch.Tensor.copy_:  # (its binding asks for the device's guard, which a CPU-only build lacks)
             func = _aten_copy_
         elif getattr(func, "__name__", "").startswith("_foreach_") and func is not torch._foreach_copy_:

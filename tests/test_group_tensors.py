@@ -1216,3 +1216,32 @@ def test_an_asgd_one_element_hyperparameter_the_step_raises_with_is_an_error(sim
     assert errors == [(key, "ASGD's step() raises with it on either device")]
     with pytest.raises((RuntimeError, TypeError)):  # (it is right: here step() raises)
         _step(opt, params, 0)
+
+
+@pytest.mark.parametrize("foreach", [False, True, None], ids=["single", "foreach", "default"])
+@pytest.mark.parametrize("given", ["cpu", "sim"])
+def test_a_one_element_sgd_momentum_first_computed_with_in_a_second_step_is_judged(sim, foreach, given):
+    """SGD's first step clones the grad into its momentum buffer; only the next computes with ``momentum``. A (1,) one
+    on the host raises there (beside the device buffer; a foreach op takes no (1,) scalar on either device), which the
+    probe's one step never saw: check() said nothing, or that it belongs on the host, where move() took it."""
+    device = sim if given == "sim" else torch.device("cpu")
+    params = _params(sim)
+    momentum = torch.full((1,), 0.9, device=device)
+    opt = O.SGD(params, momentum=momentum, foreach=foreach)
+    errors = [(f.key, f.why) for f in optimshift.check(opt).findings if f.severity == "error"]
+    if foreach is False:  # (the single-tensor step runs with it on the device, reading it there)
+        assert errors == (
+            []
+            if given == "sim"
+            else [("momentum", "SGD's step() raises with it on cpu (a probe step did; on sim:0 it runs)")]
+        )
+        optimshift.move(opt)
+        assert opt.param_groups[0]["momentum"] is momentum and momentum.device == sim
+        _step(opt, params, 0)
+        _step(opt, params, 1)
+        assert not optimshift.check(opt).findings
+        return
+    assert errors == [("momentum", "SGD's step() raises with it on either device")]
+    _step(opt, params, 0)
+    with pytest.raises(RuntimeError, match="0 dim"):  # (it is right: here the second step raises)
+        _step(opt, params, 1)

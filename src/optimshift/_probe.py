@@ -300,7 +300,8 @@ def _failure(call: Callable[[], object]) -> Exception | None:
 @dataclass(frozen=True)
 class Observed:
     """What one probe saw. ``state``: {0-dim state key: on the param's device} (None: no state); ``group``:
-    {GroupPath: HOST_READ or NEEDS_DEVICE} (absent: either works); ``error``: what the step raised; ``reads``: {host
+    {GroupPath: HOST_READ or NEEDS_DEVICE} (absent: either works); ``error``: what the step raised (with group
+    tensors: or the next one, which computes with what the first made state from: SGD's momentum); ``reads``: {host
     0-dim key: device reads it costs a later step on the device}; ``wide``: {path under a plain state key: on the
     device}; ``group_reads``: {GroupPath: ``(a, b)``}: ``a + b * n`` device reads more over ``n`` params;
     ``raises``: {GroupPath: where (``"host"``, ``"device"``) a step with it there raised, that of the other did not;
@@ -557,7 +558,8 @@ def _run(
                 if isinstance(value, torch.Tensor) and value.dim() == 0
             }
             measured = _costs(opt, state, found) if costs and error is None else {}
-            later = _later_reads(opt) if paths and error is None else None
+            # (a second step's error is the step's too: SGD's first computes with its momentum there)
+            later, error = _later_step(opt, truth) if paths and error is None else (None, error)
             wide = {
                 path: t.device.type != "cpu"
                 for key, value in opt.state.items()
@@ -568,17 +570,18 @@ def _run(
     return Observed(found if state else None, {}, error, measured, wide), reads.on_device, later
 
 
-def _later_reads(opt: torch.optim.Optimizer) -> int | None:
+def _later_step(opt: torch.optim.Optimizer, truth: bool = False) -> tuple[int | None, str | None]:
     """The device reads of one more step of ``opt`` (the first may read what it creates state from: Rprop's
-    ``lr``), None if it fails."""
-    reads = _Reads()
-    return None if _failure(lambda: _fake_step(opt, reads)) is not None else reads.on_device
+    ``lr``), or None and its error."""
+    reads = _Reads(truth)
+    failed = _failure(lambda: _fake_step(opt, reads))
+    return (reads.on_device, None) if failed is None else (None, _error(failed))
 
 
 def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str, bool]) -> dict[str, int]:
     """{host scalar key: the device reads one more step makes with it on the (fake) device than without}; a key
     whose step fails is left out. NOTE: every read returns the same stand-in, so the steps compare alike."""
-    baseline = _later_reads(opt)
+    baseline = _later_step(opt)[0]
     if baseline is None:
         return {}
     out: dict[str, int] = {}
@@ -586,7 +589,7 @@ def _costs(opt: torch.optim.Optimizer, state: dict[Any, Any], found: Mapping[str
         held = state[key]
         state[key] = torch.zeros((), dtype=held.dtype, device=_FAKE_DEVICE)
         try:
-            reads = _later_reads(opt)
+            reads = _later_step(opt)[0]
         finally:
             state[key] = torch.zeros((), dtype=held.dtype)
         if reads is not None:

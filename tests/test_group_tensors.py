@@ -1245,3 +1245,18 @@ def test_a_one_element_sgd_momentum_first_computed_with_in_a_second_step_is_judg
     _step(opt, params, 0)
     with pytest.raises(RuntimeError, match="0 dim"):  # (it is right: here the second step raises)
         _step(opt, params, 1)
+
+
+@pytest.mark.parametrize("given", ["cpu", "sim"])
+def test_a_0_dim_beta2_of_radam_s_capturable_foreach_step_is_an_error_on_either_device(sim, given):
+    """RAdam's capturable foreach step hands ``_foreach_addcmul_`` ``1 - beta2``, a 0-dim tensor it takes on neither
+    device. The probe's fake step stopped before, where a fake ``_foreach_add_`` reads its 0-dim ``rho_inf`` (a real
+    kernel takes it as a tensor): check() said nothing, or only that beta2 on the device costs syncs."""
+    device = sim if given == "sim" else torch.device("cpu")
+    params = _params(sim)
+    betas = (torch.tensor(0.9, device=device), torch.tensor(0.999, device=device))
+    opt = O.RAdam(params, betas=betas, foreach=True, capturable=True)
+    errors = [(f.key, f.why) for f in optimshift.check(opt).findings if f.severity == "error"]
+    assert errors == [("betas[1]", "RAdam's step() raises with it on either device")]
+    with pytest.raises(RuntimeError, match="scalar"):  # (it is right: here step() raises)
+        _step(opt, params, 0)

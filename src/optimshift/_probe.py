@@ -386,8 +386,14 @@ class _Reads(TorchFunctionMode):
         except DataDependentOutputException as first:  # a fake tensor was read as a number
             scalars = [i for i, a in enumerate(args) if _is_scalar(a) and not _takes_tensor(func, i)]
             named = [k for k, v in kwargs.items() if _is_scalar(v) and not _takes_tensor(func, k)]
-            if not scalars and not named:
-                raise
+            # (none: a kernel taking a 0-dim tensor that only its fake twin reads, RAdam's capturable foreach
+            # ``_foreach_add_(.., rho_inf)``: taken as a number, and no read of a real step's)
+            taken = not scalars and not named
+            if taken:
+                scalars = [i for i, a in enumerate(args) if _is_scalar(a)]
+                named = [k for k, v in kwargs.items() if _is_scalar(v)]
+                if not scalars and not named:
+                    raise
             args2 = tuple(_stand_in(a) if i in scalars else a for i, a in enumerate(args))
             kwargs2 = {k: (_stand_in(v) if k in named else v) for k, v in kwargs.items()}
             try:
@@ -397,10 +403,11 @@ class _Reads(TorchFunctionMode):
             except Exception as retried:
                 # (past its arguments, taken as numbers, it failed in a kernel fake tensors cannot run: fused
                 # Adam's on a CPU-only build; they were read all the same. A TypeError: not numbers there)
-                if not isinstance(retried, TypeError):
+                if not isinstance(retried, TypeError) and not taken:
                     self._count_each(args, scalars, kwargs, named)
                 raise first from None
-            self._count_each(args, scalars, kwargs, named)
+            if not taken:
+                self._count_each(args, scalars, kwargs, named)
             return result
 
     def _count_each(self, args: tuple[Any, ...], scalars: list[int], kwargs: dict[str, Any], named: list[str]) -> None:

@@ -1074,3 +1074,17 @@ def test_report_still_exports_the_foreach_helpers_that_moved_to_policy():
     for name in ("runs_foreach", "default_foreach"):
         assert getattr(report, name) is getattr(policy, name)
         assert name in report.__all__
+
+
+def test_check_reads_a_device_group_tensor_s_value_once(sim):
+    """check() asks where the step raises with a group tensor once per entry: a one-element tensor on the device whose
+    value decides it (foreach AdamW's ``weight_decay``, 0 skips the raising op) costs one host sync, not two."""
+    params = [torch.nn.Parameter(torch.randn(3, device=sim)) for _ in range(2)]
+    opt = O.AdamW(params, foreach=True, weight_decay=torch.zeros(1, device=sim))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with optimshift.count_syncs() as syncs:
+        report = optimshift.check(opt)
+    assert [f.key for f in report.findings] == ["weight_decay"]
+    assert syncs.total == 1

@@ -760,13 +760,15 @@ def check(optimizer: torch.optim.Optimizer) -> Report:
         t, site = tr.tensor, tr.site
         at = back.get(tr.ident, t.device)  # where the entry is (offloaded: where reload() puts it)
         in_group = tr.param is None and site.group != OPTIMIZER_WIDE
-        raises_anywhere = (
-            in_group
-            and len(_policy.group_raises(type(optimizer), optimizer.param_groups[site.group], site.key, t)) == 2
-        )  # (a group tensor the step raises with on either side is an error where it belongs too)
-        if at == tr.target and not raises_anywhere:
+        # (where the step raises with a group tensor: read once, its value asked by a sync on a device)
+        raises = (
+            _policy.group_raises(type(optimizer), optimizer.param_groups[site.group], site.key, t)
+            if in_group
+            else frozenset()
+        )
+        if at == tr.target and len(raises) != 2:  # (raising on either side is an error where it belongs too)
             continue
-        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at, defaults)
+        severity, why, cost = _explain(optimizer, tr.param, site, t, tr.target, at, defaults, raises)
         if tr.source == "default":  # (no probe or table: a guess, which the last finding explains)
             why = assumed(name) + why
         why = f"after reload(): {why}" if record is not None else why
@@ -827,15 +829,16 @@ def _explain(
     expected: torch.device,
     at: torch.device,
     defaults: dict[int, bool],
+    raises: frozenset[str],
 ) -> tuple[str, str, int | None]:
     """Why ``t`` (on ``at``: its device, or where a reload puts it) belongs on ``expected``, and its cost.
-    ``defaults``: whether torch's default picks foreach for a group's params, by group (filled as asked)."""
+    ``defaults``: whether torch's default picks foreach for a group's params, by group (filled as asked);
+    ``raises``: where the step raises with a group tensor (:func:`policy.group_raises`)."""
     name = optimizer_name(optimizer)
     gi = max(site.group, 0)
     group = optimizer.param_groups[gi]  # optimizer-wide entries: the first group
     on_host = at.type == "cpu"
     own = param is None and site.group != OPTIMIZER_WIDE  # (a tensor the group holds: a tensor lr, betas)
-    raises = _policy.group_raises(type(optimizer), group, site.key, t) if own else frozenset()
     if ("host" if on_host else "device") in raises:  # (where a probe step raised, not a cost: an error)
         where = "either device" if len(raises) == 2 else f"{at} (a probe step did; on {expected} it runs)"
         return "error", f"{name}'s step() raises with it on {where}", None

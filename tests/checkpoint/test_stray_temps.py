@@ -325,3 +325,49 @@ def test_a_ctrl_c_as_bench_creates_its_out_file_temporary_leaves_nothing(tmp_pat
         _bench._write_out(str(tmp_path / "out.json"), {"a": 1})
     monkeypatch.undo()
     assert os.listdir(tmp_path) == []
+
+
+def _half_written(then):
+    """A ``torch.save`` that writes a few bytes of the file, then ``then()`` (a kill, a Ctrl-C)."""
+
+    def save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        f.flush()
+        then()
+
+    return save
+
+
+@needs_fork
+def test_a_convert_in_place_killed_or_interrupted_mid_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """In place, convert wrote each file through a second temporary (``..optimizer.pt.<hex>.tmp.<hex>.tmp``), which
+    a kill mid-write left and no sweep of ``optimizer.pt`` matches: never removed. It writes its own temporary now,
+    which the next convert sweeps; a Ctrl-C mid-write leaves nothing."""
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    torch.save(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1).state_dict(), folder / "optimizer.pt")
+    torch.save({"last_epoch": 1}, folder / "scheduler.pt")
+    before = (folder / "optimizer.pt").read_bytes()
+    pid = os.fork()
+    if pid == 0:  # (a convert killed mid-write)
+        try:
+            sys.stdout = sys.stderr = open(os.devnull, "w")
+            torch.save = _half_written(lambda: os.kill(os.getpid(), signal.SIGKILL))
+            main(["convert", str(folder), str(folder)])
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert (folder / "optimizer.pt").read_bytes() == before
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", _half_written(interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        main(["convert", str(folder), str(folder)])
+    monkeypatch.undo()
+    assert (folder / "optimizer.pt").read_bytes() == before
+    assert main(["convert", str(folder), str(folder)]) == 0
+    assert sorted(os.listdir(folder)) == ["optimizer.pt", "scheduler.pt"]
+    assert optimshift.load(folder / "optimizer.pt")["param_groups"][0]["lr"] == 0.1

@@ -3,9 +3,11 @@ and an Accelerate ``save_state`` folder."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
+import sys
 
 import pytest
 import torch
@@ -237,6 +239,51 @@ def test_convert_folder_in_place_in_a_read_only_folder_names_the_file(tmp_path, 
     assert rc == 1 and len(err.strip().splitlines()) == 1, err
     assert f"cannot write in folder {folder}" in err and f"{folder / 'optimizer.pt'}" in err and ".tmp" not in err
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock: POSIX")
+def test_convert_folder_in_place_keeps_each_converted_file_locked_until_it_replaces_its_original(
+    tmp_path, capsys, monkeypatch
+):
+    """Another process's save of ``optimizer.pt`` while ``optimizer_1.pt`` converts sweeps what no writer locks:
+    ``optimizer.pt``'s converted temporary was renamed over the locked one (unlocked), swept, and convert failed."""
+    from optimshift.checkpoint import _atomic
+
+    folder = _trainer_folder(tmp_path)
+    _save_from_gpu(_trained().state_dict(), folder / "optimizer_1.pt")
+    real_save, calls = torch.save, []
+
+    def swept_between(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # (another process's sweep: this process's live temporaries are not its own)
+            with monkeypatch.context() as m:
+                m.setattr(_atomic, "_live", set())
+                _atomic.sweep(str(folder / "optimizer.pt"))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", swept_between)
+    rc, out, err = _run(capsys, "convert", folder, folder)
+    assert rc == 0 and len(calls) == 2, err
+    for name in ("optimizer.pt", "optimizer_1.pt"):
+        torch.load(folder / name, weights_only=True)  # (rewritten for the host: it opens now)
+    assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
+
+
+def test_convert_folder_in_place_names_the_file_it_could_not_write(tmp_path, capsys, monkeypatch):
+    """A write failing mid-file (a full disk) in place: the error names the optimizer file, not the hidden
+    temporary (twice), and the file is as it was."""
+    folder = _trainer_folder(tmp_path)
+    before = (folder / "optimizer.pt").read_bytes()
+
+    def full(obj, f, *args, **kwargs):
+        f.write(b"PK")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    rc, out, err = _run(capsys, "convert", folder, folder)
+    assert rc == 1 and f"cannot write {folder / 'optimizer.pt'}" in err and ".tmp" not in err, err
+    assert (folder / "optimizer.pt").read_bytes() == before
+    assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
 
 
 def test_convert_folder_in_place_converts_a_file_two_names_link_to_once(tmp_path, capsys):

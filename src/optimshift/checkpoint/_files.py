@@ -251,7 +251,9 @@ def file_path(path: Any, what: str) -> str:
     return os.fsdecode(path)
 
 
-def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = None) -> None:
+def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = None, into: int | None = None) -> None:
+    """:func:`save`; ``into``: an open descriptor of a temporary the caller made for ``path`` (locked, with its
+    permissions: an in-place convert's), written directly and left to the caller to rename over ``path``."""
     given = file_path(path, "save")
     if not given:  # (resolved, "" is the working folder: it was refused as "<cwd> is a directory")
         raise FileNotFoundError("save: the path is empty (''); give a file path")
@@ -274,17 +276,21 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
     payload = _prepare(obj)
     # A hidden, locked temporary in the same folder (same filesystem, so the rename is atomic); first remove
     # the temporaries that killed saves to this destination left behind.
-    _atomic.sweep(target)
     made: list[str] = []  # (the temporary once it exists: removed below, a Ctrl-C as create_temp returns included)
     try:
-        try:
-            fd, tmp = _atomic.create_temp(target, made)
-        except PermissionError as e:  # (named after the hidden temporary: say which folder cannot be written)
-            raise PermissionError(
-                e.errno, f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically)"
-            ) from None
-        _atomic.keep_mode(tmp, target)
-        raw = os.fdopen(fd, "wb")  # (closed after the rename: closing it releases the lock)
+        if into is None:
+            _atomic.sweep(target)
+            try:
+                fd, tmp = _atomic.create_temp(target, made)
+            except PermissionError as e:  # (named after the hidden temporary: say which folder cannot be written)
+                raise PermissionError(
+                    e.errno,
+                    f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically)",
+                ) from None
+            _atomic.keep_mode(tmp, target)
+        else:  # (a second temporary renamed over the caller's would leave it unlocked, and a crash a stray)
+            fd = into
+        raw = os.fdopen(fd, "wb", closefd=into is None)  # (closed after the rename, releasing the lock; not into)
         try:
             # (torch.save writes to any object with write and flush; its stubs ask for a typing.IO)
             sink: IO[bytes] = raw if progress is None else _Counting(raw, progress)  # type: ignore[assignment]
@@ -316,7 +322,8 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
                 os.fsync(raw.fileno())
             except OSError as e:
                 raise _write_error(target, e) from e
-            os.replace(tmp, target)
+            if into is None:
+                os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):  # (a failed write fails the close's flush again: ours says it)
                 raw.close()

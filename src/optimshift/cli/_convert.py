@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
     c.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors to this dtype")
     c.add_argument("--json", action="store_true", help="print the result (or the error) as JSON on stdout")
     allow_global_arg(c)
-    c.set_defaults(func=run_convert)
+    c.set_defaults(func=run_convert, into=None)
 
 
 _LARGE = 64 << 20  # bytes: show a progress bar for files at least this big (on a terminal)
@@ -218,7 +218,7 @@ def run_convert(args: argparse.Namespace) -> int:
         else None
     )
     try:
-        ckpt._save(obj, dst, progress=bar)
+        ckpt._save(obj, dst, progress=bar, into=args.into)
     except (OSError, RuntimeError, ValueError) as e:
         if bar:
             bar.close()
@@ -226,7 +226,7 @@ def run_convert(args: argparse.Namespace) -> int:
     if bar:
         bar.close()
     tensors = list(all_tensors(obj))
-    size = os.path.getsize(dst)
+    size = os.path.getsize(dst) if args.into is None else os.fstat(args.into).st_size
     if as_json:
         print(
             json.dumps(
@@ -263,7 +263,7 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
 
     as_json = args.json
 
-    def convert(src: str, dst: str) -> int:
+    def convert(src: str, dst: str, into: int | None = None) -> int:
         return run_convert(
             argparse.Namespace(
                 input=src,
@@ -272,6 +272,7 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
                 dtype=args.dtype,
                 allow_global=args.allow_global,
                 json=as_json,
+                into=into,
             )
         )
 
@@ -329,16 +330,16 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     return 0
 
 
-def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[[str, str], int], as_json: bool) -> int:
-    """Each optimizer file of ``folder`` converted to a hidden temporary beside the file it replaces (through a
-    link, the file it points at: the same folder, so the same filesystem), with its permissions from the start,
-    and only once every one converted, each renamed over its original (a failure on one leaves all as they were).
-    A read-only file, or one in a folder that cannot be written, is refused before anything is converted."""
+def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[..., int], as_json: bool) -> int:
+    """Each optimizer file of ``folder`` converted into a hidden temporary beside the file it replaces (through a
+    link, the file it points at: the same folder, so the same filesystem), with its permissions and locked from the
+    start, and only once every one converted, each renamed over its original (a failure on one leaves all as they
+    were). A read-only file, or one in a folder that cannot be written, is refused before anything is converted."""
     # (each real file once: two names linked to one file are one file to convert)
     at = {os.path.realpath(os.path.join(folder.path, name)): name for name in reversed(folder.optimizer_files)}
     reals, names = list(reversed(at)), list(reversed(at.values()))
     temps: list[str] = []
-    locks: list[int] = []  # (keeping another process's sweep off each empty temporary until it is converted into)
+    locks: list[int] = []  # (keeping another process's sweep off each temporary until it is renamed or removed)
     written = io.StringIO()
     try:
         for real, name in zip(reals, names):
@@ -357,9 +358,9 @@ def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[[str, 
                 return failure("convert", problem, as_json=as_json, error=e)
             locks.append(fd)
             keep_mode(temps[-1], real)  # (before a byte is written: a private file's state stays private)
-        for name, tmp in zip(names, temps):
+        for name, fd in zip(names, locks):  # (written through the locked descriptor; messages name the file)
             with contextlib.redirect_stdout(written):
-                failed = convert(os.path.join(folder.path, name), tmp)
+                failed = convert(os.path.join(folder.path, name), os.path.normpath(os.path.join(dst, name)), fd)
             if failed:
                 sys.stdout.write(written.getvalue().splitlines(keepends=True)[-1] if as_json else "")  # (its error)
                 return 1
@@ -377,7 +378,7 @@ def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[[str, 
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             release_temp(tmp)
-    _report(written, {tmp: os.path.join(dst, name) for tmp, name in zip(temps, names)}, dst, 0, as_json)
+    _report(written, {}, dst, 0, as_json)
     return 0
 
 

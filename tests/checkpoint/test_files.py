@@ -5,6 +5,7 @@ temporaries they leave: test_stray_temps.py.)"""
 from __future__ import annotations
 
 import collections
+import errno
 import importlib
 import io
 import os
@@ -552,6 +553,20 @@ def test_save_names_the_folder_it_cannot_write_in_and_takes_bytes_paths(tmp_path
     with pytest.raises(PermissionError, match=rf"cannot write in folder {tmp_path}") as caught:
         optimshift.save(opt, tmp_path / "o.pt")
     assert ".tmp" not in str(caught.value)
+
+
+def test_save_names_the_folder_on_a_read_only_filesystem_too(tmp_path, monkeypatch):
+    """A folder on a read-only (or full) filesystem: the error names the folder and the file, and says why (only
+    a PermissionError did; EROFS named the hidden temporary alone)."""
+    from optimshift.checkpoint import _atomic
+
+    def refused(target, made):
+        raise OSError(errno.EROFS, "Read-only file system", _atomic.temp_name(target))
+
+    monkeypatch.setattr(_atomic, "create_temp", refused)
+    with pytest.raises(OSError, match=rf"cannot write in folder {tmp_path} .*o\.pt.*: Read-only file system") as caught:
+        optimshift.save(_adam(), tmp_path / "o.pt")
+    assert ".tmp" not in str(caught.value) and caught.value.errno == errno.EROFS
 
 
 def test_a_container_held_in_many_places_is_walked_once(tmp_path, monkeypatch):

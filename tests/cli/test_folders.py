@@ -286,6 +286,24 @@ def test_convert_folder_in_place_names_the_file_it_could_not_write(tmp_path, cap
     assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
 
 
+def test_convert_folder_in_place_on_a_read_only_filesystem_names_the_file(tmp_path, capsys, monkeypatch):
+    """A folder on a read-only filesystem (EROFS, not a PermissionError): one line naming the folder, the file and
+    why, as for a folder without write permission (it named the hidden temporary alone), and nothing changes."""
+    from optimshift.checkpoint import _atomic
+    from optimshift.cli import _convert
+
+    def refused(target, made):
+        raise OSError(errno.EROFS, "Read-only file system", _atomic.temp_name(target))
+
+    folder = _trainer_folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    monkeypatch.setattr(_convert, "create_temp", refused)
+    rc, out, err = _run(capsys, "convert", folder, folder)
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot write in folder {folder}" in err and f"{folder / 'optimizer.pt'}): Read-only file system" in err
+    assert ".tmp" not in err and {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_convert_folder_in_place_converts_a_file_two_names_link_to_once(tmp_path, capsys):
     """Two optimizer files that are one file (a link to the other): converted once (the second name's sweep
     removed the first's finished temporary, and the convert failed; found by review). A broken link: one line."""

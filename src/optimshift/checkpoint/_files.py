@@ -282,10 +282,11 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             _atomic.sweep(target)
             try:
                 fd, tmp = _atomic.create_temp(target, made)
-            except PermissionError as e:  # (named after the hidden temporary: say which folder cannot be written)
-                raise PermissionError(
+            except OSError as e:  # (named after the hidden temporary: say which folder cannot be written, and why)
+                raise OSError(
                     e.errno,
-                    f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically)",
+                    f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically): "
+                    f"{e.strerror or e}",
                 ) from None
             _atomic.keep_mode(tmp, target)
         else:  # (a second temporary renamed over the caller's would leave it unlocked, and a crash a stray)

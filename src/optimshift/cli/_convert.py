@@ -353,8 +353,11 @@ def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[..., i
             sweep(real)  # (what crashed saves and converts of it left)
             try:
                 fd, _ = create_temp(real, temps)
-            except PermissionError as e:  # (named after the hidden temporary: say which file and folder)
-                problem = f"cannot write in folder {os.path.dirname(real)} (a new file there, to replace {path})"
+            except OSError as e:  # (named after the hidden temporary: say which file and folder, and why)
+                problem = (
+                    f"cannot write in folder {os.path.dirname(real)} (a new file there, to replace {path}): "
+                    f"{e.strerror or e}"
+                )
                 return failure("convert", problem, as_json=as_json, error=e)
             locks.append(fd)
             keep_mode(temps[-1], real)  # (before a byte is written: a private file's state stays private)

@@ -282,6 +282,52 @@ def test_a_load_places_group_tensors_from_the_checkpoint_not_from_a_past_move(si
     assert opt.param_groups[0]["lr"].device.type == "cpu"
 
 
+ADAM_ON_DEVICE = [(cls, {flag: True}) for cls in (O.Adam, O.AdamW) for flag in ("fused", "capturable")]
+
+
+def _scheduled(device, cls, kwargs, lr, steps=1):
+    """Two groups sharing one ``lr``, a scheduler (an ``initial_lr`` in each), ``steps`` steps."""
+    params = _params(device)
+    opt = cls([{"params": params[:1]}, {"params": params[1:]}], lr=lr, **kwargs)
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    for k in range(steps):
+        _step(opt, params, k)
+    return params, opt
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing"])
+@pytest.mark.parametrize("lr", ["device", "float"])
+@pytest.mark.parametrize("cls, kwargs", ADAM_ON_DEVICE, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_a_load_from_a_file_places_group_tensors_as_the_load_from_memory(sim, tmp_path, cls, kwargs, lr, into):
+    """A device lr saved to a file: the load from its path read it onto the host (map_location) and put it there,
+    with the group sharing it and the scheduler's initial_lr, where the same load from memory, or from
+    ``torch.load`` without map_location, keeps it on the device (a captured step reads it at its address)."""
+
+    def make(steps):
+        return _scheduled(sim, cls, kwargs, torch.tensor(0.01, device=sim) if lr == "device" else 0.01, steps)
+
+    saved = make(1)[1]
+    path = tmp_path / "opt.pt"
+    optimshift.save(saved, path)
+    roads = {
+        "memory": saved.state_dict,
+        "torch.load": lambda: torch.load(path, weights_only=True),  # (no map_location: on the device)
+        "path": lambda: path,
+    }
+    where = {}
+    for road, sd in roads.items():
+        params, opt = make(int(into == "existing"))
+        live = opt.param_groups[0]["lr"]
+        optimshift.load_state_dict(opt, sd())
+        groups = opt.param_groups
+        where[road] = [str(getattr(g[k], "device", "float")) for g in groups for k in ("lr", "initial_lr")]
+        if lr == "device":
+            assert groups[0]["lr"] is groups[1]["lr"] is live, road
+        _step(opt, params, 1)
+        assert not [(f.param, f.key, f.why) for f in optimshift.check(opt).findings if f.severity != "info"], road
+    assert where == dict.fromkeys(roads, [str(sim) if lr == "device" else "float"] * 4)
+
+
 # -- group tensors follow params that moved (issue 17, item 5) ----------------------------------------------
 
 FOLLOW = [

@@ -772,9 +772,9 @@ def _opaque_class(name: str) -> type[Opaque]:
     return type(qualname, (Opaque,), {"__module__": module, "__qualname__": qualname, "name": name})
 
 
-def _load_recording(path: PathLike) -> tuple[Any, Mapping[int, str], list[str]]:
-    """Load onto the host, with where each storage was saved (``{data_ptr: "cuda:0"}``), each global weights-only
-    loading refuses built as an :class:`Opaque` object (unless one can run code), and their names."""
+def load_located(path: PathLike) -> tuple[Any, Mapping[int, str]]:
+    """:func:`load` onto the host, with where each storage was saved (``{data_ptr: "cuda:0"}``, read by
+    :func:`saved_location`): a load from a file places what it must by where the tensors were, not map_location."""
     locations: dict[int, str] = {}
 
     def keep(storage: Any, location: str) -> Any:
@@ -782,29 +782,31 @@ def _load_recording(path: PathLike) -> tuple[Any, Mapping[int, str], list[str]]:
             locations[storage.data_ptr()] = location
         return storage
 
+    try:
+        return load(path, map_location=keep), locations
+    except (RuntimeError, CheckpointError) as e:  # (load names the RuntimeError: "... corrupt (RuntimeError: ...")
+        if "Callable map_location not supported" not in str(e):
+            raise
+    # NOTE: a tensor subclass rebuilt as a wrapper (a DTensor: FSDP2's per-rank files) takes no callable
+    # map_location in torch; a dict's is asked the tags alone, without their storages
+    tags = _Tags()
+    return load(path, map_location=tags), tags.everywhere()
+
+
+def _load_recording(path: PathLike) -> tuple[Any, Mapping[int, str], list[str]]:
+    """:func:`load_located`, each global weights-only loading refuses built as an :class:`Opaque` object (unless one
+    can run code), and their names."""
     stood_in: list[str] = []
     allow: Any = getattr(torch.serialization, "safe_globals", None)  # (torch >= 2.5)
-    where: Any = keep
     while True:
         try:
             with allow([_opaque_class(n) for n in stood_in]) if stood_in else contextlib.nullcontext():
-                loaded = load(path, map_location=where)
-            # (a _Tags: every storage saved where the file's one tag says, if it has one)
-            return loaded, where.everywhere() if isinstance(where, _Tags) else locations, stood_in
+                return (*load_located(path), stood_in)
         except UnsafeCheckpointError as e:
             more = [n for n in e.globals if n not in stood_in]
             if allow is None or not more or any(runs_code(n) for n in e.globals):
                 raise
             stood_in.extend(more)  # (each retry stands in for more names, of the finitely many the file has)
-            locations.clear()
-            if isinstance(where, _Tags):
-                where = _Tags()
-        except (RuntimeError, CheckpointError) as e:  # (load names the RuntimeError: "... corrupt (RuntimeError: ...")
-            if where is not keep or "Callable map_location not supported" not in str(e):
-                raise
-            # NOTE: a tensor subclass rebuilt as a wrapper (a DTensor: FSDP2's per-rank files) takes no callable
-            # map_location in torch; a dict's is asked the tags alone, without their storages
-            where = _Tags()
 
 
 class _Tags(dict[Any, str]):
@@ -858,3 +860,24 @@ def saved_location(t: torch.Tensor, locations: Mapping[int, str]) -> str:
     except Exception:
         return str(t.device)
     return locations.get(ptr, str(t.device))
+
+
+_TAG = re.compile(r"([A-Za-z_]\w*)(?::(\d+))?")
+
+
+def tag_device(tag: str, unknown: dict[torch.device, str] | None = None) -> torch.device | None:
+    """The device a storage's location tag names, for torch's placement rules (None for a malformed tag). NOTE: a
+    type torch cannot parse is another process's PrivateUse1 backend (``npu``, ``sim``); the rules tell only the host
+    from accelerators, so this process's PrivateUse1 device stands in (``unknown``: its tag, for messages)."""
+    with contextlib.suppress(Exception):
+        return torch.device(tag)
+    match = _TAG.fullmatch(tag)
+    if match is None:
+        return None
+    try:
+        stand_in = torch.device(torch._C._get_privateuse1_backend_name(), int(match.group(2) or 0))
+    except Exception:
+        return None
+    if unknown is not None:
+        unknown.setdefault(stand_in, tag)
+    return stand_in

@@ -4,9 +4,7 @@ code from a file."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -98,26 +96,6 @@ def _resolve_class(recorded: str | None, guessed: list[str]) -> type[torch.optim
 
 
 # --- inspect -----------------------------------------------------------------------------------------------
-
-
-_TAG = re.compile(r"([A-Za-z_]\w*)(?::(\d+))?")
-
-
-def _device(tag: str, unknown: dict[torch.device, str]) -> torch.device | None:
-    """The device a storage's location tag names, for torch's placement rules (None for a malformed tag). NOTE: a
-    type torch cannot parse is another process's PrivateUse1 backend (``npu``, ``sim``); the rules tell only the host
-    from accelerators, so this process's PrivateUse1 device stands in (``unknown``: its tag, for messages)."""
-    with contextlib.suppress(Exception):
-        return torch.device(tag)
-    match = _TAG.fullmatch(tag)
-    if match is None:
-        return None
-    try:
-        stand_in = torch.device(torch._C._get_privateuse1_backend_name(), int(match.group(2) or 0))
-    except Exception:
-        return None
-    unknown.setdefault(stand_in, tag)
-    return stand_in
 
 
 def describe(
@@ -282,14 +260,14 @@ def _findings(
             if cls is None and found.class_name:
                 continue  # a recorded class that is not torch.optim: its placement rules are not known here
             big = next((v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-            pdev = _device(ckpt.saved_location(big, locations), unknown) if big is not None else None
+            pdev = ckpt.tag_device(ckpt.saved_location(big, locations), unknown) if big is not None else None
             if pdev is None or big is None:
                 continue
             fake = torch.empty(big.shape, device="meta")  # the param: only its rank matters to the policy
             for key, value in st.items():
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     continue
-                saved_on = _device(ckpt.saved_location(value, locations), unknown)
+                saved_on = ckpt.tag_device(ckpt.saved_location(value, locations), unknown)
                 if saved_on is None:
                     continue
                 puts_on = torch_cast(key, g, (big.dtype, pdev), (value.dtype, saved_on))[1]

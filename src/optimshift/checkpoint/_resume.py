@@ -102,9 +102,10 @@ def _load(
         target = torch.device("cpu")
 
     label = f"{name}: load_state_dict"
+    saved = None  # (a file's: where each storage was saved)
     if isinstance(state_dict, (str, bytes, os.PathLike)):
         source = _files.file_path(state_dict, label)
-        state_dict = _read(source, label)
+        state_dict, saved = _read(source, label)
         label = f"{label}: {source}"
     sd, recorded = _extract(state_dict, label)
     if recorded is not None:
@@ -120,7 +121,16 @@ def _load(
             sd = result
 
     staging = functools.partial(
-        Staging, receiver, name, sd, flags=flags, copy=copy, device=target, what=label, streamed=mode is not None
+        Staging,
+        receiver,
+        name,
+        sd,
+        flags=flags,
+        copy=copy,
+        device=target,
+        what=label,
+        streamed=mode is not None,
+        saved=saved,
     )
     staged = staging(cast=cast)
     # (one operation at a time on this optimizer, as move/offload/reload; tens of thousands of small objects:
@@ -160,11 +170,11 @@ def _load(
     return optimizer
 
 
-def _read(source: str, label: str) -> Any:
-    """:func:`optimshift.load` of ``source``; an error reading it (it names the file) names the optimizer too, its
-    type and attributes kept."""
+def _read(source: str, label: str) -> tuple[Any, Mapping[int, str]]:
+    """:func:`optimshift.load` of ``source``, with where each storage was saved (:func:`_files.load_located`); an
+    error reading it (it names the file) names the optimizer too, its type and attributes kept."""
     try:
-        return _files.load(source)
+        return _files.load_located(source)
     except (OSError, _files.CheckpointError) as e:
         if isinstance(e, OSError) and e.strerror is not None:  # (the system's own: str() shows its strerror)
             e.strerror = f"{label}: {e.strerror}"

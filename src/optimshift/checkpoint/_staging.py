@@ -17,8 +17,9 @@ import torch
 
 from .. import _alias, _engine
 from .. import policy as _policy
+from .._devices import HOSTS
 from .._errors import dtype_name, with_article
-from .._plan import Plan, TargetFn, Transfer, _new_transfer, build_plan, listed_twice, policy_target
+from .._plan import Plan, TargetFn, Transfer, _new_transfer, build_plan, listed_twice
 from .._probe import NO_SPEC, Rejection, StateSpec, entry_dtypes, expected_state, rejected_dtypes
 from .._state import (
     _ATOMS,
@@ -77,8 +78,10 @@ class Staging:
         device: torch.device | None,
         what: str,
         streamed: bool = False,
+        saved: Mapping[int, str] | None = None,
     ) -> None:
         self.opt, self.name, self.sd = optimizer, name, sd
+        self.saved = saved  # (a file's: where each storage was saved, by data_ptr; see _files.load_located)
         self.what = what  # the operation, as errors name it: the optimizer, load_state_dict and the file, if any
         self.streamed = streamed  # (its state on the host, its groups' tensors where a move puts them)
         self.flags, self.cast, self.copy, self.device = flags, cast, copy, device
@@ -261,13 +264,14 @@ class Staging:
         return {id(self._made[ticket]): n for ticket, n in self._uses.items() if n > 1}
 
     def _plan(self, groups: list[dict[str, Any]], state: Mapping[Any, Any]) -> Plan:
-        """The plan of the state about to be installed: where :func:`optimshift._plan.policy_target` puts each
+        """The plan of the state about to be installed: where the policy (:class:`optimshift.policy.Placer`) puts each
         tensor for the live optimizer's class, with the loaded groups' hyperparameters and the live flags."""
-        # (remembered=False: where a move took the old group tensors from says nothing of the loaded ones)
-        target: TargetFn = policy_target(self.opt, self.device, remembered=False)
+        # (not the session's sides: where a move took the old group tensors from says nothing of the loaded ones)
+        sides = self._saved_sides(groups)
+        target: TargetFn = _policy.Placer(self.opt, self.device, sides)
         if self.streamed:  # (the state on the host, where a streamed optimizer keeps it; its groups' as stream() lays
             # them out: where a move puts them)
-            state_target, groups_target = target, policy_target(self.opt, None, remembered=False)
+            state_target, groups_target = target, _policy.Placer(self.opt, None, sides)
 
             def target(
                 ident: Any, param: torch.Tensor | None, group: Mapping[str, Any], key: str, tensor: torch.Tensor
@@ -280,6 +284,19 @@ class Staging:
             return build_plan(self.opt, target, groups=groups, state=state)
         except ValueError as e:  # a tensor the checkpoint shares between entries that belong on two devices
             raise self.fail(str(e).removeprefix(f"{self.name}: ")) from None
+
+    def _saved_sides(self, groups: list[dict[str, Any]]) -> dict[int, tuple[torch.device, torch.Tensor]]:
+        """The group tensors a file saved on an accelerator, with that device (:class:`optimshift.policy.Placer`'s
+        sides): placed as the same load from memory places them, not by map_location's host."""
+        sides: dict[int, tuple[torch.device, torch.Tensor]] = {}
+        if self.saved is None:
+            return sides
+        for group in groups:
+            for _, tensor in group_tensors(group):
+                at = _files.tag_device(_files.saved_location(tensor, self.saved)) if tensor.is_cpu else None
+                if at is not None and at.type not in HOSTS:
+                    sides[id(tensor)] = (at, tensor)
+        return sides
 
     def _resolve(self, lone: list[tuple[MutableMapping[Any, Any], Any, torch.Tensor, Transfer]]) -> None:
         """Make every ticket's copy and each ``lone`` entry's (installed at ``holder[key]``) by one

@@ -1,6 +1,7 @@
 """What offload guards while the state is away: no step, compact state_dicts, one operation at a time, and
 no move to a device that holds no data."""
 
+import contextlib
 import io
 import struct
 import threading
@@ -410,6 +411,43 @@ def test_an_interrupt_between_a_blocks_operation_and_its_body_leaves_the_optimiz
     with getattr(optimshift, block)(opt):
         assert optimshift.is_offloaded(opt) or optimshift.is_streamed(opt)
     assert_as_it_was(opt, before)
+    train(model, opt, range(1, 2))
+
+
+@pytest.mark.parametrize("block", ["offloaded", "streamed"])
+def test_a_ctrl_c_at_a_blocks_exit_leaves_it_uncounted_and_the_mode_ended(sim, monkeypatch, block):
+    """A Ctrl-C landing at an offloaded()/streamed() block's exit, before it was uncounted (once the lock was taken,
+    or while waiting for it), left it counted for good: the mode stayed on, and no later block was ever the last out
+    (an offloaded() block's count outlives a reload by hand). It is raised once the block is out and the mode ended."""
+    import os
+    import signal
+
+    from optimshift import _session, _streaming, api
+
+    model, opt = _adam(sim)
+    before = as_it_is(opt)
+    real, armed = api.exclusive, [False]
+
+    @contextlib.contextmanager
+    def exclusive(optimizer):
+        with real(optimizer):
+            if armed[0]:  # (the exit's: a real Ctrl-C, landing once the lock is taken)
+                armed[0] = False
+                os.kill(os.getpid(), signal.SIGINT)
+            yield
+
+    monkeypatch.setattr(api, "exclusive", exclusive)
+    with pytest.raises(KeyboardInterrupt):
+        with getattr(optimshift, block)(opt):
+            armed[0] = True
+    monkeypatch.undo()
+    mode = _streaming._mode_of(opt)
+    assert (_session.of(opt).offloaded_in, 0 if mode is None else mode.blocks) == (0, 0)
+    assert not optimshift.is_offloaded(opt) and not optimshift.is_streamed(opt)
+    assert_as_it_was(opt, before)
+    with getattr(optimshift, block)(opt):
+        assert optimshift.is_offloaded(opt) or optimshift.is_streamed(opt)
+    assert not optimshift.is_offloaded(opt) and not optimshift.is_streamed(opt)
     train(model, opt, range(1, 2))
 
 

@@ -648,7 +648,9 @@ def _last_out_ends(
         yield counter
     finally:
         if counted or began:
-            with exclusive(inner), _warned():
+            # (a Ctrl-C at the exit, before the block was uncounted, left it counted for good: no later block of the
+            # optimizer was ever the last out, its offload outlived every one; held until the block is out)
+            with _engine.uninterrupted(to_the_end=False), exclusive(inner), _warned():
                 if counted:
                     setattr(counter, count, getattr(counter, count) - 1)
                 else:  # (begun, never counted: ended unless another block counts it now)

@@ -62,6 +62,7 @@ def test_sim_accelerator_devices(sim):
     acc = ostl.SimAccelerator
     assert acc.parse_devices(2) == [0, 1] and acc.parse_devices("0,1") == [0, 1] and acc.parse_devices([1]) == [1]
     assert acc.parse_devices("auto") == [0, 1] and acc.auto_device_count() == 2
+    assert acc.parse_devices(-1) == acc.parse_devices("-1") == [0, 1]  # (-1: every device, as for CUDA; was none)
     assert acc.get_parallel_devices([0, 1]) == [torch.device("sim", 0), torch.device("sim", 1)]
     assert ostl.strategy("sim:1").root_device == torch.device("sim", 1)
     with pytest.raises(ValueError, match="expected a simulated device"):

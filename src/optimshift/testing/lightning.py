@@ -73,7 +73,7 @@ class SimAccelerator(_Accelerator):
 
     @staticmethod
     def parse_devices(devices: Any) -> list[int]:
-        if devices == "auto":
+        if devices == "auto" or devices in (-1, "-1"):  # (Lightning's convention: -1 is every device)
             devices = SimAccelerator.auto_device_count()
         elif isinstance(devices, str):  # Lightning's convention: "2" is a count, "0,1" a list of indices
             devices = [int(d) for d in devices.split(",") if d.strip()] if "," in devices else int(devices)

@@ -1306,3 +1306,47 @@ def test_a_0_dim_beta2_of_radam_s_capturable_foreach_step_is_an_error_on_either_
     assert errors == [("betas[1]", "RAdam's step() raises with it on either device")]
     with pytest.raises(RuntimeError, match="scalar"):  # (it is right: here step() raises)
         _step(opt, params, 0)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@pytest.mark.parametrize("given", ["cpu", "sim"])
+@pytest.mark.parametrize("path", [("etas", 0), ("etas", 1), ("step_sizes", 0), ("step_sizes", 1)], ids=str)
+def test_rprop_s_one_element_etas_and_step_sizes_are_judged_past_its_masked_fills(sim, foreach, given, path):
+    """Non-capturable Rprop fills its signs by a mask (``sign[sign.gt(0)] = etaplus``), which fake tensors cannot
+    run: the probe's steps stopped there, before ``clamp_`` refuses a ``(1,)`` step size on either side and
+    ``sign.eq(etaminus)`` a ``(1,)`` etaminus on the host: check() said nothing, and move() left that one there."""
+    key, index = path
+    device = sim if given == "sim" else torch.device("cpu")
+    params = _params(sim)
+    value = list(O.Rprop([torch.zeros(1)]).defaults[key])
+    value[index] = torch.full((1,), float(value[index]), device=device)
+    opt = O.Rprop(params, **{key: tuple(value)}, foreach=foreach)
+    errors = [(f.key, f.why) for f in optimshift.check(opt).findings if f.severity == "error"]
+    name = f"{key}[{index}]"
+    if key == "step_sizes":
+        assert errors == [(name, "Rprop's step() raises with it on either device")]
+        with pytest.raises(TypeError, match="clamp_"):  # (it is right: here step() raises)
+            _step(opt, params, 0)
+    elif path == ("etas", 0) and given == "cpu":
+        assert errors == [(name, "Rprop's step() raises with it on cpu (a probe step did; on sim:0 it runs)")]
+        with pytest.raises(RuntimeError, match="same device"):  # (it is right: here step() raises)
+            _step(O.Rprop(params, **{key: tuple(value)}, foreach=foreach), params, 0)
+        optimshift.move(opt)  # (where it runs: on the device)
+        assert opt.param_groups[0][key][index] is value[index] and value[index].device == sim
+    else:
+        assert errors == []
+    if key == "etas":
+        _step(opt, params, 0)
+        _step(opt, params, 1)
+        assert not optimshift.check(opt).findings
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+def test_a_0_dim_device_step_size_of_non_capturable_rprop_is_priced(sim, foreach):
+    """``clamp_`` reads a 0-dim step size as a number: on the device a sync each step, which check() missed where
+    the probe's non-capturable step stopped at its masked fills."""
+    params = _params(sim)
+    opt = O.Rprop(params, step_sizes=(1e-6, torch.tensor(50.0, device=sim)), foreach=foreach)
+    found = [(f.severity, f.key) for f in optimshift.check(opt).findings]
+    assert found == [("warning", "step_sizes[1]")]
+    assert _step(opt, params, 0) > 0 and _step(opt, params, 1) > 0  # (it is right: each step syncs)

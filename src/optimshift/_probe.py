@@ -377,6 +377,8 @@ class _Reads(TorchFunctionMode):
             if torch.device(device).type != "cpu":
                 host = func(*args, **{**kwargs, "device": "cpu"})
                 return torch.empty(host.shape, dtype=host.dtype, device=device)
+        if func is torch.Tensor.__setitem__ and _masked_fill(*args):
+            return None
         if func is torch.Tensor.copy_:  # (its binding asks for the device's guard, which a CPU-only build lacks)
             func = _aten_copy_
         elif getattr(func, "__name__", "").startswith("_foreach_") and func is not torch._foreach_copy_:
@@ -429,6 +431,17 @@ def _same_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if len(devices) > 1:
         found = " and ".join(sorted(devices, reverse=True))
         raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, {found}!")
+
+
+def _masked_fill(self: Any, index: Any = None, value: Any = None, *_: Any) -> bool:
+    """``self[mask] = value`` (one value, from either side as a real kernel takes it) run as a fill, which fake tensors
+    can run and not their ``index_put_``: non-capturable Rprop's ``sign[sign.gt(0)] = etaplus``. False: not one."""
+    mask = index if isinstance(index, torch.Tensor) and index.dtype == torch.bool else None
+    one = isinstance(value, numbers.Number) or isinstance(value, torch.Tensor) and value.numel() == 1
+    if not isinstance(self, torch.Tensor) or mask is None or mask.shape != self.shape or not one:
+        return False
+    _aten_copy_(self, torch.where(mask, value.reshape(()) if isinstance(value, torch.Tensor) else value, self))
+    return True
 
 
 def _aten_copy_(self: torch.Tensor, other: torch.Tensor, non_blocking: bool = False) -> Any:

@@ -179,7 +179,10 @@ def test_a_placement_by_the_default_rule_is_worded_as_check_words_it(tmp_path, s
     from optimshift.report import assumed
 
     class Homemade(torch.optim.Optimizer):
-        def __init__(self, params, lr=0.1, gamma=0.5, zeta=1):
+        # (``source``, needed and kept in no group: a probe cannot build the class, so check() guesses too; a probe
+        # of its step would see the step made on the param's device)
+        def __init__(self, params, source, lr=0.1, gamma=0.5, zeta=1):
+            self.source = source
             super().__init__(params, {"lr": lr, "gamma": gamma, "zeta": zeta})
 
         @torch.no_grad()
@@ -192,7 +195,7 @@ def test_a_placement_by_the_default_rule_is_worded_as_check_words_it(tmp_path, s
                     p.sub_(st["buffer"], alpha=group["lr"])
 
     params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
-    opt = Homemade(params)
+    opt = Homemade(params, "a loader")
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()

@@ -262,24 +262,18 @@ def test_a_checkpoint_sharing_a_tensor_across_devices_is_refused_like_a_move(sim
 
 
 @pytest.mark.parametrize("cls, kwargs", [(O.Adam, {"capturable": True, "foreach": True})], ids=["Adam-capturable"])
-def test_a_load_places_group_tensors_from_the_checkpoint_not_from_a_past_move(sim, cls, kwargs):
-    """A move to the host and back remembers where a device lr was given (the session); a load brings its own
-    group tensors, placed from where the checkpoint has them, as PyTorch's load (and a fresh optimizer given
-    them there) keeps them: the remembered side is not applied to them."""
+def test_a_load_puts_a_live_group_tensor_back_on_the_side_a_move_took_it_from(sim, cls, kwargs):
+    """A move to the host and back remembers where a device lr was given (the session); a load writes the
+    checkpoint's lr into that same tensor, which goes back to its side, whatever side the checkpoint's is on."""
     params, opt = _device_lr_optimizer(sim, cls, kwargs)
     optimshift.move(opt, "cpu")  # the lr given on the device goes to the host: the session remembers the device
     for p in params:
         p.data = p.data.to(sim)
-    host_params = _params("cpu")
-    saved = cls(host_params, lr=torch.tensor(0.02), **kwargs)  # a host lr in the checkpoint
-    sd = saved.state_dict()
-    ref_params, ref = _device_lr_optimizer(sim, cls, kwargs)
-    ref.load_state_dict(copy.deepcopy(sd))
-    optimshift.load_state_dict(opt, sd)
-    assert opt.param_groups[0]["lr"].device == ref.param_groups[0]["lr"].device == torch.device("cpu")
+    live = opt.param_groups[0]["lr"]
+    saved = cls(_params("cpu"), lr=torch.tensor(0.02), **kwargs)  # a host lr in the checkpoint
+    optimshift.load_state_dict(opt, saved.state_dict())
+    assert opt.param_groups[0]["lr"] is live and live.device == sim and live.item() == pytest.approx(0.02)
     assert not optimshift.check(opt).findings
-    optimshift.move(opt, sim)  # and the load's groups are what a later move sees, not the old session's
-    assert opt.param_groups[0]["lr"].device.type == "cpu"
 
 
 ADAM_ON_DEVICE = [(cls, {flag: True}) for cls in (O.Adam, O.AdamW) for flag in ("fused", "capturable")]
@@ -295,37 +289,69 @@ def _scheduled(device, cls, kwargs, lr, steps=1):
     return params, opt
 
 
-@pytest.mark.parametrize("into", ["fresh", "existing"])
-@pytest.mark.parametrize("lr", ["device", "float"])
-@pytest.mark.parametrize("cls, kwargs", ADAM_ON_DEVICE, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
-def test_a_load_from_a_file_places_group_tensors_as_the_load_from_memory(sim, tmp_path, cls, kwargs, lr, into):
-    """A device lr saved to a file: the load from its path read it onto the host (map_location) and put it there,
-    with the group sharing it and the scheduler's initial_lr, where the same load from memory, or from
-    ``torch.load`` without map_location, keeps it on the device (a captured step reads it at its address)."""
+def _lr(kind, device, value=0.01):
+    """An lr of ``kind``: a tensor on ``device`` ("device"), a tensor on the host ("host"), a float ("float")."""
+    return {"device": lambda: torch.tensor(value, device=device), "host": lambda: torch.tensor(value)}.get(
+        kind, lambda: value
+    )()
 
-    def make(steps):
-        return _scheduled(sim, cls, kwargs, torch.tensor(0.01, device=sim) if lr == "device" else 0.01, steps)
 
-    saved = make(1)[1]
-    path = tmp_path / "opt.pt"
-    optimshift.save(saved, path)
-    roads = {
+def _roads(saved, path):
+    """Every road a saved optimizer's state dict reaches a load by: from memory, from the file (as torch.load reads
+    it, as a framework's resume reads it onto the host: Lightning's, Accelerate's map_location='cpu'), its path."""
+    return {
         "memory": saved.state_dict,
         "torch.load": lambda: torch.load(path, weights_only=True),  # (no map_location: on the device)
+        "map_location": lambda: torch.load(path, map_location="cpu", weights_only=True),
+        "optimshift.load": lambda: optimshift.load(path),
         "path": lambda: path,
     }
+
+
+def _loaded_on_every_road(sim, tmp_path, cls, kwargs, live_lr, saved_lr, steps):
+    """Where lr and initial_lr of both groups are after a load of the saved optimizer by each road, the lr the live
+    optimizer was given kept (the same object) where it was a tensor; every load checked and stepped."""
+    saved = _scheduled(sim, cls, kwargs, _lr(saved_lr, sim, 0.02), 1)[1]
+    path = tmp_path / "opt.pt"
+    optimshift.save(saved, path)
     where = {}
-    for road, sd in roads.items():
-        params, opt = make(int(into == "existing"))
+    for road, sd in _roads(saved, path).items():
+        params, opt = _scheduled(sim, cls, kwargs, _lr(live_lr, sim), steps)
         live = opt.param_groups[0]["lr"]
         optimshift.load_state_dict(opt, sd())
         groups = opt.param_groups
         where[road] = [str(getattr(g[k], "device", "float")) for g in groups for k in ("lr", "initial_lr")]
-        if lr == "device":
-            assert groups[0]["lr"] is groups[1]["lr"] is live, road
+        if live_lr != "float":
+            assert groups[0]["lr"] is groups[1]["lr"] is live and float(live) == pytest.approx(0.02), road
         _step(opt, params, 1)
         assert not [(f.param, f.key, f.why) for f in optimshift.check(opt).findings if f.severity != "info"], road
-    assert where == dict.fromkeys(roads, [str(sim) if lr == "device" else "float"] * 4)
+    return where
+
+
+@pytest.mark.parametrize("into", ["fresh", "existing"])
+@pytest.mark.parametrize("lr", ["device", "host", "float"])
+@pytest.mark.parametrize("cls, kwargs", ADAM_ON_DEVICE, ids=lambda v: getattr(v, "__name__", None) or "-".join(v))
+def test_a_load_places_group_tensors_alike_on_every_road(sim, tmp_path, cls, kwargs, lr, into):
+    """A device lr saved: a load read onto the host (map_location, optimshift.load, a path) put it there, the live
+    lr it keeps, the group sharing it and the scheduler's initial_lr, where the same load from memory keeps it on
+    the device (a captured step reads it at its address); a host lr and a float stay as they are."""
+    where = _loaded_on_every_road(sim, tmp_path, cls, kwargs, lr, lr, int(into == "existing"))
+    side = {"device": str(sim), "host": "cpu", "float": "float"}[lr]
+    assert where == dict.fromkeys(where, [side] * 4)
+
+
+@pytest.mark.parametrize("live, saved", [("device", "host"), ("host", "device"), ("float", "device")])
+def test_a_load_keeps_a_live_group_tensor_on_its_side(sim, tmp_path, live, saved):
+    """The load writes the checkpoint's lr (and initial_lr) into the live tensor, which stays on the side it was
+    given on, whatever side the checkpoint's is on; a float lr keeps none: the loaded one goes where the file saved
+    it, else stays where it is."""
+    where = _loaded_on_every_road(sim, tmp_path, O.Adam, {"capturable": True}, live, saved, 1)
+    side = {"device": str(sim), "host": "cpu"}
+    read_to_the_host = ("map_location", "optimshift.load")
+    expected = {
+        road: side[live if live != "float" else "host" if road in read_to_the_host else saved] for road in where
+    }
+    assert where == {road: [at] * 4 for road, at in expected.items()}
 
 
 # -- group tensors follow params that moved (issue 17, item 5) ----------------------------------------------

@@ -532,7 +532,8 @@ rank, side and dtype; the device its param is bound for."""
 class Placer:
     """The memoizing front of :func:`decide` for one operation (its plan's target function): ``placer(ident, param,
     group, key, tensor)`` is ``(device, source)`` for each entry, the param on ``device`` (``None``: where it is now).
-    ``sides``: group tensors optimshift took to the host, by id, with the side they were given on (the session's).
+    ``sides``: group tensors by id, with the side they were given on (the session's: those optimshift took to the host;
+    a load's: every loaded one).
 
     NOTE: the memo key is what :func:`decide` reads of a param's entry without a registered policy (the group, for one
     operation; the key; the param's rank and device; for a one-element tensor, whether 0-dim, on the host, its dtype);
@@ -576,7 +577,7 @@ class Placer:
         self, ident: Any, group: Mapping[str, Any], key: str, tensor: torch.Tensor, device: torch.device | None
     ) -> tuple[torch.device, str]:
         """Where the group's tensor ``key`` goes with the group's params on ``device`` (``None``: where they are),
-        from the side the session remembers for a tensor a move took to the host."""
+        from its side in ``sides`` (:meth:`side`)."""
         side = self.side(tensor)
         return self.at(None, group, key, tensor, self.params_at(group, tensor) if device is None else device, side)
 
@@ -590,10 +591,10 @@ class Placer:
         return found
 
     def side(self, tensor: torch.Tensor) -> torch.device | None:
-        """The accelerator a group tensor now on the host was taken from (by a move or an offload), as the session
-        remembers it for this very tensor, wherever it sits now (a group added meanwhile holding it, groups popped
-        or inserted before it). None: none remembered (a tensor given on the host)."""
-        side = self.sides.get(id(tensor)) if self.sides and tensor.is_cpu else None
+        """The side ``sides`` holds for this very tensor, wherever it sits now (a group added meanwhile holding it,
+        groups popped or inserted before it): the accelerator a move or an offload took it from (the session's), or
+        a load's (``checkpoint._staging.Staging.sides``). None: none held (a tensor given on the host)."""
+        side = self.sides.get(id(tensor)) if self.sides else None
         return None if side is None or side[1] is not tensor else side[0]
 
     def holder(self, param: torch.Tensor, group: Mapping[str, Any]) -> _Held | None:

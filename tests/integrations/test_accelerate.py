@@ -176,6 +176,29 @@ def test_save_and_load_state_on_device(sim, tmp_path, accelerator_on, accelerate
     assert bitwise_same(snapshot(opt.optimizer), saved)
 
 
+@pytest.mark.parametrize("map_location", ["cpu", "on_device"])
+def test_load_state_keeps_a_device_lr_the_object_it_is(sim, tmp_path, accelerator_on, accelerate_patch, map_location):
+    """Capturable Adam given its lr on the device (a captured step reads it at its address): ``load_state`` writes
+    the saved lr into that tensor, which stays on the device; with ``map_location="cpu"`` it went to the host."""
+    accelerate_patch(True)
+
+    def build(lr):
+        accelerator = accelerator_on(sim)
+        model = _model().to(sim)
+        opt = O.Adam(model.parameters(), lr=torch.tensor(lr, device=sim), capturable=True)
+        return (accelerator, *accelerator.prepare(model, opt))
+
+    accelerator, model, opt = build(0.02)
+    step_with_grads(list(model.parameters()), opt, 0)
+    accelerator.save_state(str(tmp_path), safe_serialization=False)
+    accelerator, model, opt = build(0.01)
+    live = opt.optimizer.param_groups[0]["lr"]
+    accelerator.load_state(str(tmp_path), map_location=map_location)
+    lr = opt.optimizer.param_groups[0]["lr"]
+    assert lr is live and lr.device == sim and lr.item() == pytest.approx(0.02)
+    assert optimshift.check(opt.optimizer).ok
+
+
 @pytest.mark.parametrize(
     "map_location, config, key",
     [("on_device", "Adam", "step"), ("cpu", "NAdam", "mu_product")],

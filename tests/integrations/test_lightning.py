@@ -116,6 +116,8 @@ class Probe(pl.Callback):
         self.fresh = fresh_layout(pl_module.make_optimizer, list(pl_module.parameters()))
         self.values = snapshot(opt)
         self.check_ok = optimshift.check(opt).ok
+        self.lr = opt.param_groups[0]["lr"]
+        self.lr_device = getattr(self.lr, "device", None)
 
     def on_train_end(self, trainer, pl_module):
         self.values_at_end = snapshot(trainer.optimizers[0])
@@ -237,6 +239,32 @@ def test_teardown_leaves_nothing_on_device(sim, tmp_path, lightning_patch, flag)
     _trainer(sim, 4, [resumed]).fit(Tiny("Adam", {flag: True}), _data(), ckpt_path=path)
     assert resumed.layout == resumed.fresh
     assert bitwise_same(resumed.values, _checkpoint_state(path))
+
+
+class DeviceLrTiny(Tiny):
+    """Fused Adam given its lr on the params' device (a CUDA-graph user's), the lr it was given kept."""
+
+    def make_optimizer(self, params):
+        params = list(params)
+        return O.Adam(params, lr=torch.tensor(0.01, device=params[0].device), fused=True)
+
+    def configure_optimizers(self):
+        self.given = super().configure_optimizers()
+        return self.given
+
+
+def test_a_resume_keeps_a_device_lr_the_object_it_is(sim, tmp_path, lightning_patch):
+    """``fit(ckpt_path=...)`` reads the checkpoint onto the host: the resume wrote the saved lr into the device lr
+    and took that tensor to the host; it stays on the device (a captured step reads it at its address)."""
+    lightning_patch(True)
+    first = _trainer(sim, 2)
+    first.fit(DeviceLrTiny(), _data())
+    path = tmp_path / "device_lr.ckpt"
+    first.save_checkpoint(path)
+    module, probe = DeviceLrTiny(), Probe()
+    _trainer(sim, 3, [probe]).fit(module, _data(), ckpt_path=path)
+    assert probe.lr is module.given.param_groups[0]["lr"] and probe.lr_device == sim
+    assert probe.check_ok
 
 
 class TwoDeviceStrategy(SingleDeviceStrategy):

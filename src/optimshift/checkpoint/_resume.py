@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -26,7 +26,7 @@ from .._offload import exclusive, pending_of, prepare_discard
 from .._plan import check_optimizer, optimizer_name
 from .._state import IMPLEMENTATION_FLAGS, wrapping
 from . import _files
-from ._staging import CastNeeded, Staging
+from ._staging import CastNeeded, Staging, pair_places
 
 __all__ = ["load_state_dict", "IMPLEMENTATION_FLAGS"]
 
@@ -355,79 +355,6 @@ def _install(
 
     copies = _engine.Copies([], pairs, Batch([]), in_place=in_place)
     _engine.commit(optimizer, copies, rewrite=set_state, installed=places)
-
-
-def pair_places(
-    holders: Iterable[tuple[Mapping[Any, Any], dict[Any, Any]]],
-    takes: Callable[[torch.Tensor, torch.Tensor], bool],
-    shared: Mapping[int, int] = MappingProxyType({}),
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[Any, Any]]]]:
-    """(old tensor, the new one installed at its place that it ``takes``), each old tensor once, with the places
-    ``(new holder, key)`` it takes back, over (live holder, new holder) pairs: each key, and each tensor of a tuple
-    or list of equal length there (a group's tensor betas, by :class:`_Slot`). The one pairing rule of a load's
-    commit and of the DCP load."""
-    places: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []  # (new holder or _Slot, key, old tensor, new)
-    append, plain = places.append, torch.Tensor
-    for holder, fresh in holders:
-        get = fresh.get
-        for key, old in holder.items():
-            new: Any = get(key)
-            if isinstance(old, plain):
-                if isinstance(new, plain) and new is not old and takes(old, new):
-                    append((fresh, key, old, new))
-            elif type(old) in (tuple, list) and type(new) is type(old) and len(new) == len(old) and new is not old:
-                slot = _Slot(fresh, key)
-                for i, (o, n) in enumerate(zip(old, new)):
-                    if isinstance(o, plain) and isinstance(n, plain) and n is not o and takes(o, n):
-                        append((slot, i, o, n))
-    # A new tensor installed in several places (LBFGS's state['t'] is its group's lr; ``shared``: how many) stays one
-    # object: an old tensor takes it back only where it held every one of its places (one inside a container, or
-    # none, would split it).
-    news = [id(place[3]) for place in places]
-    if shared or len(set(news)) != len(news):
-        at: dict[int, list[tuple[Any, Any, torch.Tensor, torch.Tensor]]] = {}
-        for place in places:
-            at.setdefault(id(place[3]), []).append(place)
-        split = {
-            new
-            for new, found in at.items()
-            if len(found) < shared.get(new, 0) or len({id(place[2]) for place in found}) != 1
-        }
-        places = [place for place in places if id(place[3]) not in split]
-    # NOTE: each old tensor once is the common case, found by one set over ids.
-    olds = [id(place[2]) for place in places]
-    if len(set(olds)) == len(olds):
-        return [(old, new) for _, _, old, new in places], [[(fresh, key)] for fresh, key, _, _ in places]
-    # An old tensor that sat in two places now given two different new ones keeps neither: each place keeps its own
-    # (the checkpoint's values), as PyTorch installs them; one given one new tensor in both takes both back.
-    by_old: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[Any, Any]]]] = {}
-    news_of: dict[int, set[int]] = {}
-    for fresh, key, old, new in places:
-        news_of.setdefault(id(old), set()).add(id(new))
-        by_old.setdefault(id(old), (old, new, []))[2].append((fresh, key))
-    kept = [entry for i, entry in by_old.items() if len(news_of[i]) == 1]
-    return [(old, new) for old, new, _ in kept], [where for _, _, where in kept]
-
-
-class _Slot:
-    """Item ``i`` of the tuple or list ``holder[key]`` (a group's tensor betas) as a place the commit puts an old
-    tensor back in (``slot.get(i)``, ``slot[i] = old``): a tuple is rebuilt around it."""
-
-    __slots__ = ("holder", "key")
-
-    def __init__(self, holder: dict[Any, Any], key: Any) -> None:
-        self.holder, self.key = holder, key
-
-    def get(self, i: int) -> Any:
-        seq = self.holder.get(self.key)
-        return seq[i] if isinstance(seq, (tuple, list)) and i < len(seq) else None
-
-    def __setitem__(self, i: int, value: Any) -> None:
-        seq = self.holder[self.key]
-        if type(seq) is list:
-            seq[i] = value
-        else:
-            self.holder[self.key] = (*seq[:i], value, *seq[i + 1 :])
 
 
 def _same_places(

@@ -8,18 +8,18 @@ from __future__ import annotations
 import contextlib
 import copy as _copy
 from collections import defaultdict
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from itertools import chain, repeat
 from operator import is_
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from .. import _alias, _engine
 from .. import policy as _policy
-from .._devices import HOSTS
 from .._errors import dtype_name, with_article
-from .._plan import Plan, TargetFn, Transfer, _new_transfer, build_plan, listed_twice
+from .._plan import Plan, TargetFn, Transfer, _new_transfer, build_plan, listed_twice, policy_target
 from .._probe import NO_SPEC, Rejection, StateSpec, entry_dtypes, expected_state, rejected_dtypes
 from .._state import (
     _ATOMS,
@@ -266,8 +266,7 @@ class Staging:
     def _plan(self, groups: list[dict[str, Any]], state: Mapping[Any, Any]) -> Plan:
         """The plan of the state about to be installed: where the policy (:class:`optimshift.policy.Placer`) puts each
         tensor for the live optimizer's class, with the loaded groups' hyperparameters and the live flags."""
-        # (not the session's sides: where a move took the old group tensors from says nothing of the loaded ones)
-        sides = self._saved_sides(groups)
+        sides = self.sides(groups)
         target: TargetFn = _policy.Placer(self.opt, self.device, sides)
         if self.streamed:  # (the state on the host, where a streamed optimizer keeps it; its groups' as stream() lays
             # them out: where a move puts them)
@@ -285,17 +284,21 @@ class Staging:
         except ValueError as e:  # a tensor the checkpoint shares between entries that belong on two devices
             raise self.fail(str(e).removeprefix(f"{self.name}: ")) from None
 
-    def _saved_sides(self, groups: list[dict[str, Any]]) -> dict[int, tuple[torch.device, torch.Tensor]]:
-        """The group tensors a file saved on an accelerator, with that device (:class:`optimshift.policy.Placer`'s
-        sides): placed as the same load from memory places them, not by map_location's host."""
+    def sides(self, groups: list[dict[str, Any]]) -> dict[int, tuple[torch.device, torch.Tensor]]:
+        """Each loaded group tensor's side (:class:`optimshift.policy.Placer`'s ``sides``), the one rule of every
+        load: a live tensor that takes its value stays the object it is, on its side (its device, or the one a move
+        or an offload took it from: the session's); else where the file saved it (not map_location's host); else
+        where it is."""
+        live = policy_target(self.opt, None)  # (the session's sides, for the live tensors)
+        pairs, _ = pair_places(zip(self.opt.param_groups, groups), lambda old, new: True)  # (the commit's pairing)
+        kept = {id(new): live.side(old) or old.device for old, new in pairs}
         sides: dict[int, tuple[torch.device, torch.Tensor]] = {}
-        if self.saved is None:
-            return sides
         for group in groups:
             for _, tensor in group_tensors(group):
-                at = _files.tag_device(_files.saved_location(tensor, self.saved)) if tensor.is_cpu else None
-                if at is not None and at.type not in HOSTS:
-                    sides[id(tensor)] = (at, tensor)
+                at = kept.get(id(tensor))
+                if at is None and self.saved is not None:
+                    at = _files.tag_device(_files.saved_location(tensor, self.saved))
+                sides[id(tensor)] = (at or tensor.device, tensor)
         return sides
 
     def _resolve(self, lone: list[tuple[MutableMapping[Any, Any], Any, torch.Tensor, Transfer]]) -> None:
@@ -621,3 +624,76 @@ class Staging:
 def _ids_shown(ids: Mapping[Any, Any]) -> str:
     shown = list(ids)[:4]
     return ", ".join(repr(i) for i in shown) + (", …" if len(ids) > len(shown) else "")
+
+
+def pair_places(
+    holders: Iterable[tuple[Mapping[Any, Any], dict[Any, Any]]],
+    takes: Callable[[torch.Tensor, torch.Tensor], bool],
+    shared: Mapping[int, int] = MappingProxyType({}),
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[tuple[Any, Any]]]]:
+    """(old tensor, the new one installed at its place that it ``takes``), each old tensor once, with the places
+    ``(new holder, key)`` it takes back, over (live holder, new holder) pairs: each key, and each tensor of a tuple
+    or list of equal length there (a group's tensor betas, by :class:`_Slot`). The one pairing rule of a load's
+    commit and of the DCP load."""
+    places: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []  # (new holder or _Slot, key, old tensor, new)
+    append, plain = places.append, torch.Tensor
+    for holder, fresh in holders:
+        get = fresh.get
+        for key, old in holder.items():
+            new: Any = get(key)
+            if isinstance(old, plain):
+                if isinstance(new, plain) and new is not old and takes(old, new):
+                    append((fresh, key, old, new))
+            elif type(old) in (tuple, list) and type(new) is type(old) and len(new) == len(old) and new is not old:
+                slot = _Slot(fresh, key)
+                for i, (o, n) in enumerate(zip(old, new)):
+                    if isinstance(o, plain) and isinstance(n, plain) and n is not o and takes(o, n):
+                        append((slot, i, o, n))
+    # A new tensor installed in several places (LBFGS's state['t'] is its group's lr; ``shared``: how many) stays one
+    # object: an old tensor takes it back only where it held every one of its places (one inside a container, or
+    # none, would split it).
+    news = [id(place[3]) for place in places]
+    if shared or len(set(news)) != len(news):
+        at: dict[int, list[tuple[Any, Any, torch.Tensor, torch.Tensor]]] = {}
+        for place in places:
+            at.setdefault(id(place[3]), []).append(place)
+        split = {
+            new
+            for new, found in at.items()
+            if len(found) < shared.get(new, 0) or len({id(place[2]) for place in found}) != 1
+        }
+        places = [place for place in places if id(place[3]) not in split]
+    # NOTE: each old tensor once is the common case, found by one set over ids.
+    olds = [id(place[2]) for place in places]
+    if len(set(olds)) == len(olds):
+        return [(old, new) for _, _, old, new in places], [[(fresh, key)] for fresh, key, _, _ in places]
+    # An old tensor that sat in two places now given two different new ones keeps neither: each place keeps its own
+    # (the checkpoint's values), as PyTorch installs them; one given one new tensor in both takes both back.
+    by_old: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[Any, Any]]]] = {}
+    news_of: dict[int, set[int]] = {}
+    for fresh, key, old, new in places:
+        news_of.setdefault(id(old), set()).add(id(new))
+        by_old.setdefault(id(old), (old, new, []))[2].append((fresh, key))
+    kept = [entry for i, entry in by_old.items() if len(news_of[i]) == 1]
+    return [(old, new) for old, new, _ in kept], [where for _, _, where in kept]
+
+
+class _Slot:
+    """Item ``i`` of the tuple or list ``holder[key]`` (a group's tensor betas) as a place the commit puts an old
+    tensor back in (``slot.get(i)``, ``slot[i] = old``): a tuple is rebuilt around it."""
+
+    __slots__ = ("holder", "key")
+
+    def __init__(self, holder: dict[Any, Any], key: Any) -> None:
+        self.holder, self.key = holder, key
+
+    def get(self, i: int) -> Any:
+        seq = self.holder.get(self.key)
+        return seq[i] if isinstance(seq, (tuple, list)) and i < len(seq) else None
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        seq = self.holder[self.key]
+        if type(seq) is list:
+            seq[i] = value
+        else:
+            self.holder[self.key] = (*seq[:i], value, *seq[i + 1 :])

@@ -44,7 +44,8 @@ from .._version import __version__
 from ..api import move, wait
 from ..checkpoint._atomic import commit_folder, make_folder, sweep_folders
 from ..checkpoint._files import PathLike, file_path
-from ..checkpoint._resume import pair_places, streamed_elsewhere
+from ..checkpoint._resume import streamed_elsewhere
+from ..checkpoint._staging import pair_places
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import STORAGE_TYPES

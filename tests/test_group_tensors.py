@@ -1376,3 +1376,38 @@ def test_a_0_dim_device_step_size_of_non_capturable_rprop_is_priced(sim, foreach
     found = [(f.severity, f.key) for f in optimshift.check(opt).findings]
     assert found == [("warning", "step_sizes[1]")]
     assert _step(opt, params, 0) > 0 and _step(opt, params, 1) > 0  # (it is right: each step syncs)
+
+
+# 0-dim group tensors a real step reads on the host where the probe's fake step did not: through a foreach op's
+# binding, which takes a 0-dim tensor as a number (``_foreach_add_(.., eps)``: its ``.item()``): check() called
+# them ok on the device, each step syncing there.
+READ_BY_A_BINDING_OR_LATER = [
+    *[(cls, "eps", {"foreach": True}) for cls in (O.Adam, O.AdamW, O.Adamax, O.NAdam, O.RAdam, O.RMSprop)],
+    (O.Adagrad, "eps", {"foreach": True}),
+    (O.Adadelta, "eps", {"foreach": True}),
+    (O.Adam, "eps", {"foreach": True, "capturable": True}),
+    (O.NAdam, "momentum_decay", {"foreach": True, "capturable": True}),
+]
+
+
+@pytest.mark.parametrize(
+    "cls, key, kwargs",
+    READ_BY_A_BINDING_OR_LATER,
+    ids=lambda v: getattr(v, "__name__", None) or (v if isinstance(v, str) else "-".join(k for k, x in v.items() if x)),
+)
+def test_a_0_dim_device_tensor_read_by_a_binding_or_a_later_step_is_priced_at_its_syncs(sim, cls, key, kwargs):
+    """check() prices such a tensor on the device at the syncs a step makes more with it than with a float there,
+    and says nothing of it on the host (where reading it costs none)."""
+
+    def stepped(value):
+        params = _params(sim)
+        opt = cls(params, **{key: value}, **kwargs)
+        findings = optimshift.check(opt).findings
+        return findings, [_step(opt, params, k) for k in range(3)]
+
+    _, plain = stepped(0.1)
+    on_host, host_syncs = stepped(torch.tensor(0.1))
+    found, device_syncs = stepped(torch.tensor(0.1, device=sim))
+    extra = device_syncs[-1] - plain[-1]
+    assert extra > 0 and host_syncs == plain and not on_host
+    assert [(f.severity, f.key, f.expected, f.syncs_per_step) for f in found] == [("warning", key, "cpu", extra)]

@@ -388,10 +388,11 @@ class _Reads(TorchFunctionMode):
         except DataDependentOutputException as first:  # a fake tensor was read as a number
             scalars = [i for i, a in enumerate(args) if _is_scalar(a) and not _takes_tensor(func, i)]
             named = [k for k, v in kwargs.items() if _is_scalar(v) and not _takes_tensor(func, k)]
-            # (none: a kernel taking a 0-dim tensor that only its fake twin reads, RAdam's capturable foreach
-            # ``_foreach_add_(.., rho_inf)``: taken as a number, and no read of a real step's)
-            taken = not scalars and not named
-            if taken:
+            # (none: a kernel taking a 0-dim tensor that only its fake twin reads: taken as a number, and no read of a
+            # real step's; but an ``.item()``, where the binding picked an overload taking a number, is one:
+            # ``_foreach_add_(.., eps)``'s, RAdam's capturable foreach ``_foreach_add_(.., rho_inf)``)
+            taken = not scalars and not named and first.func is not torch.ops.aten._local_scalar_dense.default
+            if not scalars and not named:
                 scalars = [i for i, a in enumerate(args) if _is_scalar(a)]
                 named = [k for k, v in kwargs.items() if _is_scalar(v)]
                 if not scalars and not named:

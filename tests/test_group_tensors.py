@@ -1378,15 +1378,17 @@ def test_a_0_dim_device_step_size_of_non_capturable_rprop_is_priced(sim, foreach
     assert _step(opt, params, 0) > 0 and _step(opt, params, 1) > 0  # (it is right: each step syncs)
 
 
-# 0-dim group tensors a real step reads on the host where the probe's fake step did not: through a foreach op's
-# binding, which takes a 0-dim tensor as a number (``_foreach_add_(.., eps)``: its ``.item()``): check() called
-# them ok on the device, each step syncing there.
+# 0-dim group tensors a real step reads on the host where the probe's first fake step did not: through a foreach
+# op's binding, which takes a 0-dim tensor as a number (``_foreach_add_(.., eps)``: its ``.item()``), or only
+# from the second step on (SGD's dampening): check() called them ok on the device, each step syncing there.
 READ_BY_A_BINDING_OR_LATER = [
     *[(cls, "eps", {"foreach": True}) for cls in (O.Adam, O.AdamW, O.Adamax, O.NAdam, O.RAdam, O.RMSprop)],
     (O.Adagrad, "eps", {"foreach": True}),
     (O.Adadelta, "eps", {"foreach": True}),
     (O.Adam, "eps", {"foreach": True, "capturable": True}),
     (O.NAdam, "momentum_decay", {"foreach": True, "capturable": True}),
+    (O.SGD, "dampening", {"foreach": False, "momentum": 0.9}),
+    (O.SGD, "dampening", {"foreach": True, "momentum": 0.9}),
 ]
 
 

@@ -729,7 +729,8 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
         alone, alone_reads, alone_later = (
             alones[path] if reference is baseline else _run(cls, group, ndim, paths, on_device)
         )
-        if alone_reads > reads or (alone.error is not None and alone.error != reference.error):
+        read_later = later is not None and alone_later is not None and alone_later > later  # (SGD's dampening)
+        if alone_reads > reads or read_later or (alone.error is not None and alone.error != reference.error):
             verdicts[path] = HOST_READ  # on the device it costs syncs, or the step goes wrong there
             failed = alone.error if alone.error != reference.error else None
             if failed is not None and not any(m in failed for m in _NO_BACKEND):

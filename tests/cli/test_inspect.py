@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import sys
@@ -518,6 +519,39 @@ def test_inspect_reads_a_per_rank_dtensor_file_once_its_classes_are_allowed(tmp_
     rc, out, err = _run(capsys, "inspect", str(path), *allowed)
     assert rc == 0, err
     assert "corrupt" not in out + err and "exp_avg" in out and "saved on: cpu ×3" in out
+
+
+def test_a_per_rank_dtensor_file_is_read_located_without_a_damaged_file_s_scan(tmp_path, monkeypatch):
+    """load_located (load_state_dict from a path, inspect) reads a DTensor file again with the tags alone, its
+    callable map_location refused: that refusal went through a damaged file's error, which scans the whole pickle
+    (a quarter more time for FSDP2's per-rank files) and called the file corrupt to optimshift.load's callers."""
+    import socket
+    import subprocess
+
+    from optimshift.checkpoint import _files, _untrusted
+
+    path = tmp_path / "opt_rank0.pt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([sys.executable, "-c", _DTENSOR_FILE, str(path), str(port)], check=True, timeout=120)
+    scans = []
+    monkeypatch.setattr(_untrusted, "scan", lambda *a, real=_untrusted.scan: scans.append(a) or real(*a))
+    names = [
+        "torch.distributed.tensor.DTensor",
+        "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+        "torch.distributed.device_mesh.DeviceMesh",
+        "torch.distributed.tensor.placement_types.Shard",
+        "torch.distributed.tensor._dtensor_spec.TensorMeta",
+        "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+    ]
+    classes = [getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names if _has(n)]
+    with torch.serialization.safe_globals(classes):
+        loaded, located = _files.load_located(path)
+        assert "exp_avg" in loaded["state"][0] and located.get(0) == "cpu" and not scans
+        with pytest.raises(RuntimeError, match="Callable map_location not supported") as raised:
+            _files.load(path, map_location=lambda storage, tag: storage)
+    assert "corrupt" not in str(raised.value) and not scans
 
 
 def _has(name: str) -> bool:

@@ -730,6 +730,11 @@ def verify_checksums(path: PathLike) -> None:
         pass  # (a zip the checksum pass cannot walk: torch's reader says what is wrong with it)
 
 
+# torch's RuntimeErrors that say nothing is wrong with the file: saved on a device this machine lacks, and no
+# map_location; a tensor subclass rebuilt as a wrapper (a DTensor) and a callable map_location
+_NOT_THE_FILE = ("Attempting to deserialize object on", "Callable map_location not supported")
+
+
 def _torch_load(p: str, kind: str, map_location: Any, mmap: bool) -> Any:
     try:
         # (torch's zip reader takes UTF-8 names only: one with bytes os.fsdecode kept as surrogates, a Latin-1
@@ -744,8 +749,8 @@ def _torch_load(p: str, kind: str, map_location: Any, mmap: bool) -> Any:
         failed = e if isinstance(e, _MapLocationFailure) else e.__context__
         if isinstance(failed, _MapLocationFailure):
             raise failed.error from None
-        if isinstance(e, RuntimeError) and "Attempting to deserialize object on" in str(e):
-            raise  # saved on a device this machine lacks, and no map_location: not the file's fault
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in _NOT_THE_FILE):
+            raise  # not the file's fault (and not scanned as a damaged one: load_located retries a DTensor's at once)
         raise _load_error(p, kind, e) from None
 
 
@@ -784,8 +789,8 @@ def load_located(path: PathLike) -> tuple[Any, Mapping[int, str]]:
 
     try:
         return load(path, map_location=keep), locations
-    except (RuntimeError, CheckpointError) as e:  # (load names the RuntimeError: "... corrupt (RuntimeError: ...")
-        if "Callable map_location not supported" not in str(e):
+    except RuntimeError as e:
+        if _NOT_THE_FILE[1] not in str(e):
             raise
     # NOTE: a tensor subclass rebuilt as a wrapper (a DTensor: FSDP2's per-rank files) takes no callable
     # map_location in torch; a dict's is asked the tags alone, without their storages

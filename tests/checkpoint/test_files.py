@@ -392,6 +392,22 @@ def test_truncated_and_foreign_files(tmp_path):
         optimshift.load(tmp_path)
 
 
+@pytest.mark.parametrize("fmt, start", [("zip", 4), ("legacy-2", 14), ("legacy-4", 23)])
+def test_a_torch_save_file_cut_within_its_first_bytes_is_truncated_not_another_format(tmp_path, fmt, start):
+    """A file cut before the end of torch.save's first bytes (a legacy file's pickled magic number, a zip's
+    signature) was called "a plain pickle (written by pickle.dump)" or "not a PyTorch checkpoint"."""
+    whole = tmp_path / "whole.pt"
+    kind, _, protocol = fmt.partition("-")
+    options = {"_use_new_zipfile_serialization": False, "pickle_protocol": int(protocol)} if protocol else {}
+    torch.save({"a": torch.ones(2)}, whole, **options)
+    data = whole.read_bytes()
+    for size in range(1, start):  # (the bytes before the pickle's or the zip's first record)
+        cut = tmp_path / f"cut{size}.pt"
+        cut.write_bytes(data[:size])
+        with pytest.raises(CheckpointError, match=rf"cut{size}\.pt is truncated \({size} bytes\)"):
+            optimshift.load(cut)
+
+
 def test_load_state_dict_of_a_path_it_cannot_read_names_the_optimizer_and_the_file(tmp_path, monkeypatch):
     """A path load_state_dict cannot read was refused with load's error alone, which names the file but not the
     optimizer; each now says both, its type (and a system error's errno) kept, and the optimizer is unchanged."""

@@ -36,6 +36,15 @@ _ZIP_END = b"PK\x05\x06"  # end-of-central-directory record: the last thing torc
 _ZIP64_END = b"PK\x06\x06"
 # torch.save's legacy (non-zip) format starts with its magic number pickled (LONG1, 10 bytes), in any protocol
 _LEGACY_MAGIC_NUMBER = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+# how every torch.save file starts: a zip, or the legacy magic number pickled in protocol 2 or 3, or framed in 4 or 5
+_STARTS = (
+    _ZIP_MAGIC,
+    *(bytes([0x80, p]) + _LEGACY_MAGIC_NUMBER for p in (2, 3)),
+    *(
+        bytes([0x80, p, 0x95]) + (len(_LEGACY_MAGIC_NUMBER) + 1).to_bytes(8, "little") + _LEGACY_MAGIC_NUMBER
+        for p in (4, 5)
+    ),
+)
 
 
 class CheckpointError(ValueError):
@@ -402,6 +411,11 @@ def _sniff(path: str) -> str:
         raise CheckpointError(f"{path} is empty (0 bytes): not a checkpoint; was its save interrupted?")
     with open(path, "rb") as f:
         head = f.read(64)
+        if any(len(head) < len(start) and start.startswith(head) for start in _STARTS):
+            raise CheckpointError(
+                f"{path} is truncated ({size} bytes): the first bytes of a torch.save file, and nothing after them. "
+                f"It was cut short while being written or copied; use an intact copy."
+            )
         if head.startswith(_ZIP_MAGIC):
             f.seek(max(0, size - (1 << 16) - 22))
             tail = f.read()

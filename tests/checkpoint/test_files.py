@@ -19,6 +19,7 @@ import torch
 import optimshift
 from _crafted import save_tagged
 from _matrix import bitwise_equal
+from optimshift.checkpoint import _atomic
 from optimshift.checkpoint._files import (
     META_KEY,
     CheckpointError,
@@ -406,6 +407,22 @@ def test_a_torch_save_file_cut_within_its_first_bytes_is_truncated_not_another_f
         cut.write_bytes(data[:size])
         with pytest.raises(CheckpointError, match=rf"cut{size}\.pt is truncated \({size} bytes\)"):
             optimshift.load(cut)
+
+
+def test_links_leading_nowhere_are_named_on_load_and_refused_before_a_save_writes(tmp_path, monkeypatch):
+    """A dangling link, or links in a loop, was "no such checkpoint file" (the link is there); a save through looping
+    links wrote a temporary before failing with the system's bare ELOOP error."""
+    (tmp_path / "dangling.pt").symlink_to(tmp_path / "gone.pt")
+    (tmp_path / "a.pt").symlink_to(tmp_path / "b.pt")
+    (tmp_path / "b.pt").symlink_to(tmp_path / "a.pt")
+    for name, target in (("dangling.pt", "gone.pt"), ("a.pt", "b.pt")):
+        with pytest.raises(FileNotFoundError, match=rf"{name} is a symbolic link to .*{target}, which leads to no"):
+            optimshift.load(tmp_path / name)
+    monkeypatch.setattr(_atomic, "create_temp", lambda *a: pytest.fail("a temporary was made"))
+    with pytest.raises(OSError, match=r"save: cannot replace .*\.pt: Too many levels of symbolic links") as info:
+        optimshift.save({}, tmp_path / "a.pt")
+    assert info.value.errno == errno.ELOOP
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "b.pt", "dangling.pt"]
 
 
 def test_load_state_dict_of_a_path_it_cannot_read_names_the_optimizer_and_the_file(tmp_path, monkeypatch):

@@ -272,6 +272,12 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
     # Through a symlink (Lightning's save_last="link"), replace the file it points at, not the link.
     target = os.path.realpath(os.path.abspath(given))
     folder = os.path.dirname(target)
+    try:
+        os.stat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # (a new file; a folder that is a file: said below)
+    except OSError as e:  # (symbolic links that loop: realpath leaves them)
+        raise OSError(e.errno, f"save: cannot replace {target}: {e.strerror}") from None
     if os.path.isdir(target):
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")
     if (kind := _atomic.not_a_file(target)) is not None:
@@ -404,6 +410,11 @@ def _sniff(path: str) -> str:
             raise NotADirectoryError(
                 f"{path} ends in a separator, which names a folder, but {bare} is a file; give its path without "
                 f"the separator"
+            )
+        if os.path.islink(path):  # (exists() follows links)
+            raise FileNotFoundError(
+                f"no such checkpoint file: {path} is a symbolic link to {os.readlink(path)}, which leads to no file "
+                f"(it is dangling, or the links loop)"
             )
         raise FileNotFoundError(f"no such checkpoint file: {path}")
     size = os.path.getsize(path)

@@ -12,6 +12,9 @@ import os
 import pickle
 import re
 import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -283,6 +286,43 @@ def test_a_ctrl_c_during_a_write_stays_an_interrupt_and_leaves_the_old_file(tmp_
         optimshift.save({"a": torch.ones(1 << 16)}, path)
     monkeypatch.undo()
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["opt.pt"]
+
+
+def test_a_ctrl_c_before_torch_save_takes_its_zip_writer_leaves_the_process_alive(tmp_path):
+    """A Ctrl-C landing once torch.save made its zip writer, before its `with` took it: the writer, kept alive by the
+    traceback, writes its end when freed, into the file save had closed, and torch aborted the process ("terminate
+    called ... write to closed file"; a notebook's kernel died). Run in a subprocess: the abort would end pytest."""
+    code = f"""
+        import gc, os, torch, optimshift
+        import torch.serialization as ser
+        from unittest import mock
+        path = {str(tmp_path / "opt.pt")!r}
+        optimshift.save({{"a": torch.ones(3)}}, path)
+        real = ser._opener.__init__
+
+        def interrupted(self, file_like):
+            real(self, file_like)
+            if isinstance(file_like, torch._C.PyTorchFileWriter):
+                raise KeyboardInterrupt
+
+        with mock.patch.object(ser._opener, "__init__", interrupted):
+            try:
+                optimshift.save({{"a": torch.zeros(3)}}, path)
+            except KeyboardInterrupt:
+                pass
+        gc.collect()
+        print(sorted(os.listdir(os.path.dirname(path))), optimshift.load(path)["a"].tolist())
+    """
+    src = os.path.dirname(os.path.dirname(optimshift.__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": src},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['opt.pt'] [1.0, 1.0, 1.0]"
 
 
 def test_recognised_layouts(tmp_path):

@@ -309,7 +309,7 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
         raw = os.fdopen(fd, "wb", closefd=into is None)  # (closed after the rename, releasing the lock; not into)
         try:
             # (torch.save writes to any object with write and flush; its stubs ask for a typing.IO)
-            sink: IO[bytes] = raw if progress is None else _Counting(raw, progress)  # type: ignore[assignment]
+            sink: IO[bytes] = _Sink(raw, progress)  # type: ignore[assignment]
             try:
                 torch.save(payload, sink)
             except RecursionError:
@@ -375,21 +375,29 @@ def _write_error(target: str, cause: OSError) -> OSError:
     return OSError(cause.errno, f"save: cannot write {target}: {cause.strerror}; the old file, if any, is intact")
 
 
-class _Counting:
-    """A write-only file (all torch.save's buffer writer calls: write, flush) that forwards to ``raw`` and reports
-    the bytes written so far."""
+class _Sink:
+    """What torch.save writes to (its buffer writer calls write and flush): the file ``raw``, the bytes written so far
+    reported to ``progress``; once ``raw`` is closed, writes go nowhere (a zip writer a Ctrl-C left alive writes its
+    end when freed, and a closed file's error there aborts the process)."""
 
-    def __init__(self, raw: IO[bytes], progress: Callable[[int], None]) -> None:
+    def __init__(self, raw: IO[bytes], progress: Callable[[int], None] | None) -> None:
         self._raw, self._progress, self.written = raw, progress, 0
 
     def write(self, data: Any) -> int:
+        if self._raw.closed:
+            return memoryview(data).nbytes
         n = self._raw.write(data)
         self.written += n
-        self._progress(self.written)
+        if self._progress is not None:
+            self._progress(self.written)
         return n
 
     def flush(self) -> None:
-        self._raw.flush()
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
 
 
 # --- loading -----------------------------------------------------------------------------------------------

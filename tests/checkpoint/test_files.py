@@ -642,6 +642,29 @@ def test_save_names_the_folder_on_a_read_only_filesystem_too(tmp_path, monkeypat
     assert ".tmp" not in str(caught.value) and caught.value.errno == errno.EROFS
 
 
+def test_errors_without_an_errno_read_without_errno_none(tmp_path, monkeypatch):
+    """An OSError with no errno (a hundred temporary names taken; a writer's own error): the message read "[Errno
+    None] save: ...", and a write error's reason "None"."""
+    from optimshift.checkpoint import _atomic
+
+    monkeypatch.setattr(_atomic, "_locked", lambda fd, path: False)  # (a sweep took every name first)
+    with pytest.raises(OSError) as caught:
+        optimshift.save(_adam(), tmp_path / "o.pt")
+    said = str(caught.value)
+    assert said.startswith(f"save: cannot write in folder {tmp_path} ") and "could not create a temporary" in said
+    assert "Errno" not in said and os.listdir(tmp_path) == []
+    monkeypatch.undo()
+
+    def failing(obj, f, *args, **kwargs):
+        raise OSError("the share went away")
+
+    monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(OSError) as caught:
+        optimshift.save(_adam(), tmp_path / "o.pt")
+    assert str(caught.value).startswith(f"save: cannot write {tmp_path / 'o.pt'}: the share went away; ")
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_container_held_in_many_places_is_walked_once(tmp_path, monkeypatch):
     """Lists that each hold the one before twice (16 levels: 65,536 paths to the innermost, a few hundred bytes in
     a file): saving and finding the optimizer state walk each container once (both walked every path, so 40

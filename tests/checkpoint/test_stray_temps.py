@@ -327,6 +327,59 @@ def test_a_ctrl_c_as_bench_creates_its_out_file_temporary_leaves_nothing(tmp_pat
     assert os.listdir(tmp_path) == []
 
 
+def _open_descriptors():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@pytest.mark.parametrize("how", ["save", "bench"])
+def test_a_ctrl_c_as_create_temp_returns_leaves_no_descriptor_open(tmp_path, monkeypatch, how):
+    """A Ctrl-C landing as ``create_temp`` returns, before its caller kept the descriptor: the temporary was removed,
+    its descriptor (and the lock on the removed file) stayed open, one more with each such Ctrl-C."""
+    from optimshift.cli import _bench
+
+    def write():
+        if how == "save":
+            optimshift.save({"a": torch.zeros(2)}, tmp_path / "opt.pt")
+        else:
+            _bench._write_out(str(tmp_path / "out.json"), {"a": 1})
+
+    write()  # (whatever a first write opens for good)
+    before = _open_descriptors()
+    _interrupt_after_creating_a_temporary(monkeypatch, "returned")
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            write()
+    monkeypatch.undo()
+    assert _open_descriptors() == before
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_ctrl_c_as_a_save_releases_its_renamed_temporary_leaves_it_unmarked(tmp_path, monkeypatch):
+    """A Ctrl-C landing in ``release_temp`` once the file was renamed into place: the file is saved, the interrupt
+    raised once that is done, and the temporary's path no longer marked live (it stayed in ``_atomic._live``)."""
+    from optimshift.checkpoint import _atomic
+
+    dest, lock, fired = tmp_path / "opt.pt", _atomic._live_lock, []
+
+    class Interrupting:  # (the lock release_temp takes: a real SIGINT as it is taken, once the file is in place)
+        def __enter__(self):
+            if dest.exists() and not fired:
+                fired.append(1)
+                signal.raise_signal(signal.SIGINT)
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            return lock.__exit__(*exc)
+
+    monkeypatch.setattr(_atomic, "_live_lock", Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        optimshift.save({"a": torch.ones(2)}, dest)
+    monkeypatch.undo()
+    assert fired and torch.equal(optimshift.load(dest)["a"], torch.ones(2))
+    assert not [p for p in _atomic._live if p.startswith(str(tmp_path))] and os.listdir(tmp_path) == ["opt.pt"]
+
+
 def _half_written(then):
     """A ``torch.save`` that writes a few bytes of the file, then ``then()`` (a kill, a Ctrl-C)."""
 

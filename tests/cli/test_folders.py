@@ -286,6 +286,71 @@ def test_convert_folder_in_place_names_the_file_it_could_not_write(tmp_path, cap
     assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
 
 
+def test_convert_names_the_file_it_could_not_write_once(tmp_path, capsys, monkeypatch):
+    """A full disk, or OUT a folder: convert's one line names the file once and has no "[Errno 28]" (it said
+    "cannot write X: [Errno 28] save: cannot write X: ...", and "cannot write X: save: X is a directory")."""
+    src = tmp_path / "a.pt"
+    torch.save(_trained().state_dict(), src)
+    (tmp_path / "out").mkdir()
+    rc, out, err = _run(capsys, "convert", src, tmp_path / "out")
+    assert rc == 1 and err.count(str(tmp_path / "out")) == 1 and "is a directory" in err, err
+
+    def full(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    rc, out, err = _run(capsys, "convert", src, tmp_path / "b.pt")
+    assert rc == 1 and err.count(str(tmp_path / "b.pt")) == 1 and "Errno" not in err, err
+    assert f"cannot write {tmp_path / 'b.pt'}: No space left on device" in err
+
+
+def test_convert_folder_in_place_says_which_files_a_failed_rename_left_replaced(tmp_path, capsys, monkeypatch):
+    """Every file converted, the second's rename over its original fails: the line names that file and the one
+    replaced already (it said "cannot write DIR: [Errno 16] ...", naming the hidden temporary, and a docstring
+    promised all as they were); the second is as it was, and no temporary is left."""
+    src = _trainer_folder(tmp_path)
+    _save_from_gpu(_trained().state_dict(), src / "optimizer_1.pt")
+    before = (src / "optimizer_1.pt").read_bytes()
+    real_replace = os.replace
+
+    def busy(a, b, *args, **kwargs):
+        if str(b).endswith("optimizer_1.pt"):
+            raise OSError(errno.EBUSY, "Device or resource busy", a, None, b)
+        return real_replace(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", busy)
+    rc, out, err = _run(capsys, "convert", src, src, "--dtype", "bfloat16")
+    monkeypatch.undo()
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and ".tmp" not in err, err
+    assert f"cannot replace {src / 'optimizer_1.pt'}: Device or resource busy; {src / 'optimizer.pt'} replaced" in err
+    assert (src / "optimizer_1.pt").read_bytes() == before
+    assert torch.load(src / "optimizer.pt", weights_only=True)["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert sorted(os.listdir(tmp_path)) == [src.name] and not [p for p in os.listdir(src) if p.endswith(".tmp")]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_ctrl_c_as_an_in_place_convert_creates_a_temporary_leaves_no_descriptor_open(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C landing as ``create_temp`` returns, before convert kept the descriptor: the temporary was removed,
+    its descriptor left open."""
+    from optimshift.cli import _convert
+
+    folder = _trainer_folder(tmp_path)
+    before_bytes = (folder / "optimizer.pt").read_bytes()
+    real_create = _convert.create_temp
+
+    def created(*args):
+        real_create(*args)
+        raise KeyboardInterrupt
+
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(_convert, "create_temp", created)
+    with pytest.raises(KeyboardInterrupt):
+        _run(capsys, "convert", folder, folder)
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == before and (folder / "optimizer.pt").read_bytes() == before_bytes
+    assert not [p for p in os.listdir(folder) if p.endswith(".tmp")]
+
+
 def test_convert_folder_in_place_on_a_read_only_filesystem_names_the_file(tmp_path, capsys, monkeypatch):
     """A folder on a read-only filesystem (EROFS, not a PermissionError): one line naming the folder, the file and
     why, as for a folder without write permission (it named the hidden temporary alone), and nothing changes."""

@@ -18,6 +18,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from .._engine import uninterrupted
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -94,10 +96,10 @@ def temp_name(target: str) -> str:
     return os.path.join(os.path.dirname(target), f".{_stem(target)}.{secrets.token_hex(_TOKEN_HEX // 2)}.tmp")
 
 
-def create_temp(target: str, made: list[str]) -> tuple[int, str]:
+def create_temp(target: str, made: dict[str, int]) -> tuple[int, str]:
     """A new temporary ``(fd, path)`` for ``target`` in its folder, open for writing (mode 0o666 under the umask)
-    and locked; its path goes into ``made`` once complete, whose owner then removes it on failure (a Ctrl-C before
-    this returns included) and passes it to :func:`release_temp` once renamed or removed."""
+    and locked; both go into ``made`` (path: descriptor) in one step once complete, its owner's from then on (a
+    Ctrl-C before this returns included), handed to :func:`drop_temps` once renamed or failed."""
     for _ in range(100):
         fd = -1
         path = temp_name(target)
@@ -106,7 +108,7 @@ def create_temp(target: str, made: list[str]) -> tuple[int, str]:
             if fcntl is None or _locked(fd, path):
                 with _live_lock:
                     _live.add(path)
-                made.append(path)  # (the caller's from here on)
+                made[path] = fd  # (the caller's from here on, the descriptor with the file)
                 return fd, path
             closing, fd = fd, -1  # (not closed twice below, whichever side of the close a Ctrl-C lands)
             os.close(closing)
@@ -124,7 +126,7 @@ def create_temp(target: str, made: list[str]) -> tuple[int, str]:
             release_temp(path)
             raise
     # (a sweep would have to win a hundred races in a row)
-    raise OSError(f"save: could not create a temporary file next to {target}")  # pragma: no cover
+    raise OSError(f"could not create a temporary file next to {target} (a hundred names taken)")
 
 
 def _locked(fd: int, path: str) -> bool:
@@ -146,6 +148,17 @@ def release_temp(path: str) -> None:
     """``path`` (from :func:`create_temp`) is no longer being written: renamed over its target or removed."""
     with _live_lock:
         _live.discard(path)
+
+
+def drop_temps(made: dict[str, int]) -> None:
+    """The end of ``made``'s temporaries (from :func:`create_temp`): each removed where not renamed, its descriptor
+    closed (its lock with it) and released; a Ctrl-C is held until all are done (none left open or marked live)."""
+    with uninterrupted(to_the_end=False):
+        for path, fd in made.items():
+            _unlink(path)  # (while locked: a sweep leaves it to us; renamed, nothing is there)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            release_temp(path)
 
 
 def _listed(folder: str | os.PathLike[str], accept: Callable[[str], object]) -> list[str]:

@@ -277,7 +277,7 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
     except (FileNotFoundError, NotADirectoryError):
         pass  # (a new file; a folder that is a file: said below)
     except OSError as e:  # (symbolic links that loop: realpath leaves them)
-        raise OSError(e.errno, f"save: cannot replace {target}: {e.strerror}") from None
+        raise _os_error(e.errno, f"save: cannot replace {target}: {e.strerror}") from None
     if os.path.isdir(target):
         raise IsADirectoryError(f"save: {target} is a directory; give a file path")
     if (kind := _atomic.not_a_file(target)) is not None:
@@ -290,15 +290,16 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
         raise FileNotFoundError(f"save: folder {folder} does not exist")
     payload = _prepare(obj)
     # A hidden, locked temporary in the same folder (same filesystem, so the rename is atomic); first remove
-    # the temporaries that killed saves to this destination left behind.
-    made: list[str] = []  # (the temporary once it exists: removed below, a Ctrl-C as create_temp returns included)
+    # the temporaries that killed saves to this destination left behind. The temporary and its descriptor are
+    # made's once they exist: both dropped below, a Ctrl-C as create_temp returns included.
+    made: dict[str, int] = {}
     try:
         if into is None:
             _atomic.sweep(target)
             try:
                 fd, tmp = _atomic.create_temp(target, made)
             except OSError as e:  # (named after the hidden temporary: say which folder cannot be written, and why)
-                raise OSError(
+                raise _os_error(
                     e.errno,
                     f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically): "
                     f"{e.strerror or e}",
@@ -306,7 +307,7 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             _atomic.keep_mode(tmp, target)
         else:  # (a second temporary renamed over the caller's would leave it unlocked, and a crash a stray)
             fd = into
-        raw = os.fdopen(fd, "wb", closefd=into is None)  # (closed after the rename, releasing the lock; not into)
+        raw = os.fdopen(fd, "wb", closefd=False)  # (the descriptor closed by its owner: made's after the rename)
         try:
             # (torch.save writes to any object with write and flush; its stubs ask for a typing.IO)
             sink: IO[bytes] = _Sink(raw, progress)  # type: ignore[assignment]
@@ -345,14 +346,8 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
                 raw.close()
             raise
         raw.close()
-    except BaseException:
-        for temp in made:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-        raise
     finally:
-        for temp in made:
-            _atomic.release_temp(temp)
+        _atomic.drop_temps(made)
     _atomic.fsync_dir(folder)
 
 
@@ -372,7 +367,15 @@ def _dtype_views(payload: Any) -> str:
 
 def _write_error(target: str, cause: OSError) -> OSError:
     """A failed write of ``target`` (a full disk's ENOSPC), said with the file's name (torch's writer names none)."""
-    return OSError(cause.errno, f"save: cannot write {target}: {cause.strerror}; the old file, if any, is intact")
+    return _os_error(
+        cause.errno, f"save: cannot write {target}: {cause.strerror or cause}; the old file, if any, is intact"
+    )
+
+
+def _os_error(code: int | None, message: str) -> OSError:
+    """An OSError saying ``message``, of ``code``'s class where there is one (``OSError(None, message)`` reads
+    "[Errno None] message")."""
+    return OSError(message) if code is None else OSError(code, message)
 
 
 class _Sink:

@@ -18,7 +18,6 @@ Python overhead), every figure against baselines run in the same process, becaus
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import platform
@@ -631,24 +630,18 @@ def _write_out(out: str, result: dict[str, Any]) -> None:
     if (problem := _atomic.read_only(target)) is not None:
         raise PermissionError(problem)
     _atomic.sweep(target)
-    made: list[str] = []  # (the temporary once it exists: removed below, a Ctrl-C as create_temp returns included)
+    made: dict[str, int] = {}  # (the temporary and its descriptor once they exist: a Ctrl-C as made included)
     try:
         fd, tmp = _atomic.create_temp(target, made)
-        with os.fdopen(fd, "w") as f:  # (closed after the rename: closing it releases the temporary's lock)
+        with os.fdopen(fd, "w", closefd=False) as f:  # (made's descriptor: closed after the rename, with its lock)
             _atomic.keep_mode(tmp, target)
             json.dump(result, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, target)
-        _atomic.fsync_dir(os.path.dirname(target))
-    except BaseException:
-        for temp in made:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-        raise
     finally:
-        for temp in made:
-            _atomic.release_temp(temp)
+        _atomic.drop_temps(made)
+    _atomic.fsync_dir(os.path.dirname(target))
 
 
 def _main(args: argparse.Namespace) -> int:

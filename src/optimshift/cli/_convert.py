@@ -23,11 +23,11 @@ from .._state import tensors as all_tensors
 from ..checkpoint import _files as ckpt
 from ..checkpoint._atomic import (
     create_temp,
+    drop_temps,
     fsync_dir,
     keep_mode,
     make_folder,
     read_only,
-    release_temp,
     sweep,
     sweep_folders,
     temp_name,
@@ -222,7 +222,8 @@ def run_convert(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError, ValueError) as e:
         if bar:
             bar.close()
-        return fail(f"cannot write {dst}: {e}", e)
+        said = (e.strerror if isinstance(e, OSError) else None) or str(e)  # (without "[Errno 28] ")
+        return fail(said.removeprefix("save: ") if said.startswith("save: ") else f"cannot write {dst}: {said}", e)
     if bar:
         bar.close()
     tensors = list(all_tensors(obj))
@@ -255,10 +256,10 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
     """``convert`` of a Trainer or Accelerate folder: its optimizer files are rewritten, the rest copied as is.
 
     Every optimizer file is converted into a hidden folder beside the target first. OUT the folder itself: only
-    once every file converted does each replace its original (each atomically), so a failure on one leaves all
-    as they were. Otherwise OUT must not exist (or be an empty folder): the copy is completed in the hidden
-    folder and renamed into place at the end, so OUT never holds half a checkpoint (a framework would resume
-    from a folder that lacks its optimizer file without a word).
+    once every file converted does each replace its original (each atomically), so a failure to convert one leaves
+    all as they were (a rename that fails says which files it replaced already). Otherwise OUT must not exist (or
+    be an empty folder): the copy is completed in the hidden folder and renamed into place at the end, so OUT never
+    holds half a checkpoint (a framework would resume from a folder that lacks its optimizer file without a word).
     """
 
     as_json = args.json
@@ -333,13 +334,14 @@ def _convert_training_folder(folder: TrainingFolder, args: argparse.Namespace) -
 def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[..., int], as_json: bool) -> int:
     """Each optimizer file of ``folder`` converted into a hidden temporary beside the file it replaces (through a
     link, the file it points at: the same folder, so the same filesystem), with its permissions and locked from the
-    start, and only once every one converted, each renamed over its original (a failure on one leaves all as they
-    were). A read-only file, or one in a folder that cannot be written, is refused before anything is converted."""
+    start, and only once every one converted, each renamed over its original (a failure to convert one leaves all
+    as they were; a rename that fails, rare, names those replaced already). A read-only file, or one in a folder
+    that cannot be written, is refused before anything is converted."""
     # (each real file once: two names linked to one file are one file to convert)
     at = {os.path.realpath(os.path.join(folder.path, name)): name for name in reversed(folder.optimizer_files)}
     reals, names = list(reversed(at)), list(reversed(at.values()))
-    temps: list[str] = []
-    locks: list[int] = []  # (keeping another process's sweep off each temporary until it is renamed or removed)
+    # (each temporary and its descriptor, which keeps another process's sweep off it until it is renamed or removed)
+    temps: dict[str, int] = {}
     written = io.StringIO()
     try:
         for real, name in zip(reals, names):
@@ -352,35 +354,37 @@ def _convert_in_place(folder: TrainingFolder, dst: str, convert: Callable[..., i
                 return failure("convert", problem, as_json=as_json, error=PermissionError(problem))
             sweep(real)  # (what crashed saves and converts of it left)
             try:
-                fd, _ = create_temp(real, temps)
+                _, tmp = create_temp(real, temps)
             except OSError as e:  # (named after the hidden temporary: say which file and folder, and why)
                 problem = (
                     f"cannot write in folder {os.path.dirname(real)} (a new file there, to replace {path}): "
                     f"{e.strerror or e}"
                 )
                 return failure("convert", problem, as_json=as_json, error=e)
-            locks.append(fd)
-            keep_mode(temps[-1], real)  # (before a byte is written: a private file's state stays private)
-        for name, fd in zip(names, locks):  # (written through the locked descriptor; messages name the file)
+            keep_mode(tmp, real)  # (before a byte is written: a private file's state stays private)
+        for name, fd in zip(names, temps.values()):  # (written through the locked descriptor; messages name the file)
             with contextlib.redirect_stdout(written):
                 failed = convert(os.path.join(folder.path, name), os.path.normpath(os.path.join(dst, name)), fd)
             if failed:
                 sys.stdout.write(written.getvalue().splitlines(keepends=True)[-1] if as_json else "")  # (its error)
                 return 1
-        for real, tmp in zip(reals, temps):  # (every file converted: each replaces its original)
-            keep_mode(tmp, real)  # (as it is now, as save's rename keeps it)
-            os.replace(tmp, real)
+        for real, tmp in zip(reals, temps):  # (every file converted: each takes its original's mode as it is now,
+            keep_mode(tmp, real)  # as save's rename keeps it, before any replaces its original)
+        replaced: list[str] = []
+        for real, name, tmp in zip(reals, names, temps):
+            try:
+                os.replace(tmp, real)
+            except OSError as e:  # (the rest stay as they were; those before it are the converted files now)
+                done = f"{', '.join(replaced)} replaced already, " if replaced else ""
+                problem = f"cannot replace {os.path.join(folder.path, name)}: {e.strerror}; {done}the rest as they were"
+                return failure("convert", problem, as_json=as_json, error=e)
+            replaced.append(os.path.join(folder.path, name))
         for parent in dict.fromkeys(os.path.dirname(real) for real in reals):
             fsync_dir(parent)
     except OSError as e:
         return failure("convert", f"cannot write {dst}: {e}", as_json=as_json, error=e)
     finally:
-        for fd in locks:
-            os.close(fd)
-        for tmp in temps:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            release_temp(tmp)
+        drop_temps(temps)
     _report(written, {}, dst, 0, as_json)
     return 0
 

@@ -1088,3 +1088,26 @@ def test_check_reads_a_device_group_tensor_s_value_once(sim):
         report = optimshift.check(opt)
     assert [f.key for f in report.findings] == ["weight_decay"]
     assert syncs.total == 1
+
+
+_WEIGHT_DECAY = ["Adam", "Adamax", "NAdam", "RAdam", "RMSprop", "SGD", "Adadelta", "Adagrad", "ASGD", "Adafactor"]
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@pytest.mark.parametrize("name", _WEIGHT_DECAY)
+def test_a_device_weight_decay_is_priced_for_the_branch_a_nonzero_value_takes(sim, name, foreach):
+    """A nonzero 0-dim ``weight_decay`` on the device: the step reads it in ``if weight_decay != 0`` and again in
+    the branch (``alpha=weight_decay``). The probe answered the comparison false, skipped the branch and priced
+    half of it (Adam single-tensor: 2 for 4); Adafactor's foreach step reads it once per rank class of its params
+    (a 2-D and a 1-D param: 2), priced once per (device, dtype). The figure is what a step makes more, and says
+    it is for a nonzero value."""
+    params = [torch.nn.Parameter(torch.randn(s, device=sim)) for s in ((3, 2), (3,))]
+    opt = getattr(O, name)(params, weight_decay=torch.tensor(0.01), foreach=foreach)
+
+    def misplace():
+        opt.param_groups[0]["weight_decay"] = opt.param_groups[0]["weight_decay"].to(sim)
+
+    report, caused = _cost_of(opt, params, misplace)
+    (finding,) = report.findings
+    assert (finding.key, finding.severity, finding.syncs_per_step) == ("weight_decay", "warning", caused)
+    assert caused > 0 and "for a nonzero value" in finding.why

@@ -19,11 +19,12 @@ import enum
 import inspect
 import math
 import numbers
+import operator
 import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Container, Hashable, Iterator, Mapping
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -303,19 +304,22 @@ class Observed:
     {GroupPath: HOST_READ or NEEDS_DEVICE} (absent: either works); ``error``: what the step raised (with group
     tensors: or the next one, which computes with what the first made state from: SGD's momentum); ``reads``: {host
     0-dim key: device reads it costs a later step on the device}; ``wide``: {path under a plain state key: on the
-    device}; ``group_reads``: {GroupPath: ``(a, b)``}: ``a + b * n`` device reads more over ``n`` params;
-    ``raises``: {GroupPath: where (``"host"``, ``"device"``) a step with it there raised, that of the other did not;
-    both: on either, where with a number in its place it did not}; ``at_zero``: ``raises`` for a tensor of 0s where
-    a step raised only in a branch a 0 skips (AdamW's ``if weight_decay != 0``: a ``(1,)`` 0 runs)."""
+    device}; ``group_reads``: {GroupPath: ``(a, b, by_rank)``}: ``a + b * n`` device reads more over ``n`` params
+    (``a`` once per rank class, 1-D or 2-D and up, where ``by_rank``), a 0-dim one's for a nonzero value
+    (:class:`_Reads`); ``by_value``: those whose comparison with a number decided a branch; ``raises``: {GroupPath:
+    where (``"host"``, ``"device"``) a step with it there raised, that of the other did not; both: on either, where
+    with a number in its place it did not}; ``at_zero``: ``raises`` for a tensor of 0s where a step raised only in a
+    branch a 0 skips (AdamW's ``if weight_decay != 0``: a ``(1,)`` 0 runs; a 0-dim one stands for a nonzero value)."""
 
     state: Mapping[str, bool] | None
     group: Mapping[GroupPath, str] = field(default_factory=dict)
     error: str | None = None
     reads: Mapping[str, int] = field(default_factory=dict)
     wide: Mapping[Path, bool] = field(default_factory=dict)
-    group_reads: Mapping[GroupPath, tuple[int, int]] = field(default_factory=dict)
+    group_reads: Mapping[GroupPath, tuple[int, int, bool]] = field(default_factory=dict)
     raises: Mapping[GroupPath, frozenset[str]] = field(default_factory=dict)
     at_zero: Mapping[GroupPath, frozenset[str]] = field(default_factory=dict)
+    by_value: frozenset[GroupPath] = frozenset()
 
 
 def group_tensor_paths(group: Mapping[str, Any]) -> list[GroupPath]:
@@ -339,18 +343,39 @@ _READS = {
     torch.Tensor.__index__: int,
 }
 _LIFTS = (torch.tensor, torch.as_tensor, torch.asarray)  # (a tensor from Python data: see _Reads)
+_COMPARISONS: dict[Any, Callable[[Any, Any], Any]] = {  # (a truth read of one: see _Reads)
+    func: op
+    for op, funcs in (
+        (operator.eq, (torch.Tensor.__eq__, torch.Tensor.eq, torch.eq)),
+        (operator.ne, (torch.Tensor.__ne__, torch.Tensor.ne, torch.ne)),
+        (operator.lt, (torch.Tensor.__lt__, torch.Tensor.lt, torch.lt)),
+        (operator.le, (torch.Tensor.__le__, torch.Tensor.le, torch.le)),
+        (operator.gt, (torch.Tensor.__gt__, torch.Tensor.gt, torch.gt)),
+        (operator.ge, (torch.Tensor.__ge__, torch.Tensor.ge, torch.ge)),
+    )
+    for func in funcs
+}
 
 
 class _Reads(TorchFunctionMode):
     """Counts host reads during the probe's step, answered with stand-ins (a truth value: ``truth``); a 0-dim tensor
     where an op wants a number (``alpha=-lr``) is read in C++, which fails on a fake tensor: the call is retried with
-    it as a number."""
+    it as a number. A 0-dim group tensor (``scalars``) stands for its stand-in, a nonzero value: a truth read of it,
+    or of its comparison with a number (``if weight_decay != 0``), is answered as that value answers it, so the step
+    takes the branch a nonzero value takes and its reads there are counted."""
 
     def __init__(self, truth: bool = False) -> None:
         super().__init__()
         self.on_device = 0
         self.reads = 0
         self.truth = truth
+        # {id: (the tensor, the value it stands for, the scalar it compared or None)}: the scalars, their comparisons
+        self.values: dict[int, tuple[torch.Tensor, Any, torch.Tensor | None]] = {}
+        self.decided: list[torch.Tensor] = []  # (the scalars whose comparison a truth read was answered for)
+
+    def stand_for(self, scalars: Iterable[torch.Tensor]) -> None:
+        """Answer reads of each of ``scalars`` (0-dim), and of its comparisons with a number, as its stand-in."""
+        self.values.update((id(t), (t, _stand_in(t), None)) for t in scalars)
 
     def _count(self, t: torch.Tensor) -> None:
         self.reads += 1
@@ -366,7 +391,19 @@ class _Reads(TorchFunctionMode):
         want = _READS.get(func)
         if want is not None and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
             self._count(args[0])
-            return self.truth if want is bool or args[0].dtype == torch.bool else _stand_in(args[0], want)
+            held = self.values.get(id(args[0]))
+            truth = want is bool or args[0].dtype == torch.bool
+            if truth and held is not None and held[0] is args[0]:
+                if held[2] is not None:
+                    self.decided.append(held[2])
+                return bool(held[1])
+            return self.truth if truth else _stand_in(args[0], want)
+        op = _COMPARISONS.get(func)
+        held = self.values.get(id(args[0])) if op is not None and len(args) == 2 and not kwargs else None
+        if op and held is not None and held[0] is args[0] and held[2] is None and isinstance(args[1], numbers.Number):
+            result = func(*args)
+            self.values[id(result)] = (result, op(held[1], args[1]), args[0])
+            return result
         from torch._subclasses.fake_tensor import DataDependentOutputException
 
         device = kwargs.get("device")
@@ -479,7 +516,9 @@ def _error(e: BaseException) -> str:
 
 
 def _fake_step(opt: torch.optim.Optimizer, reads: _Reads) -> None:
-    """One step of ``opt`` (its exceptions propagate), its host reads counted in ``reads``."""
+    """One step of ``opt`` (its exceptions propagate), its host reads counted in ``reads``, its groups' 0-dim tensors
+    standing for nonzero values."""
+    reads.stand_for(t for group in opt.param_groups for _, t in group_tensors(group) if t.dim() == 0)
     with reads:
         # (torch's stubs type the closure's loss as a float; torch.optim returns the tensor)
         opt.step(lambda: torch.zeros((), device=_FAKE_DEVICE))  # type: ignore[arg-type, return-value]
@@ -527,24 +566,24 @@ def _run(
     paths: list[GroupPath],
     on_device: Container[GroupPath],
     costs: bool = False,
-    n_params: int = 1,
+    others: tuple[int, ...] = (),
     truth: bool = False,
 ) -> tuple[Observed, int, int | None]:
-    """One probe step over ``n_params`` params, ``on_device`` the group tensors on the device: what it saw of the
-    first (no group verdicts yet), its device reads and a later step's (None: failed or no group tensors);
-    ``costs``: also what each host scalar costs on the device (:func:`_costs`); ``truth``: what a truth read gets."""
+    """One probe step over a param of rank ``ndim`` and one more of each rank in ``others``, ``on_device`` the group
+    tensors on the device: what it saw of the first (no group verdicts yet), its device reads and a later step's
+    (None: failed or no group tensors); ``costs``: also what each host scalar costs on the device (:func:`_costs`);
+    ``truth``: what a truth read gets."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     kwargs = built_kwargs(cls, group)
-    shape = (2,) * ndim
     with throwaway(host=False), torch.inference_mode(), _fake_param_takes_default_foreach():
         with FakeTensorMode(allow_non_fake_inputs=True):
             params = [
-                torch.nn.Parameter(torch.zeros(shape, device=_FAKE_DEVICE), requires_grad=False)
-                for _ in range(n_params)
+                torch.nn.Parameter(torch.zeros((2,) * rank, device=_FAKE_DEVICE), requires_grad=False)
+                for rank in (ndim, *others)
             ]
             for param in params:
-                param.grad = torch.zeros(shape, device=_FAKE_DEVICE)
+                param.grad = torch.zeros(param.shape, device=_FAKE_DEVICE)
             param = params[0]
             try:
                 opt = cls(params, **kwargs)
@@ -556,6 +595,7 @@ def _run(
             for flag in IMPLEMENTATION_FLAGS if not torch_defined(cls) else ():
                 if bool(live.get(flag)) != bool(group.get(flag)):  # (a flag its constructor does not take)
                     raise _Unbuilt(f"built, it has {flag}={live.get(flag)!r}, the group {group.get(flag)!r}")
+            placed: list[tuple[torch.Tensor, GroupPath]] = []
             for key, index in paths:  # the group's own tensors, on the host (one of them on the device)
                 like = group[key] if index is None else group[key][index]
                 t = torch.zeros(
@@ -567,6 +607,7 @@ def _run(
                     entry = list(live.get(key, group[key]))
                     entry[index] = t
                     live[key] = type(group[key])(entry)
+                placed.append((t, (key, index)))
             reads = _Reads(truth)
             # (fake tensors cannot launch every kernel, a CPU-only build's fused CUDA ones, but the state was
             # created before that point, which is all that is read of it)
@@ -588,7 +629,9 @@ def _run(
                 for path, t in leaves(value, (("key", key),))
                 if t.numel() == 1
             }
-    return Observed(found if state else None, {}, error, measured, wide), reads.on_device, later
+            by_value = frozenset(path for t, path in placed if any(s is t for s in reads.decided))
+    observed = Observed(found if state else None, {}, error, measured, wide, by_value=by_value)
+    return observed, reads.on_device, later
 
 
 def _later_step(opt: torch.optim.Optimizer, truth: bool = False) -> tuple[int | None, str | None]:
@@ -643,9 +686,19 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
     paths = group_tensor_paths(group)
     baseline, reads, later = _run(cls, group, ndim, paths, (), costs=not torch_defined(cls))
     verdicts: dict[GroupPath, str] = {}
-    costs: dict[GroupPath, tuple[int, int]] = {}
+    costs: dict[GroupPath, tuple[int, int, bool]] = {}
     raises: dict[GroupPath, frozenset[str]] = {}
-    two: list[int | None] = []  # (a later step's reads over two params, all on the host: run once, when needed)
+    two: dict[tuple[tuple[GroupPath, ...], int], int | None] = {}  # (later_over_two's, each run once)
+
+    def later_over_two(on: tuple[GroupPath, ...], rank: int) -> int | None:
+        """A later step's device reads over two params, the second of rank ``rank``, ``on`` on the device (None:
+        failed, or a class built over one param only: its cost is not known, its verdict stands)."""
+        if (on, rank) not in two:
+            two[on, rank] = None
+            with contextlib.suppress(_Unbuilt):
+                two[on, rank] = _run(cls, group, ndim, paths, on, others=(rank,))[2]
+        return two[on, rank]
+
     truthy: list[Observed] = []  # (the host step with every truth read true: run once, when needed)
 
     def needs_device_if_taken(path: GroupPath) -> bool:
@@ -736,17 +789,18 @@ def _observe(cls: type[torch.optim.Optimizer], group: Mapping[str, Any], ndim: i
             if failed is not None and not any(m in failed for m in _NO_BACKEND):
                 # (where the step with it on the device raised: on the host too, where that one failed)
                 raises[path] = frozenset({"device"} | ({"host"} if reference.error is not None else set()))
-            if later is not None and alone_later is not None:
-                try:
-                    if not two:
-                        two.append(_run(cls, group, ndim, paths, on_device[:-1], n_params=2)[2])
-                    two_alone = _run(cls, group, ndim, paths, on_device, n_params=2)[2]
-                except _Unbuilt:  # (a class built over one param only: its cost is not known, its verdict stands)
-                    two[:] = [None]
-                    two_alone = None
-                if two[0] is not None and two_alone is not None:
-                    one, per_param = alone_later - later, (two_alone - two[0]) - (alone_later - later)
-                    costs[path] = (one - per_param, per_param)
+            without = on_device[:-1]
+            if later is not None and alone_later is not None and later_over_two(without, ndim) is not None:
+                two_alone = later_over_two(on_device, ndim)
+                if two_alone is not None:
+                    more = two_alone - (later_over_two(without, ndim) or 0)
+                    one, per_param = alone_later - later, more - (alone_later - later)
+                    # (a second param of the other rank class, 1-D against 2-D and up: a step grouping by it,
+                    # Adafactor's foreach, makes its once-a-step reads once per class)
+                    other = 1 if ndim > 1 else 2
+                    mixed = [later_over_two(on, other) for on in (without, on_device)]
+                    by_rank = mixed[0] is not None and mixed[1] is not None and mixed[1] - mixed[0] > more
+                    costs[path] = (one - per_param, per_param, by_rank)
         either = raises_either(path, reference, alone)
         one_dim = (group[path[0]] if path[1] is None else group[path[0]][path[1]]).dim() != 0
         # (a raise with truth reads false: a one-dim tensor's is a branch its nonzero values may take, ``if wd == 0``'s

@@ -853,6 +853,8 @@ def _explain(
         # (the step reads it on the host: how often where the probe counted it; none after a param's first step:
         # Rprop's lr, read only where it makes a param's state; a group of no params reads it nowhere)
         when = " each step" if cost else " where it makes a param's state" if cost == 0 and group["params"] else ""
+        if cost and _policy.priced_nonzero(type(optimizer), group, site.key, t):
+            when += " (the figure is for a nonzero value, which takes a branch it decides)"
         why = f"{name} reads this on the host{when}: on {at} every read is a device-to-host sync"
         return "warning", f"{why}; {mixing}" if others else why, cost
     if t.dim() == 0 and expected.type == "cpu":

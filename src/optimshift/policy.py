@@ -463,16 +463,25 @@ def group_read_cost(
     """Host syncs per step that group tensor ``value`` (under ``key``) costs on an accelerator, where the step
     reads it on the host: what the probe counted, for a step over the group's params a step reached (those with
     state; where none has any, those that take a grad), its once-a-step reads once per (device, dtype) of them, as
-    torch's foreach step groups them (None where the step does not read it there, or the count is not known)."""
+    torch's foreach step groups them (and rank class, where the probe saw it group so: Adafactor's); a 0-dim one's
+    for a nonzero value, the branches its comparisons decide taken (None where the step does not read it there, or
+    the count is not known)."""
     observed = _group_observed(type(optimizer), group)
     path = _group_path(group, key, value)
     if observed is None or observed.group.get(path) != HOST_READ or path not in observed.group_reads:
         return None
-    once, per_param = observed.group_reads[path]
+    once, per_param, by_rank = observed.group_reads[path]
     params = [p for p in group.get("params", ()) if isinstance(p, torch.Tensor)]
     # (a step reaches the params with a grad: those with state, else, before any step, those that take one)
     stepped = [p for p in params if optimizer.state.get(p)] or [p for p in params if p.requires_grad] or params
-    return once * len({(p.device, p.dtype) for p in stepped}) + per_param * len(stepped)
+    return once * len({(p.device, p.dtype, by_rank and p.dim() > 1) for p in stepped}) + per_param * len(stepped)
+
+
+def priced_nonzero(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> bool:
+    """Whether the step compares group tensor ``value`` with a number to decide a branch (``if weight_decay != 0``):
+    then :func:`group_read_cost` is its cost for a nonzero value, which a probe stands it for (a 0 may cost less)."""
+    observed = _group_observed(cls, group)
+    return observed is not None and _group_path(group, key, value) in observed.by_value
 
 
 def group_raises(cls: type, group: Mapping[str, Any], key: str, value: torch.Tensor) -> frozenset[str]:

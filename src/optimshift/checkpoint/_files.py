@@ -379,9 +379,9 @@ def _os_error(code: int | None, message: str) -> OSError:
 
 
 class _Sink:
-    """What torch.save writes to (its buffer writer calls write and flush): the file ``raw``, the bytes written so far
-    reported to ``progress``; once ``raw`` is closed, writes go nowhere (a zip writer a Ctrl-C left alive writes its
-    end when freed, and a closed file's error there aborts the process)."""
+    """What torch.save writes to (its buffer writer calls write and flush, and seek under skip_data): the file ``raw``,
+    the bytes written so far reported to ``progress``; once ``raw`` is closed, writes go nowhere (a zip writer a Ctrl-C
+    left alive writes its end when freed, and a closed file's error there aborts the process)."""
 
     def __init__(self, raw: IO[bytes], progress: Callable[[int], None] | None) -> None:
         self._raw, self._progress, self.written = raw, progress, 0
@@ -398,6 +398,9 @@ class _Sink:
     def flush(self) -> None:
         if not self._raw.closed:
             self._raw.flush()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:  # (under skip_data: a storage's unwritten bytes)
+        return 0 if self._raw.closed else self._raw.seek(offset, whence)
 
     def fileno(self) -> int:
         return self._raw.fileno()

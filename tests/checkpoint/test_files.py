@@ -477,6 +477,26 @@ def test_links_leading_nowhere_are_named_on_load_and_refused_before_a_save_write
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "b.pt", "dangling.pt"]
 
 
+@pytest.mark.parametrize("where", ["locked", "locked/sub"])
+def test_save_in_a_folder_that_cannot_be_searched_names_the_folder(tmp_path, monkeypatch, where):
+    """A folder on the way that cannot be searched (its stat's EACCES, simulated: root searches any folder) is said
+    as a folder that cannot be written, naming it; 3e4ee90's check for looping links said "cannot replace" the file,
+    which may not exist, and no folder."""
+    (tmp_path / where).mkdir(parents=True)
+    locked, real = str(tmp_path / "locked") + os.sep, os.stat
+
+    def stat(path, *args, **kwargs):
+        if not isinstance(path, int) and os.fsdecode(os.fspath(path)).startswith(locked):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(_atomic, "create_temp", lambda *a: pytest.fail("a temporary was made"))
+    folder = re.escape(str(tmp_path / where))
+    with pytest.raises(PermissionError, match=rf"save: cannot write in folder {folder} \(a new .*: Permission denied"):
+        optimshift.save({}, tmp_path / where / "opt.pt")
+
+
 def test_load_state_dict_of_a_path_it_cannot_read_names_the_optimizer_and_the_file(tmp_path, monkeypatch):
     """A path load_state_dict cannot read was refused with load's error alone, which names the file but not the
     optimizer; each now says both, its type (and a system error's errno) kept, and the optimizer is unchanged."""

@@ -276,6 +276,8 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
         os.stat(target)
     except (FileNotFoundError, NotADirectoryError):
         pass  # (a new file; a folder that is a file: said below)
+    except PermissionError as e:  # (a folder on the way that cannot be searched)
+        raise _folder_error(folder, target, e) from None
     except OSError as e:  # (symbolic links that loop: realpath leaves them)
         raise _os_error(e.errno, f"save: cannot replace {target}: {e.strerror}") from None
     if os.path.isdir(target):
@@ -299,11 +301,7 @@ def _save(obj: Any, path: PathLike, progress: Callable[[int], None] | None = Non
             try:
                 fd, tmp = _atomic.create_temp(target, made)
             except OSError as e:  # (named after the hidden temporary: say which folder cannot be written, and why)
-                raise _os_error(
-                    e.errno,
-                    f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically): "
-                    f"{e.strerror or e}",
-                ) from None
+                raise _folder_error(folder, target, e) from None
             _atomic.keep_mode(tmp, target)
         else:  # (a second temporary renamed over the caller's would leave it unlocked, and a crash a stray)
             fd = into
@@ -363,6 +361,15 @@ def _dtype_views(payload: Any) -> str:
                 f"{format_path(path)} ({dtype_name(t.dtype)})"
             )
     return "two of its tensors"
+
+
+def _folder_error(folder: str, target: str, cause: OSError) -> OSError:
+    """``folder`` cannot take the new file that would replace ``target`` (or cannot be reached), and why."""
+    return _os_error(
+        cause.errno,
+        f"save: cannot write in folder {folder} (a new file there, to replace {target} atomically): "
+        f"{cause.strerror or cause}",
+    )
 
 
 def _write_error(target: str, cause: OSError) -> OSError:

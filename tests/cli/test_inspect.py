@@ -521,10 +521,14 @@ def test_inspect_reads_a_per_rank_dtensor_file_once_its_classes_are_allowed(tmp_
     assert "corrupt" not in out + err and "exp_avg" in out and "saved on: cpu ×3" in out
 
 
-def test_a_per_rank_dtensor_file_is_read_located_without_a_damaged_file_s_scan(tmp_path, monkeypatch):
+@pytest.mark.parametrize("torch_load", ["torch", "torch < 2.6"])
+def test_a_per_rank_dtensor_file_is_read_located_without_a_damaged_file_s_scan(tmp_path, monkeypatch, torch_load):
     """load_located (load_state_dict from a path, inspect) reads a DTensor file again with the tags alone, its
     callable map_location refused: that refusal went through a damaged file's error, which scans the whole pickle
-    (a quarter more time for FSDP2's per-rank files) and called the file corrupt to optimshift.load's callers."""
+    (a quarter more time for FSDP2's per-rank files) and called the file corrupt to optimshift.load's callers.
+    torch < 2.6 raised it as an UnpicklingError (simulated: its weights-only torch.load re-raised a RuntimeError
+    so), which b37b8a0's load_located took for a damaged file's."""
+    import pickle
     import socket
     import subprocess
 
@@ -546,6 +550,15 @@ def test_a_per_rank_dtensor_file_is_read_located_without_a_damaged_file_s_scan(t
         "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
     ]
     classes = [getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names if _has(n)]
+    if torch_load == "torch < 2.6":
+
+        def wrapping(*args, real=torch.load, **kwargs):
+            try:
+                return real(*args, **kwargs)
+            except RuntimeError as e:  # (as torch 2.4 and 2.5 did with weights_only=True)
+                raise pickle.UnpicklingError(f"Weights only load failed. WeightsUnpickler error: {e}") from None
+
+        monkeypatch.setattr(torch, "load", wrapping)
     with torch.serialization.safe_globals(classes):
         loaded, located = _files.load_located(path)
         assert "exp_avg" in loaded["state"][0] and located.get(0) == "cpu" and not scans

@@ -795,8 +795,9 @@ def _torch_load(p: str, kind: str, map_location: Any, mmap: bool) -> Any:
         failed = e if isinstance(e, _MapLocationFailure) else e.__context__
         if isinstance(failed, _MapLocationFailure):
             raise failed.error from None
-        if isinstance(e, RuntimeError) and any(m in str(e) for m in _NOT_THE_FILE):
-            raise  # not the file's fault (and not scanned as a damaged one: load_located retries a DTensor's at once)
+        for error in (e, failed):  # (torch < 2.6 raised a weights-only load's RuntimeError as an UnpicklingError)
+            if isinstance(error, RuntimeError) and any(m in str(error) for m in _NOT_THE_FILE):
+                raise error from None  # not the file's fault (not scanned as a damaged one: load_located retries)
         raise _load_error(p, kind, e) from None
 
 

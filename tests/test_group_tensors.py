@@ -1364,7 +1364,33 @@ def test_rprop_s_one_element_etas_and_step_sizes_are_judged_past_its_masked_fill
     if key == "etas":
         _step(opt, params, 0)
         _step(opt, params, 1)
-        assert not optimshift.check(opt).findings
+        costly = path == ("etas", 1) and given == "sim"  # (filled by index_put_: see the test below)
+        assert [f.key for f in optimshift.check(opt).findings] == ([name] if costly else [])
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
+@pytest.mark.parametrize("index, shape", [(0, ()), (1, ()), (1, (1,))], ids=["etas0-0dim", "etas1-0dim", "etas1-1"])
+def test_a_device_eta_of_non_capturable_rprop_is_priced_and_moved_to_the_host(sim, foreach, index, shape):
+    """``sign[sign.gt(0)] = etaplus``: ATen fills from a one-element host value (``masked_fill_``) and writes a
+    device one by ``index_put_``, whose mask's ``nonzero`` syncs (on CUDA; the simulator's count_syncs cannot tell it
+    from a number): check() called such a device eta ok, and move() kept it there. One sync per param a step."""
+    params = _params(sim)
+
+    def etas():
+        given = [0.5, 1.2]
+        return (*given[:index], torch.full(shape, given[index], device=sim), *given[index + 1 :])
+
+    opt = O.Rprop(params, etas=etas(), foreach=foreach)
+    eta = opt.param_groups[0]["etas"][index]
+    found = [(f.severity, f.key, f.syncs_per_step) for f in optimshift.check(opt).findings]
+    assert found == [("warning", f"etas[{index}]", len(params))]
+    optimshift.move(opt)
+    assert opt.param_groups[0]["etas"][index] is eta and eta.device.type == "cpu"
+    _step(opt, params, 0)
+    assert not optimshift.check(opt).findings
+    capturable = O.Rprop(_params(sim), etas=etas(), foreach=foreach, capturable=True)  # (torch.where: no sync)
+    optimshift.move(capturable)
+    assert capturable.param_groups[0]["etas"][index].device == sim and not optimshift.check(capturable).findings
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])

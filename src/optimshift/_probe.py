@@ -415,6 +415,8 @@ class _Reads(TorchFunctionMode):
                 host = func(*args, **{**kwargs, "device": "cpu"})
                 return torch.empty(host.shape, dtype=host.dtype, device=device)
         if func is torch.Tensor.__setitem__ and _masked_fill(*args):
+            if isinstance(args[2], torch.Tensor) and args[2].device.type != "cpu":  # (a sync: see _masked_fill)
+                self._count(args[2])
             return None
         if func is torch.Tensor.copy_:  # (its binding asks for the device's guard, which a CPU-only build lacks)
             func = _aten_copy_
@@ -473,7 +475,8 @@ def _same_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 def _masked_fill(self: Any, index: Any = None, value: Any = None, *_: Any) -> bool:
     """``self[mask] = value`` (one value, from either side as a real kernel takes it) run as a fill, which fake tensors
-    can run and not their ``index_put_``: non-capturable Rprop's ``sign[sign.gt(0)] = etaplus``. False: not one."""
+    can run and not their ``index_put_``: non-capturable Rprop's ``sign[sign.gt(0)] = etaplus``. False: not one.
+    (ATen's ``masked_fill_`` takes a host value only: a device one goes to ``index_put_``, whose ``nonzero`` syncs.)"""
     mask = index if isinstance(index, torch.Tensor) and index.dtype == torch.bool else None
     one = isinstance(value, numbers.Number) or isinstance(value, torch.Tensor) and value.numel() == 1
     if not isinstance(self, torch.Tensor) or mask is None or mask.shape != self.shape or not one:

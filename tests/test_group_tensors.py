@@ -354,6 +354,30 @@ def test_a_load_keeps_a_live_group_tensor_on_its_side(sim, tmp_path, live, saved
     assert where == {road: [at] * 4 for road, at in expected.items()}
 
 
+@pytest.mark.parametrize("live, saved", [("cpu", "sim"), ("sim", "cpu")])
+def test_a_load_leaves_a_group_tensor_a_state_entry_views_where_it_is(sim, tmp_path, live, saved):
+    """LBFGS's ``state['t']`` is a view of a ``(1,)`` tensor lr, and stays on its own side: a load that put the lr on
+    the live one's side (or where the file saved it) refused the checkpoint (one storage on two devices); the lr
+    stays where it is, as the view does, on every road."""
+
+    def lbfgs(side, steps):
+        params = _params(sim, shapes=((4,),))
+        opt = O.LBFGS(params, lr=torch.full((1,), 0.5, device=sim if side == "sim" else "cpu"))
+        for _ in range(steps):
+            opt.step(lambda: (opt.zero_grad(), (params[0] * params[0]).sum().backward(), params[0].square().sum())[2])
+        return params, opt
+
+    saved_opt = lbfgs(saved, 3)[1]
+    path = tmp_path / "opt.pt"
+    optimshift.save(saved_opt, path)
+    for road, sd in _roads(saved_opt, path).items():
+        params, opt = lbfgs(live, 0)
+        optimshift.load_state_dict(opt, sd())
+        lr, t = opt.param_groups[0]["lr"], opt.state[params[0]]["t"]
+        assert lr.device == t.device and lr.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(), road
+        opt.step(lambda: (opt.zero_grad(), (params[0] * params[0]).sum().backward(), params[0].square().sum())[2])
+
+
 # -- group tensors follow params that moved (issue 17, item 5) ----------------------------------------------
 
 FOLLOW = [

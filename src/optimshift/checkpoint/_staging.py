@@ -266,7 +266,7 @@ class Staging:
     def _plan(self, groups: list[dict[str, Any]], state: Mapping[Any, Any]) -> Plan:
         """The plan of the state about to be installed: where the policy (:class:`optimshift.policy.Placer`) puts each
         tensor for the live optimizer's class, with the loaded groups' hyperparameters and the live flags."""
-        sides = self.sides(groups)
+        sides = self.sides(groups, state)
         target: TargetFn = _policy.Placer(self.opt, self.device, sides)
         if self.streamed:  # (the state on the host, where a streamed optimizer keeps it; its groups' as stream() lays
             # them out: where a move puts them)
@@ -284,11 +284,14 @@ class Staging:
         except ValueError as e:  # a tensor the checkpoint shares between entries that belong on two devices
             raise self.fail(str(e).removeprefix(f"{self.name}: ")) from None
 
-    def sides(self, groups: list[dict[str, Any]]) -> dict[int, tuple[torch.device, torch.Tensor]]:
+    def sides(
+        self, groups: list[dict[str, Any]], state: Mapping[Any, Any]
+    ) -> dict[int, tuple[torch.device, torch.Tensor]]:
         """Each loaded group tensor's side (:class:`optimshift.policy.Placer`'s ``sides``), the one rule of every
         load: a live tensor that takes its value stays the object it is, on its side (its device, or the one a move
         or an offload took it from: the session's); else where the file saved it (not map_location's host); else
-        where it is."""
+        where it is, as one whose storage a state entry also holds (LBFGS's ``t``, a view of a ``(1,)`` lr) is: that
+        entry stays on its own side, and the storage cannot be copied apart."""
         live = policy_target(self.opt, None)  # (the session's sides, for the live tensors)
         pairs, _ = pair_places(zip(self.opt.param_groups, groups), lambda old, new: True)  # (the commit's pairing)
         kept = {id(new): live.side(old) or old.device for old, new in pairs}
@@ -299,6 +302,13 @@ class Staging:
                 if at is None and self.saved is not None:
                     at = _files.tag_device(_files.saved_location(tensor, self.saved))
                 sides[id(tensor)] = (at or tensor.device, tensor)
+        moved = {_alias.storage_key(t): i for i, (at, t) in sides.items() if (at.type == "cpu") != t.is_cpu}
+        moved.pop(None, None)
+        if moved:  # (rare: only then is the state walked)
+            for _, t in leaves(state):
+                i = moved.get(_alias.storage_key(t)) if id(t) not in sides else None
+                if i is not None:
+                    sides[i] = (sides[i][1].device, sides[i][1])
         return sides
 
     def _resolve(self, lone: list[tuple[MutableMapping[Any, Any], Any, torch.Tensor, Transfer]]) -> None:

@@ -380,6 +380,43 @@ def test_a_ctrl_c_as_a_save_releases_its_renamed_temporary_leaves_it_unmarked(tm
     assert not [p for p in _atomic._live if p.startswith(str(tmp_path))] and os.listdir(tmp_path) == ["opt.pt"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+@pytest.mark.parametrize("how", ["save", "bench"])
+def test_a_ctrl_c_as_the_cleanup_takes_its_hold_leaves_no_descriptor_open(tmp_path, monkeypatch, how):
+    """A Ctrl-C landing once the file is in place, as ``drop_temps`` takes its hold (before it held a Ctrl-C): the
+    file is saved, the interrupt raised, and the temporary's descriptor (its lock) closed and its path unmarked (both
+    stayed, the descriptor open on the saved file for as long as the process lived)."""
+    from optimshift import _engine
+    from optimshift.checkpoint import _atomic
+    from optimshift.cli import _bench
+
+    dest = tmp_path / ("opt.pt" if how == "save" else "out.json")
+
+    def write():
+        if how == "save":
+            optimshift.save({"a": torch.ones(2)}, dest)
+        else:
+            _bench._write_out(str(dest), {"a": 1})
+
+    write()  # (whatever a first write opens for good)
+    dest.unlink()
+    before, fired = _open_descriptors(), []
+
+    class Interrupting:  # (the signal module the hold reads: a real SIGINT as it asks, once the file is in place)
+        def __getattr__(self, name):
+            if name == "getsignal" and dest.exists() and not fired:
+                fired.append(1)
+                signal.raise_signal(signal.SIGINT)
+            return getattr(signal, name)
+
+    monkeypatch.setattr(_engine, "signal", Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        write()
+    monkeypatch.undo()
+    assert fired and _open_descriptors() == before and os.listdir(tmp_path) == [dest.name]
+    assert not [p for p in _atomic._live if p.startswith(str(tmp_path))]
+
+
 def _half_written(then):
     """A ``torch.save`` that writes a few bytes of the file, then ``then()`` (a kill, a Ctrl-C)."""
 

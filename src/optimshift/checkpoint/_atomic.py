@@ -152,13 +152,22 @@ def release_temp(path: str) -> None:
 
 def drop_temps(made: dict[str, int]) -> None:
     """The end of ``made``'s temporaries (from :func:`create_temp`): each removed where not renamed, its descriptor
-    closed (its lock with it) and released; a Ctrl-C is held until all are done (none left open or marked live)."""
-    with uninterrupted(to_the_end=False):
-        for path, fd in made.items():
-            _unlink(path)  # (while locked: a sweep leaves it to us; renamed, nothing is there)
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            release_temp(path)
+    closed (its lock with it) and released; a Ctrl-C is held until all are done (none left open or marked live),
+    one landing before the hold is taken once they are (each taken out of ``made``: none closed twice)."""
+    try:
+        with uninterrupted(to_the_end=False):
+            _drop(made)
+    finally:
+        _drop(made)
+
+
+def _drop(made: dict[str, int]) -> None:
+    while made:
+        path, fd = made.popitem()
+        _unlink(path)  # (while locked: a sweep leaves it to us; renamed, nothing is there)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        release_temp(path)
 
 
 def _listed(folder: str | os.PathLike[str], accept: Callable[[str], object]) -> list[str]:

@@ -499,23 +499,8 @@ def test_inspect_reads_a_per_rank_dtensor_file_once_its_classes_are_allowed(tmp_
     """FSDP2's per-rank files hold DTensors, which torch rebuilds as wrapper subclasses and which take no callable
     map_location (inspect's, to record where each storage was saved): the file was called truncated or corrupt,
     with every class allowed. Now read, each storage said to be saved where the file's one location tag says."""
-    import socket
-    import subprocess
-
-    path = tmp_path / "opt_rank0.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    subprocess.run([sys.executable, "-c", _DTENSOR_FILE, str(path), str(port)], check=True, timeout=120)
-    names = [
-        "torch.distributed.tensor.DTensor",
-        "torch.distributed.tensor._dtensor_spec.DTensorSpec",
-        "torch.distributed.device_mesh.DeviceMesh",
-        "torch.distributed.tensor.placement_types.Shard",
-        "torch.distributed.tensor._dtensor_spec.TensorMeta",
-        "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
-    ]
-    allowed = [a for n in names if _has(n) for a in ("--allow-global", n)]
+    path, names = _dtensor_rank_file(tmp_path)
+    allowed = [a for n in names for a in ("--allow-global", n)]
     rc, out, err = _run(capsys, "inspect", str(path), *allowed)
     assert rc == 0, err
     assert "corrupt" not in out + err and "exp_avg" in out and "saved on: cpu ×3" in out
@@ -529,27 +514,13 @@ def test_a_per_rank_dtensor_file_is_read_located_without_a_damaged_file_s_scan(t
     torch < 2.6 raised it as an UnpicklingError (simulated: its weights-only torch.load re-raised a RuntimeError
     so), which b37b8a0's load_located took for a damaged file's."""
     import pickle
-    import socket
-    import subprocess
 
     from optimshift.checkpoint import _files, _untrusted
 
-    path = tmp_path / "opt_rank0.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    subprocess.run([sys.executable, "-c", _DTENSOR_FILE, str(path), str(port)], check=True, timeout=120)
+    path, names = _dtensor_rank_file(tmp_path)
     scans = []
     monkeypatch.setattr(_untrusted, "scan", lambda *a, real=_untrusted.scan: scans.append(a) or real(*a))
-    names = [
-        "torch.distributed.tensor.DTensor",
-        "torch.distributed.tensor._dtensor_spec.DTensorSpec",
-        "torch.distributed.device_mesh.DeviceMesh",
-        "torch.distributed.tensor.placement_types.Shard",
-        "torch.distributed.tensor._dtensor_spec.TensorMeta",
-        "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
-    ]
-    classes = [getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names if _has(n)]
+    classes = [getattr(importlib.import_module(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
     if torch_load == "torch < 2.6":
 
         def wrapping(*args, real=torch.load, **kwargs):
@@ -565,6 +536,28 @@ def test_a_per_rank_dtensor_file_is_read_located_without_a_damaged_file_s_scan(t
         with pytest.raises(RuntimeError, match="Callable map_location not supported") as raised:
             _files.load(path, map_location=lambda storage, tag: storage)
     assert "corrupt" not in str(raised.value) and not scans
+
+
+def _dtensor_rank_file(tmp_path):
+    """A per-rank file of DTensor state (``_DTENSOR_FILE``, written by a one-rank process group in a subprocess), and
+    the classes its pickle names that this torch has (what ``--allow-global`` must allow)."""
+    import socket
+    import subprocess
+
+    path = tmp_path / "opt_rank0.pt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([sys.executable, "-c", _DTENSOR_FILE, str(path), str(port)], check=True, timeout=120)
+    names = [
+        "torch.distributed.tensor.DTensor",
+        "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+        "torch.distributed.device_mesh.DeviceMesh",
+        "torch.distributed.tensor.placement_types.Shard",
+        "torch.distributed.tensor._dtensor_spec.TensorMeta",
+        "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+    ]
+    return path, [n for n in names if _has(n)]
 
 
 def _has(name: str) -> bool:

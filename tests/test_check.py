@@ -542,12 +542,7 @@ def test_rebind_of_the_inner_optimizer_and_then_of_the_wrapper_re_keys_both(sim,
     wrapper's groups (the same dicts), the wrapper's own state (the slow weights, a mapping keyed by the params) still
     keyed by the old ones, and the wrapper's rebind was refused ('in no param group ... Remove it'). Either order
     re-keys both, each tensor the same object; a rebind of the wrapper that fails leaves its state as it was."""
-    params = [torch.nn.Parameter(torch.randn(4, 3, device=sim)) for _ in range(2)]
-    opt = _Lookahead(O.AdamW(params, foreach=False))
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    opt.state["seen"] = {p: i for i, p in enumerate(params)}
+    params, opt = _stepped_lookahead(sim)
     inner, slow = [dict(opt.optimizer.state[p]) for p in params], [opt.state[p]["slow"] for p in params]
     new = [torch.nn.Parameter(p.detach().cpu()) for p in params]
     if first == "the inner optimizer":
